@@ -1,0 +1,211 @@
+//! The peer control protocol: destination-initiated writes.
+//!
+//! A destination (target) that wants pages a source holds sends the source its
+//! UCX worker address and registered regions ([`Body::TargetMetadata`]), then a
+//! [`Body::StartWrite`] naming keys and, per key, the destination region
+//! elements it grants. The source puts the bytes straight into those elements
+//! and reports which keys landed ([`Body::WriteDone`]). Probes let a target whose
+//! deadline passed find out whether the source can still touch its memory.
+//!
+//! Every message carries a [`Header`]: the sender's incarnation (so a restarted
+//! peer is never mistaken for its predecessor), the route generation (bumped
+//! when a peer's registration changes), and the sender's control endpoint as the
+//! recipient names it.
+//!
+//! Memory is addressed by **region id + element index**, never by raw pointers:
+//! a source can only write into elements of regions the target advertised, and
+//! every index is bounds-checked against that registration before any put.
+//!
+//! The byte encoding lives in [`codec`].
+
+pub mod codec;
+
+use crate::endpoint::ControlEndpoint;
+use crate::incarnation::Incarnation;
+use crate::key::{BlockKey, NamespaceId};
+
+/// A target-chosen operation handle, unique per target incarnation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OpHandle(pub u64);
+
+/// Bumped each time a peer's route (metadata, regions) is replaced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct RouteGeneration(pub u64);
+
+/// Id of a registered region, unique within one advertisement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RegionId(pub u32);
+
+/// One element of one advertised region: what a target grants a source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ElementRef {
+    /// The region.
+    pub region: RegionId,
+    /// The element index inside it (`0..count`).
+    pub index: u64,
+}
+
+/// A strided region the target registered and advertises to sources.
+///
+/// Element `i` occupies `[base + i * stride, base + i * stride + element_size)`
+/// in the target's address space; `element_size <= stride` unless `count == 1`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionAdvert {
+    /// Id used by [`ElementRef`].
+    pub id: RegionId,
+    /// A human label (`kv`, `kvcr-dram/0`, ...): `[A-Za-z0-9_./-]{1,64}`.
+    pub label: String,
+    /// Remote virtual address of element 0.
+    pub base: u64,
+    /// Bytes per element.
+    pub element_size: u64,
+    /// Bytes between consecutive elements.
+    pub stride: u64,
+    /// Number of elements.
+    pub count: u64,
+    /// The packed remote key (UCX `rkey`) for this region.
+    pub rkey: Vec<u8>,
+}
+
+/// Indices into a `StartWrite`'s key list that landed, strictly ascending.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CompletedIndices(Vec<u32>);
+
+impl CompletedIndices {
+    /// From any list: sorted and de-duplicated.
+    pub fn new(mut indices: Vec<u32>) -> Self {
+        indices.sort_unstable();
+        indices.dedup();
+        Self(indices)
+    }
+
+    /// The indices, strictly ascending.
+    pub fn as_slice(&self) -> &[u32] {
+        &self.0
+    }
+
+    /// Length of the leading run `0, 1, 2, ...`: the longest valid prefix.
+    pub fn leading_prefix(&self) -> usize {
+        self.0
+            .iter()
+            .enumerate()
+            .take_while(|(i, idx)| usize::try_from(**idx).ok() == Some(*i))
+            .count()
+    }
+
+    pub(crate) fn from_ascending(indices: Vec<u32>) -> Self {
+        Self(indices)
+    }
+}
+
+/// How a write ended, from the source's point of view.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WriteOutcome {
+    /// The put and flush completed; these keys' bytes are in place.
+    Completed(CompletedIndices),
+    /// The write failed. `terminal` says the source will not touch the target's
+    /// memory again; a non-terminal failure means "cancelled, but a put may
+    /// still be in flight": the target must keep the memory quarantined.
+    Failed {
+        /// Whether the source is done with the target's memory.
+        terminal: bool,
+    },
+}
+
+/// Fields carried by every control message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Header {
+    /// The sender's incarnation.
+    pub sender: Incarnation,
+    /// The sender's route generation for the recipient.
+    pub route_generation: RouteGeneration,
+    /// The sender's control endpoint, spelled as the recipient names it
+    /// (replies reflect the name the requester used).
+    pub sender_endpoint: ControlEndpoint,
+}
+
+/// A control message: header plus body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// Common fields.
+    pub header: Header,
+    /// What the message says.
+    pub body: Body,
+}
+
+/// The message kinds of the peer protocol.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Body {
+    /// Target → source: how to reach the target (UCX worker address) and which
+    /// regions it can receive into.
+    TargetMetadata {
+        /// Packed UCX worker address.
+        worker_address: Vec<u8>,
+        /// Regions the target advertises.
+        regions: Vec<RegionAdvert>,
+    },
+    /// Source → target: metadata loaded; optionally names the write that
+    /// triggered it.
+    TargetMetadataAck {
+        /// The write whose start carried the metadata, if any.
+        op_handle: Option<OpHandle>,
+    },
+    /// Target → source: put these keys into these granted elements.
+    StartWrite {
+        /// The operation.
+        op_handle: OpHandle,
+        /// The target's time left; the source uses the smaller of this and its own.
+        remaining_timeout_ms: u32,
+        /// The source incarnation the target expects (`None`: not yet known).
+        source_incarnation: Option<Incarnation>,
+        /// The namespace of every key.
+        namespace: NamespaceId,
+        /// Keys in request order.
+        keys: Vec<BlockKey>,
+        /// Per key, the destination elements (one per span of the page layout).
+        destinations: Vec<Vec<ElementRef>>,
+    },
+    /// Source → target: no route to the target; the operation failed terminally.
+    WriteRefused {
+        /// The operation.
+        op_handle: OpHandle,
+    },
+    /// Source → target: the write ended.
+    WriteDone {
+        /// The operation.
+        op_handle: OpHandle,
+        /// How.
+        outcome: WriteOutcome,
+    },
+    /// Target → source: "may you still touch my memory for this op?"
+    WriteProbe {
+        /// The operation.
+        op_handle: OpHandle,
+        /// The incarnation the target sent the write to.
+        source_incarnation: Option<Incarnation>,
+    },
+    /// Source → target: the answer to a probe.
+    WriteProbeAck {
+        /// The operation.
+        op_handle: OpHandle,
+        /// True when the source proves it will never touch the memory.
+        terminal: bool,
+        /// Set when the probed incarnation is confirmed dead.
+        dead_incarnation: Option<Incarnation>,
+    },
+}
+
+impl Body {
+    /// The kind's name, for logs.
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            Self::TargetMetadata { .. } => "target_metadata",
+            Self::TargetMetadataAck { .. } => "target_metadata_ack",
+            Self::StartWrite { .. } => "start_write",
+            Self::WriteRefused { .. } => "write_refused",
+            Self::WriteDone { .. } => "write_done",
+            Self::WriteProbe { .. } => "write_probe",
+            Self::WriteProbeAck { .. } => "write_probe_ack",
+        }
+    }
+}
