@@ -89,7 +89,9 @@ impl Host {
                     && label.len() <= MAX_LABEL
                     && !label.starts_with('-')
                     && !label.ends_with('-')
-                    && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                    && label
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-')
             });
         // An all-numeric dotted name that is not a valid IPv4 literal
         // ("1.2.3.999") is a typo, not a host name.
@@ -152,7 +154,10 @@ impl ControlEndpoint {
     /// Builds an endpoint from a host and a non-zero port.
     pub fn new(host: Host, port: u16) -> Result<Self> {
         if port == 0 {
-            return Err(Error::endpoint(&format!("{SCHEME}{host}:0"), EndpointReason::Port));
+            return Err(Error::endpoint(
+                &format!("{SCHEME}{host}:0"),
+                EndpointReason::Port,
+            ));
         }
         Ok(Self { host, port })
     }
@@ -160,8 +165,12 @@ impl ControlEndpoint {
     /// Parses `tcp://host:port` (see the module docs for the grammar).
     pub fn parse(input: &str) -> Result<Self> {
         let err = |reason| Error::endpoint(input, reason);
-        let rest = input.strip_prefix(SCHEME).ok_or(err(EndpointReason::Scheme))?;
-        let (host, port) = rest.rsplit_once(':').ok_or(err(EndpointReason::MissingPort))?;
+        let rest = input
+            .strip_prefix(SCHEME)
+            .ok_or(err(EndpointReason::Scheme))?;
+        let (host, port) = rest
+            .rsplit_once(':')
+            .ok_or(err(EndpointReason::MissingPort))?;
         let port = parse_port(port).map_err(err)?;
         let host = Host::parse(host, BracketRule::Required).map_err(err)?;
         Ok(Self { host, port })
@@ -268,9 +277,17 @@ impl BindAddress {
     /// IP literal, and port may be 0.
     pub fn parse(input: &str) -> Result<Self> {
         let err = |reason| Error::endpoint(input, reason);
-        let rest = input.strip_prefix(SCHEME).ok_or(err(EndpointReason::Scheme))?;
-        let (host, port) = rest.rsplit_once(':').ok_or(err(EndpointReason::MissingPort))?;
-        let port = if port == "0" { 0 } else { parse_port(port).map_err(err)? };
+        let rest = input
+            .strip_prefix(SCHEME)
+            .ok_or(err(EndpointReason::Scheme))?;
+        let (host, port) = rest
+            .rsplit_once(':')
+            .ok_or(err(EndpointReason::MissingPort))?;
+        let port = if port == "0" {
+            0
+        } else {
+            parse_port(port).map_err(err)?
+        };
         let host = match host {
             "*" | "0.0.0.0" | "[::]" => None,
             other => match Host::parse(other, BracketRule::Required) {

@@ -75,8 +75,8 @@ impl HintEnvelope {
         }
         // The envelope is an object; parse it again keeping actions raw (the raw
         // slices are what a round trip must reproduce).
-        let parsed: EnvelopeIn = serde_json::from_str(text)
-            .map_err(|_| Error::hint(HintReason::ActionsNotList))?;
+        let parsed: EnvelopeIn =
+            serde_json::from_str(text).map_err(|_| Error::hint(HintReason::ActionsNotList))?;
         match parsed.protocol_version {
             Some(serde_json::Value::String(v)) if v == PROTOCOL_VERSION => {}
             _ => return Err(Error::hint(HintReason::ProtocolVersion)),
@@ -202,8 +202,12 @@ impl FetchHint {
         match action.get("action_version") {
             Some(serde_json::Value::String(v)) if v == FETCH_ACTION_VERSION => {}
             Some(other) => {
-                let shown = other.as_str().map_or_else(|| other.to_string(), str::to_owned);
-                return Err(Error::hint(HintReason::UnsupportedVersion(Echo::new(&shown))));
+                let shown = other
+                    .as_str()
+                    .map_or_else(|| other.to_string(), str::to_owned);
+                return Err(Error::hint(HintReason::UnsupportedVersion(Echo::new(
+                    &shown,
+                ))));
             }
             None => {
                 return Err(Error::hint(HintReason::MalformedAction {
@@ -219,7 +223,10 @@ impl FetchHint {
                 index: 0,
                 what: "payload must be an object",
             }))?;
-        let action_id = action.get("action_id").and_then(|v| v.as_str()).map(str::to_owned);
+        let action_id = action
+            .get("action_id")
+            .and_then(|v| v.as_str())
+            .map(str::to_owned);
         Self::from_payload(payload, action_id)
     }
 
@@ -234,7 +241,9 @@ impl FetchHint {
             None => FetchMode::Copy,
             Some(serde_json::Value::String(m)) if m == "copy" => FetchMode::Copy,
             Some(other) => {
-                let shown = other.as_str().map_or_else(|| other.to_string(), str::to_owned);
+                let shown = other
+                    .as_str()
+                    .map_or_else(|| other.to_string(), str::to_owned);
                 return Err(Error::hint(HintReason::UnsupportedMode(Echo::new(&shown))));
             }
         };

@@ -58,7 +58,11 @@ impl Incarnation {
         let err = || Error::Incarnation {
             input: Echo::new(input),
         };
-        if input.len() != 32 || !input.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+        if input.len() != 32
+            || !input
+                .bytes()
+                .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        {
             return Err(err());
         }
         u128::from_str_radix(input, 16)

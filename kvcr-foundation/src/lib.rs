@@ -40,5 +40,7 @@ pub use endpoint::{
 pub use error::{Error, Result};
 pub use hint::{AttemptId, AttemptLedger, FetchHint, HintEnvelope, HintSnapshot, RequestId};
 pub use incarnation::Incarnation;
-pub use key::{BlockKey, CompatDigest, Namespace, NamespaceId, PageDigest, PageHashChain, ScopedKey};
+pub use key::{
+    BlockKey, CompatDigest, Namespace, NamespaceId, PageDigest, PageHashChain, ScopedKey,
+};
 pub use tier::{InventoryEvent, InventoryScope, Medium, Owner, Tier};

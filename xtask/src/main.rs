@@ -1,1 +1,220 @@
-fn main() {}
+//! kvcr's project automation. Run `cargo xtask help`.
+//!
+//! Every command starts from the workspace root (found from this crate's
+//! manifest directory), so it works from any subdirectory of a fresh clone.
+
+// xtask is a tool, not a sans-I/O core: it may read the clock.
+#![allow(clippy::disallowed_methods)]
+
+mod layers;
+mod setup;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+const HELP: &str = "\
+cargo xtask <command>
+
+Commands:
+  test              install what this machine lacks (apt packages, cargo tools),
+                    then run every test in the workspace
+  ci [--no-test]    the full gate: fmt, clippy -D warnings (both feature faces),
+                    the tests (unless --no-test), the layer check, docs with
+                    -D warnings, and a build of the fuzz targets
+  fuzz [--runs N] [--target NAME]
+                    run the fuzz targets (default: every target, 200000 runs each)
+  layers            check the crate dependency layering
+  help              this text
+";
+
+fn main() -> Result<()> {
+    let mut args = std::env::args().skip(1);
+    let command = args.next().unwrap_or_else(|| "help".to_owned());
+    let rest: Vec<String> = args.collect();
+    let root = workspace_root();
+    std::env::set_current_dir(&root)?;
+    match command.as_str() {
+        "test" => test(&root),
+        "ci" => ci(&root, &rest),
+        "fuzz" => fuzz(&root, &rest),
+        "layers" => {
+            layers::check(&root)?;
+            println!("xtask: layering ok");
+            Ok(())
+        }
+        "help" | "--help" | "-h" => {
+            print!("{HELP}");
+            Ok(())
+        }
+        other => bail!("unknown command {other:?}\n\n{HELP}"),
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// Runs a command, echoing it, and fails with its exit status.
+pub(crate) fn run(cmd: &mut Command) -> Result<()> {
+    eprintln!("xtask: $ {}", show(cmd));
+    let status = cmd
+        .status()
+        .with_context(|| format!("could not start {}", show(cmd)))?;
+    if !status.success() {
+        bail!("{} failed with {status}", show(cmd));
+    }
+    Ok(())
+}
+
+fn show(cmd: &Command) -> String {
+    let mut s = cmd.get_program().to_string_lossy().into_owned();
+    for arg in cmd.get_args() {
+        s.push(' ');
+        s.push_str(&arg.to_string_lossy());
+    }
+    s
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
+}
+
+fn test(root: &Path) -> Result<()> {
+    setup::ensure_system_packages()?;
+    run_tests(root)
+}
+
+fn run_tests(_root: &Path) -> Result<()> {
+    // Snapshots are checked, never written, by the gate: a missing or changed
+    // snapshot fails instead of leaving a `.snap.new` behind.
+    run(cargo()
+        .args(["test", "--workspace", "--locked", "--all-targets"])
+        .env("INSTA_UPDATE", "no")
+        .env("CI", "true"))?;
+    // The contracts face (what a router links) must build on its own.
+    run(cargo().args([
+        "build",
+        "--locked",
+        "-p",
+        "kvcr-foundation",
+        "--no-default-features",
+    ]))?;
+    run(cargo()
+        .args([
+            "test",
+            "--locked",
+            "-p",
+            "kvcr-foundation",
+            "--no-default-features",
+        ])
+        .env("INSTA_UPDATE", "no")
+        .env("CI", "true"))?;
+    Ok(())
+}
+
+fn ci(root: &Path, rest: &[String]) -> Result<()> {
+    let skip_tests = rest.iter().any(|a| a == "--no-test");
+    if let Some(unknown) = rest.iter().find(|a| *a != "--no-test") {
+        bail!("unknown ci option {unknown:?}");
+    }
+    setup::ensure_system_packages()?;
+    run(cargo().args(["fmt", "--all", "--", "--check"]))?;
+    run(cargo().args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--locked",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
+    run(cargo().args([
+        "clippy",
+        "-p",
+        "kvcr-foundation",
+        "--no-default-features",
+        "--all-targets",
+        "--locked",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
+    if !skip_tests {
+        run_tests(root)?;
+    }
+    layers::check(root)?;
+    eprintln!("xtask: layering ok");
+    run(cargo()
+        .args(["doc", "--workspace", "--no-deps", "--locked"])
+        .env("RUSTDOCFLAGS", "-D warnings"))?;
+    fuzz_build(root)?;
+    eprintln!("xtask: ci passed");
+    Ok(())
+}
+
+const FUZZ_DIR: &str = "kvcr-foundation/fuzz";
+const FUZZ_TARGETS: &[&str] = &["frame_decode", "hint_parse"];
+
+/// cargo-fuzz passes unstable `-Z` flags (sanitizers, coverage); the stable
+/// toolchain accepts them for this build only with `RUSTC_BOOTSTRAP=1`.
+fn cargo_fuzz(root: &Path) -> Command {
+    let mut cmd = cargo();
+    cmd.arg("fuzz")
+        .current_dir(root.join(FUZZ_DIR))
+        .env("RUSTC_BOOTSTRAP", "1");
+    cmd
+}
+
+fn fuzz_build(root: &Path) -> Result<()> {
+    setup::ensure_cargo_tool("cargo-fuzz", "cargo-fuzz", "0.13.2")?;
+    run(cargo_fuzz(root).args(["build"]))
+}
+
+fn fuzz(root: &Path, rest: &[String]) -> Result<()> {
+    let mut runs: u64 = 200_000;
+    let mut targets: Vec<String> = FUZZ_TARGETS.iter().map(|t| (*t).to_owned()).collect();
+    let mut it = rest.iter();
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--runs" => {
+                runs = it
+                    .next()
+                    .context("--runs needs a number")?
+                    .parse()
+                    .context("--runs needs a number")?;
+            }
+            "--target" => {
+                let name = it.next().context("--target needs a name")?;
+                if !FUZZ_TARGETS.contains(&name.as_str()) {
+                    bail!("unknown fuzz target {name:?}; known: {FUZZ_TARGETS:?}");
+                }
+                targets = vec![name.clone()];
+            }
+            other => bail!("unknown fuzz option {other:?}"),
+        }
+    }
+    fuzz_build(root)?;
+    for target in &targets {
+        // New inputs go to the (ignored) corpus folder; the committed seeds
+        // are valid examples of every frame and hint shape to mutate from.
+        let corpus = Path::new("corpus").join(target);
+        let seeds = Path::new("seeds").join(target);
+        std::fs::create_dir_all(root.join(FUZZ_DIR).join(&corpus))?;
+        run(cargo_fuzz(root).args([
+            "run",
+            target,
+            &corpus.to_string_lossy(),
+            &seeds.to_string_lossy(),
+            "--",
+            &format!("-runs={runs}"),
+            "-max_len=4096",
+        ]))?;
+        eprintln!("xtask: fuzz target {target}: {runs} executions without a crash");
+    }
+    Ok(())
+}

@@ -617,7 +617,12 @@ fn decode_start_write(r: &mut Reader<'_>) -> Result<Body> {
         if spans == 0 {
             return Err(frame(FrameReason::Empty("destinations of a key")));
         }
-        r.count("destinations of a key", spans, MAX_SPANS_PER_KEY, ELEMENT_BYTES)?;
+        r.count(
+            "destinations of a key",
+            spans,
+            MAX_SPANS_PER_KEY,
+            ELEMENT_BYTES,
+        )?;
         let mut dests = Vec::with_capacity(spans);
         for _ in 0..spans {
             dests.push(ElementRef {

@@ -86,7 +86,10 @@ fn endpoint_error_echo_is_bounded() {
 #[case::deep_localhost("a.b.localhost")]
 fn loopback_refused_cross_host_but_allowed_single_host(#[case] host: &str) {
     let err = AdvertisePolicy::CrossHost.advertise_host(host).unwrap_err();
-    assert_eq!(err.endpoint_reason(), Some(EndpointReason::LoopbackAdvertised));
+    assert_eq!(
+        err.endpoint_reason(),
+        Some(EndpointReason::LoopbackAdvertised)
+    );
     let ok = AdvertisePolicy::SingleHost.advertise_host(host).unwrap();
     assert!(ok.is_loopback());
     // The same rule holds for a full endpoint, as a router would check it.
@@ -153,7 +156,14 @@ fn bind_address_rejects(#[case] input: &str, #[case] expected: EndpointReason) {
 #[case(1, 1, 25003)]
 fn bind_port_uses_full_coordinate(#[case] dp: u32, #[case] tp: u32, #[case] port: u16) {
     let layout = RankLayout::new(2, 1, 2).unwrap();
-    assert_eq!(layout.coordinate(dp, 0, tp).unwrap().bind_port(25000).unwrap(), port);
+    assert_eq!(
+        layout
+            .coordinate(dp, 0, tp)
+            .unwrap()
+            .bind_port(25000)
+            .unwrap(),
+        port
+    );
 }
 
 /// With context parallelism the stride is cp * tp.
@@ -180,10 +190,23 @@ fn dial_adds_only_within_dp_offset() {
 fn dial_offset_overflow_is_error() {
     let layout = RankLayout::new(1, 1, 4).unwrap();
     let source = ControlEndpoint::parse("tcp://10.0.0.9:65534").unwrap();
-    let err = layout.coordinate(0, 0, 3).unwrap().dial(&source).unwrap_err();
+    let err = layout
+        .coordinate(0, 0, 3)
+        .unwrap()
+        .dial(&source)
+        .unwrap_err();
     assert_eq!(err.endpoint_reason(), Some(EndpointReason::PortOverflow));
-    let err = layout.coordinate(0, 0, 3).unwrap().bind_port(65534).unwrap_err();
-    assert!(matches!(err, Error::Rank { reason: RankReason::PortOverflow { .. } }));
+    let err = layout
+        .coordinate(0, 0, 3)
+        .unwrap()
+        .bind_port(65534)
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        Error::Rank {
+            reason: RankReason::PortOverflow { .. }
+        }
+    ));
 }
 
 #[rstest]
@@ -193,7 +216,9 @@ fn dial_offset_overflow_is_error() {
 fn layout_rejects_zero_sizes(#[case] dp: u32, #[case] cp: u32, #[case] tp: u32) {
     assert!(matches!(
         RankLayout::new(dp, cp, tp),
-        Err(Error::Rank { reason: RankReason::ZeroSize(_) })
+        Err(Error::Rank {
+            reason: RankReason::ZeroSize(_)
+        })
     ));
 }
 
@@ -205,16 +230,23 @@ fn coordinate_out_of_range(#[case] dp: u32, #[case] cp: u32, #[case] tp: u32) {
     let layout = RankLayout::new(2, 1, 2).unwrap();
     assert!(matches!(
         layout.coordinate(dp, cp, tp),
-        Err(Error::Rank { reason: RankReason::RankOutOfRange { .. } })
+        Err(Error::Rank {
+            reason: RankReason::RankOutOfRange { .. }
+        })
     ));
 }
 
 /// Case 17: dp bounds (2,4), stride 4 -> {"2": B, "3": B+4}.
 #[test]
 fn endpoint_map_for_dp_range() {
-    let host = AdvertisePolicy::CrossHost.advertise_host("10.1.2.3").unwrap();
+    let host = AdvertisePolicy::CrossHost
+        .advertise_host("10.1.2.3")
+        .unwrap();
     let map = WorkerEndpointMap::for_dp_range(&host, 30000, 2, 4, 4).unwrap();
-    assert_eq!(map.to_json(), r#"{"2":"tcp://10.1.2.3:30000","3":"tcp://10.1.2.3:30004"}"#);
+    assert_eq!(
+        map.to_json(),
+        r#"{"2":"tcp://10.1.2.3:30000","3":"tcp://10.1.2.3:30004"}"#
+    );
     let back = WorkerEndpointMap::from_json(&map.to_json(), AdvertisePolicy::CrossHost).unwrap();
     assert_eq!(back, map);
 }
@@ -250,11 +282,9 @@ fn endpoint_map_missing_rank_is_none() {
 
 #[test]
 fn endpoint_map_single_host_accepts_loopback() {
-    let map = WorkerEndpointMap::from_json(
-        r#"{"0":"tcp://127.0.0.1:1"}"#,
-        AdvertisePolicy::SingleHost,
-    )
-    .unwrap();
+    let map =
+        WorkerEndpointMap::from_json(r#"{"0":"tcp://127.0.0.1:1"}"#, AdvertisePolicy::SingleHost)
+            .unwrap();
     assert_eq!(map.len(), 1);
     assert!(map.check_advertisable(AdvertisePolicy::CrossHost).is_err());
 }
@@ -297,7 +327,10 @@ fn agent_names_are_unique_per_rank_and_incarnation() {
 #[case::non_hex("0123456789abcdef0123456789abcdeg")]
 #[case::long("0123456789abcdef0123456789abcdef0")]
 fn incarnation_parse_rejects(#[case] input: &str) {
-    assert!(matches!(Incarnation::parse(input), Err(Error::Incarnation { .. })));
+    assert!(matches!(
+        Incarnation::parse(input),
+        Err(Error::Incarnation { .. })
+    ));
 }
 
 #[test]

@@ -46,7 +46,10 @@ fn examples() -> Vec<(&'static str, Body)> {
                 regions: vec![region(0), region(1)],
             },
         ),
-        ("target_metadata_ack_none", Body::TargetMetadataAck { op_handle: None }),
+        (
+            "target_metadata_ack_none",
+            Body::TargetMetadataAck { op_handle: None },
+        ),
         (
             "target_metadata_ack_op",
             Body::TargetMetadataAck {
@@ -62,15 +65,29 @@ fn examples() -> Vec<(&'static str, Body)> {
                 namespace: NamespaceId(0x0102_0304_0506_0708),
                 keys: vec![BlockKey::from_u64(10), BlockKey::from_i64(-1)],
                 destinations: vec![
-                    vec![ElementRef { region: RegionId(0), index: 7 }],
+                    vec![ElementRef {
+                        region: RegionId(0),
+                        index: 7,
+                    }],
                     vec![
-                        ElementRef { region: RegionId(0), index: 8 },
-                        ElementRef { region: RegionId(1), index: 8 },
+                        ElementRef {
+                            region: RegionId(0),
+                            index: 8,
+                        },
+                        ElementRef {
+                            region: RegionId(1),
+                            index: 8,
+                        },
                     ],
                 ],
             },
         ),
-        ("write_refused", Body::WriteRefused { op_handle: OpHandle(42) }),
+        (
+            "write_refused",
+            Body::WriteRefused {
+                op_handle: OpHandle(42),
+            },
+        ),
         (
             "write_done_completed",
             Body::WriteDone {
@@ -164,7 +181,9 @@ const ENDPOINT_LEN_AT: usize = 32;
 const ENDPOINT_AT: usize = 33;
 
 fn write_refused() -> Vec<u8> {
-    encode(Body::WriteRefused { op_handle: OpHandle(1) })
+    encode(Body::WriteRefused {
+        op_handle: OpHandle(1),
+    })
 }
 
 fn body_start(frame: &[u8]) -> usize {
@@ -222,7 +241,10 @@ fn start_write_bytes(edit: impl FnOnce(&mut Vec<u8>, usize)) -> Vec<u8> {
         source_incarnation: None,
         namespace: NamespaceId(0),
         keys: vec![BlockKey::from_u64(1)],
-        destinations: vec![vec![ElementRef { region: RegionId(0), index: 0 }]],
+        destinations: vec![vec![ElementRef {
+            region: RegionId(0),
+            index: 0,
+        }]],
     });
     let at = body_start(&frame);
     edit(&mut frame, at);
@@ -296,9 +318,17 @@ fn malformed_frames(#[case] bytes: Vec<u8>, #[case] expected: FrameReason) {
 #[case::no_scheme(b"10.0.0.1:1".as_slice())]
 #[case::port_zero(b"tcp://10.0.0.1:0".as_slice())]
 fn bad_sender_endpoint(#[case] endpoint: &[u8]) {
-    let err = FrameCodec::default().decode_frame(&set_endpoint(endpoint)).unwrap_err();
+    let err = FrameCodec::default()
+        .decode_frame(&set_endpoint(endpoint))
+        .unwrap_err();
     assert!(
-        matches!(err.frame_reason(), Some(FrameReason::Endpoint { field: "sender_endpoint", .. })),
+        matches!(
+            err.frame_reason(),
+            Some(FrameReason::Endpoint {
+                field: "sender_endpoint",
+                ..
+            })
+        ),
         "{err}"
     );
 }
@@ -310,7 +340,10 @@ fn duplicate_region_ids_refused_both_ways() {
         regions: vec![region(3), region(3)],
     };
     let err = FrameCodec::default()
-        .encode_to_vec(&Message { header: header(), body })
+        .encode_to_vec(&Message {
+            header: header(),
+            body,
+        })
         .unwrap_err();
     assert_eq!(err.frame_reason(), Some(&FrameReason::DuplicateRegion(3)));
 }
@@ -324,7 +357,13 @@ fn duplicate_region_ids_refused_both_ways() {
 fn encoder_refuses(#[case] body: Body, #[case] expected: FrameReason) {
     let mut buf = BytesMut::new();
     let err = FrameCodec::default()
-        .encode(&Message { header: header(), body }, &mut buf)
+        .encode(
+            &Message {
+                header: header(),
+                body,
+            },
+            &mut buf,
+        )
         .unwrap_err();
     assert_eq!(err.frame_reason(), Some(&expected));
     assert!(buf.is_empty());
@@ -337,8 +376,16 @@ fn encoder_respects_frame_bound() {
         worker_address: vec![0; 100],
         regions: vec![],
     };
-    let err = codec.encode_to_vec(&Message { header: header(), body }).unwrap_err();
-    assert!(matches!(err.frame_reason(), Some(FrameReason::TooLarge { max: 64, .. })));
+    let err = codec
+        .encode_to_vec(&Message {
+            header: header(),
+            body,
+        })
+        .unwrap_err();
+    assert!(matches!(
+        err.frame_reason(),
+        Some(FrameReason::TooLarge { max: 64, .. })
+    ));
 }
 
 /// Streaming: frames split at every byte boundary decode the same, and a bad
@@ -349,7 +396,10 @@ fn streaming_decode() {
     let mut stream = Vec::new();
     let messages: Vec<Message> = examples()
         .into_iter()
-        .map(|(_, body)| Message { header: header(), body })
+        .map(|(_, body)| Message {
+            header: header(),
+            body,
+        })
         .collect();
     for m in &messages {
         stream.extend(codec.encode_to_vec(m).unwrap());
@@ -371,7 +421,10 @@ fn streaming_decode() {
     let good = write_refused();
     let mut buf = BytesMut::from(&[bad, good.clone()].concat()[..]);
     assert!(codec.decode(&mut buf).is_err());
-    assert_eq!(codec.decode(&mut buf).unwrap(), Some(codec.decode_frame(&good).unwrap()));
+    assert_eq!(
+        codec.decode(&mut buf).unwrap(),
+        Some(codec.decode_frame(&good).unwrap())
+    );
 }
 
 // ------------------------------------------------------------ property tests
@@ -405,15 +458,17 @@ fn arb_region(id: u32) -> impl Strategy<Value = RegionAdvert> {
         1u64..1 << 16,
         proptest::collection::vec(any::<u8>(), 1..64),
     )
-        .prop_map(move |(label, base, size, extra, count, rkey)| RegionAdvert {
-            id: RegionId(id),
-            label,
-            base,
-            element_size: size,
-            stride: size + extra,
-            count,
-            rkey,
-        })
+        .prop_map(
+            move |(label, base, size, extra, count, rkey)| RegionAdvert {
+                id: RegionId(id),
+                label,
+                base,
+                element_size: size,
+                stride: size + extra,
+                count,
+                rkey,
+            },
+        )
 }
 
 fn arb_body() -> impl Strategy<Value = Body> {
@@ -427,7 +482,8 @@ fn arb_body() -> impl Strategy<Value = Body> {
                 worker_address,
                 regions
             }),
-        proptest::option::of(op.clone()).prop_map(|op_handle| Body::TargetMetadataAck { op_handle }),
+        proptest::option::of(op.clone())
+            .prop_map(|op_handle| Body::TargetMetadataAck { op_handle }),
         (
             op.clone(),
             1u32..,
@@ -446,16 +502,23 @@ fn arb_body() -> impl Strategy<Value = Body> {
                 remaining_timeout_ms: ms,
                 source_incarnation: src,
                 namespace: NamespaceId(ns),
-                keys: entries.iter().map(|(k, _)| BlockKey::from_u64(*k)).collect(),
+                keys: entries
+                    .iter()
+                    .map(|(k, _)| BlockKey::from_u64(*k))
+                    .collect(),
                 destinations: entries
                     .iter()
                     .map(|(_, d)| d
                         .iter()
-                        .map(|(r, i)| ElementRef { region: RegionId(*r), index: *i })
+                        .map(|(r, i)| ElementRef {
+                            region: RegionId(*r),
+                            index: *i
+                        })
                         .collect())
                     .collect(),
             }),
-        op.clone().prop_map(|op_handle| Body::WriteRefused { op_handle }),
+        op.clone()
+            .prop_map(|op_handle| Body::WriteRefused { op_handle }),
         (
             op.clone(),
             prop_oneof![
@@ -465,11 +528,12 @@ fn arb_body() -> impl Strategy<Value = Body> {
             ]
         )
             .prop_map(|(op_handle, outcome)| Body::WriteDone { op_handle, outcome }),
-        (op.clone(), proptest::option::of(arb_incarnation()))
-            .prop_map(|(op_handle, source_incarnation)| Body::WriteProbe {
+        (op.clone(), proptest::option::of(arb_incarnation())).prop_map(
+            |(op_handle, source_incarnation)| Body::WriteProbe {
                 op_handle,
                 source_incarnation
-            }),
+            }
+        ),
         (op, any::<bool>(), proptest::option::of(arb_incarnation())).prop_map(
             |(op_handle, terminal, dead_incarnation)| Body::WriteProbeAck {
                 op_handle,

@@ -1,7 +1,7 @@
 //! Router-hint envelope parsing (contract cases 23-26).
 
 use kvcr_foundation::error::{EndpointReason, HintReason};
-use kvcr_foundation::hint::{choose_source, SourceCandidate, WorkerType};
+use kvcr_foundation::hint::{SourceCandidate, WorkerType, choose_source};
 use kvcr_foundation::{AttemptLedger, BlockKey, FetchHint, HintEnvelope, HintSnapshot, RequestId};
 use rstest::rstest;
 use serde_json::json;
@@ -22,7 +22,10 @@ fn keys(raw: &[u64]) -> Vec<BlockKey> {
 fn hint_reason(text: &str) -> HintReason {
     match FetchHint::from_json(text) {
         Ok(h) => panic!("accepted: {h:?}"),
-        Err(e) => e.hint_reason().cloned().unwrap_or_else(|| panic!("not a hint error: {e}")),
+        Err(e) => e
+            .hint_reason()
+            .cloned()
+            .unwrap_or_else(|| panic!("not a hint error: {e}")),
     }
 }
 
@@ -58,7 +61,10 @@ fn hash_lists(#[case] hashes: serde_json::Value, #[case] expected: Vec<u64>) {
         "source_control_endpoint": "tcp://10.0.0.5:25000",
         "block_hashes": hashes
     }))]));
-    assert_eq!(FetchHint::from_json(&text).unwrap().block_hashes, keys(&expected));
+    assert_eq!(
+        FetchHint::from_json(&text).unwrap().block_hashes,
+        keys(&expected)
+    );
 }
 
 /// The table of refused hints and the typed reason each gives.
@@ -99,7 +105,9 @@ fn not_json_is_a_typed_error() {
 #[case::port_zero("tcp://10.0.0.5:0", EndpointReason::Port)]
 #[case::no_scheme("10.0.0.5:25000", EndpointReason::Scheme)]
 fn bad_source_endpoint(#[case] source: &str, #[case] expected: EndpointReason) {
-    let text = envelope(json!([fetch(json!({"source_control_endpoint": source, "block_hashes": [1]}))]));
+    let text = envelope(json!([fetch(
+        json!({"source_control_endpoint": source, "block_hashes": [1]})
+    )]));
     match hint_reason(&text) {
         HintReason::Source(e) => assert_eq!(e.endpoint_reason(), Some(expected)),
         other => panic!("{other:?}"),
@@ -135,7 +143,10 @@ fn round_trip_keeps_unknown_actions_verbatim() {
     assert!(out.contains(fetch_action), "{out}");
     let again = HintEnvelope::from_json(&out).unwrap();
     assert_eq!(again.to_json(), out);
-    assert_eq!(again.raw_actions().collect::<Vec<_>>(), vec![unknown, fetch_action]);
+    assert_eq!(
+        again.raw_actions().collect::<Vec<_>>(),
+        vec![unknown, fetch_action]
+    );
     assert_eq!(again.message_id(), Some("m9"));
     let hint = FetchHint::from_envelope(&again).unwrap();
     assert_eq!(hint.block_hashes, keys(&[u64::MAX]));
@@ -176,7 +187,10 @@ fn attempts_supersede() {
     assert_eq!(superseded.as_ref(), Some(&first));
     assert!(!ledger.is_current(snapshot.attempt()));
     assert!(ledger.is_current(&second));
-    assert!(!ledger.finish(&first), "a stale attempt must not end the new one");
+    assert!(
+        !ledger.finish(&first),
+        "a stale attempt must not end the new one"
+    );
     assert!(ledger.is_current(&second));
     assert!(ledger.finish(&second));
     assert_eq!(ledger.live(), 0);

@@ -35,7 +35,10 @@ proptest! {
 fn wire_int_out_of_range(#[case] raw: i128) {
     assert!(matches!(
         BlockKey::from_wire_int(raw),
-        Err(Error::Key { reason: KeyReason::OutOfRange, .. })
+        Err(Error::Key {
+            reason: KeyReason::OutOfRange,
+            ..
+        })
     ));
 }
 
@@ -83,7 +86,10 @@ fn resumed_chain_equals_fresh_chain() {
     }
     // The router key is the digest's first 16 hex digits.
     for d in &fresh {
-        assert_eq!(BlockKey::from_hex_digest(&d.to_hex()).unwrap(), d.block_key());
+        assert_eq!(
+            BlockKey::from_hex_digest(&d.to_hex()).unwrap(),
+            d.block_key()
+        );
     }
 }
 
@@ -147,7 +153,10 @@ fn namespace_fields_do_not_collide_by_concatenation() {
     assert_ne!(a.id(), b.id());
     assert_ne!(a.id(), c.id());
     assert_ne!(a.chain_seed(), c.chain_seed());
-    assert_ne!(Namespace::base(CompatDigest(1)).id(), Namespace::base(CompatDigest(2)).id());
+    assert_ne!(
+        Namespace::base(CompatDigest(1)).id(),
+        Namespace::base(CompatDigest(2)).id()
+    );
 }
 
 /// The namespace id is stable across builds and hosts: pin one value.

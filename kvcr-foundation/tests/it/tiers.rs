@@ -13,7 +13,10 @@ use rstest::rstest;
 fn medium_wire_names(#[case] medium: Medium, #[case] wire: &str) {
     assert_eq!(medium.as_str(), wire);
     assert_eq!(Medium::from_wire(wire), Some(medium));
-    assert_eq!(serde_json::to_string(&medium).unwrap(), format!("\"{wire}\""));
+    assert_eq!(
+        serde_json::to_string(&medium).unwrap(),
+        format!("\"{wire}\"")
+    );
 }
 
 /// Consumer-side aliases map the way Dynamo maps them; unknown strings give None.
@@ -66,7 +69,11 @@ fn stored(scope: InventoryScope, keys: &[u64], parent: Option<u64>) -> Inventory
 #[case::other_owner(scope(Owner::Framework, 1, Medium::CpuPinned), Some(2), false)]
 #[case::other_namespace(scope(Owner::Kvcr, 2, Medium::CpuPinned), Some(2), false)]
 #[case::other_medium(scope(Owner::Kvcr, 1, Medium::External), Some(2), false)]
-fn store_merging(#[case] next_scope: InventoryScope, #[case] parent: Option<u64>, #[case] merges: bool) {
+fn store_merging(
+    #[case] next_scope: InventoryScope,
+    #[case] parent: Option<u64>,
+    #[case] merges: bool,
+) {
     let first = stored(scope(Owner::Kvcr, 1, Medium::CpuPinned), &[1, 2], None);
     let next = stored(next_scope, &[3], parent);
     assert_eq!(first.can_merge(&next), merges);
