@@ -47,4 +47,4 @@ pub use incarnation::Incarnation;
 pub use key::{
     BlockKey, CompatDigest, Namespace, NamespaceId, PageDigest, PageHashChain, ScopedKey,
 };
-pub use tier::{InventoryEvent, InventoryScope, Medium, Owner, Tier};
+pub use tier::{InventoryEvent, InventoryScope, InventorySink, Medium, Owner, Tier, VecSink};

@@ -175,3 +175,22 @@ impl InventoryEvent {
         }
     }
 }
+
+/// Where the runner sends its inventory events: called on the runner's own
+/// thread, in commit order, after the bytes are committed. An implementation
+/// must not block (a publisher buffers and drops to its own bounds); it cannot
+/// fail the runner.
+pub trait InventorySink: Send {
+    /// One event, in order.
+    fn publish(&mut self, event: &InventoryEvent);
+}
+
+/// A sink that keeps every event in memory (for tests and simple embedders).
+#[derive(Debug, Default, Clone)]
+pub struct VecSink(pub Vec<InventoryEvent>);
+
+impl InventorySink for VecSink {
+    fn publish(&mut self, event: &InventoryEvent) {
+        self.0.push(event.clone());
+    }
+}
