@@ -13,13 +13,13 @@
 //!
 //! | kind | message | fields |
 //! |---|---|---|
-//! | 1 | `target_metadata` | worker_address:bytes16, regions:list16<region> |
-//! | 2 | `target_metadata_ack` | op_handle:opt<u64> |
-//! | 3 | `start_write` | op:u64, remaining_ms:u32, source_inc:opt<u128>, namespace:u64, entries:list32<key:u64, dests:list16<region:u32, index:u64>> |
-//! | 4 | `write_refused` | op:u64 |
-//! | 5 | `write_done` | op:u64, outcome:u8 (0 completed, 1 failed-terminal, 2 failed-nonterminal), [indices:list32<u32> when completed] |
-//! | 6 | `write_probe` | op:u64, source_inc:opt<u128> |
-//! | 7 | `write_probe_ack` | op:u64, terminal:bool, dead_inc:opt<u128> |
+//! | 1 | `target_metadata` | `worker_address:bytes16, regions:list16<region>` |
+//! | 2 | `target_metadata_ack` | `op_handle:opt<u64>` |
+//! | 3 | `start_write` | `op:u64, remaining_ms:u32, source_inc:opt<u128>, namespace:u64, entries:list32<(key:u64, dests:list16<(region:u32, index:u64)>)>` |
+//! | 4 | `write_refused` | `op:u64` |
+//! | 5 | `write_done` | `op:u64, outcome:u8` (0 completed, 1 failed-terminal, 2 failed-nonterminal), then `indices:list32<u32>` when completed |
+//! | 6 | `write_probe` | `op:u64, source_inc:opt<u128>` |
+//! | 7 | `write_probe_ack` | `op:u64, terminal:bool, dead_inc:opt<u128>` |
 //!
 //! `region := id:u32 label:str8 base:u64 element_size:u64 stride:u64 count:u64 rkey:bytes16`.
 //!

@@ -2,7 +2,12 @@
 
 // Test helpers outside `#[test]` functions panic on purpose: a failed helper is
 // a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
 
 mod endpoints;
 mod frames;
