@@ -56,6 +56,125 @@ pub enum Error {
         /// The input as given (bounded).
         input: Echo,
     },
+    /// The runner refused a call (bad configuration, region, layout or handle,
+    /// or a lifecycle step that is not safe yet). The runner is unchanged.
+    #[error("runner: {reason}")]
+    Runner {
+        /// Why.
+        reason: RunnerReason,
+    },
+}
+
+/// Why the runner refused a call.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RunnerReason {
+    /// A configuration value is out of bounds.
+    #[error("invalid configuration: {field}: {why}")]
+    Config {
+        /// Which field.
+        field: &'static str,
+        /// What is wrong.
+        why: &'static str,
+    },
+    /// Two pools share a name.
+    #[error("pool {0} configured twice")]
+    DuplicatePool(Echo),
+    /// A region descriptor is malformed.
+    #[error("region {label}: {why}")]
+    Region {
+        /// The region's label.
+        label: Echo,
+        /// What is wrong.
+        why: &'static str,
+    },
+    /// A region's label names no configured pool.
+    #[error("region {0}: no pool of that name (labels are `pool` or `pool:part`)")]
+    RegionPool(Echo),
+    /// A region's element size differs from its pool's block size.
+    #[error("region {label}: element size {size} differs from the pool's block size {block}")]
+    RegionSize {
+        /// The region's label.
+        label: Echo,
+        /// Its element size.
+        size: u64,
+        /// The pool's block size.
+        block: u64,
+    },
+    /// A region overlaps one already registered.
+    #[error("region {label} overlaps region {other}")]
+    RegionOverlap {
+        /// The new region.
+        label: Echo,
+        /// The registered one.
+        other: Echo,
+    },
+    /// A label is registered already.
+    #[error("region {0} is registered already")]
+    DuplicateRegion(Echo),
+    /// A reference names no registered region.
+    #[error("no region with id {0}")]
+    UnknownRegion(u32),
+    /// A reference's element index is outside its region.
+    #[error("element {index} is outside region {region} ({count} elements)")]
+    ElementOutOfRange {
+        /// Region id.
+        region: u32,
+        /// Index given.
+        index: u64,
+        /// Elements in the region.
+        count: u64,
+    },
+    /// A reference names a runner-owned region where framework memory is required.
+    #[error("region {0} is runner-owned; callers may only name framework regions here")]
+    NotFrameworkRegion(u32),
+    /// A key has no spans, or more than the layout bound.
+    #[error("a key needs 1..={max} spans, got {got}")]
+    LayoutLength {
+        /// Spans given.
+        got: usize,
+        /// Bound.
+        max: usize,
+    },
+    /// Keys of one call disagree on their layout, or a destination's layout
+    /// differs from the stored one.
+    #[error("span layout does not match")]
+    LayoutMismatch,
+    /// A namespace id was never registered.
+    #[error("namespace {0:#018x} is not registered")]
+    UnknownNamespace(u64),
+    /// The operation handle is unknown (never issued or already completed).
+    #[error("unknown operation handle {0}")]
+    UnknownOperation(i64),
+    /// The pool allocation failed.
+    #[error("could not allocate {bytes} bytes of KVCR DRAM")]
+    Allocation {
+        /// Bytes asked for.
+        bytes: u64,
+    },
+    /// Startup failed at a stage; says whether memory had to be retained
+    /// because a native transfer might still touch it.
+    #[error("startup failed at stage {stage}: {cause}{}", if *retained { " (memory retained: a transfer may still touch it; keep caller buffers until exit)" } else { "" })]
+    Startup {
+        /// The stage that failed.
+        stage: &'static str,
+        /// Whether resources were retained rather than released.
+        retained: bool,
+        /// What failed.
+        cause: Box<Error>,
+    },
+    /// Close refused: copies are still in flight.
+    #[error("{0} copies still in flight; poll and retry")]
+    Busy(usize),
+    /// Close refused: public claims are still held.
+    #[error("{0} claims still held; release them first")]
+    ClaimsOutstanding(usize),
+    /// The copy engine thread is gone.
+    #[error("the copy engine stopped")]
+    CopyEngineStopped,
+    /// A slot read named a handle that is not a live claim.
+    #[error("release handle {0} is not a live claim")]
+    UnknownClaim(u64),
 }
 
 /// A bounded copy of untrusted input, kept for error messages.
@@ -370,6 +489,19 @@ impl Error {
 
     pub(crate) fn frame(reason: FrameReason) -> Self {
         Self::Frame { reason }
+    }
+
+    /// A runner error.
+    pub fn runner(reason: RunnerReason) -> Self {
+        Self::Runner { reason }
+    }
+
+    /// The runner reason, when this is a runner error.
+    pub fn runner_reason(&self) -> Option<&RunnerReason> {
+        match self {
+            Self::Runner { reason } => Some(reason),
+            _ => None,
+        }
     }
 
     /// The endpoint reason, when this is an endpoint error (handy in tables).

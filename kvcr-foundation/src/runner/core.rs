@@ -1,0 +1,1849 @@
+//! The runner's sans-I/O core.
+//!
+//! Plain data fed `(now, input)` that returns results and actions, like
+//! quinn-proto: the block index, residencies (FILLING / READY / DISCARDING),
+//! slot pools, claims, the eviction queue, operations with deadlines, and the
+//! inventory events they cause. It never touches memory, threads or clocks;
+//! the [`super::Runner`] driver executes its [`Action`]s (copies) and feeds
+//! back their outcomes.
+//!
+//! Invariants kept here (checked by the model-based property tests):
+//! * a claimed residency is never in the eviction queue and never evicted;
+//! * slots of a FILLING or DISCARDING residency stay owned until its copy is
+//!   terminal; a slot is freed only when no copy can touch it;
+//! * an operation completes once, after every key has a result **and** every
+//!   copy it started is terminal (so its caller may reuse its buffers);
+//! * a result set by abort or deadline is never turned into a success;
+//! * `Stored` is emitted once per commit, `Removed` once per stored residency.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+
+use hashbrown::HashMap as IndexMap;
+
+use super::memory::CopySpan;
+use super::policy::{
+    BlockMeta, CachePolicy, EvictionDecision, EvictionOrder, IngestDecision, SanitizedPolicy,
+};
+use super::region::{RegionDesc, RegionTable};
+use super::{
+    DeliverEntry, DepositEntry, EntryResult, FailReason, OpResult, PageInfo, PoolId, PoolStats,
+    QueryStatus, ReleaseHandle,
+};
+use crate::error::{Error, Result, RunnerReason};
+use crate::key::{Namespace, NamespaceId, ScopedKey};
+use crate::protocol::{ElementRef, OpHandle, RegionId};
+use crate::tier::{InventoryEvent, InventoryScope, Medium, Owner};
+
+/// Label prefix of the runner's own pool regions (`kvcr-dram/<pool>`).
+pub const KVCR_REGION_PREFIX: &str = "kvcr-dram/";
+
+/// Most spans (pools) one key may use.
+pub const MAX_SPANS_PER_KEY: usize = 64;
+
+const NIL: u32 = u32::MAX;
+
+/// A copy job id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct JobId(pub(crate) u64);
+
+/// What the driver must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Action {
+    /// Run these copies off the caller's thread, key by key, skipping any key
+    /// whose copy has not started by `deadline_ns` (runner time).
+    Copy {
+        /// The job.
+        job: JobId,
+        /// Runner time after which a not-yet-started key is skipped.
+        deadline_ns: u64,
+        /// Per key, its spans.
+        keys: Vec<Vec<CopySpan>>,
+    },
+    /// Skip key `key` of `job` if its copy has not started yet.
+    Cancel {
+        /// The job.
+        job: JobId,
+        /// Index of the key inside the job.
+        key: u32,
+    },
+}
+
+/// How one key of a copy job ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CopyOutcome {
+    /// The bytes are in place.
+    Copied,
+    /// Skipped on request before it started.
+    Cancelled,
+    /// Skipped because the deadline passed before it started.
+    DeadlinePassed,
+}
+
+/// Residency state of a record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Residency {
+    Vacant,
+    Filling,
+    Ready,
+    /// A fill whose callers gave up while a remote write may still land: the
+    /// slots stay owned until the write is terminal. Entered by peer fills.
+    #[allow(dead_code)]
+    Discarding,
+}
+
+/// Slot indices of a record, one per span of its layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum SlotList {
+    One(u32),
+    Two(u32, u32),
+    Many(Box<[u32]>),
+}
+
+impl SlotList {
+    fn from_vec(v: Vec<u32>) -> Self {
+        match v.as_slice() {
+            [a] => Self::One(*a),
+            [a, b] => Self::Two(*a, *b),
+            _ => Self::Many(v.into_boxed_slice()),
+        }
+    }
+
+    fn get(&self, i: usize) -> Option<u32> {
+        match (self, i) {
+            (Self::One(a), 0) | (Self::Two(a, _), 0) => Some(*a),
+            (Self::Two(_, b), 1) => Some(*b),
+            (Self::Many(v), i) => v.get(i).copied(),
+            _ => None,
+        }
+    }
+
+    fn to_vec(&self) -> Vec<u32> {
+        match self {
+            Self::One(a) => vec![*a],
+            Self::Two(a, b) => vec![*a, *b],
+            Self::Many(v) => v.to_vec(),
+        }
+    }
+}
+
+const FLAG_QUEUED: u8 = 1;
+const FLAG_RETIRE: u8 = 2;
+const FLAG_UNSCORED: u8 = 4;
+
+/// One page the runner holds (or is filling).
+#[derive(Debug, Clone)]
+struct Record {
+    key: ScopedKey,
+    slots: SlotList,
+    last_access: u64,
+    seq: u64,
+    prev: u32,
+    next: u32,
+    claims: u32,
+    access_count: u32,
+    fill: u32,
+    layout: u16,
+    state: Residency,
+    flags: u8,
+}
+
+/// What the index keeps per key: the record, plus its state for `query`
+/// (so a lookup touches one cache line of the table, not the record).
+#[derive(Debug, Clone, Copy)]
+struct IndexEntry {
+    record: u32,
+    state: Residency,
+}
+
+#[derive(Debug)]
+struct PoolState {
+    name: String,
+    block_size: u64,
+    region: RegionId,
+    total: u32,
+    free: VecDeque<u32>,
+    evictable: u32,
+    watermark: u32,
+    pressured: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OpKind {
+    Deposit { no_evict: bool },
+    Fetch,
+    Deliver,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    None,
+    /// Waiting as a waiter of a shared fill.
+    Fill(u32),
+    /// Waiting for its own deliver copy (key index inside the job).
+    Copy(JobId, u32),
+}
+
+#[derive(Debug)]
+struct OpEntry {
+    key: ScopedKey,
+    result: Option<EntryResult>,
+    wait: Wait,
+    /// Deliver: where to copy once the source is READY.
+    destinations: Vec<CopySpan>,
+}
+
+#[derive(Debug)]
+struct Op {
+    kind: OpKind,
+    deadline: u64,
+    entries: Vec<OpEntry>,
+    pending: usize,
+    jobs: u32,
+}
+
+#[derive(Debug)]
+struct Fill {
+    record: u32,
+    job: JobId,
+    job_key: u32,
+    waiters: Vec<(OpHandle, u32)>,
+    page: Option<PageInfo>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum JobKey {
+    Fill(u32),
+    Deliver { record: u32, entry: u32 },
+}
+
+#[derive(Debug)]
+struct Job {
+    op: OpHandle,
+    keys: Vec<JobKey>,
+}
+
+/// Counters the core keeps.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CoreCounters {
+    /// Pages evicted for capacity.
+    pub evictions: u64,
+    /// Deposit entries the policy dropped.
+    pub dropped: u64,
+    /// Pages committed READY.
+    pub committed: u64,
+    /// Bytes copied into the pools.
+    pub bytes_deposited: u64,
+    /// Bytes copied out of the pools.
+    pub bytes_delivered: u64,
+    /// Policy calls that panicked or returned garbage.
+    pub policy_faults: u64,
+}
+
+/// Static configuration of a core.
+#[derive(Debug, Clone)]
+pub(crate) struct CoreConfig {
+    pub(crate) pools: Vec<(String, u64, u32)>,
+    pub(crate) pool_bases: Vec<u64>,
+    pub(crate) operation_timeout_ns: u64,
+    pub(crate) watermark_percent: u8,
+    pub(crate) medium: Medium,
+}
+
+/// The sans-I/O runner core.
+pub(crate) struct Core {
+    pools: Vec<PoolState>,
+    pool_specs: Vec<(String, u64)>,
+    regions: RegionTable,
+    index: IndexMap<ScopedKey, IndexEntry>,
+    records: Vec<Record>,
+    free_records: Vec<u32>,
+    layouts: Vec<Vec<PoolId>>,
+    layout_ids: HashMap<Vec<PoolId>, u16>,
+    queue_head: u32,
+    queue_tail: u32,
+    scored: BTreeSet<(u64, u64, u32)>,
+    scores: HashMap<u32, u64>,
+    policy: SanitizedPolicy,
+    ops: HashMap<OpHandle, Op>,
+    deadlines: BTreeSet<(u64, OpHandle)>,
+    fills: Vec<Option<Fill>>,
+    free_fills: Vec<u32>,
+    jobs: BTreeMap<JobId, Job>,
+    claims: HashMap<ReleaseHandle, u32>,
+    namespaces: HashMap<NamespaceId, Namespace>,
+    next_op: u64,
+    next_claim: u64,
+    next_job: u64,
+    next_seq: u64,
+    operation_timeout_ns: u64,
+    medium: Medium,
+    actions: VecDeque<Action>,
+    events: Vec<InventoryEvent>,
+    completed: Vec<OpResult>,
+    capacity_signals: Vec<(PoolId, u32)>,
+    counters: CoreCounters,
+}
+
+impl std::fmt::Debug for Core {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Core")
+            .field("resident", &self.index.len())
+            .field("ops", &self.ops.len())
+            .field("jobs", &self.jobs.len())
+            .field("claims", &self.claims.len())
+            .finish_non_exhaustive()
+    }
+}
+
+fn runner_err(reason: RunnerReason) -> Error {
+    Error::runner(reason)
+}
+
+/// Maps an f64 to a u64 with the same total order (for the score set).
+fn ordered_bits(score: f64) -> u64 {
+    let bits = score.to_bits();
+    if bits >> 63 == 1 {
+        !bits
+    } else {
+        bits | (1 << 63)
+    }
+}
+
+impl Core {
+    /// A core over already-allocated pools (`config.pool_bases[i]` is pool i's
+    /// address). Registers one runner-owned region per pool.
+    pub(crate) fn new(config: &CoreConfig, policy: Box<dyn CachePolicy>) -> Result<Self> {
+        let pool_specs: Vec<(String, u64)> = config
+            .pools
+            .iter()
+            .map(|(n, b, _)| (n.clone(), *b))
+            .collect();
+        let mut regions = RegionTable::default();
+        let mut pools = Vec::with_capacity(config.pools.len());
+        for (i, ((name, block, blocks), base)) in
+            config.pools.iter().zip(&config.pool_bases).enumerate()
+        {
+            let region = regions.register(
+                RegionDesc {
+                    label: format!("{KVCR_REGION_PREFIX}{name}"),
+                    base: *base,
+                    size: *block,
+                    stride: 0,
+                    count: u64::from(*blocks),
+                },
+                Owner::Kvcr,
+                &pool_specs,
+                Some(i),
+            )?;
+            let watermark =
+                (u64::from(*blocks) * u64::from(config.watermark_percent)).div_ceil(100);
+            pools.push(PoolState {
+                name: name.clone(),
+                block_size: *block,
+                region,
+                total: *blocks,
+                free: (0..*blocks).collect(),
+                evictable: 0,
+                watermark: u32::try_from(watermark).unwrap_or(u32::MAX),
+                pressured: false,
+            });
+        }
+        Ok(Self {
+            pools,
+            pool_specs,
+            regions,
+            index: IndexMap::new(),
+            records: Vec::new(),
+            free_records: Vec::new(),
+            layouts: Vec::new(),
+            layout_ids: HashMap::new(),
+            queue_head: NIL,
+            queue_tail: NIL,
+            scored: BTreeSet::new(),
+            scores: HashMap::new(),
+            policy: SanitizedPolicy::new(policy),
+            ops: HashMap::new(),
+            deadlines: BTreeSet::new(),
+            fills: Vec::new(),
+            free_fills: Vec::new(),
+            jobs: BTreeMap::new(),
+            claims: HashMap::new(),
+            namespaces: HashMap::new(),
+            next_op: 1,
+            next_claim: 1,
+            next_job: 1,
+            next_seq: 0,
+            operation_timeout_ns: config.operation_timeout_ns,
+            medium: config.medium,
+            actions: VecDeque::new(),
+            events: Vec::new(),
+            completed: Vec::new(),
+            capacity_signals: Vec::new(),
+            counters: CoreCounters::default(),
+        })
+    }
+
+    // ------------------------------------------------------------ registration
+
+    pub(crate) fn register_region(&mut self, desc: RegionDesc) -> Result<RegionId> {
+        self.regions
+            .register(desc, Owner::Framework, &self.pool_specs, None)
+    }
+
+    pub(crate) fn region_by_label(&self, label: &str) -> Option<RegionId> {
+        self.regions.by_label(label)
+    }
+
+    pub(crate) fn register_namespace(&mut self, namespace: Namespace) -> NamespaceId {
+        let id = namespace.id();
+        self.namespaces.insert(id, namespace);
+        id
+    }
+
+    pub(crate) fn pool_id(&self, name: &str) -> Option<PoolId> {
+        self.pools
+            .iter()
+            .position(|p| p.name == name)
+            .and_then(|i| u16::try_from(i).ok())
+            .map(PoolId)
+    }
+
+    // ------------------------------------------------------------ queries
+
+    /// Residency of one key. No allocation, no I/O.
+    pub(crate) fn query(&self, key: &ScopedKey) -> QueryStatus {
+        match self.index.get(key).map(|e| e.state) {
+            Some(Residency::Ready) => QueryStatus::Hit,
+            Some(Residency::Filling) => QueryStatus::Fetching,
+            _ => QueryStatus::Miss,
+        }
+    }
+
+    pub(crate) fn resident_blocks(&self) -> usize {
+        self.index.len()
+    }
+
+    // ------------------------------------------------------------ operations
+
+    fn new_op(&mut self, now: u64, kind: OpKind, entries: Vec<OpEntry>) -> OpHandle {
+        let handle = OpHandle(self.next_op);
+        self.next_op += 1;
+        let deadline = now.saturating_add(self.operation_timeout_ns);
+        let pending = entries.iter().filter(|e| e.result.is_none()).count();
+        self.ops.insert(
+            handle,
+            Op {
+                kind,
+                deadline,
+                entries,
+                pending,
+                jobs: 0,
+            },
+        );
+        self.deadlines.insert((deadline, handle));
+        handle
+    }
+
+    fn layout_of(&mut self, pools: Vec<PoolId>) -> Result<u16> {
+        if let Some(id) = self.layout_ids.get(&pools) {
+            return Ok(*id);
+        }
+        let id = u16::try_from(self.layouts.len()).map_err(|_| {
+            runner_err(RunnerReason::Config {
+                field: "layouts",
+                why: "more than 65535 distinct span layouts",
+            })
+        })?;
+        self.layouts.push(pools.clone());
+        self.layout_ids.insert(pools, id);
+        Ok(id)
+    }
+
+    /// Validates a key's framework spans: resolves every element and returns
+    /// the layout (pools in span order) and the spans.
+    fn framework_spans(
+        &mut self,
+        spans: &[ElementRef],
+    ) -> Result<(u16, Vec<CopySpan>, Vec<PoolId>)> {
+        if spans.is_empty() || spans.len() > MAX_SPANS_PER_KEY {
+            return Err(runner_err(RunnerReason::LayoutLength {
+                got: spans.len(),
+                max: MAX_SPANS_PER_KEY,
+            }));
+        }
+        let mut pools = Vec::with_capacity(spans.len());
+        let mut copies = Vec::with_capacity(spans.len());
+        for element in spans {
+            let span = self.regions.resolve_framework(*element)?;
+            pools.push(span.pool);
+            copies.push(CopySpan {
+                src: span.addr,
+                dst: 0,
+                len: span.len,
+            });
+        }
+        let layout = self.layout_of(pools.clone())?;
+        Ok((layout, copies, pools))
+    }
+
+    fn check_namespace(&self, key: &ScopedKey) -> Result<()> {
+        if self.namespaces.contains_key(&key.namespace) {
+            Ok(())
+        } else {
+            Err(runner_err(RunnerReason::UnknownNamespace(key.namespace.0)))
+        }
+    }
+
+    /// Copies framework memory into KVCR DRAM. Validation errors refuse the
+    /// whole call before anything changes.
+    pub(crate) fn deposit(
+        &mut self,
+        now: u64,
+        entries: Vec<DepositEntry>,
+        no_evict: bool,
+    ) -> Result<OpHandle> {
+        // Validate everything first: a bad entry refuses the call unchanged.
+        let mut validated = Vec::with_capacity(entries.len());
+        for entry in entries {
+            self.check_namespace(&entry.key)?;
+            let (layout, spans, _) = self.framework_spans(&entry.spans)?;
+            validated.push((entry.key, layout, spans, entry.page));
+        }
+        let op_entries = validated
+            .iter()
+            .map(|(key, ..)| OpEntry {
+                key: *key,
+                result: None,
+                wait: Wait::None,
+                destinations: Vec::new(),
+            })
+            .collect();
+        let handle = self.new_op(now, OpKind::Deposit { no_evict }, op_entries);
+        let job = JobId(self.next_job);
+        let mut job_keys = Vec::new();
+        let mut job_spans = Vec::new();
+        let protected: Vec<ScopedKey> = validated.iter().map(|v| v.0).collect();
+        for (i, (key, layout, mut spans, page)) in validated.into_iter().enumerate() {
+            let entry = i as u32;
+            match self.index.get(&key).copied() {
+                Some(IndexEntry { record, state }) => {
+                    let same_layout = self.record(record).is_some_and(|r| r.layout == layout);
+                    match state {
+                        _ if !same_layout => self.set_result(
+                            handle,
+                            entry,
+                            EntryResult::failed(FailReason::LayoutMismatch),
+                        ),
+                        Residency::Ready => {
+                            let release = no_evict.then(|| self.claim_public(record));
+                            self.set_result(
+                                handle,
+                                entry,
+                                EntryResult::success(release, Vec::new()),
+                            );
+                        }
+                        Residency::Filling => {
+                            let fill = self.record(record).map_or(NIL, |r| r.fill);
+                            self.wait_on_fill(handle, entry, fill);
+                        }
+                        Residency::Discarding | Residency::Vacant => {
+                            self.set_result(
+                                handle,
+                                entry,
+                                EntryResult::failed(FailReason::Discarding),
+                            );
+                        }
+                    }
+                }
+                None => {
+                    let size: u64 = spans.iter().map(|s| s.len).sum();
+                    let meta = BlockMeta {
+                        key,
+                        size_bytes: size,
+                        access_count: 0,
+                        last_access_ns: now,
+                        inserted_seq: self.next_seq,
+                    };
+                    if self.policy.decide_ingest(&meta, no_evict) == IngestDecision::Drop {
+                        self.counters.dropped += 1;
+                        self.set_result(handle, entry, EntryResult::dropped());
+                        continue;
+                    }
+                    let Some(slots) = self.allocate(now, layout, &protected) else {
+                        self.set_result(
+                            handle,
+                            entry,
+                            EntryResult::failed(FailReason::CapacityExhausted),
+                        );
+                        continue;
+                    };
+                    for (span_index, span) in spans.iter_mut().enumerate() {
+                        let pool = self
+                            .layouts
+                            .get(layout as usize)
+                            .and_then(|l| l.get(span_index))
+                            .copied();
+                        let slot = slots.get(span_index);
+                        if let (Some(pool), Some(slot)) = (pool, slot) {
+                            span.dst = self.slot_addr(pool, slot);
+                        }
+                    }
+                    let record = self.insert_record(now, key, layout, slots);
+                    let fill = self.new_fill(Fill {
+                        record,
+                        job,
+                        job_key: job_keys.len() as u32,
+                        waiters: Vec::new(),
+                        page,
+                    });
+                    if let Some(r) = self.record_mut(record) {
+                        r.fill = fill;
+                    }
+                    job_keys.push(JobKey::Fill(fill));
+                    job_spans.push(spans);
+                    self.wait_on_fill(handle, entry, fill);
+                }
+            }
+        }
+        if !job_keys.is_empty() {
+            self.submit_job(handle, job, job_keys, job_spans);
+        }
+        self.finish_if_done(handle);
+        self.check_pressure();
+        Ok(handle)
+    }
+
+    /// Makes keys resident and claims them. Without a peer source (the peer
+    /// slice adds one), a key that is not resident fails with `NoSource`.
+    pub(crate) fn fetch(
+        &mut self,
+        now: u64,
+        keys: &[ScopedKey],
+        layout: &[PoolId],
+    ) -> Result<OpHandle> {
+        if layout.is_empty() || layout.len() > MAX_SPANS_PER_KEY {
+            return Err(runner_err(RunnerReason::LayoutLength {
+                got: layout.len(),
+                max: MAX_SPANS_PER_KEY,
+            }));
+        }
+        if layout.iter().any(|p| p.0 as usize >= self.pools.len()) {
+            return Err(runner_err(RunnerReason::LayoutMismatch));
+        }
+        for key in keys {
+            self.check_namespace(key)?;
+        }
+        let layout = self.layout_of(layout.to_vec())?;
+        // Keys are deduplicated in order.
+        let mut seen = hashbrown::HashSet::with_capacity(keys.len());
+        let unique: Vec<ScopedKey> = keys.iter().copied().filter(|k| seen.insert(*k)).collect();
+        let entries = unique
+            .iter()
+            .map(|key| OpEntry {
+                key: *key,
+                result: None,
+                wait: Wait::None,
+                destinations: Vec::new(),
+            })
+            .collect();
+        let handle = self.new_op(now, OpKind::Fetch, entries);
+        for (i, key) in unique.iter().enumerate() {
+            let entry = i as u32;
+            match self.index.get(key).copied() {
+                Some(IndexEntry { record, state }) => {
+                    let same_layout = self.record(record).is_some_and(|r| r.layout == layout);
+                    match state {
+                        _ if !same_layout => self.set_result(
+                            handle,
+                            entry,
+                            EntryResult::failed(FailReason::LayoutMismatch),
+                        ),
+                        Residency::Ready => {
+                            let release = self.claim_public(record);
+                            self.touch(now, record);
+                            let slots = self.slot_refs(record);
+                            self.set_result(
+                                handle,
+                                entry,
+                                EntryResult::success(Some(release), slots),
+                            );
+                        }
+                        Residency::Filling => {
+                            let fill = self.record(record).map_or(NIL, |r| r.fill);
+                            self.wait_on_fill(handle, entry, fill);
+                        }
+                        Residency::Discarding | Residency::Vacant => {
+                            self.set_result(
+                                handle,
+                                entry,
+                                EntryResult::failed(FailReason::NoSource),
+                            );
+                        }
+                    }
+                }
+                None => self.set_result(handle, entry, EntryResult::failed(FailReason::NoSource)),
+            }
+        }
+        self.finish_if_done(handle);
+        self.check_pressure();
+        Ok(handle)
+    }
+
+    /// Copies resident pages into framework destinations.
+    pub(crate) fn deliver(&mut self, now: u64, entries: Vec<DeliverEntry>) -> Result<OpHandle> {
+        let mut validated = Vec::with_capacity(entries.len());
+        for entry in entries {
+            self.check_namespace(&entry.key)?;
+            let (layout, spans, _) = self.framework_spans(&entry.destinations)?;
+            // Destinations: the resolved framework spans are the copy targets.
+            let destinations: Vec<CopySpan> = spans
+                .into_iter()
+                .map(|s| CopySpan {
+                    src: 0,
+                    dst: s.src,
+                    len: s.len,
+                })
+                .collect();
+            validated.push((entry.key, layout, destinations));
+        }
+        let op_entries = validated
+            .iter()
+            .map(|(key, _, destinations)| OpEntry {
+                key: *key,
+                result: None,
+                wait: Wait::None,
+                destinations: destinations.clone(),
+            })
+            .collect();
+        let handle = self.new_op(now, OpKind::Deliver, op_entries);
+        let mut ready = Vec::new();
+        for (i, (key, layout, _)) in validated.iter().enumerate() {
+            let entry = i as u32;
+            match self.index.get(key).copied() {
+                Some(IndexEntry { record, state }) => {
+                    let same_layout = self.record(record).is_some_and(|r| r.layout == *layout);
+                    match state {
+                        _ if !same_layout => self.set_result(
+                            handle,
+                            entry,
+                            EntryResult::failed(FailReason::LayoutMismatch),
+                        ),
+                        Residency::Ready => ready.push((entry, record)),
+                        Residency::Filling => {
+                            let fill = self.record(record).map_or(NIL, |r| r.fill);
+                            self.wait_on_fill(handle, entry, fill);
+                        }
+                        Residency::Discarding | Residency::Vacant => {
+                            self.set_result(
+                                handle,
+                                entry,
+                                EntryResult::failed(FailReason::NoSource),
+                            );
+                        }
+                    }
+                }
+                None => self.set_result(handle, entry, EntryResult::failed(FailReason::NoSource)),
+            }
+        }
+        self.start_delivers(now, handle, ready);
+        self.finish_if_done(handle);
+        self.check_pressure();
+        Ok(handle)
+    }
+
+    /// Starts one deliver copy job for `entries` of `handle`, each reading a
+    /// READY record under an internal claim.
+    fn start_delivers(&mut self, now: u64, handle: OpHandle, entries: Vec<(u32, u32)>) {
+        if entries.is_empty() {
+            return;
+        }
+        let job = JobId(self.next_job);
+        let mut keys = Vec::with_capacity(entries.len());
+        let mut spans = Vec::with_capacity(entries.len());
+        for (entry, record) in entries {
+            self.claim_internal(record);
+            self.touch(now, record);
+            let sources = self.slot_spans(record);
+            let Some(op) = self.ops.get_mut(&handle) else {
+                continue;
+            };
+            let Some(e) = op.entries.get_mut(entry as usize) else {
+                continue;
+            };
+            let copies: Vec<CopySpan> = e
+                .destinations
+                .iter()
+                .zip(&sources)
+                .map(|(d, s)| CopySpan {
+                    src: s.src,
+                    dst: d.dst,
+                    len: d.len,
+                })
+                .collect();
+            e.wait = Wait::Copy(job, keys.len() as u32);
+            keys.push(JobKey::Deliver { record, entry });
+            spans.push(copies);
+        }
+        self.submit_job(handle, job, keys, spans);
+    }
+
+    fn submit_job(
+        &mut self,
+        op: OpHandle,
+        job: JobId,
+        keys: Vec<JobKey>,
+        spans: Vec<Vec<CopySpan>>,
+    ) {
+        debug_assert_eq!(job.0, self.next_job);
+        self.next_job += 1;
+        let deadline_ns = self.ops.get(&op).map_or(0, |o| o.deadline);
+        if let Some(o) = self.ops.get_mut(&op) {
+            o.jobs += 1;
+        }
+        self.jobs.insert(job, Job { op, keys });
+        self.actions.push_back(Action::Copy {
+            job,
+            deadline_ns,
+            keys: spans,
+        });
+    }
+
+    /// Releases public claims. `true` for a live handle; unknown or already
+    /// released handles give `false` and change nothing.
+    pub(crate) fn release(&mut self, handles: &[ReleaseHandle]) -> Vec<bool> {
+        let out = handles
+            .iter()
+            .map(|h| match self.claims.remove(h) {
+                Some(record) => {
+                    self.unclaim(record);
+                    true
+                }
+                None => false,
+            })
+            .collect();
+        self.check_pressure();
+        out
+    }
+
+    /// Best-effort abort of `keys` of `op` (all keys when `None`). Keys waiting
+    /// on shared work detach (the work continues for other waiters); a copy that
+    /// has not started is cancelled; one in flight finishes, and the operation
+    /// completes only after it, reporting `Aborted` for those keys.
+    pub(crate) fn abort(&mut self, op: OpHandle, keys: Option<&[ScopedKey]>) -> bool {
+        let Some(o) = self.ops.get(&op) else {
+            return false;
+        };
+        let targets: Vec<u32> = o
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.result.is_none() && keys.is_none_or(|ks| ks.contains(&e.key)))
+            .map(|(i, _)| i as u32)
+            .collect();
+        if targets.is_empty() {
+            return false;
+        }
+        for entry in targets {
+            self.fail_waiting_entry(op, entry, FailReason::Aborted);
+        }
+        self.finish_if_done(op);
+        true
+    }
+
+    /// Fails one pending entry now (abort or deadline): detaches it from a
+    /// shared fill (cancelling the fill's copy if nobody else waits), or
+    /// cancels its own deliver copy.
+    fn fail_waiting_entry(&mut self, op: OpHandle, entry: u32, reason: FailReason) {
+        let wait = self
+            .ops
+            .get(&op)
+            .and_then(|o| o.entries.get(entry as usize))
+            .map_or(Wait::None, |e| e.wait);
+        match wait {
+            Wait::Fill(fill) => {
+                let mut cancel = None;
+                if let Some(f) = self.fills.get_mut(fill as usize).and_then(Option::as_mut) {
+                    f.waiters.retain(|w| *w != (op, entry));
+                    if f.waiters.is_empty() {
+                        cancel = Some((f.job, f.job_key));
+                    }
+                }
+                if let Some((job, key)) = cancel {
+                    self.actions.push_back(Action::Cancel { job, key });
+                }
+            }
+            Wait::Copy(job, key) => self.actions.push_back(Action::Cancel { job, key }),
+            Wait::None => {}
+        }
+        self.set_result(op, entry, EntryResult::failed(reason));
+    }
+
+    /// Expires deadlines: keys still waiting on shared work fail with
+    /// `Timeout`. Keys whose own copy is in flight wait for it (the copy engine
+    /// skips it if it has not started by the deadline).
+    pub(crate) fn handle_timeout(&mut self, now: u64) {
+        while let Some(&(deadline, op)) = self.deadlines.first() {
+            if deadline > now {
+                break;
+            }
+            self.deadlines.pop_first();
+            let Some(o) = self.ops.get(&op) else { continue };
+            let waiting: Vec<u32> = o
+                .entries
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| e.result.is_none() && matches!(e.wait, Wait::Fill(_)))
+                .map(|(i, _)| i as u32)
+                .collect();
+            for entry in waiting {
+                let own_fill = self.entry_owns_fill(op, entry);
+                if !own_fill {
+                    self.fail_waiting_entry(op, entry, FailReason::Timeout);
+                }
+            }
+            self.finish_if_done(op);
+        }
+        self.check_pressure();
+    }
+
+    /// Whether entry `entry` of `op` waits on a fill whose copy `op` itself runs.
+    fn entry_owns_fill(&self, op: OpHandle, entry: u32) -> bool {
+        let Some(Wait::Fill(fill)) = self
+            .ops
+            .get(&op)
+            .and_then(|o| o.entries.get(entry as usize))
+            .map(|e| e.wait)
+        else {
+            return false;
+        };
+        self.fills
+            .get(fill as usize)
+            .and_then(Option::as_ref)
+            .and_then(|f| self.jobs.get(&f.job))
+            .is_some_and(|j| j.op == op)
+    }
+
+    /// The earliest pending deadline.
+    pub(crate) fn next_deadline(&self) -> Option<u64> {
+        self.deadlines.first().map(|(d, _)| *d)
+    }
+
+    /// Feeds back a finished copy job.
+    pub(crate) fn handle_copy_done(&mut self, now: u64, job: JobId, outcomes: &[CopyOutcome]) {
+        let Some(Job { op, keys }) = self.jobs.remove(&job) else {
+            return;
+        };
+        let mut stored: Vec<(u32, Option<PageInfo>)> = Vec::new();
+        let mut deliver_next: BTreeMap<OpHandle, Vec<(u32, u32)>> = BTreeMap::new();
+        for (i, key) in keys.iter().enumerate() {
+            let outcome = outcomes.get(i).copied().unwrap_or(CopyOutcome::Cancelled);
+            match *key {
+                JobKey::Fill(fill) => {
+                    let Some(f) = self.fills.get_mut(fill as usize).and_then(Option::take) else {
+                        continue;
+                    };
+                    self.free_fills.push(fill);
+                    let committed = outcome == CopyOutcome::Copied
+                        && self
+                            .record(f.record)
+                            .is_some_and(|r| r.state == Residency::Filling);
+                    if committed {
+                        let bytes = self.record_bytes(f.record);
+                        self.counters.bytes_deposited += bytes;
+                        self.counters.committed += 1;
+                        self.transition(f.record, Residency::Ready, "fill commit");
+                        if let Some(r) = self.record_mut(f.record) {
+                            r.fill = NIL;
+                            r.last_access = now;
+                        }
+                        stored.push((f.record, f.page));
+                        for (waiter_op, entry) in f.waiters {
+                            self.fill_committed_for(
+                                now,
+                                waiter_op,
+                                entry,
+                                f.record,
+                                &mut deliver_next,
+                            );
+                        }
+                        if self.record(f.record).is_some_and(|r| r.claims == 0) {
+                            self.make_evictable(f.record);
+                        }
+                    } else {
+                        let reason = match outcome {
+                            CopyOutcome::DeadlinePassed => FailReason::Timeout,
+                            _ => FailReason::Aborted,
+                        };
+                        for (waiter_op, entry) in f.waiters {
+                            self.set_result(waiter_op, entry, EntryResult::failed(reason));
+                            self.finish_if_done(waiter_op);
+                        }
+                        self.remove_record(f.record, "fill failed");
+                    }
+                }
+                JobKey::Deliver { record, entry } => {
+                    if outcome == CopyOutcome::Copied {
+                        self.counters.bytes_delivered += self.record_bytes(record);
+                    }
+                    self.unclaim(record);
+                    let result = match outcome {
+                        CopyOutcome::Copied => EntryResult::success(None, Vec::new()),
+                        CopyOutcome::DeadlinePassed => EntryResult::failed(FailReason::Timeout),
+                        CopyOutcome::Cancelled => EntryResult::failed(FailReason::Aborted),
+                    };
+                    // A result set earlier (abort) stands: set_result keeps the first.
+                    self.set_result(op, entry, result);
+                }
+            }
+        }
+        self.publish_stored(&stored);
+        if let Some(o) = self.ops.get_mut(&op) {
+            o.jobs = o.jobs.saturating_sub(1);
+        }
+        for (waiter_op, entries) in deliver_next {
+            self.start_delivers(now, waiter_op, entries);
+        }
+        self.finish_if_done(op);
+        let waiting_ops: Vec<OpHandle> = self.ops.keys().copied().collect();
+        for o in waiting_ops {
+            self.finish_if_done(o);
+        }
+        self.check_pressure();
+    }
+
+    fn fill_committed_for(
+        &mut self,
+        now: u64,
+        op: OpHandle,
+        entry: u32,
+        record: u32,
+        deliver_next: &mut BTreeMap<OpHandle, Vec<(u32, u32)>>,
+    ) {
+        let Some(kind) = self.ops.get(&op).map(|o| o.kind) else {
+            return;
+        };
+        match kind {
+            OpKind::Deposit { no_evict } => {
+                let release = no_evict.then(|| self.claim_public(record));
+                self.set_result(op, entry, EntryResult::success(release, Vec::new()));
+            }
+            OpKind::Fetch => {
+                let release = self.claim_public(record);
+                self.touch(now, record);
+                let slots = self.slot_refs(record);
+                self.set_result(op, entry, EntryResult::success(Some(release), slots));
+            }
+            OpKind::Deliver => deliver_next.entry(op).or_default().push((entry, record)),
+        }
+    }
+
+    fn wait_on_fill(&mut self, op: OpHandle, entry: u32, fill: u32) {
+        let Some(f) = self.fills.get_mut(fill as usize).and_then(Option::as_mut) else {
+            self.set_result(op, entry, EntryResult::failed(FailReason::NoSource));
+            return;
+        };
+        f.waiters.push((op, entry));
+        if let Some(e) = self
+            .ops
+            .get_mut(&op)
+            .and_then(|o| o.entries.get_mut(entry as usize))
+        {
+            e.wait = Wait::Fill(fill);
+        }
+    }
+
+    fn new_fill(&mut self, fill: Fill) -> u32 {
+        if let Some(i) = self.free_fills.pop()
+            && let Some(slot) = self.fills.get_mut(i as usize)
+        {
+            *slot = Some(fill);
+            return i;
+        }
+        self.fills.push(Some(fill));
+        (self.fills.len() - 1) as u32
+    }
+
+    /// Sets an entry's result if it has none (the first result stands).
+    fn set_result(&mut self, op: OpHandle, entry: u32, result: EntryResult) {
+        let Some(o) = self.ops.get_mut(&op) else {
+            return;
+        };
+        let Some(e) = o.entries.get_mut(entry as usize) else {
+            return;
+        };
+        if e.result.is_none() {
+            e.result = Some(result);
+            o.pending = o.pending.saturating_sub(1);
+        } else if let Some(release) = result.release {
+            // The entry already failed (abort, deadline): a claim taken for it
+            // must not leak.
+            if let Some(record) = self.claims.remove(&release) {
+                self.unclaim(record);
+            }
+        }
+    }
+
+    /// Completes an operation once every key has a result and every copy it
+    /// started is terminal.
+    fn finish_if_done(&mut self, op: OpHandle) {
+        let done = self
+            .ops
+            .get(&op)
+            .is_some_and(|o| o.pending == 0 && o.jobs == 0);
+        if !done {
+            return;
+        }
+        if let Some(o) = self.ops.remove(&op) {
+            self.deadlines.remove(&(o.deadline, op));
+            let entries = o
+                .entries
+                .into_iter()
+                .map(|e| {
+                    (
+                        e.key,
+                        e.result
+                            .unwrap_or_else(|| EntryResult::failed(FailReason::Aborted)),
+                    )
+                })
+                .collect();
+            self.completed.push(OpResult { op, entries });
+        }
+    }
+
+    // ------------------------------------------------------------ records
+
+    fn record(&self, idx: u32) -> Option<&Record> {
+        self.records
+            .get(idx as usize)
+            .filter(|r| r.state != Residency::Vacant)
+    }
+
+    fn record_mut(&mut self, idx: u32) -> Option<&mut Record> {
+        self.records
+            .get_mut(idx as usize)
+            .filter(|r| r.state != Residency::Vacant)
+    }
+
+    fn insert_record(&mut self, now: u64, key: ScopedKey, layout: u16, slots: SlotList) -> u32 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let record = Record {
+            key,
+            slots,
+            last_access: now,
+            seq,
+            prev: NIL,
+            next: NIL,
+            claims: 0,
+            access_count: 0,
+            fill: NIL,
+            layout,
+            state: Residency::Vacant,
+            flags: 0,
+        };
+        let idx = match self.free_records.pop() {
+            Some(i) => {
+                if let Some(r) = self.records.get_mut(i as usize) {
+                    *r = record;
+                }
+                i
+            }
+            None => {
+                self.records.push(record);
+                (self.records.len() - 1) as u32
+            }
+        };
+        self.index.insert(
+            key,
+            IndexEntry {
+                record: idx,
+                state: Residency::Vacant,
+            },
+        );
+        self.transition(idx, Residency::Filling, "insert");
+        idx
+    }
+
+    /// Moves a record to a new state, keeping the index in step. In debug
+    /// builds an illegal transition aborts with the key and the call site.
+    fn transition(&mut self, idx: u32, to: Residency, site: &'static str) {
+        let Some(r) = self.records.get_mut(idx as usize) else {
+            return;
+        };
+        let from = r.state;
+        let legal = matches!(
+            (from, to),
+            (Residency::Vacant, Residency::Filling)
+                | (Residency::Filling, Residency::Ready)
+                | (Residency::Filling, Residency::Discarding)
+                | (Residency::Filling, Residency::Vacant)
+                | (Residency::Discarding, Residency::Vacant)
+                | (Residency::Ready, Residency::Vacant)
+        );
+        if cfg!(debug_assertions) && !legal {
+            lifecycle_violation(r.key, from, to, site, r.claims);
+        }
+        if to == Residency::Vacant && r.claims != 0 && cfg!(debug_assertions) {
+            lifecycle_violation(r.key, from, to, site, r.claims);
+        }
+        r.state = to;
+        let key = r.key;
+        if to == Residency::Vacant {
+            self.index.remove(&key);
+        } else if let Some(e) = self.index.get_mut(&key) {
+            e.state = to;
+        }
+    }
+
+    /// Frees a record's slots and the record itself; publishes `Removed` if it
+    /// was READY (so exactly once per stored residency).
+    fn remove_record(&mut self, idx: u32, site: &'static str) {
+        let Some(r) = self.record(idx) else { return };
+        let was_ready = r.state == Residency::Ready;
+        let key = r.key;
+        let layout = r.layout;
+        let slots = r.slots.to_vec();
+        self.dequeue(idx);
+        self.transition(idx, Residency::Vacant, site);
+        if let Some(pools) = self.layouts.get(layout as usize).cloned() {
+            for (pool, slot) in pools.iter().zip(slots) {
+                if let Some(p) = self.pools.get_mut(pool.0 as usize) {
+                    p.free.push_back(slot);
+                }
+            }
+        }
+        self.free_records.push(idx);
+        if was_ready {
+            self.publish_removed(&[key]);
+        }
+    }
+
+    fn record_bytes(&self, idx: u32) -> u64 {
+        let Some(r) = self.record(idx) else { return 0 };
+        self.layouts.get(r.layout as usize).map_or(0, |l| {
+            l.iter()
+                .filter_map(|p| self.pools.get(p.0 as usize))
+                .map(|p| p.block_size)
+                .sum()
+        })
+    }
+
+    fn slot_addr(&self, pool: PoolId, slot: u32) -> u64 {
+        // In range: slots come from this pool's free list (< total) and the
+        // pool region's extent was checked at registration.
+        self.pools
+            .get(pool.0 as usize)
+            .and_then(|p| {
+                self.regions
+                    .get(p.region)
+                    .ok()
+                    .map(|r| r.desc.base + u64::from(slot) * p.block_size)
+            })
+            .unwrap_or(0)
+    }
+
+    /// The record's slots as copy sources (`src`, `len`).
+    fn slot_spans(&self, idx: u32) -> Vec<CopySpan> {
+        let Some(r) = self.record(idx) else {
+            return Vec::new();
+        };
+        let Some(pools) = self.layouts.get(r.layout as usize) else {
+            return Vec::new();
+        };
+        pools
+            .iter()
+            .enumerate()
+            .filter_map(|(i, pool)| {
+                let slot = r.slots.get(i)?;
+                let block = self.pools.get(pool.0 as usize)?.block_size;
+                Some(CopySpan {
+                    src: self.slot_addr(*pool, slot),
+                    dst: 0,
+                    len: block,
+                })
+            })
+            .collect()
+    }
+
+    /// The record's slots as references into the runner-owned pool regions.
+    fn slot_refs(&self, idx: u32) -> Vec<ElementRef> {
+        let Some(r) = self.record(idx) else {
+            return Vec::new();
+        };
+        let Some(pools) = self.layouts.get(r.layout as usize) else {
+            return Vec::new();
+        };
+        pools
+            .iter()
+            .enumerate()
+            .filter_map(|(i, pool)| {
+                Some(ElementRef {
+                    region: self.pools.get(pool.0 as usize)?.region,
+                    index: u64::from(r.slots.get(i)?),
+                })
+            })
+            .collect()
+    }
+
+    /// Address and length of a runner-owned element, bounds-checked.
+    pub(crate) fn resolve(&self, element: ElementRef) -> Result<(u64, u64)> {
+        let span = self.regions.resolve(element)?;
+        Ok((span.addr, span.len))
+    }
+
+    pub(crate) fn claim_record(&self, handle: ReleaseHandle) -> Option<u32> {
+        self.claims.get(&handle).copied()
+    }
+
+    pub(crate) fn claimed_slot_refs(&self, handle: ReleaseHandle) -> Option<Vec<ElementRef>> {
+        self.claim_record(handle).map(|r| self.slot_refs(r))
+    }
+
+    fn touch(&mut self, now: u64, idx: u32) {
+        if let Some(r) = self.record_mut(idx) {
+            r.access_count = r.access_count.saturating_add(1);
+            r.last_access = now;
+        }
+    }
+
+    // ------------------------------------------------------------ claims
+
+    fn claim_public(&mut self, idx: u32) -> ReleaseHandle {
+        self.claim_internal(idx);
+        let handle = ReleaseHandle(self.next_claim);
+        self.next_claim += 1;
+        self.claims.insert(handle, idx);
+        handle
+    }
+
+    fn claim_internal(&mut self, idx: u32) {
+        self.dequeue(idx);
+        if let Some(r) = self.record_mut(idx) {
+            r.claims += 1;
+        }
+    }
+
+    fn unclaim(&mut self, idx: u32) {
+        let Some(r) = self.record_mut(idx) else {
+            return;
+        };
+        r.claims = r.claims.saturating_sub(1);
+        if r.claims == 0 && r.state == Residency::Ready {
+            if r.flags & FLAG_RETIRE != 0 {
+                self.remove_record(idx, "retire on release");
+            } else {
+                self.make_evictable(idx);
+            }
+        }
+    }
+
+    // ------------------------------------------------------------ eviction queue
+
+    fn meta(&self, idx: u32) -> Option<BlockMeta> {
+        let r = self.record(idx)?;
+        Some(BlockMeta {
+            key: r.key,
+            size_bytes: self.record_bytes(idx),
+            access_count: r.access_count,
+            last_access_ns: r.last_access,
+            inserted_seq: r.seq,
+        })
+    }
+
+    fn pools_of(&self, idx: u32) -> Vec<PoolId> {
+        self.record(idx)
+            .and_then(|r| self.layouts.get(r.layout as usize).cloned())
+            .unwrap_or_default()
+    }
+
+    fn make_evictable(&mut self, idx: u32) {
+        let queued = self.record(idx).is_none_or(|r| {
+            r.flags & FLAG_QUEUED != 0 || r.claims != 0 || r.state != Residency::Ready
+        });
+        if queued {
+            return;
+        }
+        match self.policy.order() {
+            EvictionOrder::LeastRecentlyUsed | EvictionOrder::Insertion => self.list_push_back(idx),
+            EvictionOrder::Scored => {
+                let Some(meta) = self.meta(idx) else { return };
+                let previous = self.scores.get(&idx).copied();
+                match self.policy.eviction_score(&meta) {
+                    Ok(Some(score)) => {
+                        let bits = ordered_bits(score);
+                        self.scores.insert(idx, bits);
+                        self.scored.insert((bits, meta.inserted_seq, idx));
+                    }
+                    Ok(None) => {
+                        if let Some(r) = self.record_mut(idx) {
+                            r.flags |= FLAG_UNSCORED;
+                        }
+                    }
+                    Err(()) => {
+                        let bits = previous.unwrap_or(ordered_bits(0.0));
+                        self.scores.insert(idx, bits);
+                        self.scored.insert((bits, meta.inserted_seq, idx));
+                    }
+                }
+            }
+        }
+        if let Some(r) = self.record_mut(idx) {
+            r.flags |= FLAG_QUEUED;
+        }
+        for pool in self.pools_of(idx) {
+            if let Some(p) = self.pools.get_mut(pool.0 as usize) {
+                p.evictable += 1;
+            }
+        }
+    }
+
+    fn dequeue(&mut self, idx: u32) {
+        let Some(r) = self.record(idx) else { return };
+        if r.flags & FLAG_QUEUED == 0 {
+            return;
+        }
+        match self.policy.order() {
+            EvictionOrder::LeastRecentlyUsed | EvictionOrder::Insertion => self.list_unlink(idx),
+            EvictionOrder::Scored => {
+                let seq = r.seq;
+                if let Some(bits) = self.scores.remove(&idx) {
+                    self.scored.remove(&(bits, seq, idx));
+                }
+            }
+        }
+        if let Some(r) = self.record_mut(idx) {
+            r.flags &= !(FLAG_QUEUED | FLAG_UNSCORED);
+        }
+        for pool in self.pools_of(idx) {
+            if let Some(p) = self.pools.get_mut(pool.0 as usize) {
+                p.evictable = p.evictable.saturating_sub(1);
+            }
+        }
+    }
+
+    fn list_push_back(&mut self, idx: u32) {
+        let tail = self.queue_tail;
+        if let Some(r) = self.records.get_mut(idx as usize) {
+            r.prev = tail;
+            r.next = NIL;
+        }
+        match self.records.get_mut(tail as usize) {
+            Some(t) => t.next = idx,
+            None => self.queue_head = idx,
+        }
+        self.queue_tail = idx;
+    }
+
+    fn list_unlink(&mut self, idx: u32) {
+        let Some(r) = self.records.get(idx as usize) else {
+            return;
+        };
+        let (prev, next) = (r.prev, r.next);
+        match self.records.get_mut(prev as usize) {
+            Some(p) => p.next = next,
+            None => self.queue_head = next,
+        }
+        match self.records.get_mut(next as usize) {
+            Some(n) => n.prev = prev,
+            None => self.queue_tail = prev,
+        }
+        if let Some(r) = self.records.get_mut(idx as usize) {
+            r.prev = NIL;
+            r.next = NIL;
+        }
+    }
+
+    /// Eviction candidates in order (without changing anything).
+    fn candidates(&self) -> Vec<u32> {
+        match self.policy.order() {
+            EvictionOrder::LeastRecentlyUsed | EvictionOrder::Insertion => {
+                let mut out = Vec::new();
+                let mut at = self.queue_head;
+                while let Some(r) = self.records.get(at as usize) {
+                    out.push(at);
+                    at = r.next;
+                }
+                out
+            }
+            EvictionOrder::Scored => self.scored.iter().map(|(_, _, idx)| *idx).collect(),
+        }
+    }
+
+    /// Scored policies: pages the policy left unscored get another chance
+    /// when space is needed.
+    fn rescore_unscored(&mut self) {
+        if self.policy.order() != EvictionOrder::Scored {
+            return;
+        }
+        let unscored: Vec<u32> = self
+            .records
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.state == Residency::Ready && r.flags & FLAG_UNSCORED != 0)
+            .map(|(i, _)| i as u32)
+            .collect();
+        for idx in unscored {
+            if let Some(r) = self.record_mut(idx) {
+                r.flags &= !(FLAG_QUEUED | FLAG_UNSCORED);
+            }
+            for pool in self.pools_of(idx) {
+                if let Some(p) = self.pools.get_mut(pool.0 as usize) {
+                    p.evictable = p.evictable.saturating_sub(1);
+                }
+            }
+            self.make_evictable(idx);
+        }
+    }
+
+    /// Takes one slot per pool of `layout`, evicting READY unclaimed pages if
+    /// needed. Evicts nothing unless the whole allocation can succeed.
+    fn allocate(&mut self, _now: u64, layout: u16, protected: &[ScopedKey]) -> Option<SlotList> {
+        let pools = self.layouts.get(layout as usize)?.clone();
+        let mut need: HashMap<PoolId, u32> = HashMap::new();
+        for p in &pools {
+            *need.entry(*p).or_default() += 1;
+        }
+        let mut short: HashMap<PoolId, u32> = need
+            .iter()
+            .filter_map(|(p, n)| {
+                let free = self
+                    .pools
+                    .get(p.0 as usize)
+                    .map_or(0, |s| s.free.len() as u32);
+                (free < *n).then(|| (*p, n - free))
+            })
+            .collect();
+        if !short.is_empty() {
+            self.rescore_unscored();
+            let mut victims = Vec::new();
+            for idx in self.candidates() {
+                if short.is_empty() {
+                    break;
+                }
+                let Some(r) = self.record(idx) else { continue };
+                if protected.contains(&r.key) {
+                    continue;
+                }
+                let its_pools = self.pools_of(idx);
+                if !its_pools.iter().any(|p| short.contains_key(p)) {
+                    continue;
+                }
+                let Some(meta) = self.meta(idx) else { continue };
+                if self.policy.decide_eviction(&meta) == EvictionDecision::Keep {
+                    continue;
+                }
+                victims.push(idx);
+                for p in its_pools {
+                    if let Some(n) = short.get_mut(&p) {
+                        *n -= 1;
+                        if *n == 0 {
+                            short.remove(&p);
+                        }
+                    }
+                }
+            }
+            self.counters.policy_faults = self.policy.faults;
+            if !short.is_empty() {
+                return None;
+            }
+            let mut removed = Vec::with_capacity(victims.len());
+            for idx in victims {
+                if let Some(r) = self.record(idx) {
+                    removed.push(r.key);
+                }
+                self.dequeue(idx);
+                // Removed events for the whole batch go out together below.
+                if let Some(r) = self.records.get_mut(idx as usize) {
+                    r.flags &= !FLAG_RETIRE;
+                }
+                self.evict_quietly(idx);
+                self.counters.evictions += 1;
+            }
+            self.publish_removed(&removed);
+        }
+        let mut slots = Vec::with_capacity(pools.len());
+        for p in &pools {
+            slots.push(self.pools.get_mut(p.0 as usize)?.free.pop_front()?);
+        }
+        Some(SlotList::from_vec(slots))
+    }
+
+    /// Frees a READY record without publishing (the caller batches `Removed`).
+    fn evict_quietly(&mut self, idx: u32) {
+        let Some(r) = self.record(idx) else { return };
+        let layout = r.layout;
+        let slots = r.slots.to_vec();
+        self.transition(idx, Residency::Vacant, "evict");
+        if let Some(pools) = self.layouts.get(layout as usize).cloned() {
+            for (pool, slot) in pools.iter().zip(slots) {
+                if let Some(p) = self.pools.get_mut(pool.0 as usize) {
+                    p.free.push_back(slot);
+                }
+            }
+        }
+        self.free_records.push(idx);
+    }
+
+    // ------------------------------------------------------------ events
+
+    fn scope(&self, namespace: NamespaceId) -> InventoryScope {
+        InventoryScope {
+            owner: Owner::Kvcr,
+            namespace,
+            medium: self.medium,
+        }
+    }
+
+    fn publish_stored(&mut self, stored: &[(u32, Option<PageInfo>)]) {
+        for (idx, page) in stored {
+            let Some(r) = self.record(*idx) else { continue };
+            let key = r.key;
+            let lora_name = self
+                .namespaces
+                .get(&key.namespace)
+                .and_then(|n| n.lora_name.clone());
+            let (parent, token_ids) = match page {
+                Some(p) => (p.parent, p.token_ids.clone()),
+                None => (None, Vec::new()),
+            };
+            let event = InventoryEvent::Stored {
+                scope: self.scope(key.namespace),
+                keys: vec![key.key],
+                parent,
+                block_size: u32::try_from(token_ids.len()).unwrap_or(u32::MAX),
+                token_ids,
+                lora_name,
+            };
+            let merge = self
+                .events
+                .last()
+                .is_some_and(|last| last.can_merge(&event));
+            match (merge, self.events.last_mut(), event) {
+                (
+                    true,
+                    Some(InventoryEvent::Stored {
+                        keys, token_ids, ..
+                    }),
+                    InventoryEvent::Stored {
+                        keys: more_keys,
+                        token_ids: more_tokens,
+                        ..
+                    },
+                ) => {
+                    keys.extend(more_keys);
+                    token_ids.extend(more_tokens);
+                }
+                (_, _, event) => self.events.push(event),
+            }
+        }
+    }
+
+    fn publish_removed(&mut self, keys: &[ScopedKey]) {
+        let mut by_namespace: BTreeMap<NamespaceId, Vec<crate::key::BlockKey>> = BTreeMap::new();
+        for key in keys {
+            by_namespace.entry(key.namespace).or_default().push(key.key);
+        }
+        for (namespace, keys) in by_namespace {
+            self.events.push(InventoryEvent::Removed {
+                scope: self.scope(namespace),
+                keys,
+            });
+        }
+    }
+
+    // ------------------------------------------------------------ pressure
+
+    /// Edge-triggered capacity signal: a pool whose reclaimable slots (free +
+    /// evictable) newly drop below its watermark is reported once, until it
+    /// recovers.
+    fn check_pressure(&mut self) {
+        for (i, p) in self.pools.iter_mut().enumerate() {
+            if p.watermark == 0 {
+                continue;
+            }
+            let reclaimable = p.free.len() as u32 + p.evictable;
+            if reclaimable < p.watermark {
+                if !p.pressured {
+                    p.pressured = true;
+                    self.capacity_signals.push((PoolId(i as u16), p.watermark));
+                }
+            } else {
+                p.pressured = false;
+            }
+        }
+    }
+
+    // ------------------------------------------------------------ draining
+
+    /// The next action for the driver.
+    #[must_use]
+    pub(crate) fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// Completed operations, in completion order.
+    pub(crate) fn drain_completed(&mut self, out: &mut Vec<OpResult>) {
+        out.append(&mut self.completed);
+    }
+
+    /// Inventory events, in order.
+    pub(crate) fn drain_events(&mut self) -> std::vec::Drain<'_, InventoryEvent> {
+        self.events.drain(..)
+    }
+
+    /// Pools that newly crossed their watermark.
+    pub(crate) fn drain_capacity_signals(&mut self) -> Vec<(PoolId, u32)> {
+        std::mem::take(&mut self.capacity_signals)
+    }
+
+    // ------------------------------------------------------------ stats
+
+    pub(crate) fn jobs_in_flight(&self) -> usize {
+        self.jobs.len()
+    }
+
+    pub(crate) fn public_claims(&self) -> usize {
+        self.claims.len()
+    }
+
+    pub(crate) fn ops_in_flight(&self) -> usize {
+        self.ops.len()
+    }
+
+    pub(crate) fn counters(&self) -> CoreCounters {
+        let mut c = self.counters;
+        c.policy_faults = self.policy.faults;
+        c
+    }
+
+    pub(crate) fn policy_name(&self) -> String {
+        self.policy.name()
+    }
+
+    pub(crate) fn pool_stats(&self) -> Vec<PoolStats> {
+        self.pools
+            .iter()
+            .map(|p| PoolStats {
+                name: p.name.clone(),
+                block_size: p.block_size,
+                total_slots: p.total,
+                free_slots: p.free.len() as u32,
+                evictable_slots: p.evictable,
+            })
+            .collect()
+    }
+
+    pub(crate) fn state_counts(&self) -> (usize, usize, usize) {
+        let mut counts = (0, 0, 0);
+        for e in self.index.values() {
+            match e.state {
+                Residency::Ready => counts.0 += 1,
+                Residency::Filling => counts.1 += 1,
+                Residency::Discarding => counts.2 += 1,
+                Residency::Vacant => {}
+            }
+        }
+        counts
+    }
+
+    /// Checks the structural invariants (used by the property tests after
+    /// every step). Returns a description of the first violation.
+    pub(crate) fn check_invariants(&self) -> std::result::Result<(), String> {
+        let mut owned: HashMap<(u16, u32), ScopedKey> = HashMap::new();
+        for (key, entry) in &self.index {
+            let r = self
+                .records
+                .get(entry.record as usize)
+                .ok_or("index points past records")?;
+            if r.key != *key || r.state != entry.state {
+                return Err(format!("index and record disagree for {key:?}"));
+            }
+            let queued = r.flags & FLAG_QUEUED != 0;
+            if queued && (r.claims != 0 || r.state != Residency::Ready) {
+                return Err(format!(
+                    "{key:?} is queued for eviction while claimed or not READY"
+                ));
+            }
+            let pools = self.layouts.get(r.layout as usize).ok_or("bad layout")?;
+            for (i, pool) in pools.iter().enumerate() {
+                let slot = r.slots.get(i).ok_or("missing slot")?;
+                if let Some(other) = owned.insert((pool.0, slot), *key) {
+                    return Err(format!(
+                        "slot {pool:?}/{slot} owned by {other:?} and {key:?}"
+                    ));
+                }
+                if self
+                    .pools
+                    .get(pool.0 as usize)
+                    .is_some_and(|p| p.free.contains(&slot))
+                {
+                    return Err(format!("slot {pool:?}/{slot} of {key:?} is also free"));
+                }
+            }
+        }
+        for (i, p) in self.pools.iter().enumerate() {
+            let used = owned.keys().filter(|(pool, _)| *pool as usize == i).count();
+            if used + p.free.len() != p.total as usize {
+                return Err(format!(
+                    "pool {i}: {used} used + {} free != {}",
+                    p.free.len(),
+                    p.total
+                ));
+            }
+        }
+        for (handle, record) in &self.claims {
+            let r = self
+                .record(*record)
+                .ok_or_else(|| format!("claim {handle:?} on a vacant record"))?;
+            if r.state != Residency::Ready || r.claims == 0 {
+                return Err(format!(
+                    "claim {handle:?} on {:?} in {:?} with {} claims",
+                    r.key, r.state, r.claims
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+impl Core {
+    /// Keys of `op` that have no result yet.
+    pub(crate) fn pending_keys(&self, op: OpHandle) -> Vec<ScopedKey> {
+        self.ops
+            .get(&op)
+            .map(|o| {
+                o.entries
+                    .iter()
+                    .filter(|e| e.result.is_none())
+                    .map(|e| e.key)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Drives the lifecycle check with a transition the core never makes.
+    pub(crate) fn force_transition_for_test(&mut self, key: &ScopedKey) {
+        if let Some(entry) = self.index.get(key).copied() {
+            let state = entry.state;
+            self.transition(entry.record, state, "test");
+        }
+    }
+}
+
+#[cold]
+#[allow(clippy::panic)]
+fn lifecycle_violation(
+    key: ScopedKey,
+    from: Residency,
+    to: Residency,
+    site: &str,
+    claims: u32,
+) -> ! {
+    // Test and debug builds only: an illegal transition is a bug in the core,
+    // and continuing would hide it.
+    panic!(
+        "illegal residency transition for {key:?}: {from:?} -> {to:?} at {site} ({claims} claims)"
+    )
+}

@@ -1,0 +1,707 @@
+//! The rank-local runner: KVCR-owned DRAM, the block index, claims, eviction
+//! and local data movement.
+//!
+//! [`Runner`] is the driver around a sans-I/O core (`core`): the core decides
+//! (index, residencies, claims, eviction, deadlines, inventory); the driver owns
+//! the DRAM pools and a copy thread and executes the core's copy actions.
+//!
+//! ```text
+//!  caller ── deposit / fetch / deliver / release / abort ──► Core ──► Action::Copy ──► copy thread
+//!    ▲                                                        ▲                          │
+//!    └──────────── poll_completed / wait_completed ◄──────────┴──── copy outcomes ◄──────┘
+//! ```
+//!
+//! Addressing is by registered region plus element index: the engine registers
+//! its host (or pinned) regions with [`Runner::register_region`], labelled by
+//! pool name, and names memory only as [`ElementRef`]s.
+//!
+//! Completion semantics: an operation completes once every key has a result and
+//! every copy it started is terminal, so after a deposit completes its source
+//! buffers may be reused, and after a deliver completes its destinations hold
+//! the bytes (for `Success` keys).
+
+pub mod policy;
+
+#[allow(unsafe_code)]
+mod copy;
+mod core;
+#[allow(unsafe_code)]
+mod memory;
+mod region;
+#[cfg(test)]
+mod tests;
+
+use std::time::{Duration, Instant};
+
+use self::core::{Action, Core, CoreConfig};
+pub use self::core::{CoreCounters, KVCR_REGION_PREFIX, MAX_SPANS_PER_KEY};
+pub use self::memory::CopySpan;
+use self::memory::DramPool;
+pub use self::policy::CachePolicy;
+pub use self::region::{MAX_REGION_ELEMENTS, MAX_REGION_LABEL, RegionDesc};
+use crate::error::{Error, Result, RunnerReason};
+use crate::incarnation::Incarnation;
+use crate::key::{BlockKey, Namespace, NamespaceId, ScopedKey};
+use crate::protocol::{ElementRef, OpHandle, RegionId};
+use crate::tier::{InventorySink, Medium, Tier};
+
+/// Bytes of KVCR DRAM currently allocated by all runners in this process
+/// (a leak check: it returns to its old value after a runner is closed or a
+/// startup fails).
+pub fn process_pool_bytes() -> u64 {
+    memory::live_pool_bytes()
+}
+
+/// Index of a configured pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PoolId(pub u16);
+
+/// A public claim on a resident page (from `fetch` or a `no_evict` deposit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ReleaseHandle(pub u64);
+
+/// One KVCR DRAM pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// The pool's name; framework regions are labelled `name` or `name:part`.
+    pub name: String,
+    /// Bytes per block (one slot holds one span of one page).
+    pub block_size: u64,
+    /// Number of blocks.
+    pub blocks: u32,
+}
+
+/// Runner configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunnerConfig {
+    /// The pools, in layout order.
+    pub pools: Vec<PoolConfig>,
+    /// Budget of one operation, measured from its start (default 1 s).
+    pub operation_timeout: Duration,
+    /// Percent of a pool's slots below which reclaimable space raises
+    /// `capacity_needed` (0 disables it, the default).
+    pub capacity_low_watermark_percent: u8,
+    /// The medium KVCR DRAM is published under (default `CPU_PINNED`).
+    pub medium: Medium,
+    /// Touch every pool page at startup so the first copies run at full speed.
+    pub prefault: bool,
+}
+
+impl Default for RunnerConfig {
+    fn default() -> Self {
+        Self {
+            pools: Vec::new(),
+            operation_timeout: Duration::from_secs(1),
+            capacity_low_watermark_percent: 0,
+            medium: Medium::CpuPinned,
+            prefault: true,
+        }
+    }
+}
+
+/// Largest single pool (bytes).
+pub const MAX_POOL_BYTES: u64 = 1 << 46;
+
+impl RunnerConfig {
+    /// A one-pool configuration.
+    pub fn single_pool(name: &str, block_size: u64, blocks: u32) -> Self {
+        Self {
+            pools: vec![PoolConfig {
+                name: name.to_owned(),
+                block_size,
+                blocks,
+            }],
+            ..Self::default()
+        }
+    }
+
+    /// Checks every bound.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field, why| Err(Error::runner(RunnerReason::Config { field, why }));
+        if self.pools.is_empty() {
+            return bad("pools", "at least one pool is required");
+        }
+        if self.pools.len() > usize::from(u16::MAX) {
+            return bad("pools", "too many pools");
+        }
+        for (i, pool) in self.pools.iter().enumerate() {
+            if pool.block_size == 0 {
+                return bad("pools.block_size", "must be at least 1 byte");
+            }
+            if pool.blocks == 0 || u64::from(pool.blocks) > MAX_REGION_ELEMENTS {
+                return bad("pools.blocks", "must be in 1..=2^31");
+            }
+            if pool
+                .block_size
+                .checked_mul(u64::from(pool.blocks))
+                .is_none_or(|b| b > MAX_POOL_BYTES)
+            {
+                return bad("pools", "block_size * blocks exceeds 64 TiB");
+            }
+            let name_ok = !pool.name.is_empty()
+                && pool.name.len() <= MAX_REGION_LABEL - KVCR_REGION_PREFIX.len()
+                && pool
+                    .name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+            if !name_ok {
+                return bad("pools.name", "must be 1..=54 of [A-Za-z0-9_.-]");
+            }
+            if self.pools.iter().take(i).any(|p| p.name == pool.name) {
+                return Err(Error::runner(RunnerReason::DuplicatePool(
+                    crate::error::Echo::new(&pool.name),
+                )));
+            }
+        }
+        if self.operation_timeout.is_zero() {
+            return bad("operation_timeout", "must be positive");
+        }
+        if self.capacity_low_watermark_percent > 100 {
+            return bad("capacity_low_watermark_percent", "must be in 0..=100");
+        }
+        Ok(())
+    }
+}
+
+/// A deposit entry: a key and the framework elements holding its spans.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DepositEntry {
+    /// The page.
+    pub key: ScopedKey,
+    /// Its spans, in layout order.
+    pub spans: Vec<ElementRef>,
+    /// What to publish when it is stored (tokens and parent for KV events).
+    pub page: Option<PageInfo>,
+}
+
+/// What inventory events need to know about a page.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PageInfo {
+    /// The key of the page before it in the request, if any.
+    pub parent: Option<BlockKey>,
+    /// The page's real tokens.
+    pub token_ids: Vec<u32>,
+}
+
+/// A deliver entry: a key and the framework elements to copy it into.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeliverEntry {
+    /// The page.
+    pub key: ScopedKey,
+    /// Destination elements, in layout order.
+    pub destinations: Vec<ElementRef>,
+}
+
+/// `query`'s answer for one key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueryStatus {
+    /// READY in KVCR DRAM.
+    Hit,
+    /// Being filled into KVCR DRAM.
+    Fetching,
+    /// Not here, but a source for it is known (a hinted peer).
+    Fetchable(Tier),
+    /// Not known.
+    Miss,
+}
+
+/// Why a key failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailReason {
+    /// The stored layout differs from the one asked for.
+    LayoutMismatch,
+    /// The residency is being discarded.
+    Discarding,
+    /// No resident copy and no source for one.
+    NoSource,
+    /// No slots, even after evicting every evictable page.
+    CapacityExhausted,
+    /// The operation's deadline passed first.
+    Timeout,
+    /// Aborted by the caller (or its copy was cancelled).
+    Aborted,
+}
+
+/// Per-key outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EntryStatus {
+    /// Done.
+    Success,
+    /// The policy declined to store it.
+    Dropped,
+    /// Failed, with the reason.
+    Failed(FailReason),
+}
+
+/// The result for one key of an operation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryResult {
+    /// Outcome.
+    pub status: EntryStatus,
+    /// A claim to release later (fetch, `no_evict` deposit).
+    pub release: Option<ReleaseHandle>,
+    /// For fetch: the KVCR DRAM elements holding the page (valid while claimed).
+    pub slots: Vec<ElementRef>,
+}
+
+impl EntryResult {
+    pub(crate) fn success(release: Option<ReleaseHandle>, slots: Vec<ElementRef>) -> Self {
+        Self {
+            status: EntryStatus::Success,
+            release,
+            slots,
+        }
+    }
+
+    pub(crate) fn failed(reason: FailReason) -> Self {
+        Self {
+            status: EntryStatus::Failed(reason),
+            release: None,
+            slots: Vec::new(),
+        }
+    }
+
+    pub(crate) fn dropped() -> Self {
+        Self {
+            status: EntryStatus::Dropped,
+            release: None,
+            slots: Vec::new(),
+        }
+    }
+
+    /// Whether the key succeeded.
+    pub fn is_success(&self) -> bool {
+        self.status == EntryStatus::Success
+    }
+}
+
+/// A completed operation: one result per key, in call order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpResult {
+    /// The operation.
+    pub op: OpHandle,
+    /// Key and result, in the order given.
+    pub entries: Vec<(ScopedKey, EntryResult)>,
+}
+
+/// One pool's occupancy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Pool name.
+    pub name: String,
+    /// Bytes per block.
+    pub block_size: u64,
+    /// Slots in all.
+    pub total_slots: u32,
+    /// Free slots.
+    pub free_slots: u32,
+    /// Slots of READY unclaimed pages.
+    pub evictable_slots: u32,
+}
+
+/// A snapshot of the runner's state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunnerStats {
+    /// The policy's name.
+    pub policy: String,
+    /// READY pages.
+    pub ready: usize,
+    /// FILLING pages.
+    pub filling: usize,
+    /// DISCARDING pages.
+    pub discarding: usize,
+    /// Live public claims.
+    pub public_claims: usize,
+    /// Operations not yet completed.
+    pub ops_in_flight: usize,
+    /// Copy jobs not yet terminal.
+    pub copies_in_flight: usize,
+    /// Per pool.
+    pub pools: Vec<PoolStats>,
+    /// Counters.
+    pub counters: CoreCounters,
+}
+
+/// Startup stages, in order (named in startup errors).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum StartupStage {
+    Validate,
+    AllocatePools,
+    BuildCore,
+    StartCopyEngine,
+}
+
+impl StartupStage {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Validate => "validate configuration",
+            Self::AllocatePools => "allocate pools",
+            Self::BuildCore => "build core",
+            Self::StartCopyEngine => "start copy engine",
+        }
+    }
+}
+
+type CapacityCallback = Box<dyn FnMut(&[(PoolId, u32)]) + Send>;
+
+/// The rank-local runner.
+///
+/// Drop order is load-bearing: `copy` is declared first, so dropping a runner
+/// stops and joins the copy thread before `pools` (declared after it) free
+/// the memory the thread copies into and out of.
+pub struct Runner {
+    copy: copy::CopyEngine,
+    core: Core,
+    pools: Vec<DramPool>,
+    sink: Option<Box<dyn InventorySink>>,
+    capacity_needed: Option<CapacityCallback>,
+    epoch: Instant,
+    incarnation: Incarnation,
+    completed: Vec<OpResult>,
+}
+
+impl std::fmt::Debug for Runner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runner")
+            .field("incarnation", &self.incarnation)
+            .field("core", &self.core)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Runner {
+    /// Starts a runner: validates the configuration, allocates (and by default
+    /// pre-faults) the pools, and starts the copy thread. All or nothing: a
+    /// failure at any stage releases what earlier stages acquired, and the
+    /// error names the stage.
+    pub fn start(config: RunnerConfig, policy: Option<Box<dyn CachePolicy>>) -> Result<Self> {
+        Self::start_staged(config, policy, None)
+    }
+
+    pub(crate) fn start_staged(
+        config: RunnerConfig,
+        policy: Option<Box<dyn CachePolicy>>,
+        fail_at: Option<StartupStage>,
+    ) -> Result<Self> {
+        let fail = |stage: StartupStage, cause: Error| {
+            Error::runner(RunnerReason::Startup {
+                stage: stage.name(),
+                retained: false,
+                cause: Box::new(cause),
+            })
+        };
+        let injected = |stage: StartupStage| -> Result<()> {
+            if fail_at == Some(stage) {
+                Err(fail(
+                    stage,
+                    Error::runner(RunnerReason::Config {
+                        field: "fault injection",
+                        why: "injected startup failure",
+                    }),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        injected(StartupStage::Validate)?;
+        config
+            .validate()
+            .map_err(|e| fail(StartupStage::Validate, e))?;
+
+        // Each stage's resources are owned by locals here; returning early drops
+        // them in reverse order, which is the release the contract asks for.
+        let mut pools = Vec::with_capacity(config.pools.len());
+        for pool in &config.pools {
+            let bytes = pool.block_size * u64::from(pool.blocks);
+            pools.push(
+                DramPool::allocate(bytes, config.prefault)
+                    .map_err(|e| fail(StartupStage::AllocatePools, e))?,
+            );
+        }
+        injected(StartupStage::AllocatePools)?;
+
+        let timeout_ns = u64::try_from(config.operation_timeout.as_nanos()).unwrap_or(u64::MAX);
+        let core_config = CoreConfig {
+            pools: config
+                .pools
+                .iter()
+                .map(|p| (p.name.clone(), p.block_size, p.blocks))
+                .collect(),
+            pool_bases: pools.iter().map(DramPool::base).collect(),
+            operation_timeout_ns: timeout_ns,
+            watermark_percent: config.capacity_low_watermark_percent,
+            medium: config.medium,
+        };
+        debug_assert!(
+            pools
+                .iter()
+                .zip(&config.pools)
+                .all(|(p, c)| p.len() >= c.block_size * u64::from(c.blocks))
+        );
+        let core = Core::new(
+            &core_config,
+            policy.unwrap_or_else(|| Box::new(policy::Lru)),
+        )
+        .map_err(|e| fail(StartupStage::BuildCore, e))?;
+        injected(StartupStage::BuildCore)?;
+
+        let copy = copy::CopyEngine::start().map_err(|e| fail(StartupStage::StartCopyEngine, e))?;
+        injected(StartupStage::StartCopyEngine)?;
+
+        #[allow(clippy::disallowed_methods)]
+        let epoch = Instant::now();
+        Ok(Self {
+            copy,
+            core,
+            pools,
+            sink: None,
+            capacity_needed: None,
+            epoch,
+            incarnation: Incarnation::generate(),
+            completed: Vec::new(),
+        })
+    }
+
+    /// Sends inventory events (owner KVCR, tier KVCR DRAM) to `sink`.
+    pub fn set_inventory_sink(&mut self, sink: Box<dyn InventorySink>) {
+        self.sink = Some(sink);
+    }
+
+    /// Calls `callback` with `(pool, watermark slots)` when pools newly drop
+    /// below their low watermark (edge-triggered).
+    pub fn set_capacity_needed(&mut self, callback: CapacityCallback) {
+        self.capacity_needed = Some(callback);
+    }
+
+    /// This runner's incarnation.
+    pub fn incarnation(&self) -> Incarnation {
+        self.incarnation
+    }
+
+    /// Registers a framework region (`label` is `pool` or `pool:part`; its
+    /// element size must equal the pool's block size).
+    ///
+    /// # Safety
+    /// `desc.base .. desc.base + extent` must be valid for reads and writes until
+    /// the runner is closed or dropped, and the caller must not access an
+    /// element named by an operation until that operation has completed.
+    #[allow(unsafe_code)]
+    pub unsafe fn register_region(&mut self, desc: RegionDesc) -> Result<RegionId> {
+        self.core.register_region(desc)
+    }
+
+    /// The id of a registered region.
+    pub fn region(&self, label: &str) -> Option<RegionId> {
+        self.core.region_by_label(label)
+    }
+
+    /// Registers a namespace so its keys can be used and its LoRA name published.
+    pub fn register_namespace(&mut self, namespace: Namespace) -> NamespaceId {
+        self.core.register_namespace(namespace)
+    }
+
+    /// A pool by name.
+    pub fn pool(&self, name: &str) -> Option<PoolId> {
+        self.core.pool_id(name)
+    }
+
+    fn now(&self) -> u64 {
+        #[allow(clippy::disallowed_methods)]
+        let elapsed = self.epoch.elapsed();
+        u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Copies framework elements into KVCR DRAM. With `no_evict`, each stored
+    /// key also gets a claim (release it later). Validation errors refuse the
+    /// whole call, unchanged.
+    pub fn deposit(&mut self, entries: Vec<DepositEntry>, no_evict: bool) -> Result<OpHandle> {
+        let now = self.now();
+        let op = self.core.deposit(now, entries, no_evict)?;
+        self.pump();
+        Ok(op)
+    }
+
+    /// Claims resident keys (deduplicated, in order) and returns their KVCR
+    /// elements; `layout` is the pools of one key's spans, in order.
+    pub fn fetch(&mut self, keys: &[ScopedKey], layout: &[PoolId]) -> Result<OpHandle> {
+        let now = self.now();
+        let op = self.core.fetch(now, keys, layout)?;
+        self.pump();
+        Ok(op)
+    }
+
+    /// Copies resident (or filling) keys into framework elements.
+    pub fn deliver(&mut self, entries: Vec<DeliverEntry>) -> Result<OpHandle> {
+        let now = self.now();
+        let op = self.core.deliver(now, entries)?;
+        self.pump();
+        Ok(op)
+    }
+
+    /// Releases public claims: `true` per live handle, `false` for unknown or
+    /// already released ones.
+    pub fn release(&mut self, handles: &[ReleaseHandle]) -> Vec<bool> {
+        let out = self.core.release(handles);
+        self.pump();
+        out
+    }
+
+    /// Best-effort abort (see the core's rules); `true` if anything changed.
+    pub fn abort(&mut self, op: OpHandle, keys: Option<&[ScopedKey]>) -> bool {
+        let changed = self.core.abort(op, keys);
+        self.pump();
+        changed
+    }
+
+    /// Residency of one key: no I/O, no allocation.
+    pub fn query(&self, key: &ScopedKey) -> QueryStatus {
+        self.core.query(key)
+    }
+
+    /// Residency of many keys into `out` (same length): no I/O, no allocation.
+    pub fn query_into(&self, keys: &[ScopedKey], out: &mut [QueryStatus]) {
+        for (key, slot) in keys.iter().zip(out.iter_mut()) {
+            *slot = self.core.query(key);
+        }
+    }
+
+    /// Reads span `span` of a claimed page.
+    #[allow(unsafe_code)]
+    pub fn read_claimed(&self, handle: ReleaseHandle, span: usize) -> Result<&[u8]> {
+        let refs = self
+            .core
+            .claimed_slot_refs(handle)
+            .ok_or(Error::runner(RunnerReason::UnknownClaim(handle.0)))?;
+        let element = refs
+            .get(span)
+            .ok_or(Error::runner(RunnerReason::LayoutMismatch))?;
+        let (addr, len) = self.core.resolve(*element)?;
+        // SAFETY: the element is a slot of a runner-owned pool (bounds-checked
+        // by `resolve`); the claim keeps the page READY, and READY slots are
+        // never written (fills write only FILLING slots) nor freed while
+        // claimed; `&self` keeps the runner (and its pools) alive for the borrow.
+        Ok(unsafe { memory::bytes_at(addr, len) })
+    }
+
+    /// Drains finished copies, expires deadlines, and returns completed
+    /// operations. Never blocks.
+    pub fn poll_completed(&mut self) -> Vec<OpResult> {
+        let done = self.copy.try_done();
+        self.absorb(done);
+        std::mem::take(&mut self.completed)
+    }
+
+    /// Like [`Self::poll_completed`], but waits up to `timeout` (or the next
+    /// deadline) for something to complete when nothing has yet.
+    pub fn wait_completed(&mut self, timeout: Duration) -> Vec<OpResult> {
+        let mut out = self.poll_completed();
+        if !out.is_empty() || self.core.jobs_in_flight() == 0 && self.core.next_deadline().is_none()
+        {
+            return out;
+        }
+        let until_deadline = self
+            .core
+            .next_deadline()
+            .map(|d| Duration::from_nanos(d.saturating_sub(self.now())));
+        let wait = until_deadline.map_or(timeout, |d| d.min(timeout));
+        let done = self.copy.wait_done(wait);
+        self.absorb(done);
+        out.append(&mut self.completed);
+        out
+    }
+
+    fn absorb(&mut self, done: Vec<copy::Done>) {
+        let now = self.now();
+        for d in done {
+            self.core.handle_copy_done(now, d.job, &d.outcomes);
+        }
+        self.core.handle_timeout(now);
+        self.pump();
+    }
+
+    /// Executes the core's actions and forwards events and signals.
+    fn pump(&mut self) {
+        while let Some(action) = self.core.poll_action() {
+            match action {
+                Action::Copy {
+                    job,
+                    deadline_ns,
+                    keys,
+                } => {
+                    let deadline = self.epoch + Duration::from_nanos(deadline_ns);
+                    if self.copy.submit(job, deadline, keys.clone()).is_err() {
+                        // The copy thread is gone (it only stops on drop): report
+                        // every key cancelled so nothing waits forever.
+                        let outcomes = vec![core::CopyOutcome::Cancelled; keys.len()];
+                        let now = self.now();
+                        self.core.handle_copy_done(now, job, &outcomes);
+                    }
+                }
+                Action::Cancel { job, key } => self.copy.cancel(job, key),
+            }
+        }
+        if let Some(sink) = self.sink.as_mut() {
+            for event in self.core.drain_events() {
+                sink.publish(&event);
+            }
+        } else {
+            self.core.drain_events().for_each(drop);
+        }
+        let signals = self.core.drain_capacity_signals();
+        if let (false, Some(callback)) = (signals.is_empty(), self.capacity_needed.as_mut()) {
+            callback(&signals);
+        }
+        self.core.drain_completed(&mut self.completed);
+    }
+
+    /// A snapshot of counts and counters.
+    pub fn stats(&self) -> RunnerStats {
+        let (ready, filling, discarding) = self.core.state_counts();
+        RunnerStats {
+            policy: self.core.policy_name(),
+            ready,
+            filling,
+            discarding,
+            public_claims: self.core.public_claims(),
+            ops_in_flight: self.core.ops_in_flight(),
+            copies_in_flight: self.core.jobs_in_flight(),
+            pools: self.core.pool_stats(),
+            counters: self.core.counters(),
+        }
+    }
+
+    /// Number of resident (READY, FILLING or DISCARDING) pages.
+    pub fn resident_blocks(&self) -> usize {
+        self.core.resident_blocks()
+    }
+
+    /// Checks the core's structural invariants (for tests and debugging).
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.core.check_invariants()
+    }
+
+    /// Shuts down. Refused (the runner is handed back unchanged) while copies
+    /// are in flight or public claims are held: memory someone may still touch
+    /// is never released.
+    pub fn close(mut self) -> std::result::Result<(), (Box<Self>, Error)> {
+        let _ = self.poll_completed();
+        let copies = self.core.jobs_in_flight();
+        if copies > 0 {
+            return Err((Box::new(self), Error::runner(RunnerReason::Busy(copies))));
+        }
+        let claims = self.core.public_claims();
+        if claims > 0 {
+            return Err((
+                Box::new(self),
+                Error::runner(RunnerReason::ClaimsOutstanding(claims)),
+            ));
+        }
+        drop(self);
+        Ok(())
+    }
+
+    /// Total bytes of KVCR DRAM this runner owns.
+    pub fn pool_bytes(&self) -> u64 {
+        self.pools.iter().map(DramPool::len).sum()
+    }
+}
