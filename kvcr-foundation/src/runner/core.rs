@@ -1365,7 +1365,16 @@ impl Core {
             return;
         }
         match self.policy.order() {
-            EvictionOrder::LeastRecentlyUsed | EvictionOrder::Insertion => self.list_push_back(idx),
+            EvictionOrder::LeastRecentlyUsed => self.list_push_back(idx),
+            // Insertion order survives a claim and release: the set is keyed by
+            // insertion sequence, so a re-queued page goes back to its place.
+            EvictionOrder::Insertion => {
+                let Some(seq) = self.record(idx).map(|r| r.seq) else {
+                    return;
+                };
+                self.scores.insert(idx, 0);
+                self.scored.insert((0, seq, idx));
+            }
             EvictionOrder::Scored => {
                 let Some(meta) = self.meta(idx) else { return };
                 let previous = self.scores.get(&idx).copied();
@@ -1404,8 +1413,8 @@ impl Core {
             return;
         }
         match self.policy.order() {
-            EvictionOrder::LeastRecentlyUsed | EvictionOrder::Insertion => self.list_unlink(idx),
-            EvictionOrder::Scored => {
+            EvictionOrder::LeastRecentlyUsed => self.list_unlink(idx),
+            EvictionOrder::Insertion | EvictionOrder::Scored => {
                 let seq = r.seq;
                 if let Some(bits) = self.scores.remove(&idx) {
                     self.scored.remove(&(bits, seq, idx));
@@ -1457,7 +1466,7 @@ impl Core {
     /// Eviction candidates in order (without changing anything).
     fn candidates(&self) -> Vec<u32> {
         match self.policy.order() {
-            EvictionOrder::LeastRecentlyUsed | EvictionOrder::Insertion => {
+            EvictionOrder::LeastRecentlyUsed => {
                 let mut out = Vec::new();
                 let mut at = self.queue_head;
                 while let Some(r) = self.records.get(at as usize) {
@@ -1466,7 +1475,9 @@ impl Core {
                 }
                 out
             }
-            EvictionOrder::Scored => self.scored.iter().map(|(_, _, idx)| *idx).collect(),
+            EvictionOrder::Insertion | EvictionOrder::Scored => {
+                self.scored.iter().map(|(_, _, idx)| *idx).collect()
+            }
         }
     }
 

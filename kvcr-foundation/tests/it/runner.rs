@@ -1,0 +1,825 @@
+//! The rank-local runner through its public API, with real memory and the real
+//! copy thread: the reference runtime's local-DRAM behaviours, bad input, and
+//! byte exactness.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvcr_foundation::error::RunnerReason;
+use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
+use kvcr_foundation::runner::policy::{BlockMeta, CachePolicy, EvictionOrder, IngestDecision};
+use kvcr_foundation::runner::{
+    DeliverEntry, DepositEntry, EntryStatus, FailReason, OpResult, PageInfo, PoolId, QueryStatus,
+    RegionDesc, ReleaseHandle, Runner, RunnerConfig, policy,
+};
+use kvcr_foundation::{
+    BlockKey, CompatDigest, InventoryEvent, InventorySink, Namespace, NamespaceId, ScopedKey,
+};
+use rstest::rstest;
+
+const BLOCK: usize = 4096;
+
+/// Engine-side host memory: `pages` blocks the runner reads from and writes to.
+struct Host {
+    buf: Vec<u8>,
+    region: RegionId,
+}
+
+impl Host {
+    fn new(runner: &mut Runner, label: &str, pages: usize) -> Self {
+        let mut buf = vec![0u8; pages * BLOCK];
+        // SAFETY: (test) `buf` lives in the returned Host, which every test
+        // keeps alive until after the runner is closed or dropped, and no test
+        // touches an element while an operation naming it is in flight.
+        let region = unsafe {
+            runner.register_region(RegionDesc {
+                label: label.into(),
+                base: buf.as_mut_ptr() as u64,
+                size: BLOCK as u64,
+                stride: 0,
+                count: pages as u64,
+            })
+        }
+        .unwrap();
+        Self { buf, region }
+    }
+
+    fn fill(&mut self, page: usize, seed: u64) {
+        for (i, b) in self.buf[page * BLOCK..(page + 1) * BLOCK]
+            .iter_mut()
+            .enumerate()
+        {
+            *b = (seed
+                .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                .wrapping_add(i as u64)
+                >> 7) as u8;
+        }
+    }
+
+    fn page(&self, page: usize) -> &[u8] {
+        &self.buf[page * BLOCK..(page + 1) * BLOCK]
+    }
+
+    fn at(&self, page: usize) -> ElementRef {
+        ElementRef {
+            region: self.region,
+            index: page as u64,
+        }
+    }
+}
+
+#[derive(Clone, Default)]
+struct SharedSink(Arc<Mutex<Vec<InventoryEvent>>>);
+
+impl InventorySink for SharedSink {
+    fn publish(&mut self, event: &InventoryEvent) {
+        self.0.lock().unwrap().push(event.clone());
+    }
+}
+
+impl SharedSink {
+    fn take(&self) -> Vec<InventoryEvent> {
+        std::mem::take(&mut self.0.lock().unwrap())
+    }
+}
+
+fn start(blocks: u32, policy: Option<Box<dyn CachePolicy>>) -> (Runner, NamespaceId, SharedSink) {
+    let mut runner = Runner::start(
+        RunnerConfig::single_pool("kv", BLOCK as u64, blocks),
+        policy,
+    )
+    .unwrap();
+    let ns = runner.register_namespace(Namespace::base(CompatDigest(7)));
+    let sink = SharedSink::default();
+    runner.set_inventory_sink(Box::new(sink.clone()));
+    (runner, ns, sink)
+}
+
+fn key(ns: NamespaceId, k: u64) -> ScopedKey {
+    ScopedKey {
+        namespace: ns,
+        key: BlockKey::from_u64(k),
+    }
+}
+
+/// Waits (bounded) until `op` completes and returns its result.
+fn wait(runner: &mut Runner, op: OpHandle) -> OpResult {
+    for _ in 0..1000 {
+        for result in runner.wait_completed(Duration::from_millis(50)) {
+            if result.op == op {
+                return result;
+            }
+        }
+    }
+    panic!("operation {op:?} did not complete");
+}
+
+fn statuses(result: &OpResult) -> Vec<EntryStatus> {
+    result.entries.iter().map(|(_, e)| e.status).collect()
+}
+
+fn deposit(
+    runner: &mut Runner,
+    host: &Host,
+    ns: NamespaceId,
+    pages: &[u64],
+    no_evict: bool,
+) -> OpResult {
+    let entries = pages
+        .iter()
+        .map(|p| DepositEntry {
+            key: key(ns, *p),
+            spans: vec![host.at(*p as usize)],
+            page: None,
+        })
+        .collect();
+    let op = runner.deposit(entries, no_evict).unwrap();
+    wait(runner, op)
+}
+
+fn deliver(runner: &mut Runner, ns: NamespaceId, pairs: &[(u64, ElementRef)]) -> OpResult {
+    let entries = pairs
+        .iter()
+        .map(|(k, dst)| DeliverEntry {
+            key: key(ns, *k),
+            destinations: vec![*dst],
+        })
+        .collect();
+    let op = runner.deliver(entries).unwrap();
+    wait(runner, op)
+}
+
+fn stored_keys(events: &[InventoryEvent]) -> Vec<(char, u64)> {
+    events
+        .iter()
+        .flat_map(|e| match e {
+            InventoryEvent::Stored { keys, .. } => keys.iter().map(|k| ('+', k.as_u64())).collect(),
+            InventoryEvent::Removed { keys, .. } => {
+                keys.iter().map(|k| ('-', k.as_u64())).collect()
+            }
+            InventoryEvent::AllCleared { .. } => vec![('!', 0)],
+        })
+        .collect()
+}
+
+#[test]
+fn deposit_then_deliver_is_byte_exact() {
+    let (mut runner, ns, _) = start(64, None);
+    let mut src = Host::new(&mut runner, "kv", 64);
+    let dst = Host::new(&mut runner, "kv:out", 64);
+    for p in 0..64 {
+        src.fill(p, p as u64 + 1);
+    }
+    let pages: Vec<u64> = (0..64).collect();
+    assert!(
+        deposit(&mut runner, &src, ns, &pages, false)
+            .entries
+            .iter()
+            .all(|(_, e)| e.is_success())
+    );
+    let pairs: Vec<(u64, ElementRef)> = pages
+        .iter()
+        .map(|p| (*p, dst.at(63 - *p as usize)))
+        .collect();
+    let result = deliver(&mut runner, ns, &pairs);
+    assert!(
+        result.entries.iter().all(|(_, e)| e.is_success()),
+        "{result:?}"
+    );
+    for p in 0..64 {
+        assert_eq!(dst.page(63 - p), src.page(p), "page {p}");
+    }
+    runner.check_invariants().unwrap();
+    runner.close().map_err(|(_, e)| e).unwrap();
+}
+
+/// Reference: a deposit deduplicates (a READY duplicate succeeds at once),
+/// eviction is FIFO under FIFO, inventory goes stored then removed.
+#[test]
+fn deposit_dedup_fifo_eviction_and_inventory() {
+    let (mut runner, ns, sink) = start(2, Some(Box::new(policy::Fifo)));
+    let mut host = Host::new(&mut runner, "kv", 8);
+    for p in 0..8 {
+        host.fill(p, p as u64);
+    }
+    assert_eq!(
+        statuses(&deposit(&mut runner, &host, ns, &[1, 1], false)),
+        vec![EntryStatus::Success; 2]
+    );
+    assert_eq!(
+        runner.stats().counters.committed,
+        1,
+        "the duplicate shared one copy"
+    );
+    assert_eq!(
+        statuses(&deposit(&mut runner, &host, ns, &[1], false)),
+        vec![EntryStatus::Success]
+    );
+    deposit(&mut runner, &host, ns, &[2], false);
+    deposit(&mut runner, &host, ns, &[3], false);
+    assert_eq!(
+        runner.query(&key(ns, 1)),
+        QueryStatus::Miss,
+        "FIFO evicts the oldest"
+    );
+    assert_eq!(runner.query(&key(ns, 2)), QueryStatus::Hit);
+    assert_eq!(runner.query(&key(ns, 3)), QueryStatus::Hit);
+    assert_eq!(
+        stored_keys(&sink.take()),
+        vec![('+', 1), ('+', 2), ('-', 1), ('+', 3)]
+    );
+}
+
+/// Contract case 49: FIFO and LRU pick different victims after an access.
+#[rstest]
+#[case::lru("lru", 2)]
+#[case::fifo("fifo", 1)]
+fn eviction_order(#[case] name: &str, #[case] victim: u64) {
+    let (mut runner, ns, _) = start(2, policy::builtin(name));
+    let mut host = Host::new(&mut runner, "kv", 8);
+    let out = Host::new(&mut runner, "kv:out", 8);
+    host.fill(1, 1);
+    deposit(&mut runner, &host, ns, &[1, 2], false);
+    // Access page 1 (a deliver reads it): LRU now prefers to evict 2.
+    assert!(
+        deliver(&mut runner, ns, &[(1, out.at(0))]).entries[0]
+            .1
+            .is_success()
+    );
+    deposit(&mut runner, &host, ns, &[3], false);
+    assert_eq!(
+        runner.query(&key(ns, victim)),
+        QueryStatus::Miss,
+        "{name} evicts {victim}"
+    );
+    assert_eq!(runner.query(&key(ns, 3 - victim)), QueryStatus::Hit);
+    assert_eq!(runner.stats().policy, name);
+}
+
+#[test]
+fn unknown_policy_name_is_none() {
+    assert!(policy::builtin("mru").is_none());
+}
+
+struct DropOdd;
+impl CachePolicy for DropOdd {
+    fn name(&self) -> &str {
+        "drop-odd"
+    }
+    fn order(&self) -> EvictionOrder {
+        EvictionOrder::Scored
+    }
+    fn decide_ingest(&mut self, meta: &BlockMeta, _required_local: bool) -> IngestDecision {
+        if meta.key.key.as_u64() % 2 == 1 {
+            IngestDecision::Drop
+        } else {
+            IngestDecision::Keep
+        }
+    }
+    fn eviction_score(&mut self, meta: &BlockMeta) -> Option<f64> {
+        Some(-(meta.key.key.as_u64() as f64))
+    }
+}
+
+/// Admission DROP gives Dropped, except for no_evict deposits; a scored
+/// policy evicts the lowest score first.
+#[test]
+fn admission_drop_and_scored_eviction() {
+    let (mut runner, ns, _) = start(2, Some(Box::new(DropOdd)));
+    let host = Host::new(&mut runner, "kv", 16);
+    assert_eq!(
+        statuses(&deposit(&mut runner, &host, ns, &[1, 2], false)),
+        vec![EntryStatus::Dropped, EntryStatus::Success]
+    );
+    let kept = deposit(&mut runner, &host, ns, &[3], true);
+    assert_eq!(
+        statuses(&kept),
+        vec![EntryStatus::Success],
+        "required locally: DROP becomes KEEP"
+    );
+    let release = kept.entries[0].1.release.unwrap();
+    assert_eq!(runner.release(&[release]), vec![true]);
+    // Scores are -key: 3 (score -3) goes before 2 (score -2).
+    deposit(&mut runner, &host, ns, &[4], false);
+    assert_eq!(runner.query(&key(ns, 3)), QueryStatus::Miss);
+    assert_eq!(runner.query(&key(ns, 2)), QueryStatus::Hit);
+    assert_eq!(runner.stats().counters.dropped, 1);
+}
+
+struct Panicky;
+impl CachePolicy for Panicky {
+    fn name(&self) -> &str {
+        "panicky"
+    }
+    fn order(&self) -> EvictionOrder {
+        EvictionOrder::Scored
+    }
+    fn decide_ingest(&mut self, _: &BlockMeta, _: bool) -> IngestDecision {
+        panic!("policy bug")
+    }
+    fn eviction_score(&mut self, _: &BlockMeta) -> Option<f64> {
+        Some(f64::NAN)
+    }
+}
+
+/// A policy that panics or returns garbage is sanitised: ingest KEEP, score
+/// kept, faults counted, the operation completes.
+#[test]
+fn policy_faults_are_sanitised() {
+    let (mut runner, ns, _) = start(4, Some(Box::new(Panicky)));
+    let host = Host::new(&mut runner, "kv", 4);
+    let result = deposit(&mut runner, &host, ns, &[1, 2], false);
+    assert_eq!(statuses(&result), vec![EntryStatus::Success; 2]);
+    assert!(
+        runner.stats().counters.policy_faults >= 4,
+        "{:?}",
+        runner.stats().counters
+    );
+    runner.check_invariants().unwrap();
+}
+
+/// Claims: fetch claims, releasing twice is false, a full pool of claimed
+/// pages fails a new deposit without evicting anything, release frees it.
+#[test]
+fn claims_block_eviction_until_released() {
+    let (mut runner, ns, _) = start(2, None);
+    let mut host = Host::new(&mut runner, "kv", 8);
+    host.fill(1, 11);
+    deposit(&mut runner, &host, ns, &[1, 2], false);
+    let pool = runner.pool("kv").unwrap();
+    let op = runner
+        .fetch(&[key(ns, 1), key(ns, 2), key(ns, 1)], &[pool])
+        .unwrap();
+    let fetched = wait(&mut runner, op);
+    assert_eq!(fetched.entries.len(), 2, "keys are deduplicated");
+    let handles: Vec<ReleaseHandle> = fetched
+        .entries
+        .iter()
+        .map(|(_, e)| e.release.unwrap())
+        .collect();
+    assert_eq!(
+        runner.read_claimed(handles[0], 0).unwrap(),
+        host.page(1),
+        "the claim reads the stored bytes"
+    );
+    let full = deposit(&mut runner, &host, ns, &[3], false);
+    assert_eq!(
+        statuses(&full),
+        vec![EntryStatus::Failed(FailReason::CapacityExhausted)]
+    );
+    assert_eq!(runner.query(&key(ns, 1)), QueryStatus::Hit);
+    assert_eq!(runner.query(&key(ns, 2)), QueryStatus::Hit);
+    assert_eq!(runner.release(&handles), vec![true, true]);
+    assert_eq!(
+        runner.release(&handles),
+        vec![false, false],
+        "double release"
+    );
+    assert!(
+        runner.read_claimed(handles[0], 0).is_err(),
+        "a released claim reads nothing"
+    );
+    assert_eq!(
+        statuses(&deposit(&mut runner, &host, ns, &[3], false)),
+        vec![EntryStatus::Success]
+    );
+    runner.check_invariants().unwrap();
+}
+
+/// `capacity_needed` fires once when pools drop below the watermark, and
+/// again only after recovering.
+#[test]
+fn capacity_needed_is_edge_triggered() {
+    let mut config = RunnerConfig::single_pool("kv", BLOCK as u64, 4);
+    config.capacity_low_watermark_percent = 50;
+    let mut runner = Runner::start(config, None).unwrap();
+    let ns = runner.register_namespace(Namespace::base(CompatDigest(1)));
+    let host = Host::new(&mut runner, "kv", 8);
+    let signals = Arc::new(Mutex::new(Vec::new()));
+    let seen = Arc::clone(&signals);
+    runner.set_capacity_needed(Box::new(move |s: &[(PoolId, u32)]| {
+        seen.lock().unwrap().push(s.to_vec())
+    }));
+    let a = deposit(&mut runner, &host, ns, &[1, 2], true);
+    assert!(
+        signals.lock().unwrap().is_empty(),
+        "2 of 4 reclaimable is not below 50%"
+    );
+    let b = deposit(&mut runner, &host, ns, &[3], true);
+    deposit(&mut runner, &host, ns, &[4], true);
+    assert_eq!(
+        *signals.lock().unwrap(),
+        vec![vec![(PoolId(0), 2)]],
+        "fired once"
+    );
+    let handles: Vec<_> = a
+        .entries
+        .iter()
+        .chain(&b.entries)
+        .map(|(_, e)| e.release.unwrap())
+        .collect();
+    runner.release(&handles);
+    deposit(&mut runner, &host, ns, &[5, 6, 7], true);
+    assert_eq!(
+        signals.lock().unwrap().len(),
+        2,
+        "fires again after recovering"
+    );
+}
+
+/// Bad input: typed errors, nothing changes, the runner keeps serving.
+#[test]
+fn bad_input_is_refused_unchanged() {
+    let (mut runner, ns, _) = start(4, None);
+    let host = Host::new(&mut runner, "kv", 4);
+    let unknown_ns = key(NamespaceId(12345), 1);
+    let cases: Vec<(Vec<DepositEntry>, RunnerReason)> = vec![
+        (
+            vec![DepositEntry {
+                key: key(ns, 1),
+                spans: vec![ElementRef {
+                    region: host.region,
+                    index: 4,
+                }],
+                page: None,
+            }],
+            RunnerReason::ElementOutOfRange {
+                region: host.region.0,
+                index: 4,
+                count: 4,
+            },
+        ),
+        (
+            vec![DepositEntry {
+                key: key(ns, 1),
+                spans: vec![ElementRef {
+                    region: RegionId(99),
+                    index: 0,
+                }],
+                page: None,
+            }],
+            RunnerReason::UnknownRegion(99),
+        ),
+        (
+            vec![DepositEntry {
+                key: key(ns, 1),
+                spans: vec![],
+                page: None,
+            }],
+            RunnerReason::LayoutLength { got: 0, max: 64 },
+        ),
+        (
+            vec![DepositEntry {
+                key: unknown_ns,
+                spans: vec![host.at(0)],
+                page: None,
+            }],
+            RunnerReason::UnknownNamespace(12345),
+        ),
+        (
+            // The runner's own pool region is not framework memory.
+            vec![DepositEntry {
+                key: key(ns, 1),
+                spans: vec![ElementRef {
+                    region: RegionId(0),
+                    index: 0,
+                }],
+                page: None,
+            }],
+            RunnerReason::NotFrameworkRegion(0),
+        ),
+        (
+            // A good entry followed by a bad one: the whole call is refused.
+            vec![
+                DepositEntry {
+                    key: key(ns, 2),
+                    spans: vec![host.at(1)],
+                    page: None,
+                },
+                DepositEntry {
+                    key: key(ns, 1),
+                    spans: vec![ElementRef {
+                        region: host.region,
+                        index: u64::MAX,
+                    }],
+                    page: None,
+                },
+            ],
+            RunnerReason::ElementOutOfRange {
+                region: host.region.0,
+                index: u64::MAX,
+                count: 4,
+            },
+        ),
+    ];
+    for (entries, expected) in cases {
+        let err = runner.deposit(entries, false).unwrap_err();
+        assert_eq!(err.runner_reason(), Some(&expected));
+    }
+    assert_eq!(runner.resident_blocks(), 0);
+    assert_eq!(runner.stats().ops_in_flight, 0);
+    // Wrong layouts and unknown handles.
+    let pool = runner.pool("kv").unwrap();
+    assert!(runner.fetch(&[key(ns, 1)], &[]).is_err());
+    assert!(runner.fetch(&[key(ns, 1)], &[PoolId(9)]).is_err());
+    assert!(!runner.abort(OpHandle(424242), None));
+    assert_eq!(runner.release(&[ReleaseHandle(7)]), vec![false]);
+    assert!(runner.read_claimed(ReleaseHandle(7), 0).is_err());
+    // And it still serves.
+    assert_eq!(
+        statuses(&deposit(&mut runner, &host, ns, &[1], false)),
+        vec![EntryStatus::Success]
+    );
+    let op = runner_fetch(&mut runner, ns, 1, pool);
+    let fetched = wait(&mut runner, op);
+    assert!(fetched.entries[0].1.is_success());
+    // Fetching with another layout than the stored one fails that key.
+    let mut config2 = RunnerConfig::single_pool("a", BLOCK as u64, 2);
+    config2.pools.push(kvcr_foundation::runner::PoolConfig {
+        name: "b".into(),
+        block_size: BLOCK as u64,
+        blocks: 2,
+    });
+    let (mut two, _) = (Runner::start(config2, None).unwrap(), ());
+    let ns2 = two.register_namespace(Namespace::base(CompatDigest(1)));
+    let a = Host::new(&mut two, "a", 2);
+    let b = Host::new(&mut two, "b", 2);
+    let op = two
+        .deposit(
+            vec![DepositEntry {
+                key: key(ns2, 1),
+                spans: vec![a.at(0), b.at(0)],
+                page: None,
+            }],
+            false,
+        )
+        .unwrap();
+    assert!(wait(&mut two, op).entries[0].1.is_success());
+    let pa = two.pool("a").unwrap();
+    let op = two.fetch(&[key(ns2, 1)], &[pa]).unwrap();
+    assert_eq!(
+        statuses(&wait(&mut two, op)),
+        vec![EntryStatus::Failed(FailReason::LayoutMismatch)]
+    );
+    let op = two
+        .deliver(vec![DeliverEntry {
+            key: key(ns2, 1),
+            destinations: vec![b.at(1), a.at(1)],
+        }])
+        .unwrap();
+    assert_eq!(
+        statuses(&wait(&mut two, op)),
+        vec![EntryStatus::Failed(FailReason::LayoutMismatch)]
+    );
+}
+
+fn runner_fetch(runner: &mut Runner, ns: NamespaceId, k: u64, pool: PoolId) -> OpHandle {
+    runner.fetch(&[key(ns, k)], &[pool]).unwrap()
+}
+
+/// Region registration is validated: overlap, label, size, pool.
+#[rstest]
+#[case::no_pool("other", 0, BLOCK as u64, 0, 4)]
+#[case::wrong_size("kv", 0, 1024, 0, 4)]
+#[case::overlap("kv:b", 4096, BLOCK as u64, 0, 4)]
+#[case::stride_too_small("kv:c", 1 << 20, BLOCK as u64, 16, 4)]
+#[case::zero_count("kv:d", 1 << 20, BLOCK as u64, 0, 0)]
+#[case::bad_label("kv:a:b", 1 << 20, BLOCK as u64, 0, 1)]
+#[case::extent_overflow("kv:e", u64::MAX - 8192, BLOCK as u64, 0, 4)]
+fn region_registration_refused(
+    #[case] label: &str,
+    #[case] offset: u64,
+    #[case] size: u64,
+    #[case] stride: u64,
+    #[case] count: u64,
+) {
+    let (mut runner, _, _) = start(4, None);
+    let mut buf = vec![0u8; 1 << 21];
+    let base = buf.as_mut_ptr() as u64;
+    // SAFETY: (test) the first registration covers `buf`, which outlives the runner.
+    unsafe {
+        runner.register_region(RegionDesc {
+            label: "kv".into(),
+            base,
+            size: BLOCK as u64,
+            stride: 0,
+            count: 4,
+        })
+    }
+    .unwrap();
+    let base = if offset > u64::MAX / 2 {
+        offset
+    } else {
+        base + offset
+    };
+    // SAFETY: (test) every case is refused before anything is dereferenced.
+    let err = unsafe {
+        runner.register_region(RegionDesc {
+            label: label.into(),
+            base,
+            size,
+            stride,
+            count,
+        })
+    }
+    .unwrap_err();
+    assert!(err.runner_reason().is_some(), "{err}");
+    drop(runner);
+    drop(buf);
+}
+
+/// Abort: a deposit key whose copy has not started is cancelled (best
+/// effort); an op with nothing pending cannot be aborted.
+#[test]
+fn abort_is_real_and_best_effort() {
+    let (mut runner, ns, _) = start(512, None);
+    let host = Host::new(&mut runner, "kv", 512);
+    let entries: Vec<DepositEntry> = (0..512)
+        .map(|p| DepositEntry {
+            key: key(ns, p),
+            spans: vec![host.at(p as usize)],
+            page: None,
+        })
+        .collect();
+    let op = runner.deposit(entries, false).unwrap();
+    let aborted = runner.abort(op, None);
+    let result = wait(&mut runner, op);
+    assert!(aborted);
+    assert!(
+        result
+            .entries
+            .iter()
+            .all(|(_, e)| e.status == EntryStatus::Failed(FailReason::Aborted))
+    );
+    // Whatever copies had started completed; the rest were skipped and freed.
+    assert_eq!(runner.stats().copies_in_flight, 0);
+    runner.check_invariants().unwrap();
+    assert!(!runner.abort(op, None), "a completed op cannot be aborted");
+    let done = deposit(&mut runner, &host, ns, &[1], false);
+    assert!(!runner.abort(done.op, None));
+}
+
+/// Deadlines: a deposit whose copy could not start by its deadline fails,
+/// and nothing is left half-stored.
+#[test]
+fn deadline_before_copy_fails_cleanly() {
+    let mut config = RunnerConfig::single_pool("kv", BLOCK as u64, 4096);
+    config.operation_timeout = Duration::from_nanos(1);
+    let mut runner = Runner::start(config, None).unwrap();
+    let ns = runner.register_namespace(Namespace::base(CompatDigest(1)));
+    let host = Host::new(&mut runner, "kv", 4096);
+    let entries: Vec<DepositEntry> = (0..4096)
+        .map(|p| DepositEntry {
+            key: key(ns, p),
+            spans: vec![host.at(p as usize)],
+            page: None,
+        })
+        .collect();
+    let op = runner.deposit(entries, false).unwrap();
+    let result = wait(&mut runner, op);
+    let timed_out = result
+        .entries
+        .iter()
+        .filter(|(_, e)| e.status == EntryStatus::Failed(FailReason::Timeout))
+        .count();
+    let ok = result
+        .entries
+        .iter()
+        .filter(|(_, e)| e.is_success())
+        .count();
+    assert_eq!(timed_out + ok, 4096);
+    assert!(timed_out > 0, "a 1 ns budget cannot copy 16 MiB");
+    assert_eq!(
+        runner.stats().ready,
+        ok,
+        "exactly the copied keys are stored"
+    );
+    runner.check_invariants().unwrap();
+}
+
+/// Close refuses while claims are held, hands the runner back, and succeeds
+/// after release; pools are freed.
+#[test]
+fn close_refuses_until_quiescent() {
+    let before = kvcr_foundation::runner::process_pool_bytes();
+    let (mut runner, ns, _) = start(4, None);
+    let host = Host::new(&mut runner, "kv", 4);
+    let held = deposit(&mut runner, &host, ns, &[1], true);
+    let (mut runner, err) = runner.close().unwrap_err();
+    assert_eq!(
+        err.runner_reason(),
+        Some(&RunnerReason::ClaimsOutstanding(1))
+    );
+    assert_eq!(
+        runner.release(&[held.entries[0].1.release.unwrap()]),
+        vec![true]
+    );
+    runner.close().map_err(|(_, e)| e).unwrap();
+    assert!(kvcr_foundation::runner::process_pool_bytes() <= before);
+    drop(host);
+}
+
+/// Startup refuses bad configurations with the stage named.
+#[rstest]
+#[case::no_pools(RunnerConfig { pools: vec![], ..RunnerConfig::default() })]
+#[case::zero_block(RunnerConfig::single_pool("kv", 0, 4))]
+#[case::zero_blocks(RunnerConfig::single_pool("kv", 4096, 0))]
+#[case::bad_name(RunnerConfig::single_pool("kv:x", 4096, 4))]
+#[case::too_big(RunnerConfig::single_pool("kv", 1 << 40, 1 << 20))]
+#[case::watermark(RunnerConfig { capacity_low_watermark_percent: 101, ..RunnerConfig::single_pool("kv", 4096, 4) })]
+#[case::timeout(RunnerConfig { operation_timeout: Duration::ZERO, ..RunnerConfig::single_pool("kv", 4096, 4) })]
+fn startup_refuses_bad_config(#[case] config: RunnerConfig) {
+    let err = Runner::start(config, None).unwrap_err();
+    match err.runner_reason() {
+        Some(RunnerReason::Startup {
+            stage,
+            retained: false,
+            ..
+        }) => assert_eq!(*stage, "validate configuration"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn duplicate_pool_names_refused() {
+    let mut config = RunnerConfig::single_pool("kv", 4096, 4);
+    config.pools.push(config.pools[0].clone());
+    assert!(Runner::start(config, None).is_err());
+}
+
+/// An allocation the machine cannot satisfy fails at its stage, typed.
+#[test]
+fn allocation_failure_is_typed() {
+    let config = RunnerConfig {
+        prefault: false,
+        ..RunnerConfig::single_pool("kv", 1 << 26, 1 << 20)
+    };
+    let err = Runner::start(config, None).unwrap_err();
+    match err.runner_reason() {
+        Some(RunnerReason::Startup { stage, .. }) => assert_eq!(*stage, "allocate pools"),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Stored events carry the real tokens, parent and LoRA name; a chain of
+/// pages committed together is one event; another LoRA adapter is another
+/// namespace and never shares a page.
+#[test]
+fn inventory_events_carry_page_info() {
+    let (mut runner, base_ns, sink) = start(8, None);
+    let lora_ns = runner.register_namespace(Namespace {
+        compat: CompatDigest(7),
+        lora_name: Some("adapter-a".into()),
+        cache_salt: None,
+    });
+    let host = Host::new(&mut runner, "kv", 8);
+    let entries = |ns: NamespaceId| -> Vec<DepositEntry> {
+        (0..2u64)
+            .map(|p| DepositEntry {
+                key: key(ns, 100 + p),
+                spans: vec![host.at(p as usize)],
+                page: Some(PageInfo {
+                    parent: p.checked_sub(1).map(|q| BlockKey::from_u64(100 + q)),
+                    token_ids: vec![p as u32; 4],
+                }),
+            })
+            .collect()
+    };
+    let op = runner.deposit(entries(base_ns), false).unwrap();
+    wait(&mut runner, op);
+    let op = runner.deposit(entries(lora_ns), false).unwrap();
+    wait(&mut runner, op);
+    let events = sink.take();
+    assert_eq!(events.len(), 2, "{events:#?}");
+    match (&events[0], &events[1]) {
+        (
+            InventoryEvent::Stored {
+                keys: k0,
+                token_ids: t0,
+                parent: p0,
+                lora_name: l0,
+                block_size: b0,
+                scope: s0,
+            },
+            InventoryEvent::Stored {
+                keys: k1,
+                lora_name: l1,
+                scope: s1,
+                ..
+            },
+        ) => {
+            assert_eq!(k0, &vec![BlockKey::from_u64(100), BlockKey::from_u64(101)]);
+            assert_eq!(t0, &vec![0, 0, 0, 0, 1, 1, 1, 1]);
+            assert_eq!((*p0, *b0, l0.as_deref()), (None, 4, None));
+            assert_eq!(k1, k0);
+            assert_eq!(l1.as_deref(), Some("adapter-a"));
+            assert_ne!(s0.namespace, s1.namespace);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        runner.resident_blocks(),
+        4,
+        "same hashes, two namespaces, four pages"
+    );
+}
