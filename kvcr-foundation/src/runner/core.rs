@@ -92,39 +92,14 @@ pub(crate) enum Residency {
     Discarding,
 }
 
-/// Slot indices of a record, one per span of its layout.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Slot indices of a record, one per span of its layout. One- and two-span
+/// layouts (the common ones) are stored inline; longer ones live in
+/// `Core::many_slots`, so a record stays 64 bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum SlotList {
     One(u32),
     Two(u32, u32),
-    Many(Box<[u32]>),
-}
-
-impl SlotList {
-    fn from_vec(v: Vec<u32>) -> Self {
-        match v.as_slice() {
-            [a] => Self::One(*a),
-            [a, b] => Self::Two(*a, *b),
-            _ => Self::Many(v.into_boxed_slice()),
-        }
-    }
-
-    fn get(&self, i: usize) -> Option<u32> {
-        match (self, i) {
-            (Self::One(a), 0) | (Self::Two(a, _), 0) => Some(*a),
-            (Self::Two(_, b), 1) => Some(*b),
-            (Self::Many(v), i) => v.get(i).copied(),
-            _ => None,
-        }
-    }
-
-    fn to_vec(&self) -> Vec<u32> {
-        match self {
-            Self::One(a) => vec![*a],
-            Self::Two(a, b) => vec![*a, *b],
-            Self::Many(v) => v.to_vec(),
-        }
-    }
+    Many,
 }
 
 const FLAG_QUEUED: u8 = 1;
@@ -142,11 +117,14 @@ struct Record {
     next: u32,
     claims: u32,
     access_count: u32,
-    fill: u32,
     layout: u16,
     state: Residency,
     flags: u8,
 }
+
+// A resident page costs one record plus one index bucket; keep the record to
+// one cache line.
+const _: () = assert!(std::mem::size_of::<Record>() <= 64);
 
 /// What the index keeps per key: the record, plus its state for `query`
 /// (so a lookup touches one cache line of the table, not the record).
@@ -258,6 +236,10 @@ pub(crate) struct Core {
     index: IndexMap<ScopedKey, IndexEntry>,
     records: Vec<Record>,
     free_records: Vec<u32>,
+    /// Slots of records whose layout has more than two spans.
+    many_slots: HashMap<u32, Box<[u32]>>,
+    /// The fill of each FILLING record.
+    filling: HashMap<u32, u32>,
     layouts: Vec<Vec<PoolId>>,
     layout_ids: HashMap<Vec<PoolId>, u16>,
     queue_head: u32,
@@ -349,13 +331,19 @@ impl Core {
                 pressured: false,
             });
         }
+        let max_records = config.pools.iter().map(|(_, _, blocks)| *blocks as usize).sum::<usize>();
         Ok(Self {
             pools,
             pool_specs,
             regions,
-            index: IndexMap::new(),
-            records: Vec::new(),
+            index: IndexMap::with_capacity(max_records),
+            // A record holds at least one slot, so the slot count bounds the
+            // number of records: size the index and the records for a full
+            // pool once, instead of paying doubling slack on every growth.
+            records: Vec::with_capacity(max_records),
             free_records: Vec::new(),
+            many_slots: HashMap::new(),
+            filling: HashMap::new(),
             layouts: Vec::new(),
             layout_ids: HashMap::new(),
             queue_head: NIL,
@@ -544,7 +532,7 @@ impl Core {
                             );
                         }
                         Residency::Filling => {
-                            let fill = self.record(record).map_or(NIL, |r| r.fill);
+                            let fill = self.filling.get(&record).copied().unwrap_or(NIL);
                             self.wait_on_fill(handle, entry, fill);
                         }
                         Residency::Discarding | Residency::Vacant => {
@@ -584,7 +572,7 @@ impl Core {
                             .get(layout as usize)
                             .and_then(|l| l.get(span_index))
                             .copied();
-                        let slot = slots.get(span_index);
+                        let slot = slots.get(span_index).copied();
                         if let (Some(pool), Some(slot)) = (pool, slot) {
                             span.dst = self.slot_addr(pool, slot);
                         }
@@ -597,9 +585,7 @@ impl Core {
                         waiters: Vec::new(),
                         page,
                     });
-                    if let Some(r) = self.record_mut(record) {
-                        r.fill = fill;
-                    }
+                    self.filling.insert(record, fill);
                     job_keys.push(JobKey::Fill(fill));
                     job_spans.push(spans);
                     self.wait_on_fill(handle, entry, fill);
@@ -670,7 +656,7 @@ impl Core {
                             );
                         }
                         Residency::Filling => {
-                            let fill = self.record(record).map_or(NIL, |r| r.fill);
+                            let fill = self.filling.get(&record).copied().unwrap_or(NIL);
                             self.wait_on_fill(handle, entry, fill);
                         }
                         Residency::Discarding | Residency::Vacant => {
@@ -731,7 +717,7 @@ impl Core {
                         ),
                         Residency::Ready => ready.push((entry, record)),
                         Residency::Filling => {
-                            let fill = self.record(record).map_or(NIL, |r| r.fill);
+                            let fill = self.filling.get(&record).copied().unwrap_or(NIL);
                             self.wait_on_fill(handle, entry, fill);
                         }
                         Residency::Discarding | Residency::Vacant => {
@@ -953,8 +939,8 @@ impl Core {
                         self.counters.bytes_deposited += bytes;
                         self.counters.committed += 1;
                         self.transition(f.record, Residency::Ready, "fill commit");
+                        self.filling.remove(&f.record);
                         if let Some(r) = self.record_mut(f.record) {
-                            r.fill = NIL;
                             r.last_access = now;
                         }
                         stored.push((f.record, f.page));
@@ -1125,7 +1111,12 @@ impl Core {
             .filter(|r| r.state != Residency::Vacant)
     }
 
-    fn insert_record(&mut self, now: u64, key: ScopedKey, layout: u16, slots: SlotList) -> u32 {
+    fn insert_record(&mut self, now: u64, key: ScopedKey, layout: u16, slot_vec: Vec<u32>) -> u32 {
+        let slots = match slot_vec.as_slice() {
+            [a] => SlotList::One(*a),
+            [a, b] => SlotList::Two(*a, *b),
+            _ => SlotList::Many,
+        };
         let seq = self.next_seq;
         self.next_seq += 1;
         let record = Record {
@@ -1137,7 +1128,6 @@ impl Core {
             next: NIL,
             claims: 0,
             access_count: 0,
-            fill: NIL,
             layout,
             state: Residency::Vacant,
             flags: 0,
@@ -1154,6 +1144,9 @@ impl Core {
                 (self.records.len() - 1) as u32
             }
         };
+        if slots == SlotList::Many {
+            self.many_slots.insert(idx, slot_vec.into_boxed_slice());
+        }
         self.index.insert(
             key,
             IndexEntry {
@@ -1163,6 +1156,38 @@ impl Core {
         );
         self.transition(idx, Residency::Filling, "insert");
         idx
+    }
+
+    /// Slot `i` of a record.
+    fn slot(&self, idx: u32, i: usize) -> Option<u32> {
+        match (self.record(idx)?.slots, i) {
+            (SlotList::One(a), 0) | (SlotList::Two(a, _), 0) => Some(a),
+            (SlotList::Two(_, b), 1) => Some(b),
+            (SlotList::Many, i) => self.many_slots.get(&idx)?.get(i).copied(),
+            _ => None,
+        }
+    }
+
+    /// All slots of a record, in layout order.
+    fn slot_vec(&self, idx: u32) -> Vec<u32> {
+        match self.record(idx).map(|r| r.slots) {
+            Some(SlotList::One(a)) => vec![a],
+            Some(SlotList::Two(a, b)) => vec![a, b],
+            Some(SlotList::Many) => self.many_slots.get(&idx).map(|s| s.to_vec()).unwrap_or_default(),
+            None => Vec::new(),
+        }
+    }
+
+    /// Adds `delta` to the evictable count of every pool in a record's layout.
+    fn adjust_evictable(&mut self, idx: u32, add: bool) {
+        let Some(layout) = self.record(idx).map(|r| r.layout as usize) else { return };
+        let spans = self.layouts.get(layout).map_or(0, Vec::len);
+        for i in 0..spans {
+            let Some(pool) = self.layouts.get(layout).and_then(|l| l.get(i)).copied() else { continue };
+            if let Some(p) = self.pools.get_mut(pool.0 as usize) {
+                p.evictable = if add { p.evictable + 1 } else { p.evictable.saturating_sub(1) };
+            }
+        }
     }
 
     /// Moves a record to a new state, keeping the index in step. In debug
@@ -1203,7 +1228,9 @@ impl Core {
         let was_ready = r.state == Residency::Ready;
         let key = r.key;
         let layout = r.layout;
-        let slots = r.slots.to_vec();
+        let slots = self.slot_vec(idx);
+        self.many_slots.remove(&idx);
+        self.filling.remove(&idx);
         self.dequeue(idx);
         self.transition(idx, Residency::Vacant, site);
         if let Some(pools) = self.layouts.get(layout as usize).cloned() {
@@ -1255,7 +1282,7 @@ impl Core {
             .iter()
             .enumerate()
             .filter_map(|(i, pool)| {
-                let slot = r.slots.get(i)?;
+                let slot = self.slot(idx, i)?;
                 let block = self.pools.get(pool.0 as usize)?.block_size;
                 Some(CopySpan {
                     src: self.slot_addr(*pool, slot),
@@ -1280,7 +1307,7 @@ impl Core {
             .filter_map(|(i, pool)| {
                 Some(ElementRef {
                     region: self.pools.get(pool.0 as usize)?.region,
-                    index: u64::from(r.slots.get(i)?),
+                    index: u64::from(self.slot(idx, i)?),
                 })
             })
             .collect()
@@ -1351,12 +1378,6 @@ impl Core {
         })
     }
 
-    fn pools_of(&self, idx: u32) -> Vec<PoolId> {
-        self.record(idx)
-            .and_then(|r| self.layouts.get(r.layout as usize).cloned())
-            .unwrap_or_default()
-    }
-
     fn make_evictable(&mut self, idx: u32) {
         let queued = self.record(idx).is_none_or(|r| {
             r.flags & FLAG_QUEUED != 0 || r.claims != 0 || r.state != Residency::Ready
@@ -1400,11 +1421,7 @@ impl Core {
         if let Some(r) = self.record_mut(idx) {
             r.flags |= FLAG_QUEUED;
         }
-        for pool in self.pools_of(idx) {
-            if let Some(p) = self.pools.get_mut(pool.0 as usize) {
-                p.evictable += 1;
-            }
-        }
+        self.adjust_evictable(idx, true);
     }
 
     fn dequeue(&mut self, idx: u32) {
@@ -1424,11 +1441,7 @@ impl Core {
         if let Some(r) = self.record_mut(idx) {
             r.flags &= !(FLAG_QUEUED | FLAG_UNSCORED);
         }
-        for pool in self.pools_of(idx) {
-            if let Some(p) = self.pools.get_mut(pool.0 as usize) {
-                p.evictable = p.evictable.saturating_sub(1);
-            }
-        }
+        self.adjust_evictable(idx, false);
     }
 
     fn list_push_back(&mut self, idx: u32) {
@@ -1463,24 +1476,6 @@ impl Core {
         }
     }
 
-    /// Eviction candidates in order (without changing anything).
-    fn candidates(&self) -> Vec<u32> {
-        match self.policy.order() {
-            EvictionOrder::LeastRecentlyUsed => {
-                let mut out = Vec::new();
-                let mut at = self.queue_head;
-                while let Some(r) = self.records.get(at as usize) {
-                    out.push(at);
-                    at = r.next;
-                }
-                out
-            }
-            EvictionOrder::Insertion | EvictionOrder::Scored => {
-                self.scored.iter().map(|(_, _, idx)| *idx).collect()
-            }
-        }
-    }
-
     /// Scored policies: pages the policy left unscored get another chance
     /// when space is needed.
     fn rescore_unscored(&mut self) {
@@ -1498,46 +1493,42 @@ impl Core {
             if let Some(r) = self.record_mut(idx) {
                 r.flags &= !(FLAG_QUEUED | FLAG_UNSCORED);
             }
-            for pool in self.pools_of(idx) {
-                if let Some(p) = self.pools.get_mut(pool.0 as usize) {
-                    p.evictable = p.evictable.saturating_sub(1);
-                }
-            }
+            self.adjust_evictable(idx, false);
             self.make_evictable(idx);
         }
     }
 
     /// Takes one slot per pool of `layout`, evicting READY unclaimed pages if
     /// needed. Evicts nothing unless the whole allocation can succeed.
-    fn allocate(&mut self, _now: u64, layout: u16, protected: &[ScopedKey]) -> Option<SlotList> {
-        let pools = self.layouts.get(layout as usize)?.clone();
-        let mut need: HashMap<PoolId, u32> = HashMap::new();
-        for p in &pools {
-            *need.entry(*p).or_default() += 1;
+    fn allocate(&mut self, _now: u64, layout: u16, protected: &[ScopedKey]) -> Option<Vec<u32>> {
+        let spans = self.layouts.get(layout as usize)?.len();
+        // Slots still missing per pool (pools are few; index by pool id).
+        let mut short = vec![0u32; self.pools.len()];
+        for i in 0..spans {
+            let pool = self.layouts.get(layout as usize)?.get(i)?.0 as usize;
+            *short.get_mut(pool)? += 1;
         }
-        let mut short: HashMap<PoolId, u32> = need
-            .iter()
-            .filter_map(|(p, n)| {
-                let free = self
-                    .pools
-                    .get(p.0 as usize)
-                    .map_or(0, |s| s.free.len() as u32);
-                (free < *n).then(|| (*p, n - free))
-            })
-            .collect();
-        if !short.is_empty() {
+        for (pool, missing) in short.iter_mut().enumerate() {
+            let free = self.pools.get(pool).map_or(0, |p| p.free.len() as u32);
+            *missing = missing.saturating_sub(free);
+        }
+        let mut still_short = short.iter().filter(|m| **m > 0).count();
+        if still_short > 0 {
             self.rescore_unscored();
             let mut victims = Vec::new();
-            for idx in self.candidates() {
-                if short.is_empty() {
-                    break;
-                }
+            let mut cursor = self.first_candidate();
+            while let (Some(idx), true) = (cursor, still_short > 0) {
+                cursor = self.next_candidate(idx);
                 let Some(r) = self.record(idx) else { continue };
                 if protected.contains(&r.key) {
                     continue;
                 }
-                let its_pools = self.pools_of(idx);
-                if !its_pools.iter().any(|p| short.contains_key(p)) {
+                let victim_layout = r.layout as usize;
+                let helps = self
+                    .layouts
+                    .get(victim_layout)
+                    .is_some_and(|l| l.iter().any(|p| short.get(p.0 as usize).is_some_and(|m| *m > 0)));
+                if !helps {
                     continue;
                 }
                 let Some(meta) = self.meta(idx) else { continue };
@@ -1545,17 +1536,16 @@ impl Core {
                     continue;
                 }
                 victims.push(idx);
-                for p in its_pools {
-                    if let Some(n) = short.get_mut(&p) {
-                        *n -= 1;
-                        if *n == 0 {
-                            short.remove(&p);
+                for p in self.layouts.get(victim_layout).into_iter().flatten() {
+                    if let Some(m) = short.get_mut(p.0 as usize).filter(|m| **m > 0) {
+                        *m -= 1;
+                        if *m == 0 {
+                            still_short -= 1;
                         }
                     }
                 }
             }
-            self.counters.policy_faults = self.policy.faults;
-            if !short.is_empty() {
+            if still_short > 0 {
                 return None;
             }
             let mut removed = Vec::with_capacity(victims.len());
@@ -1564,27 +1554,52 @@ impl Core {
                     removed.push(r.key);
                 }
                 self.dequeue(idx);
-                // Removed events for the whole batch go out together below.
-                if let Some(r) = self.records.get_mut(idx as usize) {
-                    r.flags &= !FLAG_RETIRE;
-                }
                 self.evict_quietly(idx);
                 self.counters.evictions += 1;
             }
+            // One Removed event per namespace for the whole batch.
             self.publish_removed(&removed);
         }
-        let mut slots = Vec::with_capacity(pools.len());
-        for p in &pools {
-            slots.push(self.pools.get_mut(p.0 as usize)?.free.pop_front()?);
+        let mut slots = Vec::with_capacity(spans);
+        for i in 0..spans {
+            let pool = self.layouts.get(layout as usize)?.get(i)?.0 as usize;
+            slots.push(self.pools.get_mut(pool)?.free.pop_front()?);
         }
-        Some(SlotList::from_vec(slots))
+        Some(slots)
+    }
+
+    /// The first eviction candidate in policy order.
+    fn first_candidate(&self) -> Option<u32> {
+        match self.policy.order() {
+            EvictionOrder::LeastRecentlyUsed => (self.queue_head != NIL).then_some(self.queue_head),
+            EvictionOrder::Insertion | EvictionOrder::Scored => self.scored.first().map(|(_, _, idx)| *idx),
+        }
+    }
+
+    /// The candidate after `idx` (which must still be queued).
+    fn next_candidate(&self, idx: u32) -> Option<u32> {
+        match self.policy.order() {
+            EvictionOrder::LeastRecentlyUsed => {
+                let next = self.records.get(idx as usize)?.next;
+                (next != NIL).then_some(next)
+            }
+            EvictionOrder::Insertion | EvictionOrder::Scored => {
+                let seq = self.records.get(idx as usize)?.seq;
+                let bits = *self.scores.get(&idx)?;
+                self.scored
+                    .range((std::ops::Bound::Excluded((bits, seq, idx)), std::ops::Bound::Unbounded))
+                    .next()
+                    .map(|(_, _, i)| *i)
+            }
+        }
     }
 
     /// Frees a READY record without publishing (the caller batches `Removed`).
     fn evict_quietly(&mut self, idx: u32) {
         let Some(r) = self.record(idx) else { return };
         let layout = r.layout;
-        let slots = r.slots.to_vec();
+        let slots = self.slot_vec(idx);
+        self.many_slots.remove(&idx);
         self.transition(idx, Residency::Vacant, "evict");
         if let Some(pools) = self.layouts.get(layout as usize).cloned() {
             for (pool, slot) in pools.iter().zip(slots) {
@@ -1778,7 +1793,7 @@ impl Core {
             }
             let pools = self.layouts.get(r.layout as usize).ok_or("bad layout")?;
             for (i, pool) in pools.iter().enumerate() {
-                let slot = r.slots.get(i).ok_or("missing slot")?;
+                let slot = self.slot(entry.record, i).ok_or("missing slot")?;
                 if let Some(other) = owned.insert((pool.0, slot), *key) {
                     return Err(format!(
                         "slot {pool:?}/{slot} owned by {other:?} and {key:?}"

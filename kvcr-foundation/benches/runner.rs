@@ -1,0 +1,274 @@
+//! Runner benchmarks, each beside an anchor measured in the same run.
+//!
+//! `cargo bench -p kvcr-foundation --bench runner [-- --quick]` (or
+//! `cargo xtask bench`) prints one line per figure:
+//! `BENCH <name> value=<median> unit=<unit> [anchor=<median>] [ratio=<value/anchor>]`.
+
+#![allow(clippy::disallowed_methods)] // a benchmark reads the clock
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+#![allow(missing_docs, unsafe_code)]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::hint::black_box;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::{Duration, Instant};
+
+use kvcr_foundation::protocol::{ElementRef, OpHandle};
+use kvcr_foundation::runner::{DeliverEntry, DepositEntry, QueryStatus, RegionDesc, Runner, RunnerConfig};
+use kvcr_foundation::{BlockKey, CompatDigest, Namespace, NamespaceId, ScopedKey};
+
+/// Counts live heap bytes, to measure the index's memory per block.
+struct Counting;
+static LIVE: AtomicI64 = AtomicI64::new(0);
+
+// SAFETY: delegates to the system allocator and only adds bookkeeping.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as i64, Ordering::Relaxed);
+        // SAFETY: forwarded with the caller's pointer and layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE.fetch_add(new_size as i64 - layout.size() as i64, Ordering::Relaxed);
+        // SAFETY: forwarded unchanged.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+fn bench(name: &str, value: f64, unit: &str, anchor: Option<f64>) {
+    match anchor {
+        Some(a) => println!("BENCH {name} value={value:.3} unit={unit} anchor={a:.3} ratio={:.3}", value / a),
+        None => println!("BENCH {name} value={value:.3} unit={unit}"),
+    }
+}
+
+struct Setup {
+    runner: Runner,
+    ns: NamespaceId,
+    src: Vec<u8>,
+    dst: Vec<u8>,
+    src_region: kvcr_foundation::protocol::RegionId,
+    dst_region: kvcr_foundation::protocol::RegionId,
+}
+
+fn setup(block: usize, blocks: u32, host_pages: usize) -> Setup {
+    let mut runner = Runner::start(RunnerConfig::single_pool("kv", block as u64, blocks), None).unwrap();
+    let ns = runner.register_namespace(Namespace::base(CompatDigest(1)));
+    let mut src = vec![0u8; block * host_pages];
+    let mut dst = vec![0u8; block * host_pages];
+    for (i, b) in src.iter_mut().enumerate() {
+        *b = (i * 31 >> 3) as u8;
+    }
+    dst.fill(1); // fault the destination in, as an engine pool would be
+    let mut register = |label: &str, buf: &mut Vec<u8>| {
+        // SAFETY: the buffers live in `Setup` next to the runner and are only
+        // touched between operations.
+        unsafe {
+            runner.register_region(RegionDesc {
+                label: label.into(),
+                base: buf.as_mut_ptr() as u64,
+                size: block as u64,
+                stride: 0,
+                count: host_pages as u64,
+            })
+        }
+        .unwrap()
+    };
+    let src_region = register("kv", &mut src);
+    let dst_region = register("kv:dst", &mut dst);
+    Setup { runner, ns, src, dst, src_region, dst_region }
+}
+
+fn wait(runner: &mut Runner, op: OpHandle) {
+    loop {
+        if runner.wait_completed(Duration::from_secs(5)).iter().any(|r| r.op == op) {
+            return;
+        }
+    }
+}
+
+fn key(ns: NamespaceId, k: u64) -> ScopedKey {
+    ScopedKey { namespace: ns, key: BlockKey::from_u64(k) }
+}
+
+/// memcpy anchor: one thread, `total` bytes in `chunk`-sized copies, warm buffers.
+fn memcpy_gbps(chunk: usize, count: usize, reps: usize) -> f64 {
+    let src = vec![7u8; chunk * count];
+    let mut dst = vec![0u8; chunk * count];
+    dst.fill(1);
+    let mut samples = Vec::new();
+    for _ in 0..reps {
+        let start = Instant::now();
+        for i in 0..count {
+            dst[i * chunk..(i + 1) * chunk].copy_from_slice(&src[i * chunk..(i + 1) * chunk]);
+        }
+        black_box(&dst);
+        samples.push((chunk * count) as f64 / start.elapsed().as_secs_f64() / 1e9);
+    }
+    median(samples)
+}
+
+fn throughput(quick: bool) {
+    const BLOCK: usize = 256 << 10;
+    const N: usize = 512;
+    let reps = if quick { 7 } else { 21 };
+    let mut s = setup(BLOCK, N as u32, N);
+    let mut deposit = Vec::new();
+    let mut deliver = Vec::new();
+    for rep in 0..reps {
+        let base = (rep * N) as u64;
+        let entries: Vec<DepositEntry> = (0..N)
+            .map(|p| DepositEntry {
+                key: key(s.ns, base + p as u64),
+                spans: vec![ElementRef { region: s.src_region, index: p as u64 }],
+                page: None,
+            })
+            .collect();
+        let start = Instant::now();
+        let op = s.runner.deposit(entries, false).unwrap();
+        wait(&mut s.runner, op);
+        deposit.push((BLOCK * N) as f64 / start.elapsed().as_secs_f64() / 1e9);
+        let entries: Vec<DeliverEntry> = (0..N)
+            .map(|p| DeliverEntry {
+                key: key(s.ns, base + p as u64),
+                destinations: vec![ElementRef { region: s.dst_region, index: p as u64 }],
+            })
+            .collect();
+        let start = Instant::now();
+        let op = s.runner.deliver(entries).unwrap();
+        wait(&mut s.runner, op);
+        deliver.push((BLOCK * N) as f64 / start.elapsed().as_secs_f64() / 1e9);
+    }
+    assert_eq!(s.src, s.dst, "delivered bytes differ");
+    let anchor = memcpy_gbps(BLOCK, N, reps);
+    bench("runner.deposit", median(deposit), "GB/s", Some(anchor));
+    bench("runner.deliver", median(deliver), "GB/s", Some(anchor));
+}
+
+fn one_block_latency(quick: bool) {
+    const BLOCK: usize = 256 << 10;
+    let iters = if quick { 300 } else { 2000 };
+    let mut s = setup(BLOCK, 64, 64);
+    let mut samples = Vec::with_capacity(iters);
+    for i in 0..iters {
+        let entry = DepositEntry {
+            key: key(s.ns, i as u64),
+            spans: vec![ElementRef { region: s.src_region, index: (i % 64) as u64 }],
+            page: None,
+        };
+        let start = Instant::now();
+        let op = s.runner.deposit(vec![entry], false).unwrap();
+        wait(&mut s.runner, op);
+        samples.push(start.elapsed().as_secs_f64() * 1e6);
+    }
+    // Anchor: one 256 KiB memcpy on the caller's thread.
+    let src = vec![3u8; BLOCK];
+    let mut dst = vec![0u8; BLOCK];
+    let mut anchor = Vec::new();
+    for _ in 0..iters {
+        let start = Instant::now();
+        dst.copy_from_slice(&src);
+        black_box(&dst);
+        anchor.push(start.elapsed().as_secs_f64() * 1e6);
+    }
+    let p99 = percentile(samples.clone(), 0.99);
+    bench("runner.one_block_deposit_p50", median(samples), "us", Some(median(anchor)));
+    println!("# runner.one_block_deposit p99={p99:.1}us");
+}
+
+/// Builds a runner holding `n` tiny resident blocks; returns it with the heap
+/// bytes the index and records took per block.
+fn resident(n: usize) -> (Setup, f64) {
+    const TINY: usize = 8;
+    // Everything the runner allocates counts (index and records are sized at
+    // startup), except the pool and the two engine buffers, which are payload.
+    let before = LIVE.load(Ordering::Relaxed);
+    let mut s = setup(TINY, n as u32, n);
+    let payload = (s.runner.pool_bytes() + 2 * (TINY * n) as u64) as i64;
+    const BATCH: usize = 8192;
+    for start in (0..n).step_by(BATCH) {
+        let entries: Vec<DepositEntry> = (start..(start + BATCH).min(n))
+            .map(|p| DepositEntry {
+                key: key(s.ns, p as u64 * 0x9e37_79b9 + 1),
+                spans: vec![ElementRef { region: s.src_region, index: p as u64 }],
+                page: None,
+            })
+            .collect();
+        let op = s.runner.deposit(entries, false).unwrap();
+        wait(&mut s.runner, op);
+    }
+    assert_eq!(s.runner.resident_blocks(), n);
+    let per_block = (LIVE.load(Ordering::Relaxed) - before - payload) as f64 / n as f64;
+    (s, per_block)
+}
+
+fn query_ns_per_key(s: &Setup, n: usize, quick: bool) -> f64 {
+    // Random hits across the whole resident set, in batches like a request's
+    // prefix lookup; each key is looked up once per pass.
+    let batch = 4096;
+    let mut rng = 0x1234_5678_u64;
+    let keys: Vec<ScopedKey> = (0..batch)
+        .map(|_| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            key(s.ns, (rng % n as u64) * 0x9e37_79b9 + 1)
+        })
+        .collect();
+    let mut out = vec![QueryStatus::Miss; batch];
+    let passes = if quick { 200 } else { 1000 };
+    let mut samples = Vec::new();
+    for _ in 0..5 {
+        let start = Instant::now();
+        for _ in 0..passes {
+            s.runner.query_into(black_box(&keys), &mut out);
+        }
+        samples.push(start.elapsed().as_secs_f64() * 1e9 / (passes * batch) as f64);
+        assert!(out.iter().all(|q| *q == QueryStatus::Hit));
+    }
+    median(samples)
+}
+
+fn queries(quick: bool) {
+    let small = 1_000;
+    let large = if quick { 1_000_000 } else { 10_000_000 };
+    let (s_small, _) = resident(small);
+    let at_small = query_ns_per_key(&s_small, small, quick);
+    drop(s_small);
+    let (s_large, per_block) = resident(large);
+    let at_large = query_ns_per_key(&s_large, large, quick);
+    bench("runner.query_hits", 1e3 / at_large, "Mkeys/s", None);
+    bench("runner.bytes_per_block", per_block, "bytes", None);
+    bench("runner.query_scale", at_large / at_small, "x", None);
+    println!("# runner.query ns/key: {at_small:.1} at {small} blocks, {at_large:.1} at {large} blocks");
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    throughput(quick);
+    one_block_latency(quick);
+    queries(quick);
+}
