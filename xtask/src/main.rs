@@ -6,6 +6,7 @@
 // xtask is a tool, not a sans-I/O core: it may read the clock.
 #![allow(clippy::disallowed_methods)]
 
+mod bench;
 mod layers;
 mod setup;
 
@@ -25,6 +26,9 @@ Commands:
                     -D warnings, and a build of the fuzz targets
   fuzz [--runs N] [--target NAME]
                     run the fuzz targets (default: every target, 200000 runs each)
+  bench [--quick]   run every benchmark (each figure beside an anchor measured
+                    in the same run); prints BENCH lines and writes
+                    target/bench/report.md
   layers            check the crate dependency layering
   help              this text
 ";
@@ -39,6 +43,7 @@ fn main() -> Result<()> {
         "test" => test(&root),
         "ci" => ci(&root, &rest),
         "fuzz" => fuzz(&root, &rest),
+        "bench" => bench::run(&root, &rest),
         "layers" => {
             layers::check(&root)?;
             println!("xtask: layering ok");
