@@ -5,7 +5,12 @@
 //! `BENCH <name> value=<median> unit=<unit> [anchor=<median>] [ratio=<value/anchor>]`.
 
 #![allow(clippy::disallowed_methods)] // a benchmark reads the clock
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
 #![allow(missing_docs, unsafe_code)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -14,7 +19,9 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvcr_foundation::protocol::{ElementRef, OpHandle};
-use kvcr_foundation::runner::{DeliverEntry, DepositEntry, QueryStatus, RegionDesc, Runner, RunnerConfig};
+use kvcr_foundation::runner::{
+    DeliverEntry, DepositEntry, QueryStatus, RegionDesc, Runner, RunnerConfig,
+};
 use kvcr_foundation::{BlockKey, CompatDigest, Namespace, NamespaceId, ScopedKey};
 
 /// Counts live heap bytes, to measure the index's memory per block.
@@ -60,7 +67,10 @@ fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
 
 fn bench(name: &str, value: f64, unit: &str, anchor: Option<f64>) {
     match anchor {
-        Some(a) => println!("BENCH {name} value={value:.3} unit={unit} anchor={a:.3} ratio={:.3}", value / a),
+        Some(a) => println!(
+            "BENCH {name} value={value:.3} unit={unit} anchor={a:.3} ratio={:.3}",
+            value / a
+        ),
         None => println!("BENCH {name} value={value:.3} unit={unit}"),
     }
 }
@@ -75,7 +85,8 @@ struct Setup {
 }
 
 fn setup(block: usize, blocks: u32, host_pages: usize) -> Setup {
-    let mut runner = Runner::start(RunnerConfig::single_pool("kv", block as u64, blocks), None).unwrap();
+    let mut runner =
+        Runner::start(RunnerConfig::single_pool("kv", block as u64, blocks), None).unwrap();
     let ns = runner.register_namespace(Namespace::base(CompatDigest(1)));
     let mut src = vec![0u8; block * host_pages];
     let mut dst = vec![0u8; block * host_pages];
@@ -99,19 +110,33 @@ fn setup(block: usize, blocks: u32, host_pages: usize) -> Setup {
     };
     let src_region = register("kv", &mut src);
     let dst_region = register("kv:dst", &mut dst);
-    Setup { runner, ns, src, dst, src_region, dst_region }
+    Setup {
+        runner,
+        ns,
+        src,
+        dst,
+        src_region,
+        dst_region,
+    }
 }
 
 fn wait(runner: &mut Runner, op: OpHandle) {
     loop {
-        if runner.wait_completed(Duration::from_secs(5)).iter().any(|r| r.op == op) {
+        if runner
+            .wait_completed(Duration::from_secs(5))
+            .iter()
+            .any(|r| r.op == op)
+        {
             return;
         }
     }
 }
 
 fn key(ns: NamespaceId, k: u64) -> ScopedKey {
-    ScopedKey { namespace: ns, key: BlockKey::from_u64(k) }
+    ScopedKey {
+        namespace: ns,
+        key: BlockKey::from_u64(k),
+    }
 }
 
 /// memcpy anchor: one thread, `total` bytes in `chunk`-sized copies, warm buffers.
@@ -143,7 +168,10 @@ fn throughput(quick: bool) {
         let entries: Vec<DepositEntry> = (0..N)
             .map(|p| DepositEntry {
                 key: key(s.ns, base + p as u64),
-                spans: vec![ElementRef { region: s.src_region, index: p as u64 }],
+                spans: vec![ElementRef {
+                    region: s.src_region,
+                    index: p as u64,
+                }],
                 page: None,
             })
             .collect();
@@ -154,7 +182,10 @@ fn throughput(quick: bool) {
         let entries: Vec<DeliverEntry> = (0..N)
             .map(|p| DeliverEntry {
                 key: key(s.ns, base + p as u64),
-                destinations: vec![ElementRef { region: s.dst_region, index: p as u64 }],
+                destinations: vec![ElementRef {
+                    region: s.dst_region,
+                    index: p as u64,
+                }],
             })
             .collect();
         let start = Instant::now();
@@ -176,7 +207,10 @@ fn one_block_latency(quick: bool) {
     for i in 0..iters {
         let entry = DepositEntry {
             key: key(s.ns, i as u64),
-            spans: vec![ElementRef { region: s.src_region, index: (i % 64) as u64 }],
+            spans: vec![ElementRef {
+                region: s.src_region,
+                index: (i % 64) as u64,
+            }],
             page: None,
         };
         let start = Instant::now();
@@ -195,7 +229,12 @@ fn one_block_latency(quick: bool) {
         anchor.push(start.elapsed().as_secs_f64() * 1e6);
     }
     let p99 = percentile(samples.clone(), 0.99);
-    bench("runner.one_block_deposit_p50", median(samples), "us", Some(median(anchor)));
+    bench(
+        "runner.one_block_deposit_p50",
+        median(samples),
+        "us",
+        Some(median(anchor)),
+    );
     println!("# runner.one_block_deposit p99={p99:.1}us");
 }
 
@@ -213,7 +252,10 @@ fn resident(n: usize) -> (Setup, f64) {
         let entries: Vec<DepositEntry> = (start..(start + BATCH).min(n))
             .map(|p| DepositEntry {
                 key: key(s.ns, p as u64 * 0x9e37_79b9 + 1),
-                spans: vec![ElementRef { region: s.src_region, index: p as u64 }],
+                spans: vec![ElementRef {
+                    region: s.src_region,
+                    index: p as u64,
+                }],
                 page: None,
             })
             .collect();
@@ -263,7 +305,9 @@ fn queries(quick: bool) {
     bench("runner.query_hits", 1e3 / at_large, "Mkeys/s", None);
     bench("runner.bytes_per_block", per_block, "bytes", None);
     bench("runner.query_scale", at_large / at_small, "x", None);
-    println!("# runner.query ns/key: {at_small:.1} at {small} blocks, {at_large:.1} at {large} blocks");
+    println!(
+        "# runner.query ns/key: {at_small:.1} at {small} blocks, {at_large:.1} at {large} blocks"
+    );
 }
 
 fn main() {

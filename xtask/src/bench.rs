@@ -24,7 +24,10 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
     if quick {
         cmd.arg("--quick");
     }
-    eprintln!("xtask: building and running benchmarks{}", if quick { " (quick)" } else { "" });
+    eprintln!(
+        "xtask: building and running benchmarks{}",
+        if quick { " (quick)" } else { "" }
+    );
     let mut child = cmd
         .stdout(Stdio::piped())
         .spawn()
@@ -98,8 +101,14 @@ mod tests {
             "# a note".to_owned(),
         ];
         let report = render(&lines, true);
-        assert!(report.contains("| `runner.deposit` | 11.0 | GB/s | 12.0 | 0.917 |"), "{report}");
-        assert!(report.contains("| `runner.query_hits` | 55.2 | Mkeys/s | - | - |"), "{report}");
+        assert!(
+            report.contains("| `runner.deposit` | 11.0 | GB/s | 12.0 | 0.917 |"),
+            "{report}"
+        );
+        assert!(
+            report.contains("| `runner.query_hits` | 55.2 | Mkeys/s | - | - |"),
+            "{report}"
+        );
         assert!(report.contains("- a note"));
     }
 }

@@ -331,7 +331,11 @@ impl Core {
                 pressured: false,
             });
         }
-        let max_records = config.pools.iter().map(|(_, _, blocks)| *blocks as usize).sum::<usize>();
+        let max_records = config
+            .pools
+            .iter()
+            .map(|(_, _, blocks)| *blocks as usize)
+            .sum::<usize>();
         Ok(Self {
             pools,
             pool_specs,
@@ -1173,19 +1177,31 @@ impl Core {
         match self.record(idx).map(|r| r.slots) {
             Some(SlotList::One(a)) => vec![a],
             Some(SlotList::Two(a, b)) => vec![a, b],
-            Some(SlotList::Many) => self.many_slots.get(&idx).map(|s| s.to_vec()).unwrap_or_default(),
+            Some(SlotList::Many) => self
+                .many_slots
+                .get(&idx)
+                .map(|s| s.to_vec())
+                .unwrap_or_default(),
             None => Vec::new(),
         }
     }
 
     /// Adds `delta` to the evictable count of every pool in a record's layout.
     fn adjust_evictable(&mut self, idx: u32, add: bool) {
-        let Some(layout) = self.record(idx).map(|r| r.layout as usize) else { return };
+        let Some(layout) = self.record(idx).map(|r| r.layout as usize) else {
+            return;
+        };
         let spans = self.layouts.get(layout).map_or(0, Vec::len);
         for i in 0..spans {
-            let Some(pool) = self.layouts.get(layout).and_then(|l| l.get(i)).copied() else { continue };
+            let Some(pool) = self.layouts.get(layout).and_then(|l| l.get(i)).copied() else {
+                continue;
+            };
             if let Some(p) = self.pools.get_mut(pool.0 as usize) {
-                p.evictable = if add { p.evictable + 1 } else { p.evictable.saturating_sub(1) };
+                p.evictable = if add {
+                    p.evictable + 1
+                } else {
+                    p.evictable.saturating_sub(1)
+                };
             }
         }
     }
@@ -1524,10 +1540,10 @@ impl Core {
                     continue;
                 }
                 let victim_layout = r.layout as usize;
-                let helps = self
-                    .layouts
-                    .get(victim_layout)
-                    .is_some_and(|l| l.iter().any(|p| short.get(p.0 as usize).is_some_and(|m| *m > 0)));
+                let helps = self.layouts.get(victim_layout).is_some_and(|l| {
+                    l.iter()
+                        .any(|p| short.get(p.0 as usize).is_some_and(|m| *m > 0))
+                });
                 if !helps {
                     continue;
                 }
@@ -1572,7 +1588,9 @@ impl Core {
     fn first_candidate(&self) -> Option<u32> {
         match self.policy.order() {
             EvictionOrder::LeastRecentlyUsed => (self.queue_head != NIL).then_some(self.queue_head),
-            EvictionOrder::Insertion | EvictionOrder::Scored => self.scored.first().map(|(_, _, idx)| *idx),
+            EvictionOrder::Insertion | EvictionOrder::Scored => {
+                self.scored.first().map(|(_, _, idx)| *idx)
+            }
         }
     }
 
@@ -1587,7 +1605,10 @@ impl Core {
                 let seq = self.records.get(idx as usize)?.seq;
                 let bits = *self.scores.get(&idx)?;
                 self.scored
-                    .range((std::ops::Bound::Excluded((bits, seq, idx)), std::ops::Bound::Unbounded))
+                    .range((
+                        std::ops::Bound::Excluded((bits, seq, idx)),
+                        std::ops::Bound::Unbounded,
+                    ))
                     .next()
                     .map(|(_, _, i)| *i)
             }

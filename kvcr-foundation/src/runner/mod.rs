@@ -31,6 +31,10 @@ mod region;
 #[cfg(test)]
 mod tests;
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use self::core::{Action, Core, CoreConfig};
@@ -344,27 +348,135 @@ impl StartupStage {
 
 type CapacityCallback = Box<dyn FnMut(&[(PoolId, u32)]) + Send>;
 
-/// The rank-local runner.
-///
-/// Drop order is load-bearing: `copy` is declared first, so dropping a runner
-/// stops and joins the copy thread before `pools` (declared after it) free
-/// the memory the thread copies into and out of.
-pub struct Runner {
-    copy: copy::CopyEngine,
+/// What the caller's threads and the runner's own threads share: the core and
+/// everything that must change with it atomically.
+struct Inner {
     core: Core,
-    pools: Vec<DramPool>,
     sink: Option<Box<dyn InventorySink>>,
     capacity_needed: Option<CapacityCallback>,
-    epoch: Instant,
-    incarnation: Incarnation,
     completed: Vec<OpResult>,
+    jobs: Sender<copy::Msg>,
+    cancels: HashMap<core::JobId, Arc<[AtomicBool]>>,
+}
+
+/// The shared state, plus the clock epoch and a wake-up for waiters.
+pub(crate) struct Shared {
+    inner: Mutex<Inner>,
+    completed_cv: Condvar,
+    /// Completed operations not yet taken (read without the lock to spin).
+    completed_len: AtomicUsize,
+    epoch: Instant,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock can only come from a bug in the core;
+        // its state is still structurally valid, so keep serving.
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn now(&self) -> u64 {
+        #[allow(clippy::disallowed_methods)]
+        let elapsed = self.epoch.elapsed();
+        u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Called by the copy thread with a finished job's outcomes.
+    pub(crate) fn copy_done(&self, job: core::JobId, outcomes: &[core::CopyOutcome]) {
+        let now = self.now();
+        let mut inner = self.lock();
+        inner.cancels.remove(&job);
+        inner.core.handle_copy_done(now, job, outcomes);
+        self.pump(&mut inner);
+    }
+
+    /// Executes the core's actions and forwards events, signals and completions.
+    fn pump(&self, inner: &mut Inner) {
+        let Inner {
+            core,
+            sink,
+            capacity_needed,
+            completed,
+            jobs,
+            cancels,
+        } = inner;
+        let mut failed_jobs = Vec::new();
+        while let Some(action) = core.poll_action() {
+            match action {
+                Action::Copy {
+                    job,
+                    deadline_ns,
+                    keys,
+                } => {
+                    let cancel: Arc<[AtomicBool]> =
+                        keys.iter().map(|_| AtomicBool::new(false)).collect();
+                    let n = keys.len();
+                    cancels.insert(job, Arc::clone(&cancel));
+                    let deadline = self.epoch + Duration::from_nanos(deadline_ns);
+                    if jobs
+                        .send(copy::Msg::Job(copy::Job {
+                            id: job,
+                            deadline,
+                            keys,
+                            cancel,
+                        }))
+                        .is_err()
+                    {
+                        // The copy thread is gone (it only stops at shutdown):
+                        // report the keys cancelled so nothing waits forever.
+                        failed_jobs.push((job, n));
+                    }
+                }
+                Action::Cancel { job, key } => {
+                    if let Some(flag) = cancels.get(&job).and_then(|c| c.get(key as usize)) {
+                        flag.store(true, Ordering::Release);
+                    }
+                }
+            }
+        }
+        for (job, n) in failed_jobs {
+            cancels.remove(&job);
+            core.handle_copy_done(self.now(), job, &vec![core::CopyOutcome::Cancelled; n]);
+        }
+        match sink.as_mut() {
+            Some(sink) => core.drain_events().for_each(|event| sink.publish(&event)),
+            None => core.drain_events().for_each(drop),
+        }
+        let signals = core.drain_capacity_signals();
+        if let (false, Some(callback)) = (signals.is_empty(), capacity_needed.as_mut()) {
+            callback(&signals);
+        }
+        let before = completed.len();
+        core.drain_completed(completed);
+        if completed.len() != before {
+            self.completed_len.store(completed.len(), Ordering::Release);
+            self.completed_cv.notify_all();
+        }
+    }
+}
+
+/// The rank-local runner.
+///
+/// Threads: the caller's thread runs the API; a copy thread executes copies
+/// and applies their outcomes to the shared core (so operations complete
+/// without polling). The sink and the capacity callback run on either thread,
+/// under the runner's lock: they must not call back into the runner.
+///
+/// Drop order is load-bearing: `copy` is declared before `pools`, so dropping a
+/// runner stops and joins the copy thread before the pools it copies into and
+/// out of are freed.
+pub struct Runner {
+    copy: copy::CopyEngine,
+    shared: Arc<Shared>,
+    pools: Vec<DramPool>,
+    incarnation: Incarnation,
 }
 
 impl std::fmt::Debug for Runner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Runner")
             .field("incarnation", &self.incarnation)
-            .field("core", &self.core)
+            .field("core", &self.shared.lock().core)
             .finish_non_exhaustive()
     }
 }
@@ -432,12 +544,6 @@ impl Runner {
             watermark_percent: config.capacity_low_watermark_percent,
             medium: config.medium,
         };
-        debug_assert!(
-            pools
-                .iter()
-                .zip(&config.pools)
-                .all(|(p, c)| p.len() >= c.block_size * u64::from(c.blocks))
-        );
         let core = Core::new(
             &core_config,
             policy.unwrap_or_else(|| Box::new(policy::Lru)),
@@ -445,32 +551,46 @@ impl Runner {
         .map_err(|e| fail(StartupStage::BuildCore, e))?;
         injected(StartupStage::BuildCore)?;
 
-        let copy = copy::CopyEngine::start().map_err(|e| fail(StartupStage::StartCopyEngine, e))?;
-        injected(StartupStage::StartCopyEngine)?;
-
         #[allow(clippy::disallowed_methods)]
         let epoch = Instant::now();
-        Ok(Self {
-            copy,
-            core,
-            pools,
-            sink: None,
-            capacity_needed: None,
+        let (jobs_tx, jobs_rx) = mpsc::channel::<copy::Msg>();
+        let shared = Arc::new(Shared {
+            inner: Mutex::new(Inner {
+                core,
+                sink: None,
+                capacity_needed: None,
+                completed: Vec::new(),
+                jobs: jobs_tx.clone(),
+                cancels: HashMap::new(),
+            }),
+            completed_cv: Condvar::new(),
+            completed_len: AtomicUsize::new(0),
             epoch,
+        });
+        let copy = copy::CopyEngine::start(Arc::downgrade(&shared), jobs_tx, jobs_rx)
+            .map_err(|e| fail(StartupStage::StartCopyEngine, e))?;
+        let mut runner = Self {
+            copy,
+            shared,
+            pools,
             incarnation: Incarnation::generate(),
-            completed: Vec::new(),
-        })
+        };
+        if let Err(e) = injected(StartupStage::StartCopyEngine) {
+            runner.copy.stop();
+            return Err(e);
+        }
+        Ok(runner)
     }
 
     /// Sends inventory events (owner KVCR, tier KVCR DRAM) to `sink`.
     pub fn set_inventory_sink(&mut self, sink: Box<dyn InventorySink>) {
-        self.sink = Some(sink);
+        self.shared.lock().sink = Some(sink);
     }
 
     /// Calls `callback` with `(pool, watermark slots)` when pools newly drop
     /// below their low watermark (edge-triggered).
     pub fn set_capacity_needed(&mut self, callback: CapacityCallback) {
-        self.capacity_needed = Some(callback);
+        self.shared.lock().capacity_needed = Some(callback);
     }
 
     /// This runner's incarnation.
@@ -487,197 +607,172 @@ impl Runner {
     /// element named by an operation until that operation has completed.
     #[allow(unsafe_code)]
     pub unsafe fn register_region(&mut self, desc: RegionDesc) -> Result<RegionId> {
-        self.core.register_region(desc)
+        self.shared.lock().core.register_region(desc)
     }
 
     /// The id of a registered region.
     pub fn region(&self, label: &str) -> Option<RegionId> {
-        self.core.region_by_label(label)
+        self.shared.lock().core.region_by_label(label)
     }
 
     /// Registers a namespace so its keys can be used and its LoRA name published.
     pub fn register_namespace(&mut self, namespace: Namespace) -> NamespaceId {
-        self.core.register_namespace(namespace)
+        self.shared.lock().core.register_namespace(namespace)
     }
 
     /// A pool by name.
     pub fn pool(&self, name: &str) -> Option<PoolId> {
-        self.core.pool_id(name)
+        self.shared.lock().core.pool_id(name)
     }
 
-    fn now(&self) -> u64 {
-        #[allow(clippy::disallowed_methods)]
-        let elapsed = self.epoch.elapsed();
-        u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX)
+    /// Runs `f` on the core under the lock, then pumps its actions.
+    fn with_core<T>(&self, f: impl FnOnce(&mut Core, u64) -> T) -> T {
+        let now = self.shared.now();
+        let mut inner = self.shared.lock();
+        let out = f(&mut inner.core, now);
+        self.shared.pump(&mut inner);
+        out
     }
 
     /// Copies framework elements into KVCR DRAM. With `no_evict`, each stored
     /// key also gets a claim (release it later). Validation errors refuse the
     /// whole call, unchanged.
     pub fn deposit(&mut self, entries: Vec<DepositEntry>, no_evict: bool) -> Result<OpHandle> {
-        let now = self.now();
-        let op = self.core.deposit(now, entries, no_evict)?;
-        self.pump();
-        Ok(op)
+        self.with_core(|core, now| core.deposit(now, entries, no_evict))
     }
 
     /// Claims resident keys (deduplicated, in order) and returns their KVCR
     /// elements; `layout` is the pools of one key's spans, in order.
     pub fn fetch(&mut self, keys: &[ScopedKey], layout: &[PoolId]) -> Result<OpHandle> {
-        let now = self.now();
-        let op = self.core.fetch(now, keys, layout)?;
-        self.pump();
-        Ok(op)
+        self.with_core(|core, now| core.fetch(now, keys, layout))
     }
 
     /// Copies resident (or filling) keys into framework elements.
     pub fn deliver(&mut self, entries: Vec<DeliverEntry>) -> Result<OpHandle> {
-        let now = self.now();
-        let op = self.core.deliver(now, entries)?;
-        self.pump();
-        Ok(op)
+        self.with_core(|core, now| core.deliver(now, entries))
     }
 
     /// Releases public claims: `true` per live handle, `false` for unknown or
     /// already released ones.
     pub fn release(&mut self, handles: &[ReleaseHandle]) -> Vec<bool> {
-        let out = self.core.release(handles);
-        self.pump();
-        out
+        self.with_core(|core, _| core.release(handles))
     }
 
     /// Best-effort abort (see the core's rules); `true` if anything changed.
     pub fn abort(&mut self, op: OpHandle, keys: Option<&[ScopedKey]>) -> bool {
-        let changed = self.core.abort(op, keys);
-        self.pump();
-        changed
+        self.with_core(|core, _| core.abort(op, keys))
     }
 
     /// Residency of one key: no I/O, no allocation.
     pub fn query(&self, key: &ScopedKey) -> QueryStatus {
-        self.core.query(key)
+        self.shared.lock().core.query(key)
     }
 
-    /// Residency of many keys into `out` (same length): no I/O, no allocation.
+    /// Residency of many keys into `out` (same length), under one lock: no
+    /// I/O, no allocation.
     pub fn query_into(&self, keys: &[ScopedKey], out: &mut [QueryStatus]) {
+        let inner = self.shared.lock();
         for (key, slot) in keys.iter().zip(out.iter_mut()) {
-            *slot = self.core.query(key);
+            *slot = inner.core.query(key);
         }
     }
 
-    /// Reads span `span` of a claimed page.
+    /// Copies span `span` of a claimed page into `out` (which must be the
+    /// span's length).
     #[allow(unsafe_code)]
-    pub fn read_claimed(&self, handle: ReleaseHandle, span: usize) -> Result<&[u8]> {
-        let refs = self
+    pub fn read_claimed(&self, handle: ReleaseHandle, span: usize) -> Result<Vec<u8>> {
+        let inner = self.shared.lock();
+        let refs = inner
             .core
             .claimed_slot_refs(handle)
             .ok_or(Error::runner(RunnerReason::UnknownClaim(handle.0)))?;
         let element = refs
             .get(span)
             .ok_or(Error::runner(RunnerReason::LayoutMismatch))?;
-        let (addr, len) = self.core.resolve(*element)?;
+        let (addr, len) = inner.core.resolve(*element)?;
         // SAFETY: the element is a slot of a runner-owned pool (bounds-checked
-        // by `resolve`); the claim keeps the page READY, and READY slots are
-        // never written (fills write only FILLING slots) nor freed while
-        // claimed; `&self` keeps the runner (and its pools) alive for the borrow.
-        Ok(unsafe { memory::bytes_at(addr, len) })
+        // by `resolve`); the claim keeps the page READY, READY slots are never
+        // written (fills write only FILLING slots), and the lock keeps the claim
+        // from being released while we copy; `&self` keeps the pools alive.
+        Ok(unsafe { memory::bytes_at(addr, len) }.to_vec())
     }
 
-    /// Drains finished copies, expires deadlines, and returns completed
-    /// operations. Never blocks.
+    /// Expires deadlines and returns completed operations. Never blocks.
     pub fn poll_completed(&mut self) -> Vec<OpResult> {
-        let done = self.copy.try_done();
-        self.absorb(done);
-        std::mem::take(&mut self.completed)
+        let now = self.shared.now();
+        let mut inner = self.shared.lock();
+        inner.core.handle_timeout(now);
+        self.shared.pump(&mut inner);
+        self.shared.completed_len.store(0, Ordering::Release);
+        std::mem::take(&mut inner.completed)
     }
 
-    /// Like [`Self::poll_completed`], but waits up to `timeout` (or the next
-    /// deadline) for something to complete when nothing has yet.
+    /// Like [`Self::poll_completed`], but waits up to `timeout` for something
+    /// to complete when nothing has yet (waking for deadlines on the way).
     pub fn wait_completed(&mut self, timeout: Duration) -> Vec<OpResult> {
-        let mut out = self.poll_completed();
-        if !out.is_empty() || self.core.jobs_in_flight() == 0 && self.core.next_deadline().is_none()
+        #[allow(clippy::disallowed_methods)]
+        let start = Instant::now();
+        // A short bounded spin first: a single-block copy finishes in tens of
+        // µs, less than a futex wake-up costs here.
+        while self.shared.completed_len.load(Ordering::Acquire) == 0 && start.elapsed() < copy::SPIN
         {
-            return out;
+            std::hint::spin_loop();
         }
-        let until_deadline = self
-            .core
-            .next_deadline()
-            .map(|d| Duration::from_nanos(d.saturating_sub(self.now())));
-        let wait = until_deadline.map_or(timeout, |d| d.min(timeout));
-        let done = self.copy.wait_done(wait);
-        self.absorb(done);
-        out.append(&mut self.completed);
-        out
-    }
-
-    fn absorb(&mut self, done: Vec<copy::Done>) {
-        let now = self.now();
-        for d in done {
-            self.core.handle_copy_done(now, d.job, &d.outcomes);
-        }
-        self.core.handle_timeout(now);
-        self.pump();
-    }
-
-    /// Executes the core's actions and forwards events and signals.
-    fn pump(&mut self) {
-        while let Some(action) = self.core.poll_action() {
-            match action {
-                Action::Copy {
-                    job,
-                    deadline_ns,
-                    keys,
-                } => {
-                    let deadline = self.epoch + Duration::from_nanos(deadline_ns);
-                    if self.copy.submit(job, deadline, keys.clone()).is_err() {
-                        // The copy thread is gone (it only stops on drop): report
-                        // every key cancelled so nothing waits forever.
-                        let outcomes = vec![core::CopyOutcome::Cancelled; keys.len()];
-                        let now = self.now();
-                        self.core.handle_copy_done(now, job, &outcomes);
-                    }
-                }
-                Action::Cancel { job, key } => self.copy.cancel(job, key),
+        loop {
+            let out = self.poll_completed();
+            let elapsed = start.elapsed();
+            if !out.is_empty() || elapsed >= timeout {
+                return out;
             }
-        }
-        if let Some(sink) = self.sink.as_mut() {
-            for event in self.core.drain_events() {
-                sink.publish(&event);
+            let mut inner = self.shared.lock();
+            if !inner.completed.is_empty() {
+                continue;
             }
-        } else {
-            self.core.drain_events().for_each(drop);
+            let idle = inner.core.jobs_in_flight() == 0 && inner.core.next_deadline().is_none();
+            if idle {
+                return Vec::new();
+            }
+            let until_deadline = inner
+                .core
+                .next_deadline()
+                .map(|d| Duration::from_nanos(d.saturating_sub(self.shared.now())));
+            let wait = until_deadline.map_or(timeout - elapsed, |d| d.min(timeout - elapsed));
+            inner = self
+                .shared
+                .completed_cv
+                .wait_timeout(inner, wait)
+                .map(|(guard, _)| guard)
+                .unwrap_or_else(|e| e.into_inner().0);
+            drop(inner);
         }
-        let signals = self.core.drain_capacity_signals();
-        if let (false, Some(callback)) = (signals.is_empty(), self.capacity_needed.as_mut()) {
-            callback(&signals);
-        }
-        self.core.drain_completed(&mut self.completed);
     }
 
     /// A snapshot of counts and counters.
     pub fn stats(&self) -> RunnerStats {
-        let (ready, filling, discarding) = self.core.state_counts();
+        let inner = self.shared.lock();
+        let core = &inner.core;
+        let (ready, filling, discarding) = core.state_counts();
         RunnerStats {
-            policy: self.core.policy_name(),
+            policy: core.policy_name(),
             ready,
             filling,
             discarding,
-            public_claims: self.core.public_claims(),
-            ops_in_flight: self.core.ops_in_flight(),
-            copies_in_flight: self.core.jobs_in_flight(),
-            pools: self.core.pool_stats(),
-            counters: self.core.counters(),
+            public_claims: core.public_claims(),
+            ops_in_flight: core.ops_in_flight(),
+            copies_in_flight: core.jobs_in_flight(),
+            pools: core.pool_stats(),
+            counters: core.counters(),
         }
     }
 
     /// Number of resident (READY, FILLING or DISCARDING) pages.
     pub fn resident_blocks(&self) -> usize {
-        self.core.resident_blocks()
+        self.shared.lock().core.resident_blocks()
     }
 
     /// Checks the core's structural invariants (for tests and debugging).
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        self.core.check_invariants()
+        self.shared.lock().core.check_invariants()
     }
 
     /// Shuts down. Refused (the runner is handed back unchanged) while copies
@@ -685,11 +780,13 @@ impl Runner {
     /// is never released.
     pub fn close(mut self) -> std::result::Result<(), (Box<Self>, Error)> {
         let _ = self.poll_completed();
-        let copies = self.core.jobs_in_flight();
+        let (copies, claims) = {
+            let inner = self.shared.lock();
+            (inner.core.jobs_in_flight(), inner.core.public_claims())
+        };
         if copies > 0 {
             return Err((Box::new(self), Error::runner(RunnerReason::Busy(copies))));
         }
-        let claims = self.core.public_claims();
         if claims > 0 {
             return Err((
                 Box::new(self),
