@@ -29,10 +29,17 @@ use super::{
     DeliverEntry, DepositEntry, EntryResult, FailReason, OpResult, PageInfo, PoolId, PoolStats,
     QueryStatus, ReleaseHandle,
 };
+use crate::endpoint::ControlEndpoint;
 use crate::error::{Error, Result, RunnerReason};
-use crate::key::{Namespace, NamespaceId, ScopedKey};
+use crate::hint::RequestId;
+use crate::key::{BlockKey, Namespace, NamespaceId, ScopedKey};
 use crate::protocol::{ElementRef, OpHandle, RegionId};
 use crate::tier::{InventoryEvent, InventoryScope, Medium, Owner};
+
+mod peer;
+
+pub(crate) use peer::PeerConfig;
+pub use peer::{PeerCounters, PeerNotice, PutSpan};
 
 /// Label prefix of the runner's own pool regions (`kvcr-dram/<pool>`).
 pub const KVCR_REGION_PREFIX: &str = "kvcr-dram/";
@@ -58,6 +65,36 @@ pub(crate) enum Action {
         deadline_ns: u64,
         /// Per key, its spans.
         keys: Vec<Vec<CopySpan>>,
+    },
+    /// Send a control message to a peer.
+    Send {
+        /// The peer's control endpoint.
+        to: ControlEndpoint,
+        /// The message.
+        message: crate::protocol::Message,
+    },
+    /// (Re)build the data-plane route to a target: endpoint from its worker
+    /// address, remote keys of its regions. Replaces any older generation.
+    Connect {
+        /// The target's control endpoint.
+        peer: ControlEndpoint,
+        /// Local route generation (writes carry it; a newer one fences older writes).
+        generation: u64,
+        /// The target's packed worker address.
+        worker_address: Vec<u8>,
+        /// The target's packed remote keys per region.
+        rkeys: Vec<(RegionId, Vec<u8>)>,
+    },
+    /// Put these spans into the target, flush, then report `handle_put_done`.
+    Put {
+        /// Source write id.
+        write: u64,
+        /// The target's control endpoint.
+        target: ControlEndpoint,
+        /// The route generation the write was accepted on.
+        generation: u64,
+        /// The puts.
+        spans: Vec<peer::PutSpan>,
     },
     /// Skip key `key` of `job` if its copy has not started yet.
     Cancel {
@@ -183,10 +220,18 @@ struct Op {
 #[derive(Debug)]
 struct Fill {
     record: u32,
-    job: JobId,
-    job_key: u32,
+    source: FillSource,
     waiters: Vec<(OpHandle, u32)>,
     page: Option<PageInfo>,
+}
+
+/// Where a fill's bytes come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FillSource {
+    /// Key `key` of local copy job `job` (a deposit).
+    Copy { job: JobId, key: u32 },
+    /// A destination-initiated write from a peer (target operation id).
+    Remote { target_op: u64 },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -265,6 +310,7 @@ pub(crate) struct Core {
     completed: Vec<OpResult>,
     capacity_signals: Vec<(PoolId, u32)>,
     counters: CoreCounters,
+    peer: Option<peer::PeerState>,
 }
 
 impl std::fmt::Debug for Core {
@@ -373,6 +419,7 @@ impl Core {
             completed: Vec::new(),
             capacity_signals: Vec::new(),
             counters: CoreCounters::default(),
+            peer: None,
         })
     }
 
@@ -584,8 +631,10 @@ impl Core {
                     let record = self.insert_record(now, key, layout, slots);
                     let fill = self.new_fill(Fill {
                         record,
-                        job,
-                        job_key: job_keys.len() as u32,
+                        source: FillSource::Copy {
+                            job,
+                            key: job_keys.len() as u32,
+                        },
                         waiters: Vec::new(),
                         page,
                     });
@@ -611,6 +660,7 @@ impl Core {
         now: u64,
         keys: &[ScopedKey],
         layout: &[PoolId],
+        request: Option<&RequestId>,
     ) -> Result<OpHandle> {
         if layout.is_empty() || layout.len() > MAX_SPANS_PER_KEY {
             return Err(runner_err(RunnerReason::LayoutLength {
@@ -638,6 +688,7 @@ impl Core {
             })
             .collect();
         let handle = self.new_op(now, OpKind::Fetch, entries);
+        let mut remote = Vec::new();
         for (i, key) in unique.iter().enumerate() {
             let entry = i as u32;
             match self.index.get(key).copied() {
@@ -672,16 +723,59 @@ impl Core {
                         }
                     }
                 }
-                None => self.set_result(handle, entry, EntryResult::failed(FailReason::NoSource)),
+                None => remote.push((entry, *key)),
             }
         }
+        self.start_remote(now, handle, request, layout, remote, &unique);
         self.finish_if_done(handle);
         self.check_pressure();
         Ok(handle)
     }
 
+    /// Sends the keys of `op` that are not resident to the request's hinted
+    /// source (when the hint covers them); the rest fail with `NoSource`.
+    fn start_remote(
+        &mut self,
+        now: u64,
+        op: OpHandle,
+        request: Option<&RequestId>,
+        layout: u16,
+        missing: Vec<(u32, ScopedKey)>,
+        protected: &[ScopedKey],
+    ) {
+        let mut by_source: BTreeMap<ControlEndpoint, Vec<(u32, ScopedKey)>> = BTreeMap::new();
+        for (entry, key) in missing {
+            match self
+                .peer
+                .as_ref()
+                .and_then(|p| p.hinted_source(request, &key))
+            {
+                Some(source) => by_source
+                    .entry(source.clone())
+                    .or_default()
+                    .push((entry, key)),
+                None => self.set_result(op, entry, EntryResult::failed(FailReason::NoSource)),
+            }
+        }
+        for (source, entries) in by_source {
+            let keys: Vec<ScopedKey> = entries.iter().map(|(_, k)| *k).collect();
+            let fills = self.start_remote_fills(now, request, source, &keys, layout, protected);
+            for ((entry, _), fill) in entries.into_iter().zip(fills) {
+                match fill {
+                    Ok(fill) => self.wait_on_fill(op, entry, fill),
+                    Err(reason) => self.set_result(op, entry, EntryResult::failed(reason)),
+                }
+            }
+        }
+    }
+
     /// Copies resident pages into framework destinations.
-    pub(crate) fn deliver(&mut self, now: u64, entries: Vec<DeliverEntry>) -> Result<OpHandle> {
+    pub(crate) fn deliver(
+        &mut self,
+        now: u64,
+        entries: Vec<DeliverEntry>,
+        request: Option<&RequestId>,
+    ) -> Result<OpHandle> {
         let mut validated = Vec::with_capacity(entries.len());
         for entry in entries {
             self.check_namespace(&entry.key)?;
@@ -708,6 +802,7 @@ impl Core {
             .collect();
         let handle = self.new_op(now, OpKind::Deliver, op_entries);
         let mut ready = Vec::new();
+        let mut remote: BTreeMap<u16, Vec<(u32, ScopedKey)>> = BTreeMap::new();
         for (i, (key, layout, _)) in validated.iter().enumerate() {
             let entry = i as u32;
             match self.index.get(key).copied() {
@@ -733,8 +828,12 @@ impl Core {
                         }
                     }
                 }
-                None => self.set_result(handle, entry, EntryResult::failed(FailReason::NoSource)),
+                None => remote.entry(*layout).or_default().push((entry, *key)),
             }
+        }
+        let protected: Vec<ScopedKey> = validated.iter().map(|v| v.0).collect();
+        for (layout, missing) in remote {
+            self.start_remote(now, handle, request, layout, missing, &protected);
         }
         self.start_delivers(now, handle, ready);
         self.finish_if_done(handle);
@@ -855,8 +954,11 @@ impl Core {
                 let mut cancel = None;
                 if let Some(f) = self.fills.get_mut(fill as usize).and_then(Option::as_mut) {
                     f.waiters.retain(|w| *w != (op, entry));
-                    if f.waiters.is_empty() {
-                        cancel = Some((f.job, f.job_key));
+                    // A local copy nobody waits for is cancelled; a remote
+                    // write cannot be, and its target operation still owns it.
+                    if let (true, FillSource::Copy { job, key }) = (f.waiters.is_empty(), f.source)
+                    {
+                        cancel = Some((job, key));
                     }
                 }
                 if let Some((job, key)) = cancel {
@@ -873,6 +975,7 @@ impl Core {
     /// `Timeout`. Keys whose own copy is in flight wait for it (the copy engine
     /// skips it if it has not started by the deadline).
     pub(crate) fn handle_timeout(&mut self, now: u64) {
+        self.handle_peer_timeout(now);
         while let Some(&(deadline, op)) = self.deadlines.first() {
             if deadline > now {
                 break;
@@ -907,16 +1010,24 @@ impl Core {
         else {
             return false;
         };
-        self.fills
+        match self
+            .fills
             .get(fill as usize)
             .and_then(Option::as_ref)
-            .and_then(|f| self.jobs.get(&f.job))
-            .is_some_and(|j| j.op == op)
+            .map(|f| f.source)
+        {
+            Some(FillSource::Copy { job, .. }) => self.jobs.get(&job).is_some_and(|j| j.op == op),
+            _ => false,
+        }
     }
 
     /// The earliest pending deadline.
     pub(crate) fn next_deadline(&self) -> Option<u64> {
-        self.deadlines.first().map(|(d, _)| *d)
+        let ops = self.deadlines.first().map(|(d, _)| *d);
+        match (ops, self.next_peer_deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Feeds back a finished copy job.
@@ -930,47 +1041,12 @@ impl Core {
             let outcome = outcomes.get(i).copied().unwrap_or(CopyOutcome::Cancelled);
             match *key {
                 JobKey::Fill(fill) => {
-                    let Some(f) = self.fills.get_mut(fill as usize).and_then(Option::take) else {
-                        continue;
+                    let result = match outcome {
+                        CopyOutcome::Copied => Ok(()),
+                        CopyOutcome::DeadlinePassed => Err(FailReason::Timeout),
+                        CopyOutcome::Cancelled => Err(FailReason::Aborted),
                     };
-                    self.free_fills.push(fill);
-                    let committed = outcome == CopyOutcome::Copied
-                        && self
-                            .record(f.record)
-                            .is_some_and(|r| r.state == Residency::Filling);
-                    if committed {
-                        let bytes = self.record_bytes(f.record);
-                        self.counters.bytes_deposited += bytes;
-                        self.counters.committed += 1;
-                        self.transition(f.record, Residency::Ready, "fill commit");
-                        self.filling.remove(&f.record);
-                        if let Some(r) = self.record_mut(f.record) {
-                            r.last_access = now;
-                        }
-                        stored.push((f.record, f.page));
-                        for (waiter_op, entry) in f.waiters {
-                            self.fill_committed_for(
-                                now,
-                                waiter_op,
-                                entry,
-                                f.record,
-                                &mut deliver_next,
-                            );
-                        }
-                        if self.record(f.record).is_some_and(|r| r.claims == 0) {
-                            self.make_evictable(f.record);
-                        }
-                    } else {
-                        let reason = match outcome {
-                            CopyOutcome::DeadlinePassed => FailReason::Timeout,
-                            _ => FailReason::Aborted,
-                        };
-                        for (waiter_op, entry) in f.waiters {
-                            self.set_result(waiter_op, entry, EntryResult::failed(reason));
-                            self.finish_if_done(waiter_op);
-                        }
-                        self.remove_record(f.record, "fill failed");
-                    }
+                    self.finish_fill(now, fill, result, &mut stored, &mut deliver_next);
                 }
                 JobKey::Deliver { record, entry } => {
                     if outcome == CopyOutcome::Copied {
@@ -1000,6 +1076,48 @@ impl Core {
             self.finish_if_done(o);
         }
         self.check_pressure();
+    }
+
+    /// Ends a fill: commits its record READY (and serves its waiters) when
+    /// the bytes landed, else frees it and fails its waiters with `reason`.
+    fn finish_fill(
+        &mut self,
+        now: u64,
+        fill: u32,
+        result: std::result::Result<(), FailReason>,
+        stored: &mut Vec<(u32, Option<PageInfo>)>,
+        deliver_next: &mut BTreeMap<OpHandle, Vec<(u32, u32)>>,
+    ) {
+        let Some(f) = self.fills.get_mut(fill as usize).and_then(Option::take) else {
+            return;
+        };
+        self.free_fills.push(fill);
+        self.filling.remove(&f.record);
+        let filling = self
+            .record(f.record)
+            .is_some_and(|r| r.state == Residency::Filling);
+        if result.is_ok() && filling {
+            self.counters.bytes_deposited += self.record_bytes(f.record);
+            self.counters.committed += 1;
+            self.transition(f.record, Residency::Ready, "fill commit");
+            if let Some(r) = self.record_mut(f.record) {
+                r.last_access = now;
+            }
+            stored.push((f.record, f.page));
+            for (waiter_op, entry) in f.waiters {
+                self.fill_committed_for(now, waiter_op, entry, f.record, deliver_next);
+            }
+            if self.record(f.record).is_some_and(|r| r.claims == 0) {
+                self.make_evictable(f.record);
+            }
+        } else {
+            let reason = result.err().unwrap_or(FailReason::Aborted);
+            for (waiter_op, entry) in f.waiters {
+                self.set_result(waiter_op, entry, EntryResult::failed(reason));
+                self.finish_if_done(waiter_op);
+            }
+            self.remove_record(f.record, "fill failed");
+        }
     }
 
     fn fill_committed_for(

@@ -357,6 +357,8 @@ struct Inner {
     completed: Vec<OpResult>,
     jobs: Sender<copy::Msg>,
     cancels: HashMap<core::JobId, Arc<[AtomicBool]>>,
+    /// Peer actions go to the peer thread (absent when peers are off).
+    peer_tx: Option<Sender<Action>>,
 }
 
 /// The shared state, plus the clock epoch and a wake-up for waiters.
@@ -399,6 +401,7 @@ impl Shared {
             completed,
             jobs,
             cancels,
+            peer_tx,
         } = inner;
         let mut failed_jobs = Vec::new();
         while let Some(action) = core.poll_action() {
@@ -425,6 +428,15 @@ impl Shared {
                         // The copy thread is gone (it only stops at shutdown):
                         // report the keys cancelled so nothing waits forever.
                         failed_jobs.push((job, n));
+                    }
+                }
+                Action::Send { .. } | Action::Connect { .. } | Action::Put { .. } => {
+                    match peer_tx {
+                        Some(tx) => {
+                            // The peer thread owns sockets and the UCX worker.
+                            let _ = tx.send(action);
+                        }
+                        None => {}
                     }
                 }
                 Action::Cancel { job, key } => {
@@ -562,6 +574,7 @@ impl Runner {
                 completed: Vec::new(),
                 jobs: jobs_tx.clone(),
                 cancels: HashMap::new(),
+                peer_tx: None,
             }),
             completed_cv: Condvar::new(),
             completed_len: AtomicUsize::new(0),
@@ -644,12 +657,12 @@ impl Runner {
     /// Claims resident keys (deduplicated, in order) and returns their KVCR
     /// elements; `layout` is the pools of one key's spans, in order.
     pub fn fetch(&mut self, keys: &[ScopedKey], layout: &[PoolId]) -> Result<OpHandle> {
-        self.with_core(|core, now| core.fetch(now, keys, layout))
+        self.with_core(|core, now| core.fetch(now, keys, layout, None))
     }
 
     /// Copies resident (or filling) keys into framework elements.
     pub fn deliver(&mut self, entries: Vec<DeliverEntry>) -> Result<OpHandle> {
-        self.with_core(|core, now| core.deliver(now, entries))
+        self.with_core(|core, now| core.deliver(now, entries, None))
     }
 
     /// Releases public claims: `true` per live handle, `false` for unknown or
