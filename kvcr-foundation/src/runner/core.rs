@@ -1974,6 +1974,13 @@ impl Core {
 
 #[cfg(test)]
 impl Core {
+    /// Whether `slot` of `pool` is on the free list.
+    pub(crate) fn slot_is_free(&self, pool: PoolId, slot: u32) -> bool {
+        self.pools
+            .get(pool.0 as usize)
+            .is_some_and(|p| p.free.contains(&slot))
+    }
+
     /// Keys of `op` that have no result yet.
     pub(crate) fn pending_keys(&self, op: OpHandle) -> Vec<ScopedKey> {
         self.ops

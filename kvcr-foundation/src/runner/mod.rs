@@ -27,6 +27,8 @@ mod copy;
 mod core;
 #[allow(unsafe_code)]
 mod memory;
+#[cfg(test)]
+mod peer_sim;
 mod region;
 #[cfg(test)]
 mod tests;

@@ -149,6 +149,9 @@ impl Model {
                 Action::Cancel { job, key } => {
                     self.cancelled.insert((job, key));
                 }
+                Action::Send { .. } | Action::Connect { .. } | Action::Put { .. } => {
+                    return Err(TestCaseError::fail("peer action without peers"));
+                }
             }
         }
         for event in core.drain_events().collect::<Vec<_>>() {
@@ -267,7 +270,7 @@ fn run_steps(steps: Vec<Step>, lru: bool) -> Result<(), TestCaseError> {
             Step::Fetch { keys } => {
                 let keys: Vec<ScopedKey> = keys.iter().map(|k| key(ns, *k)).collect();
                 m.ops.push(
-                    core.fetch(m.now, &keys, &[PoolId(0)])
+                    core.fetch(m.now, &keys, &[PoolId(0)], None)
                         .map_err(|e| TestCaseError::fail(e.to_string()))?,
                 );
             }
@@ -280,7 +283,7 @@ fn run_steps(steps: Vec<Step>, lru: bool) -> Result<(), TestCaseError> {
                     })
                     .collect();
                 m.ops.push(
-                    core.deliver(m.now, entries)
+                    core.deliver(m.now, entries, None)
                         .map_err(|e| TestCaseError::fail(e.to_string()))?,
                 );
             }
@@ -390,7 +393,7 @@ fn shared_fill_survives_a_waiter_timeout() {
             false,
         )
         .unwrap();
-    let fetch = core.fetch(10, &[k], &[PoolId(0)]).unwrap();
+    let fetch = core.fetch(10, &[k], &[PoolId(0)], None).unwrap();
     let Some(Action::Copy { job, .. }) = core.poll_action() else {
         panic!("no copy")
     };

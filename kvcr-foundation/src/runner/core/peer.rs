@@ -104,6 +104,9 @@ struct SourcePeer {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum TargetState {
+    /// The source's incarnation is not known yet: `start_write` waits for the
+    /// metadata ack, so that every reply can be checked against it.
+    AwaitingAck,
     WaitingWriteDone,
     WaitingTerminal,
     Quarantined,
@@ -120,6 +123,8 @@ struct TargetOp {
     keys: Vec<ScopedKey>,
     fills: Vec<u32>,
     uncertain: bool,
+    /// The request, until it is sent.
+    start: Option<Body>,
 }
 
 #[derive(Debug)]
@@ -172,6 +177,10 @@ pub(crate) struct PeerState {
     next_route_generation: u64,
     writes: HashMap<u64, SourceWrite>,
     writes_by_op: HashMap<(Incarnation, OpHandle), u64>,
+    /// Highest op handle accepted per target incarnation: a duplicate or late
+    /// `start_write` at or below it never writes (the slots it names may have
+    /// been reused by the target since).
+    high_water: HashMap<Incarnation, OpHandle>,
     fences: HashSet<(Incarnation, OpHandle)>,
     next_write: u64,
     stalled: bool,
@@ -191,6 +200,7 @@ impl PeerState {
             next_route_generation: 1,
             writes: HashMap::new(),
             writes_by_op: HashMap::new(),
+            high_water: HashMap::new(),
             fences: HashSet::new(),
             next_write: 1,
             stalled: false,
@@ -404,17 +414,21 @@ impl Core {
         let remaining_ms = u32::try_from(timeout / 1_000_000)
             .unwrap_or(u32::MAX)
             .max(1);
-        self.send(
-            source.clone(),
-            Body::StartWrite {
-                op_handle: target_op,
-                remaining_timeout_ms: remaining_ms,
-                source_incarnation,
-                namespace,
-                keys: op_keys.iter().map(|k| k.key).collect(),
-                destinations,
-            },
-        );
+        let start = Body::StartWrite {
+            op_handle: target_op,
+            remaining_timeout_ms: remaining_ms,
+            source_incarnation,
+            namespace,
+            keys: op_keys.iter().map(|k| k.key).collect(),
+            destinations,
+        };
+        let (state, start) = match source_incarnation {
+            Some(_) => {
+                self.send(source.clone(), start);
+                (TargetState::WaitingWriteDone, None)
+            }
+            None => (TargetState::AwaitingAck, Some(start)),
+        };
         if let Some(peer) = self.peer.as_mut() {
             peer.counters.writes_requested += 1;
             peer.target_ops.insert(
@@ -423,12 +437,13 @@ impl Core {
                     source,
                     source_incarnation,
                     request: request.cloned(),
-                    state: TargetState::WaitingWriteDone,
+                    state,
                     deadline: now.saturating_add(timeout),
                     abandon_deadline: now.saturating_add(abandon),
                     keys: op_keys,
                     fills,
                     uncertain: false,
+                    start,
                 },
             );
         }
@@ -446,16 +461,7 @@ impl Core {
                 worker_address,
                 regions,
             } => self.on_target_metadata(&header, worker_address, regions),
-            Body::TargetMetadataAck { .. } => {
-                if let Some(state) = self
-                    .peer
-                    .as_mut()
-                    .and_then(|p| p.sources.get_mut(&header.sender_endpoint))
-                {
-                    state.acked = true;
-                    state.incarnation = Some(header.sender);
-                }
-            }
+            Body::TargetMetadataAck { .. } => self.on_metadata_ack(&header),
             Body::StartWrite {
                 op_handle,
                 remaining_timeout_ms,
@@ -493,13 +499,62 @@ impl Core {
                         .and_then(|p| p.target_ops.get(&op_handle))
                         .is_some_and(|op| {
                             op.source == header.sender_endpoint
-                                && op.state != TargetState::WaitingWriteDone
-                                && op.source_incarnation.is_none_or(|i| i == header.sender)
+                                && matches!(
+                                    op.state,
+                                    TargetState::WaitingTerminal | TargetState::Quarantined
+                                )
+                                && op.source_incarnation == Some(header.sender)
                         });
                 if proof {
                     self.finish_target_op(now, op_handle, None);
                 }
             }
+        }
+    }
+
+    /// The source acknowledged our metadata: we now know its incarnation, and
+    /// the writes that waited for it go out, naming it.
+    fn on_metadata_ack(&mut self, header: &Header) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let Some(state) = peer.sources.get_mut(&header.sender_endpoint) else {
+            peer.counters.refused += 1;
+            return;
+        };
+        state.acked = true;
+        state.incarnation = Some(header.sender);
+        let mut ready = Vec::new();
+        for (handle, op) in peer.target_ops.iter_mut() {
+            if op.state == TargetState::AwaitingAck && op.source == header.sender_endpoint {
+                op.state = TargetState::WaitingWriteDone;
+                op.source_incarnation = Some(header.sender);
+                if let Some(Body::StartWrite {
+                    op_handle,
+                    remaining_timeout_ms,
+                    namespace,
+                    keys,
+                    destinations,
+                    ..
+                }) = op.start.take()
+                {
+                    ready.push((
+                        op.source.clone(),
+                        Body::StartWrite {
+                            op_handle,
+                            remaining_timeout_ms,
+                            source_incarnation: Some(header.sender),
+                            namespace,
+                            keys,
+                            destinations,
+                        },
+                    ));
+                }
+                let _ = handle;
+            }
+        }
+        for (to, body) in ready {
+            self.send(to, body);
         }
     }
 
@@ -583,15 +638,25 @@ impl Core {
             return;
         };
         let generation = route.local_generation;
-        let foreign = source_incarnation.is_some_and(|i| i != peer.config.incarnation);
+        let regions = route.regions.clone();
+        // A write must name this incarnation: replies then prove something
+        // about exactly the process that may have written.
+        let foreign = source_incarnation != Some(peer.config.incarnation);
         let fenced = peer.fences.contains(&(header.sender, op));
         if peer.writes_by_op.contains_key(&(header.sender, op)) {
-            return; // a duplicate start_write: the first one stands
+            return; // a duplicate of a write in progress: the first one stands
         }
-        if peer.stalled || foreign || fenced {
+        let stale = peer
+            .high_water
+            .get(&header.sender)
+            .is_some_and(|high| op <= *high);
+        if peer.stalled || foreign || fenced || stale {
             self.refuse();
             self.send(target, failed);
             return;
+        }
+        if let Some(peer) = self.peer.as_mut() {
+            peer.high_water.insert(header.sender, op);
         }
         let deadline = now
             .saturating_add((u64::from(remaining_ms) * 1_000_000).min(self.operation_timeout_ns));
@@ -619,7 +684,7 @@ impl Core {
             }
             let mut key_puts = Vec::with_capacity(dests.len());
             for (src, dst) in sources.iter().zip(dests) {
-                let region = route.regions.get(&dst.region);
+                let region = regions.get(&dst.region);
                 let remote = region
                     .filter(|r| r.element_size == src.len)
                     .and_then(|r| remote_address(r, dst.index));
@@ -759,9 +824,8 @@ impl Core {
             return;
         };
         let from_source = target_op.source == header.sender_endpoint
-            && target_op
-                .source_incarnation
-                .is_none_or(|i| i == header.sender);
+            && target_op.source_incarnation == Some(header.sender)
+            && target_op.state != TargetState::AwaitingAck;
         if !from_source {
             self.refuse(); // only this op's own source may end it
             return;
@@ -813,6 +877,16 @@ impl Core {
     /// keys if the op is still waiting (a late success only frees); `None`
     /// fails or frees everything.
     fn finish_target_op(&mut self, now: u64, op: OpHandle, completed: Option<CompletedIndices>) {
+        self.finish_target_op_with(now, op, completed, FailReason::NoSource);
+    }
+
+    fn finish_target_op_with(
+        &mut self,
+        now: u64,
+        op: OpHandle,
+        completed: Option<CompletedIndices>,
+        failure: FailReason,
+    ) {
         let Some(target_op) = self.peer.as_mut().and_then(|p| p.target_ops.remove(&op)) else {
             return;
         };
@@ -831,11 +905,7 @@ impl Core {
             } else if on_time {
                 missing.push(key.key);
             }
-            let result = if landed {
-                Ok(())
-            } else {
-                Err(FailReason::NoSource)
-            };
+            let result = if landed { Ok(()) } else { Err(failure) };
             self.finish_fill(now, *fill, result, &mut stored, &mut deliver_next);
         }
         self.publish_stored(&stored);
@@ -914,6 +984,12 @@ impl Core {
         let Some(peer) = self.peer.as_mut() else {
             return;
         };
+        let unsent: Vec<OpHandle> = peer
+            .target_ops
+            .iter()
+            .filter(|(_, o)| o.state == TargetState::AwaitingAck && now >= o.deadline)
+            .map(|(h, _)| *h)
+            .collect();
         let expired: Vec<OpHandle> = peer
             .target_ops
             .iter()
@@ -941,6 +1017,10 @@ impl Core {
                     outcome: WriteOutcome::Failed { terminal: false },
                 },
             );
+        }
+        for op in unsent {
+            // Never sent, so nothing can write: fail and free at once.
+            self.finish_target_op_with(now, op, None, FailReason::Timeout);
         }
         for op in expired {
             self.expire_target_op(now, op);
@@ -989,7 +1069,7 @@ impl Core {
     pub(crate) fn next_peer_deadline(&self) -> Option<u64> {
         let peer = self.peer.as_ref()?;
         let targets = peer.target_ops.values().filter_map(|o| match o.state {
-            TargetState::WaitingWriteDone => Some(o.deadline),
+            TargetState::AwaitingAck | TargetState::WaitingWriteDone => Some(o.deadline),
             TargetState::WaitingTerminal => Some(o.abandon_deadline),
             TargetState::Quarantined => None,
         });
