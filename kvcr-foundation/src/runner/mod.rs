@@ -22,6 +22,7 @@
 
 pub mod policy;
 
+mod control;
 #[allow(unsafe_code)]
 mod copy;
 mod core;
