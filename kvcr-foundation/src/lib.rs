@@ -36,6 +36,9 @@ pub mod incarnation;
 pub mod key;
 pub mod protocol;
 pub mod tier;
+#[cfg(feature = "runner")]
+#[allow(unsafe_code)]
+pub mod ucx;
 
 pub use endpoint::{
     AdvertisePolicy, BindAddress, ControlEndpoint, Host, RankCoordinate, RankLayout,
