@@ -54,6 +54,7 @@ mod bindings {
         "ucp_cleanup",
         "ucp_config_read",
         "ucp_config_release",
+        "ucp_config_modify",
         "ucp_worker_create",
         "ucp_worker_destroy",
         "ucp_worker_get_address",

@@ -601,6 +601,13 @@ unsafe extern "C" {
     pub fn ucp_config_release(config: *mut ucp_config_t);
 }
 unsafe extern "C" {
+    pub fn ucp_config_modify(
+        config: *mut ucp_config_t,
+        name: *const ::core::ffi::c_char,
+        value: *const ::core::ffi::c_char,
+    ) -> ucs_status_t;
+}
+unsafe extern "C" {
     pub fn ucp_get_version(
         major_version: *mut ::core::ffi::c_uint,
         minor_version: *mut ::core::ffi::c_uint,

@@ -2,6 +2,7 @@
 //! the record of errors that happened in `Drop`.
 
 use std::cell::{Cell, RefCell};
+use std::ffi::CString;
 use std::ptr;
 use std::rc::{Rc, Weak};
 
@@ -20,11 +21,20 @@ pub struct ContextConfig {
     /// [`Worker::wait`](super::Worker::wait) can sleep in `poll(2)` instead of
     /// spinning. On by default.
     pub wakeup: bool,
+    /// UCX configuration overrides applied with `ucp_config_modify` on top of
+    /// the `UCX_*` environment, as `(name, value)` without the `UCX_` prefix:
+    /// e.g. `("TLS", "tcp,self")`, `("NET_DEVICES", "lo")`. Per context, so
+    /// two contexts in one process can use different transports without
+    /// touching the (process-global) environment.
+    pub overrides: Vec<(String, String)>,
 }
 
 impl Default for ContextConfig {
     fn default() -> Self {
-        Self { wakeup: true }
+        Self {
+            wakeup: true,
+            overrides: Vec::new(),
+        }
     }
 }
 
@@ -38,6 +48,20 @@ impl ContextConfig {
     pub fn wakeup(mut self, on: bool) -> Self {
         self.wakeup = on;
         self
+    }
+
+    /// Adds a UCX configuration override (see [`ContextConfig::overrides`]).
+    pub fn set(mut self, name: &str, value: &str) -> Self {
+        self.overrides.push((name.to_owned(), value.to_owned()));
+        self
+    }
+
+    /// Shorthand for `set("TLS", tls)` (and `NET_DEVICES=lo` when the list
+    /// names tcp, so tests and single-host runs stay on loopback).
+    pub fn loopback_tls(self, tls: &str) -> Self {
+        let tcp = tls.split(',').any(|t| t == "tcp");
+        let this = self.set("TLS", tls);
+        if tcp { this.set("NET_DEVICES", "lo") } else { this }
     }
 }
 
@@ -159,6 +183,19 @@ impl Context {
         check("ucp_config_read", unsafe {
             sys::ucp_config_read(ptr::null(), ptr::null(), &mut ucp_config)
         })?;
+        for (name, value) in &config.overrides {
+            let status = match (CString::new(name.as_str()), CString::new(value.as_str())) {
+                // SAFETY: live config from `ucp_config_read`; both strings
+                // are NUL-terminated and outlive the call (UCX copies them).
+                (Ok(n), Ok(v)) => unsafe { sys::ucp_config_modify(ucp_config, n.as_ptr(), v.as_ptr()) },
+                _ => sys::UCS_ERR_INVALID_PARAM,
+            };
+            if let Err(e) = check("ucp_config_modify", status) {
+                // SAFETY: releases the config read above, exactly once.
+                unsafe { sys::ucp_config_release(ucp_config) };
+                return Err(e);
+            }
+        }
         let mut features = u64::from(sys::UCP_FEATURE_RMA);
         if config.wakeup {
             features |= u64::from(sys::UCP_FEATURE_WAKEUP);
