@@ -63,6 +63,25 @@ pub enum Error {
         /// Why.
         reason: RunnerReason,
     },
+    /// A UCX call returned an error status (runner only).
+    #[cfg(feature = "runner")]
+    #[error("UCX {op}: {status}")]
+    Ucx {
+        /// The UCX routine (or safe-layer operation) that failed.
+        op: &'static str,
+        /// The status it returned.
+        status: crate::ucx::UcsStatus,
+    },
+    /// The UCX safe layer refused a request before calling UCX, or a wait on
+    /// UCX ended without a status (runner only).
+    #[cfg(feature = "runner")]
+    #[error("UCX {op}: {reason}")]
+    UcxInput {
+        /// The safe-layer operation.
+        op: &'static str,
+        /// Why it was refused.
+        reason: crate::ucx::UcxReason,
+    },
 }
 
 /// Why the runner refused a call.
@@ -516,6 +535,24 @@ impl Error {
     pub fn hint_reason(&self) -> Option<&HintReason> {
         match self {
             Self::Hint { reason } => Some(reason),
+            _ => None,
+        }
+    }
+
+    /// The UCX status, when this is a UCX call failure.
+    #[cfg(feature = "runner")]
+    pub fn ucx_status(&self) -> Option<crate::ucx::UcsStatus> {
+        match self {
+            Self::Ucx { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+
+    /// The UCX refusal reason, when the UCX safe layer refused a request.
+    #[cfg(feature = "runner")]
+    pub fn ucx_reason(&self) -> Option<&crate::ucx::UcxReason> {
+        match self {
+            Self::UcxInput { reason, .. } => Some(reason),
             _ => None,
         }
     }

@@ -38,6 +38,9 @@ pub mod protocol;
 #[cfg(feature = "runner")]
 pub mod runner;
 pub mod tier;
+#[cfg(feature = "runner")]
+#[allow(unsafe_code)]
+pub mod ucx;
 
 pub use endpoint::{
     AdvertisePolicy, BindAddress, ControlEndpoint, Host, RankCoordinate, RankLayout,
