@@ -39,7 +39,8 @@ use crate::tier::{InventoryEvent, InventoryScope, Medium, Owner};
 mod peer;
 
 pub(crate) use peer::PeerConfig;
-pub use peer::{PeerCounters, PeerNotice, PutSpan};
+pub(crate) use peer::PutSpan;
+pub use peer::{PeerCounters, PeerNotice};
 
 /// Label prefix of the runner's own pool regions (`kvcr-dram/<pool>`).
 pub const KVCR_REGION_PREFIX: &str = "kvcr-dram/";
@@ -82,8 +83,8 @@ pub(crate) enum Action {
         generation: u64,
         /// The target's packed worker address.
         worker_address: Vec<u8>,
-        /// The target's packed remote keys per region.
-        rkeys: Vec<(RegionId, Vec<u8>)>,
+        /// The target's regions: id, base address, packed remote key.
+        rkeys: Vec<(RegionId, u64, Vec<u8>)>,
     },
     /// Put these spans into the target, flush, then report `handle_put_done`.
     Put {

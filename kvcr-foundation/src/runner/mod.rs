@@ -28,6 +28,7 @@ mod copy;
 mod core;
 #[allow(unsafe_code)]
 mod memory;
+mod peer_driver;
 #[cfg(test)]
 mod peer_sim;
 mod region;
@@ -41,12 +42,17 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use self::core::{Action, Core, CoreConfig};
-pub use self::core::{CoreCounters, KVCR_REGION_PREFIX, MAX_SPANS_PER_KEY};
+pub use self::core::{
+    CoreCounters, KVCR_REGION_PREFIX, MAX_SPANS_PER_KEY, PeerCounters, PeerNotice,
+};
 pub use self::memory::CopySpan;
 use self::memory::DramPool;
+pub use self::peer_driver::PeerOptions;
 pub use self::policy::CachePolicy;
 pub use self::region::{MAX_REGION_ELEMENTS, MAX_REGION_LABEL, RegionDesc};
+use crate::endpoint::ControlEndpoint;
 use crate::error::{Error, Result, RunnerReason};
+use crate::hint::{FetchHint, RequestId};
 use crate::incarnation::Incarnation;
 use crate::key::{BlockKey, Namespace, NamespaceId, ScopedKey};
 use crate::protocol::{ElementRef, OpHandle, RegionId};
@@ -361,7 +367,7 @@ struct Inner {
     jobs: Sender<copy::Msg>,
     cancels: HashMap<core::JobId, Arc<[AtomicBool]>>,
     /// Peer actions go to the peer thread (absent when peers are off).
-    peer_tx: Option<Sender<Action>>,
+    peer_tx: Option<tokio::sync::mpsc::UnboundedSender<peer_driver::PeerCmd>>,
 }
 
 /// The shared state, plus the clock epoch and a wake-up for waiters.
@@ -384,6 +390,15 @@ impl Shared {
         #[allow(clippy::disallowed_methods)]
         let elapsed = self.epoch.elapsed();
         u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Runs `f` on the core under the lock with the current time, then pumps.
+    pub(crate) fn with_core_now<T>(&self, f: impl FnOnce(&mut Core, u64) -> T) -> T {
+        let now = self.now();
+        let mut inner = self.lock();
+        let out = f(&mut inner.core, now);
+        self.pump(&mut inner);
+        out
     }
 
     /// Called by the copy thread with a finished job's outcomes.
@@ -434,12 +449,9 @@ impl Shared {
                     }
                 }
                 Action::Send { .. } | Action::Connect { .. } | Action::Put { .. } => {
-                    match peer_tx {
-                        Some(tx) => {
-                            // The peer thread owns sockets and the UCX worker.
-                            let _ = tx.send(action);
-                        }
-                        None => {}
+                    // The peer thread owns the sockets and the UCX worker.
+                    if let Some(tx) = peer_tx {
+                        let _ = tx.send(peer_driver::PeerCmd::Action(action));
                     }
                 }
                 Action::Cancel { job, key } => {
@@ -482,9 +494,34 @@ impl Shared {
 /// out of are freed.
 pub struct Runner {
     copy: copy::CopyEngine,
+    /// Owns the registered pool memory in peer mode; stopped after `copy`.
+    peer: Option<peer_driver::PeerDriver>,
     shared: Arc<Shared>,
     pools: Vec<DramPool>,
     incarnation: Incarnation,
+    endpoint: Option<ControlEndpoint>,
+    pool_bytes: u64,
+}
+
+impl Drop for Runner {
+    fn drop(&mut self) {
+        // 1. No local copy runs after this (queued ones are skipped).
+        self.copy.stop();
+        // 2. The peer thread unmaps the pools it registered, unless a remote
+        //    write might still land in them: then it keeps them mapped for the
+        //    life of the process rather than risk a write into reused memory.
+        if let Some(peer) = self.peer.as_mut() {
+            let (targets, writes) = self.shared.lock().core.peer_busy();
+            let leak = targets > 0 || writes > 0;
+            if leak {
+                eprintln!(
+                    "kvcr: dropping a runner with {targets} remote writes unresolved; its pools stay mapped until exit"
+                );
+            }
+            peer.stop(leak);
+        }
+        // 3. `pools` (local mode) are freed when the fields drop, after both.
+    }
 }
 
 impl std::fmt::Debug for Runner {
@@ -585,17 +622,182 @@ impl Runner {
         });
         let copy = copy::CopyEngine::start(Arc::downgrade(&shared), jobs_tx, jobs_rx)
             .map_err(|e| fail(StartupStage::StartCopyEngine, e))?;
+        let pool_bytes = pools.iter().map(DramPool::len).sum();
         let mut runner = Self {
             copy,
+            peer: None,
             shared,
             pools,
             incarnation: Incarnation::generate(),
+            endpoint: None,
+            pool_bytes,
         };
         if let Err(e) = injected(StartupStage::StartCopyEngine) {
             runner.copy.stop();
             return Err(e);
         }
         Ok(runner)
+    }
+
+    /// Starts a runner that also takes part in the peer protocol: its pools
+    /// are registered with UCX (on the peer thread, which owns them), its
+    /// control channel listens where `peer` says, and hinted fetches pull
+    /// from peers. Stages as [`Runner::start`], plus "start peer".
+    pub fn start_with_peers(
+        config: RunnerConfig,
+        policy: Option<Box<dyn CachePolicy>>,
+        peer: &PeerOptions,
+    ) -> Result<Self> {
+        let fail = |stage: &'static str, cause: Error| {
+            Error::runner(RunnerReason::Startup {
+                stage,
+                retained: false,
+                cause: Box::new(cause),
+            })
+        };
+        config
+            .validate()
+            .map_err(|e| fail(StartupStage::Validate.name(), e))?;
+        let pool_bytes: Vec<u64> = config
+            .pools
+            .iter()
+            .map(|p| p.block_size * u64::from(p.blocks))
+            .collect();
+        let (mut driver, setup) =
+            peer_driver::PeerDriver::start(peer, pool_bytes.clone(), config.prefault)
+                .map_err(|e| fail("start peer", e))?;
+        let timeout_ns = u64::try_from(config.operation_timeout.as_nanos()).unwrap_or(u64::MAX);
+        let abandon_ns = peer
+            .abandon_timeout
+            .map_or(timeout_ns.saturating_mul(5), |d| {
+                u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+            })
+            .max(timeout_ns.saturating_mul(2));
+        let core_config = CoreConfig {
+            pools: config
+                .pools
+                .iter()
+                .map(|p| (p.name.clone(), p.block_size, p.blocks))
+                .collect(),
+            pool_bases: setup.bases.clone(),
+            operation_timeout_ns: timeout_ns,
+            watermark_percent: config.capacity_low_watermark_percent,
+            medium: config.medium,
+        };
+        let mut core = Core::new(
+            &core_config,
+            policy.unwrap_or_else(|| Box::new(policy::Lru)),
+        )
+        .map_err(|e| fail(StartupStage::BuildCore.name(), e))?;
+        let incarnation = Incarnation::generate();
+        // Pool i is runner region i (registered first, in order).
+        let rkeys = setup
+            .rkeys
+            .iter()
+            .enumerate()
+            .map(|(i, rkey)| (RegionId(i as u32), rkey.clone()))
+            .collect();
+        core.enable_peer(core::PeerConfig {
+            endpoint: setup.endpoint.clone(),
+            incarnation,
+            worker_address: setup.worker_address.clone(),
+            rkeys,
+            abandon_timeout_ns: abandon_ns,
+            metadata_retry_ns: 100_000_000,
+        });
+        #[allow(clippy::disallowed_methods)]
+        let epoch = Instant::now();
+        let (jobs_tx, jobs_rx) = mpsc::channel::<copy::Msg>();
+        let shared = Arc::new(Shared {
+            inner: Mutex::new(Inner {
+                core,
+                sink: None,
+                capacity_needed: None,
+                completed: Vec::new(),
+                jobs: jobs_tx.clone(),
+                cancels: HashMap::new(),
+                peer_tx: Some(driver.tx.clone()),
+            }),
+            completed_cv: Condvar::new(),
+            completed_len: AtomicUsize::new(0),
+            epoch,
+        });
+        let copy = copy::CopyEngine::start(Arc::downgrade(&shared), jobs_tx, jobs_rx)
+            .map_err(|e| fail(StartupStage::StartCopyEngine.name(), e))?;
+        driver.attach(Arc::clone(&shared));
+        Ok(Self {
+            copy,
+            peer: Some(driver),
+            shared,
+            pools: Vec::new(),
+            incarnation,
+            endpoint: Some(setup.endpoint),
+            pool_bytes: pool_bytes.iter().sum(),
+        })
+    }
+
+    /// This runner's advertised control endpoint (peer mode only).
+    pub fn endpoint(&self) -> Option<&ControlEndpoint> {
+        self.endpoint.as_ref()
+    }
+
+    /// Records a request's router hint (and starts the metadata handshake
+    /// with its source, off the fetch path).
+    pub fn submit_hint(&mut self, request: RequestId, hint: &FetchHint) {
+        self.with_core(|core, now| core.submit_hint(now, request, hint));
+    }
+
+    /// Ends a request's hint scope.
+    pub fn discard_hint(&mut self, request: &RequestId) {
+        self.with_core(|core, _| core.discard_hint(request));
+    }
+
+    /// `fetch` under a request: keys missing here that the request's hint
+    /// places on a peer are pulled from it into KVCR DRAM.
+    pub fn fetch_hinted(
+        &mut self,
+        request: &RequestId,
+        keys: &[ScopedKey],
+        layout: &[PoolId],
+    ) -> Result<OpHandle> {
+        self.with_core(|core, now| core.fetch(now, keys, layout, Some(request)))
+    }
+
+    /// `deliver` under a request: missing hinted keys are pulled from the peer
+    /// first, then copied into the destinations.
+    pub fn deliver_hinted(
+        &mut self,
+        request: &RequestId,
+        entries: Vec<DeliverEntry>,
+    ) -> Result<OpHandle> {
+        self.with_core(|core, now| core.deliver(now, entries, Some(request)))
+    }
+
+    /// `query` under a request: a miss the request's hint covers is `Fetchable`.
+    pub fn query_hinted(&self, request: &RequestId, key: &ScopedKey) -> QueryStatus {
+        self.shared.lock().core.query_request(key, Some(request))
+    }
+
+    /// Notices about memory a peer may still write (uncertain / quiesced).
+    pub fn take_notices(&mut self) -> Vec<PeerNotice> {
+        self.shared.lock().core.take_notices()
+    }
+
+    /// Peer protocol counters, and the control sockets open now.
+    pub fn peer_stats(&self) -> (PeerCounters, usize) {
+        let counters = self.shared.lock().core.peer_counters();
+        let sockets = self
+            .peer
+            .as_ref()
+            .map_or(0, |p| p.stats.open_sockets.load(Ordering::Relaxed));
+        (counters, sockets)
+    }
+
+    /// Forgets a peer: closes its control socket and data route.
+    pub fn forget_peer(&mut self, peer: &ControlEndpoint) {
+        if let Some(driver) = self.peer.as_ref() {
+            let _ = driver.tx.send(peer_driver::PeerCmd::Forget(peer.clone()));
+        }
     }
 
     /// Sends inventory events (owner KVCR, tier KVCR DRAM) to `sink`.
@@ -796,10 +998,15 @@ impl Runner {
     /// is never released.
     pub fn close(mut self) -> std::result::Result<(), (Box<Self>, Error)> {
         let _ = self.poll_completed();
-        let (copies, claims) = {
+        let (copies, claims, (targets, writes)) = {
             let inner = self.shared.lock();
-            (inner.core.jobs_in_flight(), inner.core.public_claims())
+            (
+                inner.core.jobs_in_flight(),
+                inner.core.public_claims(),
+                inner.core.peer_busy(),
+            )
         };
+        let copies = copies + targets + writes;
         if copies > 0 {
             return Err((Box::new(self), Error::runner(RunnerReason::Busy(copies))));
         }
@@ -815,6 +1022,6 @@ impl Runner {
 
     /// Total bytes of KVCR DRAM this runner owns.
     pub fn pool_bytes(&self) -> u64 {
-        self.pools.iter().map(DramPool::len).sum()
+        self.pool_bytes
     }
 }

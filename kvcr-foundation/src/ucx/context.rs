@@ -61,7 +61,11 @@ impl ContextConfig {
     pub fn loopback_tls(self, tls: &str) -> Self {
         let tcp = tls.split(',').any(|t| t == "tcp");
         let this = self.set("TLS", tls);
-        if tcp { this.set("NET_DEVICES", "lo") } else { this }
+        if tcp {
+            this.set("NET_DEVICES", "lo")
+        } else {
+            this
+        }
     }
 }
 
@@ -72,6 +76,9 @@ pub(crate) struct ContextInner {
     pub(crate) handle: sys::ucp_context_h,
     pub(crate) id: u64,
     pub(crate) wakeup: bool,
+    /// Whether every configured transport is intra-host shared memory (no
+    /// peer failure detection in UCX 1.13; endpoints use plain error mode).
+    pub(crate) shm_only: bool,
     /// Live workers, so a registration's teardown can progress them until its
     /// in-flight operations have completed.
     pub(crate) workers: RefCell<Vec<Weak<WorkerInner>>>,
@@ -187,7 +194,9 @@ impl Context {
             let status = match (CString::new(name.as_str()), CString::new(value.as_str())) {
                 // SAFETY: live config from `ucp_config_read`; both strings
                 // are NUL-terminated and outlive the call (UCX copies them).
-                (Ok(n), Ok(v)) => unsafe { sys::ucp_config_modify(ucp_config, n.as_ptr(), v.as_ptr()) },
+                (Ok(n), Ok(v)) => unsafe {
+                    sys::ucp_config_modify(ucp_config, n.as_ptr(), v.as_ptr())
+                },
                 _ => sys::UCS_ERR_INVALID_PARAM,
             };
             if let Err(e) = check("ucp_config_modify", status) {
@@ -233,6 +242,15 @@ impl Context {
                 handle,
                 id: random_id(),
                 wakeup: config.wakeup,
+                shm_only: config.overrides.iter().any(|(k, v)| {
+                    k == "TLS"
+                        && v.split(',').all(|t| {
+                            matches!(
+                                t.trim(),
+                                "sm" | "shm" | "posix" | "sysv" | "cma" | "knem" | "xpmem" | "self"
+                            )
+                        })
+                }),
                 workers: RefCell::new(Vec::new()),
                 drop_errors: RefCell::new(Vec::new()),
                 drop_errors_dropped: Cell::new(0),

@@ -114,7 +114,11 @@ impl EndpointInner {
         let force = self.failed.get().is_some() || self.close_mode.get() == CloseMode::Force;
         let param = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
-            flags: if force { sys::UCP_EP_CLOSE_FLAG_FORCE } else { 0 },
+            flags: if force {
+                sys::UCP_EP_CLOSE_FLAG_FORCE
+            } else {
+                0
+            },
             ..Default::default()
         };
         // SAFETY: `h` is the live endpoint (taken out of `handle`, so closed
@@ -127,12 +131,14 @@ impl EndpointInner {
             Err(UcsStatus::from_raw(ptr_status(req)))
         } else {
             let status = Cell::new(sys::UCS_INPROGRESS);
-            let waited = self.worker.wait_until(DROP_WAIT, &WaitPolicy::default(), || {
-                // SAFETY: `req` is a live request returned by
-                // `ucp_ep_close_nbx`, not yet freed (it is freed only below).
-                status.set(unsafe { sys::ucp_request_check_status(req) });
-                status.get() != sys::UCS_INPROGRESS
-            });
+            let waited = self
+                .worker
+                .wait_until(DROP_WAIT, &WaitPolicy::default(), || {
+                    // SAFETY: `req` is a live request returned by
+                    // `ucp_ep_close_nbx`, not yet freed (it is freed only below).
+                    status.set(unsafe { sys::ucp_request_check_status(req) });
+                    status.get() != sys::UCS_INPROGRESS
+                });
             // SAFETY: `req` is freed exactly once; if still in progress, UCX
             // finishes the close internally ("regardless of its state").
             unsafe { sys::ucp_request_free(req) };
@@ -192,8 +198,14 @@ pub struct Endpoint {
 impl std::fmt::Debug for Endpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Endpoint")
-            .field("peer_context", &format_args!("{:#018x}", self.inner.peer_context))
-            .field("peer_worker", &format_args!("{:#018x}", self.inner.peer_worker))
+            .field(
+                "peer_context",
+                &format_args!("{:#018x}", self.inner.peer_context),
+            )
+            .field(
+                "peer_worker",
+                &format_args!("{:#018x}", self.inner.peer_worker),
+            )
             .field("failed", &self.inner.failed.get())
             .finish()
     }
@@ -217,35 +229,52 @@ impl Endpoint {
         let mut addr = Vec::with_capacity(peer.ucx_bytes().len() + UCX_PARSE_PAD);
         addr.extend_from_slice(peer.ucx_bytes());
         addr.resize(peer.ucx_bytes().len() + UCX_PARSE_PAD, 0);
-        let params = sys::ucp_ep_params_t {
-            field_mask: u64::from(
-                sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
-                    | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
-                    | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER,
-            ),
-            address: addr.as_ptr().cast::<sys::ucp_address_t>(),
-            err_mode: sys::UCP_ERR_HANDLING_MODE_PEER,
-            err_handler: sys::ucp_err_handler_t {
-                cb: Some(ep_err_cb),
-                arg: err_arg.cast_mut().cast::<c_void>(),
-            },
-            ..Default::default()
+        let create = |err_mode| {
+            let params = sys::ucp_ep_params_t {
+                field_mask: u64::from(
+                    sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+                        | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                        | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER,
+                ),
+                address: addr.as_ptr().cast::<sys::ucp_address_t>(),
+                err_mode,
+                err_handler: sys::ucp_err_handler_t {
+                    cb: Some(ep_err_cb),
+                    arg: err_arg.cast_mut().cast::<c_void>(),
+                },
+                ..Default::default()
+            };
+            let mut handle: sys::ucp_ep_h = ptr::null_mut();
+            // SAFETY: live worker on its thread; `params.address` points at the
+            // peer's packed address (validated envelope, padded copy alive for
+            // the call); the error handler's `arg` is the leaked failure cell,
+            // valid for as long as the UCX endpoint can exist (see
+            // `EndpointInner::close`); `handle` is a valid out-pointer.
+            let status = unsafe { sys::ucp_ep_create(worker.handle, &params, &mut handle) };
+            check("ucp_ep_create", status).map(|()| handle)
         };
-        let mut handle: sys::ucp_ep_h = ptr::null_mut();
-        // SAFETY: live worker on its thread; `params.address` points at the
-        // peer's packed address (validated envelope, padded copy alive for
-        // the call); the error handler's `arg` is the leaked failure cell,
-        // valid for as long as the UCX endpoint can exist (see
-        // `EndpointInner::close`); `handle` is a valid out-pointer.
-        let status = unsafe { sys::ucp_ep_create(worker.handle, &params, &mut handle) };
-        if let Err(e) = check("ucp_ep_create", status) {
-            // No UCX endpoint exists: reclaim the handler's reference.
-            // SAFETY: `err_arg` came from `Rc::into_raw` above and UCX never
-            // stored it (creation failed); reclaimed exactly once.
-            drop(unsafe { Rc::from_raw(inner.err_arg) });
-            // `inner` has a null handle, so its `Drop` closes nothing.
-            return Err(e);
-        }
+        // Peer failure detection needs a transport that supports it; UCX
+        // 1.13's shared-memory transports do not, and refuse the endpoint in
+        // that mode. Such peers share this host, so fall back to plain mode:
+        // a dead local peer is then detected by the control protocol's
+        // deadlines and probes instead.
+        let created = if worker.ctx.shm_only {
+            create(sys::UCP_ERR_HANDLING_MODE_NONE)
+        } else {
+            create(sys::UCP_ERR_HANDLING_MODE_PEER)
+                .or_else(|_| create(sys::UCP_ERR_HANDLING_MODE_NONE))
+        };
+        let handle = match created {
+            Ok(handle) => handle,
+            Err(e) => {
+                // No UCX endpoint exists: reclaim the handler's reference.
+                // SAFETY: `err_arg` came from `Rc::into_raw` above and UCX never
+                // stored it (creation failed); reclaimed exactly once.
+                drop(unsafe { Rc::from_raw(inner.err_arg) });
+                // `inner` has a null handle, so its `Drop` closes nothing.
+                return Err(e);
+            }
+        };
         inner.handle.set(handle);
         Ok(Self { inner })
     }
@@ -342,7 +371,9 @@ impl Endpoint {
         if !Rc::ptr_eq(local.context_inner(), &self.inner.worker.ctx) {
             return Err(input(op, UcxReason::ContextMismatch));
         }
-        let src = local.range_ptr(local_offset, len).map_err(|r| input(op, r))?;
+        let src = local
+            .range_ptr(local_offset, len)
+            .map_err(|r| input(op, r))?;
         let remote_addr = remote.remote_addr(remote_offset, len as u64)?;
         let ep = self.inner.usable(op)?;
         let worker = &self.inner.worker;
@@ -368,9 +399,7 @@ impl Endpoint {
             // `remote_addr..+len` lies inside the peer's registration as its
             // rkey describes; `param` carries the completion callback and the
             // registration's `memh`.
-            unsafe {
-                sys::ucp_put_nbx(ep, src.cast::<c_void>(), len, remote_addr, rkey, param)
-            }
+            unsafe { sys::ucp_put_nbx(ep, src.cast::<c_void>(), len, remote_addr, rkey, param) }
         })
     }
 

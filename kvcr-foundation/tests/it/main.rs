@@ -14,5 +14,7 @@ mod frames;
 mod hints;
 mod keys;
 #[cfg(feature = "runner")]
+mod peer;
+#[cfg(feature = "runner")]
 mod runner;
 mod tiers;

@@ -155,15 +155,15 @@ struct SourceWrite {
 
 /// One put: local bytes into a remote element.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PutSpan {
+pub(crate) struct PutSpan {
     /// Local source address (inside a runner-owned pool).
-    pub local: u64,
+    pub(crate) local: u64,
     /// Remote destination address (inside `region` of the target).
-    pub remote: u64,
+    pub(crate) remote: u64,
     /// Bytes.
-    pub len: u64,
+    pub(crate) len: u64,
     /// The target's region (selects the rkey).
-    pub region: RegionId,
+    pub(crate) region: RegionId,
 }
 
 /// The peer half of the core's state.
@@ -587,7 +587,10 @@ impl Core {
             // generation, so writes queued for the old one are never submitted.
             let generation = peer.next_route_generation;
             peer.next_route_generation += 1;
-            let rkeys = regions.iter().map(|r| (r.id, r.rkey.clone())).collect();
+            let rkeys = regions
+                .iter()
+                .map(|r| (r.id, r.base, r.rkey.clone()))
+                .collect();
             peer.routes.insert(
                 target.clone(),
                 Route {

@@ -1,0 +1,496 @@
+//! The peer thread: owns the UCX context, worker, endpoints and the
+//! registered pool memory (UCX objects are `!Send`, so they live and die on
+//! this one thread), and runs the control channel on a current-thread tokio
+//! runtime. It feeds control messages and put completions into the shared core
+//! and executes the core's peer actions (send, connect, put + flush).
+//!
+//! While puts are in flight the loop progresses the worker continuously (a
+//! transfer's duration); when idle it sleeps on its queues with a 1 ms tick
+//! for deadlines, probes and stall detection.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot};
+
+use super::Shared;
+use super::control::{ControlChannel, ControlStats};
+use super::core::{Action, PutSpan};
+use crate::endpoint::{AdvertisePolicy, BindAddress, ControlEndpoint, Host};
+use crate::error::{Error, Result, RunnerReason};
+use crate::protocol::RegionId;
+use crate::ucx::{
+    AnonOptions, Completion, Context, ContextConfig, Endpoint, Registration, RemoteKey, RkeyBuffer,
+    WorkerAddress,
+};
+
+/// How a runner takes part in the peer protocol.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerOptions {
+    /// Where the control channel listens (`tcp://*:0` picks a port).
+    pub bind: BindAddress,
+    /// The host other runners dial (with the bound port).
+    pub advertise_host: Host,
+    /// Whether a loopback advertise host is allowed (single-host clusters).
+    pub advertise_policy: AdvertisePolicy,
+    /// The cluster token; without it a process cannot talk to this runner.
+    pub secret: Option<Vec<u8>>,
+    /// UCX transports (`UCX_TLS`), e.g. `sm,self` or `tcp,self`; `None` lets
+    /// UCX choose (and honours the `UCX_TLS` environment variable).
+    pub ucx_tls: Option<String>,
+    /// Abandonment budget from op start (default 5 × the operation timeout).
+    pub abandon_timeout: Option<Duration>,
+    /// Cap on puts in flight per write (TCP collapses under an unbounded number).
+    pub max_puts_in_flight: usize,
+}
+
+impl PeerOptions {
+    /// A single-host configuration on loopback with an ephemeral port.
+    pub fn loopback() -> Self {
+        Self {
+            bind: BindAddress {
+                host: Some(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)),
+                port: 0,
+            },
+            advertise_host: Host::Ip(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)),
+            advertise_policy: AdvertisePolicy::SingleHost,
+            secret: None,
+            ucx_tls: None,
+            abandon_timeout: None,
+            max_puts_in_flight: 64,
+        }
+    }
+}
+
+/// What the peer thread hands back once it is up.
+pub(crate) struct PeerSetup {
+    pub(crate) endpoint: ControlEndpoint,
+    pub(crate) bases: Vec<u64>,
+    pub(crate) rkeys: Vec<Vec<u8>>,
+    pub(crate) worker_address: Vec<u8>,
+}
+
+/// Commands for the peer thread.
+pub(crate) enum PeerCmd {
+    /// Execute a core action.
+    Action(Action),
+    /// Forget a peer: close its control socket and data route.
+    Forget(ControlEndpoint),
+    /// Stop; with `leak`, keep the registered memory mapped for the life of the
+    /// process (a remote write might still land in it).
+    Stop { leak: bool },
+}
+
+/// Handle to the peer thread.
+pub(crate) struct PeerDriver {
+    pub(crate) tx: mpsc::UnboundedSender<PeerCmd>,
+    pub(crate) stats: Arc<ControlStats>,
+    thread: Option<JoinHandle<()>>,
+    shared_tx: Option<oneshot::Sender<Arc<Shared>>>,
+}
+
+impl PeerDriver {
+    /// Starts the thread, which allocates and registers one pool per entry of
+    /// `pool_bytes`, binds the control channel and creates the UCX worker.
+    pub(crate) fn start(
+        options: &PeerOptions,
+        pool_bytes: Vec<u64>,
+        prefault: bool,
+    ) -> Result<(Self, PeerSetup)> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (setup_tx, setup_rx) = std::sync::mpsc::channel();
+        let (shared_tx, shared_rx) = oneshot::channel();
+        let options = options.clone();
+        let thread = std::thread::Builder::new()
+            .name("kvcr-peer".into())
+            .spawn(move || run(options, pool_bytes, prefault, rx, setup_tx, shared_rx))
+            .map_err(|_| Error::runner(RunnerReason::CopyEngineStopped))?;
+        let outcome = setup_rx.recv_timeout(Duration::from_secs(30));
+        let (setup, stats) = match outcome {
+            Ok(Ok(pair)) => pair,
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(e);
+            }
+            Err(_) => {
+                // The thread is stuck in UCX or a bind: it may hold memory we
+                // cannot prove quiescent, so it is left running (retained).
+                return Err(Error::runner(RunnerReason::Config {
+                    field: "peer",
+                    why: "peer thread did not start within 30 s",
+                }));
+            }
+        };
+        Ok((
+            Self {
+                tx,
+                stats,
+                thread: Some(thread),
+                shared_tx: Some(shared_tx),
+            },
+            setup,
+        ))
+    }
+
+    /// Hands the shared core to the thread (after the runner is built).
+    pub(crate) fn attach(&mut self, shared: Arc<Shared>) {
+        if let Some(tx) = self.shared_tx.take() {
+            let _ = tx.send(shared);
+        }
+    }
+
+    /// Stops the thread and joins it.
+    pub(crate) fn stop(&mut self, leak: bool) {
+        self.shared_tx = None;
+        let _ = self.tx.send(PeerCmd::Stop { leak });
+        if let Some(thread) = self.thread.take()
+            && thread.join().is_err()
+        {
+            eprintln!("kvcr: peer thread panicked");
+        }
+    }
+}
+
+type SetupResult = Result<(PeerSetup, Arc<ControlStats>)>;
+
+fn run(
+    options: PeerOptions,
+    pool_bytes: Vec<u64>,
+    prefault: bool,
+    rx: mpsc::UnboundedReceiver<PeerCmd>,
+    setup_tx: std::sync::mpsc::Sender<SetupResult>,
+    shared_rx: oneshot::Receiver<Arc<Shared>>,
+) {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(_) => {
+            let _ = setup_tx.send(Err(Error::runner(RunnerReason::Config {
+                field: "peer",
+                why: "could not start the peer runtime",
+            })));
+            return;
+        }
+    };
+    runtime.block_on(async move {
+        let mut state = match State::setup(&options, &pool_bytes, prefault).await {
+            Ok((state, setup)) => {
+                let stats = Arc::clone(&state.control.stats);
+                let _ = setup_tx.send(Ok((setup, stats)));
+                state
+            }
+            Err(e) => {
+                let _ = setup_tx.send(Err(e));
+                return;
+            }
+        };
+        let Ok(shared) = shared_rx.await else {
+            return; // startup failed later; dropping `state` releases everything
+        };
+        let leak = state.serve(&shared, rx).await;
+        if leak {
+            // A remote write may still land in our pools: keep every UCX
+            // object (and so the mapping) alive until the process exits.
+            std::mem::forget(state);
+        }
+    });
+}
+
+struct Route {
+    generation: u64,
+    endpoint: Endpoint,
+    rkeys: HashMap<RegionId, (RemoteKey, u64)>,
+}
+
+struct PendingWrite {
+    write: u64,
+    target: ControlEndpoint,
+    spans: VecDeque<PutSpan>,
+    in_flight: VecDeque<Completion>,
+    flush: Option<Completion>,
+    failed: bool,
+}
+
+/// Everything the peer thread owns. Field order is drop order and is
+/// load-bearing: pending operations and routes (endpoints, remote keys) go
+/// before the pool registrations, which go before the worker and context.
+struct State {
+    pending: Vec<PendingWrite>,
+    routes: HashMap<ControlEndpoint, Route>,
+    control: ControlChannel,
+    inbound: mpsc::Receiver<crate::protocol::Message>,
+    pools: Vec<Registration<'static>>,
+    worker: crate::ucx::Worker,
+    _context: Context,
+    max_in_flight: usize,
+}
+
+impl State {
+    async fn setup(
+        options: &PeerOptions,
+        pool_bytes: &[u64],
+        prefault: bool,
+    ) -> Result<(Self, PeerSetup)> {
+        let mut config = ContextConfig::new();
+        if let Some(tls) = &options.ucx_tls {
+            config = config.loopback_tls(tls);
+        }
+        let context = Context::with_config(&config)?;
+        let worker = context.create_worker()?;
+        let mut pools = Vec::with_capacity(pool_bytes.len());
+        for bytes in pool_bytes {
+            let len = usize::try_from(*bytes)
+                .map_err(|_| Error::runner(RunnerReason::Allocation { bytes: *bytes }))?;
+            pools.push(context.register_anon(len, AnonOptions::new().prefault(prefault))?);
+        }
+        let rkeys = pools
+            .iter()
+            .map(|p| p.pack_rkey().map(|r| r.as_bytes().to_vec()))
+            .collect::<Result<Vec<_>>>()?;
+        let bind = SocketAddr::new(
+            options
+                .bind
+                .host
+                .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)),
+            options.bind.port,
+        );
+        let secret = options.secret.as_ref().map(|s| Arc::from(s.as_slice()));
+        let (control, local, inbound) = ControlChannel::bind(bind, secret).await.map_err(|_| {
+            Error::runner(RunnerReason::Config {
+                field: "peer.bind",
+                why: "could not bind the control listener",
+            })
+        })?;
+        let endpoint = ControlEndpoint::new(options.advertise_host.clone(), local.port())?;
+        endpoint.check_advertisable(options.advertise_policy)?;
+        let setup = PeerSetup {
+            endpoint,
+            bases: pools.iter().map(|p| p.as_ptr() as usize as u64).collect(),
+            rkeys,
+            worker_address: worker.address()?.as_bytes().to_vec(),
+        };
+        Ok((
+            Self {
+                pending: Vec::new(),
+                routes: HashMap::new(),
+                control,
+                inbound,
+                pools,
+                worker,
+                _context: context,
+                max_in_flight: options.max_puts_in_flight.max(1),
+            },
+            setup,
+        ))
+    }
+
+    /// The main loop; returns whether the memory must be leaked.
+    async fn serve(
+        &mut self,
+        shared: &Arc<Shared>,
+        mut rx: mpsc::UnboundedReceiver<PeerCmd>,
+    ) -> bool {
+        const TICK: Duration = Duration::from_millis(1);
+        #[allow(clippy::disallowed_methods)]
+        let mut last_tick = Instant::now();
+        loop {
+            // Progress whenever a transfer may be moving in either direction:
+            // our own puts, or writes into us (on TCP the target's worker
+            // applies them).
+            let expecting = shared.lock().core.peer_busy().0 > 0;
+            let busy = !self.pending.is_empty() || expecting;
+            self.worker.progress();
+            if !self.pending.is_empty() {
+                self.issue_and_reap(shared);
+            }
+            let wait = if busy { Duration::ZERO } else { TICK };
+            tokio::select! {
+                biased;
+                cmd = rx.recv() => match cmd {
+                    Some(PeerCmd::Action(action)) => self.execute(action, shared),
+                    Some(PeerCmd::Forget(peer)) => {
+                        self.control.remove_peer(&peer);
+                        self.routes.remove(&peer);
+                    }
+                    Some(PeerCmd::Stop { leak }) => return leak,
+                    None => return false,
+                },
+                message = self.inbound.recv() => {
+                    if let Some(message) = message {
+                        shared.with_core_now(|core, now| core.handle_message(now, message));
+                    }
+                }
+                () = tokio::time::sleep(wait) => {}
+            }
+            if last_tick.elapsed() >= TICK {
+                #[allow(clippy::disallowed_methods)]
+                let now = Instant::now();
+                last_tick = now;
+                shared.with_core_now(|core, now| core.handle_tick(now));
+            }
+        }
+    }
+
+    fn execute(&mut self, action: Action, shared: &Arc<Shared>) {
+        match action {
+            Action::Send { to, message } => self.control.send(&to, message),
+            Action::Connect {
+                peer,
+                generation,
+                worker_address,
+                rkeys,
+            } => match self.connect(&worker_address, &rkeys) {
+                Ok((endpoint, keys)) => {
+                    self.routes.insert(
+                        peer,
+                        Route {
+                            generation,
+                            endpoint,
+                            rkeys: keys,
+                        },
+                    );
+                }
+                Err(_) => {
+                    self.routes.remove(&peer);
+                }
+            },
+            Action::Put {
+                write,
+                target,
+                generation,
+                spans,
+            } => {
+                let routed = self
+                    .routes
+                    .get(&target)
+                    .is_some_and(|r| r.generation == generation);
+                if routed {
+                    self.pending.push(PendingWrite {
+                        write,
+                        target,
+                        spans: spans.into(),
+                        in_flight: VecDeque::new(),
+                        flush: None,
+                        failed: false,
+                    });
+                    self.issue_and_reap(shared);
+                } else {
+                    // The route is gone or was replaced: never write through it.
+                    shared.with_core_now(|core, now| core.handle_put_done(now, write, false));
+                }
+            }
+            Action::Copy { .. } | Action::Cancel { .. } => {}
+        }
+    }
+
+    fn connect(
+        &self,
+        worker_address: &[u8],
+        rkeys: &[(RegionId, u64, Vec<u8>)],
+    ) -> Result<(Endpoint, HashMap<RegionId, (RemoteKey, u64)>)> {
+        let endpoint = self
+            .worker
+            .connect(&WorkerAddress::from_bytes(worker_address)?)?;
+        let mut keys = HashMap::new();
+        for (region, base, rkey) in rkeys {
+            let key = endpoint.unpack_rkey(&RkeyBuffer::from_bytes(rkey)?)?;
+            keys.insert(*region, (key, *base));
+        }
+        Ok((endpoint, keys))
+    }
+
+    /// Issues puts up to the in-flight cap, flushes each write after its last
+    /// put, and reports writes whose flush completed.
+    fn issue_and_reap(&mut self, shared: &Arc<Shared>) {
+        let mut finished = Vec::new();
+        let pools = &self.pools;
+        for w in &mut self.pending {
+            let Some(route) = self.routes.get(&w.target) else {
+                w.failed = true;
+                w.spans.clear();
+                if w.in_flight.is_empty() && w.flush.is_none() {
+                    finished.push((w.write, false));
+                }
+                continue;
+            };
+            while let Some(done) = w.in_flight.front().and_then(Completion::result) {
+                w.failed |= done.is_err();
+                w.in_flight.pop_front();
+            }
+            while w.in_flight.len() < self.max_in_flight && !w.failed {
+                let Some(span) = w.spans.pop_front() else {
+                    break;
+                };
+                match put(pools, route, &span) {
+                    Ok(c) => w.in_flight.push_back(c),
+                    Err(_) => w.failed = true,
+                }
+            }
+            if w.spans.is_empty() && w.flush.is_none() && !w.failed {
+                match route.endpoint.flush() {
+                    Ok(c) => w.flush = Some(c),
+                    Err(_) => w.failed = true,
+                }
+            }
+            let puts_done = w.in_flight.iter().all(Completion::is_done);
+            match (&w.flush, w.failed) {
+                (Some(flush), _) if puts_done => {
+                    if let Some(result) = flush.result() {
+                        let ok = result.is_ok()
+                            && !w.failed
+                            && w.in_flight
+                                .iter()
+                                .all(|c| matches!(c.result(), Some(Ok(()))));
+                        finished.push((w.write, ok));
+                    }
+                }
+                (None, true) if puts_done => finished.push((w.write, false)),
+                _ => {}
+            }
+        }
+        if finished.is_empty() {
+            return;
+        }
+        self.pending
+            .retain(|w| !finished.iter().any(|(id, _)| *id == w.write));
+        shared.with_core_now(|core, now| {
+            for (write, ok) in finished {
+                core.handle_put_done(now, write, ok);
+            }
+        });
+    }
+
+    #[allow(dead_code)]
+    fn open_sockets(&self) -> usize {
+        self.control.stats.open_sockets.load(Ordering::Relaxed)
+    }
+}
+
+fn put(pools: &[Registration<'static>], route: &Route, span: &PutSpan) -> Result<Completion> {
+    let (pool, offset) = pools
+        .iter()
+        .find_map(|p| {
+            let base = p.as_ptr() as usize as u64;
+            let end = base + p.len() as u64;
+            (span.local >= base && span.local + span.len <= end).then(|| (p, span.local - base))
+        })
+        .ok_or(Error::runner(RunnerReason::LayoutMismatch))?;
+    let (rkey, base) = route
+        .rkeys
+        .get(&span.region)
+        .ok_or(Error::runner(RunnerReason::UnknownRegion(span.region.0)))?;
+    let remote_offset = span
+        .remote
+        .checked_sub(*base)
+        .ok_or(Error::runner(RunnerReason::LayoutMismatch))?;
+    let len = usize::try_from(span.len).map_err(|_| Error::runner(RunnerReason::LayoutMismatch))?;
+    let offset =
+        usize::try_from(offset).map_err(|_| Error::runner(RunnerReason::LayoutMismatch))?;
+    route.endpoint.put(pool, offset, len, rkey, remote_offset)
+}

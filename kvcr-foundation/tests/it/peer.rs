@@ -1,0 +1,212 @@
+//! Peer restore between real runners over real UCX and real TCP control
+//! channels (loopback only), in one process.
+
+use std::time::Duration;
+
+use kvcr_foundation::hint::FetchMode;
+use kvcr_foundation::protocol::{ElementRef, OpHandle};
+use kvcr_foundation::runner::{
+    DepositEntry, EntryStatus, FailReason, OpResult, PeerOptions, QueryStatus, RegionDesc, Runner,
+    RunnerConfig,
+};
+use kvcr_foundation::{
+    BlockKey, CompatDigest, FetchHint, Namespace, NamespaceId, RequestId, ScopedKey,
+};
+use rstest::rstest;
+
+const BLOCK: usize = 64 << 10;
+
+struct Node {
+    runner: Runner,
+    ns: NamespaceId,
+    host: Vec<u8>,
+    region: kvcr_foundation::protocol::RegionId,
+}
+
+fn node(tls: &str, blocks: u32, timeout: Duration) -> Node {
+    let mut options = PeerOptions::loopback();
+    options.ucx_tls = Some(tls.to_owned());
+    let config = RunnerConfig {
+        operation_timeout: timeout,
+        ..RunnerConfig::single_pool("kv", BLOCK as u64, blocks)
+    };
+    let mut runner = Runner::start_with_peers(config, None, &options).unwrap();
+    let ns = runner.register_namespace(Namespace::base(CompatDigest(42)));
+    let mut host = vec![0u8; BLOCK * blocks as usize];
+    for (i, b) in host.iter_mut().enumerate() {
+        *b = ((i * 131) >> 5) as u8 ^ (i / BLOCK) as u8;
+    }
+    // SAFETY: (test) `host` lives in the Node next to the runner and is not
+    // touched while operations on it are in flight.
+    let region = unsafe {
+        runner.register_region(RegionDesc {
+            label: "kv".into(),
+            base: host.as_mut_ptr() as u64,
+            size: BLOCK as u64,
+            stride: 0,
+            count: u64::from(blocks),
+        })
+    }
+    .unwrap();
+    Node {
+        runner,
+        ns,
+        host,
+        region,
+    }
+}
+
+fn key(ns: NamespaceId, k: u64) -> ScopedKey {
+    ScopedKey {
+        namespace: ns,
+        key: BlockKey::from_u64(k),
+    }
+}
+
+fn wait(runner: &mut Runner, op: OpHandle) -> OpResult {
+    for _ in 0..400 {
+        for result in runner.wait_completed(Duration::from_millis(50)) {
+            if result.op == op {
+                return result;
+            }
+        }
+    }
+    panic!("operation {op:?} did not complete");
+}
+
+fn stock(source: &mut Node, keys: &[u64]) {
+    let entries = keys
+        .iter()
+        .map(|k| DepositEntry {
+            key: key(source.ns, *k),
+            spans: vec![ElementRef {
+                region: source.region,
+                index: *k,
+            }],
+            page: None,
+        })
+        .collect();
+    let op = source.runner.deposit(entries, false).unwrap();
+    let result = wait(&mut source.runner, op);
+    assert!(result.entries.iter().all(|(_, e)| e.is_success()));
+}
+
+fn hint(source: &Node, keys: &[u64]) -> FetchHint {
+    FetchHint {
+        source: source.runner.endpoint().unwrap().clone(),
+        block_hashes: keys.iter().map(|k| BlockKey::from_u64(*k)).collect(),
+        mode: FetchMode::Copy,
+        action_id: None,
+    }
+}
+
+/// Full, partial and empty deliveries over shared memory and TCP; every
+/// restored byte equals the source's.
+#[rstest]
+#[case::shm("sm,self")]
+#[case::tcp("tcp,self")]
+fn hinted_fetch_restores_bytes(#[case] tls: &str) {
+    let mut source = node(tls, 16, Duration::from_secs(5));
+    let mut target = node(tls, 16, Duration::from_secs(5));
+    stock(&mut source, &[0, 1, 2, 3, 4, 5]);
+    let request = RequestId("req-1".into());
+    // The hint names 0..8, but the source only holds 0..6: a partial delivery.
+    let wanted: Vec<u64> = (0..8).collect();
+    target
+        .runner
+        .submit_hint(request.clone(), &hint(&source, &wanted));
+    let keys: Vec<ScopedKey> = wanted.iter().map(|k| key(target.ns, *k)).collect();
+    assert_eq!(
+        target.runner.query_hinted(&request, &keys[0]),
+        QueryStatus::Fetchable(kvcr_foundation::Tier::External)
+    );
+    let pool = target.runner.pool("kv").unwrap();
+    let op = target
+        .runner
+        .fetch_hinted(&request, &keys, &[pool])
+        .unwrap();
+    let result = wait(&mut target.runner, op);
+    for (i, (_, entry)) in result.entries.iter().enumerate() {
+        if i < 6 {
+            assert!(entry.is_success(), "key {i}: {entry:?}");
+            let bytes = target
+                .runner
+                .read_claimed(entry.release.unwrap(), 0)
+                .unwrap();
+            assert_eq!(
+                bytes,
+                source.host[i * BLOCK..(i + 1) * BLOCK],
+                "key {i} bytes differ"
+            );
+        } else {
+            assert_eq!(
+                entry.status,
+                EntryStatus::Failed(FailReason::NoSource),
+                "key {i}"
+            );
+        }
+    }
+    let (target_counters, _) = target.runner.peer_stats();
+    let (source_counters, _) = source.runner.peer_stats();
+    assert_eq!(target_counters.keys_received, 6);
+    assert_eq!(source_counters.keys_sent, 6);
+    // Missing keys are remembered: the next query is a miss, not fetchable.
+    assert_eq!(
+        target.runner.query_hinted(&request, &keys[7]),
+        QueryStatus::Miss
+    );
+    // An empty delivery: a hint for keys the source never had.
+    let request2 = RequestId("req-2".into());
+    target
+        .runner
+        .submit_hint(request2.clone(), &hint(&source, &[100, 101]));
+    let op = target
+        .runner
+        .fetch_hinted(
+            &request2,
+            &[key(target.ns, 100), key(target.ns, 101)],
+            &[pool],
+        )
+        .unwrap();
+    let result = wait(&mut target.runner, op);
+    assert!(
+        result
+            .entries
+            .iter()
+            .all(|(_, e)| e.status == EntryStatus::Failed(FailReason::NoSource))
+    );
+    drop(target);
+    drop(source);
+}
+
+/// Removing a peer closes its control socket.
+#[test]
+fn forgetting_a_peer_closes_its_socket() {
+    let mut source = node("sm,self", 4, Duration::from_secs(5));
+    let mut target = node("sm,self", 4, Duration::from_secs(5));
+    stock(&mut source, &[0]);
+    let request = RequestId("r".into());
+    target
+        .runner
+        .submit_hint(request.clone(), &hint(&source, &[0]));
+    let pool = target.runner.pool("kv").unwrap();
+    let op = target
+        .runner
+        .fetch_hinted(&request, &[key(target.ns, 0)], &[pool])
+        .unwrap();
+    assert!(wait(&mut target.runner, op).entries[0].1.is_success());
+    let sockets = |r: &Runner| r.peer_stats().1;
+    assert_eq!(
+        sockets(&target.runner),
+        2,
+        "one dialed to the source, one accepted from it"
+    );
+    target.runner.forget_peer(source.runner.endpoint().unwrap());
+    for _ in 0..200 {
+        if sockets(&target.runner) == 1 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(sockets(&target.runner), 1, "the dialed socket is closed");
+}
