@@ -7,6 +7,7 @@
 #![allow(clippy::disallowed_methods)]
 
 mod bench;
+mod demo;
 mod layers;
 mod setup;
 
@@ -19,6 +20,10 @@ const HELP: &str = "\
 cargo xtask <command>
 
 Commands:
+  demo [--pages N] [--prompts P] [--tls T] [--seed S]
+                    the main job: runner processes on loopback restore a
+                    source's offloaded KV pages from its KVCR DRAM over UCX on
+                    router hints, check every byte, print a table
   test              install what this machine lacks (apt packages, cargo tools),
                     then run every test in the workspace
   ci [--no-test]    the full gate: fmt, clippy -D warnings (both feature faces),
@@ -44,6 +49,7 @@ fn main() -> Result<()> {
         "ci" => ci(&root, &rest),
         "fuzz" => fuzz(&root, &rest),
         "bench" => bench::run(&root, &rest),
+        "demo" => demo::run(&root, &rest),
         "layers" => {
             layers::check(&root)?;
             println!("xtask: layering ok");

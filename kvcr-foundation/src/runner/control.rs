@@ -136,6 +136,7 @@ impl ControlChannel {
     }
 
     /// Sockets currently open.
+    #[cfg(test)]
     pub(crate) fn open_sockets(&self) -> usize {
         self.stats.open_sockets.load(Ordering::Relaxed)
     }

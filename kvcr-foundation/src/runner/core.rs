@@ -744,7 +744,10 @@ impl Core {
         missing: Vec<(u32, ScopedKey)>,
         protected: &[ScopedKey],
     ) {
-        let mut by_source: BTreeMap<ControlEndpoint, Vec<(u32, ScopedKey)>> = BTreeMap::new();
+        // One start_write per (source, namespace): the message carries one
+        // namespace for all its keys.
+        let mut by_source: BTreeMap<(ControlEndpoint, NamespaceId), Vec<(u32, ScopedKey)>> =
+            BTreeMap::new();
         for (entry, key) in missing {
             match self
                 .peer
@@ -752,13 +755,13 @@ impl Core {
                 .and_then(|p| p.hinted_source(request, &key))
             {
                 Some(source) => by_source
-                    .entry(source.clone())
+                    .entry((source.clone(), key.namespace))
                     .or_default()
                     .push((entry, key)),
                 None => self.set_result(op, entry, EntryResult::failed(FailReason::NoSource)),
             }
         }
-        for (source, entries) in by_source {
+        for ((source, _), entries) in by_source {
             let keys: Vec<ScopedKey> = entries.iter().map(|(_, k)| *k).collect();
             let fills = self.start_remote_fills(now, request, source, &keys, layout, protected);
             for ((entry, _), fill) in entries.into_iter().zip(fills) {

@@ -497,6 +497,9 @@ pub struct Runner {
     /// Owns the registered pool memory in peer mode; stopped after `copy`.
     peer: Option<peer_driver::PeerDriver>,
     shared: Arc<Shared>,
+    /// Owns the local-mode pool memory the core addresses; never read, only
+    /// freed, and only after the copy thread has stopped.
+    #[allow(dead_code)]
     pools: Vec<DramPool>,
     incarnation: Incarnation,
     endpoint: Option<ControlEndpoint>,

@@ -202,10 +202,12 @@ fn forgetting_a_peer_closes_its_socket() {
         "one dialed to the source, one accepted from it"
     );
     target.runner.forget_peer(source.runner.endpoint().unwrap());
+    // Socket closure has no completion to wait on: poll the count, bounded.
     for _ in 0..200 {
         if sockets(&target.runner) == 1 {
             break;
         }
+        #[allow(clippy::disallowed_methods)]
         std::thread::sleep(Duration::from_millis(5));
     }
     assert_eq!(sockets(&target.runner), 1, "the dialed socket is closed");

@@ -1103,9 +1103,4 @@ impl Core {
     pub(crate) fn peer_counters(&self) -> PeerCounters {
         self.peer.as_ref().map(|p| p.counters).unwrap_or_default()
     }
-
-    /// Whether the source side latched a stall.
-    pub(crate) fn peer_stalled(&self) -> bool {
-        self.peer.as_ref().is_some_and(|p| p.stalled)
-    }
 }
