@@ -35,6 +35,8 @@ pub mod hint;
 pub mod incarnation;
 pub mod key;
 pub mod protocol;
+#[cfg(feature = "runner")]
+pub mod publisher;
 pub mod tier;
 
 pub use endpoint::{

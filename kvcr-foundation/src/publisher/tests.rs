@@ -1,0 +1,1 @@
+//! Unit tests of the publisher core, wire encoder and replay buffer.
