@@ -99,6 +99,17 @@ pub struct CoreStats {
     pub resyncs: u64,
 }
 
+/// One sequenced batch, before encoding.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sequenced {
+    /// Topic frame.
+    pub topic: Bytes,
+    /// Sequence number.
+    pub seq: u64,
+    /// The batch.
+    pub batch: WireBatch,
+}
+
 /// One sequenced, encoded batch, ready for the PUB socket and the replay buffer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Transmit {
@@ -299,12 +310,12 @@ impl PublisherCore {
         self.closed = true;
     }
 
-    /// Seals what is pending and returns the next batch to send, encoded and
-    /// sequenced with timestamp `ts`; `None` when nothing is pending.
+    /// Seals what is pending and returns the next batch to send, sequenced,
+    /// with timestamp `ts`; `None` when nothing is pending.
     ///
     /// Call after handing the core a run of events, until it returns `None`.
     #[must_use]
-    pub fn poll_transmit(&mut self, ts: f64) -> Option<Transmit> {
+    pub fn poll_batch(&mut self, ts: f64) -> Option<Sequenced> {
         if self.sealed.is_empty() {
             self.seal();
         }
@@ -314,19 +325,29 @@ impl PublisherCore {
         } else {
             Bytes::from(self.parts.topic(sealed.incarnation))
         };
-        let batch = WireBatch {
-            ts,
-            events: sealed.events,
-            dp_rank: Some(self.parts.dp_rank),
-        };
-        let mut payload = Vec::with_capacity(256);
-        encode_batch(&batch, &mut payload);
         let seq = self.next_seq;
         self.next_seq += 1;
         self.stats.batches += 1;
-        Some(Transmit {
+        Some(Sequenced {
             topic,
             seq,
+            batch: WireBatch {
+                ts,
+                events: sealed.events,
+                dp_rank: Some(self.parts.dp_rank),
+            },
+        })
+    }
+
+    /// [`Self::poll_batch`], encoded.
+    #[must_use]
+    pub fn poll_transmit(&mut self, ts: f64) -> Option<Transmit> {
+        let s = self.poll_batch(ts)?;
+        let mut payload = Vec::with_capacity(64 + s.batch.events.len() * 96);
+        encode_batch(&s.batch, &mut payload);
+        Some(Transmit {
+            topic: s.topic,
+            seq: s.seq,
             payload: Bytes::from(payload),
         })
     }

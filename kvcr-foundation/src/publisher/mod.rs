@@ -44,7 +44,7 @@ use crate::error::{Echo, Error, PublisherReason, Result};
 use crate::incarnation::Incarnation;
 use crate::tier::{InventoryEvent, InventorySink};
 
-pub use self::core::{BatchLimits, CoreStats, PublisherCore, TopicParts, Transmit};
+pub use self::core::{BatchLimits, CoreStats, PublisherCore, Sequenced, TopicParts, Transmit};
 
 /// How the PUB socket attaches: always said explicitly.
 #[derive(Debug, Clone, PartialEq, Eq)]
