@@ -30,7 +30,7 @@ use bytes::Bytes;
 
 use crate::incarnation::Incarnation;
 use crate::key::{BlockKey, NamespaceId};
-use crate::publisher::wire::{WireBatch, WireEvent, encode_batch};
+use crate::publisher::wire::{OwnershipWire, WireBatch, WireEvent, encode_batch};
 use crate::tier::{InventoryEvent, InventoryScope, Medium, Owner};
 
 /// Longest `lora_name` published (bytes).
@@ -165,6 +165,7 @@ pub struct PublisherCore {
     parts: TopicParts,
     limits: BatchLimits,
     max_live_blocks: usize,
+    ownership: OwnershipWire,
     incarnation: Incarnation,
     topic: Bytes,
     /// Owners with a barrier sent in the current incarnation (Framework, Kvcr).
@@ -207,6 +208,7 @@ impl PublisherCore {
             parts,
             limits,
             max_live_blocks,
+            ownership: OwnershipWire::Field,
             incarnation,
             topic: Bytes::from(parts.topic(incarnation)),
             opened: [false; 2],
@@ -219,6 +221,13 @@ impl PublisherCore {
         };
         core.barrier(Owner::Kvcr);
         core
+    }
+
+    /// Sets how kvcr's ownership goes on the wire (default
+    /// [`OwnershipWire::Field`]).
+    pub fn with_ownership(mut self, ownership: OwnershipWire) -> Self {
+        self.ownership = ownership;
+        self
     }
 
     /// The current incarnation.
@@ -335,6 +344,7 @@ impl PublisherCore {
                 ts,
                 events: sealed.events,
                 dp_rank: Some(self.parts.dp_rank),
+                ownership: self.ownership,
             },
         })
     }

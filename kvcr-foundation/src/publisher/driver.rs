@@ -192,7 +192,8 @@ impl Driver {
                 config.incarnation,
                 config.limits,
                 config.max_live_blocks,
-            ),
+            )
+            .with_ownership(config.ownership),
             replay_buf: ReplayBuffer::new(config.replay_batches, config.replay_bytes),
             sockets,
             rx,

@@ -44,6 +44,8 @@ use crate::error::{Echo, Error, PublisherReason, Result};
 use crate::incarnation::Incarnation;
 use crate::tier::{InventoryEvent, InventorySink};
 
+pub use self::wire::OwnershipWire;
+
 pub use self::core::{BatchLimits, CoreStats, PublisherCore, Sequenced, TopicParts, Transmit};
 
 /// How the PUB socket attaches: always said explicitly.
@@ -60,6 +62,10 @@ pub enum PubSocket {
 pub struct PublisherConfig {
     /// Worker id and DP rank (topic and payload `data_parallel_rank`).
     pub parts: TopicParts,
+    /// Whether kvcr-owned events carry `ownership: "kvcr"` (the default) or
+    /// leave ownership to the stream (for worker-domain-only consumers such as
+    /// Dynamo 1.6.1's standalone indexer).
+    pub ownership: OwnershipWire,
     /// The incarnation the publisher starts in.
     pub incarnation: Incarnation,
     /// The PUB socket.
@@ -93,6 +99,7 @@ impl PublisherConfig {
     pub fn new(parts: TopicParts, incarnation: Incarnation, pub_socket: PubSocket) -> Self {
         Self {
             parts,
+            ownership: OwnershipWire::Field,
             incarnation,
             pub_socket,
             replay: None,

@@ -5,7 +5,7 @@ use rstest::rstest;
 
 use super::core::{BatchLimits, PublisherCore, Sequenced, TopicParts, Transmit};
 use super::replay::{ReplayBuffer, ReplayRequest, parse_request};
-use super::wire::{WireBatch, WireEvent, encode_batch_to_vec};
+use super::wire::{OwnershipWire, WireBatch, WireEvent, encode_batch_to_vec};
 use crate::incarnation::Incarnation;
 use crate::key::{BlockKey, NamespaceId};
 use crate::tier::{InventoryEvent, InventoryScope, Medium, Owner};
@@ -127,10 +127,7 @@ fn one_removed_per_stored() {
     c.handle(&removed(Owner::Kvcr, 1, &[2, 2, 5])); // second 2 and unknown 5 dropped
     c.handle(&removed(Owner::Kvcr, 2, &[1])); // another namespace: not live there
     c.handle(&removed(Owner::Kvcr, 1, &[2]));
-    assert_eq!(
-        drain(&mut c),
-        ["1 abc: Skvcr[1, 2, 3]<-None | Rkvcr[2]"]
-    );
+    assert_eq!(drain(&mut c), ["1 abc: Skvcr[1, 2, 3]<-None | Rkvcr[2]"]);
     let s = c.stats();
     assert_eq!((s.stored_blocks, s.stored_repeats), (3, 2));
     assert_eq!((s.removed_blocks, s.removed_unknown), (1, 4));
@@ -374,6 +371,7 @@ fn removed_payload(hash: u64) -> Vec<u8> {
             owner: Owner::Framework,
         }],
         dp_rank: None,
+        ownership: OwnershipWire::Field,
     })
 }
 
@@ -400,6 +398,7 @@ fn batch_envelope_bytes() {
             owner: Owner::Framework,
         }],
         dp_rank: Some(300),
+        ownership: OwnershipWire::Field,
     });
     let mut expect = vec![0x93, 0xcb];
     expect.extend_from_slice(&1.5f64.to_bits().to_be_bytes());
@@ -425,6 +424,7 @@ fn array_headers(#[case] n: usize, #[case] expect: &[u8]) {
             owner: Owner::Framework,
         }],
         dp_rank: None,
+        ownership: OwnershipWire::Field,
     });
     let at = 1 + 9 + 1 + 1 + 5 + 13 + 13;
     assert_eq!(&p[at..at + expect.len()], expect);
@@ -447,6 +447,7 @@ fn lora_name_string_headers(#[case] n: usize, #[case] expect: &[u8]) {
             owner: Owner::Framework,
         }],
         dp_rank: None,
+        ownership: OwnershipWire::Field,
     });
     let needle = b"\xa9lora_name";
     let at = p.windows(needle.len()).position(|w| w == needle).unwrap() + needle.len();
@@ -504,4 +505,27 @@ fn replay_requests(#[case] frames: Vec<Vec<u8>>, #[case] start: Option<u64>) {
             start_seq
         })
     );
+}
+
+#[test]
+fn stream_ownership_mode_omits_the_field_only() {
+    let batch = |ownership| WireBatch {
+        ts: 0.0,
+        events: vec![
+            WireEvent::Removed {
+                hashes: vec![1],
+                medium: Medium::CpuPinned,
+                owner: Owner::Kvcr,
+            },
+            WireEvent::Cleared { owner: Owner::Kvcr },
+        ],
+        dp_rank: None,
+        ownership,
+    };
+    let field = encode_batch_to_vec(&batch(OwnershipWire::Field));
+    let stream = encode_batch_to_vec(&batch(OwnershipWire::Stream));
+    let needle = b"\xa9ownership\xa4kvcr";
+    let count = |p: &[u8]| p.windows(needle.len()).filter(|w| *w == needle).count();
+    assert_eq!((count(&field), count(&stream)), (2, 0));
+    assert_eq!(field.len() - stream.len(), 2 * needle.len());
 }

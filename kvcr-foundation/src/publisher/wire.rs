@@ -70,6 +70,21 @@ impl WireEvent {
     }
 }
 
+/// How kvcr's ownership is put on the wire.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum OwnershipWire {
+    /// vLLM 0.33's `ownership: "kvcr"` on every kvcr-owned event: Dynamo's
+    /// CacheOwner residency domain (its state-agent `vllm_residency_v1`
+    /// ingress). Dynamo 1.6.1's standalone indexer silently ignores such
+    /// events (measured).
+    #[default]
+    Field,
+    /// No `ownership` field: the stream itself is kvcr's (its own endpoint,
+    /// registered as its own worker), and consumers that know only the
+    /// worker domain, such as Dynamo 1.6.1's standalone indexer, index it.
+    Stream,
+}
+
 /// One `KVEventBatch`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WireBatch {
@@ -79,6 +94,8 @@ pub struct WireBatch {
     pub events: Vec<WireEvent>,
     /// `data_parallel_rank`.
     pub dp_rank: Option<u32>,
+    /// Whether kvcr-owned events carry `ownership`.
+    pub ownership: OwnershipWire,
 }
 
 /// Appends the msgpack encoding of `batch` to `out`.
@@ -88,7 +105,7 @@ pub fn encode_batch(batch: &WireBatch, out: &mut Vec<u8>) {
     out.extend_from_slice(&batch.ts.to_bits().to_be_bytes());
     array_header(out, batch.events.len());
     for event in &batch.events {
-        encode_event(event, out);
+        encode_event(event, batch.ownership, out);
     }
     match batch.dp_rank {
         Some(rank) => uint(out, u64::from(rank)),
@@ -103,7 +120,14 @@ pub fn encode_batch_to_vec(batch: &WireBatch) -> Vec<u8> {
     out
 }
 
-fn encode_event(event: &WireEvent, out: &mut Vec<u8>) {
+fn ownership_of(owner: Owner, mode: OwnershipWire) -> Option<&'static str> {
+    match mode {
+        OwnershipWire::Field => owner.wire_ownership(),
+        OwnershipWire::Stream => None,
+    }
+}
+
+fn encode_event(event: &WireEvent, mode: OwnershipWire, out: &mut Vec<u8>) {
     match event {
         WireEvent::Stored {
             hashes,
@@ -114,7 +138,7 @@ fn encode_event(event: &WireEvent, out: &mut Vec<u8>) {
             medium,
             owner,
         } => {
-            let ownership = owner.wire_ownership();
+            let ownership = ownership_of(*owner, mode);
             // vLLM's `BlockStored` has 15 fields besides the tag, so msgspec
             // reserves a `map16` header for it.
             map16_header(out, 8 + usize::from(ownership.is_some()));
@@ -156,7 +180,7 @@ fn encode_event(event: &WireEvent, out: &mut Vec<u8>) {
             medium,
             owner,
         } => {
-            let ownership = owner.wire_ownership();
+            let ownership = ownership_of(*owner, mode);
             fixmap_header(out, 3 + usize::from(ownership.is_some()));
             str(out, "type");
             str(out, "BlockRemoved");
@@ -173,7 +197,7 @@ fn encode_event(event: &WireEvent, out: &mut Vec<u8>) {
             }
         }
         WireEvent::Cleared { owner } => {
-            let ownership = owner.wire_ownership();
+            let ownership = ownership_of(*owner, mode);
             fixmap_header(out, 1 + usize::from(ownership.is_some()));
             str(out, "type");
             str(out, "AllBlocksCleared");

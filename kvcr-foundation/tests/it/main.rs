@@ -13,4 +13,6 @@ mod endpoints;
 mod frames;
 mod hints;
 mod keys;
+#[cfg(feature = "runner")]
+mod publisher;
 mod tiers;

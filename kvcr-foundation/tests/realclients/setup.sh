@@ -14,7 +14,7 @@ dir="${KVCR_REALCLIENTS_DIR:-$root/target/realclients}"
 venv="$dir/venv"
 kv_events="$dir/vllm/kv_events.py"
 # sha256 of vllm-0.33.0's vllm/distributed/kv_events.py (20,229 bytes).
-kv_events_sha256="__SHA__"
+kv_events_sha256="82b362a0a7f89318d9127addfce254d537f5078a31aa87beb08493b0953895ee"
 py="$venv/bin/python"
 
 ready() {
