@@ -168,8 +168,7 @@ pub struct PublisherCore {
     ownership: OwnershipWire,
     incarnation: Incarnation,
     topic: Bytes,
-    /// Owners with a barrier sent in the current incarnation (Framework, Kvcr).
-    opened: [bool; 2],
+    opened: Opened,
     ledger: HashSet<LiveKey>,
     open: Option<OpenBatch>,
     sealed: VecDeque<Sealed>,
@@ -178,10 +177,26 @@ pub struct PublisherCore {
     stats: CoreStats,
 }
 
-fn owner_index(owner: Owner) -> usize {
-    match owner {
-        Owner::Framework => 0,
-        Owner::Kvcr => 1,
+/// Owners with a barrier sent in the current incarnation.
+#[derive(Debug, Clone, Copy, Default)]
+struct Opened {
+    framework: bool,
+    kvcr: bool,
+}
+
+impl Opened {
+    fn get(self, owner: Owner) -> bool {
+        match owner {
+            Owner::Framework => self.framework,
+            Owner::Kvcr => self.kvcr,
+        }
+    }
+
+    fn set(&mut self, owner: Owner, value: bool) {
+        match owner {
+            Owner::Framework => self.framework = value,
+            Owner::Kvcr => self.kvcr = value,
+        }
     }
 }
 
@@ -211,7 +226,7 @@ impl PublisherCore {
             ownership: OwnershipWire::Field,
             incarnation,
             topic: Bytes::from(parts.topic(incarnation)),
-            opened: [false; 2],
+            opened: Opened::default(),
             ledger: HashSet::new(),
             open: None,
             sealed: VecDeque::new(),
@@ -294,7 +309,7 @@ impl PublisherCore {
         }
         let mut any = false;
         for owner in OWNERS {
-            if self.opened[owner_index(owner)] {
+            if self.opened.get(owner) {
                 self.barrier(owner);
                 any = true;
             }
@@ -311,9 +326,9 @@ impl PublisherCore {
             return;
         }
         for owner in OWNERS {
-            if self.opened[owner_index(owner)] {
+            if self.opened.get(owner) {
                 self.barrier(owner);
-                self.opened[owner_index(owner)] = false;
+                self.opened.set(owner, false);
             }
         }
         self.closed = true;
@@ -368,14 +383,14 @@ impl PublisherCore {
         if incarnation != self.incarnation {
             // Close the old incarnation for every owner it opened, then switch.
             for o in OWNERS {
-                if self.opened[owner_index(o)] {
+                if self.opened.get(o) {
                     self.barrier(o);
                 }
             }
             self.seal();
             self.incarnation = incarnation;
             self.topic = Bytes::from(self.parts.topic(incarnation));
-            self.opened = [false; 2];
+            self.opened = Opened::default();
             self.ledger.clear();
         }
         self.barrier(owner);
@@ -385,7 +400,7 @@ impl PublisherCore {
     /// forgets its ledger entries.
     fn barrier(&mut self, owner: Owner) {
         self.ledger.retain(|k| k.owner != owner);
-        self.opened[owner_index(owner)] = true;
+        self.opened.set(owner, true);
         self.push_event(owner, WireEvent::Cleared { owner }, Meta::Cleared, 0, 0);
         self.stats.clears += 1;
     }
@@ -403,7 +418,7 @@ impl PublisherCore {
             self.stats.stored_rejected += 1;
             return;
         }
-        if !self.opened[owner_index(scope.owner)] {
+        if !self.opened.get(scope.owner) {
             self.barrier(scope.owner);
         }
         let bs = block_size as usize;

@@ -266,11 +266,8 @@ impl Driver {
     }
 
     fn drain_all(&mut self) {
-        loop {
-            match self.rx.try_recv() {
-                Ok(q) => self.handle(q),
-                Err(_) => break,
-            }
+        while let Ok(q) = self.rx.try_recv() {
+            self.handle(q);
         }
         self.trailing_loss();
     }

@@ -234,7 +234,7 @@ fn strict_decode(payload: &[u8]) -> String {
             other => panic!("unknown event type {other}"),
         };
         assert!(
-            allowed.iter().any(|a| *a == keys),
+            allowed.contains(&keys),
             "{ty} keys {keys:?} not in vLLM 0.33 order"
         );
         let mut parts = vec![ty.to_owned()];
@@ -425,7 +425,7 @@ fn pub_frames_are_topic_seq_payload_and_replay_serves_any_buffered_seq() {
             }
             assert_eq!(f[1], topic.as_bytes());
             let seq = u64::from_be_bytes(f[2].as_slice().try_into().unwrap());
-            if let Some(&(_, ref p)) = live.iter().find(|(s, _)| *s == seq) {
+            if let Some((_, p)) = live.iter().find(|(s, _)| *s == seq) {
                 assert_eq!(&f[3], p, "replayed payload equals the live one");
             }
             if seq == 0 {
@@ -731,9 +731,9 @@ fn vllm_own_classes_accept_our_bytes_and_live_stream() {
             (k > 1).then_some(k - 1),
             vec![k as u32; 4],
             4,
-            Some("lora-a").filter(|_| k % 2 == 0),
+            Some("lora-a").filter(|_| k.is_multiple_of(2)),
         ));
-        if k % 3 == 0 {
+        if k.is_multiple_of(3) {
             sink.publish(&removed(scope(Owner::Kvcr, 1, Medium::CpuPinned), &[k - 1]));
         }
         // Pace the publishing on the checker's progress, not on a sleep.
