@@ -1098,4 +1098,5 @@ fn dynamo_indexer_answers_exactly_what_kvcr_published() {
     assert_eq!(st1.queue_dropped + st2.queue_dropped, 0);
     assert_eq!(st1.replay_aborted + st2.replay_aborted, 0);
     assert!(st1.replay_requests >= 2, "{st1:?}");
+    let _ = std::fs::remove_file(&ix.log);
 }
