@@ -36,6 +36,8 @@ pub mod incarnation;
 pub mod key;
 pub mod protocol;
 #[cfg(feature = "runner")]
+pub mod publisher;
+#[cfg(feature = "runner")]
 pub mod runner;
 pub mod tier;
 #[cfg(feature = "runner")]

@@ -16,5 +16,7 @@ mod keys;
 #[cfg(feature = "runner")]
 mod peer;
 #[cfg(feature = "runner")]
+mod publisher;
+#[cfg(feature = "runner")]
 mod runner;
 mod tiers;
