@@ -97,16 +97,22 @@ fn cargo() -> Command {
 
 fn test(root: &Path) -> Result<()> {
     setup::ensure_system_packages()?;
+    setup::ensure_real_clients(root)?;
     run_tests(root)
 }
 
 fn run_tests(_root: &Path) -> Result<()> {
     // Snapshots are checked, never written, by the gate: a missing or changed
-    // snapshot fails instead of leaving a `.snap.new` behind.
+    // snapshot fails instead of leaving a `.snap.new` behind. The real-client
+    // tests (Dynamo's indexer in a loopback-only network namespace, vLLM's own
+    // wire classes) are required here: with their flags set, a missing client
+    // is a failure, not a skip.
     run(cargo()
         .args(["test", "--workspace", "--locked", "--all-targets"])
         .env("INSTA_UPDATE", "no")
-        .env("CI", "true"))?;
+        .env("CI", "true")
+        .env("KVCR_TEST_DYNAMO", "1")
+        .env("KVCR_TEST_VLLM_WIRE", "1"))?;
     // The contracts face (what a router links) must build on its own.
     run(cargo().args([
         "build",

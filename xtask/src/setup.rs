@@ -7,8 +7,18 @@ use anyhow::{Context, Result, bail};
 use crate::run;
 
 /// Debian packages the workspace needs: UCX headers and pkg-config to build the
-/// UCX binding, `ucx-utils` for `ucx_perftest` anchors.
-const APT_PACKAGES: &[&str] = &["pkg-config", "libucx-dev", "ucx-utils"];
+/// UCX binding, `ucx-utils` for `ucx_perftest` anchors, a C++ compiler for
+/// libzmq (built from source by zmq-sys), and Python with venv plus iproute2
+/// for the real-client tests (Dynamo's indexer, vLLM's wire classes).
+const APT_PACKAGES: &[&str] = &[
+    "pkg-config",
+    "libucx-dev",
+    "ucx-utils",
+    "g++",
+    "python3",
+    "python3-venv",
+    "iproute2",
+];
 
 fn is_installed(package: &str) -> bool {
     Command::new("dpkg-query")
@@ -65,6 +75,13 @@ pub(crate) fn ensure_system_packages() -> Result<()> {
         bail!("packages still missing after install: {still:?}");
     }
     Ok(())
+}
+
+/// Installs the real third-party clients the publisher tests run against
+/// (idempotent; a venv under `target/realclients`).
+pub(crate) fn ensure_real_clients(root: &std::path::Path) -> Result<()> {
+    run(Command::new("bash").arg(root.join("kvcr-foundation/tests/realclients/setup.sh")))
+        .context("installing the real-client test dependencies (needs PyPI)")
 }
 
 /// Installs a cargo subcommand at a pinned version if it is not on PATH.
