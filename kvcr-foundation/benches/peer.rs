@@ -1,0 +1,300 @@
+//! Peer-fetch benchmarks between two processes on loopback (this binary
+//! re-executes itself as the source), each beside `ucx_perftest` measured in
+//! the same run at the same size and transports.
+//!
+//! `cargo bench -p kvcr-foundation --bench peer [-- --quick]` (or `cargo xtask bench`).
+
+#![allow(clippy::disallowed_methods)] // a benchmark reads the clock and sleeps
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+#![allow(missing_docs, unsafe_code)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvcr_foundation::hint::FetchMode;
+use kvcr_foundation::protocol::ElementRef;
+use kvcr_foundation::runner::{DepositEntry, PeerOptions, RegionDesc, Runner, RunnerConfig};
+use kvcr_foundation::{
+    BlockKey, CompatDigest, ControlEndpoint, FetchHint, Namespace, RequestId, ScopedKey,
+};
+
+const CHILD: &str = "KVCR_BENCH_PEER_SOURCE";
+
+fn options(tls: &str) -> PeerOptions {
+    let mut o = PeerOptions::loopback();
+    o.ucx_tls = Some(tls.to_owned());
+    o
+}
+
+fn config(block: usize, blocks: u32) -> RunnerConfig {
+    RunnerConfig {
+        operation_timeout: Duration::from_secs(30),
+        ..RunnerConfig::single_pool("kv", block as u64, blocks)
+    }
+}
+
+/// The source process: holds `n` keys of `block` bytes, prints its endpoint,
+/// serves until stdin closes.
+fn source(spec: &str) {
+    let mut parts = spec.split(':');
+    let tls = parts.next().unwrap().replace('+', ",");
+    let block: usize = parts.next().unwrap().parse().unwrap();
+    let n: u64 = parts.next().unwrap().parse().unwrap();
+    let mut runner =
+        Runner::start_with_peers(config(block, n as u32), None, &options(&tls)).unwrap();
+    let ns = runner.register_namespace(Namespace::base(CompatDigest(9)));
+    let mut host = vec![0u8; block * n as usize];
+    for (i, b) in host.iter_mut().enumerate() {
+        *b = (i >> 7) as u8;
+    }
+    // SAFETY: `host` outlives the runner (dropped after it, below).
+    let region = unsafe {
+        runner.register_region(RegionDesc {
+            label: "kv".into(),
+            base: host.as_mut_ptr() as u64,
+            size: block as u64,
+            stride: 0,
+            count: n,
+        })
+    }
+    .unwrap();
+    let entries = (0..n)
+        .map(|k| DepositEntry {
+            key: ScopedKey {
+                namespace: ns,
+                key: BlockKey::from_u64(k),
+            },
+            spans: vec![ElementRef { region, index: k }],
+            page: None,
+        })
+        .collect();
+    let op = runner.deposit(entries, false).unwrap();
+    while !runner
+        .wait_completed(Duration::from_secs(1))
+        .iter()
+        .any(|r| r.op == op)
+    {}
+    println!("{}", runner.endpoint().unwrap());
+    std::io::stdout().flush().unwrap();
+    let mut line = String::new();
+    let _ = std::io::stdin().read_line(&mut line);
+    drop(runner);
+    drop(host);
+}
+
+struct Source {
+    child: std::process::Child,
+    endpoint: ControlEndpoint,
+}
+
+impl Source {
+    fn start(tls: &str, block: usize, n: u64) -> Self {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .env(CHILD, format!("{}:{block}:{n}", tls.replace(',', "+")))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        Self {
+            child,
+            endpoint: line.trim().parse().unwrap(),
+        }
+    }
+}
+
+impl Drop for Source {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+/// Fetches keys `keys` from the source; returns seconds.
+fn fetch(
+    target: &mut Runner,
+    source: &ControlEndpoint,
+    ns: kvcr_foundation::NamespaceId,
+    keys: std::ops::Range<u64>,
+    round: usize,
+) -> f64 {
+    let request = RequestId(format!("r{round}-{}", keys.start));
+    let scoped: Vec<ScopedKey> = keys
+        .clone()
+        .map(|k| ScopedKey {
+            namespace: ns,
+            key: BlockKey::from_u64(k),
+        })
+        .collect();
+    target.submit_hint(
+        request.clone(),
+        &FetchHint {
+            source: source.clone(),
+            block_hashes: scoped.iter().map(|k| k.key).collect(),
+            mode: FetchMode::Copy,
+            action_id: None,
+        },
+    );
+    let pool = target.pool("kv").unwrap();
+    let start = Instant::now();
+    let op = target.fetch_hinted(&request, &scoped, &[pool]).unwrap();
+    let result = loop {
+        if let Some(r) = target
+            .wait_completed(Duration::from_secs(5))
+            .into_iter()
+            .find(|r| r.op == op)
+        {
+            break r;
+        }
+    };
+    let secs = start.elapsed().as_secs_f64();
+    let handles: Vec<_> = result
+        .entries
+        .iter()
+        .filter_map(|(_, e)| e.release)
+        .collect();
+    assert_eq!(handles.len(), scoped.len(), "not every key was fetched");
+    target.release(&handles);
+    target.discard_hint(&request);
+    secs
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Bandwidth (GB/s) of `n` fetches of `keys` keys of `block` bytes.
+fn bandwidth(tls: &str, block: usize, keys: u64, reps: usize) -> f64 {
+    let source = Source::start(tls, block, keys * reps as u64);
+    let mut target =
+        Runner::start_with_peers(config(block, keys as u32), None, &options(tls)).unwrap();
+    let ns = target.register_namespace(Namespace::base(CompatDigest(9)));
+    // Warm up the route (metadata, endpoint, rkeys) on a key outside the measurement.
+    fetch(&mut target, &source.endpoint, ns, 0..1, usize::MAX);
+    let samples: Vec<f64> = (0..reps)
+        .map(|r| {
+            let first = r as u64 * keys;
+            let secs = fetch(&mut target, &source.endpoint, ns, first..first + keys, r);
+            (block as u64 * keys) as f64 / secs / 1e9
+        })
+        .collect();
+    median(samples)
+}
+
+fn one_block_p50(tls: &str, block: usize, iters: usize) -> (f64, f64) {
+    let source = Source::start(tls, block, iters as u64 + 1);
+    let mut target = Runner::start_with_peers(config(block, 64), None, &options(tls)).unwrap();
+    let ns = target.register_namespace(Namespace::base(CompatDigest(9)));
+    fetch(&mut target, &source.endpoint, ns, 0..1, usize::MAX);
+    let mut samples: Vec<f64> = (1..=iters as u64)
+        .map(|k| fetch(&mut target, &source.endpoint, ns, k..k + 1, 0) * 1e6)
+        .collect();
+    samples.sort_by(f64::total_cmp);
+    (
+        samples[samples.len() / 2],
+        samples[(samples.len() * 99) / 100],
+    )
+}
+
+/// `ucx_perftest` put bandwidth (GB/s) at `size` between two processes.
+fn perftest(tls: &str, size: usize, iters: usize, extra: &[&str]) -> Option<f64> {
+    static PORT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+    let port = 15_000
+        + (std::process::id() % 2000) as u16
+        + PORT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut server = Command::new("ucx_perftest")
+        .args(["-p", &port.to_string()])
+        .env("UCX_TLS", tls)
+        .env("UCX_NET_DEVICES", "lo")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    std::thread::sleep(Duration::from_millis(500));
+    let out = Command::new("timeout")
+        .args([
+            "120",
+            "ucx_perftest",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "-t",
+            "ucp_put_bw",
+            "-s",
+            &size.to_string(),
+            "-n",
+            &iters.to_string(),
+            "-w",
+            &(iters / 10).max(2).to_string(),
+        ])
+        .args(extra)
+        .env("UCX_TLS", tls)
+        .env("UCX_NET_DEVICES", "lo")
+        .output()
+        .ok()?;
+    let _ = server.kill();
+    let _ = server.wait();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.starts_with("Final:"))?;
+    let overall_mbs: f64 = line.split_whitespace().nth(6)?.parse().ok()?;
+    Some(overall_mbs / 1e3)
+}
+
+fn line(name: &str, value: f64, unit: &str, anchor: Option<f64>) {
+    match anchor {
+        Some(a) => println!(
+            "BENCH {name} value={value:.3} unit={unit} anchor={a:.3} ratio={:.3}",
+            value / a
+        ),
+        None => println!("BENCH {name} value={value:.3} unit={unit}"),
+    }
+}
+
+fn main() {
+    if let Ok(spec) = std::env::var(CHILD) {
+        source(&spec);
+        return;
+    }
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("peer bench: run with `cargo bench` or `cargo xtask bench`");
+        return;
+    }
+    let quick = std::env::args().any(|a| a == "--quick");
+    let reps = if quick { 3 } else { 7 };
+    const SHM: &str = "posix,cma,self";
+    const TCP: &str = "tcp,self";
+    const MIB16: usize = 16 << 20;
+
+    let shm16 = bandwidth(SHM, MIB16, 8, reps);
+    line(
+        "peer.fetch_16mib_shm",
+        shm16,
+        "GB/s",
+        perftest("posix,cma", MIB16, 200, &[]),
+    );
+    let shm256 = bandwidth(SHM, 256 << 10, 512, reps);
+    line("peer.fetch_256kib_shm", shm256, "GB/s", Some(0.88));
+    println!(
+        "# peer.fetch_256kib_shm anchor is the reference Python runner's 0.88 GB/s peer fetch (peer-baselines.md), not measured here"
+    );
+    let (p50, p99) = one_block_p50(SHM, 256 << 10, if quick { 100 } else { 500 });
+    line("peer.one_block_p50", p50, "us", None);
+    println!("# peer.one_block p99={p99:.0}us (reference runner: 4,350 us one-block hinted fetch)");
+    let tcp16 = bandwidth(TCP, MIB16, 4, reps.min(3));
+    line(
+        "peer.fetch_16mib_tcp",
+        tcp16,
+        "GB/s",
+        perftest("tcp", MIB16, 60, &["-O", "1"]),
+    );
+}
