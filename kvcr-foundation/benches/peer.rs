@@ -271,23 +271,24 @@ fn main() {
     }
     let quick = std::env::args().any(|a| a == "--quick");
     let reps = if quick { 3 } else { 7 };
-    const SHM: &str = "posix,cma,self";
+    let shm_tls = std::env::var("KVCR_BENCH_SHM_TLS").unwrap_or_else(|_| "posix,cma,self".to_owned());
+    let shm_tls = shm_tls.as_str();
     const TCP: &str = "tcp,self";
     const MIB16: usize = 16 << 20;
 
-    let shm16 = bandwidth(SHM, MIB16, 8, reps);
+    let shm16 = bandwidth(shm_tls, MIB16, 8, reps);
     line(
         "peer.fetch_16mib_shm",
         shm16,
         "GB/s",
         perftest("posix,cma", MIB16, 200, &[]),
     );
-    let shm256 = bandwidth(SHM, 256 << 10, 512, reps);
+    let shm256 = bandwidth(shm_tls, 256 << 10, 512, reps);
     line("peer.fetch_256kib_shm", shm256, "GB/s", Some(0.88));
     println!(
         "# peer.fetch_256kib_shm anchor is the reference Python runner's 0.88 GB/s peer fetch (peer-baselines.md), not measured here"
     );
-    let (p50, p99) = one_block_p50(SHM, 256 << 10, if quick { 100 } else { 500 });
+    let (p50, p99) = one_block_p50(shm_tls, 256 << 10, if quick { 100 } else { 500 });
     line("peer.one_block_p50", p50, "us", None);
     println!("# peer.one_block p99={p99:.0}us (reference runner: 4,350 us one-block hinted fetch)");
     let tcp16 = bandwidth(TCP, MIB16, 4, reps.min(3));

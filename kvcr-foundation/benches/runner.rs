@@ -19,8 +19,9 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvcr_foundation::protocol::{ElementRef, OpHandle};
+use kvcr_foundation::publisher::{PubSocket, Publisher, PublisherConfig, TopicParts};
 use kvcr_foundation::runner::{
-    DeliverEntry, DepositEntry, QueryStatus, RegionDesc, Runner, RunnerConfig,
+    DeliverEntry, DepositEntry, PageInfo, QueryStatus, RegionDesc, Runner, RunnerConfig,
 };
 use kvcr_foundation::{BlockKey, CompatDigest, Namespace, NamespaceId, ScopedKey};
 
@@ -310,6 +311,59 @@ fn queries(quick: bool) {
     );
 }
 
+/// Deposit throughput (GB/s) of 512 × 256 KiB pages with real tokens, with
+/// or without a publisher sink attached (PUB bound on loopback, no subscriber:
+/// publishing must never slow the runner down).
+fn deposit_rate(publish: bool, reps: usize) -> f64 {
+    const BLOCK: usize = 256 << 10;
+    const N: usize = 512;
+    let mut s = setup(BLOCK, N as u32, N);
+    let publisher = publish.then(|| {
+        let config = PublisherConfig::new(
+            TopicParts { worker_id: 1, dp_rank: 0 },
+            s.runner.incarnation(),
+            PubSocket::Bind(kvcr_foundation::BindAddress::parse("tcp://127.0.0.1:0").unwrap()),
+        );
+        let publisher = Publisher::start(config).unwrap();
+        s.runner.set_inventory_sink(Box::new(publisher.sink()));
+        publisher
+    });
+    let mut samples = Vec::new();
+    for rep in 0..reps {
+        let base = (rep * N) as u64;
+        let entries: Vec<DepositEntry> = (0..N)
+            .map(|p| DepositEntry {
+                key: key(s.ns, base + p as u64),
+                spans: vec![ElementRef { region: s.src_region, index: p as u64 }],
+                page: Some(PageInfo {
+                    parent: (p > 0).then(|| BlockKey::from_u64(base + p as u64 - 1)),
+                    token_ids: (0..64).map(|t| (p * 64 + t) as u32).collect(),
+                }),
+            })
+            .collect();
+        let start = Instant::now();
+        let op = s.runner.deposit(entries, false).unwrap();
+        wait(&mut s.runner, op);
+        samples.push((BLOCK * N) as f64 / start.elapsed().as_secs_f64() / 1e9);
+    }
+    drop(publisher);
+    median(samples)
+}
+
+fn publishing_overhead(quick: bool) {
+    let reps = if quick { 9 } else { 25 };
+    // Interleave to share the machine's noise between the two.
+    let mut with = Vec::new();
+    let mut without = Vec::new();
+    for _ in 0..3 {
+        without.push(deposit_rate(false, reps));
+        with.push(deposit_rate(true, reps));
+    }
+    let (with, without) = (median(with), median(without));
+    bench("publisher.deposit_overhead", with / without, "x", None);
+    println!("# deposit with publishing {with:.2} GB/s, without {without:.2} GB/s");
+}
+
 fn main() {
     // `cargo test --all-targets` runs bench binaries without `--bench`: build
     // check only, no timing in tests.
@@ -320,5 +374,6 @@ fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     throughput(quick);
     one_block_latency(quick);
+    publishing_overhead(quick);
     queries(quick);
 }

@@ -18,9 +18,28 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
     }
     crate::setup::ensure_system_packages()?;
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    // Only the bench targets (library targets would get libtest's bench
+    // harness, which does not know our flags).
+    let metadata = cargo_metadata::MetadataCommand::new()
+        .manifest_path(root.join("Cargo.toml"))
+        .no_deps()
+        .exec()
+        .context("cargo metadata")?;
     let mut cmd = Command::new(cargo);
-    cmd.current_dir(root)
-        .args(["bench", "--workspace", "--locked", "--benches", "--"]);
+    cmd.current_dir(root).args(["bench", "--locked"]);
+    let mut any = false;
+    for package in metadata.workspace_packages() {
+        for target in &package.targets {
+            if target.kind.iter().any(|k| k.to_string() == "bench") {
+                cmd.args(["-p", package.name.as_str(), "--bench", target.name.as_str()]);
+                any = true;
+            }
+        }
+    }
+    if !any {
+        bail!("no benchmarks found");
+    }
+    cmd.arg("--");
     if quick {
         cmd.arg("--quick");
     }
