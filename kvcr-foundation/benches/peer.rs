@@ -271,7 +271,8 @@ fn main() {
     }
     let quick = std::env::args().any(|a| a == "--quick");
     let reps = if quick { 3 } else { 7 };
-    let shm_tls = std::env::var("KVCR_BENCH_SHM_TLS").unwrap_or_else(|_| "posix,cma,self".to_owned());
+    let shm_tls =
+        std::env::var("KVCR_BENCH_SHM_TLS").unwrap_or_else(|_| "posix,cma,self".to_owned());
     let shm_tls = shm_tls.as_str();
     const TCP: &str = "tcp,self";
     const MIB16: usize = 16 << 20;

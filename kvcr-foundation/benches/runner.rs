@@ -320,7 +320,10 @@ fn deposit_rate(publish: bool, reps: usize) -> f64 {
     let mut s = setup(BLOCK, N as u32, N);
     let publisher = publish.then(|| {
         let config = PublisherConfig::new(
-            TopicParts { worker_id: 1, dp_rank: 0 },
+            TopicParts {
+                worker_id: 1,
+                dp_rank: 0,
+            },
             s.runner.incarnation(),
             PubSocket::Bind(kvcr_foundation::BindAddress::parse("tcp://127.0.0.1:0").unwrap()),
         );
@@ -334,7 +337,10 @@ fn deposit_rate(publish: bool, reps: usize) -> f64 {
         let entries: Vec<DepositEntry> = (0..N)
             .map(|p| DepositEntry {
                 key: key(s.ns, base + p as u64),
-                spans: vec![ElementRef { region: s.src_region, index: p as u64 }],
+                spans: vec![ElementRef {
+                    region: s.src_region,
+                    index: p as u64,
+                }],
                 page: Some(PageInfo {
                     parent: (p > 0).then(|| BlockKey::from_u64(base + p as u64 - 1)),
                     token_ids: (0..64).map(|t| (p * 64 + t) as u32).collect(),

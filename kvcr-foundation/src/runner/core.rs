@@ -1362,26 +1362,35 @@ impl Core {
     /// Frees a record's slots and the record itself; publishes `Removed` if it
     /// was READY (so exactly once per stored residency).
     fn remove_record(&mut self, idx: u32, site: &'static str) {
-        let Some(r) = self.record(idx) else { return };
-        let was_ready = r.state == Residency::Ready;
-        let key = r.key;
-        let layout = r.layout;
+        if let Some(stored) = self.free_record(idx, site) {
+            self.publish_removed(&[stored]);
+        }
+    }
+
+    /// Returns a record's slots to their pools and frees the record. Returns
+    /// its key if it was READY (stored), so the caller publishes `Removed`
+    /// exactly once (alone, or batched with other victims).
+    fn free_record(&mut self, idx: u32, site: &'static str) -> Option<ScopedKey> {
+        let r = self.record(idx)?;
+        let stored = (r.state == Residency::Ready).then_some(r.key);
+        let layout = r.layout as usize;
         let slots = self.slot_vec(idx);
         self.many_slots.remove(&idx);
         self.filling.remove(&idx);
         self.dequeue(idx);
         self.transition(idx, Residency::Vacant, site);
-        if let Some(pools) = self.layouts.get(layout as usize).cloned() {
-            for (pool, slot) in pools.iter().zip(slots) {
-                if let Some(p) = self.pools.get_mut(pool.0 as usize) {
-                    p.free.push_back(slot);
-                }
+        for (i, slot) in slots.into_iter().enumerate() {
+            let pool = self
+                .layouts
+                .get(layout)
+                .and_then(|l| l.get(i))
+                .map(|p| p.0 as usize);
+            if let Some(p) = pool.and_then(|p| self.pools.get_mut(p)) {
+                p.free.push_back(slot);
             }
         }
         self.free_records.push(idx);
-        if was_ready {
-            self.publish_removed(&[key]);
-        }
+        stored
     }
 
     fn record_bytes(&self, idx: u32) -> u64 {
@@ -1688,11 +1697,7 @@ impl Core {
             }
             let mut removed = Vec::with_capacity(victims.len());
             for idx in victims {
-                if let Some(r) = self.record(idx) {
-                    removed.push(r.key);
-                }
-                self.dequeue(idx);
-                self.evict_quietly(idx);
+                removed.extend(self.free_record(idx, "evict"));
                 self.counters.evictions += 1;
             }
             // One Removed event per namespace for the whole batch.
@@ -1735,23 +1740,6 @@ impl Core {
                     .map(|(_, _, i)| *i)
             }
         }
-    }
-
-    /// Frees a READY record without publishing (the caller batches `Removed`).
-    fn evict_quietly(&mut self, idx: u32) {
-        let Some(r) = self.record(idx) else { return };
-        let layout = r.layout;
-        let slots = self.slot_vec(idx);
-        self.many_slots.remove(&idx);
-        self.transition(idx, Residency::Vacant, "evict");
-        if let Some(pools) = self.layouts.get(layout as usize).cloned() {
-            for (pool, slot) in pools.iter().zip(slots) {
-                if let Some(p) = self.pools.get_mut(pool.0 as usize) {
-                    p.free.push_back(slot);
-                }
-            }
-        }
-        self.free_records.push(idx);
     }
 
     // ------------------------------------------------------------ events

@@ -380,6 +380,30 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Shares `core`; its clock starts now.
+    fn new(
+        core: Core,
+        jobs: Sender<copy::Msg>,
+        peer_tx: Option<tokio::sync::mpsc::UnboundedSender<peer_driver::PeerCmd>>,
+    ) -> Arc<Self> {
+        #[allow(clippy::disallowed_methods)]
+        let epoch = Instant::now();
+        Arc::new(Self {
+            inner: Mutex::new(Inner {
+                core,
+                sink: None,
+                capacity_needed: None,
+                completed: Vec::new(),
+                jobs,
+                cancels: HashMap::new(),
+                peer_tx,
+            }),
+            completed_cv: Condvar::new(),
+            completed_len: AtomicUsize::new(0),
+            epoch,
+        })
+    }
+
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // A panic while holding the lock can only come from a bug in the core;
         // its state is still structurally valid, so keep serving.
@@ -606,23 +630,8 @@ impl Runner {
         .map_err(|e| fail(StartupStage::BuildCore, e))?;
         injected(StartupStage::BuildCore)?;
 
-        #[allow(clippy::disallowed_methods)]
-        let epoch = Instant::now();
         let (jobs_tx, jobs_rx) = mpsc::channel::<copy::Msg>();
-        let shared = Arc::new(Shared {
-            inner: Mutex::new(Inner {
-                core,
-                sink: None,
-                capacity_needed: None,
-                completed: Vec::new(),
-                jobs: jobs_tx.clone(),
-                cancels: HashMap::new(),
-                peer_tx: None,
-            }),
-            completed_cv: Condvar::new(),
-            completed_len: AtomicUsize::new(0),
-            epoch,
-        });
+        let shared = Shared::new(core, jobs_tx.clone(), None);
         let copy = copy::CopyEngine::start(Arc::downgrade(&shared), jobs_tx, jobs_rx)
             .map_err(|e| fail(StartupStage::StartCopyEngine, e))?;
         let pool_bytes = pools.iter().map(DramPool::len).sum();
@@ -708,23 +717,8 @@ impl Runner {
             abandon_timeout_ns: abandon_ns,
             metadata_retry_ns: 100_000_000,
         });
-        #[allow(clippy::disallowed_methods)]
-        let epoch = Instant::now();
         let (jobs_tx, jobs_rx) = mpsc::channel::<copy::Msg>();
-        let shared = Arc::new(Shared {
-            inner: Mutex::new(Inner {
-                core,
-                sink: None,
-                capacity_needed: None,
-                completed: Vec::new(),
-                jobs: jobs_tx.clone(),
-                cancels: HashMap::new(),
-                peer_tx: Some(driver.tx.clone()),
-            }),
-            completed_cv: Condvar::new(),
-            completed_len: AtomicUsize::new(0),
-            epoch,
-        });
+        let shared = Shared::new(core, jobs_tx.clone(), Some(driver.tx.clone()));
         let copy = copy::CopyEngine::start(Arc::downgrade(&shared), jobs_tx, jobs_rx)
             .map_err(|e| fail(StartupStage::StartCopyEngine.name(), e))?;
         driver.attach(Arc::clone(&shared));
