@@ -501,3 +501,70 @@ fn fault_free_fetch_restores_the_hinted_keys() {
     assert_eq!(sim.target.peer_counters().keys_received, 4);
     assert_eq!(sim.source.peer_counters().keys_sent, 4);
 }
+
+/// A `start_write` that waited in the source's socket while the source was
+/// stopped is refused, even when the first turn after the stop handles the
+/// message before its tick: a stalled source never serves a queued request
+/// with a fresh deadline.
+#[test]
+fn a_request_queued_during_a_stall_is_refused() {
+    use crate::protocol::{Body, WriteOutcome};
+    let mut sim = Sim::new(11);
+    sim.drop_percent = 0;
+    let keys: Vec<ScopedKey> = (0..2).map(|k| sim.key(k)).collect();
+    let request = RequestId("r".into());
+    let hint = FetchHint {
+        source: endpoint(2),
+        block_hashes: keys.iter().map(|k| k.key).collect(),
+        mode: FetchMode::Copy,
+        action_id: None,
+    };
+    sim.target.submit_hint(0, request.clone(), &hint);
+    sim.target
+        .fetch(0, &keys, &[PoolId(0)], Some(&request))
+        .unwrap();
+    sim.deliver_actions(true);
+    // Metadata and its ack go round at time 0, the source ticking on each
+    // turn, until the start_write is on its way.
+    let mut stale = None;
+    for _ in 0..16 {
+        let Some((&k, _)) = sim.network.iter().next() else {
+            break;
+        };
+        let (to, message) = sim.network.remove(&k).unwrap();
+        if to == endpoint(1) {
+            sim.target.handle_message(0, message);
+        } else if matches!(message.body, Body::StartWrite { .. }) {
+            stale = Some(message);
+            break;
+        } else {
+            sim.source.handle_tick(0);
+            sim.source.handle_message(0, message);
+        }
+        sim.deliver_actions(true);
+        sim.deliver_actions(false);
+    }
+    let stale = stale.expect("the target sent its start_write");
+    let refused = sim.source.peer_counters().refused;
+    // The process was stopped for a whole operation timeout; the message is
+    // handled before the first tick after it.
+    sim.source.handle_message(TIMEOUT, stale);
+    assert_eq!(sim.source.peer_counters().refused, refused + 1);
+    let mut replied = false;
+    while let Some(action) = sim.source.poll_action() {
+        match action {
+            Action::Put { .. } => panic!("a request queued during a stall was written"),
+            Action::Send { message, .. } => {
+                replied |= matches!(
+                    message.body,
+                    Body::WriteDone {
+                        outcome: WriteOutcome::Failed { terminal: true },
+                        ..
+                    }
+                );
+            }
+            _ => {}
+        }
+    }
+    assert!(replied, "the refusal is a terminal failure");
+}

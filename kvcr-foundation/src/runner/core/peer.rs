@@ -455,6 +455,10 @@ impl Core {
         if self.peer.is_none() {
             return;
         }
+        // A message is handled on a driver turn: measure the stall first, so a
+        // request that queued up while this process was stopped is refused
+        // rather than served with a fresh deadline.
+        self.latch_stall(now);
         let Message { header, body } = message;
         match body {
             Body::TargetMetadata {
@@ -1055,17 +1059,24 @@ impl Core {
     /// timeout between turns means this process was stalled (stopped,
     /// starved); such a source refuses new writes until restart.
     pub(crate) fn handle_tick(&mut self, now: u64) {
-        let timeout = self.operation_timeout_ns;
+        self.latch_stall(now);
         if let Some(peer) = self.peer.as_mut() {
-            if peer
-                .last_tick
-                .is_some_and(|t| now.saturating_sub(t) >= timeout)
-            {
-                peer.stalled = true;
-            }
             peer.last_tick = Some(now);
         }
         self.handle_peer_timeout(now);
+    }
+
+    /// Latches `stalled` when a whole operation timeout has passed since the
+    /// last driver turn (the tick or a message may come first after a stop).
+    fn latch_stall(&mut self, now: u64) {
+        let timeout = self.operation_timeout_ns;
+        if let Some(peer) = self.peer.as_mut()
+            && peer
+                .last_tick
+                .is_some_and(|t| now.saturating_sub(t) >= timeout)
+        {
+            peer.stalled = true;
+        }
     }
 
     /// The earliest peer deadline.
