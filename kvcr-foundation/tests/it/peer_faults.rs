@@ -474,23 +474,24 @@ fn two_process_deliveries(#[case] tls: &str) {
 
 // ------------------------------------------------------------ kill / stop
 
-/// The source is SIGKILLed while a 252 MiB write (63 × 4 MiB over tcp) is in
+/// The source is SIGKILLed while a 188 MiB write (47 × 4 MiB over tcp) is in
 /// flight. The caller fails with `Timeout` at the operation deadline (before
 /// the abandonment deadline); at the abandonment deadline the memory is
-/// quarantined with one `Uncertain` notice and never reused: a restarted
-/// source at the same address is a new incarnation whose writes land only in
-/// the free slots (the rest of the request fails `CapacityExhausted`), with
-/// its own bytes, and nothing it says frees the old operation's slots.
+/// quarantined with one `Uncertain` notice and never reused: its keys are not
+/// handed out nor re-filled while held, and a restarted source at the same
+/// address is a new incarnation whose writes land only in the free slots
+/// (the rest of its request fails `CapacityExhausted`), with its own bytes,
+/// and nothing it says frees the old operation's slots.
 #[test]
 fn source_killed_mid_transfer() {
     const BLOCK: usize = 4 << 20;
-    const SLOTS: u32 = 80;
+    const SLOTS: u32 = 64;
     let tls = "tcp,self";
     let spec = Spec {
         tls: tls.into(),
         port: 0,
         block: BLOCK,
-        keys: 64,
+        keys: 48,
         seed: 11,
         timeout_ms: 300,
     };
@@ -509,7 +510,7 @@ fn source_killed_mid_transfer() {
 
     old.command("arm");
     old.expect("ARMED");
-    let big: Vec<u64> = (1..64).collect();
+    let big: Vec<u64> = (1..48).collect();
     let request = RequestId("big".into());
     target.runner.submit_hint(request.clone(), &hint(&from, &big));
     let scoped: Vec<ScopedKey> = big.iter().map(|k| key(target.ns, *k)).collect();
@@ -550,17 +551,27 @@ fn source_killed_mid_transfer() {
     let plain = target.runner.fetch(&scoped[..1], &[pool]).unwrap();
     assert!(!wait(&mut target.runner, plain).entries[0].1.is_success());
 
-    // A new process at the same address, with other bytes for the same keys.
+    // A new process at the same address, with other bytes for the same keys
+    // and more keys.
     let mut new = ChildSource::spawn(&Spec {
         port: from.port(),
+        keys: 80,
         seed: 12,
         ..spec
     });
     assert_eq!(new.endpoint, from, "restarted at the same address");
     assert_ne!(new.incarnation, old.incarnation, "a new incarnation");
-    // 16 free slots and the warm-up page (evictable): 17 keys can land.
-    let result = target.fetch("after", &from, &big);
-    let landed = target.check_and_release(&result, &big, 12);
+    // Keys whose slots are quarantined are not re-filled while held.
+    let held: Vec<u64> = (1..5).collect();
+    let result = target.fetch("held", &from, &held);
+    assert_eq!(
+        statuses(&result),
+        vec![EntryStatus::Failed(FailReason::NoSource); held.len()]
+    );
+    // 16 free slots and the warm-up page (evictable): 17 of 32 keys land.
+    let fresh: Vec<u64> = (48..80).collect();
+    let result = target.fetch("after", &from, &fresh);
+    let landed = target.check_and_release(&result, &fresh, 12);
     assert_eq!(landed, 17, "{:?}", statuses(&result));
     assert!(
         statuses(&result)[17..]
@@ -573,6 +584,7 @@ fn source_killed_mid_transfer() {
     assert_eq!(sent, 17, "the new incarnation wrote only its own operation");
     let stats = target.runner.stats();
     assert_eq!(stats.discarding, big.len(), "still held without proof");
+    assert_eq!(target.runner.peer_stats().0.quarantined, 1);
     assert!(
         !target
             .notices()

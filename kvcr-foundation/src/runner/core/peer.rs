@@ -405,10 +405,15 @@ impl Core {
             .peer
             .as_ref()
             .map_or(timeout, |p| p.config.abandon_timeout_ns);
+        // Only an acknowledged incarnation is named: after an expiry or a
+        // refusal the peer is invalidated and the write waits for a fresh ack,
+        // so a process restarted at the same address is asked by its own
+        // incarnation (and a dead one's silence frees the never-sent fills).
         let source_incarnation = self
             .peer
             .as_ref()
             .and_then(|p| p.sources.get(&source))
+            .filter(|s| s.acked)
             .and_then(|s| s.incarnation);
         let namespace = op_keys.first().map_or(NamespaceId(0), |k| k.namespace);
         let remaining_ms = u32::try_from(timeout / 1_000_000)
