@@ -501,3 +501,156 @@ fn fault_free_fetch_restores_the_hinted_keys() {
     assert_eq!(sim.target.peer_counters().keys_received, 4);
     assert_eq!(sim.source.peer_counters().keys_sent, 4);
 }
+
+/// A `start_write` that waited in the source's socket while the source was
+/// stopped is refused, even when the first turn after the stop handles the
+/// message before its tick: a stalled source never serves a queued request
+/// with a fresh deadline.
+#[test]
+fn a_request_queued_during_a_stall_is_refused() {
+    use crate::protocol::{Body, WriteOutcome};
+    let mut sim = Sim::new(11);
+    sim.drop_percent = 0;
+    let keys: Vec<ScopedKey> = (0..2).map(|k| sim.key(k)).collect();
+    let request = RequestId("r".into());
+    let hint = FetchHint {
+        source: endpoint(2),
+        block_hashes: keys.iter().map(|k| k.key).collect(),
+        mode: FetchMode::Copy,
+        action_id: None,
+    };
+    sim.target.submit_hint(0, request.clone(), &hint);
+    sim.target
+        .fetch(0, &keys, &[PoolId(0)], Some(&request))
+        .unwrap();
+    sim.deliver_actions(true);
+    // Metadata and its ack go round at time 0, the source ticking on each
+    // turn, until the start_write is on its way.
+    let mut stale = None;
+    for _ in 0..16 {
+        let Some((&k, _)) = sim.network.iter().next() else {
+            break;
+        };
+        let (to, message) = sim.network.remove(&k).unwrap();
+        if to == endpoint(1) {
+            sim.target.handle_message(0, message);
+        } else if matches!(message.body, Body::StartWrite { .. }) {
+            stale = Some(message);
+            break;
+        } else {
+            sim.source.handle_tick(0);
+            sim.source.handle_message(0, message);
+        }
+        sim.deliver_actions(true);
+        sim.deliver_actions(false);
+    }
+    let stale = stale.expect("the target sent its start_write");
+    let refused = sim.source.peer_counters().refused;
+    // The process was stopped for a whole operation timeout; the message is
+    // handled before the first tick after it.
+    sim.source.handle_message(TIMEOUT, stale);
+    assert_eq!(sim.source.peer_counters().refused, refused + 1);
+    let mut replied = false;
+    while let Some(action) = sim.source.poll_action() {
+        match action {
+            Action::Put { .. } => panic!("a request queued during a stall was written"),
+            Action::Send { message, .. } => {
+                replied |= matches!(
+                    message.body,
+                    Body::WriteDone {
+                        outcome: WriteOutcome::Failed { terminal: true },
+                        ..
+                    }
+                );
+            }
+            _ => {}
+        }
+    }
+    assert!(replied, "the refusal is a terminal failure");
+}
+
+/// After an operation expires (the source may have died), the next write
+/// waits for a fresh metadata ack instead of naming the cached incarnation:
+/// a process restarted at the same address is asked by its own incarnation,
+/// and the old one never receives it.
+#[test]
+fn a_write_after_an_expiry_waits_for_a_fresh_ack() {
+    use crate::protocol::Body;
+    let mut sim = Sim::new(13);
+    sim.drop_percent = 0;
+    let old = Incarnation::from_raw(sim.source_incarnation).unwrap();
+    let fetch = |sim: &mut Sim, keys: Vec<ScopedKey>, now: u64, name: &str| {
+        let request = RequestId(name.into());
+        let hint = FetchHint {
+            source: endpoint(2),
+            block_hashes: keys.iter().map(|k| k.key).collect(),
+            mode: FetchMode::Copy,
+            action_id: None,
+        };
+        sim.target.submit_hint(now, request.clone(), &hint);
+        sim.target
+            .fetch(now, &keys, &[PoolId(0)], Some(&request))
+            .unwrap();
+        sim.deliver_actions(true);
+    };
+    // Metadata, ack and a start_write naming the old incarnation.
+    let k0 = sim.key(0);
+    fetch(&mut sim, vec![k0], 0, "a");
+    let mut named = Vec::new();
+    for _ in 0..16 {
+        let Some((&k, _)) = sim.network.iter().next() else {
+            break;
+        };
+        let (to, message) = sim.network.remove(&k).unwrap();
+        if let Body::StartWrite {
+            source_incarnation, ..
+        } = &message.body
+        {
+            named.push(*source_incarnation);
+            continue; // the source dies before it reads it
+        }
+        if to == endpoint(1) {
+            sim.target.handle_message(0, message);
+        } else {
+            sim.source.handle_message(0, message);
+        }
+        sim.deliver_actions(true);
+        sim.deliver_actions(false);
+    }
+    named.dedup();
+    assert_eq!(named, vec![Some(old)]);
+    // The op expires; a new process takes the address.
+    sim.target.handle_tick(TIMEOUT);
+    sim.target.handle_timeout(TIMEOUT);
+    sim.network.clear();
+    sim.source_incarnation += 0x1000;
+    let (source, _) = new_core(SOURCE_POOL, 2, sim.source_incarnation);
+    sim.source = source;
+    sim.stock_source();
+    let new = Incarnation::from_raw(sim.source_incarnation).unwrap();
+    let k1 = sim.key(1);
+    fetch(&mut sim, vec![k1], TIMEOUT + 1, "b");
+    let mut named = Vec::new();
+    for _ in 0..16 {
+        let Some((&k, _)) = sim.network.iter().next() else {
+            break;
+        };
+        let (to, message) = sim.network.remove(&k).unwrap();
+        if let Body::StartWrite {
+            source_incarnation, ..
+        } = &message.body
+        {
+            named.push(*source_incarnation);
+        }
+        if to == endpoint(1) {
+            sim.target.handle_message(TIMEOUT + 1, message);
+        } else {
+            sim.source.handle_message(TIMEOUT + 1, message);
+        }
+        sim.deliver_actions(true);
+        sim.deliver_actions(false);
+    }
+    named.dedup(); // the simulated network may duplicate a message
+    assert_eq!(named, vec![Some(new)], "only the new incarnation is asked");
+    assert_eq!(sim.source.peer_counters().refused, 0);
+}

@@ -16,6 +16,8 @@ mod keys;
 #[cfg(feature = "runner")]
 mod peer;
 #[cfg(feature = "runner")]
+mod peer_faults;
+#[cfg(feature = "runner")]
 mod publisher;
 #[cfg(feature = "runner")]
 mod runner;

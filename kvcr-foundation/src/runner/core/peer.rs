@@ -405,10 +405,15 @@ impl Core {
             .peer
             .as_ref()
             .map_or(timeout, |p| p.config.abandon_timeout_ns);
+        // Only an acknowledged incarnation is named: after an expiry or a
+        // refusal the peer is invalidated and the write waits for a fresh ack,
+        // so a process restarted at the same address is asked by its own
+        // incarnation (and a dead one's silence frees the never-sent fills).
         let source_incarnation = self
             .peer
             .as_ref()
             .and_then(|p| p.sources.get(&source))
+            .filter(|s| s.acked)
             .and_then(|s| s.incarnation);
         let namespace = op_keys.first().map_or(NamespaceId(0), |k| k.namespace);
         let remaining_ms = u32::try_from(timeout / 1_000_000)
@@ -455,6 +460,10 @@ impl Core {
         if self.peer.is_none() {
             return;
         }
+        // A message is handled on a driver turn: measure the stall first, so a
+        // request that queued up while this process was stopped is refused
+        // rather than served with a fresh deadline.
+        self.latch_stall(now);
         let Message { header, body } = message;
         match body {
             Body::TargetMetadata {
@@ -1055,17 +1064,24 @@ impl Core {
     /// timeout between turns means this process was stalled (stopped,
     /// starved); such a source refuses new writes until restart.
     pub(crate) fn handle_tick(&mut self, now: u64) {
-        let timeout = self.operation_timeout_ns;
+        self.latch_stall(now);
         if let Some(peer) = self.peer.as_mut() {
-            if peer
-                .last_tick
-                .is_some_and(|t| now.saturating_sub(t) >= timeout)
-            {
-                peer.stalled = true;
-            }
             peer.last_tick = Some(now);
         }
         self.handle_peer_timeout(now);
+    }
+
+    /// Latches `stalled` when a whole operation timeout has passed since the
+    /// last driver turn (the tick or a message may come first after a stop).
+    fn latch_stall(&mut self, now: u64) {
+        let timeout = self.operation_timeout_ns;
+        if let Some(peer) = self.peer.as_mut()
+            && peer
+                .last_tick
+                .is_some_and(|t| now.saturating_sub(t) >= timeout)
+        {
+            peer.stalled = true;
+        }
     }
 
     /// The earliest peer deadline.

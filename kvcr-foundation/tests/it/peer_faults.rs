@@ -1,0 +1,1208 @@
+//! Peer faults between real runners in two processes (real UCX over shared
+//! memory and tcp, real TCP control channels, loopback only), and hostile
+//! control frames against a live runner.
+//!
+//! The second process is this test binary itself, re-executed with
+//! `KVCR_PEER_CHILD=<spec>` on the one test [`source_process`]: it starts a
+//! source runner, deposits keys, prints its endpoint and serves until its
+//! stdin closes. The parent signals it with `kill(2)` (SIGKILL, SIGSTOP,
+//! SIGCONT); a guard kills it whatever happens to the test.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use kvcr_foundation::hint::FetchMode;
+use kvcr_foundation::protocol::codec::FrameCodec;
+use kvcr_foundation::protocol::{
+    Body, CompletedIndices, ElementRef, Header, Message, OpHandle, RegionAdvert, RegionId,
+    RouteGeneration, WriteOutcome,
+};
+use kvcr_foundation::runner::{
+    DepositEntry, EntryStatus, FailReason, OpResult, PeerNotice, PeerOptions, QueryStatus,
+    RegionDesc, Runner, RunnerConfig,
+};
+use kvcr_foundation::ucx::{AnonOptions, Context, ContextConfig, Registration, Worker};
+use kvcr_foundation::{
+    BlockKey, CompatDigest, ControlEndpoint, FetchHint, Incarnation, Namespace, NamespaceId,
+    RequestId, ScopedKey,
+};
+use rstest::rstest;
+
+const CHILD_ENV: &str = "KVCR_PEER_CHILD";
+const CHILD_TEST: &str = "peer_faults::source_process";
+/// Prefix of the child's protocol lines on stdout (the test harness prints
+/// its own lines there too).
+const TAG: &str = "KVCR-CHILD";
+/// Hard bound on any single wait in these tests.
+const BOUND: Duration = Duration::from_secs(20);
+
+// ------------------------------------------------------------------ bytes
+
+/// The bytes of `key` for `seed`: an 8 KiB pseudo-random tile repeated, with
+/// every 8 KiB chunk stamped with its position, so a misplaced, stale or
+/// partial page never matches. Cheap enough for hundreds of MiB in debug.
+fn page_bytes(seed: u64, key: u64, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    fill_page(&mut out, seed, key);
+    out
+}
+
+fn fill_page(out: &mut [u8], seed: u64, key: u64) {
+    const TILE: usize = 8 << 10;
+    let mut x = (seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ key.wrapping_mul(0x2545_f491)) | 1;
+    let mut tile = [0u8; TILE];
+    for chunk in tile.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes());
+    }
+    for (i, chunk) in out.chunks_mut(TILE).enumerate() {
+        let n = chunk.len();
+        chunk.copy_from_slice(&tile[..n]);
+        let stamp = (seed << 48) ^ (key << 24) ^ i as u64;
+        let m = n.min(8);
+        chunk[..m].copy_from_slice(&stamp.to_le_bytes()[..m]);
+    }
+}
+
+// ------------------------------------------------------------------ common
+
+fn namespace() -> Namespace {
+    Namespace::base(CompatDigest(42))
+}
+
+fn key(ns: NamespaceId, k: u64) -> ScopedKey {
+    ScopedKey {
+        namespace: ns,
+        key: BlockKey::from_u64(k),
+    }
+}
+
+fn wait(runner: &mut Runner, op: OpHandle) -> OpResult {
+    #[allow(clippy::disallowed_methods)] // a bound on the wait, not a threshold
+    let start = Instant::now();
+    while start.elapsed() < BOUND {
+        for result in runner.wait_completed(Duration::from_millis(50)) {
+            if result.op == op {
+                return result;
+            }
+        }
+    }
+    panic!("operation {op:?} did not complete within {BOUND:?}");
+}
+
+/// Polls `f` until it returns `Some` (there is no event to wait on for
+/// notices and counters), failing after [`BOUND`].
+fn poll_until<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    #[allow(clippy::disallowed_methods)] // a bound on the wait, not a threshold
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(start.elapsed() < BOUND, "timed out waiting for {what}");
+        #[allow(clippy::disallowed_methods)] // polling an observable with no event
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn hint(source: &ControlEndpoint, keys: &[u64]) -> FetchHint {
+    FetchHint {
+        source: source.clone(),
+        block_hashes: keys.iter().map(|k| BlockKey::from_u64(*k)).collect(),
+        mode: FetchMode::Copy,
+        action_id: None,
+    }
+}
+
+/// A destination runner (KVCR DRAM only: it fetches into its pool).
+struct Target {
+    runner: Runner,
+    ns: NamespaceId,
+    block: usize,
+}
+
+impl Target {
+    fn start(tls: &str, block: usize, blocks: u32, timeout: Duration, abandon: Duration) -> Self {
+        let mut options = PeerOptions::loopback();
+        options.ucx_tls = Some(tls.to_owned());
+        options.abandon_timeout = Some(abandon);
+        let config = RunnerConfig {
+            operation_timeout: timeout,
+            ..RunnerConfig::single_pool("kv", block as u64, blocks)
+        };
+        let mut runner = Runner::start_with_peers(config, None, &options).unwrap();
+        let ns = runner.register_namespace(namespace());
+        Self { runner, ns, block }
+    }
+
+    /// Submits a hint for `keys` naming `source`, fetches them, and waits.
+    fn fetch(&mut self, request: &str, source: &ControlEndpoint, keys: &[u64]) -> OpResult {
+        let request = RequestId(request.into());
+        self.runner
+            .submit_hint(request.clone(), &hint(source, keys));
+        let scoped: Vec<ScopedKey> = keys.iter().map(|k| key(self.ns, *k)).collect();
+        let pool = self.runner.pool("kv").unwrap();
+        let op = self
+            .runner
+            .fetch_hinted(&request, &scoped, &[pool])
+            .unwrap();
+        let result = wait(&mut self.runner, op);
+        self.runner.discard_hint(&request);
+        result
+    }
+
+    /// Checks every successful entry's bytes against `seed`, releases its
+    /// claim, and returns how many succeeded.
+    fn check_and_release(&mut self, result: &OpResult, keys: &[u64], seed: u64) -> usize {
+        let mut ok = 0;
+        for ((_, entry), k) in result.entries.iter().zip(keys) {
+            if let Some(handle) = entry.release.filter(|_| entry.is_success()) {
+                let bytes = self.runner.read_claimed(handle, 0).unwrap();
+                assert!(
+                    bytes == page_bytes(seed, *k, self.block),
+                    "key {k}: restored bytes differ from the source's (seed {seed})"
+                );
+                assert_eq!(self.runner.release(&[handle]), vec![true]);
+                ok += 1;
+            }
+        }
+        ok
+    }
+
+    fn notices(&mut self) -> Vec<PeerNotice> {
+        self.runner.take_notices()
+    }
+
+    fn free_slots(&self) -> u32 {
+        self.runner.stats().pools[0].free_slots
+    }
+}
+
+fn statuses(result: &OpResult) -> Vec<EntryStatus> {
+    result.entries.iter().map(|(_, e)| e.status).collect()
+}
+
+// ------------------------------------------------------------ child process
+
+/// What the child source runs.
+#[derive(Debug, Clone)]
+struct Spec {
+    tls: String,
+    port: u16,
+    block: usize,
+    keys: u64,
+    seed: u64,
+    timeout_ms: u64,
+}
+
+impl Spec {
+    fn encode(&self) -> String {
+        format!(
+            "{};{};{};{};{};{}",
+            self.tls, self.port, self.block, self.keys, self.seed, self.timeout_ms
+        )
+    }
+
+    fn decode(s: &str) -> Self {
+        let f: Vec<&str> = s.split(';').collect();
+        assert_eq!(f.len(), 6, "bad {CHILD_ENV}: {s}");
+        Self {
+            tls: f[0].to_owned(),
+            port: f[1].parse().unwrap(),
+            block: f[2].parse().unwrap(),
+            keys: f[3].parse().unwrap(),
+            seed: f[4].parse().unwrap(),
+            timeout_ms: f[5].parse().unwrap(),
+        }
+    }
+}
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{TAG} {line}").unwrap();
+    out.flush().unwrap();
+}
+
+/// The child's entry point (returns at once in a normal test run).
+///
+/// Commands on stdin, one per line: `stats` → `STATS <keys_sent> <refused>`;
+/// `arm` → `ARMED`, after which the first write seen in progress (a READY page
+/// claimed for a put) prints `WRITING`. EOF ends it.
+#[test]
+fn source_process() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let spec = Spec::decode(&spec);
+    let keys = u32::try_from(spec.keys).unwrap();
+    let mut host = vec![0u8; spec.block * spec.keys as usize];
+    for (k, page) in host.chunks_mut(spec.block).enumerate() {
+        fill_page(page, spec.seed, k as u64);
+    }
+    let mut options = PeerOptions::loopback();
+    options.ucx_tls = Some(spec.tls.clone());
+    options.bind.port = spec.port;
+    let config = RunnerConfig {
+        operation_timeout: Duration::from_millis(spec.timeout_ms),
+        ..RunnerConfig::single_pool("kv", spec.block as u64, keys)
+    };
+    let mut runner = Runner::start_with_peers(config, None, &options).unwrap();
+    let ns = runner.register_namespace(namespace());
+    // SAFETY: (test) `host` outlives the runner (the runner is dropped first,
+    // below) and is not touched while the deposit runs.
+    let region = unsafe {
+        runner.register_region(RegionDesc {
+            label: "kv".into(),
+            base: host.as_mut_ptr() as u64,
+            size: spec.block as u64,
+            stride: 0,
+            count: spec.keys,
+        })
+    }
+    .unwrap();
+    let entries = (0..spec.keys)
+        .map(|k| DepositEntry {
+            key: key(ns, k),
+            spans: vec![ElementRef { region, index: k }],
+            page: None,
+        })
+        .collect();
+    let op = runner.deposit(entries, false).unwrap();
+    assert!(
+        wait(&mut runner, op)
+            .entries
+            .iter()
+            .all(|(_, e)| e.is_success())
+    );
+    say(&format!(
+        "READY {} {}",
+        runner.endpoint().unwrap(),
+        runner.incarnation()
+    ));
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut armed = false;
+    loop {
+        match rx.recv_timeout(Duration::from_millis(1)) {
+            Ok(cmd) if cmd == "stats" => {
+                let (c, _) = runner.peer_stats();
+                say(&format!("STATS {} {}", c.keys_sent, c.refused));
+            }
+            Ok(cmd) if cmd == "arm" => {
+                armed = true;
+                say("ARMED");
+            }
+            Ok(cmd) => panic!("unknown command {cmd:?}"),
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+        if armed && runner.stats().pools[0].evictable_slots < keys {
+            say("WRITING");
+            armed = false;
+        }
+    }
+    drop(runner);
+    drop(host);
+}
+
+/// A child source process; killed (and reaped) on drop.
+struct ChildSource {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
+    endpoint: ControlEndpoint,
+    incarnation: String,
+}
+
+impl ChildSource {
+    fn spawn(spec: &Spec) -> Self {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", CHILD_TEST, "--nocapture", "--test-threads=1"])
+            .env(CHILD_ENV, spec.encode())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let stdin = child.stdin.take();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                // The harness may print `test <name> ... ` on the same line.
+                if let Some(at) = line.find(TAG)
+                    && tx.send(line[at + TAG.len()..].trim().to_owned()).is_err()
+                {
+                    break;
+                }
+            }
+        });
+        let mut this = Self {
+            child,
+            stdin,
+            lines,
+            endpoint: ControlEndpoint::parse("tcp://127.0.0.1:1").unwrap(),
+            incarnation: String::new(),
+        };
+        let ready = this.expect("READY");
+        let mut parts = ready.split_whitespace();
+        this.endpoint = ControlEndpoint::parse(parts.next().unwrap()).unwrap();
+        this.incarnation = parts.next().unwrap().to_owned();
+        this
+    }
+
+    /// The next line starting with `word` (its rest), within [`BOUND`].
+    fn expect(&self, word: &str) -> String {
+        #[allow(clippy::disallowed_methods)] // a bound on the wait, not a threshold
+        let start = Instant::now();
+        loop {
+            let left = BOUND.saturating_sub(start.elapsed());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    if let Some(rest) = line.strip_prefix(word) {
+                        return rest.trim().to_owned();
+                    }
+                }
+                Err(e) => panic!("child source: no {word} line ({e:?})"),
+            }
+        }
+    }
+
+    fn command(&mut self, cmd: &str) {
+        let stdin = self.stdin.as_mut().unwrap();
+        writeln!(stdin, "{cmd}").unwrap();
+        stdin.flush().unwrap();
+    }
+
+    /// `(keys_sent, refused)` of the child's runner.
+    fn stats(&mut self) -> (u64, u64) {
+        self.command("stats");
+        let line = self.expect("STATS");
+        let mut parts = line.split_whitespace().map(|p| p.parse::<u64>().unwrap());
+        (parts.next().unwrap(), parts.next().unwrap())
+    }
+
+    fn signal(&self, signal: libc::c_int) {
+        let pid = libc::pid_t::try_from(self.child.id()).unwrap();
+        // SAFETY: kill(2) on our own child's pid; no memory is involved.
+        #[allow(unsafe_code)]
+        let rc = unsafe { libc::kill(pid, signal) };
+        assert_eq!(rc, 0, "kill({pid}, {signal}) failed");
+    }
+
+    /// SIGKILL and reap: the process is gone when this returns.
+    fn kill_and_reap(&mut self) {
+        self.signal(libc::SIGKILL);
+        let status = self.child.wait().unwrap();
+        assert!(!status.success(), "the source was killed");
+    }
+}
+
+impl Drop for ChildSource {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// ------------------------------------------------------------ deliveries
+
+/// Full, partial and empty deliveries from a source in another process over
+/// shared memory and tcp: every restored byte equals the source's, keys it
+/// lacks fail `NoSource`, and both sides count exactly the keys that moved.
+#[rstest]
+#[case::shm("posix,cma,self")]
+#[case::tcp("tcp,self")]
+fn two_process_deliveries(#[case] tls: &str) {
+    const BLOCK: usize = 256 << 10;
+    let mut source = ChildSource::spawn(&Spec {
+        tls: tls.into(),
+        port: 0,
+        block: BLOCK,
+        keys: 6,
+        seed: 7,
+        timeout_ms: 5000,
+    });
+    let mut target = Target::start(
+        tls,
+        BLOCK,
+        16,
+        Duration::from_secs(5),
+        Duration::from_secs(10),
+    );
+    let from = source.endpoint.clone();
+
+    let full: Vec<u64> = (0..4).collect();
+    let result = target.fetch("full", &from, &full);
+    assert_eq!(statuses(&result), vec![EntryStatus::Success; 4]);
+    assert_eq!(target.check_and_release(&result, &full, 7), 4);
+
+    // The source holds 0..6: 4 and 5 land, 6 and 7 are missing.
+    let partial: Vec<u64> = (4..8).collect();
+    let result = target.fetch("partial", &from, &partial);
+    assert_eq!(
+        statuses(&result),
+        vec![
+            EntryStatus::Success,
+            EntryStatus::Success,
+            EntryStatus::Failed(FailReason::NoSource),
+            EntryStatus::Failed(FailReason::NoSource),
+        ]
+    );
+    assert_eq!(target.check_and_release(&result, &partial, 7), 2);
+
+    let empty = [100, 101];
+    let result = target.fetch("empty", &from, &empty);
+    assert_eq!(
+        statuses(&result),
+        vec![EntryStatus::Failed(FailReason::NoSource); 2]
+    );
+
+    assert_eq!(target.runner.peer_stats().0.keys_received, 6);
+    assert_eq!(source.stats(), (6, 0), "(keys sent, refused) at the source");
+    assert!(target.notices().is_empty());
+    target.runner.check_invariants().unwrap();
+}
+
+// ------------------------------------------------------------ kill / stop
+
+/// The source is SIGKILLed while a 188 MiB write (47 × 4 MiB over tcp) is in
+/// flight. The caller fails with `Timeout` at the operation deadline (before
+/// the abandonment deadline); at the abandonment deadline the memory is
+/// quarantined with one `Uncertain` notice and never reused: its keys are not
+/// handed out nor re-filled while held, and a restarted source at the same
+/// address is a new incarnation whose writes land only in the free slots
+/// (the rest of its request fails `CapacityExhausted`), with its own bytes,
+/// and nothing it says frees the old operation's slots.
+#[test]
+fn source_killed_mid_transfer() {
+    const BLOCK: usize = 4 << 20;
+    const SLOTS: u32 = 64;
+    let tls = "tcp,self";
+    let spec = Spec {
+        tls: tls.into(),
+        port: 0,
+        block: BLOCK,
+        keys: 48,
+        seed: 11,
+        timeout_ms: 300,
+    };
+    let mut old = ChildSource::spawn(&spec);
+    let mut target = Target::start(
+        tls,
+        BLOCK,
+        SLOTS,
+        Duration::from_millis(300),
+        Duration::from_secs(1),
+    );
+    let from = old.endpoint.clone();
+    // Warm up: the metadata exchange is done and the incarnation known.
+    let warm = target.fetch("warm", &from, &[0]);
+    assert_eq!(target.check_and_release(&warm, &[0], 11), 1);
+
+    old.command("arm");
+    old.expect("ARMED");
+    let big: Vec<u64> = (1..48).collect();
+    let request = RequestId("big".into());
+    target
+        .runner
+        .submit_hint(request.clone(), &hint(&from, &big));
+    let scoped: Vec<ScopedKey> = big.iter().map(|k| key(target.ns, *k)).collect();
+    let pool = target.runner.pool("kv").unwrap();
+    let op = target
+        .runner
+        .fetch_hinted(&request, &scoped, &[pool])
+        .unwrap();
+    old.expect("WRITING");
+    old.kill_and_reap();
+
+    let result = wait(&mut target.runner, op);
+    assert_eq!(
+        statuses(&result),
+        vec![EntryStatus::Failed(FailReason::Timeout); big.len()],
+        "the caller fails by the operation deadline (the write was in flight)"
+    );
+    assert!(
+        target.notices().is_empty(),
+        "the caller failed before the abandonment deadline"
+    );
+    let notices = poll_until("the uncertain notice", || {
+        let n = target.notices();
+        (!n.is_empty()).then_some(n)
+    });
+    assert!(
+        matches!(notices.as_slice(), [PeerNotice::Uncertain { .. }]),
+        "{notices:?}"
+    );
+    let stats = target.runner.stats();
+    assert_eq!(stats.discarding, big.len(), "the fills are held");
+    assert_eq!(stats.pools[0].free_slots, SLOTS - 1 - big.len() as u32);
+    assert_eq!(target.runner.peer_stats().0.quarantined, 1);
+    for k in &big {
+        assert_ne!(target.runner.query(&key(target.ns, *k)), QueryStatus::Hit);
+    }
+    // A plain fetch never hands out a quarantined page.
+    let plain = target.runner.fetch(&scoped[..1], &[pool]).unwrap();
+    assert!(!wait(&mut target.runner, plain).entries[0].1.is_success());
+
+    // A new process at the same address, with other bytes for the same keys
+    // and more keys.
+    let mut new = ChildSource::spawn(&Spec {
+        port: from.port(),
+        keys: 80,
+        seed: 12,
+        ..spec
+    });
+    assert_eq!(new.endpoint, from, "restarted at the same address");
+    assert_ne!(new.incarnation, old.incarnation, "a new incarnation");
+    // Keys whose slots are quarantined are not re-filled while held.
+    let held: Vec<u64> = (1..5).collect();
+    let result = target.fetch("held", &from, &held);
+    assert_eq!(
+        statuses(&result),
+        vec![EntryStatus::Failed(FailReason::NoSource); held.len()]
+    );
+    // 16 free slots and the warm-up page (evictable): 17 of 32 keys land.
+    let fresh: Vec<u64> = (48..80).collect();
+    let result = target.fetch("after", &from, &fresh);
+    let landed = target.check_and_release(&result, &fresh, 12);
+    assert_eq!(landed, 17, "{:?}", statuses(&result));
+    assert!(
+        statuses(&result)[17..]
+            .iter()
+            .all(|s| *s == EntryStatus::Failed(FailReason::CapacityExhausted)),
+        "quarantined slots are never reused: {:?}",
+        statuses(&result)
+    );
+    let (sent, _) = new.stats();
+    assert_eq!(sent, 17, "the new incarnation wrote only its own operation");
+    let stats = target.runner.stats();
+    assert_eq!(stats.discarding, big.len(), "still held without proof");
+    assert_eq!(target.runner.peer_stats().0.quarantined, 1);
+    assert!(
+        !target
+            .notices()
+            .iter()
+            .any(|n| matches!(n, PeerNotice::Quiesced { .. })),
+        "nothing the new incarnation says frees the old operation"
+    );
+    target.runner.check_invariants().unwrap();
+}
+
+/// The source is SIGSTOPped after the metadata exchange, so a `start_write`
+/// waits in its socket. The caller fails with `Timeout`; the memory is
+/// quarantined (`Uncertain`); after SIGCONT the source, having stalled,
+/// refuses the stale write (it never writes it), which is the terminal proof
+/// that frees the slots (`Quiesced`); and it refuses new writes until restart.
+#[rstest]
+#[case::shm("posix,cma,self")]
+#[case::tcp("tcp,self")]
+fn source_stopped_before_answering(#[case] tls: &str) {
+    const BLOCK: usize = 64 << 10;
+    const SLOTS: u32 = 16;
+    let mut source = ChildSource::spawn(&Spec {
+        tls: tls.into(),
+        port: 0,
+        block: BLOCK,
+        keys: 8,
+        seed: 21,
+        timeout_ms: 300,
+    });
+    let mut target = Target::start(
+        tls,
+        BLOCK,
+        SLOTS,
+        Duration::from_millis(300),
+        Duration::from_secs(1),
+    );
+    let from = source.endpoint.clone();
+    let warm = target.fetch("warm", &from, &[0]);
+    assert_eq!(target.check_and_release(&warm, &[0], 21), 1);
+    assert_eq!(source.stats(), (1, 0));
+
+    source.signal(libc::SIGSTOP);
+    let keys: Vec<u64> = (1..5).collect();
+    let result = target.fetch("stopped", &from, &keys);
+    assert_eq!(
+        statuses(&result),
+        vec![EntryStatus::Failed(FailReason::Timeout); keys.len()]
+    );
+    let notices = poll_until("the uncertain notice", || {
+        let n = target.notices();
+        (!n.is_empty()).then_some(n)
+    });
+    let [PeerNotice::Uncertain { op }] = notices.as_slice() else {
+        panic!("{notices:?}");
+    };
+    let op = *op;
+    assert_eq!(target.runner.stats().discarding, keys.len());
+    assert_eq!(target.free_slots(), SLOTS - 1 - keys.len() as u32);
+    for k in &keys {
+        assert_ne!(target.runner.query(&key(target.ns, *k)), QueryStatus::Hit);
+    }
+
+    source.signal(libc::SIGCONT);
+    let notices = poll_until("the quiesced notice", || {
+        let n = target.notices();
+        (!n.is_empty()).then_some(n)
+    });
+    assert_eq!(notices, vec![PeerNotice::Quiesced { op }]);
+    assert_eq!(target.runner.stats().discarding, 0, "freed after proof");
+    assert_eq!(target.free_slots(), SLOTS - 1);
+    let (sent, refused) = source.stats();
+    assert_eq!(sent, 1, "the stale write was never written");
+    assert!(refused >= 1, "the stale write was refused");
+
+    // A stalled source refuses new writes until it restarts.
+    let result = target.fetch("after", &from, &keys);
+    assert_eq!(
+        statuses(&result),
+        vec![EntryStatus::Failed(FailReason::NoSource); keys.len()]
+    );
+    assert_eq!(source.stats().0, 1);
+    assert_eq!(target.free_slots(), SLOTS - 1, "refused fills are freed");
+    target.runner.check_invariants().unwrap();
+}
+
+// ------------------------------------------------------------ hostile frames
+
+/// A raw control connection: the no-secret handshake, then frames.
+struct RawConn {
+    stream: TcpStream,
+    codec: FrameCodec,
+}
+
+impl RawConn {
+    fn dial(to: &ControlEndpoint) -> Self {
+        let mut stream = TcpStream::connect(("127.0.0.1", to.port())).unwrap();
+        stream.set_read_timeout(Some(BOUND)).unwrap();
+        let mut hello = b"KVCRC1".to_vec();
+        hello.push(0);
+        hello.extend_from_slice(&[7u8; 16]);
+        stream.write_all(&hello).unwrap();
+        let mut ok = [0u8; 1];
+        stream.read_exact(&mut ok).unwrap();
+        assert_eq!(ok, [1], "handshake accepted");
+        Self {
+            stream,
+            codec: FrameCodec::default(),
+        }
+    }
+
+    fn send(&mut self, message: &Message) {
+        let bytes = self.codec.encode_to_vec(message).unwrap();
+        self.stream.write_all(&bytes).unwrap();
+    }
+
+    fn send_raw(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).unwrap();
+    }
+
+    /// Whether the runner closed the connection (EOF or reset) within the bound.
+    fn closed_by_peer(&mut self) -> bool {
+        let mut buf = [0u8; 64];
+        matches!(self.stream.read(&mut buf), Ok(0) | Err(_))
+    }
+}
+
+/// Accepts the runner's replies (it dials the endpoint our frames name) and
+/// forwards every decoded message.
+fn reply_listener() -> (ControlEndpoint, mpsc::Receiver<Message>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                let mut hello = [0u8; 6 + 1 + 16];
+                if stream.read_exact(&mut hello).is_err() || &hello[..6] != b"KVCRC1" {
+                    return;
+                }
+                if stream.write_all(&[1]).is_err() {
+                    return;
+                }
+                let codec = FrameCodec::default();
+                let mut buf = BytesMut::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    while let Ok(Some(message)) = codec.decode(&mut buf) {
+                        if tx.send(message).is_err() {
+                            return;
+                        }
+                    }
+                    match stream.read(&mut chunk) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+            });
+        }
+    });
+    (
+        ControlEndpoint::parse(&format!("tcp://127.0.0.1:{port}")).unwrap(),
+        rx,
+    )
+}
+
+/// A fake destination: its own UCX context, worker and one registration of
+/// `ELEMENTS` blocks, of which it advertises only the first `GRANTED`; the
+/// others are guards that must never be written.
+struct FakeTarget {
+    registration: Registration<'static>,
+    worker: Worker,
+    /// A second context: its rkey is foreign to `worker`'s context.
+    foreign: Registration<'static>,
+    _foreign_context: Context,
+    _context: Context,
+}
+
+const HOSTILE_BLOCK: usize = 64 << 10;
+const ELEMENTS: usize = 6;
+const GRANTED: u64 = 4;
+const GUARD: u8 = 0xEE;
+
+impl FakeTarget {
+    fn new(tls: &str) -> Self {
+        let config = ContextConfig::new().loopback_tls(tls);
+        let context = Context::with_config(&config).unwrap();
+        let worker = context.create_worker().unwrap();
+        let registration = context
+            .register_anon(HOSTILE_BLOCK * ELEMENTS, AnonOptions::new())
+            .unwrap();
+        registration
+            .fill(0, HOSTILE_BLOCK * ELEMENTS, GUARD)
+            .unwrap();
+        let foreign_context = Context::with_config(&config).unwrap();
+        let foreign = foreign_context
+            .register_anon(HOSTILE_BLOCK * ELEMENTS, AnonOptions::new())
+            .unwrap();
+        Self {
+            registration,
+            worker,
+            foreign,
+            _foreign_context: foreign_context,
+            _context: context,
+        }
+    }
+
+    fn advert(&self, id: u32, count: u64, element_size: u64, foreign_rkey: bool) -> RegionAdvert {
+        let rkey = if foreign_rkey {
+            self.foreign.pack_rkey().unwrap()
+        } else {
+            self.registration.pack_rkey().unwrap()
+        };
+        RegionAdvert {
+            id: RegionId(id),
+            label: format!("fake-{id}"),
+            base: self.registration.as_ptr() as u64,
+            element_size,
+            stride: HOSTILE_BLOCK as u64,
+            count,
+            rkey: rkey.as_bytes().to_vec(),
+        }
+    }
+
+    fn metadata(&self, regions: Vec<RegionAdvert>) -> Body {
+        Body::TargetMetadata {
+            worker_address: self.worker.address().unwrap().as_bytes().to_vec(),
+            regions,
+        }
+    }
+
+    fn element(&self, index: usize) -> Vec<u8> {
+        let mut out = vec![0u8; HOSTILE_BLOCK];
+        self.registration
+            .read(index * HOSTILE_BLOCK, &mut out)
+            .unwrap();
+        out
+    }
+
+    fn untouched(&self, index: usize) -> bool {
+        self.element(index).iter().all(|b| *b == GUARD)
+    }
+
+    /// The next message, progressing the worker meanwhile (on tcp the
+    /// destination's worker applies the source's puts).
+    fn next(&self, rx: &mpsc::Receiver<Message>) -> Message {
+        #[allow(clippy::disallowed_methods)] // a bound on the wait, not a threshold
+        let start = Instant::now();
+        loop {
+            while self.worker.progress() > 0 {}
+            match rx.recv_timeout(Duration::from_millis(1)) {
+                Ok(message) => return message,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    assert!(start.elapsed() < BOUND, "no reply from the runner");
+                }
+                Err(e) => panic!("reply listener: {e:?}"),
+            }
+        }
+    }
+
+    /// The reply for `op` (skipping others), progressing meanwhile.
+    fn reply_for(&self, rx: &mpsc::Receiver<Message>, op: u64) -> Body {
+        loop {
+            let message = self.next(rx);
+            match &message.body {
+                Body::WriteDone { op_handle, .. } | Body::WriteRefused { op_handle }
+                    if op_handle.0 == op =>
+                {
+                    return message.body;
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+fn start_write(
+    op: u64,
+    source: Option<Incarnation>,
+    ns: NamespaceId,
+    keys: &[u64],
+    destinations: Vec<Vec<ElementRef>>,
+) -> Body {
+    Body::StartWrite {
+        op_handle: OpHandle(op),
+        remaining_timeout_ms: 5000,
+        source_incarnation: source,
+        namespace: ns,
+        keys: keys.iter().map(|k| BlockKey::from_u64(*k)).collect(),
+        destinations,
+    }
+}
+
+fn el(region: u32, index: u64) -> Vec<ElementRef> {
+    vec![ElementRef {
+        region: RegionId(region),
+        index,
+    }]
+}
+
+/// Asserts a `write_done` with exactly `indices` completed.
+fn assert_completed(body: &Body, indices: &[u32]) {
+    let Body::WriteDone { outcome, .. } = body else {
+        panic!("expected write_done, got {body:?}");
+    };
+    assert_eq!(
+        outcome,
+        &WriteOutcome::Completed(CompletedIndices::new(indices.to_vec()))
+    );
+}
+
+fn assert_failed_terminal(body: &Body) {
+    assert!(
+        matches!(
+            body,
+            Body::WriteDone {
+                outcome: WriteOutcome::Failed { terminal: true },
+                ..
+            }
+        ),
+        "expected a terminal failure, got {body:?}"
+    );
+}
+
+/// Hostile and malformed control traffic against a live source runner:
+/// out-of-range elements, unknown regions, size mismatches, a lying region
+/// extent, a foreign rkey, wrong and missing incarnations, a stale op handle,
+/// unsolicited replies, and garbage, truncated and oversized frames. Every
+/// semantic refusal is counted in `refused`; no element outside what was
+/// granted (or at all, for a refused write) is ever written; malformed
+/// streams lose their connection; and the runner keeps serving, both the
+/// fake destination and a real one.
+#[rstest]
+#[case::shm("posix,cma,self")]
+#[case::tcp("tcp,self")]
+fn hostile_frames_are_refused(#[case] tls: &str) {
+    // The source: a real runner holding keys 0..4.
+    let mut options = PeerOptions::loopback();
+    options.ucx_tls = Some(tls.to_owned());
+    let config = RunnerConfig {
+        operation_timeout: Duration::from_secs(5),
+        ..RunnerConfig::single_pool("kv", HOSTILE_BLOCK as u64, 8)
+    };
+    let mut source = Runner::start_with_peers(config, None, &options).unwrap();
+    let ns = source.register_namespace(namespace());
+    let mut host = vec![0u8; HOSTILE_BLOCK * 4];
+    for (k, page) in host.chunks_mut(HOSTILE_BLOCK).enumerate() {
+        fill_page(page, 31, k as u64);
+    }
+    // SAFETY: (test) `host` outlives `source` (dropped explicitly first) and
+    // is not touched while the deposit runs.
+    let region = unsafe {
+        source.register_region(RegionDesc {
+            label: "kv".into(),
+            base: host.as_mut_ptr() as u64,
+            size: HOSTILE_BLOCK as u64,
+            stride: 0,
+            count: 4,
+        })
+    }
+    .unwrap();
+    let entries = (0..4)
+        .map(|k| DepositEntry {
+            key: key(ns, k),
+            spans: vec![ElementRef { region, index: k }],
+            page: None,
+        })
+        .collect();
+    let op = source.deposit(entries, false).unwrap();
+    assert!(
+        wait(&mut source, op)
+            .entries
+            .iter()
+            .all(|(_, e)| e.is_success())
+    );
+    let source_endpoint = source.endpoint().unwrap().clone();
+    let refused = |r: &Runner| r.peer_stats().0.refused;
+
+    let fake = FakeTarget::new(tls);
+    let (our_endpoint, replies) = reply_listener();
+    let our_incarnation = Incarnation::generate();
+    let header = |sender: Incarnation| Header {
+        sender,
+        route_generation: RouteGeneration(0),
+        sender_endpoint: our_endpoint.clone(),
+    };
+    let message = |body: Body| Message {
+        header: header(our_incarnation),
+        body,
+    };
+    let mut conn = RawConn::dial(&source_endpoint);
+
+    // Region 0: the granted elements; 1: the same memory with half the
+    // element size; 2: an extent that lies (16 elements over a registration
+    // of 6).
+    let regions = vec![
+        fake.advert(0, GRANTED, HOSTILE_BLOCK as u64, false),
+        fake.advert(1, GRANTED, HOSTILE_BLOCK as u64 / 2, false),
+        fake.advert(2, 16, HOSTILE_BLOCK as u64, false),
+    ];
+    conn.send(&message(fake.metadata(regions.clone())));
+    let ack = fake.next(&replies);
+    assert!(
+        matches!(ack.body, Body::TargetMetadataAck { .. }),
+        "{ack:?}"
+    );
+    let src_inc = ack.header.sender;
+    assert_eq!(src_inc, source.incarnation());
+    let before = refused(&source);
+
+    // Out-of-range indices (just past the grant, and far past it), an
+    // unknown region, a size mismatch: refused per element, nothing written.
+    conn.send(&message(start_write(
+        10,
+        Some(src_inc),
+        ns,
+        &[0, 1, 2, 3],
+        vec![el(0, GRANTED), el(0, u64::MAX), el(9, 0), el(1, 0)],
+    )));
+    assert_completed(&fake.reply_for(&replies, 10), &[]);
+    assert_eq!(refused(&source), before + 4);
+
+    // A start_write naming another source incarnation, or none.
+    conn.send(&message(start_write(
+        11,
+        Some(Incarnation::generate()),
+        ns,
+        &[0],
+        vec![el(0, 0)],
+    )));
+    assert_failed_terminal(&fake.reply_for(&replies, 11));
+    conn.send(&message(start_write(12, None, ns, &[0], vec![el(0, 0)])));
+    assert_failed_terminal(&fake.reply_for(&replies, 12));
+    assert_eq!(refused(&source), before + 6);
+
+    // A sender incarnation the source has no route for.
+    conn.send(&Message {
+        header: header(Incarnation::generate()),
+        body: start_write(13, Some(src_inc), ns, &[0], vec![el(0, 0)]),
+    });
+    assert!(matches!(
+        fake.reply_for(&replies, 13),
+        Body::WriteRefused { .. }
+    ));
+    assert_eq!(refused(&source), before + 7);
+
+    // An element inside the lying extent but outside the registration: the
+    // UCX layer's range check refuses the put; the write fails terminally.
+    conn.send(&message(start_write(
+        14,
+        Some(src_inc),
+        ns,
+        &[0],
+        vec![el(2, 10)],
+    )));
+    assert_failed_terminal(&fake.reply_for(&replies, 14));
+
+    // Replies nobody asked for: a write_done for an unknown op, an ack from a
+    // peer we never sent metadata to.
+    conn.send(&message(Body::WriteDone {
+        op_handle: OpHandle(999),
+        outcome: WriteOutcome::Completed(CompletedIndices::new(vec![0])),
+    }));
+    conn.send(&message(Body::TargetMetadataAck { op_handle: None }));
+    poll_until("the unsolicited replies to be refused", || {
+        (refused(&source) == before + 9).then_some(())
+    });
+
+    for i in 0..ELEMENTS {
+        assert!(fake.untouched(i), "element {i} was written");
+    }
+
+    // A granted write still works, and writes exactly what was granted.
+    conn.send(&message(start_write(
+        20,
+        Some(src_inc),
+        ns,
+        &[0, 1, 2],
+        vec![el(0, 0), el(0, 1), el(0, 2)],
+    )));
+    assert_completed(&fake.reply_for(&replies, 20), &[0, 1, 2]);
+    for k in 0..3 {
+        assert!(
+            fake.element(k) == page_bytes(31, k as u64, HOSTILE_BLOCK),
+            "element {k} holds the wrong bytes"
+        );
+    }
+    // A stale op handle (at or below the high-water mark) never writes.
+    conn.send(&message(start_write(
+        19,
+        Some(src_inc),
+        ns,
+        &[3],
+        vec![el(0, 3)],
+    )));
+    assert_failed_terminal(&fake.reply_for(&replies, 19));
+    assert_eq!(refused(&source), before + 10);
+
+    // A foreign rkey (packed by another UCX context): the route cannot be
+    // built, so nothing is written.
+    conn.send(&message(fake.metadata(vec![fake.advert(
+        0,
+        GRANTED,
+        HOSTILE_BLOCK as u64,
+        true,
+    )])));
+    assert!(matches!(
+        fake.next(&replies).body,
+        Body::TargetMetadataAck { .. }
+    ));
+    conn.send(&message(start_write(
+        21,
+        Some(src_inc),
+        ns,
+        &[3],
+        vec![el(0, 3)],
+    )));
+    assert_failed_terminal(&fake.reply_for(&replies, 21));
+    for i in 3..ELEMENTS {
+        assert!(fake.untouched(i), "element {i} was written");
+    }
+
+    // Malformed streams lose their connection; the runner keeps serving.
+    let codec = FrameCodec::default();
+    let good = codec
+        .encode_to_vec(&message(Body::WriteProbe {
+            op_handle: OpHandle(1),
+            source_incarnation: Some(src_inc),
+        }))
+        .unwrap();
+    // A wrong preamble.
+    let mut bad = TcpStream::connect(("127.0.0.1", source_endpoint.port())).unwrap();
+    bad.set_read_timeout(Some(BOUND)).unwrap();
+    bad.write_all(b"HELLO!\0aaaaaaaaaaaaaaaa").unwrap();
+    let mut one = [0u8; 1];
+    assert!(
+        matches!(bad.read(&mut one), Ok(0) | Err(_)),
+        "a wrong preamble is never accepted"
+    );
+    // Garbage after the handshake.
+    let mut c = RawConn::dial(&source_endpoint);
+    c.send_raw(&[0xFF; 64]);
+    assert!(c.closed_by_peer(), "garbage closes the connection");
+    // A length prefix past the frame bound.
+    let mut c = RawConn::dial(&source_endpoint);
+    let too_long = u32::try_from(codec.max_frame_len() + 1).unwrap();
+    c.send_raw(&too_long.to_be_bytes());
+    c.send_raw(&[0u8; 16]);
+    assert!(
+        c.closed_by_peer(),
+        "an oversized frame closes the connection"
+    );
+    // A frame whose length cuts its body short (truncated fields).
+    let mut c = RawConn::dial(&source_endpoint);
+    let mut cut = good.clone();
+    cut.truncate(good.len() - 3);
+    let body_len = u32::try_from(cut.len() - 4).unwrap();
+    cut[..4].copy_from_slice(&body_len.to_be_bytes());
+    c.send_raw(&cut);
+    assert!(c.closed_by_peer(), "a truncated body closes the connection");
+    // A wrong version byte.
+    let mut c = RawConn::dial(&source_endpoint);
+    let mut wrong = good.clone();
+    wrong[6] = 0x7F;
+    c.send_raw(&wrong);
+    assert!(
+        c.closed_by_peer(),
+        "an unknown version closes the connection"
+    );
+    // Half a frame, then hang up.
+    let mut c = RawConn::dial(&source_endpoint);
+    c.send_raw(&good[..good.len() / 2]);
+    drop(c);
+
+    // The hostile connection itself still works: a fresh granted write.
+    conn.send(&message(fake.metadata(regions)));
+    assert!(matches!(
+        fake.next(&replies).body,
+        Body::TargetMetadataAck { .. }
+    ));
+    conn.send(&message(start_write(
+        30,
+        Some(src_inc),
+        ns,
+        &[3],
+        vec![el(0, 3)],
+    )));
+    assert_completed(&fake.reply_for(&replies, 30), &[0]);
+    assert!(fake.element(3) == page_bytes(31, 3, HOSTILE_BLOCK));
+    for i in GRANTED as usize..ELEMENTS {
+        assert!(fake.untouched(i), "guard element {i} was written");
+    }
+
+    // And a real destination restores every byte through the normal path.
+    let mut target = Target::start(
+        tls,
+        HOSTILE_BLOCK,
+        8,
+        Duration::from_secs(5),
+        Duration::from_secs(10),
+    );
+    let keys = [0, 1, 2, 3];
+    let result = target.fetch("after-hostile", &source_endpoint, &keys);
+    assert_eq!(target.check_and_release(&result, &keys, 31), 4);
+    assert_eq!(refused(&source), before + 10);
+    source.check_invariants().unwrap();
+    target.runner.check_invariants().unwrap();
+    drop(target);
+    drop(conn);
+    drop(source);
+    drop(host);
+}
