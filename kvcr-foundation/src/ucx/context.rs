@@ -8,6 +8,7 @@ use std::rc::{Rc, Weak};
 
 use super::worker::WorkerInner;
 use super::{UcsStatus, UcxReason, check, sys};
+
 use crate::error::{Error, Result};
 
 /// How many drop-time errors a context keeps (the rest are only counted).
@@ -27,6 +28,25 @@ pub struct ContextConfig {
     /// two contexts in one process can use different transports without
     /// touching the (process-global) environment.
     pub overrides: Vec<(String, String)>,
+    /// Error handling of the endpoints this context's workers create.
+    pub error_mode: ErrorMode,
+}
+
+/// Endpoint error handling (`ucp_err_handling_mode_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ErrorMode {
+    /// `UCP_ERR_HANDLING_MODE_NONE`: works with every transport. A dead peer
+    /// is noticed by the protocol's deadlines, not by UCX; endpoints are
+    /// always closed in flush mode.
+    #[default]
+    None,
+    /// `UCP_ERR_HANDLING_MODE_PEER`: UCX reports a dead peer (error handler,
+    /// failed operations) and endpoints can be force-closed. UCX 1.13's
+    /// shared-memory transports (`posix`, `sysv`, `self`) have no peer-failure
+    /// support, so with them `connect` fails with
+    /// [`UcsStatus::Unreachable`]; use it with network transports (tcp, IB).
+    Peer,
 }
 
 impl Default for ContextConfig {
@@ -34,6 +54,7 @@ impl Default for ContextConfig {
         Self {
             wakeup: true,
             overrides: Vec::new(),
+            error_mode: ErrorMode::None,
         }
     }
 }
@@ -50,6 +71,12 @@ impl ContextConfig {
         self
     }
 
+    /// Sets [`ContextConfig::error_mode`].
+    pub fn error_mode(mut self, mode: ErrorMode) -> Self {
+        self.error_mode = mode;
+        self
+    }
+
     /// Adds a UCX configuration override (see [`ContextConfig::overrides`]).
     pub fn set(mut self, name: &str, value: &str) -> Self {
         self.overrides.push((name.to_owned(), value.to_owned()));
@@ -61,7 +88,11 @@ impl ContextConfig {
     pub fn loopback_tls(self, tls: &str) -> Self {
         let tcp = tls.split(',').any(|t| t == "tcp");
         let this = self.set("TLS", tls);
-        if tcp { this.set("NET_DEVICES", "lo") } else { this }
+        if tcp {
+            this.set("NET_DEVICES", "lo")
+        } else {
+            this
+        }
     }
 }
 
@@ -72,6 +103,7 @@ pub(crate) struct ContextInner {
     pub(crate) handle: sys::ucp_context_h,
     pub(crate) id: u64,
     pub(crate) wakeup: bool,
+    pub(crate) error_mode: ErrorMode,
     /// Live workers, so a registration's teardown can progress them until its
     /// in-flight operations have completed.
     pub(crate) workers: RefCell<Vec<Weak<WorkerInner>>>,
@@ -187,7 +219,9 @@ impl Context {
             let status = match (CString::new(name.as_str()), CString::new(value.as_str())) {
                 // SAFETY: live config from `ucp_config_read`; both strings
                 // are NUL-terminated and outlive the call (UCX copies them).
-                (Ok(n), Ok(v)) => unsafe { sys::ucp_config_modify(ucp_config, n.as_ptr(), v.as_ptr()) },
+                (Ok(n), Ok(v)) => unsafe {
+                    sys::ucp_config_modify(ucp_config, n.as_ptr(), v.as_ptr())
+                },
                 _ => sys::UCS_ERR_INVALID_PARAM,
             };
             if let Err(e) = check("ucp_config_modify", status) {
@@ -233,6 +267,7 @@ impl Context {
                 handle,
                 id: random_id(),
                 wakeup: config.wakeup,
+                error_mode: config.error_mode,
                 workers: RefCell::new(Vec::new()),
                 drop_errors: RefCell::new(Vec::new()),
                 drop_errors_dropped: Cell::new(0),

@@ -6,6 +6,7 @@ use std::ptr;
 use std::rc::Rc;
 use std::time::Duration;
 
+use super::context::ErrorMode;
 use super::memory::Registration;
 use super::request::{Completion, OpKind, OpState, ptr_is_err, ptr_status, submit};
 use super::wire::{RkeyBuffer, WorkerAddress};
@@ -32,6 +33,8 @@ pub enum CloseMode {
     /// Close at once (`UCP_EP_CLOSE_FLAG_FORCE`): outstanding operations
     /// complete with [`UcsStatus::Canceled`]. Used automatically once the
     /// endpoint has failed; set it explicitly to abandon a stalled peer.
+    /// UCX allows it only with [`ErrorMode::Peer`] on both sides; on an
+    /// [`ErrorMode::None`] endpoint the close stays in flush mode.
     Force,
 }
 
@@ -72,6 +75,7 @@ pub(crate) struct EndpointInner {
     /// handler's argument.
     err_arg: *const Cell<Option<i8>>,
     close_mode: Cell<CloseMode>,
+    error_mode: ErrorMode,
     /// Puts up to this sequence number are remotely complete (an endpoint
     /// flush issued after them completed).
     pub(crate) flushed_through: Cell<u64>,
@@ -111,10 +115,15 @@ impl EndpointInner {
         if h.is_null() {
             return;
         }
-        let force = self.failed.get().is_some() || self.close_mode.get() == CloseMode::Force;
+        let force = self.error_mode == ErrorMode::Peer
+            && (self.failed.get().is_some() || self.close_mode.get() == CloseMode::Force);
         let param = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
-            flags: if force { sys::UCP_EP_CLOSE_FLAG_FORCE } else { 0 },
+            flags: if force {
+                sys::UCP_EP_CLOSE_FLAG_FORCE
+            } else {
+                0
+            },
             ..Default::default()
         };
         // SAFETY: `h` is the live endpoint (taken out of `handle`, so closed
@@ -127,12 +136,14 @@ impl EndpointInner {
             Err(UcsStatus::from_raw(ptr_status(req)))
         } else {
             let status = Cell::new(sys::UCS_INPROGRESS);
-            let waited = self.worker.wait_until(DROP_WAIT, &WaitPolicy::default(), || {
-                // SAFETY: `req` is a live request returned by
-                // `ucp_ep_close_nbx`, not yet freed (it is freed only below).
-                status.set(unsafe { sys::ucp_request_check_status(req) });
-                status.get() != sys::UCS_INPROGRESS
-            });
+            let waited = self
+                .worker
+                .wait_until(DROP_WAIT, &WaitPolicy::default(), || {
+                    // SAFETY: `req` is a live request returned by
+                    // `ucp_ep_close_nbx`, not yet freed (it is freed only below).
+                    status.set(unsafe { sys::ucp_request_check_status(req) });
+                    status.get() != sys::UCS_INPROGRESS
+                });
             // SAFETY: `req` is freed exactly once; if still in progress, UCX
             // finishes the close internally ("regardless of its state").
             unsafe { sys::ucp_request_free(req) };
@@ -181,8 +192,8 @@ impl Drop for EndpointInner {
 /// [`Worker::connect`](super::Worker::connect). `!Send`; cheap to clone.
 ///
 /// Dropping the last handle (and the last [`RemoteKey`] unpacked on it)
-/// closes the endpoint: flush mode (bounded by [`DROP_WAIT`]) while healthy,
-/// force mode once it has failed or after
+/// closes the endpoint: flush mode (bounded by [`DROP_WAIT`]) while healthy;
+/// with [`ErrorMode::Peer`], force mode once it has failed or after
 /// [`set_close_mode(Force)`](Endpoint::set_close_mode).
 #[derive(Clone)]
 pub struct Endpoint {
@@ -192,8 +203,14 @@ pub struct Endpoint {
 impl std::fmt::Debug for Endpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Endpoint")
-            .field("peer_context", &format_args!("{:#018x}", self.inner.peer_context))
-            .field("peer_worker", &format_args!("{:#018x}", self.inner.peer_worker))
+            .field(
+                "peer_context",
+                &format_args!("{:#018x}", self.inner.peer_context),
+            )
+            .field(
+                "peer_worker",
+                &format_args!("{:#018x}", self.inner.peer_worker),
+            )
             .field("failed", &self.inner.failed.get())
             .finish()
     }
@@ -208,6 +225,7 @@ impl Endpoint {
             failed: FailedView(failed_cell),
             err_arg,
             close_mode: Cell::new(CloseMode::Flush),
+            error_mode: worker.ctx.error_mode,
             flushed_through: Cell::new(0),
             peer_context: peer.context_id(),
             peer_worker: peer.worker_id(),
@@ -217,20 +235,22 @@ impl Endpoint {
         let mut addr = Vec::with_capacity(peer.ucx_bytes().len() + UCX_PARSE_PAD);
         addr.extend_from_slice(peer.ucx_bytes());
         addr.resize(peer.ucx_bytes().len() + UCX_PARSE_PAD, 0);
-        let params = sys::ucp_ep_params_t {
+        let mut params = sys::ucp_ep_params_t {
             field_mask: u64::from(
-                sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
-                    | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
-                    | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER,
+                sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
             ),
             address: addr.as_ptr().cast::<sys::ucp_address_t>(),
-            err_mode: sys::UCP_ERR_HANDLING_MODE_PEER,
-            err_handler: sys::ucp_err_handler_t {
-                cb: Some(ep_err_cb),
-                arg: err_arg.cast_mut().cast::<c_void>(),
-            },
+            err_mode: sys::UCP_ERR_HANDLING_MODE_NONE,
             ..Default::default()
         };
+        if inner.error_mode == ErrorMode::Peer {
+            params.field_mask |= u64::from(sys::UCP_EP_PARAM_FIELD_ERR_HANDLER);
+            params.err_mode = sys::UCP_ERR_HANDLING_MODE_PEER;
+            params.err_handler = sys::ucp_err_handler_t {
+                cb: Some(ep_err_cb),
+                arg: err_arg.cast_mut().cast::<c_void>(),
+            };
+        }
         let mut handle: sys::ucp_ep_h = ptr::null_mut();
         // SAFETY: live worker on its thread; `params.address` points at the
         // peer's packed address (validated envelope, padded copy alive for
@@ -342,7 +362,9 @@ impl Endpoint {
         if !Rc::ptr_eq(local.context_inner(), &self.inner.worker.ctx) {
             return Err(input(op, UcxReason::ContextMismatch));
         }
-        let src = local.range_ptr(local_offset, len).map_err(|r| input(op, r))?;
+        let src = local
+            .range_ptr(local_offset, len)
+            .map_err(|r| input(op, r))?;
         let remote_addr = remote.remote_addr(remote_offset, len as u64)?;
         let ep = self.inner.usable(op)?;
         let worker = &self.inner.worker;
@@ -368,9 +390,7 @@ impl Endpoint {
             // `remote_addr..+len` lies inside the peer's registration as its
             // rkey describes; `param` carries the completion callback and the
             // registration's `memh`.
-            unsafe {
-                sys::ucp_put_nbx(ep, src.cast::<c_void>(), len, remote_addr, rkey, param)
-            }
+            unsafe { sys::ucp_put_nbx(ep, src.cast::<c_void>(), len, remote_addr, rkey, param) }
         })
     }
 

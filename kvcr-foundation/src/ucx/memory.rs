@@ -383,7 +383,13 @@ impl Context {
         };
         if p == libc::MAP_FAILED {
             let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-            return Err(input(op, UcxReason::Os { call: "mmap", errno }));
+            return Err(input(
+                op,
+                UcxReason::Os {
+                    call: "mmap",
+                    errno,
+                },
+            ));
         }
         let ptr = p.cast::<u8>();
         if options.huge_pages {
@@ -429,7 +435,10 @@ impl Context {
     /// unwinds), every registration made in the scope — including any that
     /// were leaked with `mem::forget` — waits for its in-flight puts and is
     /// unmapped, before the borrowed memory is handed back.
-    pub fn scope<'env, T>(&self, f: impl for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> T) -> T {
+    pub fn scope<'env, T>(
+        &self,
+        f: impl for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> T,
+    ) -> T {
         let cores = Rc::new(Cell::new(Vec::new()));
         // Declared before `scope`, so dropped after it — also on unwind.
         let _teardown = ScopeTeardown(Rc::clone(&cores));

@@ -142,7 +142,11 @@ impl OpState {
 /// most once per request, with `user_data` being the pointer produced by
 /// `Rc::into_raw` in [`submit`] for a request that did not complete
 /// immediately.
-unsafe extern "C" fn send_cb(request: *mut c_void, status: sys::ucs_status_t, user_data: *mut c_void) {
+unsafe extern "C" fn send_cb(
+    request: *mut c_void,
+    status: sys::ucs_status_t,
+    user_data: *mut c_void,
+) {
     // SAFETY: per this function's contract, `user_data` is the `Rc<OpState>`
     // leaked by `submit` for this very request; it is reclaimed exactly once,
     // here (the immediate-completion path in `submit` never sees a callback).

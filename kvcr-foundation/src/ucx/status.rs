@@ -230,9 +230,7 @@ impl UcsStatus {
             Self::Rejected => "Operation rejected by remote peer",
             Self::NotConnected => "Endpoint is not connected",
             Self::ConnectionReset => "Connection reset by remote peer",
-            Self::FirstLinkFailure | Self::LinkFailure(_) | Self::LastLinkFailure => {
-                "Link failure"
-            }
+            Self::FirstLinkFailure | Self::LinkFailure(_) | Self::LastLinkFailure => "Link failure",
             Self::FirstEndpointFailure | Self::EndpointFailure(_) | Self::LastEndpointFailure => {
                 "Endpoint failure"
             }
@@ -306,7 +304,9 @@ pub enum UcxReason {
     #[error("packed rkey is malformed: {0}")]
     MalformedRkey(&'static str),
     /// The rkey was packed by another UCX context than the endpoint's peer.
-    #[error("rkey of context {rkey_context:#018x} used with a peer of context {peer_context:#018x}")]
+    #[error(
+        "rkey of context {rkey_context:#018x} used with a peer of context {peer_context:#018x}"
+    )]
     ForeignRkey {
         /// Context id inside the rkey.
         rkey_context: u64,

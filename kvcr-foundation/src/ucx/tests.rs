@@ -67,8 +67,8 @@ fn every_status_code_round_trips_and_the_named_ones_are_named() {
     }
     // Every named code of the 1.13 header maps to a named variant.
     let named: &[i8] = &[
-        0, 1, -1, -2, -3, -4, -5, -6, -7, -8, -9, -10, -11, -12, -13, -14, -15, -16, -17, -18,
-        -19, -20, -21, -22, -23, -24, -25, -40, -59, -60, -80, -89, -100,
+        0, 1, -1, -2, -3, -4, -5, -6, -7, -8, -9, -10, -11, -12, -13, -14, -15, -16, -17, -18, -19,
+        -20, -21, -22, -23, -24, -25, -40, -59, -60, -80, -89, -100,
     ];
     for &raw in named {
         let s = UcsStatus::from_raw(raw);
@@ -159,7 +159,10 @@ fn rkey_envelope_round_trips_and_refuses_garbage() {
     assert_eq!(k, k2);
     assert_eq!((k2.context_id(), k2.base(), k2.len()), (7, 0x1000, 4096));
     for cut in 0..k.as_bytes().len() {
-        assert!(RkeyBuffer::from_bytes(&k.as_bytes()[..cut]).is_err(), "cut {cut}");
+        assert!(
+            RkeyBuffer::from_bytes(&k.as_bytes()[..cut]).is_err(),
+            "cut {cut}"
+        );
     }
     for i in 0..k.as_bytes().len() {
         let mut flipped = k.as_bytes().to_vec();
@@ -183,7 +186,9 @@ fn rkey_envelope_round_trips_and_refuses_garbage() {
     // A worker address is not an rkey.
     let a = WorkerAddress::seal(7, 9, &[1]).unwrap();
     assert!(matches!(
-        RkeyBuffer::from_bytes(a.as_bytes()).unwrap_err().ucx_reason(),
+        RkeyBuffer::from_bytes(a.as_bytes())
+            .unwrap_err()
+            .ucx_reason(),
         Some(UcxReason::Magic { .. })
     ));
 }
@@ -196,7 +201,10 @@ fn packed_ucx_rkey_structure_is_checked() {
     assert!(check_ucx_rkey(&v).is_err(), "short md entry");
     let mut v = sample_ucx_rkey();
     v.push(0);
-    assert!(matches!(check_ucx_rkey(&v), Err(UcxReason::Trailing { .. })));
+    assert!(matches!(
+        check_ucx_rkey(&v),
+        Err(UcxReason::Trailing { .. })
+    ));
     let mut v = sample_ucx_rkey();
     v[8] = 9; // memory type past UCS_MEMORY_TYPE_LAST
     assert!(check_ucx_rkey(&v).is_err());
@@ -242,8 +250,8 @@ fn ucx_handles_are_not_send_but_blobs_are() {
 
 #[test]
 fn config_override_with_a_bad_value_is_a_typed_error() {
-    let e = Context::with_config(&ContextConfig::new().set("RNDV_THRESH", "not-a-size"))
-        .unwrap_err();
+    let e =
+        Context::with_config(&ContextConfig::new().set("RNDV_THRESH", "not-a-size")).unwrap_err();
     assert!(e.ucx_status().is_some(), "{e}");
 }
 
@@ -268,5 +276,8 @@ fn wait_without_progress_times_out_with_a_typed_error() {
     let e = w
         .progress_until(std::time::Duration::from_millis(20), || false)
         .unwrap_err();
-    assert!(matches!(e.ucx_reason(), Some(UcxReason::WaitTimeout { .. })), "{e}");
+    assert!(
+        matches!(e.ucx_reason(), Some(UcxReason::WaitTimeout { .. })),
+        "{e}"
+    );
 }

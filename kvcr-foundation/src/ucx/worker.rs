@@ -415,8 +415,9 @@ impl Worker {
                 reason: UcxReason::WorkerMismatch,
             });
         }
-        self.inner
-            .wait_until(timeout, &self.policy, || ops.iter().all(Completion::is_done))?;
+        self.inner.wait_until(timeout, &self.policy, || {
+            ops.iter().all(Completion::is_done)
+        })?;
         ops.iter()
             .find_map(|op| op.result().and_then(Result::err))
             .map_or(Ok(()), Err)

@@ -14,3 +14,5 @@ mod frames;
 mod hints;
 mod keys;
 mod tiers;
+#[cfg(feature = "runner")]
+mod ucx;
