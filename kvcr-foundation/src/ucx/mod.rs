@@ -7,8 +7,8 @@
 //!    regenerates it). The library is found with pkg-config by `build.rs`.
 //! 2. `check` / `ptr_is_err` (private): every `ucs_status_t` becomes a
 //!    [`UcsStatus`] inside the crate's one error type
-//!    ([`Error::Ucx`](crate::Error::Ucx)); refusals made on the Rust side before
-//!    UCX is called are [`Error::UcxInput`](crate::Error::UcxInput) with a
+//!    ([`Error::Ucx`]); refusals made on the Rust side before
+//!    UCX is called are [`Error::UcxInput`] with a
 //!    [`UcxReason`].
 //! 3. The safe types, for a destination-initiated put protocol:
 //!

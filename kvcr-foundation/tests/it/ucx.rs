@@ -203,7 +203,6 @@ fn source_process_entry() {
     let mut lines = std::io::stdin().lock().lines();
     let mut next = || unhex(lines.next().unwrap().unwrap().trim());
     let (addr, big, blocks) = (next(), next(), next());
-    drop(next);
     let src_big = src.ctx.register_anon(BIG, AnonOptions::new()).unwrap();
     let src_blocks = src
         .ctx
