@@ -23,8 +23,8 @@ use crate::endpoint::{AdvertisePolicy, BindAddress, ControlEndpoint, Host};
 use crate::error::{Error, Result, RunnerReason};
 use crate::protocol::RegionId;
 use crate::ucx::{
-    AnonOptions, Completion, Context, ContextConfig, Endpoint, Registration, RemoteKey, RkeyBuffer,
-    WorkerAddress,
+    AnonOptions, Completion, Context, ContextConfig, Endpoint, ErrorMode, Registration, RemoteKey,
+    RkeyBuffer, WorkerAddress,
 };
 
 /// How a runner takes part in the peer protocol.
@@ -248,6 +248,11 @@ impl State {
         let mut config = ContextConfig::new();
         if let Some(tls) = &options.ucx_tls {
             config = config.loopback_tls(tls);
+            // UCX reports dead peers only on network transports; its 1.13
+            // shared-memory transports refuse endpoints in that mode.
+            if tls.split(',').any(|t| t.trim() == "tcp") {
+                config = config.error_mode(ErrorMode::Peer);
+            }
         }
         let context = Context::with_config(&config)?;
         let worker = context.create_worker()?;

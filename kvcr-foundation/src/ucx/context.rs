@@ -8,6 +8,7 @@ use std::rc::{Rc, Weak};
 
 use super::worker::WorkerInner;
 use super::{UcsStatus, UcxReason, check, sys};
+
 use crate::error::{Error, Result};
 
 /// How many drop-time errors a context keeps (the rest are only counted).
@@ -27,6 +28,25 @@ pub struct ContextConfig {
     /// two contexts in one process can use different transports without
     /// touching the (process-global) environment.
     pub overrides: Vec<(String, String)>,
+    /// Error handling of the endpoints this context's workers create.
+    pub error_mode: ErrorMode,
+}
+
+/// Endpoint error handling (`ucp_err_handling_mode_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ErrorMode {
+    /// `UCP_ERR_HANDLING_MODE_NONE`: works with every transport. A dead peer
+    /// is noticed by the protocol's deadlines, not by UCX; endpoints are
+    /// always closed in flush mode.
+    #[default]
+    None,
+    /// `UCP_ERR_HANDLING_MODE_PEER`: UCX reports a dead peer (error handler,
+    /// failed operations) and endpoints can be force-closed. UCX 1.13's
+    /// shared-memory transports (`posix`, `sysv`, `self`) have no peer-failure
+    /// support, so with them `connect` fails with
+    /// [`UcsStatus::Unreachable`]; use it with network transports (tcp, IB).
+    Peer,
 }
 
 impl Default for ContextConfig {
@@ -34,6 +54,7 @@ impl Default for ContextConfig {
         Self {
             wakeup: true,
             overrides: Vec::new(),
+            error_mode: ErrorMode::None,
         }
     }
 }
@@ -47,6 +68,12 @@ impl ContextConfig {
     /// Sets [`ContextConfig::wakeup`].
     pub fn wakeup(mut self, on: bool) -> Self {
         self.wakeup = on;
+        self
+    }
+
+    /// Sets [`ContextConfig::error_mode`].
+    pub fn error_mode(mut self, mode: ErrorMode) -> Self {
+        self.error_mode = mode;
         self
     }
 
@@ -76,9 +103,7 @@ pub(crate) struct ContextInner {
     pub(crate) handle: sys::ucp_context_h,
     pub(crate) id: u64,
     pub(crate) wakeup: bool,
-    /// Whether every configured transport is intra-host shared memory (no
-    /// peer failure detection in UCX 1.13; endpoints use plain error mode).
-    pub(crate) shm_only: bool,
+    pub(crate) error_mode: ErrorMode,
     /// Live workers, so a registration's teardown can progress them until its
     /// in-flight operations have completed.
     pub(crate) workers: RefCell<Vec<Weak<WorkerInner>>>,
@@ -242,15 +267,7 @@ impl Context {
                 handle,
                 id: random_id(),
                 wakeup: config.wakeup,
-                shm_only: config.overrides.iter().any(|(k, v)| {
-                    k == "TLS"
-                        && v.split(',').all(|t| {
-                            matches!(
-                                t.trim(),
-                                "sm" | "shm" | "posix" | "sysv" | "cma" | "knem" | "xpmem" | "self"
-                            )
-                        })
-                }),
+                error_mode: config.error_mode,
                 workers: RefCell::new(Vec::new()),
                 drop_errors: RefCell::new(Vec::new()),
                 drop_errors_dropped: Cell::new(0),

@@ -6,6 +6,7 @@ use std::ptr;
 use std::rc::Rc;
 use std::time::Duration;
 
+use super::context::ErrorMode;
 use super::memory::Registration;
 use super::request::{Completion, OpKind, OpState, ptr_is_err, ptr_status, submit};
 use super::wire::{RkeyBuffer, WorkerAddress};
@@ -32,6 +33,8 @@ pub enum CloseMode {
     /// Close at once (`UCP_EP_CLOSE_FLAG_FORCE`): outstanding operations
     /// complete with [`UcsStatus::Canceled`]. Used automatically once the
     /// endpoint has failed; set it explicitly to abandon a stalled peer.
+    /// UCX allows it only with [`ErrorMode::Peer`] on both sides; on an
+    /// [`ErrorMode::None`] endpoint the close stays in flush mode.
     Force,
 }
 
@@ -72,6 +75,7 @@ pub(crate) struct EndpointInner {
     /// handler's argument.
     err_arg: *const Cell<Option<i8>>,
     close_mode: Cell<CloseMode>,
+    error_mode: ErrorMode,
     /// Puts up to this sequence number are remotely complete (an endpoint
     /// flush issued after them completed).
     pub(crate) flushed_through: Cell<u64>,
@@ -111,7 +115,8 @@ impl EndpointInner {
         if h.is_null() {
             return;
         }
-        let force = self.failed.get().is_some() || self.close_mode.get() == CloseMode::Force;
+        let force = self.error_mode == ErrorMode::Peer
+            && (self.failed.get().is_some() || self.close_mode.get() == CloseMode::Force);
         let param = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
             flags: if force {
@@ -187,8 +192,8 @@ impl Drop for EndpointInner {
 /// [`Worker::connect`](super::Worker::connect). `!Send`; cheap to clone.
 ///
 /// Dropping the last handle (and the last [`RemoteKey`] unpacked on it)
-/// closes the endpoint: flush mode (bounded by [`DROP_WAIT`]) while healthy,
-/// force mode once it has failed or after
+/// closes the endpoint: flush mode (bounded by [`DROP_WAIT`]) while healthy;
+/// with [`ErrorMode::Peer`], force mode once it has failed or after
 /// [`set_close_mode(Force)`](Endpoint::set_close_mode).
 #[derive(Clone)]
 pub struct Endpoint {
@@ -220,6 +225,7 @@ impl Endpoint {
             failed: FailedView(failed_cell),
             err_arg,
             close_mode: Cell::new(CloseMode::Flush),
+            error_mode: worker.ctx.error_mode,
             flushed_through: Cell::new(0),
             peer_context: peer.context_id(),
             peer_worker: peer.worker_id(),
@@ -229,52 +235,37 @@ impl Endpoint {
         let mut addr = Vec::with_capacity(peer.ucx_bytes().len() + UCX_PARSE_PAD);
         addr.extend_from_slice(peer.ucx_bytes());
         addr.resize(peer.ucx_bytes().len() + UCX_PARSE_PAD, 0);
-        let create = |err_mode| {
-            let params = sys::ucp_ep_params_t {
-                field_mask: u64::from(
-                    sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
-                        | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
-                        | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER,
-                ),
-                address: addr.as_ptr().cast::<sys::ucp_address_t>(),
-                err_mode,
-                err_handler: sys::ucp_err_handler_t {
-                    cb: Some(ep_err_cb),
-                    arg: err_arg.cast_mut().cast::<c_void>(),
-                },
-                ..Default::default()
+        let mut params = sys::ucp_ep_params_t {
+            field_mask: u64::from(
+                sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+            ),
+            address: addr.as_ptr().cast::<sys::ucp_address_t>(),
+            err_mode: sys::UCP_ERR_HANDLING_MODE_NONE,
+            ..Default::default()
+        };
+        if inner.error_mode == ErrorMode::Peer {
+            params.field_mask |= u64::from(sys::UCP_EP_PARAM_FIELD_ERR_HANDLER);
+            params.err_mode = sys::UCP_ERR_HANDLING_MODE_PEER;
+            params.err_handler = sys::ucp_err_handler_t {
+                cb: Some(ep_err_cb),
+                arg: err_arg.cast_mut().cast::<c_void>(),
             };
-            let mut handle: sys::ucp_ep_h = ptr::null_mut();
-            // SAFETY: live worker on its thread; `params.address` points at the
-            // peer's packed address (validated envelope, padded copy alive for
-            // the call); the error handler's `arg` is the leaked failure cell,
-            // valid for as long as the UCX endpoint can exist (see
-            // `EndpointInner::close`); `handle` is a valid out-pointer.
-            let status = unsafe { sys::ucp_ep_create(worker.handle, &params, &mut handle) };
-            check("ucp_ep_create", status).map(|()| handle)
-        };
-        // Peer failure detection needs a transport that supports it; UCX
-        // 1.13's shared-memory transports do not, and refuse the endpoint in
-        // that mode. Such peers share this host, so fall back to plain mode:
-        // a dead local peer is then detected by the control protocol's
-        // deadlines and probes instead.
-        let created = if worker.ctx.shm_only {
-            create(sys::UCP_ERR_HANDLING_MODE_NONE)
-        } else {
-            create(sys::UCP_ERR_HANDLING_MODE_PEER)
-                .or_else(|_| create(sys::UCP_ERR_HANDLING_MODE_NONE))
-        };
-        let handle = match created {
-            Ok(handle) => handle,
-            Err(e) => {
-                // No UCX endpoint exists: reclaim the handler's reference.
-                // SAFETY: `err_arg` came from `Rc::into_raw` above and UCX never
-                // stored it (creation failed); reclaimed exactly once.
-                drop(unsafe { Rc::from_raw(inner.err_arg) });
-                // `inner` has a null handle, so its `Drop` closes nothing.
-                return Err(e);
-            }
-        };
+        }
+        let mut handle: sys::ucp_ep_h = ptr::null_mut();
+        // SAFETY: live worker on its thread; `params.address` points at the
+        // peer's packed address (validated envelope, padded copy alive for
+        // the call); the error handler's `arg` is the leaked failure cell,
+        // valid for as long as the UCX endpoint can exist (see
+        // `EndpointInner::close`); `handle` is a valid out-pointer.
+        let status = unsafe { sys::ucp_ep_create(worker.handle, &params, &mut handle) };
+        if let Err(e) = check("ucp_ep_create", status) {
+            // No UCX endpoint exists: reclaim the handler's reference.
+            // SAFETY: `err_arg` came from `Rc::into_raw` above and UCX never
+            // stored it (creation failed); reclaimed exactly once.
+            drop(unsafe { Rc::from_raw(inner.err_arg) });
+            // `inner` has a null handle, so its `Drop` closes nothing.
+            return Err(e);
+        }
         inner.handle.set(handle);
         Ok(Self { inner })
     }

@@ -63,7 +63,7 @@ mod worker;
 #[cfg(test)]
 mod tests;
 
-pub use context::{Context, ContextConfig, library_version};
+pub use context::{Context, ContextConfig, ErrorMode, library_version};
 pub use endpoint::{CloseMode, DROP_WAIT, Endpoint, RemoteKey};
 pub use memory::{AnonOptions, Registration, Scope};
 pub use request::Completion;

@@ -9,6 +9,16 @@
     clippy::indexing_slicing
 )]
 
+/// Tests that open sockets, start runner threads or spawn processes take this
+/// lock: on a 2-core machine they time out against each other otherwise, and
+/// the publisher's leak counts need quiet neighbours.
+#[cfg(feature = "runner")]
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 mod endpoints;
 mod frames;
 mod hints;
@@ -22,3 +32,5 @@ mod publisher;
 #[cfg(feature = "runner")]
 mod runner;
 mod tiers;
+#[cfg(feature = "runner")]
+mod ucx;

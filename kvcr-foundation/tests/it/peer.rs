@@ -106,6 +106,7 @@ fn hint(source: &Node, keys: &[u64]) -> FetchHint {
 #[case::shm("sm,self")]
 #[case::tcp("tcp,self")]
 fn hinted_fetch_restores_bytes(#[case] tls: &str) {
+    let _serial = crate::serial();
     let mut source = node(tls, 16, Duration::from_secs(5));
     let mut target = node(tls, 16, Duration::from_secs(5));
     stock(&mut source, &[0, 1, 2, 3, 4, 5]);
@@ -182,6 +183,7 @@ fn hinted_fetch_restores_bytes(#[case] tls: &str) {
 /// Removing a peer closes its control socket.
 #[test]
 fn forgetting_a_peer_closes_its_socket() {
+    let _serial = crate::serial();
     let mut source = node("sm,self", 4, Duration::from_secs(5));
     let mut target = node("sm,self", 4, Duration::from_secs(5));
     stock(&mut source, &[0]);

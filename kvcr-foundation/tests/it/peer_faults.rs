@@ -428,6 +428,7 @@ impl Drop for ChildSource {
 #[case::shm("posix,cma,self")]
 #[case::tcp("tcp,self")]
 fn two_process_deliveries(#[case] tls: &str) {
+    let _serial = crate::serial();
     const BLOCK: usize = 256 << 10;
     let mut source = ChildSource::spawn(&Spec {
         tls: tls.into(),
@@ -490,6 +491,7 @@ fn two_process_deliveries(#[case] tls: &str) {
 /// and nothing it says frees the old operation's slots.
 #[test]
 fn source_killed_mid_transfer() {
+    let _serial = crate::serial();
     const BLOCK: usize = 4 << 20;
     const SLOTS: u32 = 64;
     let tls = "tcp,self";
@@ -612,6 +614,7 @@ fn source_killed_mid_transfer() {
 #[case::shm("posix,cma,self")]
 #[case::tcp("tcp,self")]
 fn source_stopped_before_answering(#[case] tls: &str) {
+    let _serial = crate::serial();
     const BLOCK: usize = 64 << 10;
     const SLOTS: u32 = 16;
     let mut source = ChildSource::spawn(&Spec {
@@ -663,9 +666,10 @@ fn source_stopped_before_answering(#[case] tls: &str) {
     assert_eq!(notices, vec![PeerNotice::Quiesced { op }]);
     assert_eq!(target.runner.stats().discarding, 0, "freed after proof");
     assert_eq!(target.free_slots(), SLOTS - 1);
-    let (sent, refused) = source.stats();
+    // Never written. Its proof may be the stalled source's refusal or the
+    // probe's terminal ack (the fence), whichever the source handled first.
+    let (sent, _refused) = source.stats();
     assert_eq!(sent, 1, "the stale write was never written");
-    assert!(refused >= 1, "the stale write was refused");
 
     // A stalled source refuses new writes until it restarts.
     let result = target.fetch("after", &from, &keys);
@@ -930,6 +934,7 @@ fn assert_failed_terminal(body: &Body) {
 #[case::shm("posix,cma,self")]
 #[case::tcp("tcp,self")]
 fn hostile_frames_are_refused(#[case] tls: &str) {
+    let _serial = crate::serial();
     // The source: a real runner holding keys 0..4.
     let mut options = PeerOptions::loopback();
     options.ucx_tls = Some(tls.to_owned());

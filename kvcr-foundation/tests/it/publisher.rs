@@ -10,7 +10,7 @@
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::MutexGuard;
 use std::time::Duration;
 
 use kvcr_foundation::publisher::wire::{OwnershipWire, WireBatch, WireEvent, encode_batch_to_vec};
@@ -26,11 +26,9 @@ use rmpv::Value;
 // ----- helpers -----
 
 /// Socket tests share the process's file descriptors; the leak test counts
-/// them, so socket tests run one at a time.
-static SOCKETS: Mutex<()> = Mutex::new(());
-
+/// them, so socket tests run one at a time (with the other heavy tests).
 fn sockets_lock() -> MutexGuard<'static, ()> {
-    SOCKETS.lock().unwrap_or_else(|e| e.into_inner())
+    crate::serial()
 }
 
 /// A bounded wait on an explicit condition (never a sleep to settle).
@@ -463,14 +461,29 @@ fn an_explicit_loopback_address_binds_and_a_connect_endpoint_connects() {
         ),
         "{err}"
     );
-    // The same address given explicitly (no port 0) binds too.
-    let explicit = BindAddress::parse(&taken.to_string()).unwrap();
     a.close().unwrap();
-    let mut cfg = config(3);
-    cfg.pub_socket = PubSocket::Bind(explicit);
-    let b = Publisher::start(cfg).unwrap();
-    assert_eq!(b.bound().pub_bound.as_ref(), Some(&taken));
-    let (_ctx, s) = sub(&dial(&taken));
+    // An explicit loopback address (no port 0) binds too. Other tests in this
+    // process take ephemeral ports concurrently, so a port found free may be
+    // taken before we bind it: try a few.
+    let b = (0..8)
+        .find_map(|_| {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            let explicit = BindAddress::parse(&format!("tcp://127.0.0.1:{port}")).unwrap();
+            let mut cfg = config(3);
+            cfg.pub_socket = PubSocket::Bind(explicit.clone());
+            Publisher::start(cfg).ok().map(|p| (p, explicit))
+        })
+        .map(|(p, explicit)| {
+            assert_eq!(p.bound().pub_bound.as_ref(), Some(&explicit));
+            p
+        })
+        .expect("an explicit loopback address binds");
+    let bound = b.bound().pub_bound.clone().unwrap();
+    let (_ctx, s) = sub(&dial(&bound));
     let mut key = 0;
     let got = until_received(&mut b.sink(), &s, &mut key);
     assert_eq!(got.len(), 3);
@@ -572,6 +585,24 @@ fn threads() -> usize {
 
 #[test]
 fn repeated_attach_and_detach_leaks_no_socket_or_thread() {
+    // Counting the process's fds and threads only means something when no
+    // other test runs beside it: run this test alone, in a child process.
+    const ALONE: &str = "KVCR_TEST_ALONE";
+    if std::env::var(ALONE).is_err() {
+        let name = "publisher::repeated_attach_and_detach_leaks_no_socket_or_thread";
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--test-threads=1", "--nocapture"])
+            .env(ALONE, "1")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+            "isolated run failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return;
+    }
     let _g = sockets_lock();
     // One warm-up cycle (lazily initialised process state is not a leak).
     let warm = Publisher::start(config(8)).unwrap();
@@ -675,6 +706,7 @@ fn real_client(flag: &str, check: &str) -> Option<PathBuf> {
 /// live PUB stream and replays it.
 #[test]
 fn vllm_own_classes_accept_our_bytes_and_live_stream() {
+    let _serial = sockets_lock();
     let kv_events = realclients_dir().join("vllm/kv_events.py");
     let check = format!(
         "import msgspec, zmq; open({:?}).close()",
@@ -708,7 +740,7 @@ fn vllm_own_classes_accept_our_bytes_and_live_stream() {
     );
 
     // 2. vLLM's own conformance checker against the live sockets.
-    let _g = sockets_lock();
+    // (The serial lock taken at the top covers the live sockets.)
     let publisher = Publisher::start(config(11)).unwrap();
     let pub_ep = dial(publisher.bound().pub_bound.as_ref().unwrap());
     let replay_ep = dial(publisher.bound().replay_bound.as_ref().unwrap());
@@ -903,6 +935,7 @@ fn private_netns(required: bool) -> bool {
 
 #[test]
 fn dynamo_indexer_answers_exactly_what_kvcr_published() {
+    let _serial = sockets_lock();
     let Some(py) = real_client("KVCR_TEST_DYNAMO", "import dynamo.llm") else {
         return;
     };

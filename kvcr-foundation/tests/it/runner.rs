@@ -632,9 +632,28 @@ fn region_registration_refused(
 /// effort); an op with nothing pending cannot be aborted.
 #[test]
 fn abort_is_real_and_best_effort() {
-    let (mut runner, ns, _) = start(512, None);
-    let host = Host::new(&mut runner, "kv", 512);
-    let entries: Vec<DepositEntry> = (0..512)
+    // 256 pages of 256 KiB: the copy thread needs milliseconds for the job,
+    // the abort right after the call takes microseconds.
+    const BIG: u64 = 256 << 10;
+    let mut runner = Runner::start(RunnerConfig::single_pool("kv", BIG, 256), None).unwrap();
+    let ns = runner.register_namespace(Namespace::base(CompatDigest(7)));
+    let mut buf = vec![0u8; 256 * BIG as usize];
+    // SAFETY: (test) `buf` outlives the runner (dropped at the end).
+    let region = unsafe {
+        runner.register_region(RegionDesc {
+            label: "kv".into(),
+            base: buf.as_mut_ptr() as u64,
+            size: BIG,
+            stride: 0,
+            count: 256,
+        })
+    }
+    .unwrap();
+    let host = Host {
+        buf: Vec::new(),
+        region,
+    };
+    let entries: Vec<DepositEntry> = (0..256)
         .map(|p| DepositEntry {
             key: key(ns, p),
             spans: vec![host.at(p as usize)],
@@ -657,6 +676,8 @@ fn abort_is_real_and_best_effort() {
     assert!(!runner.abort(op, None), "a completed op cannot be aborted");
     let done = deposit(&mut runner, &host, ns, &[1], false);
     assert!(!runner.abort(done.op, None));
+    drop(runner);
+    drop(buf);
 }
 
 /// Deadlines: a deposit whose copy could not start by its deadline fails,
