@@ -330,7 +330,13 @@ impl State {
             // Progress whenever a transfer may be moving in either direction:
             // our own puts, or writes into us (on TCP the target's worker
             // applies them).
-            let busy = !self.pending.is_empty();
+            // Busy while our puts are in flight, and while we have granted
+            // memory to a source: UCX 1.13 does not finish a large put into
+            // us over shared memory (nor wire up a new endpoint) unless our
+            // worker progresses too, and it does not reliably signal the
+            // event fd for it.
+            let granted = shared.lock().core.peer_busy().0 > 0;
+            let busy = !self.pending.is_empty() || granted;
             while self.worker.progress() > 0 {}
             if !self.pending.is_empty() {
                 self.issue_and_reap(shared);
@@ -353,6 +359,12 @@ impl State {
                 }
                 while let Ok(message) = self.inbound.try_recv() {
                     shared.with_core_now(|core, now| core.handle_message(now, message));
+                }
+                if self.pending.is_empty() {
+                    // Only waiting for writes into us: keep progressing, but
+                    // give the core to other runnable threads (the source may
+                    // share it) between rounds.
+                    std::thread::yield_now();
                 }
                 tokio::task::yield_now().await;
             } else {
