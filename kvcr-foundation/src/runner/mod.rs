@@ -676,8 +676,13 @@ impl Runner {
             .map(|p| p.block_size * u64::from(p.blocks))
             .collect();
         let (mut driver, setup) =
-            peer_driver::PeerDriver::start(peer, pool_bytes.clone(), config.prefault)
-                .map_err(|e| fail("start peer", e))?;
+            peer_driver::PeerDriver::start(peer, pool_bytes.clone(), config.prefault).map_err(
+                |e| match e.runner_reason() {
+                    // Already a startup error (resources retained): keep it.
+                    Some(RunnerReason::Startup { .. }) => e,
+                    _ => fail("start peer", e),
+                },
+            )?;
         let timeout_ns = u64::try_from(config.operation_timeout.as_nanos()).unwrap_or(u64::MAX);
         let abandon_ns = peer
             .abandon_timeout

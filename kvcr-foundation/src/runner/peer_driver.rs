@@ -120,10 +120,15 @@ impl PeerDriver {
             }
             Err(_) => {
                 // The thread is stuck in UCX or a bind: it may hold memory we
-                // cannot prove quiescent, so it is left running (retained).
-                return Err(Error::runner(RunnerReason::Config {
-                    field: "peer",
-                    why: "peer thread did not start within 30 s",
+                // cannot prove quiescent, so it is left running, and the error
+                // says the resources were retained.
+                return Err(Error::runner(RunnerReason::Startup {
+                    stage: "start peer",
+                    retained: true,
+                    cause: Box::new(Error::runner(RunnerReason::Config {
+                        field: "peer",
+                        why: "peer thread did not start within 30 s",
+                    })),
                 }));
             }
         };
