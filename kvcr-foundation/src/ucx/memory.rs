@@ -89,10 +89,18 @@ pub(crate) struct RegCore {
 impl RegCore {
     /// Waits until no put from the region is in flight, then unmaps it.
     /// Idempotent; never panics; failures are recorded on the context.
-    fn teardown(&self) {
+    ///
+    /// With `may_leak` (memory the registration owns), gives up after
+    /// [`DROP_WAIT`] and returns `false`: the region then stays mapped and
+    /// allocated forever (a leak, recorded), because freeing memory a put may
+    /// still read would be a use-after-free. Borrowed memory cannot be leaked
+    /// — the borrow ends when the scope does — so without `may_leak` the wait
+    /// goes on, sleeping on the workers' event fds, until UCX completes or
+    /// fails the puts (a force-closed or failed endpoint completes them).
+    fn teardown(&self, may_leak: bool) -> bool {
         let memh = self.memh.get();
         if memh.is_null() {
-            return;
+            return true;
         }
         let policy = WaitPolicy::default();
         let mut waited = Duration::ZERO;
@@ -117,6 +125,9 @@ impl RegCore {
                         waited_ms: u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
                     },
                 ));
+                if may_leak {
+                    return false;
+                }
             }
         }
         // SAFETY: `memh` came from `ucp_mem_map` on `ctx` (alive: this struct
@@ -127,13 +138,15 @@ impl RegCore {
         if let Err(e) = check("ucp_mem_unmap", status) {
             self.ctx.record(e);
         }
+        true
     }
 }
 
 impl Drop for RegCore {
     fn drop(&mut self) {
-        // Normally already torn down by `Registration::drop` or the scope.
-        self.teardown();
+        // Normally already torn down by `Registration::drop` or the scope
+        // (in-flight puts hold this core, so none is in flight here).
+        self.teardown(true);
     }
 }
 
@@ -172,8 +185,12 @@ impl std::fmt::Debug for Registration<'_> {
 
 impl Drop for Registration<'_> {
     fn drop(&mut self) {
-        // 1. wait for in-flight puts from the region, unmap it;
-        self.core.teardown();
+        // 1. wait for in-flight puts from the region, unmap it (owned memory
+        //    that stays in use past the bounded wait is leaked, not freed);
+        let owned = !matches!(self.backing, Backing::Borrowed);
+        if !self.core.teardown(owned) {
+            return;
+        }
         // 2. then free owned memory (the core may outlive this struct inside
         //    completed operation states, but it no longer points at memory
         //    anyone uses: it is unmapped, and never dereferenced again).
@@ -497,7 +514,7 @@ struct ScopeTeardown(Rc<Cell<Vec<Rc<RegCore>>>>);
 impl Drop for ScopeTeardown {
     fn drop(&mut self) {
         for core in self.0.take() {
-            core.teardown();
+            core.teardown(false);
         }
     }
 }

@@ -281,3 +281,16 @@ fn wait_without_progress_times_out_with_a_typed_error() {
         "{e}"
     );
 }
+
+/// With `ucx-bindgen`, the bindings are regenerated from the installed
+/// headers at build time; they must equal the committed ones.
+#[cfg(feature = "ucx-bindgen")]
+#[test]
+fn committed_bindings_match_freshly_generated_ones() {
+    assert_eq!(
+        include_str!(concat!(env!("OUT_DIR"), "/ucx_bindings.rs")),
+        include_str!("bindings_1_13.rs"),
+        "regenerate: KVCR_UCX_BINDINGS_OUT=$PWD/kvcr-foundation/src/ucx/bindings_1_13.rs \
+         cargo build -p kvcr-foundation --features ucx-bindgen"
+    );
+}
