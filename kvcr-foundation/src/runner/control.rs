@@ -70,7 +70,6 @@ impl Drop for SocketGuard {
 /// The channel's handle (used on the peer thread, inside its runtime).
 pub(crate) struct ControlChannel {
     peers: HashMap<ControlEndpoint, mpsc::Sender<Message>>,
-    inbound: mpsc::Sender<Message>,
     secret: Option<Arc<[u8]>>,
     codec: FrameCodec,
     pub(crate) stats: Arc<ControlStats>,
@@ -98,7 +97,6 @@ impl ControlChannel {
         Ok((
             Self {
                 peers: HashMap::new(),
-                inbound,
                 secret,
                 codec,
                 stats,
@@ -139,14 +137,6 @@ impl ControlChannel {
     #[cfg(test)]
     pub(crate) fn open_sockets(&self) -> usize {
         self.stats.open_sockets.load(Ordering::Relaxed)
-    }
-
-    /// Delivers a message to our own inbound queue (a runner talking to itself).
-    #[allow(dead_code)]
-    pub(crate) fn loopback(&self, message: Message) {
-        if self.inbound.try_send(message).is_err() {
-            self.stats.dropped.fetch_add(1, Ordering::Relaxed);
-        }
     }
 }
 

@@ -126,7 +126,6 @@ pub(crate) enum Residency {
     Ready,
     /// A fill whose callers gave up while a remote write may still land: the
     /// slots stay owned until the write is terminal. Entered by peer fills.
-    #[allow(dead_code)]
     Discarding,
 }
 
