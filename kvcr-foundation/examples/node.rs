@@ -3,7 +3,8 @@
 //!
 //! Every command is one JSON line; every answer is one line `<WORD> <json>`:
 //!
-//! * start: prints `READY {"endpoint": .., "pid": ..}`.
+//! * start: prints `READY {"endpoint": .., "events": .., "pid": ..}` (`events`:
+//!   the KV-event PUB endpoint with `--publish`, else null).
 //! * `{"cmd":"offload","pages":N,"page_bytes":B,"shards":S,"seed":X}`: fills
 //!   host memory with deterministic bytes and deposits every (page, shard) as
 //!   its own key (namespace per head shard, as a `page_head` layout splits
@@ -28,8 +29,9 @@ use std::time::{Duration, Instant};
 
 use kvcr_foundation::hint::FetchMode;
 use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
+use kvcr_foundation::publisher::{PubSocket, Publisher, PublisherConfig, TopicParts};
 use kvcr_foundation::runner::{
-    DepositEntry, OpResult, PeerOptions, RegionDesc, Runner, RunnerConfig,
+    DepositEntry, OpResult, PageInfo, PeerOptions, RegionDesc, Runner, RunnerConfig,
 };
 use kvcr_foundation::{
     BlockKey, CompatDigest, FetchHint, Namespace, NamespaceId, RequestId, ScopedKey,
@@ -125,6 +127,36 @@ fn main() {
         .endpoint()
         .map(ToString::to_string)
         .unwrap_or_default();
+    // `--publish`: the runner's inventory goes out on the KV-event wire (a PUB
+    // socket bound on loopback), where a router can learn what it holds.
+    let publisher = if std::env::args().any(|a| a == "--publish") {
+        let started = kvcr_foundation::BindAddress::parse("tcp://127.0.0.1:0").and_then(|bind| {
+            Publisher::start(PublisherConfig::new(
+                TopicParts {
+                    worker_id: u64::from(std::process::id()),
+                    dp_rank: 0,
+                },
+                runner.incarnation(),
+                PubSocket::Bind(bind),
+            ))
+        });
+        match started {
+            Ok(publisher) => {
+                runner.set_inventory_sink(Box::new(publisher.sink()));
+                Some(publisher)
+            }
+            Err(e) => {
+                answer("ERROR", &json!({ "error": e.to_string() }));
+                std::process::exit(2);
+            }
+        }
+    } else {
+        None
+    };
+    let events = publisher
+        .as_ref()
+        .and_then(|p| p.bound().pub_bound.as_ref())
+        .map(ToString::to_string);
     let mut node = Node {
         runner,
         shards,
@@ -134,7 +166,7 @@ fn main() {
     };
     answer(
         "READY",
-        &json!({ "endpoint": endpoint, "pid": std::process::id() }),
+        &json!({ "endpoint": endpoint, "events": events, "pid": std::process::id() }),
     );
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
@@ -153,6 +185,7 @@ fn main() {
         }
     }
     let Node { runner, host, .. } = node;
+    drop(publisher);
     if let Err((runner, e)) = runner.close() {
         answer("ERROR", &json!({ "error": e.to_string() }));
         drop(runner);
@@ -204,7 +237,14 @@ fn offload(node: &mut Node, cmd: &Value) {
                 region,
                 index: page * shards + shard,
             }],
-            page: None,
+            // The page's tokens (synthetic but consistent): KV events carry
+            // real token ids, so a router can match prompts to pages.
+            page: Some(PageInfo {
+                parent: page
+                    .checked_sub(1)
+                    .map(|p| BlockKey::from_u64(page_hash(p, seed))),
+                token_ids: (0..64).map(|t| (page * 64 + t) as u32).collect(),
+            }),
         })
         .collect();
     let start = Instant::now();

@@ -1,7 +1,9 @@
 //! `cargo xtask demo`: the main job. Several rank-local runners as separate
 //! processes on loopback; a source engine offloads prompts of Qwen3-0.6B KV
-//! (64-token pages, 7,340,032 bytes each, stored head-split in two shards);
-//! a built-in minimal router sends each destination rank a `kv.fetch` hint;
+//! (64-token pages, 7,340,032 bytes each, stored head-split in two shards)
+//! and publishes them on the vLLM/Dynamo KV-event wire; a built-in minimal
+//! router learns the page hashes from those `BlockStored` events and sends
+//! each destination rank a `kv.fetch` hint;
 //! the destinations restore from the source's KVCR DRAM over UCX and check
 //! every byte; a table shows what happened.
 
@@ -26,6 +28,7 @@ struct Proc {
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
     endpoint: String,
+    events: Option<String>,
 }
 
 impl Proc {
@@ -35,8 +38,12 @@ impl Proc {
         blocks: u64,
         block_bytes: u64,
         tls: Option<&str>,
+        publish: bool,
     ) -> Result<Self> {
         let mut cmd = Command::new(binary);
+        if publish {
+            cmd.arg("--publish");
+        }
         cmd.args([
             "--blocks",
             &blocks.to_string(),
@@ -57,9 +64,11 @@ impl Proc {
             stdin,
             stdout,
             endpoint: String::new(),
+            events: None,
         };
         let ready = proc.read("READY")?;
         proc.endpoint = ready["endpoint"].as_str().unwrap_or_default().to_owned();
+        proc.events = ready["events"].as_str().map(str::to_owned);
         Ok(proc)
     }
 
@@ -123,6 +132,48 @@ fn parse(rest: &[String]) -> Result<Options> {
     Ok(o)
 }
 
+/// Reads `BlockStored` events off the KV-event stream until `pages` distinct
+/// hashes are seen (or the stream goes quiet), in first-seen order.
+fn stored_hashes(subscriber: &zmq::Socket, pages: usize) -> Vec<u64> {
+    let mut seen = Vec::new();
+    while seen.len() < pages {
+        let Ok(frames) = subscriber.recv_multipart(0) else {
+            break; // quiet for the receive timeout
+        };
+        let Some(payload) = frames.get(2) else {
+            continue;
+        };
+        let Ok(batch) = rmpv::decode::read_value(&mut payload.as_slice()) else {
+            continue;
+        };
+        let events = batch
+            .as_array()
+            .and_then(|b| b.get(1))
+            .and_then(rmpv::Value::as_array);
+        for event in events.into_iter().flatten() {
+            let Some(map) = event.as_map() else { continue };
+            let field = |name: &str| {
+                map.iter()
+                    .find(|(k, _)| k.as_str() == Some(name))
+                    .map(|(_, v)| v)
+            };
+            if field("type").and_then(rmpv::Value::as_str) != Some("BlockStored") {
+                continue;
+            }
+            for hash in field("block_hashes")
+                .and_then(rmpv::Value::as_array)
+                .into_iter()
+                .flatten()
+            {
+                if let Some(h) = hash.as_u64().filter(|h| !seen.contains(h)) {
+                    seen.push(h);
+                }
+            }
+        }
+    }
+    seen
+}
+
 fn percentile(values: &mut [f64], p: f64) -> f64 {
     values.sort_by(f64::total_cmp);
     values
@@ -160,27 +211,63 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
     eprintln!(
         "demo: starting 4 runner processes on loopback (source TP=1, destination A TP=1, destination B TP=2)…"
     );
-    let mut source = Proc::spawn(&binary, "source", o.pages * SHARDS, shard_bytes, tls)?;
+    let mut source = Proc::spawn(&binary, "source", o.pages * SHARDS, shard_bytes, tls, true)?;
     let mut dests = vec![
         (
-            Proc::spawn(&binary, "dest-A tp0/1", o.pages * SHARDS, shard_bytes, tls)?,
+            Proc::spawn(
+                &binary,
+                "dest-A tp0/1",
+                o.pages * SHARDS,
+                shard_bytes,
+                tls,
+                false,
+            )?,
             vec![0u64, 1],
         ),
         (
-            Proc::spawn(&binary, "dest-B tp0/2", o.pages, shard_bytes, tls)?,
+            Proc::spawn(&binary, "dest-B tp0/2", o.pages, shard_bytes, tls, false)?,
             vec![0u64],
         ),
         (
-            Proc::spawn(&binary, "dest-B tp1/2", o.pages, shard_bytes, tls)?,
+            Proc::spawn(&binary, "dest-B tp1/2", o.pages, shard_bytes, tls, false)?,
             vec![1u64],
         ),
     ];
+    // The router subscribes to the source's KV events (vLLM/Dynamo wire)
+    // before the offload, and learns from them which pages the source holds.
+    let events = source
+        .events
+        .clone()
+        .context("the source publishes no KV events")?;
+    let zmq_ctx = zmq::Context::new();
+    let subscriber = zmq_ctx.socket(zmq::SUB)?;
+    subscriber.set_subscribe(b"")?;
+    subscriber.set_rcvtimeo(2000)?;
+    subscriber.connect(&events)?;
+    // A subscription takes effect asynchronously (ZMQ's slow joiner); give it
+    // a moment before anything is published.
+    std::thread::sleep(std::time::Duration::from_millis(300));
     source.send(&json!({"cmd": "offload", "pages": o.pages, "page_bytes": page_bytes, "shards": SHARDS, "seed": o.seed}))?;
     let offloaded = source.read("OFFLOADED")?;
-    let hashes: Vec<u64> = offloaded["hashes"]
+    let offloaded_hashes: Vec<u64> = offloaded["hashes"]
         .as_array()
         .map(|a| a.iter().filter_map(Value::as_u64).collect())
         .unwrap_or_default();
+    let learned = stored_hashes(&subscriber, offloaded_hashes.len());
+    let hashes = if learned == offloaded_hashes {
+        eprintln!(
+            "demo: the router learned all {} page hashes from the source's BlockStored events",
+            learned.len()
+        );
+        learned
+    } else {
+        eprintln!(
+            "demo: the router saw {} of {} page hashes on the KV-event stream; using the source's own list",
+            learned.len(),
+            offloaded_hashes.len()
+        );
+        offloaded_hashes
+    };
     eprintln!(
         "demo: source offloaded {} keys ({:.0} MiB) in {:.2} s into KVCR DRAM at {}",
         offloaded["keys"],
