@@ -844,3 +844,101 @@ fn inventory_events_carry_page_info() {
         "same hashes, two namespaces, four pages"
     );
 }
+
+/// A job big enough to be split over two copy threads is byte exact both
+/// ways; a deliver that names one destination twice (not disjoint, so never
+/// split) still completes with the page's bytes.
+#[test]
+fn large_jobs_are_byte_exact() {
+    const BIG: u64 = 256 << 10;
+    const PAGES: u64 = 64; // 16 MiB: above the split threshold
+    let mut runner =
+        Runner::start(RunnerConfig::single_pool("kv", BIG, PAGES as u32), None).unwrap();
+    let ns = runner.register_namespace(Namespace::base(CompatDigest(7)));
+    let mut src = vec![0u8; (PAGES * BIG) as usize];
+    for (i, b) in src.iter_mut().enumerate() {
+        *b = ((i * 7) >> 9) as u8 ^ (i / BIG as usize) as u8;
+    }
+    let mut dst = vec![0u8; (PAGES * BIG) as usize];
+    let mut register = |label: &str, buf: &mut Vec<u8>| {
+        // SAFETY: (test) both buffers outlive the runner (dropped after it).
+        unsafe {
+            runner.register_region(RegionDesc {
+                label: label.into(),
+                base: buf.as_mut_ptr() as u64,
+                size: BIG,
+                stride: 0,
+                count: PAGES,
+            })
+        }
+        .unwrap()
+    };
+    let src_region = register("kv", &mut src);
+    let dst_region = register("kv:out", &mut dst);
+    let entries = (0..PAGES)
+        .map(|p| DepositEntry {
+            key: key(ns, p),
+            spans: vec![ElementRef {
+                region: src_region,
+                index: p,
+            }],
+            page: None,
+        })
+        .collect();
+    let op = runner.deposit(entries, false).unwrap();
+    assert!(
+        wait(&mut runner, op)
+            .entries
+            .iter()
+            .all(|(_, e)| e.is_success())
+    );
+    // Reversed order, so a split would cross the halves.
+    let entries = (0..PAGES)
+        .map(|p| DeliverEntry {
+            key: key(ns, p),
+            destinations: vec![ElementRef {
+                region: dst_region,
+                index: PAGES - 1 - p,
+            }],
+        })
+        .collect();
+    let op = runner.deliver(entries).unwrap();
+    assert!(
+        wait(&mut runner, op)
+            .entries
+            .iter()
+            .all(|(_, e)| e.is_success())
+    );
+    let page = |buf: &[u8], p: u64| buf[(p * BIG) as usize..((p + 1) * BIG) as usize].to_vec();
+    for p in 0..PAGES {
+        assert_eq!(page(&dst, PAGES - 1 - p), page(&src, p), "page {p}");
+    }
+    // Two keys into one destination element: never split; the last wins.
+    let entries = vec![
+        DeliverEntry {
+            key: key(ns, 3),
+            destinations: vec![ElementRef {
+                region: dst_region,
+                index: 0,
+            }],
+        },
+        DeliverEntry {
+            key: key(ns, 5),
+            destinations: vec![ElementRef {
+                region: dst_region,
+                index: 0,
+            }],
+        },
+    ];
+    let op = runner.deliver(entries).unwrap();
+    assert!(
+        wait(&mut runner, op)
+            .entries
+            .iter()
+            .all(|(_, e)| e.is_success())
+    );
+    assert_eq!(page(&dst, 0), page(&src, 5));
+    runner.close().map_err(|(_, e)| e).unwrap();
+    drop(src);
+    drop(dst);
+}
