@@ -617,18 +617,10 @@ impl Core {
                         );
                         continue;
                     };
-                    for (span_index, span) in spans.iter_mut().enumerate() {
-                        let pool = self
-                            .layouts
-                            .get(layout as usize)
-                            .and_then(|l| l.get(span_index))
-                            .copied();
-                        let slot = slots.get(span_index).copied();
-                        if let (Some(pool), Some(slot)) = (pool, slot) {
-                            span.dst = self.slot_addr(pool, slot);
-                        }
-                    }
                     let record = self.insert_record(now, key, layout, slots);
+                    for (span, slot) in spans.iter_mut().zip(self.slot_spans(record)) {
+                        span.dst = slot.src;
+                    }
                     let fill = self.new_fill(Fill {
                         record,
                         source: FillSource::Copy {
@@ -1402,39 +1394,16 @@ impl Core {
         })
     }
 
-    fn slot_addr(&self, pool: PoolId, slot: u32) -> u64 {
-        // In range: slots come from this pool's free list (< total) and the
-        // pool region's extent was checked at registration.
-        self.pools
-            .get(pool.0 as usize)
-            .and_then(|p| {
-                self.regions
-                    .get(p.region)
-                    .ok()
-                    .map(|r| r.desc.base + u64::from(slot) * p.block_size)
-            })
-            .unwrap_or(0)
-    }
-
-    /// The record's slots as copy sources (`src`, `len`).
+    /// The record's slots as copy sources (`src`, `len`): its element
+    /// references resolved through the (bounds-checked) region table.
     fn slot_spans(&self, idx: u32) -> Vec<CopySpan> {
-        let Some(r) = self.record(idx) else {
-            return Vec::new();
-        };
-        let Some(pools) = self.layouts.get(r.layout as usize) else {
-            return Vec::new();
-        };
-        pools
-            .iter()
-            .enumerate()
-            .filter_map(|(i, pool)| {
-                let slot = self.slot(idx, i)?;
-                let block = self.pools.get(pool.0 as usize)?.block_size;
-                Some(CopySpan {
-                    src: self.slot_addr(*pool, slot),
-                    dst: 0,
-                    len: block,
-                })
+        self.slot_refs(idx)
+            .into_iter()
+            .filter_map(|element| self.regions.resolve(element).ok())
+            .map(|span| CopySpan {
+                src: span.addr,
+                dst: 0,
+                len: span.len,
             })
             .collect()
     }
