@@ -232,6 +232,37 @@ impl Sim {
         }
     }
 
+    /// Hands a message to the core it is addressed to.
+    fn handle(&mut self, to: &ControlEndpoint, now: u64, message: Message) {
+        if *to == endpoint(1) {
+            self.target.handle_message(now, message);
+        } else {
+            self.source.handle_message(now, message);
+        }
+    }
+
+    /// Lands the puts due by now, then reports each write whose puts have
+    /// all landed to the source incarnation that issued it (a crashed
+    /// incarnation's puts may still land, but nobody reports them).
+    fn complete_due_puts(&mut self) {
+        let now = self.now;
+        let (due, pending): (Vec<_>, Vec<_>) = self.puts.iter().partition(|p| p.done_at <= now);
+        self.puts = pending;
+        let mut writes = BTreeMap::new();
+        for put in &due {
+            if put.ok {
+                self.landed.insert(put.slot, put.key);
+            }
+            writes.insert(put.write, (put.ok, put.incarnation));
+        }
+        for (write, (ok, incarnation)) in writes {
+            if incarnation == self.source_incarnation && !self.puts.iter().any(|p| p.write == write)
+            {
+                self.source.handle_put_done(now, write, ok);
+            }
+        }
+    }
+
     fn step(&mut self) -> Result<(), String> {
         match self.rng.below(10) {
             0..=2 => {
@@ -257,34 +288,13 @@ impl Sim {
                 if let Some((&(at, seq), _)) = self.network.iter().next() {
                     self.now = self.now.max(at);
                     let (to, message) = self.network.remove(&(at, seq)).ok_or("vanished")?;
-                    if to == endpoint(1) {
-                        self.target.handle_message(self.now, message);
-                    } else {
-                        self.source.handle_message(self.now, message);
-                    }
+                    self.handle(&to, self.now, message);
                 }
             }
             6 | 7 => {
                 // Complete puts that are due.
                 self.now += self.rng.below(TIMEOUT / 3);
-                let now = self.now;
-                let (due, pending): (Vec<_>, Vec<_>) =
-                    self.puts.iter().partition(|p| p.done_at <= now);
-                self.puts = pending;
-                let mut writes = BTreeMap::new();
-                for put in &due {
-                    if put.ok {
-                        self.landed.insert(put.slot, put.key);
-                    }
-                    writes.insert(put.write, (put.ok, put.incarnation));
-                }
-                for (write, (ok, incarnation)) in writes {
-                    if incarnation == self.source_incarnation
-                        && !self.puts.iter().any(|p| p.write == write)
-                    {
-                        self.source.handle_put_done(self.now, write, ok);
-                    }
-                }
+                self.complete_due_puts();
             }
             8 => {
                 self.now += self.rng.below(TIMEOUT);
@@ -368,29 +378,10 @@ impl Sim {
                 .collect();
             for k in due {
                 if let Some((to, message)) = self.network.remove(&k) {
-                    if to == endpoint(1) {
-                        self.target.handle_message(now, message);
-                    } else {
-                        self.source.handle_message(now, message);
-                    }
+                    self.handle(&to, now, message);
                 }
             }
-            let (due, pending): (Vec<_>, Vec<_>) = self.puts.iter().partition(|p| p.done_at <= now);
-            self.puts = pending;
-            let mut writes = BTreeMap::new();
-            for put in &due {
-                if put.ok {
-                    self.landed.insert(put.slot, put.key);
-                }
-                writes.insert(put.write, (put.ok, put.incarnation));
-            }
-            for (write, (ok, incarnation)) in writes {
-                if incarnation == self.source_incarnation
-                    && !self.puts.iter().any(|p| p.write == write)
-                {
-                    self.source.handle_put_done(now, write, ok);
-                }
-            }
+            self.complete_due_puts();
             for core in [&mut self.target, &mut self.source] {
                 core.handle_tick(now);
                 core.handle_timeout(now);
@@ -471,11 +462,7 @@ fn fault_free_fetch_restores_the_hinted_keys() {
         let due: Vec<(u64, u64)> = sim.network.keys().copied().collect();
         for k in due {
             let (to, message) = sim.network.remove(&k).unwrap();
-            if to == endpoint(1) {
-                sim.target.handle_message(now, message);
-            } else {
-                sim.source.handle_message(now, message);
-            }
+            sim.handle(&to, now, message);
         }
         for put in std::mem::take(&mut sim.puts) {
             sim.landed.insert(put.slot, put.key);
@@ -609,11 +596,7 @@ fn a_write_after_an_expiry_waits_for_a_fresh_ack() {
             named.push(*source_incarnation);
             continue; // the source dies before it reads it
         }
-        if to == endpoint(1) {
-            sim.target.handle_message(0, message);
-        } else {
-            sim.source.handle_message(0, message);
-        }
+        sim.handle(&to, 0, message);
         sim.deliver_actions(true);
         sim.deliver_actions(false);
     }
@@ -642,11 +625,7 @@ fn a_write_after_an_expiry_waits_for_a_fresh_ack() {
         {
             named.push(*source_incarnation);
         }
-        if to == endpoint(1) {
-            sim.target.handle_message(TIMEOUT + 1, message);
-        } else {
-            sim.source.handle_message(TIMEOUT + 1, message);
-        }
+        sim.handle(&to, TIMEOUT + 1, message);
         sim.deliver_actions(true);
         sim.deliver_actions(false);
     }
