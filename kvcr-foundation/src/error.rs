@@ -153,6 +153,15 @@ pub enum RunnerReason {
     /// A reference names a runner-owned region where framework memory is required.
     #[error("region {0} is runner-owned; callers may only name framework regions here")]
     NotFrameworkRegion(u32),
+    /// One call named both host and device framework memory.
+    #[error("one call must name only host or only device memory, not both")]
+    MixedMemory,
+    /// A device region was registered before a device copier was set.
+    #[error("device memory needs a device copier (set one before registering device regions)")]
+    NoDeviceCopier,
+    /// A second device copier was offered.
+    #[error("a device copier is already set")]
+    DeviceCopierSet,
     /// A key has no spans, or more than the layout bound.
     #[error("a key needs 1..={max} spans, got {got}")]
     LayoutLength {
@@ -197,6 +206,9 @@ pub enum RunnerReason {
     /// The copy engine thread is gone.
     #[error("the copy engine stopped")]
     CopyEngineStopped,
+    /// The device copier failed (attaching the pools or copying).
+    #[error("device copy failed: {0}")]
+    DeviceCopy(Echo),
     /// A slot read named a handle that is not a live claim.
     #[error("release handle {0} is not a live claim")]
     UnknownClaim(u64),

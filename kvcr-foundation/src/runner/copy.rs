@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use super::Shared;
 use super::core::{CopyOutcome, JobId};
+use super::device::DeviceCopier;
 use super::memory::{CopySpan, copy_spans};
 use crate::error::{Error, Result, RunnerReason};
 
@@ -30,6 +31,8 @@ pub(crate) struct Job {
     pub(crate) deadline: Instant,
     pub(crate) keys: Vec<Vec<CopySpan>>,
     pub(crate) cancel: Arc<[AtomicBool]>,
+    /// Set for a job that touches device memory: it runs there, not here.
+    pub(crate) device: Option<Arc<dyn DeviceCopier>>,
 }
 
 /// What the copy thread receives.
@@ -127,6 +130,9 @@ fn worker(jobs: &Receiver<Msg>, shared: &Weak<Shared>, shutdown: &AtomicBool) {
 const SPLIT_BYTES: u64 = 8 << 20;
 
 fn execute(job: &Job, shutdown: &AtomicBool) -> Vec<CopyOutcome> {
+    if let Some(copier) = &job.device {
+        return execute_on_device(job, copier.as_ref(), shutdown);
+    }
     let total: u64 = job.keys.iter().flatten().map(|s| s.len).sum();
     let half = job.keys.len() / 2;
     if total < SPLIT_BYTES || half == 0 || !destinations_disjoint(&job.keys) {
@@ -146,6 +152,41 @@ fn execute(job: &Job, shutdown: &AtomicBool) -> Vec<CopyOutcome> {
         }
         outcomes
     })
+}
+
+/// Runs a device job: keys cancelled or past the deadline are skipped as on
+/// the host path; the rest go to the copier in one call (one batch of kernels
+/// or driver copies), which succeeds or fails as a whole.
+fn execute_on_device(
+    job: &Job,
+    copier: &dyn DeviceCopier,
+    shutdown: &AtomicBool,
+) -> Vec<CopyOutcome> {
+    // The driver reads the clock; the core never does.
+    #[allow(clippy::disallowed_methods)]
+    let late = Instant::now() > job.deadline;
+    let mut outcomes = Vec::with_capacity(job.keys.len());
+    let mut batch: Vec<&[CopySpan]> = Vec::with_capacity(job.keys.len());
+    for (i, spans) in job.keys.iter().enumerate() {
+        let cancelled = shutdown.load(Ordering::Acquire)
+            || job.cancel.get(i).is_some_and(|c| c.load(Ordering::Acquire));
+        outcomes.push(if cancelled {
+            CopyOutcome::Cancelled
+        } else if late {
+            CopyOutcome::DeadlinePassed
+        } else {
+            batch.push(spans);
+            CopyOutcome::Copied
+        });
+    }
+    if !batch.is_empty() && copier.copy(&batch).is_err() {
+        for outcome in &mut outcomes {
+            if *outcome == CopyOutcome::Copied {
+                *outcome = CopyOutcome::Failed;
+            }
+        }
+    }
+    outcomes
 }
 
 /// Whether no two destination ranges of the job overlap.

@@ -24,7 +24,7 @@ use super::memory::CopySpan;
 use super::policy::{
     BlockMeta, CachePolicy, EvictionDecision, EvictionOrder, IngestDecision, SanitizedPolicy,
 };
-use super::region::{RegionDesc, RegionTable};
+use super::region::{RegionDesc, RegionMemory, RegionTable};
 use super::{
     DeliverEntry, DepositEntry, EntryResult, FailReason, OpResult, PageInfo, PoolId, PoolStats,
     QueryStatus, ReleaseHandle,
@@ -46,7 +46,7 @@ pub use peer::{PeerCounters, PeerNotice};
 pub const KVCR_REGION_PREFIX: &str = "kvcr-dram/";
 
 /// Most spans (pools) one key may use.
-pub const MAX_SPANS_PER_KEY: usize = 64;
+pub const MAX_SPANS_PER_KEY: usize = 512;
 
 const NIL: u32 = u32::MAX;
 
@@ -64,6 +64,9 @@ pub(crate) enum Action {
         job: JobId,
         /// Runner time after which a not-yet-started key is skipped.
         deadline_ns: u64,
+        /// Where the framework side of every span lives: host jobs run on the
+        /// copy thread's memcpy, device jobs on the device copier.
+        memory: RegionMemory,
         /// Per key, its spans.
         keys: Vec<Vec<CopySpan>>,
     },
@@ -115,6 +118,9 @@ pub(crate) enum CopyOutcome {
     Cancelled,
     /// Skipped because the deadline passed before it started.
     DeadlinePassed,
+    /// The device copier reported a failure: the destination's bytes are
+    /// unknown, and no copy touches the memory any more.
+    Failed,
 }
 
 /// Residency state of a record.
@@ -215,6 +221,9 @@ struct Op {
     entries: Vec<OpEntry>,
     pending: usize,
     jobs: u32,
+    /// Where the operation's framework elements live (one kind per call), so
+    /// its copy jobs reach the copier that can touch them.
+    memory: RegionMemory,
 }
 
 #[derive(Debug)]
@@ -361,6 +370,7 @@ impl Core {
                     count: u64::from(*blocks),
                 },
                 Owner::Kvcr,
+                RegionMemory::Host,
                 &pool_specs,
                 Some(i),
             )?;
@@ -426,8 +436,28 @@ impl Core {
     // ------------------------------------------------------------ registration
 
     pub(crate) fn register_region(&mut self, desc: RegionDesc) -> Result<RegionId> {
+        self.register_region_in(desc, RegionMemory::Host)
+    }
+
+    pub(crate) fn register_region_in(
+        &mut self,
+        desc: RegionDesc,
+        memory: RegionMemory,
+    ) -> Result<RegionId> {
         self.regions
-            .register(desc, Owner::Framework, &self.pool_specs, None)
+            .register(desc, Owner::Framework, memory, &self.pool_specs, None)
+    }
+
+    /// Every runner pool's memory, in pool order.
+    pub(crate) fn pool_memory(&self) -> Vec<super::PoolMemory> {
+        self.pools
+            .iter()
+            .filter_map(|p| self.regions.get(p.region).ok())
+            .map(|r| super::PoolMemory {
+                base: r.desc.base,
+                len: r.desc.size.saturating_mul(r.desc.count),
+            })
+            .collect()
     }
 
     pub(crate) fn region_by_label(&self, label: &str) -> Option<RegionId> {
@@ -465,7 +495,13 @@ impl Core {
 
     // ------------------------------------------------------------ operations
 
-    fn new_op(&mut self, now: u64, kind: OpKind, entries: Vec<OpEntry>) -> OpHandle {
+    fn new_op(
+        &mut self,
+        now: u64,
+        kind: OpKind,
+        entries: Vec<OpEntry>,
+        memory: RegionMemory,
+    ) -> OpHandle {
         let handle = OpHandle(self.next_op);
         self.next_op += 1;
         let deadline = now.saturating_add(self.operation_timeout_ns);
@@ -478,6 +514,7 @@ impl Core {
                 entries,
                 pending,
                 jobs: 0,
+                memory,
             },
         );
         self.deadlines.insert((deadline, handle));
@@ -504,7 +541,7 @@ impl Core {
     fn framework_spans(
         &mut self,
         spans: &[ElementRef],
-    ) -> Result<(u16, Vec<CopySpan>, Vec<PoolId>)> {
+    ) -> Result<(u16, Vec<CopySpan>, RegionMemory)> {
         if spans.is_empty() || spans.len() > MAX_SPANS_PER_KEY {
             return Err(runner_err(RunnerReason::LayoutLength {
                 got: spans.len(),
@@ -513,8 +550,10 @@ impl Core {
         }
         let mut pools = Vec::with_capacity(spans.len());
         let mut copies = Vec::with_capacity(spans.len());
+        let mut memory = None;
         for element in spans {
             let span = self.regions.resolve_framework(*element)?;
+            same_memory(&mut memory, span.memory)?;
             pools.push(span.pool);
             copies.push(CopySpan {
                 src: span.addr,
@@ -522,8 +561,8 @@ impl Core {
                 len: span.len,
             });
         }
-        let layout = self.layout_of(pools.clone())?;
-        Ok((layout, copies, pools))
+        let layout = self.layout_of(pools)?;
+        Ok((layout, copies, memory.unwrap_or(RegionMemory::Host)))
     }
 
     fn check_namespace(&self, key: &ScopedKey) -> Result<()> {
@@ -544,9 +583,11 @@ impl Core {
     ) -> Result<OpHandle> {
         // Validate everything first: a bad entry refuses the call unchanged.
         let mut validated = Vec::with_capacity(entries.len());
+        let mut memory = None;
         for entry in entries {
             self.check_namespace(&entry.key)?;
-            let (layout, spans, _) = self.framework_spans(&entry.spans)?;
+            let (layout, spans, entry_memory) = self.framework_spans(&entry.spans)?;
+            same_memory(&mut memory, entry_memory)?;
             validated.push((entry.key, layout, spans, entry.page));
         }
         let op_entries = validated
@@ -558,7 +599,12 @@ impl Core {
                 destinations: Vec::new(),
             })
             .collect();
-        let handle = self.new_op(now, OpKind::Deposit { no_evict }, op_entries);
+        let handle = self.new_op(
+            now,
+            OpKind::Deposit { no_evict },
+            op_entries,
+            memory.unwrap_or(RegionMemory::Host),
+        );
         let job = JobId(self.next_job);
         let mut job_keys = Vec::new();
         let mut job_spans = Vec::new();
@@ -679,7 +725,7 @@ impl Core {
                 destinations: Vec::new(),
             })
             .collect();
-        let handle = self.new_op(now, OpKind::Fetch, entries);
+        let handle = self.new_op(now, OpKind::Fetch, entries, RegionMemory::Host);
         let mut remote = Vec::new();
         for (i, key) in unique.iter().enumerate() {
             let entry = i as u32;
@@ -772,9 +818,11 @@ impl Core {
         request: Option<&RequestId>,
     ) -> Result<OpHandle> {
         let mut validated = Vec::with_capacity(entries.len());
+        let mut memory = None;
         for entry in entries {
             self.check_namespace(&entry.key)?;
-            let (layout, spans, _) = self.framework_spans(&entry.destinations)?;
+            let (layout, spans, entry_memory) = self.framework_spans(&entry.destinations)?;
+            same_memory(&mut memory, entry_memory)?;
             // Destinations: the resolved framework spans are the copy targets.
             let destinations: Vec<CopySpan> = spans
                 .into_iter()
@@ -795,7 +843,12 @@ impl Core {
                 destinations: destinations.clone(),
             })
             .collect();
-        let handle = self.new_op(now, OpKind::Deliver, op_entries);
+        let handle = self.new_op(
+            now,
+            OpKind::Deliver,
+            op_entries,
+            memory.unwrap_or(RegionMemory::Host),
+        );
         let mut ready = Vec::new();
         let mut remote: BTreeMap<u16, Vec<(u32, ScopedKey)>> = BTreeMap::new();
         for (i, (key, layout, _)) in validated.iter().enumerate() {
@@ -882,6 +935,7 @@ impl Core {
         debug_assert_eq!(job.0, self.next_job);
         self.next_job += 1;
         let deadline_ns = self.ops.get(&op).map_or(0, |o| o.deadline);
+        let memory = self.ops.get(&op).map_or(RegionMemory::Host, |o| o.memory);
         if let Some(o) = self.ops.get_mut(&op) {
             o.jobs += 1;
         }
@@ -889,6 +943,7 @@ impl Core {
         self.actions.push_back(Action::Copy {
             job,
             deadline_ns,
+            memory,
             keys: spans,
         });
     }
@@ -1040,6 +1095,7 @@ impl Core {
                         CopyOutcome::Copied => Ok(()),
                         CopyOutcome::DeadlinePassed => Err(FailReason::Timeout),
                         CopyOutcome::Cancelled => Err(FailReason::Aborted),
+                        CopyOutcome::Failed => Err(FailReason::CopyFailed),
                     };
                     self.finish_fill(now, fill, result, &mut stored, &mut deliver_next);
                 }
@@ -1052,6 +1108,7 @@ impl Core {
                         CopyOutcome::Copied => EntryResult::success(None, Vec::new()),
                         CopyOutcome::DeadlinePassed => EntryResult::failed(FailReason::Timeout),
                         CopyOutcome::Cancelled => EntryResult::failed(FailReason::Aborted),
+                        CopyOutcome::Failed => EntryResult::failed(FailReason::CopyFailed),
                     };
                     // A result set earlier (abort) stands: set_result keeps the first.
                     self.set_result(op, entry, result);
@@ -1978,4 +2035,16 @@ fn lifecycle_violation(
     panic!(
         "illegal residency transition for {key:?}: {from:?} -> {to:?} at {site} ({claims} claims)"
     )
+}
+
+/// Records the memory kind of one more span (or entry) of a call, refusing a
+/// call that mixes host and device memory: one copier runs each job.
+fn same_memory(seen: &mut Option<RegionMemory>, next: RegionMemory) -> Result<()> {
+    match *seen {
+        Some(kind) if kind != next => Err(runner_err(RunnerReason::MixedMemory)),
+        _ => {
+            *seen = Some(next);
+            Ok(())
+        }
+    }
 }

@@ -26,6 +26,7 @@ mod control;
 #[allow(unsafe_code)]
 mod copy;
 mod core;
+mod device;
 #[allow(unsafe_code)]
 mod memory;
 mod peer_driver;
@@ -45,11 +46,12 @@ use self::core::{Action, Core, CoreConfig};
 pub use self::core::{
     CoreCounters, KVCR_REGION_PREFIX, MAX_SPANS_PER_KEY, PeerCounters, PeerNotice,
 };
+pub use self::device::{DeviceCopier, PoolMemory};
 pub use self::memory::CopySpan;
 use self::memory::DramPool;
 pub use self::peer_driver::PeerOptions;
 pub use self::policy::CachePolicy;
-pub use self::region::{MAX_REGION_ELEMENTS, MAX_REGION_LABEL, RegionDesc};
+pub use self::region::{MAX_REGION_ELEMENTS, MAX_REGION_LABEL, RegionDesc, RegionMemory};
 use crate::endpoint::ControlEndpoint;
 use crate::error::{Error, Result, RunnerReason};
 use crate::hint::{FetchHint, RequestId};
@@ -233,6 +235,9 @@ pub enum FailReason {
     Timeout,
     /// Aborted by the caller (or its copy was cancelled).
     Aborted,
+    /// The device copier failed the copy (a GPU error); no copy touches the
+    /// memory any more, but the destination's bytes are unknown.
+    CopyFailed,
 }
 
 /// Per-key outcome.
@@ -368,6 +373,8 @@ struct Inner {
     cancels: HashMap<core::JobId, Arc<[AtomicBool]>>,
     /// Peer actions go to the peer thread (absent when peers are off).
     peer_tx: Option<tokio::sync::mpsc::UnboundedSender<peer_driver::PeerCmd>>,
+    /// Runs the copy jobs that touch device regions (absent until set).
+    device: Option<Arc<dyn DeviceCopier>>,
 }
 
 /// The shared state, plus the clock epoch and a wake-up for waiters.
@@ -397,6 +404,7 @@ impl Shared {
                 jobs,
                 cancels: HashMap::new(),
                 peer_tx,
+                device: None,
             }),
             completed_cv: Condvar::new(),
             completed_len: AtomicUsize::new(0),
@@ -444,6 +452,7 @@ impl Shared {
             jobs,
             cancels,
             peer_tx,
+            device,
         } = inner;
         let mut failed_jobs = Vec::new();
         while let Some(action) = core.poll_action() {
@@ -451,11 +460,23 @@ impl Shared {
                 Action::Copy {
                     job,
                     deadline_ns,
+                    memory,
                     keys,
                 } => {
                     let cancel: Arc<[AtomicBool]> =
                         keys.iter().map(|_| AtomicBool::new(false)).collect();
                     let n = keys.len();
+                    let device = match memory {
+                        RegionMemory::Host => None,
+                        RegionMemory::Device => match device {
+                            Some(copier) => Some(Arc::clone(copier)),
+                            // Unreachable: device regions need a copier first.
+                            None => {
+                                failed_jobs.push((job, n));
+                                continue;
+                            }
+                        },
+                    };
                     cancels.insert(job, Arc::clone(&cancel));
                     let deadline = self.epoch + Duration::from_nanos(deadline_ns);
                     if jobs
@@ -464,6 +485,7 @@ impl Shared {
                             deadline,
                             keys,
                             cancel,
+                            device,
                         }))
                         .is_err()
                     {
@@ -528,12 +550,19 @@ pub struct Runner {
     incarnation: Incarnation,
     endpoint: Option<ControlEndpoint>,
     pool_bytes: u64,
+    /// The device copier, detached in `drop` between steps 1 and 2.
+    device: Option<Arc<dyn DeviceCopier>>,
 }
 
 impl Drop for Runner {
     fn drop(&mut self) {
         // 1. No local copy runs after this (queued ones are skipped).
         self.copy.stop();
+        // 1b. No device copy runs either (they run on the copy thread), so the
+        //     copier may unpin the pools before anything below frees them.
+        if let Some(copier) = self.device.take() {
+            copier.detach();
+        }
         // 2. The peer thread unmaps the pools it registered, unless a remote
         //    write might still land in them: then it keeps them mapped for the
         //    life of the process rather than risk a write into reused memory.
@@ -643,6 +672,7 @@ impl Runner {
             incarnation: Incarnation::generate(),
             endpoint: None,
             pool_bytes,
+            device: None,
         };
         if let Err(e) = injected(StartupStage::StartCopyEngine) {
             runner.copy.stop();
@@ -735,6 +765,7 @@ impl Runner {
             incarnation,
             endpoint: Some(setup.endpoint),
             pool_bytes: pool_bytes.iter().sum(),
+            device: None,
         })
     }
 
@@ -828,6 +859,47 @@ impl Runner {
     #[allow(unsafe_code)]
     pub unsafe fn register_region(&mut self, desc: RegionDesc) -> Result<RegionId> {
         self.shared.lock().core.register_region(desc)
+    }
+
+    /// Sets the copier that runs every copy job touching device regions and
+    /// hands it the pools to pin ([`DeviceCopier::attach`]). Once per runner;
+    /// the runner detaches it when dropped, after its copy thread stops and
+    /// before its pools are freed.
+    pub fn set_device_copier(&mut self, copier: Arc<dyn DeviceCopier>) -> Result<()> {
+        if self.device.is_some() {
+            return Err(Error::runner(RunnerReason::DeviceCopierSet));
+        }
+        let pools = self.shared.lock().core.pool_memory();
+        copier.attach(&pools)?;
+        self.shared.lock().device = Some(Arc::clone(&copier));
+        self.device = Some(copier);
+        Ok(())
+    }
+
+    /// The runner's pools (host DRAM), as a device copier sees them.
+    pub fn pool_memory(&self) -> Vec<PoolMemory> {
+        self.shared.lock().core.pool_memory()
+    }
+
+    /// Registers a framework region in device memory (a GPU address in the
+    /// process's unified address space). Copies that touch it run on the
+    /// device copier, which must be set first; one call of `deposit` or
+    /// `deliver` names only host or only device elements.
+    ///
+    /// # Safety
+    /// As [`Runner::register_region`], for device memory: the extent must stay
+    /// allocated on the device until the runner is closed or dropped, and the
+    /// caller must not touch an element named by an operation until that
+    /// operation has completed.
+    #[allow(unsafe_code)]
+    pub unsafe fn register_device_region(&mut self, desc: RegionDesc) -> Result<RegionId> {
+        if self.device.is_none() {
+            return Err(Error::runner(RunnerReason::NoDeviceCopier));
+        }
+        self.shared
+            .lock()
+            .core
+            .register_region_in(desc, RegionMemory::Device)
     }
 
     /// The id of a registered region.

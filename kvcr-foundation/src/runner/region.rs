@@ -58,11 +58,22 @@ impl RegionDesc {
     }
 }
 
+/// Where a framework region's bytes live, which decides who copies them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RegionMemory {
+    /// Host memory the runner's copy thread reads and writes itself.
+    Host,
+    /// Device memory (a GPU's address in the process's unified address space):
+    /// only the runner's [`super::DeviceCopier`] touches it.
+    Device,
+}
+
 #[derive(Debug, Clone)]
 pub(crate) struct Region {
     pub(crate) desc: RegionDesc,
     pub(crate) pool: PoolId,
     pub(crate) owner: Owner,
+    pub(crate) memory: RegionMemory,
     end: u64,
 }
 
@@ -72,6 +83,7 @@ pub(crate) struct Span {
     pub(crate) addr: u64,
     pub(crate) len: u64,
     pub(crate) pool: PoolId,
+    pub(crate) memory: RegionMemory,
 }
 
 /// All registered regions, framework and runner-owned.
@@ -96,6 +108,7 @@ impl RegionTable {
         &mut self,
         desc: RegionDesc,
         owner: Owner,
+        memory: RegionMemory,
         pools: &[(String, u64)],
         own_pool: Option<usize>,
     ) -> Result<RegionId> {
@@ -168,6 +181,7 @@ impl RegionTable {
             desc,
             pool,
             owner,
+            memory,
             end,
         });
         Ok(id)
@@ -188,6 +202,7 @@ impl RegionTable {
             addr: region.desc.base + element.index * region.desc.effective_stride(),
             len: region.desc.size,
             pool: region.pool,
+            memory: region.memory,
         })
     }
 

@@ -19,6 +19,8 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+#[cfg(feature = "runner")]
+mod device;
 mod endpoints;
 mod frames;
 mod hints;

@@ -1,0 +1,262 @@
+//! The device seam: framework regions registered as device memory are copied
+//! by the framework's [`DeviceCopier`], never by the copy thread, with every
+//! runner rule (claims, failure, inventory) unchanged. The "device" here is
+//! host memory behind a recording copier (the seam's own contract); the CUDA
+//! copier is tested on a GPU in `kvcr-direct-linker`.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvcr_foundation::error::RunnerReason;
+use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
+use kvcr_foundation::runner::{
+    CopySpan, DeliverEntry, DepositEntry, DeviceCopier, EntryStatus, FailReason, OpResult,
+    PoolMemory, RegionDesc, Runner, RunnerConfig,
+};
+use kvcr_foundation::{BlockKey, CompatDigest, Error, Namespace, NamespaceId, ScopedKey};
+
+const BLOCK: usize = 256;
+
+#[derive(Default)]
+struct Recorder {
+    attached: Mutex<Vec<PoolMemory>>,
+    calls: AtomicUsize,
+    spans: AtomicUsize,
+    detached: AtomicBool,
+    fail_next: AtomicBool,
+}
+
+/// Copies host bytes, like a device would, and records what it was asked.
+struct RecordingCopier(Arc<Recorder>);
+
+impl DeviceCopier for RecordingCopier {
+    fn attach(&self, pools: &[PoolMemory]) -> kvcr_foundation::Result<()> {
+        self.0.attached.lock().unwrap().extend_from_slice(pools);
+        Ok(())
+    }
+
+    fn copy(&self, keys: &[&[CopySpan]]) -> kvcr_foundation::Result<()> {
+        assert!(!self.0.detached.load(Ordering::SeqCst), "copy after detach");
+        self.0.calls.fetch_add(1, Ordering::SeqCst);
+        if self.0.fail_next.swap(false, Ordering::SeqCst) {
+            return Err(Error::runner(RunnerReason::DeviceCopy(
+                kvcr_foundation::error::Echo::new("injected"),
+            )));
+        }
+        for span in keys.iter().flat_map(|k| k.iter()) {
+            self.0.spans.fetch_add(1, Ordering::SeqCst);
+            // SAFETY: (test) the runner bounds-checked both sides against the
+            // registered "device" buffer and its own pool, both alive.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    span.src as usize as *const u8,
+                    span.dst as usize as *mut u8,
+                    span.len as usize,
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn detach(&self) {
+        self.0.detached.store(true, Ordering::SeqCst);
+    }
+}
+
+struct Fixture {
+    runner: Runner,
+    ns: NamespaceId,
+    device: Vec<u8>,
+    region: RegionId,
+    recorder: Arc<Recorder>,
+}
+
+fn fixture(pages: usize) -> Fixture {
+    let mut runner = Runner::start(RunnerConfig::single_pool("kv", BLOCK as u64, 8), None).unwrap();
+    let ns = runner.register_namespace(Namespace::base(CompatDigest(9)));
+    let recorder = Arc::new(Recorder::default());
+    runner
+        .set_device_copier(Arc::new(RecordingCopier(Arc::clone(&recorder))))
+        .unwrap();
+    let mut device = vec![0u8; pages * BLOCK];
+    // SAFETY: (test) `device` outlives the runner inside the fixture (the
+    // runner field drops first), and no test touches an element in flight.
+    let region = unsafe {
+        runner.register_device_region(RegionDesc {
+            label: "kv:gpu".into(),
+            base: device.as_mut_ptr() as u64,
+            size: BLOCK as u64,
+            stride: 0,
+            count: pages as u64,
+        })
+    }
+    .unwrap();
+    Fixture {
+        runner,
+        ns,
+        device,
+        region,
+        recorder,
+    }
+}
+
+fn key(ns: NamespaceId, k: u64) -> ScopedKey {
+    ScopedKey {
+        namespace: ns,
+        key: BlockKey::from_u64(k),
+    }
+}
+
+fn wait(runner: &mut Runner, op: OpHandle) -> OpResult {
+    for _ in 0..1000 {
+        for result in runner.wait_completed(Duration::from_millis(50)) {
+            if result.op == op {
+                return result;
+            }
+        }
+    }
+    panic!("operation {op:?} did not complete");
+}
+
+impl Fixture {
+    fn at(&self, page: usize) -> ElementRef {
+        ElementRef {
+            region: self.region,
+            index: page as u64,
+        }
+    }
+
+    fn deposit(&mut self, k: u64, page: usize) -> EntryStatus {
+        let entry = DepositEntry {
+            key: key(self.ns, k),
+            spans: vec![self.at(page)],
+            page: None,
+        };
+        let op = self.runner.deposit(vec![entry], false).unwrap();
+        wait(&mut self.runner, op).entries[0].1.status
+    }
+
+    fn deliver(&mut self, k: u64, page: usize) -> EntryStatus {
+        let entry = DeliverEntry {
+            key: key(self.ns, k),
+            destinations: vec![self.at(page)],
+        };
+        let op = self.runner.deliver(vec![entry]).unwrap();
+        wait(&mut self.runner, op).entries[0].1.status
+    }
+}
+
+#[test]
+fn device_jobs_go_to_the_copier_byte_exact() {
+    let mut f = fixture(4);
+    let attached = f.recorder.attached.lock().unwrap().clone();
+    assert_eq!(attached, f.runner.pool_memory(), "attach sees every pool");
+    assert_eq!(attached[0].len, 8 * BLOCK as u64);
+    for (i, b) in f.device[..BLOCK].iter_mut().enumerate() {
+        *b = (i * 7 + 3) as u8;
+    }
+    assert_eq!(f.deposit(1, 0), EntryStatus::Success);
+    assert_eq!(f.deliver(1, 2), EntryStatus::Success);
+    assert_eq!(f.device[..BLOCK], f.device[2 * BLOCK..3 * BLOCK]);
+    assert_eq!(f.recorder.calls.load(Ordering::SeqCst), 2);
+    assert_eq!(f.recorder.spans.load(Ordering::SeqCst), 2);
+    let recorder = Arc::clone(&f.recorder);
+    let Fixture { runner, device, .. } = f;
+    assert!(!recorder.detached.load(Ordering::SeqCst));
+    runner.close().map_err(|(_, e)| e).unwrap();
+    assert!(
+        recorder.detached.load(Ordering::SeqCst),
+        "dropping the runner detaches the copier"
+    );
+    drop(device);
+}
+
+#[test]
+fn a_failed_device_copy_fails_the_key_and_frees_the_slot() {
+    let mut f = fixture(2);
+    f.recorder.fail_next.store(true, Ordering::SeqCst);
+    assert_eq!(f.deposit(5, 0), EntryStatus::Failed(FailReason::CopyFailed));
+    assert_eq!(f.runner.resident_blocks(), 0, "no half-written page stays");
+    assert_eq!(f.runner.stats().pools[0].free_slots, 8);
+    // The runner keeps serving: the same key deposits fine afterwards.
+    assert_eq!(f.deposit(5, 0), EntryStatus::Success);
+    f.recorder.fail_next.store(true, Ordering::SeqCst);
+    assert_eq!(f.deliver(5, 1), EntryStatus::Failed(FailReason::CopyFailed));
+    assert_eq!(f.runner.stats().public_claims, 0);
+    assert_eq!(f.deliver(5, 1), EntryStatus::Success);
+    f.runner.check_invariants().unwrap();
+}
+
+#[test]
+fn device_regions_need_a_copier_and_calls_never_mix_memories() {
+    let mut runner = Runner::start(RunnerConfig::single_pool("kv", BLOCK as u64, 4), None).unwrap();
+    let mut buf = vec![0u8; BLOCK];
+    let desc = RegionDesc {
+        label: "kv:gpu".into(),
+        base: buf.as_mut_ptr() as u64,
+        size: BLOCK as u64,
+        stride: 0,
+        count: 1,
+    };
+    // SAFETY: (test) refused before anything is registered.
+    let refused = unsafe { runner.register_device_region(desc) };
+    assert!(matches!(
+        refused,
+        Err(Error::Runner {
+            reason: RunnerReason::NoDeviceCopier
+        })
+    ));
+    drop(runner);
+
+    let mut f = fixture(2);
+    let second = f
+        .runner
+        .set_device_copier(Arc::new(RecordingCopier(Arc::default())));
+    assert!(matches!(
+        second,
+        Err(Error::Runner {
+            reason: RunnerReason::DeviceCopierSet
+        })
+    ));
+    // SAFETY: (test) `buf` outlives the runner's use of it: the runner is
+    // dropped at the end of this test, before `buf`.
+    let host = unsafe {
+        f.runner.register_region(RegionDesc {
+            label: "kv:host".into(),
+            base: buf.as_mut_ptr() as u64,
+            size: BLOCK as u64,
+            stride: 0,
+            count: 1,
+        })
+    }
+    .unwrap();
+    let entries = vec![
+        DepositEntry {
+            key: key(f.ns, 1),
+            spans: vec![f.at(0)],
+            page: None,
+        },
+        DepositEntry {
+            key: key(f.ns, 2),
+            spans: vec![ElementRef {
+                region: host,
+                index: 0,
+            }],
+            page: None,
+        },
+    ];
+    assert!(matches!(
+        f.runner.deposit(entries, false),
+        Err(Error::Runner {
+            reason: RunnerReason::MixedMemory
+        })
+    ));
+    assert_eq!(
+        f.recorder.calls.load(Ordering::SeqCst),
+        0,
+        "refused unchanged"
+    );
+    drop(f);
+    drop(buf);
+}
