@@ -1,4 +1,34 @@
-//! kvcr-direct-linker (slice 5/5): engine GPU pools ↔ KVCR DRAM through CUDA,
-//! local and peer restore (mode B). The only crate allowed to depend on cudarc.
+//! kvcr-direct-linker (slice 5/5): the linker contract with the engine's KV
+//! pool on the GPU and the store in the runner's KVCR DRAM (mode B, no engine
+//! host tier).
 //!
-//! Not written yet; the crate exports nothing today.
+//! * [`layout`]: the engine's layer-first GPU KV pool ([`KvLayout`]): per layer
+//!   a K and a V buffer of page slots; a page is `2 × layers` spans.
+//! * [`cuda`]: every CUDA driver call (the crate's only unsafe code), behind
+//!   RAII handles. The driver is loaded at run time; a machine without one
+//!   gets [`Error::NoDriver`], never a panic.
+//! * [`copier`]: [`CudaCopier`], the runner's device copier. It pins and maps
+//!   the runner's pools once and moves a whole job of scattered spans with one
+//!   gather/scatter kernel launch per span index (layer 0 first), near the
+//!   PCIe limit; [`CopyMode::PerSpan`] keeps the one-copy-per-span path as
+//!   the anchor it is measured against.
+//! * [`linker`]: [`DirectLinker`], offload / prepare / lookup / load / poll
+//!   over a runner, with peer restore through the runner's hinted fetch (peer
+//!   KVCR DRAM → local DRAM over UCX → GPU).
+//!
+//! GPU tests run with `KVCR_TEST_GPU=1` (and fail when no GPU is found then);
+//! `cargo xtask gpu-build` builds the test and bench binaries to carry to a GPU
+//! machine.
+
+#![deny(unsafe_code)]
+
+pub mod copier;
+pub mod cuda;
+pub mod error;
+pub mod layout;
+pub mod linker;
+
+pub use copier::{CopyMode, CopyProfile, CudaCopier};
+pub use error::{Error, Result};
+pub use layout::KvLayout;
+pub use linker::{DirectLinker, DirectLinkerConfig, KvMemory};

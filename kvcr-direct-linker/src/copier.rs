@@ -1,0 +1,274 @@
+//! The CUDA copier: runs the runner's device copy jobs (KVCR DRAM ↔ GPU KV
+//! pages) as batched gather/scatter kernels over the pinned, device-mapped
+//! runner pools, or — as the anchor the batched path is measured against —
+//! one driver copy per span.
+//!
+//! Spans are issued span-index-major: span 0 of every page, then span 1, and
+//! so on. For a layer-first pool that is layer 0's K of every page, then its
+//! V, then layer 1: the first layer lands first, so an engine can start
+//! computing while the rest streams in (the job's profile reports when the
+//! first group of spans landed).
+//!
+//! Unsafe here is limited to issuing the [`crate::cuda`] calls whose
+//! contracts the runner's job guarantees (each block says how).
+#![allow(unsafe_code)]
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use kvcr_foundation::runner::{CopySpan, DeviceCopier, PoolMemory};
+
+use crate::cuda::{CopyKernel, Device, Event, PinnedBuffer, PinnedRegistration, Stream};
+use crate::error::{Error, Result};
+
+/// How the copier moves a job's spans.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CopyMode {
+    /// One kernel launch per span index over all pages (the default).
+    Batched,
+    /// One driver copy call per span (the naive path, kept as an anchor).
+    PerSpan,
+}
+
+/// What the last job did, timed on the GPU.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CopyProfile {
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Spans moved.
+    pub spans: u64,
+    /// Kernel launches or driver copies issued.
+    pub operations: u64,
+    /// GPU milliseconds from the first operation to the last.
+    pub total_ms: f32,
+    /// GPU milliseconds until the first `first_group` span indices of every
+    /// page had landed (layer 0's K and V with the default group of 2).
+    pub first_group_ms: f32,
+}
+
+/// State behind the copier's lock: one job at a time (the runner's copy
+/// thread is the only caller; the lock makes that a rule, not an accident).
+#[derive(Debug)]
+struct Engine {
+    stream: Stream,
+    descriptors: PinnedBuffer,
+    start: Event,
+    first: Event,
+    end: Event,
+    words: Vec<u64>,
+    profile: CopyProfile,
+}
+
+/// A [`DeviceCopier`] for one GPU.
+///
+/// Field order is drop order: the engine (stream, events, descriptor memory)
+/// and the pool registrations go before the kernel and the device context.
+#[derive(Debug)]
+pub struct CudaCopier {
+    engine: Mutex<Engine>,
+    pinned: Mutex<Vec<PinnedRegistration>>,
+    kernel: CopyKernel,
+    device: Arc<Device>,
+    mode: CopyMode,
+    first_group: usize,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic under the lock leaves plain data behind; keep serving.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl CudaCopier {
+    /// A copier for `device`, loading the copy kernel. `first_group` span
+    /// indices make up the "first layer" the profile times (2: K and V).
+    pub fn new(device: &Arc<Device>, mode: CopyMode, first_group: usize) -> Result<Self> {
+        let kernel = CopyKernel::load(device)?;
+        let engine = Engine {
+            stream: Stream::new(device)?,
+            descriptors: PinnedBuffer::allocate(device, 1 << 20)?,
+            start: Event::new(device)?,
+            first: Event::new(device)?,
+            end: Event::new(device)?,
+            words: Vec::new(),
+            profile: CopyProfile::default(),
+        };
+        Ok(Self {
+            engine: Mutex::new(engine),
+            pinned: Mutex::new(Vec::new()),
+            kernel,
+            device: Arc::clone(device),
+            mode,
+            first_group: first_group.max(1),
+        })
+    }
+
+    /// The device it copies to and from.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+
+    /// How it copies.
+    pub fn mode(&self) -> CopyMode {
+        self.mode
+    }
+
+    /// The last job's profile.
+    pub fn last_profile(&self) -> CopyProfile {
+        lock(&self.engine).profile
+    }
+
+    /// Pools pinned now (0 before attach and after detach).
+    pub fn pinned_pools(&self) -> usize {
+        lock(&self.pinned).len()
+    }
+
+    /// Rewrites the host side of `span` to its device-mapped address; the
+    /// other side must be device memory (outside every attached pool).
+    fn map_span(pinned: &[PinnedRegistration], span: &CopySpan) -> Result<(u64, u64)> {
+        let src = pinned.iter().find_map(|p| p.translate(span.src, span.len));
+        let dst = pinned.iter().find_map(|p| p.translate(span.dst, span.len));
+        match (src, dst) {
+            (Some(src), None) => Ok((src, span.dst)),
+            (None, Some(dst)) => Ok((span.src, dst)),
+            _ => Err(Error::UnattachedSpan {
+                src: span.src,
+                dst: span.dst,
+                len: span.len,
+            }),
+        }
+    }
+
+    fn run(&self, keys: &[&[CopySpan]]) -> Result<()> {
+        self.device.bind()?;
+        let pinned = lock(&self.pinned);
+        let mut engine = lock(&self.engine);
+        let widest = keys.iter().map(|k| k.len()).max().unwrap_or(0);
+        // Descriptors, span-index-major; spans not 16-byte aligned force the
+        // per-span path for the whole job (the kernel moves 16-byte vectors).
+        let mut aligned = true;
+        let mut groups: Vec<usize> = Vec::with_capacity(widest + 1);
+        engine.words.clear();
+        let mut profile = CopyProfile::default();
+        for index in 0..widest {
+            groups.push(engine.words.len() / 3);
+            for key in keys {
+                let Some(span) = key.get(index) else { continue };
+                let (src, dst) = Self::map_span(&pinned, span)?;
+                aligned &= (src | dst | span.len) % 16 == 0;
+                engine.words.extend_from_slice(&[src, dst, span.len]);
+                profile.bytes += span.len;
+                profile.spans += 1;
+            }
+        }
+        groups.push(engine.words.len() / 3);
+        let mode = if aligned {
+            self.mode
+        } else {
+            CopyMode::PerSpan
+        };
+        let Engine {
+            stream,
+            descriptors,
+            start,
+            first,
+            end,
+            words,
+            ..
+        } = &mut *engine;
+        let first_done = groups
+            .get(self.first_group.min(widest))
+            .copied()
+            .unwrap_or(0);
+        let mut issue = || -> Result<()> {
+            start.record(stream)?;
+            match mode {
+                CopyMode::Batched => {
+                    let needed = words.len() * 8;
+                    if needed > descriptors.len() {
+                        *descriptors =
+                            PinnedBuffer::allocate(&self.device, needed.next_power_of_two())?;
+                    }
+                    descriptors.write_words(words)?;
+                    for pair in groups.windows(2) {
+                        let &[from, to] = pair else { continue };
+                        let count = u32::try_from(to - from).map_err(|_| Error::Layout {
+                            field: "job",
+                            why: "has more than 2^32 spans of one index",
+                        })?;
+                        // SAFETY: the descriptors were written above and stay
+                        // unchanged until the stream is synchronised below (the
+                        // engine lock is held throughout); each names a runner
+                        // pool range the runner bounds-checked and keeps valid for
+                        // the job (the pool is pinned and mapped: `pinned` is locked
+                        // so detach cannot run concurrently) and a device range the
+                        // engine registered; alignment was checked above.
+                        unsafe {
+                            self.kernel.launch(
+                                stream,
+                                descriptors.mapped() + (from * 24) as u64,
+                                count,
+                            )?;
+                        }
+                        profile.operations += 1;
+                        if to == first_done {
+                            first.record(stream)?;
+                        }
+                    }
+                }
+                CopyMode::PerSpan => {
+                    for (i, d) in words.chunks_exact(3).enumerate() {
+                        let &[src, dst, len] = d else { continue };
+                        // SAFETY: as for the kernel above: both ranges are valid
+                        // and untouched by anyone else until the sync below.
+                        unsafe { stream.copy_async(dst, src, len)? };
+                        profile.operations += 1;
+                        if i + 1 == first_done {
+                            first.record(stream)?;
+                        }
+                    }
+                }
+            }
+            end.record(stream)
+        };
+        let issued = issue();
+        // Returning means no copy of this job touches memory any more (the
+        // runner frees or reuses slots right after), so the stream is
+        // synchronised even when issuing failed halfway.
+        let synced = stream.synchronize();
+        issued?;
+        synced?;
+        profile.total_ms = end.since(start)?;
+        profile.first_group_ms = if first_done > 0 {
+            first.since(start)?
+        } else {
+            profile.total_ms
+        };
+        engine.profile = profile;
+        Ok(())
+    }
+}
+
+impl DeviceCopier for CudaCopier {
+    fn attach(&self, pools: &[PoolMemory]) -> kvcr_foundation::Result<()> {
+        let mut pinned = lock(&self.pinned);
+        let mut fresh = Vec::with_capacity(pools.len());
+        for pool in pools {
+            // SAFETY: the runner keeps its pools allocated until it calls
+            // `detach`, which drops these registrations first.
+            fresh.push(unsafe { PinnedRegistration::register(&self.device, pool.base, pool.len) }?);
+        }
+        *pinned = fresh;
+        Ok(())
+    }
+
+    fn copy(&self, keys: &[&[CopySpan]]) -> kvcr_foundation::Result<()> {
+        self.run(keys).map_err(|e| {
+            // The stream is synchronised or the context is lost either way;
+            // the runner fails the keys.
+            kvcr_foundation::Error::from(e)
+        })
+    }
+
+    fn detach(&self) {
+        lock(&self.pinned).clear();
+    }
+}

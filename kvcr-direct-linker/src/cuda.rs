@@ -1,0 +1,567 @@
+//! Every CUDA driver call kvcr makes, and nothing else: the crate's unsafe
+//! code lives here. Each handle is an RAII type that undoes its driver call on
+//! drop; each owns an `Arc` of the device, so the primary context outlives
+//! every object made in it.
+//!
+//! The driver library is loaded at run time (cudarc's `dynamic-loading`):
+//! [`Device::open`] checks that it exists before the first call, because a
+//! missing library would otherwise abort the process inside cudarc.
+#![allow(unsafe_code)]
+
+use std::ffi::{CStr, c_void};
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUresult};
+
+use crate::error::{Error, Result};
+
+fn check(call: &'static str, status: CUresult) -> Result<()> {
+    if status == CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut text: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorString only writes a pointer to a static string (or
+    // leaves it null for an unknown status).
+    let named = unsafe { sys::cuGetErrorString(status, &raw mut text) };
+    let status = if named == CUresult::CUDA_SUCCESS && !text.is_null() {
+        // SAFETY: non-null and from the driver: a NUL-terminated static string.
+        unsafe { CStr::from_ptr(text) }
+            .to_string_lossy()
+            .into_owned()
+    } else {
+        format!("{status:?}")
+    };
+    Err(Error::Cuda { call, status })
+}
+
+/// Whether the CUDA driver library can be loaded here (no driver call made).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the library; calls nothing in it.
+    unsafe { sys::is_culib_present() }
+}
+
+/// One GPU and its primary context, retained while this value lives.
+#[derive(Debug)]
+pub struct Device {
+    ordinal: u32,
+    device: sys::CUdevice,
+    context: sys::CUcontext,
+    name: String,
+}
+
+// SAFETY: a CUDA context handle may be made current on any thread; the driver
+// synchronises its own use of it.
+unsafe impl Send for Device {}
+// SAFETY: as above; `&Device` only hands out the handle to driver calls.
+unsafe impl Sync for Device {}
+
+impl Device {
+    /// Opens GPU `ordinal`: a typed error, never a panic, when the driver or
+    /// the device is missing.
+    pub fn open(ordinal: u32) -> Result<Arc<Self>> {
+        if !driver_present() {
+            return Err(Error::NoDriver);
+        }
+        // SAFETY: the library is present (checked above); cuInit(0) is the
+        // documented first call and is idempotent.
+        check("cuInit", unsafe { sys::cuInit(0) })?;
+        let mut count = 0;
+        // SAFETY: writes one int.
+        check("cuDeviceGetCount", unsafe {
+            sys::cuDeviceGetCount(&raw mut count)
+        })?;
+        let count = u32::try_from(count).unwrap_or(0);
+        if ordinal >= count {
+            return Err(Error::NoDevice { ordinal, count });
+        }
+        let mut device = 0;
+        // SAFETY: `ordinal < count`, so it names a device; writes one handle.
+        check("cuDeviceGet", unsafe {
+            sys::cuDeviceGet(&raw mut device, ordinal as i32)
+        })?;
+        let mut name = [0 as std::ffi::c_char; 128];
+        // SAFETY: the buffer holds 128 bytes and the driver writes at most
+        // `len` including the NUL.
+        check("cuDeviceGetName", unsafe {
+            sys::cuDeviceGetName(name.as_mut_ptr(), 128, device)
+        })?;
+        // SAFETY: NUL-terminated by the driver within the buffer.
+        let name = unsafe { CStr::from_ptr(name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        let mut context = std::ptr::null_mut();
+        // SAFETY: `device` came from cuDeviceGet; released in Drop.
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            sys::cuDevicePrimaryCtxRetain(&raw mut context, device)
+        })?;
+        let opened = Arc::new(Self {
+            ordinal,
+            device,
+            context,
+            name,
+        });
+        opened.bind()?;
+        Ok(opened)
+    }
+
+    /// Makes this device's context current on the calling thread (cheap;
+    /// every entry point that may run on a new thread calls it first).
+    pub fn bind(&self) -> Result<()> {
+        // SAFETY: the context is retained for as long as `self` lives.
+        check("cuCtxSetCurrent", unsafe {
+            sys::cuCtxSetCurrent(self.context)
+        })
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> u32 {
+        self.ordinal
+    }
+
+    /// The device's name, as the driver reports it.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // SAFETY: balances the retain in `open`; every object made in the
+        // context holds an Arc<Device>, so none outlives it.
+        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
+    }
+}
+
+/// Device memory from `cuMemAlloc`, freed on drop.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    device: Arc<Device>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl DeviceBuffer {
+    /// Allocates `len` bytes (uninitialised) on `device`.
+    pub fn allocate(device: &Arc<Device>, len: usize) -> Result<Self> {
+        device.bind()?;
+        let mut ptr = 0;
+        // SAFETY: writes one device pointer; freed in Drop.
+        check("cuMemAlloc", unsafe {
+            sys::cuMemAlloc_v2(&raw mut ptr, len)
+        })?;
+        Ok(Self {
+            device: Arc::clone(device),
+            ptr,
+            len,
+        })
+    }
+
+    /// The buffer's device address.
+    pub fn address(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Copies `bytes` to `offset` (synchronous).
+    pub fn write(&self, offset: usize, bytes: &[u8]) -> Result<()> {
+        self.in_range(offset, bytes.len())?;
+        self.device.bind()?;
+        // SAFETY: the destination range lies inside this allocation (checked
+        // above) and `bytes` is a valid host slice for the call.
+        check("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(self.ptr + offset as u64, bytes.as_ptr().cast(), bytes.len())
+        })
+    }
+
+    /// Reads `len` bytes from `offset` (synchronous).
+    pub fn read(&self, offset: usize, len: usize) -> Result<Vec<u8>> {
+        self.in_range(offset, len)?;
+        self.device.bind()?;
+        let mut out = vec![0u8; len];
+        // SAFETY: the source range lies inside this allocation (checked above)
+        // and `out` holds `len` writable bytes.
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), self.ptr + offset as u64, len)
+        })?;
+        Ok(out)
+    }
+
+    fn in_range(&self, offset: usize, len: usize) -> Result<()> {
+        if offset.checked_add(len).is_some_and(|end| end <= self.len) {
+            Ok(())
+        } else {
+            Err(Error::Layout {
+                field: "offset",
+                why: "is outside the device buffer",
+            })
+        }
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: allocated by cuMemAlloc in `allocate`, freed once. Users
+            // synchronise their streams before dropping buffers they launched on.
+            let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+        }
+    }
+}
+
+/// Host memory page-locked and mapped for the device (`cuMemHostRegister`),
+/// unregistered on drop. Does not own the memory: whoever registers it keeps
+/// it allocated until this value is dropped.
+#[derive(Debug)]
+pub struct PinnedRegistration {
+    device: Arc<Device>,
+    host: u64,
+    len: u64,
+    mapped: u64,
+}
+
+// SAFETY: holds addresses only; registration state lives in the driver.
+unsafe impl Send for PinnedRegistration {}
+// SAFETY: as above.
+unsafe impl Sync for PinnedRegistration {}
+
+impl PinnedRegistration {
+    /// Pins `host .. host + len` and maps it for `device`.
+    ///
+    /// # Safety
+    /// The range must be allocated host memory that stays allocated (not
+    /// unmapped or freed) until the returned value is dropped.
+    pub unsafe fn register(device: &Arc<Device>, host: u64, len: u64) -> Result<Self> {
+        device.bind()?;
+        let bytes = usize::try_from(len).map_err(|_| Error::Layout {
+            field: "pool",
+            why: "is larger than the address space",
+        })?;
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: the caller guarantees the range is allocated for the
+        // registration's lifetime; unregistered in Drop.
+        check("cuMemHostRegister", unsafe {
+            sys::cuMemHostRegister_v2(host as usize as *mut c_void, bytes, flags)
+        })?;
+        let mut mapped = 0;
+        // SAFETY: the range was registered with DEVICEMAP just above.
+        let status = unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&raw mut mapped, host as usize as *mut c_void, 0)
+        };
+        if let Err(e) = check("cuMemHostGetDevicePointer", status) {
+            // SAFETY: undoes the registration made above.
+            let _ = unsafe { sys::cuMemHostUnregister(host as usize as *mut c_void) };
+            return Err(e);
+        }
+        Ok(Self {
+            device: Arc::clone(device),
+            host,
+            len,
+            mapped,
+        })
+    }
+
+    /// The device address of host address `addr`, if it lies in this range.
+    pub fn translate(&self, addr: u64, len: u64) -> Option<u64> {
+        let offset = addr.checked_sub(self.host)?;
+        (offset.checked_add(len)? <= self.len).then(|| self.mapped + offset)
+    }
+}
+
+impl Drop for PinnedRegistration {
+    fn drop(&mut self) {
+        let _ = self.device.bind();
+        // SAFETY: registered in `register`; the owner keeps the memory mapped
+        // until after this drop (the runner detaches its copier before freeing
+        // its pools).
+        let _ = unsafe { sys::cuMemHostUnregister(self.host as usize as *mut c_void) };
+    }
+}
+
+/// Page-locked host memory from `cuMemHostAlloc`, mapped for the device;
+/// freed on drop. Holds the copy kernel's descriptors.
+#[derive(Debug)]
+pub struct PinnedBuffer {
+    device: Arc<Device>,
+    host: *mut u8,
+    mapped: u64,
+    len: usize,
+}
+
+// SAFETY: uniquely owned page-locked memory; no thread affinity.
+unsafe impl Send for PinnedBuffer {}
+
+impl PinnedBuffer {
+    /// Allocates `len` bytes (at least 1).
+    pub fn allocate(device: &Arc<Device>, len: usize) -> Result<Self> {
+        device.bind()?;
+        let len = len.max(1);
+        let mut host: *mut c_void = std::ptr::null_mut();
+        // SAFETY: writes one pointer; freed in Drop.
+        check("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(&raw mut host, len, sys::CU_MEMHOSTALLOC_DEVICEMAP)
+        })?;
+        let mut mapped = 0;
+        // SAFETY: allocated with DEVICEMAP just above.
+        let status = unsafe { sys::cuMemHostGetDevicePointer_v2(&raw mut mapped, host, 0) };
+        if let Err(e) = check("cuMemHostGetDevicePointer", status) {
+            // SAFETY: frees the allocation made above.
+            let _ = unsafe { sys::cuMemFreeHost(host) };
+            return Err(e);
+        }
+        Ok(Self {
+            device: Arc::clone(device),
+            host: host.cast(),
+            mapped,
+            len,
+        })
+    }
+
+    /// Bytes it holds.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty (never: at least 1 byte).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address of its first byte.
+    pub fn mapped(&self) -> u64 {
+        self.mapped
+    }
+
+    /// Writes `words` at the start. The caller must not call this while a
+    /// kernel that reads the buffer may still run (the copier synchronises its
+    /// stream before returning, so the next call starts with the GPU idle).
+    pub fn write_words(&mut self, words: &[u64]) -> Result<()> {
+        let bytes = std::mem::size_of_val(words);
+        if bytes > self.len {
+            return Err(Error::Layout {
+                field: "descriptors",
+                why: "exceed the descriptor buffer",
+            });
+        }
+        // SAFETY: `bytes <= len`, the buffer is ours (`&mut self`), page
+        // aligned (so u64-aligned), and no kernel reads it (see above).
+        unsafe { std::ptr::copy_nonoverlapping(words.as_ptr().cast::<u8>(), self.host, bytes) };
+        Ok(())
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        let _ = self.device.bind();
+        // SAFETY: allocated by cuMemHostAlloc, freed once.
+        let _ = unsafe { sys::cuMemFreeHost(self.host.cast()) };
+    }
+}
+
+/// A non-blocking stream, destroyed on drop.
+#[derive(Debug)]
+pub struct Stream {
+    device: Arc<Device>,
+    raw: sys::CUstream,
+}
+
+// SAFETY: a stream handle may be used from any thread with the context current.
+unsafe impl Send for Stream {}
+
+impl Stream {
+    /// Creates a stream that does not synchronise with the legacy default one.
+    pub fn new(device: &Arc<Device>) -> Result<Self> {
+        device.bind()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: writes one handle; destroyed in Drop.
+        check("cuStreamCreate", unsafe {
+            sys::cuStreamCreate(
+                &raw mut raw,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+            )
+        })?;
+        Ok(Self {
+            device: Arc::clone(device),
+            raw,
+        })
+    }
+
+    /// Waits until everything queued on the stream has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: a live stream.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(self.raw)
+        })
+    }
+
+    /// Queues one copy between any two addresses of the unified address space
+    /// (device memory or mapped pinned host memory).
+    ///
+    /// # Safety
+    /// Both ranges must stay valid, and nothing else may write them, until the
+    /// stream is synchronised.
+    pub unsafe fn copy_async(&self, dst: u64, src: u64, len: u64) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemcpyAsync", unsafe {
+            sys::cuMemcpyAsync(dst, src, len as usize, self.raw)
+        })
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        let _ = self.device.bind();
+        // SAFETY: created in `new`, destroyed once; pending work still
+        // completes (the driver defers the release).
+        let _ = unsafe { sys::cuStreamDestroy_v2(self.raw) };
+    }
+}
+
+/// A timing event, destroyed on drop.
+#[derive(Debug)]
+pub struct Event {
+    device: Arc<Device>,
+    raw: sys::CUevent,
+}
+
+// SAFETY: an event handle may be used from any thread with the context current.
+unsafe impl Send for Event {}
+
+impl Event {
+    /// Creates an event that records time.
+    pub fn new(device: &Arc<Device>) -> Result<Self> {
+        device.bind()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: writes one handle; destroyed in Drop.
+        check("cuEventCreate", unsafe {
+            sys::cuEventCreate(&raw mut raw, sys::CUevent_flags::CU_EVENT_DEFAULT as u32)
+        })?;
+        Ok(Self {
+            device: Arc::clone(device),
+            raw,
+        })
+    }
+
+    /// Records the event on `stream`.
+    pub fn record(&self, stream: &Stream) -> Result<()> {
+        // SAFETY: both handles are live.
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(self.raw, stream.raw)
+        })
+    }
+
+    /// Milliseconds from `start` to this event (both recorded and complete).
+    pub fn since(&self, start: &Event) -> Result<f32> {
+        let mut ms = 0.0f32;
+        // SAFETY: both handles are live; writes one float.
+        check("cuEventElapsedTime", unsafe {
+            sys::cuEventElapsedTime(&raw mut ms, start.raw, self.raw)
+        })?;
+        Ok(ms)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        let _ = self.device.bind();
+        // SAFETY: created in `new`, destroyed once.
+        let _ = unsafe { sys::cuEventDestroy_v2(self.raw) };
+    }
+}
+
+/// The span-copy kernel (`kernel.ptx`), loaded into the device's context.
+#[derive(Debug)]
+pub struct CopyKernel {
+    device: Arc<Device>,
+    module: sys::CUmodule,
+    function: sys::CUfunction,
+}
+
+// SAFETY: module and function handles may be used from any thread with the
+// context current.
+unsafe impl Send for CopyKernel {}
+// SAFETY: launching only reads the handles.
+unsafe impl Sync for CopyKernel {}
+
+/// Threads per block: 512 × 4 vectors × 16 bytes = 32 KiB per loop trip.
+pub const KERNEL_THREADS: u32 = 512;
+
+impl CopyKernel {
+    /// JIT-loads the kernel for `device`.
+    pub fn load(device: &Arc<Device>) -> Result<Self> {
+        device.bind()?;
+        let image = concat!(include_str!("kernel.ptx"), "\0");
+        let mut module = std::ptr::null_mut();
+        // SAFETY: `image` is a NUL-terminated PTX text that lives for the
+        // program; writes one handle, unloaded in Drop.
+        let status = unsafe { sys::cuModuleLoadData(&raw mut module, image.as_ptr().cast()) };
+        check("cuModuleLoadData", status).map_err(|e| Error::Kernel(e.to_string()))?;
+        let mut function = std::ptr::null_mut();
+        // SAFETY: the module is loaded; the name is NUL-terminated.
+        let status = unsafe {
+            sys::cuModuleGetFunction(&raw mut function, module, c"kvcr_copy_spans".as_ptr())
+        };
+        if let Err(e) = check("cuModuleGetFunction", status) {
+            // SAFETY: unloads the module loaded above.
+            let _ = unsafe { sys::cuModuleUnload(module) };
+            return Err(Error::Kernel(e.to_string()));
+        }
+        Ok(Self {
+            device: Arc::clone(device),
+            module,
+            function,
+        })
+    }
+
+    /// Queues one launch over `count` descriptors at device address
+    /// `descriptors` (24 bytes each: src, dst, len).
+    ///
+    /// # Safety
+    /// The descriptors must stay unchanged, and every range they name valid
+    /// (and written by nothing else), until the stream is synchronised; every
+    /// src, dst and len must be a multiple of 16.
+    pub unsafe fn launch(&self, stream: &Stream, descriptors: u64, count: u32) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        let mut descriptors = descriptors;
+        let mut count_arg = count;
+        let mut params: [*mut c_void; 2] =
+            [(&raw mut descriptors).cast(), (&raw mut count_arg).cast()];
+        // SAFETY: the parameter array matches the kernel's signature (u64,
+        // u32), both values live across the call (the driver copies them at
+        // launch); the caller guarantees the memory the kernel touches.
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                self.function,
+                count,
+                1,
+                1,
+                KERNEL_THREADS,
+                1,
+                1,
+                0,
+                stream.raw,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+}
+
+impl Drop for CopyKernel {
+    fn drop(&mut self) {
+        let _ = self.device.bind();
+        // SAFETY: loaded in `load`, unloaded once; copiers synchronise their
+        // streams before dropping the kernel.
+        let _ = unsafe { sys::cuModuleUnload(self.module) };
+    }
+}

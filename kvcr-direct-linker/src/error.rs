@@ -1,0 +1,67 @@
+//! The crate's one error type.
+
+/// Everything that can go wrong in the direct linker.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// No CUDA driver library could be loaded on this machine.
+    #[error("no CUDA driver found (libcuda.so could not be loaded)")]
+    NoDriver,
+    /// The driver loaded but reports no device with this ordinal.
+    #[error("CUDA device {ordinal} not found ({count} present)")]
+    NoDevice {
+        /// The ordinal asked for.
+        ordinal: u32,
+        /// Devices the driver reports.
+        count: u32,
+    },
+    /// A CUDA driver call failed.
+    #[error("CUDA call {call} failed: {status}")]
+    Cuda {
+        /// The driver function.
+        call: &'static str,
+        /// The driver's status, as it names it.
+        status: String,
+    },
+    /// The device's kernel image could not be loaded.
+    #[error("loading the copy kernel failed: {0}")]
+    Kernel(String),
+    /// A span the copier was handed lies in no attached pool, or in two.
+    #[error(
+        "span {src:#x} -> {dst:#x} ({len} bytes) does not join one attached pool and device memory"
+    )]
+    UnattachedSpan {
+        /// Source address.
+        src: u64,
+        /// Destination address.
+        dst: u64,
+        /// Bytes.
+        len: u64,
+    },
+    /// The engine's KV layout is invalid.
+    #[error("invalid KV layout: {field} {why}")]
+    Layout {
+        /// The field at fault.
+        field: &'static str,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// The runner refused or failed.
+    #[error(transparent)]
+    Runner(#[from] kvcr_foundation::Error),
+}
+
+/// The crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl From<Error> for kvcr_foundation::Error {
+    fn from(error: Error) -> Self {
+        match error {
+            Error::Runner(inner) => inner,
+            other => {
+                kvcr_foundation::Error::runner(kvcr_foundation::error::RunnerReason::DeviceCopy(
+                    kvcr_foundation::error::Echo::new(&other.to_string()),
+                ))
+            }
+        }
+    }
+}

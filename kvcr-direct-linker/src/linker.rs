@@ -1,0 +1,683 @@
+//! [`DirectLinker`]: the linker contract over a rank-local runner whose
+//! framework regions are the engine's KV pool.
+//!
+//! * Offload is a runner `deposit` of each page's `2 × layers` device spans
+//!   into KVCR DRAM slots; restore (`load`) is a `deliver` back into device
+//!   spans. With [`KvMemory::Cuda`] both run on the [`CudaCopier`]'s batched
+//!   kernels; with [`KvMemory::Host`] the runner's copy thread copies.
+//! * Preparation is a runner `fetch` of the request's tail that claims each
+//!   resident page; with router hints (and a runner started with peers) it is
+//!   a hinted fetch, which first pulls missing pages from the hinted peer's
+//!   KVCR DRAM into local DRAM (UCX) — the load then moves them on to the GPU.
+//! * Claims are runner claims: a claimed page is never evicted, and every
+//!   claim is released exactly once (lookup shift, load landing, request end,
+//!   supersession, or a late landing for an attempt that is gone).
+//!
+//! Nothing here blocks on the GPU: transfers land through [`Linker::poll`]
+//! (or [`DirectLinker::settle`], which waits for them, bounded).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
+use kvcr_foundation::runner::{
+    DeliverEntry, DepositEntry, OpResult, PeerOptions, PoolId, ReleaseHandle, Runner, RunnerConfig,
+};
+use kvcr_foundation::{
+    AttemptId, BlockKey, CompatDigest, Incarnation, InventoryEvent, InventorySink, Namespace,
+    NamespaceId, RequestId, ScopedKey, Tier,
+};
+use kvcr_linker_contracts::{
+    Accounting, Advance, AttemptTable, ClaimId, DeclineReason, DeviceSlot, Error as LinkError,
+    Linker, LinkerEvent, LoadClaims, LoadTicket, OffloadBatch, OffloadOutcome, OffloadTicket,
+    PoolKind, PoolPresence, Preparation, PreparationState, RequestContext, RequestHooks,
+    RestorableLengths, RetireReason, TransferId,
+};
+
+use crate::copier::CudaCopier;
+use crate::error::{Error, Result};
+use crate::layout::{KvLayout, POOL};
+
+/// Where the engine's KV pool lives, which decides who copies it.
+#[derive(Debug, Clone)]
+pub enum KvMemory {
+    /// GPU memory, copied by this copier's kernels.
+    Cuda(Arc<CudaCopier>),
+    /// Host memory (a CPU engine, or a machine without a GPU): the runner's
+    /// copy thread copies it.
+    Host,
+}
+
+/// How to build a [`DirectLinker`].
+#[derive(Debug, Clone)]
+pub struct DirectLinkerConfig {
+    /// The engine's KV pool.
+    pub layout: KvLayout,
+    /// Pages KVCR DRAM holds.
+    pub store_pages: u32,
+    /// Budget of one runner operation (offload, fetch, load).
+    pub operation_timeout: Duration,
+    /// The store's first incarnation.
+    pub incarnation: Incarnation,
+    /// Take part in the peer protocol (hinted fetches from peers' KVCR DRAM).
+    pub peer: Option<PeerOptions>,
+    /// Touch every pool page at startup.
+    pub prefault: bool,
+}
+
+const STORE_TIER: Tier = Tier::KvcrDram;
+
+#[derive(Debug)]
+enum Prep {
+    Fetching,
+    Ready(Preparation),
+    Loaded,
+    Retired(RetireReason),
+}
+
+#[derive(Debug)]
+enum Pending {
+    Fetch {
+        transfer: TransferId,
+        attempt: AttemptId,
+        namespace: NamespaceId,
+        tail: Vec<BlockKey>,
+        device_prefix_pages: u32,
+    },
+    Load {
+        transfer: TransferId,
+        ticket: LoadTicket,
+        attempt: AttemptId,
+    },
+    Offload(OffloadTicket),
+}
+
+/// Collects the runner's removals (the store's evictions).
+#[derive(Debug, Clone, Default)]
+struct Removals(Arc<Mutex<Vec<ScopedKey>>>);
+
+impl InventorySink for Removals {
+    fn publish(&mut self, event: &InventoryEvent) {
+        if let InventoryEvent::Removed { scope, keys } = event {
+            let mut removed = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+            removed.extend(keys.iter().map(|key| ScopedKey {
+                namespace: scope.namespace,
+                key: *key,
+            }));
+        }
+    }
+}
+
+/// A direct linker for one rank (see the module docs).
+///
+/// Drop order: `runner` first (its copy thread stops, the copier unpins its
+/// pools, then the pools are freed), then the copier it used (`memory`).
+#[derive(Debug)]
+pub struct DirectLinker {
+    runner: Runner,
+    memory: KvMemory,
+    config: DirectLinkerConfig,
+    incarnation: Incarnation,
+    regions: Vec<RegionId>,
+    pool_layout: Vec<PoolId>,
+    removals: Removals,
+    /// Engine namespace → the runner's, and back.
+    namespaces: BTreeMap<NamespaceId, NamespaceId>,
+    engine_namespaces: BTreeMap<NamespaceId, NamespaceId>,
+    attempts: AttemptTable,
+    preps: BTreeMap<RequestId, (AttemptId, Prep)>,
+    pending: HashMap<OpHandle, Pending>,
+    /// Fetches that needed no runner operation; they land at the next poll.
+    immediate: VecDeque<Pending>,
+    /// Offloads in submission order, with their outcome once known.
+    offloads: VecDeque<(OffloadTicket, Option<bool>)>,
+    /// Every claim held: the runner's release handle has the same number.
+    claims: BTreeMap<ClaimId, ScopedKey>,
+    next_ticket: u64,
+}
+
+fn backend(error: impl Into<Error>) -> LinkError {
+    LinkError::Backend(Box::new(error.into()))
+}
+
+fn start_runner(
+    config: &DirectLinkerConfig,
+    memory: &KvMemory,
+) -> Result<(Runner, Vec<RegionId>, Removals)> {
+    config.layout.validate()?;
+    let spans = config.layout.spans_per_page();
+    let blocks = u32::try_from(spans)
+        .ok()
+        .and_then(|s| s.checked_mul(config.store_pages))
+        .filter(|b| *b > 0)
+        .ok_or(Error::Layout {
+            field: "store_pages",
+            why: "must be positive and hold at most 2^32 spans",
+        })?;
+    let mut runner_config = RunnerConfig::single_pool(POOL, config.layout.span_bytes(), blocks);
+    runner_config.operation_timeout = config.operation_timeout;
+    runner_config.prefault = config.prefault;
+    let mut runner = match &config.peer {
+        Some(peer) => Runner::start_with_peers(runner_config, None, peer)?,
+        None => Runner::start(runner_config, None)?,
+    };
+    if let KvMemory::Cuda(copier) = memory {
+        runner.set_device_copier(Arc::clone(copier) as _)?;
+    }
+    let mut regions = Vec::with_capacity(spans);
+    for desc in config.layout.regions() {
+        // SAFETY: `DirectLinker::new`'s contract: the engine keeps every K/V
+        // buffer allocated for the linker's lifetime and does not touch a page
+        // slot named by an offload or load until it lands.
+        #[allow(unsafe_code)]
+        let region = unsafe {
+            match memory {
+                KvMemory::Cuda(_) => runner.register_device_region(desc),
+                KvMemory::Host => runner.register_region(desc),
+            }
+        }?;
+        regions.push(region);
+    }
+    let removals = Removals::default();
+    runner.set_inventory_sink(Box::new(removals.clone()));
+    Ok((runner, regions, removals))
+}
+
+impl DirectLinker {
+    /// Starts the runner (KVCR DRAM sized for `store_pages` pages), pins its
+    /// pools for the GPU and registers the engine's KV buffers.
+    ///
+    /// # Safety
+    /// Every K and V buffer the layout names must stay allocated (on the GPU
+    /// for [`KvMemory::Cuda`], in host memory for [`KvMemory::Host`]) until the
+    /// linker is dropped, and the engine must not touch a page slot named by an
+    /// accepted offload or load until [`Linker::poll`] reports it landed.
+    #[allow(unsafe_code)]
+    pub unsafe fn new(config: DirectLinkerConfig, memory: KvMemory) -> Result<Self> {
+        let (runner, regions, removals) = start_runner(&config, &memory)?;
+        let pool_layout = vec![PoolId(0); config.layout.spans_per_page()];
+        Ok(Self {
+            runner,
+            memory,
+            incarnation: config.incarnation,
+            config,
+            regions,
+            pool_layout,
+            removals,
+            namespaces: BTreeMap::new(),
+            engine_namespaces: BTreeMap::new(),
+            attempts: AttemptTable::new(),
+            preps: BTreeMap::new(),
+            pending: HashMap::new(),
+            immediate: VecDeque::new(),
+            offloads: VecDeque::new(),
+            claims: BTreeMap::new(),
+            next_ticket: 0,
+        })
+    }
+
+    /// The runner underneath (endpoint, stats, hints).
+    pub fn runner(&self) -> &Runner {
+        &self.runner
+    }
+
+    /// The engine's layout.
+    pub fn layout(&self) -> &KvLayout {
+        &self.config.layout
+    }
+
+    /// Who copies.
+    pub fn memory(&self) -> &KvMemory {
+        &self.memory
+    }
+
+    /// The store's live incarnation.
+    pub fn incarnation(&self) -> Incarnation {
+        self.incarnation
+    }
+
+    /// Whether KVCR DRAM holds `key` (READY).
+    pub fn stores(&mut self, namespace: NamespaceId, key: BlockKey) -> bool {
+        let scoped = self.scoped(namespace, key);
+        self.runner.query(&scoped) == kvcr_foundation::runner::QueryStatus::Hit
+    }
+
+    /// Lands whatever completes within `timeout`, waiting until nothing is in
+    /// flight (or the time is up), and returns every event.
+    pub fn settle(&mut self, timeout: Duration) -> Vec<LinkerEvent> {
+        let mut events = self.poll();
+        let rounds = (timeout.as_millis() / 10).max(1);
+        for _ in 0..rounds {
+            if self.accounting().transfers_in_flight == 0 {
+                break;
+            }
+            let results = self.runner.wait_completed(Duration::from_millis(10));
+            self.absorb(results, &mut events);
+            self.emit(&mut events);
+        }
+        events
+    }
+
+    /// The runner namespace standing for the engine's `namespace`: the same
+    /// on every rank and every peer (derived from the id alone), so a peer
+    /// fetch names the same pages.
+    fn runner_namespace(&mut self, namespace: NamespaceId) -> NamespaceId {
+        if let Some(id) = self.namespaces.get(&namespace) {
+            return *id;
+        }
+        let id = self
+            .runner
+            .register_namespace(Namespace::base(CompatDigest(namespace.0)));
+        self.namespaces.insert(namespace, id);
+        self.engine_namespaces.insert(id, namespace);
+        id
+    }
+
+    fn scoped(&mut self, namespace: NamespaceId, key: BlockKey) -> ScopedKey {
+        ScopedKey {
+            namespace: self.runner_namespace(namespace),
+            key,
+        }
+    }
+
+    fn elements(&self, slot: DeviceSlot) -> Vec<ElementRef> {
+        self.regions
+            .iter()
+            .map(|region| ElementRef {
+                region: *region,
+                index: u64::from(slot.0),
+            })
+            .collect()
+    }
+
+    fn check_slot(&self, slot: DeviceSlot) -> kvcr_linker_contracts::Result<()> {
+        if slot.0 < self.config.layout.device_pages {
+            Ok(())
+        } else {
+            Err(LinkError::DeviceSlot {
+                slot,
+                slots: self.config.layout.device_pages,
+            })
+        }
+    }
+
+    fn release_claims(&mut self, claims: impl IntoIterator<Item = ClaimId>) {
+        let handles: Vec<ReleaseHandle> = claims
+            .into_iter()
+            .filter(|c| self.claims.remove(c).is_some())
+            .map(|c| ReleaseHandle(c.0))
+            .collect();
+        if !handles.is_empty() {
+            let _ = self.runner.release(&handles);
+        }
+    }
+
+    fn absorb(&mut self, results: Vec<OpResult>, events: &mut Vec<LinkerEvent>) {
+        for result in results {
+            match self.pending.remove(&result.op) {
+                Some(fetch @ Pending::Fetch { .. }) => self.land_fetch(fetch, Some(&result)),
+                Some(Pending::Load {
+                    transfer,
+                    ticket,
+                    attempt,
+                }) => {
+                    let success = result.entries.iter().all(|(_, e)| e.is_success());
+                    if let Ok(landing) = self.attempts.land(transfer, Vec::new()) {
+                        self.release_claims(landing.release);
+                    }
+                    events.push(LinkerEvent::LoadDone {
+                        attempt,
+                        ticket,
+                        success,
+                    });
+                }
+                Some(Pending::Offload(ticket)) => {
+                    let success = result.entries.iter().all(|(_, e)| e.is_success());
+                    if let Some(slot) = self.offloads.iter_mut().find(|(t, _)| *t == ticket) {
+                        slot.1 = Some(success);
+                    }
+                }
+                // An operation this linker no longer tracks (none today).
+                None => {}
+            }
+        }
+    }
+
+    /// Evictions, then offload outcomes in submission order.
+    fn emit(&mut self, events: &mut Vec<LinkerEvent>) {
+        let removed: Vec<ScopedKey> = std::mem::take(
+            &mut *self
+                .removals
+                .0
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        if !removed.is_empty() {
+            let keys = removed
+                .into_iter()
+                .map(|k| ScopedKey {
+                    namespace: self
+                        .engine_namespaces
+                        .get(&k.namespace)
+                        .copied()
+                        .unwrap_or(k.namespace),
+                    key: k.key,
+                })
+                .collect();
+            events.push(LinkerEvent::Evicted {
+                incarnation: self.incarnation,
+                tier: STORE_TIER,
+                keys,
+            });
+        }
+        while let Some((ticket, Some(success))) = self.offloads.front().copied() {
+            self.offloads.pop_front();
+            events.push(LinkerEvent::OffloadDone { ticket, success });
+        }
+    }
+
+    fn land_fetch(&mut self, fetch: Pending, result: Option<&OpResult>) {
+        let Pending::Fetch {
+            transfer,
+            attempt,
+            namespace,
+            tail,
+            device_prefix_pages,
+        } = fetch
+        else {
+            return;
+        };
+        let mut pages = Vec::with_capacity(tail.len());
+        let mut produced = Vec::new();
+        let mut stray = Vec::new();
+        for (i, key) in tail.iter().enumerate() {
+            let handle = result
+                .and_then(|r| r.entries.get(i))
+                .filter(|(k, e)| k.key == *key && e.is_success())
+                .and_then(|(_, e)| e.release);
+            let claim = handle.map(|h| ClaimId(h.0));
+            if let Some(claim) = claim {
+                let scoped = self.scoped(namespace, *key);
+                self.claims.insert(claim, scoped);
+            }
+            // Only a contiguous run counts: a page after a miss could never
+            // be loaded, so its claim goes back at once.
+            let claim = match claim {
+                Some(c) if produced.len() == pages.len() => Some(c),
+                Some(c) => {
+                    stray.push(c);
+                    None
+                }
+                None => None,
+            };
+            produced.extend(claim);
+            pages.push((*key, claim));
+        }
+        self.release_claims(stray);
+        let Ok(landing) = self.attempts.land(transfer, produced) else {
+            return;
+        };
+        self.release_claims(landing.release);
+        let Some((owner, prep)) = self.preps.get_mut(&attempt.request) else {
+            return;
+        };
+        if *owner != attempt || !matches!(prep, Prep::Fetching) {
+            return;
+        }
+        let presence = PoolPresence {
+            kind: PoolKind::Full,
+            present: pages.iter().map(|(_, c)| c.is_some()).collect(),
+        };
+        let lengths = RestorableLengths::from_pools(&[presence]).unwrap_or_default();
+        *prep = Prep::Ready(Preparation::new(device_prefix_pages, pages, lengths));
+    }
+}
+
+impl RequestHooks for DirectLinker {
+    fn prepares_requests(&self) -> bool {
+        true
+    }
+
+    fn request_started(&mut self, context: &RequestContext) -> kvcr_linker_contracts::Result<()> {
+        let attempt = context.attempt().clone();
+        if let Some(superseded) = self.attempts.begin(&attempt)? {
+            self.release_claims(superseded.released);
+        }
+        let transfer = self.attempts.accept(&attempt, Vec::new())?;
+        self.preps
+            .insert(attempt.request.clone(), (attempt.clone(), Prep::Fetching));
+        let query = context.query();
+        let fetch = Pending::Fetch {
+            transfer,
+            attempt: attempt.clone(),
+            namespace: query.namespace,
+            tail: query.tail.clone(),
+            device_prefix_pages: query.device_prefix_pages,
+        };
+        if query.tail.is_empty() {
+            self.immediate.push_back(fetch);
+            return Ok(());
+        }
+        let keys: Vec<ScopedKey> = query
+            .tail
+            .iter()
+            .map(|k| self.scoped(query.namespace, *k))
+            .collect();
+        let hinted = self.config.peer.is_some() && !context.hints().is_empty();
+        if hinted {
+            for hint in context.hints() {
+                self.runner.submit_hint(attempt.request.clone(), hint);
+            }
+        }
+        let op = if hinted {
+            self.runner
+                .fetch_hinted(&attempt.request, &keys, &self.pool_layout)
+        } else {
+            self.runner.fetch(&keys, &self.pool_layout)
+        };
+        match op {
+            Ok(op) => {
+                self.pending.insert(op, fetch);
+            }
+            // The runner refused the fetch: the attempt prepares nothing.
+            Err(_) => self.immediate.push_back(fetch),
+        }
+        Ok(())
+    }
+
+    fn request_finished(&mut self, attempt: &AttemptId) -> kvcr_linker_contracts::Result<()> {
+        let released = self.attempts.end(attempt)?;
+        self.release_claims(released);
+        self.preps.remove(&attempt.request);
+        if self.config.peer.is_some() {
+            self.runner.discard_hint(&attempt.request);
+        }
+        Ok(())
+    }
+
+    fn request_aborted(&mut self, attempt: &AttemptId) -> kvcr_linker_contracts::Result<()> {
+        self.request_finished(attempt)
+    }
+
+    fn reset(&mut self, next: Incarnation) -> kvcr_linker_contracts::Result<()> {
+        let in_flight = self.accounting().transfers_in_flight;
+        if in_flight > 0 {
+            return Err(LinkError::TransfersInFlight { in_flight });
+        }
+        let released = self.attempts.reset()?;
+        self.release_claims(released);
+        let leftover: Vec<ClaimId> = self.claims.keys().copied().collect();
+        self.release_claims(leftover);
+        // A fresh runner: empty store, fresh pools, the same registrations.
+        let (runner, regions, removals) =
+            start_runner(&self.config, &self.memory).map_err(backend)?;
+        self.runner = runner;
+        self.regions = regions;
+        self.removals = removals;
+        self.namespaces.clear();
+        self.engine_namespaces.clear();
+        self.preps.clear();
+        self.immediate.clear();
+        self.incarnation = next;
+        Ok(())
+    }
+}
+
+impl Linker for DirectLinker {
+    fn offload(&mut self, batch: OffloadBatch) -> kvcr_linker_contracts::Result<OffloadOutcome> {
+        if batch.pages.len() > self.config.store_pages as usize {
+            return Ok(OffloadOutcome::Declined(DeclineReason::OverCapacity));
+        }
+        for (_, slot) in &batch.pages {
+            self.check_slot(*slot)?;
+        }
+        let entries = batch
+            .pages
+            .iter()
+            .map(|(key, slot)| DepositEntry {
+                key: self.scoped(batch.namespace, *key),
+                spans: self.elements(*slot),
+                page: None,
+            })
+            .collect();
+        let op = self.runner.deposit(entries, false).map_err(backend)?;
+        self.next_ticket += 1;
+        let ticket = OffloadTicket(self.next_ticket);
+        self.pending.insert(op, Pending::Offload(ticket));
+        self.offloads.push_back((ticket, None));
+        Ok(OffloadOutcome::Queued(ticket))
+    }
+
+    fn preparation(&self, attempt: &AttemptId) -> kvcr_linker_contracts::Result<PreparationState> {
+        self.attempts.check_live(attempt)?;
+        Ok(match self.preps.get(&attempt.request) {
+            Some((_, Prep::Fetching)) => PreparationState::Fetching,
+            Some((_, Prep::Ready(_))) => PreparationState::Ready,
+            Some((_, Prep::Loaded)) => PreparationState::Loaded,
+            Some((_, Prep::Retired(reason))) => PreparationState::Retired(*reason),
+            None => PreparationState::Retired(RetireReason::Released),
+        })
+    }
+
+    fn lookup(
+        &mut self,
+        attempt: &AttemptId,
+        device_prefix_pages: u32,
+        tail: &[BlockKey],
+    ) -> kvcr_linker_contracts::Result<RestorableLengths> {
+        self.attempts.check_live(attempt)?;
+        let Some((_, prep)) = self.preps.get_mut(&attempt.request) else {
+            return Ok(RestorableLengths::none());
+        };
+        let Prep::Ready(preparation) = prep else {
+            return Ok(RestorableLengths::none());
+        };
+        let (lengths, released) = match preparation.lookup(device_prefix_pages, tail) {
+            Advance::Current {
+                lengths, released, ..
+            } => (lengths, released),
+            Advance::Retired { reason, released } => {
+                *prep = Prep::Retired(reason);
+                (RestorableLengths::none(), released)
+            }
+        };
+        for claim in &released {
+            self.attempts.release(attempt, *claim)?;
+        }
+        self.release_claims(released);
+        Ok(lengths)
+    }
+
+    fn load(
+        &mut self,
+        attempt: &AttemptId,
+        slots: &[DeviceSlot],
+    ) -> kvcr_linker_contracts::Result<LoadTicket> {
+        self.attempts.check_live(attempt)?;
+        let duplicate = self
+            .pending
+            .values()
+            .any(|p| matches!(p, Pending::Load { attempt: a, .. } if a == attempt));
+        if duplicate {
+            return Err(LinkError::DuplicateLoad {
+                attempt: attempt.clone(),
+            });
+        }
+        for slot in slots {
+            self.check_slot(*slot)?;
+        }
+        let missing = |page| LinkError::LoadWithoutClaim {
+            attempt: attempt.clone(),
+            page,
+        };
+        let Some((_, Prep::Ready(preparation))) = self.preps.get(&attempt.request) else {
+            return Err(missing(0));
+        };
+        if slots.is_empty() {
+            return Err(missing(0));
+        }
+        let claims = match preparation.load_claims(slots.len()) {
+            LoadClaims::Ready(claims) => claims,
+            LoadClaims::Missing { page } => return Err(missing(page)),
+        };
+        let mut entries = Vec::with_capacity(slots.len());
+        for (claim, slot) in claims.iter().zip(slots) {
+            let key = self
+                .claims
+                .get(claim)
+                .copied()
+                .ok_or_else(|| missing(entries.len()))?;
+            entries.push(DeliverEntry {
+                key,
+                destinations: self.elements(*slot),
+            });
+        }
+        let op = self.runner.deliver(entries).map_err(backend)?;
+        let transfer = self.attempts.accept(attempt, claims.clone())?;
+        // The rest of the preparation is not loaded: release it now.
+        if let Some((_, prep)) = self.preps.get_mut(&attempt.request)
+            && let Prep::Ready(preparation) = std::mem::replace(prep, Prep::Loaded)
+        {
+            let unused: Vec<ClaimId> = preparation
+                .into_claims()
+                .into_iter()
+                .filter(|c| !claims.contains(c))
+                .collect();
+            for claim in &unused {
+                self.attempts.release(attempt, *claim)?;
+            }
+            self.release_claims(unused);
+        }
+        self.next_ticket += 1;
+        let ticket = LoadTicket(self.next_ticket);
+        self.pending.insert(
+            op,
+            Pending::Load {
+                transfer,
+                ticket,
+                attempt: attempt.clone(),
+            },
+        );
+        Ok(ticket)
+    }
+
+    fn poll(&mut self) -> Vec<LinkerEvent> {
+        let mut events = Vec::new();
+        while let Some(fetch) = self.immediate.pop_front() {
+            self.land_fetch(fetch, None);
+        }
+        let results = self.runner.poll_completed();
+        self.absorb(results, &mut events);
+        self.emit(&mut events);
+        events
+    }
+
+    fn accounting(&self) -> Accounting {
+        Accounting {
+            claims_held: self.claims.len(),
+            transfers_in_flight: self.attempts.in_flight() + self.offloads.len(),
+            live_attempts: self.attempts.live(),
+        }
+    }
+}

@@ -1,0 +1,20 @@
+//! kvcr-direct-linker's tests (one integration binary).
+//!
+//! * `conformance`: the linker conformance suite against the direct linker
+//!   with a host-resident KV pool (runs everywhere) and, with
+//!   `KVCR_TEST_GPU=1`, with a GPU pool through the CUDA copier.
+//! * `gpu`: byte-exact offload/restore across layouts, engine-side eviction,
+//!   abort and deadline paths, peer restore — on a GPU when `KVCR_TEST_GPU=1`
+//!   (which fails, not skips, when no GPU is found); without the flag only the
+//!   no-driver path runs.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod conformance;
+mod fixture;
+mod gpu;
