@@ -13,6 +13,7 @@
 //! contracts the runner's job guarantees (each block says how).
 #![allow(unsafe_code)]
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use kvcr_foundation::runner::{CopySpan, DeviceCopier, PoolMemory};
@@ -21,12 +22,16 @@ use crate::cuda::{CopyKernel, Device, Event, PinnedBuffer, PinnedRegistration, S
 use crate::error::{Error, Result};
 
 /// How the copier moves a job's spans.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum CopyMode {
     /// One kernel launch per span index over all pages (the default).
+    #[default]
     Batched,
     /// One driver copy call per span (the naive path, kept as an anchor).
     PerSpan,
+    /// One `cuMemcpyBatchAsync` per span index (the driver's copy engines;
+    /// CUDA 12.8+ drivers).
+    DriverBatch,
 }
 
 /// What the last job did, timed on the GPU.
@@ -43,6 +48,10 @@ pub struct CopyProfile {
     /// GPU milliseconds until the first `first_group` span indices of every
     /// page had landed (layer 0's K and V with the default group of 2).
     pub first_group_ms: f32,
+    /// CPU milliseconds spent building descriptors (overlapped with copies).
+    pub host_ms: f32,
+    /// Wall milliseconds of the whole call, sync included.
+    pub wall_ms: f32,
 }
 
 /// State behind the copier's lock: one job at a time (the runner's copy
@@ -68,8 +77,18 @@ pub struct CudaCopier {
     pinned: Mutex<Vec<PinnedRegistration>>,
     kernel: CopyKernel,
     device: Arc<Device>,
-    mode: CopyMode,
+    /// The [`CopyMode`], as `mode_code` numbers it (switchable for A/B
+    /// measurements on one pool).
+    mode: AtomicU8,
     first_group: usize,
+}
+
+fn mode_code(mode: CopyMode) -> u8 {
+    match mode {
+        CopyMode::Batched => 0,
+        CopyMode::PerSpan => 1,
+        CopyMode::DriverBatch => 2,
+    }
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -96,7 +115,7 @@ impl CudaCopier {
             pinned: Mutex::new(Vec::new()),
             kernel,
             device: Arc::clone(device),
-            mode,
+            mode: AtomicU8::new(mode_code(mode)),
             first_group: first_group.max(1),
         })
     }
@@ -108,7 +127,16 @@ impl CudaCopier {
 
     /// How it copies.
     pub fn mode(&self) -> CopyMode {
-        self.mode
+        match self.mode.load(Ordering::Relaxed) {
+            0 => CopyMode::Batched,
+            1 => CopyMode::PerSpan,
+            _ => CopyMode::DriverBatch,
+        }
+    }
+
+    /// Switches how later jobs copy (benchmarks compare both on one pool).
+    pub fn set_mode(&self, mode: CopyMode) {
+        self.mode.store(mode_code(mode), Ordering::Relaxed);
     }
 
     /// The last job's profile.
@@ -123,12 +151,13 @@ impl CudaCopier {
 
     /// Rewrites the host side of `span` to its device-mapped address; the
     /// other side must be device memory (outside every attached pool).
-    fn map_span(pinned: &[PinnedRegistration], span: &CopySpan) -> Result<(u64, u64)> {
+    /// Returns `(src, dst, host_to_device)`.
+    fn map_span(pinned: &[PinnedRegistration], span: &CopySpan) -> Result<(u64, u64, bool)> {
         let src = pinned.iter().find_map(|p| p.translate(span.src, span.len));
         let dst = pinned.iter().find_map(|p| p.translate(span.dst, span.len));
         match (src, dst) {
-            (Some(src), None) => Ok((src, span.dst)),
-            (None, Some(dst)) => Ok((span.src, dst)),
+            (Some(src), None) => Ok((src, span.dst, true)),
+            (None, Some(dst)) => Ok((span.src, dst, false)),
             _ => Err(Error::UnattachedSpan {
                 src: span.src,
                 dst: span.dst,
@@ -139,32 +168,17 @@ impl CudaCopier {
 
     fn run(&self, keys: &[&[CopySpan]]) -> Result<()> {
         self.device.bind()?;
+        // Profiling only: how long the CPU spends building descriptors.
+        #[allow(clippy::disallowed_methods)]
+        let started = std::time::Instant::now();
         let pinned = lock(&self.pinned);
         let mut engine = lock(&self.engine);
         let widest = keys.iter().map(|k| k.len()).max().unwrap_or(0);
-        // Descriptors, span-index-major; spans not 16-byte aligned force the
-        // per-span path for the whole job (the kernel moves 16-byte vectors).
-        let mut aligned = true;
-        let mut groups: Vec<usize> = Vec::with_capacity(widest + 1);
-        engine.words.clear();
+        let total: usize = keys.iter().map(|k| k.len()).sum();
+        let mode = self.mode();
+        let first_group = self.first_group.min(widest);
         let mut profile = CopyProfile::default();
-        for index in 0..widest {
-            groups.push(engine.words.len() / 3);
-            for key in keys {
-                let Some(span) = key.get(index) else { continue };
-                let (src, dst) = Self::map_span(&pinned, span)?;
-                aligned &= (src | dst | span.len) % 16 == 0;
-                engine.words.extend_from_slice(&[src, dst, span.len]);
-                profile.bytes += span.len;
-                profile.spans += 1;
-            }
-        }
-        groups.push(engine.words.len() / 3);
-        let mode = if aligned {
-            self.mode
-        } else {
-            CopyMode::PerSpan
-        };
+        let mut host_ns = 0u128;
         let Engine {
             stream,
             descriptors,
@@ -174,57 +188,89 @@ impl CudaCopier {
             words,
             ..
         } = &mut *engine;
-        let first_done = groups
-            .get(self.first_group.min(widest))
-            .copied()
-            .unwrap_or(0);
+        if total * 24 > descriptors.len() {
+            *descriptors = PinnedBuffer::allocate(&self.device, (total * 24).next_power_of_two())?;
+        }
+        // Groups (one span index over every page) are built and issued one
+        // after the other, so building group i+1 overlaps the GPU copying
+        // group i. Each group's descriptors go to fresh words of the buffer.
         let mut issue = || -> Result<()> {
             start.record(stream)?;
-            match mode {
-                CopyMode::Batched => {
-                    let needed = words.len() * 8;
-                    if needed > descriptors.len() {
-                        *descriptors =
-                            PinnedBuffer::allocate(&self.device, needed.next_power_of_two())?;
-                    }
-                    descriptors.write_words(words)?;
-                    for pair in groups.windows(2) {
-                        let &[from, to] = pair else { continue };
-                        let count = u32::try_from(to - from).map_err(|_| Error::Layout {
+            let mut at = 0usize;
+            for index in 0..widest {
+                #[allow(clippy::disallowed_methods)]
+                let building = std::time::Instant::now();
+                words.clear();
+                let mut aligned = true;
+                let mut host_to_device = true;
+                for key in keys {
+                    let Some(span) = key.get(index) else { continue };
+                    let (src, dst, to_device) = Self::map_span(&pinned, span)?;
+                    aligned &= (src | dst | span.len) % 16 == 0;
+                    host_to_device = to_device;
+                    words.extend_from_slice(&[src, dst, span.len]);
+                    profile.bytes += span.len;
+                    profile.spans += 1;
+                }
+                let count = words.len() / 3;
+                host_ns += building.elapsed().as_nanos();
+                // The kernel moves 16-byte vectors: a group with an unaligned
+                // span takes the per-span path.
+                let group_mode = if aligned { mode } else { CopyMode::PerSpan };
+                match group_mode {
+                    CopyMode::Batched => {
+                        descriptors.write_words(at * 3, words)?;
+                        let count = u32::try_from(count).map_err(|_| Error::Layout {
                             field: "job",
                             why: "has more than 2^32 spans of one index",
                         })?;
-                        // SAFETY: the descriptors were written above and stay
-                        // unchanged until the stream is synchronised below (the
-                        // engine lock is held throughout); each names a runner
-                        // pool range the runner bounds-checked and keeps valid for
-                        // the job (the pool is pinned and mapped: `pinned` is locked
-                        // so detach cannot run concurrently) and a device range the
-                        // engine registered; alignment was checked above.
+                        // SAFETY: these descriptors were just written to words
+                        // no queued kernel reads, and stay unchanged until the
+                        // stream is synchronised below (the engine lock is held
+                        // throughout); each names a runner pool range the
+                        // runner bounds-checked and keeps valid for the job
+                        // (pinned and mapped: `pinned` is locked, so no detach
+                        // runs concurrently) and a device range the engine
+                        // registered; alignment was checked above.
                         unsafe {
                             self.kernel.launch(
                                 stream,
-                                descriptors.mapped() + (from * 24) as u64,
+                                descriptors.mapped() + (at * 24) as u64,
                                 count,
                             )?;
                         }
                         profile.operations += 1;
-                        if to == first_done {
-                            first.record(stream)?;
+                    }
+                    CopyMode::DriverBatch => {
+                        let mut dsts: Vec<u64> = words.chunks_exact(3).map(|d| d[1]).collect();
+                        let mut srcs: Vec<u64> = words.chunks_exact(3).map(|d| d[0]).collect();
+                        let mut sizes: Vec<usize> =
+                            words.chunks_exact(3).map(|d| d[2] as usize).collect();
+                        // SAFETY: as for the kernel: every range is valid and
+                        // untouched by anyone else until the sync below.
+                        unsafe {
+                            stream.copy_batch_async(
+                                &self.device,
+                                &mut dsts,
+                                &mut srcs,
+                                &mut sizes,
+                                host_to_device,
+                            )?;
+                        }
+                        profile.operations += 1;
+                    }
+                    CopyMode::PerSpan => {
+                        for d in words.chunks_exact(3) {
+                            let &[src, dst, len] = d else { continue };
+                            // SAFETY: as for the kernel above.
+                            unsafe { stream.copy_async(dst, src, len)? };
+                            profile.operations += 1;
                         }
                     }
                 }
-                CopyMode::PerSpan => {
-                    for (i, d) in words.chunks_exact(3).enumerate() {
-                        let &[src, dst, len] = d else { continue };
-                        // SAFETY: as for the kernel above: both ranges are valid
-                        // and untouched by anyone else until the sync below.
-                        unsafe { stream.copy_async(dst, src, len)? };
-                        profile.operations += 1;
-                        if i + 1 == first_done {
-                            first.record(stream)?;
-                        }
-                    }
+                at += count;
+                if index + 1 == first_group {
+                    first.record(stream)?;
                 }
             }
             end.record(stream)
@@ -237,11 +283,13 @@ impl CudaCopier {
         issued?;
         synced?;
         profile.total_ms = end.since(start)?;
-        profile.first_group_ms = if first_done > 0 {
+        profile.first_group_ms = if first_group > 0 {
             first.since(start)?
         } else {
             profile.total_ms
         };
+        profile.host_ms = host_ns as f32 / 1e6;
+        profile.wall_ms = started.elapsed().as_secs_f32() * 1e3;
         engine.profile = profile;
         Ok(())
     }
@@ -256,7 +304,7 @@ impl DeviceCopier for CudaCopier {
             // `detach`, which drops these registrations first.
             fresh.push(unsafe { PinnedRegistration::register(&self.device, pool.base, pool.len) }?);
         }
-        *pinned = fresh;
+        pinned.extend(fresh);
         Ok(())
     }
 
@@ -268,7 +316,7 @@ impl DeviceCopier for CudaCopier {
         })
     }
 
-    fn detach(&self) {
-        lock(&self.pinned).clear();
+    fn detach(&self, pools: &[PoolMemory]) {
+        lock(&self.pinned).retain(|p| !pools.iter().any(|pool| p.covers(pool.base)));
     }
 }

@@ -118,6 +118,20 @@ impl Device {
         self.ordinal
     }
 
+    /// Streaming multiprocessors on the device.
+    pub fn multiprocessors(&self) -> Result<u32> {
+        let mut count = 0;
+        // SAFETY: writes one int for a device from cuDeviceGet.
+        check("cuDeviceGetAttribute", unsafe {
+            sys::cuDeviceGetAttribute(
+                &raw mut count,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                self.device,
+            )
+        })?;
+        Ok(u32::try_from(count).unwrap_or(1).max(1))
+    }
+
     /// The device's name, as the driver reports it.
     pub fn name(&self) -> &str {
         &self.name
@@ -195,6 +209,15 @@ impl DeviceBuffer {
         Ok(out)
     }
 
+    /// Sets every byte to `value` (synchronous).
+    pub fn fill(&self, value: u8) -> Result<()> {
+        self.device.bind()?;
+        // SAFETY: the whole allocation, which this value owns.
+        check("cuMemsetD8", unsafe {
+            sys::cuMemsetD8_v2(self.ptr, value, self.len)
+        })
+    }
+
     fn in_range(&self, offset: usize, len: usize) -> Result<()> {
         if offset.checked_add(len).is_some_and(|end| end <= self.len) {
             Ok(())
@@ -269,6 +292,11 @@ impl PinnedRegistration {
         })
     }
 
+    /// Whether this registration starts at host address `base`.
+    pub fn covers(&self, base: u64) -> bool {
+        self.host == base
+    }
+
     /// The device address of host address `addr`, if it lies in this range.
     pub fn translate(&self, addr: u64, len: u64) -> Option<u64> {
         let offset = addr.checked_sub(self.host)?;
@@ -340,20 +368,28 @@ impl PinnedBuffer {
         self.mapped
     }
 
-    /// Writes `words` at the start. The caller must not call this while a
-    /// kernel that reads the buffer may still run (the copier synchronises its
-    /// stream before returning, so the next call starts with the GPU idle).
-    pub fn write_words(&mut self, words: &[u64]) -> Result<()> {
+    /// Writes `words` from word `at` on. The caller must not overwrite words
+    /// a queued kernel may still read (the copier writes each group's
+    /// descriptors to fresh words and synchronises before its next job).
+    pub fn write_words(&mut self, at: usize, words: &[u64]) -> Result<()> {
         let bytes = std::mem::size_of_val(words);
-        if bytes > self.len {
+        let offset = at.saturating_mul(8);
+        if offset.checked_add(bytes).is_none_or(|end| end > self.len) {
             return Err(Error::Layout {
                 field: "descriptors",
                 why: "exceed the descriptor buffer",
             });
         }
-        // SAFETY: `bytes <= len`, the buffer is ours (`&mut self`), page
-        // aligned (so u64-aligned), and no kernel reads it (see above).
-        unsafe { std::ptr::copy_nonoverlapping(words.as_ptr().cast::<u8>(), self.host, bytes) };
+        // SAFETY: `offset + bytes <= len` (checked above), the buffer is ours
+        // (`&mut self`), page aligned plus a multiple of 8 (so u64-aligned),
+        // and no queued kernel reads these words (see above).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                words.as_ptr().cast::<u8>(),
+                self.host.add(offset),
+                bytes,
+            );
+        }
         Ok(())
     }
 }
@@ -412,6 +448,67 @@ impl Stream {
         // SAFETY: the caller's contract.
         check("cuMemcpyAsync", unsafe {
             sys::cuMemcpyAsync(dst, src, len as usize, self.raw)
+        })
+    }
+}
+
+impl Stream {
+    /// Queues many copies in one driver call (`cuMemcpyBatchAsync`, CUDA
+    /// 12.8+), stream-ordered; `host_to_device` tells the driver which side
+    /// is host memory.
+    ///
+    /// # Safety
+    /// As [`Stream::copy_async`], for every `(dst, src, size)`.
+    pub unsafe fn copy_batch_async(
+        &self,
+        device: &Device,
+        dsts: &mut [u64],
+        srcs: &mut [u64],
+        sizes: &mut [usize],
+        host_to_device: bool,
+    ) -> Result<()> {
+        if dsts.is_empty() || dsts.len() != srcs.len() || dsts.len() != sizes.len() {
+            return Err(Error::Layout {
+                field: "batch",
+                why: "needs equally many destinations, sources and sizes",
+            });
+        }
+        let host = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
+            id: 0,
+        };
+        let gpu = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: device.ordinal as i32,
+        };
+        let (src_hint, dst_hint) = if host_to_device {
+            (host, gpu)
+        } else {
+            (gpu, host)
+        };
+        let mut attributes = [sys::CUmemcpyAttributes {
+            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: src_hint,
+            dstLocHint: dst_hint,
+            flags: 0,
+        }];
+        let mut attribute_index = [0usize];
+        let mut failed_at = usize::MAX;
+        // SAFETY: the three arrays hold `len` entries each (checked above) and
+        // are read during the call only; one attribute applies from copy 0;
+        // the caller guarantees the ranges.
+        check("cuMemcpyBatchAsync", unsafe {
+            sys::cuMemcpyBatchAsync(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                dsts.len(),
+                attributes.as_mut_ptr(),
+                attribute_index.as_mut_ptr(),
+                1,
+                &raw mut failed_at,
+                self.raw,
+            )
         })
     }
 }
@@ -564,4 +661,47 @@ impl Drop for CopyKernel {
         // streams before dropping the kernel.
         let _ = unsafe { sys::cuModuleUnload(self.module) };
     }
+}
+
+/// Which way a contiguous anchor copy goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// Pinned host memory to the device.
+    HostToDevice,
+    /// The device to pinned host memory.
+    DeviceToHost,
+}
+
+/// The anchor the batched copies are measured against: one contiguous copy
+/// of `bytes` between pinned host memory and the device, timed on the GPU;
+/// returns the median GB/s over `repeats` (after one warm-up).
+pub fn contiguous_bandwidth(
+    device: &Arc<Device>,
+    bytes: usize,
+    direction: Direction,
+    repeats: usize,
+) -> Result<f64> {
+    let host = PinnedBuffer::allocate(device, bytes)?;
+    let dev = DeviceBuffer::allocate(device, bytes)?;
+    let stream = Stream::new(device)?;
+    let (start, end) = (Event::new(device)?, Event::new(device)?);
+    let (src, dst) = match direction {
+        Direction::HostToDevice => (host.mapped(), dev.address()),
+        Direction::DeviceToHost => (dev.address(), host.mapped()),
+    };
+    let mut samples = Vec::with_capacity(repeats);
+    for round in 0..=repeats {
+        start.record(&stream)?;
+        // SAFETY: both buffers are owned here, `bytes` long, and alive until
+        // after the synchronisation below.
+        unsafe { stream.copy_async(dst, src, bytes as u64)? };
+        end.record(&stream)?;
+        stream.synchronize()?;
+        if round > 0 {
+            let ms = f64::from(end.since(&start)?);
+            samples.push(bytes as f64 / (ms / 1e3) / 1e9);
+        }
+    }
+    samples.sort_by(f64::total_cmp);
+    Ok(samples.get(samples.len() / 2).copied().unwrap_or(0.0))
 }

@@ -8,6 +8,7 @@
 
 mod bench;
 mod demo;
+mod gpu;
 mod layers;
 mod setup;
 
@@ -34,6 +35,9 @@ Commands:
   bench [--quick]   run every benchmark (each figure beside an anchor measured
                     in the same run); prints BENCH lines and writes
                     target/bench/report.md
+  gpu-build         build the direct linker's GPU tests and bench into
+                    target/gpu/ (stripped, with run.sh) to carry to a GPU
+                    machine
   layers            check the crate dependency layering
   help              this text
 ";
@@ -50,6 +54,7 @@ fn main() -> Result<()> {
         "fuzz" => fuzz(&root, &rest),
         "bench" => bench::run(&root, &rest),
         "demo" => demo::run(&root, &rest),
+        "gpu-build" => gpu::build(&root),
         "layers" => {
             layers::check(&root)?;
             println!("xtask: layering ok");

@@ -13,18 +13,18 @@ use kvcr_linker_contracts::conformance::{FixtureSpec, LinkerFixture};
 use kvcr_linker_contracts::{DeviceSlot, LinkerEvent};
 
 /// Whether the GPU tests must run (and fail without a GPU).
-pub fn gpu_required() -> bool {
+pub(crate) fn gpu_required() -> bool {
     std::env::var("KVCR_TEST_GPU").is_ok_and(|v| v == "1")
 }
 
 /// Opens GPU 0, or panics saying why (only called when the GPU is required).
-pub fn gpu() -> Arc<Device> {
+pub(crate) fn gpu() -> Arc<Device> {
     Device::open(0).expect("KVCR_TEST_GPU=1 but no usable GPU")
 }
 
 /// A small geometry whose page is `page_bytes`: two layers, so a page is four
 /// 16-byte-multiple spans.
-pub fn layout_for(page_bytes: usize, device_pages: u32) -> KvLayout {
+pub(crate) fn layout_for(page_bytes: usize, device_pages: u32) -> KvLayout {
     assert_eq!(page_bytes % 64, 0, "pages of the suite are multiples of 64");
     KvLayout {
         layers: 2,
@@ -39,22 +39,22 @@ pub fn layout_for(page_bytes: usize, device_pages: u32) -> KvLayout {
 }
 
 /// Where the fixture's KV buffers live.
-pub enum Buffers {
+pub(crate) enum Buffers {
     Host(Vec<Box<[u8]>>),
     Cuda(Vec<DeviceBuffer>),
 }
 
 /// A linker plus its engine-side KV pool. Field order: the linker drops
 /// before the buffers it has registered.
-pub struct Fixture {
-    pub linker: DirectLinker,
-    pub buffers: Buffers,
-    pub layout: KvLayout,
+pub(crate) struct Fixture {
+    pub(crate) linker: DirectLinker,
+    pub(crate) buffers: Buffers,
+    pub(crate) layout: KvLayout,
 }
 
 impl Fixture {
     /// Host-resident pool.
-    pub fn host(layout: KvLayout, store_pages: u32, incarnation: Incarnation) -> Self {
+    pub(crate) fn host(layout: KvLayout, store_pages: u32, incarnation: Incarnation) -> Self {
         let span = layout.span_bytes() as usize * layout.device_pages as usize;
         let mut buffers: Vec<Box<[u8]>> = (0..layout.spans_per_page())
             .map(|_| vec![0u8; span].into_boxed_slice())
@@ -75,7 +75,7 @@ impl Fixture {
     }
 
     /// GPU-resident pool on `device`, copied by a copier in `mode`.
-    pub fn cuda(
+    pub(crate) fn cuda(
         device: &Arc<Device>,
         mode: CopyMode,
         layout: KvLayout,
@@ -110,7 +110,7 @@ impl Fixture {
     }
 
     /// Writes a whole page (spans in layout order) into `slot`.
-    pub fn write_page(&mut self, slot: DeviceSlot, bytes: &[u8]) {
+    pub(crate) fn write_page(&mut self, slot: DeviceSlot, bytes: &[u8]) {
         let span = self.span();
         let at = slot.0 as usize * span;
         for (i, chunk) in bytes.chunks(span).enumerate() {
@@ -122,7 +122,7 @@ impl Fixture {
     }
 
     /// Reads a whole page back.
-    pub fn read_page(&self, slot: DeviceSlot) -> Vec<u8> {
+    pub(crate) fn read_page(&self, slot: DeviceSlot) -> Vec<u8> {
         let span = self.span();
         let at = slot.0 as usize * span;
         let mut out = Vec::with_capacity(span * self.layout.spans_per_page());
@@ -136,7 +136,11 @@ impl Fixture {
     }
 }
 
-pub fn config(layout: KvLayout, store_pages: u32, incarnation: Incarnation) -> DirectLinkerConfig {
+pub(crate) fn config(
+    layout: KvLayout,
+    store_pages: u32,
+    incarnation: Incarnation,
+) -> DirectLinkerConfig {
     DirectLinkerConfig {
         layout,
         store_pages,
@@ -168,7 +172,7 @@ impl LinkerFixture for Fixture {
 }
 
 /// The conformance factory for a host pool.
-pub fn host_fixture(spec: &FixtureSpec) -> Fixture {
+pub(crate) fn host_fixture(spec: &FixtureSpec) -> Fixture {
     Fixture::host(
         layout_for(spec.page_bytes, spec.device_slots),
         spec.store_pages as u32,
@@ -177,7 +181,7 @@ pub fn host_fixture(spec: &FixtureSpec) -> Fixture {
 }
 
 /// The conformance factory for a GPU pool (batched kernels).
-pub fn cuda_fixture(spec: &FixtureSpec) -> Fixture {
+pub(crate) fn cuda_fixture(spec: &FixtureSpec) -> Fixture {
     Fixture::cuda(
         &gpu(),
         CopyMode::Batched,

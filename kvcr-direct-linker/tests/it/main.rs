@@ -3,7 +3,7 @@
 //! * `conformance`: the linker conformance suite against the direct linker
 //!   with a host-resident KV pool (runs everywhere) and, with
 //!   `KVCR_TEST_GPU=1`, with a GPU pool through the CUDA copier.
-//! * `gpu`: byte-exact offload/restore across layouts, engine-side eviction,
+//! * `restore`: byte-exact offload/restore across layouts, engine-side eviction,
 //!   abort and deadline paths, peer restore — on a GPU when `KVCR_TEST_GPU=1`
 //!   (which fails, not skips, when no GPU is found); without the flag only the
 //!   no-driver path runs.
@@ -17,4 +17,4 @@
 
 mod conformance;
 mod fixture;
-mod gpu;
+mod restore;

@@ -25,7 +25,9 @@ pub struct PoolMemory {
 /// copier is set; [`copy`](Self::copy) from the runner's copy thread, one call
 /// per job; [`detach`](Self::detach) once when the runner drops, after its copy
 /// thread has stopped and before its pools are freed (so a registration of the
-/// pools with a driver is always undone before the memory is unmapped).
+/// pools with a driver is always undone before the memory is unmapped). One
+/// copier may serve several runners at once (ranks sharing a GPU, a runner
+/// replaced on reset): attach and detach name the pools they are about.
 pub trait DeviceCopier: Send + Sync {
     /// The runner's pools; pin or register them here. An error refuses the
     /// copier and leaves the runner as it was.
@@ -40,6 +42,7 @@ pub trait DeviceCopier: Send + Sync {
     /// and the runner frees or reuses the slots right after.
     fn copy(&self, keys: &[&[CopySpan]]) -> Result<()>;
 
-    /// Undoes `attach` (the pools are about to be freed).
-    fn detach(&self);
+    /// Undoes `attach` for these pools (they are about to be freed); other
+    /// runners' pools stay attached.
+    fn detach(&self, pools: &[PoolMemory]);
 }

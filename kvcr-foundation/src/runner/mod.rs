@@ -561,7 +561,7 @@ impl Drop for Runner {
         // 1b. No device copy runs either (they run on the copy thread), so the
         //     copier may unpin the pools before anything below frees them.
         if let Some(copier) = self.device.take() {
-            copier.detach();
+            copier.detach(&self.shared.lock().core.pool_memory());
         }
         // 2. The peer thread unmaps the pools it registered, unless a remote
         //    write might still land in them: then it keeps them mapped for the

@@ -59,7 +59,12 @@ impl DeviceCopier for RecordingCopier {
         Ok(())
     }
 
-    fn detach(&self) {
+    fn detach(&self, pools: &[PoolMemory]) {
+        assert_eq!(
+            *self.0.attached.lock().unwrap(),
+            pools,
+            "detach names the attached pools"
+        );
         self.0.detached.store(true, Ordering::SeqCst);
     }
 }

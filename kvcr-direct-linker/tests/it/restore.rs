@@ -1,0 +1,400 @@
+//! Offload and restore through the direct linker, byte for byte: across
+//! layouts and page sizes, after the engine evicted its copy, under deadline
+//! failure, and from a peer runner in another process. Each test runs with a
+//! host-resident pool everywhere and, with `KVCR_TEST_GPU=1`, on the GPU with
+//! both copy modes.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use kvcr_direct_linker::cuda::{Device, driver_present};
+use kvcr_direct_linker::{CopyMode, DirectLinker, Error, KvLayout, KvMemory};
+use kvcr_foundation::hint::FetchMode;
+use kvcr_foundation::runner::PeerOptions;
+use kvcr_foundation::{
+    AttemptLedger, BlockKey, ControlEndpoint, FetchHint, Incarnation, NamespaceId, RequestId,
+};
+use kvcr_linker_contracts::{
+    DeviceSlot, Linker, LinkerEvent, OffloadBatch, OffloadOutcome, PrefixQuery, RequestContext,
+    RequestHooks,
+};
+use rstest::rstest;
+
+use crate::fixture::{Fixture, config, gpu, gpu_required};
+
+const NAMESPACE: NamespaceId = NamespaceId(0xd1ec7);
+
+/// Which pools a test runs on: host always, the GPU (both copy modes) when
+/// required.
+#[derive(Debug, Clone, Copy)]
+enum Backend {
+    Host,
+    Cuda(CopyMode),
+}
+
+fn backends() -> Vec<Backend> {
+    let mut out = vec![Backend::Host];
+    if gpu_required() {
+        out.push(Backend::Cuda(CopyMode::Batched));
+        out.push(Backend::Cuda(CopyMode::PerSpan));
+        out.push(Backend::Cuda(CopyMode::DriverBatch));
+    }
+    out
+}
+
+fn incarnation(n: u128) -> Incarnation {
+    Incarnation::from_raw(n).unwrap()
+}
+
+fn fixture(backend: Backend, layout: KvLayout, store_pages: u32) -> Fixture {
+    match backend {
+        Backend::Host => Fixture::host(layout, store_pages, incarnation(1)),
+        Backend::Cuda(mode) => Fixture::cuda(&gpu(), mode, layout, store_pages, incarnation(1)),
+    }
+}
+
+fn geometry(layers: u32, page_tokens: u32, kv_heads: u32, head_dim: u32, pages: u32) -> KvLayout {
+    KvLayout {
+        layers,
+        page_tokens,
+        kv_heads,
+        head_dim,
+        dtype_bytes: 2,
+        device_pages: pages,
+        k_bases: Vec::new(),
+        v_bases: Vec::new(),
+    }
+}
+
+/// Deterministic pseudo-random page bytes (xorshift over key and seed).
+fn page_bytes(key: u64, seed: u64, len: usize) -> Vec<u8> {
+    let mut state = key.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed ^ 0x5bd1_e995;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+fn keys(n: u64) -> Vec<BlockKey> {
+    (1..=n).map(|k| BlockKey::from_u64(0x1000 + k)).collect()
+}
+
+/// Writes `keys`' pages into slots `0..` and offloads them; must succeed.
+fn offload(f: &mut Fixture, keys: &[BlockKey], seed: u64) {
+    let page = f.layout.page_bytes() as usize;
+    let mut pages = Vec::new();
+    for (slot, key) in keys.iter().enumerate() {
+        let slot = DeviceSlot(slot as u32);
+        f.write_page(slot, &page_bytes(key.as_u64(), seed, page));
+        pages.push((*key, slot));
+    }
+    let outcome = f
+        .linker
+        .offload(OffloadBatch {
+            namespace: NAMESPACE,
+            pages,
+        })
+        .unwrap();
+    let OffloadOutcome::Queued(ticket) = outcome else {
+        panic!("offload declined: {outcome:?}");
+    };
+    let events = f.linker.settle(Duration::from_secs(60));
+    assert!(
+        events.contains(&LinkerEvent::OffloadDone {
+            ticket,
+            success: true
+        }),
+        "offload failed: {events:?}"
+    );
+}
+
+/// Starts a request for `keys` (with `hints`), lets the preparation land, and
+/// returns the attempt and the longest restorable prefix.
+fn prepare(
+    linker: &mut DirectLinker,
+    ledger: &mut AttemptLedger,
+    request: &str,
+    keys: &[BlockKey],
+    hints: Vec<FetchHint>,
+) -> (kvcr_foundation::AttemptId, u32) {
+    let query = PrefixQuery {
+        namespace: NAMESPACE,
+        device_prefix_pages: 0,
+        tail: keys.to_vec(),
+    };
+    let (context, _) = RequestContext::begin(ledger, RequestId(request.into()), hints, query);
+    linker.request_started(&context).unwrap();
+    let attempt = context.attempt().clone();
+    let _ = linker.settle(Duration::from_secs(60));
+    let longest = linker.lookup(&attempt, 0, keys).unwrap().longest();
+    (attempt, longest)
+}
+
+/// Loads the first `count` prepared pages into slots `at..`; returns success.
+fn load(
+    linker: &mut DirectLinker,
+    attempt: &kvcr_foundation::AttemptId,
+    at: u32,
+    count: u32,
+) -> bool {
+    let slots: Vec<DeviceSlot> = (at..at + count).map(DeviceSlot).collect();
+    let ticket = linker.load(attempt, &slots).unwrap();
+    let events = linker.settle(Duration::from_secs(60));
+    events.iter().any(
+        |e| matches!(e, LinkerEvent::LoadDone { ticket: t, success: true, .. } if *t == ticket),
+    )
+}
+
+#[rstest]
+#[case::one_layer_small(geometry(1, 16, 1, 64, 8), 4)]
+#[case::qwen_like_shard(geometry(4, 64, 4, 128, 6), 3)]
+#[case::odd_span_multiple(geometry(3, 3, 2, 8, 10), 5)]
+#[case::many_layers(geometry(64, 4, 1, 16, 4), 2)]
+fn offload_then_restore_is_byte_exact(#[case] layout: KvLayout, #[case] pages: u64) {
+    for backend in backends() {
+        let mut f = fixture(backend, layout.clone(), 8);
+        let keys = keys(pages);
+        offload(&mut f, &keys, 7);
+        // The engine evicts its copy: the slots are reused for other bytes.
+        let page = f.layout.page_bytes() as usize;
+        for slot in 0..pages as u32 {
+            f.write_page(DeviceSlot(slot), &vec![0xee; page]);
+        }
+        let mut ledger = AttemptLedger::new();
+        let (attempt, longest) = prepare(&mut f.linker, &mut ledger, "r", &keys, Vec::new());
+        assert_eq!(longest, pages as u32, "{backend:?}: every page restorable");
+        let at = layout.device_pages - pages as u32;
+        assert!(
+            load(&mut f.linker, &attempt, at, pages as u32),
+            "{backend:?}"
+        );
+        for (i, key) in keys.iter().enumerate() {
+            assert_eq!(
+                f.read_page(DeviceSlot(at + i as u32)),
+                page_bytes(key.as_u64(), 7, page),
+                "{backend:?}: page {i} differs"
+            );
+        }
+        if let Backend::Cuda(mode) = backend
+            && let KvMemory::Cuda(copier) = f.linker.memory()
+        {
+            let profile = copier.last_profile();
+            assert_eq!(profile.spans, pages * layout.spans_per_page() as u64);
+            assert_eq!(profile.bytes, pages * layout.page_bytes());
+            let expected_ops = match mode {
+                CopyMode::Batched | CopyMode::DriverBatch => layout.spans_per_page() as u64,
+                CopyMode::PerSpan => profile.spans,
+            };
+            assert_eq!(profile.operations, expected_ops, "{mode:?}");
+        }
+        f.linker.request_finished(&attempt).unwrap();
+        assert_eq!(f.linker.accounting().claims_held, 0);
+        f.linker.runner().check_invariants().unwrap();
+    }
+}
+
+/// A deadline that passes before the copy starts fails the offload cleanly:
+/// nothing is stored, no slot leaks, and the linker keeps serving.
+#[test]
+fn deadline_failure_holds_nothing() {
+    for backend in backends() {
+        let layout = geometry(2, 8, 1, 32, 4);
+        let mut f = fixture(backend, layout.clone(), 4);
+        let total = f.linker.runner().stats().pools[0].total_slots;
+        // Reach into the config: a new linker whose operations cannot start
+        // in time.
+        let mut cfg = config(f.layout.clone(), 4, incarnation(2));
+        cfg.operation_timeout = Duration::from_nanos(1);
+        let memory = f.linker.memory().clone();
+        // SAFETY: (test) the fixture's buffers outlive this linker, which is
+        // dropped before `f`.
+        let mut tight = unsafe { DirectLinker::new(cfg, memory) }.unwrap();
+        let page = layout.page_bytes() as usize;
+        f.write_page(DeviceSlot(0), &page_bytes(1, 1, page));
+        let OffloadOutcome::Queued(ticket) = tight
+            .offload(OffloadBatch {
+                namespace: NAMESPACE,
+                pages: vec![(BlockKey::from_u64(1), DeviceSlot(0))],
+            })
+            .unwrap()
+        else {
+            panic!("declined");
+        };
+        let events = tight.settle(Duration::from_secs(30));
+        assert!(
+            events.contains(&LinkerEvent::OffloadDone {
+                ticket,
+                success: false
+            }),
+            "{backend:?}: {events:?}"
+        );
+        assert!(!tight.stores(NAMESPACE, BlockKey::from_u64(1)));
+        let stats = tight.runner().stats();
+        assert_eq!(stats.pools[0].free_slots, stats.pools[0].total_slots);
+        assert_eq!(stats.copies_in_flight, 0);
+        assert_eq!(tight.accounting().transfers_in_flight, 0);
+        drop(tight);
+        // The normal linker on the same pool is unaffected.
+        offload(&mut f, &keys(1), 3);
+        assert_eq!(total, f.linker.runner().stats().pools[0].total_slots);
+    }
+}
+
+/// Without a driver, opening a GPU is a typed error, not a panic. On a GPU
+/// machine with `KVCR_TEST_GPU=1`, it opens.
+#[test]
+fn missing_driver_is_a_typed_error() {
+    if gpu_required() {
+        let device = gpu();
+        assert!(!device.name().is_empty());
+        return;
+    }
+    if !driver_present() {
+        assert!(matches!(Device::open(0), Err(Error::NoDriver)));
+    }
+}
+
+// ------------------------------------------------------------ peer restore
+
+const CHILD_ENV: &str = "KVCR_DIRECT_LINKER_SOURCE";
+const CHILD_TEST: &str = "restore::source_process";
+const TAG: &str = "KVCR-SOURCE";
+const PEER_PAGES: u64 = 6;
+const PEER_SEED: u64 = 42;
+
+fn peer_layout() -> KvLayout {
+    geometry(4, 16, 2, 64, 8)
+}
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{TAG} {line}").unwrap();
+    out.flush().unwrap();
+}
+
+fn peer_fixture(backend: Backend) -> Fixture {
+    let mut f = fixture(backend, peer_layout(), 8);
+    let layout = f.layout.clone();
+    let memory = f.linker.memory().clone();
+    let mut cfg = config(layout, 8, incarnation(3));
+    cfg.peer = Some(PeerOptions::loopback());
+    // SAFETY: (test) the fixture's buffers outlive the new linker (it replaces
+    // the fixture's first linker, and fields drop linker first).
+    f.linker = unsafe { DirectLinker::new(cfg, memory) }.unwrap();
+    f
+}
+
+/// The source process's entry point (returns at once in a normal run): it
+/// offloads `PEER_PAGES` pages, prints its endpoint, and serves until stdin
+/// closes.
+#[test]
+fn source_process() {
+    let Ok(backend) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let backend = match backend.as_str() {
+        "host" => Backend::Host,
+        _ => Backend::Cuda(CopyMode::Batched),
+    };
+    let mut f = peer_fixture(backend);
+    offload(&mut f, &keys(PEER_PAGES), PEER_SEED);
+    let endpoint = f.linker.runner().endpoint().unwrap().to_string();
+    say(&format!("READY {endpoint}"));
+    let mut line = String::new();
+    while std::io::stdin().read_line(&mut line).is_ok_and(|n| n > 0) {
+        line.clear();
+    }
+}
+
+struct Source {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    endpoint: ControlEndpoint,
+}
+
+impl Source {
+    fn spawn(backend: &str) -> Self {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", CHILD_TEST, "--nocapture", "--test-threads=1"])
+            .env(CHILD_ENV, backend)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Some(at) = line.find(TAG) {
+                    let _ = tx.send(line[at + TAG.len()..].trim().to_owned());
+                }
+            }
+        });
+        let ready = rx.recv_timeout(Duration::from_secs(120)).unwrap();
+        let endpoint = ready.strip_prefix("READY ").unwrap().parse().unwrap();
+        Self {
+            stdin: child.stdin.take(),
+            child,
+            endpoint,
+        }
+    }
+}
+
+impl Drop for Source {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+/// A destination restores the source process's pages on a router hint: peer
+/// KVCR DRAM → local KVCR DRAM (UCX) → the destination's KV pool, byte exact;
+/// keys the source lacks are not restorable.
+#[test]
+fn peer_restore_from_another_process() {
+    let mut runs = vec![("host", Backend::Host)];
+    if gpu_required() {
+        runs.push(("cuda", Backend::Cuda(CopyMode::Batched)));
+    }
+    for (name, backend) in runs {
+        let source = Source::spawn(name);
+        let mut dest = peer_fixture(backend);
+        let mut wanted = keys(PEER_PAGES);
+        wanted.push(BlockKey::from_u64(0xdead)); // not on the source
+        let hint = FetchHint {
+            source: source.endpoint.clone(),
+            block_hashes: wanted.clone(),
+            mode: FetchMode::Copy,
+            action_id: None,
+        };
+        let mut ledger = AttemptLedger::new();
+        let (attempt, longest) = prepare(&mut dest.linker, &mut ledger, "p", &wanted, vec![hint]);
+        assert_eq!(
+            longest, PEER_PAGES as u32,
+            "{name}: the source's pages only"
+        );
+        assert!(
+            load(&mut dest.linker, &attempt, 0, PEER_PAGES as u32),
+            "{name}"
+        );
+        let page = dest.layout.page_bytes() as usize;
+        for (i, key) in wanted.iter().take(PEER_PAGES as usize).enumerate() {
+            assert_eq!(
+                dest.read_page(DeviceSlot(i as u32)),
+                page_bytes(key.as_u64(), PEER_SEED, page),
+                "{name}: page {i} differs"
+            );
+        }
+        dest.linker.request_finished(&attempt).unwrap();
+        assert_eq!(dest.linker.accounting().claims_held, 0);
+        drop(source);
+    }
+}
