@@ -128,7 +128,8 @@ fn main() {
     let bases: Vec<u64> = buffers.iter().map(DeviceBuffer::address).collect();
     layout.k_bases = bases.iter().step_by(2).copied().collect();
     layout.v_bases = bases.iter().skip(1).step_by(2).copied().collect();
-    let copier = Arc::new(CudaCopier::new(&device, CopyMode::Batched, 2).unwrap());
+    let copier =
+        Arc::new(CudaCopier::new(&device, CopyMode::best_for(&device).unwrap(), 2).unwrap());
     let config = DirectLinkerConfig {
         layout: layout.clone(),
         store_pages: pages,
@@ -159,7 +160,7 @@ fn main() {
     let mut round = 0u64;
     let mut keys = Vec::new();
     for mode in [CopyMode::DriverBatch, CopyMode::Batched] {
-        copier.set_mode(mode);
+        copier.set_mode(mode).unwrap();
         let mut samples = Vec::new();
         for _ in 0..repeats {
             round += 1;
@@ -202,7 +203,7 @@ fn main() {
     // Restore: wipe the device copy, prepare, load, check sampled pages.
     let mut ledger = AttemptLedger::new();
     let mut restore = |mode: CopyMode, round: usize| -> (f64, f32) {
-        copier.set_mode(mode);
+        copier.set_mode(mode).unwrap();
         for b in &buffers {
             b.fill(0).unwrap();
         }
@@ -282,7 +283,7 @@ fn main() {
             .map(|(_, g, f)| (median(g.clone()), median(f.clone())))
             .unwrap()
     };
-    let default_mode = CopyMode::default();
+    let default_mode = CopyMode::best_for(&device).unwrap();
     let (restore_gbps, first) = pick(default_mode);
     let (driver_gbps, _) = pick(CopyMode::DriverBatch);
     let (kernel_gbps, _) = pick(CopyMode::Batched);

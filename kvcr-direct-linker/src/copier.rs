@@ -22,15 +22,21 @@ use crate::cuda::{CopyKernel, Device, Event, PinnedBuffer, PinnedRegistration, S
 use crate::error::{Error, Result};
 
 /// How the copier moves a job's spans.
+///
+/// Measured on an H200 restoring 30 GB of Qwen3-32B pages (128 KiB spans):
+/// driver batch 55.1 GB/s of GPU time (the contiguous pinned copy: 55.3),
+/// kernel 50.6, one copy per span 23.4; offload 53.7 / 47.3 GB/s.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum CopyMode {
-    /// One kernel launch per span index over all pages (the default).
-    #[default]
+    /// One gather/scatter kernel launch per span index over all pages,
+    /// reading or writing the mapped pinned pool (any driver).
     Batched,
     /// One driver copy call per span (the naive path, kept as an anchor).
     PerSpan,
-    /// One `cuMemcpyBatchAsync` per span index (the driver's copy engines;
-    /// CUDA 12.8+ drivers).
+    /// One `cuMemcpyBatchAsync` per span index: the copy engines do the
+    /// scatter, the SMs stay free for compute (the default; needs a CUDA 12.8
+    /// or newer driver, see [`CopyMode::best_for`]).
+    #[default]
     DriverBatch,
 }
 
@@ -83,6 +89,20 @@ pub struct CudaCopier {
     first_group: usize,
 }
 
+/// The first driver version with `cuMemcpyBatchAsync`.
+const DRIVER_BATCH_VERSION: u32 = 12080;
+
+impl CopyMode {
+    /// The fastest mode `device`'s driver supports.
+    pub fn best_for(device: &Device) -> Result<Self> {
+        Ok(if device.driver_version()? >= DRIVER_BATCH_VERSION {
+            Self::DriverBatch
+        } else {
+            Self::Batched
+        })
+    }
+}
+
 fn mode_code(mode: CopyMode) -> u8 {
     match mode {
         CopyMode::Batched => 0,
@@ -100,6 +120,7 @@ impl CudaCopier {
     /// A copier for `device`, loading the copy kernel. `first_group` span
     /// indices make up the "first layer" the profile times (2: K and V).
     pub fn new(device: &Arc<Device>, mode: CopyMode, first_group: usize) -> Result<Self> {
+        Self::check_mode(device, mode)?;
         let kernel = CopyKernel::load(device)?;
         let engine = Engine {
             stream: Stream::new(device)?,
@@ -134,9 +155,25 @@ impl CudaCopier {
         }
     }
 
-    /// Switches how later jobs copy (benchmarks compare both on one pool).
-    pub fn set_mode(&self, mode: CopyMode) {
+    /// Switches how later jobs copy (benchmarks compare modes on one pool).
+    pub fn set_mode(&self, mode: CopyMode) -> Result<()> {
+        Self::check_mode(&self.device, mode)?;
         self.mode.store(mode_code(mode), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Refuses the driver batch on a driver without it (calling a symbol
+    /// the driver lacks would abort inside the loader).
+    fn check_mode(device: &Device, mode: CopyMode) -> Result<()> {
+        let version = device.driver_version()?;
+        if mode == CopyMode::DriverBatch && version < DRIVER_BATCH_VERSION {
+            return Err(Error::Unsupported {
+                what: "CopyMode::DriverBatch (cuMemcpyBatchAsync)",
+                needs: DRIVER_BATCH_VERSION,
+                driver: version,
+            });
+        }
+        Ok(())
     }
 
     /// The last job's profile.
@@ -242,10 +279,17 @@ impl CudaCopier {
                         profile.operations += 1;
                     }
                     CopyMode::DriverBatch => {
-                        let mut dsts: Vec<u64> = words.chunks_exact(3).map(|d| d[1]).collect();
-                        let mut srcs: Vec<u64> = words.chunks_exact(3).map(|d| d[0]).collect();
-                        let mut sizes: Vec<usize> =
-                            words.chunks_exact(3).map(|d| d[2] as usize).collect();
+                        let (mut dsts, mut srcs, mut sizes) = (
+                            Vec::with_capacity(count),
+                            Vec::with_capacity(count),
+                            Vec::with_capacity(count),
+                        );
+                        for d in words.chunks_exact(3) {
+                            let &[src, dst, len] = d else { continue };
+                            srcs.push(src);
+                            dsts.push(dst);
+                            sizes.push(len as usize);
+                        }
                         // SAFETY: as for the kernel: every range is valid and
                         // untouched by anyone else until the sync below.
                         unsafe {

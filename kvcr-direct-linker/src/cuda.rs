@@ -118,6 +118,16 @@ impl Device {
         self.ordinal
     }
 
+    /// The driver's CUDA version, e.g. 13000 for 13.0.
+    pub fn driver_version(&self) -> Result<u32> {
+        let mut version = 0;
+        // SAFETY: writes one int.
+        check("cuDriverGetVersion", unsafe {
+            sys::cuDriverGetVersion(&raw mut version)
+        })?;
+        Ok(u32::try_from(version).unwrap_or(0))
+    }
+
     /// Streaming multiprocessors on the device.
     pub fn multiprocessors(&self) -> Result<u32> {
         let mut count = 0;

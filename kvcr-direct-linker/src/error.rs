@@ -22,6 +22,16 @@ pub enum Error {
         /// The driver's status, as it names it.
         status: String,
     },
+    /// The driver is too old for what was asked.
+    #[error("{what} needs a CUDA {needs} driver; this one is {driver}")]
+    Unsupported {
+        /// The feature.
+        what: &'static str,
+        /// The driver version it needs.
+        needs: u32,
+        /// The driver's version.
+        driver: u32,
+    },
     /// The device's kernel image could not be loaded.
     #[error("loading the copy kernel failed: {0}")]
     Kernel(String),

@@ -71,7 +71,7 @@ impl KvLayout {
         if !matches!(self.dtype_bytes, 1 | 2 | 4) {
             return Err(bad("dtype_bytes", "must be 1, 2 or 4"));
         }
-        if self.span_bytes() % 16 != 0 {
+        if !self.span_bytes().is_multiple_of(16) {
             return Err(bad("geometry", "a span must be a multiple of 16 bytes"));
         }
         if self.device_pages == 0 || u64::from(self.device_pages) > MAX_REGION_ELEMENTS {
@@ -86,7 +86,7 @@ impl KvLayout {
             .checked_mul(u64::from(self.device_pages))
             .ok_or_else(|| bad("device_pages", "overflows the address space"))?;
         for base in self.k_bases.iter().chain(&self.v_bases) {
-            if *base == 0 || base % 16 != 0 {
+            if *base == 0 || !base.is_multiple_of(16) {
                 return Err(bad(
                     "k_bases/v_bases",
                     "must be non-null and 16-byte aligned",

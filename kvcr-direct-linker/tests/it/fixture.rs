@@ -184,7 +184,7 @@ pub(crate) fn host_fixture(spec: &FixtureSpec) -> Fixture {
 pub(crate) fn cuda_fixture(spec: &FixtureSpec) -> Fixture {
     Fixture::cuda(
         &gpu(),
-        CopyMode::Batched,
+        CopyMode::default(),
         layout_for(spec.page_bytes, spec.device_slots),
         spec.store_pages as u32,
         spec.incarnation,

@@ -300,7 +300,7 @@ fn source_process() {
     };
     let backend = match backend.as_str() {
         "host" => Backend::Host,
-        _ => Backend::Cuda(CopyMode::Batched),
+        _ => Backend::Cuda(CopyMode::default()),
     };
     let mut f = peer_fixture(backend);
     offload(&mut f, &keys(PEER_PAGES), PEER_SEED);
@@ -362,7 +362,7 @@ impl Drop for Source {
 fn peer_restore_from_another_process() {
     let mut runs = vec![("host", Backend::Host)];
     if gpu_required() {
-        runs.push(("cuda", Backend::Cuda(CopyMode::Batched)));
+        runs.push(("cuda", Backend::Cuda(CopyMode::default())));
     }
     for (name, backend) in runs {
         let source = Source::spawn(name);
