@@ -105,6 +105,8 @@ fn main() {
         head_dim: 128,
         dtype_bytes: 2,
         device_pages: pages,
+        tp_rank: 0,
+        tp_size: 1,
         k_bases: Vec::new(),
         v_bases: Vec::new(),
     };

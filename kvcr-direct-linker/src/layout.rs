@@ -26,6 +26,10 @@ pub struct KvLayout {
     pub dtype_bytes: u32,
     /// Page slots in every layer buffer.
     pub device_pages: u32,
+    /// This rank's tensor-parallel index (which shard of the heads it holds).
+    pub tp_rank: u32,
+    /// Tensor-parallel ranks of the engine (1 without TP).
+    pub tp_size: u32,
     /// Address of layer `l`'s K buffer (device memory, or host memory for a
     /// host-resident pool).
     pub k_bases: Vec<u64>,
@@ -73,6 +77,12 @@ impl KvLayout {
         }
         if !self.span_bytes().is_multiple_of(16) {
             return Err(bad("geometry", "a span must be a multiple of 16 bytes"));
+        }
+        if self.tp_size == 0 || self.tp_rank >= self.tp_size {
+            return Err(bad(
+                "tp_rank",
+                "must be below tp_size (which must be positive)",
+            ));
         }
         if self.device_pages == 0 || u64::from(self.device_pages) > MAX_REGION_ELEMENTS {
             return Err(bad("device_pages", "must be in 1..=2^31"));

@@ -137,6 +137,18 @@ pub struct DirectLinker {
     next_ticket: u64,
 }
 
+/// Mixes a namespace id with a shard (splitmix64 finaliser over each part):
+/// distinct shards of one namespace give unrelated digests.
+fn shard_digest(namespace: u64, tp_rank: u32, tp_size: u32) -> u64 {
+    let mix = |mut z: u64| {
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let shard = (u64::from(tp_size) << 32) | u64::from(tp_rank);
+    mix(mix(namespace) ^ shard.wrapping_add(0x9e37_79b9_7f4a_7c15))
+}
+
 fn backend(error: impl Into<Error>) -> LinkError {
     LinkError::Backend(Box::new(error.into()))
 }
@@ -259,16 +271,20 @@ impl DirectLinker {
         events
     }
 
-    /// The runner namespace standing for the engine's `namespace`: the same
-    /// on every rank and every peer (derived from the id alone), so a peer
-    /// fetch names the same pages.
+    /// The runner namespace standing for the engine's `namespace` on this
+    /// tensor-parallel shard: derived from the namespace id and the shard
+    /// alone, so the same shard of every engine names the same pages, and
+    /// another shard's pages are other keys. A hint that sends rank 1 to rank
+    /// 0's runner therefore finds nothing: a miss, never the wrong shard.
     fn runner_namespace(&mut self, namespace: NamespaceId) -> NamespaceId {
         if let Some(id) = self.namespaces.get(&namespace) {
             return *id;
         }
+        let layout = &self.config.layout;
+        let digest = shard_digest(namespace.0, layout.tp_rank, layout.tp_size);
         let id = self
             .runner
-            .register_namespace(Namespace::base(CompatDigest(namespace.0)));
+            .register_namespace(Namespace::base(CompatDigest(digest)));
         self.namespaces.insert(namespace, id);
         self.engine_namespaces.insert(id, namespace);
         id

@@ -33,6 +33,8 @@ pub(crate) fn layout_for(page_bytes: usize, device_pages: u32) -> KvLayout {
         head_dim: (page_bytes / 8) as u32,
         dtype_bytes: 2,
         device_pages,
+        tp_rank: 0,
+        tp_size: 1,
         k_bases: Vec::new(),
         v_bases: Vec::new(),
     }

@@ -63,6 +63,8 @@ fn geometry(layers: u32, page_tokens: u32, kv_heads: u32, head_dim: u32, pages: 
         head_dim,
         dtype_bytes: 2,
         device_pages: pages,
+        tp_rank: 0,
+        tp_size: 1,
         k_bases: Vec::new(),
         v_bases: Vec::new(),
     }
@@ -279,7 +281,11 @@ fn say(line: &str) {
 }
 
 fn peer_fixture(backend: Backend) -> Fixture {
-    let mut f = fixture(backend, peer_layout(), 8);
+    peer_fixture_with(backend, peer_layout())
+}
+
+fn peer_fixture_with(backend: Backend, layout: KvLayout) -> Fixture {
+    let mut f = fixture(backend, layout, 8);
     let layout = f.layout.clone();
     let memory = f.linker.memory().clone();
     let mut cfg = config(layout, 8, incarnation(3));
@@ -396,5 +402,76 @@ fn peer_restore_from_another_process() {
         dest.linker.request_finished(&attempt).unwrap();
         assert_eq!(dest.linker.accounting().claims_held, 0);
         drop(source);
+    }
+}
+
+fn hint_to(source: &Fixture, keys: &[BlockKey]) -> FetchHint {
+    FetchHint {
+        source: source.linker.runner().endpoint().unwrap().clone(),
+        block_hashes: keys.to_vec(),
+        mode: FetchMode::Copy,
+        action_id: None,
+    }
+}
+
+/// TP=2: each rank of the destination engine restores its own shard from the
+/// same rank of the source engine (byte exact, never the other shard's
+/// bytes); a hint that sends rank 1 to rank 0's runner restores nothing,
+/// because a shard's pages are its own keys.
+#[test]
+fn tp2_ranks_restore_their_own_shard() {
+    let mut runs = vec![Backend::Host];
+    if gpu_required() {
+        runs.push(Backend::Cuda(CopyMode::default()));
+    }
+    let shard = |backend, rank| {
+        let mut layout = peer_layout();
+        layout.kv_heads = 1;
+        layout.tp_rank = rank;
+        layout.tp_size = 2;
+        peer_fixture_with(backend, layout)
+    };
+    let wanted = keys(4);
+    for backend in runs {
+        let mut sources = [shard(backend, 0), shard(backend, 1)];
+        for (rank, source) in sources.iter_mut().enumerate() {
+            offload(source, &wanted, 100 + rank as u64);
+        }
+        for rank in 0..2u32 {
+            let mut dest = shard(backend, rank);
+            let hint = hint_to(&sources[rank as usize], &wanted);
+            let mut ledger = AttemptLedger::new();
+            let (attempt, longest) =
+                prepare(&mut dest.linker, &mut ledger, "tp", &wanted, vec![hint]);
+            assert_eq!(longest, 4, "{backend:?} rank {rank}");
+            assert!(
+                load(&mut dest.linker, &attempt, 2, 4),
+                "{backend:?} rank {rank}"
+            );
+            let page = dest.layout.page_bytes() as usize;
+            for (i, key) in wanted.iter().enumerate() {
+                let got = dest.read_page(DeviceSlot(2 + i as u32));
+                assert_eq!(got, page_bytes(key.as_u64(), 100 + u64::from(rank), page));
+                assert_ne!(got, page_bytes(key.as_u64(), 101 - u64::from(rank), page));
+            }
+            dest.linker.request_finished(&attempt).unwrap();
+        }
+        // The wrong-shard dial: rank 1 sent to rank 0's runner.
+        let mut misdirected = shard(backend, 1);
+        let hint = hint_to(&sources[0], &wanted);
+        let mut ledger = AttemptLedger::new();
+        let (attempt, longest) = prepare(
+            &mut misdirected.linker,
+            &mut ledger,
+            "wrong",
+            &wanted,
+            vec![hint],
+        );
+        assert_eq!(
+            longest, 0,
+            "{backend:?}: another shard's pages are never restorable"
+        );
+        misdirected.linker.request_finished(&attempt).unwrap();
+        assert_eq!(misdirected.linker.accounting().claims_held, 0);
     }
 }
