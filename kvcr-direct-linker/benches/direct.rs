@@ -66,6 +66,159 @@ fn pattern(buffer: usize, slot: u32, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// One rank of a TP=2 engine on `device`: half the KV heads of the Qwen3-32B
+/// geometry, its own pool, a peer-enabled runner. Returns the linker and the
+/// device buffers it registered (drop the linker first).
+fn tp2_rank(device: &Arc<Device>, rank: u32, pages: u32) -> (DirectLinker, Vec<DeviceBuffer>) {
+    let mut layout = KvLayout {
+        layers: 64,
+        page_tokens: 64,
+        kv_heads: 4,
+        head_dim: 128,
+        dtype_bytes: 2,
+        device_pages: pages,
+        tp_rank: rank,
+        tp_size: 2,
+        k_bases: Vec::new(),
+        v_bases: Vec::new(),
+    };
+    let span = layout.span_bytes() as usize;
+    let buffers: Vec<DeviceBuffer> = (0..layout.spans_per_page())
+        .map(|i| {
+            let b = DeviceBuffer::allocate(device, span * pages as usize).unwrap();
+            b.fill((i * 7 + 1 + rank as usize * 3) as u8).unwrap();
+            b
+        })
+        .collect();
+    let bases: Vec<u64> = buffers.iter().map(DeviceBuffer::address).collect();
+    layout.k_bases = bases.iter().step_by(2).copied().collect();
+    layout.v_bases = bases.iter().skip(1).step_by(2).copied().collect();
+    let copier = Arc::new(CudaCopier::new(device, CopyMode::best_for(device).unwrap(), 2).unwrap());
+    let config = DirectLinkerConfig {
+        layout,
+        store_pages: pages,
+        operation_timeout: Duration::from_secs(300),
+        incarnation: Incarnation::from_raw(u128::from(rank) + 10).unwrap(),
+        peer: Some(kvcr_foundation::runner::PeerOptions::loopback()),
+        prefault: true,
+    };
+    // SAFETY: the buffers are returned with the linker and dropped after it.
+    let linker = unsafe { DirectLinker::new(config, KvMemory::Cuda(copier)) }.unwrap();
+    (linker, buffers)
+}
+
+/// Issue 11's run with both ranks of each engine on one GPU: engine A (two
+/// ranks) offloads; each rank of engine B restores its own shard from A's
+/// rank over the runners' peer path (A's KVCR DRAM → B's over UCX → GPU),
+/// both ranks at once. Checks every shard's first and last page, byte for
+/// byte, against A's.
+fn tp2_peer_restore(device: &Arc<Device>, pages: u32, h2d: f64) {
+    println!(
+        "# tp2: {pages} pages per rank, both ranks of both engines on {}",
+        device.name()
+    );
+    let keys: Vec<BlockKey> = (0..u64::from(pages))
+        .map(|p| BlockKey::from_u64(0x7000 + p))
+        .collect();
+    let mut sources: Vec<(DirectLinker, Vec<DeviceBuffer>)> =
+        (0..2).map(|r| tp2_rank(device, r, pages)).collect();
+    let mut dests: Vec<(DirectLinker, Vec<DeviceBuffer>)> =
+        (0..2).map(|r| tp2_rank(device, r, pages)).collect();
+    let span = sources[0].0.layout().span_bytes() as usize;
+    let shard_bytes = sources[0].0.layout().page_bytes() * u64::from(pages);
+    let checked = [0, pages - 1];
+    for (rank, (linker, buffers)) in sources.iter_mut().enumerate() {
+        for (i, b) in buffers.iter().enumerate() {
+            for slot in checked {
+                b.write(slot as usize * span, &pattern(i + 1000 * rank, slot, span))
+                    .unwrap();
+            }
+        }
+        let batch = OffloadBatch {
+            namespace: NAMESPACE,
+            pages: keys
+                .iter()
+                .enumerate()
+                .map(|(s, k)| (*k, DeviceSlot(s as u32)))
+                .collect(),
+        };
+        let OffloadOutcome::Queued(ticket) = linker.offload(batch).unwrap() else {
+            panic!("offload declined");
+        };
+        let events = linker.settle(SETTLE);
+        assert!(events.contains(&LinkerEvent::OffloadDone {
+            ticket,
+            success: true
+        }));
+    }
+    let endpoints: Vec<_> = sources
+        .iter()
+        .map(|(l, _)| l.runner().endpoint().unwrap().clone())
+        .collect();
+    let wall = Instant::now();
+    let timings: Vec<(f64, f64)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = dests
+            .iter_mut()
+            .zip(&endpoints)
+            .enumerate()
+            .map(|(rank, ((linker, buffers), endpoint))| {
+                let keys = &keys;
+                scope.spawn(move || {
+                    let hint = kvcr_foundation::FetchHint {
+                        source: endpoint.clone(),
+                        block_hashes: keys.clone(),
+                        mode: kvcr_foundation::hint::FetchMode::Copy,
+                        action_id: None,
+                    };
+                    let mut ledger = AttemptLedger::new();
+                    let query = PrefixQuery { namespace: NAMESPACE, device_prefix_pages: 0, tail: keys.clone() };
+                    let t = Instant::now();
+                    let (context, _) = RequestContext::begin(&mut ledger, RequestId(format!("tp{rank}")), vec![hint], query);
+                    linker.request_started(&context).unwrap();
+                    let attempt = context.attempt().clone();
+                    let _ = linker.settle(SETTLE);
+                    assert_eq!(linker.lookup(&attempt, 0, keys).unwrap().longest(), pages, "rank {rank}");
+                    let fetched = t.elapsed().as_secs_f64();
+                    let slots: Vec<DeviceSlot> = (0..pages).map(DeviceSlot).collect();
+                    let ticket = linker.load(&attempt, &slots).unwrap();
+                    let events = linker.settle(SETTLE);
+                    assert!(events.iter().any(|e| matches!(e, LinkerEvent::LoadDone { ticket: t, success: true, .. } if *t == ticket)));
+                    let total = t.elapsed().as_secs_f64();
+                    linker.request_finished(&attempt).unwrap();
+                    for (i, b) in buffers.iter().enumerate() {
+                        for slot in checked {
+                            assert_eq!(b.read(slot as usize * span, span).unwrap(), pattern(i + 1000 * rank, slot, span), "rank {rank} span {i} page {slot}");
+                        }
+                    }
+                    (fetched, total)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let aggregate = wall.elapsed().as_secs_f64();
+    for (rank, (fetched, total)) in timings.iter().enumerate() {
+        let gbps = shard_bytes as f64 / total / 1e9;
+        let gpu_hop = shard_bytes as f64 / (total - fetched) / 1e9;
+        println!(
+            "# tp2: rank {rank}: peer DRAM->DRAM {:.0} ms, DRAM->GPU {:.0} ms ({gpu_hop:.1} GB/s), bytes of its shard checked",
+            fetched * 1e3,
+            (total - fetched) * 1e3
+        );
+        println!(
+            "BENCH tp2.restore_rank{rank} value={gbps:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
+            gbps / h2d
+        );
+    }
+    let gbps = 2.0 * shard_bytes as f64 / aggregate / 1e9;
+    println!(
+        "BENCH tp2.restore_aggregate value={gbps:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
+        gbps / h2d
+    );
+    drop(dests);
+    drop(sources);
+}
+
 fn main() {
     if !std::env::args().any(|a| a == "--bench") {
         println!("direct bench: run with `cargo bench` or `cargo xtask bench` (on a GPU machine)");
@@ -97,6 +250,10 @@ fn main() {
     println!(
         "# direct: contiguous pinned 1 GiB host->device {h2d:.1} GB/s, device->host {d2h:.1} GB/s"
     );
+    if let Some(tp2_pages) = arg("--tp2") {
+        tp2_peer_restore(&device, tp2_pages.parse().unwrap(), h2d);
+        return;
+    }
 
     let mut layout = KvLayout {
         layers: 64,
