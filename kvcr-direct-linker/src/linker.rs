@@ -649,8 +649,18 @@ impl Linker for DirectLinker {
                 destinations: self.elements(*slot),
             });
         }
-        let op = self.runner.deliver(entries).map_err(backend)?;
         let transfer = self.attempts.accept(attempt, claims.clone())?;
+        let op = match self.runner.deliver(entries) {
+            Ok(op) => op,
+            Err(e) => {
+                // Nothing was queued: land the transfer at once, which hands
+                // its claims back for release (the preparation is spent).
+                if let Ok(landing) = self.attempts.land(transfer, Vec::new()) {
+                    self.release_claims(landing.release);
+                }
+                return Err(backend(e));
+            }
+        };
         // The rest of the preparation is not loaded: release it now.
         if let Some((_, prep)) = self.preps.get_mut(&attempt.request)
             && let Prep::Ready(preparation) = std::mem::replace(prep, Prep::Loaded)
