@@ -608,6 +608,7 @@ fn stats(node: &mut Node, publisher: Option<&Publisher>) {
         json!({
             "stored_blocks": p.core.stored_blocks, "removed_blocks": p.core.removed_blocks,
             "clears": p.core.clears, "batches": p.core.batches, "resyncs": p.core.resyncs,
+            "stored_rejected": p.core.stored_rejected, "removed_unknown": p.core.removed_unknown,
             "queue_dropped": p.queue_dropped, "pub_send_errors": p.pub_send_errors,
             "replay_requests": p.replay_requests, "replay_aborted": p.replay_aborted,
         })

@@ -193,9 +193,13 @@ impl Outcome {
         self.check(what, got == want, detail)
     }
 
-    /// A key number for the summary.
+    /// A key number for the summary (a later value of the same name wins).
     pub(crate) fn number(&mut self, name: &str, value: impl Display) {
-        self.numbers.push((name.to_owned(), value.to_string()));
+        let value = value.to_string();
+        match self.numbers.iter_mut().find(|(n, _)| n == name) {
+            Some((_, v)) => *v = value,
+            None => self.numbers.push((name.to_owned(), value)),
+        }
     }
 
     fn failed(&self) -> impl Iterator<Item = &Check> {
