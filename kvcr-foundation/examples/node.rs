@@ -580,7 +580,12 @@ fn verify(node: &mut Node, cmd: &Value) {
     let result = wait(&mut node.runner, op);
     let completed = result.is_some();
     let mut checked = Checked::default();
-    checked.add(node, &keys, &result.map(|r| r.entries).unwrap_or_default(), seed);
+    checked.add(
+        node,
+        &keys,
+        &result.map(|r| r.entries).unwrap_or_default(),
+        seed,
+    );
     let mut out = checked.json(node.block);
     out["completed"] = json!(completed);
     answer("VERIFIED", &out);

@@ -187,6 +187,21 @@ impl Node {
                 ANSWER_BOUND.as_secs()
             ),
         };
+        self.parse(word, &line)
+    }
+
+    /// The next answer if one is there already (which must be `word`).
+    pub(crate) fn try_read(&mut self, word: &str) -> Result<Option<Value>> {
+        match self.lines.try_recv() {
+            Ok(line) => self.parse(word, &line).map(Some),
+            Err(mpsc::TryRecvError::Empty) => Ok(None),
+            Err(mpsc::TryRecvError::Disconnected) => {
+                bail!("{} exited before answering {word}", self.name)
+            }
+        }
+    }
+
+    fn parse(&self, word: &str, line: &str) -> Result<Value> {
         let (got, body) = line
             .trim_end()
             .split_once(' ')

@@ -436,15 +436,25 @@ fn run_example(
     args: &[&str],
 ) -> Result<Outcome> {
     let mut build = crate::cargo();
-    build
-        .current_dir(root)
-        .args(["build", "--locked", "--quiet", "-p", package, "--example", example]);
+    build.current_dir(root).args([
+        "build",
+        "--locked",
+        "--quiet",
+        "-p",
+        package,
+        "--example",
+        example,
+    ]);
     if release {
         build.arg("--release");
     }
     crate::run(&mut build)?;
     let profile = if release { "release" } else { "debug" };
-    let binary = root.join("target").join(profile).join("examples").join(example);
+    let binary = root
+        .join("target")
+        .join(profile)
+        .join("examples")
+        .join(example);
     let mut cmd = Command::new(&binary);
     cmd.args(args).current_dir(root).stdout(Stdio::piped());
     if quick {
