@@ -376,6 +376,10 @@ fn quarantine_holds(o: &mut Outcome, hit: &mut MidTransfer) -> Result<Option<(u6
     );
     o.number("keys failed", failed);
     o.number(
+        "caller answered after s",
+        format!("{:.1}", hit.restored["secs"].as_f64().unwrap_or(0.0)),
+    );
+    o.number(
         "failed as",
         hit.restored["statuses"].to_string().replace('"', ""),
     );
