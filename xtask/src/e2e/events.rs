@@ -199,3 +199,23 @@ fn count(payload: &[u8], tally: &mut Tally) -> Result<()> {
     }
     Ok(())
 }
+
+/// `cargo xtask e2e --subscriber-child <events>`: a subscriber process for
+/// the `subscriber-gone` scenario, which SIGKILLs it. It prints `BATCH <seq>`
+/// for the first batch it receives and then stops reading (with a receive
+/// high-water mark of 1, so unread batches pile up in its socket): it dies
+/// with data in flight, as a crashed router does.
+pub(crate) fn subscriber_child(events: &str) -> Result<()> {
+    let context = zmq::Context::new();
+    let subscriber = context.socket(zmq::SUB)?;
+    subscriber.set_subscribe(b"")?;
+    subscriber.set_rcvhwm(1)?;
+    subscriber.connect(events)?;
+    let frames = subscriber.recv_multipart(0)?;
+    let seq = frames.get(1).and_then(|s| seq_of(s)).unwrap_or(u64::MAX);
+    println!("BATCH {seq}");
+    loop {
+        // Waiting to be killed, reading nothing.
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}

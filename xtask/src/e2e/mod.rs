@@ -264,6 +264,11 @@ struct Row {
 }
 
 pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
+    if let [flag, events] = rest
+        && flag == "--subscriber-child"
+    {
+        return events::subscriber_child(events);
+    }
     let o = parse(rest)?;
     let mut all = registry();
     for (package, example) in &o.examples {
