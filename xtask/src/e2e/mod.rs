@@ -101,6 +101,12 @@ pub(crate) fn registry() -> Vec<Scenario> {
             scenarios::demo,
         ),
         Scenario::builtin(
+            "demo-tcp",
+            "the demo workload with UCX over TCP (tcp,self): every restored byte equal; every request answered",
+            false,
+            scenarios::demo_tcp,
+        ),
+        Scenario::builtin(
             "source-sigkill",
             "source SIGKILLed mid-transfer: callers fail by the deadline, no corrupted byte; the granted slots stay quarantined (never reused, never freed without proof), also after a restart at the same address",
             true,

@@ -209,12 +209,22 @@ fn balanced(o: &mut Outcome, tap: &EventTap, node: &mut Node, shown: Advertised)
 
 // ------------------------------------------------------------------ demo
 
-/// The demo workload (the same code as `cargo xtask demo`).
+/// The demo workload (the same code as `cargo xtask demo`) on the default
+/// transports (shared memory).
 pub(super) fn demo(ctx: &Ctx) -> Result<Outcome> {
+    demo_over(ctx, None)
+}
+
+/// The demo workload with UCX over TCP.
+pub(super) fn demo_tcp(ctx: &Ctx) -> Result<Outcome> {
+    demo_over(ctx, Some(TCP))
+}
+
+fn demo_over(ctx: &Ctx, tls: Option<&str>) -> Result<Outcome> {
     let options = crate::demo::Options {
         pages: ctx.size(8, 64),
         prompts: ctx.size(2, 4),
-        tls: None,
+        tls: tls.map(str::to_owned),
         seed: 7,
     };
     let outcome = crate::demo::play(&ctx.binary, &options)?;
