@@ -36,8 +36,16 @@ pub(crate) fn build(root: &Path, release: bool) -> Result<PathBuf> {
     }
     cmd.args(["-p", "kvcr-foundation", "--example", "node"]);
     crate::run(&mut cmd)?;
+    Ok(example_path(root, release, "node"))
+}
+
+/// Where cargo puts an example's binary (`CARGO_TARGET_DIR` honoured).
+pub(crate) fn example_path(root: &Path, release: bool, example: &str) -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .map_or_else(|| root.join("target"), |dir| root.join(dir));
     let profile = if release { "release" } else { "debug" };
-    Ok(root.join("target").join(profile).join("examples/node"))
+    target.join(profile).join("examples").join(example)
 }
 
 /// How to start one node.
