@@ -219,3 +219,57 @@ pub(crate) fn subscriber_child(events: &str) -> Result<()> {
         std::thread::sleep(Duration::from_secs(1));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use rmpv::Value;
+
+    use super::*;
+
+    fn event(kind: &str, hashes: &[u64]) -> Value {
+        let mut fields = vec![(Value::from("type"), Value::from(kind))];
+        if !hashes.is_empty() {
+            fields.push((
+                Value::from("block_hashes"),
+                Value::Array(hashes.iter().map(|h| Value::from(*h)).collect()),
+            ));
+        }
+        Value::Map(fields)
+    }
+
+    fn batch(events: Vec<Value>) -> Vec<u8> {
+        let value = Value::Array(vec![Value::from(1.5), Value::Array(events), Value::Nil]);
+        let mut out = Vec::new();
+        rmpv::encode::write_value(&mut out, &value).unwrap();
+        out
+    }
+
+    #[test]
+    fn a_barrier_resets_the_live_view_but_not_the_totals() {
+        let mut tally = Tally::default();
+        count(
+            &batch(vec![
+                event("BlockStored", &[1, 2]),
+                event("BlockRemoved", &[1]),
+                event("AllBlocksCleared", &[]),
+                event("BlockStored", &[3, 4, 5]),
+                event("BlockRemoved", &[4]),
+            ]),
+            &mut tally,
+        )
+        .unwrap();
+        assert_eq!(
+            (tally.stored, tally.removed, tally.clears, tally.live),
+            (5, 2, 1, 2)
+        );
+    }
+
+    #[test]
+    fn an_unknown_event_or_a_non_batch_is_an_error() {
+        let mut tally = Tally::default();
+        assert!(count(&batch(vec![event("BlockMoved", &[1])]), &mut tally).is_err());
+        assert!(count(&[0xc1], &mut tally).is_err());
+    }
+}

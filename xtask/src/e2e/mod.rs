@@ -524,3 +524,53 @@ fn run_example(
     outcome.number("summary", last.replace('|', "/"));
     Ok(outcome)
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn args(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn options_parse_and_unknown_ones_are_refused() {
+        let o = parse(&args(&[
+            "--quick",
+            "--only",
+            "demo,concurrent-64",
+            "--example",
+            "pkg/ex",
+        ]))
+        .unwrap();
+        assert!(o.quick && !o.release && !o.list);
+        assert_eq!(o.only, ["demo", "concurrent-64"]);
+        assert_eq!(o.examples, [("pkg".to_owned(), "ex".to_owned())]);
+        assert!(parse(&args(&["--fast"])).is_err());
+        assert!(parse(&args(&["--only"])).is_err());
+        assert!(parse(&args(&["--example", "no-slash"])).is_err());
+    }
+
+    #[test]
+    fn scenario_names_are_unique() {
+        let names: Vec<&str> = registry().iter().map(|s| s.name).collect();
+        let mut unique = names.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), names.len(), "{names:?}");
+    }
+
+    #[test]
+    fn a_later_number_of_the_same_name_wins_and_a_failed_check_is_reported() {
+        let mut o = Outcome::default();
+        o.number("n", 1);
+        o.number("n", 2);
+        assert_eq!(o.numbers, [("n".to_owned(), "2".to_owned())]);
+        assert!(o.equal("same", 1, 1));
+        assert!(!o.equal("different", 1, 2));
+        let failed: Vec<&str> = o.failed().map(|c| c.what.as_str()).collect();
+        assert_eq!(failed, ["different"]);
+    }
+}
