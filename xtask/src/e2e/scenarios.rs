@@ -683,6 +683,14 @@ pub(super) fn source_restart(ctx: &Ctx) -> Result<Outcome> {
                 "first request after restart",
                 answer["statuses"].to_string().replace('"', ""),
             );
+            // Where a stale request went: refused by the new process (and
+            // that refusal refused by the destination), or lost with the old
+            // connection.
+            o.number(
+                "refused by new source",
+                num(&new.stats()?["peer"], "refused"),
+            );
+            o.number("refused by dest", num(&dest.stats()?["peer"], "refused"));
         } else {
             o.equal(
                 "the new incarnation is detected and serves the next request with its own bytes",
