@@ -10,102 +10,23 @@
 // `serde_json::Value` indexing returns `Null` for a missing key; it never panics.
 #![allow(clippy::indexing_slicing)]
 
-use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
+
+use crate::node::{Node, NodeSpec};
 
 /// Qwen3-0.6B: 28 layers × 8 KV heads × 128 dims × 2 (K, V) × 2 bytes = 114,688 B/token.
 const BYTES_PER_TOKEN: u64 = 114_688;
 const PAGE_TOKENS: u64 = 64;
 const SHARDS: u64 = 2;
 
-struct Proc {
-    name: String,
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    endpoint: String,
-    events: Option<String>,
-}
-
-impl Proc {
-    fn spawn(
-        binary: &Path,
-        name: &str,
-        blocks: u64,
-        block_bytes: u64,
-        tls: Option<&str>,
-        publish: bool,
-    ) -> Result<Self> {
-        let mut cmd = Command::new(binary);
-        if publish {
-            cmd.arg("--publish");
-        }
-        cmd.args([
-            "--blocks",
-            &blocks.to_string(),
-            "--block-bytes",
-            &block_bytes.to_string(),
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped());
-        if let Some(tls) = tls {
-            cmd.args(["--tls", tls]);
-        }
-        let mut child = cmd.spawn().with_context(|| format!("starting {name}"))?;
-        let stdin = child.stdin.take().context("stdin")?;
-        let stdout = BufReader::new(child.stdout.take().context("stdout")?);
-        let mut proc = Self {
-            name: name.to_owned(),
-            child,
-            stdin,
-            stdout,
-            endpoint: String::new(),
-            events: None,
-        };
-        let ready = proc.read("READY")?;
-        proc.endpoint = ready["endpoint"].as_str().unwrap_or_default().to_owned();
-        proc.events = ready["events"].as_str().map(str::to_owned);
-        Ok(proc)
-    }
-
-    fn send(&mut self, value: &Value) -> Result<()> {
-        writeln!(self.stdin, "{value}")?;
-        self.stdin.flush()?;
-        Ok(())
-    }
-
-    fn read(&mut self, word: &str) -> Result<Value> {
-        let mut line = String::new();
-        if self.stdout.read_line(&mut line)? == 0 {
-            bail!("{} exited before answering {word}", self.name);
-        }
-        let (got, body) = line
-            .trim_end()
-            .split_once(' ')
-            .unwrap_or((line.trim_end(), "{}"));
-        if got != word {
-            bail!("{}: expected {word}, got {line}", self.name);
-        }
-        Ok(serde_json::from_str(body)?)
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.send(&json!({"cmd": "exit"}));
-        let _ = self.child.wait();
-    }
-}
-
-struct Options {
-    pages: u64,
-    prompts: u64,
-    tls: Option<String>,
-    seed: u64,
+pub(crate) struct Options {
+    pub(crate) pages: u64,
+    pub(crate) prompts: u64,
+    pub(crate) tls: Option<String>,
+    pub(crate) seed: u64,
 }
 
 fn parse(rest: &[String]) -> Result<Options> {
@@ -182,28 +103,94 @@ fn percentile(values: &mut [f64], p: f64) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// What one destination process restored over the whole demo.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct DestRow {
+    pub(crate) name: String,
+    /// Head shards the process holds (its slice of the KV heads).
+    pub(crate) shards: u64,
+    pub(crate) keys: u64,
+    pub(crate) ok: u64,
+    pub(crate) mismatched: u64,
+    pub(crate) failed: u64,
+    pub(crate) bytes: u64,
+    /// Per-request latency, in milliseconds.
+    pub(crate) latencies_ms: Vec<f64>,
+}
+
+impl DestRow {
+    /// Every key restored and every byte equal.
+    pub(crate) fn byte_exact(&self) -> bool {
+        self.mismatched == 0 && self.failed == 0 && self.ok == self.keys
+    }
+
+    pub(crate) fn gbps(&self) -> f64 {
+        let secs: f64 = self.latencies_ms.iter().sum::<f64>() / 1e3;
+        if secs > 0.0 {
+            self.bytes as f64 / secs / 1e9
+        } else {
+            0.0
+        }
+    }
+}
+
+/// What the demo workload came to.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct DemoOutcome {
+    pub(crate) rows: Vec<DestRow>,
+    /// Whether the router learned every page hash from the KV-event stream.
+    pub(crate) learned_from_events: bool,
+    /// Keys the source offloaded.
+    pub(crate) offloaded_keys: u64,
+}
+
 pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
     let o = parse(rest)?;
     crate::setup::ensure_system_packages()?;
     eprintln!("demo: building the runner node (release)…");
-    crate::run(
-        Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-            .current_dir(root)
-            .args([
-                "build",
-                "--release",
-                "--locked",
-                "--quiet",
-                "-p",
-                "kvcr-foundation",
-                "--example",
-                "node",
-            ]),
-    )?;
-    let binary = root.join("target/release/examples/node");
+    let binary = crate::node::build(root, true)?;
+    let outcome = play(&binary, &o)?;
+    println!();
+    println!(
+        "| process | keys restored | tokens | bytes | GB/s | request p50 ms | request p99 ms | byte check |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for row in &outcome.rows {
+        let tokens = row.ok / row.shards.max(1) * PAGE_TOKENS;
+        let check = if row.byte_exact() {
+            "all bytes equal".to_owned()
+        } else {
+            format!("{} mismatched, {} failed", row.mismatched, row.failed)
+        };
+        let mut lat = row.latencies_ms.clone();
+        println!(
+            "| {} | {}/{} | {tokens} | {} | {:.2} | {:.2} | {:.2} | {check} |",
+            row.name,
+            row.ok,
+            row.keys,
+            row.bytes,
+            row.gbps(),
+            percentile(&mut lat, 0.5),
+            percentile(&mut lat, 0.99)
+        );
+    }
+    if !outcome.rows.iter().all(DestRow::byte_exact) {
+        bail!("some pages were not restored byte-exact");
+    }
+    println!("\ndemo: every restored byte equals the offloaded byte.");
+    Ok(())
+}
+
+/// The demo workload on an already built node binary: starts the four
+/// processes, offloads, routes, restores, and reports per destination.
+pub(crate) fn play(binary: &Path, o: &Options) -> Result<DemoOutcome> {
     let page_bytes = PAGE_TOKENS * BYTES_PER_TOKEN;
     let shard_bytes = page_bytes / SHARDS;
-    let tls = o.tls.as_deref();
+    let spec = |blocks: u64, publish: bool| NodeSpec {
+        tls: o.tls.clone(),
+        publish,
+        ..NodeSpec::new(blocks, shard_bytes)
+    };
     eprintln!(
         "demo: Qwen3-0.6B KV, {} prompts, {} pages of {} tokens ({} bytes each, head-split in 2 shards)",
         o.prompts, o.pages, PAGE_TOKENS, page_bytes
@@ -211,25 +198,18 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
     eprintln!(
         "demo: starting 4 runner processes on loopback (source TP=1, destination A TP=1, destination B TP=2)…"
     );
-    let mut source = Proc::spawn(&binary, "source", o.pages * SHARDS, shard_bytes, tls, true)?;
+    let mut source = Node::spawn(binary, "source", &spec(o.pages * SHARDS, true))?;
     let mut dests = vec![
         (
-            Proc::spawn(
-                &binary,
-                "dest-A tp0/1",
-                o.pages * SHARDS,
-                shard_bytes,
-                tls,
-                false,
-            )?,
+            Node::spawn(binary, "dest-A tp0/1", &spec(o.pages * SHARDS, false))?,
             vec![0u64, 1],
         ),
         (
-            Proc::spawn(&binary, "dest-B tp0/2", o.pages, shard_bytes, tls, false)?,
+            Node::spawn(binary, "dest-B tp0/2", &spec(o.pages, false))?,
             vec![0u64],
         ),
         (
-            Proc::spawn(&binary, "dest-B tp1/2", o.pages, shard_bytes, tls, false)?,
+            Node::spawn(binary, "dest-B tp1/2", &spec(o.pages, false))?,
             vec![1u64],
         ),
     ];
@@ -254,7 +234,8 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
         .map(|a| a.iter().filter_map(Value::as_u64).collect())
         .unwrap_or_default();
     let learned = stored_hashes(&subscriber, offloaded_hashes.len());
-    let hashes = if learned == offloaded_hashes {
+    let learned_from_events = learned == offloaded_hashes;
+    let hashes = if learned_from_events {
         eprintln!(
             "demo: the router learned all {} page hashes from the source's BlockStored events",
             learned.len()
@@ -279,8 +260,14 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
     // rank at the source that holds the prompt's pages (the shard a rank
     // needs is its own head slice).
     let per_prompt = o.pages / o.prompts;
-    let mut stats: Vec<(usize, Vec<f64>, u64, u64, u64, u64)> =
-        vec![(0, Vec::new(), 0, 0, 0, 0); dests.len()];
+    let mut rows: Vec<DestRow> = dests
+        .iter()
+        .map(|(dest, shards)| DestRow {
+            name: dest.name.clone(),
+            shards: shards.len() as u64,
+            ..DestRow::default()
+        })
+        .collect();
     for prompt in 0..o.prompts {
         let first = prompt * per_prompt;
         let range = first as usize..(first + per_prompt) as usize;
@@ -293,50 +280,23 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
         }
         for (i, (dest, _)) in dests.iter_mut().enumerate() {
             let r = dest.read("RESTORED")?;
-            let s = &mut stats[i];
-            s.0 += r["ok"].as_u64().unwrap_or(0) as usize;
-            s.1.push(r["secs"].as_f64().unwrap_or(0.0) * 1e3);
-            s.2 += r["bytes"].as_u64().unwrap_or(0);
-            s.3 += r["mismatched"].as_u64().unwrap_or(0);
-            s.4 += r["failed"].as_u64().unwrap_or(0);
-            s.5 += r["keys"].as_u64().unwrap_or(0);
+            let Some(row) = rows.get_mut(i) else { continue };
+            row.ok += r["ok"].as_u64().unwrap_or(0);
+            row.latencies_ms
+                .push(r["secs"].as_f64().unwrap_or(0.0) * 1e3);
+            row.bytes += r["bytes"].as_u64().unwrap_or(0);
+            row.mismatched += r["mismatched"].as_u64().unwrap_or(0);
+            row.failed += r["failed"].as_u64().unwrap_or(0);
+            row.keys += r["keys"].as_u64().unwrap_or(0);
         }
         eprint!("\rdemo: restored prompt {}/{}", prompt + 1, o.prompts);
     }
     eprintln!();
-    println!();
-    println!(
-        "| process | keys restored | tokens | bytes | GB/s | request p50 ms | request p99 ms | byte check |"
-    );
-    println!("|---|---|---|---|---|---|---|---|");
-    let mut all_ok = true;
-    for ((dest, shards), (ok, mut lat, bytes, mismatched, failed, keys)) in dests.iter().zip(stats)
-    {
-        let secs: f64 = lat.iter().sum::<f64>() / 1e3;
-        let tokens = ok as u64 / shards.len() as u64 * PAGE_TOKENS;
-        let gbps = if secs > 0.0 {
-            bytes as f64 / secs / 1e9
-        } else {
-            0.0
-        };
-        let check = if mismatched == 0 && failed == 0 && ok as u64 == keys {
-            "all bytes equal".to_owned()
-        } else {
-            format!("{mismatched} mismatched, {failed} failed")
-        };
-        all_ok &= mismatched == 0 && failed == 0 && ok as u64 == keys;
-        println!(
-            "| {} | {ok}/{keys} | {tokens} | {bytes} | {gbps:.2} | {:.2} | {:.2} | {check} |",
-            dest.name,
-            percentile(&mut lat, 0.5),
-            percentile(&mut lat, 0.99)
-        );
-    }
     drop(dests);
     drop(source);
-    if !all_ok {
-        bail!("some pages were not restored byte-exact");
-    }
-    println!("\ndemo: every restored byte equals the offloaded byte.");
-    Ok(())
+    Ok(DemoOutcome {
+        rows,
+        learned_from_events,
+        offloaded_keys: offloaded["keys"].as_u64().unwrap_or(0),
+    })
 }

@@ -8,8 +8,10 @@
 
 mod bench;
 mod demo;
+mod e2e;
 mod gpu;
 mod layers;
+mod node;
 mod setup;
 
 use std::path::{Path, PathBuf};
@@ -25,6 +27,12 @@ Commands:
                     the main job: runner processes on loopback restore a
                     source's offloaded KV pages from its KVCR DRAM over UCX on
                     router hints, check every byte, print a table
+  e2e [--quick] [--only NAME[,NAME]] [--example PACKAGE/EXAMPLE] [--release] [--list]
+                    multi-process scenarios on loopback with real UCX: the demo
+                    workload and faults (source SIGKILL/SIGSTOP mid-transfer,
+                    restart at the same address, subscribers gone, a pool full
+                    of no_evict claims, 64 concurrent requests); each checks
+                    its invariant; a summary table; non-zero exit on a violation
   test              install what this machine lacks (apt packages, cargo tools),
                     then run every test in the workspace
   ci [--no-test]    the full gate: fmt, clippy -D warnings (both feature faces),
@@ -54,6 +62,7 @@ fn main() -> Result<()> {
         "fuzz" => fuzz(&root, &rest),
         "bench" => bench::run(&root, &rest),
         "demo" => demo::run(&root, &rest),
+        "e2e" => e2e::run(&root, &rest),
         "gpu-build" => gpu::build(&root),
         "layers" => {
             layers::check(&root)?;
