@@ -596,7 +596,15 @@ impl KvcrHiCacheStorage {
         runner: &mut Runner,
         extra: &ExtraInfo,
     ) -> Option<RequestId> {
-        let raw = extra.router_hint.as_ref()?;
+        let Some(raw) = extra.router_hint.as_ref() else {
+            // No hint with this call: the request's earlier hint, if it is
+            // still live, keeps covering its pages.
+            let request = extra.request_id.as_ref()?;
+            return lock(&self.hints)
+                .live
+                .contains(request)
+                .then(|| request.clone());
+        };
         if !self.backend.enable_remote_hint {
             bump(&self.counters.hints_ignored, 1);
             return None;
