@@ -216,9 +216,20 @@ impl BackendConfig {
 
     /// Parses and validates an extra-config object.
     pub fn from_value(value: &Value) -> Result<Self> {
+        Self::from_value_with_extensions(value, &[]).map(|(c, _)| c)
+    }
+
+    /// Like [`Self::from_value`], but the keys named in `extension_keys` (a
+    /// layer above's own settings, e.g. delivery knobs) are handed back
+    /// instead of refused; any other unknown key is still refused by name.
+    pub fn from_value_with_extensions(
+        value: &Value,
+        extension_keys: &[&str],
+    ) -> Result<(Self, Map<String, Value>)> {
         let map = value
             .as_object()
             .ok_or_else(|| Error::ConfigSyntax("must be a JSON object".into()))?;
+        let mut extensions = Map::new();
         let mut c = Self::default();
         let mut have_dram = false;
         let mut get_timeout_s = None;
@@ -311,6 +322,9 @@ impl BackendConfig {
                     c.collective_timeout = Duration::from_millis(ms);
                 }
                 _ if LOADER_KEYS.contains(&k) => {}
+                _ if extension_keys.contains(&k) => {
+                    extensions.insert(key.clone(), v.clone());
+                }
                 _ => return Err(Error::UnknownKey(key.clone())),
             }
         }
@@ -336,7 +350,7 @@ impl BackendConfig {
             ));
         }
         c.check_peer()?;
-        Ok(c)
+        Ok((c, extensions))
     }
 
     /// The control-channel settings a peer-mode rank needs, checked.

@@ -327,14 +327,23 @@ impl KvcrHiCacheStorage {
     /// Validates the engine's configuration and this backend's extra config.
     /// The runner starts when the host pool is registered.
     pub fn new(storage: StorageConfig, groups: RankGroups) -> Result<Self> {
-        let coordinate = storage.validate()?;
         let backend = match &storage.extra_config {
-            Some(value) => match value {
-                Value::String(text) => BackendConfig::parse(text)?,
-                other => BackendConfig::from_value(other)?,
-            },
+            Some(Value::String(text)) => BackendConfig::parse(text)?,
+            Some(other) => BackendConfig::from_value(other)?,
             None => BackendConfig::from_value(&Value::Object(serde_json::Map::new()))?,
         };
+        Self::with_backend(storage, backend, groups)
+    }
+
+    /// Like [`Self::new`] with an already parsed backend configuration (a
+    /// layer above that parsed its own keys from the same extra config with
+    /// [`BackendConfig::from_value_with_extensions`]).
+    pub fn with_backend(
+        storage: StorageConfig,
+        backend: BackendConfig,
+        groups: RankGroups,
+    ) -> Result<Self> {
+        let coordinate = storage.validate()?;
         if groups.prefetch.size() != groups.backup.size()
             || groups.prefetch.rank() != groups.backup.rank()
         {

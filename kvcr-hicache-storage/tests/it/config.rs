@@ -161,3 +161,17 @@ fn rank_group_must_match_the_topology() {
         Err(Error::Config { key, .. }) if key == "tp_rank"
     ));
 }
+
+/// A layer above names its own keys: they come back; others are still refused.
+#[test]
+fn extension_keys_are_handed_back() {
+    let value = with(json!({"max_inflight_restore_ops": 8}));
+    let (config, extensions) =
+        BackendConfig::from_value_with_extensions(&value, &["max_inflight_restore_ops"]).unwrap();
+    assert_eq!(config.local_dram_bytes, 1 << 20);
+    assert_eq!(extensions.get("max_inflight_restore_ops"), Some(&json!(8)));
+    assert_eq!(
+        BackendConfig::from_value_with_extensions(&value, &["other"]).unwrap_err(),
+        Error::UnknownKey("max_inflight_restore_ops".into())
+    );
+}

@@ -343,3 +343,21 @@ fn every_layout_restores_from_a_peer(#[case] layout: HostLayout, #[case] layers:
         3 * segments
     );
 }
+
+/// Case 48 in spirit: pages of another layout (another byte order) are
+/// another namespace, so a hinted fetch across layouts is a miss, never bytes
+/// in the wrong order.
+#[test]
+fn layouts_never_mix_across_peers() {
+    let _serial = crate::serial();
+    let (mut source_spec, source_port) = peer_spec(1, Some(4));
+    source_spec.layout = HostLayout::PageHead;
+    let source = Engine::start(&source_spec);
+    let (dest_spec, _) = peer_spec(1, None);
+    let dest = Engine::start(&dest_spec);
+    let k = keys(&[31]);
+    source.set(&k, &[0], &ExtraInfo::default());
+    let extra = ExtraInfo::hinted("r", hint(source_port, &[31]));
+    assert_eq!(dest.get(&k, &[1], &extra), vec![vec![false]]);
+    assert!(dest.ranks[0].page_bytes(1).iter().all(|b| *b == 0));
+}
