@@ -344,6 +344,10 @@ impl KvcrHiCacheStorage {
         groups: RankGroups,
     ) -> Result<Self> {
         let coordinate = storage.validate()?;
+        if backend.enable_remote_hint {
+            // This rank binds base + its global offset: refuse an overflow now.
+            backend.bind_address(coordinate.global_offset())?;
+        }
         if groups.prefetch.size() != groups.backup.size()
             || groups.prefetch.rank() != groups.backup.rank()
         {
