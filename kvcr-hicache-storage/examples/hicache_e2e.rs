@@ -12,14 +12,17 @@
 //! per owner, and hints only from KVCR-owned pages, the only ones a peer can
 //! fetch.
 //!
-//! 1. The source engine serves prompt Q and offloads it, then serves prompt P,
-//!    whose offload evicts Q from its KVCR tier (`BlockRemoved`); its GPU tier
-//!    keeps both.
+//! 1. The source engine serves prompts Q, P and R and offloads them
+//!    (write-through); R's offload evicts Q from its KVCR tier
+//!    (`BlockRemoved`), while its GPU tier keeps all three.
 //! 2. The destination engine serves P: its own tiers lack the prefix, the
 //!    router hints the source, and the backend restores the prefix from the
 //!    source's KVCR DRAM, each rank dialling its own shard.
 //! 3. The destination serves Q: only the source's GPU tier holds it, which is
 //!    not fetchable: no hint, no transfer, zero reuse.
+//! 4. The source process is killed; the router, not told, still hints R from
+//!    it: the restore is a miss (at the operation deadline), not an error or a
+//!    hang, and the destination's tier keeps serving.
 //!
 //! The engines follow SGLang's prefix rules: only full pages are cached, and
 //! a request always recomputes at least its last token (a 256-token prompt
@@ -169,8 +172,8 @@ impl Engine {
         let port = free_base_port(TP as u16);
         let extra = json!({
             "local_dram_bytes": kvcr_pages * geometry.page_bytes(),
-            "operation_timeout_ms": 10_000,
-            "get_timeout_s": 20,
+            "operation_timeout_ms": 3_000,
+            "get_timeout_s": 6,
             "enable_remote_hint": true,
             "control_host": "127.0.0.1",
             "control_port": port,
@@ -334,6 +337,7 @@ impl Engine {
             new_pages.push(page);
         }
         let mut backed_up = true;
+        let mut backed_up_pages = 0;
         if let Some(first) = new_keys
             .first()
             .and_then(|k| keys.iter().position(|x| x == k))
@@ -348,6 +352,7 @@ impl Engine {
             };
             let stored = self.all(|rank| rank.storage.batch_set(&new_keys, &new_pages, &backup));
             backed_up = stored.iter().all(|s| s.iter().all(|b| *b));
+            backed_up_pages = stored[0].iter().filter(|b| **b).count();
         }
         // The GPU tier keeps every full page (framework-owned inventory).
         let start = keys.iter().position(|k| !self.gpu.contains(k));
@@ -372,6 +377,7 @@ impl Engine {
             "hinted": hinted,
             "digest_ok": digest_ok,
             "backed_up": backed_up,
+            "backed_up_pages": backed_up_pages,
             "keys": keys.iter().map(|k| k.as_u64()).collect::<Vec<_>>(),
         })
     }
@@ -762,8 +768,8 @@ fn orchestrate(tls: &str) -> i32 {
         }
     };
     let mut router = Router::new();
-    // The source's KVCR tier holds exactly one prompt (4 pages per rank).
-    let mut source = Proc::spawn("source", 1, 4, tls, &router.sub);
+    // The source's KVCR tier holds two prompts (8 pages per rank).
+    let mut source = Proc::spawn("source", 1, 8, tls, &router.sub);
     let mut dest = Proc::spawn("destination", 2, 16, tls, &router.sub);
     router
         .endpoints
@@ -782,11 +788,12 @@ fn orchestrate(tls: &str) -> i32 {
         dest.child.id(),
         dest.endpoint
     );
-    let (p, q) = (prompt(1), prompt(2));
+    let (p, q, r) = (prompt(1), prompt(2), prompt(3));
 
-    // 1. The source serves Q, then P; P's offload evicts Q from its KVCR tier.
+    // 1. The source serves Q, P and R; R's offload evicts Q (the least
+    //    recently used) from its KVCR tier.
     let mut keys_of = HashMap::new();
-    for (name, tokens) in [("Q", &q), ("P", &p)] {
+    for (name, tokens) in [("Q", &q), ("P", &p), ("R", &r)] {
         let served = source.call(
             json!({"cmd": "serve", "request": format!("src-{name}"), "tokens": tokens}),
             "SERVED",
@@ -806,7 +813,11 @@ fn orchestrate(tls: &str) -> i32 {
     let synced = source.call(json!({"cmd": "sync"}), "SYNCED");
     let replay = source.replay.clone();
     router.catch_up(source.worker, &replay, synced["batches"].as_u64().unwrap());
-    let (p_keys, q_keys) = (keys_of["P"].clone(), keys_of["Q"].clone());
+    let (p_keys, q_keys, r_keys) = (
+        keys_of["P"].clone(),
+        keys_of["Q"].clone(),
+        keys_of["R"].clone(),
+    );
     let src_kvcr = router.kvcr.get(&source.worker).cloned().unwrap_or_default();
     let src_gpu = router
         .framework
@@ -814,16 +825,20 @@ fn orchestrate(tls: &str) -> i32 {
         .cloned()
         .unwrap_or_default();
     check(
-        p_keys.iter().all(|k| src_kvcr.contains(k)),
-        "router: P is in the source's KVCR inventory".into(),
+        p_keys.iter().chain(&r_keys).all(|k| src_kvcr.contains(k)),
+        "router: P and R are in the source's KVCR inventory".into(),
     );
     check(
         q_keys.iter().all(|k| !src_kvcr.contains(k)),
         "router: Q left the source's KVCR inventory".into(),
     );
     check(
-        q_keys.iter().chain(&p_keys).all(|k| src_gpu.contains(k)),
-        "router: the source's GPU tier keeps P and Q".into(),
+        q_keys
+            .iter()
+            .chain(&p_keys)
+            .chain(&r_keys)
+            .all(|k| src_gpu.contains(k)),
+        "router: the source's GPU tier keeps P, Q and R".into(),
     );
     let report = source.call(json!({"cmd": "report"}), "REPORT");
     let (published, removed) = (
@@ -831,12 +846,12 @@ fn orchestrate(tls: &str) -> i32 {
         report["ranks"][0]["pages_removed"].as_u64().unwrap_or(0),
     );
     println!(
-        "source: served Q and P, offloaded 8 pages (KV events: {published} stored, {removed} removed on eviction); the router's KVCR index for it holds {} pages, its GPU index {}",
+        "source: served Q, P and R, offloaded 12 pages (KV events: {published} stored, {removed} removed on eviction); the router's KVCR index for it holds {} pages, its GPU index {}",
         src_kvcr.len(),
         src_gpu.len()
     );
     check(
-        published == 8 && removed == 4,
+        published == 12 && removed == 4,
         format!("source published {published} stored / {removed} removed"),
     );
 
@@ -937,6 +952,76 @@ fn orchestrate(tls: &str) -> i32 {
             format!("{name}: write-through failed"),
         );
     }
+    // 3. The source dies (SIGKILL) without retracting anything; the router
+    //    still hints R from it. The restore is a miss (the operation fails at
+    //    its deadline), never an error or a hang, and the tier keeps serving:
+    //    the request is recomputed and backed up through it.
+    let (before, _) = counters(&mut dest);
+    source.child.kill().unwrap();
+    source.child.wait().unwrap();
+    let hint = router.hint_for(dest.worker, &r_keys);
+    let hinted = hint.is_some();
+    let t = Instant::now();
+    let served = dest.call(
+        json!({"cmd": "serve", "request": "dst-R", "tokens": r, "hint": hint}),
+        "SERVED",
+    );
+    let secs = t.elapsed().as_secs_f64();
+    let (after, _) = counters(&mut dest);
+    let shards: Vec<(u64, u64)> = after
+        .iter()
+        .zip(&before)
+        .map(|(a, b)| (a.0 - b.0, a.1 - b.1))
+        .collect();
+    let restored = served["restored_pages"].as_u64().unwrap();
+    println!(
+        "{:<8} {:>6} {:>16} {:<5} {:>20} {:>20} {:>18} {:<8} {:>8.3}  (source killed)",
+        "R",
+        r.len(),
+        format!("{}/{}", restored * PAGE_TOKENS as u64, r.len()),
+        if hinted { "yes" } else { "none" },
+        format!("{}/{}", shards[0].0, shards[0].1),
+        format!("{}/{}", shards[1].0, shards[1].1),
+        "-",
+        "n/a",
+        secs,
+    );
+    check(hinted, "R: the router still hints the dead source".into());
+    check(
+        restored == 0,
+        format!("R: restored {restored} pages from a dead source"),
+    );
+    check(
+        shards.iter().all(|s| *s == (0, 0)),
+        format!("R: per-shard blocks/spans {shards:?}"),
+    );
+    // The pages whose fill is quarantined (a put from the dead source might
+    // still land) cannot be stored again until that resolves; the rest can.
+    println!(
+        "R: recomputed; {} of its 4 pages backed up (the 3 whose fill is quarantined wait for the dead source to resolve)",
+        served["backed_up_pages"]
+    );
+    check(
+        served["backed_up_pages"] == 1,
+        format!("R: backed up {} pages", served["backed_up_pages"]),
+    );
+    // The tier keeps serving: a new request is computed and backed up whole.
+    let s_tokens = prompt(4);
+    let served = dest.call(
+        json!({"cmd": "serve", "request": "dst-S", "tokens": s_tokens}),
+        "SERVED",
+    );
+    println!(
+        "S: a new prompt after the failure: {} of 4 pages backed up",
+        served["backed_up_pages"]
+    );
+    check(
+        served["backed_up"] == true && served["backed_up_pages"] == 4,
+        "S: the tier keeps serving after the dead-source miss".into(),
+    );
+    let replay = dest.replay.clone();
+    router.catch_up(dest.worker, &replay, served["batches"].as_u64().unwrap());
+
     let report = dest.call(json!({"cmd": "report"}), "REPORT");
     println!();
     for (r, rank) in report["ranks"].as_array().unwrap().iter().enumerate() {
@@ -945,7 +1030,7 @@ fn orchestrate(tls: &str) -> i32 {
             rank["hinted_pages_requested"], rank["hinted_pages_loaded"], rank["faults"]
         );
         check(
-            rank["hinted_pages_requested"] == 3 && rank["hinted_pages_loaded"] == 3,
+            rank["hinted_pages_requested"] == 6 && rank["hinted_pages_loaded"] == 3,
             format!("destination rank {r}: {rank}"),
         );
         check(
@@ -958,11 +1043,18 @@ fn orchestrate(tls: &str) -> i32 {
         );
     }
     let dest_kvcr = router.kvcr.get(&dest.worker).map_or(0, HashSet::len);
+    check(
+        dest_kvcr == 10,
+        format!("router: destination KVCR pages {dest_kvcr}"),
+    );
     println!(
-        "router: the destination now publishes {dest_kvcr} KVCR pages (its own offloads); {} replay request(s) to catch up",
+        "router: the destination publishes {dest_kvcr} KVCR pages (its own offloads: P 1, Q 4, R 1, S 4); {} replay request(s) to catch up",
         router.replayed
     );
     drop(source);
+    // The destination keeps the KVCR pools the dead source was granted
+    // mapped until it exits (a late put must never land in reused memory);
+    // its runners say so when they are dropped.
     drop(dest);
     println!("done in {:.2} s", started.elapsed().as_secs_f64());
     if failures.is_empty() {
