@@ -526,3 +526,58 @@ fn storage_is_send_and_sync() {
     check::<kvcr_hicache_storage::KvcrHiCacheStorage>();
     check::<LocalRankGroup>();
 }
+
+/// The engine's prefetch and backup threads call one backend at once; their
+/// collectives run on separate groups and never mix: TP=2, each rank with a
+/// backup thread storing pages while a prefetch thread restores earlier ones.
+#[test]
+fn prefetch_and_backup_threads_run_at_once() {
+    let _serial = crate::serial();
+    let engine = Engine::start(&EngineSpec::local(2, HostLayout::PageFirst, 32));
+    let none = ExtraInfo::default();
+    let first = keys(&[1, 2, 3, 4]);
+    assert_eq!(
+        engine.set(&first, &[0, 1, 2, 3], &none),
+        vec![vec![true; 4]; 2]
+    );
+    let results = engine.all(|rank| {
+        std::thread::scope(|s| {
+            let backup = s.spawn(|| {
+                (0..8u64)
+                    .map(|i| {
+                        let k = keys(&[100 + i]);
+                        rank.storage.batch_set(&k, &[4 + i], &none)
+                    })
+                    .collect::<Vec<_>>()
+            });
+            let prefetch = s.spawn(|| {
+                (0..8u64)
+                    .map(|i| {
+                        let hits = rank.storage.batch_exists(&first, &none);
+                        let got = rank.storage.batch_get(
+                            &first[..2],
+                            &[12 + (i % 2) * 2, 13 + (i % 2) * 2],
+                            &none,
+                        );
+                        (hits, got)
+                    })
+                    .collect::<Vec<_>>()
+            });
+            (backup.join().unwrap(), prefetch.join().unwrap())
+        })
+    });
+    for (backup, prefetch) in results {
+        assert!(backup.iter().all(|r| r == &vec![true]), "{backup:?}");
+        assert!(
+            prefetch
+                .iter()
+                .all(|(h, g)| *h == 4 && g == &vec![true, true]),
+            "{prefetch:?}"
+        );
+    }
+    for rank in &engine.ranks {
+        assert_eq!(rank.page_bytes(12), rank.page_bytes(0));
+        assert_eq!(rank.page_bytes(15), rank.page_bytes(1));
+        assert_eq!(rank.storage.stats().faults_collective, 0);
+    }
+}
