@@ -57,14 +57,14 @@ fn set_then_get_round_trips(
     );
 }
 
-/// A layer-first page of 40 layers (80 spans) is stored as two segments and
-/// still round-trips; losing either segment makes the page a miss.
+/// A layer-first page with more spans than one key carries is stored as two
+/// segments and still round-trips.
 #[test]
 fn segmented_pages_round_trip() {
     let _serial = crate::serial();
     let mut spec = EngineSpec::local(1, HostLayout::LayerFirst, 8);
     spec.geometry = KvGeometry {
-        layers: 40,
+        layers: kvcr_foundation::runner::MAX_SPANS_PER_KEY as u32 / 2 + 8,
         ..small_geometry()
     };
     spec.extra["local_dram_bytes"] = json!(8 * spec.geometry.page_bytes());
