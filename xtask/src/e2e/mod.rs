@@ -142,9 +142,14 @@ pub(crate) fn registry() -> Vec<Scenario> {
             true,
             scenarios::concurrent_requests,
         ),
-        // A cargo example that checks itself is one line, e.g.:
-        // Scenario::example("hicache", "<what it proves>", true,
-        //     "kvcr-hicache-storage", "hicache_e2e", &[]),
+        Scenario::example(
+            "hicache",
+            "HiCache L3 backend, TP=2, page_first: a hinted destination restores the source's prefix through batch_get, each rank its own shard, digests match; an evicted prefix gives no hint and no transfer; a killed source is a miss, never a fault",
+            true,
+            "kvcr-hicache-storage",
+            "hicache_e2e",
+            &[],
+        ),
     ]
 }
 
