@@ -7,6 +7,11 @@
 //!   fed by a bounded queue; a failed connect or write closes the socket and
 //!   forgets the peer (the next send dials again); [`ControlChannel::remove_peer`]
 //!   closes it at once. [`ControlChannel::open_sockets`] counts live sockets.
+//!   The writer also watches its socket for the peer closing it (the peer
+//!   never sends on this connection, so any read that returns means closed):
+//!   the peer is then reported through [`ControlChannel::take_lost`], so the
+//!   core re-handshakes before naming that peer's incarnation again (a process
+//!   restarted at the same address is asked as itself, not as the dead one).
 //! * Optional shared-secret handshake (HMAC-SHA256 challenge and response in
 //!   both directions) before any frame: a process without the cluster token
 //!   cannot talk to a runner.
@@ -70,6 +75,8 @@ impl Drop for SocketGuard {
 /// The channel's handle (used on the peer thread, inside its runtime).
 pub(crate) struct ControlChannel {
     peers: HashMap<ControlEndpoint, mpsc::Sender<Message>>,
+    lost_tx: mpsc::UnboundedSender<ControlEndpoint>,
+    lost_rx: mpsc::UnboundedReceiver<ControlEndpoint>,
     secret: Option<Arc<[u8]>>,
     codec: FrameCodec,
     pub(crate) stats: Arc<ControlStats>,
@@ -94,9 +101,12 @@ impl ControlChannel {
             codec,
             Arc::clone(&stats),
         ));
+        let (lost_tx, lost_rx) = mpsc::unbounded_channel();
         Ok((
             Self {
                 peers: HashMap::new(),
+                lost_tx,
+                lost_rx,
                 secret,
                 codec,
                 stats,
@@ -118,6 +128,7 @@ impl ControlChannel {
                 self.secret.clone(),
                 self.codec,
                 Arc::clone(&self.stats),
+                self.lost_tx.clone(),
             ));
             self.peers.insert(to.clone(), tx);
         }
@@ -125,6 +136,16 @@ impl ControlChannel {
         if tx.try_send(message).is_err() {
             self.stats.dropped.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Peers whose outgoing connection was closed by the other side (or
+    /// failed a write) since the last call.
+    pub(crate) fn take_lost(&mut self) -> Vec<ControlEndpoint> {
+        let mut lost = Vec::new();
+        while let Ok(peer) = self.lost_rx.try_recv() {
+            lost.push(peer);
+        }
+        lost
     }
 
     /// Forgets a peer and closes its outgoing socket.
@@ -213,6 +234,7 @@ async fn outgoing(
     secret: Option<Arc<[u8]>>,
     codec: FrameCodec,
     stats: Arc<ControlStats>,
+    lost: mpsc::UnboundedSender<ControlEndpoint>,
 ) {
     let Some(mut stream) = dial(&to).await else {
         return; // dropping `rx` marks this peer closed; the next send re-dials
@@ -229,7 +251,21 @@ async fn outgoing(
         return;
     }
     let mut buf = BytesMut::with_capacity(64 << 10);
-    while let Some(message) = rx.recv().await {
+    let (mut reader, mut writer) = stream.split();
+    let mut probe = [0u8; 64];
+    loop {
+        let message = tokio::select! {
+            message = rx.recv() => match message {
+                Some(message) => message,
+                None => return, // forgotten or the channel is gone
+            },
+            // The peer never writes here: a returning read is EOF or an error
+            // (or a peer speaking out of turn), i.e. this connection is over.
+            _ = reader.read(&mut probe) => {
+                let _ = lost.send(to.clone());
+                return;
+            }
+        };
         buf.clear();
         if codec.encode(&message, &mut buf).is_err() {
             stats.bad_frames.fetch_add(1, Ordering::Relaxed);
@@ -241,7 +277,8 @@ async fn outgoing(
                 stats.bad_frames.fetch_add(1, Ordering::Relaxed);
             }
         }
-        if stream.write_all(&buf).await.is_err() {
+        if writer.write_all(&buf).await.is_err() {
+            let _ = lost.send(to.clone());
             return;
         }
     }
@@ -383,6 +420,38 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         channel.open_sockets()
+    }
+
+    /// A peer that closes the connection (a process that died) is reported
+    /// lost, and the next send dials a fresh connection.
+    #[test]
+    fn a_closed_connection_is_reported_lost() {
+        runtime().block_on(async {
+            let local: SocketAddr = "127.0.0.1:0".parse().unwrap();
+            let (mut a, _, _) = ControlChannel::bind(local, None).await.unwrap();
+            let listener = TcpListener::bind(local).await.unwrap();
+            let to = endpoint(listener.local_addr().unwrap());
+            a.send(&to, message(1));
+            let (mut peer, _) = listener.accept().await.unwrap();
+            assert!(accept_handshake(&mut peer, None).await.unwrap());
+            assert!(a.take_lost().is_empty(), "nothing lost while it is open");
+            drop(peer);
+            let mut lost = Vec::new();
+            for _ in 0..500 {
+                lost = a.take_lost();
+                if !lost.is_empty() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            assert_eq!(lost, vec![to.clone()]);
+            assert_eq!(settle(&a, 0).await, 0, "the dead socket is closed");
+            a.send(&to, message(2));
+            let (_again, _) = tokio::time::timeout(Duration::from_secs(5), listener.accept())
+                .await
+                .unwrap()
+                .unwrap();
+        });
     }
 
     #[test]

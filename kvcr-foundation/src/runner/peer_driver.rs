@@ -404,6 +404,9 @@ impl State {
                     () = tokio::time::sleep(TICK) => {}
                 }
             }
+            for lost in self.control.take_lost() {
+                shared.with_core_now(|core, _| core.peer_connection_lost(&lost));
+            }
             if last_tick.elapsed() >= TICK {
                 #[allow(clippy::disallowed_methods)]
                 let now = Instant::now();
@@ -420,6 +423,7 @@ impl State {
             PeerCmd::Forget(peer) => {
                 self.control.remove_peer(&peer);
                 self.routes.remove(&peer);
+                shared.with_core_now(|core, _| core.peer_connection_lost(&peer));
             }
             PeerCmd::Stop { leak } => return Some(leak),
         }

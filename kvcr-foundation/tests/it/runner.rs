@@ -466,7 +466,10 @@ fn bad_input_is_refused_unchanged() {
                 spans: vec![],
                 page: None,
             }],
-            RunnerReason::LayoutLength { got: 0, max: kvcr_foundation::runner::MAX_SPANS_PER_KEY },
+            RunnerReason::LayoutLength {
+                got: 0,
+                max: kvcr_foundation::runner::MAX_SPANS_PER_KEY,
+            },
         ),
         (
             vec![DepositEntry {

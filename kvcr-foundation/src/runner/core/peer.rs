@@ -333,6 +333,19 @@ impl Core {
         );
     }
 
+    /// Our connection to `source` closed (or the caller forgot it): whatever
+    /// incarnation answered there before may be gone, so the next write to
+    /// it waits for a fresh metadata ack and names whoever answers then.
+    /// Writes already requested keep the incarnation they named: only that
+    /// process can end them.
+    pub(crate) fn peer_connection_lost(&mut self, source: &ControlEndpoint) {
+        if let Some(state) = self.peer.as_mut().and_then(|p| p.sources.get_mut(source)) {
+            state.acked = false;
+            state.incarnation = None;
+            state.last_metadata_ns = None;
+        }
+    }
+
     /// The runner-owned pool regions, as a target advertises them.
     fn advertised_regions(&self) -> Vec<RegionAdvert> {
         let Some(peer) = self.peer.as_ref() else {
