@@ -31,6 +31,8 @@ mod memory;
 mod peer_driver;
 #[cfg(test)]
 mod peer_sim;
+#[allow(unsafe_code)]
+mod placement;
 mod region;
 #[cfg(test)]
 mod tests;
@@ -47,7 +49,11 @@ pub use self::core::{
 };
 pub use self::memory::CopySpan;
 use self::memory::DramPool;
-pub use self::peer_driver::PeerOptions;
+pub use self::peer_driver::{PeerOptions, PutSplit};
+pub use self::placement::{
+    AnonymousMemory, HugePages, MAX_NUMA_NODE, NumaBinding, NumaMode, PlacementDowngrade,
+    PlacementOutcome, PoolMemory, PoolMemoryInfo, online_nodes, transparent_huge_page_mode,
+};
 pub use self::policy::CachePolicy;
 pub use self::region::{MAX_REGION_ELEMENTS, MAX_REGION_LABEL, RegionDesc};
 use crate::endpoint::ControlEndpoint;
@@ -98,6 +104,10 @@ pub struct RunnerConfig {
     pub medium: Medium,
     /// Touch every pool page at startup so the first copies run at full speed.
     pub prefault: bool,
+    /// How pools are backed (default: the original allocation; see
+    /// [`PoolMemory`] for process-owned anonymous memory with huge pages and
+    /// NUMA placement).
+    pub pool_memory: PoolMemory,
 }
 
 impl Default for RunnerConfig {
@@ -108,6 +118,7 @@ impl Default for RunnerConfig {
             capacity_low_watermark_percent: 0,
             medium: Medium::CpuPinned,
             prefault: true,
+            pool_memory: PoolMemory::Default,
         }
     }
 }
@@ -506,6 +517,25 @@ impl Shared {
     }
 }
 
+fn pool_memory_info(
+    config: &RunnerConfig,
+    ranges: impl Iterator<Item = (u64, u64)>,
+    placements: Vec<Option<PlacementOutcome>>,
+) -> Vec<PoolMemoryInfo> {
+    config
+        .pools
+        .iter()
+        .zip(ranges)
+        .zip(placements)
+        .map(|((pool, (base, len)), placement)| PoolMemoryInfo {
+            name: pool.name.clone(),
+            base,
+            len,
+            placement,
+        })
+        .collect()
+}
+
 /// The rank-local runner.
 ///
 /// Threads: the caller's thread runs the API; a copy thread executes copies
@@ -528,6 +558,7 @@ pub struct Runner {
     incarnation: Incarnation,
     endpoint: Option<ControlEndpoint>,
     pool_bytes: u64,
+    pool_memory: Vec<PoolMemoryInfo>,
 }
 
 impl Drop for Runner {
@@ -602,12 +633,14 @@ impl Runner {
         // Each stage's resources are owned by locals here; returning early drops
         // them in reverse order, which is the release the contract asks for.
         let mut pools = Vec::with_capacity(config.pools.len());
+        let mut placements = Vec::with_capacity(config.pools.len());
         for pool in &config.pools {
             let bytes = pool.block_size * u64::from(pool.blocks);
-            pools.push(
-                DramPool::allocate(bytes, config.prefault)
-                    .map_err(|e| fail(StartupStage::AllocatePools, e))?,
-            );
+            let (memory, placement) =
+                DramPool::allocate_with(bytes, config.prefault, &config.pool_memory)
+                    .map_err(|e| fail(StartupStage::AllocatePools, e))?;
+            pools.push(memory);
+            placements.push(placement);
         }
         injected(StartupStage::AllocatePools)?;
 
@@ -635,6 +668,11 @@ impl Runner {
         let copy = copy::CopyEngine::start(Arc::downgrade(&shared), jobs_tx, jobs_rx)
             .map_err(|e| fail(StartupStage::StartCopyEngine, e))?;
         let pool_bytes = pools.iter().map(DramPool::len).sum();
+        let pool_memory = pool_memory_info(
+            &config,
+            pools.iter().map(|p| (p.base(), p.len())),
+            placements,
+        );
         let mut runner = Self {
             copy,
             peer: None,
@@ -643,6 +681,7 @@ impl Runner {
             incarnation: Incarnation::generate(),
             endpoint: None,
             pool_bytes,
+            pool_memory,
         };
         if let Err(e) = injected(StartupStage::StartCopyEngine) {
             runner.copy.stop();
@@ -675,14 +714,17 @@ impl Runner {
             .iter()
             .map(|p| p.block_size * u64::from(p.blocks))
             .collect();
-        let (mut driver, setup) =
-            peer_driver::PeerDriver::start(peer, pool_bytes.clone(), config.prefault).map_err(
-                |e| match e.runner_reason() {
-                    // Already a startup error (resources retained): keep it.
-                    Some(RunnerReason::Startup { .. }) => e,
-                    _ => fail("start peer", e),
-                },
-            )?;
+        let (mut driver, setup) = peer_driver::PeerDriver::start(
+            peer,
+            pool_bytes.clone(),
+            config.prefault,
+            &config.pool_memory,
+        )
+        .map_err(|e| match e.runner_reason() {
+            // Already a startup error (resources retained): keep it.
+            Some(RunnerReason::Startup { .. }) => e,
+            _ => fail("start peer", e),
+        })?;
         let timeout_ns = u64::try_from(config.operation_timeout.as_nanos()).unwrap_or(u64::MAX);
         let abandon_ns = peer
             .abandon_timeout
@@ -733,9 +775,20 @@ impl Runner {
             shared,
             pools: Vec::new(),
             incarnation,
+            pool_memory: pool_memory_info(
+                &config,
+                setup.bases.iter().copied().zip(pool_bytes.iter().copied()),
+                setup.placements,
+            ),
             endpoint: Some(setup.endpoint),
             pool_bytes: pool_bytes.iter().sum(),
         })
+    }
+
+    /// Where each pool's memory is and how it was placed (for audits such as
+    /// `kvcr-hicache-perf`'s, which reads where its pages really are).
+    pub fn pool_memory(&self) -> &[PoolMemoryInfo] {
+        &self.pool_memory
     }
 
     /// This runner's advertised control endpoint (peer mode only).
