@@ -13,7 +13,6 @@ use kvcr_foundation::error::{PoolMemoryReason, RunnerReason};
 use kvcr_foundation::protocol::{ElementRef, OpHandle};
 use kvcr_foundation::runner::{
     DeliverEntry, DepositEntry, OpResult, PeerOptions, RegionDesc, Runner, RunnerConfig,
-    process_pool_bytes,
 };
 use kvcr_foundation::{BlockKey, CompatDigest, Namespace, ScopedKey};
 use kvcr_hicache_perf::audit::PoolAudit;
