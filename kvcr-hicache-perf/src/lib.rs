@@ -24,5 +24,6 @@ pub mod coalesce;
 pub mod error;
 pub mod layout;
 pub mod placement;
+pub mod window;
 
 pub use error::{PerfError, Result};
