@@ -21,9 +21,13 @@
 #[allow(unsafe_code)]
 pub mod audit;
 pub mod coalesce;
+#[allow(unsafe_code)]
+mod copy;
 pub mod error;
 pub mod layout;
 pub mod placement;
+#[allow(unsafe_code)]
+pub mod restore;
 pub mod window;
 
 pub use error::{PerfError, Result};
