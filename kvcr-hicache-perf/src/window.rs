@@ -299,3 +299,89 @@ mod tests {
         }
     }
 }
+
+/// What a windowed deliver did.
+#[derive(Debug, Clone, Default)]
+pub struct WindowedDeliver {
+    /// Per chunk: its operation's result (`None`: refused or skipped).
+    pub results: Vec<Option<kvcr_foundation::runner::OpResult>>,
+    /// Per chunk: where it ended.
+    pub states: Vec<ChunkState>,
+    /// The refusal, if a submission was refused.
+    pub refusal: Option<kvcr_foundation::Error>,
+    /// Results of other operations that completed meanwhile.
+    pub others: Vec<kvcr_foundation::runner::OpResult>,
+}
+
+/// Delivers `chunks` (each one `deliver` operation of `chunk_bytes[i]`
+/// bytes) through a window over `runner`: at most `limits` in flight, refilled
+/// as operations complete. A refused submission stops the refill; every
+/// accepted operation is still waited for (the runner's operation deadline
+/// bounds the wait) before this returns.
+pub fn deliver_windowed(
+    runner: &mut kvcr_foundation::runner::Runner,
+    chunks: Vec<Vec<kvcr_foundation::runner::DeliverEntry>>,
+    chunk_bytes: Vec<u64>,
+    limits: WindowLimits,
+    request: Option<&kvcr_foundation::hint::RequestId>,
+) -> WindowedDeliver {
+    let n = chunks.len();
+    let mut window = DeliveryWindow::new(chunk_bytes, limits);
+    let mut chunks: Vec<Option<_>> = chunks.into_iter().map(Some).collect();
+    let mut out = WindowedDeliver {
+        results: vec![None; n],
+        ..WindowedDeliver::default()
+    };
+    let by_op = std::cell::RefCell::new(Vec::<(kvcr_foundation::protocol::OpHandle, usize)>::new());
+    let runner = std::cell::RefCell::new(runner);
+    let results = std::cell::RefCell::new(&mut out.results);
+    let others = std::cell::RefCell::new(&mut out.others);
+    let mut refusal = None;
+    drive(
+        &mut window,
+        |chunk| {
+            let entries = chunks.get_mut(chunk)?.take()?;
+            let submitted = {
+                let mut r = runner.borrow_mut();
+                match request {
+                    Some(q) => r.deliver_hinted(q, entries),
+                    None => r.deliver(entries),
+                }
+            };
+            match submitted {
+                Ok(op) => {
+                    by_op.borrow_mut().push((op, chunk));
+                    Some(op)
+                }
+                Err(e) => {
+                    refusal = Some(e);
+                    None
+                }
+            }
+        },
+        || {
+            let done = runner
+                .borrow_mut()
+                .wait_completed(std::time::Duration::from_millis(100));
+            let mut finished = Vec::new();
+            for result in done {
+                let found = by_op.borrow().iter().position(|(op, _)| *op == result.op);
+                match found {
+                    Some(pos) => {
+                        let (op, chunk) = by_op.borrow_mut().swap_remove(pos);
+                        let ok = result.entries.iter().all(|(_, e)| e.is_success());
+                        if let Some(slot) = results.borrow_mut().get_mut(chunk) {
+                            *slot = Some(result);
+                        }
+                        finished.push((op, ok));
+                    }
+                    None => others.borrow_mut().push(result),
+                }
+            }
+            Some(finished)
+        },
+    );
+    out.states = window.states().to_vec();
+    out.refusal = refusal;
+    out
+}
