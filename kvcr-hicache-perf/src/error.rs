@@ -7,6 +7,9 @@ pub enum PerfError {
     /// A runner or contract error from the layers below.
     #[error(transparent)]
     Foundation(#[from] kvcr_foundation::Error),
+    /// The storage backend refused.
+    #[error(transparent)]
+    Storage(#[from] kvcr_hicache_storage::Error),
     /// A kernel call the audit makes failed.
     #[error("{call} failed (errno {errno})")]
     Os {

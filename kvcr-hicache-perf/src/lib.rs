@@ -20,6 +20,8 @@
 
 #[allow(unsafe_code)]
 pub mod audit;
+#[allow(unsafe_code)]
+pub mod backend;
 pub mod coalesce;
 #[allow(unsafe_code)]
 mod copy;
@@ -30,4 +32,5 @@ pub mod placement;
 pub mod restore;
 pub mod window;
 
+pub use backend::{KvcrHiCachePerf, PerfConfig};
 pub use error::{PerfError, Result};

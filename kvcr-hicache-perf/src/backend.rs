@@ -1,0 +1,170 @@
+//! The HiCache backend with the performance controls: a thin layer over
+//! `kvcr_hicache_storage::KvcrHiCacheStorage` with the same entry points in
+//! the same argument order. Options come separately ([`PerfConfig`]); with
+//! the default every call goes straight to the storage crate, so results and
+//! transfer plans are exactly its own (a test checks it).
+//!
+//! Batching splits one engine call into several storage calls. Every rank
+//! of a tensor-parallel group splits the same keys the same way and each
+//! storage call agrees over the group on its own, so the collectives stay
+//! in step. Through these synchronous entry points one chunk is in flight
+//! at a time; a window of several operations needs the runner itself
+//! (`crate::window::deliver_windowed`).
+
+use kvcr_foundation::BlockKey;
+use kvcr_hicache_storage::{
+    ExtraInfo, HostPoolDesc, KvcrHiCacheStorage, RankGroups, RunnerTuning, StorageConfig,
+};
+
+use crate::error::Result;
+use crate::window::{DeliveryWindow, WindowLimits, drive};
+
+/// The performance controls; every one is off by default.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PerfConfig {
+    /// How the runner backs its pool (default: the runner's own allocation).
+    pub pool_memory: kvcr_foundation::runner::PoolMemory,
+    /// UCX split sizing of the runner's puts (default: off).
+    pub put_split: kvcr_foundation::runner::PutSplit,
+    /// Pages per storage `batch_get` call (0: the whole batch in one call).
+    pub read_batch_pages: usize,
+    /// Bytes of pages per storage `batch_get` call (0: unbounded). A page
+    /// larger than this still goes, alone.
+    pub read_batch_bytes: u64,
+    /// Keys per storage `batch_exists` query (0: all in one). Querying stops
+    /// at the first chunk that is not all hits, as the engine's own loop does.
+    pub exists_batch_pages: usize,
+}
+
+/// [`KvcrHiCacheStorage`] with the performance controls.
+#[derive(Debug)]
+pub struct KvcrHiCachePerf {
+    storage: KvcrHiCacheStorage,
+    config: PerfConfig,
+}
+
+impl KvcrHiCachePerf {
+    /// Builds the storage backend (same arguments, same order) with `perf`.
+    pub fn new(storage: StorageConfig, groups: RankGroups, perf: PerfConfig) -> Result<Self> {
+        let tuning = RunnerTuning {
+            pool_memory: perf.pool_memory.clone(),
+            put_split: perf.put_split,
+        };
+        let storage =
+            KvcrHiCacheStorage::new(storage, groups).map_err(crate::error::PerfError::from)?;
+        let storage = if tuning == RunnerTuning::default() {
+            storage
+        } else {
+            storage.with_runner_tuning(tuning)
+        };
+        Ok(Self {
+            storage,
+            config: perf,
+        })
+    }
+
+    /// The storage backend underneath (every other entry point).
+    pub fn storage(&self) -> &KvcrHiCacheStorage {
+        &self.storage
+    }
+
+    /// The controls in use.
+    pub fn config(&self) -> &PerfConfig {
+        &self.config
+    }
+
+    /// [`KvcrHiCacheStorage::register_host_pool`].
+    ///
+    /// # Safety
+    /// As [`KvcrHiCacheStorage::register_host_pool`].
+    #[allow(unsafe_code)]
+    pub unsafe fn register_host_pool(&self, desc: HostPoolDesc) -> Result<()> {
+        // SAFETY: the caller's promise is the storage crate's contract.
+        unsafe { self.storage.register_host_pool(desc) }.map_err(Into::into)
+    }
+
+    /// [`KvcrHiCacheStorage::batch_exists`], in chunks of
+    /// `exists_batch_pages` keys, stopping at the first chunk not all hits.
+    pub fn batch_exists(&self, keys: &[BlockKey], extra: &ExtraInfo) -> usize {
+        let n = self.config.exists_batch_pages;
+        if n == 0 || keys.len() <= n {
+            return self.storage.batch_exists(keys, extra);
+        }
+        let mut count = 0;
+        for chunk in keys.chunks(n) {
+            let hits = self.storage.batch_exists(chunk, extra);
+            count += hits;
+            if hits < chunk.len() {
+                break;
+            }
+        }
+        count
+    }
+
+    /// [`KvcrHiCacheStorage::batch_get`], in read batches.
+    pub fn batch_get(&self, keys: &[BlockKey], host_pages: &[u64], extra: &ExtraInfo) -> Vec<bool> {
+        let chunks = self.read_chunks(keys.len());
+        if chunks.len() <= 1 || keys.len() != host_pages.len() {
+            return self.storage.batch_get(keys, host_pages, extra);
+        }
+        let bytes = chunks
+            .iter()
+            .map(|r| r.len() as u64 * self.page_bytes())
+            .collect();
+        // Synchronous storage calls: the window holds one chunk at a time.
+        let mut window = DeliveryWindow::new(
+            bytes,
+            WindowLimits {
+                max_ops: 1,
+                max_bytes: 0,
+            },
+        );
+        let mut out = vec![false; keys.len()];
+        let done = std::cell::RefCell::new(Vec::new());
+        drive(
+            &mut window,
+            |chunk| {
+                let range = chunks.get(chunk)?.clone();
+                let (k, p) = (keys.get(range.clone())?, host_pages.get(range.clone())?);
+                let got = self.storage.batch_get(k, p, extra);
+                if let Some(slot) = out.get_mut(range) {
+                    slot.copy_from_slice(got.get(..slot.len()).unwrap_or(&[]));
+                }
+                done.borrow_mut().push(chunk);
+                Some(chunk)
+            },
+            || Some(done.borrow_mut().drain(..).map(|c| (c, true)).collect()),
+        );
+        out
+    }
+
+    /// [`KvcrHiCacheStorage::batch_set`] (unchanged).
+    pub fn batch_set(&self, keys: &[BlockKey], host_pages: &[u64], extra: &ExtraInfo) -> Vec<bool> {
+        self.storage.batch_set(keys, host_pages, extra)
+    }
+
+    fn page_bytes(&self) -> u64 {
+        self.storage
+            .span_plan()
+            .map_or(0, |p| p.span_bytes * p.spans_per_page() as u64)
+    }
+
+    /// Key ranges of the read batches.
+    fn read_chunks(&self, n: usize) -> Vec<std::ops::Range<usize>> {
+        let by_pages = self.config.read_batch_pages;
+        let by_bytes = match (self.config.read_batch_bytes, self.page_bytes()) {
+            (0, _) | (_, 0) => 0,
+            (cap, page) => usize::try_from((cap / page).max(1)).unwrap_or(usize::MAX),
+        };
+        let size = match (by_pages, by_bytes) {
+            (0, 0) => return vec![0..n],
+            (0, b) => b,
+            (p, 0) => p,
+            (p, b) => p.min(b),
+        };
+        (0..n)
+            .step_by(size)
+            .map(|start| start..(start + size).min(n))
+            .collect()
+    }
+}
