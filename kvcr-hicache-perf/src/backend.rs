@@ -157,7 +157,7 @@ impl KvcrHiCachePerf {
             (cap, page) => usize::try_from((cap / page).max(1)).unwrap_or(usize::MAX),
         };
         let size = match (by_pages, by_bytes) {
-            (0, 0) => return vec![0..n],
+            (0, 0) => return std::iter::once(0..n).collect(),
             (0, b) => b,
             (p, 0) => p,
             (p, b) => p.min(b),

@@ -291,7 +291,7 @@ mod tests {
                 prop_assert!(!in_flight.is_empty(), "stalled with nothing in flight");
                 let i = picks.next().map_or(0, |p| p.index(in_flight.len()));
                 let c = in_flight.swap_remove(i);
-                w.completed(c, c % 3 != 0);
+                w.completed(c, !c.is_multiple_of(3));
             }
             for s in w.states() {
                 prop_assert!(!matches!(s, ChunkState::InFlight | ChunkState::Waiting));

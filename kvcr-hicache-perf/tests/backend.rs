@@ -118,10 +118,11 @@ fn engine(perf: Option<PerfConfig>) -> Vec<Rank> {
                 pages: HOST_PAGES,
                 geometry: g,
             };
-            // SAFETY: (test) `host` lives in the same `Rank`, after the
-            // backend, and is read only between calls.
             match &backend {
+                // SAFETY: (test) `host` lives in the same `Rank`, after the
+                // backend, and is read only between calls.
                 Backend::Plain(s) => unsafe { s.register_host_pool(desc) }.unwrap(),
+                // SAFETY: as above.
                 Backend::Perf(p) => unsafe { p.register_host_pool(desc) }.unwrap(),
             }
             Rank { backend, host }

@@ -372,7 +372,7 @@ unsafe impl crate::ucx::OwnedMemory for AnonMapping {
         self.as_ptr()
     }
 
-    fn len(&self) -> usize {
+    fn byte_len(&self) -> usize {
         self.len
     }
 }

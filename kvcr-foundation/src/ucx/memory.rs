@@ -155,14 +155,14 @@ impl Drop for RegCore {
 ///
 /// # Safety
 ///
-/// `as_mut_ptr()..as_mut_ptr()+len()` must be valid, writable host memory,
+/// `as_mut_ptr()..as_mut_ptr()+byte_len()` must be valid, writable host memory,
 /// the same on every call, owned by the value until it is dropped, and not
-/// moved when the value is moved; `len() > 0`.
+/// moved when the value is moved; `byte_len() > 0`.
 pub unsafe trait OwnedMemory: 'static {
     /// First byte.
     fn as_mut_ptr(&self) -> *mut u8;
     /// Bytes.
-    fn len(&self) -> usize;
+    fn byte_len(&self) -> usize;
 }
 
 /// Owned memory behind a registration, freed after the unmap.
@@ -454,7 +454,7 @@ impl Context {
     /// Registers memory handed over by its owner (for example a placed
     /// anonymous mapping); the registration drops it after the UCX unmap.
     pub fn register_owned(&self, memory: Box<dyn OwnedMemory>) -> Result<Registration<'static>> {
-        let (ptr, len) = (memory.as_mut_ptr(), memory.len());
+        let (ptr, len) = (memory.as_mut_ptr(), memory.byte_len());
         if len == 0 {
             return Err(input("register_owned", UcxReason::EmptyRegion));
         }
