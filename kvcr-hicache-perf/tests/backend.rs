@@ -199,10 +199,23 @@ fn the_default_configuration_behaves_exactly_as_the_storage_crate_alone() {
 #[case::read_bytes(PerfConfig { read_batch_bytes: 2 * geometry().page_bytes(), ..PerfConfig::default() })]
 #[case::exists(PerfConfig { exists_batch_pages: 4, ..PerfConfig::default() })]
 #[case::all(PerfConfig { read_batch_pages: 1, exists_batch_pages: 1, ..PerfConfig::default() })]
+#[case::anonymous_pool_and_split(PerfConfig {
+    pool_memory: kvcr_hicache_perf::placement::anonymous(kvcr_hicache_perf::placement::HugePages::Prefer),
+    put_split: kvcr_hicache_perf::placement::split_for(None),
+    read_batch_pages: 2,
+    ..PerfConfig::default()
+})]
 fn batching_changes_how_calls_split_not_what_they_return(#[case] config: PerfConfig) {
     let plain = scenario(None);
-    let batched = scenario(Some(config));
+    let batched = scenario(Some(config.clone()));
     assert_eq!(plain.results, batched.results);
+    for rank in engine(Some(config.clone())) {
+        let tuning = rank.backend.storage().runner_tuning();
+        assert_eq!(
+            (&tuning.pool_memory, tuning.put_split),
+            (&config.pool_memory, config.put_split)
+        );
+    }
     assert_eq!(plain.host, batched.host);
     assert_eq!(plain.plans, batched.plans);
 }
