@@ -391,6 +391,25 @@ mod tests {
     }
 
     #[test]
+    fn a_policy_the_kernel_refuses_is_a_typed_error() {
+        // Bypass the online check: the kernel itself refuses a node it does
+        // not have (EINVAL), and that surfaces as `Os { call: "mbind" }`.
+        let missing = MAX_NUMA_NODE;
+        assert!(!online_nodes().contains(&missing));
+        let mapping = AnonMapping::map(1 << 20, false).unwrap();
+        let mut mask = [0u64; MASK_WORDS];
+        mask[usize::from(missing) / 64] = 1 << (missing % 64);
+        let err = mapping.bind(NumaMode::Bind, &mask).unwrap_err();
+        assert_eq!(
+            err.runner_reason(),
+            Some(&RunnerReason::PoolMemory(PoolMemoryReason::Os {
+                call: "mbind",
+                errno: libc::EINVAL
+            }))
+        );
+    }
+
+    #[test]
     fn a_node_that_is_not_online_is_refused_before_mapping() {
         let binding = NumaBinding {
             mode: NumaMode::Bind,
