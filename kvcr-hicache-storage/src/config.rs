@@ -127,7 +127,6 @@ pub enum EvictionPolicy {
 /// | `medium` | `"EXTERNAL"` | medium KVCR pages are published under (`EXTERNAL` or `CPU_PINNED`) |
 /// | `prefault` | true | touch KVCR DRAM at startup |
 /// | `max_hinted_requests` | 1024 | live request hint scopes kept per rank |
-/// | `collective_timeout_ms` | 60000 | budget of one in-process rank collective |
 ///
 /// The engine's dynamic-loader keys (`backend_name`, `module_path`,
 /// `class_name`, `interface_v1`) are accepted and ignored.
@@ -159,8 +158,6 @@ pub struct BackendConfig {
     pub prefault: bool,
     /// Request hint scopes kept per rank (oldest discarded first).
     pub max_hinted_requests: usize,
-    /// Budget of an in-process collective (used by [`crate::LocalRankGroup`]).
-    pub collective_timeout: Duration,
 }
 
 impl Default for BackendConfig {
@@ -179,7 +176,6 @@ impl Default for BackendConfig {
             medium: Medium::External,
             prefault: true,
             max_hinted_requests: 1024,
-            collective_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -216,9 +212,20 @@ impl BackendConfig {
 
     /// Parses and validates an extra-config object.
     pub fn from_value(value: &Value) -> Result<Self> {
+        Self::from_value_with_extensions(value, &[]).map(|(c, _)| c)
+    }
+
+    /// Like [`Self::from_value`], but the keys named in `extension_keys` (a
+    /// layer above's own settings, e.g. delivery knobs) are handed back
+    /// instead of refused; any other unknown key is still refused by name.
+    pub fn from_value_with_extensions(
+        value: &Value,
+        extension_keys: &[&str],
+    ) -> Result<(Self, Map<String, Value>)> {
         let map = value
             .as_object()
             .ok_or_else(|| Error::ConfigSyntax("must be a JSON object".into()))?;
+        let mut extensions = Map::new();
         let mut c = Self::default();
         let mut have_dram = false;
         let mut get_timeout_s = None;
@@ -303,14 +310,10 @@ impl BackendConfig {
                     }
                     c.max_hinted_requests = n as usize;
                 }
-                "collective_timeout_ms" => {
-                    let ms = as_u64(k, v)?;
-                    if ms == 0 || ms > MAX_OPERATION_TIMEOUT_MS {
-                        return Err(Error::config(k, "must be in 1..=3600000"));
-                    }
-                    c.collective_timeout = Duration::from_millis(ms);
-                }
                 _ if LOADER_KEYS.contains(&k) => {}
+                _ if extension_keys.contains(&k) => {
+                    extensions.insert(key.clone(), v.clone());
+                }
                 _ => return Err(Error::UnknownKey(key.clone())),
             }
         }
@@ -336,7 +339,7 @@ impl BackendConfig {
             ));
         }
         c.check_peer()?;
-        Ok(c)
+        Ok((c, extensions))
     }
 
     /// The control-channel settings a peer-mode rank needs, checked.

@@ -498,3 +498,31 @@ fn a_silent_rank_is_a_miss_not_a_hang() {
     drop(storage);
     drop(host);
 }
+
+/// The engine's extra-info dict: the hint under either key, the request id.
+#[test]
+fn extra_info_from_the_engine() {
+    let hint = json!({"source_control_endpoint": "tcp://10.0.0.1:5", "block_hashes": [1]});
+    let e = ExtraInfo::from_engine(&json!({"kvcr_router_hint": hint, "request_id": "rid-1"}));
+    assert_eq!(e.router_hint, Some(hint.clone()));
+    assert_eq!(
+        e.request_id,
+        Some(kvcr_foundation::RequestId("rid-1".into()))
+    );
+    let e = ExtraInfo::from_engine(&json!({"kvcc_router_hint": hint, "rid": "rid-2"}));
+    assert_eq!(e.router_hint, Some(hint));
+    assert_eq!(
+        e.request_id,
+        Some(kvcr_foundation::RequestId("rid-2".into()))
+    );
+    let e = ExtraInfo::from_engine(&json!({"kvcr_router_hint": null}));
+    assert_eq!(e, ExtraInfo::default());
+}
+
+/// The backend is shared by the engine's prefetch and backup threads.
+#[test]
+fn storage_is_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<kvcr_hicache_storage::KvcrHiCacheStorage>();
+    check::<LocalRankGroup>();
+}
