@@ -36,6 +36,115 @@ pub struct PerfConfig {
     pub exists_batch_pages: usize,
 }
 
+/// The extra-config keys this layer reads (all optional; absent = off).
+pub const EXTRA_CONFIG_KEYS: &[&str] = &[
+    "perf_read_batch_pages",
+    "perf_read_batch_bytes",
+    "perf_exists_batch_pages",
+    "perf_anonymous_dram",
+    "perf_huge_pages",
+    "perf_numa_node",
+    "perf_numa_mode",
+    "perf_put_split_bytes",
+    "perf_put_split_in_flight",
+];
+
+fn bad(field: &'static str, why: &'static str) -> crate::error::PerfError {
+    crate::error::PerfError::Config { field, why }
+}
+
+fn count(map: &serde_json::Map<String, serde_json::Value>, key: &'static str) -> Result<u64> {
+    match map.get(key) {
+        None => Ok(0),
+        Some(v) => v
+            .as_u64()
+            .ok_or_else(|| bad(key, "must be a non-negative integer")),
+    }
+}
+
+impl PerfConfig {
+    /// Reads this layer's keys ([`EXTRA_CONFIG_KEYS`]) from the extensions
+    /// the storage crate handed back; every value is type- and bound-checked.
+    pub fn from_extensions(map: &serde_json::Map<String, serde_json::Value>) -> Result<Self> {
+        use kvcr_foundation::runner::{
+            AnonymousMemory, HugePages, NumaBinding, NumaMode, PoolMemory, PutSplit,
+        };
+        let small = |key: &'static str| -> Result<usize> {
+            usize::try_from(count(map, key)?).map_err(|_| bad(key, "too large"))
+        };
+        let huge_pages = match map.get("perf_huge_pages").map(|v| v.as_str()) {
+            None => HugePages::Off,
+            Some(Some("off")) => HugePages::Off,
+            Some(Some("prefer")) => HugePages::Prefer,
+            Some(Some("require")) => HugePages::Require,
+            Some(_) => return Err(bad("perf_huge_pages", "must be off, prefer or require")),
+        };
+        let numa = match map.get("perf_numa_node") {
+            None => None,
+            Some(v) => {
+                let node = v
+                    .as_u64()
+                    .and_then(|n| u16::try_from(n).ok())
+                    .filter(|n| *n <= kvcr_foundation::runner::MAX_NUMA_NODE)
+                    .ok_or_else(|| bad("perf_numa_node", "must be a node id in 0..=1023"))?;
+                let mode = match map.get("perf_numa_mode").map(|v| v.as_str()) {
+                    None | Some(Some("bind")) => NumaMode::Bind,
+                    Some(Some("preferred")) => NumaMode::Preferred,
+                    Some(Some("interleave")) => NumaMode::Interleave,
+                    Some(_) => {
+                        return Err(bad(
+                            "perf_numa_mode",
+                            "must be bind, preferred or interleave",
+                        ));
+                    }
+                };
+                Some(NumaBinding {
+                    mode,
+                    nodes: vec![node],
+                })
+            }
+        };
+        if numa.is_none() && map.contains_key("perf_numa_mode") {
+            return Err(bad("perf_numa_mode", "needs perf_numa_node"));
+        }
+        let anonymous = match map.get("perf_anonymous_dram") {
+            None => false,
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| bad("perf_anonymous_dram", "must be a boolean"))?,
+        };
+        let placed = huge_pages != HugePages::Off || numa.is_some();
+        if placed && !anonymous {
+            return Err(bad(
+                "perf_anonymous_dram",
+                "huge pages and NUMA binding need perf_anonymous_dram: true",
+            ));
+        }
+        let pool_memory = if anonymous {
+            PoolMemory::Anonymous(AnonymousMemory { huge_pages, numa })
+        } else {
+            PoolMemory::Default
+        };
+        let put_split = PutSplit {
+            chunk_bytes: count(map, "perf_put_split_bytes")?,
+            max_chunks_in_flight: small("perf_put_split_in_flight")?,
+        };
+        if put_split.chunk_bytes == 0 && put_split.max_chunks_in_flight != 0 {
+            return Err(bad(
+                "perf_put_split_in_flight",
+                "needs perf_put_split_bytes",
+            ));
+        }
+        Ok(Self {
+            pool_memory,
+            put_split,
+            read_batch_pages: small("perf_read_batch_pages")?,
+            read_batch_bytes: count(map, "perf_read_batch_bytes")?,
+            exists_batch_pages: small("perf_exists_batch_pages")?,
+        })
+    }
+}
+
 /// [`KvcrHiCacheStorage`] with the performance controls.
 #[derive(Debug)]
 pub struct KvcrHiCachePerf {
@@ -59,6 +168,42 @@ impl KvcrHiCachePerf {
         };
         Ok(Self {
             storage,
+            config: perf,
+        })
+    }
+
+    /// Builds the backend from the engine's configuration alone: this
+    /// layer's keys ([`EXTRA_CONFIG_KEYS`]) are read from the same extra
+    /// config as the storage crate's; any other unknown key is refused.
+    pub fn from_engine(storage: StorageConfig, groups: RankGroups) -> Result<Self> {
+        let value = match &storage.extra_config {
+            Some(serde_json::Value::String(text)) => {
+                let text = text.trim();
+                let body = match text.strip_prefix('@') {
+                    Some(path) => std::fs::read_to_string(path)
+                        .map_err(|_| bad("extra_config", "the @path file cannot be read"))?,
+                    None if text.is_empty() => "{}".to_owned(),
+                    None => text.to_owned(),
+                };
+                serde_json::from_str(&body)
+                    .map_err(|_| bad("extra_config", "must be a JSON object (or its text)"))?
+            }
+            Some(other) => other.clone(),
+            None => serde_json::Value::Object(serde_json::Map::new()),
+        };
+        let (backend, extensions) =
+            kvcr_hicache_storage::BackendConfig::from_value_with_extensions(
+                &value,
+                EXTRA_CONFIG_KEYS,
+            )?;
+        let perf = PerfConfig::from_extensions(&extensions)?;
+        let tuning = RunnerTuning {
+            pool_memory: perf.pool_memory.clone(),
+            put_split: perf.put_split,
+        };
+        let storage = KvcrHiCacheStorage::with_backend(storage, backend, groups)?;
+        Ok(Self {
+            storage: storage.with_runner_tuning(tuning),
             config: perf,
         })
     }

@@ -219,3 +219,95 @@ fn batching_changes_how_calls_split_not_what_they_return(#[case] config: PerfCon
     assert_eq!(plain.host, batched.host);
     assert_eq!(plain.plans, batched.plans);
 }
+
+fn extensions(v: serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
+    v.as_object().unwrap().clone()
+}
+
+#[rstest]
+#[case::wrong_type(json!({"perf_read_batch_pages": "8"}), "perf_read_batch_pages")]
+#[case::negative(json!({"perf_read_batch_bytes": -1}), "perf_read_batch_bytes")]
+#[case::huge_word(json!({"perf_huge_pages": "always", "perf_anonymous_dram": true}), "perf_huge_pages")]
+#[case::huge_without_anon(json!({"perf_huge_pages": "prefer"}), "perf_anonymous_dram")]
+#[case::node_too_big(json!({"perf_numa_node": 5000, "perf_anonymous_dram": true}), "perf_numa_node")]
+#[case::mode_without_node(json!({"perf_numa_mode": "bind", "perf_anonymous_dram": true}), "perf_numa_mode")]
+#[case::mode_word(json!({"perf_numa_node": 0, "perf_numa_mode": "spread", "perf_anonymous_dram": true}), "perf_numa_mode")]
+#[case::in_flight_without_split(json!({"perf_put_split_in_flight": 2}), "perf_put_split_in_flight")]
+#[case::anon_not_bool(json!({"perf_anonymous_dram": 1}), "perf_anonymous_dram")]
+fn bad_perf_keys_are_refused_by_name(#[case] value: serde_json::Value, #[case] key: &str) {
+    match PerfConfig::from_extensions(&extensions(value)) {
+        Err(kvcr_hicache_perf::PerfError::Config { field, .. }) => assert_eq!(field, key),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn perf_keys_parse_into_controls() {
+    use kvcr_hicache_perf::placement::{
+        AnonymousMemory, HugePages, NumaBinding, NumaMode, PoolMemory, PutSplit,
+    };
+    let config = PerfConfig::from_extensions(&extensions(json!({
+        "perf_read_batch_pages": 32,
+        "perf_exists_batch_pages": 128,
+        "perf_anonymous_dram": true,
+        "perf_huge_pages": "prefer",
+        "perf_numa_node": 0,
+        "perf_put_split_bytes": 4194304,
+        "perf_put_split_in_flight": 1,
+    })))
+    .unwrap();
+    assert_eq!(
+        config,
+        PerfConfig {
+            pool_memory: PoolMemory::Anonymous(AnonymousMemory {
+                huge_pages: HugePages::Prefer,
+                numa: Some(NumaBinding {
+                    mode: NumaMode::Bind,
+                    nodes: vec![0]
+                }),
+            }),
+            put_split: PutSplit {
+                chunk_bytes: 4 << 20,
+                max_chunks_in_flight: 1
+            },
+            read_batch_pages: 32,
+            read_batch_bytes: 0,
+            exists_batch_pages: 128,
+        }
+    );
+    assert_eq!(
+        PerfConfig::from_extensions(&serde_json::Map::new()).unwrap(),
+        PerfConfig::default()
+    );
+}
+
+#[test]
+fn the_engine_extra_config_carries_perf_keys_and_other_unknown_keys_are_refused() {
+    let groups = || RankGroups::solo();
+    let extra = |more: serde_json::Value| {
+        let mut v = json!({"local_dram_bytes": 1 << 20});
+        v.as_object_mut()
+            .unwrap()
+            .extend(more.as_object().unwrap().clone());
+        StorageConfig::single_rank("perf-model", v)
+    };
+    let backend =
+        KvcrHiCachePerf::from_engine(extra(json!({"perf_read_batch_pages": 4})), groups()).unwrap();
+    assert_eq!(backend.config().read_batch_pages, 4);
+    let err = KvcrHiCachePerf::from_engine(extra(json!({"perf_bogus": 1})), groups()).unwrap_err();
+    assert!(err.to_string().contains("perf_bogus"), "{err}");
+    // The JSON text form works too.
+    let text = StorageConfig::single_rank(
+        "perf-model",
+        serde_json::Value::String(
+            r#"{"local_dram_bytes": 1048576, "perf_exists_batch_pages": 2}"#.into(),
+        ),
+    );
+    assert_eq!(
+        KvcrHiCachePerf::from_engine(text, groups())
+            .unwrap()
+            .config()
+            .exists_batch_pages,
+        2
+    );
+}
