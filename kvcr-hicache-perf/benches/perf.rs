@@ -211,36 +211,64 @@ fn coalesce(pages: u64, reps: usize) -> (f64, f64, f64, f64) {
     )
 }
 
-/// Deposit + deliver GB/s through a runner whose pool is `memory`.
-fn pool_round_trip(memory: PoolMemory, blocks: u64, reps: usize) -> f64 {
-    let block = 4u64 << 20;
-    let mut runner = Runner::start(
-        RunnerConfig {
-            pool_memory: memory,
-            operation_timeout: Duration::from_secs(30),
-            ..RunnerConfig::single_pool("kv", block, blocks as u32)
-        },
-        None,
-    )
-    .unwrap();
-    let ns = runner.register_namespace(Namespace::base(CompatDigest(12)));
-    let mut host: Vec<u8> = (0..block * blocks).map(|i| (i >> 11) as u8).collect();
-    // SAFETY: `host` outlives the runner (dropped after it, below).
-    let region = unsafe {
-        runner.register_region(RegionDesc {
-            label: "kv:host".into(),
-            base: host.as_mut_ptr() as u64,
-            size: block,
-            stride: 0,
-            count: blocks,
-        })
+/// A runner whose pool is `memory`, with a host region of `blocks` 4 MiB
+/// blocks, for deposit + deliver rounds.
+struct PoolBench {
+    runner: Runner,
+    ns: NamespaceId,
+    region: kvcr_foundation::protocol::RegionId,
+    blocks: u64,
+    round: u64,
+    _host: Vec<u8>,
+}
+
+const POOL_BLOCK: u64 = 4 << 20;
+
+impl PoolBench {
+    fn new(memory: PoolMemory, blocks: u64) -> Self {
+        let mut runner = Runner::start(
+            RunnerConfig {
+                pool_memory: memory,
+                operation_timeout: Duration::from_secs(30),
+                ..RunnerConfig::single_pool("kv", POOL_BLOCK, blocks as u32)
+            },
+            None,
+        )
+        .unwrap();
+        let ns = runner.register_namespace(Namespace::base(CompatDigest(12)));
+        let mut host: Vec<u8> = (0..POOL_BLOCK * blocks).map(|i| (i >> 11) as u8).collect();
+        // SAFETY: `host` lives in this struct, declared after the runner, so
+        // it is freed after the runner stops.
+        let region = unsafe {
+            runner.register_region(RegionDesc {
+                label: "kv:host".into(),
+                base: host.as_mut_ptr() as u64,
+                size: POOL_BLOCK,
+                stride: 0,
+                count: blocks,
+            })
+        }
+        .unwrap();
+        Self {
+            runner,
+            ns,
+            region,
+            blocks,
+            round: 0,
+            _host: host,
+        }
     }
-    .unwrap();
-    let mut samples = Vec::new();
-    for r in 0..reps as u64 {
-        let keys: Vec<ScopedKey> = (0..blocks).map(|b| key(ns, r * blocks + b)).collect();
+
+    /// One deposit + deliver round of every block; GB/s.
+    fn round(&mut self) -> f64 {
+        let (blocks, region, ns) = (self.blocks, self.region, self.ns);
+        self.round += 1;
+        let keys: Vec<ScopedKey> = (0..blocks)
+            .map(|b| key(ns, self.round * blocks + b))
+            .collect();
         let start = Instant::now();
-        let op = runner
+        let op = self
+            .runner
             .deposit(
                 keys.iter()
                     .enumerate()
@@ -257,12 +285,13 @@ fn pool_round_trip(memory: PoolMemory, blocks: u64, reps: usize) -> f64 {
             )
             .unwrap();
         assert!(
-            wait(&mut runner, op)
+            wait(&mut self.runner, op)
                 .entries
                 .iter()
                 .all(|(_, e)| e.is_success())
         );
-        let op = runner
+        let op = self
+            .runner
             .deliver(
                 keys.iter()
                     .enumerate()
@@ -277,17 +306,26 @@ fn pool_round_trip(memory: PoolMemory, blocks: u64, reps: usize) -> f64 {
             )
             .unwrap();
         assert!(
-            wait(&mut runner, op)
+            wait(&mut self.runner, op)
                 .entries
                 .iter()
                 .all(|(_, e)| e.is_success())
         );
-        let secs = start.elapsed().as_secs_f64();
-        samples.push((2 * block * blocks) as f64 / secs / 1e9);
+        (2 * POOL_BLOCK * blocks) as f64 / start.elapsed().as_secs_f64() / 1e9
     }
-    drop(runner);
-    drop(host);
-    median(samples)
+}
+
+/// Deposit + deliver GB/s with and without huge pages, rounds alternating
+/// between the two runners so both see the same machine load.
+fn huge_pages(blocks: u64, reps: usize) -> (f64, f64) {
+    let mut huge = PoolBench::new(placement::anonymous(HugePages::Prefer), blocks);
+    let mut small = PoolBench::new(placement::anonymous(HugePages::Off), blocks);
+    let (mut with, mut without) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        with.push(huge.round());
+        without.push(small.round());
+    }
+    (median(with), median(without))
 }
 
 fn peer_options(tls: &str, split: PutSplit) -> PeerOptions {
@@ -388,10 +426,14 @@ impl Drop for Source {
     }
 }
 
-/// GB/s of fetching one 16 MiB key at a time over `tls` from a source whose
-/// puts are split as `split`.
-fn peer_fetch_16mib(tls: &str, split: PutSplit, reps: usize) -> f64 {
-    let source = Source::start(tls, reps as u64 + 1, split);
+/// GB/s of fetching one 16 MiB key at a time over `tls`, from a source
+/// whose puts are split as `split` and from one whose puts are not,
+/// alternating between the two so both see the same machine load.
+fn peer_fetch_16mib(tls: &str, split: PutSplit, reps: usize) -> (f64, f64) {
+    let sources = [
+        Source::start(tls, reps as u64 + 1, split),
+        Source::start(tls, reps as u64 + 1, PutSplit::default()),
+    ];
     let mut target = Runner::start_with_peers(
         peer_config(2),
         None,
@@ -400,8 +442,8 @@ fn peer_fetch_16mib(tls: &str, split: PutSplit, reps: usize) -> f64 {
     .unwrap();
     let ns = target.register_namespace(Namespace::base(CompatDigest(13)));
     let pool = target.pool("kv").unwrap();
-    let mut fetch_one = |k: u64| {
-        let request = RequestId(format!("perf-{k}"));
+    let mut fetch_one = |source: &Source, s: usize, k: u64| {
+        let request = RequestId(format!("perf-{s}-{k}"));
         let scoped = [key(ns, k)];
         target.submit_hint(
             request.clone(),
@@ -426,17 +468,26 @@ fn peer_fetch_16mib(tls: &str, split: PutSplit, reps: usize) -> f64 {
         target.discard_hint(&request);
         MIB16 as f64 / secs / 1e9
     };
-    // Warm the route (metadata, endpoint, rkeys) outside the measurement.
-    fetch_one(0);
-    let samples: Vec<f64> = (1..=reps as u64).map(&mut fetch_one).collect();
+    // Warm each route (metadata, endpoint, rkeys) outside the measurement.
+    for (s, source) in sources.iter().enumerate() {
+        fetch_one(source, s, 0);
+    }
+    let (mut with, mut without) = (Vec::new(), Vec::new());
+    for k in 1..=reps as u64 {
+        with.push(fetch_one(&sources[0], 0, k));
+        without.push(fetch_one(&sources[1], 1, k));
+    }
     drop(target);
-    drop(source);
-    median(samples)
+    drop(sources);
+    (median(with), median(without))
 }
 
 /// `ucx_perftest` put bandwidth (GB/s) at `size` between two processes.
 fn perftest(tls: &str, size: u64, iters: usize, extra: &[&str]) -> Option<f64> {
-    let port = 17_000 + (std::process::id() % 2000) as u16;
+    static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+    let port = 17_000
+        + (std::process::id() % 2000) as u16
+        + NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut server = Command::new("ucx_perftest")
         .args(["-p", &port.to_string()])
         .env("UCX_TLS", tls)
@@ -496,8 +547,7 @@ fn main() {
     );
 
     let blocks = if quick { 32 } else { 64 };
-    let huge = pool_round_trip(placement::anonymous(HugePages::Prefer), blocks, reps);
-    let small = pool_round_trip(placement::anonymous(HugePages::Off), blocks, reps);
+    let (huge, small) = huge_pages(blocks, reps * 2);
     line("perf.hugepage_speedup", huge, "GB/s", Some(small));
     println!(
         "# perf.hugepage: deposit + deliver of {blocks} x 4 MiB through an anonymous pool, THP {} (host buffers are plain heap memory)",
@@ -506,11 +556,16 @@ fn main() {
 
     const TCP: &str = "tcp,self";
     let split = placement::split_for(Some(TCP));
-    let peer_reps = if quick { 5 } else { 9 };
-    let with = peer_fetch_16mib(TCP, split, peer_reps);
-    let anchor = perftest("tcp", MIB16, 60, &["-O", "1"]);
+    let peer_reps = if quick { 7 } else { 15 };
+    // The anchor runs before and after the fetches; their mean is the anchor.
+    let before = perftest("tcp", MIB16, 60, &["-O", "1"]);
+    let (with, without) = peer_fetch_16mib(TCP, split, peer_reps);
+    let after = perftest("tcp", MIB16, 60, &["-O", "1"]);
+    let anchor = match (before, after) {
+        (Some(a), Some(b)) => Some((a + b) / 2.0),
+        (a, b) => a.or(b),
+    };
     line("perf.split_tcp_16mib", with, "GB/s", anchor);
-    let without = peer_fetch_16mib(TCP, PutSplit::default(), peer_reps);
     println!(
         "# perf.split_tcp_16mib: chunks of {} MiB, {} in flight; unsplit {without:.3} GB/s",
         split.chunk_bytes >> 20,
@@ -523,10 +578,8 @@ fn main() {
                 chunk_bytes: c.parse::<u64>().unwrap() << 10,
                 max_chunks_in_flight: n.parse().unwrap(),
             };
-            println!(
-                "# sweep {c} KiB x {n}: {:.3} GB/s",
-                peer_fetch_16mib(TCP, s, peer_reps)
-            );
+            let (with, without) = peer_fetch_16mib(TCP, s, peer_reps);
+            println!("# sweep {c} KiB x {n}: {with:.3} GB/s (unsplit alongside: {without:.3})");
         }
     }
 }
