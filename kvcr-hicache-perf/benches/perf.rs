@@ -320,6 +320,15 @@ impl PoolBench {
 fn huge_pages(blocks: u64, reps: usize) -> (f64, f64) {
     let mut huge = PoolBench::new(placement::anonymous(HugePages::Prefer), blocks);
     let mut small = PoolBench::new(placement::anonymous(HugePages::Off), blocks);
+    for (name, bench) in [("with", &huge), ("without", &small)] {
+        let audit = &placement::audit_runner(&bench.runner, 1024).unwrap()[0];
+        println!(
+            "# perf.hugepage audit {name}: AnonHugePages {} MiB of {} MiB, pages on nodes {:?}",
+            audit.anon_huge_bytes >> 20,
+            audit.len >> 20,
+            audit.pages_per_node
+        );
+    }
     let (mut with, mut without) = (Vec::new(), Vec::new());
     for _ in 0..reps {
         with.push(huge.round());
@@ -351,6 +360,7 @@ fn source(spec: &str) {
         chunk_bytes: parts.next().unwrap().parse().unwrap(),
         max_chunks_in_flight: parts.next().unwrap().parse().unwrap(),
     };
+    let first: u64 = parts.next().unwrap().parse().unwrap();
     let mut runner =
         Runner::start_with_peers(peer_config(n), None, &peer_options(&tls, split)).unwrap();
     let ns = runner.register_namespace(Namespace::base(CompatDigest(13)));
@@ -370,7 +380,7 @@ fn source(spec: &str) {
         .deposit(
             (0..n)
                 .map(|k| DepositEntry {
-                    key: key(ns, k),
+                    key: key(ns, first + k),
                     spans: vec![ElementRef { region, index: k }],
                     page: None,
                 })
@@ -393,12 +403,13 @@ struct Source {
 }
 
 impl Source {
-    fn start(tls: &str, n: u64, split: PutSplit) -> Self {
+    /// A source holding keys `first .. first + n`.
+    fn start(tls: &str, first: u64, n: u64, split: PutSplit) -> Self {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .env(
                 CHILD,
                 format!(
-                    "{}:{n}:{}:{}",
+                    "{}:{n}:{}:{}:{first}",
                     tls.replace(',', "+"),
                     split.chunk_bytes,
                     split.max_chunks_in_flight
@@ -430,9 +441,11 @@ impl Drop for Source {
 /// whose puts are split as `split` and from one whose puts are not,
 /// alternating between the two so both see the same machine load.
 fn peer_fetch_16mib(tls: &str, split: PutSplit, reps: usize) -> (f64, f64) {
+    // Distinct keys per source: a key fetched once is resident here after.
+    const OTHER: u64 = 1 << 20;
     let sources = [
-        Source::start(tls, reps as u64 + 1, split),
-        Source::start(tls, reps as u64 + 1, PutSplit::default()),
+        Source::start(tls, 0, reps as u64 + 1, split),
+        Source::start(tls, OTHER, reps as u64 + 1, PutSplit::default()),
     ];
     let mut target = Runner::start_with_peers(
         peer_config(2),
@@ -444,7 +457,7 @@ fn peer_fetch_16mib(tls: &str, split: PutSplit, reps: usize) -> (f64, f64) {
     let pool = target.pool("kv").unwrap();
     let mut fetch_one = |source: &Source, s: usize, k: u64| {
         let request = RequestId(format!("perf-{s}-{k}"));
-        let scoped = [key(ns, k)];
+        let scoped = [key(ns, k + s as u64 * OTHER)];
         target.submit_hint(
             request.clone(),
             &FetchHint {
