@@ -2,7 +2,14 @@
 //! top of `kvcr-hicache-storage`. Every control is off by default, and the
 //! defaults behave exactly as the storage crate alone.
 //!
-//! - [`coalesce`]: descriptor coalescing as a pure planner.
+//! - [`backend`]: [`KvcrHiCachePerf`], the storage crate's backend with the
+//!   controls (same entry points and argument order; [`PerfConfig`] apart,
+//!   or `perf_*` keys in the engine's extra config): read batching and
+//!   metadata-query batching; runner tuning.
+//! - [`window`]: bounded delivery windows (operations and bytes in flight),
+//!   a sans-I/O core and a driver over a runner's `deliver`.
+//! - [`coalesce`]: descriptor coalescing as a pure planner; [`restore`]: the
+//!   coalesced restore fast path (claims held until copied, sparse fallback).
 //! - [`layout`]: fixed page layouts as descriptor lists.
 //! - [`placement`]: process-owned anonymous DRAM for the runner's pools
 //!   (pre-faulted, optional huge pages, optional NUMA binding) and
