@@ -38,7 +38,7 @@ fn main() {
         return;
     }
     let quick = std::env::args().any(|a| a == "--quick");
-    let (pages, reps) = if quick { (8u64, 15) } else { (32u64, 31) };
+    let (pages, reps) = if quick { (8u64, 21) } else { (16u64, 41) };
     let geometry = KvGeometry::qwen3_32b(1);
     let page = geometry.page_bytes() as usize;
     assert_eq!(page, 16 << 20);

@@ -71,6 +71,55 @@ impl StorageConfig {
         self
     }
 
+    /// From the engine's storage config as JSON (SGLang's
+    /// `HiCacheStorageConfig` fields: `tp_rank`, `tp_size`, `pp_rank`,
+    /// `pp_size`, `attn_cp_rank`, `attn_cp_size`, `dp_rank`, `dp_size`,
+    /// `is_mla_model`, `should_split_heads`, `model_name`, `extra_config`).
+    /// Missing sizes default to one rank; each present field is type-checked
+    /// by name; the engine's other fields (metrics, layout flags) are not
+    /// this backend's and are ignored.
+    pub fn from_engine_json(value: &Value) -> Result<Self> {
+        let map = value
+            .as_object()
+            .ok_or_else(|| Error::ConfigSyntax("storage config must be a JSON object".into()))?;
+        let mut c = Self::single_rank("", Value::Null);
+        c.extra_config = None;
+        let rank = |key: &str, default: u32| -> Result<u32> {
+            match map.get(key) {
+                None | Some(Value::Null) => Ok(default),
+                Some(v) => v
+                    .as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .ok_or_else(|| Error::config(key, "must be a non-negative 32-bit integer")),
+            }
+        };
+        let flag = |key: &str| -> Result<bool> {
+            match map.get(key) {
+                None | Some(Value::Null) => Ok(false),
+                Some(v) => v
+                    .as_bool()
+                    .ok_or_else(|| Error::config(key, "must be true or false")),
+            }
+        };
+        c.tp_rank = rank("tp_rank", 0)?;
+        c.tp_size = rank("tp_size", 1)?;
+        c.pp_rank = rank("pp_rank", 0)?;
+        c.pp_size = rank("pp_size", 1)?;
+        c.attn_cp_rank = rank("attn_cp_rank", 0)?;
+        c.attn_cp_size = rank("attn_cp_size", 1)?;
+        c.dp_rank = rank("dp_rank", 0)?;
+        c.dp_size = rank("dp_size", 1)?;
+        c.is_mla_model = flag("is_mla_model")?;
+        c.should_split_heads = flag("should_split_heads")?;
+        c.model_name = match map.get("model_name") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Null) | None => String::new(),
+            Some(_) => return Err(Error::config("model_name", "must be a string")),
+        };
+        c.extra_config = map.get("extra_config").filter(|v| !v.is_null()).cloned();
+        Ok(c)
+    }
+
     /// Refuses topologies this backend cannot serve correctly, naming them,
     /// and returns this rank's coordinate.
     pub(crate) fn validate(&self) -> Result<RankCoordinate> {

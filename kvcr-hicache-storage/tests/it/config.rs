@@ -190,3 +190,29 @@ fn rank_port_overflow_is_refused() {
         other => panic!("{other:?}"),
     }
 }
+
+/// The engine's storage config as JSON: known fields type-checked by name,
+/// the engine's other fields ignored, topology refusals still named.
+#[test]
+fn storage_config_from_the_engine() {
+    let c = StorageConfig::from_engine_json(&json!({
+        "tp_rank": 1, "tp_size": 2, "pp_rank": 0, "pp_size": 1, "attn_cp_rank": 0,
+        "attn_cp_size": 1, "is_mla_model": false, "enable_storage_metrics": true,
+        "is_page_first_layout": true, "model_name": "Qwen/Qwen3-0.6B", "dp_rank": 0,
+        "dp_size": 1, "tp_lcm_size": null, "should_split_heads": false,
+        "extra_config": {"local_dram_bytes": 4096}
+    }))
+    .unwrap();
+    assert_eq!((c.tp_rank, c.tp_size), (1, 2));
+    assert_eq!(c.model_name, "Qwen/Qwen3-0.6B");
+    assert_eq!(c.extra_config, Some(json!({"local_dram_bytes": 4096})));
+    assert!(matches!(
+        StorageConfig::from_engine_json(&json!({"tp_rank": "1"})),
+        Err(Error::Config { key, .. }) if key == "tp_rank"
+    ));
+    let pp = StorageConfig::from_engine_json(&json!({"pp_size": 2, "model_name": "m",
+        "extra_config": {"local_dram_bytes": 4096}}))
+    .unwrap();
+    let err = KvcrHiCacheStorage::new(pp, RankGroups::solo()).unwrap_err();
+    assert!(err.to_string().contains("pp_size = 2"), "{err}");
+}

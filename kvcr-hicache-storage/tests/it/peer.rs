@@ -308,7 +308,7 @@ fn hint_scopes_are_request_scoped_and_bounded() {
 /// whose pages are split into two segments (two namespaces per page).
 #[rstest::rstest]
 #[case::layer_first(HostLayout::LayerFirst, 2)]
-#[case::layer_first_segmented(HostLayout::LayerFirst, 40)]
+#[case::layer_first_segmented(HostLayout::LayerFirst, kvcr_foundation::runner::MAX_SPANS_PER_KEY as u32 / 2 + 8)]
 #[case::page_first(HostLayout::PageFirst, 2)]
 #[case::page_first_direct(HostLayout::PageFirstDirect, 2)]
 #[case::page_head(HostLayout::PageHead, 2)]
@@ -338,6 +338,7 @@ fn every_layout_restores_from_a_peer(#[case] layout: HostLayout, #[case] layers:
         );
     }
     let segments = dest.ranks[0].storage.span_plan().unwrap().segments.len() as u64;
+    assert_eq!(segments, if layers > 2 { 2 } else { 1 });
     assert_eq!(
         dest.ranks[0].storage.peer_counters().unwrap().keys_received,
         3 * segments
@@ -360,4 +361,46 @@ fn layouts_never_mix_across_peers() {
     let extra = ExtraInfo::hinted("r", hint(source_port, &[31]));
     assert_eq!(dest.get(&k, &[1], &extra), vec![vec![false]]);
     assert!(dest.ranks[0].page_bytes(1).iter().all(|b| *b == 0));
+}
+
+/// With attention DP, a rank binds base + its global offset (DP=2, TP=2:
+/// rank (dp 1, tp 1) binds base + 3), so DP groups never collide.
+#[test]
+fn ranks_bind_their_global_offset() {
+    let _serial = crate::serial();
+    let base = free_base_port(4);
+    let (spec, _) = peer_spec(1, None);
+    let mut extra = spec.extra.clone();
+    extra["control_port"] = json!(base);
+    let mut config = kvcr_hicache_storage::StorageConfig::single_rank("m", extra).with_tp(1, 2);
+    config.dp_rank = 1;
+    config.dp_size = 2;
+    let group: std::sync::Arc<dyn kvcr_hicache_storage::RankGroup> = std::sync::Arc::new(
+        kvcr_hicache_storage::LocalRankGroup::new(2, std::time::Duration::from_secs(1))
+            .into_iter()
+            .nth(1)
+            .unwrap(),
+    );
+    let storage = kvcr_hicache_storage::KvcrHiCacheStorage::new(
+        config,
+        kvcr_hicache_storage::RankGroups::shared(group),
+    )
+    .unwrap();
+    let geometry = spec.geometry;
+    let mut host =
+        vec![0u8; kvcr_hicache_storage::HostPoolDesc::required_len(&geometry, 2).unwrap() as usize];
+    // SAFETY: (test) `host` outlives `storage` (dropped first below).
+    unsafe {
+        storage.register_host_pool(kvcr_hicache_storage::HostPoolDesc {
+            layout: HostLayout::PageFirst,
+            base: host.as_mut_ptr() as u64,
+            len: host.len() as u64,
+            pages: 2,
+            geometry,
+        })
+    }
+    .unwrap();
+    assert_eq!(storage.endpoint().unwrap().port(), base + 3);
+    drop(storage);
+    drop(host);
 }
