@@ -266,3 +266,27 @@ fn peer_mode_registers_the_placed_mapping_with_ucx() {
     }
     round_trip(&mut runner);
 }
+
+#[test]
+fn peer_mode_refuses_a_missing_node_with_the_same_typed_error() {
+    let err = Runner::start_with_peers(
+        config(placement::anonymous_on_node(HugePages::Off, 999)),
+        None,
+        &PeerOptions::loopback(),
+    )
+    .unwrap_err();
+    let RunnerReason::Startup { stage, cause, .. } = err.runner_reason().unwrap() else {
+        panic!("{err}");
+    };
+    assert_eq!(*stage, "start peer");
+    assert!(
+        matches!(
+            cause.runner_reason(),
+            Some(RunnerReason::PoolMemory(PoolMemoryReason::NoSuchNode {
+                node: 999,
+                ..
+            }))
+        ),
+        "{err}"
+    );
+}
