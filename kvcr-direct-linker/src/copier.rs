@@ -16,7 +16,7 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use kvcr_foundation::runner::{CopySpan, DeviceCopier, PoolMemory};
+use kvcr_foundation::runner::{CopySpan, DeviceCopier, PoolRange};
 
 use crate::cuda::{CopyKernel, Device, Event, PinnedBuffer, PinnedRegistration, Stream};
 use crate::error::{Error, Result};
@@ -340,7 +340,7 @@ impl CudaCopier {
 }
 
 impl DeviceCopier for CudaCopier {
-    fn attach(&self, pools: &[PoolMemory]) -> kvcr_foundation::Result<()> {
+    fn attach(&self, pools: &[PoolRange]) -> kvcr_foundation::Result<()> {
         let mut pinned = lock(&self.pinned);
         let mut fresh = Vec::with_capacity(pools.len());
         for pool in pools {
@@ -360,7 +360,7 @@ impl DeviceCopier for CudaCopier {
         })
     }
 
-    fn detach(&self, pools: &[PoolMemory]) {
+    fn detach(&self, pools: &[PoolRange]) {
         lock(&self.pinned).retain(|p| !pools.iter().any(|pool| p.covers(pool.base)));
     }
 }

@@ -90,6 +90,37 @@ pub enum Error {
     },
 }
 
+/// Why a pool's memory placement was refused (`RunnerConfig::pool_memory`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PoolMemoryReason {
+    /// A NUMA binding names no node.
+    #[error("a NUMA binding needs at least one node")]
+    NoNodes,
+    /// `Preferred` takes exactly one node.
+    #[error("a preferred NUMA policy takes exactly one node")]
+    PreferredNeedsOneNode,
+    /// A NUMA binding names a node that is not online.
+    #[error("NUMA node {node} does not exist (online: {online:?})")]
+    NoSuchNode {
+        /// The node asked for.
+        node: u16,
+        /// The online nodes.
+        online: Vec<u16>,
+    },
+    /// Huge pages were required and cannot be had.
+    #[error("huge pages required but unavailable: {0}")]
+    HugePagesUnavailable(&'static str),
+    /// The kernel refused a memory call.
+    #[error("{call} refused (errno {errno})")]
+    Os {
+        /// The call.
+        call: &'static str,
+        /// Its errno.
+        errno: i32,
+    },
+}
+
 /// Why the runner refused a call.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -186,6 +217,9 @@ pub enum RunnerReason {
         /// Bytes asked for.
         bytes: u64,
     },
+    /// The pool memory placement asked for cannot be had.
+    #[error("pool memory: {0}")]
+    PoolMemory(PoolMemoryReason),
     /// Startup failed at a stage; says whether memory had to be retained
     /// because a native transfer might still touch it.
     #[error("startup failed at stage {stage}: {cause}{}", if *retained { " (memory retained: a transfer may still touch it; keep caller buffers until exit)" } else { "" })]

@@ -275,6 +275,16 @@ impl Active {
     }
 }
 
+/// Runner options a performance layer (`kvcr-hicache-perf`) may set before
+/// the host pool is registered; the default is this crate's own behaviour.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RunnerTuning {
+    /// How the runner backs its pool (anonymous memory, huge pages, NUMA).
+    pub pool_memory: kvcr_foundation::runner::PoolMemory,
+    /// UCX split sizing of the runner's puts (peer mode).
+    pub put_split: kvcr_foundation::runner::PutSplit,
+}
+
 /// The HiCache L3 storage backend of one rank, over its own rank-local runner.
 ///
 /// Entry points take `&self` and may be called from several threads (the
@@ -295,6 +305,7 @@ pub struct KvcrHiCacheStorage {
     last_error: Mutex<Option<String>>,
     faults: FaultInjector,
     page_namespace: NamespaceId,
+    tuning: RunnerTuning,
 }
 
 impl std::fmt::Debug for KvcrHiCacheStorage {
@@ -392,7 +403,20 @@ impl KvcrHiCacheStorage {
             page_namespace,
             storage,
             backend,
+            tuning: RunnerTuning::default(),
         })
+    }
+
+    /// Sets runner options for the runner started at registration (a no-op
+    /// on the runner once the host pool is registered).
+    pub fn with_runner_tuning(mut self, tuning: RunnerTuning) -> Self {
+        self.tuning = tuning;
+        self
+    }
+
+    /// The runner options in use.
+    pub fn runner_tuning(&self) -> &RunnerTuning {
+        &self.tuning
     }
 
     /// The validated backend configuration.
@@ -532,6 +556,7 @@ impl KvcrHiCacheStorage {
             operation_timeout: b.operation_timeout,
             medium: b.medium,
             prefault: b.prefault,
+            pool_memory: self.tuning.pool_memory.clone(),
             ..RunnerConfig::default()
         };
         let policy: Box<dyn CachePolicy> = match b.policy {
@@ -549,6 +574,7 @@ impl KvcrHiCacheStorage {
             ucx_tls: b.ucx_tls.clone(),
             abandon_timeout: None,
             max_puts_in_flight: 0,
+            put_split: self.tuning.put_split,
         };
         Ok(Runner::start_with_peers(config, Some(policy), &options)?)
     }

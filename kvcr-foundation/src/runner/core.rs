@@ -449,11 +449,11 @@ impl Core {
     }
 
     /// Every runner pool's memory, in pool order.
-    pub(crate) fn pool_memory(&self) -> Vec<super::PoolMemory> {
+    pub(crate) fn pool_ranges(&self) -> Vec<super::PoolRange> {
         self.pools
             .iter()
             .filter_map(|p| self.regions.get(p.region).ok())
-            .map(|r| super::PoolMemory {
+            .map(|r| super::PoolRange {
                 base: r.desc.base,
                 len: r.desc.size.saturating_mul(r.desc.count),
             })

@@ -12,7 +12,7 @@ use crate::error::Result;
 
 /// One runner pool's host memory, handed to the copier to pin or map.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PoolMemory {
+pub struct PoolRange {
     /// Address of the pool's first byte.
     pub base: u64,
     /// Length in bytes.
@@ -31,7 +31,7 @@ pub struct PoolMemory {
 pub trait DeviceCopier: Send + Sync {
     /// The runner's pools; pin or register them here. An error refuses the
     /// copier and leaves the runner as it was.
-    fn attach(&self, pools: &[PoolMemory]) -> Result<()>;
+    fn attach(&self, pools: &[PoolRange]) -> Result<()>;
 
     /// Copies every span of every key. In each span one side is inside an
     /// attached pool and the other inside a registered device region; both
@@ -44,5 +44,5 @@ pub trait DeviceCopier: Send + Sync {
 
     /// Undoes `attach` for these pools (they are about to be freed); other
     /// runners' pools stay attached.
-    fn detach(&self, pools: &[PoolMemory]);
+    fn detach(&self, pools: &[PoolRange]);
 }

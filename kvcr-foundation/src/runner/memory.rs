@@ -28,6 +28,9 @@ const POOL_ALIGN: usize = 4096;
 pub(crate) struct DramPool {
     ptr: NonNull<u8>,
     layout: Layout,
+    /// `Some`: the memory is this placed anonymous mapping (freed by its own
+    /// drop), not a heap allocation.
+    mapping: Option<super::placement::AnonMapping>,
 }
 
 // SAFETY: a DramPool is a uniquely owned heap allocation with no thread
@@ -48,12 +51,41 @@ impl DramPool {
         // SAFETY: `layout` has a non-zero size (checked above).
         let raw = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).ok_or_else(failed)?;
-        let pool = Self { ptr, layout };
+        let pool = Self {
+            ptr,
+            layout,
+            mapping: None,
+        };
         LIVE_POOL_BYTES.fetch_add(pool.len(), Ordering::Relaxed);
         if prefault {
             pool.prefault();
         }
         Ok(pool)
+    }
+
+    /// Like [`Self::allocate`], backed as `memory` says.
+    pub(crate) fn allocate_with(
+        bytes: u64,
+        prefault: bool,
+        memory: &super::placement::PoolMemory,
+    ) -> Result<(Self, Option<super::placement::PlacementOutcome>)> {
+        let anon = match memory {
+            super::placement::PoolMemory::Default => {
+                return Self::allocate(bytes, prefault).map(|p| (p, None));
+            }
+            super::placement::PoolMemory::Anonymous(anon) => anon,
+        };
+        let (mapping, outcome) = super::placement::AnonMapping::new(bytes, anon, prefault)?;
+        let failed = || Error::runner(RunnerReason::Allocation { bytes });
+        let layout = Layout::from_size_align(mapping.len(), POOL_ALIGN).map_err(|_| failed())?;
+        let ptr = NonNull::new(mapping.as_ptr()).ok_or_else(failed)?;
+        let pool = Self {
+            ptr,
+            layout,
+            mapping: Some(mapping),
+        };
+        LIVE_POOL_BYTES.fetch_add(pool.len(), Ordering::Relaxed);
+        Ok((pool, Some(outcome)))
     }
 
     fn prefault(&self) {
@@ -80,10 +112,13 @@ impl DramPool {
 
 impl Drop for DramPool {
     fn drop(&mut self) {
-        // SAFETY: `ptr` came from `alloc_zeroed(self.layout)` and is freed once.
-        // The runner drops pools only after its copy engine has stopped, so no
-        // copy can still touch this memory (see `Runner`'s field order).
-        unsafe { dealloc(self.ptr.as_ptr(), self.layout) };
+        if self.mapping.is_none() {
+            // SAFETY: `ptr` came from `alloc_zeroed(self.layout)` and is freed
+            // once. The runner drops pools only after its copy engine has
+            // stopped, so no copy can still touch this memory (see `Runner`'s
+            // field order). A mapping is unmapped by its own drop, after this.
+            unsafe { dealloc(self.ptr.as_ptr(), self.layout) };
+        }
         LIVE_POOL_BYTES.fetch_sub(self.len(), Ordering::Relaxed);
     }
 }

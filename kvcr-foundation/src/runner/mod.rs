@@ -32,6 +32,8 @@ mod memory;
 mod peer_driver;
 #[cfg(test)]
 mod peer_sim;
+#[allow(unsafe_code)]
+mod placement;
 mod region;
 #[cfg(test)]
 mod tests;
@@ -46,10 +48,14 @@ use self::core::{Action, Core, CoreConfig};
 pub use self::core::{
     CoreCounters, KVCR_REGION_PREFIX, MAX_SPANS_PER_KEY, PeerCounters, PeerNotice,
 };
-pub use self::device::{DeviceCopier, PoolMemory};
+pub use self::device::{DeviceCopier, PoolRange};
 pub use self::memory::CopySpan;
 use self::memory::DramPool;
-pub use self::peer_driver::PeerOptions;
+pub use self::peer_driver::{PeerOptions, PutSplit};
+pub use self::placement::{
+    AnonymousMemory, HugePages, MAX_NUMA_NODE, NumaBinding, NumaMode, PlacementDowngrade,
+    PlacementOutcome, PoolMemory, PoolMemoryInfo, online_nodes, transparent_huge_page_mode,
+};
 pub use self::policy::CachePolicy;
 pub use self::region::{MAX_REGION_ELEMENTS, MAX_REGION_LABEL, RegionDesc, RegionMemory};
 use crate::endpoint::ControlEndpoint;
@@ -100,6 +106,10 @@ pub struct RunnerConfig {
     pub medium: Medium,
     /// Touch every pool page at startup so the first copies run at full speed.
     pub prefault: bool,
+    /// How pools are backed (default: the original allocation; see
+    /// [`PoolMemory`] for process-owned anonymous memory with huge pages and
+    /// NUMA placement).
+    pub pool_memory: PoolMemory,
 }
 
 impl Default for RunnerConfig {
@@ -110,6 +120,7 @@ impl Default for RunnerConfig {
             capacity_low_watermark_percent: 0,
             medium: Medium::CpuPinned,
             prefault: true,
+            pool_memory: PoolMemory::Default,
         }
     }
 }
@@ -528,6 +539,25 @@ impl Shared {
     }
 }
 
+fn pool_memory_info(
+    config: &RunnerConfig,
+    ranges: impl Iterator<Item = (u64, u64)>,
+    placements: Vec<Option<PlacementOutcome>>,
+) -> Vec<PoolMemoryInfo> {
+    config
+        .pools
+        .iter()
+        .zip(ranges)
+        .zip(placements)
+        .map(|((pool, (base, len)), placement)| PoolMemoryInfo {
+            name: pool.name.clone(),
+            base,
+            len,
+            placement,
+        })
+        .collect()
+}
+
 /// The rank-local runner.
 ///
 /// Threads: the caller's thread runs the API; a copy thread executes copies
@@ -550,6 +580,7 @@ pub struct Runner {
     incarnation: Incarnation,
     endpoint: Option<ControlEndpoint>,
     pool_bytes: u64,
+    pool_memory: Vec<PoolMemoryInfo>,
     /// The device copier, detached in `drop` between steps 1 and 2.
     device: Option<Arc<dyn DeviceCopier>>,
 }
@@ -561,7 +592,7 @@ impl Drop for Runner {
         // 1b. No device copy runs either (they run on the copy thread), so the
         //     copier may unpin the pools before anything below frees them.
         if let Some(copier) = self.device.take() {
-            copier.detach(&self.shared.lock().core.pool_memory());
+            copier.detach(&self.shared.lock().core.pool_ranges());
         }
         // 2. The peer thread unmaps the pools it registered, unless a remote
         //    write might still land in them: then it keeps them mapped for the
@@ -631,12 +662,14 @@ impl Runner {
         // Each stage's resources are owned by locals here; returning early drops
         // them in reverse order, which is the release the contract asks for.
         let mut pools = Vec::with_capacity(config.pools.len());
+        let mut placements = Vec::with_capacity(config.pools.len());
         for pool in &config.pools {
             let bytes = pool.block_size * u64::from(pool.blocks);
-            pools.push(
-                DramPool::allocate(bytes, config.prefault)
-                    .map_err(|e| fail(StartupStage::AllocatePools, e))?,
-            );
+            let (memory, placement) =
+                DramPool::allocate_with(bytes, config.prefault, &config.pool_memory)
+                    .map_err(|e| fail(StartupStage::AllocatePools, e))?;
+            pools.push(memory);
+            placements.push(placement);
         }
         injected(StartupStage::AllocatePools)?;
 
@@ -664,6 +697,11 @@ impl Runner {
         let copy = copy::CopyEngine::start(Arc::downgrade(&shared), jobs_tx, jobs_rx)
             .map_err(|e| fail(StartupStage::StartCopyEngine, e))?;
         let pool_bytes = pools.iter().map(DramPool::len).sum();
+        let pool_memory = pool_memory_info(
+            &config,
+            pools.iter().map(|p| (p.base(), p.len())),
+            placements,
+        );
         let mut runner = Self {
             copy,
             peer: None,
@@ -672,6 +710,7 @@ impl Runner {
             incarnation: Incarnation::generate(),
             endpoint: None,
             pool_bytes,
+            pool_memory,
             device: None,
         };
         if let Err(e) = injected(StartupStage::StartCopyEngine) {
@@ -705,14 +744,17 @@ impl Runner {
             .iter()
             .map(|p| p.block_size * u64::from(p.blocks))
             .collect();
-        let (mut driver, setup) =
-            peer_driver::PeerDriver::start(peer, pool_bytes.clone(), config.prefault).map_err(
-                |e| match e.runner_reason() {
-                    // Already a startup error (resources retained): keep it.
-                    Some(RunnerReason::Startup { .. }) => e,
-                    _ => fail("start peer", e),
-                },
-            )?;
+        let (mut driver, setup) = peer_driver::PeerDriver::start(
+            peer,
+            pool_bytes.clone(),
+            config.prefault,
+            &config.pool_memory,
+        )
+        .map_err(|e| match e.runner_reason() {
+            // Already a startup error (resources retained): keep it.
+            Some(RunnerReason::Startup { .. }) => e,
+            _ => fail("start peer", e),
+        })?;
         let timeout_ns = u64::try_from(config.operation_timeout.as_nanos()).unwrap_or(u64::MAX);
         let abandon_ns = peer
             .abandon_timeout
@@ -763,10 +805,21 @@ impl Runner {
             shared,
             pools: Vec::new(),
             incarnation,
+            pool_memory: pool_memory_info(
+                &config,
+                setup.bases.iter().copied().zip(pool_bytes.iter().copied()),
+                setup.placements,
+            ),
             endpoint: Some(setup.endpoint),
             pool_bytes: pool_bytes.iter().sum(),
             device: None,
         })
+    }
+
+    /// Where each pool's memory is and how it was placed (for audits such as
+    /// `kvcr-hicache-perf`'s, which reads where its pages really are).
+    pub fn pool_memory(&self) -> &[PoolMemoryInfo] {
+        &self.pool_memory
     }
 
     /// This runner's advertised control endpoint (peer mode only).
@@ -869,7 +922,7 @@ impl Runner {
         if self.device.is_some() {
             return Err(Error::runner(RunnerReason::DeviceCopierSet));
         }
-        let pools = self.shared.lock().core.pool_memory();
+        let pools = self.shared.lock().core.pool_ranges();
         copier.attach(&pools)?;
         self.shared.lock().device = Some(Arc::clone(&copier));
         self.device = Some(copier);
@@ -877,8 +930,8 @@ impl Runner {
     }
 
     /// The runner's pools (host DRAM), as a device copier sees them.
-    pub fn pool_memory(&self) -> Vec<PoolMemory> {
-        self.shared.lock().core.pool_memory()
+    pub fn pool_ranges(&self) -> Vec<PoolRange> {
+        self.shared.lock().core.pool_ranges()
     }
 
     /// Registers a framework region in device memory (a GPU address in the

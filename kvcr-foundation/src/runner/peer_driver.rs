@@ -19,6 +19,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::Shared;
 use super::control::{ControlChannel, ControlStats};
 use super::core::{Action, PutSpan};
+use super::placement::{AnonMapping, PlacementOutcome, PoolMemory};
 use crate::endpoint::{AdvertisePolicy, BindAddress, ControlEndpoint, Host};
 use crate::error::{Error, Result, RunnerReason};
 use crate::protocol::RegionId;
@@ -47,6 +48,60 @@ pub struct PeerOptions {
     /// transports include tcp (an unbounded number of large puts collapses
     /// TCP loopback to ~50 MB/s here), 64 otherwise.
     pub max_puts_in_flight: usize,
+    /// Split sizing for large puts (off by default: each span is one put).
+    pub put_split: PutSplit,
+}
+
+/// Split sizing: a put larger than `chunk_bytes` is issued as chunks of that
+/// size, at most `max_chunks_in_flight` per write (the write is flushed and
+/// reported once, after its last chunk, exactly as unsplit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PutSplit {
+    /// Chunk size in bytes; 0 turns splitting off (the default).
+    pub chunk_bytes: u64,
+    /// Cap on chunks in flight per write while splitting; 0 picks per
+    /// transport ([`PutSplit::TCP_IN_FLIGHT`] when the transports include
+    /// tcp, [`PutSplit::SHM_IN_FLIGHT`] otherwise).
+    pub max_chunks_in_flight: usize,
+}
+
+impl PutSplit {
+    /// Chunks in flight on tcp when not configured: one (two or more
+    /// outstanding large puts cut TCP loopback throughput here, see
+    /// `reference/dependencies-and-machine-anchors.md` §3).
+    pub const TCP_IN_FLIGHT: usize = 1;
+    /// Chunks in flight on shared memory when not configured.
+    pub const SHM_IN_FLIGHT: usize = 8;
+
+    /// Splitting on, with `chunk_bytes` chunks and the per-transport cap.
+    pub fn chunks_of(chunk_bytes: u64) -> Self {
+        Self {
+            chunk_bytes,
+            max_chunks_in_flight: 0,
+        }
+    }
+
+    /// Cuts `spans` into chunks of at most `chunk_bytes` (unchanged when off).
+    pub(crate) fn split(&self, spans: Vec<PutSpan>) -> VecDeque<PutSpan> {
+        if self.chunk_bytes == 0 || spans.iter().all(|s| s.len <= self.chunk_bytes) {
+            return spans.into();
+        }
+        let mut out = VecDeque::with_capacity(spans.len());
+        for span in spans {
+            let mut done = 0;
+            while done < span.len {
+                let len = (span.len - done).min(self.chunk_bytes);
+                out.push_back(PutSpan {
+                    local: span.local + done,
+                    remote: span.remote + done,
+                    len,
+                    region: span.region,
+                });
+                done += len;
+            }
+        }
+        out
+    }
 }
 
 impl PeerOptions {
@@ -64,6 +119,7 @@ impl PeerOptions {
             ucx_tls: Some("posix,cma,self".to_owned()),
             abandon_timeout: None,
             max_puts_in_flight: 0,
+            put_split: PutSplit::default(),
         }
     }
 }
@@ -74,6 +130,8 @@ pub(crate) struct PeerSetup {
     pub(crate) bases: Vec<u64>,
     pub(crate) rkeys: Vec<Vec<u8>>,
     pub(crate) worker_address: Vec<u8>,
+    /// Per pool: what placing it did (`None` with `PoolMemory::Default`).
+    pub(crate) placements: Vec<Option<PlacementOutcome>>,
 }
 
 /// Commands for the peer thread.
@@ -102,14 +160,24 @@ impl PeerDriver {
         options: &PeerOptions,
         pool_bytes: Vec<u64>,
         prefault: bool,
+        pool_memory: &PoolMemory,
     ) -> Result<(Self, PeerSetup)> {
         let (tx, rx) = mpsc::unbounded_channel();
+        let pool_memory = pool_memory.clone();
         let (setup_tx, setup_rx) = std::sync::mpsc::channel();
         let (shared_tx, shared_rx) = oneshot::channel();
         let options = options.clone();
         let thread = std::thread::Builder::new()
             .name("kvcr-peer".into())
-            .spawn(move || run(options, pool_bytes, prefault, rx, setup_tx, shared_rx))
+            .spawn(move || {
+                run(
+                    options,
+                    (pool_bytes, prefault, pool_memory),
+                    rx,
+                    setup_tx,
+                    shared_rx,
+                )
+            })
             .map_err(|_| Error::runner(RunnerReason::CopyEngineStopped))?;
         let outcome = setup_rx.recv_timeout(Duration::from_secs(30));
         let (setup, stats) = match outcome {
@@ -164,10 +232,12 @@ impl PeerDriver {
 
 type SetupResult = Result<(PeerSetup, Arc<ControlStats>)>;
 
+/// Pool sizes, whether to pre-fault, and how to back them.
+type PoolSpec = (Vec<u64>, bool, PoolMemory);
+
 fn run(
     options: PeerOptions,
-    pool_bytes: Vec<u64>,
-    prefault: bool,
+    (pool_bytes, prefault, pool_memory): PoolSpec,
     rx: mpsc::UnboundedReceiver<PeerCmd>,
     setup_tx: std::sync::mpsc::Sender<SetupResult>,
     shared_rx: oneshot::Receiver<Arc<Shared>>,
@@ -186,7 +256,7 @@ fn run(
         }
     };
     runtime.block_on(async move {
-        let mut state = match State::setup(&options, &pool_bytes, prefault).await {
+        let mut state = match State::setup(&options, &pool_bytes, prefault, &pool_memory).await {
             Ok((state, setup)) => {
                 let stats = Arc::clone(&state.control.stats);
                 let _ = setup_tx.send(Ok((setup, stats)));
@@ -242,6 +312,7 @@ struct State {
     worker: crate::ucx::Worker,
     _context: Context,
     max_in_flight: usize,
+    put_split: PutSplit,
 }
 
 impl State {
@@ -249,6 +320,7 @@ impl State {
         options: &PeerOptions,
         pool_bytes: &[u64],
         prefault: bool,
+        pool_memory: &PoolMemory,
     ) -> Result<(Self, PeerSetup)> {
         let mut config = ContextConfig::new();
         if let Some(tls) = &options.ucx_tls {
@@ -262,10 +334,21 @@ impl State {
         let context = Context::with_config(&config)?;
         let worker = context.create_worker()?;
         let mut pools = Vec::with_capacity(pool_bytes.len());
+        let mut placements = Vec::with_capacity(pool_bytes.len());
         for bytes in pool_bytes {
             let len = usize::try_from(*bytes)
                 .map_err(|_| Error::runner(RunnerReason::Allocation { bytes: *bytes }))?;
-            pools.push(context.register_anon(len, AnonOptions::new().prefault(prefault))?);
+            match pool_memory {
+                PoolMemory::Default => {
+                    pools.push(context.register_anon(len, AnonOptions::new().prefault(prefault))?);
+                    placements.push(None);
+                }
+                PoolMemory::Anonymous(anon) => {
+                    let (mapping, outcome) = AnonMapping::new(*bytes, anon, prefault)?;
+                    pools.push(context.register_owned(Box::new(mapping))?);
+                    placements.push(Some(outcome));
+                }
+            }
         }
         let rkeys = pools
             .iter()
@@ -292,6 +375,21 @@ impl State {
             bases: pools.iter().map(|p| p.as_ptr() as usize as u64).collect(),
             rkeys,
             worker_address: worker.address()?.as_bytes().to_vec(),
+            placements,
+        };
+        let over_tcp = options
+            .ucx_tls
+            .as_deref()
+            .is_none_or(|t| t.split(',').any(|t| t.trim() == "tcp"));
+        let max_in_flight = match (options.put_split.chunk_bytes, options.max_puts_in_flight) {
+            (0, 0) if over_tcp => 2,
+            (0, 0) => 64,
+            (0, n) => n,
+            (_, _) => match options.put_split.max_chunks_in_flight {
+                0 if over_tcp => PutSplit::TCP_IN_FLIGHT,
+                0 => PutSplit::SHM_IN_FLIGHT,
+                n => n,
+            },
         };
         let efd = worker
             .event_fd()
@@ -306,17 +404,8 @@ impl State {
                 pools,
                 worker,
                 _context: context,
-                max_in_flight: match options.max_puts_in_flight {
-                    0 if options
-                        .ucx_tls
-                        .as_deref()
-                        .is_none_or(|t| t.split(',').any(|t| t.trim() == "tcp")) =>
-                    {
-                        2
-                    }
-                    0 => 64,
-                    n => n,
-                },
+                max_in_flight,
+                put_split: options.put_split,
             },
             setup,
         ))
@@ -467,7 +556,7 @@ impl State {
                     self.pending.push(PendingWrite {
                         write,
                         target,
-                        spans: spans.into(),
+                        spans: self.put_split.split(spans),
                         in_flight: VecDeque::new(),
                         flush: None,
                         failed: false,
@@ -606,4 +695,40 @@ fn put(pools: &[Registration<'static>], route: &Route, span: &PutSpan) -> Result
     let offset =
         usize::try_from(offset).map_err(|_| Error::runner(RunnerReason::LayoutMismatch))?;
     route.endpoint.put(pool, offset, len, rkey, remote_offset)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(local: u64, remote: u64, len: u64) -> PutSpan {
+        PutSpan {
+            local,
+            remote,
+            len,
+            region: RegionId(3),
+        }
+    }
+
+    #[test]
+    fn splitting_off_keeps_every_span_whole() {
+        let spans = vec![span(0, 1000, 40 << 20), span(64, 9, 5)];
+        let out: Vec<_> = PutSplit::default().split(spans.clone()).into();
+        assert_eq!(out, spans);
+    }
+
+    #[test]
+    fn split_chunks_tile_each_span_exactly_and_never_cross_spans() {
+        let spans = vec![span(4096, 1 << 30, 10 << 20), span(0, 77, 3)];
+        let out: Vec<_> = PutSplit::chunks_of(4 << 20).split(spans).into();
+        assert_eq!(
+            out,
+            vec![
+                span(4096, 1 << 30, 4 << 20),
+                span(4096 + (4 << 20), (1 << 30) + (4 << 20), 4 << 20),
+                span(4096 + (8 << 20), (1 << 30) + (8 << 20), 2 << 20),
+                span(0, 77, 3),
+            ]
+        );
+    }
 }

@@ -150,8 +150,26 @@ impl Drop for RegCore {
     }
 }
 
+/// Memory a registration can take ownership of (and drop after the UCX
+/// unmap), e.g. a placed anonymous mapping.
+///
+/// # Safety
+///
+/// `as_mut_ptr()..as_mut_ptr()+byte_len()` must be valid, writable host memory,
+/// the same on every call, owned by the value until it is dropped, and not
+/// moved when the value is moved; `byte_len() > 0`.
+pub unsafe trait OwnedMemory: 'static {
+    /// First byte.
+    fn as_mut_ptr(&self) -> *mut u8;
+    /// Bytes.
+    fn byte_len(&self) -> usize;
+}
+
 /// Owned memory behind a registration, freed after the unmap.
 enum Backing {
+    /// Handed over by [`Context::register_owned`]; dropped after the unmap,
+    /// or never (leaked) when the unmap could not happen.
+    Owned(std::mem::ManuallyDrop<Box<dyn OwnedMemory>>),
     /// Borrowed from the caller for the registration's lifetime.
     Borrowed,
     /// `mmap(MAP_ANONYMOUS)` of `len` bytes at the core's `ptr`.
@@ -194,8 +212,13 @@ impl Drop for Registration<'_> {
         // 2. then free owned memory (the core may outlive this struct inside
         //    completed operation states, but it no longer points at memory
         //    anyone uses: it is unmapped, and never dereferenced again).
-        match self.backing {
+        match &mut self.backing {
             Backing::Borrowed => {}
+            Backing::Owned(memory) => {
+                // SAFETY: taken exactly once, here, after the UCX unmap above;
+                // the field is never touched again.
+                drop(unsafe { std::mem::ManuallyDrop::take(memory) });
+            }
             Backing::Anon => {
                 // SAFETY: `ptr`/`len` are exactly the mapping made in
                 // `register_anon`, unmapped from UCX above, unmapped from the
@@ -426,6 +449,32 @@ impl Context {
             unsafe { libc::munmap(p, len) };
         }
         mapped
+    }
+
+    /// Registers memory handed over by its owner (for example a placed
+    /// anonymous mapping); the registration drops it after the UCX unmap.
+    pub fn register_owned(&self, memory: Box<dyn OwnedMemory>) -> Result<Registration<'static>> {
+        let (ptr, len) = (memory.as_mut_ptr(), memory.byte_len());
+        if len == 0 {
+            return Err(input("register_owned", UcxReason::EmptyRegion));
+        }
+        let backing = Backing::Owned(std::mem::ManuallyDrop::new(memory));
+        // SAFETY: `OwnedMemory`'s contract: `ptr..ptr+len` is valid writable
+        // memory owned by `backing`, which the registration keeps and drops
+        // only after the UCX unmap; `len > 0`. On error `backing` is dropped
+        // by `map`'s caller below (nothing was registered).
+        match unsafe { Registration::map(self, ptr, len, Backing::Borrowed) } {
+            Ok(mut registration) => {
+                registration.backing = backing;
+                Ok(registration)
+            }
+            Err(e) => {
+                if let Backing::Owned(memory) = backing {
+                    drop(std::mem::ManuallyDrop::into_inner(memory));
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Registers memory handed over as a `Vec<u8>` (its length is the region;

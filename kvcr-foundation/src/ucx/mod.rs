@@ -65,7 +65,7 @@ mod tests;
 
 pub use context::{Context, ContextConfig, ErrorMode, library_version};
 pub use endpoint::{CloseMode, DROP_WAIT, Endpoint, RemoteKey};
-pub use memory::{AnonOptions, Registration, Scope};
+pub use memory::{AnonOptions, OwnedMemory, Registration, Scope};
 pub use request::Completion;
 pub use status::{UcsStatus, UcxReason};
 pub use wire::{RkeyBuffer, WorkerAddress};

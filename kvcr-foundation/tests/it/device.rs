@@ -12,7 +12,7 @@ use kvcr_foundation::error::RunnerReason;
 use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
 use kvcr_foundation::runner::{
     CopySpan, DeliverEntry, DepositEntry, DeviceCopier, EntryStatus, FailReason, OpResult,
-    PoolMemory, RegionDesc, Runner, RunnerConfig,
+    PoolRange, RegionDesc, Runner, RunnerConfig,
 };
 use kvcr_foundation::{BlockKey, CompatDigest, Error, Namespace, NamespaceId, ScopedKey};
 
@@ -20,7 +20,7 @@ const BLOCK: usize = 256;
 
 #[derive(Default)]
 struct Recorder {
-    attached: Mutex<Vec<PoolMemory>>,
+    attached: Mutex<Vec<PoolRange>>,
     calls: AtomicUsize,
     spans: AtomicUsize,
     detached: AtomicBool,
@@ -31,7 +31,7 @@ struct Recorder {
 struct RecordingCopier(Arc<Recorder>);
 
 impl DeviceCopier for RecordingCopier {
-    fn attach(&self, pools: &[PoolMemory]) -> kvcr_foundation::Result<()> {
+    fn attach(&self, pools: &[PoolRange]) -> kvcr_foundation::Result<()> {
         self.0.attached.lock().unwrap().extend_from_slice(pools);
         Ok(())
     }
@@ -59,7 +59,7 @@ impl DeviceCopier for RecordingCopier {
         Ok(())
     }
 
-    fn detach(&self, pools: &[PoolMemory]) {
+    fn detach(&self, pools: &[PoolRange]) {
         assert_eq!(
             *self.0.attached.lock().unwrap(),
             pools,
@@ -156,7 +156,7 @@ impl Fixture {
 fn device_jobs_go_to_the_copier_byte_exact() {
     let mut f = fixture(4);
     let attached = f.recorder.attached.lock().unwrap().clone();
-    assert_eq!(attached, f.runner.pool_memory(), "attach sees every pool");
+    assert_eq!(attached, f.runner.pool_ranges(), "attach sees every pool");
     assert_eq!(attached[0].len, 8 * BLOCK as u64);
     for (i, b) in f.device[..BLOCK].iter_mut().enumerate() {
         *b = (i * 7 + 3) as u8;
