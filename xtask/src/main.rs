@@ -9,6 +9,7 @@
 mod bench;
 mod demo;
 mod layers;
+mod python;
 mod setup;
 
 use std::path::{Path, PathBuf};
@@ -24,8 +25,9 @@ Commands:
                     the main job: runner processes on loopback restore a
                     source's offloaded KV pages from its KVCR DRAM over UCX on
                     router hints, check every byte, print a table
-  test              install what this machine lacks (apt packages, cargo tools),
-                    then run every test in the workspace
+  test              install what this machine lacks (apt packages, cargo tools,
+                    the Python face's venv), then run every test in the
+                    workspace and the Python face's suite
   ci [--no-test]    the full gate: fmt, clippy -D warnings (both feature faces),
                     the tests (unless --no-test), the layer check, docs with
                     -D warnings, and a build of the fuzz targets
@@ -98,7 +100,11 @@ fn cargo() -> Command {
 fn test(root: &Path) -> Result<()> {
     setup::ensure_system_packages()?;
     setup::ensure_real_clients(root)?;
-    run_tests(root)
+    python::ensure_env(root)?;
+    run_tests(root)?;
+    // The Python face (its own cargo workspace): SGLang's own loader and call
+    // patterns against the extension, and two runner processes.
+    python::build_and_test(root)
 }
 
 fn run_tests(_root: &Path) -> Result<()> {
@@ -141,6 +147,7 @@ fn ci(root: &Path, rest: &[String]) -> Result<()> {
     }
     setup::ensure_system_packages()?;
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
+    python::fmt_check(root)?;
     run(cargo().args([
         "clippy",
         "--workspace",
@@ -161,6 +168,7 @@ fn ci(root: &Path, rest: &[String]) -> Result<()> {
         "-D",
         "warnings",
     ]))?;
+    python::clippy(root)?;
     if !skip_tests {
         run_tests(root)?;
     }
