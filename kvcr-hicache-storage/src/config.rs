@@ -1,0 +1,412 @@
+//! Configuration: the engine's storage configuration ([`StorageConfig`], what
+//! SGLang's `HiCacheStorageConfig` carries) and this backend's own settings
+//! ([`BackendConfig`], parsed from the engine's extra-config JSON).
+//!
+//! Parsing is strict: an unknown key is refused with the key named, every
+//! value is type-checked with its key named, and every bound is checked
+//! (notably the get timeout must exceed the operation timeout: a restore the
+//! engine stops waiting for must already have failed inside the runner, or its
+//! copy could land in host pages the engine has reused).
+
+use std::time::Duration;
+
+use kvcr_foundation::{AdvertisePolicy, BindAddress, Host, Medium, RankCoordinate, RankLayout};
+use serde_json::{Map, Value};
+
+use crate::error::{Error, Result};
+
+/// What the engine tells every storage backend about the rank it runs on
+/// (SGLang's `HiCacheStorageConfig`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StorageConfig {
+    /// Attention tensor-parallel rank (attention-scoped when attention DP is on).
+    pub tp_rank: u32,
+    /// Attention tensor-parallel size.
+    pub tp_size: u32,
+    /// Pipeline rank.
+    pub pp_rank: u32,
+    /// Pipeline size (must be 1).
+    pub pp_size: u32,
+    /// Attention context-parallel rank.
+    pub attn_cp_rank: u32,
+    /// Attention context-parallel size.
+    pub attn_cp_size: u32,
+    /// Attention data-parallel rank (0 without attention DP).
+    pub dp_rank: u32,
+    /// Attention data-parallel size (1 without attention DP).
+    pub dp_size: u32,
+    /// Rank-replicated KV (MLA and compressed models); refused for now.
+    pub is_mla_model: bool,
+    /// Heterogeneous-TP head splitting (`tp_lcm_size`); refused.
+    pub should_split_heads: bool,
+    /// The served model; part of every page's namespace.
+    pub model_name: String,
+    /// The backend's extra config (see [`BackendConfig`]).
+    pub extra_config: Option<Value>,
+}
+
+impl StorageConfig {
+    /// A single-rank configuration (TP=1, no DP, no CP, no PP).
+    pub fn single_rank(model_name: &str, extra_config: Value) -> Self {
+        Self {
+            tp_rank: 0,
+            tp_size: 1,
+            pp_rank: 0,
+            pp_size: 1,
+            attn_cp_rank: 0,
+            attn_cp_size: 1,
+            dp_rank: 0,
+            dp_size: 1,
+            is_mla_model: false,
+            should_split_heads: false,
+            model_name: model_name.to_owned(),
+            extra_config: Some(extra_config),
+        }
+    }
+
+    /// This rank as one of `tp_size` tensor-parallel ranks.
+    pub fn with_tp(mut self, tp_rank: u32, tp_size: u32) -> Self {
+        self.tp_rank = tp_rank;
+        self.tp_size = tp_size;
+        self
+    }
+
+    /// Refuses topologies this backend cannot serve correctly, naming them,
+    /// and returns this rank's coordinate.
+    pub(crate) fn validate(&self) -> Result<RankCoordinate> {
+        if self.pp_size > 1 {
+            return Err(Error::Unsupported(format!(
+                "pipeline parallelism (pp_size = {}): page keys carry no pipeline stage",
+                self.pp_size
+            )));
+        }
+        if self.should_split_heads {
+            return Err(Error::Unsupported(
+                "heterogeneous TP (should_split_heads): page keys carry no head slice".into(),
+            ));
+        }
+        if self.is_mla_model {
+            return Err(Error::Unsupported(
+                "rank-replicated KV (is_mla_model): only MHA host pools are served".into(),
+            ));
+        }
+        if self.model_name.is_empty() {
+            return Err(Error::config("model_name", "must not be empty"));
+        }
+        let layout = RankLayout::new(self.dp_size, self.attn_cp_size, self.tp_size)
+            .map_err(|e| Error::config("tp_size", e.to_string()))?;
+        layout
+            .coordinate(self.dp_rank, self.attn_cp_rank, self.tp_rank)
+            .map_err(|e| Error::config("tp_rank", e.to_string()))
+    }
+}
+
+/// The eviction policy of KVCR DRAM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EvictionPolicy {
+    /// Least recently used (the default).
+    Lru,
+    /// First in, first out.
+    Fifo,
+}
+
+/// This backend's settings, from the engine's extra-config JSON.
+///
+/// | key | default | meaning |
+/// |---|---|---|
+/// | `local_dram_bytes` | required | KVCR DRAM per rank |
+/// | `operation_timeout_ms` | 20000 | budget of one runner operation |
+/// | `get_timeout_s` | 30 | how long `batch_get`/`batch_set` wait; must exceed the operation timeout |
+/// | `policy` | `"lru"` | `"lru"` or `"fifo"` |
+/// | `enable_remote_hint` | false | serve and follow router hints (peer mode) |
+/// | `control_host` | `"0.0.0.0"` | control-channel bind host |
+/// | `control_port` | 0 | base port; this rank binds base + its global rank offset |
+/// | `control_advertise_host` | none | host peers dial; required with remote hints |
+/// | `single_host` | false | allow a loopback advertise host |
+/// | `ucx_tls` | none | UCX transports (`UCX_TLS`) |
+/// | `medium` | `"EXTERNAL"` | medium KVCR pages are published under (`EXTERNAL` or `CPU_PINNED`) |
+/// | `prefault` | true | touch KVCR DRAM at startup |
+/// | `max_hinted_requests` | 1024 | live request hint scopes kept per rank |
+/// | `collective_timeout_ms` | 60000 | budget of one in-process rank collective |
+///
+/// The engine's dynamic-loader keys (`backend_name`, `module_path`,
+/// `class_name`, `interface_v1`) are accepted and ignored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BackendConfig {
+    /// KVCR DRAM per rank, bytes.
+    pub local_dram_bytes: u64,
+    /// Runner operation budget.
+    pub operation_timeout: Duration,
+    /// How long an entry point waits for its operation.
+    pub get_timeout: Duration,
+    /// Eviction policy.
+    pub policy: EvictionPolicy,
+    /// Peer mode: serve peers and follow router hints.
+    pub enable_remote_hint: bool,
+    /// Control-channel bind host (`0.0.0.0`, `::` or an address).
+    pub control_host: String,
+    /// Base control port (0: ephemeral, local-only configs).
+    pub control_port: u16,
+    /// Host peers dial.
+    pub control_advertise_host: Option<String>,
+    /// Allow loopback advertise hosts (single-host clusters).
+    pub single_host: bool,
+    /// UCX transports.
+    pub ucx_tls: Option<String>,
+    /// Medium of published KVCR pages.
+    pub medium: Medium,
+    /// Pre-fault KVCR DRAM at startup.
+    pub prefault: bool,
+    /// Request hint scopes kept per rank (oldest discarded first).
+    pub max_hinted_requests: usize,
+    /// Budget of an in-process collective (used by [`crate::LocalRankGroup`]).
+    pub collective_timeout: Duration,
+}
+
+impl Default for BackendConfig {
+    fn default() -> Self {
+        Self {
+            local_dram_bytes: 0,
+            operation_timeout: Duration::from_millis(20_000),
+            get_timeout: Duration::from_secs(30),
+            policy: EvictionPolicy::Lru,
+            enable_remote_hint: false,
+            control_host: "0.0.0.0".to_owned(),
+            control_port: 0,
+            control_advertise_host: None,
+            single_host: false,
+            ucx_tls: None,
+            medium: Medium::External,
+            prefault: true,
+            max_hinted_requests: 1024,
+            collective_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Keys the engine's dynamic backend loader puts in the extra config.
+const LOADER_KEYS: [&str; 4] = ["backend_name", "module_path", "class_name", "interface_v1"];
+
+/// Largest KVCR DRAM per rank (the runner's pool limit).
+pub const MAX_LOCAL_DRAM_BYTES: u64 = kvcr_foundation::runner::MAX_POOL_BYTES;
+/// Longest operation budget accepted.
+pub const MAX_OPERATION_TIMEOUT_MS: u64 = 3_600_000;
+
+impl BackendConfig {
+    /// Parses the extra config as the engine passes it: a JSON object, JSON
+    /// text, or `@path` to a JSON file; empty text is `{}`.
+    pub fn parse(text: &str) -> Result<Self> {
+        let trimmed = text.trim();
+        if trimmed.is_empty() {
+            return Self::from_value(&Value::Object(Map::new()));
+        }
+        let owned;
+        let body = match trimmed.strip_prefix('@') {
+            Some(path) => {
+                owned = std::fs::read_to_string(path)
+                    .map_err(|e| Error::ConfigSyntax(format!("cannot read {path}: {e}")))?;
+                owned.as_str()
+            }
+            None => trimmed,
+        };
+        let value: Value = serde_json::from_str(body)
+            .map_err(|e| Error::ConfigSyntax(format!("not JSON: {e}")))?;
+        Self::from_value(&value)
+    }
+
+    /// Parses and validates an extra-config object.
+    pub fn from_value(value: &Value) -> Result<Self> {
+        let map = value
+            .as_object()
+            .ok_or_else(|| Error::ConfigSyntax("must be a JSON object".into()))?;
+        let mut c = Self::default();
+        let mut have_dram = false;
+        let mut get_timeout_s = None;
+        for (key, v) in map {
+            let k = key.as_str();
+            match k {
+                "local_dram_bytes" => {
+                    c.local_dram_bytes = as_u64(k, v)?;
+                    have_dram = true;
+                }
+                "operation_timeout_ms" => {
+                    let ms = as_u64(k, v)?;
+                    if ms == 0 || ms > MAX_OPERATION_TIMEOUT_MS {
+                        return Err(Error::config(k, "must be in 1..=3600000"));
+                    }
+                    c.operation_timeout = Duration::from_millis(ms);
+                }
+                "get_timeout_s" => {
+                    let s = v
+                        .as_f64()
+                        .ok_or_else(|| Error::config(k, "must be a number"))?;
+                    if !s.is_finite() || s <= 0.0 || s > 86_400.0 {
+                        return Err(Error::config(k, "must be in (0, 86400]"));
+                    }
+                    get_timeout_s = Some(s);
+                }
+                "policy" => {
+                    c.policy = match as_str(k, v)? {
+                        "lru" => EvictionPolicy::Lru,
+                        "fifo" => EvictionPolicy::Fifo,
+                        other => {
+                            return Err(Error::config(
+                                k,
+                                format!("unknown policy {other:?} (lru or fifo)"),
+                            ));
+                        }
+                    }
+                }
+                "enable_remote_hint" => c.enable_remote_hint = as_bool(k, v)?,
+                "control_host" => c.control_host = as_str(k, v)?.to_owned(),
+                "control_port" => {
+                    let port = as_u64(k, v)?;
+                    c.control_port = u16::try_from(port)
+                        .map_err(|_| Error::config(k, "must be in 0..=65535"))?;
+                }
+                "control_advertise_host" => {
+                    c.control_advertise_host = match v {
+                        Value::Null => None,
+                        _ => Some(as_str(k, v)?.to_owned()),
+                    }
+                }
+                "single_host" => c.single_host = as_bool(k, v)?,
+                "ucx_tls" => {
+                    c.ucx_tls = match v {
+                        Value::Null => None,
+                        _ => {
+                            let tls = as_str(k, v)?;
+                            if tls.is_empty() || tls.len() > 256 {
+                                return Err(Error::config(k, "must be 1..=256 characters"));
+                            }
+                            Some(tls.to_owned())
+                        }
+                    }
+                }
+                "medium" => {
+                    c.medium = match as_str(k, v)? {
+                        "EXTERNAL" => Medium::External,
+                        "CPU_PINNED" => Medium::CpuPinned,
+                        other => {
+                            return Err(Error::config(
+                                k,
+                                format!("{other:?} is not EXTERNAL or CPU_PINNED"),
+                            ));
+                        }
+                    }
+                }
+                "prefault" => c.prefault = as_bool(k, v)?,
+                "max_hinted_requests" => {
+                    let n = as_u64(k, v)?;
+                    if !(1..=1_000_000).contains(&n) {
+                        return Err(Error::config(k, "must be in 1..=1000000"));
+                    }
+                    c.max_hinted_requests = n as usize;
+                }
+                "collective_timeout_ms" => {
+                    let ms = as_u64(k, v)?;
+                    if ms == 0 || ms > MAX_OPERATION_TIMEOUT_MS {
+                        return Err(Error::config(k, "must be in 1..=3600000"));
+                    }
+                    c.collective_timeout = Duration::from_millis(ms);
+                }
+                _ if LOADER_KEYS.contains(&k) => {}
+                _ => return Err(Error::UnknownKey(key.clone())),
+            }
+        }
+        if !have_dram {
+            return Err(Error::config("local_dram_bytes", "is required"));
+        }
+        if c.local_dram_bytes == 0 || c.local_dram_bytes > MAX_LOCAL_DRAM_BYTES {
+            return Err(Error::config("local_dram_bytes", "must be in 1..=2^46"));
+        }
+        if let Some(s) = get_timeout_s {
+            c.get_timeout = Duration::from_secs_f64(s);
+        }
+        // Equality is refused too: the runner's deadline must fire strictly
+        // before the engine gives up, so no copy can outlive the wait.
+        if c.get_timeout <= c.operation_timeout {
+            return Err(Error::config(
+                "get_timeout_s",
+                format!(
+                    "must exceed operation_timeout_ms ({} ms), got {} ms",
+                    c.operation_timeout.as_millis(),
+                    c.get_timeout.as_millis()
+                ),
+            ));
+        }
+        c.check_peer()?;
+        Ok(c)
+    }
+
+    /// The control-channel settings a peer-mode rank needs, checked.
+    fn check_peer(&self) -> Result<()> {
+        let bind = self.bind_address(0)?;
+        if !self.enable_remote_hint {
+            return Ok(());
+        }
+        let _ = bind;
+        if self.control_port == 0 {
+            return Err(Error::config(
+                "control_port",
+                "must be set when enable_remote_hint is on (peers dial base + rank offset)",
+            ));
+        }
+        self.advertise_host().map(drop)
+    }
+
+    /// The bind address of a rank at `offset` from the base port.
+    pub(crate) fn bind_address(&self, offset: u64) -> Result<BindAddress> {
+        let port = if self.control_port == 0 {
+            0
+        } else {
+            u16::try_from(u64::from(self.control_port) + offset).map_err(|_| {
+                Error::config("control_port", "base port + rank offset exceeds 65535")
+            })?
+        };
+        let host = self.control_host.trim();
+        let text = if host.contains(':') && !host.starts_with('[') {
+            format!("tcp://[{host}]:{port}")
+        } else {
+            format!("tcp://{host}:{port}")
+        };
+        BindAddress::parse(&text).map_err(|e| Error::config("control_host", e.to_string()))
+    }
+
+    /// The advertise host, checked against the loopback policy.
+    pub(crate) fn advertise_host(&self) -> Result<Host> {
+        let raw = self.control_advertise_host.as_deref().unwrap_or("");
+        if raw.trim().is_empty() {
+            return Err(Error::config(
+                "control_advertise_host",
+                "is required when enable_remote_hint is on",
+            ));
+        }
+        self.advertise_policy()
+            .advertise_host(raw)
+            .map_err(|e| Error::config("control_advertise_host", e.to_string()))
+    }
+
+    pub(crate) fn advertise_policy(&self) -> AdvertisePolicy {
+        if self.single_host {
+            AdvertisePolicy::SingleHost
+        } else {
+            AdvertisePolicy::CrossHost
+        }
+    }
+}
+
+fn as_u64(key: &str, v: &Value) -> Result<u64> {
+    v.as_u64()
+        .ok_or_else(|| Error::config(key, "must be a non-negative integer"))
+}
+
+fn as_bool(key: &str, v: &Value) -> Result<bool> {
+    v.as_bool()
+        .ok_or_else(|| Error::config(key, "must be true or false"))
+}
+
+fn as_str<'a>(key: &str, v: &'a Value) -> Result<&'a str> {
+    v.as_str()
+        .ok_or_else(|| Error::config(key, "must be a string"))
+}

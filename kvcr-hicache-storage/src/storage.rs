@@ -1,0 +1,1046 @@
+//! [`KvcrHiCacheStorage`]: the HiCache L3 backend of one rank.
+//!
+//! Each entry point runs in three phases:
+//!
+//! 1. **local** (fallible, panics caught): validate, query or move bytes
+//!    through this rank's runner; any error becomes a local miss of the right
+//!    shape and is counted in `faults_<method>`;
+//! 2. **agree** (always runs, on every rank, whatever phase 1 did): MIN-reduce
+//!    the local answer over the rank group; a failed collective is a miss
+//!    everywhere (`faults_collective`);
+//! 3. **publish** (`batch_set` only): feed rank-agreed facts to the ledger and
+//!    send its events to the sink.
+//!
+//! Nothing is ever latched: a fault affects the call it happened in, and the
+//! next call starts clean. No call returns while a copy it started may still
+//! write into the engine's host pages (the runner's operation deadline fires
+//! before the call's wait budget; a call that outlives even that aborts and
+//! waits once more).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
+
+use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
+use kvcr_foundation::runner::{
+    CachePolicy, DeliverEntry, DepositEntry, OpResult, PeerCounters, PeerOptions, PoolConfig,
+    QueryStatus, Runner, RunnerConfig, RunnerStats, policy,
+};
+use kvcr_foundation::{
+    BlockKey, CompatDigest, ControlEndpoint, FetchHint, InventoryEvent, InventoryScope,
+    InventorySink, Namespace, NamespaceId, Owner, RankCoordinate, RequestId, ScopedKey,
+};
+use serde_json::Value;
+
+use crate::config::{BackendConfig, EvictionPolicy, StorageConfig};
+use crate::error::{Error, Result};
+use crate::faults::{FaultInjector, Method};
+use crate::group::{RankGroup, RankGroups};
+use crate::layout::{HostPoolDesc, POOL_NAME, SpanPlan};
+use crate::ledger::{EvictionCollector, Ledger, PageTokens};
+
+/// Extra-info keys engines have carried the router hint under.
+pub const ROUTER_HINT_KEYS: [&str; 2] = ["kvcr_router_hint", "kvcc_router_hint"];
+
+/// Most evicted keys exchanged per round (the rest wait for the next one).
+const MAX_EVICTIONS_PER_ROUND: usize = 1 << 16;
+/// Completed results kept for waiters that have not come for them yet.
+const MAX_STASHED: usize = 4096;
+
+/// Per-request information that travels with a storage call (SGLang's
+/// `HiCacheStorageExtraInfo`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ExtraInfo {
+    /// The request (hint scope). Without one, a hint lives for one call.
+    pub request_id: Option<RequestId>,
+    /// The router hint: a `kv.fetch@1.0` envelope or the legacy compact
+    /// form, as a JSON value or JSON text.
+    pub router_hint: Option<Value>,
+    /// For `batch_set`: the pages' tokens, so their `Stored` events carry
+    /// real token ids (without them pages are stored but not published).
+    pub pages: Option<PageTokens>,
+}
+
+impl ExtraInfo {
+    /// A request with a router hint.
+    pub fn hinted(request: &str, hint: Value) -> Self {
+        Self {
+            request_id: Some(RequestId(request.to_owned())),
+            router_hint: Some(hint),
+            pages: None,
+        }
+    }
+
+    /// From an engine's `extra_info` dict: the hint under one of
+    /// [`ROUTER_HINT_KEYS`], the request under `request_id` / `rid`.
+    pub fn from_engine(extra_info: &Value) -> Self {
+        let request_id = ["request_id", "rid"]
+            .iter()
+            .find_map(|k| extra_info.get(*k).and_then(Value::as_str))
+            .map(|s| RequestId(s.to_owned()));
+        let router_hint = ROUTER_HINT_KEYS
+            .iter()
+            .find_map(|k| extra_info.get(*k))
+            .filter(|v| !v.is_null())
+            .cloned();
+        Self {
+            request_id,
+            router_hint,
+            pages: None,
+        }
+    }
+}
+
+/// Counters of one rank's backend.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StorageStats {
+    /// Internal faults turned into misses, per entry point.
+    pub faults_batch_exists: u64,
+    /// See `faults_batch_exists`.
+    pub faults_batch_get: u64,
+    /// See `faults_batch_exists`.
+    pub faults_batch_set: u64,
+    /// Failed rank collectives (each made the whole call a miss).
+    pub faults_collective: u64,
+    /// Router hints that did not parse (or could not be dialled).
+    pub hints_rejected: u64,
+    /// Hints received while remote hints are off.
+    pub hints_ignored: u64,
+    /// Pages `batch_get` asked a hinted peer for.
+    pub hinted_pages_requested: u64,
+    /// Of those, pages restored (the honest hint metric).
+    pub hinted_pages_loaded: u64,
+    /// Pages `batch_get` restored on every rank.
+    pub pages_restored: u64,
+    /// Pages `batch_set` committed on every rank.
+    pub pages_committed: u64,
+    /// `Stored` pages published.
+    pub pages_published: u64,
+    /// `Removed` pages published.
+    pub pages_removed: u64,
+    /// Agreed pages not published for lack of tokens.
+    pub pages_unpublished: u64,
+    /// Operations that did not complete even after an abort (their memory is
+    /// the runner's to keep safe; counted because it should never happen).
+    pub ops_abandoned: u64,
+    /// The last internal error, for logs.
+    pub last_error: Option<String>,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    faults_batch_exists: AtomicU64,
+    faults_batch_get: AtomicU64,
+    faults_batch_set: AtomicU64,
+    faults_collective: AtomicU64,
+    hints_rejected: AtomicU64,
+    hints_ignored: AtomicU64,
+    hinted_pages_requested: AtomicU64,
+    hinted_pages_loaded: AtomicU64,
+    pages_restored: AtomicU64,
+    pages_committed: AtomicU64,
+    pages_published: AtomicU64,
+    pages_removed: AtomicU64,
+    pages_unpublished: AtomicU64,
+    ops_abandoned: AtomicU64,
+}
+
+fn bump(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic under one of these locks is caught at the entry point; the data
+    // behind them stays structurally valid, so keep serving.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Results of operations, for whichever thread waits on them.
+#[derive(Debug, Default)]
+struct Completions {
+    done: HashMap<OpHandle, OpResult>,
+    order: VecDeque<OpHandle>,
+    abandoned: HashSet<OpHandle>,
+}
+
+impl Completions {
+    fn stash(&mut self, results: Vec<OpResult>) {
+        for r in results {
+            if self.abandoned.remove(&r.op) {
+                continue;
+            }
+            if self.order.len() >= MAX_STASHED
+                && let Some(old) = self.order.pop_front()
+            {
+                self.done.remove(&old);
+            }
+            self.order.push_back(r.op);
+            self.done.insert(r.op, r);
+        }
+    }
+
+    fn take(&mut self, op: OpHandle) -> Option<OpResult> {
+        let r = self.done.remove(&op)?;
+        self.order.retain(|o| *o != op);
+        Some(r)
+    }
+}
+
+/// The live hint scopes of this rank, oldest first.
+#[derive(Debug, Default)]
+struct HintScopes {
+    live: VecDeque<RequestId>,
+    next_anonymous: u64,
+}
+
+/// What exists once the host pool is registered.
+struct Active {
+    desc: HostPoolDesc,
+    plan: SpanPlan,
+    runner: Mutex<Runner>,
+    completions: Mutex<Completions>,
+    regions: Vec<RegionId>,
+    /// One namespace per segment of a page.
+    segments: Vec<NamespaceId>,
+    endpoint: Option<ControlEndpoint>,
+}
+
+impl Active {
+    fn runner(&self) -> MutexGuard<'_, Runner> {
+        lock(&self.runner)
+    }
+
+    /// Waits for `op`'s result, sharing the runner's completions with other
+    /// waiting threads (a result drained by one is kept for its owner).
+    fn wait_op(&self, op: OpHandle, budget: Duration) -> Option<OpResult> {
+        #[allow(clippy::disallowed_methods)] // a driver: its wait budget is wall time
+        let start = Instant::now();
+        loop {
+            if let Some(r) = lock(&self.completions).take(op) {
+                return Some(r);
+            }
+            let elapsed = start.elapsed();
+            if elapsed >= budget {
+                return None;
+            }
+            let slice = (budget - elapsed).min(Duration::from_millis(2));
+            let results = self.runner().wait_completed(slice);
+            lock(&self.completions).stash(results);
+        }
+    }
+
+    /// Waits for `op`; past `budget`, aborts it and waits up to `grace` more
+    /// (copies are bounded, so this ends); an operation that still has not
+    /// completed is abandoned (its late result is dropped) and `None` returned.
+    fn finish_op(
+        &self,
+        op: OpHandle,
+        budget: Duration,
+        grace: Duration,
+        abandoned: &AtomicU64,
+    ) -> Option<OpResult> {
+        if let Some(r) = self.wait_op(op, budget) {
+            return Some(r);
+        }
+        self.runner().abort(op, None);
+        if let Some(r) = self.wait_op(op, grace) {
+            return Some(r);
+        }
+        bump(abandoned, 1);
+        lock(&self.completions).abandoned.insert(op);
+        None
+    }
+
+    fn scoped(&self, key: BlockKey) -> impl Iterator<Item = ScopedKey> + '_ {
+        self.segments.iter().map(move |ns| ScopedKey {
+            namespace: *ns,
+            key,
+        })
+    }
+
+    /// The element references of segment `s` of host page `page`.
+    fn elements(&self, segment: usize, page: u64) -> Vec<ElementRef> {
+        let range = self.plan.segments.get(segment).cloned().unwrap_or(0..0);
+        self.regions
+            .get(range)
+            .unwrap_or_default()
+            .iter()
+            .map(|region| ElementRef {
+                region: *region,
+                index: page,
+            })
+            .collect()
+    }
+}
+
+/// The HiCache L3 storage backend of one rank, over its own rank-local runner.
+///
+/// Entry points take `&self` and may be called from several threads (the
+/// engine's prefetch and backup threads); collectives use the group of the
+/// calling role ([`RankGroups`]).
+pub struct KvcrHiCacheStorage {
+    storage: StorageConfig,
+    backend: BackendConfig,
+    coordinate: RankCoordinate,
+    groups: RankGroups,
+    active: OnceLock<Active>,
+    register: Mutex<()>,
+    ledger: Mutex<Ledger>,
+    evictions: EvictionCollector,
+    sink: Mutex<Option<Box<dyn InventorySink>>>,
+    hints: Mutex<HintScopes>,
+    counters: Counters,
+    last_error: Mutex<Option<String>>,
+    faults: FaultInjector,
+    page_namespace: NamespaceId,
+}
+
+impl std::fmt::Debug for KvcrHiCacheStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvcrHiCacheStorage")
+            .field("model", &self.storage.model_name)
+            .field("tp_rank", &self.storage.tp_rank)
+            .field("registered", &self.active.get().is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// 64-bit FNV-1a over length-prefixed fields (stable across builds).
+fn digest(fields: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for field in fields {
+        for b in (field.len() as u64)
+            .to_be_bytes()
+            .iter()
+            .chain(field.iter())
+        {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+impl KvcrHiCacheStorage {
+    /// Validates the engine's configuration and this backend's extra config.
+    /// The runner starts when the host pool is registered.
+    pub fn new(storage: StorageConfig, groups: RankGroups) -> Result<Self> {
+        let coordinate = storage.validate()?;
+        let backend = match &storage.extra_config {
+            Some(value) => match value {
+                Value::String(text) => BackendConfig::parse(text)?,
+                other => BackendConfig::from_value(other)?,
+            },
+            None => BackendConfig::from_value(&Value::Object(serde_json::Map::new()))?,
+        };
+        if groups.prefetch.size() != groups.backup.size()
+            || groups.prefetch.rank() != groups.backup.rank()
+        {
+            return Err(Error::config(
+                "rank_groups",
+                "prefetch and backup groups must have the same rank and size",
+            ));
+        }
+        let group_size = storage.tp_size.saturating_mul(storage.attn_cp_size);
+        if groups.prefetch.size() != group_size {
+            return Err(Error::config(
+                "rank_groups",
+                format!(
+                    "group has {} ranks; tp_size * attn_cp_size is {group_size}",
+                    groups.prefetch.size()
+                ),
+            ));
+        }
+        // The published namespace: the model's pages, whatever the rank.
+        let page_namespace = Namespace::base(CompatDigest(digest(&[
+            b"kvcr-hicache-page-v1",
+            storage.model_name.as_bytes(),
+        ])))
+        .id();
+        let scope = InventoryScope {
+            owner: Owner::Kvcr,
+            namespace: page_namespace,
+            medium: backend.medium,
+        };
+        Ok(Self {
+            coordinate,
+            groups,
+            active: OnceLock::new(),
+            register: Mutex::new(()),
+            ledger: Mutex::new(Ledger::new(scope, 0)),
+            evictions: EvictionCollector::default(),
+            sink: Mutex::new(None),
+            hints: Mutex::new(HintScopes::default()),
+            counters: Counters::default(),
+            last_error: Mutex::new(None),
+            faults: FaultInjector::default(),
+            page_namespace,
+            storage,
+            backend,
+        })
+    }
+
+    /// The validated backend configuration.
+    pub fn backend_config(&self) -> &BackendConfig {
+        &self.backend
+    }
+
+    /// The namespace id published pages carry.
+    pub fn page_namespace(&self) -> NamespaceId {
+        self.page_namespace
+    }
+
+    /// Where this rank's runner listens for peers (peer mode, once registered).
+    pub fn endpoint(&self) -> Option<ControlEndpoint> {
+        self.active.get().and_then(|a| a.endpoint.clone())
+    }
+
+    /// The span plan of the registered host pool.
+    pub fn span_plan(&self) -> Option<&SpanPlan> {
+        self.active.get().map(|a| &a.plan)
+    }
+
+    /// Fault injection for this rank.
+    pub fn faults(&self) -> &FaultInjector {
+        &self.faults
+    }
+
+    /// Sends the group's inventory (rank-agreed `Stored` / `Removed`, owner
+    /// kvcr) to `sink`. Attach it on the rank that publishes (every rank's
+    /// ledger is the same).
+    pub fn set_inventory_sink(&self, sink: Box<dyn InventorySink>) {
+        *lock(&self.sink) = Some(sink);
+    }
+
+    /// Registers the engine's host pool and starts this rank's runner over
+    /// it. Registering the identical pool again is a no-op; a different one
+    /// is refused.
+    ///
+    /// # Safety
+    /// `desc.base .. desc.base + desc.len` must stay valid for reads and
+    /// writes until this backend is dropped, and the engine must not touch a
+    /// host page named in a call until that call returns.
+    #[allow(unsafe_code)]
+    pub unsafe fn register_host_pool(&self, desc: HostPoolDesc) -> Result<()> {
+        let _serial = lock(&self.register);
+        if let Some(active) = self.active.get() {
+            return if active.desc == desc {
+                Ok(())
+            } else {
+                Err(Error::HostPoolReplaced)
+            };
+        }
+        let plan = SpanPlan::new(&desc)?;
+        let mut runner = self.start_runner(&plan)?;
+        let segments: Vec<NamespaceId> = (0..plan.segments.len())
+            .map(|s| runner.register_namespace(self.segment_namespace(&desc, s)))
+            .collect();
+        let mut regions = Vec::with_capacity(plan.kinds.len());
+        for region in plan.regions(desc.base) {
+            // SAFETY: every region lies inside `desc.base .. desc.base +
+            // desc.len` (checked by `SpanPlan::new`), which the caller
+            // promises stays valid and untouched while calls are in flight,
+            // for as long as this backend (and so the runner) lives.
+            regions.push(unsafe { runner.register_region(region) }?);
+        }
+        runner.set_inventory_sink(Box::new(self.evictions.clone()));
+        let endpoint = runner.endpoint().cloned();
+        *lock(&self.ledger) = Ledger::new(
+            InventoryScope {
+                owner: Owner::Kvcr,
+                namespace: self.page_namespace,
+                medium: self.backend.medium,
+            },
+            desc.geometry.page_size,
+        );
+        let active = Active {
+            desc,
+            plan,
+            runner: Mutex::new(runner),
+            completions: Mutex::new(Completions::default()),
+            regions,
+            segments,
+            endpoint,
+        };
+        // Set under `register`: nobody else can have set it.
+        let _ = self.active.set(active);
+        Ok(())
+    }
+
+    fn segment_namespace(&self, desc: &HostPoolDesc, segment: usize) -> Namespace {
+        let g = &desc.geometry;
+        let s = &self.storage;
+        let geometry = [
+            g.layers,
+            g.kv_heads,
+            g.head_dim,
+            g.dtype_bytes,
+            g.page_size,
+            s.tp_size,
+            s.tp_rank,
+            s.attn_cp_size,
+            s.attn_cp_rank,
+        ]
+        .map(u32::to_be_bytes)
+        .concat();
+        Namespace::base(CompatDigest(digest(&[
+            b"kvcr-hicache-v1",
+            s.model_name.as_bytes(),
+            desc.layout.as_str().as_bytes(),
+            &geometry,
+            &(segment as u64).to_be_bytes(),
+        ])))
+    }
+
+    fn start_runner(&self, plan: &SpanPlan) -> Result<Runner> {
+        let b = &self.backend;
+        let blocks = b.local_dram_bytes / plan.span_bytes.max(1);
+        let spans = plan.spans_per_page() as u64;
+        if blocks < spans {
+            return Err(Error::config(
+                "local_dram_bytes",
+                format!(
+                    "{} bytes hold less than one page ({} bytes)",
+                    b.local_dram_bytes,
+                    plan.span_bytes * spans
+                ),
+            ));
+        }
+        let blocks = u32::try_from(blocks.min(kvcr_foundation::runner::MAX_REGION_ELEMENTS))
+            .unwrap_or(u32::MAX);
+        let config = RunnerConfig {
+            pools: vec![PoolConfig {
+                name: POOL_NAME.to_owned(),
+                block_size: plan.span_bytes,
+                blocks,
+            }],
+            operation_timeout: b.operation_timeout,
+            medium: b.medium,
+            prefault: b.prefault,
+            ..RunnerConfig::default()
+        };
+        let policy: Box<dyn CachePolicy> = match b.policy {
+            EvictionPolicy::Lru => Box::new(policy::Lru),
+            EvictionPolicy::Fifo => Box::new(policy::Fifo),
+        };
+        if !b.enable_remote_hint {
+            return Ok(Runner::start(config, Some(policy))?);
+        }
+        let options = PeerOptions {
+            bind: b.bind_address(self.coordinate.global_offset())?,
+            advertise_host: b.advertise_host()?,
+            advertise_policy: b.advertise_policy(),
+            secret: None,
+            ucx_tls: b.ucx_tls.clone(),
+            abandon_timeout: None,
+            max_puts_in_flight: 0,
+        };
+        Ok(Runner::start_with_peers(config, Some(policy), &options)?)
+    }
+
+    fn active(&self) -> Result<&Active> {
+        self.active.get().ok_or(Error::NotRegistered)
+    }
+
+    /// Runs the local phase of `method`: an error or a panic becomes `None`
+    /// and is counted.
+    fn local<T>(&self, method: Method, f: impl FnOnce() -> Result<T>) -> Option<T> {
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            self.faults.fire(method)?;
+            f()
+        }));
+        let error = match outcome {
+            Ok(Ok(v)) => return Some(v),
+            Ok(Err(e)) => e,
+            Err(payload) => {
+                let text = payload
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                Error::Panic(text.chars().take(200).collect())
+            }
+        };
+        let counter = match method {
+            Method::BatchExists => &self.counters.faults_batch_exists,
+            Method::BatchGet => &self.counters.faults_batch_get,
+            Method::BatchSet => &self.counters.faults_batch_set,
+        };
+        bump(counter, 1);
+        *lock(&self.last_error) = Some(format!("{}: {error}", method.as_str()));
+        None
+    }
+
+    /// MIN-reduces per-page flags over `group`; a failed collective is all
+    /// misses (on every rank: each sees the failure).
+    fn agree(&self, group: &dyn RankGroup, local: &[bool]) -> Vec<bool> {
+        let mut values: Vec<u64> = local.iter().map(|b| u64::from(*b)).collect();
+        match group.all_reduce_min(&mut values) {
+            Ok(()) => values.iter().map(|v| *v == 1).collect(),
+            Err(e) => {
+                bump(&self.counters.faults_collective, 1);
+                *lock(&self.last_error) = Some(format!("collective: {e}"));
+                vec![false; local.len()]
+            }
+        }
+    }
+
+    /// Registers the call's router hint under its request (dialling this
+    /// rank's shard of the source) and returns the scope to query and fetch
+    /// under; `None` when there is no usable hint.
+    fn apply_hint(
+        &self,
+        active: &Active,
+        runner: &mut Runner,
+        extra: &ExtraInfo,
+    ) -> Option<RequestId> {
+        let raw = extra.router_hint.as_ref()?;
+        if !self.backend.enable_remote_hint {
+            bump(&self.counters.hints_ignored, 1);
+            return None;
+        }
+        let parsed = match raw {
+            Value::String(text) => parse_hint(text),
+            other => parse_hint(&other.to_string()),
+        };
+        let mut hint = match parsed {
+            Ok(h) => h,
+            Err(e) => {
+                bump(&self.counters.hints_rejected, 1);
+                *lock(&self.last_error) = Some(format!("router hint: {e}"));
+                return None;
+            }
+        };
+        // The router names the source DP group's endpoint; this rank dials
+        // the same within-DP offset there, so it reads its own shard.
+        hint.source = match self.coordinate.dial(&hint.source) {
+            Ok(e) => e,
+            Err(e) => {
+                bump(&self.counters.hints_rejected, 1);
+                *lock(&self.last_error) = Some(format!("router hint source: {e}"));
+                return None;
+            }
+        };
+        if active.endpoint.as_ref() == Some(&hint.source) {
+            return None;
+        }
+        let mut scopes = lock(&self.hints);
+        let request = match &extra.request_id {
+            Some(r) => r.clone(),
+            None => {
+                scopes.next_anonymous += 1;
+                RequestId(format!("kvcr-hicache-anonymous-{}", scopes.next_anonymous))
+            }
+        };
+        runner.submit_hint(request.clone(), &hint);
+        if !scopes.live.contains(&request) {
+            scopes.live.push_back(request.clone());
+        }
+        while scopes.live.len() > self.backend.max_hinted_requests {
+            if let Some(old) = scopes.live.pop_front() {
+                runner.discard_hint(&old);
+            }
+        }
+        Some(request)
+    }
+
+    fn end_anonymous_scope(
+        &self,
+        runner: &mut Runner,
+        extra: &ExtraInfo,
+        scope: &Option<RequestId>,
+    ) {
+        if let (None, Some(request)) = (&extra.request_id, scope) {
+            runner.discard_hint(request);
+            lock(&self.hints).live.retain(|r| r != request);
+        }
+    }
+
+    /// Ends a request's hint scope (call when the request finishes).
+    pub fn discard_request(&self, request: &RequestId) {
+        if let Some(active) = self.active.get() {
+            active.runner().discard_hint(request);
+        }
+        lock(&self.hints).live.retain(|r| r != request);
+    }
+
+    /// How many leading `keys` this rank group can serve: every page's every
+    /// segment is resident here or covered by the request's hint, on every
+    /// rank (MIN-reduced). Hinted pages count optimistically; `batch_get`
+    /// reports what really arrived.
+    pub fn batch_exists(&self, keys: &[BlockKey], extra: &ExtraInfo) -> usize {
+        let local = self
+            .local(Method::BatchExists, || self.local_exists(keys, extra))
+            .unwrap_or(0);
+        let mut count = [local as u64];
+        match self.groups.prefetch.all_reduce_min(&mut count) {
+            Ok(()) => usize::try_from(count[0]).unwrap_or(0).min(keys.len()),
+            Err(e) => {
+                bump(&self.counters.faults_collective, 1);
+                *lock(&self.last_error) = Some(format!("collective: {e}"));
+                0
+            }
+        }
+    }
+
+    fn local_exists(&self, keys: &[BlockKey], extra: &ExtraInfo) -> Result<usize> {
+        let active = self.active()?;
+        let mut runner = active.runner();
+        let scope = self.apply_hint(active, &mut runner, extra);
+        let mut count = 0;
+        'keys: for key in keys {
+            for scoped in active.scoped(*key) {
+                let status = match &scope {
+                    Some(request) => runner.query_hinted(request, &scoped),
+                    None => runner.query(&scoped),
+                };
+                if status == QueryStatus::Miss {
+                    break 'keys;
+                }
+            }
+            count += 1;
+        }
+        self.end_anonymous_scope(&mut runner, extra, &scope);
+        Ok(count)
+    }
+
+    /// Restores `keys` into host pages `host_pages` (one page index per key):
+    /// from KVCR DRAM, or from the hinted peer. `true` for a page every rank
+    /// restored.
+    pub fn batch_get(&self, keys: &[BlockKey], host_pages: &[u64], extra: &ExtraInfo) -> Vec<bool> {
+        let local = self
+            .local(Method::BatchGet, || self.local_get(keys, host_pages, extra))
+            .unwrap_or_else(|| vec![false; keys.len()]);
+        let agreed = self.agree(self.groups.prefetch.as_ref(), &local);
+        bump(
+            &self.counters.pages_restored,
+            agreed.iter().filter(|b| **b).count() as u64,
+        );
+        agreed
+    }
+
+    fn check_batch(&self, active: &Active, keys: &[BlockKey], host_pages: &[u64]) -> Result<()> {
+        if keys.len() != host_pages.len() {
+            return Err(Error::Batch(format!(
+                "{} keys but {} host pages",
+                keys.len(),
+                host_pages.len()
+            )));
+        }
+        if let Some(bad) = host_pages.iter().find(|p| **p >= active.plan.pages) {
+            return Err(Error::Batch(format!(
+                "host page {bad} is outside the pool's {} pages",
+                active.plan.pages
+            )));
+        }
+        Ok(())
+    }
+
+    fn local_get(
+        &self,
+        keys: &[BlockKey],
+        host_pages: &[u64],
+        extra: &ExtraInfo,
+    ) -> Result<Vec<bool>> {
+        let active = self.active()?;
+        self.check_batch(active, keys, host_pages)?;
+        let segments = active.segments.len();
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        // A key named twice (two requests restoring one page into two host
+        // pages) goes in a later wave, after the first copy made it resident.
+        let mut waves: Vec<Vec<usize>> = Vec::new();
+        let mut seen: HashMap<BlockKey, usize> = HashMap::new();
+        for (i, key) in keys.iter().enumerate() {
+            let n = seen.entry(*key).or_insert(0);
+            if let Some(wave) = waves.get_mut(*n) {
+                wave.push(i);
+            } else {
+                waves.push(vec![i]);
+            }
+            *n += 1;
+        }
+        let mut ok = vec![false; keys.len()];
+        let mut scope = None;
+        for wave in waves {
+            let (op, hinted) = {
+                let mut runner = active.runner();
+                if scope.is_none() {
+                    scope = self.apply_hint(active, &mut runner, extra);
+                }
+                let mut hinted = Vec::new();
+                let mut entries = Vec::with_capacity(wave.len() * segments);
+                for &i in &wave {
+                    let (Some(key), Some(page)) = (keys.get(i), host_pages.get(i)) else {
+                        continue;
+                    };
+                    let mut remote = false;
+                    for (s, scoped) in active.scoped(*key).enumerate() {
+                        if let Some(request) = &scope {
+                            remote |= matches!(
+                                runner.query_hinted(request, &scoped),
+                                QueryStatus::Fetchable(_)
+                            );
+                        }
+                        entries.push(DeliverEntry {
+                            key: scoped,
+                            destinations: active.elements(s, *page),
+                        });
+                    }
+                    if remote {
+                        hinted.push(i);
+                    }
+                }
+                let op = match &scope {
+                    Some(request) => runner.deliver_hinted(request, entries)?,
+                    None => runner.deliver(entries)?,
+                };
+                (op, hinted)
+            };
+            bump(&self.counters.hinted_pages_requested, hinted.len() as u64);
+            let result = active.finish_op(
+                op,
+                self.backend.get_timeout,
+                self.backend.operation_timeout,
+                &self.counters.ops_abandoned,
+            );
+            let Some(result) = result else {
+                let mut runner = active.runner();
+                self.end_anonymous_scope(&mut runner, extra, &scope);
+                return Err(Error::Timeout(self.backend.get_timeout.as_millis() as u64));
+            };
+            for (w, &i) in wave.iter().enumerate() {
+                let all = result
+                    .entries
+                    .get(w * segments..(w + 1) * segments)
+                    .is_some_and(|e| e.len() == segments && e.iter().all(|(_, r)| r.is_success()));
+                if let Some(slot) = ok.get_mut(i) {
+                    *slot = all;
+                }
+            }
+            let loaded = hinted
+                .iter()
+                .filter(|i| ok.get(**i).copied().unwrap_or(false))
+                .count();
+            bump(&self.counters.hinted_pages_loaded, loaded as u64);
+        }
+        let mut runner = active.runner();
+        self.end_anonymous_scope(&mut runner, extra, &scope);
+        Ok(ok)
+    }
+
+    /// Stores host pages `host_pages` under `keys` in KVCR DRAM (write-through
+    /// backup). `true` for a page every rank committed; such pages are
+    /// published once (with `extra.pages` tokens). First, every rank's
+    /// evictions since the last call are gathered and published as `Removed`.
+    pub fn batch_set(&self, keys: &[BlockKey], host_pages: &[u64], extra: &ExtraInfo) -> Vec<bool> {
+        self.exchange_evictions();
+        let local = self
+            .local(Method::BatchSet, || self.local_set(keys, host_pages))
+            .unwrap_or_else(|| vec![false; keys.len()]);
+        let agreed = self.agree(self.groups.backup.as_ref(), &local);
+        let committed = agreed.iter().filter(|b| **b).count() as u64;
+        bump(&self.counters.pages_committed, committed);
+        if committed > 0 {
+            let (events, unpublished) =
+                lock(&self.ledger).stored(keys, &agreed, extra.pages.as_ref());
+            bump(&self.counters.pages_unpublished, unpublished as u64);
+            self.publish(events);
+        }
+        agreed
+    }
+
+    fn local_set(&self, keys: &[BlockKey], host_pages: &[u64]) -> Result<Vec<bool>> {
+        let active = self.active()?;
+        self.check_batch(active, keys, host_pages)?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let segments = active.segments.len();
+        // Keys are unique per call (a page is stored once, from its first
+        // host copy); repeats share the first one's outcome.
+        let mut first: HashMap<BlockKey, usize> = HashMap::new();
+        let mut unique = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            first.entry(*key).or_insert_with(|| {
+                unique.push(i);
+                unique.len() - 1
+            });
+        }
+        let op = {
+            let mut runner = active.runner();
+            let mut entries = Vec::with_capacity(unique.len() * segments);
+            for &i in &unique {
+                let (Some(key), Some(page)) = (keys.get(i), host_pages.get(i)) else {
+                    continue;
+                };
+                for (s, scoped) in active.scoped(*key).enumerate() {
+                    entries.push(DepositEntry {
+                        key: scoped,
+                        spans: active.elements(s, *page),
+                        page: None,
+                    });
+                }
+            }
+            runner.deposit(entries, false)?
+        };
+        let result = active
+            .finish_op(
+                op,
+                self.backend.get_timeout,
+                self.backend.operation_timeout,
+                &self.counters.ops_abandoned,
+            )
+            .ok_or(Error::Timeout(self.backend.get_timeout.as_millis() as u64))?;
+        let stored: Vec<bool> = (0..unique.len())
+            .map(|u| {
+                result
+                    .entries
+                    .get(u * segments..(u + 1) * segments)
+                    .is_some_and(|e| e.len() == segments && e.iter().all(|(_, r)| r.is_success()))
+            })
+            .collect();
+        Ok(keys
+            .iter()
+            .map(|k| {
+                first
+                    .get(k)
+                    .and_then(|u| stored.get(*u))
+                    .copied()
+                    .unwrap_or(false)
+            })
+            .collect())
+    }
+
+    /// Gathers every rank's evictions since the last exchange and publishes
+    /// `Removed` for the published pages among them (a collective on the
+    /// backup group; `batch_set` runs it first). Call it on every rank.
+    pub fn sync_inventory(&self) {
+        self.exchange_evictions();
+    }
+
+    fn exchange_evictions(&self) {
+        let local: Vec<BlockKey> = {
+            let mut pending = lock(&self.evictions.pending);
+            let n = pending.len().min(MAX_EVICTIONS_PER_ROUND);
+            pending.drain(..n).collect()
+        };
+        let raw: Vec<u64> = local.iter().map(|k| k.as_u64()).collect();
+        match self.groups.backup.all_gather(&raw) {
+            Ok(all) => {
+                let union: Vec<BlockKey> =
+                    all.into_iter().flatten().map(BlockKey::from_u64).collect();
+                let event = lock(&self.ledger).removed(union);
+                if let Some(event) = event {
+                    self.publish(vec![event]);
+                }
+            }
+            Err(e) => {
+                // Keep them for the next round: an eviction is never lost.
+                bump(&self.counters.faults_collective, 1);
+                *lock(&self.last_error) = Some(format!("collective: {e}"));
+                let mut pending = lock(&self.evictions.pending);
+                let rest = std::mem::take(&mut *pending);
+                *pending = local;
+                pending.extend(rest);
+            }
+        }
+    }
+
+    fn publish(&self, events: Vec<InventoryEvent>) {
+        for event in &events {
+            match event {
+                InventoryEvent::Stored { keys, .. } => {
+                    bump(&self.counters.pages_published, keys.len() as u64);
+                }
+                InventoryEvent::Removed { keys, .. } => {
+                    bump(&self.counters.pages_removed, keys.len() as u64);
+                }
+                InventoryEvent::AllCleared { .. } => {}
+            }
+        }
+        if let Some(sink) = lock(&self.sink).as_mut() {
+            for event in &events {
+                sink.publish(event);
+            }
+        }
+    }
+
+    /// The published pages removed since the last call (for engines that
+    /// publish inventory themselves); a second call returns nothing new.
+    pub fn take_removed_page_hashes(&self) -> Vec<BlockKey> {
+        lock(&self.ledger).take_removed()
+    }
+
+    /// Whether the group has published `key` as stored (and not removed).
+    pub fn is_published(&self, key: BlockKey) -> bool {
+        lock(&self.ledger).is_published(&key)
+    }
+
+    /// Pages published as stored and not removed.
+    pub fn published_pages(&self) -> usize {
+        lock(&self.ledger).published_len()
+    }
+
+    /// Counters of this rank.
+    pub fn stats(&self) -> StorageStats {
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        StorageStats {
+            faults_batch_exists: get(&c.faults_batch_exists),
+            faults_batch_get: get(&c.faults_batch_get),
+            faults_batch_set: get(&c.faults_batch_set),
+            faults_collective: get(&c.faults_collective),
+            hints_rejected: get(&c.hints_rejected),
+            hints_ignored: get(&c.hints_ignored),
+            hinted_pages_requested: get(&c.hinted_pages_requested),
+            hinted_pages_loaded: get(&c.hinted_pages_loaded),
+            pages_restored: get(&c.pages_restored),
+            pages_committed: get(&c.pages_committed),
+            pages_published: get(&c.pages_published),
+            pages_removed: get(&c.pages_removed),
+            pages_unpublished: get(&c.pages_unpublished),
+            ops_abandoned: get(&c.ops_abandoned),
+            last_error: lock(&self.last_error).clone(),
+        }
+    }
+
+    /// The runner's state (once registered).
+    pub fn runner_stats(&self) -> Option<RunnerStats> {
+        self.active.get().map(|a| a.runner().stats())
+    }
+
+    /// The runner's peer counters (peer mode, once registered).
+    pub fn peer_counters(&self) -> Option<PeerCounters> {
+        self.active
+            .get()
+            .filter(|a| a.endpoint.is_some())
+            .map(|a| a.runner().peer_stats().0)
+    }
+
+    /// Checks the runner's structural invariants (tests and debugging).
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        match self.active.get() {
+            Some(a) => a.runner().check_invariants(),
+            None => Ok(()),
+        }
+    }
+}
+
+fn parse_hint(text: &str) -> kvcr_foundation::Result<FetchHint> {
+    let looks_versioned = serde_json::from_str::<Value>(text)
+        .ok()
+        .and_then(|v| {
+            v.as_object()
+                .map(|o| o.contains_key("protocol_version") || o.contains_key("actions"))
+        })
+        .unwrap_or(true);
+    if looks_versioned {
+        FetchHint::from_json(text)
+    } else {
+        FetchHint::from_legacy_json(text)
+    }
+}

@@ -1,0 +1,163 @@
+//! Extra-config and engine-config validation (contract cases 7, 8, 11).
+
+use kvcr_hicache_storage::{
+    BackendConfig, Error, EvictionPolicy, KvcrHiCacheStorage, RankGroups, StorageConfig,
+};
+use rstest::rstest;
+use serde_json::{Value, json};
+
+fn with(extra: Value) -> Value {
+    let mut base = json!({"local_dram_bytes": 1 << 20});
+    for (k, v) in extra.as_object().unwrap() {
+        base[k] = v.clone();
+    }
+    base
+}
+
+#[test]
+fn shipped_defaults_are_accepted() {
+    let c = BackendConfig::from_value(&json!({"local_dram_bytes": 1 << 20})).unwrap();
+    assert_eq!(c.operation_timeout.as_millis(), 20_000);
+    assert_eq!(c.get_timeout.as_secs(), 30);
+    assert_eq!(c.policy, EvictionPolicy::Lru);
+    assert!(!c.enable_remote_hint);
+}
+
+/// Case 7: `get_timeout_s * 1000 <= operation_timeout_ms` is refused,
+/// equality included.
+#[rstest]
+#[case::equal(json!({"operation_timeout_ms": 30000, "get_timeout_s": 30}), false)]
+#[case::below(json!({"operation_timeout_ms": 20000, "get_timeout_s": 19.999}), false)]
+#[case::default_get_below_long_op(json!({"operation_timeout_ms": 40000}), false)]
+#[case::just_above(json!({"operation_timeout_ms": 20000, "get_timeout_s": 20.001}), true)]
+#[case::defaults(json!({}), true)]
+fn get_timeout_must_exceed_operation_timeout(#[case] extra: Value, #[case] ok: bool) {
+    let got = BackendConfig::from_value(&with(extra));
+    match (got, ok) {
+        (Ok(_), true) => {}
+        (Err(Error::Config { key, .. }), false) => assert_eq!(key, "get_timeout_s"),
+        (other, _) => panic!("{other:?}"),
+    }
+}
+
+/// Case 8: remote hints need a fixed port and a dialable advertise host; a
+/// wildcard bind with an explicit advertise host is fine; local-only keeps
+/// port 0.
+#[rstest]
+#[case::port_zero(json!({"enable_remote_hint": true, "control_port": 0, "control_advertise_host": "10.0.0.5"}), Some("control_port"))]
+#[case::advertise_absent(json!({"enable_remote_hint": true, "control_port": 25000}), Some("control_advertise_host"))]
+#[case::advertise_empty(json!({"enable_remote_hint": true, "control_port": 25000, "control_advertise_host": ""}), Some("control_advertise_host"))]
+#[case::advertise_v4_wildcard(json!({"enable_remote_hint": true, "control_port": 25000, "control_advertise_host": "0.0.0.0"}), Some("control_advertise_host"))]
+#[case::advertise_v6_wildcard(json!({"enable_remote_hint": true, "control_port": 25000, "control_advertise_host": "::"}), Some("control_advertise_host"))]
+#[case::advertise_v6_bracketed_wildcard(json!({"enable_remote_hint": true, "control_port": 25000, "control_advertise_host": "[::]"}), Some("control_advertise_host"))]
+#[case::advertise_star(json!({"enable_remote_hint": true, "control_port": 25000, "control_advertise_host": "*"}), Some("control_advertise_host"))]
+#[case::loopback_cross_host(json!({"enable_remote_hint": true, "control_port": 25000, "control_advertise_host": "127.0.0.1"}), Some("control_advertise_host"))]
+#[case::loopback_single_host(json!({"enable_remote_hint": true, "control_port": 25000, "control_advertise_host": "127.0.0.1", "single_host": true}), None)]
+#[case::wildcard_bind_explicit_advertise(json!({"enable_remote_hint": true, "control_host": "0.0.0.0", "control_port": 25000, "control_advertise_host": "10.0.0.5"}), None)]
+#[case::v6_wildcard_bind(json!({"enable_remote_hint": true, "control_host": "::", "control_port": 25000, "control_advertise_host": "fd00::1"}), None)]
+#[case::local_only_port_zero(json!({"control_port": 0}), None)]
+#[case::bind_host_name(json!({"control_host": "node7"}), Some("control_host"))]
+fn remote_hint_settings(#[case] extra: Value, #[case] refused_key: Option<&str>) {
+    match (BackendConfig::from_value(&with(extra)), refused_key) {
+        (Ok(_), None) => {}
+        (Err(Error::Config { key, .. }), Some(expected)) => assert_eq!(key, expected),
+        (other, _) => panic!("{other:?}"),
+    }
+}
+
+/// Unknown keys are refused with the key named; the engine's loader keys are not.
+#[test]
+fn unknown_keys_are_named() {
+    let err = BackendConfig::from_value(&with(json!({"local_dram_byte": 5}))).unwrap_err();
+    assert_eq!(err, Error::UnknownKey("local_dram_byte".into()));
+    assert!(err.to_string().contains("`local_dram_byte`"), "{err}");
+    BackendConfig::from_value(&with(json!({
+        "backend_name": "kvcr", "module_path": "m", "class_name": "C", "interface_v1": 1
+    })))
+    .unwrap();
+}
+
+/// Every bound, with the key named.
+#[rstest]
+#[case::dram_missing(json!({}), "local_dram_bytes")]
+#[case::dram_zero(json!({"local_dram_bytes": 0}), "local_dram_bytes")]
+#[case::dram_huge(json!({"local_dram_bytes": 1u64 << 50}), "local_dram_bytes")]
+#[case::dram_string(json!({"local_dram_bytes": "1G"}), "local_dram_bytes")]
+#[case::dram_negative(json!({"local_dram_bytes": -1}), "local_dram_bytes")]
+#[case::op_zero(json!({"local_dram_bytes": 1, "operation_timeout_ms": 0}), "operation_timeout_ms")]
+#[case::get_nan(json!({"local_dram_bytes": 1, "get_timeout_s": "x"}), "get_timeout_s")]
+#[case::get_negative(json!({"local_dram_bytes": 1, "get_timeout_s": -3}), "get_timeout_s")]
+#[case::policy_unknown(json!({"local_dram_bytes": 1, "policy": "g3_lru"}), "policy")]
+#[case::policy_number(json!({"local_dram_bytes": 1, "policy": 1}), "policy")]
+#[case::port_range(json!({"local_dram_bytes": 1, "control_port": 70000}), "control_port")]
+#[case::medium(json!({"local_dram_bytes": 1, "medium": "GPU"}), "medium")]
+#[case::remote_not_bool(json!({"local_dram_bytes": 1, "enable_remote_hint": "yes"}), "enable_remote_hint")]
+#[case::hinted_zero(json!({"local_dram_bytes": 1, "max_hinted_requests": 0}), "max_hinted_requests")]
+#[case::tls_empty(json!({"local_dram_bytes": 1, "ucx_tls": ""}), "ucx_tls")]
+fn bounds_name_their_key(#[case] extra: Value, #[case] expected: &str) {
+    match BackendConfig::from_value(&extra) {
+        Err(Error::Config { key, .. }) => assert_eq!(key, expected),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The three spellings the engine passes: object, JSON text, `@path`; empty
+/// text is `{}` (and so misses the required size).
+#[test]
+fn config_spellings() {
+    let text = r#"{"local_dram_bytes": 4096, "policy": "fifo"}"#;
+    assert_eq!(
+        BackendConfig::parse(text).unwrap().policy,
+        EvictionPolicy::Fifo
+    );
+    let path = std::env::temp_dir().join(format!("kvcr-hicache-{}.json", std::process::id()));
+    std::fs::write(&path, text).unwrap();
+    let from_file = BackendConfig::parse(&format!("@{}", path.display())).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(from_file.local_dram_bytes, 4096);
+    assert!(matches!(
+        BackendConfig::parse("  "),
+        Err(Error::Config { key, .. }) if key == "local_dram_bytes"
+    ));
+    assert!(matches!(
+        BackendConfig::parse("[1]"),
+        Err(Error::ConfigSyntax(_))
+    ));
+    assert!(matches!(
+        BackendConfig::parse("{"),
+        Err(Error::ConfigSyntax(_))
+    ));
+    assert!(matches!(
+        BackendConfig::parse("@/nonexistent/kvcr.json"),
+        Err(Error::ConfigSyntax(_))
+    ));
+}
+
+/// Case 11: pipeline parallelism and head splitting are refused, named.
+#[rstest]
+#[case::pp(|c: &mut StorageConfig| c.pp_size = 2, "pipeline parallelism")]
+#[case::split_heads(|c: &mut StorageConfig| c.should_split_heads = true, "heterogeneous TP")]
+#[case::mla(|c: &mut StorageConfig| c.is_mla_model = true, "is_mla_model")]
+fn unsupported_topologies_are_named(#[case] change: fn(&mut StorageConfig), #[case] named: &str) {
+    let mut config = StorageConfig::single_rank("m", json!({"local_dram_bytes": 4096}));
+    change(&mut config);
+    match KvcrHiCacheStorage::new(config, RankGroups::solo()) {
+        Err(e @ Error::Unsupported(_)) => assert!(e.to_string().contains(named), "{e}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The rank group must match the TP size, and the rank must be in range.
+#[test]
+fn rank_group_must_match_the_topology() {
+    let config = StorageConfig::single_rank("m", json!({"local_dram_bytes": 4096})).with_tp(0, 2);
+    assert!(matches!(
+        KvcrHiCacheStorage::new(config, RankGroups::solo()),
+        Err(Error::Config { key, .. }) if key == "rank_groups"
+    ));
+    let config = StorageConfig::single_rank("m", json!({"local_dram_bytes": 4096})).with_tp(2, 2);
+    assert!(matches!(
+        KvcrHiCacheStorage::new(config, RankGroups::solo()),
+        Err(Error::Config { key, .. }) if key == "tp_rank"
+    ));
+}
