@@ -65,7 +65,10 @@ pub(crate) fn build(root: &Path) -> Result<()> {
     let mut maturin = Command::new(venv(root).join("bin").join("maturin"));
     maturin
         .current_dir(root.join(DIR))
-        .args(["build", "--release", "--locked", "--out"])
+        // The wheel links the system's UCX (Debian's libucx); it is installed
+        // here, not redistributed, so no auditwheel repair (which would
+        // vendor libucx and needs patchelf).
+        .args(["build", "--release", "--locked", "--auditwheel", "skip", "--out"])
         .arg(&wheels);
     with_env(root, &mut maturin);
     run(&mut maturin)?;

@@ -23,9 +23,6 @@ pub(crate) enum Error {
     /// A host-pool description or a flat page from Python is inconsistent.
     #[error("{0}")]
     Argument(String),
-    /// A legacy (flat page) call before the staging pool exists.
-    #[error("legacy byte-copy calls need the host pool registered first")]
-    NoStaging,
     /// Memory for the legacy staging pool could not be allocated.
     #[error("cannot allocate {0} bytes of staging memory")]
     Allocation(u64),

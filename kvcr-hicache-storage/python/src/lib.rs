@@ -159,13 +159,17 @@ impl Backend {
         pages: &[u64],
         op: impl FnOnce(&[BlockKey], &[u64]) -> Vec<bool>,
     ) -> Vec<bool> {
+        let mut out = vec![false; keys.len()];
+        if pages.len() != keys.len() {
+            // A malformed call: no page of it is trusted.
+            self.note_argument_fault();
+            return out;
+        }
         let valid = leading_keys(keys);
-        if valid.len() < keys.len() || pages.len() != keys.len() {
+        if valid.len() < keys.len() {
             self.note_argument_fault();
         }
-        let n = valid.len().min(pages.len());
-        let mut out = vec![false; keys.len()];
-        let done = op(valid.get(..n).unwrap_or(&[]), pages.get(..n).unwrap_or(&[]));
+        let done = op(&valid, pages.get(..valid.len()).unwrap_or(&[]));
         for (slot, ok) in out.iter_mut().zip(done) {
             *slot = ok;
         }
@@ -351,7 +355,8 @@ impl Backend {
 
     /// Legacy byte-copy read: restores `keys` into flat pages given as
     /// `(address, nbytes)` (contiguous CPU tensors the caller keeps alive
-    /// and untouched during the call). `True` per page restored.
+    /// and untouched during the call). `True` for the leading run of pages
+    /// restored; the first miss and every page after it are `False`.
     #[pyo3(signature = (keys, pages, extra_info=None))]
     fn batch_get_flat(
         &self,
@@ -468,8 +473,9 @@ impl Backend {
 
 impl Backend {
     /// Legacy get: chunks of `STAGING_PAGES` through the get half of the
-    /// staging pool; stops at the first chunk with a miss (later pages stay
-    /// misses, as SGLang reads only the leading run).
+    /// staging pool; the result is the leading run of restored pages (the
+    /// first miss and every page after it are misses, as SGLang reads only
+    /// the leading run).
     fn flat_get(
         &self,
         staging: &Staging,
@@ -489,18 +495,21 @@ impl Backend {
             let slots: Vec<u64> = (0..key_chunk.len() as u64).collect();
             let restored =
                 self.paged(key_chunk, &slots, |k, p| self.storage.batch_get(k, p, extra));
-            let mut all = true;
+            // Copy out the leading run only: SGLang reads pages up to the
+            // first miss, so copying later ones would be wasted work.
+            let mut all = restored.len() == key_chunk.len();
             for (i, ok) in restored.into_iter().enumerate() {
-                let Some(&(addr, len)) = page_chunk.get(i) else {
+                let copied = ok
+                    && page_chunk.get(i).is_some_and(|&(addr, len)| {
+                        self.copy_out(staging, i as u64, FlatPage { addr, len })
+                    });
+                if !copied {
                     all = false;
                     break;
-                };
-                let copied = ok
-                    && self.copy_out(staging, i as u64, FlatPage { addr, len });
-                if let Some(slot) = out.get_mut(start + i) {
-                    *slot = copied;
                 }
-                all &= copied;
+                if let Some(slot) = out.get_mut(start + i) {
+                    *slot = true;
+                }
             }
             if !all {
                 break;
