@@ -9,9 +9,11 @@ first miss. The backend is built by SGLang's own ``StorageBackendFactory``.
 from __future__ import annotations
 
 import hashlib
+import socket
 import struct
 
 import sglang_files
+from host_pool import MhaHostPool
 
 hicache_storage, backend_factory = sglang_files.load()
 HiCacheStorageConfig = hicache_storage.HiCacheStorageConfig
@@ -24,6 +26,73 @@ KVCR_LOADER_KEYS = {
     "module_path": "kvcr_hicache.sglang",
     "class_name": "KvcrStorage",
 }
+
+# A small model geometry (1 KiB pages) keeps the suite fast; the benchmark
+# uses Qwen3-0.6B's.
+GEOMETRY = dict(page_size=4, layer_num=2, head_num=2, head_dim=8)
+
+
+def extra_config(interface_v1, kvcr_pages=400, **more):
+    """The extra config an operator passes on the command line."""
+    page_bytes = MhaHostPool(pages=1, **GEOMETRY).page_bytes
+    extra = dict(
+        KVCR_LOADER_KEYS,
+        local_dram_bytes=kvcr_pages * page_bytes,
+        operation_timeout_ms=5000,
+        get_timeout_s=10,
+        prefault=False,
+        **more,
+    )
+    if interface_v1:
+        extra["interface_v1"] = 1
+    return extra
+
+
+def peer_extra_config(port, tls, **more):
+    """Peer mode on loopback: serve peers at ``port`` and follow hints."""
+    return extra_config(
+        True,
+        enable_remote_hint=True,
+        control_host="127.0.0.1",
+        control_port=port,
+        control_advertise_host="127.0.0.1",
+        single_host=True,
+        ucx_tls=tls,
+        **more,
+    )
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompt_keys(n_pages, salt=0):
+    """The storage keys of a synthetic prompt of ``n_pages`` pages."""
+    size = GEOMETRY["page_size"]
+    tokens = [(salt * 7919 + i) % 151_000 for i in range(n_pages * size)]
+    return page_keys(tokens, size)
+
+
+def fetch_hint(source_endpoint, keys):
+    """A router's kv.fetch@1.0 hint naming ``source_endpoint`` for ``keys``
+    (root-aligned page hashes: the first 16 hex digits of each key, as
+    SGLang's KV events publish them)."""
+    return {
+        "protocol_version": "0.1",
+        "message_id": "m-1",
+        "actions": [{
+            "action_id": "a-1",
+            "action_type": "kv.fetch",
+            "action_version": "1.0",
+            "payload": {
+                "source_control_endpoint": source_endpoint,
+                "block_hashes": [int(k[:16], 16) for k in keys],
+                "mode": "copy",
+            },
+        }],
+    }
 
 
 def page_keys(tokens, page_size, prior_hex=None):

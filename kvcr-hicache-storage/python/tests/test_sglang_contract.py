@@ -12,37 +12,14 @@ import pytest
 import torch
 
 import engine
-from engine import Controller, HiCacheStorageExtraInfo, attach, page_keys
+from engine import GEOMETRY, Controller, HiCacheStorageExtraInfo, attach, extra_config, prompt_keys
 from host_pool import MhaHostPool
 
 import kvcr_hicache
 from kvcr_hicache.sglang import KvcrStorage
 
-# A small model geometry (1 KiB pages) keeps the suite fast; the benchmark
-# uses Qwen3-0.6B's.
-GEOMETRY = dict(page_size=4, layer_num=2, head_num=2, head_dim=8)
 HOST_PAGES = 160
 LAYOUTS = ["page_first", "layer_first", "page_first_direct", "page_head"]
-
-
-def extra_config(interface_v1, kvcr_pages=400, **more):
-    pool = MhaHostPool(pages=1, **GEOMETRY)
-    extra = dict(
-        engine.KVCR_LOADER_KEYS,
-        local_dram_bytes=kvcr_pages * pool.page_bytes,
-        operation_timeout_ms=5000,
-        get_timeout_s=10,
-        prefault=False,
-        **more,
-    )
-    if interface_v1:
-        extra["interface_v1"] = 1
-    return extra
-
-
-def prompt_keys(n_pages, salt=0):
-    tokens = [(salt * 7919 + i) % 151_000 for i in range(n_pages * GEOMETRY["page_size"])]
-    return page_keys(tokens, GEOMETRY["page_size"])
 
 
 def start(layout="page_first", interface_v1=True, **extra):
@@ -202,15 +179,7 @@ def test_bad_input_is_a_counted_miss_never_an_exception():
 def test_router_hint_intake_without_peer_mode_is_counted_and_ignored():
     backend, pool, ctl = start()
     keys = prompt_keys(2)
-    hint = {
-        "protocol_version": "0.1",
-        "actions": [{
-            "action_type": "kv.fetch", "action_version": "1.0",
-            "payload": {"source_control_endpoint": "tcp://127.0.0.1:9",
-                        "block_hashes": [int(k[:16], 16) for k in keys]},
-        }],
-    }
-    info = {"kvcr_router_hint": hint, "request_id": "r1"}
+    info = {"kvcr_router_hint": engine.fetch_hint("tcp://127.0.0.1:9", keys), "request_id": "r1"}
     assert ctl.hit_query(keys, extra_info=info) == 0
     assert backend.get_stats()["hints_ignored"] >= 1
 
