@@ -41,8 +41,8 @@ def extra_config(interface_v1, kvcr_pages=400, **more):
         operation_timeout_ms=5000,
         get_timeout_s=10,
         prefault=False,
-        **more,
     )
+    extra.update(more)
     if interface_v1:
         extra["interface_v1"] = 1
     return extra
