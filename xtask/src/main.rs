@@ -36,6 +36,8 @@ Commands:
   bench [--quick]   run every benchmark (each figure beside an anchor measured
                     in the same run); prints BENCH lines and writes
                     target/bench/report.md
+  python            the Python face alone: install its venv if missing, build
+                    the extension, run its pytest suite (part of `test`)
   layers            check the crate dependency layering
   help              this text
 ";
@@ -52,6 +54,10 @@ fn main() -> Result<()> {
         "fuzz" => fuzz(&root, &rest),
         "bench" => bench::run(&root, &rest),
         "demo" => demo::run(&root, &rest),
+        "python" => {
+            python::ensure_env(&root)?;
+            python::build_and_test(&root)
+        }
         "layers" => {
             layers::check(&root)?;
             println!("xtask: layering ok");

@@ -68,7 +68,14 @@ pub(crate) fn build(root: &Path) -> Result<()> {
         // The wheel links the system's UCX (Debian's libucx); it is installed
         // here, not redistributed, so no auditwheel repair (which would
         // vendor libucx and needs patchelf).
-        .args(["build", "--release", "--locked", "--auditwheel", "skip", "--out"])
+        .args([
+            "build",
+            "--release",
+            "--locked",
+            "--auditwheel",
+            "skip",
+            "--out",
+        ])
         .arg(&wheels);
     with_env(root, &mut maturin);
     run(&mut maturin)?;
@@ -97,13 +104,16 @@ pub(crate) fn build(root: &Path) -> Result<()> {
 pub(crate) fn build_and_test(root: &Path) -> Result<()> {
     build(root)?;
     let mut pytest = Command::new(python(root));
-    pytest.current_dir(root.join(DIR)).args([
+    // From the tests folder: `python -m` puts the working folder first on
+    // sys.path, and the package's source folder (no extension inside) must
+    // not shadow the installed wheel.
+    pytest.current_dir(root.join(DIR).join("tests")).args([
         "-m",
         "pytest",
         "-q",
         "-p",
         "no:cacheprovider",
-        "tests",
+        ".",
     ]);
     with_env(root, &mut pytest);
     run(&mut pytest)

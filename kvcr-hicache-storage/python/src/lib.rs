@@ -117,7 +117,9 @@ fn geometry(
 
 impl Backend {
     fn note_argument_fault(&self) {
-        self.counters.faults_argument.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .faults_argument
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     /// The request scope and router hint of an engine `extra_info` dict,
@@ -270,7 +272,9 @@ impl Backend {
             if staging.page_bytes == geometry.page_bytes() {
                 return Ok(());
             }
-            return Err(Error::Argument("staging pool registered with another geometry".into()).into());
+            return Err(
+                Error::Argument("staging pool registered with another geometry".into()).into(),
+            );
         }
         let pages = 2 * STAGING_PAGES;
         let len = HostPoolDesc::required_len(&geometry, pages)
@@ -329,9 +333,7 @@ impl Backend {
         let Some(pages) = self.host_pages(&token_indices) else {
             return vec![false; keys.len()];
         };
-        py.detach(|| {
-            self.paged(&keys, &pages, |k, p| self.storage.batch_get(k, p, &extra))
-        })
+        py.detach(|| self.paged(&keys, &pages, |k, p| self.storage.batch_get(k, p, &extra)))
     }
 
     /// Stores the host pages at `token_indices` under `keys`: `True` per page
@@ -348,9 +350,7 @@ impl Backend {
         let Some(pages) = self.host_pages(&token_indices) else {
             return vec![false; keys.len()];
         };
-        py.detach(|| {
-            self.paged(&keys, &pages, |k, p| self.storage.batch_set(k, p, &extra))
-        })
+        py.detach(|| self.paged(&keys, &pages, |k, p| self.storage.batch_set(k, p, &extra)))
     }
 
     /// Legacy byte-copy read: restores `keys` into flat pages given as
@@ -493,8 +493,9 @@ impl Backend {
             .map(|(i, c)| (i * chunk, c))
         {
             let slots: Vec<u64> = (0..key_chunk.len() as u64).collect();
-            let restored =
-                self.paged(key_chunk, &slots, |k, p| self.storage.batch_get(k, p, extra));
+            let restored = self.paged(key_chunk, &slots, |k, p| {
+                self.storage.batch_get(k, p, extra)
+            });
             // Copy out the leading run only: SGLang reads pages up to the
             // first miss, so copying later ones would be wasted work.
             let mut all = restored.len() == key_chunk.len();
@@ -546,11 +547,9 @@ impl Backend {
                 staged += 1;
             }
             let slots: Vec<u64> = (STAGING_PAGES..STAGING_PAGES + staged as u64).collect();
-            let stored = self.paged(
-                key_chunk.get(..staged).unwrap_or(&[]),
-                &slots,
-                |k, p| self.storage.batch_set(k, p, extra),
-            );
+            let stored = self.paged(key_chunk.get(..staged).unwrap_or(&[]), &slots, |k, p| {
+                self.storage.batch_set(k, p, extra)
+            });
             let all = staged == key_chunk.len() && stored.iter().all(|&ok| ok);
             for (i, ok) in stored.into_iter().enumerate() {
                 if let Some(slot) = out.get_mut(start + i) {

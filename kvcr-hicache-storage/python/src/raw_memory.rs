@@ -179,7 +179,10 @@ mod tests {
             gather_into(&buffer, &spans, dst_page).unwrap();
         }
         assert_eq!(src, dst);
-        let short = FlatPage { addr: dst.as_mut_ptr() as u64, len: 15 };
+        let short = FlatPage {
+            addr: dst.as_mut_ptr() as u64,
+            len: 15,
+        };
         // SAFETY: as above; the call must refuse before copying.
         assert!(unsafe { gather_into(&buffer, &spans, short) }.is_err());
         // SAFETY: as above.

@@ -145,6 +145,13 @@ def test_legacy_flat_pages_set_exists_get(layout):
     got = backend.get(keys[1], dummy)
     assert got is dummy and torch.equal(dummy.view(torch.uint8), expected[1])
     assert backend.get(prompt_keys(1, salt=77)[0], pool.get_dummy_flat_data_page()) is None
+    # Flat pages of the wrong size or layout are misses, counted.
+    before = backend.get_stats()["faults_argument"]
+    assert backend.batch_set(keys[:1], [torch.zeros(7, dtype=torch.bfloat16)]) is False
+    assert backend.get(keys[0], torch.zeros(7, dtype=torch.bfloat16)) is None
+    strided = torch.zeros(pool.page_bytes, dtype=torch.bfloat16)[::2]
+    assert backend.get(keys[0], strided) is None
+    assert backend.get_stats()["faults_argument"] == before + 2
     # Partial: the miss and everything after it are None.
     mixed = keys[:2] + prompt_keys(1, salt=78) + keys[2:4]
     out = backend.batch_get(mixed, [pool.get_dummy_flat_data_page() for _ in mixed])
