@@ -48,6 +48,9 @@ use crate::raw_memory::{FlatPage, OwnedBuffer};
 /// served in chunks.
 pub const STAGING_PAGES: u64 = 8;
 
+/// A host page index no pool has (see `Backend::paged`).
+const NO_PAGE: u64 = u64::MAX;
+
 /// The legacy staging pool: memory this extension owns, registered with the
 /// backend as its host pool (page-first, the engine's page geometry).
 struct Staging {
@@ -139,42 +142,52 @@ impl Backend {
         }
     }
 
-    /// Host pages of SGLang-style token indices; `None` (all misses, counted)
-    /// when there is no host pool yet or the indices are not whole, aligned
-    /// pages.
+    /// Host pages of SGLang-style token indices; `None` (counted) when there
+    /// is no host pool yet or the indices are not whole, aligned pages.
     fn host_pages(&self, token_indices: &[u64]) -> Option<Vec<u64>> {
-        let page_size = *self.page_size.get()?;
-        match pages_from_token_indices(token_indices, page_size) {
-            Ok(pages) => Some(pages),
-            Err(_) => {
-                self.note_argument_fault();
-                None
-            }
+        let pages = self
+            .page_size
+            .get()
+            .and_then(|&size| pages_from_token_indices(token_indices, size).ok());
+        if pages.is_none() {
+            self.note_argument_fault();
         }
+        pages
     }
 
-    /// Runs `op` over the leading valid keys and their pages; every other
-    /// entry is a miss.
+    /// Runs `op` (a storage call with rank collectives) over `keys` and
+    /// `pages`, always with one entry per key: ranks must make the same
+    /// collectives with the same shapes whatever their local input, so a
+    /// malformed call (a key that is not a digest, unusable indices, lengths
+    /// that differ) is not skipped but passed with pages that name no host
+    /// page, which the backend refuses locally, before it touches memory, as
+    /// a miss of every entry. Counted in `faults_argument`.
     fn paged(
         &self,
         keys: &[String],
-        pages: &[u64],
+        pages: Option<Vec<u64>>,
         op: impl FnOnce(&[BlockKey], &[u64]) -> Vec<bool>,
     ) -> Vec<bool> {
-        let mut out = vec![false; keys.len()];
-        if pages.len() != keys.len() {
-            // A malformed call: no page of it is trusted.
-            self.note_argument_fault();
-            return out;
-        }
-        let valid = leading_keys(keys);
-        if valid.len() < keys.len() {
-            self.note_argument_fault();
-        }
-        let done = op(&valid, pages.get(..valid.len()).unwrap_or(&[]));
-        for (slot, ok) in out.iter_mut().zip(done) {
-            *slot = ok;
-        }
+        let parsed: Vec<Option<BlockKey>> = keys
+            .iter()
+            .map(|k| BlockKey::from_hex_digest(k).ok())
+            .collect();
+        let keys_ok = parsed.iter().all(Option::is_some);
+        let pages = match pages {
+            Some(p) if keys_ok && p.len() == keys.len() => p,
+            Some(_) => {
+                self.note_argument_fault();
+                vec![NO_PAGE; keys.len()]
+            }
+            // The caller already knows (and counted) why there are none.
+            None => vec![NO_PAGE; keys.len()],
+        };
+        let keys: Vec<BlockKey> = parsed
+            .into_iter()
+            .map(|k| k.unwrap_or(BlockKey::from_u64(0)))
+            .collect();
+        let mut out = op(&keys, &pages);
+        out.resize(keys.len(), false);
         out
     }
 }
@@ -313,7 +326,12 @@ impl Backend {
     /// or covered by the router hint in `extra_info`).
     #[pyo3(signature = (keys, extra_info=None))]
     fn batch_exists(&self, py: Python<'_>, keys: Vec<String>, extra_info: Option<&str>) -> usize {
+        // The hit count is one number whatever the batch: a key that is not
+        // a digest just ends the run (ranks still make the same collective).
         let valid = leading_keys(&keys);
+        if valid.len() < keys.len() {
+            self.note_argument_fault();
+        }
         let extra = self.extra_info(extra_info);
         py.detach(|| self.storage.batch_exists(&valid, &extra))
     }
@@ -330,10 +348,8 @@ impl Backend {
         extra_info: Option<&str>,
     ) -> Vec<bool> {
         let extra = self.extra_info(extra_info);
-        let Some(pages) = self.host_pages(&token_indices) else {
-            return vec![false; keys.len()];
-        };
-        py.detach(|| self.paged(&keys, &pages, |k, p| self.storage.batch_get(k, p, &extra)))
+        let pages = self.host_pages(&token_indices);
+        py.detach(|| self.paged(&keys, pages, |k, p| self.storage.batch_get(k, p, &extra)))
     }
 
     /// Stores the host pages at `token_indices` under `keys`: `True` per page
@@ -347,10 +363,8 @@ impl Backend {
         extra_info: Option<&str>,
     ) -> Vec<bool> {
         let extra = self.extra_info(extra_info);
-        let Some(pages) = self.host_pages(&token_indices) else {
-            return vec![false; keys.len()];
-        };
-        py.detach(|| self.paged(&keys, &pages, |k, p| self.storage.batch_set(k, p, &extra)))
+        let pages = self.host_pages(&token_indices);
+        py.detach(|| self.paged(&keys, pages, |k, p| self.storage.batch_set(k, p, &extra)))
     }
 
     /// Legacy byte-copy read: restores `keys` into flat pages given as
@@ -366,11 +380,7 @@ impl Backend {
         extra_info: Option<&str>,
     ) -> Vec<bool> {
         let extra = self.extra_info(extra_info);
-        let Some(staging) = self.staging.get() else {
-            self.note_argument_fault();
-            return vec![false; keys.len()];
-        };
-        py.detach(|| self.flat_get(staging, &keys, &pages, &extra))
+        py.detach(|| self.flat_get(&keys, &pages, &extra))
     }
 
     /// Legacy byte-copy write: stores flat pages given as `(address, nbytes)`
@@ -384,11 +394,7 @@ impl Backend {
         extra_info: Option<&str>,
     ) -> Vec<bool> {
         let extra = self.extra_info(extra_info);
-        let Some(staging) = self.staging.get() else {
-            self.note_argument_fault();
-            return vec![false; keys.len()];
-        };
-        py.detach(|| self.flat_set(staging, &keys, &pages, &extra))
+        py.detach(|| self.flat_set(&keys, &pages, &extra))
     }
 
     /// Bytes of one page (K and V of every layer), once a pool is registered.
@@ -472,92 +478,75 @@ impl Backend {
 }
 
 impl Backend {
-    /// Legacy get: chunks of `STAGING_PAGES` through the get half of the
-    /// staging pool; the result is the leading run of restored pages (the
-    /// first miss and every page after it are misses, as SGLang reads only
-    /// the leading run).
-    fn flat_get(
-        &self,
-        staging: &Staging,
-        keys: &[String],
-        pages: &[(u64, u64)],
-        extra: &ExtraInfo,
-    ) -> Vec<bool> {
-        let _held = lock(&staging.gets);
+    /// Legacy get: chunks of `STAGING_PAGES` keys through the get half of
+    /// the staging pool. The result is the leading run of pages restored and
+    /// copied out (SGLang reads no further). Every chunk makes its storage
+    /// call, with its collectives, on every rank whatever happened locally,
+    /// so ranks stay in step; after this rank's first miss nothing more is
+    /// copied out.
+    fn flat_get(&self, keys: &[String], pages: &[(u64, u64)], extra: &ExtraInfo) -> Vec<bool> {
+        let staging = self.staging.get();
+        let _held = staging.map(|s| lock(&s.gets));
         let mut out = vec![false; keys.len()];
+        let mut missed = false;
+        if staging.is_none() || pages.len() != keys.len() {
+            self.note_argument_fault();
+            missed = true;
+        }
         let chunk = STAGING_PAGES as usize;
-        for (start, (key_chunk, page_chunk)) in keys
-            .chunks(chunk)
-            .zip(pages.chunks(chunk))
-            .enumerate()
-            .map(|(i, c)| (i * chunk, c))
-        {
-            let slots: Vec<u64> = (0..key_chunk.len() as u64).collect();
-            let restored = self.paged(key_chunk, &slots, |k, p| {
-                self.storage.batch_get(k, p, extra)
-            });
-            // Copy out the leading run only: SGLang reads pages up to the
-            // first miss, so copying later ones would be wasted work.
-            let mut all = restored.len() == key_chunk.len();
+        for (index, key_chunk) in keys.chunks(chunk).enumerate() {
+            let start = index * chunk;
+            let slots = staging.map(|_| (0..key_chunk.len() as u64).collect());
+            let restored = self.paged(key_chunk, slots, |k, p| self.storage.batch_get(k, p, extra));
             for (i, ok) in restored.into_iter().enumerate() {
-                let copied = ok
-                    && page_chunk.get(i).is_some_and(|&(addr, len)| {
-                        self.copy_out(staging, i as u64, FlatPage { addr, len })
+                missed = missed
+                    || !ok
+                    || !staging.is_some_and(|staging| {
+                        pages.get(start + i).is_some_and(|&(addr, len)| {
+                            self.copy_out(staging, i as u64, FlatPage { addr, len })
+                        })
                     });
-                if !copied {
-                    all = false;
+                if missed {
                     break;
                 }
                 if let Some(slot) = out.get_mut(start + i) {
                     *slot = true;
                 }
             }
-            if !all {
-                break;
-            }
         }
         out
     }
 
-    /// Legacy set: chunks of `STAGING_PAGES` through the set half of the
-    /// staging pool.
-    fn flat_set(
-        &self,
-        staging: &Staging,
-        keys: &[String],
-        pages: &[(u64, u64)],
-        extra: &ExtraInfo,
-    ) -> Vec<bool> {
-        let _held = lock(&staging.sets);
+    /// Legacy set: chunks of `STAGING_PAGES` flat pages through the set half
+    /// of the staging pool; `True` per page committed. Every chunk makes its
+    /// storage call on every rank; a chunk with a page that cannot be staged
+    /// (wrong size, bad address) passes no host pages and stores nothing.
+    fn flat_set(&self, keys: &[String], pages: &[(u64, u64)], extra: &ExtraInfo) -> Vec<bool> {
+        let staging = self.staging.get();
+        let _held = staging.map(|s| lock(&s.sets));
         let mut out = vec![false; keys.len()];
+        if staging.is_none() || pages.len() != keys.len() {
+            self.note_argument_fault();
+        }
         let chunk = STAGING_PAGES as usize;
-        for (start, (key_chunk, page_chunk)) in keys
-            .chunks(chunk)
-            .zip(pages.chunks(chunk))
-            .enumerate()
-            .map(|(i, c)| (i * chunk, c))
-        {
-            // Stage the leading run of pages that copy in; the first bad one
-            // ends the chunk (its key and later ones stay misses).
-            let mut staged = 0usize;
-            for (i, &(addr, len)) in page_chunk.iter().enumerate() {
-                if !self.copy_in(staging, STAGING_PAGES + i as u64, FlatPage { addr, len }) {
-                    break;
-                }
-                staged += 1;
-            }
-            let slots: Vec<u64> = (STAGING_PAGES..STAGING_PAGES + staged as u64).collect();
-            let stored = self.paged(key_chunk.get(..staged).unwrap_or(&[]), &slots, |k, p| {
-                self.storage.batch_set(k, p, extra)
+        for (index, key_chunk) in keys.chunks(chunk).enumerate() {
+            let start = index * chunk;
+            let staged = staging.is_some_and(|staging| {
+                pages.len() == keys.len()
+                    && (0..key_chunk.len()).all(|i| {
+                        pages.get(start + i).is_some_and(|&(addr, len)| {
+                            let slot = STAGING_PAGES + i as u64;
+                            self.copy_in(staging, slot, FlatPage { addr, len })
+                        })
+                    })
             });
-            let all = staged == key_chunk.len() && stored.iter().all(|&ok| ok);
+            let slots =
+                staged.then(|| (STAGING_PAGES..STAGING_PAGES + key_chunk.len() as u64).collect());
+            let stored = self.paged(key_chunk, slots, |k, p| self.storage.batch_set(k, p, extra));
             for (i, ok) in stored.into_iter().enumerate() {
                 if let Some(slot) = out.get_mut(start + i) {
                     *slot = ok;
                 }
-            }
-            if !all {
-                break;
             }
         }
         out
