@@ -71,6 +71,55 @@ impl StorageConfig {
         self
     }
 
+    /// From the engine's storage config as JSON (SGLang's
+    /// `HiCacheStorageConfig` fields: `tp_rank`, `tp_size`, `pp_rank`,
+    /// `pp_size`, `attn_cp_rank`, `attn_cp_size`, `dp_rank`, `dp_size`,
+    /// `is_mla_model`, `should_split_heads`, `model_name`, `extra_config`).
+    /// Missing sizes default to one rank; each present field is type-checked
+    /// by name; the engine's other fields (metrics, layout flags) are not
+    /// this backend's and are ignored.
+    pub fn from_engine_json(value: &Value) -> Result<Self> {
+        let map = value
+            .as_object()
+            .ok_or_else(|| Error::ConfigSyntax("storage config must be a JSON object".into()))?;
+        let mut c = Self::single_rank("", Value::Null);
+        c.extra_config = None;
+        let rank = |key: &str, default: u32| -> Result<u32> {
+            match map.get(key) {
+                None | Some(Value::Null) => Ok(default),
+                Some(v) => v
+                    .as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .ok_or_else(|| Error::config(key, "must be a non-negative 32-bit integer")),
+            }
+        };
+        let flag = |key: &str| -> Result<bool> {
+            match map.get(key) {
+                None | Some(Value::Null) => Ok(false),
+                Some(v) => v
+                    .as_bool()
+                    .ok_or_else(|| Error::config(key, "must be true or false")),
+            }
+        };
+        c.tp_rank = rank("tp_rank", 0)?;
+        c.tp_size = rank("tp_size", 1)?;
+        c.pp_rank = rank("pp_rank", 0)?;
+        c.pp_size = rank("pp_size", 1)?;
+        c.attn_cp_rank = rank("attn_cp_rank", 0)?;
+        c.attn_cp_size = rank("attn_cp_size", 1)?;
+        c.dp_rank = rank("dp_rank", 0)?;
+        c.dp_size = rank("dp_size", 1)?;
+        c.is_mla_model = flag("is_mla_model")?;
+        c.should_split_heads = flag("should_split_heads")?;
+        c.model_name = match map.get("model_name") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Null) | None => String::new(),
+            Some(_) => return Err(Error::config("model_name", "must be a string")),
+        };
+        c.extra_config = map.get("extra_config").filter(|v| !v.is_null()).cloned();
+        Ok(c)
+    }
+
     /// Refuses topologies this backend cannot serve correctly, naming them,
     /// and returns this rank's coordinate.
     pub(crate) fn validate(&self) -> Result<RankCoordinate> {
@@ -127,7 +176,6 @@ pub enum EvictionPolicy {
 /// | `medium` | `"EXTERNAL"` | medium KVCR pages are published under (`EXTERNAL` or `CPU_PINNED`) |
 /// | `prefault` | true | touch KVCR DRAM at startup |
 /// | `max_hinted_requests` | 1024 | live request hint scopes kept per rank |
-/// | `collective_timeout_ms` | 60000 | budget of one in-process rank collective |
 ///
 /// The engine's dynamic-loader keys (`backend_name`, `module_path`,
 /// `class_name`, `interface_v1`) are accepted and ignored.
@@ -159,8 +207,6 @@ pub struct BackendConfig {
     pub prefault: bool,
     /// Request hint scopes kept per rank (oldest discarded first).
     pub max_hinted_requests: usize,
-    /// Budget of an in-process collective (used by [`crate::LocalRankGroup`]).
-    pub collective_timeout: Duration,
 }
 
 impl Default for BackendConfig {
@@ -179,7 +225,6 @@ impl Default for BackendConfig {
             medium: Medium::External,
             prefault: true,
             max_hinted_requests: 1024,
-            collective_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -216,9 +261,20 @@ impl BackendConfig {
 
     /// Parses and validates an extra-config object.
     pub fn from_value(value: &Value) -> Result<Self> {
+        Self::from_value_with_extensions(value, &[]).map(|(c, _)| c)
+    }
+
+    /// Like [`Self::from_value`], but the keys named in `extension_keys` (a
+    /// layer above's own settings, e.g. delivery knobs) are handed back
+    /// instead of refused; any other unknown key is still refused by name.
+    pub fn from_value_with_extensions(
+        value: &Value,
+        extension_keys: &[&str],
+    ) -> Result<(Self, Map<String, Value>)> {
         let map = value
             .as_object()
             .ok_or_else(|| Error::ConfigSyntax("must be a JSON object".into()))?;
+        let mut extensions = Map::new();
         let mut c = Self::default();
         let mut have_dram = false;
         let mut get_timeout_s = None;
@@ -303,14 +359,10 @@ impl BackendConfig {
                     }
                     c.max_hinted_requests = n as usize;
                 }
-                "collective_timeout_ms" => {
-                    let ms = as_u64(k, v)?;
-                    if ms == 0 || ms > MAX_OPERATION_TIMEOUT_MS {
-                        return Err(Error::config(k, "must be in 1..=3600000"));
-                    }
-                    c.collective_timeout = Duration::from_millis(ms);
-                }
                 _ if LOADER_KEYS.contains(&k) => {}
+                _ if extension_keys.contains(&k) => {
+                    extensions.insert(key.clone(), v.clone());
+                }
                 _ => return Err(Error::UnknownKey(key.clone())),
             }
         }
@@ -336,7 +388,7 @@ impl BackendConfig {
             ));
         }
         c.check_peer()?;
-        Ok(c)
+        Ok((c, extensions))
     }
 
     /// The control-channel settings a peer-mode rank needs, checked.

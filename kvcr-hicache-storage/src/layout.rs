@@ -19,8 +19,9 @@
 //! never mix.
 //!
 //! A key carries at most [`MAX_SPANS_PER_KEY`] spans; a page with more (a
-//! `layer_first` pool of more than 32 layers) is split into segments, each
-//! stored under its own namespace, all of which must be present for a hit.
+//! `layer_first` pool with more than half that many layers) is split into
+//! segments, each stored under its own namespace, all of which must be
+//! present for a hit.
 
 use std::fmt;
 use std::str::FromStr;

@@ -254,3 +254,98 @@ mod tests {
         assert_eq!(ledger.removed([k(1)]), None);
     }
 }
+
+#[cfg(test)]
+mod model {
+    //! Model-based property test: any sequence of agreed stores and evicted
+    //! unions publishes, per key, alternating Stored / Removed starting with
+    //! Stored, and the ledger's published set equals the model's.
+
+    use std::collections::{HashMap, HashSet};
+
+    use kvcr_foundation::{Medium, NamespaceId, Owner};
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Debug, Clone)]
+    enum Step {
+        Store {
+            keys: Vec<u64>,
+            agreed: Vec<bool>,
+            tokens: bool,
+        },
+        Evict(Vec<u64>),
+        Drain,
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            (
+                proptest::collection::vec((0u64..12, any::<bool>()), 0..6),
+                any::<bool>()
+            )
+                .prop_map(|(pairs, tokens)| Step::Store {
+                    keys: pairs.iter().map(|p| p.0).collect(),
+                    agreed: pairs.iter().map(|p| p.1).collect(),
+                    tokens,
+                }),
+            proptest::collection::vec(0u64..12, 0..6).prop_map(Step::Evict),
+            Just(Step::Drain),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn stored_and_removed_alternate(steps in proptest::collection::vec(step(), 0..40)) {
+            let scope = InventoryScope { owner: Owner::Kvcr, namespace: NamespaceId(1), medium: Medium::External };
+            let mut ledger = Ledger::new(scope, 2);
+            let mut model: HashSet<u64> = HashSet::new();
+            let mut last: HashMap<u64, bool> = HashMap::new(); // key -> last event was Stored
+            let mut drained = Vec::new();
+            let mut removed_total = Vec::new();
+            for step in steps {
+                match step {
+                    Step::Store { keys, agreed, tokens } => {
+                        let page_tokens = PageTokens { parent: None, token_ids: vec![0; keys.len() * 2] };
+                        let block_keys: Vec<BlockKey> = keys.iter().map(|k| BlockKey::from_u64(*k)).collect();
+                        let (events, _) = ledger.stored(&block_keys, &agreed, tokens.then_some(&page_tokens));
+                        for e in &events {
+                            let InventoryEvent::Stored { keys: stored, token_ids, .. } = e else {
+                                panic!("{e:?}");
+                            };
+                            prop_assert_eq!(token_ids.len(), stored.len() * 2);
+                            for k in stored {
+                                prop_assert!(last.get(&k.as_u64()) != Some(&true), "stored twice: {:?}", k);
+                                last.insert(k.as_u64(), true);
+                                model.insert(k.as_u64());
+                            }
+                        }
+                        if tokens {
+                            for (k, a) in keys.iter().zip(&agreed) {
+                                if *a { prop_assert!(model.contains(k)); }
+                            }
+                        }
+                    }
+                    Step::Evict(keys) => {
+                        if let Some(InventoryEvent::Removed { keys: removed, .. }) =
+                            ledger.removed(keys.iter().map(|k| BlockKey::from_u64(*k)))
+                        {
+                            for k in removed {
+                                prop_assert_eq!(last.get(&k.as_u64()), Some(&true), "removed without stored");
+                                last.insert(k.as_u64(), false);
+                                model.remove(&k.as_u64());
+                                removed_total.push(k);
+                            }
+                        }
+                        for k in &keys { prop_assert!(!model.contains(k)); }
+                    }
+                    Step::Drain => drained.extend(ledger.take_removed()),
+                }
+                prop_assert_eq!(ledger.published_len(), model.len());
+            }
+            drained.extend(ledger.take_removed());
+            prop_assert_eq!(drained, removed_total);
+        }
+    }
+}

@@ -327,14 +327,27 @@ impl KvcrHiCacheStorage {
     /// Validates the engine's configuration and this backend's extra config.
     /// The runner starts when the host pool is registered.
     pub fn new(storage: StorageConfig, groups: RankGroups) -> Result<Self> {
-        let coordinate = storage.validate()?;
         let backend = match &storage.extra_config {
-            Some(value) => match value {
-                Value::String(text) => BackendConfig::parse(text)?,
-                other => BackendConfig::from_value(other)?,
-            },
+            Some(Value::String(text)) => BackendConfig::parse(text)?,
+            Some(other) => BackendConfig::from_value(other)?,
             None => BackendConfig::from_value(&Value::Object(serde_json::Map::new()))?,
         };
+        Self::with_backend(storage, backend, groups)
+    }
+
+    /// Like [`Self::new`] with an already parsed backend configuration (a
+    /// layer above that parsed its own keys from the same extra config with
+    /// [`BackendConfig::from_value_with_extensions`]).
+    pub fn with_backend(
+        storage: StorageConfig,
+        backend: BackendConfig,
+        groups: RankGroups,
+    ) -> Result<Self> {
+        let coordinate = storage.validate()?;
+        if backend.enable_remote_hint {
+            // This rank binds base + its global offset: refuse an overflow now.
+            backend.bind_address(coordinate.global_offset())?;
+        }
         if groups.prefetch.size() != groups.backup.size()
             || groups.prefetch.rank() != groups.backup.rank()
         {
@@ -596,7 +609,15 @@ impl KvcrHiCacheStorage {
         runner: &mut Runner,
         extra: &ExtraInfo,
     ) -> Option<RequestId> {
-        let raw = extra.router_hint.as_ref()?;
+        let Some(raw) = extra.router_hint.as_ref() else {
+            // No hint with this call: the request's earlier hint, if it is
+            // still live, keeps covering its pages.
+            let request = extra.request_id.as_ref()?;
+            return lock(&self.hints)
+                .live
+                .contains(request)
+                .then(|| request.clone());
+        };
         if !self.backend.enable_remote_hint {
             bump(&self.counters.hints_ignored, 1);
             return None;

@@ -161,3 +161,58 @@ fn rank_group_must_match_the_topology() {
         Err(Error::Config { key, .. }) if key == "tp_rank"
     ));
 }
+
+/// A layer above names its own keys: they come back; others are still refused.
+#[test]
+fn extension_keys_are_handed_back() {
+    let value = with(json!({"max_inflight_restore_ops": 8}));
+    let (config, extensions) =
+        BackendConfig::from_value_with_extensions(&value, &["max_inflight_restore_ops"]).unwrap();
+    assert_eq!(config.local_dram_bytes, 1 << 20);
+    assert_eq!(extensions.get("max_inflight_restore_ops"), Some(&json!(8)));
+    assert_eq!(
+        BackendConfig::from_value_with_extensions(&value, &["other"]).unwrap_err(),
+        Error::UnknownKey("max_inflight_restore_ops".into())
+    );
+}
+
+/// A rank whose port (base + rank offset) would pass 65535 is refused at once.
+#[test]
+fn rank_port_overflow_is_refused() {
+    let extra = json!({"local_dram_bytes": 4096, "enable_remote_hint": true,
+        "control_port": 65535, "control_advertise_host": "10.0.0.5"});
+    let groups = kvcr_hicache_storage::LocalRankGroup::new(2, std::time::Duration::from_secs(1));
+    let g1: std::sync::Arc<dyn kvcr_hicache_storage::RankGroup> =
+        std::sync::Arc::new(groups.into_iter().nth(1).unwrap());
+    let config = StorageConfig::single_rank("m", extra).with_tp(1, 2);
+    match KvcrHiCacheStorage::new(config, RankGroups::shared(g1)) {
+        Err(Error::Config { key, .. }) => assert_eq!(key, "control_port"),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The engine's storage config as JSON: known fields type-checked by name,
+/// the engine's other fields ignored, topology refusals still named.
+#[test]
+fn storage_config_from_the_engine() {
+    let c = StorageConfig::from_engine_json(&json!({
+        "tp_rank": 1, "tp_size": 2, "pp_rank": 0, "pp_size": 1, "attn_cp_rank": 0,
+        "attn_cp_size": 1, "is_mla_model": false, "enable_storage_metrics": true,
+        "is_page_first_layout": true, "model_name": "Qwen/Qwen3-0.6B", "dp_rank": 0,
+        "dp_size": 1, "tp_lcm_size": null, "should_split_heads": false,
+        "extra_config": {"local_dram_bytes": 4096}
+    }))
+    .unwrap();
+    assert_eq!((c.tp_rank, c.tp_size), (1, 2));
+    assert_eq!(c.model_name, "Qwen/Qwen3-0.6B");
+    assert_eq!(c.extra_config, Some(json!({"local_dram_bytes": 4096})));
+    assert!(matches!(
+        StorageConfig::from_engine_json(&json!({"tp_rank": "1"})),
+        Err(Error::Config { key, .. }) if key == "tp_rank"
+    ));
+    let pp = StorageConfig::from_engine_json(&json!({"pp_size": 2, "model_name": "m",
+        "extra_config": {"local_dram_bytes": 4096}}))
+    .unwrap();
+    let err = KvcrHiCacheStorage::new(pp, RankGroups::solo()).unwrap_err();
+    assert!(err.to_string().contains("pp_size = 2"), "{err}");
+}

@@ -2,6 +2,7 @@
 
 use std::collections::BTreeSet;
 
+use kvcr_foundation::runner::MAX_SPANS_PER_KEY;
 use kvcr_hicache_storage::{
     Error, HostLayout, HostPoolDesc, KvGeometry, SpanPlan, pages_from_token_indices,
 };
@@ -120,14 +121,22 @@ fn qwen3_plans() {
     insta::assert_yaml_snapshot!(summary);
 }
 
-/// A layer-first page of more than 32 layers has more spans than one key can
-/// carry: it is split into segments of at most 64 spans.
+/// A layer-first page with more spans than one key may carry is split into
+/// segments of at most `MAX_SPANS_PER_KEY` spans; a 2-span layout never is.
 #[test]
 fn many_layers_split_into_segments() {
+    let max = MAX_SPANS_PER_KEY;
+    let g = KvGeometry {
+        layers: max as u32 / 2 + 1,
+        ..KvGeometry::qwen3_0_6b(8)
+    };
+    let plan = SpanPlan::new(&desc(HostLayout::LayerFirst, g, 2)).unwrap();
+    assert_eq!(plan.spans_per_page(), max + 2);
+    assert_eq!(plan.segments, vec![0..max, max..max + 2]);
     let g = KvGeometry::qwen3_32b(1);
     let plan = SpanPlan::new(&desc(HostLayout::LayerFirst, g, 2)).unwrap();
     assert_eq!(plan.spans_per_page(), 128);
-    assert_eq!(plan.segments, vec![0..64, 64..128]);
+    assert_eq!(plan.segments.len(), 128usize.div_ceil(max));
     let plan = SpanPlan::new(&desc(HostLayout::PageFirst, g, 2)).unwrap();
     assert_eq!(plan.segments, vec![0..2]);
     assert_eq!(plan.span_bytes, 8 << 20);

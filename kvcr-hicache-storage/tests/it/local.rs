@@ -57,14 +57,14 @@ fn set_then_get_round_trips(
     );
 }
 
-/// A layer-first page of 40 layers (80 spans) is stored as two segments and
-/// still round-trips; losing either segment makes the page a miss.
+/// A layer-first page with more spans than one key carries is stored as two
+/// segments and still round-trips.
 #[test]
 fn segmented_pages_round_trip() {
     let _serial = crate::serial();
     let mut spec = EngineSpec::local(1, HostLayout::LayerFirst, 8);
     spec.geometry = KvGeometry {
-        layers: 40,
+        layers: kvcr_foundation::runner::MAX_SPANS_PER_KEY as u32 / 2 + 8,
         ..small_geometry()
     };
     spec.extra["local_dram_bytes"] = json!(8 * spec.geometry.page_bytes());
@@ -497,4 +497,87 @@ fn a_silent_rank_is_a_miss_not_a_hang() {
     assert!(storage.stats().faults_collective >= 1);
     drop(storage);
     drop(host);
+}
+
+/// The engine's extra-info dict: the hint under either key, the request id.
+#[test]
+fn extra_info_from_the_engine() {
+    let hint = json!({"source_control_endpoint": "tcp://10.0.0.1:5", "block_hashes": [1]});
+    let e = ExtraInfo::from_engine(&json!({"kvcr_router_hint": hint, "request_id": "rid-1"}));
+    assert_eq!(e.router_hint, Some(hint.clone()));
+    assert_eq!(
+        e.request_id,
+        Some(kvcr_foundation::RequestId("rid-1".into()))
+    );
+    let e = ExtraInfo::from_engine(&json!({"kvcc_router_hint": hint, "rid": "rid-2"}));
+    assert_eq!(e.router_hint, Some(hint));
+    assert_eq!(
+        e.request_id,
+        Some(kvcr_foundation::RequestId("rid-2".into()))
+    );
+    let e = ExtraInfo::from_engine(&json!({"kvcr_router_hint": null}));
+    assert_eq!(e, ExtraInfo::default());
+}
+
+/// The backend is shared by the engine's prefetch and backup threads.
+#[test]
+fn storage_is_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<kvcr_hicache_storage::KvcrHiCacheStorage>();
+    check::<LocalRankGroup>();
+}
+
+/// The engine's prefetch and backup threads call one backend at once; their
+/// collectives run on separate groups and never mix: TP=2, each rank with a
+/// backup thread storing pages while a prefetch thread restores earlier ones.
+#[test]
+fn prefetch_and_backup_threads_run_at_once() {
+    let _serial = crate::serial();
+    let engine = Engine::start(&EngineSpec::local(2, HostLayout::PageFirst, 32));
+    let none = ExtraInfo::default();
+    let first = keys(&[1, 2, 3, 4]);
+    assert_eq!(
+        engine.set(&first, &[0, 1, 2, 3], &none),
+        vec![vec![true; 4]; 2]
+    );
+    let results = engine.all(|rank| {
+        std::thread::scope(|s| {
+            let backup = s.spawn(|| {
+                (0..8u64)
+                    .map(|i| {
+                        let k = keys(&[100 + i]);
+                        rank.storage.batch_set(&k, &[4 + i], &none)
+                    })
+                    .collect::<Vec<_>>()
+            });
+            let prefetch = s.spawn(|| {
+                (0..8u64)
+                    .map(|i| {
+                        let hits = rank.storage.batch_exists(&first, &none);
+                        let got = rank.storage.batch_get(
+                            &first[..2],
+                            &[12 + (i % 2) * 2, 13 + (i % 2) * 2],
+                            &none,
+                        );
+                        (hits, got)
+                    })
+                    .collect::<Vec<_>>()
+            });
+            (backup.join().unwrap(), prefetch.join().unwrap())
+        })
+    });
+    for (backup, prefetch) in results {
+        assert!(backup.iter().all(|r| r == &vec![true]), "{backup:?}");
+        assert!(
+            prefetch
+                .iter()
+                .all(|(h, g)| *h == 4 && g == &vec![true, true]),
+            "{prefetch:?}"
+        );
+    }
+    for rank in &engine.ranks {
+        assert_eq!(rank.page_bytes(12), rank.page_bytes(0));
+        assert_eq!(rank.page_bytes(15), rank.page_bytes(1));
+        assert_eq!(rank.storage.stats().faults_collective, 0);
+    }
 }

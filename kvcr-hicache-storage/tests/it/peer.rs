@@ -244,3 +244,163 @@ fn a_dead_source_is_a_miss() {
     let runner = s.runner_stats().unwrap();
     assert_eq!((runner.public_claims, runner.ops_in_flight), (0, 0));
 }
+
+/// Case 10: a hint that covers none of the queried pages gives 0 pages.
+#[test]
+fn a_hint_covering_nothing_gives_zero() {
+    let _serial = crate::serial();
+    let (spec, _) = peer_spec(1, None);
+    let engine = Engine::start(&spec);
+    let dead = free_base_port(1);
+    let extra = ExtraInfo::hinted("r", hint(dead, &[7, 8]));
+    assert_eq!(engine.exists(&keys(&[1, 2]), &extra), vec![0]);
+    assert_eq!(engine.exists(&keys(&[7, 8, 1]), &extra), vec![2]);
+}
+
+/// A request's hint covers its later calls (which may omit it) until the
+/// request is discarded or pushed out by newer requests (bounded scopes).
+#[test]
+fn hint_scopes_are_request_scoped_and_bounded() {
+    let _serial = crate::serial();
+    let (mut spec, _) = peer_spec(1, None);
+    spec.extra["max_hinted_requests"] = json!(2);
+    let engine = Engine::start(&spec);
+    let dead = free_base_port(1);
+    let s = &engine.ranks[0].storage;
+    let k = keys(&[1]);
+    let bare = |r: &str| ExtraInfo {
+        request_id: Some(kvcr_foundation::RequestId(r.into())),
+        ..ExtraInfo::default()
+    };
+    for r in ["r1", "r2"] {
+        assert_eq!(
+            s.batch_exists(&k, &ExtraInfo::hinted(r, hint(dead, &[1]))),
+            1
+        );
+    }
+    assert_eq!(
+        s.batch_exists(&k, &bare("r1")),
+        1,
+        "r1's hint is still live"
+    );
+    assert_eq!(
+        s.batch_exists(&k, &ExtraInfo::hinted("r3", hint(dead, &[1]))),
+        1
+    );
+    assert_eq!(s.batch_exists(&k, &bare("r1")), 0, "r1 was pushed out");
+    assert_eq!(s.batch_exists(&k, &bare("r3")), 1);
+    s.discard_request(&kvcr_foundation::RequestId("r3".into()));
+    assert_eq!(s.batch_exists(&k, &bare("r3")), 0, "r3 was discarded");
+    // Without a request id a hint lives for one call only.
+    assert_eq!(
+        s.batch_exists(
+            &k,
+            &ExtraInfo {
+                router_hint: Some(hint(dead, &[1])),
+                ..ExtraInfo::default()
+            }
+        ),
+        1
+    );
+}
+
+/// Every host layout restores from a peer, including a layer-first pool
+/// whose pages are split into two segments (two namespaces per page).
+#[rstest::rstest]
+#[case::layer_first(HostLayout::LayerFirst, 2)]
+#[case::layer_first_segmented(HostLayout::LayerFirst, kvcr_foundation::runner::MAX_SPANS_PER_KEY as u32 / 2 + 8)]
+#[case::page_first(HostLayout::PageFirst, 2)]
+#[case::page_first_direct(HostLayout::PageFirstDirect, 2)]
+#[case::page_head(HostLayout::PageHead, 2)]
+fn every_layout_restores_from_a_peer(#[case] layout: HostLayout, #[case] layers: u32) {
+    let _serial = crate::serial();
+    let specs = [Some(9), None].map(|seed| {
+        let (mut spec, port) = peer_spec(1, seed);
+        spec.layout = layout;
+        spec.geometry.layers = layers;
+        spec.extra["local_dram_bytes"] = json!(16 * spec.geometry.page_bytes());
+        (spec, port)
+    });
+    let source = Engine::start(&specs[0].0);
+    let dest = Engine::start(&specs[1].0);
+    let k = keys(&[21, 22, 23]);
+    assert_eq!(
+        source.set(&k, &[0, 1, 2], &ExtraInfo::default()),
+        vec![vec![true; 3]]
+    );
+    let extra = ExtraInfo::hinted("r", hint(specs[0].1, &[21, 22, 23]));
+    assert_eq!(dest.get(&k, &[5, 6, 7], &extra), vec![vec![true; 3]]);
+    for i in 0..3 {
+        assert_eq!(
+            dest.ranks[0].page_bytes(5 + i),
+            source.ranks[0].page_bytes(i),
+            "page {i}"
+        );
+    }
+    let segments = dest.ranks[0].storage.span_plan().unwrap().segments.len() as u64;
+    assert_eq!(segments, if layers > 2 { 2 } else { 1 });
+    assert_eq!(
+        dest.ranks[0].storage.peer_counters().unwrap().keys_received,
+        3 * segments
+    );
+}
+
+/// Case 48 in spirit: pages of another layout (another byte order) are
+/// another namespace, so a hinted fetch across layouts is a miss, never bytes
+/// in the wrong order.
+#[test]
+fn layouts_never_mix_across_peers() {
+    let _serial = crate::serial();
+    let (mut source_spec, source_port) = peer_spec(1, Some(4));
+    source_spec.layout = HostLayout::PageHead;
+    let source = Engine::start(&source_spec);
+    let (dest_spec, _) = peer_spec(1, None);
+    let dest = Engine::start(&dest_spec);
+    let k = keys(&[31]);
+    source.set(&k, &[0], &ExtraInfo::default());
+    let extra = ExtraInfo::hinted("r", hint(source_port, &[31]));
+    assert_eq!(dest.get(&k, &[1], &extra), vec![vec![false]]);
+    assert!(dest.ranks[0].page_bytes(1).iter().all(|b| *b == 0));
+}
+
+/// With attention DP, a rank binds base + its global offset (DP=2, TP=2:
+/// rank (dp 1, tp 1) binds base + 3), so DP groups never collide.
+#[test]
+fn ranks_bind_their_global_offset() {
+    let _serial = crate::serial();
+    let base = free_base_port(4);
+    let (spec, _) = peer_spec(1, None);
+    let mut extra = spec.extra.clone();
+    extra["control_port"] = json!(base);
+    let mut config = kvcr_hicache_storage::StorageConfig::single_rank("m", extra).with_tp(1, 2);
+    config.dp_rank = 1;
+    config.dp_size = 2;
+    let group: std::sync::Arc<dyn kvcr_hicache_storage::RankGroup> = std::sync::Arc::new(
+        kvcr_hicache_storage::LocalRankGroup::new(2, std::time::Duration::from_secs(1))
+            .into_iter()
+            .nth(1)
+            .unwrap(),
+    );
+    let storage = kvcr_hicache_storage::KvcrHiCacheStorage::new(
+        config,
+        kvcr_hicache_storage::RankGroups::shared(group),
+    )
+    .unwrap();
+    let geometry = spec.geometry;
+    let mut host =
+        vec![0u8; kvcr_hicache_storage::HostPoolDesc::required_len(&geometry, 2).unwrap() as usize];
+    // SAFETY: (test) `host` outlives `storage` (dropped first below).
+    unsafe {
+        storage.register_host_pool(kvcr_hicache_storage::HostPoolDesc {
+            layout: HostLayout::PageFirst,
+            base: host.as_mut_ptr() as u64,
+            len: host.len() as u64,
+            pages: 2,
+            geometry,
+        })
+    }
+    .unwrap();
+    assert_eq!(storage.endpoint().unwrap().port(), base + 3);
+    drop(storage);
+    drop(host);
+}
