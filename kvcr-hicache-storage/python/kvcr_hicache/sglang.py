@@ -98,9 +98,11 @@ class KvcrStorage(HiCacheStorage):
     ``storage_config`` is SGLang's ``HiCacheStorageConfig``; its
     ``extra_config`` holds the backend's settings (``local_dram_bytes`` is
     required; see kvcr-hicache-storage's ``BackendConfig``). ``kwargs`` is
-    what the loader passes (``{}``); a ``rank_group`` entry there is the
-    engine's collective for TP > 1 (``rank``, ``size``,
-    ``all_reduce_min(list)``, ``all_gather(list)``).
+    what the loader passes (``{}``); for TP > 1 the engine passes its
+    collective there: ``rank_group`` (``rank``, ``size``,
+    ``all_reduce_min(list)``, ``all_gather(list)``), used by the prefetch
+    thread's calls, and ``backup_group``, the backup thread's (without it,
+    ``rank_group`` serves both and the two threads must not overlap).
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs=None):
@@ -110,7 +112,11 @@ class KvcrStorage(HiCacheStorage):
         self.interface_v1 = bool(extra.get("interface_v1"))
         config = {field: getattr(storage_config, field, None) for field in _CONFIG_FIELDS}
         config["extra_config"] = extra
-        self._backend = Backend(json.dumps(config), kwargs.get("rank_group"))
+        self._backend = Backend(
+            json.dumps(config),
+            kwargs.get("rank_group"),
+            kwargs.get("backup_group"),
+        )
         self.mem_pool_host = None
 
     # -- registration ------------------------------------------------------

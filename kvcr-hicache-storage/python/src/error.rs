@@ -17,7 +17,8 @@ pub(crate) enum Error {
     /// The backend refused (configuration, topology, host pool, runner).
     #[error(transparent)]
     Storage(#[from] kvcr_hicache_storage::Error),
-    /// The storage-config JSON the Python class passed is malformed.
+    /// The storage config the Python class passed is not JSON, or its rank
+    /// groups are incomplete.
     #[error("storage config: {0}")]
     StorageConfig(String),
     /// A host-pool description or a flat page from Python is inconsistent.

@@ -21,7 +21,6 @@
 //! and is counted (`stats()["faults_argument"]`); only construction and
 //! registration raise `KvcrError`, so a misconfigured engine fails at attach.
 
-mod config;
 mod error;
 mod group;
 mod raw_memory;
@@ -32,7 +31,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use kvcr_foundation::{BlockKey, RequestId};
 use kvcr_hicache_storage::{
     ExtraInfo, HostLayout, HostPoolDesc, KvGeometry, KvcrHiCacheStorage, ROUTER_HINT_KEYS,
-    RankGroups, SpanPlan, pages_from_token_indices,
+    RankGroups, SpanPlan, StorageConfig, pages_from_token_indices,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -198,15 +197,37 @@ impl Backend {
     /// the fields of SGLang's `HiCacheStorageConfig` (`tp_rank`, `tp_size`,
     /// `pp_size`, `attn_cp_*`, `dp_rank`, `is_mla_model`, `should_split_heads`,
     /// `model_name`) and `extra_config` (the backend's settings, validated
-    /// strictly). `rank_group` is the engine's collective when more than one
-    /// rank shares the KV (see `kvcr_hicache.RankGroup`); `None` is one rank.
+    /// strictly).
+    ///
+    /// `rank_group` is the engine's collective when more than one rank shares
+    /// the KV (an object with `rank`, `size`, `all_reduce_min(list[int])` and
+    /// `all_gather(list[int])`); `None` is one rank. SGLang's prefetch and
+    /// backup threads each have their own group: pass the backup thread's as
+    /// `backup_group` and the two never interleave rounds; without it,
+    /// `rank_group` serves both and the engine must serialise the threads.
     #[new]
-    #[pyo3(signature = (storage_config, rank_group=None))]
-    fn new(storage_config: &str, rank_group: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
-        let config = config::storage_config(storage_config)?;
-        let groups = match rank_group {
-            None => RankGroups::solo(),
-            Some(object) => RankGroups::shared(Arc::new(PyRankGroup::new(object)?)),
+    #[pyo3(signature = (storage_config, rank_group=None, backup_group=None))]
+    fn new(
+        storage_config: &str,
+        rank_group: Option<&Bound<'_, PyAny>>,
+        backup_group: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let value: Value = serde_json::from_str(storage_config)
+            .map_err(|e| Error::StorageConfig(format!("not JSON: {e}")))?;
+        let config = StorageConfig::from_engine_json(&value).map_err(Error::from)?;
+        let groups = match (rank_group, backup_group) {
+            (None, None) => RankGroups::solo(),
+            (Some(group), None) => RankGroups::shared(Arc::new(PyRankGroup::new(group)?)),
+            (Some(prefetch), Some(backup)) => RankGroups {
+                prefetch: Arc::new(PyRankGroup::new(prefetch)?),
+                backup: Arc::new(PyRankGroup::new(backup)?),
+            },
+            (None, Some(_)) => {
+                return Err(Error::StorageConfig(
+                    "backup_group needs rank_group (the prefetch group) too".into(),
+                )
+                .into());
+            }
         };
         let storage = KvcrHiCacheStorage::new(config, groups).map_err(Error::from)?;
         Ok(Self {

@@ -50,7 +50,8 @@ class ThreadRankGroup:
 
 
 def start_ranks():
-    hub = ThreadHub(TP)
+    # SGLang's prefetch and backup threads each have their own group.
+    prefetch_hub, backup_hub = ThreadHub(TP), ThreadHub(TP)
     ranks = []
     for rank in range(TP):
         pool = MhaHostPool(pages=32, **engine.GEOMETRY)
@@ -58,7 +59,8 @@ def start_ranks():
             "dynamic",
             engine.storage_config(engine.extra_config(True), tp_rank=rank, tp_size=TP),
             pool,
-            rank_group=ThreadRankGroup(hub, rank),
+            rank_group=ThreadRankGroup(prefetch_hub, rank),
+            backup_group=ThreadRankGroup(backup_hub, rank),
         )
         backend.register_mem_pool_host(pool)
         pool.fill_pages(range(8), seed=50 + rank)  # each rank holds its own shard
