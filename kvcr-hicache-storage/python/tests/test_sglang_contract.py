@@ -202,3 +202,32 @@ def test_importing_the_sglang_class_without_sglang_names_what_is_missing():
     assert "ImportError" in proc.stderr
     assert "missing module 'sglang'" in proc.stderr, proc.stderr
     assert "sglang.srt.mem_cache.hicache_storage" in proc.stderr
+
+
+@pytest.mark.parametrize("interface_v1", [True, False], ids=["v1", "legacy"])
+def test_prefetch_and_backup_threads_at_once(interface_v1):
+    """SGLang's backup thread stores while its prefetch thread restores, on
+    one backend; every byte lands where it belongs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    backend, pool, ctl = start(interface_v1=interface_v1)
+    old_keys, new_keys = prompt_keys(40, salt=31), prompt_keys(40, salt=32)
+    pool.fill_pages(range(80), seed=9)
+    expected = {p: pool.page_bytes_of(p) for p in range(80)}
+    assert ctl.backup(old_keys, pool.token_indices(range(40))) == 40
+
+    def backup_new():
+        return ctl.backup(new_keys, pool.token_indices(range(40, 80)))
+
+    def restore_old():
+        return ctl.prefetch(old_keys, pool.token_indices(range(100, 140)))
+
+    with ThreadPoolExecutor(2) as threads:
+        stored, restored = threads.submit(backup_new), threads.submit(restore_old)
+        assert stored.result(timeout=120) == 40
+        assert restored.result(timeout=120) == 40
+    for i in range(40):
+        assert torch.equal(pool.page_bytes_of(100 + i), expected[i]), f"page {i} differs"
+    assert ctl.prefetch(new_keys, pool.token_indices(range(100, 140))) == 40
+    for i in range(40):
+        assert torch.equal(pool.page_bytes_of(100 + i), expected[40 + i])
