@@ -24,7 +24,9 @@ configuration fails the attach, visibly.
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 
 _CONTRACT = "sglang.srt.mem_cache.hicache_storage"
 
@@ -47,6 +49,8 @@ except ImportError as e:
 from kvcr_hicache import ROUTER_HINT_KEYS, Backend
 
 __all__ = ["KvcrStorage"]
+
+logger = logging.getLogger(__name__)
 
 # The HiCacheStorageConfig fields the backend reads.
 _CONFIG_FIELDS = (
@@ -92,6 +96,41 @@ def _flat(page):
     return page.data_ptr(), page.numel() * page.element_size()
 
 
+def _count(keys):
+    try:
+        return len(keys)
+    except TypeError:
+        return 0
+
+
+def _fail_closed(miss):
+    """An exception in a data-path call (say, a key that is not a str) becomes
+    ``miss(keys)`` and is counted: SGLang's I/O threads catch little, and one
+    exception there can stop L3 (or L2) for the life of the process."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def guarded(self, keys, *args, **kwargs):
+            try:
+                return method(self, keys, *args, **kwargs)
+            except Exception:
+                self._python_faults += 1
+                logger.exception("kvcr: %s failed; served as a miss", method.__name__)
+                return miss(keys)
+
+        return guarded
+
+    return wrap
+
+
+def _no_pages(keys):
+    return [False] * _count(keys)
+
+
+def _no_tensors(keys):
+    return [None] * _count(keys)
+
+
 class KvcrStorage(HiCacheStorage):
     """One SGLang rank's kvcr backend.
 
@@ -118,6 +157,7 @@ class KvcrStorage(HiCacheStorage):
             kwargs.get("backup_group"),
         )
         self.mem_pool_host = None
+        self._python_faults = 0
 
     # -- registration ------------------------------------------------------
 
@@ -156,14 +196,17 @@ class KvcrStorage(HiCacheStorage):
 
     # -- the zero-copy path (interface_v1) ---------------------------------
 
+    @_fail_closed(lambda keys: 0)
     def batch_exists(self, keys, extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         return self._backend.batch_exists(list(keys), _extra_info_json(extra_info))
 
+    @_fail_closed(_no_pages)
     def batch_get_v1(self, keys, host_indices, extra_info: HiCacheStorageExtraInfo | None = None):
         return self._backend.batch_get_v1(
             list(keys), _token_indices(host_indices), _extra_info_json(extra_info)
         )
 
+    @_fail_closed(_no_pages)
     def batch_set_v1(self, keys, host_indices, extra_info: HiCacheStorageExtraInfo | None = None):
         return self._backend.batch_set_v1(
             list(keys), _token_indices(host_indices), _extra_info_json(extra_info)
@@ -171,6 +214,7 @@ class KvcrStorage(HiCacheStorage):
 
     # -- the legacy byte-copy path -----------------------------------------
 
+    @_fail_closed(_no_tensors)
     def batch_get(self, keys, target_locations=None, target_sizes=None):
         """Fills each flat page tensor in ``target_locations``; returns it, or
         None for a miss (SGLang reads the leading run)."""
@@ -182,6 +226,7 @@ class KvcrStorage(HiCacheStorage):
         out = [t if ok else None for t, ok in zip(targets, restored)]
         return out + [None] * (len(keys) - len(out))
 
+    @_fail_closed(lambda keys: False)
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
         keys = list(keys)
         values = [v.contiguous() if isinstance(v, torch.Tensor) else v for v in (values or [])]
@@ -190,12 +235,15 @@ class KvcrStorage(HiCacheStorage):
             return False
         return all(self._backend.batch_set_flat(keys, flats))
 
+    @_fail_closed(lambda key: None)
     def get(self, key, target_location=None, target_sizes=None):
         return self.batch_get([key], [target_location])[0]
 
+    @_fail_closed(lambda key: False)
     def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
         return self.batch_set([key], [value])
 
+    @_fail_closed(lambda key: False)
     def exists(self, key) -> bool:
         return self.batch_exists([key]) == 1
 
@@ -211,7 +259,12 @@ class KvcrStorage(HiCacheStorage):
         self._backend.discard_request(request_id)
 
     def get_stats(self):
-        return self._backend.stats()
+        """The backend's counters, this layer's ``faults_argument`` and
+        ``extra_info_rejected``, and ``faults_python`` (calls that raised in
+        this class and were served as misses)."""
+        stats = self._backend.stats()
+        stats["faults_python"] = self._python_faults
+        return stats
 
     def clear(self) -> None:
         # KVCR DRAM is the runner's: its pages leave by eviction, and

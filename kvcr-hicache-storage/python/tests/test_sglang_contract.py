@@ -176,8 +176,14 @@ def test_bad_input_is_a_counted_miss_never_an_exception():
     assert backend.batch_set(keys, [torch.zeros(3)] * 3) is False
     weird = HiCacheStorageExtraInfo(extra_info={"kvcr_router_hint": object()})
     assert backend.batch_exists(keys, weird) == 3
+    # Arguments of the wrong type (the extension refuses them with a
+    # TypeError): a miss of the right shape, counted, never raised.
+    assert backend.batch_exists([keys[0], 7]) == 0
+    assert backend.batch_get_v1([keys[0], None], pool.token_indices([1, 2])) == [False, False]
+    assert backend.batch_get(keys[:2], None) == [None, None]
     stats = backend.get_stats()
     assert stats["faults_argument"] >= 3
+    assert stats["faults_python"] == 2
     assert stats["extra_info_rejected"] == 1
     # And the backend keeps serving.
     assert ctl.prefetch(keys, pool.token_indices(range(60, 63))) == 3
