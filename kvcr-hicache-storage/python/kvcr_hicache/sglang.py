@@ -180,7 +180,12 @@ class KvcrStorage(HiCacheStorage):
             page_size=int(mem_pool_host.page_size),
         )
         if self.interface_v1:
-            buffer = mem_pool_host.kv_buffer
+            buffer = getattr(mem_pool_host, "kv_buffer", None)
+            if not isinstance(buffer, torch.Tensor):
+                raise ValueError(
+                    "kvcr: the host pool has no single kv_buffer tensor (hybrid and "
+                    "split K/V host pools are not supported)"
+                )
             if buffer.device.type != "cpu" or not buffer.is_contiguous():
                 raise ValueError("kvcr: the host pool's kv_buffer must be one contiguous CPU buffer")
             self._backend.register_host_pool(
