@@ -33,7 +33,7 @@ QWEN3_0_6B = dict(page_size=64, layer_num=28, head_num=8, head_dim=128, dtype=to
 
 def main(argv):
     quick = "--quick" in argv
-    iterations = 7 if quick else 31
+    iterations = 15 if quick else 41
     pool = MhaHostPool(pages=PAGES, layout="page_first", **QWEN3_0_6B)
     page_bytes = pool.page_bytes
     assert page_bytes == 7_340_032, page_bytes
