@@ -65,6 +65,8 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
     if !status.success() {
         bail!("cargo bench failed with {status}");
     }
+    // The Python face is its own cargo workspace with a Python driver.
+    lines.extend(crate::python::bench(root, quick)?);
     let report = render(&lines, quick);
     let dir = root.join("target").join("bench");
     std::fs::create_dir_all(&dir)?;

@@ -34,6 +34,18 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ),
 ];
 
+/// The Python face of `kvcr-hicache-storage`: an extension crate in its own
+/// cargo workspace (excluded from the main one; a cdylib for maturin), checked
+/// here by its own manifest. It sits on mode A and may reach these only.
+const PYTHON_FACE: (&str, &[&str]) = (
+    "kvcr-hicache-storage/python/Cargo.toml",
+    &[
+        "kvcr-foundation",
+        "kvcr-hicache-storage",
+        "kvcr-hicache-perf",
+    ],
+);
+
 /// Crates only `kvcr-direct-linker` (and xtask) may reach.
 const CUDA_CRATES: &[&str] = &["cudarc"];
 
@@ -126,6 +138,40 @@ pub(crate) fn violations(root: &Path) -> Result<Vec<String>> {
         }
     }
     problems.extend(contracts_face_violations(root)?);
+    problems.extend(python_face_violations(root, &members)?);
+    Ok(problems)
+}
+
+/// Checks the Python face's crate (outside the main workspace): every crate of
+/// ours it reaches must be one it may sit on, and it reaches no CUDA.
+fn python_face_violations(root: &Path, members: &BTreeSet<&str>) -> Result<Vec<String>> {
+    let (manifest, allowed) = PYTHON_FACE;
+    let metadata = MetadataCommand::new()
+        .manifest_path(root.join(manifest))
+        .other_options(vec!["--locked".to_owned()])
+        .exec()
+        .with_context(|| format!("cargo metadata for {manifest}"))?;
+    let face = metadata
+        .root_package()
+        .map(|p| p.name.to_string())
+        .unwrap_or_else(|| manifest.to_owned());
+    let mut problems = Vec::new();
+    for pkg in &metadata.packages {
+        let name = pkg.name.as_str();
+        if name == face {
+            continue;
+        }
+        if members.contains(name) && !allowed.contains(&name) {
+            problems.push(format!(
+                "{face} (the Python face) depends on {name} (allowed: {allowed:?})"
+            ));
+        }
+        if CUDA_CRATES.contains(&name) {
+            problems.push(format!(
+                "{face} (the Python face) depends on {name}; only kvcr-direct-linker may touch CUDA"
+            ));
+        }
+    }
     Ok(problems)
 }
 

@@ -12,6 +12,7 @@ mod e2e;
 mod gpu;
 mod layers;
 mod node;
+mod python;
 mod setup;
 
 use std::path::{Path, PathBuf};
@@ -33,8 +34,9 @@ Commands:
                     restart at the same address, subscribers gone, a pool full
                     of no_evict claims, 64 concurrent requests); each checks
                     its invariant; a summary table; non-zero exit on a violation
-  test              install what this machine lacks (apt packages, cargo tools),
-                    then run every test in the workspace
+  test              install what this machine lacks (apt packages, cargo tools,
+                    the Python face's venv), then run every test in the
+                    workspace and the Python face's suite
   ci [--no-test]    the full gate: fmt, clippy -D warnings (both feature faces),
                     the tests (unless --no-test), the layer check, docs with
                     -D warnings, and a build of the fuzz targets
@@ -46,6 +48,8 @@ Commands:
   gpu-build         build the direct linker's GPU tests and bench into
                     target/gpu/ (stripped, with run.sh) to carry to a GPU
                     machine
+  python            the Python face alone: install its venv if missing, build
+                    the extension, run its pytest suite (part of `test`)
   layers            check the crate dependency layering
   help              this text
 ";
@@ -64,6 +68,10 @@ fn main() -> Result<()> {
         "demo" => demo::run(&root, &rest),
         "e2e" => e2e::run(&root, &rest),
         "gpu-build" => gpu::build(&root),
+        "python" => {
+            python::ensure_env(&root)?;
+            python::build_and_test(&root)
+        }
         "layers" => {
             layers::check(&root)?;
             println!("xtask: layering ok");
@@ -112,7 +120,11 @@ fn cargo() -> Command {
 fn test(root: &Path) -> Result<()> {
     setup::ensure_system_packages()?;
     setup::ensure_real_clients(root)?;
-    run_tests(root)
+    python::ensure_env(root)?;
+    run_tests(root)?;
+    // The Python face (its own cargo workspace): SGLang's own loader and call
+    // patterns against the extension, and two runner processes.
+    python::build_and_test(root)
 }
 
 fn run_tests(_root: &Path) -> Result<()> {
@@ -155,6 +167,7 @@ fn ci(root: &Path, rest: &[String]) -> Result<()> {
     }
     setup::ensure_system_packages()?;
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
+    python::fmt_check(root)?;
     run(cargo().args([
         "clippy",
         "--workspace",
@@ -175,6 +188,7 @@ fn ci(root: &Path, rest: &[String]) -> Result<()> {
         "-D",
         "warnings",
     ]))?;
+    python::clippy(root)?;
     if !skip_tests {
         run_tests(root)?;
     }
