@@ -9,6 +9,8 @@
 mod bench;
 mod demo;
 mod layers;
+mod peers;
+mod plot;
 mod setup;
 
 use std::path::{Path, PathBuf};
@@ -31,9 +33,14 @@ Commands:
                     -D warnings, and a build of the fuzz targets
   fuzz [--runs N] [--target NAME]
                     run the fuzz targets (default: every target, 200000 runs each)
-  bench [--quick]   run every benchmark (each figure beside an anchor measured
-                    in the same run); prints BENCH lines and writes
-                    target/bench/report.md
+  bench [--quick] [--peers] [--rounds N]
+                    run every benchmark binary N times (default 5, quick 3;
+                    each figure beside an anchor measured in the same run);
+                    prints progress and BENCH lines (median, min, max over the
+                    rounds) and writes target/bench/report.md with SVG plots.
+                    --peers also installs (once, into target/peers-venv) and
+                    runs the reference Python runner and Mooncake's transfer
+                    engine on the same workloads: a side-by-side table
   layers            check the crate dependency layering
   help              this text
 ";
