@@ -352,7 +352,11 @@ fn main() {
         );
         let samples = one_block(TCP, 256 << 10, if quick { 50 } else { 200 });
         line("peer.one_block_tcp_p50", at(&samples, 0.5), "us", None);
-        for (label, size) in [("64kib", 64usize << 10), ("1mib", 1 << 20), ("16mib", MIB16)] {
+        for (label, size) in [
+            ("64kib", 64usize << 10),
+            ("1mib", 1 << 20),
+            ("16mib", MIB16),
+        ] {
             let iters = if quick { 20 } else { 60 }.min((256 << 20) / size).max(8);
             let samples = one_block(TCP, size, iters);
             line(

@@ -80,7 +80,13 @@ fn bench(name: &str, value: f64, unit: &str, anchor: Option<f64>) {
 /// `DIST <name> unit=us p0=.. p5=.. … p100=..` (every fifth percentile).
 fn dist(name: &str, samples: &[f64]) {
     let points: Vec<String> = (0..=20)
-        .map(|i| format!("p{}={:.2}", i * 5, percentile(samples.to_vec(), i as f64 / 20.0)))
+        .map(|i| {
+            format!(
+                "p{}={:.2}",
+                i * 5,
+                percentile(samples.to_vec(), i as f64 / 20.0)
+            )
+        })
         .collect();
     println!("DIST {name} unit=us {}", points.join(" "));
 }

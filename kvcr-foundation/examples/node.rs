@@ -3,8 +3,9 @@
 //!
 //! Every command is one JSON line; every answer is one line `<WORD> <json>`:
 //!
-//! * start: prints `READY {"endpoint": .., "events": .., "pid": ..}` (`events`:
-//!   the KV-event PUB endpoint with `--publish`, else null).
+//! * start: prints `READY {"endpoint": .., "events": .., "replay": .., "pid": ..}`
+//!   (`events` and `replay`: the KV-event PUB and replay ROUTER endpoints with
+//!   `--publish`, else null).
 //! * `{"cmd":"offload","pages":N,"page_bytes":B,"shards":S,"seed":X}`: fills
 //!   host memory with deterministic bytes and deposits every (page, shard) as
 //!   its own key (namespace per head shard, as a `page_head` layout splits
@@ -16,7 +17,9 @@
 //! * `{"cmd":"exit"}`: closes the runner and exits.
 //!
 //! Options: `--blocks N` (pool slots), `--block-bytes B`, `--tls T` (UCX
-//! transports), `--timeout-ms MS`.
+//! transports), `--timeout-ms MS`, `--ownership stream` (publish kvcr's events
+//! without the `ownership` field, for consumers that only know the worker
+//! domain, such as Dynamo 1.6.1's standalone indexer).
 
 #![allow(clippy::disallowed_methods)] // a driver program reads the clock
 #![allow(missing_docs)]
@@ -29,7 +32,9 @@ use std::time::{Duration, Instant};
 
 use kvcr_foundation::hint::FetchMode;
 use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
-use kvcr_foundation::publisher::{PubSocket, Publisher, PublisherConfig, TopicParts};
+use kvcr_foundation::publisher::{
+    OwnershipWire, PubSocket, Publisher, PublisherConfig, TopicParts,
+};
 use kvcr_foundation::runner::{
     DepositEntry, OpResult, PageInfo, PeerOptions, RegionDesc, Runner, RunnerConfig,
 };
@@ -130,15 +135,21 @@ fn main() {
     // `--publish`: the runner's inventory goes out on the KV-event wire (a PUB
     // socket bound on loopback), where a router can learn what it holds.
     let publisher = if std::env::args().any(|a| a == "--publish") {
-        let started = kvcr_foundation::BindAddress::parse("tcp://127.0.0.1:0").and_then(|bind| {
-            Publisher::start(PublisherConfig::new(
+        let bind = || kvcr_foundation::BindAddress::parse("tcp://127.0.0.1:0");
+        let started = bind().and_then(|pub_bind| {
+            let mut config = PublisherConfig::new(
                 TopicParts {
                     worker_id: u64::from(std::process::id()),
                     dp_rank: 0,
                 },
                 runner.incarnation(),
-                PubSocket::Bind(bind),
-            ))
+                PubSocket::Bind(pub_bind),
+            )
+            .with_replay(bind()?);
+            if arg("--ownership").as_deref() == Some("stream") {
+                config.ownership = OwnershipWire::Stream;
+            }
+            Publisher::start(config)
         });
         match started {
             Ok(publisher) => {
@@ -157,6 +168,10 @@ fn main() {
         .as_ref()
         .and_then(|p| p.bound().pub_bound.as_ref())
         .map(ToString::to_string);
+    let replay = publisher
+        .as_ref()
+        .and_then(|p| p.bound().replay_bound.as_ref())
+        .map(ToString::to_string);
     let mut node = Node {
         runner,
         shards,
@@ -166,7 +181,7 @@ fn main() {
     };
     answer(
         "READY",
-        &json!({ "endpoint": endpoint, "events": events, "pid": std::process::id() }),
+        &json!({ "endpoint": endpoint, "events": events, "replay": replay, "pid": std::process::id() }),
     );
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };

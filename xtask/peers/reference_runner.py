@@ -262,9 +262,15 @@ def main():
     args = parser.parse_args()
     if args.source is not None:
         source(args.source)
-        return
-    local(args.quick)
-    peer(args.quick)
+    else:
+        local(args.quick)
+        peer(args.quick)
+    # Every runner is closed by now. Skip the interpreter's teardown: with
+    # kvcr 0.1.1 / NIXL 1.5.0 here it segfaults in native code after
+    # everything above finished (seen in a network namespace holding only lo).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -158,14 +158,8 @@ const ANCHOR_WHAT: &[(&str, &str)] = &[
         "runner.query_ns@",
         "naive path: std HashMap lookup of the same keys",
     ),
-    (
-        "ucx.perftest_",
-        "(an anchor: `ucx_perftest` itself)",
-    ),
-    (
-        "publisher.events_core",
-        "(an anchor: the encoder alone)",
-    ),
+    ("ucx.perftest_", "(an anchor: `ucx_perftest` itself)"),
+    ("publisher.events_core", "(an anchor: the encoder alone)"),
     (
         "runner.bytes_per_block",
         "(heap bytes per resident block: no anchor)",
@@ -249,8 +243,10 @@ pub(crate) struct Summary {
 /// Summarises the figures of every round (in first-seen order), pairing
 /// unanchored figures with their [`PAIRS`] anchor from the same round.
 pub(crate) fn summarize(rounds: &[Vec<Figure>]) -> Vec<Summary> {
+    /// Per figure: its unit, and its values, anchors and ratios over the rounds.
+    type Samples = (String, Vec<f64>, Vec<f64>, Vec<f64>);
     let mut order: Vec<String> = Vec::new();
-    let mut by_name: BTreeMap<String, (String, Vec<f64>, Vec<f64>, Vec<f64>)> = BTreeMap::new();
+    let mut by_name: BTreeMap<String, Samples> = BTreeMap::new();
     for round in rounds {
         for figure in round {
             let anchor = figure.anchor.or_else(|| {
@@ -293,20 +289,15 @@ const SECTIONS: &[(&str, &[&str])] = &[
         "Local deposit and deliver",
         &["runner.deposit", "runner.deliver"],
     ),
-    (
-        "One-block latency",
-        &["runner.one_block", "peer.one_block"],
-    ),
+    ("One-block latency", &["runner.one_block", "peer.one_block"]),
     (
         "Query rate and its scaling",
         &["runner.query", "runner.bytes_per_block"],
     ),
-    (
-        "Peer fetch by transfer size and transport",
-        &["peer.fetch"],
-    ),
+    ("Peer fetch by transfer size and transport", &["peer.fetch"]),
     ("Publisher", &["publisher."]),
     ("UCX layer", &["ucx."]),
+    ("Peers' own figures (`--peers`)", &["peers."]),
 ];
 
 fn section_of(name: &str) -> usize {
@@ -356,7 +347,11 @@ fn build(root: &Path) -> Result<Vec<Binary>> {
     let mut binaries = Vec::new();
     for message in cargo_metadata::Message::parse_stream(BufReader::new(stdout)) {
         if let cargo_metadata::Message::CompilerArtifact(artifact) = message? {
-            let is_bench = artifact.target.kind.iter().any(|k| k.to_string() == "bench");
+            let is_bench = artifact
+                .target
+                .kind
+                .iter()
+                .any(|k| k.to_string() == "bench");
             if let (true, Some(exe)) = (is_bench, artifact.executable) {
                 binaries.push(Binary {
                     name: artifact.target.name.clone(),
@@ -416,18 +411,25 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
     let o = parse(rest)?;
     crate::setup::ensure_system_packages()?;
     let binaries = build(root)?;
+    let peers = if o.peers {
+        Some(crate::peers::prepare(root)?)
+    } else {
+        None
+    };
     let started = Instant::now();
     let mut rounds: Vec<Vec<Figure>> = Vec::new();
     let mut dists: Vec<Dist> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
     eprintln!(
-        "xtask bench: {} binaries × {} rounds{}",
+        "xtask bench: {} binaries{} × {} rounds{}",
         binaries.len(),
+        if o.peers { " and 2 peers" } else { "" },
         o.rounds,
         if o.quick { " (quick)" } else { "" }
     );
     for round in 0..o.rounds {
         let mut figures = Vec::new();
+        let label = format!("round {}/{}", round + 1, o.rounds);
         for binary in &binaries {
             let mut cmd = Command::new(&binary.path);
             cmd.current_dir(root).arg("--bench");
@@ -438,8 +440,7 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
                 // The peer bench adds kvcr's side of the peers' workloads.
                 cmd.env("KVCR_BENCH_PEERS", "1");
             }
-            let prefix = format!("round {}/{} {}:", round + 1, o.rounds, binary.name);
-            let out = collect(&mut cmd, &prefix, started)?;
+            let out = collect(&mut cmd, &format!("{label} {}:", binary.name), started)?;
             figures.extend(out.figures);
             // Distributions and notes: the last round's (one plot, not many).
             if round + 1 == o.rounds {
@@ -447,20 +448,22 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
                 notes.extend(out.notes);
             }
         }
+        if let Some(prepared) = &peers {
+            // Right after kvcr's figures of the same round: the machine's
+            // noise of the moment is shared between the two.
+            figures.extend(crate::peers::run_round(
+                root, prepared, o.quick, &label, started,
+            )?);
+        }
         rounds.push(figures);
     }
     let summaries = summarize(&rounds);
-    let peers = if o.peers {
-        Some(crate::peers::run(root, &o, started)?)
-    } else {
-        None
-    };
     let dir = root.join("target").join("bench");
     std::fs::create_dir_all(&dir)?;
     let mut plots: Vec<(String, String)> = plots(&summaries, &dists);
     let mut report = render(&summaries, &o, started.elapsed().as_secs_f64(), &notes);
-    if let Some(peers) = &peers {
-        let (table, svg) = crate::peers::render(&summaries, peers);
+    if let Some(prepared) = &peers {
+        let (table, svg) = crate::peers::render(&summaries, prepared.isolated);
         report.push_str(&table);
         plots.push(("peers.svg".to_owned(), svg));
     }
@@ -476,8 +479,8 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
     for s in &summaries {
         println!("{}", bench_line(s));
     }
-    if let Some(peers) = &peers {
-        for line in crate::peers::bench_lines_with(&summaries, peers) {
+    if peers.is_some() {
+        for line in crate::peers::bench_lines(&summaries) {
             println!("{line}");
         }
     }
@@ -598,11 +601,7 @@ fn plots(summaries: &[Summary], dists: &[Dist]) -> Vec<(String, String)> {
     if !peer.is_empty() {
         out.push((
             "peer.svg".to_owned(),
-            plot::bar_chart(
-                "Peer fetch by transfer size and transport",
-                "GB/s",
-                &peer,
-            ),
+            plot::bar_chart("Peer fetch by transfer size and transport", "GB/s", &peer),
         ));
     }
     let query = query_lines(summaries);
@@ -659,6 +658,7 @@ const PLOT_OF_SECTION: &[&str] = &[
     "peer.svg",
     "publisher.svg",
     "",
+    "",
 ];
 
 fn render(summaries: &[Summary], o: &Options, secs: f64, notes: &[String]) -> String {
@@ -684,7 +684,10 @@ fn render(summaries: &[Summary], o: &Options, secs: f64, notes: &[String]) -> St
         .chain(std::iter::once(&("Other", &[][..])))
         .enumerate()
     {
-        let rows: Vec<&Summary> = summaries.iter().filter(|s| section_of(&s.name) == i).collect();
+        let rows: Vec<&Summary> = summaries
+            .iter()
+            .filter(|s| section_of(&s.name) == i)
+            .collect();
         if rows.is_empty() {
             continue;
         }
@@ -696,6 +699,8 @@ fn render(summaries: &[Summary], o: &Options, secs: f64, notes: &[String]) -> St
                 "measured in the same run"
             } else if s.unit == "x" {
                 "(a ratio itself)"
+            } else if s.name.starts_with("peers.") {
+                "(see the side-by-side table)"
             } else {
                 "(no anchor)"
             });

@@ -9,19 +9,19 @@
 //! NIXL and Mooncake open listeners on every interface.
 
 use std::fmt::Write as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 
-use crate::bench::{self, Figure, Options, Spread, Summary, short};
+use crate::bench::{self, Figure, Spread, Summary, short};
 use crate::plot::{self, Bar, Group};
 
-/// What the peers measured.
-pub(crate) struct Peers {
-    pub reference: Vec<Figure>,
-    pub mooncake: Vec<Figure>,
+/// The installed peers, ready to run.
+pub(crate) struct Prepared {
+    dir: PathBuf,
+    /// Whether each driver runs in its own loopback-only network namespace.
     pub isolated: bool,
 }
 
@@ -40,8 +40,15 @@ fn can_unshare() -> bool {
 fn driver(python: &Path, script: &Path, quick: bool, isolate: bool) -> Command {
     let mut cmd = if isolate {
         let mut c = Command::new("unshare");
-        c.args(["--net", "--", "sh", "-c", "ip link set lo up && exec \"$@\"", "sh"])
-            .arg(python);
+        c.args([
+            "--net",
+            "--",
+            "sh",
+            "-c",
+            "ip link set lo up && exec \"$@\"",
+            "sh",
+        ])
+        .arg(python);
         c
     } else {
         Command::new(python)
@@ -51,11 +58,13 @@ fn driver(python: &Path, script: &Path, quick: bool, isolate: bool) -> Command {
         cmd.arg("--quick");
     }
     // UCX (inside NIXL) only on loopback; Mooncake's glog at warnings.
-    cmd.env("UCX_NET_DEVICES", "lo").env("GLOG_minloglevel", "1");
+    cmd.env("UCX_NET_DEVICES", "lo")
+        .env("GLOG_minloglevel", "1");
     cmd
 }
 
-pub(crate) fn run(root: &Path, o: &Options, started: Instant) -> Result<Peers> {
+/// Installs the peers (once) into `target/peers-venv`.
+pub(crate) fn prepare(root: &Path) -> Result<Prepared> {
     let dir = root.join("target").join("peers-venv");
     eprintln!(
         "xtask bench: installing the peers into {} if missing (the reference runner pulls ~6 GB once)…",
@@ -67,38 +76,44 @@ pub(crate) fn run(root: &Path, o: &Options, started: Instant) -> Result<Peers> {
             .arg(&dir),
     )
     .context("installing the peer systems (needs python3-venv and PyPI)")?;
-    let isolate = can_unshare();
-    if !isolate {
+    let isolated = can_unshare();
+    if !isolated {
         eprintln!(
             "xtask bench: cannot create a network namespace here; the peers run in this one (they only dial 127.0.0.1)"
         );
     }
+    Ok(Prepared { dir, isolated })
+}
+
+/// Runs both peers' drivers once (one round, right after kvcr's binaries of
+/// the same round); returns their figures.
+pub(crate) fn run_round(
+    root: &Path,
+    prepared: &Prepared,
+    quick: bool,
+    round: &str,
+    started: Instant,
+) -> Result<Vec<Figure>> {
     let logs = root.join("target").join("bench");
     std::fs::create_dir_all(&logs)?;
-    let mut results = Vec::new();
-    for (name, venv, script) in [
-        ("reference", "reference", "reference_runner.py"),
-        ("mooncake", "mooncake", "mooncake_tcp.py"),
+    let mut figures = Vec::new();
+    for (name, script) in [
+        ("reference", "reference_runner.py"),
+        ("mooncake", "mooncake_tcp.py"),
     ] {
         let log = logs.join(format!("peers-{name}.log"));
         let mut cmd = driver(
-            &dir.join(venv).join("bin/python"),
+            &prepared.dir.join(name).join("bin/python"),
             &root.join("xtask/peers").join(script),
-            o.quick,
-            isolate,
+            quick,
+            prepared.isolated,
         );
         cmd.stderr(std::fs::File::create(&log)?);
-        let out = bench::collect(&mut cmd, &format!("peers {name}:"), started)
+        let out = bench::collect(&mut cmd, &format!("{round} peers {name}:"), started)
             .with_context(|| format!("the {name} driver failed; see {}", log.display()))?;
-        results.push(out.figures);
+        figures.extend(out.figures);
     }
-    let mooncake = results.pop().unwrap_or_default();
-    let reference = results.pop().unwrap_or_default();
-    Ok(Peers {
-        reference,
-        mooncake,
-        isolated: isolate,
-    })
+    Ok(figures)
 }
 
 /// One row of the side-by-side table: a workload, kvcr's figure, and the
@@ -189,9 +204,12 @@ const ROWS: &[Row] = &[
     },
 ];
 
-fn peer_value(figures: &[Figure], system: &str, name: Option<&str>) -> Option<f64> {
-    let full = format!("peers.{system}.{}", name?);
-    figures.iter().find(|f| f.name == full).map(|f| f.value)
+fn find(summaries: &[Summary], name: &str) -> Option<Spread> {
+    summaries.iter().find(|s| s.name == name).map(|s| s.value)
+}
+
+fn peer_value(summaries: &[Summary], system: &str, name: Option<&str>) -> Option<Spread> {
+    find(summaries, &format!("peers.{system}.{}", name?))
 }
 
 /// kvcr ÷ peer, oriented so that above 1 means kvcr is better.
@@ -203,39 +221,42 @@ fn advantage(kvcr: f64, peer: f64, higher: bool) -> Option<f64> {
 struct Resolved {
     row: &'static Row,
     kvcr: Option<Spread>,
-    reference: Option<f64>,
-    write: Option<f64>,
-    read: Option<f64>,
+    reference: Option<Spread>,
+    write: Option<Spread>,
+    read: Option<Spread>,
 }
 
-fn resolve(summaries: &[Summary], peers: &Peers) -> Vec<Resolved> {
+fn resolve(summaries: &[Summary]) -> Vec<Resolved> {
     ROWS.iter()
         .map(|row| Resolved {
             row,
-            kvcr: summaries.iter().find(|s| s.name == row.kvcr).map(|s| s.value),
-            reference: peer_value(&peers.reference, "reference", row.reference),
-            write: peer_value(&peers.mooncake, "mooncake", row.mooncake_write),
-            read: peer_value(&peers.mooncake, "mooncake", row.mooncake_read),
+            kvcr: find(summaries, row.kvcr),
+            reference: peer_value(summaries, "reference", row.reference),
+            write: peer_value(summaries, "mooncake", row.mooncake_write),
+            read: peer_value(summaries, "mooncake", row.mooncake_read),
         })
         .collect()
 }
 
-fn cell(v: Option<f64>) -> String {
-    v.map_or("-".to_owned(), short)
+fn cell(v: Option<Spread>) -> String {
+    v.map_or("-".to_owned(), |s| {
+        format!("{} ({}–{})", short(s.median), short(s.low), short(s.high))
+    })
 }
 
 /// The side-by-side section of the report, and its plot.
-pub(crate) fn render(summaries: &[Summary], peers: &Peers) -> (String, String) {
-    let mut out = String::from("\n## Side by side: kvcr, the reference Python runner, Mooncake\n\n");
+pub(crate) fn render(summaries: &[Summary], isolated: bool) -> (String, String) {
+    let mut out =
+        String::from("\n## Side by side: kvcr, the reference Python runner, Mooncake\n\n");
     let _ = writeln!(
         out,
         "The reference runner (kvcr 0.1.1 from PyPI: NIXL with its bundled UCX, which moves bytes \
          over tcp/lo here) and Mooncake's transfer engine (0.3.13.post1, non-CUDA, TCP transport, \
-         P2P handshake) ran right after kvcr's rounds, each {}, with our drivers in \
-         `xtask/peers/`. Every transfer checks its bytes. kvcr's cells are medians over the rounds \
-         (min–max); the peers' are medians over their own repetitions. \"kvcr ×\" is how many times \
-         better kvcr is (higher throughput or lower latency; below 1 means the peer is better).\n",
-        if peers.isolated {
+         P2P handshake) ran in every round right after kvcr's benchmarks, each {}, with our \
+         drivers in `xtask/peers/`. Every transfer checks its bytes. Every cell is the median \
+         over the rounds (min–max) of each run's own median. \"kvcr ×\" is how many times better \
+         kvcr is (higher throughput or lower latency; below 1 means the peer is better).\n",
+        if isolated {
             "in a network namespace holding only loopback"
         } else {
             "on loopback"
@@ -245,12 +266,12 @@ pub(crate) fn render(summaries: &[Summary], peers: &Peers) -> (String, String) {
         "| workload | unit | kvcr | reference runner | kvcr × reference | Mooncake write | Mooncake read | kvcr × Mooncake read |\n",
     );
     out.push_str("|---|---|---|---|---|---|---|---|\n");
-    let rows = resolve(summaries, peers);
+    let rows = resolve(summaries);
     for r in &rows {
         let k = r.kvcr.map(|s| s.median);
-        let ratio = |peer: Option<f64>| -> String {
+        let ratio = |peer: Option<Spread>| -> String {
             match (k, peer) {
-                (Some(k), Some(p)) => advantage(k, p, r.row.higher)
+                (Some(k), Some(p)) => advantage(k, p.median, r.row.higher)
                     .map_or("-".to_owned(), |x| format!("{x:.2}")),
                 _ => "-".to_owned(),
             }
@@ -260,12 +281,7 @@ pub(crate) fn render(summaries: &[Summary], peers: &Peers) -> (String, String) {
             "| {} | {} | {} | {} | {} | {} | {} | {} |",
             r.row.workload,
             r.row.unit,
-            r.kvcr.map_or("-".to_owned(), |s| format!(
-                "{} ({}–{})",
-                short(s.median),
-                short(s.low),
-                short(s.high)
-            )),
+            cell(r.kvcr),
             cell(r.reference),
             ratio(r.reference),
             cell(r.write),
@@ -298,9 +314,9 @@ pub(crate) fn render(summaries: &[Summary], peers: &Peers) -> (String, String) {
                 if let Some(v) = v {
                     bars.push(Bar {
                         series: series.to_owned(),
-                        median: v,
-                        low: v,
-                        high: v,
+                        median: v.median,
+                        low: v.low,
+                        high: v.high,
                     });
                 }
             }
@@ -321,12 +337,12 @@ pub(crate) fn render(summaries: &[Summary], peers: &Peers) -> (String, String) {
 
 /// `BENCH` lines for the side-by-side figures: kvcr's median as the value,
 /// the peer's as the anchor, the ratio kvcr ÷ peer.
-pub(crate) fn bench_lines_with(summaries: &[Summary], peers: &Peers) -> Vec<String> {
+pub(crate) fn bench_lines(summaries: &[Summary]) -> Vec<String> {
     let mut lines = Vec::new();
-    for r in resolve(summaries, peers) {
+    for r in resolve(summaries) {
         let Some(k) = r.kvcr else { continue };
         for (label, peer) in [("reference", r.reference), ("mooncake_read", r.read)] {
-            if let Some(p) = peer.filter(|p| *p != 0.0) {
+            if let Some(p) = peer.map(|p| p.median).filter(|p| *p != 0.0) {
                 lines.push(format!(
                     "BENCH peers.vs_{label}.{} value={:.3} unit={} anchor={p:.3} ratio={:.3}",
                     r.row.kvcr,
@@ -362,31 +378,32 @@ mod tests {
                 unit: "us".to_owned(),
                 ..figure("runner.one_block_deposit_p50", 50.0)
             },
+            figure("peers.reference.deposit_256kib", 1.0),
+            Figure {
+                unit: "us".to_owned(),
+                ..figure("peers.reference.one_block_deposit_p50", 1000.0)
+            },
+            figure("peers.mooncake.write_1mib_tcp", 0.5),
+            figure("peers.mooncake.read_1mib_tcp", 4.0),
         ]]);
-        let peers = Peers {
-            reference: vec![
-                figure("peers.reference.deposit_256kib", 1.0),
-                figure("peers.reference.one_block_deposit_p50", 1000.0),
-            ],
-            mooncake: vec![
-                figure("peers.mooncake.write_1mib_tcp", 0.5),
-                figure("peers.mooncake.read_1mib_tcp", 4.0),
-            ],
-            isolated: true,
-        };
-        let (table, svg) = render(&summaries, &peers);
+        let (table, svg) = render(&summaries, true);
         assert!(
-            table.contains("| local deposit, 512 × 256 KiB | GB/s | 10.0 (10.0–10.0) | 1.00 | 10.00 | - | - | - |"),
+            table.contains("| local deposit, 512 × 256 KiB | GB/s | 10.0 (10.0–10.0) | 1.00 (1.00–1.00) | 10.00 | - | - | - |"),
             "{table}"
         );
         // Latency: lower is better, so the advantage is peer ÷ kvcr.
-        assert!(table.contains("| 50.0 (50.0–50.0) | 1000 | 20.00 |"), "{table}");
         assert!(
-            table.contains("| 2.00 (2.00–2.00) | - | - | 0.500 | 4.00 | 0.50 |"),
+            table.contains("| 50.0 (50.0–50.0) | 1000 (1000–1000) | 20.00 |"),
+            "{table}"
+        );
+        assert!(
+            table.contains(
+                "| 2.00 (2.00–2.00) | - | - | 0.500 (0.500–0.500) | 4.00 (4.00–4.00) | 0.50 |"
+            ),
             "{table}"
         );
         assert!(svg.contains("Mooncake read: 4.00"));
-        let lines = bench_lines_with(&summaries, &peers);
+        let lines = bench_lines(&summaries);
         assert!(lines.contains(
             &"BENCH peers.vs_reference.runner.deposit value=10.000 unit=GB/s anchor=1.000 ratio=10.000".to_owned()
         ));
