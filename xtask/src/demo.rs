@@ -594,6 +594,11 @@ fn demo(root: &Path, binary: &Path, o: &Options) -> Result<()> {
                     .find(|(pid, _)| *pid == worker)
                     .map(|(_, e)| e.clone())
                     .with_context(|| format!("the indexer names unknown worker {worker}"))?;
+                eprintln!(
+                    "demo: prompt {prompt}: /query over its {}-token prefix: worker {worker} matches {matched} pages; hinting pages {first}..{}",
+                    end * PAGE_TOKENS,
+                    matched.min(end)
+                );
                 (endpoint, matched.min(end))
             }
             None => (source.endpoint.clone(), end),
