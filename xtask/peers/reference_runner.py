@@ -10,7 +10,11 @@ reference runner on the same workloads as kvcr's benches and prints one
 * peer fetch: a second process holds the blocks; this one submits a router
   hint, fetches 256 x 256 KiB into its own pool, then delivers them locally
   and checks every byte (GB/s);
-* one-block peer fetch latency, hint -> fetch -> completion (us).
+* one-block peer fetch latency, hint -> fetch -> completion (us);
+
+the two peer figures twice: with UCX's default transports (`_default`: shared
+memory between the two processes when the host allows it) and with
+`UCX_TLS=tcp,self` (`_tcp`).
 
 Loopback only: the control channel binds 127.0.0.1, and the caller pins UCX to
 the `lo` device. The main thread polls with a short sleep, as an engine's
@@ -23,6 +27,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -198,7 +203,13 @@ def hint(endpoint, keys):
     }
 
 
-def peer(quick):
+def peer(quick, tls, suffix):
+    """Peer fetch with UCX's transports `tls` (None: UCX's own choice, which
+    includes shared memory between two processes on one host)."""
+    if tls is None:
+        os.environ.pop("UCX_TLS", None)
+    else:
+        os.environ["UCX_TLS"] = tls  # read when NIXL creates its UCX context
     n = 256
     reps = 3 if quick else 7
     singles = 30 if quick else 100
@@ -220,7 +231,10 @@ def peer(quick):
         else:
             raise RuntimeError("the source exited before printing its endpoint")
         endpoint = line.split()[1]
-        target = Instance("ref-target", n, n, peer=True)
+        # Keep draining the source's stdout (NIXL logs there) so it never
+        # blocks on a full pipe.
+        threading.Thread(target=lambda: [None for _ in child.stdout], daemon=True).start()
+        target = Instance(f"ref-target-{suffix}", n, n, peer=True)
         request = 0
 
         def fetch(first, count, check):
@@ -244,10 +258,10 @@ def peer(quick):
 
         fetch(0, n, True)  # warm-up: NIXL metadata exchange, not counted
         fetched = [gbps(n * BLOCK, fetch(n * (r + 1), n, True)) for r in range(reps)]
-        bench("peer_fetch_256kib", fetched, "GB/s")
+        bench(f"peer_fetch_256kib_{suffix}", fetched, "GB/s")
         first = n * (reps + 1)
         lat = [fetch(first + i, 1, False) * 1e6 for i in range(singles)]
-        bench("peer_one_block_p50", lat, "us")
+        bench(f"peer_one_block_{suffix}_p50", lat, "us")
     finally:
         if target is not None:
             target.close()
@@ -264,7 +278,8 @@ def main():
         source(args.source)
     else:
         local(args.quick)
-        peer(args.quick)
+        peer(args.quick, None, "default")
+        peer(args.quick, "tcp,self", "tcp")
     # Every runner is closed by now. Skip the interpreter's teardown: with
     # kvcr 0.1.1 / NIXL 1.5.0 here it segfaults in native code after
     # everything above finished (seen in a network namespace holding only lo).

@@ -142,6 +142,14 @@ const ANCHOR_WHAT: &[(&str, &str)] = &[
     ),
     ("peer.fetch_16mib_tcp", "`ucx_perftest` put_bw 16 MiB, tcp"),
     (
+        "peer.fetch_256kib_tcp",
+        "`ucx_perftest` put_bw 256 KiB, tcp",
+    ),
+    (
+        "peer.request_",
+        "`ucx_perftest` put_bw at the same size, tcp",
+    ),
+    (
         "peer.one_block_p50",
         "`ucx_perftest` put_lat 256 KiB, posix+cma (one way)",
     ),
@@ -294,7 +302,10 @@ const SECTIONS: &[(&str, &[&str])] = &[
         "Query rate and its scaling",
         &["runner.query", "runner.bytes_per_block"],
     ),
-    ("Peer fetch by transfer size and transport", &["peer.fetch"]),
+    (
+        "Peer fetch by transfer size and transport",
+        &["peer.fetch", "peer.request"],
+    ),
     ("Publisher", &["publisher."]),
     ("UCX layer", &["ucx."]),
     ("Peers' own figures (`--peers`)", &["peers."]),
@@ -593,7 +604,10 @@ fn plots(summaries: &[Summary], dists: &[Dist]) -> Vec<(String, String)> {
     let peer_names: Vec<(&str, &str)> = summaries
         .iter()
         .filter_map(|s| {
-            let label = s.name.strip_prefix("peer.fetch_")?;
+            let label = s
+                .name
+                .strip_prefix("peer.fetch_")
+                .or_else(|| s.name.strip_prefix("peer."))?;
             (s.unit == "GB/s").then_some((s.name.as_str(), label))
         })
         .collect();

@@ -158,10 +158,28 @@ const ROWS: &[Row] = &[
         higher: false,
     },
     Row {
+        workload: "peer fetch on a hint, 256 KiB blocks, shared memory (bytes checked; kvcr 512, reference 256 blocks per fetch)",
+        unit: "GB/s",
+        kvcr: "peer.fetch_256kib_shm",
+        reference: Some("peer_fetch_256kib_default"),
+        mooncake_write: None,
+        mooncake_read: None,
+        higher: true,
+    },
+    Row {
+        workload: "one-block peer fetch on a hint, 256 KiB, shared memory",
+        unit: "us",
+        kvcr: "peer.one_block_p50",
+        reference: Some("peer_one_block_default_p50"),
+        mooncake_write: None,
+        mooncake_read: None,
+        higher: false,
+    },
+    Row {
         workload: "peer fetch on a hint, 256 × 256 KiB, TCP loopback (bytes checked)",
         unit: "GB/s",
         kvcr: "peer.fetch_256kib_tcp",
-        reference: Some("peer_fetch_256kib"),
+        reference: Some("peer_fetch_256kib_tcp"),
         mooncake_write: None,
         mooncake_read: None,
         higher: true,
@@ -170,7 +188,7 @@ const ROWS: &[Row] = &[
         workload: "one-block peer fetch on a hint, 256 KiB, TCP loopback",
         unit: "us",
         kvcr: "peer.one_block_tcp_p50",
-        reference: Some("peer_one_block_p50"),
+        reference: Some("peer_one_block_tcp_p50"),
         mooncake_write: None,
         mooncake_read: None,
         higher: false,
@@ -250,8 +268,8 @@ pub(crate) fn render(summaries: &[Summary], isolated: bool) -> (String, String) 
         String::from("\n## Side by side: kvcr, the reference Python runner, Mooncake\n\n");
     let _ = writeln!(
         out,
-        "The reference runner (kvcr 0.1.1 from PyPI: NIXL with its bundled UCX, which moves bytes \
-         over tcp/lo here) and Mooncake's transfer engine (0.3.13.post1, non-CUDA, TCP transport, \
+        "The reference runner (kvcr 0.1.1 from PyPI: NIXL 1.5.0 with its bundled UCX) \
+         and Mooncake's transfer engine (0.3.13.post1, non-CUDA, TCP transport, \
          P2P handshake) ran in every round right after kvcr's benchmarks, each {}, with our \
          drivers in `xtask/peers/`. Every transfer checks its bytes. Every cell is the median \
          over the rounds (min–max) of each run's own median. \"kvcr ×\" is how many times better \
@@ -290,8 +308,11 @@ pub(crate) fn render(summaries: &[Summary], isolated: bool) -> (String, String) 
         );
     }
     out.push_str(
-        "\nkvcr's transport for these rows is TCP on loopback (`UCX_TLS=tcp,self`), like the \
-         peers'; its shared-memory figures are in the sections above.\n\n<!-- plot:peers.svg -->\n",
+        "\nTransports: the TCP rows pin UCX to `tcp,self` for kvcr and for the reference runner \
+         (Mooncake uses its own TCP transport); the shared-memory rows give kvcr \
+         `posix,cma,self` and leave the reference runner's UCX on its defaults, which pick \
+         shared memory between two processes on one host. The reference runner's local path is \
+         NIXL on UCX's defaults; kvcr's is its copy engine.\n\n<!-- plot:peers.svg -->\n",
     );
     let groups: Vec<Group> = rows
         .iter()
