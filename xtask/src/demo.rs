@@ -622,9 +622,15 @@ fn demo(root: &Path, binary: &Path, o: &Options) -> Result<()> {
             s.4 += r["failed"].as_u64().unwrap_or(0);
             s.5 += r["keys"].as_u64().unwrap_or(0);
         }
-        eprint!("\rdemo: restored prompt {}/{}", prompt + 1, o.prompts);
+        if dynamo {
+            eprintln!("demo: restored prompt {}/{}", prompt + 1, o.prompts);
+        } else {
+            eprint!("\rdemo: restored prompt {}/{}", prompt + 1, o.prompts);
+        }
     }
-    eprintln!();
+    if !dynamo {
+        eprintln!();
+    }
     println!();
     println!(
         "router: {}",
