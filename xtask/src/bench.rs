@@ -28,6 +28,8 @@ pub(crate) struct Options {
     pub quick: bool,
     pub peers: bool,
     pub rounds: usize,
+    /// [`load`] when the measuring started.
+    pub load_at_start: Option<(f64, usize)>,
 }
 
 fn parse(rest: &[String]) -> Result<Options> {
@@ -35,6 +37,7 @@ fn parse(rest: &[String]) -> Result<Options> {
         quick: false,
         peers: false,
         rounds: 0,
+        load_at_start: None,
     };
     let mut it = rest.iter();
     while let Some(arg) = it.next() {
@@ -419,7 +422,7 @@ pub(crate) fn collect(cmd: &mut Command, prefix: &str, started: Instant) -> Resu
 }
 
 pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
-    let o = parse(rest)?;
+    let mut o = parse(rest)?;
     crate::setup::ensure_system_packages()?;
     let binaries = build(root)?;
     let peers = if o.peers {
@@ -428,6 +431,7 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
         None
     };
     let started = Instant::now();
+    o.load_at_start = load();
     let mut rounds: Vec<Vec<Figure>> = Vec::new();
     let mut dists: Vec<Dist> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
@@ -675,6 +679,15 @@ const PLOT_OF_SECTION: &[&str] = &[
     "",
 ];
 
+/// The 1-minute load average and the CPU count, to tell a quiet run from a
+/// crowded one (`None` off Linux).
+pub(crate) fn load() -> Option<(f64, usize)> {
+    let text = std::fs::read_to_string("/proc/loadavg").ok()?;
+    let one: f64 = text.split_whitespace().next()?.parse().ok()?;
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    Some((one, cpus))
+}
+
 fn render(summaries: &[Summary], o: &Options, secs: f64, notes: &[String]) -> String {
     let mut out = String::from("# kvcr benchmark report\n\n");
     let _ = writeln!(
@@ -687,6 +700,13 @@ fn render(summaries: &[Summary], o: &Options, secs: f64, notes: &[String]) -> St
         },
         o.rounds
     );
+    if let (Some((start, cpus)), Some((end, _))) = (o.load_at_start, load()) {
+        let _ = writeln!(
+            out,
+            "Machine load (1-minute average) {start:.1} at the start and {end:.1} at the end, on \
+             {cpus} CPUs: above the CPU count, other work competed with these figures.\n"
+        );
+    }
     out.push_str(
         "Each cell is the median over the rounds with the spread (min–max) in brackets. Every \
          anchor is measured in the same round as its figure, and each ratio is figure ÷ anchor \
@@ -828,6 +848,7 @@ mod tests {
             quick: true,
             peers: false,
             rounds: 1,
+            load_at_start: None,
         };
         let report = render(&summaries, &o, 1.0, &["a note".to_owned()]);
         assert!(report.contains("## Local deposit and deliver"));
