@@ -350,8 +350,14 @@ fn main() {
             "GB/s",
             perftest("tcp", 256 << 10, 400, &["-O", "1"]),
         );
-        let samples = one_block(TCP, 256 << 10, if quick { 50 } else { 200 });
-        line("peer.one_block_tcp_p50", at(&samples, 0.5), "us", None);
+        let iters = if quick { 50 } else { 200 };
+        let samples = one_block(TCP, 256 << 10, iters);
+        line(
+            "peer.one_block_tcp_p50",
+            at(&samples, 0.5),
+            "us",
+            perftest_lat("tcp", 256 << 10, iters),
+        );
         for (label, size) in [
             ("64kib", 64usize << 10),
             ("1mib", 1 << 20),

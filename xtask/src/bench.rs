@@ -153,6 +153,10 @@ const ANCHOR_WHAT: &[(&str, &str)] = &[
         "`ucx_perftest` put_bw at the same size, tcp",
     ),
     (
+        "peer.one_block_tcp_p50",
+        "`ucx_perftest` put_lat 256 KiB, tcp (one way)",
+    ),
+    (
         "peer.one_block_p50",
         "`ucx_perftest` put_lat 256 KiB, posix+cma (one way)",
     ),

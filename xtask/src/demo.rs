@@ -682,3 +682,36 @@ fn demo(root: &Path, binary: &Path, o: &Options) -> Result<()> {
     println!("\ndemo: every restored byte equals the offloaded byte.");
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn best_instance_takes_the_longest_match_in_pages() {
+        let answer = json!({
+            "11": {"longest_matched": 128, "cpu": 128},
+            "22": {"longest_matched": 4096, "cpu": 4096},
+            "not-a-number": {"longest_matched": 9999},
+            "33": {"cpu": 64},
+        });
+        let instances = answer.as_object().cloned().unwrap_or_default();
+        assert_eq!(best_instance(&instances), Some((22, 64)));
+        assert_eq!(best_instance(&serde_json::Map::new()), None);
+    }
+
+    #[test]
+    fn dechunk_joins_chunks_and_stops_at_a_bad_length() {
+        assert_eq!(dechunk("4\r\n{\"a\"\r\n3\r\n:1}\r\n0\r\n\r\n"), "{\"a\":1}");
+        // A length past the end of the body ends the body; nothing panics.
+        assert_eq!(dechunk("2\r\nok\r\nff\r\nshort"), "ok");
+    }
+
+    #[test]
+    fn prefix_tokens_match_the_nodes_pages() {
+        let tokens = prefix_tokens(2);
+        assert_eq!(tokens.len(), 128);
+        assert_eq!(tokens.first(), Some(&0));
+        assert_eq!(tokens.last(), Some(&127));
+    }
+}
