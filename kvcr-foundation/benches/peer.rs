@@ -352,6 +352,7 @@ fn main() {
         );
         let iters = if quick { 50 } else { 200 };
         let samples = one_block(TCP, 256 << 10, iters);
+        dist("peer.one_block_256kib_tcp", &samples);
         line(
             "peer.one_block_tcp_p50",
             at(&samples, 0.5),

@@ -135,6 +135,16 @@ def bench(name, values, unit):
           f"min={min(values):.3f} max={max(values):.3f} runs={len(values)}", flush=True)
 
 
+def dist(name, samples):
+    """The distribution for the report's latency plot, in kvcr's format:
+    `DIST <name> unit=us p0=.. p5=.. ... p100=..` (nearest rank)."""
+    ordered = sorted(samples)
+    points = " ".join(
+        f"p{p}={ordered[round((len(ordered) - 1) * p / 100)]:.2f}" for p in range(0, 101, 5)
+    )
+    print(f"DIST peers.reference.{name} unit=us {points}", flush=True)
+
+
 def local(quick):
     n = 512
     reps = 5 if quick else 9
@@ -163,6 +173,7 @@ def local(quick):
             inst.wait(inst.kvcr.deposit({key(10**9 + i): inst.ref(i % n)}))
             lat.append((time.perf_counter() - start) * 1e6)
         bench("one_block_deposit_p50", lat, "us")
+        dist("one_block_deposit", lat)
     finally:
         inst.close()
 
@@ -262,6 +273,7 @@ def peer(quick, tls, suffix):
         first = n * (reps + 1)
         lat = [fetch(first + i, 1, False) * 1e6 for i in range(singles)]
         bench(f"peer_one_block_{suffix}_p50", lat, "us")
+        dist(f"peer_one_block_{suffix}", lat)
     finally:
         if target is not None:
             target.close()

@@ -470,9 +470,12 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
         if let Some(prepared) = &peers {
             // Right after kvcr's figures of the same round: the machine's
             // noise of the moment is shared between the two.
-            figures.extend(crate::peers::run_round(
-                root, prepared, o.quick, &label, started,
-            )?);
+            let (peer_figures, peer_dists) =
+                crate::peers::run_round(root, prepared, o.quick, &label, started)?;
+            figures.extend(peer_figures);
+            if round + 1 == o.rounds {
+                dists.extend(peer_dists);
+            }
         }
         rounds.push(figures);
     }
@@ -651,7 +654,7 @@ fn plots(summaries: &[Summary], dists: &[Dist]) -> Vec<(String, String)> {
         out.push((
             "latency.svg".to_owned(),
             plot::line_chart(
-                "One-block (256 KiB) latency distribution",
+                "One-block (256 KiB) latency distribution (last round)",
                 &format!("latency ({unit}, log)"),
                 "percentile",
                 true,

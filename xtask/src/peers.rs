@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 
-use crate::bench::{self, Figure, Spread, Summary, short};
+use crate::bench::{self, Dist, Figure, Spread, Summary, short};
 use crate::plot::{self, Bar, Group};
 
 /// The installed peers, ready to run.
@@ -86,17 +86,18 @@ pub(crate) fn prepare(root: &Path) -> Result<Prepared> {
 }
 
 /// Runs both peers' drivers once (one round, right after kvcr's binaries of
-/// the same round); returns their figures.
+/// the same round); returns their figures and latency distributions.
 pub(crate) fn run_round(
     root: &Path,
     prepared: &Prepared,
     quick: bool,
     round: &str,
     started: Instant,
-) -> Result<Vec<Figure>> {
+) -> Result<(Vec<Figure>, Vec<Dist>)> {
     let logs = root.join("target").join("bench");
     std::fs::create_dir_all(&logs)?;
     let mut figures = Vec::new();
+    let mut dists = Vec::new();
     for (name, script) in [
         ("reference", "reference_runner.py"),
         ("mooncake", "mooncake_tcp.py"),
@@ -112,8 +113,9 @@ pub(crate) fn run_round(
         let out = bench::collect(&mut cmd, &format!("{round} peers {name}:"), started)
             .with_context(|| format!("the {name} driver failed; see {}", log.display()))?;
         figures.extend(out.figures);
+        dists.extend(out.dists);
     }
-    Ok(figures)
+    Ok((figures, dists))
 }
 
 /// One row of the side-by-side table: a workload, kvcr's figure, and the

@@ -5,12 +5,14 @@
 
 use std::fmt::Write as _;
 
-const WIDTH: f64 = 760.0;
+const WIDTH: f64 = 900.0;
 const HEIGHT: f64 = 360.0;
 const LEFT: f64 = 70.0;
-const RIGHT: f64 = 170.0;
+const RIGHT: f64 = 270.0;
 const TOP: f64 = 40.0;
-const BOTTOM: f64 = 60.0;
+const BOTTOM: f64 = 80.0;
+/// Rough width of one character at the 12 px font, to tell crowded labels.
+const CHAR_W: f64 = 7.0;
 /// Colour per series, in order (colour-blind friendly Okabe–Ito).
 const COLOURS: &[&str] = &[
     "#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000",
@@ -184,13 +186,23 @@ pub(crate) fn bar_chart(title: &str, unit: &str, groups: &[Group]) -> String {
                 cx + 3.0
             );
         }
-        let _ = writeln!(
-            out,
-            "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>",
-            LEFT + group_w * (g as f64 + 0.5),
-            HEIGHT - BOTTOM + 18.0,
-            escape(&group.label)
-        );
+        let x = LEFT + group_w * (g as f64 + 0.5);
+        let y = HEIGHT - BOTTOM + 18.0;
+        if group.label.chars().count() as f64 * CHAR_W > group_w {
+            // Crowded: slant the label so neighbours do not overlap.
+            let _ = writeln!(
+                out,
+                "<text x=\"{x:.1}\" y=\"{y}\" text-anchor=\"end\" \
+                 transform=\"rotate(-25 {x:.1} {y})\">{}</text>",
+                escape(&group.label)
+            );
+        } else {
+            let _ = writeln!(
+                out,
+                "<text x=\"{x:.1}\" y=\"{y}\" text-anchor=\"middle\">{}</text>",
+                escape(&group.label)
+            );
+        }
     }
     let _ = writeln!(
         out,
