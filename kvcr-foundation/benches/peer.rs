@@ -311,10 +311,10 @@ fn main() {
         "peer.fetch_16mib_shm",
         shm16,
         "GB/s",
-        perftest("posix,cma", MIB16, 200, &[]),
+        perftest("posix,cma", MIB16, if quick { 60 } else { 200 }, &[]),
     );
     let shm256 = bandwidth(shm_tls, 256 << 10, 512, reps);
-    let perftest256 = perftest("posix,cma", 256 << 10, 2000, &[]);
+    let perftest256 = perftest("posix,cma", 256 << 10, if quick { 500 } else { 2000 }, &[]);
     line("peer.fetch_256kib_shm", shm256, "GB/s", perftest256);
     if let Some(p) = perftest256 {
         line("ucx.perftest_put_bw_256kib_shm", p, "GB/s", None);
@@ -336,7 +336,7 @@ fn main() {
         "peer.fetch_16mib_tcp",
         tcp16,
         "GB/s",
-        perftest("tcp", MIB16, 60, &["-O", "1"]),
+        perftest("tcp", MIB16, if quick { 20 } else { 60 }, &["-O", "1"]),
     );
     // `cargo xtask bench --peers`: kvcr's side of the peers' workloads, over
     // TCP on loopback as they run here (the reference runner's NIXL moves
@@ -348,7 +348,12 @@ fn main() {
             "peer.fetch_256kib_tcp",
             tcp256,
             "GB/s",
-            perftest("tcp", 256 << 10, 400, &["-O", "1"]),
+            perftest(
+                "tcp",
+                256 << 10,
+                if quick { 200 } else { 400 },
+                &["-O", "1"],
+            ),
         );
         let iters = if quick { 50 } else { 200 };
         let samples = one_block(TCP, 256 << 10, iters);
