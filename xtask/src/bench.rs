@@ -697,6 +697,16 @@ pub(crate) fn load() -> Option<(f64, usize)> {
 
 fn render(summaries: &[Summary], o: &Options, secs: f64, notes: &[String]) -> String {
     let mut out = String::from("# kvcr benchmark report\n\n");
+    // `date` rather than a time crate: the report only needs a readable stamp.
+    if let Ok(stamp) = Command::new("date")
+        .args(["-u", "+%Y-%m-%d %H:%M UTC"])
+        .output()
+    {
+        let stamp = String::from_utf8_lossy(&stamp.stdout);
+        if !stamp.trim().is_empty() {
+            let _ = writeln!(out, "Written {}.\n", stamp.trim());
+        }
+    }
     let _ = writeln!(
         out,
         "Mode: {}; {} rounds of every benchmark binary; {secs:.0} s of measuring.\n",
