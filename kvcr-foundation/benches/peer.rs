@@ -191,7 +191,8 @@ fn bandwidth(tls: &str, block: usize, keys: u64, reps: usize) -> f64 {
     median(samples)
 }
 
-fn one_block_p50(tls: &str, block: usize, iters: usize) -> (f64, f64) {
+/// Latencies (µs) of `iters` one-key fetches of `block` bytes, sorted.
+fn one_block(tls: &str, block: usize, iters: usize) -> Vec<f64> {
     let source = Source::start(tls, block, iters as u64 + 1);
     let mut target = Runner::start_with_peers(config(block, 64), None, &options(tls)).unwrap();
     let ns = target.register_namespace(Namespace::base(CompatDigest(9)));
@@ -200,14 +201,43 @@ fn one_block_p50(tls: &str, block: usize, iters: usize) -> (f64, f64) {
         .map(|k| fetch(&mut target, &source.endpoint, ns, k..k + 1, 0) * 1e6)
         .collect();
     samples.sort_by(f64::total_cmp);
-    (
-        samples[samples.len() / 2],
-        samples[(samples.len() * 99) / 100],
-    )
+    samples
+}
+
+fn at(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+/// The distribution for the report's plot: `DIST <name> unit=us p0=.. p5=.. … p100=..`.
+fn dist(name: &str, sorted: &[f64]) {
+    let points: Vec<String> = (0..=20)
+        .map(|i| format!("p{}={:.2}", i * 5, at(sorted, i as f64 / 20.0)))
+        .collect();
+    println!("DIST {name} unit=us {}", points.join(" "));
+}
+
+/// `ucx_perftest` one-way put latency (µs, the "typical" column) at `size`.
+fn perftest_lat(tls: &str, size: usize, iters: usize) -> Option<f64> {
+    let row = perftest_final(tls, "ucp_put_lat", size, iters, &[])?;
+    row.get(2)?.parse().ok()
 }
 
 /// `ucx_perftest` put bandwidth (GB/s) at `size` between two processes.
 fn perftest(tls: &str, size: usize, iters: usize, extra: &[&str]) -> Option<f64> {
+    let row = perftest_final(tls, "ucp_put_bw", size, iters, extra)?;
+    let overall_mbs: f64 = row.get(6)?.parse().ok()?;
+    Some(overall_mbs / 1e3)
+}
+
+/// Runs one `ucx_perftest` test between two processes on loopback; returns
+/// the fields of its `Final:` row.
+fn perftest_final(
+    tls: &str,
+    test: &str,
+    size: usize,
+    iters: usize,
+    extra: &[&str],
+) -> Option<Vec<String>> {
     static PORT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
     let port = 15_000
         + (std::process::id() % 2000) as u16
@@ -229,7 +259,7 @@ fn perftest(tls: &str, size: usize, iters: usize, extra: &[&str]) -> Option<f64>
             "-p",
             &port.to_string(),
             "-t",
-            "ucp_put_bw",
+            test,
             "-s",
             &size.to_string(),
             "-n",
@@ -246,8 +276,7 @@ fn perftest(tls: &str, size: usize, iters: usize, extra: &[&str]) -> Option<f64>
     let _ = server.wait();
     let text = String::from_utf8_lossy(&out.stdout);
     let line = text.lines().find(|l| l.starts_with("Final:"))?;
-    let overall_mbs: f64 = line.split_whitespace().nth(6)?.parse().ok()?;
-    Some(overall_mbs / 1e3)
+    Some(line.split_whitespace().map(str::to_owned).collect())
 }
 
 fn line(name: &str, value: f64, unit: &str, anchor: Option<f64>) {
@@ -282,21 +311,72 @@ fn main() {
         "peer.fetch_16mib_shm",
         shm16,
         "GB/s",
-        perftest("posix,cma", MIB16, 200, &[]),
+        perftest("posix,cma", MIB16, if quick { 60 } else { 200 }, &[]),
     );
     let shm256 = bandwidth(shm_tls, 256 << 10, 512, reps);
-    line("peer.fetch_256kib_shm", shm256, "GB/s", Some(0.88));
-    println!(
-        "# peer.fetch_256kib_shm anchor is the reference Python runner's 0.88 GB/s peer fetch (peer-baselines.md), not measured here"
+    let perftest256 = perftest("posix,cma", 256 << 10, if quick { 500 } else { 2000 }, &[]);
+    line("peer.fetch_256kib_shm", shm256, "GB/s", perftest256);
+    if let Some(p) = perftest256 {
+        line("ucx.perftest_put_bw_256kib_shm", p, "GB/s", None);
+    }
+    let samples = one_block(shm_tls, 256 << 10, if quick { 100 } else { 500 });
+    dist("peer.one_block_256kib_shm", &samples);
+    line(
+        "peer.one_block_p50",
+        at(&samples, 0.5),
+        "us",
+        perftest_lat("posix,cma", 256 << 10, if quick { 100 } else { 500 }),
     );
-    let (p50, p99) = one_block_p50(shm_tls, 256 << 10, if quick { 100 } else { 500 });
-    line("peer.one_block_p50", p50, "us", None);
-    println!("# peer.one_block p99={p99:.0}us (reference runner: 4,350 us one-block hinted fetch)");
+    println!(
+        "# peer.one_block p99={:.0}us (reference runner: 4,350 us one-block hinted fetch)",
+        at(&samples, 0.99)
+    );
     let tcp16 = bandwidth(TCP, MIB16, 4, reps.min(3));
     line(
         "peer.fetch_16mib_tcp",
         tcp16,
         "GB/s",
-        perftest("tcp", MIB16, 60, &["-O", "1"]),
+        perftest("tcp", MIB16, if quick { 20 } else { 60 }, &["-O", "1"]),
     );
+    // `cargo xtask bench --peers`: kvcr's side of the peers' workloads, over
+    // TCP on loopback as they run here (the reference runner's NIXL moves
+    // bytes over tcp/lo; Mooncake uses its TCP transport): 256 × 256 KiB
+    // hinted fetches, and one key of 64 KiB / 1 MiB / 16 MiB per request.
+    if std::env::var("KVCR_BENCH_PEERS").is_ok_and(|v| v == "1") {
+        let tcp256 = bandwidth(TCP, 256 << 10, 256, reps);
+        line(
+            "peer.fetch_256kib_tcp",
+            tcp256,
+            "GB/s",
+            perftest(
+                "tcp",
+                256 << 10,
+                if quick { 200 } else { 400 },
+                &["-O", "1"],
+            ),
+        );
+        let iters = if quick { 50 } else { 200 };
+        let samples = one_block(TCP, 256 << 10, iters);
+        dist("peer.one_block_256kib_tcp", &samples);
+        line(
+            "peer.one_block_tcp_p50",
+            at(&samples, 0.5),
+            "us",
+            perftest_lat("tcp", 256 << 10, iters),
+        );
+        for (label, size) in [
+            ("64kib", 64usize << 10),
+            ("1mib", 1 << 20),
+            ("16mib", MIB16),
+        ] {
+            let iters = if quick { 20 } else { 60 }.min((256 << 20) / size).max(8);
+            let samples = one_block(TCP, size, iters);
+            line(
+                &format!("peer.request_{label}_tcp"),
+                size as f64 / (at(&samples, 0.5) * 1e-6) / 1e9,
+                "GB/s",
+                perftest("tcp", size, iters.max(20), &["-O", "1"]),
+            );
+        }
+    }
 }

@@ -76,6 +76,21 @@ fn bench(name: &str, value: f64, unit: &str, anchor: Option<f64>) {
     }
 }
 
+/// The latency distribution, for the report's plot:
+/// `DIST <name> unit=us p0=.. p5=.. … p100=..` (every fifth percentile).
+fn dist(name: &str, samples: &[f64]) {
+    let points: Vec<String> = (0..=20)
+        .map(|i| {
+            format!(
+                "p{}={:.2}",
+                i * 5,
+                percentile(samples.to_vec(), i as f64 / 20.0)
+            )
+        })
+        .collect();
+    println!("DIST {name} unit=us {}", points.join(" "));
+}
+
 struct Setup {
     runner: Runner,
     ns: NamespaceId,
@@ -230,6 +245,7 @@ fn one_block_latency(quick: bool) {
         anchor.push(start.elapsed().as_secs_f64() * 1e6);
     }
     let p99 = percentile(samples.clone(), 0.99);
+    dist("runner.one_block_deposit", &samples);
     bench(
         "runner.one_block_deposit_p50",
         median(samples),
@@ -268,19 +284,24 @@ fn resident(n: usize) -> (Setup, f64) {
     (s, per_block)
 }
 
-fn query_ns_per_key(s: &Setup, n: usize, quick: bool) -> f64 {
-    // Random hits across the whole resident set, in batches like a request's
-    // prefix lookup; each key is looked up once per pass.
-    let batch = 4096;
+/// One batch of random resident keys, like a request's prefix lookup.
+fn batch_keys(s: &Setup, n: usize) -> Vec<ScopedKey> {
     let mut rng = 0x1234_5678_u64;
-    let keys: Vec<ScopedKey> = (0..batch)
+    (0..4096)
         .map(|_| {
             rng ^= rng << 13;
             rng ^= rng >> 7;
             rng ^= rng << 17;
             key(s.ns, (rng % n as u64) * 0x9e37_79b9 + 1)
         })
-        .collect();
+        .collect()
+}
+
+fn query_ns_per_key(s: &Setup, n: usize, quick: bool) -> f64 {
+    // Random hits across the whole resident set; each key is looked up once
+    // per pass.
+    let keys = batch_keys(s, n);
+    let batch = keys.len();
     let mut out = vec![QueryStatus::Miss; batch];
     let passes = if quick { 200 } else { 1000 };
     let mut samples = Vec::new();
@@ -295,17 +316,66 @@ fn query_ns_per_key(s: &Setup, n: usize, quick: bool) -> f64 {
     median(samples)
 }
 
+/// The naive anchor: the same keys looked up in a `std` `HashMap` holding
+/// the same `n` keys (a slot number each), same batches and passes.
+fn hashmap_ns_per_key(s: &Setup, n: usize, quick: bool) -> f64 {
+    let map: std::collections::HashMap<ScopedKey, u64> = (0..n)
+        .map(|p| (key(s.ns, p as u64 * 0x9e37_79b9 + 1), p as u64))
+        .collect();
+    let keys = batch_keys(s, n);
+    let batch = keys.len();
+    let mut out = vec![QueryStatus::Miss; batch];
+    let passes = if quick { 200 } else { 1000 };
+    let mut samples = Vec::new();
+    for _ in 0..5 {
+        let start = Instant::now();
+        for _ in 0..passes {
+            for (k, o) in black_box(&keys).iter().zip(out.iter_mut()) {
+                *o = if map.contains_key(k) {
+                    QueryStatus::Hit
+                } else {
+                    QueryStatus::Miss
+                };
+            }
+            black_box(&out);
+        }
+        samples.push(start.elapsed().as_secs_f64() * 1e9 / (passes * batch) as f64);
+        assert!(out.iter().all(|q| *q == QueryStatus::Hit));
+    }
+    median(samples)
+}
+
 fn queries(quick: bool) {
     let small = 1_000;
     let large = if quick { 1_000_000 } else { 10_000_000 };
     let (s_small, _) = resident(small);
     let at_small = query_ns_per_key(&s_small, small, quick);
+    let naive_small = hashmap_ns_per_key(&s_small, small, quick);
     drop(s_small);
     let (s_large, per_block) = resident(large);
     let at_large = query_ns_per_key(&s_large, large, quick);
-    bench("runner.query_hits", 1e3 / at_large, "Mkeys/s", None);
+    let naive_large = hashmap_ns_per_key(&s_large, large, quick);
+    bench(
+        "runner.query_hits",
+        1e3 / at_large,
+        "Mkeys/s",
+        Some(1e3 / naive_large),
+    );
     bench("runner.bytes_per_block", per_block, "bytes", None);
     bench("runner.query_scale", at_large / at_small, "x", None);
+    // Cost per key at each resident-set size, for the scaling plot.
+    bench(
+        &format!("runner.query_ns@{small}"),
+        at_small,
+        "ns/key",
+        Some(naive_small),
+    );
+    bench(
+        &format!("runner.query_ns@{large}"),
+        at_large,
+        "ns/key",
+        Some(naive_large),
+    );
     println!(
         "# runner.query ns/key: {at_small:.1} at {small} blocks, {at_large:.1} at {large} blocks"
     );

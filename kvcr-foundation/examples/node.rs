@@ -41,7 +41,9 @@
 //! transports), `--timeout-ms MS`, `--abandon-ms MS` (the peer abandonment
 //! budget), `--port P` (the control port: a restarted source comes back at
 //! the same address), `--publish`, `--replay` (with `--publish`: a replay
-//! ROUTER), `--pub-hwm N`.
+//! ROUTER), `--pub-hwm N`, `--ownership stream` (with `--publish`: kvcr's
+//! events without the `ownership` field, for consumers that only know the
+//! worker domain, such as Dynamo 1.6.1's standalone indexer).
 
 #![allow(clippy::disallowed_methods)] // a driver program reads the clock
 #![allow(missing_docs)]
@@ -55,7 +57,9 @@ use std::time::{Duration, Instant};
 
 use kvcr_foundation::hint::FetchMode;
 use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
-use kvcr_foundation::publisher::{PubSocket, Publisher, PublisherConfig, TopicParts};
+use kvcr_foundation::publisher::{
+    OwnershipWire, PubSocket, Publisher, PublisherConfig, TopicParts,
+};
 use kvcr_foundation::runner::{
     DepositEntry, EntryResult, OpResult, PageInfo, PeerNotice, PeerOptions, RegionDesc,
     ReleaseHandle, Runner, RunnerConfig,
@@ -288,6 +292,9 @@ fn main() {
             }
             if let Some(hwm) = arg("--pub-hwm").and_then(|v| v.parse().ok()) {
                 config.pub_hwm = hwm;
+            }
+            if arg("--ownership").as_deref() == Some("stream") {
+                config.ownership = OwnershipWire::Stream;
             }
             Publisher::start(config)
         });

@@ -12,6 +12,8 @@ mod e2e;
 mod gpu;
 mod layers;
 mod node;
+mod peers;
+mod plot;
 mod python;
 mod setup;
 
@@ -24,10 +26,12 @@ const HELP: &str = "\
 cargo xtask <command>
 
 Commands:
-  demo [--pages N] [--prompts P] [--tls T] [--seed S]
+  demo [--pages N] [--prompts P] [--tls T] [--seed S] [--router dynamo]
                     the main job: runner processes on loopback restore a
                     source's offloaded KV pages from its KVCR DRAM over UCX on
-                    router hints, check every byte, print a table
+                    router hints, check every byte, print a table; with
+                    --router dynamo the hints come from Dynamo's standalone
+                    KV indexer (in a loopback-only network namespace; root)
   e2e [--quick] [--only NAME[,NAME]] [--example PACKAGE/EXAMPLE] [--release] [--list]
                     multi-process scenarios on loopback with real UCX: the demo
                     workload and faults (source SIGKILL/SIGSTOP mid-transfer,
@@ -42,9 +46,14 @@ Commands:
                     -D warnings, and a build of the fuzz targets
   fuzz [--runs N] [--target NAME]
                     run the fuzz targets (default: every target, 200000 runs each)
-  bench [--quick]   run every benchmark (each figure beside an anchor measured
-                    in the same run); prints BENCH lines and writes
-                    target/bench/report.md
+  bench [--quick] [--peers] [--rounds N]
+                    run every benchmark binary N times (default 5, quick 3;
+                    each figure beside an anchor measured in the same run);
+                    prints progress and BENCH lines (median, min, max over the
+                    rounds) and writes target/bench/report.md with SVG plots.
+                    --peers also installs (once, into target/peers-venv) and
+                    runs the reference Python runner and Mooncake's transfer
+                    engine on the same workloads: a side-by-side table
   gpu-build         build the direct linker's GPU tests and bench into
                     target/gpu/ (stripped, with run.sh) to carry to a GPU
                     machine

@@ -48,6 +48,17 @@ pub(crate) fn example_path(root: &Path, release: bool, example: &str) -> PathBuf
     target.join(profile).join("examples").join(example)
 }
 
+/// How a publishing node tags its KV events.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) enum Ownership {
+    /// kvcr's default wire: its own events tagged `ownership: "kvcr"`.
+    #[default]
+    Field,
+    /// Ownership left to the stream (the worker domain, `--ownership
+    /// stream`), which is all that Dynamo 1.6.1's standalone indexer indexes.
+    Stream,
+}
+
 /// How to start one node.
 #[derive(Debug, Clone)]
 pub(crate) struct NodeSpec {
@@ -56,6 +67,8 @@ pub(crate) struct NodeSpec {
     pub(crate) tls: Option<String>,
     pub(crate) publish: bool,
     pub(crate) replay: bool,
+    /// How its events are tagged (with `publish`).
+    pub(crate) ownership: Ownership,
     pub(crate) pub_hwm: Option<u32>,
     pub(crate) timeout_ms: Option<u64>,
     pub(crate) abandon_ms: Option<u64>,
@@ -73,6 +86,7 @@ impl NodeSpec {
             tls: None,
             publish: false,
             replay: false,
+            ownership: Ownership::Field,
             pub_hwm: None,
             timeout_ms: None,
             abandon_ms: None,
@@ -105,6 +119,9 @@ impl NodeSpec {
         if self.replay {
             args.push("--replay".to_owned());
         }
+        if self.ownership == Ownership::Stream {
+            args.extend(["--ownership".to_owned(), "stream".to_owned()]);
+        }
         args
     }
 }
@@ -124,6 +141,8 @@ pub(crate) struct Node {
     pub(crate) replay: Option<String>,
     /// Its runner's incarnation.
     pub(crate) incarnation: String,
+    /// Its process id (also the worker id in its KV-event topic).
+    pub(crate) pid: u64,
     stopped: bool,
     reaped: bool,
 }
@@ -161,6 +180,7 @@ impl Node {
             events: None,
             replay: None,
             incarnation: String::new(),
+            pid: 0,
             stopped: false,
             reaped: false,
         };
@@ -169,6 +189,9 @@ impl Node {
         node.events = ready["events"].as_str().map(str::to_owned);
         node.replay = ready["replay"].as_str().map(str::to_owned);
         node.incarnation = ready["incarnation"].as_str().unwrap_or_default().to_owned();
+        node.pid = ready["pid"]
+            .as_u64()
+            .unwrap_or_else(|| u64::from(node.child.id()));
         Ok(node)
     }
 

@@ -45,6 +45,11 @@ fn with_env(root: &Path, cmd: &mut Command) {
         .env("PYTHONDONTWRITEBYTECODE", "1");
 }
 
+/// Whether the venv exists already (the benchmark runs only then).
+pub(crate) fn env_ready(root: &Path) -> bool {
+    python(root).exists()
+}
+
 /// Installs the venv and SGLang's files if missing (idempotent, seconds when
 /// present; about 70 s on a fresh machine, most of it PyPI torch).
 pub(crate) fn ensure_env(root: &Path) -> Result<()> {

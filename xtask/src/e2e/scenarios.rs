@@ -226,6 +226,7 @@ fn demo_over(ctx: &Ctx, tls: Option<&str>) -> Result<Outcome> {
         prompts: ctx.size(2, 4),
         tls: tls.map(str::to_owned),
         seed: 7,
+        router: crate::demo::RouterKind::BuiltIn,
     };
     let outcome = crate::demo::play(&ctx.binary, &options)?;
     let mut o = Outcome::default();
