@@ -995,15 +995,26 @@ fn orchestrate(tls: &str) -> i32 {
         shards.iter().all(|s| *s == (0, 0)),
         format!("R: per-shard blocks/spans {shards:?}"),
     );
-    // The pages whose fill is quarantined (a put from the dead source might
-    // still land) cannot be stored again until that resolves; the rest can.
+    // Two outcomes are right, depending on whether the destination saw its
+    // control connection to the dead source close before R's write request
+    // went out. If it did, the request waits for a handshake nobody answers:
+    // nothing was ever asked of the dead process, so at the deadline the
+    // fills are simply freed and all 4 pages are backed up. If the request
+    // went out first, the 3 pages whose fill the dead source was asked to
+    // write are quarantined (a put might still land) and cannot be stored
+    // again until that resolves; the remaining page is backed up.
+    let r_backed_up = served["backed_up_pages"].as_u64().unwrap_or(u64::MAX);
     println!(
-        "R: recomputed; {} of its 4 pages backed up (the 3 whose fill is quarantined wait for the dead source to resolve)",
-        served["backed_up_pages"]
+        "R: recomputed; {r_backed_up} of its 4 pages backed up ({})",
+        if r_backed_up == 4 {
+            "the closed connection was seen first: nothing was asked of the dead source"
+        } else {
+            "the 3 whose fill was asked of the dead source stay quarantined until it resolves"
+        }
     );
     check(
-        served["backed_up_pages"] == 1,
-        format!("R: backed up {} pages", served["backed_up_pages"]),
+        r_backed_up == 1 || r_backed_up == 4,
+        format!("R: backed up {r_backed_up} pages"),
     );
     // The tier keeps serving: a new request is computed and backed up whole.
     let s_tokens = prompt(4);
@@ -1044,11 +1055,11 @@ fn orchestrate(tls: &str) -> i32 {
     }
     let dest_kvcr = router.kvcr.get(&dest.worker).map_or(0, HashSet::len);
     check(
-        dest_kvcr == 10,
+        dest_kvcr as u64 == 9 + r_backed_up,
         format!("router: destination KVCR pages {dest_kvcr}"),
     );
     println!(
-        "router: the destination publishes {dest_kvcr} KVCR pages (its own offloads: P 1, Q 4, R 1, S 4); {} replay request(s) to catch up",
+        "router: the destination publishes {dest_kvcr} KVCR pages (its own offloads: P 1, Q 4, R {r_backed_up}, S 4); {} replay request(s) to catch up",
         router.replayed
     );
     drop(source);
