@@ -112,18 +112,26 @@ fn tp2_rank(device: &Arc<Device>, rank: u32, pages: u32) -> (DirectLinker, Vec<D
 /// rank over the runners' peer path (A's KVCR DRAM → B's over UCX → GPU),
 /// both ranks at once. Checks every shard's first and last page, byte for
 /// byte, against A's.
-fn tp2_peer_restore(device: &Arc<Device>, pages: u32, h2d: f64) {
+fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32) {
+    // Rank r of each engine runs on GPU r (both on GPU 0 when only one is
+    // lent); each rank's figure is against its own GPU's anchor.
+    let gpu = |rank: usize| &gpus[rank % gpus.len()];
     println!(
-        "# tp2: {pages} pages per rank, both ranks of both engines on {}",
-        device.name()
+        "# tp2: {pages} pages per rank; rank 0 on GPU {} ({}), rank 1 on GPU {} ({})",
+        gpu(0).0.ordinal(),
+        gpu(0).0.name(),
+        gpu(1).0.ordinal(),
+        gpu(1).0.name()
     );
     let keys: Vec<BlockKey> = (0..u64::from(pages))
         .map(|p| BlockKey::from_u64(0x7000 + p))
         .collect();
-    let mut sources: Vec<(DirectLinker, Vec<DeviceBuffer>)> =
-        (0..2).map(|r| tp2_rank(device, r, pages)).collect();
-    let mut dests: Vec<(DirectLinker, Vec<DeviceBuffer>)> =
-        (0..2).map(|r| tp2_rank(device, r, pages)).collect();
+    let mut sources: Vec<(DirectLinker, Vec<DeviceBuffer>)> = (0..2)
+        .map(|r| tp2_rank(&gpu(r as usize).0, r, pages))
+        .collect();
+    let mut dests: Vec<(DirectLinker, Vec<DeviceBuffer>)> = (0..2)
+        .map(|r| tp2_rank(&gpu(r as usize).0, r, pages))
+        .collect();
     let span = sources[0].0.layout().span_bytes() as usize;
     let shard_bytes = sources[0].0.layout().page_bytes() * u64::from(pages);
     let checked = [0, pages - 1];
@@ -205,11 +213,18 @@ fn tp2_peer_restore(device: &Arc<Device>, pages: u32, h2d: f64) {
             fetched * 1e3,
             (total - fetched) * 1e3
         );
+        let h2d = gpu(rank).1;
         println!(
             "BENCH tp2.restore_rank{rank} value={gbps:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
             gbps / h2d
         );
+        println!(
+            "BENCH tp2.gpu_hop_rank{rank} value={gpu_hop:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
+            gpu_hop / h2d
+        );
     }
+    // Aggregate against the sum of the distinct GPUs' anchors.
+    let h2d: f64 = gpus.iter().map(|g| g.1).sum();
     let gbps = 2.0 * shard_bytes as f64 / aggregate / 1e9;
     println!(
         "BENCH tp2.restore_aggregate value={gbps:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
@@ -251,7 +266,16 @@ fn main() {
         "# direct: contiguous pinned 1 GiB host->device {h2d:.1} GB/s, device->host {d2h:.1} GB/s"
     );
     if let Some(tp2_pages) = arg("--tp2") {
-        tp2_peer_restore(&device, tp2_pages.parse().unwrap(), h2d);
+        let mut gpus = vec![(Arc::clone(&device), h2d)];
+        let count = kvcr_direct_linker::cuda::device_count().unwrap();
+        if count > 1 {
+            let second = Device::open(1).unwrap();
+            let anchor =
+                contiguous_bandwidth(&second, 1 << 30, Direction::HostToDevice, 5).unwrap();
+            println!("# tp2: GPU 1 contiguous pinned host->device {anchor:.1} GB/s");
+            gpus.push((second, anchor));
+        }
+        tp2_peer_restore(&gpus, tp2_pages.parse().unwrap());
         return;
     }
 

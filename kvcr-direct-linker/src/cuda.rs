@@ -40,6 +40,21 @@ pub fn driver_present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
+/// GPUs the driver reports (0 when there is no driver).
+pub fn device_count() -> Result<u32> {
+    if !driver_present() {
+        return Ok(0);
+    }
+    // SAFETY: the library is present; cuInit(0) is idempotent.
+    check("cuInit", unsafe { sys::cuInit(0) })?;
+    let mut count = 0;
+    // SAFETY: writes one int.
+    check("cuDeviceGetCount", unsafe {
+        sys::cuDeviceGetCount(&raw mut count)
+    })?;
+    Ok(u32::try_from(count).unwrap_or(0))
+}
+
 /// One GPU and its primary context, retained while this value lives.
 #[derive(Debug)]
 pub struct Device {
