@@ -17,4 +17,5 @@
 
 mod conformance;
 mod fixture;
+mod layouts;
 mod restore;
