@@ -722,10 +722,12 @@ fn deadline_before_copy_fails_cleanly() {
 }
 
 /// Close refuses while claims are held, hands the runner back, and succeeds
-/// after release; pools are freed.
+/// after release. (That close frees the pools is checked exactly by the
+/// runner's unit test of startup and close, where no other test allocates
+/// pools meanwhile; this binary runs runner tests in parallel, so the
+/// process-wide pool count cannot be compared here.)
 #[test]
 fn close_refuses_until_quiescent() {
-    let before = kvcr_foundation::runner::process_pool_bytes();
     let (mut runner, ns, _) = start(4, None);
     let host = Host::new(&mut runner, "kv", 4);
     let held = deposit(&mut runner, &host, ns, &[1], true);
@@ -739,7 +741,6 @@ fn close_refuses_until_quiescent() {
         vec![true]
     );
     runner.close().map_err(|(_, e)| e).unwrap();
-    assert!(kvcr_foundation::runner::process_pool_bytes() <= before);
     drop(host);
 }
 
