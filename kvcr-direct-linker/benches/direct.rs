@@ -107,109 +107,227 @@ fn tp2_rank(device: &Arc<Device>, rank: u32, pages: u32) -> (DirectLinker, Vec<D
     (linker, buffers)
 }
 
-/// Issue 11's run with both ranks of each engine on one GPU: engine A (two
-/// ranks) offloads; each rank of engine B restores its own shard from A's
-/// rank over the runners' peer path (A's KVCR DRAM → B's over UCX → GPU),
-/// both ranks at once. Checks every shard's first and last page, byte for
-/// byte, against A's.
+/// The keys of the TP=2 prompt.
+fn tp2_keys(pages: u32) -> Vec<BlockKey> {
+    (0..u64::from(pages))
+        .map(|p| BlockKey::from_u64(0x7000 + p))
+        .collect()
+}
+
+/// The pages whose every span is written with a pattern and checked.
+fn tp2_checked(pages: u32) -> [u32; 2] {
+    [0, pages - 1]
+}
+
+/// `--tp2-source RANK PAGES`: one source rank as its own process on GPU
+/// `RANK % GPUs`: offloads the prompt, prints `ENDPOINT <endpoint>`, and
+/// serves until stdin closes.
+fn tp2_source(rank: u32, pages: u32) {
+    let count = kvcr_direct_linker::cuda::device_count().unwrap();
+    let device = Device::open(rank % count.max(1)).unwrap();
+    let (mut linker, buffers) = tp2_rank(&device, rank, pages);
+    let span = linker.layout().span_bytes() as usize;
+    for (i, b) in buffers.iter().enumerate() {
+        for slot in tp2_checked(pages) {
+            let bytes = pattern(i + 1000 * rank as usize, slot, span);
+            b.write(slot as usize * span, &bytes).unwrap();
+        }
+    }
+    let batch = OffloadBatch {
+        namespace: NAMESPACE,
+        pages: tp2_keys(pages)
+            .iter()
+            .enumerate()
+            .map(|(s, k)| (*k, DeviceSlot(s as u32)))
+            .collect(),
+    };
+    let OffloadOutcome::Queued(ticket) = linker.offload(batch).unwrap() else {
+        panic!("offload declined");
+    };
+    let events = linker.settle(SETTLE);
+    assert!(events.contains(&LinkerEvent::OffloadDone {
+        ticket,
+        success: true
+    }));
+    println!("ENDPOINT {}", linker.runner().endpoint().unwrap());
+    let mut line = String::new();
+    while std::io::stdin().read_line(&mut line).is_ok_and(|n| n > 0) {
+        line.clear();
+    }
+    drop(linker);
+    drop(buffers);
+}
+
+/// `--tp2-dest RANK PAGES ENDPOINT`: one destination rank as its own
+/// process: restores its shard from the source rank at `ENDPOINT` on a hint
+/// (peer KVCR DRAM → local KVCR DRAM over UCX → GPU), checks the patterned
+/// pages, prints `RESULT <peer seconds> <total seconds>`.
+fn tp2_dest(rank: u32, pages: u32, endpoint: &str) {
+    let count = kvcr_direct_linker::cuda::device_count().unwrap();
+    let device = Device::open(rank % count.max(1)).unwrap();
+    let (mut linker, buffers) = tp2_rank(&device, rank, pages);
+    let span = linker.layout().span_bytes() as usize;
+    let keys = tp2_keys(pages);
+    let hint = kvcr_foundation::FetchHint {
+        source: endpoint.parse().unwrap(),
+        block_hashes: keys.clone(),
+        mode: kvcr_foundation::hint::FetchMode::Copy,
+        action_id: None,
+    };
+    // Ready: the parent starts both ranks' clocks together.
+    println!("READY");
+    let mut go = String::new();
+    let _ = std::io::stdin().read_line(&mut go);
+    let mut ledger = AttemptLedger::new();
+    let query = PrefixQuery {
+        namespace: NAMESPACE,
+        device_prefix_pages: 0,
+        tail: keys.clone(),
+    };
+    let t = Instant::now();
+    let (context, _) = RequestContext::begin(
+        &mut ledger,
+        RequestId(format!("tp{rank}")),
+        vec![hint],
+        query,
+    );
+    linker.request_started(&context).unwrap();
+    let attempt = context.attempt().clone();
+    let _ = linker.settle(SETTLE);
+    assert_eq!(
+        linker.lookup(&attempt, 0, &keys).unwrap().longest(),
+        pages,
+        "rank {rank}"
+    );
+    let fetched = t.elapsed().as_secs_f64();
+    let slots: Vec<DeviceSlot> = (0..pages).map(DeviceSlot).collect();
+    let ticket = linker.load(&attempt, &slots).unwrap();
+    let events = linker.settle(SETTLE);
+    assert!(events.iter().any(|e| matches!(
+        e,
+        LinkerEvent::LoadDone { ticket: t, success: true, .. } if *t == ticket
+    )));
+    let total = t.elapsed().as_secs_f64();
+    linker.request_finished(&attempt).unwrap();
+    for (i, b) in buffers.iter().enumerate() {
+        for slot in tp2_checked(pages) {
+            assert_eq!(
+                b.read(slot as usize * span, span).unwrap(),
+                pattern(i + 1000 * rank as usize, slot, span),
+                "rank {rank} span {i} page {slot}: not its own shard's bytes"
+            );
+        }
+    }
+    println!("RESULT {fetched} {total}");
+    drop(linker);
+    drop(buffers);
+}
+
+/// A child process of this benchmark, read line by line.
+struct Child {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    lines: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+}
+
+impl Child {
+    fn spawn(args: &[String]) -> Self {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .arg("--bench")
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take();
+        let lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        Self {
+            child,
+            stdin,
+            lines,
+        }
+    }
+
+    /// The next line starting with `word`, without it.
+    fn expect(&mut self, word: &str) -> String {
+        for line in self.lines.by_ref() {
+            let line = line.unwrap();
+            if let Some(rest) = line.strip_prefix(word) {
+                return rest.trim().to_owned();
+            }
+        }
+        panic!("child exited before {word}");
+    }
+
+    fn say(&mut self, line: &str) {
+        use std::io::Write;
+        let stdin = self.stdin.as_mut().unwrap();
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+/// Issue 11's run: engine A and engine B at TP=2, each rank its own process
+/// on GPU `rank` (both on GPU 0 when only one is lent). A's ranks offload;
+/// each rank of B restores its own shard from A's same rank on a router hint
+/// (A's KVCR DRAM → B's over UCX → B's GPU), both ranks at once, and checks
+/// the patterned pages byte for byte. Each rank's figure is against its own
+/// GPU's contiguous host→device anchor.
 fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32) {
-    // Rank r of each engine runs on GPU r (both on GPU 0 when only one is
-    // lent); each rank's figure is against its own GPU's anchor.
     let gpu = |rank: usize| &gpus[rank % gpus.len()];
     println!(
-        "# tp2: {pages} pages per rank; rank 0 on GPU {} ({}), rank 1 on GPU {} ({})",
+        "# tp2: {pages} pages per rank, 4 runner processes; rank 0 on GPU {} ({}), rank 1 on GPU {} ({})",
         gpu(0).0.ordinal(),
         gpu(0).0.name(),
         gpu(1).0.ordinal(),
         gpu(1).0.name()
     );
-    let keys: Vec<BlockKey> = (0..u64::from(pages))
-        .map(|p| BlockKey::from_u64(0x7000 + p))
+    let shard_bytes = 64 * 2 * 64 * 4 * 128 * 2 * u64::from(pages);
+    let mut sources: Vec<Child> = (0..2)
+        .map(|r| Child::spawn(&["--tp2-source".into(), r.to_string(), pages.to_string()]))
         .collect();
-    let mut sources: Vec<(DirectLinker, Vec<DeviceBuffer>)> = (0..2)
-        .map(|r| tp2_rank(&gpu(r as usize).0, r, pages))
-        .collect();
-    let mut dests: Vec<(DirectLinker, Vec<DeviceBuffer>)> = (0..2)
-        .map(|r| tp2_rank(&gpu(r as usize).0, r, pages))
-        .collect();
-    let span = sources[0].0.layout().span_bytes() as usize;
-    let shard_bytes = sources[0].0.layout().page_bytes() * u64::from(pages);
-    let checked = [0, pages - 1];
-    for (rank, (linker, buffers)) in sources.iter_mut().enumerate() {
-        for (i, b) in buffers.iter().enumerate() {
-            for slot in checked {
-                b.write(slot as usize * span, &pattern(i + 1000 * rank, slot, span))
-                    .unwrap();
-            }
-        }
-        let batch = OffloadBatch {
-            namespace: NAMESPACE,
-            pages: keys
-                .iter()
-                .enumerate()
-                .map(|(s, k)| (*k, DeviceSlot(s as u32)))
-                .collect(),
-        };
-        let OffloadOutcome::Queued(ticket) = linker.offload(batch).unwrap() else {
-            panic!("offload declined");
-        };
-        let events = linker.settle(SETTLE);
-        assert!(events.contains(&LinkerEvent::OffloadDone {
-            ticket,
-            success: true
-        }));
-    }
-    let endpoints: Vec<_> = sources
+    let endpoints: Vec<String> = sources.iter_mut().map(|s| s.expect("ENDPOINT")).collect();
+    let mut dests: Vec<Child> = endpoints
         .iter()
-        .map(|(l, _)| l.runner().endpoint().unwrap().clone())
+        .enumerate()
+        .map(|(r, ep)| {
+            Child::spawn(&[
+                "--tp2-dest".into(),
+                r.to_string(),
+                pages.to_string(),
+                ep.clone(),
+            ])
+        })
         .collect();
+    for d in &mut dests {
+        let _ = d.expect("READY");
+    }
     let wall = Instant::now();
-    let timings: Vec<(f64, f64)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = dests
-            .iter_mut()
-            .zip(&endpoints)
-            .enumerate()
-            .map(|(rank, ((linker, buffers), endpoint))| {
-                let keys = &keys;
-                scope.spawn(move || {
-                    let hint = kvcr_foundation::FetchHint {
-                        source: endpoint.clone(),
-                        block_hashes: keys.clone(),
-                        mode: kvcr_foundation::hint::FetchMode::Copy,
-                        action_id: None,
-                    };
-                    let mut ledger = AttemptLedger::new();
-                    let query = PrefixQuery { namespace: NAMESPACE, device_prefix_pages: 0, tail: keys.clone() };
-                    let t = Instant::now();
-                    let (context, _) = RequestContext::begin(&mut ledger, RequestId(format!("tp{rank}")), vec![hint], query);
-                    linker.request_started(&context).unwrap();
-                    let attempt = context.attempt().clone();
-                    let _ = linker.settle(SETTLE);
-                    assert_eq!(linker.lookup(&attempt, 0, keys).unwrap().longest(), pages, "rank {rank}");
-                    let fetched = t.elapsed().as_secs_f64();
-                    let slots: Vec<DeviceSlot> = (0..pages).map(DeviceSlot).collect();
-                    let ticket = linker.load(&attempt, &slots).unwrap();
-                    let events = linker.settle(SETTLE);
-                    assert!(events.iter().any(|e| matches!(e, LinkerEvent::LoadDone { ticket: t, success: true, .. } if *t == ticket)));
-                    let total = t.elapsed().as_secs_f64();
-                    linker.request_finished(&attempt).unwrap();
-                    for (i, b) in buffers.iter().enumerate() {
-                        for slot in checked {
-                            assert_eq!(b.read(slot as usize * span, span).unwrap(), pattern(i + 1000 * rank, slot, span), "rank {rank} span {i} page {slot}");
-                        }
-                    }
-                    (fetched, total)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    for d in &mut dests {
+        d.say("GO");
+    }
+    let timings: Vec<(f64, f64)> = dests
+        .iter_mut()
+        .map(|d| {
+            let result = d.expect("RESULT");
+            let mut it = result.split_whitespace().map(|v| v.parse::<f64>().unwrap());
+            (it.next().unwrap(), it.next().unwrap())
+        })
+        .collect();
     let aggregate = wall.elapsed().as_secs_f64();
     for (rank, (fetched, total)) in timings.iter().enumerate() {
         let gbps = shard_bytes as f64 / total / 1e9;
         let gpu_hop = shard_bytes as f64 / (total - fetched) / 1e9;
         println!(
-            "# tp2: rank {rank}: peer DRAM->DRAM {:.0} ms, DRAM->GPU {:.0} ms ({gpu_hop:.1} GB/s), bytes of its shard checked",
+            "# tp2: rank {rank}: peer DRAM->DRAM {:.0} ms, DRAM->GPU {:.0} ms ({gpu_hop:.1} GB/s), its shard's bytes checked",
             fetched * 1e3,
             (total - fetched) * 1e3
         );
@@ -237,6 +355,22 @@ fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32) {
 fn main() {
     if !std::env::args().any(|a| a == "--bench") {
         println!("direct bench: run with `cargo bench` or `cargo xtask bench` (on a GPU machine)");
+        return;
+    }
+    if let Some(rank) = arg("--tp2-source") {
+        let args: Vec<String> = std::env::args().collect();
+        let at = args.iter().position(|a| a == "--tp2-source").unwrap();
+        tp2_source(rank.parse().unwrap(), args[at + 2].parse().unwrap());
+        return;
+    }
+    if let Some(rank) = arg("--tp2-dest") {
+        let args: Vec<String> = std::env::args().collect();
+        let at = args.iter().position(|a| a == "--tp2-dest").unwrap();
+        tp2_dest(
+            rank.parse().unwrap(),
+            args[at + 2].parse().unwrap(),
+            &args[at + 3],
+        );
         return;
     }
     let quick = std::env::args().any(|a| a == "--quick");
