@@ -26,13 +26,12 @@ use kvcr_foundation::runner::{
 };
 use kvcr_foundation::{
     AttemptId, BlockKey, CompatDigest, Incarnation, InventoryEvent, InventorySink, Namespace,
-    NamespaceId, RequestId, ScopedKey, Tier,
+    NamespaceId, ScopedKey, Tier,
 };
 use kvcr_linker_contracts::{
-    Accounting, Advance, AttemptTable, ClaimId, DeclineReason, DeviceSlot, Error as LinkError,
-    Linker, LinkerEvent, LoadClaims, LoadTicket, OffloadBatch, OffloadOutcome, OffloadTicket,
-    PoolKind, PoolPresence, Preparation, PreparationState, RequestContext, RequestHooks,
-    RestorableLengths, RetireReason, TransferId,
+    Accounting, ClaimId, DeclineReason, DeviceSlot, Error as LinkError, Linker, LinkerEvent,
+    LoadTicket, OffloadBatch, OffloadOutcome, OffloadTicket, PreparationState, PreparedAttempts,
+    RequestContext, RequestHooks, RestorableLengths, TransferId,
 };
 
 use crate::copier::CudaCopier;
@@ -67,14 +66,6 @@ pub struct DirectLinkerConfig {
 }
 
 const STORE_TIER: Tier = Tier::KvcrDram;
-
-#[derive(Debug)]
-enum Prep {
-    Fetching,
-    Ready(Preparation),
-    Loaded,
-    Retired(RetireReason),
-}
 
 #[derive(Debug)]
 enum Pending {
@@ -125,8 +116,7 @@ pub struct DirectLinker {
     /// Engine namespace → the runner's, and back.
     namespaces: BTreeMap<NamespaceId, NamespaceId>,
     engine_namespaces: BTreeMap<NamespaceId, NamespaceId>,
-    attempts: AttemptTable,
-    preps: BTreeMap<RequestId, (AttemptId, Prep)>,
+    prepared: PreparedAttempts,
     pending: HashMap<OpHandle, Pending>,
     /// Fetches that needed no runner operation; they land at the next poll.
     immediate: VecDeque<Pending>,
@@ -219,8 +209,7 @@ impl DirectLinker {
             removals,
             namespaces: BTreeMap::new(),
             engine_namespaces: BTreeMap::new(),
-            attempts: AttemptTable::new(),
-            preps: BTreeMap::new(),
+            prepared: PreparedAttempts::new(),
             pending: HashMap::new(),
             immediate: VecDeque::new(),
             offloads: VecDeque::new(),
@@ -339,9 +328,8 @@ impl DirectLinker {
                     attempt,
                 }) => {
                     let success = result.entries.iter().all(|(_, e)| e.is_success());
-                    if let Ok(landing) = self.attempts.land(transfer, Vec::new()) {
-                        self.release_claims(landing.release);
-                    }
+                    let release = self.prepared.land_load(transfer);
+                    self.release_claims(release);
                     events.push(LinkerEvent::LoadDone {
                         attempt,
                         ticket,
@@ -405,8 +393,6 @@ impl DirectLinker {
             return;
         };
         let mut pages = Vec::with_capacity(tail.len());
-        let mut produced = Vec::new();
-        let mut stray = Vec::new();
         for (i, key) in tail.iter().enumerate() {
             let handle = result
                 .and_then(|r| r.entries.get(i))
@@ -417,36 +403,14 @@ impl DirectLinker {
                 let scoped = self.scoped(namespace, *key);
                 self.claims.insert(claim, scoped);
             }
-            // Only a contiguous run counts: a page after a miss could never
-            // be loaded, so its claim goes back at once.
-            let claim = match claim {
-                Some(c) if produced.len() == pages.len() => Some(c),
-                Some(c) => {
-                    stray.push(c);
-                    None
-                }
-                None => None,
-            };
-            produced.extend(claim);
             pages.push((*key, claim));
         }
-        self.release_claims(stray);
-        let Ok(landing) = self.attempts.land(transfer, produced) else {
-            return;
-        };
-        self.release_claims(landing.release);
-        let Some((owner, prep)) = self.preps.get_mut(&attempt.request) else {
-            return;
-        };
-        if *owner != attempt || !matches!(prep, Prep::Fetching) {
-            return;
-        }
-        let presence = PoolPresence {
-            kind: PoolKind::Full,
-            present: pages.iter().map(|(_, c)| c.is_some()).collect(),
-        };
-        let lengths = RestorableLengths::from_pools(&[presence]).unwrap_or_default();
-        *prep = Prep::Ready(Preparation::new(device_prefix_pages, pages, lengths));
+        // Claims after the contiguous run, and all of them for an attempt
+        // that is gone, come back for release.
+        let release = self
+            .prepared
+            .land_staging(transfer, &attempt, device_prefix_pages, pages);
+        self.release_claims(release);
     }
 }
 
@@ -457,12 +421,8 @@ impl RequestHooks for DirectLinker {
 
     fn request_started(&mut self, context: &RequestContext) -> kvcr_linker_contracts::Result<()> {
         let attempt = context.attempt().clone();
-        if let Some(superseded) = self.attempts.begin(&attempt)? {
-            self.release_claims(superseded.released);
-        }
-        let transfer = self.attempts.accept(&attempt, Vec::new())?;
-        self.preps
-            .insert(attempt.request.clone(), (attempt.clone(), Prep::Fetching));
+        let (transfer, superseded) = self.prepared.start(&attempt)?;
+        self.release_claims(superseded);
         let query = context.query();
         let fetch = Pending::Fetch {
             transfer,
@@ -503,9 +463,8 @@ impl RequestHooks for DirectLinker {
     }
 
     fn request_finished(&mut self, attempt: &AttemptId) -> kvcr_linker_contracts::Result<()> {
-        let released = self.attempts.end(attempt)?;
+        let released = self.prepared.end(attempt)?;
         self.release_claims(released);
-        self.preps.remove(&attempt.request);
         if self.config.peer.is_some() {
             self.runner.discard_hint(&attempt.request);
         }
@@ -521,7 +480,7 @@ impl RequestHooks for DirectLinker {
         if in_flight > 0 {
             return Err(LinkError::TransfersInFlight { in_flight });
         }
-        let released = self.attempts.reset()?;
+        let released = self.prepared.reset()?;
         self.release_claims(released);
         let leftover: Vec<ClaimId> = self.claims.keys().copied().collect();
         self.release_claims(leftover);
@@ -533,7 +492,6 @@ impl RequestHooks for DirectLinker {
         self.removals = removals;
         self.namespaces.clear();
         self.engine_namespaces.clear();
-        self.preps.clear();
         self.immediate.clear();
         self.incarnation = next;
         Ok(())
@@ -566,14 +524,7 @@ impl Linker for DirectLinker {
     }
 
     fn preparation(&self, attempt: &AttemptId) -> kvcr_linker_contracts::Result<PreparationState> {
-        self.attempts.check_live(attempt)?;
-        Ok(match self.preps.get(&attempt.request) {
-            Some((_, Prep::Fetching)) => PreparationState::Fetching,
-            Some((_, Prep::Ready(_))) => PreparationState::Ready,
-            Some((_, Prep::Loaded)) => PreparationState::Loaded,
-            Some((_, Prep::Retired(reason))) => PreparationState::Retired(*reason),
-            None => PreparationState::Retired(RetireReason::Released),
-        })
+        self.prepared.state(attempt)
     }
 
     fn lookup(
@@ -582,25 +533,7 @@ impl Linker for DirectLinker {
         device_prefix_pages: u32,
         tail: &[BlockKey],
     ) -> kvcr_linker_contracts::Result<RestorableLengths> {
-        self.attempts.check_live(attempt)?;
-        let Some((_, prep)) = self.preps.get_mut(&attempt.request) else {
-            return Ok(RestorableLengths::none());
-        };
-        let Prep::Ready(preparation) = prep else {
-            return Ok(RestorableLengths::none());
-        };
-        let (lengths, released) = match preparation.lookup(device_prefix_pages, tail) {
-            Advance::Current {
-                lengths, released, ..
-            } => (lengths, released),
-            Advance::Retired { reason, released } => {
-                *prep = Prep::Retired(reason);
-                (RestorableLengths::none(), released)
-            }
-        };
-        for claim in &released {
-            self.attempts.release(attempt, *claim)?;
-        }
+        let (lengths, released) = self.prepared.lookup(attempt, device_prefix_pages, tail)?;
         self.release_claims(released);
         Ok(lengths)
     }
@@ -610,16 +543,7 @@ impl Linker for DirectLinker {
         attempt: &AttemptId,
         slots: &[DeviceSlot],
     ) -> kvcr_linker_contracts::Result<LoadTicket> {
-        self.attempts.check_live(attempt)?;
-        let duplicate = self
-            .pending
-            .values()
-            .any(|p| matches!(p, Pending::Load { attempt: a, .. } if a == attempt));
-        if duplicate {
-            return Err(LinkError::DuplicateLoad {
-                attempt: attempt.clone(),
-            });
-        }
+        self.prepared.check_can_load(attempt)?;
         for slot in slots {
             self.check_slot(*slot)?;
         }
@@ -627,16 +551,7 @@ impl Linker for DirectLinker {
             attempt: attempt.clone(),
             page,
         };
-        let Some((_, Prep::Ready(preparation))) = self.preps.get(&attempt.request) else {
-            return Err(missing(0));
-        };
-        if slots.is_empty() {
-            return Err(missing(0));
-        }
-        let claims = match preparation.load_claims(slots.len()) {
-            LoadClaims::Ready(claims) => claims,
-            LoadClaims::Missing { page } => return Err(missing(page)),
-        };
+        let claims = self.prepared.load_claims(attempt, slots.len())?;
         let mut entries = Vec::with_capacity(slots.len());
         for (claim, slot) in claims.iter().zip(slots) {
             let key = self
@@ -649,32 +564,18 @@ impl Linker for DirectLinker {
                 destinations: self.elements(*slot),
             });
         }
-        let transfer = self.attempts.accept(attempt, claims.clone())?;
+        let (transfer, unused) = self.prepared.accept_load(attempt, &claims)?;
+        self.release_claims(unused);
         let op = match self.runner.deliver(entries) {
             Ok(op) => op,
             Err(e) => {
                 // Nothing was queued: land the transfer at once, which hands
                 // its claims back for release (the preparation is spent).
-                if let Ok(landing) = self.attempts.land(transfer, Vec::new()) {
-                    self.release_claims(landing.release);
-                }
+                let release = self.prepared.land_load(transfer);
+                self.release_claims(release);
                 return Err(backend(e));
             }
         };
-        // The rest of the preparation is not loaded: release it now.
-        if let Some((_, prep)) = self.preps.get_mut(&attempt.request)
-            && let Prep::Ready(preparation) = std::mem::replace(prep, Prep::Loaded)
-        {
-            let unused: Vec<ClaimId> = preparation
-                .into_claims()
-                .into_iter()
-                .filter(|c| !claims.contains(c))
-                .collect();
-            for claim in &unused {
-                self.attempts.release(attempt, *claim)?;
-            }
-            self.release_claims(unused);
-        }
         self.next_ticket += 1;
         let ticket = LoadTicket(self.next_ticket);
         self.pending.insert(
@@ -702,8 +603,8 @@ impl Linker for DirectLinker {
     fn accounting(&self) -> Accounting {
         Accounting {
             claims_held: self.claims.len(),
-            transfers_in_flight: self.attempts.in_flight() + self.offloads.len(),
-            live_attempts: self.attempts.live(),
+            transfers_in_flight: self.prepared.attempts().in_flight() + self.offloads.len(),
+            live_attempts: self.prepared.attempts().live(),
         }
     }
 }

@@ -14,6 +14,9 @@
 //!   [`agree_restorable_prefix`] (the largest length common to every rank,
 //!   never the max of minima), and [`Preparation`], which shifts or retires
 //!   as the engine's device prefix grows or shrinks.
+//! * [`prepared`]: [`PreparedAttempts`], the attempt and preparation
+//!   bookkeeping of a preparing linker (what the reference and the direct
+//!   linker share); it returns the claims each step frees.
 //! * [`ledger`]: [`InventoryLedger`], the owned-inventory ledger that turns
 //!   rank-agreed offloads, store evictions and resets into
 //!   `kvcr_foundation::InventoryEvent`s under an [`OwnershipPolicy`], keeping
@@ -35,6 +38,7 @@ pub mod hooks;
 pub mod ledger;
 pub mod linker;
 pub mod prefix;
+pub mod prepared;
 
 // Always built (std only, no I/O): a feature-gated suite would need a
 // self dev-dependency to reach this crate's own integration tests, and that
@@ -57,3 +61,4 @@ pub use prefix::{
     Advance, LoadClaims, PoolKind, PoolPresence, Preparation, RestorableLengths, RetireReason,
     agree_restorable_prefix,
 };
+pub use prepared::PreparedAttempts;

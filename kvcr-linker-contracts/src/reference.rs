@@ -8,18 +8,17 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use kvcr_foundation::{AttemptId, BlockKey, Incarnation, RequestId, ScopedKey, Tier};
+use kvcr_foundation::{AttemptId, BlockKey, Incarnation, ScopedKey, Tier};
 
-use crate::attempt::{AttemptTable, ClaimId, TransferId};
+use crate::attempt::{ClaimId, TransferId};
 use crate::error::{Error, Result};
 use crate::hooks::{RequestContext, RequestHooks};
 use crate::linker::{
     Accounting, DeclineReason, DeviceSlot, Linker, LinkerEvent, LoadTicket, OffloadBatch,
     OffloadOutcome, OffloadTicket, PreparationState,
 };
-use crate::prefix::{
-    Advance, LoadClaims, PoolKind, PoolPresence, Preparation, RestorableLengths, RetireReason,
-};
+use crate::prefix::RestorableLengths;
+use crate::prepared::PreparedAttempts;
 
 /// Sizes of a [`ReferenceLinker`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,14 +38,6 @@ struct StoredPage {
     bytes: Vec<u8>,
     claims: u32,
     inserted: u64,
-}
-
-#[derive(Debug)]
-enum Prep {
-    Fetching,
-    Ready(Preparation),
-    Loaded,
-    Retired(RetireReason),
 }
 
 #[derive(Debug)]
@@ -78,8 +69,7 @@ pub struct ReferenceLinker {
     device: Vec<Vec<u8>>,
     store: BTreeMap<ScopedKey, StoredPage>,
     claims: BTreeMap<ClaimId, ScopedKey>,
-    attempts: AttemptTable,
-    preps: BTreeMap<RequestId, (AttemptId, Prep)>,
+    prepared: PreparedAttempts,
     fetches: VecDeque<Fetch>,
     loads: VecDeque<Load>,
     offloads: VecDeque<QueuedOffload>,
@@ -100,8 +90,7 @@ impl ReferenceLinker {
             device: vec![vec![0; config.page_bytes]; slots],
             store: BTreeMap::new(),
             claims: BTreeMap::new(),
-            attempts: AttemptTable::new(),
-            preps: BTreeMap::new(),
+            prepared: PreparedAttempts::new(),
             fetches: VecDeque::new(),
             loads: VecDeque::new(),
             offloads: VecDeque::new(),
@@ -175,37 +164,26 @@ impl ReferenceLinker {
     fn land_fetch(&mut self, fetch: Fetch) {
         let query = fetch.context.query();
         let mut pages = Vec::with_capacity(query.tail.len());
-        let mut produced = Vec::new();
         for key in &query.tail {
             let scoped = ScopedKey {
                 namespace: query.namespace,
                 key: *key,
             };
-            // A contiguous run: a page after a miss could never be loaded.
-            let claim = if produced.len() == pages.len() {
-                self.claim(scoped)
-            } else {
-                None
-            };
-            produced.extend(claim);
+            // Claim the contiguous run only: a page after a miss could never
+            // be loaded.
+            let run = pages
+                .iter()
+                .all(|(_, c): &(BlockKey, Option<ClaimId>)| c.is_some());
+            let claim = if run { self.claim(scoped) } else { None };
             pages.push((*key, claim));
         }
-        let Ok(landing) = self.attempts.land(fetch.transfer, produced) else {
-            return;
-        };
-        self.release_claims(landing.release);
-        let Some((owner, prep)) = self.preps.get_mut(&fetch.attempt.request) else {
-            return;
-        };
-        if *owner != fetch.attempt || !matches!(prep, Prep::Fetching) {
-            return;
-        }
-        let presence = PoolPresence {
-            kind: PoolKind::Full,
-            present: pages.iter().map(|(_, c)| c.is_some()).collect(),
-        };
-        let lengths = RestorableLengths::from_pools(&[presence]).unwrap_or_default();
-        *prep = Prep::Ready(Preparation::new(query.device_prefix_pages, pages, lengths));
+        let release = self.prepared.land_staging(
+            fetch.transfer,
+            &fetch.attempt,
+            query.device_prefix_pages,
+            pages,
+        );
+        self.release_claims(release);
     }
 
     fn land_load(&mut self, load: Load) -> LinkerEvent {
@@ -217,9 +195,8 @@ impl ReferenceLinker {
                 _ => success = false,
             }
         }
-        if let Ok(landing) = self.attempts.land(load.transfer, Vec::new()) {
-            self.release_claims(landing.release);
-        }
+        let release = self.prepared.land_load(load.transfer);
+        self.release_claims(release);
         LinkerEvent::LoadDone {
             attempt: load.attempt,
             ticket: load.ticket,
@@ -291,13 +268,8 @@ impl RequestHooks for ReferenceLinker {
 
     fn request_started(&mut self, context: &RequestContext) -> Result<()> {
         let attempt = context.attempt().clone();
-        if let Some(superseded) = self.attempts.begin(&attempt)? {
-            self.release_claims(superseded.released);
-        }
-        // Cannot fail: the attempt was just made live.
-        let transfer = self.attempts.accept(&attempt, Vec::new())?;
-        self.preps
-            .insert(attempt.request.clone(), (attempt.clone(), Prep::Fetching));
+        let (transfer, superseded) = self.prepared.start(&attempt)?;
+        self.release_claims(superseded);
         self.fetches.push_back(Fetch {
             transfer,
             attempt,
@@ -307,10 +279,8 @@ impl RequestHooks for ReferenceLinker {
     }
 
     fn request_finished(&mut self, attempt: &AttemptId) -> Result<()> {
-        let released = self.attempts.end(attempt)?;
+        let released = self.prepared.end(attempt)?;
         self.release_claims(released);
-        // The attempt was live, so the preparation is its own.
-        self.preps.remove(&attempt.request);
         Ok(())
     }
 
@@ -319,13 +289,12 @@ impl RequestHooks for ReferenceLinker {
     }
 
     fn reset(&mut self, next: Incarnation) -> Result<()> {
-        let in_flight = self.attempts.in_flight() + self.offloads.len();
+        let in_flight = self.prepared.attempts().in_flight() + self.offloads.len();
         if in_flight > 0 {
             return Err(Error::TransfersInFlight { in_flight });
         }
-        let released = self.attempts.reset()?;
+        let released = self.prepared.reset()?;
         self.release_claims(released);
-        self.preps.clear();
         self.store.clear();
         self.claims.clear();
         self.incarnation = next;
@@ -353,14 +322,7 @@ impl Linker for ReferenceLinker {
     }
 
     fn preparation(&self, attempt: &AttemptId) -> Result<PreparationState> {
-        self.attempts.check_live(attempt)?;
-        Ok(match self.preps.get(&attempt.request) {
-            Some((_, Prep::Fetching)) => PreparationState::Fetching,
-            Some((_, Prep::Ready(_))) => PreparationState::Ready,
-            Some((_, Prep::Loaded)) => PreparationState::Loaded,
-            Some((_, Prep::Retired(reason))) => PreparationState::Retired(*reason),
-            None => PreparationState::Retired(RetireReason::Released),
-        })
+        self.prepared.state(attempt)
     }
 
     fn lookup(
@@ -369,83 +331,31 @@ impl Linker for ReferenceLinker {
         device_prefix_pages: u32,
         tail: &[BlockKey],
     ) -> Result<RestorableLengths> {
-        self.attempts.check_live(attempt)?;
-        let Some((_, prep)) = self.preps.get_mut(&attempt.request) else {
-            return Ok(RestorableLengths::none());
-        };
-        let Prep::Ready(preparation) = prep else {
-            return Ok(RestorableLengths::none());
-        };
-        match preparation.lookup(device_prefix_pages, tail) {
-            Advance::Current {
-                lengths, released, ..
-            } => {
-                for claim in &released {
-                    self.attempts.release(attempt, *claim)?;
-                }
-                self.release_claims(released);
-                Ok(lengths)
-            }
-            Advance::Retired { reason, released } => {
-                *prep = Prep::Retired(reason);
-                for claim in &released {
-                    self.attempts.release(attempt, *claim)?;
-                }
-                self.release_claims(released);
-                Ok(RestorableLengths::none())
-            }
-        }
+        let (lengths, released) = self.prepared.lookup(attempt, device_prefix_pages, tail)?;
+        self.release_claims(released);
+        Ok(lengths)
     }
 
     fn load(&mut self, attempt: &AttemptId, slots: &[DeviceSlot]) -> Result<LoadTicket> {
-        self.attempts.check_live(attempt)?;
-        if self.loads.iter().any(|l| l.attempt == *attempt) {
-            return Err(Error::DuplicateLoad {
-                attempt: attempt.clone(),
-            });
-        }
+        self.prepared.check_can_load(attempt)?;
         for slot in slots {
             self.device_page(*slot)?;
         }
-        let missing = |page| Error::LoadWithoutClaim {
-            attempt: attempt.clone(),
-            page,
-        };
-        let Some((_, Prep::Ready(preparation))) = self.preps.get(&attempt.request) else {
-            return Err(missing(0));
-        };
-        if slots.is_empty() {
-            return Err(missing(0));
-        }
-        let claims = match preparation.load_claims(slots.len()) {
-            LoadClaims::Ready(claims) => claims,
-            LoadClaims::Missing { page } => return Err(missing(page)),
-        };
+        let claims = self.prepared.load_claims(attempt, slots.len())?;
         let mut pages = Vec::with_capacity(slots.len());
         for (claim, slot) in claims.iter().zip(slots) {
             let key = self
                 .claims
                 .get(claim)
                 .copied()
-                .ok_or_else(|| missing(pages.len()))?;
+                .ok_or_else(|| Error::LoadWithoutClaim {
+                    attempt: attempt.clone(),
+                    page: pages.len(),
+                })?;
             pages.push((key, *slot));
         }
-        let transfer = self.attempts.accept(attempt, claims.clone())?;
-        // The rest of the preparation is not loaded: release it now.
-        let Some((_, prep)) = self.preps.get_mut(&attempt.request) else {
-            return Err(missing(0));
-        };
-        if let Prep::Ready(preparation) = std::mem::replace(prep, Prep::Loaded) {
-            let unused: Vec<ClaimId> = preparation
-                .into_claims()
-                .into_iter()
-                .filter(|c| !claims.contains(c))
-                .collect();
-            for claim in &unused {
-                self.attempts.release(attempt, *claim)?;
-            }
-            self.release_claims(unused);
-        }
+        let (transfer, unused) = self.prepared.accept_load(attempt, &claims)?;
+        self.release_claims(unused);
         self.next_ticket += 1;
         let ticket = LoadTicket(self.next_ticket);
         self.loads.push_back(Load {
@@ -475,8 +385,8 @@ impl Linker for ReferenceLinker {
     fn accounting(&self) -> Accounting {
         Accounting {
             claims_held: self.claims.len(),
-            transfers_in_flight: self.attempts.in_flight() + self.offloads.len(),
-            live_attempts: self.attempts.live(),
+            transfers_in_flight: self.prepared.attempts().in_flight() + self.offloads.len(),
+            live_attempts: self.prepared.attempts().live(),
         }
     }
 }
