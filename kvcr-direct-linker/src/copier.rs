@@ -340,7 +340,7 @@ impl CudaCopier {
 }
 
 impl DeviceCopier for CudaCopier {
-    fn attach(&self, pools: &[PoolRange]) -> kvcr_foundation::Result<()> {
+    fn attach(&self, pools: &[PoolRange]) -> kvcr_foundation::runner::Result<()> {
         let mut pinned = lock(&self.pinned);
         let mut fresh = Vec::with_capacity(pools.len());
         for pool in pools {
@@ -352,11 +352,11 @@ impl DeviceCopier for CudaCopier {
         Ok(())
     }
 
-    fn copy(&self, keys: &[&[CopySpan]]) -> kvcr_foundation::Result<()> {
+    fn copy(&self, keys: &[&[CopySpan]]) -> kvcr_foundation::runner::Result<()> {
         self.run(keys).map_err(|e| {
             // The stream is synchronised or the context is lost either way;
             // the runner fails the keys.
-            kvcr_foundation::Error::from(e)
+            kvcr_foundation::runner::Error::from(e)
         })
     }
 

@@ -57,21 +57,18 @@ pub enum Error {
     },
     /// The runner refused or failed.
     #[error(transparent)]
-    Runner(#[from] kvcr_foundation::Error),
+    Runner(#[from] kvcr_foundation::runner::Error),
 }
 
 /// The crate's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-impl From<Error> for kvcr_foundation::Error {
+impl From<Error> for kvcr_foundation::runner::Error {
     fn from(error: Error) -> Self {
+        use kvcr_foundation::runner::error::{Echo, RunnerReason};
         match error {
             Error::Runner(inner) => inner,
-            other => {
-                kvcr_foundation::Error::runner(kvcr_foundation::error::RunnerReason::DeviceCopy(
-                    kvcr_foundation::error::Echo::new(&other.to_string()),
-                ))
-            }
+            other => Self::runner(RunnerReason::DeviceCopy(Echo::new(&other.to_string()))),
         }
     }
 }

@@ -278,7 +278,9 @@ fn main() {
     // `--publish`: the runner's inventory goes out on the KV-event wire (a PUB
     // socket bound on loopback), where a router can learn what it holds.
     let publisher = if flag("--publish") {
-        let started = kvcr_foundation::BindAddress::parse("tcp://127.0.0.1:0").and_then(|bind| {
+        let started = kvcr_foundation::BindAddress::parse("tcp://127.0.0.1:0")
+            .map_err(kvcr_foundation::publisher::Error::from)
+            .and_then(|bind| {
             let mut config = PublisherConfig::new(
                 TopicParts {
                     worker_id: u64::from(std::process::id()),

@@ -6,7 +6,7 @@
 pub enum PerfError {
     /// A runner or contract error from the layers below.
     #[error(transparent)]
-    Foundation(#[from] kvcr_foundation::Error),
+    Foundation(#[from] kvcr_foundation::runner::Error),
     /// The storage backend refused.
     #[error(transparent)]
     Storage(#[from] kvcr_hicache_storage::Error),

@@ -308,7 +308,7 @@ pub struct WindowedDeliver {
     /// Per chunk: where it ended.
     pub states: Vec<ChunkState>,
     /// The refusal, if a submission was refused.
-    pub refusal: Option<kvcr_foundation::Error>,
+    pub refusal: Option<kvcr_foundation::runner::Error>,
     /// Results of other operations that completed meanwhile.
     pub others: Vec<kvcr_foundation::runner::OpResult>,
 }

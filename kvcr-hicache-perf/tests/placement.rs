@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use kvcr_foundation::error::{PoolMemoryReason, RunnerReason};
+use kvcr_foundation::runner::error::{PoolMemoryReason, RunnerReason};
 use kvcr_foundation::protocol::{ElementRef, OpHandle};
 use kvcr_foundation::runner::{
     DeliverEntry, DepositEntry, OpResult, PeerOptions, RegionDesc, Runner, RunnerConfig,
@@ -98,7 +98,7 @@ fn a_pool_smaller_than_a_huge_page_downgrades_or_refuses_as_asked() {
     drop(runner);
 
     let err = Runner::start(small(HugePages::Require), None).unwrap_err();
-    let RunnerReason::Startup { cause, .. } = err.runner_reason().unwrap() else {
+    let kvcr_foundation::runner::Error::Startup { cause, .. } = &err else {
         panic!("{err}");
     };
     assert!(matches!(
@@ -131,7 +131,7 @@ fn a_node_that_does_not_exist_is_a_typed_startup_error() {
         None,
     )
     .unwrap_err();
-    let RunnerReason::Startup { cause, .. } = err.runner_reason().unwrap() else {
+    let kvcr_foundation::runner::Error::Startup { cause, .. } = &err else {
         panic!("{err}");
     };
     match cause.runner_reason() {
@@ -275,7 +275,7 @@ fn peer_mode_refuses_a_missing_node_with_the_same_typed_error() {
         &PeerOptions::loopback(),
     )
     .unwrap_err();
-    let RunnerReason::Startup { stage, cause, .. } = err.runner_reason().unwrap() else {
+    let kvcr_foundation::runner::Error::Startup { stage, cause, .. } = &err else {
         panic!("{err}");
     };
     assert_eq!(*stage, "start peer");

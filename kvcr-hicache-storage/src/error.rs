@@ -47,7 +47,7 @@ pub enum Error {
     Group(#[from] GroupError),
     /// The runner refused a call or failed to start.
     #[error("runner: {0}")]
-    Runner(#[from] kvcr_foundation::Error),
+    Runner(#[from] kvcr_foundation::runner::Error),
     /// An operation did not complete within its budget.
     #[error("operation did not complete within {0} ms")]
     Timeout(u64),
@@ -80,5 +80,13 @@ impl Error {
             key: key.to_owned(),
             why: why.into(),
         }
+    }
+}
+
+/// A refused contract value (an endpoint, a hint) is refused the way the
+/// runner refuses it.
+impl From<kvcr_foundation::Error> for Error {
+    fn from(e: kvcr_foundation::Error) -> Self {
+        Self::Runner(e.into())
     }
 }

@@ -18,11 +18,11 @@
 //!   claims back for release at once; it can never add claims to the attempt
 //!   that replaced it.
 //!
-//! [`AttemptLedger`]: kvcr_foundation::AttemptLedger
+//! [`AttemptLedger`]: kvcr_contracts::AttemptLedger
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use kvcr_foundation::{AttemptId, RequestId};
+use kvcr_contracts::{AttemptId, RequestId};
 
 use crate::error::{Error, Result};
 

@@ -28,7 +28,7 @@
     clippy::indexing_slicing
 )]
 
-use kvcr_foundation::{AttemptId, AttemptLedger, BlockKey, Incarnation, NamespaceId, RequestId};
+use kvcr_contracts::{AttemptId, AttemptLedger, BlockKey, Incarnation, NamespaceId, RequestId};
 
 use crate::error::Error;
 use crate::hooks::{PrefixQuery, RequestContext, RequestHooks};
@@ -682,7 +682,7 @@ pub fn stale_and_unknown_attempts_are_typed_errors<F: LinkerFixture>(
         generation: newer.generation - 1,
     };
     let context = RequestContext::new(
-        kvcr_foundation::HintSnapshot::new(older, Vec::new()),
+        kvcr_contracts::HintSnapshot::new(older, Vec::new()),
         PrefixQuery {
             namespace: NAMESPACE,
             device_prefix_pages: 0,

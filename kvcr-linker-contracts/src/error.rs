@@ -3,7 +3,7 @@
 //! Every variant is bad input the caller can act on; returning one never
 //! changes the state of the value that returned it.
 
-use kvcr_foundation::{AttemptId, Incarnation, Tier};
+use kvcr_contracts::{AttemptId, Incarnation, Tier};
 
 use crate::attempt::{ClaimId, TransferId};
 use crate::ledger::OffloadId;

@@ -1,7 +1,7 @@
 //! Request-lifetime hooks: what the engine tells a linker about each request
 //! attempt, with no-op defaults for linkers that need none of it.
 
-use kvcr_foundation::{
+use kvcr_contracts::{
     AttemptId, AttemptLedger, BlockKey, FetchHint, HintSnapshot, Incarnation, NamespaceId,
     RequestId,
 };

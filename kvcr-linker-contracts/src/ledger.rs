@@ -30,7 +30,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroU32;
 
-use kvcr_foundation::{
+use kvcr_contracts::{
     BlockKey, Incarnation, InventoryEvent, InventoryScope, InventorySink, Namespace, NamespaceId,
     Owner, ScopedKey, Tier,
 };

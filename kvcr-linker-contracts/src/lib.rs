@@ -19,7 +19,7 @@
 //!   linker share); it returns the claims each step frees.
 //! * [`ledger`]: [`InventoryLedger`], the owned-inventory ledger that turns
 //!   rank-agreed offloads, store evictions and resets into
-//!   `kvcr_foundation::InventoryEvent`s under an [`OwnershipPolicy`], keeping
+//!   `kvcr_contracts::InventoryEvent`s under an [`OwnershipPolicy`], keeping
 //!   every removal identity until its one removal is sent.
 //! * [`linker`]: the [`Linker`] trait a concrete linker implements (offload,
 //!   lookup, load, poll) and its vocabulary ([`LinkerEvent`], [`Accounting`]).

@@ -5,7 +5,7 @@
 //! [`Linker::poll`], so a caller (or the conformance suite) decides when
 //! completions are observed.
 
-use kvcr_foundation::{AttemptId, BlockKey, Incarnation, NamespaceId, ScopedKey, Tier};
+use kvcr_contracts::{AttemptId, BlockKey, Incarnation, NamespaceId, ScopedKey, Tier};
 
 use crate::error::Result;
 use crate::hooks::RequestHooks;

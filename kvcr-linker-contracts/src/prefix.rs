@@ -12,7 +12,7 @@
 
 use std::collections::BTreeSet;
 
-use kvcr_foundation::BlockKey;
+use kvcr_contracts::BlockKey;
 
 use crate::attempt::ClaimId;
 use crate::error::{Error, Result};

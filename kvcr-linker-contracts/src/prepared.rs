@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 
-use kvcr_foundation::{AttemptId, BlockKey, RequestId};
+use kvcr_contracts::{AttemptId, BlockKey, RequestId};
 
 use crate::attempt::{AttemptTable, ClaimId, TransferId};
 use crate::error::{Error, Result};

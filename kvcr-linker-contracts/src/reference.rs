@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use kvcr_foundation::{AttemptId, BlockKey, Incarnation, ScopedKey, Tier};
+use kvcr_contracts::{AttemptId, BlockKey, Incarnation, ScopedKey, Tier};
 
 use crate::attempt::{ClaimId, TransferId};
 use crate::error::{Error, Result};

@@ -8,13 +8,14 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvcr_foundation::error::RunnerReason;
+use kvcr_foundation::runner::error::RunnerReason;
 use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
 use kvcr_foundation::runner::{
     CopySpan, DeliverEntry, DepositEntry, DeviceCopier, EntryStatus, FailReason, OpResult,
     PoolRange, RegionDesc, Runner, RunnerConfig,
 };
-use kvcr_foundation::{BlockKey, CompatDigest, Error, Namespace, NamespaceId, ScopedKey};
+use kvcr_foundation::runner::Error;
+use kvcr_foundation::{BlockKey, CompatDigest, Namespace, NamespaceId, ScopedKey};
 
 const BLOCK: usize = 256;
 
@@ -31,12 +32,12 @@ struct Recorder {
 struct RecordingCopier(Arc<Recorder>);
 
 impl DeviceCopier for RecordingCopier {
-    fn attach(&self, pools: &[PoolRange]) -> kvcr_foundation::Result<()> {
+    fn attach(&self, pools: &[PoolRange]) -> kvcr_foundation::runner::Result<()> {
         self.0.attached.lock().unwrap().extend_from_slice(pools);
         Ok(())
     }
 
-    fn copy(&self, keys: &[&[CopySpan]]) -> kvcr_foundation::Result<()> {
+    fn copy(&self, keys: &[&[CopySpan]]) -> kvcr_foundation::runner::Result<()> {
         assert!(!self.0.detached.load(Ordering::SeqCst), "copy after detach");
         self.0.calls.fetch_add(1, Ordering::SeqCst);
         if self.0.fail_next.swap(false, Ordering::SeqCst) {

@@ -457,7 +457,7 @@ fn an_explicit_loopback_address_binds_and_a_connect_endpoint_connects() {
     assert!(
         matches!(
             err.publisher_reason(),
-            Some(kvcr_foundation::error::PublisherReason::Endpoint { op: "bind", .. })
+            Some(kvcr_foundation::publisher::PublisherReason::Endpoint { op: "bind", .. })
         ),
         "{err}"
     );
@@ -649,7 +649,7 @@ fn out_of_range_configuration_is_a_typed_error() {
     let err = Publisher::start(cfg).unwrap_err();
     assert!(matches!(
         err.publisher_reason(),
-        Some(kvcr_foundation::error::PublisherReason::Config {
+        Some(kvcr_foundation::publisher::PublisherReason::Config {
             field: "queue_capacity",
             ..
         })
@@ -661,7 +661,7 @@ fn out_of_range_configuration_is_a_typed_error() {
     let err = Publisher::start(cfg).unwrap_err();
     assert!(matches!(
         err.publisher_reason(),
-        Some(kvcr_foundation::error::PublisherReason::SameEndpoint(_))
+        Some(kvcr_foundation::publisher::PublisherReason::SameEndpoint(_))
     ));
 }
 

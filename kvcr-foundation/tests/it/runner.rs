@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvcr_foundation::error::RunnerReason;
+use kvcr_foundation::runner::error::RunnerReason;
 use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
 use kvcr_foundation::runner::policy::{BlockMeta, CachePolicy, EvictionOrder, IngestDecision};
 use kvcr_foundation::runner::{
@@ -755,12 +755,12 @@ fn close_refuses_until_quiescent() {
 #[case::timeout(RunnerConfig { operation_timeout: Duration::ZERO, ..RunnerConfig::single_pool("kv", 4096, 4) })]
 fn startup_refuses_bad_config(#[case] config: RunnerConfig) {
     let err = Runner::start(config, None).unwrap_err();
-    match err.runner_reason() {
-        Some(RunnerReason::Startup {
+    match &err {
+        kvcr_foundation::runner::Error::Startup {
             stage,
             retained: false,
             ..
-        }) => assert_eq!(*stage, "validate configuration"),
+        } => assert_eq!(*stage, "validate configuration"),
         other => panic!("{other:?}"),
     }
 }
@@ -780,8 +780,8 @@ fn allocation_failure_is_typed() {
         ..RunnerConfig::single_pool("kv", 1 << 26, 1 << 20)
     };
     let err = Runner::start(config, None).unwrap_err();
-    match err.runner_reason() {
-        Some(RunnerReason::Startup { stage, .. }) => assert_eq!(*stage, "allocate pools"),
+    match &err {
+        kvcr_foundation::runner::Error::Startup { stage, .. } => assert_eq!(*stage, "allocate pools"),
         other => panic!("{other:?}"),
     }
 }

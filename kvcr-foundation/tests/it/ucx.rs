@@ -365,7 +365,7 @@ fn puts_outside_either_registration_are_refused_before_ucx() {
     let key = ep.unpack_rkey(&remote.pack_rkey().unwrap()).unwrap();
     assert_eq!(key.remote_len(), MIB as u64);
 
-    let reason = |r: Result<_, kvcr_foundation::Error>| r.unwrap_err().ucx_reason().cloned();
+    let reason = |r: Result<_, kvcr_foundation::ucx::Error>| r.unwrap_err().reason().cloned();
     assert!(matches!(
         reason(ep.put(&local, MIB - 10, 11, &key, 0)),
         Some(UcxReason::LocalRange { .. })
@@ -416,7 +416,7 @@ fn foreign_truncated_and_garbage_blobs_are_typed_errors() {
     let ep_ab = a.worker.connect(&b.worker.address().unwrap()).unwrap();
     let e = ep_ab.unpack_rkey(&rkey_c).unwrap_err();
     assert!(
-        matches!(e.ucx_reason(), Some(UcxReason::ForeignRkey { .. })),
+        matches!(e.reason(), Some(UcxReason::ForeignRkey { .. })),
         "{e}"
     );
 
@@ -466,7 +466,7 @@ fn wait_sleeps_on_the_event_fd_and_returns_the_outcome() {
     let flush = ep.flush().unwrap();
     // Another worker's completion is refused.
     let e = dst.worker.wait(&put, WAIT).unwrap_err();
-    assert_eq!(e.ucx_reason(), Some(&UcxReason::WorkerMismatch));
+    assert_eq!(e.reason(), Some(&UcxReason::WorkerMismatch));
     // The destination runs on its own thread-equivalent: here, interleaved
     // waits with short timeouts, each sleeping on its worker's fd.
     let short = Duration::from_millis(5);
@@ -511,7 +511,7 @@ fn a_dead_peer_fails_operations_instead_of_hanging() {
     let ep = match src.worker.connect(&addr) {
         Ok(ep) => ep,
         Err(e) => {
-            assert_eq!(e.ucx_status(), Some(UcsStatus::Unreachable), "{e}");
+            assert_eq!(e.status(), Some(UcsStatus::Unreachable), "{e}");
             return;
         }
     };
@@ -522,8 +522,8 @@ fn a_dead_peer_fails_operations_instead_of_hanging() {
     });
     let err = outcome.unwrap_err();
     let status = err
-        .ucx_status()
-        .or_else(|| match err.ucx_reason() {
+        .status()
+        .or_else(|| match err.reason() {
             Some(UcxReason::EndpointFailed(s)) => Some(*s),
             _ => None,
         })
@@ -536,7 +536,7 @@ fn a_dead_peer_fails_operations_instead_of_hanging() {
     assert!(
         errors
             .iter()
-            .all(|e| e.ucx_status().is_some_and(UcsStatus::is_peer_failure)),
+            .all(|e| e.status().is_some_and(UcsStatus::is_peer_failure)),
         "{errors:?}"
     );
 }

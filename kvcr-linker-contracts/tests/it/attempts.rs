@@ -1,6 +1,6 @@
 //! Attempt ownership across request-id reuse.
 
-use kvcr_foundation::{AttemptId, RequestId};
+use kvcr_contracts::{AttemptId, RequestId};
 use kvcr_linker_contracts::{AttemptTable, ClaimId, Error};
 use rstest::rstest;
 

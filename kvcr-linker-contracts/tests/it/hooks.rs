@@ -1,6 +1,6 @@
 //! Request-lifetime hooks and the frozen per-attempt context.
 
-use kvcr_foundation::{AttemptLedger, ControlEndpoint, FetchHint, RequestId, hint::FetchMode};
+use kvcr_contracts::{AttemptLedger, ControlEndpoint, FetchHint, RequestId, hint::FetchMode};
 use kvcr_linker_contracts::{NoHooks, PrefixQuery, RequestContext, RequestHooks};
 
 use crate::{base, incarnation, key};

@@ -3,7 +3,7 @@
 
 use std::num::NonZeroU32;
 
-use kvcr_foundation::{InventoryEvent, Owner, Tier};
+use kvcr_contracts::{InventoryEvent, Owner, Tier};
 use kvcr_linker_contracts::{Error, FrameworkChange, InventoryLedger, OwnershipPolicy};
 use rstest::rstest;
 

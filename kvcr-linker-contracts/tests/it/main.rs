@@ -19,7 +19,7 @@ mod scenarios;
 
 use std::num::NonZeroU32;
 
-use kvcr_foundation::{
+use kvcr_contracts::{
     BlockKey, CompatDigest, Incarnation, InventoryEvent, Namespace, NamespaceId, ScopedKey, Tier,
 };
 use kvcr_linker_contracts::{InventoryLedger, Offload, OffloadPage, OwnershipPolicy};

@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroU32;
 
-use kvcr_foundation::{
+use kvcr_contracts::{
     AttemptId, AttemptLedger, InventoryEvent, Medium, Namespace, NamespaceId, Owner, RequestId,
     ScopedKey, Tier,
 };

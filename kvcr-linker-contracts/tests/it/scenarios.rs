@@ -4,7 +4,7 @@
 
 use std::num::NonZeroU32;
 
-use kvcr_foundation::{
+use kvcr_contracts::{
     AttemptLedger, BlockKey, InventoryEvent, Namespace, PageHashChain, RequestId, Tier,
 };
 use kvcr_linker_contracts::conformance::{self, FixtureSpec, ReferenceFixture};
@@ -142,7 +142,7 @@ fn scenario_offload_evict_reset_reoffload() {
     s.step("engine evicts pages 1..=3 from its GPU pool (framework-owned: no event)");
     let gpu: Vec<_> = keys(1..=3)
         .into_iter()
-        .map(|key| kvcr_foundation::ScopedKey {
+        .map(|key| kvcr_contracts::ScopedKey {
             namespace: base().id(),
             key,
         })
@@ -261,7 +261,7 @@ fn scenario_two_lora_adapters_same_tokens() {
     }
     s.step("store evicts adapter a's second page");
     let (ns_a, keys_a) = &chains[0];
-    let evicted = [kvcr_foundation::ScopedKey {
+    let evicted = [kvcr_contracts::ScopedKey {
         namespace: ns_a.id(),
         key: keys_a[1],
     }];

@@ -1,0 +1,42 @@
+//! kvcr-runner-core: the rank-local runner's sans-I/O core.
+//!
+//! Plain data fed `(now, input)` that returns results and [`Action`]s, like
+//! quinn-proto: the block index, residencies (FILLING / READY / DISCARDING),
+//! slot pools, claims, the eviction queue, operations with deadlines, the
+//! inventory events they cause, and the peer protocol's target and source
+//! roles. It never touches memory, threads or clocks (`clippy.toml` forbids
+//! clock reads); the runner (`kvcr-runner`) owns the memory and the threads,
+//! executes the actions and feeds their outcomes back.
+//!
+//! * [`machine`]: [`Core`], its [`Action`]s and [`CopyOutcome`]s.
+//! * [`policy`]: [`CachePolicy`] (LRU default, FIFO, user policies).
+//! * [`region`]: registered strided regions and their bounds checks.
+//! * [`types`]: what goes in and comes out (entries, results, statistics).
+//! * [`error`]: the crate's one error type.
+//!
+//! The model-based property tests (`tests`) and the peer simulator
+//! (`peer_sim`) drive the core directly, with virtual time.
+
+#![forbid(unsafe_code)]
+
+pub mod error;
+pub mod machine;
+#[cfg(test)]
+mod peer_sim;
+pub mod policy;
+pub mod region;
+#[cfg(test)]
+mod tests;
+pub mod types;
+
+pub use error::{Echo, Error, PoolMemoryReason, Result, RunnerReason};
+pub use machine::{
+    Action, CopyOutcome, Core, CoreConfig, CoreCounters, JobId, KVCR_REGION_PREFIX,
+    MAX_SPANS_PER_KEY, PeerConfig, PeerCounters, PeerNotice, PutSpan,
+};
+pub use policy::CachePolicy;
+pub use region::{MAX_REGION_ELEMENTS, MAX_REGION_LABEL, RegionDesc, RegionMemory};
+pub use types::{
+    CopySpan, DeliverEntry, DepositEntry, EntryResult, EntryStatus, FailReason, OpResult,
+    PageInfo, PoolConfig, PoolId, PoolRange, PoolStats, QueryStatus, ReleaseHandle, RunnerStats,
+};

@@ -1,0 +1,438 @@
+//! Unit tests of the sans-I/O core (virtual time, simulated copy outcomes).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use proptest::prelude::*;
+
+use crate::machine::{Action, CopyOutcome, Core, CoreConfig, JobId};
+use crate::policy::{Fifo, Lru};
+use crate::*;
+use kvcr_contracts::key::{BlockKey, CompatDigest, Namespace, NamespaceId, ScopedKey};
+use kvcr_contracts::protocol::{ElementRef, OpHandle, RegionId};
+use kvcr_contracts::tier::InventoryEvent;
+
+const BLOCK: u64 = 64;
+const FRAMEWORK_BASE: u64 = 0x1000_0000;
+const POOL_BASE: u64 = 0x2000_0000;
+
+fn core(slots: u32, lru: bool, timeout_ns: u64) -> (Core, NamespaceId, RegionId) {
+    let config = CoreConfig {
+        pools: vec![("kv".into(), BLOCK, slots)],
+        pool_bases: vec![POOL_BASE],
+        operation_timeout_ns: timeout_ns,
+        watermark_percent: 25,
+        medium: kvcr_contracts::tier::Medium::CpuPinned,
+    };
+    let policy: Box<dyn CachePolicy> = if lru { Box::new(Lru) } else { Box::new(Fifo) };
+    let mut core = Core::new(&config, policy).unwrap();
+    let ns = core.register_namespace(Namespace::base(CompatDigest(1)));
+    // The framework region is never dereferenced here: the core only computes
+    // addresses, and these tests simulate the copies.
+    let region = core
+        .register_region(RegionDesc {
+            label: "kv".into(),
+            base: FRAMEWORK_BASE,
+            size: BLOCK,
+            stride: 0,
+            count: 64,
+        })
+        .unwrap();
+    (core, ns, region)
+}
+
+fn key(ns: NamespaceId, k: u8) -> ScopedKey {
+    ScopedKey {
+        namespace: ns,
+        key: BlockKey::from_u64(u64::from(k)),
+    }
+}
+
+/// The lifecycle check aborts on an illegal transition (debug builds).
+#[test]
+#[should_panic(expected = "illegal residency transition")]
+fn lifecycle_check_catches_illegal_transition() {
+    let (mut core, ns, region) = core(4, true, 1_000);
+    core.deposit(
+        0,
+        vec![DepositEntry {
+            key: key(ns, 1),
+            spans: vec![ElementRef { region, index: 0 }],
+            page: None,
+        }],
+        false,
+    )
+    .unwrap();
+    // FILLING -> FILLING is not a transition the core ever makes.
+    core.force_transition_for_test(&key(ns, 1));
+}
+
+// ------------------------------------------------------------ model-based
+
+#[derive(Debug, Clone)]
+enum Step {
+    Deposit { keys: Vec<u8>, no_evict: bool },
+    Fetch { keys: Vec<u8> },
+    Deliver { keys: Vec<u8> },
+    Release { claim: usize, bogus: bool },
+    Abort { op: usize, partial: bool },
+    Complete { job: usize, outcome: u8 },
+    Advance { ns: u64 },
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    let keys = proptest::collection::vec(0u8..12, 1..5);
+    prop_oneof![
+        3 => (keys.clone(), any::<bool>()).prop_map(|(keys, no_evict)| Step::Deposit { keys, no_evict }),
+        2 => keys.clone().prop_map(|keys| Step::Fetch { keys }),
+        2 => keys.prop_map(|keys| Step::Deliver { keys }),
+        2 => (any::<usize>(), any::<bool>()).prop_map(|(claim, bogus)| Step::Release { claim, bogus }),
+        1 => (any::<usize>(), any::<bool>()).prop_map(|(op, partial)| Step::Abort { op, partial }),
+        5 => (any::<usize>(), 0u8..10).prop_map(|(job, outcome)| Step::Complete { job, outcome }),
+        2 => (0u64..600).prop_map(|ns| Step::Advance { ns }),
+    ]
+}
+
+#[derive(Default)]
+struct Model {
+    now: u64,
+    jobs: Vec<(JobId, usize)>,
+    cancelled: HashSet<(JobId, u32)>,
+    ops: Vec<OpHandle>,
+    completed: HashSet<OpHandle>,
+    claims: Vec<(ReleaseHandle, ScopedKey)>,
+    released: HashSet<ReleaseHandle>,
+    failed_entries: HashSet<(OpHandle, ScopedKey)>,
+    stored_minus_removed: HashMap<ScopedKey, i64>,
+}
+
+impl Model {
+    fn drain(&mut self, core: &mut Core) -> Result<(), TestCaseError> {
+        while let Some(action) = core.poll_action() {
+            match action {
+                Action::Copy { job, keys, .. } => self.jobs.push((job, keys.len())),
+                Action::Cancel { job, key } => {
+                    self.cancelled.insert((job, key));
+                }
+                Action::Send { .. } | Action::Connect { .. } | Action::Put { .. } => {
+                    return Err(TestCaseError::fail("peer action without peers"));
+                }
+            }
+        }
+        for event in core.drain_events().collect::<Vec<_>>() {
+            match event {
+                InventoryEvent::Stored { keys, scope, .. } => {
+                    for k in keys {
+                        *self
+                            .stored_minus_removed
+                            .entry(ScopedKey {
+                                namespace: scope.namespace,
+                                key: k,
+                            })
+                            .or_default() += 1;
+                    }
+                }
+                InventoryEvent::Removed { keys, scope } => {
+                    for k in keys {
+                        *self
+                            .stored_minus_removed
+                            .entry(ScopedKey {
+                                namespace: scope.namespace,
+                                key: k,
+                            })
+                            .or_default() -= 1;
+                    }
+                }
+                InventoryEvent::AllCleared { .. } => {}
+            }
+        }
+        let mut done = Vec::new();
+        core.drain_completed(&mut done);
+        for result in done {
+            prop_assert!(
+                self.completed.insert(result.op),
+                "op {:?} completed twice",
+                result.op
+            );
+            for (key, entry) in &result.entries {
+                if self.failed_entries.contains(&(result.op, *key)) {
+                    prop_assert!(
+                        !entry.is_success(),
+                        "an aborted/expired key of {:?} became a success",
+                        result.op
+                    );
+                }
+                if let Some(release) = entry.release {
+                    prop_assert!(entry.is_success());
+                    self.claims.push((release, *key));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check(&self, core: &Core) -> Result<(), TestCaseError> {
+        core.check_invariants().map_err(TestCaseError::fail)?;
+        // A live claim pins its page READY.
+        for (handle, key) in &self.claims {
+            if !self.released.contains(handle) {
+                prop_assert_eq!(
+                    core.query(key),
+                    QueryStatus::Hit,
+                    "claimed {:?} not resident",
+                    key
+                );
+            }
+        }
+        // Stored and removed balance: at most one stored residency per key,
+        // and it is stored exactly when the key is READY.
+        for (key, balance) in &self.stored_minus_removed {
+            prop_assert!(
+                (0..=1).contains(balance),
+                "{:?}: stored - removed = {}",
+                key,
+                balance
+            );
+            let ready = core.query(key) == QueryStatus::Hit;
+            prop_assert_eq!(
+                *balance == 1,
+                ready,
+                "{:?}: balance {} but query {:?}",
+                key,
+                balance,
+                core.query(key)
+            );
+        }
+        Ok(())
+    }
+}
+
+fn run_steps(steps: Vec<Step>, lru: bool) -> Result<(), TestCaseError> {
+    let (mut core, ns, region) = core(6, lru, 1_000);
+    let mut m = Model::default();
+    let spans = |k: u8| {
+        vec![ElementRef {
+            region,
+            index: u64::from(k),
+        }]
+    };
+    for step in steps {
+        match step {
+            Step::Deposit { keys, no_evict } => {
+                let entries = keys
+                    .iter()
+                    .map(|k| DepositEntry {
+                        key: key(ns, *k),
+                        spans: spans(*k),
+                        page: None,
+                    })
+                    .collect();
+                m.ops.push(
+                    core.deposit(m.now, entries, no_evict)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?,
+                );
+            }
+            Step::Fetch { keys } => {
+                let keys: Vec<ScopedKey> = keys.iter().map(|k| key(ns, *k)).collect();
+                m.ops.push(
+                    core.fetch(m.now, &keys, &[PoolId(0)], None)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?,
+                );
+            }
+            Step::Deliver { keys } => {
+                let entries = keys
+                    .iter()
+                    .map(|k| DeliverEntry {
+                        key: key(ns, *k),
+                        destinations: spans(*k + 20),
+                    })
+                    .collect();
+                m.ops.push(
+                    core.deliver(m.now, entries, None)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?,
+                );
+            }
+            Step::Release { claim, bogus } => {
+                if bogus || m.claims.is_empty() {
+                    let out = core.release(&[ReleaseHandle(u64::MAX - claim as u64 % 7)]);
+                    prop_assert_eq!(out, vec![false]);
+                } else {
+                    let (handle, _) = m.claims[claim % m.claims.len()];
+                    let out = core.release(&[handle]);
+                    prop_assert_eq!(
+                        out,
+                        vec![!m.released.contains(&handle)],
+                        "release twice must be false"
+                    );
+                    m.released.insert(handle);
+                }
+            }
+            Step::Abort { op, partial } => {
+                if !m.ops.is_empty() {
+                    let handle = m.ops[op % m.ops.len()];
+                    let k = [key(ns, (op % 12) as u8)];
+                    let keys = partial.then_some(&k[..]);
+                    let pending = core.pending_keys(handle);
+                    if core.abort(handle, keys) {
+                        for key in pending
+                            .into_iter()
+                            .filter(|p| keys.is_none_or(|ks| ks.contains(p)))
+                        {
+                            m.failed_entries.insert((handle, key));
+                        }
+                    }
+                }
+            }
+            Step::Complete { job, outcome } => {
+                if !m.jobs.is_empty() {
+                    let (id, n) = m.jobs.remove(job % m.jobs.len());
+                    // The simulated copy engine honours cancellation, as the
+                    // real one does for keys that have not started.
+                    let outcomes: Vec<CopyOutcome> = (0..n as u32)
+                        .map(|i| {
+                            if m.cancelled.contains(&(id, i)) {
+                                CopyOutcome::Cancelled
+                            } else if outcome == 0 {
+                                CopyOutcome::DeadlinePassed
+                            } else {
+                                CopyOutcome::Copied
+                            }
+                        })
+                        .collect();
+                    core.handle_copy_done(m.now, id, &outcomes);
+                }
+            }
+            Step::Advance { ns: dt } => {
+                m.now += dt;
+                core.handle_timeout(m.now);
+            }
+        }
+        m.drain(&mut core)?;
+        m.check(&core)?;
+    }
+    // Drain: finish every copy, then every op must complete.
+    while let Some((id, n)) = m.jobs.pop() {
+        core.handle_copy_done(m.now, id, &vec![CopyOutcome::Copied; n]);
+        m.drain(&mut core)?;
+    }
+    m.now += 10_000;
+    core.handle_timeout(m.now);
+    m.drain(&mut core)?;
+    m.check(&core)?;
+    for op in &m.ops {
+        prop_assert!(m.completed.contains(op), "op {:?} never completed", op);
+    }
+    prop_assert_eq!(core.jobs_in_flight(), 0);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+
+    #[test]
+    fn core_matches_model_lru(steps in proptest::collection::vec(step(), 1..60)) {
+        run_steps(steps, true)?;
+    }
+
+    #[test]
+    fn core_matches_model_fifo(steps in proptest::collection::vec(step(), 1..60)) {
+        run_steps(steps, false)?;
+    }
+}
+
+/// A waiter that times out on a shared fill detaches; the fill still commits
+/// for the deposit that owns it, and the late commit does not revive the
+/// timed-out fetch.
+#[test]
+fn shared_fill_survives_a_waiter_timeout() {
+    let (mut core, ns, region) = core(4, true, 1_000);
+    let k = key(ns, 3);
+    let deposit = core
+        .deposit(
+            0,
+            vec![DepositEntry {
+                key: k,
+                spans: vec![ElementRef { region, index: 3 }],
+                page: None,
+            }],
+            false,
+        )
+        .unwrap();
+    let fetch = core.fetch(10, &[k], &[PoolId(0)], None).unwrap();
+    let Some(Action::Copy { job, .. }) = core.poll_action() else {
+        panic!("no copy")
+    };
+    core.handle_timeout(1_011); // the fetch's deadline passed; the deposit's too
+    let mut done = Vec::new();
+    core.drain_completed(&mut done);
+    assert_eq!(
+        done.len(),
+        1,
+        "only the fetch completes: the deposit's copy is in flight"
+    );
+    assert_eq!(done[0].op, fetch);
+    assert_eq!(
+        done[0].entries[0].1.status,
+        EntryStatus::Failed(FailReason::Timeout)
+    );
+    core.handle_copy_done(1_500, job, &[CopyOutcome::Copied]);
+    core.drain_completed(&mut done);
+    assert_eq!(done[1].op, deposit);
+    assert!(
+        done[1].entries[0].1.is_success(),
+        "a started copy completes the deposit"
+    );
+    assert_eq!(core.query(&k), QueryStatus::Hit);
+    assert_eq!(
+        core.public_claims(),
+        0,
+        "the timed-out fetch holds no claim"
+    );
+    core.check_invariants().unwrap();
+}
+
+/// Aborting the only waiter of a fill cancels its copy; aborting one of two
+/// waiters leaves the copy running for the other.
+#[test]
+fn abort_cancels_only_unshared_work() {
+    let (mut core, ns, region) = core(4, true, 1_000_000);
+    let (a, b) = (key(ns, 1), key(ns, 2));
+    let entries = |ks: &[ScopedKey]| {
+        ks.iter()
+            .map(|k| DepositEntry {
+                key: *k,
+                spans: vec![ElementRef {
+                    region,
+                    index: k.key.as_u64(),
+                }],
+                page: None,
+            })
+            .collect::<Vec<_>>()
+    };
+    let first = core.deposit(0, entries(&[a, b]), false).unwrap();
+    let second = core.deposit(0, entries(&[b]), false).unwrap();
+    let Some(Action::Copy { job, .. }) = core.poll_action() else {
+        panic!("no copy")
+    };
+    assert!(core.abort(first, None));
+    let cancels: Vec<Action> = std::iter::from_fn(|| core.poll_action()).collect();
+    assert_eq!(
+        cancels,
+        vec![Action::Cancel { job, key: 0 }],
+        "only key a (no other waiter) is cancelled"
+    );
+    core.handle_copy_done(5, job, &[CopyOutcome::Cancelled, CopyOutcome::Copied]);
+    let mut done = Vec::new();
+    core.drain_completed(&mut done);
+    let by_op: BTreeMap<OpHandle, Vec<EntryStatus>> = done
+        .iter()
+        .map(|r| (r.op, r.entries.iter().map(|e| e.1.status).collect()))
+        .collect();
+    assert_eq!(
+        by_op[&first],
+        vec![EntryStatus::Failed(FailReason::Aborted); 2]
+    );
+    assert_eq!(by_op[&second], vec![EntryStatus::Success]);
+    assert_eq!(core.query(&a), QueryStatus::Miss);
+    assert_eq!(core.query(&b), QueryStatus::Hit);
+    core.check_invariants().unwrap();
+}

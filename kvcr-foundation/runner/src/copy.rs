@@ -1,0 +1,274 @@
+//! The local copy engine: one thread that executes copy jobs off the caller's
+//! thread and applies their outcomes to the shared core itself, so operations
+//! complete without the caller polling.
+//!
+//! The thread blocks on its queue when idle (after a short bounded poll; no
+//! busy loop, no sleep floor), so a single-block copy costs at most one thread
+//! wake-up plus the memcpy.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::Shared;
+use kvcr_runner_core::{CopyOutcome, JobId};
+use super::device::DeviceCopier;
+use super::memory::copy_spans;
+use kvcr_runner_core::CopySpan;
+use crate::error::{Error, Result, RunnerReason};
+
+/// How long a thread that just finished work polls for more before it blocks.
+/// A blocked thread costs a futex wake-up (tens of µs on a VM) to restart; a
+/// short bounded poll lets back-to-back single-block operations skip it, and
+/// an idle engine still sleeps after this long.
+pub(crate) const SPIN: Duration = Duration::from_micros(50);
+
+/// One job for the copy thread.
+pub(crate) struct Job {
+    pub(crate) id: JobId,
+    pub(crate) deadline: Instant,
+    pub(crate) keys: Vec<Vec<CopySpan>>,
+    pub(crate) cancel: Arc<[AtomicBool]>,
+    /// Set for a job that touches device memory: it runs there, not here.
+    pub(crate) device: Option<Arc<dyn DeviceCopier>>,
+}
+
+/// What the copy thread receives.
+pub(crate) enum Msg {
+    /// Copy this.
+    Job(Job),
+    /// Skip whatever is queued and exit.
+    Stop,
+}
+
+/// Handle to the copy thread. Stopping (or dropping) it skips queued work,
+/// lets the key in progress finish, and joins the thread: afterwards no copy
+/// touches memory.
+pub(crate) struct CopyEngine {
+    stop: Sender<Msg>,
+    shutdown: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl CopyEngine {
+    /// Starts the thread on `jobs`; it applies outcomes to `shared` while that
+    /// is alive.
+    pub(crate) fn start(
+        shared: Weak<Shared>,
+        stop: Sender<Msg>,
+        jobs: Receiver<Msg>,
+    ) -> Result<Self> {
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&shutdown);
+        let thread = std::thread::Builder::new()
+            .name("kvcr-copy".into())
+            .spawn(move || worker(&jobs, &shared, &flag))
+            .map_err(|_| Error::runner(RunnerReason::CopyEngineStopped))?;
+        Ok(Self {
+            stop,
+            shutdown,
+            thread: Some(thread),
+        })
+    }
+
+    /// Skips queued work and joins the thread.
+    pub(crate) fn stop(&mut self) {
+        self.shutdown.store(true, Ordering::Release);
+        // If the thread is gone already the send fails; either way it ends.
+        let _ = self.stop.send(Msg::Stop);
+        if let Some(thread) = self.thread.take()
+            && thread.join().is_err()
+        {
+            // The worker only copies validated spans; a panic there is a bug.
+            // Joining still guarantees it no longer touches memory.
+            eprintln!("kvcr: copy thread panicked");
+        }
+    }
+}
+
+impl Drop for CopyEngine {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Polls `rx` for up to `budget` (bounded; never an idle busy loop).
+pub(crate) fn spin_recv<T>(rx: &Receiver<T>, budget: Duration) -> Option<T> {
+    #[allow(clippy::disallowed_methods)]
+    let start = Instant::now();
+    loop {
+        match rx.try_recv() {
+            Ok(item) => return Some(item),
+            Err(mpsc::TryRecvError::Disconnected) => return None,
+            Err(mpsc::TryRecvError::Empty) => {}
+        }
+        if start.elapsed() >= budget {
+            return None;
+        }
+        std::hint::spin_loop();
+    }
+}
+
+fn worker(jobs: &Receiver<Msg>, shared: &Weak<Shared>, shutdown: &AtomicBool) {
+    loop {
+        let Some(Msg::Job(job)) = spin_recv(jobs, SPIN).or_else(|| jobs.recv().ok()) else {
+            return;
+        };
+        let outcomes = execute(&job, shutdown);
+        match shared.upgrade() {
+            Some(shared) => shared.copy_done(job.id, &outcomes),
+            None => return,
+        }
+    }
+}
+
+/// Jobs at least this large are split over two threads (when their
+/// destinations are pairwise disjoint): one thread copies ~10 GB/s here, two
+/// can draw more of the memory bandwidth.
+const SPLIT_BYTES: u64 = 8 << 20;
+
+fn execute(job: &Job, shutdown: &AtomicBool) -> Vec<CopyOutcome> {
+    if let Some(copier) = &job.device {
+        return execute_on_device(job, copier.as_ref(), shutdown);
+    }
+    let total: u64 = job.keys.iter().flatten().map(|s| s.len).sum();
+    let half = job.keys.len() / 2;
+    if total < SPLIT_BYTES || half == 0 || !destinations_disjoint(&job.keys) {
+        return execute_range(job, 0..job.keys.len(), shutdown);
+    }
+    // Two threads never write the same bytes: destinations are pairwise
+    // disjoint (checked above), and no source overlaps a destination (runner
+    // pools and framework regions never overlap; checked at registration).
+    std::thread::scope(|scope| {
+        let second = scope.spawn(|| execute_range(job, half..job.keys.len(), shutdown));
+        let mut outcomes = execute_range(job, 0..half, shutdown);
+        match second.join() {
+            Ok(rest) => outcomes.extend(rest),
+            // The helper only runs validated copies; if it died, its keys did
+            // not complete as far as we can prove: report them cancelled.
+            Err(_) => outcomes.extend((half..job.keys.len()).map(|_| CopyOutcome::Cancelled)),
+        }
+        outcomes
+    })
+}
+
+/// Runs a device job: keys cancelled or past the deadline are skipped as on
+/// the host path; the rest go to the copier in one call (one batch of kernels
+/// or driver copies), which succeeds or fails as a whole.
+fn execute_on_device(
+    job: &Job,
+    copier: &dyn DeviceCopier,
+    shutdown: &AtomicBool,
+) -> Vec<CopyOutcome> {
+    // The driver reads the clock; the core never does.
+    #[allow(clippy::disallowed_methods)]
+    let late = Instant::now() > job.deadline;
+    let mut outcomes = Vec::with_capacity(job.keys.len());
+    let mut batch: Vec<&[CopySpan]> = Vec::with_capacity(job.keys.len());
+    for (i, spans) in job.keys.iter().enumerate() {
+        let cancelled = shutdown.load(Ordering::Acquire)
+            || job.cancel.get(i).is_some_and(|c| c.load(Ordering::Acquire));
+        outcomes.push(if cancelled {
+            CopyOutcome::Cancelled
+        } else if late {
+            CopyOutcome::DeadlinePassed
+        } else {
+            batch.push(spans);
+            CopyOutcome::Copied
+        });
+    }
+    if !batch.is_empty() && copier.copy(&batch).is_err() {
+        for outcome in &mut outcomes {
+            if *outcome == CopyOutcome::Copied {
+                *outcome = CopyOutcome::Failed;
+            }
+        }
+    }
+    outcomes
+}
+
+/// Whether no two destination ranges of the job overlap.
+fn destinations_disjoint(keys: &[Vec<CopySpan>]) -> bool {
+    let mut ranges: Vec<(u64, u64)> = keys
+        .iter()
+        .flatten()
+        .map(|s| (s.dst, s.dst.saturating_add(s.len)))
+        .collect();
+    ranges.sort_unstable();
+    ranges.windows(2).all(|w| matches!(w, [a, b] if a.1 <= b.0))
+}
+
+fn execute_range(
+    job: &Job,
+    range: std::ops::Range<usize>,
+    shutdown: &AtomicBool,
+) -> Vec<CopyOutcome> {
+    let mut outcomes = Vec::with_capacity(range.len());
+    for i in range {
+        let Some(spans) = job.keys.get(i) else {
+            outcomes.push(CopyOutcome::Cancelled);
+            continue;
+        };
+        let cancelled = shutdown.load(Ordering::Acquire)
+            || job.cancel.get(i).is_some_and(|c| c.load(Ordering::Acquire));
+        if cancelled {
+            outcomes.push(CopyOutcome::Cancelled);
+            continue;
+        }
+        // The driver reads the clock; the core never does.
+        #[allow(clippy::disallowed_methods)]
+        let late = Instant::now() > job.deadline;
+        if late {
+            outcomes.push(CopyOutcome::DeadlinePassed);
+            continue;
+        }
+        // SAFETY: every span was produced by the core from registrations it
+        // bounds-checked: sources and destinations lie inside either a
+        // runner-owned pool (alive until this thread is joined, see `Runner`'s
+        // field order) or a framework region the caller promised valid for the
+        // runner's lifetime (`Runner::register_region`'s contract). A FILLING
+        // slot is written only by its own fill, a READY slot is only read while
+        // claimed, and the caller promised not to touch framework elements of an
+        // operation until it completes; pool and framework regions never
+        // overlap (checked at registration). When a job is split over two
+        // threads, their destination ranges are pairwise disjoint
+        // (`destinations_disjoint`), so no byte is written by both.
+        unsafe { copy_spans(spans) };
+        outcomes.push(CopyOutcome::Copied);
+    }
+    outcomes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(dst: u64, len: u64) -> CopySpan {
+        CopySpan { src: 0, dst, len }
+    }
+
+    #[test]
+    fn disjoint_destinations() {
+        assert!(destinations_disjoint(&[
+            vec![span(0, 10)],
+            vec![span(10, 5)],
+            vec![span(100, 1)]
+        ]));
+        assert!(!destinations_disjoint(&[
+            vec![span(0, 10)],
+            vec![span(9, 5)]
+        ]));
+        assert!(
+            !destinations_disjoint(&[vec![span(50, 10)], vec![span(50, 10)]]),
+            "the same element twice"
+        );
+        assert!(
+            !destinations_disjoint(&[vec![span(0, 4), span(2, 4)]]),
+            "within one key"
+        );
+        assert!(destinations_disjoint(&[]));
+    }
+}

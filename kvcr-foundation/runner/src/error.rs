@@ -1,0 +1,86 @@
+//! The runner's one error type.
+//!
+//! It flattens the core's refusals ([`RunnerReason`]) and the contracts' parse
+//! errors, and adds what only the driver can fail at: UCX calls and startup.
+
+use kvcr_runner_core::error as core_error;
+pub use kvcr_runner_core::{Echo, PoolMemoryReason, RunnerReason};
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in the runner.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A contract value (endpoint, key, hint, frame, ...) was refused.
+    #[error(transparent)]
+    Contract(#[from] kvcr_contracts::Error),
+    /// The runner refused a call (bad configuration, region, layout or handle,
+    /// or a lifecycle step that is not safe yet). The runner is unchanged.
+    #[error("runner: {reason}")]
+    Runner {
+        /// Why.
+        reason: RunnerReason,
+    },
+    /// Startup failed at a stage; says whether memory had to be retained
+    /// because a native transfer might still touch it.
+    #[error("runner startup failed at stage {stage}: {cause}{}", if *retained { " (memory retained: a transfer may still touch it; keep caller buffers until exit)" } else { "" })]
+    Startup {
+        /// The stage that failed.
+        stage: &'static str,
+        /// Whether resources were retained rather than released.
+        retained: bool,
+        /// What failed.
+        cause: Box<Error>,
+    },
+    /// A UCX call failed or the UCX layer refused a request.
+    #[error(transparent)]
+    Ucx(#[from] kvcr_ucx::Error),
+}
+
+impl From<core_error::Error> for Error {
+    fn from(e: core_error::Error) -> Self {
+        match e {
+            core_error::Error::Contract(e) => Self::Contract(e),
+            core_error::Error::Runner { reason } => Self::Runner { reason },
+            // `core_error::Error` is non-exhaustive only to other crates'
+            // matches; keep any future variant readable rather than lost.
+            #[allow(unreachable_patterns)]
+            other => Self::Runner {
+                reason: RunnerReason::DeviceCopy(Echo::new(&other.to_string())),
+            },
+        }
+    }
+}
+
+impl Error {
+    /// A runner error.
+    pub fn runner(reason: RunnerReason) -> Self {
+        Self::Runner { reason }
+    }
+
+    /// The runner reason, when this is a runner error.
+    pub fn runner_reason(&self) -> Option<&RunnerReason> {
+        match self {
+            Self::Runner { reason } => Some(reason),
+            _ => None,
+        }
+    }
+
+    /// The UCX status, when this is a UCX call failure.
+    pub fn ucx_status(&self) -> Option<kvcr_ucx::UcsStatus> {
+        match self {
+            Self::Ucx(e) => e.status(),
+            _ => None,
+        }
+    }
+
+    /// The UCX refusal reason, when the UCX safe layer refused a request.
+    pub fn ucx_reason(&self) -> Option<&kvcr_ucx::UcxReason> {
+        match self {
+            Self::Ucx(e) => e.reason(),
+            _ => None,
+        }
+    }
+}

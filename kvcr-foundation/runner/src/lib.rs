@@ -1,0 +1,983 @@
+//! kvcr-runner: the rank-local runner. KVCR-owned DRAM, the block index,
+//! claims, eviction, local data movement and the peer path.
+//!
+//! [`Runner`] is the driver around the sans-I/O core (`kvcr-runner-core`): the core decides
+//! (index, residencies, claims, eviction, deadlines, inventory); the driver owns
+//! the DRAM pools and a copy thread and executes the core's copy actions.
+//!
+//! ```text
+//!  caller ── deposit / fetch / deliver / release / abort ──► Core ──► Action::Copy ──► copy thread
+//!    ▲                                                        ▲                          │
+//!    └──────────── poll_completed / wait_completed ◄──────────┴──── copy outcomes ◄──────┘
+//! ```
+//!
+//! Addressing is by registered region plus element index: the engine registers
+//! its host (or pinned) regions with [`Runner::register_region`], labelled by
+//! pool name, and names memory only as [`ElementRef`]s.
+//!
+//! Completion semantics: an operation completes once every key has a result and
+//! every copy it started is terminal, so after a deposit completes its source
+//! buffers may be reused, and after a deliver completes its destinations hold
+//! the bytes (for `Success` keys).
+
+#![deny(unsafe_code)]
+
+mod control;
+#[allow(unsafe_code)]
+mod copy;
+mod device;
+pub mod error;
+#[allow(unsafe_code)]
+mod memory;
+mod peer_driver;
+#[allow(unsafe_code)]
+mod placement;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+pub use kvcr_runner_core::policy;
+pub use kvcr_runner_core::{
+    CachePolicy, CopySpan, CoreCounters, DeliverEntry, DepositEntry, EntryResult, EntryStatus,
+    FailReason, KVCR_REGION_PREFIX, MAX_REGION_ELEMENTS, MAX_REGION_LABEL, MAX_SPANS_PER_KEY,
+    OpResult, PageInfo, PeerCounters, PeerNotice, PoolConfig, PoolId, PoolRange, PoolStats,
+    QueryStatus, RegionDesc, RegionMemory, ReleaseHandle, RunnerStats,
+};
+use kvcr_runner_core::{Action, Core, CoreConfig, JobId};
+
+pub use self::device::DeviceCopier;
+pub use self::error::{Error, Result};
+use self::memory::DramPool;
+pub use self::peer_driver::{PeerOptions, PutSplit};
+pub use self::placement::{
+    AnonymousMemory, HugePages, MAX_NUMA_NODE, NumaBinding, NumaMode, PlacementDowngrade,
+    PlacementOutcome, PoolMemory, PoolMemoryInfo, online_nodes, transparent_huge_page_mode,
+};
+use kvcr_contracts::endpoint::ControlEndpoint;
+use crate::error::RunnerReason;
+use kvcr_contracts::hint::{FetchHint, RequestId};
+use kvcr_contracts::incarnation::Incarnation;
+use kvcr_contracts::key::{Namespace, NamespaceId, ScopedKey};
+use kvcr_contracts::protocol::{OpHandle, RegionId};
+use kvcr_contracts::tier::{InventorySink, Medium};
+
+/// Bytes of KVCR DRAM currently allocated by all runners in this process
+/// (a leak check: it returns to its old value after a runner is closed or a
+/// startup fails).
+pub fn process_pool_bytes() -> u64 {
+    memory::live_pool_bytes()
+}
+
+/// Runner configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunnerConfig {
+    /// The pools, in layout order.
+    pub pools: Vec<PoolConfig>,
+    /// Budget of one operation, measured from its start (default 1 s).
+    pub operation_timeout: Duration,
+    /// Percent of a pool's slots below which reclaimable space raises
+    /// `capacity_needed` (0 disables it, the default).
+    pub capacity_low_watermark_percent: u8,
+    /// The medium KVCR DRAM is published under (default `CPU_PINNED`).
+    pub medium: Medium,
+    /// Touch every pool page at startup so the first copies run at full speed.
+    pub prefault: bool,
+    /// How pools are backed (default: the original allocation; see
+    /// [`PoolMemory`] for process-owned anonymous memory with huge pages and
+    /// NUMA placement).
+    pub pool_memory: PoolMemory,
+}
+
+impl Default for RunnerConfig {
+    fn default() -> Self {
+        Self {
+            pools: Vec::new(),
+            operation_timeout: Duration::from_secs(1),
+            capacity_low_watermark_percent: 0,
+            medium: Medium::CpuPinned,
+            prefault: true,
+            pool_memory: PoolMemory::Default,
+        }
+    }
+}
+
+/// Largest single pool (bytes).
+pub const MAX_POOL_BYTES: u64 = 1 << 46;
+
+impl RunnerConfig {
+    /// A one-pool configuration.
+    pub fn single_pool(name: &str, block_size: u64, blocks: u32) -> Self {
+        Self {
+            pools: vec![PoolConfig {
+                name: name.to_owned(),
+                block_size,
+                blocks,
+            }],
+            ..Self::default()
+        }
+    }
+
+    /// Checks every bound.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field, why| Err(Error::runner(RunnerReason::Config { field, why }));
+        if self.pools.is_empty() {
+            return bad("pools", "at least one pool is required");
+        }
+        if self.pools.len() > usize::from(u16::MAX) {
+            return bad("pools", "too many pools");
+        }
+        for (i, pool) in self.pools.iter().enumerate() {
+            if pool.block_size == 0 {
+                return bad("pools.block_size", "must be at least 1 byte");
+            }
+            if pool.blocks == 0 || u64::from(pool.blocks) > MAX_REGION_ELEMENTS {
+                return bad("pools.blocks", "must be in 1..=2^31");
+            }
+            if pool
+                .block_size
+                .checked_mul(u64::from(pool.blocks))
+                .is_none_or(|b| b > MAX_POOL_BYTES)
+            {
+                return bad("pools", "block_size * blocks exceeds 64 TiB");
+            }
+            let name_ok = !pool.name.is_empty()
+                && pool.name.len() <= MAX_REGION_LABEL - KVCR_REGION_PREFIX.len()
+                && pool
+                    .name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+            if !name_ok {
+                return bad("pools.name", "must be 1..=54 of [A-Za-z0-9_.-]");
+            }
+            if self.pools.iter().take(i).any(|p| p.name == pool.name) {
+                return Err(Error::runner(RunnerReason::DuplicatePool(
+                    kvcr_runner_core::Echo::new(&pool.name),
+                )));
+            }
+        }
+        if self.operation_timeout.is_zero() {
+            return bad("operation_timeout", "must be positive");
+        }
+        if self.capacity_low_watermark_percent > 100 {
+            return bad("capacity_low_watermark_percent", "must be in 0..=100");
+        }
+        Ok(())
+    }
+}
+
+/// Startup stages, in order (named in startup errors).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum StartupStage {
+    Validate,
+    AllocatePools,
+    BuildCore,
+    StartCopyEngine,
+}
+
+impl StartupStage {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Validate => "validate configuration",
+            Self::AllocatePools => "allocate pools",
+            Self::BuildCore => "build core",
+            Self::StartCopyEngine => "start copy engine",
+        }
+    }
+}
+
+type CapacityCallback = Box<dyn FnMut(&[(PoolId, u32)]) + Send>;
+
+/// What the caller's threads and the runner's own threads share: the core and
+/// everything that must change with it atomically.
+struct Inner {
+    core: Core,
+    sink: Option<Box<dyn InventorySink>>,
+    capacity_needed: Option<CapacityCallback>,
+    completed: Vec<OpResult>,
+    jobs: Sender<copy::Msg>,
+    cancels: HashMap<JobId, Arc<[AtomicBool]>>,
+    /// Peer actions go to the peer thread (absent when peers are off).
+    peer_tx: Option<tokio::sync::mpsc::UnboundedSender<peer_driver::PeerCmd>>,
+    /// Runs the copy jobs that touch device regions (absent until set).
+    device: Option<Arc<dyn DeviceCopier>>,
+}
+
+/// The shared state, plus the clock epoch and a wake-up for waiters.
+pub(crate) struct Shared {
+    inner: Mutex<Inner>,
+    completed_cv: Condvar,
+    /// Completed operations not yet taken (read without the lock to spin).
+    completed_len: AtomicUsize,
+    epoch: Instant,
+}
+
+impl Shared {
+    /// Shares `core`; its clock starts now.
+    fn new(
+        core: Core,
+        jobs: Sender<copy::Msg>,
+        peer_tx: Option<tokio::sync::mpsc::UnboundedSender<peer_driver::PeerCmd>>,
+    ) -> Arc<Self> {
+        #[allow(clippy::disallowed_methods)]
+        let epoch = Instant::now();
+        Arc::new(Self {
+            inner: Mutex::new(Inner {
+                core,
+                sink: None,
+                capacity_needed: None,
+                completed: Vec::new(),
+                jobs,
+                cancels: HashMap::new(),
+                peer_tx,
+                device: None,
+            }),
+            completed_cv: Condvar::new(),
+            completed_len: AtomicUsize::new(0),
+            epoch,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock can only come from a bug in the core;
+        // its state is still structurally valid, so keep serving.
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn now(&self) -> u64 {
+        #[allow(clippy::disallowed_methods)]
+        let elapsed = self.epoch.elapsed();
+        u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Runs `f` on the core under the lock with the current time, then pumps.
+    pub(crate) fn with_core_now<T>(&self, f: impl FnOnce(&mut Core, u64) -> T) -> T {
+        let now = self.now();
+        let mut inner = self.lock();
+        let out = f(&mut inner.core, now);
+        self.pump(&mut inner);
+        out
+    }
+
+    /// Called by the copy thread with a finished job's outcomes.
+    pub(crate) fn copy_done(&self, job: JobId, outcomes: &[kvcr_runner_core::CopyOutcome]) {
+        let now = self.now();
+        let mut inner = self.lock();
+        inner.cancels.remove(&job);
+        inner.core.handle_copy_done(now, job, outcomes);
+        self.pump(&mut inner);
+    }
+
+    /// Executes the core's actions and forwards events, signals and completions.
+    fn pump(&self, inner: &mut Inner) {
+        let Inner {
+            core,
+            sink,
+            capacity_needed,
+            completed,
+            jobs,
+            cancels,
+            peer_tx,
+            device,
+        } = inner;
+        let mut failed_jobs = Vec::new();
+        while let Some(action) = core.poll_action() {
+            match action {
+                Action::Copy {
+                    job,
+                    deadline_ns,
+                    memory,
+                    keys,
+                } => {
+                    let cancel: Arc<[AtomicBool]> =
+                        keys.iter().map(|_| AtomicBool::new(false)).collect();
+                    let n = keys.len();
+                    let device = match memory {
+                        RegionMemory::Host => None,
+                        RegionMemory::Device => match device {
+                            Some(copier) => Some(Arc::clone(copier)),
+                            // Unreachable: device regions need a copier first.
+                            None => {
+                                failed_jobs.push((job, n));
+                                continue;
+                            }
+                        },
+                    };
+                    cancels.insert(job, Arc::clone(&cancel));
+                    let deadline = self.epoch + Duration::from_nanos(deadline_ns);
+                    if jobs
+                        .send(copy::Msg::Job(copy::Job {
+                            id: job,
+                            deadline,
+                            keys,
+                            cancel,
+                            device,
+                        }))
+                        .is_err()
+                    {
+                        // The copy thread is gone (it only stops at shutdown):
+                        // report the keys cancelled so nothing waits forever.
+                        failed_jobs.push((job, n));
+                    }
+                }
+                Action::Send { .. } | Action::Connect { .. } | Action::Put { .. } => {
+                    // The peer thread owns the sockets and the UCX worker.
+                    if let Some(tx) = peer_tx {
+                        let _ = tx.send(peer_driver::PeerCmd::Action(action));
+                    }
+                }
+                Action::Cancel { job, key } => {
+                    if let Some(flag) = cancels.get(&job).and_then(|c| c.get(key as usize)) {
+                        flag.store(true, Ordering::Release);
+                    }
+                }
+            }
+        }
+        for (job, n) in failed_jobs {
+            cancels.remove(&job);
+            core.handle_copy_done(self.now(), job, &vec![kvcr_runner_core::CopyOutcome::Cancelled; n]);
+        }
+        match sink.as_mut() {
+            Some(sink) => core.drain_events().for_each(|event| sink.publish(&event)),
+            None => core.drain_events().for_each(drop),
+        }
+        let signals = core.drain_capacity_signals();
+        if let (false, Some(callback)) = (signals.is_empty(), capacity_needed.as_mut()) {
+            callback(&signals);
+        }
+        let before = completed.len();
+        core.drain_completed(completed);
+        if completed.len() != before {
+            self.completed_len.store(completed.len(), Ordering::Release);
+            self.completed_cv.notify_all();
+        }
+    }
+}
+
+fn pool_memory_info(
+    config: &RunnerConfig,
+    ranges: impl Iterator<Item = (u64, u64)>,
+    placements: Vec<Option<PlacementOutcome>>,
+) -> Vec<PoolMemoryInfo> {
+    config
+        .pools
+        .iter()
+        .zip(ranges)
+        .zip(placements)
+        .map(|((pool, (base, len)), placement)| PoolMemoryInfo {
+            name: pool.name.clone(),
+            base,
+            len,
+            placement,
+        })
+        .collect()
+}
+
+/// The rank-local runner.
+///
+/// Threads: the caller's thread runs the API; a copy thread executes copies
+/// and applies their outcomes to the shared core (so operations complete
+/// without polling). The sink and the capacity callback run on either thread,
+/// under the runner's lock: they must not call back into the runner.
+///
+/// Drop order is load-bearing: `copy` is declared before `pools`, so dropping a
+/// runner stops and joins the copy thread before the pools it copies into and
+/// out of are freed.
+pub struct Runner {
+    copy: copy::CopyEngine,
+    /// Owns the registered pool memory in peer mode; stopped after `copy`.
+    peer: Option<peer_driver::PeerDriver>,
+    shared: Arc<Shared>,
+    /// Owns the local-mode pool memory the core addresses; never read, only
+    /// freed, and only after the copy thread has stopped.
+    #[allow(dead_code)]
+    pools: Vec<DramPool>,
+    incarnation: Incarnation,
+    endpoint: Option<ControlEndpoint>,
+    pool_bytes: u64,
+    pool_memory: Vec<PoolMemoryInfo>,
+    /// The device copier, detached in `drop` between steps 1 and 2.
+    device: Option<Arc<dyn DeviceCopier>>,
+}
+
+impl Drop for Runner {
+    fn drop(&mut self) {
+        // 1. No local copy runs after this (queued ones are skipped).
+        self.copy.stop();
+        // 1b. No device copy runs either (they run on the copy thread), so the
+        //     copier may unpin the pools before anything below frees them.
+        if let Some(copier) = self.device.take() {
+            copier.detach(&self.shared.lock().core.pool_ranges());
+        }
+        // 2. The peer thread unmaps the pools it registered, unless a remote
+        //    write might still land in them: then it keeps them mapped for the
+        //    life of the process rather than risk a write into reused memory.
+        if let Some(peer) = self.peer.as_mut() {
+            let (targets, writes) = self.shared.lock().core.peer_busy();
+            let leak = targets > 0 || writes > 0;
+            if leak {
+                eprintln!(
+                    "kvcr: dropping a runner with {targets} remote writes unresolved; its pools stay mapped until exit"
+                );
+            }
+            peer.stop(leak);
+        }
+        // 3. `pools` (local mode) are freed when the fields drop, after both.
+    }
+}
+
+impl std::fmt::Debug for Runner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runner")
+            .field("incarnation", &self.incarnation)
+            .field("core", &self.shared.lock().core)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Runner {
+    /// Starts a runner: validates the configuration, allocates (and by default
+    /// pre-faults) the pools, and starts the copy thread. All or nothing: a
+    /// failure at any stage releases what earlier stages acquired, and the
+    /// error names the stage.
+    pub fn start(config: RunnerConfig, policy: Option<Box<dyn CachePolicy>>) -> Result<Self> {
+        Self::start_staged(config, policy, None)
+    }
+
+    pub(crate) fn start_staged(
+        config: RunnerConfig,
+        policy: Option<Box<dyn CachePolicy>>,
+        fail_at: Option<StartupStage>,
+    ) -> Result<Self> {
+        let fail = |stage: StartupStage, cause: Error| {
+            Error::Startup {
+                stage: stage.name(),
+                retained: false,
+                cause: Box::new(cause),
+            }
+        };
+        let injected = |stage: StartupStage| -> Result<()> {
+            if fail_at == Some(stage) {
+                Err(fail(
+                    stage,
+                    Error::runner(RunnerReason::Config {
+                        field: "fault injection",
+                        why: "injected startup failure",
+                    }),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        injected(StartupStage::Validate)?;
+        config
+            .validate()
+            .map_err(|e| fail(StartupStage::Validate, e))?;
+
+        // Each stage's resources are owned by locals here; returning early drops
+        // them in reverse order, which is the release the contract asks for.
+        let mut pools = Vec::with_capacity(config.pools.len());
+        let mut placements = Vec::with_capacity(config.pools.len());
+        for pool in &config.pools {
+            let bytes = pool.block_size * u64::from(pool.blocks);
+            let (memory, placement) =
+                DramPool::allocate_with(bytes, config.prefault, &config.pool_memory)
+                    .map_err(|e| fail(StartupStage::AllocatePools, e))?;
+            pools.push(memory);
+            placements.push(placement);
+        }
+        injected(StartupStage::AllocatePools)?;
+
+        let timeout_ns = u64::try_from(config.operation_timeout.as_nanos()).unwrap_or(u64::MAX);
+        let core_config = CoreConfig {
+            pools: config
+                .pools
+                .iter()
+                .map(|p| (p.name.clone(), p.block_size, p.blocks))
+                .collect(),
+            pool_bases: pools.iter().map(DramPool::base).collect(),
+            operation_timeout_ns: timeout_ns,
+            watermark_percent: config.capacity_low_watermark_percent,
+            medium: config.medium,
+        };
+        let core = Core::new(
+            &core_config,
+            policy.unwrap_or_else(|| Box::new(policy::Lru)),
+        )
+        .map_err(|e| fail(StartupStage::BuildCore, e.into()))?;
+        injected(StartupStage::BuildCore)?;
+
+        let (jobs_tx, jobs_rx) = mpsc::channel::<copy::Msg>();
+        let shared = Shared::new(core, jobs_tx.clone(), None);
+        let copy = copy::CopyEngine::start(Arc::downgrade(&shared), jobs_tx, jobs_rx)
+            .map_err(|e| fail(StartupStage::StartCopyEngine, e))?;
+        let pool_bytes = pools.iter().map(DramPool::len).sum();
+        let pool_memory = pool_memory_info(
+            &config,
+            pools.iter().map(|p| (p.base(), p.len())),
+            placements,
+        );
+        let mut runner = Self {
+            copy,
+            peer: None,
+            shared,
+            pools,
+            incarnation: Incarnation::generate(),
+            endpoint: None,
+            pool_bytes,
+            pool_memory,
+            device: None,
+        };
+        if let Err(e) = injected(StartupStage::StartCopyEngine) {
+            runner.copy.stop();
+            return Err(e);
+        }
+        Ok(runner)
+    }
+
+    /// Starts a runner that also takes part in the peer protocol: its pools
+    /// are registered with UCX (on the peer thread, which owns them), its
+    /// control channel listens where `peer` says, and hinted fetches pull
+    /// from peers. Stages as [`Runner::start`], plus "start peer".
+    pub fn start_with_peers(
+        config: RunnerConfig,
+        policy: Option<Box<dyn CachePolicy>>,
+        peer: &PeerOptions,
+    ) -> Result<Self> {
+        let fail = |stage: &'static str, cause: Error| {
+            Error::Startup {
+                stage,
+                retained: false,
+                cause: Box::new(cause),
+            }
+        };
+        config
+            .validate()
+            .map_err(|e| fail(StartupStage::Validate.name(), e))?;
+        let pool_bytes: Vec<u64> = config
+            .pools
+            .iter()
+            .map(|p| p.block_size * u64::from(p.blocks))
+            .collect();
+        let (mut driver, setup) = peer_driver::PeerDriver::start(
+            peer,
+            pool_bytes.clone(),
+            config.prefault,
+            &config.pool_memory,
+        )
+        .map_err(|e| match e {
+            // Already a startup error (resources retained): keep it.
+            Error::Startup { .. } => e,
+            _ => fail("start peer", e),
+        })?;
+        let timeout_ns = u64::try_from(config.operation_timeout.as_nanos()).unwrap_or(u64::MAX);
+        let abandon_ns = peer
+            .abandon_timeout
+            .map_or(timeout_ns.saturating_mul(5), |d| {
+                u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+            })
+            .max(timeout_ns.saturating_mul(2));
+        let core_config = CoreConfig {
+            pools: config
+                .pools
+                .iter()
+                .map(|p| (p.name.clone(), p.block_size, p.blocks))
+                .collect(),
+            pool_bases: setup.bases.clone(),
+            operation_timeout_ns: timeout_ns,
+            watermark_percent: config.capacity_low_watermark_percent,
+            medium: config.medium,
+        };
+        let mut core = Core::new(
+            &core_config,
+            policy.unwrap_or_else(|| Box::new(policy::Lru)),
+        )
+        .map_err(|e| fail(StartupStage::BuildCore.name(), e.into()))?;
+        let incarnation = Incarnation::generate();
+        // Pool i is runner region i (registered first, in order).
+        let rkeys = setup
+            .rkeys
+            .iter()
+            .enumerate()
+            .map(|(i, rkey)| (RegionId(i as u32), rkey.clone()))
+            .collect();
+        core.enable_peer(kvcr_runner_core::PeerConfig {
+            endpoint: setup.endpoint.clone(),
+            incarnation,
+            worker_address: setup.worker_address.clone(),
+            rkeys,
+            abandon_timeout_ns: abandon_ns,
+            metadata_retry_ns: 100_000_000,
+        });
+        let (jobs_tx, jobs_rx) = mpsc::channel::<copy::Msg>();
+        let shared = Shared::new(core, jobs_tx.clone(), Some(driver.tx.clone()));
+        let copy = copy::CopyEngine::start(Arc::downgrade(&shared), jobs_tx, jobs_rx)
+            .map_err(|e| fail(StartupStage::StartCopyEngine.name(), e))?;
+        driver.attach(Arc::clone(&shared));
+        Ok(Self {
+            copy,
+            peer: Some(driver),
+            shared,
+            pools: Vec::new(),
+            incarnation,
+            pool_memory: pool_memory_info(
+                &config,
+                setup.bases.iter().copied().zip(pool_bytes.iter().copied()),
+                setup.placements,
+            ),
+            endpoint: Some(setup.endpoint),
+            pool_bytes: pool_bytes.iter().sum(),
+            device: None,
+        })
+    }
+
+    /// Where each pool's memory is and how it was placed (for audits such as
+    /// `kvcr-hicache-perf`'s, which reads where its pages really are).
+    pub fn pool_memory(&self) -> &[PoolMemoryInfo] {
+        &self.pool_memory
+    }
+
+    /// This runner's advertised control endpoint (peer mode only).
+    pub fn endpoint(&self) -> Option<&ControlEndpoint> {
+        self.endpoint.as_ref()
+    }
+
+    /// Records a request's router hint (and starts the metadata handshake
+    /// with its source, off the fetch path).
+    pub fn submit_hint(&mut self, request: RequestId, hint: &FetchHint) {
+        self.with_core(|core, now| core.submit_hint(now, request, hint));
+    }
+
+    /// Ends a request's hint scope.
+    pub fn discard_hint(&mut self, request: &RequestId) {
+        self.with_core(|core, _| core.discard_hint(request));
+    }
+
+    /// `fetch` under a request: keys missing here that the request's hint
+    /// places on a peer are pulled from it into KVCR DRAM.
+    pub fn fetch_hinted(
+        &mut self,
+        request: &RequestId,
+        keys: &[ScopedKey],
+        layout: &[PoolId],
+    ) -> Result<OpHandle> {
+        self.core_call(|core, now| core.fetch(now, keys, layout, Some(request)))
+    }
+
+    /// `deliver` under a request: missing hinted keys are pulled from the peer
+    /// first, then copied into the destinations.
+    pub fn deliver_hinted(
+        &mut self,
+        request: &RequestId,
+        entries: Vec<DeliverEntry>,
+    ) -> Result<OpHandle> {
+        self.core_call(|core, now| core.deliver(now, entries, Some(request)))
+    }
+
+    /// `query` under a request: a miss the request's hint covers is `Fetchable`.
+    pub fn query_hinted(&self, request: &RequestId, key: &ScopedKey) -> QueryStatus {
+        self.shared.lock().core.query_request(key, Some(request))
+    }
+
+    /// Notices about memory a peer may still write (uncertain / quiesced).
+    pub fn take_notices(&mut self) -> Vec<PeerNotice> {
+        self.shared.lock().core.take_notices()
+    }
+
+    /// Peer protocol counters, and the control sockets open now.
+    pub fn peer_stats(&self) -> (PeerCounters, usize) {
+        let counters = self.shared.lock().core.peer_counters();
+        let sockets = self
+            .peer
+            .as_ref()
+            .map_or(0, |p| p.stats.open_sockets.load(Ordering::Relaxed));
+        (counters, sockets)
+    }
+
+    /// Forgets a peer: closes its control socket and data route.
+    pub fn forget_peer(&mut self, peer: &ControlEndpoint) {
+        if let Some(driver) = self.peer.as_ref() {
+            let _ = driver.tx.send(peer_driver::PeerCmd::Forget(peer.clone()));
+        }
+    }
+
+    /// Sends inventory events (owner KVCR, tier KVCR DRAM) to `sink`.
+    pub fn set_inventory_sink(&mut self, sink: Box<dyn InventorySink>) {
+        self.shared.lock().sink = Some(sink);
+    }
+
+    /// Calls `callback` with `(pool, watermark slots)` when pools newly drop
+    /// below their low watermark (edge-triggered).
+    pub fn set_capacity_needed(&mut self, callback: CapacityCallback) {
+        self.shared.lock().capacity_needed = Some(callback);
+    }
+
+    /// This runner's incarnation.
+    pub fn incarnation(&self) -> Incarnation {
+        self.incarnation
+    }
+
+    /// Registers a framework region (`label` is `pool` or `pool:part`; its
+    /// element size must equal the pool's block size).
+    ///
+    /// # Safety
+    /// `desc.base .. desc.base + extent` must be valid for reads and writes until
+    /// the runner is closed or dropped, and the caller must not access an
+    /// element named by an operation until that operation has completed.
+    #[allow(unsafe_code)]
+    pub unsafe fn register_region(&mut self, desc: RegionDesc) -> Result<RegionId> {
+        self.shared.lock().core.register_region(desc)
+            .map_err(Error::from)
+    }
+
+    /// Sets the copier that runs every copy job touching device regions and
+    /// hands it the pools to pin ([`DeviceCopier::attach`]). Once per runner;
+    /// the runner detaches it when dropped, after its copy thread stops and
+    /// before its pools are freed.
+    pub fn set_device_copier(&mut self, copier: Arc<dyn DeviceCopier>) -> Result<()> {
+        if self.device.is_some() {
+            return Err(Error::runner(RunnerReason::DeviceCopierSet));
+        }
+        let pools = self.shared.lock().core.pool_ranges();
+        copier.attach(&pools)?;
+        self.shared.lock().device = Some(Arc::clone(&copier));
+        self.device = Some(copier);
+        Ok(())
+    }
+
+    /// The runner's pools (host DRAM), as a device copier sees them.
+    pub fn pool_ranges(&self) -> Vec<PoolRange> {
+        self.shared.lock().core.pool_ranges()
+    }
+
+    /// Registers a framework region in device memory (a GPU address in the
+    /// process's unified address space). Copies that touch it run on the
+    /// device copier, which must be set first; one call of `deposit` or
+    /// `deliver` names only host or only device elements.
+    ///
+    /// # Safety
+    /// As [`Runner::register_region`], for device memory: the extent must stay
+    /// allocated on the device until the runner is closed or dropped, and the
+    /// caller must not touch an element named by an operation until that
+    /// operation has completed.
+    #[allow(unsafe_code)]
+    pub unsafe fn register_device_region(&mut self, desc: RegionDesc) -> Result<RegionId> {
+        if self.device.is_none() {
+            return Err(Error::runner(RunnerReason::NoDeviceCopier));
+        }
+        self.shared
+            .lock()
+            .core
+            .register_region_in(desc, RegionMemory::Device)
+            .map_err(Error::from)
+    }
+
+    /// The id of a registered region.
+    pub fn region(&self, label: &str) -> Option<RegionId> {
+        self.shared.lock().core.region_by_label(label)
+    }
+
+    /// Registers a namespace so its keys can be used and its LoRA name published.
+    pub fn register_namespace(&mut self, namespace: Namespace) -> NamespaceId {
+        self.shared.lock().core.register_namespace(namespace)
+    }
+
+    /// A pool by name.
+    pub fn pool(&self, name: &str) -> Option<PoolId> {
+        self.shared.lock().core.pool_id(name)
+    }
+
+    /// Runs `f` on the core under the lock, then pumps its actions.
+    /// A core call whose refusal becomes the runner's error.
+    fn core_call<T>(
+        &self,
+        f: impl FnOnce(&mut Core, u64) -> kvcr_runner_core::Result<T>,
+    ) -> Result<T> {
+        self.with_core(f).map_err(Error::from)
+    }
+
+    fn with_core<T>(&self, f: impl FnOnce(&mut Core, u64) -> T) -> T {
+        let now = self.shared.now();
+        let mut inner = self.shared.lock();
+        let out = f(&mut inner.core, now);
+        self.shared.pump(&mut inner);
+        out
+    }
+
+    /// Copies framework elements into KVCR DRAM. With `no_evict`, each stored
+    /// key also gets a claim (release it later). Validation errors refuse the
+    /// whole call, unchanged.
+    pub fn deposit(&mut self, entries: Vec<DepositEntry>, no_evict: bool) -> Result<OpHandle> {
+        self.core_call(|core, now| core.deposit(now, entries, no_evict))
+    }
+
+    /// Claims resident keys (deduplicated, in order) and returns their KVCR
+    /// elements; `layout` is the pools of one key's spans, in order.
+    pub fn fetch(&mut self, keys: &[ScopedKey], layout: &[PoolId]) -> Result<OpHandle> {
+        self.core_call(|core, now| core.fetch(now, keys, layout, None))
+    }
+
+    /// Copies resident (or filling) keys into framework elements.
+    pub fn deliver(&mut self, entries: Vec<DeliverEntry>) -> Result<OpHandle> {
+        self.core_call(|core, now| core.deliver(now, entries, None))
+    }
+
+    /// Releases public claims: `true` per live handle, `false` for unknown or
+    /// already released ones.
+    pub fn release(&mut self, handles: &[ReleaseHandle]) -> Vec<bool> {
+        self.with_core(|core, _| core.release(handles))
+    }
+
+    /// Best-effort abort (see the core's rules); `true` if anything changed.
+    pub fn abort(&mut self, op: OpHandle, keys: Option<&[ScopedKey]>) -> bool {
+        self.with_core(|core, _| core.abort(op, keys))
+    }
+
+    /// Residency of one key: no I/O, no allocation.
+    pub fn query(&self, key: &ScopedKey) -> QueryStatus {
+        self.shared.lock().core.query(key)
+    }
+
+    /// Residency of many keys into `out` (same length), under one lock: no
+    /// I/O, no allocation.
+    pub fn query_into(&self, keys: &[ScopedKey], out: &mut [QueryStatus]) {
+        let inner = self.shared.lock();
+        for (key, slot) in keys.iter().zip(out.iter_mut()) {
+            *slot = inner.core.query(key);
+        }
+    }
+
+    /// Copies span `span` of a claimed page into `out` (which must be the
+    /// span's length).
+    #[allow(unsafe_code)]
+    pub fn read_claimed(&self, handle: ReleaseHandle, span: usize) -> Result<Vec<u8>> {
+        let inner = self.shared.lock();
+        let refs = inner
+            .core
+            .claimed_slot_refs(handle)
+            .ok_or(Error::runner(RunnerReason::UnknownClaim(handle.0)))?;
+        let element = refs
+            .get(span)
+            .ok_or(Error::runner(RunnerReason::LayoutMismatch))?;
+        let (addr, len) = inner.core.resolve(*element)?;
+        // SAFETY: the element is a slot of a runner-owned pool (bounds-checked
+        // by `resolve`); the claim keeps the page READY, READY slots are never
+        // written (fills write only FILLING slots), and the lock keeps the claim
+        // from being released while we copy; `&self` keeps the pools alive.
+        Ok(unsafe { memory::bytes_at(addr, len) }.to_vec())
+    }
+
+    /// Expires deadlines and returns completed operations. Never blocks.
+    pub fn poll_completed(&mut self) -> Vec<OpResult> {
+        let now = self.shared.now();
+        let mut inner = self.shared.lock();
+        inner.core.handle_timeout(now);
+        self.shared.pump(&mut inner);
+        self.shared.completed_len.store(0, Ordering::Release);
+        std::mem::take(&mut inner.completed)
+    }
+
+    /// Like [`Self::poll_completed`], but waits up to `timeout` for something
+    /// to complete when nothing has yet (waking for deadlines on the way).
+    pub fn wait_completed(&mut self, timeout: Duration) -> Vec<OpResult> {
+        #[allow(clippy::disallowed_methods)]
+        let start = Instant::now();
+        // A short bounded spin first: a single-block copy finishes in tens of
+        // µs, less than a futex wake-up costs here.
+        while self.shared.completed_len.load(Ordering::Acquire) == 0 && start.elapsed() < copy::SPIN
+        {
+            std::hint::spin_loop();
+        }
+        loop {
+            let out = self.poll_completed();
+            let elapsed = start.elapsed();
+            if !out.is_empty() || elapsed >= timeout {
+                return out;
+            }
+            let mut inner = self.shared.lock();
+            if !inner.completed.is_empty() {
+                continue;
+            }
+            let idle = inner.core.jobs_in_flight() == 0 && inner.core.next_deadline().is_none();
+            if idle {
+                return Vec::new();
+            }
+            let until_deadline = inner
+                .core
+                .next_deadline()
+                .map(|d| Duration::from_nanos(d.saturating_sub(self.shared.now())));
+            let wait = until_deadline.map_or(timeout - elapsed, |d| d.min(timeout - elapsed));
+            inner = self
+                .shared
+                .completed_cv
+                .wait_timeout(inner, wait)
+                .map(|(guard, _)| guard)
+                .unwrap_or_else(|e| e.into_inner().0);
+            drop(inner);
+        }
+    }
+
+    /// A snapshot of counts and counters.
+    pub fn stats(&self) -> RunnerStats {
+        let inner = self.shared.lock();
+        let core = &inner.core;
+        let (ready, filling, discarding) = core.state_counts();
+        RunnerStats {
+            policy: core.policy_name(),
+            ready,
+            filling,
+            discarding,
+            public_claims: core.public_claims(),
+            ops_in_flight: core.ops_in_flight(),
+            copies_in_flight: core.jobs_in_flight(),
+            pools: core.pool_stats(),
+            counters: core.counters(),
+        }
+    }
+
+    /// Number of resident (READY, FILLING or DISCARDING) pages.
+    pub fn resident_blocks(&self) -> usize {
+        self.shared.lock().core.resident_blocks()
+    }
+
+    /// Checks the core's structural invariants (for tests and debugging).
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.shared.lock().core.check_invariants()
+    }
+
+    /// Shuts down. Refused (the runner is handed back unchanged) while copies
+    /// are in flight or public claims are held: memory someone may still touch
+    /// is never released.
+    pub fn close(mut self) -> std::result::Result<(), (Box<Self>, Error)> {
+        let _ = self.poll_completed();
+        let (copies, claims, (targets, writes)) = {
+            let inner = self.shared.lock();
+            (
+                inner.core.jobs_in_flight(),
+                inner.core.public_claims(),
+                inner.core.peer_busy(),
+            )
+        };
+        let copies = copies + targets + writes;
+        if copies > 0 {
+            return Err((Box::new(self), Error::runner(RunnerReason::Busy(copies))));
+        }
+        if claims > 0 {
+            return Err((
+                Box::new(self),
+                Error::runner(RunnerReason::ClaimsOutstanding(claims)),
+            ));
+        }
+        drop(self);
+        Ok(())
+    }
+
+    /// Total bytes of KVCR DRAM this runner owns.
+    pub fn pool_bytes(&self) -> u64 {
+        self.pool_bytes
+    }
+}

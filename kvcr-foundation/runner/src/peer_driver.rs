@@ -1,0 +1,769 @@
+//! The peer thread: owns the UCX context, worker, endpoints and the
+//! registered pool memory (UCX objects are `!Send`, so they live and die on
+//! this one thread), and runs the control channel on a current-thread tokio
+//! runtime. It feeds control messages and put completions into the shared core
+//! and executes the core's peer actions (send, connect, put + flush).
+//!
+//! While puts are in flight the loop progresses the worker continuously (a
+//! transfer's duration); when idle it sleeps on its queues with a 1 ms tick
+//! for deadlines, probes and stall detection.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot};
+
+use super::Shared;
+use super::control::{ControlChannel, ControlStats};
+use kvcr_runner_core::{Action, PutSpan};
+use super::placement::{AnonMapping, PlacementOutcome, PoolMemory};
+use kvcr_contracts::endpoint::{AdvertisePolicy, BindAddress, ControlEndpoint, Host};
+use crate::error::{Error, Result, RunnerReason};
+use kvcr_contracts::protocol::RegionId;
+use kvcr_ucx::{
+    AnonOptions, Completion, Context, ContextConfig, Endpoint, ErrorMode, Registration, RemoteKey,
+    RkeyBuffer, WorkerAddress,
+};
+
+/// How a runner takes part in the peer protocol.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerOptions {
+    /// Where the control channel listens (`tcp://*:0` picks a port).
+    pub bind: BindAddress,
+    /// The host other runners dial (with the bound port).
+    pub advertise_host: Host,
+    /// Whether a loopback advertise host is allowed (single-host clusters).
+    pub advertise_policy: AdvertisePolicy,
+    /// The cluster token; without it a process cannot talk to this runner.
+    pub secret: Option<Vec<u8>>,
+    /// UCX transports (`UCX_TLS`), e.g. `sm,self` or `tcp,self`; `None` lets
+    /// UCX choose (and honours the `UCX_TLS` environment variable).
+    pub ucx_tls: Option<String>,
+    /// Abandonment budget from op start (default 5 × the operation timeout).
+    pub abandon_timeout: Option<Duration>,
+    /// Cap on puts in flight per write; 0 picks per transport: 2 when the
+    /// transports include tcp (an unbounded number of large puts collapses
+    /// TCP loopback to ~50 MB/s here), 64 otherwise.
+    pub max_puts_in_flight: usize,
+    /// Split sizing for large puts (off by default: each span is one put).
+    pub put_split: PutSplit,
+}
+
+/// Split sizing: a put larger than `chunk_bytes` is issued as chunks of that
+/// size, at most `max_chunks_in_flight` per write (the write is flushed and
+/// reported once, after its last chunk, exactly as unsplit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PutSplit {
+    /// Chunk size in bytes; 0 turns splitting off (the default).
+    pub chunk_bytes: u64,
+    /// Cap on chunks in flight per write while splitting; 0 picks per
+    /// transport ([`PutSplit::TCP_IN_FLIGHT`] when the transports include
+    /// tcp, [`PutSplit::SHM_IN_FLIGHT`] otherwise).
+    pub max_chunks_in_flight: usize,
+}
+
+impl PutSplit {
+    /// Chunks in flight on tcp when not configured: one (two or more
+    /// outstanding large puts cut TCP loopback throughput here, see
+    /// `reference/dependencies-and-machine-anchors.md` §3).
+    pub const TCP_IN_FLIGHT: usize = 1;
+    /// Chunks in flight on shared memory when not configured.
+    pub const SHM_IN_FLIGHT: usize = 8;
+
+    /// Splitting on, with `chunk_bytes` chunks and the per-transport cap.
+    pub fn chunks_of(chunk_bytes: u64) -> Self {
+        Self {
+            chunk_bytes,
+            max_chunks_in_flight: 0,
+        }
+    }
+
+    /// Cuts `spans` into chunks of at most `chunk_bytes` (unchanged when off).
+    pub(crate) fn split(&self, spans: Vec<PutSpan>) -> VecDeque<PutSpan> {
+        if self.chunk_bytes == 0 || spans.iter().all(|s| s.len <= self.chunk_bytes) {
+            return spans.into();
+        }
+        let mut out = VecDeque::with_capacity(spans.len());
+        for span in spans {
+            let mut done = 0;
+            while done < span.len {
+                let len = (span.len - done).min(self.chunk_bytes);
+                out.push_back(PutSpan {
+                    local: span.local + done,
+                    remote: span.remote + done,
+                    len,
+                    region: span.region,
+                });
+                done += len;
+            }
+        }
+        out
+    }
+}
+
+impl PeerOptions {
+    /// A single-host configuration on loopback with an ephemeral port, UCX
+    /// on shared memory.
+    pub fn loopback() -> Self {
+        Self {
+            bind: BindAddress {
+                host: Some(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)),
+                port: 0,
+            },
+            advertise_host: Host::Ip(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)),
+            advertise_policy: AdvertisePolicy::SingleHost,
+            secret: None,
+            ucx_tls: Some("posix,cma,self".to_owned()),
+            abandon_timeout: None,
+            max_puts_in_flight: 0,
+            put_split: PutSplit::default(),
+        }
+    }
+}
+
+/// What the peer thread hands back once it is up.
+pub(crate) struct PeerSetup {
+    pub(crate) endpoint: ControlEndpoint,
+    pub(crate) bases: Vec<u64>,
+    pub(crate) rkeys: Vec<Vec<u8>>,
+    pub(crate) worker_address: Vec<u8>,
+    /// Per pool: what placing it did (`None` with `PoolMemory::Default`).
+    pub(crate) placements: Vec<Option<PlacementOutcome>>,
+}
+
+/// Commands for the peer thread.
+pub(crate) enum PeerCmd {
+    /// Execute a core action.
+    Action(Action),
+    /// Forget a peer: close its control socket and data route.
+    Forget(ControlEndpoint),
+    /// Stop; with `leak`, keep the registered memory mapped for the life of the
+    /// process (a remote write might still land in it).
+    Stop { leak: bool },
+}
+
+/// Handle to the peer thread.
+pub(crate) struct PeerDriver {
+    pub(crate) tx: mpsc::UnboundedSender<PeerCmd>,
+    pub(crate) stats: Arc<ControlStats>,
+    thread: Option<JoinHandle<()>>,
+    shared_tx: Option<oneshot::Sender<Arc<Shared>>>,
+}
+
+impl PeerDriver {
+    /// Starts the thread, which allocates and registers one pool per entry of
+    /// `pool_bytes`, binds the control channel and creates the UCX worker.
+    pub(crate) fn start(
+        options: &PeerOptions,
+        pool_bytes: Vec<u64>,
+        prefault: bool,
+        pool_memory: &PoolMemory,
+    ) -> Result<(Self, PeerSetup)> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let pool_memory = pool_memory.clone();
+        let (setup_tx, setup_rx) = std::sync::mpsc::channel();
+        let (shared_tx, shared_rx) = oneshot::channel();
+        let options = options.clone();
+        let thread = std::thread::Builder::new()
+            .name("kvcr-peer".into())
+            .spawn(move || {
+                run(
+                    options,
+                    (pool_bytes, prefault, pool_memory),
+                    rx,
+                    setup_tx,
+                    shared_rx,
+                )
+            })
+            .map_err(|_| Error::runner(RunnerReason::CopyEngineStopped))?;
+        let outcome = setup_rx.recv_timeout(Duration::from_secs(30));
+        let (setup, stats) = match outcome {
+            Ok(Ok(pair)) => pair,
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(e);
+            }
+            Err(_) => {
+                // The thread is stuck in UCX or a bind: it may hold memory we
+                // cannot prove quiescent, so it is left running, and the error
+                // says the resources were retained.
+                return Err(Error::Startup {
+                    stage: "start peer",
+                    retained: true,
+                    cause: Box::new(Error::runner(RunnerReason::Config {
+                        field: "peer",
+                        why: "peer thread did not start within 30 s",
+                    })),
+                });
+            }
+        };
+        Ok((
+            Self {
+                tx,
+                stats,
+                thread: Some(thread),
+                shared_tx: Some(shared_tx),
+            },
+            setup,
+        ))
+    }
+
+    /// Hands the shared core to the thread (after the runner is built).
+    pub(crate) fn attach(&mut self, shared: Arc<Shared>) {
+        if let Some(tx) = self.shared_tx.take() {
+            let _ = tx.send(shared);
+        }
+    }
+
+    /// Stops the thread and joins it.
+    pub(crate) fn stop(&mut self, leak: bool) {
+        self.shared_tx = None;
+        let _ = self.tx.send(PeerCmd::Stop { leak });
+        if let Some(thread) = self.thread.take()
+            && thread.join().is_err()
+        {
+            eprintln!("kvcr: peer thread panicked");
+        }
+    }
+}
+
+type SetupResult = Result<(PeerSetup, Arc<ControlStats>)>;
+
+/// Pool sizes, whether to pre-fault, and how to back them.
+type PoolSpec = (Vec<u64>, bool, PoolMemory);
+
+fn run(
+    options: PeerOptions,
+    (pool_bytes, prefault, pool_memory): PoolSpec,
+    rx: mpsc::UnboundedReceiver<PeerCmd>,
+    setup_tx: std::sync::mpsc::Sender<SetupResult>,
+    shared_rx: oneshot::Receiver<Arc<Shared>>,
+) {
+    precise_naps();
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(_) => {
+            let _ = setup_tx.send(Err(Error::runner(RunnerReason::Config {
+                field: "peer",
+                why: "could not start the peer runtime",
+            })));
+            return;
+        }
+    };
+    runtime.block_on(async move {
+        let mut state = match State::setup(&options, &pool_bytes, prefault, &pool_memory).await {
+            Ok((state, setup)) => {
+                let stats = Arc::clone(&state.control.stats);
+                let _ = setup_tx.send(Ok((setup, stats)));
+                state
+            }
+            Err(e) => {
+                let _ = setup_tx.send(Err(e));
+                return;
+            }
+        };
+        let Ok(shared) = shared_rx.await else {
+            return; // startup failed later; dropping `state` releases everything
+        };
+        let leak = state.serve(&shared, rx).await;
+        if leak {
+            // A remote write may still land in our pools: keep every UCX
+            // object (and so the mapping) alive until the process exits.
+            std::mem::forget(state);
+        }
+    });
+}
+
+/// A target's remote keys and region bases, by region.
+type RemoteKeys = HashMap<RegionId, (RemoteKey, u64)>;
+
+struct Route {
+    generation: u64,
+    endpoint: Endpoint,
+    rkeys: RemoteKeys,
+}
+
+struct PendingWrite {
+    write: u64,
+    target: ControlEndpoint,
+    spans: VecDeque<PutSpan>,
+    in_flight: VecDeque<Completion>,
+    flush: Option<Completion>,
+    failed: bool,
+}
+
+/// Everything the peer thread owns. Field order is drop order and is
+/// load-bearing: pending operations and routes (endpoints, remote keys) go
+/// before the pool registrations, which go before the worker and context.
+struct State {
+    /// The worker's event fd registered with the runtime (dropped before the
+    /// worker, which owns the fd).
+    efd: Option<tokio::io::unix::AsyncFd<RawFdRef>>,
+    pending: Vec<PendingWrite>,
+    routes: HashMap<ControlEndpoint, Route>,
+    control: ControlChannel,
+    inbound: mpsc::Receiver<kvcr_contracts::protocol::Message>,
+    pools: Vec<Registration<'static>>,
+    worker: kvcr_ucx::Worker,
+    _context: Context,
+    max_in_flight: usize,
+    put_split: PutSplit,
+}
+
+impl State {
+    async fn setup(
+        options: &PeerOptions,
+        pool_bytes: &[u64],
+        prefault: bool,
+        pool_memory: &PoolMemory,
+    ) -> Result<(Self, PeerSetup)> {
+        let mut config = ContextConfig::new();
+        if let Some(tls) = &options.ucx_tls {
+            config = config.loopback_tls(tls);
+            // UCX reports dead peers only on network transports; its 1.13
+            // shared-memory transports refuse endpoints in that mode.
+            if tls.split(',').any(|t| t.trim() == "tcp") {
+                config = config.error_mode(ErrorMode::Peer);
+            }
+        }
+        let context = Context::with_config(&config)?;
+        let worker = context.create_worker()?;
+        let mut pools = Vec::with_capacity(pool_bytes.len());
+        let mut placements = Vec::with_capacity(pool_bytes.len());
+        for bytes in pool_bytes {
+            let len = usize::try_from(*bytes)
+                .map_err(|_| Error::runner(RunnerReason::Allocation { bytes: *bytes }))?;
+            match pool_memory {
+                PoolMemory::Default => {
+                    pools.push(context.register_anon(len, AnonOptions::new().prefault(prefault))?);
+                    placements.push(None);
+                }
+                PoolMemory::Anonymous(anon) => {
+                    let (mapping, outcome) = AnonMapping::new(*bytes, anon, prefault)?;
+                    pools.push(context.register_owned(Box::new(mapping))?);
+                    placements.push(Some(outcome));
+                }
+            }
+        }
+        let rkeys = pools
+            .iter()
+            .map(|p| p.pack_rkey().map(|r| r.as_bytes().to_vec()))
+            .collect::<kvcr_ucx::Result<Vec<_>>>()?;
+        let bind = SocketAddr::new(
+            options
+                .bind
+                .host
+                .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)),
+            options.bind.port,
+        );
+        let secret = options.secret.as_ref().map(|s| Arc::from(s.as_slice()));
+        let (control, local, inbound) = ControlChannel::bind(bind, secret).await.map_err(|_| {
+            Error::runner(RunnerReason::Config {
+                field: "peer.bind",
+                why: "could not bind the control listener",
+            })
+        })?;
+        let endpoint = ControlEndpoint::new(options.advertise_host.clone(), local.port())?;
+        endpoint.check_advertisable(options.advertise_policy)?;
+        let setup = PeerSetup {
+            endpoint,
+            bases: pools.iter().map(|p| p.as_ptr() as usize as u64).collect(),
+            rkeys,
+            worker_address: worker.address()?.as_bytes().to_vec(),
+            placements,
+        };
+        let over_tcp = options
+            .ucx_tls
+            .as_deref()
+            .is_none_or(|t| t.split(',').any(|t| t.trim() == "tcp"));
+        let max_in_flight = match (options.put_split.chunk_bytes, options.max_puts_in_flight) {
+            (0, 0) if over_tcp => 2,
+            (0, 0) => 64,
+            (0, n) => n,
+            (_, _) => match options.put_split.max_chunks_in_flight {
+                0 if over_tcp => PutSplit::TCP_IN_FLIGHT,
+                0 => PutSplit::SHM_IN_FLIGHT,
+                n => n,
+            },
+        };
+        let efd = worker
+            .event_fd()
+            .and_then(|fd| register_efd(std::os::fd::AsRawFd::as_raw_fd(&fd)));
+        Ok((
+            Self {
+                efd,
+                pending: Vec::new(),
+                routes: HashMap::new(),
+                control,
+                inbound,
+                pools,
+                worker,
+                _context: context,
+                max_in_flight,
+                put_split: options.put_split,
+            },
+            setup,
+        ))
+    }
+
+    /// The main loop; returns whether the memory must be leaked.
+    async fn serve(
+        &mut self,
+        shared: &Arc<Shared>,
+        mut rx: mpsc::UnboundedReceiver<PeerCmd>,
+    ) -> bool {
+        const TICK: Duration = Duration::from_millis(1);
+        #[allow(clippy::disallowed_methods)]
+        let mut last_tick = Instant::now();
+        let mut last_progress = last_tick;
+        loop {
+            // Progress whenever a transfer may be moving in either direction:
+            // our own puts, or writes into us (on TCP the target's worker
+            // applies them).
+            // Busy while our puts are in flight, and while we have granted
+            // memory to a source: UCX 1.13 does not finish a large put into
+            // us over shared memory (nor wire up a new endpoint) unless our
+            // worker progresses too, and it does not reliably signal the
+            // event fd for it.
+            let granted = shared.lock().core.peer_busy().0 > 0;
+            let busy = !self.pending.is_empty() || granted;
+            let mut progressed = false;
+            while self.worker.progress() > 0 {
+                progressed = true;
+            }
+            #[allow(clippy::disallowed_methods)]
+            if progressed || !busy {
+                last_progress = Instant::now();
+            }
+            if !self.pending.is_empty() {
+                self.issue_and_reap(shared);
+            }
+            if busy {
+                // A transfer is moving: take whatever is queued without
+                // waiting, let the socket tasks run, and come straight back
+                // to progress the worker (a timer would cost a millisecond
+                // per turn).
+                loop {
+                    match rx.try_recv() {
+                        Ok(cmd) => {
+                            if let Some(leak) = self.command(cmd, shared) {
+                                return leak;
+                            }
+                        }
+                        Err(mpsc::error::TryRecvError::Empty) => break,
+                        Err(mpsc::error::TryRecvError::Disconnected) => return false,
+                    }
+                }
+                while let Ok(message) = self.inbound.try_recv() {
+                    shared.with_core_now(|core, now| core.handle_message(now, message));
+                }
+                if self.pending.is_empty() {
+                    // Only waiting for writes into us: keep progressing, but
+                    // leave the core to other threads between rounds (the
+                    // source may share it). A short sleep, not a yield: a
+                    // yielding thread on a crowded machine waits out other
+                    // processes' whole time slices (4 ms each, measured: shm
+                    // fetches fell to 0.1 GB/s beside two busy processes),
+                    // while a sleeper is woken ahead of them when its nap
+                    // ends (timer slack is cut to 1 µs on this thread).
+                    if last_progress.elapsed() >= SPIN_BEFORE_NAP {
+                        #[allow(clippy::disallowed_methods)]
+                        std::thread::sleep(WAIT_NAP);
+                    }
+                }
+                tokio::task::yield_now().await;
+            } else {
+                // Idle: sleep until a command, a control message, a UCX event
+                // (the armed worker fd: e.g. TCP-emulated writes into us) or
+                // the tick. If events are pending, go round and progress.
+                let armed = matches!(self.worker.arm(), Ok(true));
+                let efd = self.efd.as_ref().filter(|_| armed);
+                tokio::select! {
+                    biased;
+                    ready = async {
+                        match efd {
+                            Some(fd) => fd.readable().await.map(|mut g| g.clear_ready()),
+                            None => std::future::pending().await,
+                        }
+                    }, if armed => {
+                        let _ = ready;
+                    }
+                    cmd = rx.recv() => match cmd {
+                        Some(cmd) => {
+                            if let Some(leak) = self.command(cmd, shared) {
+                                return leak;
+                            }
+                        }
+                        None => return false,
+                    },
+                    message = self.inbound.recv() => {
+                        if let Some(message) = message {
+                            shared.with_core_now(|core, now| core.handle_message(now, message));
+                        }
+                    }
+                    () = tokio::time::sleep(TICK) => {}
+                }
+            }
+            for lost in self.control.take_lost() {
+                shared.with_core_now(|core, _| core.peer_connection_lost(&lost));
+            }
+            if last_tick.elapsed() >= TICK {
+                #[allow(clippy::disallowed_methods)]
+                let now = Instant::now();
+                last_tick = now;
+                shared.with_core_now(|core, now| core.handle_tick(now));
+            }
+        }
+    }
+
+    /// Runs one command; `Some(leak)` means stop.
+    fn command(&mut self, cmd: PeerCmd, shared: &Arc<Shared>) -> Option<bool> {
+        match cmd {
+            PeerCmd::Action(action) => self.execute(action, shared),
+            PeerCmd::Forget(peer) => {
+                self.control.remove_peer(&peer);
+                self.routes.remove(&peer);
+                shared.with_core_now(|core, _| core.peer_connection_lost(&peer));
+            }
+            PeerCmd::Stop { leak } => return Some(leak),
+        }
+        None
+    }
+
+    fn execute(&mut self, action: Action, shared: &Arc<Shared>) {
+        match action {
+            Action::Send { to, message } => self.control.send(&to, message),
+            Action::Connect {
+                peer,
+                generation,
+                worker_address,
+                rkeys,
+            } => match self.connect(&worker_address, &rkeys) {
+                Ok((endpoint, keys)) => {
+                    self.routes.insert(
+                        peer,
+                        Route {
+                            generation,
+                            endpoint,
+                            rkeys: keys,
+                        },
+                    );
+                }
+                Err(_) => {
+                    self.routes.remove(&peer);
+                }
+            },
+            Action::Put {
+                write,
+                target,
+                generation,
+                spans,
+            } => {
+                let routed = self
+                    .routes
+                    .get(&target)
+                    .is_some_and(|r| r.generation == generation);
+                if routed {
+                    self.pending.push(PendingWrite {
+                        write,
+                        target,
+                        spans: self.put_split.split(spans),
+                        in_flight: VecDeque::new(),
+                        flush: None,
+                        failed: false,
+                    });
+                    self.issue_and_reap(shared);
+                } else {
+                    // The route is gone or was replaced: never write through it.
+                    shared.with_core_now(|core, now| core.handle_put_done(now, write, false));
+                }
+            }
+            Action::Copy { .. } | Action::Cancel { .. } => {}
+        }
+    }
+
+    fn connect(
+        &self,
+        worker_address: &[u8],
+        rkeys: &[(RegionId, u64, Vec<u8>)],
+    ) -> Result<(Endpoint, RemoteKeys)> {
+        let endpoint = self
+            .worker
+            .connect(&WorkerAddress::from_bytes(worker_address)?)?;
+        let mut keys = HashMap::new();
+        for (region, base, rkey) in rkeys {
+            let key = endpoint.unpack_rkey(&RkeyBuffer::from_bytes(rkey)?)?;
+            keys.insert(*region, (key, *base));
+        }
+        Ok((endpoint, keys))
+    }
+
+    /// Issues puts up to the in-flight cap, flushes each write after its last
+    /// put, and reports writes whose flush completed.
+    fn issue_and_reap(&mut self, shared: &Arc<Shared>) {
+        let mut finished = Vec::new();
+        let pools = &self.pools;
+        for w in &mut self.pending {
+            let Some(route) = self.routes.get(&w.target) else {
+                w.failed = true;
+                w.spans.clear();
+                if w.in_flight.is_empty() && w.flush.is_none() {
+                    finished.push((w.write, false));
+                }
+                continue;
+            };
+            while let Some(done) = w.in_flight.front().and_then(Completion::result) {
+                w.failed |= done.is_err();
+                w.in_flight.pop_front();
+            }
+            while w.in_flight.len() < self.max_in_flight && !w.failed {
+                let Some(span) = w.spans.pop_front() else {
+                    break;
+                };
+                match put(pools, route, &span) {
+                    Ok(c) => w.in_flight.push_back(c),
+                    Err(_) => w.failed = true,
+                }
+            }
+            if w.spans.is_empty() && w.flush.is_none() && !w.failed {
+                match route.endpoint.flush() {
+                    Ok(c) => w.flush = Some(c),
+                    Err(_) => w.failed = true,
+                }
+            }
+            let puts_done = w.in_flight.iter().all(Completion::is_done);
+            match (&w.flush, w.failed) {
+                (Some(flush), _) if puts_done => {
+                    if let Some(result) = flush.result() {
+                        let ok = result.is_ok()
+                            && !w.failed
+                            && w.in_flight
+                                .iter()
+                                .all(|c| matches!(c.result(), Some(Ok(()))));
+                        finished.push((w.write, ok));
+                    }
+                }
+                (None, true) if puts_done => finished.push((w.write, false)),
+                _ => {}
+            }
+        }
+        if finished.is_empty() {
+            return;
+        }
+        self.pending
+            .retain(|w| !finished.iter().any(|(id, _)| *id == w.write));
+        shared.with_core_now(|core, now| {
+            for (write, ok) in finished {
+                core.handle_put_done(now, write, ok);
+            }
+        });
+    }
+}
+
+/// How long the peer thread naps between progress rounds while it only waits
+/// for writes into its memory and nothing moved for `SPIN_BEFORE_NAP`.
+const WAIT_NAP: Duration = Duration::from_micros(10);
+
+/// How long the peer thread spins without napping after its worker last made
+/// progress (or a wait began): a quiet machine's transfers finish inside it.
+const SPIN_BEFORE_NAP: Duration = Duration::from_micros(200);
+
+/// Cuts this thread's timer slack to 1 µs (Linux default: 50 µs), so a
+/// `WAIT_NAP` sleep lasts about what it says. Best effort: on failure naps
+/// are just longer.
+#[allow(unsafe_code)]
+fn precise_naps() {
+    // SAFETY: PR_SET_TIMERSLACK takes one integer argument and changes only
+    // the calling thread's timer slack; no memory is passed.
+    let _ = unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong) };
+}
+
+/// Registers the worker's event fd with the runtime (readable interest).
+#[allow(unsafe_code)]
+fn register_efd(fd: std::os::fd::RawFd) -> Option<tokio::io::unix::AsyncFd<RawFdRef>> {
+    // SAFETY: `fd` is the UCX worker's event fd, open until the worker is
+    // destroyed. The `AsyncFd` lives in `State::efd`, declared before
+    // `State::worker`, so it is dropped (deregistered) before the worker
+    // closes the fd; the leak path forgets both together.
+    unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(
+            RawFdRef(fd),
+            tokio::io::Interest::READABLE,
+        )
+    }
+    .ok()
+}
+
+/// A borrowed file descriptor for `AsyncFd`: the worker owns (and closes) it.
+struct RawFdRef(std::os::fd::RawFd);
+
+impl std::os::fd::AsRawFd for RawFdRef {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.0
+    }
+}
+
+fn put(pools: &[Registration<'static>], route: &Route, span: &PutSpan) -> Result<Completion> {
+    let (pool, offset) = pools
+        .iter()
+        .find_map(|p| {
+            let base = p.as_ptr() as usize as u64;
+            let end = base + p.len() as u64;
+            (span.local >= base && span.local + span.len <= end).then(|| (p, span.local - base))
+        })
+        .ok_or(Error::runner(RunnerReason::LayoutMismatch))?;
+    let (rkey, base) = route
+        .rkeys
+        .get(&span.region)
+        .ok_or(Error::runner(RunnerReason::UnknownRegion(span.region.0)))?;
+    let remote_offset = span
+        .remote
+        .checked_sub(*base)
+        .ok_or(Error::runner(RunnerReason::LayoutMismatch))?;
+    let len = usize::try_from(span.len).map_err(|_| Error::runner(RunnerReason::LayoutMismatch))?;
+    let offset =
+        usize::try_from(offset).map_err(|_| Error::runner(RunnerReason::LayoutMismatch))?;
+    Ok(route.endpoint.put(pool, offset, len, rkey, remote_offset)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(local: u64, remote: u64, len: u64) -> PutSpan {
+        PutSpan {
+            local,
+            remote,
+            len,
+            region: RegionId(3),
+        }
+    }
+
+    #[test]
+    fn splitting_off_keeps_every_span_whole() {
+        let spans = vec![span(0, 1000, 40 << 20), span(64, 9, 5)];
+        let out: Vec<_> = PutSplit::default().split(spans.clone()).into();
+        assert_eq!(out, spans);
+    }
+
+    #[test]
+    fn split_chunks_tile_each_span_exactly_and_never_cross_spans() {
+        let spans = vec![span(4096, 1 << 30, 10 << 20), span(0, 77, 3)];
+        let out: Vec<_> = PutSplit::chunks_of(4 << 20).split(spans).into();
+        assert_eq!(
+            out,
+            vec![
+                span(4096, 1 << 30, 4 << 20),
+                span(4096 + (4 << 20), (1 << 30) + (4 << 20), 4 << 20),
+                span(4096 + (8 << 20), (1 << 30) + (8 << 20), 2 << 20),
+                span(0, 77, 3),
+            ]
+        );
+    }
+}

@@ -1,0 +1,441 @@
+//! Process-owned anonymous pool memory, placed before its first touch: an
+//! optional `MADV_HUGEPAGE` and an optional NUMA policy (`mbind`), then one
+//! pre-fault. Off by default ([`PoolMemory::Default`] keeps the runner's
+//! original allocation); `kvcr-hicache-perf` builds these options and audits
+//! where the pages really went.
+//!
+//! Unsafe, named: `mmap`/`munmap`/`madvise` and the raw `mbind` syscall (the
+//! crates.io NUMA bindings do not build on current Rust; see ARCHITECTURE.md).
+//! Nothing here is silent: a node that does not exist or a policy the kernel
+//! refuses is an error; huge pages that cannot be had are an error
+//! ([`HugePages::Require`]) or a downgrade recorded in the
+//! [`PlacementOutcome`] ([`HugePages::Prefer`]).
+
+use std::ffi::c_void;
+use std::ptr::NonNull;
+
+use crate::error::{Error, PoolMemoryReason, Result, RunnerReason};
+
+/// How the runner backs its pools.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum PoolMemory {
+    /// The runner's original allocation (page-aligned heap memory in local
+    /// mode, a plain anonymous mapping registered with UCX in peer mode).
+    #[default]
+    Default,
+    /// A process-owned anonymous mapping per pool, placed before first touch.
+    Anonymous(AnonymousMemory),
+}
+
+/// Placement of an anonymous pool mapping.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct AnonymousMemory {
+    /// Transparent huge pages.
+    pub huge_pages: HugePages,
+    /// A NUMA memory policy for the mapping (`None`: the process's policy).
+    pub numa: Option<NumaBinding>,
+}
+
+/// Whether to ask for transparent huge pages (`madvise(MADV_HUGEPAGE)`;
+/// THP is in `madvise` mode on these hosts, so nothing happens without it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HugePages {
+    /// Do not ask.
+    #[default]
+    Off,
+    /// Ask; if the kernel cannot give them, record a downgrade and go on.
+    Prefer,
+    /// Ask; if the kernel cannot give them, fail startup.
+    Require,
+}
+
+/// A NUMA policy for a pool mapping (`mbind` before the first touch).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NumaBinding {
+    /// The policy.
+    pub mode: NumaMode,
+    /// Node ids (each must be online; at most [`MAX_NUMA_NODE`]).
+    pub nodes: Vec<u16>,
+}
+
+/// Highest node id a binding may name.
+pub const MAX_NUMA_NODE: u16 = 1023;
+
+/// `mbind` modes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NumaMode {
+    /// `MPOL_BIND`: pages only on these nodes.
+    Bind,
+    /// `MPOL_PREFERRED`: the (one) node first, others when it is full.
+    Preferred,
+    /// `MPOL_INTERLEAVE`: pages round-robin over the nodes.
+    Interleave,
+}
+
+impl NumaMode {
+    /// The kernel's `MPOL_*` value.
+    pub fn mpol(self) -> i32 {
+        match self {
+            Self::Bind => libc::MPOL_BIND,
+            Self::Preferred => libc::MPOL_PREFERRED,
+            Self::Interleave => libc::MPOL_INTERLEAVE,
+        }
+    }
+}
+
+/// Something asked for that the kernel did not give, and startup went on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PlacementDowngrade {
+    /// Huge pages were preferred but cannot be had (the reason says why).
+    HugePages(&'static str),
+}
+
+/// What placing one pool did.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PlacementOutcome {
+    /// `MADV_HUGEPAGE` was accepted for the mapping.
+    pub huge_pages_advised: bool,
+    /// The NUMA policy applied (`None`: none asked).
+    pub numa: Option<NumaBinding>,
+    /// What was asked for and not given.
+    pub downgrades: Vec<PlacementDowngrade>,
+}
+
+/// One pool's memory as the runner holds it (for audits).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolMemoryInfo {
+    /// Pool name.
+    pub name: String,
+    /// First byte.
+    pub base: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Placement result (`None` for [`PoolMemory::Default`]).
+    pub placement: Option<PlacementOutcome>,
+}
+
+/// The transparent-huge-page size on x86-64.
+const HUGE_PAGE: usize = 2 << 20;
+const PAGE: usize = 4096;
+/// `mbind`'s nodemask: 1024 bits.
+const MASK_WORDS: usize = (MAX_NUMA_NODE as usize + 1) / 64;
+
+fn refused(reason: PoolMemoryReason) -> Error {
+    Error::runner(RunnerReason::PoolMemory(reason))
+}
+
+fn errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+/// Parses a sysfs node list (`0`, `0-3,5`).
+pub(crate) fn parse_node_list(text: &str) -> Option<Vec<u16>> {
+    let mut nodes = Vec::new();
+    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((lo, hi)) => {
+                let (lo, hi): (u16, u16) = (lo.parse().ok()?, hi.parse().ok()?);
+                if lo > hi || hi > MAX_NUMA_NODE {
+                    return None;
+                }
+                nodes.extend(lo..=hi);
+            }
+            None => nodes.push(part.parse().ok()?),
+        }
+    }
+    Some(nodes)
+}
+
+/// The online NUMA nodes (`/sys/devices/system/node/online`); a kernel
+/// without NUMA support has no such file and one node, 0.
+pub fn online_nodes() -> Vec<u16> {
+    std::fs::read_to_string("/sys/devices/system/node/online")
+        .ok()
+        .and_then(|t| parse_node_list(&t))
+        .unwrap_or_else(|| vec![0])
+}
+
+/// The THP mode (`always`, `madvise` or `never`), if the kernel has THP.
+pub fn transparent_huge_page_mode() -> Option<String> {
+    let text = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok()?;
+    let start = text.find('[')?;
+    let end = text.get(start..)?.find(']')? + start;
+    text.get(start + 1..end).map(str::to_owned)
+}
+
+/// Validates a binding against the online nodes and builds its nodemask.
+fn nodemask(binding: &NumaBinding, online: &[u16]) -> Result<[u64; MASK_WORDS]> {
+    if binding.nodes.is_empty() {
+        return Err(refused(PoolMemoryReason::NoNodes));
+    }
+    if binding.mode == NumaMode::Preferred && binding.nodes.len() != 1 {
+        return Err(refused(PoolMemoryReason::PreferredNeedsOneNode));
+    }
+    let mut mask = [0u64; MASK_WORDS];
+    for &node in &binding.nodes {
+        if !online.contains(&node) {
+            return Err(refused(PoolMemoryReason::NoSuchNode {
+                node,
+                online: online.to_vec(),
+            }));
+        }
+        let word =
+            mask.get_mut(usize::from(node) / 64)
+                .ok_or(refused(PoolMemoryReason::NoSuchNode {
+                    node,
+                    online: online.to_vec(),
+                }))?;
+        *word |= 1 << (node % 64);
+    }
+    Ok(mask)
+}
+
+/// A private anonymous mapping owned by the runner (unmapped on drop).
+#[derive(Debug)]
+pub(crate) struct AnonMapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is uniquely owned plain memory with no thread affinity.
+unsafe impl Send for AnonMapping {}
+
+impl AnonMapping {
+    /// Maps `bytes` (rounded up to a page), applies `memory`'s placement,
+    /// then (with `prefault`) touches every page once.
+    pub(crate) fn new(
+        bytes: u64,
+        memory: &AnonymousMemory,
+        prefault: bool,
+    ) -> Result<(Self, PlacementOutcome)> {
+        let failed = || Error::runner(RunnerReason::Allocation { bytes });
+        let len = usize::try_from(bytes)
+            .ok()
+            .and_then(|b| b.checked_next_multiple_of(PAGE))
+            .filter(|&b| b > 0)
+            .ok_or_else(failed)?;
+        let mut outcome = PlacementOutcome::default();
+        // Validate the NUMA binding before mapping anything.
+        let mask = match &memory.numa {
+            Some(binding) => Some(nodemask(binding, &online_nodes())?),
+            None => None,
+        };
+        let want_huge = memory.huge_pages != HugePages::Off;
+        let mapping = Self::map(len, want_huge && len >= HUGE_PAGE)?;
+        if want_huge {
+            match mapping.advise_huge() {
+                Ok(()) => outcome.huge_pages_advised = true,
+                Err(why) if memory.huge_pages == HugePages::Require => {
+                    return Err(refused(PoolMemoryReason::HugePagesUnavailable(why)));
+                }
+                Err(why) => outcome.downgrades.push(PlacementDowngrade::HugePages(why)),
+            }
+        }
+        if let (Some(binding), Some(mask)) = (&memory.numa, mask) {
+            mapping.bind(binding.mode, &mask)?;
+            outcome.numa = Some(binding.clone());
+        }
+        if prefault {
+            mapping.prefault();
+        }
+        Ok((mapping, outcome))
+    }
+
+    /// `mmap`s `len` bytes; `align_huge` aligns the start to a huge page (by
+    /// mapping one huge page more and trimming), so THP can back all of it.
+    fn map(len: usize, align_huge: bool) -> Result<Self> {
+        let os = |call| {
+            refused(PoolMemoryReason::Os {
+                call,
+                errno: errno(),
+            })
+        };
+        let extra = if align_huge { HUGE_PAGE } else { 0 };
+        let total = len.checked_add(extra).ok_or(os("mmap"))?;
+        // SAFETY: a fresh private anonymous mapping at an address the kernel
+        // picks; no existing memory is affected.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                total,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(os("mmap"));
+        }
+        let start = raw as usize;
+        let aligned = if align_huge {
+            start.next_multiple_of(HUGE_PAGE)
+        } else {
+            start
+        };
+        let head = aligned - start;
+        let tail = extra - head;
+        // SAFETY: both trims lie inside the mapping just made (head + len +
+        // tail = total) and nothing references them.
+        unsafe {
+            if head > 0 {
+                libc::munmap(raw, head);
+            }
+            if tail > 0 {
+                libc::munmap((aligned + len) as *mut c_void, tail);
+            }
+        }
+        let ptr = NonNull::new(aligned as *mut u8).ok_or(os("mmap"))?;
+        Ok(Self { ptr, len })
+    }
+
+    fn advise_huge(&self) -> std::result::Result<(), &'static str> {
+        match transparent_huge_page_mode().as_deref() {
+            None => return Err("the kernel has no transparent huge pages"),
+            Some("never") => return Err("transparent huge pages are disabled (never)"),
+            Some(_) => {}
+        }
+        if self.len < HUGE_PAGE {
+            return Err("the pool is smaller than one huge page");
+        }
+        // SAFETY: advice on exactly the mapping this struct owns.
+        let rc = unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, libc::MADV_HUGEPAGE) };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err("madvise(MADV_HUGEPAGE) was refused")
+        }
+    }
+
+    fn bind(&self, mode: NumaMode, mask: &[u64; MASK_WORDS]) -> Result<()> {
+        // `maxnode` counts bits; the kernel reads one fewer than it is told.
+        let maxnode = (MASK_WORDS * 64 + 1) as libc::c_ulong;
+        // SAFETY: `mbind` on exactly the mapping this struct owns (no page is
+        // touched yet), with a nodemask of `MASK_WORDS` words that outlives
+        // the call; no flags, so nothing is moved.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_mbind,
+                self.ptr.as_ptr(),
+                self.len as libc::c_ulong,
+                mode.mpol() as libc::c_ulong,
+                mask.as_ptr(),
+                maxnode,
+                0 as libc::c_uint,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(refused(PoolMemoryReason::Os {
+                call: "mbind",
+                errno: errno(),
+            }))
+        }
+    }
+
+    fn prefault(&self) {
+        let mut offset = 0;
+        while offset < self.len {
+            // SAFETY: `offset < len`: inside the mapping, which nothing else
+            // references yet; writing the zero already there faults the page
+            // in (under the policy set above) without changing data.
+            unsafe { self.ptr.as_ptr().add(offset).write_volatile(0) };
+            offset += PAGE;
+        }
+    }
+
+    /// First byte.
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for AnonMapping {
+    fn drop(&mut self) {
+        // SAFETY: exactly the (trimmed) mapping made in `map`, unmapped once.
+        // Owners drop it only when no copy or transfer can touch it (the
+        // runner's drop order; a UCX registration unmaps from UCX first).
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+// SAFETY: `AnonMapping` owns `ptr..ptr+len`, valid and writable until it is
+// dropped, and moving the struct does not move the mapping.
+unsafe impl kvcr_ucx::OwnedMemory for AnonMapping {
+    fn as_mut_ptr(&self) -> *mut u8 {
+        self.as_ptr()
+    }
+
+    fn byte_len(&self) -> usize {
+        self.len
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_lists_parse_as_sysfs_writes_them() {
+        assert_eq!(parse_node_list("0\n"), Some(vec![0]));
+        assert_eq!(parse_node_list("0-2,5"), Some(vec![0, 1, 2, 5]));
+        assert_eq!(parse_node_list("3-1"), None);
+        assert_eq!(parse_node_list("x"), None);
+        assert_eq!(parse_node_list("0-5000"), None);
+    }
+
+    #[test]
+    fn a_policy_the_kernel_refuses_is_a_typed_error() {
+        // Bypass the online check: the kernel itself refuses a node it does
+        // not have (EINVAL), and that surfaces as `Os { call: "mbind" }`.
+        let missing = MAX_NUMA_NODE;
+        assert!(!online_nodes().contains(&missing));
+        let mapping = AnonMapping::map(1 << 20, false).unwrap();
+        let mut mask = [0u64; MASK_WORDS];
+        mask[usize::from(missing) / 64] = 1 << (missing % 64);
+        let err = mapping.bind(NumaMode::Bind, &mask).unwrap_err();
+        assert_eq!(
+            err.runner_reason(),
+            Some(&RunnerReason::PoolMemory(PoolMemoryReason::Os {
+                call: "mbind",
+                errno: libc::EINVAL
+            }))
+        );
+    }
+
+    #[test]
+    fn a_node_that_is_not_online_is_refused_before_mapping() {
+        let binding = NumaBinding {
+            mode: NumaMode::Bind,
+            nodes: vec![7],
+        };
+        let err = nodemask(&binding, &[0]).unwrap_err();
+        assert_eq!(
+            err.runner_reason(),
+            Some(&RunnerReason::PoolMemory(PoolMemoryReason::NoSuchNode {
+                node: 7,
+                online: vec![0]
+            }))
+        );
+        let preferred_two = NumaBinding {
+            mode: NumaMode::Preferred,
+            nodes: vec![0, 1],
+        };
+        assert!(nodemask(&preferred_two, &[0, 1]).is_err());
+        let mask = nodemask(
+            &NumaBinding {
+                mode: NumaMode::Interleave,
+                nodes: vec![0, 65],
+            },
+            &[0, 65],
+        )
+        .unwrap();
+        assert_eq!((mask[0], mask[1]), (1, 2));
+    }
+}

@@ -1,0 +1,303 @@
+//! The UCP context: library initialisation, the process-local context id, and
+//! the record of errors that happened in `Drop`.
+
+use std::cell::{Cell, RefCell};
+use std::ffi::CString;
+use std::ptr;
+use std::rc::{Rc, Weak};
+
+use super::worker::WorkerInner;
+use super::{UcsStatus, UcxReason, check, sys};
+
+use crate::error::{Error, Result};
+
+/// How many drop-time errors a context keeps (the rest are only counted).
+const DROP_ERRORS_KEPT: usize = 64;
+
+/// Options for [`Context::with_config`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ContextConfig {
+    /// Request `UCP_FEATURE_WAKEUP`, so workers have an event fd and
+    /// [`Worker::wait`](super::Worker::wait) can sleep in `poll(2)` instead of
+    /// spinning. On by default.
+    pub wakeup: bool,
+    /// UCX configuration overrides applied with `ucp_config_modify` on top of
+    /// the `UCX_*` environment, as `(name, value)` without the `UCX_` prefix:
+    /// e.g. `("TLS", "tcp,self")`, `("NET_DEVICES", "lo")`. Per context, so
+    /// two contexts in one process can use different transports without
+    /// touching the (process-global) environment.
+    pub overrides: Vec<(String, String)>,
+    /// Error handling of the endpoints this context's workers create.
+    pub error_mode: ErrorMode,
+}
+
+/// Endpoint error handling (`ucp_err_handling_mode_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ErrorMode {
+    /// `UCP_ERR_HANDLING_MODE_NONE`: works with every transport. A dead peer
+    /// is noticed by the protocol's deadlines, not by UCX; endpoints are
+    /// always closed in flush mode.
+    #[default]
+    None,
+    /// `UCP_ERR_HANDLING_MODE_PEER`: UCX reports a dead peer (error handler,
+    /// failed operations) and endpoints can be force-closed. UCX 1.13's
+    /// shared-memory transports (`posix`, `sysv`, `self`) have no peer-failure
+    /// support, so with them `connect` fails with
+    /// [`UcsStatus::Unreachable`]; use it with network transports (tcp, IB).
+    Peer,
+}
+
+impl Default for ContextConfig {
+    fn default() -> Self {
+        Self {
+            wakeup: true,
+            overrides: Vec::new(),
+            error_mode: ErrorMode::None,
+        }
+    }
+}
+
+impl ContextConfig {
+    /// The default: RMA with wakeup.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets [`ContextConfig::wakeup`].
+    pub fn wakeup(mut self, on: bool) -> Self {
+        self.wakeup = on;
+        self
+    }
+
+    /// Sets [`ContextConfig::error_mode`].
+    pub fn error_mode(mut self, mode: ErrorMode) -> Self {
+        self.error_mode = mode;
+        self
+    }
+
+    /// Adds a UCX configuration override (see [`ContextConfig::overrides`]).
+    pub fn set(mut self, name: &str, value: &str) -> Self {
+        self.overrides.push((name.to_owned(), value.to_owned()));
+        self
+    }
+
+    /// Shorthand for `set("TLS", tls)` (and `NET_DEVICES=lo` when the list
+    /// names tcp, so tests and single-host runs stay on loopback).
+    pub fn loopback_tls(self, tls: &str) -> Self {
+        let tcp = tls.split(',').any(|t| t == "tcp");
+        let this = self.set("TLS", tls);
+        if tcp {
+            this.set("NET_DEVICES", "lo")
+        } else {
+            this
+        }
+    }
+}
+
+/// Shared state of a context. Everything created from a context (workers,
+/// registrations) holds an `Rc` to it, so `ucp_cleanup` runs only after the
+/// last of them is gone.
+pub(crate) struct ContextInner {
+    pub(crate) handle: sys::ucp_context_h,
+    pub(crate) id: u64,
+    pub(crate) wakeup: bool,
+    pub(crate) error_mode: ErrorMode,
+    /// Live workers, so a registration's teardown can progress them until its
+    /// in-flight operations have completed.
+    pub(crate) workers: RefCell<Vec<Weak<WorkerInner>>>,
+    drop_errors: RefCell<Vec<Error>>,
+    drop_errors_dropped: Cell<u64>,
+}
+
+impl ContextInner {
+    /// Records an error that happened where it cannot be returned (a `Drop`).
+    /// Never panics: a re-entrant record while the log is borrowed is counted.
+    pub(crate) fn record(&self, err: Error) {
+        match self.drop_errors.try_borrow_mut() {
+            Ok(mut log) if log.len() < DROP_ERRORS_KEPT => log.push(err),
+            _ => self
+                .drop_errors_dropped
+                .set(self.drop_errors_dropped.get().saturating_add(1)),
+        }
+    }
+
+    /// Live workers of this context (pruning dead entries).
+    pub(crate) fn live_workers(&self) -> Vec<Rc<WorkerInner>> {
+        match self.workers.try_borrow_mut() {
+            Ok(mut list) => {
+                list.retain(|w| w.strong_count() > 0);
+                list.iter().filter_map(Weak::upgrade).collect()
+            }
+            Err(_) => Vec::new(),
+        }
+    }
+}
+
+impl Drop for ContextInner {
+    fn drop(&mut self) {
+        // Runs last: every worker, endpoint, rkey and registration holds an
+        // `Rc<ContextInner>`, so all of them are already destroyed/unmapped.
+        // SAFETY: `handle` came from a successful `ucp_init_version` and is
+        // cleaned up exactly once, here; nothing refers to it any more.
+        unsafe { sys::ucp_cleanup(self.handle) };
+    }
+}
+
+/// A UCP context (`ucp_context_h`) with the RMA feature: the root of every UCX
+/// object. Cheap to clone (reference counted); `!Send` and `!Sync`, like
+/// everything in this module — a context, its workers and endpoints live on
+/// the one thread that drives UCX.
+///
+/// UCX reads its `UCX_*` environment variables (`UCX_TLS`,
+/// `UCX_NET_DEVICES`, …) when the context is created.
+#[derive(Clone)]
+pub struct Context {
+    pub(crate) inner: Rc<ContextInner>,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("id", &format_args!("{:#018x}", self.inner.id))
+            .field("wakeup", &self.inner.wakeup)
+            .finish()
+    }
+}
+
+/// The runtime libucp version `(major, minor, release)`.
+pub fn library_version() -> (u32, u32, u32) {
+    let (mut major, mut minor, mut release) = (0u32, 0u32, 0u32);
+    // SAFETY: `ucp_get_version` only writes three `unsigned` values through
+    // the pointers, which point at live locals.
+    unsafe { sys::ucp_get_version(&mut major, &mut minor, &mut release) };
+    (major, minor, release)
+}
+
+fn random_id() -> u64 {
+    let mut b = [0u8; 8];
+    if getrandom::fill(&mut b).is_err() {
+        // No OS randomness: fall back to something unique within the host.
+        let addr = ptr::from_ref(&b) as usize as u64;
+        return u64::from(std::process::id()).rotate_left(32) ^ addr;
+    }
+    u64::from_le_bytes(b) | 1
+}
+
+pub(crate) fn new_id() -> u64 {
+    random_id()
+}
+
+impl Context {
+    /// A context with the default [`ContextConfig`] (RMA and wakeup).
+    pub fn new() -> Result<Self> {
+        Self::with_config(&ContextConfig::default())
+    }
+
+    /// A context with explicit options. Fails with
+    /// [`UcxReason::LibraryVersion`] when the runtime libucp is older than the
+    /// 1.13 headers the bindings were generated from.
+    pub fn with_config(config: &ContextConfig) -> Result<Self> {
+        let (major, minor, _) = library_version();
+        if (major, minor) < (sys::UCP_API_MAJOR, sys::UCP_API_MINOR) {
+            return Err(Error::Refused {
+                op: "ucp_init",
+                reason: UcxReason::LibraryVersion {
+                    found_major: major,
+                    found_minor: minor,
+                },
+            });
+        }
+        let mut ucp_config: *mut sys::ucp_config_t = ptr::null_mut();
+        // SAFETY: null prefix/file mean "UCX_ prefix, no file"; on success
+        // `ucp_config` receives a config we release below.
+        check("ucp_config_read", unsafe {
+            sys::ucp_config_read(ptr::null(), ptr::null(), &mut ucp_config)
+        })?;
+        for (name, value) in &config.overrides {
+            let status = match (CString::new(name.as_str()), CString::new(value.as_str())) {
+                // SAFETY: live config from `ucp_config_read`; both strings
+                // are NUL-terminated and outlive the call (UCX copies them).
+                (Ok(n), Ok(v)) => unsafe {
+                    sys::ucp_config_modify(ucp_config, n.as_ptr(), v.as_ptr())
+                },
+                _ => sys::UCS_ERR_INVALID_PARAM,
+            };
+            if let Err(e) = check("ucp_config_modify", status) {
+                // SAFETY: releases the config read above, exactly once.
+                unsafe { sys::ucp_config_release(ucp_config) };
+                return Err(e);
+            }
+        }
+        let mut features = u64::from(sys::UCP_FEATURE_RMA);
+        if config.wakeup {
+            features |= u64::from(sys::UCP_FEATURE_WAKEUP);
+        }
+        let params = sys::ucp_params_t {
+            field_mask: u64::from(sys::UCP_PARAM_FIELD_FEATURES),
+            features,
+            ..Default::default()
+        };
+        let mut handle: sys::ucp_context_h = ptr::null_mut();
+        // SAFETY: `params` is a fully initialised `ucp_params_t` whose
+        // field_mask names only `features`; `ucp_config` is the live config
+        // read above; `handle` is a valid out-pointer.
+        let status = unsafe {
+            sys::ucp_init_version(
+                sys::UCP_API_MAJOR,
+                sys::UCP_API_MINOR,
+                &params,
+                ucp_config,
+                &mut handle,
+            )
+        };
+        // SAFETY: the config came from `ucp_config_read` and is released
+        // exactly once; `ucp_init_version` copied what it needed.
+        unsafe { sys::ucp_config_release(ucp_config) };
+        check("ucp_init", status)?;
+        if handle.is_null() {
+            return Err(Error::Call {
+                op: "ucp_init",
+                status: UcsStatus::NoResource,
+            });
+        }
+        Ok(Self {
+            inner: Rc::new(ContextInner {
+                handle,
+                id: random_id(),
+                wakeup: config.wakeup,
+                error_mode: config.error_mode,
+                workers: RefCell::new(Vec::new()),
+                drop_errors: RefCell::new(Vec::new()),
+                drop_errors_dropped: Cell::new(0),
+            }),
+        })
+    }
+
+    /// The context's process-local random id (it travels inside worker
+    /// addresses and rkeys, so an rkey is never unpacked for another peer).
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// Whether workers of this context have an event fd.
+    pub fn has_wakeup(&self) -> bool {
+        self.inner.wakeup
+    }
+
+    /// Takes the errors recorded by `Drop` implementations so far (an endpoint
+    /// close that failed or timed out, an rkey whose flush failed, an unmap
+    /// that failed), plus how many more were only counted. `Drop` never
+    /// panics and never discards an error silently; this is where they go.
+    pub fn take_drop_errors(&self) -> (Vec<Error>, u64) {
+        let errors = self
+            .inner
+            .drop_errors
+            .try_borrow_mut()
+            .map(|mut log| std::mem::take(&mut *log))
+            .unwrap_or_default();
+        let dropped = self.inner.drop_errors_dropped.replace(0);
+        (errors, dropped)
+    }
+}

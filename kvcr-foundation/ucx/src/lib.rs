@@ -1,0 +1,91 @@
+//! kvcr-ucx: our binding to the system UCX and its safe layer.
+//!
+//! Part of slice 1 (`kvcr-foundation`); depends on no other kvcr crate. The
+//! runner's peer driver is its user.
+//!
+//! The ladder, as cudarc does it for CUDA:
+//!
+//! 1. [`sys`]: raw bindgen output for Debian's `libucx-dev` 1.13.1
+//!    (`<ucp/api/ucp.h>`, narrow allowlist, committed; `ucx-bindgen`
+//!    regenerates it). The library is found with pkg-config by `build.rs`.
+//! 2. `check` / `ptr_is_err` (private): every `ucs_status_t` becomes a
+//!    [`UcsStatus`] inside the crate's one error type
+//!    ([`Error::Call`]); refusals made on the Rust side before
+//!    UCX is called are [`Error::Refused`] with a
+//!    [`UcxReason`].
+//! 3. The safe types, for a destination-initiated put protocol:
+//!
+//! | UCX | here |
+//! |---|---|
+//! | `ucp_context_h` | [`Context`] |
+//! | `ucp_worker_h` (single-thread) | [`Worker`] (`!Send`), [`WaitPolicy`] |
+//! | `ucp_worker_get_address` | [`WorkerAddress`] (checked envelope) |
+//! | `ucp_ep_h` | [`Endpoint`] ([`Worker::connect`]) |
+//! | `ucp_mem_h` | [`Registration`] (owned: [`Context::register_anon`], [`Context::register_vec`]; borrowed: [`Context::scope`]) |
+//! | `ucp_rkey_pack` / `ucp_ep_rkey_unpack` | [`RkeyBuffer`] / [`RemoteKey`] |
+//! | `ucp_put_nbx`, `ucp_*_flush_nbx` | [`Endpoint::put`], [`Endpoint::flush`], [`Worker::flush`] → [`Completion`] |
+//! | `ucp_worker_progress`, `_get_efd`, `_arm` | [`Worker::progress`], [`Worker::event_fd`], [`Worker::arm`], [`Worker::wait`] |
+//!
+//! ## Ownership and drop order
+//!
+//! Everything is reference counted (`Rc`, so nothing here is `Send`), and
+//! each object holds what must outlive it:
+//! an in-flight operation holds its endpoint, its rkey and its registration's
+//! in-flight count; an rkey holds its endpoint; an endpoint holds its worker;
+//! a worker and a registration hold the context. So, whatever order handles
+//! are dropped in, UCX sees: operations complete → rkeys destroyed (after a
+//! flush of their puts) → endpoints closed → workers destroyed; and
+//! registrations unmapped (after their puts complete) → owned memory freed →
+//! `ucp_cleanup` last. Errors in `Drop` are recorded on the context
+//! ([`Context::take_drop_errors`]); `Drop` never panics.
+//!
+//! ## Threading
+//!
+//! Workers are created `UCS_THREAD_MODE_SINGLE`: the thread that creates a
+//! context drives all of it. Other threads talk to it through channels,
+//! carrying the plain-bytes [`WorkerAddress`] and [`RkeyBuffer`], which are
+//! `Send`.
+//!
+//! ## Unsafe
+//!
+//! Most of this crate is unsafe FFI, quarantined in the modules that call UCX. Every block carries a
+//! `// SAFETY:` comment, every `unsafe fn` a `# Safety` section. Hostile
+//! bytes never reach UCX's length-less parsers unchecked: worker addresses
+//! and rkeys travel in checksummed envelopes ([`wire`]) and are handed to UCX
+//! as zero-padded copies.
+
+mod context;
+pub mod error;
+mod endpoint;
+mod memory;
+mod request;
+mod status;
+pub mod sys;
+pub mod wire;
+mod worker;
+
+#[cfg(test)]
+mod tests;
+
+pub use error::{Error, Result};
+pub use context::{Context, ContextConfig, ErrorMode, library_version};
+pub use endpoint::{CloseMode, DROP_WAIT, Endpoint, RemoteKey};
+pub use memory::{AnonOptions, OwnedMemory, Registration, Scope};
+pub use request::Completion;
+pub use status::{UcsStatus, UcxReason};
+pub use wire::{RkeyBuffer, WorkerAddress};
+pub use worker::{WaitPolicy, Worker};
+
+
+/// Maps a returned `ucs_status_t`: `UCS_OK` is `Ok`, anything else an
+/// [`Error::Call`] naming `op`.
+pub(crate) fn check(op: &'static str, raw: sys::ucs_status_t) -> Result<()> {
+    if raw == sys::UCS_OK {
+        Ok(())
+    } else {
+        Err(Error::Call {
+            op,
+            status: UcsStatus::from_raw(raw),
+        })
+    }
+}
