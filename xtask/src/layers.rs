@@ -2,12 +2,16 @@
 //! on each other, and only `kvcr-direct-linker` reaches CUDA.
 //!
 //! ```text
-//!          kvcr-foundation
+//!          kvcr-foundation            (a group: facade, contracts, ucx, runner-core, runner, publisher)
 //!          /             \
 //!  kvcr-hicache-storage   kvcr-linker-contracts
 //!          |                       |
 //!  kvcr-hicache-perf      kvcr-direct-linker
 //! ```
+//!
+//! A slice may be a group of crates in its folder: every crate of a group sits
+//! at its slice's level, so a crate may depend on any crate of a slice below
+//! its own, and inside a group only along the group's own edges.
 //!
 //! Run by `cargo xtask layers`, by `cargo xtask ci`, and as a `#[test]` so that
 //! plain `cargo test` enforces it.
@@ -19,24 +23,60 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use cargo_metadata::{DependencyKind, MetadataCommand, PackageId};
 
-/// Which workspace crates each slice may depend on (directly or not).
-const ALLOWED: &[(&str, &[&str])] = &[
-    ("kvcr-foundation", &[]),
-    ("kvcr-hicache-storage", &["kvcr-foundation"]),
+/// The slices, bottom up: each slice's crates (the first names the slice and
+/// is its facade) and the slices it may sit on.
+const SLICES: &[(&[&str], &[&str])] = &[
     (
-        "kvcr-hicache-perf",
+        &[
+            "kvcr-foundation",
+            "kvcr-contracts",
+            "kvcr-ucx",
+            "kvcr-runner-core",
+            "kvcr-runner",
+            "kvcr-publisher",
+        ],
+        &[],
+    ),
+    (&["kvcr-hicache-storage"], &["kvcr-foundation"]),
+    (
+        &["kvcr-hicache-perf"],
         &["kvcr-foundation", "kvcr-hicache-storage"],
     ),
-    ("kvcr-linker-contracts", &["kvcr-foundation"]),
+    (&["kvcr-linker-contracts"], &["kvcr-foundation"]),
     (
-        "kvcr-direct-linker",
+        &["kvcr-direct-linker"],
         &["kvcr-foundation", "kvcr-linker-contracts"],
     ),
 ];
 
+/// Edges allowed inside a slice group (directly or not): strictly down, from
+/// the facade to everything, the runner to its core and binding, and every
+/// crate to the contracts. `kvcr-ucx` depends on no other kvcr crate.
+const GROUP_EDGES: &[(&str, &[&str])] = &[
+    (
+        "kvcr-foundation",
+        &[
+            "kvcr-contracts",
+            "kvcr-ucx",
+            "kvcr-runner-core",
+            "kvcr-runner",
+            "kvcr-publisher",
+        ],
+    ),
+    ("kvcr-contracts", &[]),
+    ("kvcr-ucx", &[]),
+    ("kvcr-runner-core", &["kvcr-contracts"]),
+    (
+        "kvcr-runner",
+        &["kvcr-contracts", "kvcr-runner-core", "kvcr-ucx"],
+    ),
+    ("kvcr-publisher", &["kvcr-contracts"]),
+];
+
 /// The Python face of `kvcr-hicache-storage`: an extension crate in its own
 /// cargo workspace (excluded from the main one; a cdylib for maturin), checked
-/// here by its own manifest. It sits on mode A and may reach these only.
+/// here by its own manifest. It sits on mode A and may reach these only (and
+/// the crates of the slice groups named here).
 const PYTHON_FACE: (&str, &[&str]) = (
     "kvcr-hicache-storage/python/Cargo.toml",
     &[
@@ -49,11 +89,52 @@ const PYTHON_FACE: (&str, &[&str]) = (
 /// Crates only `kvcr-direct-linker` (and xtask) may reach.
 const CUDA_CRATES: &[&str] = &["cudarc"];
 
-/// What the contracts face (`kvcr-foundation`, no default features) must not
-/// pull in: no async runtime, no FFI to UCX/ZMQ/CUDA, no raw memory mapping.
-const CONTRACTS_FORBIDDEN: &[&str] = &[
-    "tokio", "mio", "zmq", "zeromq", "cudarc", "memmap2", "ucp-sys", "nix",
+/// The pure crates, each resolved for itself (workspace feature unification
+/// would hide a leak): no async runtime, no FFI to UCX/ZMQ/CUDA, no libc, no
+/// raw memory mapping, and none of our crates that carry those.
+const PURE_CRATES: &[&[&str]] = &[
+    &["-p", "kvcr-contracts"],
+    &["-p", "kvcr-runner-core"],
+    &["-p", "kvcr-linker-contracts"],
+    &["-p", "kvcr-foundation", "--no-default-features"],
 ];
+
+/// What a pure crate must not pull in.
+const PURE_FORBIDDEN: &[&str] = &[
+    "tokio",
+    "mio",
+    "libc",
+    "zmq",
+    "zmq-sys",
+    "zeromq",
+    "cudarc",
+    "memmap2",
+    "nix",
+    "kvcr-ucx",
+    "kvcr-runner",
+    "kvcr-publisher",
+];
+
+/// The crates of a slice (its group) and the slice's facade name.
+fn slice_of(name: &str) -> Option<(&'static str, &'static [&'static str])> {
+    SLICES
+        .iter()
+        .find(|(crates, _)| crates.contains(&name))
+        .and_then(|(crates, below)| crates.first().map(|facade| (*facade, *below)))
+}
+
+/// Whether `from` may depend on `to` (both workspace crates).
+fn edge_allowed(from: &str, to: &str) -> bool {
+    let (Some((from_slice, below)), Some((to_slice, _))) = (slice_of(from), slice_of(to)) else {
+        return false;
+    };
+    if from_slice == to_slice {
+        return GROUP_EDGES
+            .iter()
+            .any(|(crate_name, deps)| *crate_name == from && deps.contains(&to));
+    }
+    below.contains(&to_slice)
+}
 
 /// A layering problem, as text a reviewer can act on.
 pub(crate) fn violations(root: &Path) -> Result<Vec<String>> {
@@ -92,9 +173,11 @@ pub(crate) fn violations(root: &Path) -> Result<Vec<String>> {
         .collect();
 
     let mut problems = Vec::new();
-    for (slice, _) in ALLOWED {
-        if !members.contains(slice) {
-            problems.push(format!("{slice} is not a workspace member"));
+    for (crates, _) in SLICES {
+        for name in *crates {
+            if !members.contains(name) {
+                problems.push(format!("{name} is not a workspace member"));
+            }
         }
     }
     for pkg in metadata.workspace_packages() {
@@ -102,12 +185,12 @@ pub(crate) fn violations(root: &Path) -> Result<Vec<String>> {
         if name == "xtask" {
             continue;
         }
-        let Some((_, allowed)) = ALLOWED.iter().find(|(slice, _)| *slice == name) else {
+        if slice_of(name).is_none() {
             problems.push(format!(
                 "{name} is a workspace member outside the five slices and xtask"
             ));
             continue;
-        };
+        }
         // Everything reachable from this crate; dev-dependencies count for the
         // crate itself (its tests must not couple slices either) but not
         // transitively (a dependency's dev-dependencies are never built).
@@ -125,9 +208,9 @@ pub(crate) fn violations(root: &Path) -> Result<Vec<String>> {
         }
         for dep in seen {
             let dep_name = names.get(dep).copied().unwrap_or("?");
-            if members.contains(dep_name) && !allowed.contains(&dep_name) {
+            if members.contains(dep_name) && !edge_allowed(name, dep_name) {
                 problems.push(format!(
-                    "{name} depends on {dep_name}, which is not below it (allowed: {allowed:?})"
+                    "{name} depends on {dep_name}, which is not below it in the slice stack"
                 ));
             }
             if CUDA_CRATES.contains(&dep_name) && name != "kvcr-direct-linker" {
@@ -137,7 +220,9 @@ pub(crate) fn violations(root: &Path) -> Result<Vec<String>> {
             }
         }
     }
-    problems.extend(contracts_face_violations(root)?);
+    for args in PURE_CRATES {
+        problems.extend(pure_crate_violations(root, args)?);
+    }
     problems.extend(python_face_violations(root, &members)?);
     Ok(problems)
 }
@@ -161,7 +246,8 @@ fn python_face_violations(root: &Path, members: &BTreeSet<&str>) -> Result<Vec<S
         if name == face {
             continue;
         }
-        if members.contains(name) && !allowed.contains(&name) {
+        let in_allowed_slice = slice_of(name).is_some_and(|(slice, _)| allowed.contains(&slice));
+        if members.contains(name) && !in_allowed_slice {
             problems.push(format!(
                 "{face} (the Python face) depends on {name} (allowed: {allowed:?})"
             ));
@@ -175,25 +261,15 @@ fn python_face_violations(root: &Path, members: &BTreeSet<&str>) -> Result<Vec<S
     Ok(problems)
 }
 
-/// Checks the crates the contracts face really builds, resolved for that
-/// package alone (workspace feature unification would hide a leak).
-fn contracts_face_violations(root: &Path) -> Result<Vec<String>> {
+/// Checks the crates a pure crate really builds, resolved for that package
+/// alone (workspace feature unification would hide a leak).
+fn pure_crate_violations(root: &Path, package: &[&str]) -> Result<Vec<String>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let out = Command::new(cargo)
         .current_dir(root)
-        .args([
-            "tree",
-            "--locked",
-            "-p",
-            "kvcr-foundation",
-            "--no-default-features",
-            "-e",
-            "normal,build",
-            "--prefix",
-            "none",
-            "--format",
-            "{p}",
-        ])
+        .args(["tree", "--locked"])
+        .args(package)
+        .args(["-e", "normal,build", "--prefix", "none", "--format", "{p}"])
         .output()
         .context("cargo tree")?;
     if !out.status.success() {
@@ -207,11 +283,12 @@ fn contracts_face_violations(root: &Path) -> Result<Vec<String>> {
         .lines()
         .filter_map(|line| line.split_whitespace().next())
         .collect();
-    Ok(CONTRACTS_FORBIDDEN
+    let what = package.join(" ");
+    Ok(PURE_FORBIDDEN
         .iter()
         .filter(|f| crates.contains(*f))
         .map(|f| {
-            format!("kvcr-foundation without default features depends on {f} (the contracts face must stay free of I/O and FFI)")
+            format!("{what} depends on {f} (pure crates stay free of I/O runtimes and FFI)")
         })
         .collect())
 }
@@ -240,16 +317,33 @@ mod tests {
     /// direct linker sits above linker-contracts.
     #[test]
     fn rule_table_keeps_modes_apart() {
-        for (slice, allowed) in ALLOWED {
-            let hicache = slice.starts_with("kvcr-hicache");
-            let linker = slice.contains("linker");
-            for dep in *allowed {
-                assert!(
-                    !(hicache && dep.contains("linker")
-                        || linker && dep.starts_with("kvcr-hicache")),
-                    "{slice} may not depend on {dep}"
-                );
+        for (crates, below) in SLICES {
+            for slice in *crates {
+                let hicache = slice.starts_with("kvcr-hicache");
+                let linker = slice.contains("linker");
+                for dep in *below {
+                    assert!(
+                        !(hicache && dep.contains("linker")
+                            || linker && dep.starts_with("kvcr-hicache")),
+                        "{slice} may not depend on {dep}"
+                    );
+                }
             }
         }
+    }
+
+    /// Group edges point down: no crate of a group reaches the facade, and
+    /// the binding reaches nothing of ours.
+    #[test]
+    fn group_edges_point_down() {
+        assert!(edge_allowed("kvcr-runner", "kvcr-runner-core"));
+        assert!(edge_allowed("kvcr-linker-contracts", "kvcr-contracts"));
+        assert!(!edge_allowed("kvcr-runner-core", "kvcr-runner"));
+        assert!(!edge_allowed("kvcr-contracts", "kvcr-runner-core"));
+        assert!(!edge_allowed("kvcr-ucx", "kvcr-contracts"));
+        assert!(!edge_allowed("kvcr-runner", "kvcr-foundation"));
+        assert!(!edge_allowed("kvcr-publisher", "kvcr-runner"));
+        assert!(!edge_allowed("kvcr-hicache-storage", "kvcr-linker-contracts"));
+        assert!(!edge_allowed("kvcr-contracts", "kvcr-hicache-storage"));
     }
 }

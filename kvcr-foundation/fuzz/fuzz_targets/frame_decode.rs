@@ -5,7 +5,7 @@
 #![no_main]
 
 use bytes::BytesMut;
-use kvcr_foundation::protocol::codec::FrameCodec;
+use kvcr_contracts::protocol::codec::FrameCodec;
 use libfuzzer_sys::fuzz_target;
 
 fn check(codec: &FrameCodec, frame: &[u8]) {

@@ -1,7 +1,7 @@
 //! Feeds arbitrary text to the router-hint and endpoint parsers.
 #![no_main]
 
-use kvcr_foundation::{AdvertisePolicy, ControlEndpoint, FetchHint, HintEnvelope, WorkerEndpointMap};
+use kvcr_contracts::{AdvertisePolicy, ControlEndpoint, FetchHint, HintEnvelope, WorkerEndpointMap};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

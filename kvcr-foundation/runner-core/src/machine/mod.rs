@@ -273,10 +273,15 @@ pub struct CoreCounters {
 /// Static configuration of a core.
 #[derive(Debug, Clone)]
 pub struct CoreConfig {
+    /// Per pool: name, block size, blocks.
     pub pools: Vec<(String, u64, u32)>,
+    /// Per pool: the address of its first byte.
     pub pool_bases: Vec<u64>,
+    /// Budget of one operation, from its start.
     pub operation_timeout_ns: u64,
+    /// Percent of a pool's slots below which reclaimable space raises a capacity signal (0: never).
     pub watermark_percent: u8,
+    /// The medium KVCR DRAM is published under.
     pub medium: Medium,
 }
 
@@ -433,10 +438,12 @@ impl Core {
 
     // ------------------------------------------------------------ registration
 
+    /// Registers a host region of framework memory (validated; overlaps refused).
     pub fn register_region(&mut self, desc: RegionDesc) -> Result<RegionId> {
         self.register_region_in(desc, RegionMemory::Host)
     }
 
+    /// Registers a region in the given memory (host or device).
     pub fn register_region_in(
         &mut self,
         desc: RegionDesc,
@@ -458,16 +465,19 @@ impl Core {
             .collect()
     }
 
+    /// The id of a registered region.
     pub fn region_by_label(&self, label: &str) -> Option<RegionId> {
         self.regions.by_label(label)
     }
 
+    /// Registers a namespace and returns its id (idempotent).
     pub fn register_namespace(&mut self, namespace: Namespace) -> NamespaceId {
         let id = namespace.id();
         self.namespaces.insert(id, namespace);
         id
     }
 
+    /// The id of the pool of that name.
     pub fn pool_id(&self, name: &str) -> Option<PoolId> {
         self.pools
             .iter()
@@ -487,6 +497,7 @@ impl Core {
         }
     }
 
+    /// Keys in the index, whatever their residency.
     pub fn resident_blocks(&self) -> usize {
         self.index.len()
     }
@@ -1489,10 +1500,12 @@ impl Core {
         Ok((span.addr, span.len))
     }
 
+    /// The index record a live public claim holds.
     pub fn claim_record(&self, handle: ReleaseHandle) -> Option<u32> {
         self.claims.get(&handle).copied()
     }
 
+    /// The KVCR DRAM elements a live public claim holds (for reading its bytes).
     pub fn claimed_slot_refs(&self, handle: ReleaseHandle) -> Option<Vec<ElementRef>> {
         self.claim_record(handle).map(|r| self.slot_refs(r))
     }
@@ -1879,28 +1892,34 @@ impl Core {
 
     // ------------------------------------------------------------ stats
 
+    /// Copy jobs not yet terminal.
     pub fn jobs_in_flight(&self) -> usize {
         self.jobs.len()
     }
 
+    /// Live public claims.
     pub fn public_claims(&self) -> usize {
         self.claims.len()
     }
 
+    /// Operations not yet completed.
     pub fn ops_in_flight(&self) -> usize {
         self.ops.len()
     }
 
+    /// The counters.
     pub fn counters(&self) -> CoreCounters {
         let mut c = self.counters;
         c.policy_faults = self.policy.faults;
         c
     }
 
+    /// The eviction policy's name.
     pub fn policy_name(&self) -> String {
         self.policy.name()
     }
 
+    /// Per pool occupancy.
     pub fn pool_stats(&self) -> Vec<PoolStats> {
         self.pools
             .iter()
@@ -1914,6 +1933,7 @@ impl Core {
             .collect()
     }
 
+    /// READY, FILLING and DISCARDING residencies.
     pub fn state_counts(&self) -> (usize, usize, usize) {
         let mut counts = (0, 0, 0);
         for e in self.index.values() {

@@ -1,8 +1,8 @@
 //! Endpoint grammar, advertise policy, DP strides and endpoint maps
 //! (contract cases 8, 13-17, 19-21 of the engine/router reference).
 
-use kvcr_foundation::error::{EndpointReason, RankReason};
-use kvcr_foundation::{
+use kvcr_contracts::error::{EndpointReason, RankReason};
+use kvcr_contracts::{
     AdvertisePolicy, BindAddress, ControlEndpoint, Error, Host, Incarnation, RankLayout,
     WorkerEndpointMap,
 };

@@ -1,8 +1,8 @@
 //! Router-hint envelope parsing (contract cases 23-26).
 
-use kvcr_foundation::error::{EndpointReason, HintReason};
-use kvcr_foundation::hint::{SourceCandidate, WorkerType, choose_source};
-use kvcr_foundation::{AttemptLedger, BlockKey, FetchHint, HintEnvelope, HintSnapshot, RequestId};
+use kvcr_contracts::error::{EndpointReason, HintReason};
+use kvcr_contracts::hint::{SourceCandidate, WorkerType, choose_source};
+use kvcr_contracts::{AttemptLedger, BlockKey, FetchHint, HintEnvelope, HintSnapshot, RequestId};
 use rstest::rstest;
 use serde_json::json;
 
@@ -73,10 +73,10 @@ fn hash_lists(#[case] hashes: serde_json::Value, #[case] expected: Vec<u64>) {
 #[case::empty_hashes(envelope(json!([fetch(json!({"source_control_endpoint": "tcp://h:1", "block_hashes": []}))])), HintReason::NoHashes)]
 #[case::hashes_not_list(envelope(json!([fetch(json!({"source_control_endpoint": "tcp://h:1", "block_hashes": 5}))])), HintReason::NoHashes)]
 #[case::first_hash_bool(envelope(json!([fetch(json!({"source_control_endpoint": "tcp://h:1", "block_hashes": [false]}))])), HintReason::NoHashes)]
-#[case::mode_move(envelope(json!([fetch(json!({"source_control_endpoint": "tcp://h:1", "block_hashes": [1], "mode": "move"}))])), HintReason::UnsupportedMode(kvcr_foundation::error::Echo::new("move")))]
-#[case::mode_not_string(envelope(json!([fetch(json!({"source_control_endpoint": "tcp://h:1", "block_hashes": [1], "mode": 1}))])), HintReason::UnsupportedMode(kvcr_foundation::error::Echo::new("1")))]
+#[case::mode_move(envelope(json!([fetch(json!({"source_control_endpoint": "tcp://h:1", "block_hashes": [1], "mode": "move"}))])), HintReason::UnsupportedMode(kvcr_contracts::error::Echo::new("move")))]
+#[case::mode_not_string(envelope(json!([fetch(json!({"source_control_endpoint": "tcp://h:1", "block_hashes": [1], "mode": 1}))])), HintReason::UnsupportedMode(kvcr_contracts::error::Echo::new("1")))]
 #[case::no_retain(envelope(json!([fetch(json!({"source_control_endpoint": "tcp://h:1", "block_hashes": [1], "no_retain": false}))])), HintReason::NoRetain)]
-#[case::version_2(envelope(json!([{"action_type": "kv.fetch", "action_version": "2.0", "payload": {"source_control_endpoint": "tcp://h:1", "block_hashes": [1]}}])), HintReason::UnsupportedVersion(kvcr_foundation::error::Echo::new("2.0")))]
+#[case::version_2(envelope(json!([{"action_type": "kv.fetch", "action_version": "2.0", "payload": {"source_control_endpoint": "tcp://h:1", "block_hashes": [1]}}])), HintReason::UnsupportedVersion(kvcr_contracts::error::Echo::new("2.0")))]
 #[case::missing_source(envelope(json!([fetch(json!({"block_hashes": [1]}))])), HintReason::MissingSource)]
 #[case::null_source(envelope(json!([fetch(json!({"source_control_endpoint": null, "block_hashes": [1]}))])), HintReason::MissingSource)]
 #[case::only_unknown_actions(envelope(json!([{"action_type": "kv.prefetch", "action_version": "9", "payload": {}}])), HintReason::NoFetchAction)]

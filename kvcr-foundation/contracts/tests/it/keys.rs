@@ -1,7 +1,7 @@
 //! Block keys, namespaces and the page hash chain (contract cases 4 and 58).
 
-use kvcr_foundation::error::KeyReason;
-use kvcr_foundation::{BlockKey, CompatDigest, Error, Namespace, PageHashChain};
+use kvcr_contracts::error::KeyReason;
+use kvcr_contracts::{BlockKey, CompatDigest, Error, Namespace, PageHashChain};
 use proptest::prelude::*;
 use rstest::rstest;
 use serde_json::json;

@@ -2,13 +2,13 @@
 //! frames and their errors, and property tests (round trip, no panics).
 
 use bytes::BytesMut;
-use kvcr_foundation::error::FrameReason;
-use kvcr_foundation::protocol::codec::{FrameCodec, MAX_KEYS_PER_WRITE, MAX_SPANS_PER_KEY};
-use kvcr_foundation::protocol::{
+use kvcr_contracts::error::FrameReason;
+use kvcr_contracts::protocol::codec::{FrameCodec, MAX_KEYS_PER_WRITE, MAX_SPANS_PER_KEY};
+use kvcr_contracts::protocol::{
     Body, CompletedIndices, ElementRef, Header, Message, OpHandle, RegionAdvert, RegionId,
     RouteGeneration, WriteOutcome,
 };
-use kvcr_foundation::{BlockKey, ControlEndpoint, Incarnation, NamespaceId};
+use kvcr_contracts::{BlockKey, ControlEndpoint, Incarnation, NamespaceId};
 use proptest::prelude::*;
 use rstest::rstest;
 
@@ -300,12 +300,12 @@ fn metadata_with(edit: impl FnOnce(&mut RegionAdvert)) -> Vec<u8> {
 #[case::key_count_lies(start_write_bytes(|f, at| f[at + 21..at + 25].copy_from_slice(&1000u32.to_be_bytes())), FrameReason::Truncated { needed: 21978 })]
 #[case::no_destinations(start_write_bytes(|f, at| { f.truncate(at + 33); f.extend_from_slice(&0u16.to_be_bytes()); f.extend_from_slice(&[0; 12]); }), FrameReason::Empty("destinations of a key"))]
 #[case::too_many_spans(start_write_bytes(|f, at| f[at + 33..at + 35].copy_from_slice(&(MAX_SPANS_PER_KEY as u16 + 1).to_be_bytes())), FrameReason::Bound { field: "destinations of a key", count: MAX_SPANS_PER_KEY + 1, max: MAX_SPANS_PER_KEY })]
-#[case::region_label_empty(metadata_with(|r| r.label.clear()), FrameReason::Label(kvcr_foundation::error::Echo::new("")))]
-#[case::region_label_chars(metadata_with(|r| r.label = "a b".into()), FrameReason::Label(kvcr_foundation::error::Echo::new("a b")))]
+#[case::region_label_empty(metadata_with(|r| r.label.clear()), FrameReason::Label(kvcr_contracts::error::Echo::new("")))]
+#[case::region_label_chars(metadata_with(|r| r.label = "a b".into()), FrameReason::Label(kvcr_contracts::error::Echo::new("a b")))]
 #[case::region_zero_size(metadata_with(|r| r.element_size = 0), FrameReason::Zero("region element_size"))]
 #[case::region_zero_count(metadata_with(|r| r.count = 0), FrameReason::Zero("region count"))]
-#[case::region_overlap(metadata_with(|r| r.stride = 1), FrameReason::RegionExtent(kvcr_foundation::error::Echo::new("kvcr-dram/0")))]
-#[case::region_overflow(metadata_with(|r| r.base = u64::MAX - 10), FrameReason::RegionExtent(kvcr_foundation::error::Echo::new("kvcr-dram/0")))]
+#[case::region_overlap(metadata_with(|r| r.stride = 1), FrameReason::RegionExtent(kvcr_contracts::error::Echo::new("kvcr-dram/0")))]
+#[case::region_overflow(metadata_with(|r| r.base = u64::MAX - 10), FrameReason::RegionExtent(kvcr_contracts::error::Echo::new("kvcr-dram/0")))]
 #[case::region_empty_rkey(metadata_with(|r| r.rkey.clear()), FrameReason::Empty("rkey"))]
 #[case::region_huge_rkey(metadata_with(|r| r.rkey = vec![1; 5000]), FrameReason::Bound { field: "rkey", count: 5000, max: 4096 })]
 fn malformed_frames(#[case] bytes: Vec<u8>, #[case] expected: FrameReason) {

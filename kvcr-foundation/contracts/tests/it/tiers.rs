@@ -1,6 +1,6 @@
 //! Owners, tiers, media and inventory merging rules.
 
-use kvcr_foundation::{
+use kvcr_contracts::{
     BlockKey, Incarnation, InventoryEvent, InventoryScope, Medium, NamespaceId, Owner, Tier,
 };
 use rstest::rstest;
