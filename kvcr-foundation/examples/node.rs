@@ -281,25 +281,25 @@ fn main() {
         let started = kvcr_foundation::BindAddress::parse("tcp://127.0.0.1:0")
             .map_err(kvcr_foundation::publisher::Error::from)
             .and_then(|bind| {
-            let mut config = PublisherConfig::new(
-                TopicParts {
-                    worker_id: u64::from(std::process::id()),
-                    dp_rank: 0,
-                },
-                runner.incarnation(),
-                PubSocket::Bind(bind.clone()),
-            );
-            if flag("--replay") {
-                config = config.with_replay(bind);
-            }
-            if let Some(hwm) = arg("--pub-hwm").and_then(|v| v.parse().ok()) {
-                config.pub_hwm = hwm;
-            }
-            if arg("--ownership").as_deref() == Some("stream") {
-                config.ownership = OwnershipWire::Stream;
-            }
-            Publisher::start(config)
-        });
+                let mut config = PublisherConfig::new(
+                    TopicParts {
+                        worker_id: u64::from(std::process::id()),
+                        dp_rank: 0,
+                    },
+                    runner.incarnation(),
+                    PubSocket::Bind(bind.clone()),
+                );
+                if flag("--replay") {
+                    config = config.with_replay(bind);
+                }
+                if let Some(hwm) = arg("--pub-hwm").and_then(|v| v.parse().ok()) {
+                    config.pub_hwm = hwm;
+                }
+                if arg("--ownership").as_deref() == Some("stream") {
+                    config.ownership = OwnershipWire::Stream;
+                }
+                Publisher::start(config)
+            });
         match started {
             Ok(publisher) => {
                 runner.set_inventory_sink(Box::new(publisher.sink()));

@@ -9,8 +9,8 @@
 
 use std::time::Duration;
 
-use kvcr_foundation::runner::error::{PoolMemoryReason, RunnerReason};
 use kvcr_foundation::protocol::{ElementRef, OpHandle};
+use kvcr_foundation::runner::error::{PoolMemoryReason, RunnerReason};
 use kvcr_foundation::runner::{
     DeliverEntry, DepositEntry, OpResult, PeerOptions, RegionDesc, Runner, RunnerConfig,
 };

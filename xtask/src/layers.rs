@@ -287,9 +287,7 @@ fn pure_crate_violations(root: &Path, package: &[&str]) -> Result<Vec<String>> {
     Ok(PURE_FORBIDDEN
         .iter()
         .filter(|f| crates.contains(*f))
-        .map(|f| {
-            format!("{what} depends on {f} (pure crates stay free of I/O runtimes and FFI)")
-        })
+        .map(|f| format!("{what} depends on {f} (pure crates stay free of I/O runtimes and FFI)"))
         .collect())
 }
 
@@ -343,7 +341,10 @@ mod tests {
         assert!(!edge_allowed("kvcr-ucx", "kvcr-contracts"));
         assert!(!edge_allowed("kvcr-runner", "kvcr-foundation"));
         assert!(!edge_allowed("kvcr-publisher", "kvcr-runner"));
-        assert!(!edge_allowed("kvcr-hicache-storage", "kvcr-linker-contracts"));
+        assert!(!edge_allowed(
+            "kvcr-hicache-storage",
+            "kvcr-linker-contracts"
+        ));
         assert!(!edge_allowed("kvcr-contracts", "kvcr-hicache-storage"));
     }
 }

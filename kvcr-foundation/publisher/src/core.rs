@@ -28,9 +28,9 @@ use std::collections::{HashSet, VecDeque};
 
 use bytes::Bytes;
 
+use crate::wire::{OwnershipWire, WireBatch, WireEvent, encode_batch};
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::key::{BlockKey, NamespaceId};
-use crate::wire::{OwnershipWire, WireBatch, WireEvent, encode_batch};
 use kvcr_contracts::tier::{InventoryEvent, InventoryScope, Medium, Owner};
 
 /// Longest `lora_name` published (bytes).

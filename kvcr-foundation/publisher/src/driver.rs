@@ -5,13 +5,11 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 
-use kvcr_contracts::endpoint::BindAddress;
-use crate::error::{Echo, Error, PublisherReason, Result};
 use crate::core::{PublisherCore, Transmit};
+use crate::error::{Echo, Error, PublisherReason, Result};
 use crate::replay::{END_SEQ, ReplayBuffer, parse_request};
-use crate::{
-    BoundEndpoints, PubSocket, PublisherConfig, PublisherStats, Queued, Shared,
-};
+use crate::{BoundEndpoints, PubSocket, PublisherConfig, PublisherStats, Queued, Shared};
+use kvcr_contracts::endpoint::BindAddress;
 
 fn zmq_err(op: &'static str) -> impl Fn(zmq::Error) -> Error {
     move |e| Error::Publisher {

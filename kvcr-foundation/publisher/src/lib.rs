@@ -40,9 +40,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use kvcr_contracts::endpoint::{BindAddress, ControlEndpoint};
-pub use crate::error::{Error, PublisherReason, Result};
 use crate::error::Echo;
+pub use crate::error::{Error, PublisherReason, Result};
+use kvcr_contracts::endpoint::{BindAddress, ControlEndpoint};
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::tier::{InventoryEvent, InventorySink};
 

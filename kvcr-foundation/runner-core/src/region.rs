@@ -9,8 +9,8 @@
 
 use std::collections::HashMap;
 
-use crate::types::PoolId;
 use crate::error::{Echo, Error, Result, RunnerReason};
+use crate::types::PoolId;
 use kvcr_contracts::protocol::{ElementRef, RegionId};
 use kvcr_contracts::tier::Owner;
 

@@ -14,11 +14,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::Shared;
-use kvcr_runner_core::{CopyOutcome, JobId};
 use super::device::DeviceCopier;
 use super::memory::copy_spans;
-use kvcr_runner_core::CopySpan;
 use crate::error::{Error, Result, RunnerReason};
+use kvcr_runner_core::CopySpan;
+use kvcr_runner_core::{CopyOutcome, JobId};
 
 /// How long a thread that just finished work polls for more before it blocks.
 /// A blocked thread costs a futex wake-up (tens of µs on a VM) to restart; a

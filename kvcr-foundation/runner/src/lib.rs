@@ -42,13 +42,13 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 pub use kvcr_runner_core::policy;
+use kvcr_runner_core::{Action, Core, CoreConfig, JobId};
 pub use kvcr_runner_core::{
     CachePolicy, CopySpan, CoreCounters, DeliverEntry, DepositEntry, EntryResult, EntryStatus,
     FailReason, KVCR_REGION_PREFIX, MAX_REGION_ELEMENTS, MAX_REGION_LABEL, MAX_SPANS_PER_KEY,
     OpResult, PageInfo, PeerCounters, PeerNotice, PoolConfig, PoolId, PoolRange, PoolStats,
     QueryStatus, RegionDesc, RegionMemory, ReleaseHandle, RunnerStats,
 };
-use kvcr_runner_core::{Action, Core, CoreConfig, JobId};
 
 pub use self::device::DeviceCopier;
 pub use self::error::{Error, Result};
@@ -58,8 +58,8 @@ pub use self::placement::{
     AnonymousMemory, HugePages, MAX_NUMA_NODE, NumaBinding, NumaMode, PlacementDowngrade,
     PlacementOutcome, PoolMemory, PoolMemoryInfo, online_nodes, transparent_huge_page_mode,
 };
-use kvcr_contracts::endpoint::ControlEndpoint;
 use crate::error::RunnerReason;
+use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::hint::{FetchHint, RequestId};
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::key::{Namespace, NamespaceId, ScopedKey};
@@ -339,7 +339,11 @@ impl Shared {
         }
         for (job, n) in failed_jobs {
             cancels.remove(&job);
-            core.handle_copy_done(self.now(), job, &vec![kvcr_runner_core::CopyOutcome::Cancelled; n]);
+            core.handle_copy_done(
+                self.now(),
+                job,
+                &vec![kvcr_runner_core::CopyOutcome::Cancelled; n],
+            );
         }
         match sink.as_mut() {
             Some(sink) => core.drain_events().for_each(|event| sink.publish(&event)),
@@ -453,12 +457,10 @@ impl Runner {
         policy: Option<Box<dyn CachePolicy>>,
         fail_at: Option<StartupStage>,
     ) -> Result<Self> {
-        let fail = |stage: StartupStage, cause: Error| {
-            Error::Startup {
-                stage: stage.name(),
-                retained: false,
-                cause: Box::new(cause),
-            }
+        let fail = |stage: StartupStage, cause: Error| Error::Startup {
+            stage: stage.name(),
+            retained: false,
+            cause: Box::new(cause),
         };
         let injected = |stage: StartupStage| -> Result<()> {
             if fail_at == Some(stage) {
@@ -548,12 +550,10 @@ impl Runner {
         policy: Option<Box<dyn CachePolicy>>,
         peer: &PeerOptions,
     ) -> Result<Self> {
-        let fail = |stage: &'static str, cause: Error| {
-            Error::Startup {
-                stage,
-                retained: false,
-                cause: Box::new(cause),
-            }
+        let fail = |stage: &'static str, cause: Error| Error::Startup {
+            stage,
+            retained: false,
+            cause: Box::new(cause),
         };
         config
             .validate()
@@ -730,7 +730,10 @@ impl Runner {
     /// element named by an operation until that operation has completed.
     #[allow(unsafe_code)]
     pub unsafe fn register_region(&mut self, desc: RegionDesc) -> Result<RegionId> {
-        self.shared.lock().core.register_region(desc)
+        self.shared
+            .lock()
+            .core
+            .register_region(desc)
             .map_err(Error::from)
     }
 

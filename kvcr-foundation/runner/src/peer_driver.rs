@@ -18,11 +18,11 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::Shared;
 use super::control::{ControlChannel, ControlStats};
-use kvcr_runner_core::{Action, PutSpan};
 use super::placement::{AnonMapping, PlacementOutcome, PoolMemory};
-use kvcr_contracts::endpoint::{AdvertisePolicy, BindAddress, ControlEndpoint, Host};
 use crate::error::{Error, Result, RunnerReason};
+use kvcr_contracts::endpoint::{AdvertisePolicy, BindAddress, ControlEndpoint, Host};
 use kvcr_contracts::protocol::RegionId;
+use kvcr_runner_core::{Action, PutSpan};
 use kvcr_ucx::{
     AnonOptions, Completion, Context, ContextConfig, Endpoint, ErrorMode, Registration, RemoteKey,
     RkeyBuffer, WorkerAddress,

@@ -8,13 +8,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvcr_foundation::runner::error::RunnerReason;
 use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
+use kvcr_foundation::runner::Error;
+use kvcr_foundation::runner::error::RunnerReason;
 use kvcr_foundation::runner::{
     CopySpan, DeliverEntry, DepositEntry, DeviceCopier, EntryStatus, FailReason, OpResult,
     PoolRange, RegionDesc, Runner, RunnerConfig,
 };
-use kvcr_foundation::runner::Error;
 use kvcr_foundation::{BlockKey, CompatDigest, Namespace, NamespaceId, ScopedKey};
 
 const BLOCK: usize = 256;

@@ -5,8 +5,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvcr_foundation::runner::error::RunnerReason;
 use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
+use kvcr_foundation::runner::error::RunnerReason;
 use kvcr_foundation::runner::policy::{BlockMeta, CachePolicy, EvictionOrder, IngestDecision};
 use kvcr_foundation::runner::{
     DeliverEntry, DepositEntry, EntryStatus, FailReason, OpResult, PageInfo, PoolId, QueryStatus,
@@ -781,7 +781,9 @@ fn allocation_failure_is_typed() {
     };
     let err = Runner::start(config, None).unwrap_err();
     match &err {
-        kvcr_foundation::runner::Error::Startup { stage, .. } => assert_eq!(*stage, "allocate pools"),
+        kvcr_foundation::runner::Error::Startup { stage, .. } => {
+            assert_eq!(*stage, "allocate pools")
+        }
         other => panic!("{other:?}"),
     }
 }

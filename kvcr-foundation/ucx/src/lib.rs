@@ -55,8 +55,8 @@
 //! as zero-padded copies.
 
 mod context;
-pub mod error;
 mod endpoint;
+pub mod error;
 mod memory;
 mod request;
 mod status;
@@ -67,15 +67,14 @@ mod worker;
 #[cfg(test)]
 mod tests;
 
-pub use error::{Error, Result};
 pub use context::{Context, ContextConfig, ErrorMode, library_version};
 pub use endpoint::{CloseMode, DROP_WAIT, Endpoint, RemoteKey};
+pub use error::{Error, Result};
 pub use memory::{AnonOptions, OwnedMemory, Registration, Scope};
 pub use request::Completion;
 pub use status::{UcsStatus, UcxReason};
 pub use wire::{RkeyBuffer, WorkerAddress};
 pub use worker::{WaitPolicy, Worker};
-
 
 /// Maps a returned `ucs_status_t`: `UCS_OK` is `Ok`, anything else an
 /// [`Error::Call`] naming `op`.

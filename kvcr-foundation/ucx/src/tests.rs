@@ -186,9 +186,7 @@ fn rkey_envelope_round_trips_and_refuses_garbage() {
     // A worker address is not an rkey.
     let a = WorkerAddress::seal(7, 9, &[1]).unwrap();
     assert!(matches!(
-        RkeyBuffer::from_bytes(a.as_bytes())
-            .unwrap_err()
-            .reason(),
+        RkeyBuffer::from_bytes(a.as_bytes()).unwrap_err().reason(),
         Some(UcxReason::Magic { .. })
     ));
 }

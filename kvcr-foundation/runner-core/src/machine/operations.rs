@@ -1,0 +1,541 @@
+//! Operations: deposit, fetch, deliver, release and abort, validated whole before anything changes.
+
+use super::*;
+
+impl Core {
+    pub(in crate::machine) fn new_op(
+        &mut self,
+        now: u64,
+        kind: OpKind,
+        entries: Vec<OpEntry>,
+        memory: RegionMemory,
+    ) -> OpHandle {
+        let handle = OpHandle(self.next_op);
+        self.next_op += 1;
+        let deadline = now.saturating_add(self.operation_timeout_ns);
+        let pending = entries.iter().filter(|e| e.result.is_none()).count();
+        self.ops.insert(
+            handle,
+            Op {
+                kind,
+                deadline,
+                entries,
+                pending,
+                jobs: 0,
+                memory,
+            },
+        );
+        self.deadlines.insert((deadline, handle));
+        handle
+    }
+
+    pub(in crate::machine) fn layout_of(&mut self, pools: Vec<PoolId>) -> Result<u16> {
+        if let Some(id) = self.layout_ids.get(&pools) {
+            return Ok(*id);
+        }
+        let id = u16::try_from(self.layouts.len()).map_err(|_| {
+            runner_err(RunnerReason::Config {
+                field: "layouts",
+                why: "more than 65535 distinct span layouts",
+            })
+        })?;
+        self.layouts.push(pools.clone());
+        self.layout_ids.insert(pools, id);
+        Ok(id)
+    }
+
+    /// Validates a key's framework spans: resolves every element and returns
+    /// the layout (pools in span order) and the spans.
+    pub(in crate::machine) fn framework_spans(
+        &mut self,
+        spans: &[ElementRef],
+    ) -> Result<(u16, Vec<CopySpan>, RegionMemory)> {
+        if spans.is_empty() || spans.len() > MAX_SPANS_PER_KEY {
+            return Err(runner_err(RunnerReason::LayoutLength {
+                got: spans.len(),
+                max: MAX_SPANS_PER_KEY,
+            }));
+        }
+        let mut pools = Vec::with_capacity(spans.len());
+        let mut copies = Vec::with_capacity(spans.len());
+        let mut memory = None;
+        for element in spans {
+            let span = self.regions.resolve_framework(*element)?;
+            same_memory(&mut memory, span.memory)?;
+            pools.push(span.pool);
+            copies.push(CopySpan {
+                src: span.addr,
+                dst: 0,
+                len: span.len,
+            });
+        }
+        let layout = self.layout_of(pools)?;
+        Ok((layout, copies, memory.unwrap_or(RegionMemory::Host)))
+    }
+
+    pub(in crate::machine) fn check_namespace(&self, key: &ScopedKey) -> Result<()> {
+        if self.namespaces.contains_key(&key.namespace) {
+            Ok(())
+        } else {
+            Err(runner_err(RunnerReason::UnknownNamespace(key.namespace.0)))
+        }
+    }
+
+    /// Copies framework memory into KVCR DRAM. Validation errors refuse the
+    /// whole call before anything changes.
+    pub fn deposit(
+        &mut self,
+        now: u64,
+        entries: Vec<DepositEntry>,
+        no_evict: bool,
+    ) -> Result<OpHandle> {
+        // Validate everything first: a bad entry refuses the call unchanged.
+        let mut validated = Vec::with_capacity(entries.len());
+        let mut memory = None;
+        for entry in entries {
+            self.check_namespace(&entry.key)?;
+            let (layout, spans, entry_memory) = self.framework_spans(&entry.spans)?;
+            same_memory(&mut memory, entry_memory)?;
+            validated.push((entry.key, layout, spans, entry.page));
+        }
+        let op_entries = validated
+            .iter()
+            .map(|(key, ..)| OpEntry {
+                key: *key,
+                result: None,
+                wait: Wait::None,
+                destinations: Vec::new(),
+            })
+            .collect();
+        let handle = self.new_op(
+            now,
+            OpKind::Deposit { no_evict },
+            op_entries,
+            memory.unwrap_or(RegionMemory::Host),
+        );
+        let job = JobId(self.next_job);
+        let mut job_keys = Vec::new();
+        let mut job_spans = Vec::new();
+        let protected: Vec<ScopedKey> = validated.iter().map(|v| v.0).collect();
+        for (i, (key, layout, mut spans, page)) in validated.into_iter().enumerate() {
+            let entry = i as u32;
+            match self.index.get(&key).copied() {
+                Some(IndexEntry { record, state }) => {
+                    let same_layout = self.record(record).is_some_and(|r| r.layout == layout);
+                    match state {
+                        _ if !same_layout => self.set_result(
+                            handle,
+                            entry,
+                            EntryResult::failed(FailReason::LayoutMismatch),
+                        ),
+                        Residency::Ready => {
+                            let release = no_evict.then(|| self.claim_public(record));
+                            self.set_result(
+                                handle,
+                                entry,
+                                EntryResult::success(release, Vec::new()),
+                            );
+                        }
+                        Residency::Filling => {
+                            let fill = self.filling.get(&record).copied().unwrap_or(NIL);
+                            self.wait_on_fill(handle, entry, fill);
+                        }
+                        Residency::Discarding | Residency::Vacant => {
+                            self.set_result(
+                                handle,
+                                entry,
+                                EntryResult::failed(FailReason::Discarding),
+                            );
+                        }
+                    }
+                }
+                None => {
+                    let size: u64 = spans.iter().map(|s| s.len).sum();
+                    let meta = BlockMeta {
+                        key,
+                        size_bytes: size,
+                        access_count: 0,
+                        last_access_ns: now,
+                        inserted_seq: self.next_seq,
+                    };
+                    if self.policy.decide_ingest(&meta, no_evict) == IngestDecision::Drop {
+                        self.counters.dropped += 1;
+                        self.set_result(handle, entry, EntryResult::dropped());
+                        continue;
+                    }
+                    let Some(slots) = self.allocate(now, layout, &protected) else {
+                        self.set_result(
+                            handle,
+                            entry,
+                            EntryResult::failed(FailReason::CapacityExhausted),
+                        );
+                        continue;
+                    };
+                    let record = self.insert_record(now, key, layout, slots);
+                    for (span, slot) in spans.iter_mut().zip(self.slot_spans(record)) {
+                        span.dst = slot.src;
+                    }
+                    let fill = self.new_fill(Fill {
+                        record,
+                        source: FillSource::Copy {
+                            job,
+                            key: job_keys.len() as u32,
+                        },
+                        waiters: Vec::new(),
+                        page,
+                    });
+                    self.filling.insert(record, fill);
+                    job_keys.push(JobKey::Fill(fill));
+                    job_spans.push(spans);
+                    self.wait_on_fill(handle, entry, fill);
+                }
+            }
+        }
+        if !job_keys.is_empty() {
+            self.submit_job(handle, job, job_keys, job_spans);
+        }
+        self.finish_if_done(handle);
+        self.check_pressure();
+        Ok(handle)
+    }
+
+    /// Makes keys resident and claims them. Without a peer source (the peer
+    /// slice adds one), a key that is not resident fails with `NoSource`.
+    pub fn fetch(
+        &mut self,
+        now: u64,
+        keys: &[ScopedKey],
+        layout: &[PoolId],
+        request: Option<&RequestId>,
+    ) -> Result<OpHandle> {
+        if layout.is_empty() || layout.len() > MAX_SPANS_PER_KEY {
+            return Err(runner_err(RunnerReason::LayoutLength {
+                got: layout.len(),
+                max: MAX_SPANS_PER_KEY,
+            }));
+        }
+        if layout.iter().any(|p| p.0 as usize >= self.pools.len()) {
+            return Err(runner_err(RunnerReason::LayoutMismatch));
+        }
+        for key in keys {
+            self.check_namespace(key)?;
+        }
+        let layout = self.layout_of(layout.to_vec())?;
+        // Keys are deduplicated in order.
+        let mut seen = hashbrown::HashSet::with_capacity(keys.len());
+        let unique: Vec<ScopedKey> = keys.iter().copied().filter(|k| seen.insert(*k)).collect();
+        let entries = unique
+            .iter()
+            .map(|key| OpEntry {
+                key: *key,
+                result: None,
+                wait: Wait::None,
+                destinations: Vec::new(),
+            })
+            .collect();
+        let handle = self.new_op(now, OpKind::Fetch, entries, RegionMemory::Host);
+        let mut remote = Vec::new();
+        for (i, key) in unique.iter().enumerate() {
+            let entry = i as u32;
+            match self.index.get(key).copied() {
+                Some(IndexEntry { record, state }) => {
+                    let same_layout = self.record(record).is_some_and(|r| r.layout == layout);
+                    match state {
+                        _ if !same_layout => self.set_result(
+                            handle,
+                            entry,
+                            EntryResult::failed(FailReason::LayoutMismatch),
+                        ),
+                        Residency::Ready => {
+                            let release = self.claim_public(record);
+                            self.touch(now, record);
+                            let slots = self.slot_refs(record);
+                            self.set_result(
+                                handle,
+                                entry,
+                                EntryResult::success(Some(release), slots),
+                            );
+                        }
+                        Residency::Filling => {
+                            let fill = self.filling.get(&record).copied().unwrap_or(NIL);
+                            self.wait_on_fill(handle, entry, fill);
+                        }
+                        Residency::Discarding | Residency::Vacant => {
+                            self.set_result(
+                                handle,
+                                entry,
+                                EntryResult::failed(FailReason::NoSource),
+                            );
+                        }
+                    }
+                }
+                None => remote.push((entry, *key)),
+            }
+        }
+        self.start_remote(now, handle, request, layout, remote, &unique);
+        self.finish_if_done(handle);
+        self.check_pressure();
+        Ok(handle)
+    }
+
+    /// Sends the keys of `op` that are not resident to the request's hinted
+    /// source (when the hint covers them); the rest fail with `NoSource`.
+    pub(in crate::machine) fn start_remote(
+        &mut self,
+        now: u64,
+        op: OpHandle,
+        request: Option<&RequestId>,
+        layout: u16,
+        missing: Vec<(u32, ScopedKey)>,
+        protected: &[ScopedKey],
+    ) {
+        // One start_write per (source, namespace): the message carries one
+        // namespace for all its keys.
+        let mut by_source: BTreeMap<(ControlEndpoint, NamespaceId), Vec<(u32, ScopedKey)>> =
+            BTreeMap::new();
+        for (entry, key) in missing {
+            match self
+                .peer
+                .as_ref()
+                .and_then(|p| p.hinted_source(request, &key))
+            {
+                Some(source) => by_source
+                    .entry((source.clone(), key.namespace))
+                    .or_default()
+                    .push((entry, key)),
+                None => self.set_result(op, entry, EntryResult::failed(FailReason::NoSource)),
+            }
+        }
+        for ((source, _), entries) in by_source {
+            let keys: Vec<ScopedKey> = entries.iter().map(|(_, k)| *k).collect();
+            let fills = self.start_remote_fills(now, request, source, &keys, layout, protected);
+            for ((entry, _), fill) in entries.into_iter().zip(fills) {
+                match fill {
+                    Ok(fill) => self.wait_on_fill(op, entry, fill),
+                    Err(reason) => self.set_result(op, entry, EntryResult::failed(reason)),
+                }
+            }
+        }
+    }
+
+    /// Copies resident pages into framework destinations.
+    pub fn deliver(
+        &mut self,
+        now: u64,
+        entries: Vec<DeliverEntry>,
+        request: Option<&RequestId>,
+    ) -> Result<OpHandle> {
+        let mut validated = Vec::with_capacity(entries.len());
+        let mut memory = None;
+        for entry in entries {
+            self.check_namespace(&entry.key)?;
+            let (layout, spans, entry_memory) = self.framework_spans(&entry.destinations)?;
+            same_memory(&mut memory, entry_memory)?;
+            // Destinations: the resolved framework spans are the copy targets.
+            let destinations: Vec<CopySpan> = spans
+                .into_iter()
+                .map(|s| CopySpan {
+                    src: 0,
+                    dst: s.src,
+                    len: s.len,
+                })
+                .collect();
+            validated.push((entry.key, layout, destinations));
+        }
+        let op_entries = validated
+            .iter()
+            .map(|(key, _, destinations)| OpEntry {
+                key: *key,
+                result: None,
+                wait: Wait::None,
+                destinations: destinations.clone(),
+            })
+            .collect();
+        let handle = self.new_op(
+            now,
+            OpKind::Deliver,
+            op_entries,
+            memory.unwrap_or(RegionMemory::Host),
+        );
+        let mut ready = Vec::new();
+        let mut remote: BTreeMap<u16, Vec<(u32, ScopedKey)>> = BTreeMap::new();
+        for (i, (key, layout, _)) in validated.iter().enumerate() {
+            let entry = i as u32;
+            match self.index.get(key).copied() {
+                Some(IndexEntry { record, state }) => {
+                    let same_layout = self.record(record).is_some_and(|r| r.layout == *layout);
+                    match state {
+                        _ if !same_layout => self.set_result(
+                            handle,
+                            entry,
+                            EntryResult::failed(FailReason::LayoutMismatch),
+                        ),
+                        Residency::Ready => ready.push((entry, record)),
+                        Residency::Filling => {
+                            let fill = self.filling.get(&record).copied().unwrap_or(NIL);
+                            self.wait_on_fill(handle, entry, fill);
+                        }
+                        Residency::Discarding | Residency::Vacant => {
+                            self.set_result(
+                                handle,
+                                entry,
+                                EntryResult::failed(FailReason::NoSource),
+                            );
+                        }
+                    }
+                }
+                None => remote.entry(*layout).or_default().push((entry, *key)),
+            }
+        }
+        let protected: Vec<ScopedKey> = validated.iter().map(|v| v.0).collect();
+        for (layout, missing) in remote {
+            self.start_remote(now, handle, request, layout, missing, &protected);
+        }
+        self.start_delivers(now, handle, ready);
+        self.finish_if_done(handle);
+        self.check_pressure();
+        Ok(handle)
+    }
+
+    /// Starts one deliver copy job for `entries` of `handle`, each reading a
+    /// READY record under an internal claim.
+    pub(in crate::machine) fn start_delivers(
+        &mut self,
+        now: u64,
+        handle: OpHandle,
+        entries: Vec<(u32, u32)>,
+    ) {
+        if entries.is_empty() {
+            return;
+        }
+        let job = JobId(self.next_job);
+        let mut keys = Vec::with_capacity(entries.len());
+        let mut spans = Vec::with_capacity(entries.len());
+        for (entry, record) in entries {
+            self.claim_internal(record);
+            self.touch(now, record);
+            let sources = self.slot_spans(record);
+            let Some(op) = self.ops.get_mut(&handle) else {
+                continue;
+            };
+            let Some(e) = op.entries.get_mut(entry as usize) else {
+                continue;
+            };
+            let copies: Vec<CopySpan> = e
+                .destinations
+                .iter()
+                .zip(&sources)
+                .map(|(d, s)| CopySpan {
+                    src: s.src,
+                    dst: d.dst,
+                    len: d.len,
+                })
+                .collect();
+            e.wait = Wait::Copy(job, keys.len() as u32);
+            keys.push(JobKey::Deliver { record, entry });
+            spans.push(copies);
+        }
+        self.submit_job(handle, job, keys, spans);
+    }
+
+    pub(in crate::machine) fn submit_job(
+        &mut self,
+        op: OpHandle,
+        job: JobId,
+        keys: Vec<JobKey>,
+        spans: Vec<Vec<CopySpan>>,
+    ) {
+        debug_assert_eq!(job.0, self.next_job);
+        self.next_job += 1;
+        let deadline_ns = self.ops.get(&op).map_or(0, |o| o.deadline);
+        let memory = self.ops.get(&op).map_or(RegionMemory::Host, |o| o.memory);
+        if let Some(o) = self.ops.get_mut(&op) {
+            o.jobs += 1;
+        }
+        self.jobs.insert(job, Job { op, keys });
+        self.actions.push_back(Action::Copy {
+            job,
+            deadline_ns,
+            memory,
+            keys: spans,
+        });
+    }
+
+    /// Releases public claims. `true` for a live handle; unknown or already
+    /// released handles give `false` and change nothing.
+    pub fn release(&mut self, handles: &[ReleaseHandle]) -> Vec<bool> {
+        let out = handles
+            .iter()
+            .map(|h| match self.claims.remove(h) {
+                Some(record) => {
+                    self.unclaim(record);
+                    true
+                }
+                None => false,
+            })
+            .collect();
+        self.check_pressure();
+        out
+    }
+
+    /// Best-effort abort of `keys` of `op` (all keys when `None`). Keys waiting
+    /// on shared work detach (the work continues for other waiters); a copy that
+    /// has not started is cancelled; one in flight finishes, and the operation
+    /// completes only after it, reporting `Aborted` for those keys.
+    pub fn abort(&mut self, op: OpHandle, keys: Option<&[ScopedKey]>) -> bool {
+        let Some(o) = self.ops.get(&op) else {
+            return false;
+        };
+        let targets: Vec<u32> = o
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.result.is_none() && keys.is_none_or(|ks| ks.contains(&e.key)))
+            .map(|(i, _)| i as u32)
+            .collect();
+        if targets.is_empty() {
+            return false;
+        }
+        for entry in targets {
+            self.fail_waiting_entry(op, entry, FailReason::Aborted);
+        }
+        self.finish_if_done(op);
+        true
+    }
+
+    /// Fails one pending entry now (abort or deadline): detaches it from a
+    /// shared fill (cancelling the fill's copy if nobody else waits), or
+    /// cancels its own deliver copy.
+    pub(in crate::machine) fn fail_waiting_entry(
+        &mut self,
+        op: OpHandle,
+        entry: u32,
+        reason: FailReason,
+    ) {
+        let wait = self
+            .ops
+            .get(&op)
+            .and_then(|o| o.entries.get(entry as usize))
+            .map_or(Wait::None, |e| e.wait);
+        match wait {
+            Wait::Fill(fill) => {
+                let mut cancel = None;
+                if let Some(f) = self.fills.get_mut(fill as usize).and_then(Option::as_mut) {
+                    f.waiters.retain(|w| *w != (op, entry));
+                    // A local copy nobody waits for is cancelled; a remote
+                    // write cannot be, and its target operation still owns it.
+                    if let (true, FillSource::Copy { job, key }) = (f.waiters.is_empty(), f.source)
+                    {
+                        cancel = Some((job, key));
+                    }
+                }
+                if let Some((job, key)) = cancel {
+                    self.actions.push_back(Action::Cancel { job, key });
+                }
+            }
+            Wait::Copy(job, key) => self.actions.push_back(Action::Cancel { job, key }),
+            Wait::None => {}
+        }
+        self.set_result(op, entry, EntryResult::failed(reason));
+    }
+}

@@ -1,0 +1,482 @@
+//! The peer protocol's two state machines, inside the sans-I/O core: the
+//! target role in `target`, the source role in `source`, the dispatch and
+//! timers they share here.
+//!
+//! **Target** (the destination, which pulls): a fetch or deliver of keys the
+//! request's router hint places on a peer reserves FILLING slots and becomes a
+//! target operation: `start_write` naming, per key, the runner-owned pool
+//! elements it grants. States, with the reference runtime's deadlines:
+//!
+//! ```text
+//! WaitingWriteDone --write_done / refused--> Finished
+//!        | op deadline: fills DISCARDING, callers fail, probe #1
+//!        v
+//! WaitingTerminal --terminal proof--> Finished (slots freed)
+//!        | abandonment deadline: uncertain notice, probe #2
+//!        v
+//! Quarantined --terminal proof--> Finished (slots freed, quiesced notice)
+//! ```
+//!
+//! A late success after the op deadline never commits: the slots are freed.
+//! Elapsed time alone never frees a quarantined destination.
+//!
+//! **Source** (the peer that holds the pages): a `start_write` is checked
+//! against the target's advertised regions (every element in range, sizes
+//! equal), READY keys are claimed, and one put action covers them; after the
+//! put and flush complete, `write_done` reports the completed indices. Probes
+//! install sticky cancellation fences; a stalled source refuses new writes
+//! until restart; a refused or foreign request gets `write_refused` or a
+//! terminal failure, and is counted.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use super::*;
+
+mod source;
+mod target;
+use kvcr_contracts::endpoint::ControlEndpoint;
+use kvcr_contracts::hint::{FetchHint, RequestId};
+use kvcr_contracts::incarnation::Incarnation;
+use kvcr_contracts::protocol::{
+    Body, CompletedIndices, Header, Message, RegionAdvert, RouteGeneration, WriteOutcome,
+};
+
+/// Everything a runner needs to take part in the peer protocol.
+#[derive(Debug, Clone)]
+pub struct PeerConfig {
+    /// This runner's advertised control endpoint.
+    pub endpoint: ControlEndpoint,
+    /// This runner's incarnation.
+    pub incarnation: Incarnation,
+    /// Packed UCX worker address.
+    pub worker_address: Vec<u8>,
+    /// Packed remote key per runner-owned pool region.
+    pub rkeys: Vec<(RegionId, Vec<u8>)>,
+    /// Abandonment budget, from op start (≥ 2 × the op timeout).
+    pub abandon_timeout_ns: u64,
+    /// How often unacknowledged metadata is re-sent.
+    pub metadata_retry_ns: u64,
+}
+
+/// A notice for the framework about memory a peer may still write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerNotice {
+    /// The abandonment deadline passed without proof that the source stopped:
+    /// the target's slots stay quarantined.
+    Uncertain {
+        /// The target operation.
+        op: OpHandle,
+    },
+    /// Proof arrived that the source will not touch the slots again; they are free.
+    Quiesced {
+        /// The target operation.
+        op: OpHandle,
+    },
+}
+
+/// Counters of the peer protocol.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PeerCounters {
+    /// `start_write`s sent.
+    pub writes_requested: u64,
+    /// Keys a source wrote for us.
+    pub keys_received: u64,
+    /// Keys we wrote for targets.
+    pub keys_sent: u64,
+    /// Bytes we wrote for targets.
+    pub bytes_sent: u64,
+    /// Messages refused: unknown op, wrong sender, foreign incarnation,
+    /// out-of-range element, unknown region, size mismatch.
+    pub refused: u64,
+    /// Target operations that reached the abandonment deadline.
+    pub quarantined: u64,
+}
+
+#[derive(Debug)]
+pub(crate) struct RequestHint {
+    source: ControlEndpoint,
+    hashes: HashSet<BlockKey>,
+    failed: bool,
+    missing: HashSet<BlockKey>,
+}
+
+#[derive(Debug, Default)]
+struct SourcePeer {
+    acked: bool,
+    incarnation: Option<Incarnation>,
+    last_metadata_ns: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TargetState {
+    /// The source's incarnation is not known yet: `start_write` waits for the
+    /// metadata ack, so that every reply can be checked against it.
+    AwaitingAck,
+    WaitingWriteDone,
+    WaitingTerminal,
+    Quarantined,
+}
+
+#[derive(Debug)]
+struct TargetOp {
+    source: ControlEndpoint,
+    source_incarnation: Option<Incarnation>,
+    request: Option<RequestId>,
+    state: TargetState,
+    deadline: u64,
+    abandon_deadline: u64,
+    keys: Vec<ScopedKey>,
+    fills: Vec<u32>,
+    uncertain: bool,
+    /// The request, until it is sent.
+    start: Option<Body>,
+}
+
+#[derive(Debug)]
+struct Route {
+    incarnation: Incarnation,
+    their_generation: RouteGeneration,
+    local_generation: u64,
+    regions: HashMap<RegionId, RegionAdvert>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WriteState {
+    Writing,
+    CancelPending,
+}
+
+#[derive(Debug)]
+struct SourceWrite {
+    target: ControlEndpoint,
+    target_incarnation: Incarnation,
+    op: OpHandle,
+    records: Vec<u32>,
+    indices: Vec<u32>,
+    bytes: u64,
+    deadline: u64,
+    state: WriteState,
+}
+
+/// One put: local bytes into a remote element.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PutSpan {
+    /// Local source address (inside a runner-owned pool).
+    pub local: u64,
+    /// Remote destination address (inside `region` of the target).
+    pub remote: u64,
+    /// Bytes.
+    pub len: u64,
+    /// The target's region (selects the rkey).
+    pub region: RegionId,
+}
+
+/// The peer half of the core's state: the two roles, and what they share.
+#[derive(Debug)]
+pub(crate) struct PeerState {
+    config: PeerConfig,
+    /// The destination role: hints, sources' metadata, target operations.
+    target: TargetRole,
+    /// The source role: routes to targets, writes, fences, the stall latch.
+    source: SourceRole,
+    last_tick: Option<u64>,
+    pub(crate) notices: Vec<PeerNotice>,
+    pub(crate) counters: PeerCounters,
+}
+
+/// What a destination (a target) keeps: it pulls hinted pages from sources.
+#[derive(Debug, Default)]
+struct TargetRole {
+    hints: HashMap<RequestId, RequestHint>,
+    sources: HashMap<ControlEndpoint, SourcePeer>,
+    ops: BTreeMap<OpHandle, TargetOp>,
+}
+
+/// What a source keeps: it writes its READY pages into targets' grants.
+#[derive(Debug)]
+struct SourceRole {
+    routes: HashMap<ControlEndpoint, Route>,
+    next_route_generation: u64,
+    writes: HashMap<u64, SourceWrite>,
+    writes_by_op: HashMap<(Incarnation, OpHandle), u64>,
+    /// Highest op handle accepted per target incarnation: a duplicate or late
+    /// `start_write` at or below it never writes (the slots it names may have
+    /// been reused by the target since).
+    high_water: HashMap<Incarnation, OpHandle>,
+    fences: HashSet<(Incarnation, OpHandle)>,
+    next_write: u64,
+    stalled: bool,
+}
+
+impl Default for SourceRole {
+    fn default() -> Self {
+        Self {
+            routes: HashMap::new(),
+            next_route_generation: 1,
+            writes: HashMap::new(),
+            writes_by_op: HashMap::new(),
+            high_water: HashMap::new(),
+            fences: HashSet::new(),
+            next_write: 1,
+            stalled: false,
+        }
+    }
+}
+
+impl PeerState {
+    pub(crate) fn new(config: PeerConfig) -> Self {
+        Self {
+            config,
+            target: TargetRole::default(),
+            source: SourceRole::default(),
+            last_tick: None,
+            notices: Vec::new(),
+            counters: PeerCounters::default(),
+        }
+    }
+
+    fn header(&self) -> Header {
+        Header {
+            sender: self.config.incarnation,
+            route_generation: RouteGeneration(0),
+            sender_endpoint: self.config.endpoint.clone(),
+        }
+    }
+
+    /// Whether `key` of `request` may come from the request's hinted source.
+    pub(crate) fn hinted_source(
+        &self,
+        request: Option<&RequestId>,
+        key: &ScopedKey,
+    ) -> Option<&ControlEndpoint> {
+        let hint = self.target.hints.get(request?)?;
+        (!hint.failed && hint.hashes.contains(&key.key) && !hint.missing.contains(&key.key))
+            .then_some(&hint.source)
+    }
+}
+
+/// An element of a target region, bounds-checked against its advertisement.
+fn remote_address(region: &RegionAdvert, index: u64) -> Option<u64> {
+    if index >= region.count {
+        return None;
+    }
+    region.base.checked_add(index.checked_mul(region.stride)?)
+}
+
+impl Core {
+    /// Enables the peer protocol.
+    pub fn enable_peer(&mut self, config: PeerConfig) {
+        self.peer = Some(PeerState::new(config));
+    }
+
+    pub(in crate::machine) fn send(&mut self, to: ControlEndpoint, body: Body) {
+        let Some(peer) = self.peer.as_ref() else {
+            return;
+        };
+        let message = Message {
+            header: peer.header(),
+            body,
+        };
+        self.actions.push_back(Action::Send { to, message });
+    }
+
+    /// One control message from a peer.
+    pub fn handle_message(&mut self, now: u64, message: Message) {
+        if self.peer.is_none() {
+            return;
+        }
+        // A message is handled on a driver turn: measure the stall first, so a
+        // request that queued up while this process was stopped is refused
+        // rather than served with a fresh deadline.
+        self.latch_stall(now);
+        let Message { header, body } = message;
+        match body {
+            Body::TargetMetadata {
+                worker_address,
+                regions,
+            } => self.on_target_metadata(&header, worker_address, regions),
+            Body::TargetMetadataAck { .. } => self.on_metadata_ack(&header),
+            Body::StartWrite {
+                op_handle,
+                remaining_timeout_ms,
+                source_incarnation,
+                namespace,
+                keys,
+                destinations,
+            } => self.on_start_write(
+                now,
+                &header,
+                op_handle,
+                remaining_timeout_ms,
+                source_incarnation,
+                namespace,
+                &keys,
+                &destinations,
+            ),
+            Body::WriteRefused { op_handle } => self.on_write_end(now, &header, op_handle, None),
+            Body::WriteDone { op_handle, outcome } => {
+                self.on_write_end(now, &header, op_handle, Some(outcome))
+            }
+            Body::WriteProbe {
+                op_handle,
+                source_incarnation,
+            } => self.on_probe(&header, op_handle, source_incarnation),
+            Body::WriteProbeAck {
+                op_handle,
+                terminal,
+                ..
+            } => {
+                let proof = terminal
+                    && self
+                        .peer
+                        .as_ref()
+                        .and_then(|p| p.target.ops.get(&op_handle))
+                        .is_some_and(|op| {
+                            op.source == header.sender_endpoint
+                                && matches!(
+                                    op.state,
+                                    TargetState::WaitingTerminal | TargetState::Quarantined
+                                )
+                                && op.source_incarnation == Some(header.sender)
+                        });
+                if proof {
+                    self.finish_target_op(now, op_handle, None);
+                }
+            }
+        }
+    }
+
+    /// Peer deadlines: target ops past their deadlines move on; source writes
+    /// past theirs send a non-terminal cancellation once.
+    pub fn handle_peer_timeout(&mut self, now: u64) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let unsent: Vec<OpHandle> = peer
+            .target
+            .ops
+            .iter()
+            .filter(|(_, o)| o.state == TargetState::AwaitingAck && now >= o.deadline)
+            .map(|(h, _)| *h)
+            .collect();
+        let expired: Vec<OpHandle> = peer
+            .target
+            .ops
+            .iter()
+            .filter(|(_, o)| o.state == TargetState::WaitingWriteDone && now >= o.deadline)
+            .map(|(h, _)| *h)
+            .collect();
+        let abandoned: Vec<OpHandle> = peer
+            .target
+            .ops
+            .iter()
+            .filter(|(_, o)| o.state == TargetState::WaitingTerminal && now >= o.abandon_deadline)
+            .map(|(h, _)| *h)
+            .collect();
+        let mut cancels = Vec::new();
+        for w in peer.source.writes.values_mut() {
+            if w.state == WriteState::Writing && now >= w.deadline {
+                w.state = WriteState::CancelPending;
+                cancels.push((w.target.clone(), w.op));
+            }
+        }
+        for (target, op) in cancels {
+            self.send(
+                target,
+                Body::WriteDone {
+                    op_handle: op,
+                    outcome: WriteOutcome::Failed { terminal: false },
+                },
+            );
+        }
+        for op in unsent {
+            // Never sent, so nothing can write: fail and free at once.
+            self.finish_target_op_with(now, op, None, FailReason::Timeout);
+        }
+        for op in expired {
+            self.expire_target_op(now, op);
+        }
+        for op in abandoned {
+            let Some(peer) = self.peer.as_mut() else {
+                return;
+            };
+            let Some(target_op) = peer.target.ops.get_mut(&op) else {
+                continue;
+            };
+            // Quarantine: held until proof, however long that takes.
+            target_op.state = TargetState::Quarantined;
+            target_op.uncertain = true;
+            let (source, incarnation) = (target_op.source.clone(), target_op.source_incarnation);
+            peer.counters.quarantined += 1;
+            peer.notices.push(PeerNotice::Uncertain { op });
+            self.send(
+                source,
+                Body::WriteProbe {
+                    op_handle: op,
+                    source_incarnation: incarnation,
+                },
+            );
+        }
+    }
+
+    /// Called by the peer driver on every turn: a gap of a whole operation
+    /// timeout between turns means this process was stalled (stopped,
+    /// starved); such a source refuses new writes until restart.
+    pub fn handle_tick(&mut self, now: u64) {
+        self.latch_stall(now);
+        if let Some(peer) = self.peer.as_mut() {
+            peer.last_tick = Some(now);
+        }
+        self.handle_peer_timeout(now);
+    }
+
+    /// Latches `stalled` when a whole operation timeout has passed since the
+    /// last driver turn (the tick or a message may come first after a stop).
+    pub(in crate::machine) fn latch_stall(&mut self, now: u64) {
+        let timeout = self.operation_timeout_ns;
+        if let Some(peer) = self.peer.as_mut()
+            && peer
+                .last_tick
+                .is_some_and(|t| now.saturating_sub(t) >= timeout)
+        {
+            peer.source.stalled = true;
+        }
+    }
+
+    /// The earliest peer deadline.
+    pub fn next_peer_deadline(&self) -> Option<u64> {
+        let peer = self.peer.as_ref()?;
+        let targets = peer.target.ops.values().filter_map(|o| match o.state {
+            TargetState::AwaitingAck | TargetState::WaitingWriteDone => Some(o.deadline),
+            TargetState::WaitingTerminal => Some(o.abandon_deadline),
+            TargetState::Quarantined => None,
+        });
+        let sources = peer
+            .source
+            .writes
+            .values()
+            .filter(|w| w.state == WriteState::Writing)
+            .map(|w| w.deadline);
+        targets.chain(sources).min()
+    }
+
+    /// Whether the peer side still has work that may touch memory.
+    pub fn peer_busy(&self) -> (usize, usize) {
+        self.peer
+            .as_ref()
+            .map_or((0, 0), |p| (p.target.ops.len(), p.source.writes.len()))
+    }
+
+    /// Drains the framework notices.
+    pub fn take_notices(&mut self) -> Vec<PeerNotice> {
+        self.peer
+            .as_mut()
+            .map(|p| std::mem::take(&mut p.notices))
+            .unwrap_or_default()
+    }
+
+    /// Peer counters.
+    pub fn peer_counters(&self) -> PeerCounters {
+        self.peer.as_ref().map(|p| p.counters).unwrap_or_default()
+    }
+}

@@ -1,0 +1,272 @@
+//! The source role: a peer that holds pages writes them into a target's
+//! grants. Metadata replies, `start_write` checks against the advertised
+//! regions, puts, `write_done`, probes and fences.
+
+use super::*;
+
+impl Core {
+    pub(in crate::machine) fn refuse(&mut self) {
+        if let Some(peer) = self.peer.as_mut() {
+            peer.counters.refused += 1;
+        }
+    }
+
+    pub(in crate::machine) fn on_target_metadata(
+        &mut self,
+        header: &Header,
+        worker_address: Vec<u8>,
+        regions: Vec<RegionAdvert>,
+    ) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let target = header.sender_endpoint.clone();
+        let unchanged = peer.source.routes.get(&target).is_some_and(|r| {
+            r.incarnation == header.sender
+                && r.their_generation == header.route_generation
+                && r.regions.len() == regions.len()
+                && regions.iter().all(|a| r.regions.get(&a.id) == Some(a))
+        });
+        if !unchanged {
+            // A new process (or new registrations) at this name: a new route
+            // generation, so writes queued for the old one are never submitted.
+            let generation = peer.source.next_route_generation;
+            peer.source.next_route_generation += 1;
+            let rkeys = regions
+                .iter()
+                .map(|r| (r.id, r.base, r.rkey.clone()))
+                .collect();
+            peer.source.routes.insert(
+                target.clone(),
+                Route {
+                    incarnation: header.sender,
+                    their_generation: header.route_generation,
+                    local_generation: generation,
+                    regions: regions.into_iter().map(|r| (r.id, r)).collect(),
+                },
+            );
+            self.actions.push_back(Action::Connect {
+                peer: target.clone(),
+                generation,
+                worker_address,
+                rkeys,
+            });
+        }
+        self.send(target, Body::TargetMetadataAck { op_handle: None });
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(in crate::machine) fn on_start_write(
+        &mut self,
+        now: u64,
+        header: &Header,
+        op: OpHandle,
+        remaining_ms: u32,
+        source_incarnation: Option<Incarnation>,
+        namespace: NamespaceId,
+        keys: &[BlockKey],
+        destinations: &[Vec<ElementRef>],
+    ) {
+        let Some(peer) = self.peer.as_ref() else {
+            return;
+        };
+        let target = header.sender_endpoint.clone();
+        let failed = Body::WriteDone {
+            op_handle: op,
+            outcome: WriteOutcome::Failed { terminal: true },
+        };
+        let Some(route) = peer
+            .source
+            .routes
+            .get(&target)
+            .filter(|r| r.incarnation == header.sender)
+        else {
+            // No route to this incarnation of the target: refuse (terminal).
+            self.refuse();
+            self.send(target, Body::WriteRefused { op_handle: op });
+            return;
+        };
+        let generation = route.local_generation;
+        let regions = route.regions.clone();
+        // A write must name this incarnation: replies then prove something
+        // about exactly the process that may have written.
+        let foreign = source_incarnation != Some(peer.config.incarnation);
+        let fenced = peer.source.fences.contains(&(header.sender, op));
+        if peer.source.writes_by_op.contains_key(&(header.sender, op)) {
+            return; // a duplicate of a write in progress: the first one stands
+        }
+        let stale = peer
+            .source
+            .high_water
+            .get(&header.sender)
+            .is_some_and(|high| op <= *high);
+        if peer.source.stalled || foreign || fenced || stale {
+            self.refuse();
+            self.send(target, failed);
+            return;
+        }
+        if let Some(peer) = self.peer.as_mut() {
+            peer.source.high_water.insert(header.sender, op);
+        }
+        let deadline = now
+            .saturating_add((u64::from(remaining_ms) * 1_000_000).min(self.operation_timeout_ns));
+        let mut puts = Vec::new();
+        let mut records = Vec::new();
+        let mut indices = Vec::new();
+        let mut bytes = 0;
+        let mut bad_elements = 0u64;
+        for (i, (key, dests)) in keys.iter().zip(destinations).enumerate() {
+            let scoped = ScopedKey {
+                namespace,
+                key: *key,
+            };
+            let Some(record) = self
+                .index
+                .get(&scoped)
+                .filter(|e| e.state == Residency::Ready)
+                .map(|e| e.record)
+            else {
+                continue;
+            };
+            let sources = self.slot_spans(record);
+            if sources.len() != dests.len() {
+                continue;
+            }
+            let mut key_puts = Vec::with_capacity(dests.len());
+            for (src, dst) in sources.iter().zip(dests) {
+                let region = regions.get(&dst.region);
+                let remote = region
+                    .filter(|r| r.element_size == src.len)
+                    .and_then(|r| remote_address(r, dst.index));
+                match remote {
+                    Some(remote) => key_puts.push(PutSpan {
+                        local: src.src,
+                        remote,
+                        len: src.len,
+                        region: dst.region,
+                    }),
+                    None => {
+                        bad_elements += 1;
+                        break;
+                    }
+                }
+            }
+            if key_puts.len() != dests.len() {
+                continue;
+            }
+            bytes += key_puts.iter().map(|p| p.len).sum::<u64>();
+            puts.extend(key_puts);
+            records.push(record);
+            indices.push(i as u32);
+        }
+        if bad_elements > 0 {
+            // Out-of-range elements, unknown regions or size mismatches: never
+            // written, and counted.
+            if let Some(peer) = self.peer.as_mut() {
+                peer.counters.refused += bad_elements;
+            }
+        }
+        if puts.is_empty() {
+            self.send(
+                target,
+                Body::WriteDone {
+                    op_handle: op,
+                    outcome: WriteOutcome::Completed(CompletedIndices::new(Vec::new())),
+                },
+            );
+            return;
+        }
+        for record in &records {
+            self.claim_internal(*record);
+        }
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let write = peer.source.next_write;
+        peer.source.next_write += 1;
+        peer.source.writes_by_op.insert((header.sender, op), write);
+        peer.source.writes.insert(
+            write,
+            SourceWrite {
+                target: target.clone(),
+                target_incarnation: header.sender,
+                op,
+                records,
+                indices,
+                bytes,
+                deadline,
+                state: WriteState::Writing,
+            },
+        );
+        self.actions.push_back(Action::Put {
+            write,
+            target,
+            generation,
+            spans: puts,
+        });
+    }
+
+    /// The driver's report that a put (and its flush) finished.
+    pub fn handle_put_done(&mut self, now: u64, write: u64, ok: bool) {
+        let Some(w) = self
+            .peer
+            .as_mut()
+            .and_then(|p| p.source.writes.remove(&write))
+        else {
+            return;
+        };
+        if let Some(peer) = self.peer.as_mut() {
+            peer.source
+                .writes_by_op
+                .remove(&(w.target_incarnation, w.op));
+            if ok && w.state == WriteState::Writing {
+                peer.counters.keys_sent += w.indices.len() as u64;
+                peer.counters.bytes_sent += w.bytes;
+            }
+        }
+        for record in &w.records {
+            self.touch(now, *record);
+            self.unclaim(*record);
+        }
+        // After a cancellation the target already gave up: only a terminal
+        // failure is proof that we are done with its memory.
+        let outcome = match (ok, w.state) {
+            (true, WriteState::Writing) => {
+                WriteOutcome::Completed(CompletedIndices::new(w.indices))
+            }
+            _ => WriteOutcome::Failed { terminal: true },
+        };
+        self.send(
+            w.target,
+            Body::WriteDone {
+                op_handle: w.op,
+                outcome,
+            },
+        );
+    }
+
+    pub(in crate::machine) fn on_probe(
+        &mut self,
+        header: &Header,
+        op: OpHandle,
+        source_incarnation: Option<Incarnation>,
+    ) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let ours = source_incarnation.is_none_or(|i| i == peer.config.incarnation);
+        if ours {
+            // Sticky: a start_write that arrives after its probe never writes.
+            peer.source.fences.insert((header.sender, op));
+        }
+        let terminal = ours && !peer.source.writes_by_op.contains_key(&(header.sender, op));
+        self.send(
+            header.sender_endpoint.clone(),
+            Body::WriteProbeAck {
+                op_handle: op,
+                terminal,
+                dead_incarnation: None,
+            },
+        );
+    }
+}

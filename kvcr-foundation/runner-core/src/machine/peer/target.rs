@@ -1,0 +1,440 @@
+//! The target role: a destination pulls hinted pages. Hints, metadata
+//! exchange with sources, remote fills granted as `start_write`s, and the
+//! target operations' deadlines, probes and quarantine.
+
+use std::collections::HashSet;
+
+use super::*;
+
+impl Core {
+    /// Records a request's router hint. A second hint with the same source
+    /// replaces the key set; one with another source poisons the request
+    /// (every key of it becomes unfetchable), as the reference does.
+    pub fn submit_hint(&mut self, now: u64, request: RequestId, hint: &FetchHint) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let hashes: HashSet<BlockKey> = hint.block_hashes.iter().copied().collect();
+        match peer.target.hints.get_mut(&request) {
+            Some(existing) if existing.source != hint.source => existing.failed = true,
+            Some(existing) => existing.hashes = hashes,
+            None => {
+                peer.target.hints.insert(
+                    request,
+                    RequestHint {
+                        source: hint.source.clone(),
+                        hashes,
+                        failed: false,
+                        missing: HashSet::new(),
+                    },
+                );
+            }
+        }
+        // Eager handshake: the metadata exchange happens off the fetch path.
+        self.ensure_metadata(now, &hint.source);
+    }
+
+    /// Ends a request's hint scope.
+    pub fn discard_hint(&mut self, request: &RequestId) {
+        if let Some(peer) = self.peer.as_mut() {
+            peer.target.hints.remove(request);
+        }
+    }
+
+    /// `query` with the request's hint: a miss the hint covers is `Fetchable`.
+    pub fn query_request(&self, key: &ScopedKey, request: Option<&RequestId>) -> QueryStatus {
+        match self.query(key) {
+            QueryStatus::Miss => match self
+                .peer
+                .as_ref()
+                .and_then(|p| p.hinted_source(request, key))
+            {
+                Some(_) => QueryStatus::Fetchable(kvcr_contracts::tier::Tier::External),
+                None => QueryStatus::Miss,
+            },
+            status => status,
+        }
+    }
+
+    pub(in crate::machine) fn ensure_metadata(&mut self, now: u64, source: &ControlEndpoint) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let retry = peer.config.metadata_retry_ns;
+        let state = peer.target.sources.entry(source.clone()).or_default();
+        let due = !state.acked
+            && state
+                .last_metadata_ns
+                .is_none_or(|t| now.saturating_sub(t) >= retry);
+        if !due {
+            return;
+        }
+        state.last_metadata_ns = Some(now);
+        let worker_address = peer.config.worker_address.clone();
+        let regions = self.advertised_regions();
+        self.send(
+            source.clone(),
+            Body::TargetMetadata {
+                worker_address,
+                regions,
+            },
+        );
+    }
+
+    /// Our connection to `source` closed (or the caller forgot it): whatever
+    /// incarnation answered there before may be gone, so the next write to
+    /// it waits for a fresh metadata ack and names whoever answers then.
+    /// Writes already requested keep the incarnation they named: only that
+    /// process can end them.
+    pub fn peer_connection_lost(&mut self, source: &ControlEndpoint) {
+        if let Some(state) = self
+            .peer
+            .as_mut()
+            .and_then(|p| p.target.sources.get_mut(source))
+        {
+            state.acked = false;
+            state.incarnation = None;
+            state.last_metadata_ns = None;
+        }
+    }
+
+    /// The runner-owned pool regions, as a target advertises them.
+    pub(in crate::machine) fn advertised_regions(&self) -> Vec<RegionAdvert> {
+        let Some(peer) = self.peer.as_ref() else {
+            return Vec::new();
+        };
+        peer.config
+            .rkeys
+            .iter()
+            .filter_map(|(id, rkey)| {
+                let region = self.regions.get(*id).ok()?;
+                Some(RegionAdvert {
+                    id: *id,
+                    label: region.desc.label.clone(),
+                    base: region.desc.base,
+                    element_size: region.desc.size,
+                    stride: region.desc.effective_stride(),
+                    count: region.desc.count,
+                    rkey: rkey.clone(),
+                })
+            })
+            .collect()
+    }
+
+    /// Starts remote fills for `keys` (missing locally, covered by the hint
+    /// of `request`): reserves FILLING slots and sends one `start_write`.
+    /// Returns, per key, the fill to wait on or the reason it failed.
+    pub fn start_remote_fills(
+        &mut self,
+        now: u64,
+        request: Option<&RequestId>,
+        source: ControlEndpoint,
+        keys: &[ScopedKey],
+        layout: u16,
+        protected: &[ScopedKey],
+    ) -> Vec<std::result::Result<u32, FailReason>> {
+        let Some(timeout) = self.peer.as_ref().map(|_| self.operation_timeout_ns) else {
+            return vec![Err(FailReason::NoSource); keys.len()];
+        };
+        let target_op = OpHandle(self.next_op);
+        self.next_op += 1;
+        let mut results = Vec::with_capacity(keys.len());
+        let mut op_keys = Vec::new();
+        let mut fills = Vec::new();
+        let mut destinations = Vec::new();
+        for key in keys {
+            let Some(slots) = self.allocate(now, layout, protected) else {
+                results.push(Err(FailReason::CapacityExhausted));
+                continue;
+            };
+            let record = self.insert_record(now, *key, layout, slots);
+            let fill = self.new_fill(Fill {
+                record,
+                source: FillSource::Remote {
+                    target_op: target_op.0,
+                },
+                waiters: Vec::new(),
+                page: None,
+            });
+            self.filling.insert(record, fill);
+            destinations.push(self.slot_refs(record));
+            op_keys.push(*key);
+            fills.push(fill);
+            results.push(Ok(fill));
+        }
+        if op_keys.is_empty() {
+            return results;
+        }
+        self.ensure_metadata(now, &source);
+        let abandon = self
+            .peer
+            .as_ref()
+            .map_or(timeout, |p| p.config.abandon_timeout_ns);
+        // Only an acknowledged incarnation is named: after an expiry or a
+        // refusal the peer is invalidated and the write waits for a fresh ack,
+        // so a process restarted at the same address is asked by its own
+        // incarnation (and a dead one's silence frees the never-sent fills).
+        let source_incarnation = self
+            .peer
+            .as_ref()
+            .and_then(|p| p.target.sources.get(&source))
+            .filter(|s| s.acked)
+            .and_then(|s| s.incarnation);
+        let namespace = op_keys.first().map_or(NamespaceId(0), |k| k.namespace);
+        let remaining_ms = u32::try_from(timeout / 1_000_000)
+            .unwrap_or(u32::MAX)
+            .max(1);
+        let start = Body::StartWrite {
+            op_handle: target_op,
+            remaining_timeout_ms: remaining_ms,
+            source_incarnation,
+            namespace,
+            keys: op_keys.iter().map(|k| k.key).collect(),
+            destinations,
+        };
+        let (state, start) = match source_incarnation {
+            Some(_) => {
+                self.send(source.clone(), start);
+                (TargetState::WaitingWriteDone, None)
+            }
+            None => (TargetState::AwaitingAck, Some(start)),
+        };
+        if let Some(peer) = self.peer.as_mut() {
+            peer.counters.writes_requested += 1;
+            peer.target.ops.insert(
+                target_op,
+                TargetOp {
+                    source,
+                    source_incarnation,
+                    request: request.cloned(),
+                    state,
+                    deadline: now.saturating_add(timeout),
+                    abandon_deadline: now.saturating_add(abandon),
+                    keys: op_keys,
+                    fills,
+                    uncertain: false,
+                    start,
+                },
+            );
+        }
+        results
+    }
+
+    /// The source acknowledged our metadata: we now know its incarnation, and
+    /// the writes that waited for it go out, naming it.
+    pub(in crate::machine) fn on_metadata_ack(&mut self, header: &Header) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let Some(state) = peer.target.sources.get_mut(&header.sender_endpoint) else {
+            peer.counters.refused += 1;
+            return;
+        };
+        state.acked = true;
+        state.incarnation = Some(header.sender);
+        let mut ready = Vec::new();
+        for (handle, op) in peer.target.ops.iter_mut() {
+            if op.state == TargetState::AwaitingAck && op.source == header.sender_endpoint {
+                op.state = TargetState::WaitingWriteDone;
+                op.source_incarnation = Some(header.sender);
+                if let Some(Body::StartWrite {
+                    op_handle,
+                    remaining_timeout_ms,
+                    namespace,
+                    keys,
+                    destinations,
+                    ..
+                }) = op.start.take()
+                {
+                    ready.push((
+                        op.source.clone(),
+                        Body::StartWrite {
+                            op_handle,
+                            remaining_timeout_ms,
+                            source_incarnation: Some(header.sender),
+                            namespace,
+                            keys,
+                            destinations,
+                        },
+                    ));
+                }
+                let _ = handle;
+            }
+        }
+        for (to, body) in ready {
+            self.send(to, body);
+        }
+    }
+
+    /// A write ended: `None` is a refusal; `Some(outcome)` a `write_done`.
+    pub(in crate::machine) fn on_write_end(
+        &mut self,
+        now: u64,
+        header: &Header,
+        op: OpHandle,
+        outcome: Option<WriteOutcome>,
+    ) {
+        let Some(target_op) = self.peer.as_ref().and_then(|p| p.target.ops.get(&op)) else {
+            self.refuse(); // unknown op handle (e.g. from before a restart)
+            return;
+        };
+        let from_source = target_op.source == header.sender_endpoint
+            && target_op.source_incarnation == Some(header.sender)
+            && target_op.state != TargetState::AwaitingAck;
+        if !from_source {
+            self.refuse(); // only this op's own source may end it
+            return;
+        }
+        match outcome {
+            Some(WriteOutcome::Failed { terminal: false }) => {
+                // Cancelled but maybe still in flight: wait for proof.
+                if target_op.state == TargetState::WaitingWriteDone {
+                    self.expire_target_op(now, op);
+                }
+            }
+            Some(WriteOutcome::Completed(indices)) => {
+                let valid = indices
+                    .as_slice()
+                    .iter()
+                    .all(|i| (*i as usize) < target_op.keys.len());
+                if valid {
+                    self.finish_target_op(now, op, Some(indices));
+                } else {
+                    self.refuse();
+                    self.finish_target_op(now, op, None);
+                }
+            }
+            Some(WriteOutcome::Failed { terminal: true }) | None => {
+                if outcome.is_none()
+                    && let Some(state) = self
+                        .peer
+                        .as_mut()
+                        .and_then(|p| p.target.sources.get_mut(&header.sender_endpoint))
+                {
+                    state.acked = false;
+                    state.incarnation = None;
+                }
+                if let Some(hint) = self.request_hint_of(op) {
+                    hint.failed = true;
+                }
+                self.finish_target_op(now, op, None);
+            }
+        }
+    }
+
+    pub(in crate::machine) fn request_hint_of(&mut self, op: OpHandle) -> Option<&mut RequestHint> {
+        let peer = self.peer.as_mut()?;
+        let request = peer.target.ops.get(&op)?.request.clone()?;
+        peer.target.hints.get_mut(&request)
+    }
+
+    /// Ends a target op with terminal knowledge: `Some(indices)` commits those
+    /// keys if the op is still waiting (a late success only frees); `None`
+    /// fails or frees everything.
+    pub(in crate::machine) fn finish_target_op(
+        &mut self,
+        now: u64,
+        op: OpHandle,
+        completed: Option<CompletedIndices>,
+    ) {
+        self.finish_target_op_with(now, op, completed, FailReason::NoSource);
+    }
+
+    pub(in crate::machine) fn finish_target_op_with(
+        &mut self,
+        now: u64,
+        op: OpHandle,
+        completed: Option<CompletedIndices>,
+        failure: FailReason,
+    ) {
+        let Some(target_op) = self.peer.as_mut().and_then(|p| p.target.ops.remove(&op)) else {
+            return;
+        };
+        let on_time = target_op.state == TargetState::WaitingWriteDone;
+        let completed: HashSet<u32> = completed
+            .map(|c| c.as_slice().iter().copied().collect())
+            .unwrap_or_default();
+        let mut stored = Vec::new();
+        let mut deliver_next = BTreeMap::new();
+        let mut received = 0;
+        let mut missing = Vec::new();
+        for (i, (fill, key)) in target_op.fills.iter().zip(&target_op.keys).enumerate() {
+            let landed = on_time && completed.contains(&(i as u32));
+            if landed {
+                received += 1;
+            } else if on_time {
+                missing.push(key.key);
+            }
+            let result = if landed { Ok(()) } else { Err(failure) };
+            self.finish_fill(now, *fill, result, &mut stored, &mut deliver_next);
+        }
+        self.publish_stored(&stored);
+        for (waiter_op, entries) in deliver_next {
+            self.start_delivers(now, waiter_op, entries);
+        }
+        if let Some(peer) = self.peer.as_mut() {
+            peer.counters.keys_received += received;
+            if target_op.uncertain {
+                peer.notices.push(PeerNotice::Quiesced { op });
+            }
+            if let Some(hint) = target_op
+                .request
+                .as_ref()
+                .and_then(|r| peer.target.hints.get_mut(r))
+            {
+                hint.missing.extend(missing);
+            }
+        }
+        let ops: Vec<OpHandle> = self.ops.keys().copied().collect();
+        for o in ops {
+            self.finish_if_done(o);
+        }
+        self.check_pressure();
+    }
+
+    /// The op deadline passed: fills become DISCARDING (callers fail now, the
+    /// slots stay owned), the peer's metadata is invalidated, probe #1 goes out.
+    pub(in crate::machine) fn expire_target_op(&mut self, now: u64, op: OpHandle) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let Some(target_op) = peer.target.ops.get_mut(&op) else {
+            return;
+        };
+        target_op.state = TargetState::WaitingTerminal;
+        let fills = target_op.fills.clone();
+        let source = target_op.source.clone();
+        let source_incarnation = target_op.source_incarnation;
+        if let Some(state) = peer.target.sources.get_mut(&source) {
+            state.acked = false;
+        }
+        for fill in fills {
+            let Some(f) = self.fills.get_mut(fill as usize).and_then(Option::as_mut) else {
+                continue;
+            };
+            let record = f.record;
+            let waiters = std::mem::take(&mut f.waiters);
+            for (waiter_op, entry) in waiters {
+                self.set_result(waiter_op, entry, EntryResult::failed(FailReason::Timeout));
+            }
+            if self
+                .record(record)
+                .is_some_and(|r| r.state == Residency::Filling)
+            {
+                self.transition(record, Residency::Discarding, "remote fill expired");
+            }
+        }
+        let ops: Vec<OpHandle> = self.ops.keys().copied().collect();
+        for o in ops {
+            self.finish_if_done(o);
+        }
+        let _ = now;
+        self.send(
+            source,
+            Body::WriteProbe {
+                op_handle: op,
+                source_incarnation,
+            },
+        );
+    }
+}

@@ -1,0 +1,281 @@
+//! The block index's records (residency transitions, slots, bytes) and claims.
+
+use super::*;
+
+impl Core {
+    pub(in crate::machine) fn record(&self, idx: u32) -> Option<&Record> {
+        self.records
+            .get(idx as usize)
+            .filter(|r| r.state != Residency::Vacant)
+    }
+
+    pub(in crate::machine) fn record_mut(&mut self, idx: u32) -> Option<&mut Record> {
+        self.records
+            .get_mut(idx as usize)
+            .filter(|r| r.state != Residency::Vacant)
+    }
+
+    pub(in crate::machine) fn insert_record(
+        &mut self,
+        now: u64,
+        key: ScopedKey,
+        layout: u16,
+        slot_vec: Vec<u32>,
+    ) -> u32 {
+        let slots = match slot_vec.as_slice() {
+            [a] => SlotList::One(*a),
+            [a, b] => SlotList::Two(*a, *b),
+            _ => SlotList::Many,
+        };
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let record = Record {
+            key,
+            slots,
+            last_access: now,
+            seq,
+            prev: NIL,
+            next: NIL,
+            claims: 0,
+            access_count: 0,
+            layout,
+            state: Residency::Vacant,
+            flags: 0,
+        };
+        let idx = match self.free_records.pop() {
+            Some(i) => {
+                if let Some(r) = self.records.get_mut(i as usize) {
+                    *r = record;
+                }
+                i
+            }
+            None => {
+                self.records.push(record);
+                (self.records.len() - 1) as u32
+            }
+        };
+        if slots == SlotList::Many {
+            self.many_slots.insert(idx, slot_vec.into_boxed_slice());
+        }
+        self.index.insert(
+            key,
+            IndexEntry {
+                record: idx,
+                state: Residency::Vacant,
+            },
+        );
+        self.transition(idx, Residency::Filling, "insert");
+        idx
+    }
+
+    /// Slot `i` of a record.
+    pub(in crate::machine) fn slot(&self, idx: u32, i: usize) -> Option<u32> {
+        match (self.record(idx)?.slots, i) {
+            (SlotList::One(a), 0) | (SlotList::Two(a, _), 0) => Some(a),
+            (SlotList::Two(_, b), 1) => Some(b),
+            (SlotList::Many, i) => self.many_slots.get(&idx)?.get(i).copied(),
+            _ => None,
+        }
+    }
+
+    /// All slots of a record, in layout order.
+    pub(in crate::machine) fn slot_vec(&self, idx: u32) -> Vec<u32> {
+        match self.record(idx).map(|r| r.slots) {
+            Some(SlotList::One(a)) => vec![a],
+            Some(SlotList::Two(a, b)) => vec![a, b],
+            Some(SlotList::Many) => self
+                .many_slots
+                .get(&idx)
+                .map(|s| s.to_vec())
+                .unwrap_or_default(),
+            None => Vec::new(),
+        }
+    }
+
+    /// Adds `delta` to the evictable count of every pool in a record's layout.
+    pub(in crate::machine) fn adjust_evictable(&mut self, idx: u32, add: bool) {
+        let Some(layout) = self.record(idx).map(|r| r.layout as usize) else {
+            return;
+        };
+        let spans = self.layouts.get(layout).map_or(0, Vec::len);
+        for i in 0..spans {
+            let Some(pool) = self.layouts.get(layout).and_then(|l| l.get(i)).copied() else {
+                continue;
+            };
+            if let Some(p) = self.pools.get_mut(pool.0 as usize) {
+                p.evictable = if add {
+                    p.evictable + 1
+                } else {
+                    p.evictable.saturating_sub(1)
+                };
+            }
+        }
+    }
+
+    /// Moves a record to a new state, keeping the index in step. In debug
+    /// builds an illegal transition aborts with the key and the call site.
+    pub(in crate::machine) fn transition(&mut self, idx: u32, to: Residency, site: &'static str) {
+        let Some(r) = self.records.get_mut(idx as usize) else {
+            return;
+        };
+        let from = r.state;
+        let legal = matches!(
+            (from, to),
+            (Residency::Vacant, Residency::Filling)
+                | (Residency::Filling, Residency::Ready)
+                | (Residency::Filling, Residency::Discarding)
+                | (Residency::Filling, Residency::Vacant)
+                | (Residency::Discarding, Residency::Vacant)
+                | (Residency::Ready, Residency::Vacant)
+        );
+        if cfg!(debug_assertions) && !legal {
+            lifecycle_violation(r.key, from, to, site, r.claims);
+        }
+        if to == Residency::Vacant && r.claims != 0 && cfg!(debug_assertions) {
+            lifecycle_violation(r.key, from, to, site, r.claims);
+        }
+        r.state = to;
+        let key = r.key;
+        if to == Residency::Vacant {
+            self.index.remove(&key);
+        } else if let Some(e) = self.index.get_mut(&key) {
+            e.state = to;
+        }
+    }
+
+    /// Frees a record's slots and the record itself; publishes `Removed` if it
+    /// was READY (so exactly once per stored residency).
+    pub(in crate::machine) fn remove_record(&mut self, idx: u32, site: &'static str) {
+        if let Some(stored) = self.free_record(idx, site) {
+            self.publish_removed(&[stored]);
+        }
+    }
+
+    /// Returns a record's slots to their pools and frees the record. Returns
+    /// its key if it was READY (stored), so the caller publishes `Removed`
+    /// exactly once (alone, or batched with other victims).
+    pub(in crate::machine) fn free_record(
+        &mut self,
+        idx: u32,
+        site: &'static str,
+    ) -> Option<ScopedKey> {
+        let r = self.record(idx)?;
+        let stored = (r.state == Residency::Ready).then_some(r.key);
+        let layout = r.layout as usize;
+        let slots = self.slot_vec(idx);
+        self.many_slots.remove(&idx);
+        self.filling.remove(&idx);
+        self.dequeue(idx);
+        self.transition(idx, Residency::Vacant, site);
+        for (i, slot) in slots.into_iter().enumerate() {
+            let pool = self
+                .layouts
+                .get(layout)
+                .and_then(|l| l.get(i))
+                .map(|p| p.0 as usize);
+            if let Some(p) = pool.and_then(|p| self.pools.get_mut(p)) {
+                p.free.push_back(slot);
+            }
+        }
+        self.free_records.push(idx);
+        stored
+    }
+
+    pub(in crate::machine) fn record_bytes(&self, idx: u32) -> u64 {
+        let Some(r) = self.record(idx) else { return 0 };
+        self.layouts.get(r.layout as usize).map_or(0, |l| {
+            l.iter()
+                .filter_map(|p| self.pools.get(p.0 as usize))
+                .map(|p| p.block_size)
+                .sum()
+        })
+    }
+
+    /// The record's slots as copy sources (`src`, `len`): its element
+    /// references resolved through the (bounds-checked) region table.
+    pub(in crate::machine) fn slot_spans(&self, idx: u32) -> Vec<CopySpan> {
+        self.slot_refs(idx)
+            .into_iter()
+            .filter_map(|element| self.regions.resolve(element).ok())
+            .map(|span| CopySpan {
+                src: span.addr,
+                dst: 0,
+                len: span.len,
+            })
+            .collect()
+    }
+
+    /// The record's slots as references into the runner-owned pool regions.
+    pub(in crate::machine) fn slot_refs(&self, idx: u32) -> Vec<ElementRef> {
+        let Some(r) = self.record(idx) else {
+            return Vec::new();
+        };
+        let Some(pools) = self.layouts.get(r.layout as usize) else {
+            return Vec::new();
+        };
+        pools
+            .iter()
+            .enumerate()
+            .filter_map(|(i, pool)| {
+                Some(ElementRef {
+                    region: self.pools.get(pool.0 as usize)?.region,
+                    index: u64::from(self.slot(idx, i)?),
+                })
+            })
+            .collect()
+    }
+
+    /// Address and length of a runner-owned element, bounds-checked.
+    pub fn resolve(&self, element: ElementRef) -> Result<(u64, u64)> {
+        let span = self.regions.resolve(element)?;
+        Ok((span.addr, span.len))
+    }
+
+    /// The index record a live public claim holds.
+    pub fn claim_record(&self, handle: ReleaseHandle) -> Option<u32> {
+        self.claims.get(&handle).copied()
+    }
+
+    /// The KVCR DRAM elements a live public claim holds (for reading its bytes).
+    pub fn claimed_slot_refs(&self, handle: ReleaseHandle) -> Option<Vec<ElementRef>> {
+        self.claim_record(handle).map(|r| self.slot_refs(r))
+    }
+
+    pub(in crate::machine) fn touch(&mut self, now: u64, idx: u32) {
+        if let Some(r) = self.record_mut(idx) {
+            r.access_count = r.access_count.saturating_add(1);
+            r.last_access = now;
+        }
+    }
+
+    // ------------------------------------------------------------ claims
+
+    pub(in crate::machine) fn claim_public(&mut self, idx: u32) -> ReleaseHandle {
+        self.claim_internal(idx);
+        let handle = ReleaseHandle(self.next_claim);
+        self.next_claim += 1;
+        self.claims.insert(handle, idx);
+        handle
+    }
+
+    pub(in crate::machine) fn claim_internal(&mut self, idx: u32) {
+        self.dequeue(idx);
+        if let Some(r) = self.record_mut(idx) {
+            r.claims += 1;
+        }
+    }
+
+    pub(in crate::machine) fn unclaim(&mut self, idx: u32) {
+        let Some(r) = self.record_mut(idx) else {
+            return;
+        };
+        r.claims = r.claims.saturating_sub(1);
+        if r.claims == 0 && r.state == Residency::Ready {
+            if r.flags & FLAG_RETIRE != 0 {
+                self.remove_record(idx, "retire on release");
+            } else {
+                self.make_evictable(idx);
+            }
+        }
+    }
+}
