@@ -160,7 +160,7 @@ fn start_runner(
     let mut runner_config = RunnerConfig::single_pool(POOL, config.layout.span_bytes(), blocks);
     runner_config.operation_timeout = config.operation_timeout;
     runner_config.prefault = config.prefault;
-    let mut runner = match &config.peer {
+    let runner = match &config.peer {
         Some(peer) => Runner::start_with_peers(runner_config, None, peer)?,
         None => Runner::start(runner_config, None)?,
     };

@@ -101,7 +101,7 @@ struct Setup {
 }
 
 fn setup(block: usize, blocks: u32, host_pages: usize) -> Setup {
-    let mut runner =
+    let runner =
         Runner::start(RunnerConfig::single_pool("kv", block as u64, blocks), None).unwrap();
     let ns = runner.register_namespace(Namespace::base(CompatDigest(1)));
     let mut src = vec![0u8; block * host_pages];
@@ -110,7 +110,7 @@ fn setup(block: usize, blocks: u32, host_pages: usize) -> Setup {
         *b = ((i * 31) >> 3) as u8;
     }
     dst.fill(1); // fault the destination in, as an engine pool would be
-    let mut register = |label: &str, buf: &mut Vec<u8>| {
+    let register = |label: &str, buf: &mut Vec<u8>| {
         // SAFETY: the buffers live in `Setup` next to the runner and are only
         // touched between operations.
         unsafe {

@@ -254,7 +254,7 @@ fn main() {
         operation_timeout: timeout,
         ..RunnerConfig::single_pool("kv", block as u64, blocks)
     };
-    let mut runner = match Runner::start_with_peers(config, None, &options) {
+    let runner = match Runner::start_with_peers(config, None, &options) {
         Ok(r) => r,
         Err(e) => {
             answer("ERROR", &json!({ "error": e.to_string() }));
@@ -365,7 +365,7 @@ fn main() {
         }
     }
     let Node {
-        mut runner,
+        runner,
         hosts,
         claims,
         ..

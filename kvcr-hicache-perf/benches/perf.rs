@@ -89,7 +89,7 @@ impl PageFirstHost {
     fn new(runner: &mut Runner, part: &str, pages: u64, run: u64) -> Self {
         let mut buf: Vec<u8> = (0..2 * pages * run).map(|i| (i >> 9) as u8).collect();
         let base = buf.as_mut_ptr() as u64;
-        let mut region = |pool: &str, offset| {
+        let region = |pool: &str, offset| {
             let desc = RegionDesc {
                 label: format!("{pool}:{part}"),
                 base: base + offset,
@@ -226,7 +226,7 @@ const POOL_BLOCK: u64 = 4 << 20;
 
 impl PoolBench {
     fn new(memory: PoolMemory, blocks: u64) -> Self {
-        let mut runner = Runner::start(
+        let runner = Runner::start(
             RunnerConfig {
                 pool_memory: memory,
                 operation_timeout: Duration::from_secs(30),

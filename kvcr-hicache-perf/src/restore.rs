@@ -44,18 +44,14 @@ pub struct RestoreReport {
     pub ops: usize,
     /// Entries that took the normal path (not resident here).
     pub fallback: usize,
-    /// Results of other operations that completed while this one waited
-    /// (handed back so the caller loses none).
-    pub others: Vec<OpResult>,
 }
 
-fn wait_for(runner: &mut Runner, op: OpHandle, others: &mut Vec<OpResult>) -> OpResult {
+/// Waits for `op` alone: other callers' results stay with the runner for
+/// them. The runner's operation deadline bounds the wait.
+fn wait_for(runner: &Runner, op: OpHandle) -> Result<OpResult> {
     loop {
-        for result in runner.wait_completed(Duration::from_millis(100)) {
-            if result.op == op {
-                return result;
-            }
-            others.push(result);
+        if let Some(result) = runner.wait(op, Duration::from_millis(100))? {
+            return Ok(result);
         }
     }
 }
@@ -76,7 +72,7 @@ fn bad(why: &'static str) -> PerfError {
 /// that id and descriptor (so its memory is valid for the runner's life), and
 /// the caller must not access a destination element until this returns.
 pub unsafe fn restore(
-    runner: &mut Runner,
+    runner: &Runner,
     hosts: &[HostRegion],
     layout: &[PoolId],
     entries: Vec<DeliverEntry>,
@@ -106,7 +102,7 @@ pub unsafe fn restore(
     }
     let keys: Vec<_> = entries.iter().map(|e| e.key).collect();
     let op = runner.fetch(&keys, layout)?;
-    let fetched = wait_for(runner, op, &mut report.others);
+    let fetched = wait_for(runner, op)?;
     // Fetch deduplicates keys; map each key to its claim and slots.
     let mut claims: HashMap<
         _,
@@ -218,7 +214,7 @@ pub unsafe fn restore(
             Some(r) => runner.deliver_hinted(r, normal)?,
             None => runner.deliver(normal)?,
         };
-        let result = wait_for(runner, op, &mut report.others);
+        let result = wait_for(runner, op)?;
         for (&i, (_, r)) in fallback.iter().zip(&result.entries) {
             if let Some(slot) = report.restored.get_mut(i) {
                 *slot = r.is_success();

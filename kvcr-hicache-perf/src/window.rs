@@ -2,7 +2,7 @@
 //! chunk of a batch may be submitted (operations and bytes in flight are
 //! capped; the window refills as operations finish), and a small driver that
 //! runs it over any submit/complete pair (for example a runner's `deliver`
-//! and `wait_completed`).
+//! and `Runner::wait`).
 //!
 //! Failure rule: when a submission is refused, nothing more is submitted,
 //! but every operation already accepted is drained to its terminal result
@@ -309,8 +309,6 @@ pub struct WindowedDeliver {
     pub states: Vec<ChunkState>,
     /// The refusal, if a submission was refused.
     pub refusal: Option<kvcr_foundation::runner::Error>,
-    /// Results of other operations that completed meanwhile.
-    pub others: Vec<kvcr_foundation::runner::OpResult>,
 }
 
 /// Delivers `chunks` (each one `deliver` operation of `chunk_bytes[i]`
@@ -319,7 +317,7 @@ pub struct WindowedDeliver {
 /// accepted operation is still waited for (the runner's operation deadline
 /// bounds the wait) before this returns.
 pub fn deliver_windowed(
-    runner: &mut kvcr_foundation::runner::Runner,
+    runner: &kvcr_foundation::runner::Runner,
     chunks: Vec<Vec<kvcr_foundation::runner::DeliverEntry>>,
     chunk_bytes: Vec<u64>,
     limits: WindowLimits,
@@ -333,20 +331,15 @@ pub fn deliver_windowed(
         ..WindowedDeliver::default()
     };
     let by_op = std::cell::RefCell::new(Vec::<(kvcr_foundation::protocol::OpHandle, usize)>::new());
-    let runner = std::cell::RefCell::new(runner);
     let results = std::cell::RefCell::new(&mut out.results);
-    let others = std::cell::RefCell::new(&mut out.others);
     let mut refusal = None;
     drive(
         &mut window,
         |chunk| {
             let entries = chunks.get_mut(chunk)?.take()?;
-            let submitted = {
-                let mut r = runner.borrow_mut();
-                match request {
-                    Some(q) => r.deliver_hinted(q, entries),
-                    None => r.deliver(entries),
-                }
+            let submitted = match request {
+                Some(q) => runner.deliver_hinted(q, entries),
+                None => runner.deliver(entries),
             };
             match submitted {
                 Ok(op) => {
@@ -360,22 +353,32 @@ pub fn deliver_windowed(
             }
         },
         || {
-            let done = runner
-                .borrow_mut()
-                .wait_completed(std::time::Duration::from_millis(100));
+            // Block (bounded) on the oldest operation in flight, then take
+            // whichever others have finished too; other callers' operations
+            // are never touched.
+            let in_flight: Vec<_> = by_op.borrow().iter().map(|(op, _)| *op).collect();
             let mut finished = Vec::new();
-            for result in done {
-                let found = by_op.borrow().iter().position(|(op, _)| *op == result.op);
-                match found {
-                    Some(pos) => {
-                        let (op, chunk) = by_op.borrow_mut().swap_remove(pos);
-                        let ok = result.entries.iter().all(|(_, e)| e.is_success());
-                        if let Some(slot) = results.borrow_mut().get_mut(chunk) {
-                            *slot = Some(result);
-                        }
-                        finished.push((op, ok));
+            for (i, op) in in_flight.into_iter().enumerate() {
+                let budget = if i == 0 {
+                    std::time::Duration::from_millis(100)
+                } else {
+                    std::time::Duration::ZERO
+                };
+                let result = match runner.wait(op, budget) {
+                    Ok(Some(result)) => result,
+                    Ok(None) => continue,
+                    // Taken by someone else: the window cannot account for
+                    // it, so it gives up (memory treated as still in use).
+                    Err(_) => return None,
+                };
+                let found = by_op.borrow().iter().position(|(o, _)| *o == op);
+                if let Some(pos) = found {
+                    let (op, chunk) = by_op.borrow_mut().swap_remove(pos);
+                    let ok = result.entries.iter().all(|(_, e)| e.is_success());
+                    if let Some(slot) = results.borrow_mut().get_mut(chunk) {
+                        *slot = Some(result);
                     }
-                    None => others.borrow_mut().push(result),
+                    finished.push((op, ok));
                 }
             }
             Some(finished)

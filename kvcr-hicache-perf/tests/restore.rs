@@ -34,7 +34,7 @@ impl Host {
             .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
             .collect();
         let base = buf.as_mut_ptr() as u64;
-        let mut region = |pool: &str, offset: u64| {
+        let region = |pool: &str, offset: u64| {
             let desc = RegionDesc {
                 label: format!("{pool}:{part}"),
                 base: base + offset,
@@ -80,7 +80,7 @@ fn start() -> (Runner, NamespaceId) {
         block_size: RUN,
         blocks: PAGES as u32,
     };
-    let mut runner = Runner::start(
+    let runner = Runner::start(
         RunnerConfig {
             pools: vec![pool("k"), pool("v")],
             ..RunnerConfig::default()
@@ -148,7 +148,7 @@ fn run(coalesce: bool, keys: &[u64], dst_pages: &[u64]) -> (RestoreReport, Vec<b
     let hosts = [dst.k.clone(), dst.v.clone()];
     // SAFETY: (test) `dst`'s regions are registered under these ids and
     // descriptors, and nothing touches `dst` until `restore` returns.
-    let report = unsafe { restore(&mut runner, &hosts, &layout, entries, None, options) }.unwrap();
+    let report = unsafe { restore(&runner, &hosts, &layout, entries, None, options) }.unwrap();
     let bytes_ok = keys
         .iter()
         .zip(dst_pages)
@@ -217,7 +217,7 @@ fn bad_destinations_are_refused_before_anything_is_claimed() {
     // SAFETY: (test) as in `run`.
     let err = unsafe {
         restore(
-            &mut runner,
+            &runner,
             &hosts,
             &layout,
             entries,

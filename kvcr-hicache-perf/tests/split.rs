@@ -46,7 +46,7 @@ fn node(tls: &str, split: PutSplit) -> Node {
         operation_timeout: Duration::from_secs(10),
         ..RunnerConfig::single_pool("kv", BLOCK, KEYS as u32)
     };
-    let mut runner = Runner::start_with_peers(config, None, &options).unwrap();
+    let runner = Runner::start_with_peers(config, None, &options).unwrap();
     let ns = runner.register_namespace(Namespace::base(CompatDigest(77)));
     let mut host: Vec<u8> = (0..BLOCK * KEYS)
         .map(|i| ((i * 131) >> 5) as u8 ^ (i / BLOCK) as u8)

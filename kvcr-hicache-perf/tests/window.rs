@@ -26,7 +26,7 @@ struct Fixture {
 }
 
 fn fixture() -> Fixture {
-    let mut runner = Runner::start(RunnerConfig::single_pool("kv", BLOCK, 16), None).unwrap();
+    let runner = Runner::start(RunnerConfig::single_pool("kv", BLOCK, 16), None).unwrap();
     let ns = runner.register_namespace(Namespace::base(CompatDigest(4)));
     let mut host: Vec<u8> = (0..PAGES * BLOCK).map(|i| (i * 7 / 5) as u8).collect();
     // SAFETY: (test) `host` lives in the fixture, whose runner is dropped
@@ -100,9 +100,9 @@ fn page(f: &Fixture, p: u64) -> &[u8] {
 #[case::two_ops(WindowLimits { max_ops: 2, max_bytes: 0 })]
 #[case::bytes(WindowLimits { max_ops: 0, max_bytes: 4 * BLOCK })]
 fn every_chunk_lands_whatever_the_window(#[case] limits: WindowLimits) {
-    let mut f = fixture();
+    let f = fixture();
     let c = chunks(&f);
-    let out = deliver_windowed(&mut f.runner, c, vec![3 * BLOCK; 4], limits, None);
+    let out = deliver_windowed(&f.runner, c, vec![3 * BLOCK; 4], limits, None);
     assert!(out.refusal.is_none());
     assert_eq!(out.states, vec![ChunkState::Done(true); 4]);
     assert!(out.results.iter().all(Option::is_some));
@@ -114,7 +114,7 @@ fn every_chunk_lands_whatever_the_window(#[case] limits: WindowLimits) {
 
 #[test]
 fn a_refused_refill_drains_accepted_operations_first() {
-    let mut f = fixture();
+    let f = fixture();
     let mut c = chunks(&f);
     // Chunk 2 names an element outside the region: the runner refuses it.
     c[2][0].destinations[0].index = PAGES + 5;
@@ -122,7 +122,7 @@ fn a_refused_refill_drains_accepted_operations_first() {
         max_ops: 2,
         max_bytes: 0,
     };
-    let out = deliver_windowed(&mut f.runner, c, vec![3 * BLOCK; 4], limits, None);
+    let out = deliver_windowed(&f.runner, c, vec![3 * BLOCK; 4], limits, None);
     assert!(out.refusal.is_some());
     assert_eq!(
         out.states,

@@ -17,11 +17,11 @@
 //! before the call's wait budget; a call that outlives even that aborts and
 //! waits once more).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
 use kvcr_foundation::runner::{
@@ -46,8 +46,6 @@ pub const ROUTER_HINT_KEYS: [&str; 2] = ["kvcr_router_hint", "kvcc_router_hint"]
 
 /// Most evicted keys exchanged per round (the rest wait for the next one).
 const MAX_EVICTIONS_PER_ROUND: usize = 1 << 16;
-/// Completed results kept for waiters that have not come for them yet.
-const MAX_STASHED: usize = 4096;
 
 /// Per-request information that travels with a storage call (SGLang's
 /// `HiCacheStorageExtraInfo`).
@@ -157,37 +155,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Results of operations, for whichever thread waits on them.
-#[derive(Debug, Default)]
-struct Completions {
-    done: HashMap<OpHandle, OpResult>,
-    order: VecDeque<OpHandle>,
-    abandoned: HashSet<OpHandle>,
-}
-
-impl Completions {
-    fn stash(&mut self, results: Vec<OpResult>) {
-        for r in results {
-            if self.abandoned.remove(&r.op) {
-                continue;
-            }
-            if self.order.len() >= MAX_STASHED
-                && let Some(old) = self.order.pop_front()
-            {
-                self.done.remove(&old);
-            }
-            self.order.push_back(r.op);
-            self.done.insert(r.op, r);
-        }
-    }
-
-    fn take(&mut self, op: OpHandle) -> Option<OpResult> {
-        let r = self.done.remove(&op)?;
-        self.order.retain(|o| *o != op);
-        Some(r)
-    }
-}
-
 /// The live hint scopes of this rank, oldest first.
 #[derive(Debug, Default)]
 struct HintScopes {
@@ -199,8 +166,9 @@ struct HintScopes {
 struct Active {
     desc: HostPoolDesc,
     plan: SpanPlan,
-    runner: Mutex<Runner>,
-    completions: Mutex<Completions>,
+    /// Shared by the prefetch and backup threads: the runner's API takes
+    /// `&self`, and each thread waits for its own operations.
+    runner: Runner,
     regions: Vec<RegionId>,
     /// One namespace per segment of a page.
     segments: Vec<NamespaceId>,
@@ -208,27 +176,15 @@ struct Active {
 }
 
 impl Active {
-    fn runner(&self) -> MutexGuard<'_, Runner> {
-        lock(&self.runner)
+    fn runner(&self) -> &Runner {
+        &self.runner
     }
 
-    /// Waits for `op`'s result, sharing the runner's completions with other
-    /// waiting threads (a result drained by one is kept for its owner).
+    /// Waits for `op`'s result (other threads' results stay theirs).
     fn wait_op(&self, op: OpHandle, budget: Duration) -> Option<OpResult> {
-        #[allow(clippy::disallowed_methods)] // a driver: its wait budget is wall time
-        let start = Instant::now();
-        loop {
-            if let Some(r) = lock(&self.completions).take(op) {
-                return Some(r);
-            }
-            let elapsed = start.elapsed();
-            if elapsed >= budget {
-                return None;
-            }
-            let slice = (budget - elapsed).min(Duration::from_millis(2));
-            let results = self.runner().wait_completed(slice);
-            lock(&self.completions).stash(results);
-        }
+        // An unknown handle cannot happen for an operation this backend
+        // issued and has not taken; treat it as "no result".
+        self.runner.wait(op, budget).ok().flatten()
     }
 
     /// Waits for `op`; past `budget`, aborts it and waits up to `grace` more
@@ -249,7 +205,7 @@ impl Active {
             return Some(r);
         }
         bump(abandoned, 1);
-        lock(&self.completions).abandoned.insert(op);
+        self.runner.discard_result(op);
         None
     }
 
@@ -470,7 +426,7 @@ impl KvcrHiCacheStorage {
             };
         }
         let plan = SpanPlan::new(&desc)?;
-        let mut runner = self.start_runner(&plan)?;
+        let runner = self.start_runner(&plan)?;
         let segments: Vec<NamespaceId> = (0..plan.segments.len())
             .map(|s| runner.register_namespace(self.segment_namespace(&desc, s)))
             .collect();
@@ -495,8 +451,7 @@ impl KvcrHiCacheStorage {
         let active = Active {
             desc,
             plan,
-            runner: Mutex::new(runner),
-            completions: Mutex::new(Completions::default()),
+            runner,
             regions,
             segments,
             endpoint,
@@ -632,7 +587,7 @@ impl KvcrHiCacheStorage {
     fn apply_hint(
         &self,
         active: &Active,
-        runner: &mut Runner,
+        runner: &Runner,
         extra: &ExtraInfo,
     ) -> Option<RequestId> {
         let Some(raw) = extra.router_hint.as_ref() else {
@@ -695,7 +650,7 @@ impl KvcrHiCacheStorage {
 
     fn end_anonymous_scope(
         &self,
-        runner: &mut Runner,
+        runner: &Runner,
         extra: &ExtraInfo,
         scope: &Option<RequestId>,
     ) {
@@ -734,8 +689,8 @@ impl KvcrHiCacheStorage {
 
     fn local_exists(&self, keys: &[BlockKey], extra: &ExtraInfo) -> Result<usize> {
         let active = self.active()?;
-        let mut runner = active.runner();
-        let scope = self.apply_hint(active, &mut runner, extra);
+        let runner = active.runner();
+        let scope = self.apply_hint(active, runner, extra);
         let mut count = 0;
         'keys: for key in keys {
             for scoped in active.scoped(*key) {
@@ -749,7 +704,7 @@ impl KvcrHiCacheStorage {
             }
             count += 1;
         }
-        self.end_anonymous_scope(&mut runner, extra, &scope);
+        self.end_anonymous_scope(runner, extra, &scope);
         Ok(count)
     }
 
@@ -814,9 +769,9 @@ impl KvcrHiCacheStorage {
         let mut scope = None;
         for wave in waves {
             let (op, hinted) = {
-                let mut runner = active.runner();
+                let runner = active.runner();
                 if scope.is_none() {
-                    scope = self.apply_hint(active, &mut runner, extra);
+                    scope = self.apply_hint(active, runner, extra);
                 }
                 let mut hinted = Vec::new();
                 let mut entries = Vec::with_capacity(wave.len() * segments);
@@ -855,8 +810,8 @@ impl KvcrHiCacheStorage {
                 &self.counters.ops_abandoned,
             );
             let Some(result) = result else {
-                let mut runner = active.runner();
-                self.end_anonymous_scope(&mut runner, extra, &scope);
+                let runner = active.runner();
+                self.end_anonymous_scope(runner, extra, &scope);
                 return Err(Error::Timeout(self.backend.get_timeout.as_millis() as u64));
             };
             for (w, &i) in wave.iter().enumerate() {
@@ -874,8 +829,8 @@ impl KvcrHiCacheStorage {
                 .count();
             bump(&self.counters.hinted_pages_loaded, loaded as u64);
         }
-        let mut runner = active.runner();
-        self.end_anonymous_scope(&mut runner, extra, &scope);
+        let runner = active.runner();
+        self.end_anonymous_scope(runner, extra, &scope);
         Ok(ok)
     }
 
@@ -918,7 +873,7 @@ impl KvcrHiCacheStorage {
             });
         }
         let op = {
-            let mut runner = active.runner();
+            let runner = active.runner();
             let mut entries = Vec::with_capacity(unique.len() * segments);
             for &i in &unique {
                 let (Some(key), Some(page)) = (keys.get(i), host_pages.get(i)) else {

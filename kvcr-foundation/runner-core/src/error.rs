@@ -160,7 +160,7 @@ pub enum RunnerReason {
     UnknownNamespace(u64),
     /// The operation handle is unknown (never issued or already completed).
     #[error("unknown operation handle {0}")]
-    UnknownOperation(i64),
+    UnknownOperation(u64),
     /// The pool allocation failed.
     #[error("could not allocate {bytes} bytes of KVCR DRAM")]
     Allocation {

@@ -199,6 +199,9 @@ struct Inner {
     sink: Option<Box<dyn InventorySink>>,
     capacity_needed: Option<CapacityCallback>,
     completed: Vec<OpResult>,
+    /// Operations nobody will wait for: their results are dropped on
+    /// completion ([`Runner::discard_result`]).
+    discarded: std::collections::HashSet<OpHandle>,
     jobs: Sender<copy::Msg>,
     cancels: HashMap<JobId, Arc<[AtomicBool]>>,
     /// Peer actions go to the peer thread (absent when peers are off).
@@ -231,6 +234,7 @@ impl Shared {
                 sink: None,
                 capacity_needed: None,
                 completed: Vec::new(),
+                discarded: std::collections::HashSet::new(),
                 jobs,
                 cancels: HashMap::new(),
                 peer_tx,
@@ -279,6 +283,7 @@ impl Shared {
             sink,
             capacity_needed,
             completed,
+            discarded,
             jobs,
             cancels,
             peer_tx,
@@ -355,6 +360,17 @@ impl Shared {
         }
         let before = completed.len();
         core.drain_completed(completed);
+        if !discarded.is_empty() && completed.len() != before {
+            let mut i = before;
+            while i < completed.len() {
+                match completed.get(i) {
+                    Some(r) if discarded.remove(&r.op) => {
+                        completed.remove(i);
+                    }
+                    _ => i += 1,
+                }
+            }
+        }
         if completed.len() != before {
             self.completed_len.store(completed.len(), Ordering::Release);
             self.completed_cv.notify_all();
@@ -404,9 +420,16 @@ pub struct Runner {
     endpoint: Option<ControlEndpoint>,
     pool_bytes: u64,
     pool_memory: Vec<PoolMemoryInfo>,
-    /// The device copier, detached in `drop` between steps 1 and 2.
-    device: Option<Arc<dyn DeviceCopier>>,
+    /// The device copier, set at most once, detached in `drop` between steps
+    /// 1 and 2.
+    device: std::sync::OnceLock<Arc<dyn DeviceCopier>>,
 }
+
+// The engine's threads share one runner (`&self` API, state behind its lock).
+const _: () = {
+    const fn shared_between_threads<T: Send + Sync>() {}
+    shared_between_threads::<Runner>();
+};
 
 impl Drop for Runner {
     fn drop(&mut self) {
@@ -532,7 +555,7 @@ impl Runner {
             endpoint: None,
             pool_bytes,
             pool_memory,
-            device: None,
+            device: std::sync::OnceLock::new(),
         };
         if let Err(e) = injected(StartupStage::StartCopyEngine) {
             runner.copy.stop();
@@ -631,7 +654,7 @@ impl Runner {
             ),
             endpoint: Some(setup.endpoint),
             pool_bytes: pool_bytes.iter().sum(),
-            device: None,
+            device: std::sync::OnceLock::new(),
         })
     }
 
@@ -648,19 +671,19 @@ impl Runner {
 
     /// Records a request's router hint (and starts the metadata handshake
     /// with its source, off the fetch path).
-    pub fn submit_hint(&mut self, request: RequestId, hint: &FetchHint) {
+    pub fn submit_hint(&self, request: RequestId, hint: &FetchHint) {
         self.with_core(|core, now| core.submit_hint(now, request, hint));
     }
 
     /// Ends a request's hint scope.
-    pub fn discard_hint(&mut self, request: &RequestId) {
+    pub fn discard_hint(&self, request: &RequestId) {
         self.with_core(|core, _| core.discard_hint(request));
     }
 
     /// `fetch` under a request: keys missing here that the request's hint
     /// places on a peer are pulled from it into KVCR DRAM.
     pub fn fetch_hinted(
-        &mut self,
+        &self,
         request: &RequestId,
         keys: &[ScopedKey],
         layout: &[PoolId],
@@ -671,7 +694,7 @@ impl Runner {
     /// `deliver` under a request: missing hinted keys are pulled from the peer
     /// first, then copied into the destinations.
     pub fn deliver_hinted(
-        &mut self,
+        &self,
         request: &RequestId,
         entries: Vec<DeliverEntry>,
     ) -> Result<OpHandle> {
@@ -684,7 +707,7 @@ impl Runner {
     }
 
     /// Notices about memory a peer may still write (uncertain / quiesced).
-    pub fn take_notices(&mut self) -> Vec<PeerNotice> {
+    pub fn take_notices(&self) -> Vec<PeerNotice> {
         self.shared.lock().core.take_notices()
     }
 
@@ -699,20 +722,20 @@ impl Runner {
     }
 
     /// Forgets a peer: closes its control socket and data route.
-    pub fn forget_peer(&mut self, peer: &ControlEndpoint) {
+    pub fn forget_peer(&self, peer: &ControlEndpoint) {
         if let Some(driver) = self.peer.as_ref() {
             let _ = driver.tx.send(peer_driver::PeerCmd::Forget(peer.clone()));
         }
     }
 
     /// Sends inventory events (owner KVCR, tier KVCR DRAM) to `sink`.
-    pub fn set_inventory_sink(&mut self, sink: Box<dyn InventorySink>) {
+    pub fn set_inventory_sink(&self, sink: Box<dyn InventorySink>) {
         self.shared.lock().sink = Some(sink);
     }
 
     /// Calls `callback` with `(pool, watermark slots)` when pools newly drop
     /// below their low watermark (edge-triggered).
-    pub fn set_capacity_needed(&mut self, callback: CapacityCallback) {
+    pub fn set_capacity_needed(&self, callback: CapacityCallback) {
         self.shared.lock().capacity_needed = Some(callback);
     }
 
@@ -729,7 +752,7 @@ impl Runner {
     /// the runner is closed or dropped, and the caller must not access an
     /// element named by an operation until that operation has completed.
     #[allow(unsafe_code)]
-    pub unsafe fn register_region(&mut self, desc: RegionDesc) -> Result<RegionId> {
+    pub unsafe fn register_region(&self, desc: RegionDesc) -> Result<RegionId> {
         self.shared
             .lock()
             .core
@@ -741,14 +764,17 @@ impl Runner {
     /// hands it the pools to pin ([`DeviceCopier::attach`]). Once per runner;
     /// the runner detaches it when dropped, after its copy thread stops and
     /// before its pools are freed.
-    pub fn set_device_copier(&mut self, copier: Arc<dyn DeviceCopier>) -> Result<()> {
-        if self.device.is_some() {
+    pub fn set_device_copier(&self, copier: Arc<dyn DeviceCopier>) -> Result<()> {
+        // Under the core's lock, so two callers cannot both attach.
+        let mut inner = self.shared.lock();
+        if inner.device.is_some() || self.device.get().is_some() {
             return Err(Error::runner(RunnerReason::DeviceCopierSet));
         }
-        let pools = self.shared.lock().core.pool_ranges();
+        let pools = inner.core.pool_ranges();
         copier.attach(&pools)?;
-        self.shared.lock().device = Some(Arc::clone(&copier));
-        self.device = Some(copier);
+        inner.device = Some(Arc::clone(&copier));
+        // Cannot be set already: the check above ran under the same lock.
+        let _ = self.device.set(copier);
         Ok(())
     }
 
@@ -768,8 +794,8 @@ impl Runner {
     /// caller must not touch an element named by an operation until that
     /// operation has completed.
     #[allow(unsafe_code)]
-    pub unsafe fn register_device_region(&mut self, desc: RegionDesc) -> Result<RegionId> {
-        if self.device.is_none() {
+    pub unsafe fn register_device_region(&self, desc: RegionDesc) -> Result<RegionId> {
+        if self.device.get().is_none() {
             return Err(Error::runner(RunnerReason::NoDeviceCopier));
         }
         self.shared
@@ -785,7 +811,7 @@ impl Runner {
     }
 
     /// Registers a namespace so its keys can be used and its LoRA name published.
-    pub fn register_namespace(&mut self, namespace: Namespace) -> NamespaceId {
+    pub fn register_namespace(&self, namespace: Namespace) -> NamespaceId {
         self.shared.lock().core.register_namespace(namespace)
     }
 
@@ -814,29 +840,29 @@ impl Runner {
     /// Copies framework elements into KVCR DRAM. With `no_evict`, each stored
     /// key also gets a claim (release it later). Validation errors refuse the
     /// whole call, unchanged.
-    pub fn deposit(&mut self, entries: Vec<DepositEntry>, no_evict: bool) -> Result<OpHandle> {
+    pub fn deposit(&self, entries: Vec<DepositEntry>, no_evict: bool) -> Result<OpHandle> {
         self.core_call(|core, now| core.deposit(now, entries, no_evict))
     }
 
     /// Claims resident keys (deduplicated, in order) and returns their KVCR
     /// elements; `layout` is the pools of one key's spans, in order.
-    pub fn fetch(&mut self, keys: &[ScopedKey], layout: &[PoolId]) -> Result<OpHandle> {
+    pub fn fetch(&self, keys: &[ScopedKey], layout: &[PoolId]) -> Result<OpHandle> {
         self.core_call(|core, now| core.fetch(now, keys, layout, None))
     }
 
     /// Copies resident (or filling) keys into framework elements.
-    pub fn deliver(&mut self, entries: Vec<DeliverEntry>) -> Result<OpHandle> {
+    pub fn deliver(&self, entries: Vec<DeliverEntry>) -> Result<OpHandle> {
         self.core_call(|core, now| core.deliver(now, entries, None))
     }
 
     /// Releases public claims: `true` per live handle, `false` for unknown or
     /// already released ones.
-    pub fn release(&mut self, handles: &[ReleaseHandle]) -> Vec<bool> {
+    pub fn release(&self, handles: &[ReleaseHandle]) -> Vec<bool> {
         self.with_core(|core, _| core.release(handles))
     }
 
     /// Best-effort abort (see the core's rules); `true` if anything changed.
-    pub fn abort(&mut self, op: OpHandle, keys: Option<&[ScopedKey]>) -> bool {
+    pub fn abort(&self, op: OpHandle, keys: Option<&[ScopedKey]>) -> bool {
         self.with_core(|core, _| core.abort(op, keys))
     }
 
@@ -875,7 +901,7 @@ impl Runner {
     }
 
     /// Expires deadlines and returns completed operations. Never blocks.
-    pub fn poll_completed(&mut self) -> Vec<OpResult> {
+    pub fn poll_completed(&self) -> Vec<OpResult> {
         let now = self.shared.now();
         let mut inner = self.shared.lock();
         inner.core.handle_timeout(now);
@@ -886,7 +912,7 @@ impl Runner {
 
     /// Like [`Self::poll_completed`], but waits up to `timeout` for something
     /// to complete when nothing has yet (waking for deadlines on the way).
-    pub fn wait_completed(&mut self, timeout: Duration) -> Vec<OpResult> {
+    pub fn wait_completed(&self, timeout: Duration) -> Vec<OpResult> {
         #[allow(clippy::disallowed_methods)]
         let start = Instant::now();
         // A short bounded spin first: a single-block copy finishes in tens of
@@ -924,6 +950,79 @@ impl Runner {
         }
     }
 
+    /// Waits up to `timeout` for operation `op` and returns its result,
+    /// leaving every other completed operation to its own waiter: several
+    /// threads may each wait for their own operations on one runner.
+    ///
+    /// `Ok(None)`: `op` had not completed when `timeout` passed (wait again, or
+    /// abort it). Refused with `RunnerReason::UnknownOperation` when `op` is
+    /// neither in flight nor waiting to be taken: never issued, or its result
+    /// was taken already, by `wait` or by
+    /// [`poll_completed`](Self::poll_completed) /
+    /// [`wait_completed`](Self::wait_completed), which take every result (a
+    /// caller that uses those owns every operation of the runner).
+    pub fn wait(&self, op: OpHandle, timeout: Duration) -> Result<Option<OpResult>> {
+        #[allow(clippy::disallowed_methods)]
+        let start = Instant::now();
+        // A short bounded spin first, as in `wait_completed` (not for a
+        // zero timeout: that is a poll).
+        while !timeout.is_zero()
+            && self.shared.completed_len.load(Ordering::Acquire) == 0
+            && start.elapsed() < copy::SPIN
+        {
+            std::hint::spin_loop();
+        }
+        let mut inner = self.shared.lock();
+        loop {
+            let now = self.shared.now();
+            inner.core.handle_timeout(now);
+            self.shared.pump(&mut inner);
+            if let Some(pos) = inner.completed.iter().position(|r| r.op == op) {
+                let result = inner.completed.remove(pos);
+                self.shared
+                    .completed_len
+                    .store(inner.completed.len(), Ordering::Release);
+                return Ok(Some(result));
+            }
+            if !inner.core.op_pending(op) {
+                return Err(Error::runner(RunnerReason::UnknownOperation(op.0)));
+            }
+            let elapsed = start.elapsed();
+            if elapsed >= timeout {
+                return Ok(None);
+            }
+            // Wake for the next deadline too: expiring it may complete `op`.
+            let until_deadline = inner
+                .core
+                .next_deadline()
+                .map(|d| Duration::from_nanos(d.saturating_sub(self.shared.now())));
+            let wait = until_deadline.map_or(timeout - elapsed, |d| d.min(timeout - elapsed));
+            inner = self
+                .shared
+                .completed_cv
+                .wait_timeout(inner, wait)
+                .map(|(guard, _)| guard)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+    }
+
+    /// Nobody will wait for `op`: its result is dropped when it completes (or
+    /// now, if it has completed and was not taken). For a caller that gave up
+    /// on an operation (after an abort that did not finish in time) and uses
+    /// [`wait`](Self::wait), so results never pile up. Unknown handles are
+    /// ignored.
+    pub fn discard_result(&self, op: OpHandle) {
+        let mut inner = self.shared.lock();
+        if let Some(pos) = inner.completed.iter().position(|r| r.op == op) {
+            inner.completed.remove(pos);
+            self.shared
+                .completed_len
+                .store(inner.completed.len(), Ordering::Release);
+        } else if inner.core.op_pending(op) {
+            inner.discarded.insert(op);
+        }
+    }
+
     /// A snapshot of counts and counters.
     pub fn stats(&self) -> RunnerStats {
         let inner = self.shared.lock();
@@ -955,7 +1054,7 @@ impl Runner {
     /// Shuts down. Refused (the runner is handed back unchanged) while copies
     /// are in flight or public claims are held: memory someone may still touch
     /// is never released.
-    pub fn close(mut self) -> std::result::Result<(), (Box<Self>, Error)> {
+    pub fn close(self) -> std::result::Result<(), (Box<Self>, Error)> {
         let _ = self.poll_completed();
         let (copies, claims, (targets, writes)) = {
             let inner = self.shared.lock();

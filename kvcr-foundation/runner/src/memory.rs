@@ -38,6 +38,12 @@ pub(crate) struct DramPool {
 // SAFETY: a DramPool is a uniquely owned heap allocation with no thread
 // affinity; moving it between threads moves ownership of plain bytes.
 unsafe impl Send for DramPool {}
+// SAFETY: a shared `&DramPool` exposes only `base()` and `len()`, plain
+// integers; the bytes behind the pointer are touched only by copies of spans
+// the core validated (never through a reference to the pool), and the memory
+// is freed only by `Drop`, which takes `&mut self`. So `Runner` can be shared
+// by the engine's threads (`&self` API) without a second lock.
+unsafe impl Sync for DramPool {}
 
 impl DramPool {
     /// Allocates `bytes` (rounded up to a page) of zeroed memory; with

@@ -79,7 +79,7 @@ struct Fixture {
 }
 
 fn fixture(pages: usize) -> Fixture {
-    let mut runner = Runner::start(RunnerConfig::single_pool("kv", BLOCK as u64, 8), None).unwrap();
+    let runner = Runner::start(RunnerConfig::single_pool("kv", BLOCK as u64, 8), None).unwrap();
     let ns = runner.register_namespace(Namespace::base(CompatDigest(9)));
     let recorder = Arc::new(Recorder::default());
     runner
@@ -196,7 +196,7 @@ fn a_failed_device_copy_fails_the_key_and_frees_the_slot() {
 
 #[test]
 fn device_regions_need_a_copier_and_calls_never_mix_memories() {
-    let mut runner = Runner::start(RunnerConfig::single_pool("kv", BLOCK as u64, 4), None).unwrap();
+    let runner = Runner::start(RunnerConfig::single_pool("kv", BLOCK as u64, 4), None).unwrap();
     let mut buf = vec![0u8; BLOCK];
     let desc = RegionDesc {
         label: "kv:gpu".into(),
@@ -215,7 +215,7 @@ fn device_regions_need_a_copier_and_calls_never_mix_memories() {
     ));
     drop(runner);
 
-    let mut f = fixture(2);
+    let f = fixture(2);
     let second = f
         .runner
         .set_device_copier(Arc::new(RecordingCopier(Arc::default())));

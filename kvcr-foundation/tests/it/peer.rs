@@ -30,7 +30,7 @@ fn node(tls: &str, blocks: u32, timeout: Duration) -> Node {
         operation_timeout: timeout,
         ..RunnerConfig::single_pool("kv", BLOCK as u64, blocks)
     };
-    let mut runner = Runner::start_with_peers(config, None, &options).unwrap();
+    let runner = Runner::start_with_peers(config, None, &options).unwrap();
     let ns = runner.register_namespace(Namespace::base(CompatDigest(42)));
     let mut host = vec![0u8; BLOCK * blocks as usize];
     for (i, b) in host.iter_mut().enumerate() {

@@ -136,7 +136,7 @@ impl Target {
             operation_timeout: timeout,
             ..RunnerConfig::single_pool("kv", block as u64, blocks)
         };
-        let mut runner = Runner::start_with_peers(config, None, &options).unwrap();
+        let runner = Runner::start_with_peers(config, None, &options).unwrap();
         let ns = runner.register_namespace(namespace());
         Self { runner, ns, block }
     }

@@ -84,7 +84,7 @@ impl SharedSink {
 }
 
 fn start(blocks: u32, policy: Option<Box<dyn CachePolicy>>) -> (Runner, NamespaceId, SharedSink) {
-    let mut runner = Runner::start(
+    let runner = Runner::start(
         RunnerConfig::single_pool("kv", BLOCK as u64, blocks),
         policy,
     )
@@ -596,7 +596,7 @@ fn region_registration_refused(
     #[case] stride: u64,
     #[case] count: u64,
 ) {
-    let (mut runner, _, _) = start(4, None);
+    let (runner, _, _) = start(4, None);
     let mut buf = vec![0u8; 1 << 21];
     let base = buf.as_mut_ptr() as u64;
     // SAFETY: (test) the first registration covers `buf`, which outlives the runner.
@@ -731,7 +731,7 @@ fn close_refuses_until_quiescent() {
     let (mut runner, ns, _) = start(4, None);
     let host = Host::new(&mut runner, "kv", 4);
     let held = deposit(&mut runner, &host, ns, &[1], true);
-    let (mut runner, err) = runner.close().unwrap_err();
+    let (runner, err) = runner.close().unwrap_err();
     assert_eq!(
         err.runner_reason(),
         Some(&RunnerReason::ClaimsOutstanding(1))
@@ -866,7 +866,7 @@ fn large_jobs_are_byte_exact() {
         *b = ((i * 7) >> 9) as u8 ^ (i / BIG as usize) as u8;
     }
     let mut dst = vec![0u8; (PAGES * BIG) as usize];
-    let mut register = |label: &str, buf: &mut Vec<u8>| {
+    let register = |label: &str, buf: &mut Vec<u8>| {
         // SAFETY: (test) both buffers outlive the runner (dropped after it).
         unsafe {
             runner.register_region(RegionDesc {
@@ -947,4 +947,105 @@ fn large_jobs_are_byte_exact() {
     runner.close().map_err(|(_, e)| e).unwrap();
     drop(src);
     drop(dst);
+}
+
+/// Several threads share one runner (`&self`) and each waits for its own
+/// operation: no thread sees, loses or sorts another's result, whatever order
+/// they complete in, and a taken result cannot be taken twice.
+#[test]
+fn each_thread_waits_for_its_own_operation() {
+    let (mut runner, ns, _) = start(64, None);
+    let mut src = Host::new(&mut runner, "kv", 64);
+    for p in 0..64 {
+        src.fill(p, p as u64 + 1);
+    }
+    let ops: Vec<(u64, OpHandle)> = (0..8u64)
+        .map(|t| {
+            let entries = (t * 8..t * 8 + 8)
+                .map(|p| DepositEntry {
+                    key: key(ns, p),
+                    spans: vec![src.at(p as usize)],
+                    page: None,
+                })
+                .collect();
+            (t, runner.deposit(entries, false).unwrap())
+        })
+        .collect();
+    let shared = &runner;
+    let results: Vec<(u64, OpHandle, OpResult)> = std::thread::scope(|scope| {
+        // Waiters start in reverse order of submission, so results drained
+        // for one waiter's wake-up belong to others.
+        let handles: Vec<_> = ops
+            .iter()
+            .rev()
+            .map(|&(t, op)| {
+                scope.spawn(move || {
+                    let result = shared.wait(op, Duration::from_secs(30)).unwrap().unwrap();
+                    (t, op, result)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(results.len(), 8);
+    for (t, op, result) in &results {
+        assert_eq!(result.op, *op);
+        let keys: Vec<u64> = result.entries.iter().map(|(k, _)| k.key.as_u64()).collect();
+        assert_eq!(keys, (t * 8..t * 8 + 8).collect::<Vec<_>>());
+        assert!(result.entries.iter().all(|(_, e)| e.is_success()), "{result:?}");
+        // Taken once: a second wait names an operation the runner no longer has.
+        let again = runner.wait(*op, Duration::ZERO).unwrap_err();
+        assert_eq!(
+            again.runner_reason(),
+            Some(&RunnerReason::UnknownOperation(op.0))
+        );
+    }
+    assert!(runner.poll_completed().is_empty(), "nothing left behind");
+    runner.check_invariants().unwrap();
+    runner.close().map_err(|(_, e)| e).unwrap();
+}
+
+/// A result nobody will wait for is dropped, not kept forever: before
+/// completion (the runner drops it when it completes) and after it (dropped
+/// at once). Other operations' results are untouched.
+#[test]
+fn a_discarded_result_is_dropped_and_others_kept() {
+    let (mut runner, ns, _) = start(16, None);
+    let mut src = Host::new(&mut runner, "kv", 16);
+    src.fill(0, 1);
+    src.fill(1, 2);
+    src.fill(2, 3);
+    let deposit_one = |p: u64| {
+        runner
+            .deposit(
+                vec![DepositEntry {
+                    key: key(ns, p),
+                    spans: vec![src.at(p as usize)],
+                    page: None,
+                }],
+                false,
+            )
+            .unwrap()
+    };
+    let discarded_early = deposit_one(0);
+    runner.discard_result(discarded_early);
+    let discarded_late = deposit_one(2);
+    let kept = deposit_one(1);
+    // One copy thread runs jobs in submission order: once `kept` is done, so
+    // is `discarded_late`, whose result now waits to be taken.
+    let kept_result = runner.wait(kept, Duration::from_secs(30)).unwrap().unwrap();
+    assert_eq!(kept_result.op, kept);
+    assert_eq!(runner.stats().ops_in_flight, 0);
+    runner.discard_result(discarded_late);
+    for op in [discarded_early, discarded_late] {
+        assert_eq!(
+            runner.wait(op, Duration::ZERO).unwrap_err().runner_reason(),
+            Some(&RunnerReason::UnknownOperation(op.0))
+        );
+    }
+    assert!(runner.poll_completed().is_empty());
+    for p in 0..3 {
+        assert_eq!(runner.query(&key(ns, p)), QueryStatus::Hit, "page {p} stored");
+    }
+    runner.close().map_err(|(_, e)| e).unwrap();
 }

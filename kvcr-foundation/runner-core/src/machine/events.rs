@@ -131,6 +131,11 @@ impl Core {
         self.ops.len()
     }
 
+    /// Whether `op` was issued and has not completed yet.
+    pub fn op_pending(&self, op: OpHandle) -> bool {
+        self.ops.contains_key(&op)
+    }
+
     /// The counters.
     pub fn counters(&self) -> CoreCounters {
         let mut c = self.counters;
