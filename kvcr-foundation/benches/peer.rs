@@ -46,8 +46,7 @@ fn source(spec: &str) {
     let tls = parts.next().unwrap().replace('+', ",");
     let block: usize = parts.next().unwrap().parse().unwrap();
     let n: u64 = parts.next().unwrap().parse().unwrap();
-    let runner =
-        Runner::start_with_peers(config(block, n as u32), None, &options(&tls)).unwrap();
+    let runner = Runner::start_with_peers(config(block, n as u32), None, &options(&tls)).unwrap();
     let ns = runner.register_namespace(Namespace::base(CompatDigest(9)));
     let mut host = vec![0u8; block * n as usize];
     for (i, b) in host.iter_mut().enumerate() {

@@ -584,12 +584,7 @@ impl KvcrHiCacheStorage {
     /// Registers the call's router hint under its request (dialling this
     /// rank's shard of the source) and returns the scope to query and fetch
     /// under; `None` when there is no usable hint.
-    fn apply_hint(
-        &self,
-        active: &Active,
-        runner: &Runner,
-        extra: &ExtraInfo,
-    ) -> Option<RequestId> {
+    fn apply_hint(&self, active: &Active, runner: &Runner, extra: &ExtraInfo) -> Option<RequestId> {
         let Some(raw) = extra.router_hint.as_ref() else {
             // No hint with this call: the request's earlier hint, if it is
             // still live, keeps covering its pages.
@@ -648,12 +643,7 @@ impl KvcrHiCacheStorage {
         Some(request)
     }
 
-    fn end_anonymous_scope(
-        &self,
-        runner: &Runner,
-        extra: &ExtraInfo,
-        scope: &Option<RequestId>,
-    ) {
+    fn end_anonymous_scope(&self, runner: &Runner, extra: &ExtraInfo, scope: &Option<RequestId>) {
         if let (None, Some(request)) = (&extra.request_id, scope) {
             runner.discard_hint(request);
             lock(&self.hints).live.retain(|r| r != request);

@@ -992,7 +992,10 @@ fn each_thread_waits_for_its_own_operation() {
         assert_eq!(result.op, *op);
         let keys: Vec<u64> = result.entries.iter().map(|(k, _)| k.key.as_u64()).collect();
         assert_eq!(keys, (t * 8..t * 8 + 8).collect::<Vec<_>>());
-        assert!(result.entries.iter().all(|(_, e)| e.is_success()), "{result:?}");
+        assert!(
+            result.entries.iter().all(|(_, e)| e.is_success()),
+            "{result:?}"
+        );
         // Taken once: a second wait names an operation the runner no longer has.
         let again = runner.wait(*op, Duration::ZERO).unwrap_err();
         assert_eq!(
@@ -1045,7 +1048,11 @@ fn a_discarded_result_is_dropped_and_others_kept() {
     }
     assert!(runner.poll_completed().is_empty());
     for p in 0..3 {
-        assert_eq!(runner.query(&key(ns, p)), QueryStatus::Hit, "page {p} stored");
+        assert_eq!(
+            runner.query(&key(ns, p)),
+            QueryStatus::Hit,
+            "page {p} stored"
+        );
     }
     runner.close().map_err(|(_, e)| e).unwrap();
 }
