@@ -13,7 +13,7 @@
 //!
 //! Addressing is by registered region plus element index: the engine registers
 //! its host (or pinned) regions with [`Runner::register_region`], labelled by
-//! pool name, and names memory only as [`ElementRef`]s.
+//! pool name, and names memory only as [`ElementRef`](kvcr_contracts::protocol::ElementRef)s.
 //!
 //! Completion semantics: an operation completes once every key has a result and
 //! every copy it started is terminal, so after a deposit completes its source
