@@ -176,10 +176,6 @@ struct Active {
 }
 
 impl Active {
-    fn runner(&self) -> &Runner {
-        &self.runner
-    }
-
     /// Waits for `op`'s result (other threads' results stay theirs).
     fn wait_op(&self, op: OpHandle, budget: Duration) -> Option<OpResult> {
         // An unknown handle cannot happen for an operation this backend
@@ -200,7 +196,7 @@ impl Active {
         if let Some(r) = self.wait_op(op, budget) {
             return Some(r);
         }
-        self.runner().abort(op, None);
+        self.runner.abort(op, None);
         if let Some(r) = self.wait_op(op, grace) {
             return Some(r);
         }
@@ -653,7 +649,7 @@ impl KvcrHiCacheStorage {
     /// Ends a request's hint scope (call when the request finishes).
     pub fn discard_request(&self, request: &RequestId) {
         if let Some(active) = self.active.get() {
-            active.runner().discard_hint(request);
+            active.runner.discard_hint(request);
         }
         lock(&self.hints).live.retain(|r| r != request);
     }
@@ -679,7 +675,7 @@ impl KvcrHiCacheStorage {
 
     fn local_exists(&self, keys: &[BlockKey], extra: &ExtraInfo) -> Result<usize> {
         let active = self.active()?;
-        let runner = active.runner();
+        let runner = &active.runner;
         let scope = self.apply_hint(active, runner, extra);
         let mut count = 0;
         'keys: for key in keys {
@@ -759,7 +755,7 @@ impl KvcrHiCacheStorage {
         let mut scope = None;
         for wave in waves {
             let (op, hinted) = {
-                let runner = active.runner();
+                let runner = &active.runner;
                 if scope.is_none() {
                     scope = self.apply_hint(active, runner, extra);
                 }
@@ -800,7 +796,7 @@ impl KvcrHiCacheStorage {
                 &self.counters.ops_abandoned,
             );
             let Some(result) = result else {
-                let runner = active.runner();
+                let runner = &active.runner;
                 self.end_anonymous_scope(runner, extra, &scope);
                 return Err(Error::Timeout(self.backend.get_timeout.as_millis() as u64));
             };
@@ -819,7 +815,7 @@ impl KvcrHiCacheStorage {
                 .count();
             bump(&self.counters.hinted_pages_loaded, loaded as u64);
         }
-        let runner = active.runner();
+        let runner = &active.runner;
         self.end_anonymous_scope(runner, extra, &scope);
         Ok(ok)
     }
@@ -863,7 +859,7 @@ impl KvcrHiCacheStorage {
             });
         }
         let op = {
-            let runner = active.runner();
+            let runner = &active.runner;
             let mut entries = Vec::with_capacity(unique.len() * segments);
             for &i in &unique {
                 let (Some(key), Some(page)) = (keys.get(i), host_pages.get(i)) else {
@@ -1002,7 +998,7 @@ impl KvcrHiCacheStorage {
 
     /// The runner's state (once registered).
     pub fn runner_stats(&self) -> Option<RunnerStats> {
-        self.active.get().map(|a| a.runner().stats())
+        self.active.get().map(|a| a.runner.stats())
     }
 
     /// The runner's peer counters (peer mode, once registered).
@@ -1010,13 +1006,13 @@ impl KvcrHiCacheStorage {
         self.active
             .get()
             .filter(|a| a.endpoint.is_some())
-            .map(|a| a.runner().peer_stats().0)
+            .map(|a| a.runner.peer_stats().0)
     }
 
     /// Checks the runner's structural invariants (tests and debugging).
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         match self.active.get() {
-            Some(a) => a.runner().check_invariants(),
+            Some(a) => a.runner.check_invariants(),
             None => Ok(()),
         }
     }

@@ -11,8 +11,10 @@ pub use kvcr_contracts::error::Echo;
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything the core can refuse.
+///
+/// Exhaustive on purpose: the runner maps every variant into its own error,
+/// so a new one must be handled there (the reasons stay `non_exhaustive`).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum Error {
     /// A contract value (endpoint, key, frame, ...) was refused.
     #[error(transparent)]

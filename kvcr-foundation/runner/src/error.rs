@@ -44,12 +44,6 @@ impl From<core_error::Error> for Error {
         match e {
             core_error::Error::Contract(e) => Self::Contract(e),
             core_error::Error::Runner { reason } => Self::Runner { reason },
-            // `core_error::Error` is non-exhaustive only to other crates'
-            // matches; keep any future variant readable rather than lost.
-            #[allow(unreachable_patterns)]
-            other => Self::Runner {
-                reason: RunnerReason::DeviceCopy(Echo::new(&other.to_string())),
-            },
         }
     }
 }

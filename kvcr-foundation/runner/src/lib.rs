@@ -8,7 +8,7 @@
 //! ```text
 //!  caller ── deposit / fetch / deliver / release / abort ──► Core ──► Action::Copy ──► copy thread
 //!    ▲                                                        ▲                          │
-//!    └──────────── poll_completed / wait_completed ◄──────────┴──── copy outcomes ◄──────┘
+//!    └──────── wait(op) / poll_completed / wait_completed ◄───┴──── copy outcomes ◄──────┘
 //! ```
 //!
 //! Addressing is by registered region plus element index: the engine registers
@@ -35,7 +35,7 @@ mod placement;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -201,7 +201,7 @@ struct Inner {
     completed: Vec<OpResult>,
     /// Operations nobody will wait for: their results are dropped on
     /// completion ([`Runner::discard_result`]).
-    discarded: std::collections::HashSet<OpHandle>,
+    discarded: HashSet<OpHandle>,
     jobs: Sender<copy::Msg>,
     cancels: HashMap<JobId, Arc<[AtomicBool]>>,
     /// Peer actions go to the peer thread (absent when peers are off).
@@ -234,7 +234,7 @@ impl Shared {
                 sink: None,
                 capacity_needed: None,
                 completed: Vec::new(),
-                discarded: std::collections::HashSet::new(),
+                discarded: HashSet::new(),
                 jobs,
                 cancels: HashMap::new(),
                 peer_tx,
@@ -274,6 +274,38 @@ impl Shared {
         inner.cancels.remove(&job);
         inner.core.handle_copy_done(now, job, outcomes);
         self.pump(&mut inner);
+    }
+
+    /// Expires due deadlines, then executes what that caused.
+    fn expire(&self, inner: &mut Inner) {
+        inner.core.handle_timeout(self.now());
+        self.pump(inner);
+    }
+
+    /// A short bounded spin for a completion before sleeping: a single-block
+    /// copy finishes in tens of µs, less than a futex wake-up costs here.
+    fn spin_for_completion(&self, start: Instant) {
+        while self.completed_len.load(Ordering::Acquire) == 0 && start.elapsed() < copy::SPIN {
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Sleeps until a completion is signalled, the core's next deadline (whose
+    /// expiry may complete something), or `remaining` has passed.
+    fn sleep_for_progress<'a>(
+        &'a self,
+        inner: MutexGuard<'a, Inner>,
+        remaining: Duration,
+    ) -> MutexGuard<'a, Inner> {
+        let until_deadline = inner
+            .core
+            .next_deadline()
+            .map(|d| Duration::from_nanos(d.saturating_sub(self.now())));
+        let wait = until_deadline.map_or(remaining, |d| d.min(remaining));
+        self.completed_cv
+            .wait_timeout(inner, wait)
+            .map(|(guard, _)| guard)
+            .unwrap_or_else(|e| e.into_inner().0)
     }
 
     /// Executes the core's actions and forwards events, signals and completions.
@@ -360,16 +392,11 @@ impl Shared {
         }
         let before = completed.len();
         core.drain_completed(completed);
-        if !discarded.is_empty() && completed.len() != before {
-            let mut i = before;
-            while i < completed.len() {
-                match completed.get(i) {
-                    Some(r) if discarded.remove(&r.op) => {
-                        completed.remove(i);
-                    }
-                    _ => i += 1,
-                }
-            }
+        if !discarded.is_empty() {
+            // Only results drained just now can be discarded ones: an earlier
+            // result is removed by `discard_result` itself.
+            let fresh = completed.split_off(before);
+            completed.extend(fresh.into_iter().filter(|r| !discarded.remove(&r.op)));
         }
         if completed.len() != before {
             self.completed_len.store(completed.len(), Ordering::Release);
@@ -830,11 +857,7 @@ impl Runner {
     }
 
     fn with_core<T>(&self, f: impl FnOnce(&mut Core, u64) -> T) -> T {
-        let now = self.shared.now();
-        let mut inner = self.shared.lock();
-        let out = f(&mut inner.core, now);
-        self.shared.pump(&mut inner);
-        out
+        self.shared.with_core_now(f)
     }
 
     /// Copies framework elements into KVCR DRAM. With `no_evict`, each stored
@@ -902,10 +925,8 @@ impl Runner {
 
     /// Expires deadlines and returns completed operations. Never blocks.
     pub fn poll_completed(&self) -> Vec<OpResult> {
-        let now = self.shared.now();
         let mut inner = self.shared.lock();
-        inner.core.handle_timeout(now);
-        self.shared.pump(&mut inner);
+        self.shared.expire(&mut inner);
         self.shared.completed_len.store(0, Ordering::Release);
         std::mem::take(&mut inner.completed)
     }
@@ -915,19 +936,14 @@ impl Runner {
     pub fn wait_completed(&self, timeout: Duration) -> Vec<OpResult> {
         #[allow(clippy::disallowed_methods)]
         let start = Instant::now();
-        // A short bounded spin first: a single-block copy finishes in tens of
-        // µs, less than a futex wake-up costs here.
-        while self.shared.completed_len.load(Ordering::Acquire) == 0 && start.elapsed() < copy::SPIN
-        {
-            std::hint::spin_loop();
-        }
+        self.shared.spin_for_completion(start);
         loop {
             let out = self.poll_completed();
             let elapsed = start.elapsed();
             if !out.is_empty() || elapsed >= timeout {
                 return out;
             }
-            let mut inner = self.shared.lock();
+            let inner = self.shared.lock();
             if !inner.completed.is_empty() {
                 continue;
             }
@@ -935,18 +951,7 @@ impl Runner {
             if idle {
                 return Vec::new();
             }
-            let until_deadline = inner
-                .core
-                .next_deadline()
-                .map(|d| Duration::from_nanos(d.saturating_sub(self.shared.now())));
-            let wait = until_deadline.map_or(timeout - elapsed, |d| d.min(timeout - elapsed));
-            inner = self
-                .shared
-                .completed_cv
-                .wait_timeout(inner, wait)
-                .map(|(guard, _)| guard)
-                .unwrap_or_else(|e| e.into_inner().0);
-            drop(inner);
+            drop(self.shared.sleep_for_progress(inner, timeout - elapsed));
         }
     }
 
@@ -964,19 +969,13 @@ impl Runner {
     pub fn wait(&self, op: OpHandle, timeout: Duration) -> Result<Option<OpResult>> {
         #[allow(clippy::disallowed_methods)]
         let start = Instant::now();
-        // A short bounded spin first, as in `wait_completed` (not for a
-        // zero timeout: that is a poll).
-        while !timeout.is_zero()
-            && self.shared.completed_len.load(Ordering::Acquire) == 0
-            && start.elapsed() < copy::SPIN
-        {
-            std::hint::spin_loop();
+        // A zero timeout is a poll: no spin.
+        if !timeout.is_zero() {
+            self.shared.spin_for_completion(start);
         }
         let mut inner = self.shared.lock();
         loop {
-            let now = self.shared.now();
-            inner.core.handle_timeout(now);
-            self.shared.pump(&mut inner);
+            self.shared.expire(&mut inner);
             if let Some(pos) = inner.completed.iter().position(|r| r.op == op) {
                 let result = inner.completed.remove(pos);
                 self.shared
@@ -991,18 +990,7 @@ impl Runner {
             if elapsed >= timeout {
                 return Ok(None);
             }
-            // Wake for the next deadline too: expiring it may complete `op`.
-            let until_deadline = inner
-                .core
-                .next_deadline()
-                .map(|d| Duration::from_nanos(d.saturating_sub(self.shared.now())));
-            let wait = until_deadline.map_or(timeout - elapsed, |d| d.min(timeout - elapsed));
-            inner = self
-                .shared
-                .completed_cv
-                .wait_timeout(inner, wait)
-                .map(|(guard, _)| guard)
-                .unwrap_or_else(|e| e.into_inner().0);
+            inner = self.shared.sleep_for_progress(inner, timeout - elapsed);
         }
     }
 
