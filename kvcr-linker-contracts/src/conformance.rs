@@ -88,73 +88,69 @@ pub trait LinkerFixture {
 /// One conformance check, given a fixture factory.
 pub type Check<F> = fn(&dyn Fn(&FixtureSpec) -> F);
 
-/// Every check, by name.
+/// Every check, by name (from the one list behind [`crate::conformance_suite!`]).
 pub fn cases<F: LinkerFixture>() -> Vec<(&'static str, Check<F>)> {
-    vec![
-        (
-            "round_trip_moves_bytes_exactly",
-            round_trip_moves_bytes_exactly::<F>,
-        ),
-        (
-            "never_offloaded_page_is_a_miss",
-            never_offloaded_page_is_a_miss::<F>,
-        ),
-        (
-            "second_attempt_supersedes_first",
-            second_attempt_supersedes_first::<F>,
-        ),
-        (
-            "late_fetch_of_superseded_attempt_is_released",
-            late_fetch_of_superseded_attempt_is_released::<F>,
-        ),
-        ("finish_drops_every_claim", finish_drops_every_claim::<F>),
-        ("abort_drops_every_claim", abort_drops_every_claim::<F>),
-        (
-            "ending_never_revokes_accepted_fetch",
-            ending_never_revokes_accepted_fetch::<F>,
-        ),
-        (
-            "ending_never_revokes_accepted_load",
-            ending_never_revokes_accepted_load::<F>,
-        ),
-        (
-            "device_prefix_growth_shifts_preparation",
-            device_prefix_growth_shifts_preparation::<F>,
-        ),
-        (
-            "device_prefix_shrink_retires_preparation",
-            device_prefix_shrink_retires_preparation::<F>,
-        ),
-        (
-            "load_without_claim_is_refused",
-            load_without_claim_is_refused::<F>,
-        ),
-        ("duplicate_load_is_refused", duplicate_load_is_refused::<F>),
-        (
-            "reset_refused_while_transfers_in_flight",
-            reset_refused_while_transfers_in_flight::<F>,
-        ),
-        (
-            "reset_forgets_store_and_reoffload_round_trips",
-            reset_forgets_store_and_reoffload_round_trips::<F>,
-        ),
-        (
-            "stale_and_unknown_attempts_are_typed_errors",
-            stale_and_unknown_attempts_are_typed_errors::<F>,
-        ),
-        (
-            "offload_outcomes_in_submission_order",
-            offload_outcomes_in_submission_order::<F>,
-        ),
-        (
-            "claimed_page_is_never_evicted",
-            claimed_page_is_never_evicted::<F>,
-        ),
-        (
-            "bad_device_slot_is_refused",
-            bad_device_slot_is_refused::<F>,
-        ),
-    ]
+    crate::__conformance_checks!(@cases F)
+}
+
+/// The one list of checks. [`cases`] and [`crate::conformance_suite!`] both expand
+/// it, so a new check is run by every linker's suite without a second table.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_checks {
+    (@cases $fixture:ident [$($name:ident),* $(,)?]) => {
+        vec![$((
+            stringify!($name),
+            $crate::conformance::$name::<$fixture> as $crate::conformance::Check<$fixture>,
+        )),*]
+    };
+    (@tests $fixture:ty, $run:expr, [$($name:ident),* $(,)?]) => {
+        $(
+            #[test]
+            fn $name() {
+                let run: fn($crate::conformance::Check<$fixture>) = $run;
+                run($crate::conformance::$name::<$fixture>);
+            }
+        )*
+    };
+    (@$mode:ident $($args:tt)*) => {
+        $crate::__conformance_checks! {@$mode $($args)* [
+            round_trip_moves_bytes_exactly,
+            never_offloaded_page_is_a_miss,
+            second_attempt_supersedes_first,
+            late_fetch_of_superseded_attempt_is_released,
+            finish_drops_every_claim,
+            abort_drops_every_claim,
+            ending_never_revokes_accepted_fetch,
+            ending_never_revokes_accepted_load,
+            device_prefix_growth_shifts_preparation,
+            device_prefix_shrink_retires_preparation,
+            load_without_claim_is_refused,
+            duplicate_load_is_refused,
+            reset_refused_while_transfers_in_flight,
+            reset_forgets_store_and_reoffload_round_trips,
+            stale_and_unknown_attempts_are_typed_errors,
+            offload_outcomes_in_submission_order,
+            claimed_page_is_never_evicted,
+            bad_device_slot_is_refused,
+        ]}
+    };
+}
+
+/// One `#[test]` per conformance check, named after it, for a linker's
+/// fixture type: `run` gets each check and calls it with the fixture
+/// factories the linker is tested on.
+///
+/// ```ignore
+/// kvcr_linker_contracts::conformance_suite!(ReferenceFixture, |check| {
+///     check(&ReferenceFixture::new)
+/// });
+/// ```
+#[macro_export]
+macro_rules! conformance_suite {
+    ($fixture:ty, $run:expr $(,)?) => {
+        $crate::__conformance_checks!(@tests $fixture, $run,);
+    };
 }
 
 /// The fixture for the reference linker.
