@@ -215,69 +215,6 @@ fn dist(name: &str, sorted: &[f64]) {
     println!("DIST {name} unit=us {}", points.join(" "));
 }
 
-/// `ucx_perftest` one-way put latency (µs, the "typical" column) at `size`.
-fn perftest_lat(tls: &str, size: usize, iters: usize) -> Option<f64> {
-    let row = perftest_final(tls, "ucp_put_lat", size, iters, &[])?;
-    row.get(2)?.parse().ok()
-}
-
-/// `ucx_perftest` put bandwidth (GB/s) at `size` between two processes.
-fn perftest(tls: &str, size: usize, iters: usize, extra: &[&str]) -> Option<f64> {
-    let row = perftest_final(tls, "ucp_put_bw", size, iters, extra)?;
-    let overall_mbs: f64 = row.get(6)?.parse().ok()?;
-    Some(overall_mbs / 1e3)
-}
-
-/// Runs one `ucx_perftest` test between two processes on loopback; returns
-/// the fields of its `Final:` row.
-fn perftest_final(
-    tls: &str,
-    test: &str,
-    size: usize,
-    iters: usize,
-    extra: &[&str],
-) -> Option<Vec<String>> {
-    static PORT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
-    let port = 15_000
-        + (std::process::id() % 2000) as u16
-        + PORT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let mut server = Command::new("ucx_perftest")
-        .args(["-p", &port.to_string()])
-        .env("UCX_TLS", tls)
-        .env("UCX_NET_DEVICES", "lo")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .ok()?;
-    std::thread::sleep(Duration::from_millis(500));
-    let out = Command::new("timeout")
-        .args([
-            "120",
-            "ucx_perftest",
-            "127.0.0.1",
-            "-p",
-            &port.to_string(),
-            "-t",
-            test,
-            "-s",
-            &size.to_string(),
-            "-n",
-            &iters.to_string(),
-            "-w",
-            &(iters / 10).max(2).to_string(),
-        ])
-        .args(extra)
-        .env("UCX_TLS", tls)
-        .env("UCX_NET_DEVICES", "lo")
-        .output()
-        .ok()?;
-    let _ = server.kill();
-    let _ = server.wait();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().find(|l| l.starts_with("Final:"))?;
-    Some(line.split_whitespace().map(str::to_owned).collect())
-}
-
 fn line(name: &str, value: f64, unit: &str, anchor: Option<f64>) {
     match anchor {
         Some(a) => println!(
@@ -310,10 +247,11 @@ fn main() {
         "peer.fetch_16mib_shm",
         shm16,
         "GB/s",
-        perftest("posix,cma", MIB16, if quick { 60 } else { 200 }, &[]),
+        kvcr_ucx::perftest::put_bw_gbs("posix,cma", MIB16, if quick { 60 } else { 200 }, &[]),
     );
     let shm256 = bandwidth(shm_tls, 256 << 10, 512, reps);
-    let perftest256 = perftest("posix,cma", 256 << 10, if quick { 500 } else { 2000 }, &[]);
+    let perftest256 =
+        kvcr_ucx::perftest::put_bw_gbs("posix,cma", 256 << 10, if quick { 500 } else { 2000 }, &[]);
     line("peer.fetch_256kib_shm", shm256, "GB/s", perftest256);
     if let Some(p) = perftest256 {
         line("ucx.perftest_put_bw_256kib_shm", p, "GB/s", None);
@@ -324,7 +262,7 @@ fn main() {
         "peer.one_block_p50",
         at(&samples, 0.5),
         "us",
-        perftest_lat("posix,cma", 256 << 10, if quick { 100 } else { 500 }),
+        kvcr_ucx::perftest::put_lat_us("posix,cma", 256 << 10, if quick { 100 } else { 500 }),
     );
     println!(
         "# peer.one_block p99={:.0}us (reference runner: 4,350 us one-block hinted fetch)",
@@ -335,7 +273,7 @@ fn main() {
         "peer.fetch_16mib_tcp",
         tcp16,
         "GB/s",
-        perftest("tcp", MIB16, if quick { 20 } else { 60 }, &["-O", "1"]),
+        kvcr_ucx::perftest::put_bw_gbs("tcp", MIB16, if quick { 20 } else { 60 }, &["-O", "1"]),
     );
     // `cargo xtask bench --peers`: kvcr's side of the peers' workloads, over
     // TCP on loopback as they run here (the reference runner's NIXL moves
@@ -347,7 +285,7 @@ fn main() {
             "peer.fetch_256kib_tcp",
             tcp256,
             "GB/s",
-            perftest(
+            kvcr_ucx::perftest::put_bw_gbs(
                 "tcp",
                 256 << 10,
                 if quick { 200 } else { 400 },
@@ -361,7 +299,7 @@ fn main() {
             "peer.one_block_tcp_p50",
             at(&samples, 0.5),
             "us",
-            perftest_lat("tcp", 256 << 10, iters),
+            kvcr_ucx::perftest::put_lat_us("tcp", 256 << 10, iters),
         );
         for (label, size) in [
             ("64kib", 64usize << 10),
@@ -374,7 +312,7 @@ fn main() {
                 &format!("peer.request_{label}_tcp"),
                 size as f64 / (at(&samples, 0.5) * 1e-6) / 1e9,
                 "GB/s",
-                perftest("tcp", size, iters.max(20), &["-O", "1"]),
+                kvcr_ucx::perftest::put_bw_gbs("tcp", size, iters.max(20), &["-O", "1"]),
             );
         }
     }

@@ -20,7 +20,6 @@
 )]
 #![allow(clippy::disallowed_methods)] // a benchmark reads the clock
 
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvcr_foundation::ucx::{AnonOptions, Context, ContextConfig, RkeyBuffer, WorkerAddress};
@@ -110,68 +109,11 @@ fn main() {
     assert!(probe.iter().all(|&b| b == 0x5a), "bytes did not land");
     drop((key, ep));
 
-    match perftest_put_bw(iters) {
-        Some(mbs) => {
-            println!(
-                "BENCH ucx.perftest_put_bw_16mib_shm value={:.3} unit=GB/s",
-                mbs / 1000.0
-            );
-            println!(
-                "ratio ucx.put_16mib_shm / perftest = {:.2}",
-                big * 1000.0 / mbs
-            );
+    match kvcr_ucx::perftest::put_bw_gbs(TLS, 16 * MIB, iters, &[]) {
+        Some(gbs) => {
+            println!("BENCH ucx.perftest_put_bw_16mib_shm value={gbs:.3} unit=GB/s");
+            println!("ratio ucx.put_16mib_shm / perftest = {:.2}", big / gbs);
         }
         None => println!("note: ucx_perftest not available; no anchor measured"),
     }
-}
-
-/// `ucx_perftest -t ucp_put_bw -s 16777216 -n N` between a server and a
-/// client process on 127.0.0.1; returns the "overall" bandwidth in MB/s.
-fn perftest_put_bw(iters: usize) -> Option<f64> {
-    let port = 14_000 + (std::process::id() % 1000) as u16;
-    let mut server = Command::new("ucx_perftest")
-        .args(["-p", &port.to_string()])
-        .env("UCX_TLS", TLS)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .ok()?;
-    std::thread::sleep(Duration::from_millis(500));
-    let out = Command::new("ucx_perftest")
-        .args([
-            "127.0.0.1",
-            "-p",
-            &port.to_string(),
-            "-t",
-            "ucp_put_bw",
-            "-s",
-            "16777216",
-            "-n",
-            &iters.to_string(),
-            "-w",
-            &(iters / 10).max(1).to_string(),
-            "-f",
-        ])
-        .env("UCX_TLS", TLS)
-        .output();
-    // The server exits after one test; end it by its own handle if not.
-    for _ in 0..20 {
-        if server.try_wait().ok().flatten().is_some() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    if server.try_wait().ok().flatten().is_none() {
-        let _ = server.kill();
-        let _ = server.wait();
-    }
-    let text = String::from_utf8_lossy(&out.ok()?.stdout).into_owned();
-    // With -f the last row is: iterations, overhead p50 / average / overall
-    // (µs), bandwidth average / overall (MB/s), message rate average / overall
-    // (some versions prefix it with "Final:").
-    let row = text.lines().rev().find_map(|l| {
-        let fields: Vec<&str> = l.split_whitespace().filter(|f| *f != "Final:").collect();
-        (fields.len() >= 6 && fields[0].parse::<u64>().is_ok()).then_some(fields)
-    })?;
-    row.get(5)?.parse().ok()
 }

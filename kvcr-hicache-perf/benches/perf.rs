@@ -495,50 +495,6 @@ fn peer_fetch_16mib(tls: &str, split: PutSplit, reps: usize) -> (f64, f64) {
     (median(with), median(without))
 }
 
-/// `ucx_perftest` put bandwidth (GB/s) at `size` between two processes.
-fn perftest(tls: &str, size: u64, iters: usize, extra: &[&str]) -> Option<f64> {
-    static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
-    let port = 17_000
-        + (std::process::id() % 2000) as u16
-        + NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let mut server = Command::new("ucx_perftest")
-        .args(["-p", &port.to_string()])
-        .env("UCX_TLS", tls)
-        .env("UCX_NET_DEVICES", "lo")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .ok()?;
-    std::thread::sleep(Duration::from_millis(500));
-    let out = Command::new("timeout")
-        .args([
-            "120",
-            "ucx_perftest",
-            "127.0.0.1",
-            "-p",
-            &port.to_string(),
-            "-t",
-            "ucp_put_bw",
-            "-s",
-            &size.to_string(),
-            "-n",
-            &iters.to_string(),
-            "-w",
-            &(iters / 10).max(2).to_string(),
-        ])
-        .args(extra)
-        .env("UCX_TLS", tls)
-        .env("UCX_NET_DEVICES", "lo")
-        .output()
-        .ok()?;
-    let _ = server.kill();
-    let _ = server.wait();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let l = text.lines().find(|l| l.starts_with("Final:"))?;
-    let overall_mbs: f64 = l.split_whitespace().nth(6)?.parse().ok()?;
-    Some(overall_mbs / 1e3)
-}
-
 fn main() {
     if let Ok(spec) = std::env::var(CHILD) {
         source(&spec);
@@ -571,9 +527,9 @@ fn main() {
     let split = placement::split_for(Some(TCP));
     let peer_reps = if quick { 7 } else { 15 };
     // The anchor runs before and after the fetches; their mean is the anchor.
-    let before = perftest("tcp", MIB16, 60, &["-O", "1"]);
+    let before = kvcr_ucx::perftest::put_bw_gbs("tcp", 16 << 20, 60, &["-O", "1"]);
     let (with, without) = peer_fetch_16mib(TCP, split, peer_reps);
-    let after = perftest("tcp", MIB16, 60, &["-O", "1"]);
+    let after = kvcr_ucx::perftest::put_bw_gbs("tcp", 16 << 20, 60, &["-O", "1"]);
     let anchor = match (before, after) {
         (Some(a), Some(b)) => Some((a + b) / 2.0),
         (a, b) => a.or(b),

@@ -58,6 +58,8 @@ mod context;
 mod endpoint;
 pub mod error;
 mod memory;
+#[cfg(feature = "perftest")]
+pub mod perftest;
 mod request;
 mod status;
 pub mod sys;
