@@ -63,6 +63,7 @@ use kvcr_hicache_storage::{
     ExtraInfo, HostLayout, HostPoolDesc, KvGeometry, KvcrHiCacheStorage, LocalRankGroup,
     PageTokens, RankGroups, StorageConfig,
 };
+use kvcr_publisher::decode::{EventKind, decode_batch};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
@@ -621,40 +622,24 @@ impl Router {
             return;
         }
         *next += 1;
-        let Ok(batch) = rmpv::decode::read_value(&mut &payload[..]) else {
+        let Ok(events) = decode_batch(payload) else {
             return;
         };
-        let events = batch
-            .as_array()
-            .and_then(|b| b.get(1))
-            .and_then(rmpv::Value::as_array);
-        for event in events.into_iter().flatten() {
-            let Some(map) = event.as_map() else { continue };
-            let field = |name: &str| {
-                map.iter()
-                    .find(|(k, _)| k.as_str() == Some(name))
-                    .map(|(_, v)| v)
-            };
-            let kvcr_owned = field("ownership").and_then(rmpv::Value::as_str) == Some("kvcr");
-            let index = if kvcr_owned {
+        for event in events {
+            let index = if event.kvcr_owned {
                 &mut self.kvcr
             } else {
                 &mut self.framework
             };
             let set = index.entry(worker).or_default();
-            let hashes = field("block_hashes")
-                .and_then(rmpv::Value::as_array)
-                .into_iter()
-                .flatten()
-                .filter_map(rmpv::Value::as_u64)
-                .map(BlockKey::from_u64);
-            match field("type").and_then(rmpv::Value::as_str) {
-                Some("BlockStored") => set.extend(hashes),
-                Some("BlockRemoved") => hashes.for_each(|h| {
+            let hashes = event.block_hashes.into_iter().map(BlockKey::from_u64);
+            match event.kind {
+                EventKind::Stored => set.extend(hashes),
+                EventKind::Removed => hashes.for_each(|h| {
                     set.remove(&h);
                 }),
-                Some("AllBlocksCleared") => set.clear(),
-                _ => {}
+                EventKind::AllCleared => set.clear(),
+                EventKind::Unknown(_) => {}
             }
         }
     }

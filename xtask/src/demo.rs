@@ -18,6 +18,8 @@ use std::process::{Child, Command};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
+use kvcr_publisher::decode::{EventKind, decode_batch};
+
 use crate::node::{Node, NodeSpec, Ownership};
 
 /// Qwen3-0.6B: 28 layers × 8 KV heads × 128 dims × 2 (K, V) × 2 bytes = 114,688 B/token.
@@ -87,29 +89,12 @@ fn stored_hashes(subscriber: &zmq::Socket, pages: usize) -> Vec<u64> {
         let Some(payload) = frames.get(2) else {
             continue;
         };
-        let Ok(batch) = rmpv::decode::read_value(&mut payload.as_slice()) else {
+        let Ok(events) = decode_batch(payload) else {
             continue;
         };
-        let events = batch
-            .as_array()
-            .and_then(|b| b.get(1))
-            .and_then(rmpv::Value::as_array);
-        for event in events.into_iter().flatten() {
-            let Some(map) = event.as_map() else { continue };
-            let field = |name: &str| {
-                map.iter()
-                    .find(|(k, _)| k.as_str() == Some(name))
-                    .map(|(_, v)| v)
-            };
-            if field("type").and_then(rmpv::Value::as_str) != Some("BlockStored") {
-                continue;
-            }
-            for hash in field("block_hashes")
-                .and_then(rmpv::Value::as_array)
-                .into_iter()
-                .flatten()
-            {
-                if let Some(h) = hash.as_u64().filter(|h| !seen.contains(h)) {
+        for event in events.into_iter().filter(|e| e.kind == EventKind::Stored) {
+            for h in event.block_hashes {
+                if !seen.contains(&h) {
                     seen.push(h);
                 }
             }

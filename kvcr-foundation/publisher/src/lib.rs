@@ -26,6 +26,8 @@
 //! that are gone.
 
 pub mod core;
+#[cfg(feature = "decode")]
+pub mod decode;
 mod driver;
 pub mod error;
 pub mod replay;

@@ -10,6 +10,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use kvcr_publisher::decode::{EventKind, decode_batch};
 
 /// The replay end marker's sequence frame (`-1`, 8 bytes big-endian).
 const END_SEQ: [u8; 8] = [0xff; 8];
@@ -165,36 +166,22 @@ impl Drop for EventTap {
 
 /// Adds one `KVEventBatch` (`[ts, [events..], dp_rank]`) to the tally.
 fn count(payload: &[u8], tally: &mut Tally) -> Result<()> {
-    let batch = rmpv::decode::read_value(&mut &payload[..]).context("batch is not msgpack")?;
-    let events = batch
-        .as_array()
-        .and_then(|b| b.get(1))
-        .and_then(rmpv::Value::as_array)
-        .context("batch without an event list")?;
-    for event in events {
-        let map = event.as_map().context("event is not a map")?;
-        let field = |name: &str| {
-            map.iter()
-                .find(|(k, _)| k.as_str() == Some(name))
-                .map(|(_, v)| v)
-        };
-        let hashes = field("block_hashes")
-            .and_then(rmpv::Value::as_array)
-            .map_or(0, |h| h.len() as u64);
-        match field("type").and_then(rmpv::Value::as_str) {
-            Some("BlockStored") => {
+    for event in decode_batch(payload)? {
+        let hashes = event.block_hashes.len() as u64;
+        match event.kind {
+            EventKind::Stored => {
                 tally.stored += hashes;
                 tally.live += hashes as i64;
             }
-            Some("BlockRemoved") => {
+            EventKind::Removed => {
                 tally.removed += hashes;
                 tally.live -= hashes as i64;
             }
-            Some("AllBlocksCleared") => {
+            EventKind::AllCleared => {
                 tally.clears += 1;
                 tally.live = 0;
             }
-            other => bail!("unknown event type {other:?}"),
+            EventKind::Unknown(what) => bail!("unknown event: {what}"),
         }
     }
     Ok(())
