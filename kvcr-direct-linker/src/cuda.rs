@@ -9,7 +9,7 @@
 #![allow(unsafe_code)]
 
 use std::ffi::{CStr, c_void};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::sys::{self, CUresult};
 
@@ -55,6 +55,16 @@ pub fn device_count() -> Result<u32> {
     Ok(u32::try_from(count).unwrap_or(0))
 }
 
+/// Most errors of `Drop` undo calls kept per device; the rest are counted.
+const MAX_DROP_ERRORS: usize = 64;
+
+/// Errors of undo calls made in `Drop`, which cannot return them.
+#[derive(Debug, Default)]
+struct DropErrors {
+    kept: Vec<Error>,
+    more: u64,
+}
+
 /// One GPU and its primary context, retained while this value lives.
 #[derive(Debug)]
 pub struct Device {
@@ -62,6 +72,7 @@ pub struct Device {
     device: sys::CUdevice,
     context: sys::CUcontext,
     name: String,
+    drop_errors: Mutex<DropErrors>,
 }
 
 // SAFETY: a CUDA context handle may be made current on any thread; the driver
@@ -114,6 +125,7 @@ impl Device {
             device,
             context,
             name,
+            drop_errors: Mutex::new(DropErrors::default()),
         });
         opened.bind()?;
         Ok(opened)
@@ -161,10 +173,40 @@ impl Device {
     pub fn name(&self) -> &str {
         &self.name
     }
+
+    /// Errors of the undo calls (free, unregister, destroy, unload) that
+    /// handles of this device made in `Drop` since the last call, oldest
+    /// first, at most 64; and how many more there were.
+    pub fn take_drop_errors(&self) -> (Vec<Error>, u64) {
+        let mut errors = self
+            .drop_errors
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let taken = std::mem::take(&mut *errors);
+        (taken.kept, taken.more)
+    }
+
+    /// Records the outcome of an undo call made in `Drop` (or of binding the
+    /// context for it): `Drop` cannot return an error, and dropping it
+    /// silently would hide a leak or a lost context.
+    fn record_drop(&self, outcome: Result<()>) {
+        let Err(error) = outcome else { return };
+        let mut errors = self
+            .drop_errors
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if errors.kept.len() < MAX_DROP_ERRORS {
+            errors.kept.push(error);
+        } else {
+            errors.more += 1;
+        }
+    }
 }
 
 impl Drop for Device {
     fn drop(&mut self) {
+        // The one undo call whose error has nowhere to go: the device that
+        // would record it is the value being dropped.
         // SAFETY: balances the retain in `open`; every object made in the
         // context holds an Arc<Device>, so none outlives it.
         let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
@@ -257,10 +299,14 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        if self.device.bind().is_ok() {
+        let bound = self.device.bind();
+        if bound.is_ok() {
             // SAFETY: allocated by cuMemAlloc in `allocate`, freed once. Users
             // synchronise their streams before dropping buffers they launched on.
-            let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+            let freed = unsafe { sys::cuMemFree_v2(self.ptr) };
+            self.device.record_drop(check("cuMemFree", freed));
+        } else {
+            self.device.record_drop(bound);
         }
     }
 }
@@ -306,7 +352,8 @@ impl PinnedRegistration {
         };
         if let Err(e) = check("cuMemHostGetDevicePointer", status) {
             // SAFETY: undoes the registration made above.
-            let _ = unsafe { sys::cuMemHostUnregister(host as usize as *mut c_void) };
+            let undone = unsafe { sys::cuMemHostUnregister(host as usize as *mut c_void) };
+            device.record_drop(check("cuMemHostUnregister", undone));
             return Err(e);
         }
         Ok(Self {
@@ -331,11 +378,13 @@ impl PinnedRegistration {
 
 impl Drop for PinnedRegistration {
     fn drop(&mut self) {
-        let _ = self.device.bind();
+        self.device.record_drop(self.device.bind());
         // SAFETY: registered in `register`; the owner keeps the memory mapped
         // until after this drop (the runner detaches its copier before freeing
         // its pools).
-        let _ = unsafe { sys::cuMemHostUnregister(self.host as usize as *mut c_void) };
+        let status = unsafe { sys::cuMemHostUnregister(self.host as usize as *mut c_void) };
+        self.device
+            .record_drop(check("cuMemHostUnregister", status));
     }
 }
 
@@ -367,7 +416,8 @@ impl PinnedBuffer {
         let status = unsafe { sys::cuMemHostGetDevicePointer_v2(&raw mut mapped, host, 0) };
         if let Err(e) = check("cuMemHostGetDevicePointer", status) {
             // SAFETY: frees the allocation made above.
-            let _ = unsafe { sys::cuMemFreeHost(host) };
+            let undone = unsafe { sys::cuMemFreeHost(host) };
+            device.record_drop(check("cuMemFreeHost", undone));
             return Err(e);
         }
         Ok(Self {
@@ -421,9 +471,10 @@ impl PinnedBuffer {
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
-        let _ = self.device.bind();
+        self.device.record_drop(self.device.bind());
         // SAFETY: allocated by cuMemHostAlloc, freed once.
-        let _ = unsafe { sys::cuMemFreeHost(self.host.cast()) };
+        let status = unsafe { sys::cuMemFreeHost(self.host.cast()) };
+        self.device.record_drop(check("cuMemFreeHost", status));
     }
 }
 
@@ -540,10 +591,11 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        let _ = self.device.bind();
+        self.device.record_drop(self.device.bind());
         // SAFETY: created in `new`, destroyed once; pending work still
         // completes (the driver defers the release).
-        let _ = unsafe { sys::cuStreamDestroy_v2(self.raw) };
+        let status = unsafe { sys::cuStreamDestroy_v2(self.raw) };
+        self.device.record_drop(check("cuStreamDestroy", status));
     }
 }
 
@@ -593,9 +645,10 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        let _ = self.device.bind();
+        self.device.record_drop(self.device.bind());
         // SAFETY: created in `new`, destroyed once.
-        let _ = unsafe { sys::cuEventDestroy_v2(self.raw) };
+        let status = unsafe { sys::cuEventDestroy_v2(self.raw) };
+        self.device.record_drop(check("cuEventDestroy", status));
     }
 }
 
@@ -633,7 +686,8 @@ impl CopyKernel {
         };
         if let Err(e) = check("cuModuleGetFunction", status) {
             // SAFETY: unloads the module loaded above.
-            let _ = unsafe { sys::cuModuleUnload(module) };
+            let undone = unsafe { sys::cuModuleUnload(module) };
+            device.record_drop(check("cuModuleUnload", undone));
             return Err(Error::Kernel(e.to_string()));
         }
         Ok(Self {
@@ -681,10 +735,11 @@ impl CopyKernel {
 
 impl Drop for CopyKernel {
     fn drop(&mut self) {
-        let _ = self.device.bind();
+        self.device.record_drop(self.device.bind());
         // SAFETY: loaded in `load`, unloaded once; copiers synchronise their
         // streams before dropping the kernel.
-        let _ = unsafe { sys::cuModuleUnload(self.module) };
+        let status = unsafe { sys::cuModuleUnload(self.module) };
+        self.device.record_drop(check("cuModuleUnload", status));
     }
 }
 

@@ -6,7 +6,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
 use kvcr_direct_linker::cuda::{Device, driver_present};
@@ -198,6 +198,20 @@ fn offload_then_restore_is_byte_exact(#[case] layout: KvLayout, #[case] pages: u
         f.linker.request_finished(&attempt).unwrap();
         assert_eq!(f.linker.accounting().claims_held, 0);
         f.linker.runner().check_invariants().unwrap();
+        // Every undo call the CUDA handles make in `Drop` (unpin, free,
+        // destroy, unload) succeeded: their errors are recorded on the device.
+        let device = match f.linker.memory() {
+            KvMemory::Cuda(copier) => Some(Arc::clone(copier.device())),
+            _ => None,
+        };
+        drop(f);
+        if let Some(device) = device {
+            let (errors, more) = device.take_drop_errors();
+            assert!(
+                errors.is_empty() && more == 0,
+                "{backend:?}: {errors:?} (+{more})"
+            );
+        }
     }
 }
 
