@@ -1,5 +1,6 @@
-//! Every CUDA driver call kvcr makes, and nothing else: the crate's unsafe
-//! code lives here. Each handle is an RAII type that undoes its driver call on
+//! Every CUDA driver call kvcr makes, and nothing else: the driver FFI lives
+//! here (the copier's job-issuing and the linker's region registrations are
+//! the crate's other unsafe code). Each handle is an RAII type that undoes its driver call on
 //! drop; each owns an `Arc` of the device, so the primary context outlives
 //! every object made in it.
 //!

@@ -4,7 +4,9 @@
 //!
 //! * [`layout`]: the engine's layer-first GPU KV pool ([`KvLayout`]): per layer
 //!   a K and a V buffer of page slots; a page is `2 × layers` spans.
-//! * [`cuda`]: every CUDA driver call (the crate's only unsafe code), behind
+//! * [`cuda`]: every CUDA driver call (with [`copier`], which issues them for
+//!   the runner's jobs, and `DirectLinker::new`'s region registrations, the
+//!   crate's unsafe code), behind
 //!   RAII handles. The driver is loaded at run time; a machine without one
 //!   gets [`Error::NoDriver`], never a panic.
 //! * [`copier`]: [`CudaCopier`], the runner's device copier. It pins and maps

@@ -1,4 +1,5 @@
-//! The runner's only unsafe code: the DRAM pools it owns and raw copies
+//! Unsafe, named (with `copy`, `placement` and the peer driver's event-fd
+//! and timer-slack calls): the DRAM pools the runner owns and raw copies
 //! between byte ranges the region table has already validated.
 //!
 //! Everything above this module works with plain addresses (`u64`) that the
