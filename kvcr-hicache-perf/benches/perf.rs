@@ -174,9 +174,7 @@ fn coalesce(pages: u64, reps: usize) -> (f64, f64, f64, f64) {
     let mut ops = (0, 0);
     let mut fast = |runner: &mut Runner, options: CoalesceOptions| {
         let start = Instant::now();
-        // SAFETY: `dst`'s regions are registered with these ids and
-        // descriptors and untouched while the restore runs.
-        let report = unsafe { restore(runner, &hosts, &layout, entries(), None, options) }.unwrap();
+        let report = restore(runner, &hosts, &layout, entries(), None, options).unwrap();
         let secs = start.elapsed().as_secs_f64();
         assert!(report.restored.iter().all(|r| *r));
         if options.enabled {

@@ -30,12 +30,9 @@ pub mod audit;
 #[allow(unsafe_code)]
 pub mod backend;
 pub mod coalesce;
-#[allow(unsafe_code)]
-mod copy;
 pub mod error;
 pub mod layout;
 pub mod placement;
-#[allow(unsafe_code)]
 pub mod restore;
 pub mod window;
 

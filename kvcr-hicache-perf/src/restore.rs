@@ -5,23 +5,23 @@
 //! fallback.
 //!
 //! Guarantees kept from the base path: source claims are held until every
-//! copy from them is done; destinations are only elements of regions the
-//! caller registered, bounds-checked here against their descriptors; a source
-//! is only a slot the runner returned for a live claim, bounds-checked
-//! against the runner's pool memory; nothing is released before it is
-//! terminal (a fetch or deliver is waited for until the runner completes it,
-//! which its operation deadline guarantees).
+//! copy from them is done; the copies are the runner's
+//! (`Runner::copy_claimed`), which refuses a run that leaves the slots the
+//! claims hold or a destination that leaves a registered framework host
+//! element (a run spans several elements only in a dense region), so this
+//! module has no unsafe code; nothing is released before it is terminal (a
+//! fetch or deliver is waited for until the runner completes it, which its
+//! operation deadline guarantees).
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use kvcr_foundation::hint::RequestId;
 use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
-use kvcr_foundation::runner::{DeliverEntry, OpResult, PoolId, RegionDesc, Runner};
+use kvcr_foundation::runner::{ClaimedCopy, DeliverEntry, OpResult, PoolId, RegionDesc, Runner};
 use kvcr_foundation::tier::Owner;
 
 use crate::coalesce::{CoalesceOptions, Descriptor, Direction, Location, plan};
-use crate::copy::{RawCopy, copy_all};
 use crate::error::{PerfError, Result};
 
 /// A framework region as the caller registered it with the runner.
@@ -67,11 +67,13 @@ fn bad(why: &'static str) -> PerfError {
 /// layout `layout`) from KVCR DRAM through the fast path, coalescing as
 /// `options` says; keys not resident take the normal path.
 ///
-/// # Safety
-/// Every region in `hosts` must be registered with `runner` under exactly
-/// that id and descriptor (so its memory is valid for the runner's life), and
-/// the caller must not access a destination element until this returns.
-pub unsafe fn restore(
+/// `hosts` are the caller's registered regions (id and descriptor as
+/// `register_region` got them); they shape the plan, and the runner checks
+/// every run against its own registrations before it copies
+/// (`Runner::copy_claimed`), so a wrong descriptor is refused, never a write
+/// outside a registered element. As with any runner operation, the caller
+/// does not touch a destination element until this returns.
+pub fn restore(
     runner: &Runner,
     hosts: &[HostRegion],
     layout: &[PoolId],
@@ -116,7 +118,6 @@ pub unsafe fn restore(
             claims.insert(*key, (result.release, result.slots.clone()));
         }
     }
-    let pools = runner.pool_memory().to_vec();
     let mut descriptors = Vec::new();
     let mut owners = Vec::new(); // descriptor -> entry
     let mut fallback = Vec::new();
@@ -153,55 +154,37 @@ pub unsafe fn restore(
     let planned = plan(&descriptors, options);
     report.ops_uncoalesced = base.ops();
     report.ops = planned.ops();
-    // Resolve and bounds-check every transfer before copying anything.
-    let mut copies = Vec::with_capacity(planned.ops());
-    let mut copy_ok = true;
-    for t in &planned.transfers {
-        let pool = usize::try_from(t.src.region)
-            .ok()
-            .and_then(|r| pools.get(r));
-        let host = host_of.get(&RegionId(t.dst.region));
-        let (Some(pool), Some(host)) = (pool, host) else {
-            copy_ok = false;
-            break;
-        };
-        let src_end = t.src.offset.checked_add(t.len);
-        let host_extent = host
-            .effective_stride()
-            .checked_mul(host.count.saturating_sub(1))
-            .and_then(|x| x.checked_add(host.size));
-        let dst_end = t.dst.offset.checked_add(t.len);
-        // A merged transfer spans several elements: only dense regions
-        // (stride == size) are contiguous between elements.
-        let dense = host.effective_stride() == host.size || t.parts.len() == 1;
-        if !(dense
-            && src_end.is_some_and(|e| e <= pool.len)
-            && dst_end.zip(host_extent).is_some_and(|(e, x)| e <= x))
-        {
-            copy_ok = false;
-            break;
-        }
-        copies.push(RawCopy {
-            src: pool.base + t.src.offset,
-            dst: host.base + t.dst.offset,
-            len: t.len,
-        });
-    }
-    if copy_ok {
-        // SAFETY: sources are slots of the runner's own pools (bounds-checked
-        // above against `pool_memory`) held READY by claims taken above and
-        // released only below, so nothing writes them; destinations are
-        // elements of regions the caller registered (this function's
-        // contract; bounds-checked above) and does not touch until we return;
-        // the runner refuses regions that overlap its pools.
-        unsafe { copy_all(&copies) };
+    // Each transfer becomes a run the runner bounds-checks against the claims
+    // and the registrations, then copies (the offsets above are whole
+    // elements, so dividing them back is exact).
+    let runs: Option<Vec<ClaimedCopy>> = planned
+        .transfers
+        .iter()
+        .map(|t| {
+            let desc = host_of.get(&RegionId(t.dst.region))?;
+            Some(ClaimedCopy {
+                src: ElementRef {
+                    region: RegionId(t.src.region),
+                    index: t.src.offset / desc.size.max(1),
+                },
+                dst: ElementRef {
+                    region: RegionId(t.dst.region),
+                    index: t.dst.offset / desc.effective_stride().max(1),
+                },
+                len: t.len,
+            })
+        })
+        .collect();
+    let handles: Vec<_> = claims.values().filter_map(|(h, _)| *h).collect();
+    // A plan the runner refuses (a run it cannot prove is inside the claims
+    // or the caller's regions) copies nothing; those entries stay unrestored.
+    if runs.is_some_and(|runs| runner.copy_claimed(&handles, &runs).is_ok()) {
         for &i in &owners {
             if let Some(r) = report.restored.get_mut(i) {
                 *r = true;
             }
         }
     }
-    let handles: Vec<_> = claims.values().filter_map(|(h, _)| *h).collect();
     runner.release(&handles);
     // The sparse fallback: the normal path for pages not resident here.
     if !fallback.is_empty() {

@@ -146,9 +146,7 @@ fn run(coalesce: bool, keys: &[u64], dst_pages: &[u64]) -> (RestoreReport, Vec<b
         CoalesceOptions::default()
     };
     let hosts = [dst.k.clone(), dst.v.clone()];
-    // SAFETY: (test) `dst`'s regions are registered under these ids and
-    // descriptors, and nothing touches `dst` until `restore` returns.
-    let report = unsafe { restore(&runner, &hosts, &layout, entries, None, options) }.unwrap();
+    let report = restore(&runner, &hosts, &layout, entries, None, options).unwrap();
     let bytes_ok = keys
         .iter()
         .zip(dst_pages)
@@ -214,17 +212,14 @@ fn bad_destinations_are_refused_before_anything_is_claimed() {
         ],
     }];
     let hosts = [dst.k.clone(), dst.v.clone()];
-    // SAFETY: (test) as in `run`.
-    let err = unsafe {
-        restore(
-            &runner,
-            &hosts,
-            &layout,
-            entries,
-            None,
-            CoalesceOptions::on(),
-        )
-    };
+    let err = restore(
+        &runner,
+        &hosts,
+        &layout,
+        entries,
+        None,
+        CoalesceOptions::on(),
+    );
     assert!(err.is_err());
     assert_eq!(runner.stats().public_claims, 0);
 }

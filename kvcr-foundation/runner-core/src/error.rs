@@ -184,6 +184,9 @@ pub enum RunnerReason {
     /// The device copier failed (attaching the pools or copying).
     #[error("device copy failed: {0}")]
     DeviceCopy(Echo),
+    /// A copy out of claimed KVCR DRAM (`Runner::copy_claimed`) was refused.
+    #[error("copy out of claimed pages refused: {0}")]
+    ClaimedCopy(&'static str),
     /// A slot read named a handle that is not a live claim.
     #[error("release handle {0} is not a live claim")]
     UnknownClaim(u64),

@@ -37,6 +37,7 @@ pub use machine::{
 pub use policy::CachePolicy;
 pub use region::{MAX_REGION_ELEMENTS, MAX_REGION_LABEL, RegionDesc, RegionMemory};
 pub use types::{
-    CopySpan, DeliverEntry, DepositEntry, EntryResult, EntryStatus, FailReason, OpResult, PageInfo,
-    PoolConfig, PoolId, PoolRange, PoolStats, QueryStatus, ReleaseHandle, RunnerStats,
+    ClaimedCopy, CopySpan, DeliverEntry, DepositEntry, EntryResult, EntryStatus, FailReason,
+    OpResult, PageInfo, PoolConfig, PoolId, PoolRange, PoolStats, QueryStatus, ReleaseHandle,
+    RunnerStats,
 };

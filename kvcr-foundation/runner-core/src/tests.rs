@@ -436,3 +436,65 @@ fn abort_cancels_only_unshared_work() {
     assert_eq!(core.query(&b), QueryStatus::Hit);
     core.check_invariants().unwrap();
 }
+
+/// A record pinned for a copy out of it (`pin_claimed_copy`) survives the
+/// release of its public claim and any pressure until it is unpinned; a
+/// refused plan pins nothing.
+#[test]
+fn a_pinned_record_is_not_evicted_until_unpinned() {
+    let (mut core, ns, region) = core(1, true, 1_000_000);
+    let deposit = |core: &mut Core, k: u8, at: u64| {
+        let op = core
+            .deposit(
+                at,
+                vec![DepositEntry {
+                    key: key(ns, k),
+                    spans: vec![ElementRef { region, index: 0 }],
+                    page: None,
+                }],
+                false,
+            )
+            .unwrap();
+        if let Some(Action::Copy { job, .. }) = core.poll_action() {
+            core.handle_copy_done(at, job, &[CopyOutcome::Copied]);
+        }
+        let mut done = Vec::new();
+        core.drain_completed(&mut done);
+        done.into_iter().find(|r| r.op == op).unwrap()
+    };
+    deposit(&mut core, 1, 0);
+    let pool = core.pool_id("kv").unwrap();
+    let fetch = core.fetch(1, &[key(ns, 1)], &[pool], None).unwrap();
+    let mut done = Vec::new();
+    core.drain_completed(&mut done);
+    let fetched = done.into_iter().find(|r| r.op == fetch).unwrap();
+    let entry = &fetched.entries[0].1;
+    let handle = entry.release.unwrap();
+    let copy = ClaimedCopy {
+        src: entry.slots[0],
+        dst: ElementRef { region, index: 1 },
+        len: BLOCK,
+    };
+    // Refused (an empty run next to a good one): nothing pinned.
+    let empty = ClaimedCopy { len: 0, ..copy };
+    assert!(core.pin_claimed_copy(&[handle], &[copy, empty]).is_err());
+    let (spans, pinned) = core.pin_claimed_copy(&[handle], &[copy]).unwrap();
+    assert_eq!(spans.len(), 1);
+    assert_eq!(spans[0].len, BLOCK);
+    assert_eq!(spans[0].dst, FRAMEWORK_BASE + BLOCK);
+    assert_eq!(core.release(&[handle]), vec![true]);
+    // The only slot is pinned: a new page cannot evict it.
+    let second = deposit(&mut core, 2, 2);
+    assert_eq!(
+        second.entries[0].1.status,
+        EntryStatus::Failed(FailReason::CapacityExhausted)
+    );
+    assert_eq!(core.query(&key(ns, 1)), QueryStatus::Hit);
+    core.check_invariants().unwrap();
+    core.unpin(&pinned);
+    // Unpinned, it is evictable again.
+    let third = deposit(&mut core, 3, 3);
+    assert!(third.entries[0].1.is_success(), "{third:?}");
+    assert_eq!(core.query(&key(ns, 1)), QueryStatus::Miss);
+    core.check_invariants().unwrap();
+}

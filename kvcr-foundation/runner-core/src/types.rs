@@ -214,3 +214,19 @@ pub struct PoolRange {
     /// Length in bytes.
     pub len: u64,
 }
+
+/// One run of bytes out of claimed KVCR DRAM into framework host memory
+/// (`Runner::copy_claimed`): `len` bytes from the start of runner element
+/// `src` into framework element `dst`. A run may continue through the elements
+/// that follow `src` while each is a slot one of the call's claims holds, and
+/// through the elements that follow `dst` only in a dense region (stride equal
+/// to the element size), so adjacent pages can move as one copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimedCopy {
+    /// The first KVCR DRAM slot (as `fetch` returned it).
+    pub src: ElementRef,
+    /// The first framework host element.
+    pub dst: ElementRef,
+    /// Bytes.
+    pub len: u64,
+}

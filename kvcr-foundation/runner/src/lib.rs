@@ -44,10 +44,10 @@ use std::time::{Duration, Instant};
 pub use kvcr_runner_core::policy;
 use kvcr_runner_core::{Action, Core, CoreConfig, JobId};
 pub use kvcr_runner_core::{
-    CachePolicy, CopySpan, CoreCounters, DeliverEntry, DepositEntry, EntryResult, EntryStatus,
-    FailReason, KVCR_REGION_PREFIX, MAX_REGION_ELEMENTS, MAX_REGION_LABEL, MAX_SPANS_PER_KEY,
-    OpResult, PageInfo, PeerCounters, PeerNotice, PoolConfig, PoolId, PoolRange, PoolStats,
-    QueryStatus, RegionDesc, RegionMemory, ReleaseHandle, RunnerStats,
+    CachePolicy, ClaimedCopy, CopySpan, CoreCounters, DeliverEntry, DepositEntry, EntryResult,
+    EntryStatus, FailReason, KVCR_REGION_PREFIX, MAX_REGION_ELEMENTS, MAX_REGION_LABEL,
+    MAX_SPANS_PER_KEY, OpResult, PageInfo, PeerCounters, PeerNotice, PoolConfig, PoolId, PoolRange,
+    PoolStats, QueryStatus, RegionDesc, RegionMemory, ReleaseHandle, RunnerStats,
 };
 
 pub use self::device::DeviceCopier;
@@ -992,6 +992,28 @@ impl Runner {
             }
             inner = self.shared.sleep_for_progress(inner, timeout - elapsed);
         }
+    }
+
+    /// Copies runs of bytes out of KVCR DRAM slots that `handles` (claims
+    /// from `fetch`) hold into framework host elements, in the caller's thread,
+    /// without a copy job: the fast path for restores whose adjacent pages
+    /// move as one copy ([`ClaimedCopy`] says how a run may span elements).
+    /// Validated whole first: a refusal copies nothing. The records stay
+    /// pinned during the copy, so a claim released meanwhile by another
+    /// thread cannot free the bytes being read; the claims themselves stay
+    /// the caller's to release.
+    #[allow(unsafe_code)]
+    pub fn copy_claimed(&self, handles: &[ReleaseHandle], copies: &[ClaimedCopy]) -> Result<()> {
+        let (spans, pinned) = self.core_call(|core, _| core.pin_claimed_copy(handles, copies))?;
+        // SAFETY: the sources are slots of READY records pinned above (an
+        // internal claim each, so not evicted or refilled until `unpin`); the
+        // destinations are framework host elements bounds-checked by the core
+        // against their registrations, which the caller promised valid and
+        // untouched while an operation names them (`register_region`); pool
+        // and framework regions never overlap (checked at registration).
+        unsafe { copy::copy_plan(&spans) };
+        self.with_core(|core, _| core.unpin(&pinned));
+        Ok(())
     }
 
     /// Nobody will wait for `op`: its result is dropped when it completes (or

@@ -9,8 +9,8 @@ use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
 use kvcr_foundation::runner::error::RunnerReason;
 use kvcr_foundation::runner::policy::{BlockMeta, CachePolicy, EvictionOrder, IngestDecision};
 use kvcr_foundation::runner::{
-    DeliverEntry, DepositEntry, EntryStatus, FailReason, OpResult, PageInfo, PoolId, QueryStatus,
-    RegionDesc, ReleaseHandle, Runner, RunnerConfig, policy,
+    ClaimedCopy, DeliverEntry, DepositEntry, EntryStatus, FailReason, OpResult, PageInfo, PoolId,
+    QueryStatus, RegionDesc, ReleaseHandle, Runner, RunnerConfig, policy,
 };
 use kvcr_foundation::{
     BlockKey, CompatDigest, InventoryEvent, InventorySink, Namespace, NamespaceId, ScopedKey,
@@ -1055,4 +1055,138 @@ fn a_discarded_result_is_dropped_and_others_kept() {
         );
     }
     runner.close().map_err(|(_, e)| e).unwrap();
+}
+
+/// `copy_claimed` copies claimed pages into framework memory byte-exactly,
+/// one run per page or one run over adjacent pages, and refuses, whole and
+/// before copying anything, every run it cannot prove safe: past the claimed
+/// slots, with a dead handle, into runner memory, past the destination
+/// region, or across elements of a strided region. Nothing stays pinned.
+#[test]
+fn copy_claimed_is_exact_and_refuses_runs_it_cannot_prove() {
+    let (mut runner, ns, _) = start(16, None);
+    let mut src = Host::new(&mut runner, "kv", 8);
+    let dst = Host::new(&mut runner, "kv:out", 8);
+    for p in 0..4 {
+        src.fill(p, 100 + p as u64);
+    }
+    deposit(&mut runner, &src, ns, &[0, 1, 2, 3], false);
+    let pool = runner.pool("kv").unwrap();
+    let keys: Vec<ScopedKey> = (0..4).map(|k| key(ns, k)).collect();
+    let op = runner.fetch(&keys, &[pool]).unwrap();
+    let fetched = wait(&mut runner, op);
+    let handles: Vec<ReleaseHandle> = fetched
+        .entries
+        .iter()
+        .filter_map(|(_, e)| e.release)
+        .collect();
+    let slots: Vec<ElementRef> = fetched.entries.iter().map(|(_, e)| e.slots[0]).collect();
+    assert_eq!(handles.len(), 4);
+    let block = BLOCK as u64;
+    let run = |src: ElementRef, page: usize, len: u64| ClaimedCopy {
+        src,
+        dst: dst.at(page),
+        len,
+    };
+
+    // One run per page, into pages in reverse order.
+    let runs: Vec<ClaimedCopy> = (0..4).map(|i| run(slots[i], 7 - i, block)).collect();
+    runner.copy_claimed(&handles, &runs).unwrap();
+    for i in 0..4 {
+        assert_eq!(dst.page(7 - i), src.page(i), "page {i}");
+    }
+
+    // Two pages whose slots are adjacent move as one run into adjacent pages.
+    let adjacent = (0..4)
+        .flat_map(|a| (0..4).map(move |b| (a, b)))
+        .find(|&(a, b)| slots[a].region == slots[b].region && slots[b].index == slots[a].index + 1);
+    // A fresh pool hands out slots in order, so some two are adjacent.
+    let (a, b) = adjacent.unwrap();
+    runner
+        .copy_claimed(&handles, &[run(slots[a], 0, 2 * block)])
+        .unwrap();
+    assert_eq!(dst.page(0), src.page(a));
+    assert_eq!(dst.page(1), src.page(b));
+
+    let before: Vec<Vec<u8>> = (0..8).map(|p| dst.page(p).to_vec()).collect();
+    let refusal = |handles: &[ReleaseHandle], runs: &[ClaimedCopy]| {
+        runner.copy_claimed(handles, runs).unwrap_err()
+    };
+    let claimed_copy = |e: &kvcr_foundation::runner::Error| {
+        matches!(e.runner_reason(), Some(RunnerReason::ClaimedCopy(_)))
+    };
+    // Past the slots one claim holds (only page 0's claim is given).
+    let one = [handles[0]];
+    assert!(claimed_copy(&refusal(&one, &[run(slots[0], 0, 2 * block)])));
+    // A slot no given claim holds.
+    assert!(claimed_copy(&refusal(&one, &[run(slots[1], 0, block)])));
+    // An empty run.
+    assert!(claimed_copy(&refusal(&handles, &[run(slots[0], 0, 0)])));
+    // Past the end of the destination region.
+    assert!(claimed_copy(&refusal(
+        &handles,
+        &[run(slots[0], 7, 2 * block)]
+    )));
+    // A handle that is not a live claim.
+    assert_eq!(
+        refusal(&[ReleaseHandle(9_999)], &[run(slots[0], 0, block)]).runner_reason(),
+        Some(&RunnerReason::UnknownClaim(9_999))
+    );
+    // Into runner memory: the destination must be a framework region.
+    let into_pool = ClaimedCopy {
+        src: slots[0],
+        dst: slots[1],
+        len: block,
+    };
+    assert!(matches!(
+        refusal(&handles, &[into_pool]).runner_reason(),
+        Some(RunnerReason::NotFrameworkRegion(_))
+    ));
+    // One good run and one bad: refused whole, the good one not copied.
+    assert!(claimed_copy(&refusal(
+        &handles,
+        &[run(slots[3], 2, block), run(slots[0], 7, 2 * block)]
+    )));
+    for (p, page) in before.iter().enumerate() {
+        assert_eq!(dst.page(p), page, "page {p} written by a refused call");
+    }
+
+    // Across elements of a strided region (a gap between its elements).
+    let mut gapped = vec![0u8; 4 * BLOCK];
+    // SAFETY: (test) `gapped` outlives the runner, which is closed below, and
+    // nothing touches it while a call names it.
+    let strided = unsafe {
+        runner.register_region(RegionDesc {
+            label: "kv:gapped".into(),
+            base: gapped.as_mut_ptr() as u64,
+            size: block,
+            stride: 2 * block,
+            count: 2,
+        })
+    }
+    .unwrap();
+    let across = ClaimedCopy {
+        src: slots[a],
+        dst: ElementRef {
+            region: strided,
+            index: 0,
+        },
+        len: 2 * block,
+    };
+    // The source run is claimed (two adjacent slots); the destination is not
+    // contiguous.
+    assert!(claimed_copy(&refusal(&handles, &[across])));
+    let single = ClaimedCopy {
+        len: block,
+        ..across
+    };
+    runner.copy_claimed(&handles, &[single]).unwrap();
+    assert_eq!(&gapped[..BLOCK], src.page(a));
+
+    // Nothing pinned stays behind: once released, nothing is claimed.
+    assert!(runner.release(&handles).iter().all(|released| *released));
+    assert_eq!(runner.stats().public_claims, 0);
+    runner.check_invariants().unwrap();
+    runner.close().map_err(|(_, e)| e).unwrap();
+    drop(gapped);
 }

@@ -1,6 +1,9 @@
 //! The block index's records (residency transitions, slots, bytes) and claims.
 
+use std::collections::HashSet;
+
 use super::*;
+use crate::types::ClaimedCopy;
 
 impl Core {
     pub(in crate::machine) fn record(&self, idx: u32) -> Option<&Record> {
@@ -277,5 +280,89 @@ impl Core {
                 self.make_evictable(idx);
             }
         }
+    }
+
+    /// Validates `copies` out of the slots `handles` hold into framework host
+    /// elements, and pins those records (an internal claim each) so their
+    /// bytes stay put while the caller copies without the core's lock. Returns
+    /// the copies as spans and the records to [`unpin`](Self::unpin).
+    ///
+    /// Refused whole, with nothing pinned, when a handle is not a live claim,
+    /// a run is empty or leaves the slots the handles hold, or a destination
+    /// is not framework host memory, leaves its region, or spans elements of
+    /// a strided region.
+    pub fn pin_claimed_copy(
+        &mut self,
+        handles: &[ReleaseHandle],
+        copies: &[ClaimedCopy],
+    ) -> Result<(Vec<CopySpan>, Vec<u32>)> {
+        let refused = |why| Error::runner(RunnerReason::ClaimedCopy(why));
+        let mut records = Vec::with_capacity(handles.len());
+        let mut held: HashSet<ElementRef> = HashSet::new();
+        for handle in handles {
+            let record = self
+                .claim_record(*handle)
+                .ok_or(Error::runner(RunnerReason::UnknownClaim(handle.0)))?;
+            held.extend(self.slot_refs(record));
+            records.push(record);
+        }
+        let mut spans = Vec::with_capacity(copies.len());
+        for copy in copies {
+            let src = self.regions.get(copy.src.region)?;
+            let dst = self.regions.get(copy.dst.region)?;
+            if copy.len == 0 {
+                return Err(refused("an empty run"));
+            }
+            if dst.owner != Owner::Framework {
+                return Err(Error::runner(RunnerReason::NotFrameworkRegion(
+                    copy.dst.region.0,
+                )));
+            }
+            if dst.memory != RegionMemory::Host {
+                return Err(refused("the destination is not host memory"));
+            }
+            let elements = |size: u64| copy.len.div_ceil(size.max(1));
+            let src_elements = elements(src.desc.size);
+            let covered = (0..src_elements).all(|i| {
+                copy.src.index.checked_add(i).is_some_and(|index| {
+                    held.contains(&ElementRef {
+                        region: copy.src.region,
+                        index,
+                    })
+                })
+            });
+            if !covered || (src_elements > 1 && src.desc.effective_stride() != src.desc.size) {
+                return Err(refused("a run leaves the slots its claims hold"));
+            }
+            let dst_elements = elements(dst.desc.size);
+            if dst_elements > 1 && dst.desc.effective_stride() != dst.desc.size {
+                return Err(refused("a run spans elements of a strided region"));
+            }
+            let dst_in_region = copy
+                .dst
+                .index
+                .checked_add(dst_elements)
+                .is_some_and(|end| end <= dst.desc.count);
+            if !dst_in_region {
+                return Err(refused("a run leaves its destination region"));
+            }
+            spans.push(CopySpan {
+                src: self.regions.resolve(copy.src)?.addr,
+                dst: self.regions.resolve(copy.dst)?.addr,
+                len: copy.len,
+            });
+        }
+        for &record in &records {
+            self.claim_internal(record);
+        }
+        Ok((spans, records))
+    }
+
+    /// Undoes [`pin_claimed_copy`](Self::pin_claimed_copy)'s pins.
+    pub fn unpin(&mut self, records: &[u32]) {
+        for &record in records {
+            self.unclaim(record);
+        }
+        self.check_pressure();
     }
 }
