@@ -44,6 +44,11 @@
 //! ROUTER), `--pub-hwm N`, `--ownership stream` (with `--publish`: kvcr's
 //! events without the `ownership` field, for consumers that only know the
 //! worker domain, such as Dynamo 1.6.1's standalone indexer).
+//!
+//! The cluster secret comes from the environment variable
+//! `KVCR_CLUSTER_SECRET` or from `--secret-file PATH` (its trimmed contents);
+//! the orchestrators generate one per run and hand it to every node. Without
+//! one the node serves loopback only, as every runner does.
 
 #![allow(clippy::disallowed_methods)] // a driver program reads the clock
 #![allow(missing_docs)]
@@ -250,6 +255,21 @@ fn main() {
     if let Some(port) = arg("--port").and_then(|v| v.parse().ok()) {
         options.bind.port = port;
     }
+    options.secret = match arg("--secret-file") {
+        Some(path) => match std::fs::read_to_string(&path) {
+            Ok(text) => Some(text.trim().as_bytes().to_vec()),
+            Err(e) => {
+                answer(
+                    "ERROR",
+                    &json!({ "error": format!("--secret-file {path}: {e}") }),
+                );
+                std::process::exit(2);
+            }
+        },
+        None => std::env::var("KVCR_CLUSTER_SECRET")
+            .ok()
+            .map(String::into_bytes),
+    };
     let config = RunnerConfig {
         operation_timeout: timeout,
         ..RunnerConfig::single_pool("kv", block as u64, blocks)

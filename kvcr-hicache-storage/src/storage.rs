@@ -526,6 +526,8 @@ impl KvcrHiCacheStorage {
             abandon_timeout: None,
             max_puts_in_flight: 0,
             put_split: self.tuning.put_split,
+            // The runner's defaults for everything this backend does not set.
+            ..PeerOptions::loopback()
         };
         Ok(Runner::start_with_peers(config, Some(policy), &options)?)
     }

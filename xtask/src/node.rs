@@ -147,9 +147,28 @@ pub(crate) struct Node {
     reaped: bool,
 }
 
+/// The cluster secret of this orchestrator run: 32 random bytes, hex, made
+/// once per process and handed to every node it starts (environment variable
+/// `KVCR_CLUSTER_SECRET`), so the runners authenticate each other without any
+/// setup step.
+pub(crate) fn cluster_secret() -> &'static str {
+    static SECRET: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SECRET.get_or_init(|| {
+        use std::io::Read;
+        let mut bytes = [0u8; 32];
+        if let Err(e) = File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes)) {
+            // Without a random source no run can be made safe: stop here.
+            eprintln!("xtask: cannot read /dev/urandom for the cluster secret: {e}");
+            std::process::exit(1);
+        }
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    })
+}
+
 impl Node {
     pub(crate) fn spawn(binary: &Path, name: &str, spec: &NodeSpec) -> Result<Self> {
         let mut cmd = Command::new(binary);
+        cmd.env("KVCR_CLUSTER_SECRET", cluster_secret());
         cmd.args(spec.args())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped());

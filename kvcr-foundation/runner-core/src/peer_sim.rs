@@ -72,6 +72,8 @@ fn new_core(pool_base: u64, port: u16, incarnation: u128) -> (Core, NamespaceId)
         rkeys: vec![(pool_region, vec![1, 2, 3])],
         abandon_timeout_ns: 3 * TIMEOUT,
         metadata_retry_ns: TIMEOUT / 10,
+        allowed_peers: Vec::new(),
+        private_namespaces: Vec::new(),
     });
     (core, ns)
 }

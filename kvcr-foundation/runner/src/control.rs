@@ -1,62 +1,436 @@
-//! The peer control channel: length-prefixed frames (the foundation codec) over
-//! tokio TCP.
+//! The peer control channel: authenticated, encrypted sessions over tokio TCP,
+//! carrying the foundation codec's frames.
 //!
-//! * One listener; every accepted connection is read by its own task, which
-//!   decodes frames and forwards messages to one bounded inbound queue.
-//! * One outgoing connection per peer endpoint, created on first send, cached,
-//!   fed by a bounded queue; a failed connect or write closes the socket and
-//!   forgets the peer (the next send dials again); [`ControlChannel::remove_peer`]
-//!   closes it at once. [`ControlChannel::open_sockets`] counts live sockets.
-//!   The writer also watches its socket for the peer closing it (the peer
-//!   never sends on this connection, so any read that returns means closed):
-//!   the peer is then reported through [`ControlChannel::take_lost`], so the
-//!   core re-handshakes before naming that peer's incarnation again (a process
-//!   restarted at the same address is asked as itself, not as the dead one).
-//! * Optional shared-secret handshake (HMAC-SHA256 challenge and response in
-//!   both directions) before any frame: a process without the cluster token
-//!   cannot talk to a runner.
-//! * Nothing here blocks the runner: full queues drop (and count) messages;
-//!   the protocol's deadlines and probes recover.
+//! # Sessions
+//! * Every connection starts with a Noise `NNpsk0` handshake (X25519,
+//!   ChaCha20-Poly1305, BLAKE2s; the `snow` crate) whose pre-shared key is
+//!   derived from the cluster secret. Only a process that knows the secret
+//!   completes it; an ephemeral key exchange gives each session its own keys,
+//!   so nothing recorded from one session can be replayed into another.
+//! * The acceptor's identity (its control endpoint and incarnation) travels in
+//!   the handshake's second message; the dialer's in the first transport
+//!   record. The acceptor treats a session as open only once that record
+//!   decrypts: a replayed first handshake message gets nowhere.
+//! * After the handshake every byte is a Noise transport record (`u16` length,
+//!   ciphertext with a 16-byte tag, implicit counter nonce). A forged, altered,
+//!   replayed, reordered or dropped record fails to decrypt and closes the
+//!   session.
+//! * **Identity comes from the session.** Each inbound message's header is
+//!   rewritten with the session's peer (for a session we dialed: the endpoint
+//!   we dialed and the incarnation that answered; for one we accepted: the
+//!   identity the dialer authenticated), whatever the frame claimed.
+//! * **One direction per role.** A session we dial carries our requests as a
+//!   target (metadata, `start_write`, probes) and brings back only the
+//!   source's replies; a session we accept brings only a target's requests and
+//!   carries our replies back on the same session. A message in the wrong
+//!   direction closes the session. So a completion can only come from the
+//!   process we asked, on the connection we asked on.
+//! * Without a cluster secret the key is a fixed public one: the runner then
+//!   listens on loopback only (the peer driver enforces it), and everything
+//!   above still holds between local processes.
+//!
+//! # Bounds (per [`ControlLimits`])
+//! Sessions in total and per remote address (handshakes included), a
+//! handshake deadline, a deadline for a started frame to complete, an idle
+//! timeout on accepted sessions, a maximum frame length, and a per-session
+//! budget of inbound bytes not yet handled by the runner (a flooding peer is
+//! slowed by TCP backpressure; other peers' budgets are their own). Outgoing
+//! queues drop (and count) on overflow; the protocol's deadlines and probes
+//! recover. A failed `accept` (e.g. out of file descriptors) backs off instead
+//! of spinning.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::sync::Arc;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::BytesMut;
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
+use bytes::{Buf, BufMut, BytesMut};
+use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::time::Instant;
 
 use kvcr_contracts::endpoint::{ControlEndpoint, Host};
-use kvcr_contracts::protocol::Message;
+use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::protocol::codec::FrameCodec;
+use kvcr_contracts::protocol::{Body, Message};
 
-/// Bound of each outgoing queue and of the inbound queue.
+/// Bound of each outgoing queue (messages).
 pub(crate) const QUEUE_DEPTH: usize = 4096;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
-const PREAMBLE: &[u8; 6] = b"KVCRC1";
-const NONCE: usize = 16;
-const TAG: usize = 32;
+/// Sent by the dialer before the handshake: names the protocol and version.
+const PREAMBLE: &[u8; 8] = b"KVCR-N1\0";
+const NOISE_PARAMS: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
+const PROLOGUE: &[u8] = b"kvcr control channel v1";
+/// Largest Noise message (record ciphertext).
+pub(crate) const RECORD_MAX: usize = 65_535;
+const TAG_LEN: usize = 16;
+/// Largest plaintext per record.
+const RECORD_PLAIN_MAX: usize = RECORD_MAX - TAG_LEN;
+/// Handshake messages and the identity record are small; anything larger is
+/// refused before it is buffered.
+const HANDSHAKE_MESSAGE_MAX: usize = 1024;
+/// One unit of the per-session inbound budget.
+const BUDGET_UNIT: usize = 1024;
+
+/// Limits of the control channel; the defaults suit a cluster of up to a few
+/// hundred ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ControlLimits {
+    /// Accepted sessions (and handshakes in progress) at once.
+    pub max_sessions: usize,
+    /// Accepted sessions (and handshakes) from one remote IP address.
+    pub max_sessions_per_address: usize,
+    /// Time a connection has to complete the handshake.
+    pub handshake_timeout: Duration,
+    /// Time a started record or frame has to arrive in full.
+    pub frame_deadline: Duration,
+    /// An accepted session that sends nothing for this long is closed (its
+    /// dialer reconnects when it next needs us).
+    pub idle_timeout: Duration,
+    /// Largest control frame accepted or sent, in bytes.
+    pub max_frame_len: usize,
+    /// Bytes of a session's decoded messages the runner may hold unhandled;
+    /// past it, that session is not read until the runner catches up.
+    pub inbound_bytes_per_session: usize,
+}
+
+impl Default for ControlLimits {
+    fn default() -> Self {
+        Self {
+            max_sessions: 256,
+            max_sessions_per_address: 16,
+            handshake_timeout: Duration::from_secs(2),
+            frame_deadline: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(300),
+            max_frame_len: 2 << 20,
+            inbound_bytes_per_session: 4 << 20,
+        }
+    }
+}
+
+impl ControlLimits {
+    /// The most memory one remote address can make the channel hold:
+    /// per session a partial frame, one record and the inbound budget.
+    pub fn per_address_bound_bytes(&self) -> usize {
+        self.max_sessions_per_address.saturating_mul(
+            self.max_frame_len
+                .saturating_add(RECORD_MAX + 2)
+                .saturating_add(self.inbound_bytes_per_session),
+        )
+    }
+
+    pub(crate) fn check(&self) -> Result<(), &'static str> {
+        if self.max_sessions == 0 || self.max_sessions_per_address == 0 {
+            return Err("session caps must be at least 1");
+        }
+        if self.max_frame_len < 4096 {
+            return Err("max_frame_len must be at least 4096 bytes");
+        }
+        if self.inbound_bytes_per_session < self.max_frame_len + BUDGET_UNIT {
+            return Err("inbound_bytes_per_session must exceed max_frame_len");
+        }
+        if self.inbound_bytes_per_session / BUDGET_UNIT > Semaphore::MAX_PERMITS {
+            return Err("inbound_bytes_per_session is too large");
+        }
+        if self.handshake_timeout.is_zero()
+            || self.frame_deadline.is_zero()
+            || self.idle_timeout.is_zero()
+        {
+            return Err("timeouts must be positive");
+        }
+        Ok(())
+    }
+}
 
 /// Counters shared by the channel's tasks.
 #[derive(Debug, Default)]
 pub(crate) struct ControlStats {
     /// Sockets currently open (accepted and dialed).
     pub(crate) open_sockets: AtomicUsize,
-    /// Messages dropped because a queue was full.
+    /// Outgoing messages dropped because a queue was full or no session to
+    /// the peer exists.
     pub(crate) dropped: AtomicU64,
-    /// Frames that did not decode (the connection is closed).
+    /// Sessions closed for a frame that did not decode, a record that did not
+    /// decrypt, or a message in the wrong direction.
     pub(crate) bad_frames: AtomicU64,
-    /// Handshakes refused (wrong or missing token).
+    /// Handshakes that failed (wrong or missing secret, garbage, too slow).
     pub(crate) refused_handshakes: AtomicU64,
+    /// Connections refused at accept: over the total or per-address cap.
+    pub(crate) refused_connections: AtomicU64,
+    /// Sessions closed for a frame deadline or idleness.
+    pub(crate) timeouts: AtomicU64,
 }
 
-/// Decrements the open-socket count when a connection task ends.
+/// Who is at the other end of a session, as the session proved it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PeerIdentity {
+    /// The peer's control endpoint.
+    pub(crate) endpoint: ControlEndpoint,
+    /// The peer's incarnation.
+    pub(crate) incarnation: Incarnation,
+}
+
+impl PeerIdentity {
+    fn encode(&self) -> Vec<u8> {
+        let endpoint = self.endpoint.to_string();
+        let mut out = Vec::with_capacity(16 + endpoint.len());
+        out.extend_from_slice(&self.incarnation.raw().to_be_bytes());
+        out.extend_from_slice(endpoint.as_bytes());
+        out
+    }
+
+    fn decode(bytes: &[u8]) -> Option<Self> {
+        let (raw, endpoint) = bytes.split_at_checked(16)?;
+        let incarnation = Incarnation::from_raw(u128::from_be_bytes(raw.try_into().ok()?))?;
+        let endpoint = ControlEndpoint::parse(std::str::from_utf8(endpoint).ok()?).ok()?;
+        Some(Self {
+            endpoint,
+            incarnation,
+        })
+    }
+}
+
+/// Which end of a session this runner is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Side {
+    /// We dialed: we are the target; the peer is a source.
+    Dialed,
+    /// We accepted: the peer is a target; we are its source.
+    Accepted,
+}
+
+impl Side {
+    /// Whether a message with this body may arrive on a session of this side.
+    fn admits(self, body: &Body) -> bool {
+        is_request(body) == (self == Self::Accepted)
+    }
+}
+
+/// A target's request to a source (travels on the target's dialed session);
+/// everything else is a source's reply (travels back on the same session).
+fn is_request(body: &Body) -> bool {
+    matches!(
+        body,
+        Body::TargetMetadata { .. } | Body::StartWrite { .. } | Body::WriteProbe { .. }
+    )
+}
+
+/// What a session task tells the peer thread, in session order.
+pub(crate) enum Inbound {
+    Opened {
+        session: u64,
+        side: Side,
+        peer: PeerIdentity,
+        /// The session's outgoing queue (accepted sessions: the channel
+        /// registers it for replies; dialed ones are registered when dialed).
+        tx: Option<mpsc::Sender<Message>>,
+    },
+    Message {
+        message: Message,
+        /// Returned to the session's inbound budget when handled.
+        _budget: OwnedSemaphorePermit,
+    },
+    Closed {
+        session: u64,
+        side: Side,
+        peer: PeerIdentity,
+    },
+}
+
+/// What the peer thread does with an [`Inbound`] item.
+#[derive(Debug)]
+pub(crate) enum ChannelEvent {
+    /// A message from a peer, its header rewritten with the session's identity.
+    Message(Message),
+    /// A session we dialed (to a source) closed: what answered there may be
+    /// gone.
+    SourceLost(ControlEndpoint),
+    /// The current session from a target closed: its routes can go.
+    TargetGone(ControlEndpoint),
+}
+
+struct Session {
+    id: u64,
+    tx: mpsc::Sender<Message>,
+}
+
+/// Settings every task of the channel shares.
+struct Shared {
+    psk: [u8; 32],
+    limits: ControlLimits,
+    codec: FrameCodec,
+    stats: Arc<ControlStats>,
+    /// Live accepted sessions (and handshakes) per remote address.
+    per_address: Mutex<HashMap<IpAddr, usize>>,
+    accepted: AtomicUsize,
+    next_session: AtomicU64,
+    inbound: mpsc::UnboundedSender<Inbound>,
+    identity: PeerIdentity,
+}
+
+/// The channel's handle (used on the peer thread, inside its runtime).
+pub(crate) struct ControlChannel {
+    /// Sessions we dialed, by the endpoint we dialed.
+    dialed: HashMap<ControlEndpoint, Session>,
+    /// Sessions we accepted, by the identity their dialer proved. The newest
+    /// session for an endpoint replaces (and so closes) an older one: one
+    /// live session per peer identity.
+    accepted: HashMap<ControlEndpoint, Session>,
+    shared: Arc<Shared>,
+    pub(crate) stats: Arc<ControlStats>,
+}
+
+/// The Noise pre-shared key for a cluster secret. Without a secret the key is
+/// public (loopback-only mode).
+pub(crate) fn psk(secret: Option<&[u8]>) -> [u8; 32] {
+    let mut hash = Sha256::new();
+    match secret {
+        Some(secret) => {
+            hash.update(b"kvcr cluster secret v1\0");
+            hash.update(secret);
+        }
+        None => hash.update(b"kvcr: no cluster secret (loopback only)\0"),
+    }
+    hash.finalize().into()
+}
+
+fn builder(psk: &[u8; 32]) -> Option<snow::Builder<'_>> {
+    let params = NOISE_PARAMS.parse().ok()?;
+    snow::Builder::new(params)
+        .prologue(PROLOGUE)
+        .ok()?
+        .psk(0, psk)
+        .ok()
+}
+
+impl ControlChannel {
+    /// Binds `addr` (no session is accepted until [`Self::start`]).
+    pub(crate) async fn bind(addr: SocketAddr) -> std::io::Result<(TcpListener, SocketAddr)> {
+        let listener = TcpListener::bind(addr).await?;
+        let local = listener.local_addr()?;
+        Ok((listener, local))
+    }
+
+    /// Starts accepting on `listener` as `identity`. Returns the channel and
+    /// the receiver of inbound items (hand each to [`Self::on_inbound`]).
+    pub(crate) fn start(
+        listener: TcpListener,
+        identity: PeerIdentity,
+        secret: Option<&[u8]>,
+        limits: ControlLimits,
+    ) -> (Self, mpsc::UnboundedReceiver<Inbound>) {
+        let (inbound, inbound_rx) = mpsc::unbounded_channel();
+        let stats = Arc::new(ControlStats::default());
+        let shared = Arc::new(Shared {
+            psk: psk(secret),
+            limits,
+            codec: FrameCodec::new(limits.max_frame_len),
+            stats: Arc::clone(&stats),
+            per_address: Mutex::new(HashMap::new()),
+            accepted: AtomicUsize::new(0),
+            next_session: AtomicU64::new(1),
+            inbound,
+            identity,
+        });
+        tokio::spawn(accept_loop(listener, Arc::clone(&shared)));
+        (
+            Self {
+                dialed: HashMap::new(),
+                accepted: HashMap::new(),
+                shared,
+                stats,
+            },
+            inbound_rx,
+        )
+    }
+
+    /// Queues `message` for `to`. A target's request goes on the session we
+    /// dial to `to` (dialed on first use); a source's reply goes back on the
+    /// session `to` opened to us, and is dropped (counted) when there is none.
+    /// Never blocks; a full queue drops the message (counted).
+    pub(crate) fn send(&mut self, to: &ControlEndpoint, message: Message) {
+        let session = if is_request(&message.body) {
+            let closed = self.dialed.get(to).is_none_or(|s| s.tx.is_closed());
+            if closed {
+                let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
+                let id = self.shared.next_session.fetch_add(1, Ordering::Relaxed);
+                tokio::spawn(dial_session(to.clone(), id, rx, Arc::clone(&self.shared)));
+                self.dialed.insert(to.clone(), Session { id, tx });
+            }
+            self.dialed.get(to)
+        } else {
+            self.accepted.get(to)
+        };
+        let delivered = session.is_some_and(|s| s.tx.try_send(message).is_ok());
+        if !delivered {
+            self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Applies an inbound item; returns what the peer thread must act on.
+    pub(crate) fn on_inbound(&mut self, item: Inbound) -> Option<ChannelEvent> {
+        match item {
+            Inbound::Opened {
+                session,
+                side: Side::Accepted,
+                peer,
+                tx: Some(tx),
+            } => {
+                // The newest session from an endpoint carries its replies.
+                self.accepted
+                    .insert(peer.endpoint, Session { id: session, tx });
+                None
+            }
+            Inbound::Opened { .. } => None,
+            Inbound::Message { message, _budget } => Some(ChannelEvent::Message(message)),
+            Inbound::Closed {
+                session,
+                side: Side::Dialed,
+                peer,
+            } => {
+                if self
+                    .dialed
+                    .get(&peer.endpoint)
+                    .is_some_and(|s| s.id == session)
+                {
+                    self.dialed.remove(&peer.endpoint);
+                }
+                Some(ChannelEvent::SourceLost(peer.endpoint))
+            }
+            Inbound::Closed {
+                session,
+                side: Side::Accepted,
+                peer,
+            } => {
+                let current = self
+                    .accepted
+                    .get(&peer.endpoint)
+                    .is_some_and(|s| s.id == session);
+                current.then(|| {
+                    self.accepted.remove(&peer.endpoint);
+                    ChannelEvent::TargetGone(peer.endpoint)
+                })
+            }
+        }
+    }
+
+    /// Forgets a peer we dialed and closes that session.
+    pub(crate) fn remove_peer(&mut self, peer: &ControlEndpoint) {
+        // Dropping the sender ends the session task, which closes the socket.
+        self.dialed.remove(peer);
+    }
+
+    /// Sockets currently open.
+    #[cfg(test)]
+    pub(crate) fn open_sockets(&self) -> usize {
+        self.stats.open_sockets.load(Ordering::Relaxed)
+    }
+}
+
+/// Counts an open socket while alive.
 struct SocketGuard(Arc<ControlStats>);
 
 impl SocketGuard {
@@ -72,216 +446,153 @@ impl Drop for SocketGuard {
     }
 }
 
-/// The channel's handle (used on the peer thread, inside its runtime).
-pub(crate) struct ControlChannel {
-    peers: HashMap<ControlEndpoint, mpsc::Sender<Message>>,
-    lost_tx: mpsc::UnboundedSender<ControlEndpoint>,
-    lost_rx: mpsc::UnboundedReceiver<ControlEndpoint>,
-    secret: Option<Arc<[u8]>>,
-    codec: FrameCodec,
-    pub(crate) stats: Arc<ControlStats>,
+/// Holds one accepted connection's place under the caps.
+struct AdmissionGuard {
+    shared: Arc<Shared>,
+    address: IpAddr,
 }
 
-impl ControlChannel {
-    /// Binds `addr` and starts accepting. Returns the channel, the bound
-    /// address, and the receiver of inbound messages.
-    pub(crate) async fn bind(
-        addr: SocketAddr,
-        secret: Option<Arc<[u8]>>,
-    ) -> std::io::Result<(Self, SocketAddr, mpsc::Receiver<Message>)> {
-        let listener = TcpListener::bind(addr).await?;
-        let local = listener.local_addr()?;
-        let (inbound, inbound_rx) = mpsc::channel(QUEUE_DEPTH);
-        let stats = Arc::new(ControlStats::default());
-        let codec = FrameCodec::default();
-        tokio::spawn(accept_loop(
-            listener,
-            inbound.clone(),
-            secret.clone(),
-            codec,
-            Arc::clone(&stats),
-        ));
-        let (lost_tx, lost_rx) = mpsc::unbounded_channel();
-        Ok((
-            Self {
-                peers: HashMap::new(),
-                lost_tx,
-                lost_rx,
-                secret,
-                codec,
-                stats,
-            },
-            local,
-            inbound_rx,
-        ))
-    }
-
-    /// Queues `message` for `to`, dialing on first use. Never blocks; a full
-    /// queue drops the message (counted).
-    pub(crate) fn send(&mut self, to: &ControlEndpoint, message: Message) {
-        let closed = self.peers.get(to).is_none_or(mpsc::Sender::is_closed);
-        if closed {
-            let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
-            tokio::spawn(outgoing(
-                to.clone(),
-                rx,
-                self.secret.clone(),
-                self.codec,
-                Arc::clone(&self.stats),
-                self.lost_tx.clone(),
-            ));
-            self.peers.insert(to.clone(), tx);
+impl AdmissionGuard {
+    fn admit(shared: &Arc<Shared>, address: IpAddr) -> Option<Self> {
+        let mut per_address = shared.per_address.lock().unwrap_or_else(|e| e.into_inner());
+        let here = per_address.entry(address).or_insert(0);
+        let total = shared.accepted.load(Ordering::Relaxed);
+        if *here >= shared.limits.max_sessions_per_address || total >= shared.limits.max_sessions {
+            if *here == 0 {
+                per_address.remove(&address);
+            }
+            return None;
         }
-        let Some(tx) = self.peers.get(to) else { return };
-        if tx.try_send(message).is_err() {
-            self.stats.dropped.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
-    /// Peers whose outgoing connection was closed by the other side (or
-    /// failed a write) since the last call.
-    pub(crate) fn take_lost(&mut self) -> Vec<ControlEndpoint> {
-        let mut lost = Vec::new();
-        while let Ok(peer) = self.lost_rx.try_recv() {
-            lost.push(peer);
-        }
-        lost
-    }
-
-    /// Forgets a peer and closes its outgoing socket.
-    pub(crate) fn remove_peer(&mut self, peer: &ControlEndpoint) {
-        // Dropping the sender ends the writer task, which closes the socket.
-        self.peers.remove(peer);
-    }
-
-    /// Sockets currently open.
-    #[cfg(test)]
-    pub(crate) fn open_sockets(&self) -> usize {
-        self.stats.open_sockets.load(Ordering::Relaxed)
+        *here += 1;
+        shared.accepted.fetch_add(1, Ordering::Relaxed);
+        Some(Self {
+            shared: Arc::clone(shared),
+            address,
+        })
     }
 }
 
-async fn accept_loop(
-    listener: TcpListener,
-    inbound: mpsc::Sender<Message>,
-    secret: Option<Arc<[u8]>>,
-    codec: FrameCodec,
-    stats: Arc<ControlStats>,
-) {
+impl Drop for AdmissionGuard {
+    fn drop(&mut self) {
+        let mut per_address = self
+            .shared
+            .per_address
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(here) = per_address.get_mut(&self.address) {
+            *here -= 1;
+            if *here == 0 {
+                per_address.remove(&self.address);
+            }
+        }
+        self.shared.accepted.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
+        let (stream, from) = match listener.accept().await {
+            Ok(pair) => pair,
+            Err(_) => {
+                // Out of descriptors (or a transient error): back off rather
+                // than spin; sessions closing will free descriptors.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        if shared.inbound.is_closed() {
+            return;
+        }
+        let Some(admission) = AdmissionGuard::admit(&shared, from.ip()) else {
+            shared
+                .stats
+                .refused_connections
+                .fetch_add(1, Ordering::Relaxed);
+            drop(stream);
             continue;
         };
         let _ = stream.set_nodelay(true);
-        tokio::spawn(incoming(
-            stream,
-            inbound.clone(),
-            secret.clone(),
-            codec,
-            Arc::clone(&stats),
-        ));
-        if inbound.is_closed() {
-            return;
-        }
+        tokio::spawn(accept_session(stream, admission, Arc::clone(&shared)));
     }
 }
 
-async fn incoming(
-    mut stream: TcpStream,
-    inbound: mpsc::Sender<Message>,
-    secret: Option<Arc<[u8]>>,
-    codec: FrameCodec,
-    stats: Arc<ControlStats>,
-) {
-    let _guard = SocketGuard::new(&stats);
-    let shaken = tokio::time::timeout(
-        HANDSHAKE_TIMEOUT,
-        accept_handshake(&mut stream, secret.as_deref()),
+async fn accept_session(mut stream: TcpStream, admission: AdmissionGuard, shared: Arc<Shared>) {
+    let _admission = admission;
+    let _socket = SocketGuard::new(&shared.stats);
+    let handshake = tokio::time::timeout(
+        shared.limits.handshake_timeout,
+        respond(&mut stream, &shared),
     )
     .await;
-    if !matches!(shaken, Ok(Ok(true))) {
-        stats.refused_handshakes.fetch_add(1, Ordering::Relaxed);
+    let Ok(Some((transport, peer))) = handshake else {
+        shared
+            .stats
+            .refused_handshakes
+            .fetch_add(1, Ordering::Relaxed);
         return;
-    }
-    let mut buf = BytesMut::with_capacity(64 << 10);
-    loop {
-        loop {
-            match codec.decode(&mut buf) {
-                Ok(Some(message)) => {
-                    if inbound.try_send(message).is_err() {
-                        stats.dropped.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-                Ok(None) => break,
-                Err(_) => {
-                    // A peer that sends garbage loses its connection; the
-                    // runner keeps serving everyone else.
-                    stats.bad_frames.fetch_add(1, Ordering::Relaxed);
-                    return;
-                }
-            }
-        }
-        match stream.read_buf(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(_) => {}
-        }
-    }
-}
-
-async fn outgoing(
-    to: ControlEndpoint,
-    mut rx: mpsc::Receiver<Message>,
-    secret: Option<Arc<[u8]>>,
-    codec: FrameCodec,
-    stats: Arc<ControlStats>,
-    lost: mpsc::UnboundedSender<ControlEndpoint>,
-) {
-    let Some(mut stream) = dial(&to).await else {
-        return; // dropping `rx` marks this peer closed; the next send re-dials
     };
-    let _guard = SocketGuard::new(&stats);
-    let _ = stream.set_nodelay(true);
-    let shaken = tokio::time::timeout(
-        HANDSHAKE_TIMEOUT,
-        dial_handshake(&mut stream, secret.as_deref()),
-    )
-    .await;
-    if !matches!(shaken, Ok(Ok(true))) {
-        stats.refused_handshakes.fetch_add(1, Ordering::Relaxed);
+    let id = shared.next_session.fetch_add(1, Ordering::Relaxed);
+    let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
+    let opened = Inbound::Opened {
+        session: id,
+        side: Side::Accepted,
+        peer: peer.clone(),
+        tx: Some(tx),
+    };
+    if shared.inbound.send(opened).is_err() {
         return;
     }
-    let mut buf = BytesMut::with_capacity(64 << 10);
-    let (mut reader, mut writer) = stream.split();
-    let mut probe = [0u8; 64];
-    loop {
-        let message = tokio::select! {
-            message = rx.recv() => match message {
-                Some(message) => message,
-                None => return, // forgotten or the channel is gone
-            },
-            // The peer never writes here: a returning read is EOF or an error
-            // (or a peer speaking out of turn), i.e. this connection is over.
-            _ = reader.read(&mut probe) => {
-                let _ = lost.send(to.clone());
-                return;
+    run_session(stream, transport, Side::Accepted, &peer, rx, &shared).await;
+    let _ = shared.inbound.send(Inbound::Closed {
+        session: id,
+        side: Side::Accepted,
+        peer,
+    });
+}
+
+async fn dial_session(
+    to: ControlEndpoint,
+    id: u64,
+    rx: mpsc::Receiver<Message>,
+    shared: Arc<Shared>,
+) {
+    let mut peer = PeerIdentity {
+        endpoint: to.clone(),
+        incarnation: shared.identity.incarnation,
+    };
+    if let Some(mut stream) = dial(&to).await {
+        let _socket = SocketGuard::new(&shared.stats);
+        let _ = stream.set_nodelay(true);
+        let handshake = tokio::time::timeout(
+            shared.limits.handshake_timeout,
+            initiate(&mut stream, &shared.psk, &shared.identity),
+        )
+        .await;
+        if let Ok(Some((transport, answered))) = handshake {
+            // The endpoint is the one we dialed (the name the core uses); the
+            // incarnation is whoever answered there.
+            peer.incarnation = answered.incarnation;
+            let opened = Inbound::Opened {
+                session: id,
+                side: Side::Dialed,
+                peer: peer.clone(),
+                tx: None,
+            };
+            if shared.inbound.send(opened).is_ok() {
+                run_session(stream, transport, Side::Dialed, &peer, rx, &shared).await;
             }
-        };
-        buf.clear();
-        if codec.encode(&message, &mut buf).is_err() {
-            stats.bad_frames.fetch_add(1, Ordering::Relaxed);
-            continue;
-        }
-        // Batch whatever else is queued into the same write.
-        while let Ok(more) = rx.try_recv() {
-            if codec.encode(&more, &mut buf).is_err() {
-                stats.bad_frames.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        if writer.write_all(&buf).await.is_err() {
-            let _ = lost.send(to.clone());
-            return;
+        } else {
+            shared
+                .stats
+                .refused_handshakes
+                .fetch_add(1, Ordering::Relaxed);
         }
     }
+    let _ = shared.inbound.send(Inbound::Closed {
+        session: id,
+        side: Side::Dialed,
+        peer,
+    });
 }
 
 async fn dial(to: &ControlEndpoint) -> Option<TcpStream> {
@@ -295,239 +606,244 @@ async fn dial(to: &ControlEndpoint) -> Option<TcpStream> {
         .ok()
 }
 
-type HmacSha256 = Hmac<Sha256>;
-
-fn tag(secret: &[u8], label: &[u8], first: &[u8], second: &[u8]) -> Option<[u8; TAG]> {
-    let mut mac = HmacSha256::new_from_slice(secret).ok()?;
-    mac.update(label);
-    mac.update(first);
-    mac.update(second);
-    Some(mac.finalize().into_bytes().into())
+async fn write_record(stream: &mut TcpStream, record: &[u8]) -> Option<()> {
+    let len = u16::try_from(record.len()).ok()?;
+    let mut out = Vec::with_capacity(2 + record.len());
+    out.extend_from_slice(&len.to_be_bytes());
+    out.extend_from_slice(record);
+    stream.write_all(&out).await.ok()
 }
 
-fn nonce() -> [u8; NONCE] {
-    let mut n = [0u8; NONCE];
-    // A nonce only has to be fresh; if the OS source fails, the incarnation
-    // generator's fallback is good enough for uniqueness.
-    if getrandom::fill(&mut n).is_err() {
-        n = kvcr_contracts::incarnation::Incarnation::generate()
-            .raw()
-            .to_be_bytes();
+/// Reads one length-prefixed record of at most `max` bytes.
+async fn read_small_record(stream: &mut TcpStream, max: usize) -> Option<Vec<u8>> {
+    let mut len = [0u8; 2];
+    stream.read_exact(&mut len).await.ok()?;
+    let len = usize::from(u16::from_be_bytes(len));
+    if len > max {
+        return None;
     }
-    n
+    let mut record = vec![0u8; len];
+    stream.read_exact(&mut record).await.ok()?;
+    Some(record)
 }
 
-/// Dialer side: `PREAMBLE, flag, nonce_d` → `nonce_a, tag_a` → `tag_d`.
-async fn dial_handshake(stream: &mut TcpStream, secret: Option<&[u8]>) -> std::io::Result<bool> {
-    let ours = nonce();
-    let mut hello = Vec::with_capacity(PREAMBLE.len() + 1 + NONCE);
-    hello.extend_from_slice(PREAMBLE);
-    hello.push(u8::from(secret.is_some()));
-    hello.extend_from_slice(&ours);
-    stream.write_all(&hello).await?;
-    let Some(secret) = secret else {
-        let mut ok = [0u8; 1];
-        stream.read_exact(&mut ok).await?;
-        return Ok(ok == [1]);
-    };
-    let mut reply = [0u8; NONCE + TAG];
-    stream.read_exact(&mut reply).await?;
-    let (theirs, their_tag) = reply.split_at(NONCE);
-    let expected = tag(secret, b"acceptor", &ours, theirs);
-    if expected.as_ref().map(<[u8; TAG]>::as_slice) != Some(their_tag) {
-        return Ok(false);
-    }
-    let Some(mine) = tag(secret, b"dialer", theirs, &ours) else {
-        return Ok(false);
-    };
-    stream.write_all(&mine).await?;
-    Ok(true)
+/// Dialer: `PREAMBLE`, handshake message 1 → message 2 (the acceptor's
+/// identity) → first transport record (our identity).
+pub(crate) async fn initiate(
+    stream: &mut TcpStream,
+    psk: &[u8; 32],
+    identity: &PeerIdentity,
+) -> Option<(snow::TransportState, PeerIdentity)> {
+    let mut handshake = builder(psk)?.build_initiator().ok()?;
+    let mut buf = vec![0u8; HANDSHAKE_MESSAGE_MAX];
+    let len = handshake.write_message(&[], &mut buf).ok()?;
+    stream.write_all(PREAMBLE).await.ok()?;
+    write_record(stream, buf.get(..len)?).await?;
+    let reply = read_small_record(stream, HANDSHAKE_MESSAGE_MAX).await?;
+    let mut payload = vec![0u8; HANDSHAKE_MESSAGE_MAX];
+    let n = handshake.read_message(&reply, &mut payload).ok()?;
+    let acceptor = PeerIdentity::decode(payload.get(..n)?)?;
+    let mut transport = handshake.into_transport_mode().ok()?;
+    let n = transport.write_message(&identity.encode(), &mut buf).ok()?;
+    write_record(stream, buf.get(..n)?).await?;
+    Some((transport, acceptor))
 }
 
-/// Acceptor side of [`dial_handshake`]. Without a secret, accepts only dialers
-/// without one (and says so with a single byte).
-async fn accept_handshake(stream: &mut TcpStream, secret: Option<&[u8]>) -> std::io::Result<bool> {
-    let mut hello = [0u8; PREAMBLE.len() + 1 + NONCE];
-    stream.read_exact(&mut hello).await?;
-    let (preamble, rest) = hello.split_at(PREAMBLE.len());
-    let (flag, theirs) = rest.split_at(1);
-    if preamble != PREAMBLE {
-        return Ok(false);
+/// Acceptor side of [`initiate`].
+async fn respond(
+    stream: &mut TcpStream,
+    shared: &Shared,
+) -> Option<(snow::TransportState, PeerIdentity)> {
+    let mut preamble = [0u8; PREAMBLE.len()];
+    stream.read_exact(&mut preamble).await.ok()?;
+    if &preamble != PREAMBLE {
+        return None;
     }
-    let Some(secret) = secret else {
-        let ok = flag == [0];
-        stream.write_all(&[u8::from(ok)]).await?;
-        return Ok(ok);
+    let mut handshake = builder(&shared.psk)?.build_responder().ok()?;
+    let first = read_small_record(stream, HANDSHAKE_MESSAGE_MAX).await?;
+    let mut payload = vec![0u8; HANDSHAKE_MESSAGE_MAX];
+    // Fails unless the dialer knows the secret (the message is sealed under it).
+    handshake.read_message(&first, &mut payload).ok()?;
+    let mut buf = vec![0u8; HANDSHAKE_MESSAGE_MAX];
+    let len = handshake
+        .write_message(&shared.identity.encode(), &mut buf)
+        .ok()?;
+    write_record(stream, buf.get(..len)?).await?;
+    let mut transport = handshake.into_transport_mode().ok()?;
+    // Only a dialer holding this session's keys can produce this record: a
+    // replayed first message stops here.
+    let record = read_small_record(stream, HANDSHAKE_MESSAGE_MAX).await?;
+    let n = transport.read_message(&record, &mut payload).ok()?;
+    let dialer = PeerIdentity::decode(payload.get(..n)?)?;
+    Some((transport, dialer))
+}
+
+/// Why a session ended (for counters).
+enum End {
+    Closed,
+    Bad,
+    TimedOut,
+}
+
+/// Moves frames both ways on an established session until either side ends
+/// it, the peer misbehaves, or a deadline passes.
+async fn run_session(
+    mut stream: TcpStream,
+    mut transport: snow::TransportState,
+    side: Side,
+    peer: &PeerIdentity,
+    mut outgoing: mpsc::Receiver<Message>,
+    shared: &Shared,
+) {
+    let limits = shared.limits;
+    let budget = Arc::new(Semaphore::new(
+        limits.inbound_bytes_per_session / BUDGET_UNIT,
+    ));
+    let mut raw = BytesMut::with_capacity(RECORD_MAX + 2);
+    let mut plain = BytesMut::new();
+    let mut sealed = vec![0u8; RECORD_MAX];
+    let mut frames = BytesMut::new();
+    let mut wire = BytesMut::new();
+    let mut last_active = Instant::now();
+    let mut partial_since: Option<Instant> = None;
+    let end = loop {
+        let deadline = match (partial_since, side) {
+            (Some(since), _) => since + limits.frame_deadline,
+            (None, Side::Accepted) => last_active + limits.idle_timeout,
+            // Our own dialed sessions live as long as we keep them.
+            (None, Side::Dialed) => last_active + Duration::from_secs(86_400),
+        };
+        let (reader, writer) = stream.split();
+        let mut reader = reader;
+        tokio::select! {
+            message = outgoing.recv() => {
+                let Some(message) = message else { break End::Closed };
+                frames.clear();
+                if shared.codec.encode(&message, &mut frames).is_err() {
+                    shared.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+                }
+                // Batch whatever else is queued into the same write.
+                while let Ok(more) = outgoing.try_recv() {
+                    if shared.codec.encode(&more, &mut frames).is_err() {
+                        shared.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                wire.clear();
+                if seal(&mut transport, &frames, &mut sealed, &mut wire).is_none() {
+                    break End::Bad;
+                }
+                let mut writer = writer;
+                let written =
+                    tokio::time::timeout(limits.frame_deadline, writer.write_all(&wire)).await;
+                match written {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => break End::Closed,
+                    Err(_) => break End::TimedOut,
+                }
+            }
+            read = reader.read_buf(&mut raw) => {
+                match read {
+                    Ok(0) | Err(_) => break End::Closed,
+                    Ok(_) => {}
+                }
+                last_active = Instant::now();
+                if open_records(&mut transport, &mut raw, &mut sealed, &mut plain).is_none() {
+                    break End::Bad;
+                }
+                match deliver(&mut plain, side, peer, &budget, shared).await {
+                    Some(()) => {}
+                    None => break End::Bad,
+                }
+                partial_since = if raw.is_empty() && plain.is_empty() {
+                    None
+                } else {
+                    partial_since.or(Some(last_active))
+                };
+            }
+            () = tokio::time::sleep_until(deadline) => break End::TimedOut,
+        }
     };
-    if flag != [1] {
-        return Ok(false);
+    match end {
+        End::Closed => {}
+        End::Bad => {
+            shared.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+        }
+        End::TimedOut => {
+            shared.stats.timeouts.fetch_add(1, Ordering::Relaxed);
+        }
     }
-    let ours = nonce();
-    let Some(mine) = tag(secret, b"acceptor", theirs, &ours) else {
-        return Ok(false);
-    };
-    let mut reply = Vec::with_capacity(NONCE + TAG);
-    reply.extend_from_slice(&ours);
-    reply.extend_from_slice(&mine);
-    stream.write_all(&reply).await?;
-    let mut their_tag = [0u8; TAG];
-    stream.read_exact(&mut their_tag).await?;
-    Ok(tag(secret, b"dialer", &ours, theirs) == Some(their_tag))
+}
+
+/// Encrypts `plain` into length-prefixed records appended to `wire`.
+pub(crate) fn seal(
+    transport: &mut snow::TransportState,
+    plain: &[u8],
+    sealed: &mut [u8],
+    wire: &mut BytesMut,
+) -> Option<()> {
+    for chunk in plain.chunks(RECORD_PLAIN_MAX) {
+        let n = transport.write_message(chunk, sealed).ok()?;
+        wire.put_u16(u16::try_from(n).ok()?);
+        wire.extend_from_slice(sealed.get(..n)?);
+    }
+    Some(())
+}
+
+/// Decrypts every complete record at the front of `raw` onto `plain`.
+/// `None`: a record failed to decrypt (forged, replayed or corrupted).
+pub(crate) fn open_records(
+    transport: &mut snow::TransportState,
+    raw: &mut BytesMut,
+    scratch: &mut [u8],
+    plain: &mut BytesMut,
+) -> Option<()> {
+    loop {
+        let Some(&[high, low]) = raw.get(..2) else {
+            return Some(());
+        };
+        let len = usize::from(u16::from_be_bytes([high, low]));
+        if raw.len() < 2 + len {
+            return Some(());
+        }
+        raw.advance(2);
+        let record = raw.split_to(len);
+        let n = transport.read_message(&record, scratch).ok()?;
+        plain.extend_from_slice(scratch.get(..n)?);
+    }
+}
+
+/// Decodes every complete frame in `plain` and hands it to the peer thread
+/// with the session's identity; waits for inbound budget when the runner is
+/// behind. `None`: a frame did not decode or came in the wrong direction.
+async fn deliver(
+    plain: &mut BytesMut,
+    side: Side,
+    peer: &PeerIdentity,
+    budget: &Arc<Semaphore>,
+    shared: &Shared,
+) -> Option<()> {
+    loop {
+        let len = plain.len();
+        let Some(mut message) = shared.codec.decode(plain).ok()? else {
+            return Some(());
+        };
+        if !side.admits(&message.body) {
+            return None;
+        }
+        message.header.sender_endpoint = peer.endpoint.clone();
+        message.header.sender = peer.incarnation;
+        let consumed = len - plain.len();
+        let units = u32::try_from(consumed.div_ceil(BUDGET_UNIT).max(1)).ok()?;
+        let permit = Arc::clone(budget).acquire_many_owned(units).await.ok()?;
+        shared
+            .inbound
+            .send(Inbound::Message {
+                message,
+                _budget: permit,
+            })
+            .ok()?;
+    }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use kvcr_contracts::incarnation::Incarnation;
-    use kvcr_contracts::protocol::{Body, Header, OpHandle, RouteGeneration};
-
-    fn message(op: u64) -> Message {
-        Message {
-            header: Header {
-                sender: Incarnation::generate(),
-                route_generation: RouteGeneration(0),
-                sender_endpoint: ControlEndpoint::parse("tcp://127.0.0.1:9").unwrap(),
-            },
-            body: Body::WriteRefused {
-                op_handle: OpHandle(op),
-            },
-        }
-    }
-
-    fn runtime() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-    }
-
-    fn endpoint(addr: SocketAddr) -> ControlEndpoint {
-        ControlEndpoint::parse(&format!("tcp://{addr}")).unwrap()
-    }
-
-    async fn recv(rx: &mut mpsc::Receiver<Message>) -> Option<Message> {
-        tokio::time::timeout(Duration::from_secs(5), rx.recv())
-            .await
-            .ok()
-            .flatten()
-    }
-
-    async fn settle(channel: &ControlChannel, want: usize) -> usize {
-        for _ in 0..500 {
-            if channel.open_sockets() == want {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        channel.open_sockets()
-    }
-
-    /// A peer that closes the connection (a process that died) is reported
-    /// lost, and the next send dials a fresh connection.
-    #[test]
-    fn a_closed_connection_is_reported_lost() {
-        runtime().block_on(async {
-            let local: SocketAddr = "127.0.0.1:0".parse().unwrap();
-            let (mut a, _, _) = ControlChannel::bind(local, None).await.unwrap();
-            let listener = TcpListener::bind(local).await.unwrap();
-            let to = endpoint(listener.local_addr().unwrap());
-            a.send(&to, message(1));
-            let (mut peer, _) = listener.accept().await.unwrap();
-            assert!(accept_handshake(&mut peer, None).await.unwrap());
-            assert!(a.take_lost().is_empty(), "nothing lost while it is open");
-            drop(peer);
-            let mut lost = Vec::new();
-            for _ in 0..500 {
-                lost = a.take_lost();
-                if !lost.is_empty() {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-            assert_eq!(lost, vec![to.clone()]);
-            assert_eq!(settle(&a, 0).await, 0, "the dead socket is closed");
-            a.send(&to, message(2));
-            let (_again, _) = tokio::time::timeout(Duration::from_secs(5), listener.accept())
-                .await
-                .unwrap()
-                .unwrap();
-        });
-    }
-
-    #[test]
-    fn messages_arrive_in_order_and_sockets_close_on_removal() {
-        runtime().block_on(async {
-            let local: SocketAddr = "127.0.0.1:0".parse().unwrap();
-            let (mut a, _, _) = ControlChannel::bind(local, None).await.unwrap();
-            let (b, b_addr, mut b_rx) = ControlChannel::bind(local, None).await.unwrap();
-            let to = endpoint(b_addr);
-            for op in 0..100 {
-                a.send(&to, message(op));
-            }
-            for op in 0..100 {
-                assert_eq!(recv(&mut b_rx).await.unwrap().body, message(op).body);
-            }
-            assert_eq!(settle(&a, 1).await, 1, "one dialed socket at a");
-            assert_eq!(settle(&b, 1).await, 1, "one accepted socket at b");
-            a.remove_peer(&to);
-            assert_eq!(
-                settle(&a, 0).await,
-                0,
-                "removing the peer closes its socket"
-            );
-            assert_eq!(settle(&b, 0).await, 0, "and the far end sees it close");
-            // Sending again re-dials.
-            a.send(&to, message(7));
-            assert_eq!(recv(&mut b_rx).await.unwrap().body, message(7).body);
-        });
-    }
-
-    #[test]
-    fn a_process_without_the_token_cannot_talk() {
-        runtime().block_on(async {
-            let local: SocketAddr = "127.0.0.1:0".parse().unwrap();
-            let secret: Arc<[u8]> = Arc::from(&b"cluster-token"[..]);
-            let wrong: Arc<[u8]> = Arc::from(&b"other-token"[..]);
-            let (b, b_addr, mut b_rx) = ControlChannel::bind(local, Some(Arc::clone(&secret)))
-                .await
-                .unwrap();
-            let to = endpoint(b_addr);
-            for (name, token) in [("no token", None), ("wrong token", Some(wrong))] {
-                let (mut intruder, _, _) = ControlChannel::bind(local, token).await.unwrap();
-                intruder.send(&to, message(1));
-                let got = tokio::time::timeout(Duration::from_millis(300), b_rx.recv()).await;
-                assert!(got.is_err(), "{name}: a message got through");
-            }
-            assert!(b.stats.refused_handshakes.load(Ordering::Relaxed) >= 2);
-            let (mut friend, _, _) = ControlChannel::bind(local, Some(secret)).await.unwrap();
-            friend.send(&to, message(2));
-            assert_eq!(recv(&mut b_rx).await.unwrap().body, message(2).body);
-        });
-    }
-
-    #[test]
-    fn garbage_closes_only_that_connection() {
-        runtime().block_on(async {
-            let local: SocketAddr = "127.0.0.1:0".parse().unwrap();
-            let (b, b_addr, mut b_rx) = ControlChannel::bind(local, None).await.unwrap();
-            let mut raw = TcpStream::connect(b_addr).await.unwrap();
-            let mut hello = PREAMBLE.to_vec();
-            hello.push(0);
-            hello.extend_from_slice(&[0u8; NONCE]);
-            raw.write_all(&hello).await.unwrap();
-            raw.write_all(&[0, 0, 0, 8, 0xde, 0xad, 0xbe, 0xef, 1, 2, 3, 4, 5])
-                .await
-                .unwrap();
-            let mut sink = Vec::new();
-            let _ = tokio::time::timeout(Duration::from_secs(5), raw.read_to_end(&mut sink)).await;
-            assert_eq!(b.stats.bad_frames.load(Ordering::Relaxed), 1);
-            let (mut a, _, _) = ControlChannel::bind(local, None).await.unwrap();
-            a.send(&endpoint(b_addr), message(3));
-            assert_eq!(
-                recv(&mut b_rx).await.unwrap().body,
-                message(3).body,
-                "still serving"
-            );
-        });
-    }
-}
+mod tests;

@@ -22,6 +22,7 @@
 
 #![deny(unsafe_code)]
 
+pub mod client;
 mod control;
 #[allow(unsafe_code)]
 mod copy;
@@ -50,6 +51,7 @@ pub use kvcr_runner_core::{
     PoolStats, QueryStatus, RegionDesc, RegionMemory, ReleaseHandle, RunnerStats,
 };
 
+pub use self::control::ControlLimits;
 pub use self::device::DeviceCopier;
 pub use self::error::{Error, Result};
 use self::memory::DramPool;
@@ -613,8 +615,10 @@ impl Runner {
             .iter()
             .map(|p| p.block_size * u64::from(p.blocks))
             .collect();
+        let incarnation = Incarnation::generate();
         let (mut driver, setup) = peer_driver::PeerDriver::start(
             peer,
+            incarnation,
             pool_bytes.clone(),
             config.prefault,
             &config.pool_memory,
@@ -647,7 +651,6 @@ impl Runner {
             policy.unwrap_or_else(|| Box::new(policy::Lru)),
         )
         .map_err(|e| fail(StartupStage::BuildCore.name(), e.into()))?;
-        let incarnation = Incarnation::generate();
         // Pool i is runner region i (registered first, in order).
         let rkeys = setup
             .rkeys
@@ -662,6 +665,8 @@ impl Runner {
             rkeys,
             abandon_timeout_ns: abandon_ns,
             metadata_retry_ns: 100_000_000,
+            allowed_peers: peer.allowed_peers.clone(),
+            private_namespaces: peer.private_namespaces.clone(),
         });
         let (jobs_tx, jobs_rx) = mpsc::channel::<copy::Msg>();
         let shared = Shared::new(core, jobs_tx.clone(), Some(driver.tx.clone()));

@@ -17,10 +17,14 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 use super::Shared;
-use super::control::{ControlChannel, ControlStats};
+use super::control::{
+    ChannelEvent, ControlChannel, ControlLimits, ControlStats, Inbound, PeerIdentity,
+};
 use super::placement::{AnonMapping, PlacementOutcome, PoolMemory};
 use crate::error::{Error, Result, RunnerReason};
 use kvcr_contracts::endpoint::{AdvertisePolicy, BindAddress, ControlEndpoint, Host};
+use kvcr_contracts::incarnation::Incarnation;
+use kvcr_contracts::key::NamespaceId;
 use kvcr_contracts::protocol::RegionId;
 use kvcr_runner_core::{Action, PutSpan};
 use kvcr_ucx::{
@@ -29,7 +33,7 @@ use kvcr_ucx::{
 };
 
 /// How a runner takes part in the peer protocol.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct PeerOptions {
     /// Where the control channel listens (`tcp://*:0` picks a port).
     pub bind: BindAddress,
@@ -37,8 +41,22 @@ pub struct PeerOptions {
     pub advertise_host: Host,
     /// Whether a loopback advertise host is allowed (single-host clusters).
     pub advertise_policy: AdvertisePolicy,
-    /// The cluster token; without it a process cannot talk to this runner.
+    /// The cluster secret (at least [`PeerOptions::MIN_SECRET_LEN`] bytes):
+    /// every control session is authenticated and encrypted under it, and a
+    /// process without it cannot talk to this runner. Without one the runner
+    /// serves loopback only: it binds `127.0.0.1` (or `::1`) whatever `bind`
+    /// says, says so on stderr, and refuses a non-loopback advertise host.
     pub secret: Option<Vec<u8>>,
+    /// Limits of the control channel (sessions, deadlines, frame and queue
+    /// sizes).
+    pub limits: ControlLimits,
+    /// When non-empty, the only peers this runner talks to: hints naming
+    /// another source are ignored and sessions from other endpoints refused
+    /// (both counted as refused).
+    pub allowed_peers: Vec<ControlEndpoint>,
+    /// Namespaces only the listed target endpoints may fetch from this
+    /// runner; others' requests for them are refused and counted.
+    pub private_namespaces: Vec<(NamespaceId, Vec<ControlEndpoint>)>,
     /// UCX transports (`UCX_TLS`), e.g. `sm,self` or `tcp,self`; `None` lets
     /// UCX choose (and honours the `UCX_TLS` environment variable).
     pub ucx_tls: Option<String>,
@@ -50,6 +68,25 @@ pub struct PeerOptions {
     pub max_puts_in_flight: usize,
     /// Split sizing for large puts (off by default: each span is one put).
     pub put_split: PutSplit,
+}
+
+impl std::fmt::Debug for PeerOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The secret never reaches a log.
+        f.debug_struct("PeerOptions")
+            .field("bind", &self.bind)
+            .field("advertise_host", &self.advertise_host)
+            .field("advertise_policy", &self.advertise_policy)
+            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("limits", &self.limits)
+            .field("allowed_peers", &self.allowed_peers)
+            .field("private_namespaces", &self.private_namespaces)
+            .field("ucx_tls", &self.ucx_tls)
+            .field("abandon_timeout", &self.abandon_timeout)
+            .field("max_puts_in_flight", &self.max_puts_in_flight)
+            .field("put_split", &self.put_split)
+            .finish()
+    }
 }
 
 /// Split sizing: a put larger than `chunk_bytes` is issued as chunks of that
@@ -105,6 +142,15 @@ impl PutSplit {
 }
 
 impl PeerOptions {
+    /// The shortest cluster secret accepted.
+    pub const MIN_SECRET_LEN: usize = 16;
+
+    /// The same options with a cluster secret.
+    pub fn with_secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
+        self.secret = Some(secret.into());
+        self
+    }
+
     /// A single-host configuration on loopback with an ephemeral port, UCX
     /// on shared memory.
     pub fn loopback() -> Self {
@@ -116,6 +162,9 @@ impl PeerOptions {
             advertise_host: Host::Ip(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)),
             advertise_policy: AdvertisePolicy::SingleHost,
             secret: None,
+            limits: ControlLimits::default(),
+            allowed_peers: Vec::new(),
+            private_namespaces: Vec::new(),
             ucx_tls: Some("posix,cma,self".to_owned()),
             abandon_timeout: None,
             max_puts_in_flight: 0,
@@ -158,6 +207,7 @@ impl PeerDriver {
     /// `pool_bytes`, binds the control channel and creates the UCX worker.
     pub(crate) fn start(
         options: &PeerOptions,
+        incarnation: Incarnation,
         pool_bytes: Vec<u64>,
         prefault: bool,
         pool_memory: &PoolMemory,
@@ -172,6 +222,7 @@ impl PeerDriver {
             .spawn(move || {
                 run(
                     options,
+                    incarnation,
                     (pool_bytes, prefault, pool_memory),
                     rx,
                     setup_tx,
@@ -237,6 +288,7 @@ type PoolSpec = (Vec<u64>, bool, PoolMemory);
 
 fn run(
     options: PeerOptions,
+    incarnation: Incarnation,
     (pool_bytes, prefault, pool_memory): PoolSpec,
     rx: mpsc::UnboundedReceiver<PeerCmd>,
     setup_tx: std::sync::mpsc::Sender<SetupResult>,
@@ -257,17 +309,18 @@ fn run(
         }
     };
     runtime.block_on(async move {
-        let mut state = match State::setup(&options, &pool_bytes, prefault, &pool_memory).await {
-            Ok((state, setup)) => {
-                let stats = Arc::clone(&state.control.stats);
-                let _ = setup_tx.send(Ok((setup, stats)));
-                state
-            }
-            Err(e) => {
-                let _ = setup_tx.send(Err(e));
-                return;
-            }
-        };
+        let mut state =
+            match State::setup(&options, incarnation, &pool_bytes, prefault, &pool_memory).await {
+                Ok((state, setup)) => {
+                    let stats = Arc::clone(&state.control.stats);
+                    let _ = setup_tx.send(Ok((setup, stats)));
+                    state
+                }
+                Err(e) => {
+                    let _ = setup_tx.send(Err(e));
+                    return;
+                }
+            };
         let Ok(shared) = shared_rx.await else {
             return; // startup failed later; dropping `state` releases everything
         };
@@ -308,7 +361,10 @@ struct State {
     pending: Vec<PendingWrite>,
     routes: HashMap<ControlEndpoint, Route>,
     control: ControlChannel,
-    inbound: mpsc::Receiver<kvcr_contracts::protocol::Message>,
+    inbound: mpsc::UnboundedReceiver<Inbound>,
+    /// Targets whose session closed while writes to them were in flight: their
+    /// data route goes once those writes end.
+    gone: std::collections::HashSet<ControlEndpoint>,
     pools: Vec<Registration<'static>>,
     worker: kvcr_ucx::Worker,
     _context: Context,
@@ -319,6 +375,7 @@ struct State {
 impl State {
     async fn setup(
         options: &PeerOptions,
+        incarnation: Incarnation,
         pool_bytes: &[u64],
         prefault: bool,
         pool_memory: &PoolMemory,
@@ -355,15 +412,8 @@ impl State {
             .iter()
             .map(|p| p.pack_rkey().map(|r| r.as_bytes().to_vec()))
             .collect::<kvcr_ucx::Result<Vec<_>>>()?;
-        let bind = SocketAddr::new(
-            options
-                .bind
-                .host
-                .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)),
-            options.bind.port,
-        );
-        let secret = options.secret.as_ref().map(|s| Arc::from(s.as_slice()));
-        let (control, local, inbound) = ControlChannel::bind(bind, secret).await.map_err(|_| {
+        let bind = control_bind_address(options)?;
+        let (listener, local) = ControlChannel::bind(bind).await.map_err(|_| {
             Error::runner(RunnerReason::Config {
                 field: "peer.bind",
                 why: "could not bind the control listener",
@@ -371,6 +421,15 @@ impl State {
         })?;
         let endpoint = ControlEndpoint::new(options.advertise_host.clone(), local.port())?;
         endpoint.check_advertisable(options.advertise_policy)?;
+        let (control, inbound) = ControlChannel::start(
+            listener,
+            PeerIdentity {
+                endpoint: endpoint.clone(),
+                incarnation,
+            },
+            options.secret.as_deref(),
+            options.limits,
+        );
         let setup = PeerSetup {
             endpoint,
             bases: pools.iter().map(|p| p.as_ptr() as usize as u64).collect(),
@@ -402,6 +461,7 @@ impl State {
                 routes: HashMap::new(),
                 control,
                 inbound,
+                gone: std::collections::HashSet::new(),
                 pools,
                 worker,
                 _context: context,
@@ -460,8 +520,8 @@ impl State {
                         Err(mpsc::error::TryRecvError::Disconnected) => return false,
                     }
                 }
-                while let Ok(message) = self.inbound.try_recv() {
-                    shared.with_core_now(|core, now| core.handle_message(now, message));
+                while let Ok(item) = self.inbound.try_recv() {
+                    self.on_inbound(item, shared);
                 }
                 if self.pending.is_empty() {
                     // Only waiting for writes into us: keep progressing, but
@@ -502,16 +562,13 @@ impl State {
                         }
                         None => return false,
                     },
-                    message = self.inbound.recv() => {
-                        if let Some(message) = message {
-                            shared.with_core_now(|core, now| core.handle_message(now, message));
+                    item = self.inbound.recv() => {
+                        if let Some(item) = item {
+                            self.on_inbound(item, shared);
                         }
                     }
                     () = tokio::time::sleep(TICK) => {}
                 }
-            }
-            for lost in self.control.take_lost() {
-                shared.with_core_now(|core, _| core.peer_connection_lost(&lost));
             }
             if last_tick.elapsed() >= TICK {
                 #[allow(clippy::disallowed_methods)]
@@ -519,6 +576,30 @@ impl State {
                 last_tick = now;
                 shared.with_core_now(|core, now| core.handle_tick(now));
             }
+        }
+    }
+
+    /// One item from the control channel: a message for the core, or a
+    /// session that ended.
+    fn on_inbound(&mut self, item: Inbound, shared: &Arc<Shared>) {
+        match self.control.on_inbound(item) {
+            Some(ChannelEvent::Message(message)) => {
+                shared.with_core_now(|core, now| core.handle_message(now, message));
+            }
+            Some(ChannelEvent::SourceLost(source)) => {
+                shared.with_core_now(|core, _| core.peer_connection_lost(&source));
+            }
+            Some(ChannelEvent::TargetGone(target)) => {
+                // Per-peer state goes with the session: the core's route now,
+                // the data route once no write uses it.
+                shared.with_core_now(|core, _| core.peer_target_gone(&target));
+                if self.pending.iter().any(|w| w.target == target) {
+                    self.gone.insert(target);
+                } else {
+                    self.routes.remove(&target);
+                }
+            }
+            None => {}
         }
     }
 
@@ -546,6 +627,7 @@ impl State {
                 rkeys,
             } => match self.connect(&worker_address, &rkeys) {
                 Ok((endpoint, keys)) => {
+                    self.gone.remove(&peer);
                     self.routes.insert(
                         peer,
                         Route {
@@ -556,7 +638,9 @@ impl State {
                     );
                 }
                 Err(_) => {
+                    // Nothing is kept for metadata UCX refused.
                     self.routes.remove(&peer);
+                    shared.with_core_now(|core, _| core.handle_connect_failed(&peer, generation));
                 }
             },
             Action::Put {
@@ -658,12 +742,65 @@ impl State {
         }
         self.pending
             .retain(|w| !finished.iter().any(|(id, _)| *id == w.write));
+        if !self.gone.is_empty() {
+            let pending = &self.pending;
+            let routes = &mut self.routes;
+            self.gone.retain(|target| {
+                let in_use = pending.iter().any(|w| &w.target == target);
+                if !in_use {
+                    routes.remove(target);
+                }
+                in_use
+            });
+        }
         shared.with_core_now(|core, now| {
             for (write, ok) in finished {
                 core.handle_put_done(now, write, ok);
             }
         });
     }
+}
+
+/// Where the control listener binds. Without a cluster secret only loopback
+/// is served, whatever `bind` says (and a non-loopback advertise host is
+/// refused: no other host could talk to this runner).
+fn control_bind_address(options: &PeerOptions) -> Result<SocketAddr> {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    let config = |field, why| Error::runner(RunnerReason::Config { field, why });
+    let requested = options
+        .bind
+        .host
+        .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+    options
+        .limits
+        .check()
+        .map_err(|why| config("peer.limits", why))?;
+    let Some(secret) = options.secret.as_deref() else {
+        if !options.advertise_host.is_loopback() {
+            return Err(config(
+                "peer.secret",
+                "no cluster secret: a runner without one serves loopback only; set a secret to advertise a non-loopback host",
+            ));
+        }
+        let loopback = match requested {
+            IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::LOCALHOST),
+            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        };
+        if requested.is_loopback() {
+            return Ok(SocketAddr::new(requested, options.bind.port));
+        }
+        eprintln!(
+            "kvcr: no cluster secret set: the peer control channel listens on {loopback} only (set a secret to serve other hosts)"
+        );
+        return Ok(SocketAddr::new(loopback, options.bind.port));
+    };
+    if secret.len() < PeerOptions::MIN_SECRET_LEN {
+        return Err(config(
+            "peer.secret",
+            "the cluster secret must be at least 16 bytes",
+        ));
+    }
+    Ok(SocketAddr::new(requested, options.bind.port))
 }
 
 /// How long the peer thread naps between progress rounds while it only waits

@@ -9,18 +9,18 @@
 //! SIGCONT); a guard kills it whatever happens to the test.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
 use kvcr_foundation::hint::FetchMode;
 use kvcr_foundation::protocol::codec::FrameCodec;
 use kvcr_foundation::protocol::{
     Body, CompletedIndices, ElementRef, Header, Message, OpHandle, RegionAdvert, RegionId,
     RouteGeneration, WriteOutcome,
 };
+use kvcr_foundation::runner::client::ControlClient;
 use kvcr_foundation::runner::{
     DepositEntry, EntryStatus, FailReason, OpResult, PeerNotice, PeerOptions, QueryStatus,
     RegionDesc, Runner, RunnerConfig,
@@ -684,84 +684,30 @@ fn source_stopped_before_answering(#[case] tls: &str) {
 
 // ------------------------------------------------------------ hostile frames
 
-/// A raw control connection: the no-secret handshake, then frames.
-struct RawConn {
-    stream: TcpStream,
-    codec: FrameCodec,
-}
+/// A cluster member speaking the control protocol by hand (with the
+/// loopback key: the runner under test has no secret), as a target would:
+/// its requests and the runner's replies share the session.
+struct RawConn(ControlClient);
 
 impl RawConn {
-    fn dial(to: &ControlEndpoint) -> Self {
-        let mut stream = TcpStream::connect(("127.0.0.1", to.port())).unwrap();
-        stream.set_read_timeout(Some(BOUND)).unwrap();
-        let mut hello = b"KVCRC1".to_vec();
-        hello.push(0);
-        hello.extend_from_slice(&[7u8; 16]);
-        stream.write_all(&hello).unwrap();
-        let mut ok = [0u8; 1];
-        stream.read_exact(&mut ok).unwrap();
-        assert_eq!(ok, [1], "handshake accepted");
-        Self {
-            stream,
-            codec: FrameCodec::default(),
-        }
+    fn dial(to: &ControlEndpoint, me: &ControlEndpoint, incarnation: Incarnation) -> Self {
+        Self(ControlClient::connect(to, None, me.clone(), incarnation).unwrap())
     }
 
     fn send(&mut self, message: &Message) {
-        let bytes = self.codec.encode_to_vec(message).unwrap();
-        self.stream.write_all(&bytes).unwrap();
+        self.0.send(message).unwrap();
     }
 
+    /// Sends bytes as the session's plaintext: a malformed frame that passes
+    /// the session's authentication and reaches the frame decoder.
     fn send_raw(&mut self, bytes: &[u8]) {
-        self.stream.write_all(bytes).unwrap();
+        self.0.send_plain(bytes).unwrap();
     }
 
-    /// Whether the runner closed the connection (EOF or reset) within the bound.
+    /// Whether the runner closed the session within the bound.
     fn closed_by_peer(&mut self) -> bool {
-        let mut buf = [0u8; 64];
-        matches!(self.stream.read(&mut buf), Ok(0) | Err(_))
+        self.0.closed_by_peer(BOUND)
     }
-}
-
-/// Accepts the runner's replies (it dials the endpoint our frames name) and
-/// forwards every decoded message.
-fn reply_listener() -> (ControlEndpoint, mpsc::Receiver<Message>) {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { return };
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                let mut hello = [0u8; 6 + 1 + 16];
-                if stream.read_exact(&mut hello).is_err() || &hello[..6] != b"KVCRC1" {
-                    return;
-                }
-                if stream.write_all(&[1]).is_err() {
-                    return;
-                }
-                let codec = FrameCodec::default();
-                let mut buf = BytesMut::new();
-                let mut chunk = [0u8; 4096];
-                loop {
-                    while let Ok(Some(message)) = codec.decode(&mut buf) {
-                        if tx.send(message).is_err() {
-                            return;
-                        }
-                    }
-                    match stream.read(&mut chunk) {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                }
-            });
-        }
-    });
-    (
-        ControlEndpoint::parse(&format!("tcp://127.0.0.1:{port}")).unwrap(),
-        rx,
-    )
 }
 
 /// A fake destination: its own UCX context, worker and one registration of
@@ -841,27 +787,24 @@ impl FakeTarget {
         self.element(index).iter().all(|b| *b == GUARD)
     }
 
-    /// The next message, progressing the worker meanwhile (on tcp the
-    /// destination's worker applies the source's puts).
-    fn next(&self, rx: &mpsc::Receiver<Message>) -> Message {
+    /// The next reply on `conn`, progressing the worker meanwhile (on tcp
+    /// the destination's worker applies the source's puts).
+    fn next(&self, conn: &mut RawConn) -> Message {
         #[allow(clippy::disallowed_methods)] // a bound on the wait, not a threshold
         let start = Instant::now();
         loop {
             while self.worker.progress() > 0 {}
-            match rx.recv_timeout(Duration::from_millis(1)) {
-                Ok(message) => return message,
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    assert!(start.elapsed() < BOUND, "no reply from the runner");
-                }
-                Err(e) => panic!("reply listener: {e:?}"),
+            if let Some(message) = conn.0.recv(Duration::from_millis(1)).unwrap() {
+                return message;
             }
+            assert!(start.elapsed() < BOUND, "no reply from the runner");
         }
     }
 
     /// The reply for `op` (skipping others), progressing meanwhile.
-    fn reply_for(&self, rx: &mpsc::Receiver<Message>, op: u64) -> Body {
+    fn reply_for(&self, conn: &mut RawConn, op: u64) -> Body {
         loop {
-            let message = self.next(rx);
+            let message = self.next(conn);
             match &message.body {
                 Body::WriteDone { op_handle, .. } | Body::WriteRefused { op_handle }
                     if op_handle.0 == op =>
@@ -978,7 +921,7 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
     let refused = |r: &Runner| r.peer_stats().0.refused;
 
     let fake = FakeTarget::new(tls);
-    let (our_endpoint, replies) = reply_listener();
+    let our_endpoint = ControlEndpoint::parse("tcp://127.0.0.1:9").unwrap();
     let our_incarnation = Incarnation::generate();
     let header = |sender: Incarnation| Header {
         sender,
@@ -989,7 +932,10 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
         header: header(our_incarnation),
         body,
     };
-    let mut conn = RawConn::dial(&source_endpoint);
+    let mut conn = RawConn::dial(&source_endpoint, &our_endpoint, our_incarnation);
+    // Another member for the sessions that get cut: a second session claiming
+    // `our_endpoint` would replace (and close) `conn`.
+    let other_member = ControlEndpoint::parse("tcp://127.0.0.1:10").unwrap();
 
     // Region 0: the granted elements; 1: the same memory with half the
     // element size; 2: an extent that lies (16 elements over a registration
@@ -1000,7 +946,7 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
         fake.advert(2, 16, HOSTILE_BLOCK as u64, false),
     ];
     conn.send(&message(fake.metadata(regions.clone())));
-    let ack = fake.next(&replies);
+    let ack = fake.next(&mut conn);
     assert!(
         matches!(ack.body, Body::TargetMetadataAck { .. }),
         "{ack:?}"
@@ -1018,7 +964,7 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
         &[0, 1, 2, 3],
         vec![el(0, GRANTED), el(0, u64::MAX), el(9, 0), el(1, 0)],
     )));
-    assert_completed(&fake.reply_for(&replies, 10), &[]);
+    assert_completed(&fake.reply_for(&mut conn, 10), &[]);
     assert_eq!(refused(&source), before + 4);
 
     // A start_write naming another source incarnation, or none.
@@ -1029,21 +975,24 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
         &[0],
         vec![el(0, 0)],
     )));
-    assert_failed_terminal(&fake.reply_for(&replies, 11));
+    assert_failed_terminal(&fake.reply_for(&mut conn, 11));
     conn.send(&message(start_write(12, None, ns, &[0], vec![el(0, 0)])));
-    assert_failed_terminal(&fake.reply_for(&replies, 12));
+    assert_failed_terminal(&fake.reply_for(&mut conn, 12));
     assert_eq!(refused(&source), before + 6);
 
-    // A sender incarnation the source has no route for.
+    // A frame claiming another sender (endpoint and incarnation): the claim
+    // is ignored, the session's identity stands (the write is this route's,
+    // for a key the source does not hold: nothing written, nothing refused).
     conn.send(&Message {
-        header: header(Incarnation::generate()),
-        body: start_write(13, Some(src_inc), ns, &[0], vec![el(0, 0)]),
+        header: Header {
+            sender: Incarnation::generate(),
+            route_generation: RouteGeneration(0),
+            sender_endpoint: ControlEndpoint::parse("tcp://127.0.0.1:1").unwrap(),
+        },
+        body: start_write(13, Some(src_inc), ns, &[77], vec![el(0, 0)]),
     });
-    assert!(matches!(
-        fake.reply_for(&replies, 13),
-        Body::WriteRefused { .. }
-    ));
-    assert_eq!(refused(&source), before + 7);
+    assert_completed(&fake.reply_for(&mut conn, 13), &[]);
+    assert_eq!(refused(&source), before + 6);
 
     // An element inside the lying extent but outside the registration: the
     // UCX layer's range check refuses the put; the write fails terminally.
@@ -1054,18 +1003,26 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
         &[0],
         vec![el(2, 10)],
     )));
-    assert_failed_terminal(&fake.reply_for(&replies, 14));
+    assert_failed_terminal(&fake.reply_for(&mut conn, 14));
 
-    // Replies nobody asked for: a write_done for an unknown op, an ack from a
-    // peer we never sent metadata to.
-    conn.send(&message(Body::WriteDone {
-        op_handle: OpHandle(999),
-        outcome: WriteOutcome::Completed(CompletedIndices::new(vec![0])),
-    }));
-    conn.send(&message(Body::TargetMetadataAck { op_handle: None }));
-    poll_until("the unsolicited replies to be refused", || {
-        (refused(&source) == before + 9).then_some(())
-    });
+    // Replies nobody asked for, sent by a target on its own session (a
+    // write_done for an unknown op, an ack): out of turn, so the session is
+    // cut before the core sees them.
+    for reply in [
+        Body::WriteDone {
+            op_handle: OpHandle(999),
+            outcome: WriteOutcome::Completed(CompletedIndices::new(vec![0])),
+        },
+        Body::TargetMetadataAck { op_handle: None },
+    ] {
+        let mut c = RawConn::dial(&source_endpoint, &other_member, Incarnation::generate());
+        c.send(&message(reply));
+        assert!(
+            c.closed_by_peer(),
+            "a reply from a target closes its session"
+        );
+    }
+    assert_eq!(refused(&source), before + 6, "the core never saw them");
 
     for i in 0..ELEMENTS {
         assert!(fake.untouched(i), "element {i} was written");
@@ -1079,7 +1036,7 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
         &[0, 1, 2],
         vec![el(0, 0), el(0, 1), el(0, 2)],
     )));
-    assert_completed(&fake.reply_for(&replies, 20), &[0, 1, 2]);
+    assert_completed(&fake.reply_for(&mut conn, 20), &[0, 1, 2]);
     for k in 0..3 {
         assert!(
             fake.element(k) == page_bytes(31, k as u64, HOSTILE_BLOCK),
@@ -1094,8 +1051,8 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
         &[3],
         vec![el(0, 3)],
     )));
-    assert_failed_terminal(&fake.reply_for(&replies, 19));
-    assert_eq!(refused(&source), before + 10);
+    assert_failed_terminal(&fake.reply_for(&mut conn, 19));
+    assert_eq!(refused(&source), before + 7);
 
     // A foreign rkey (packed by another UCX context): the route cannot be
     // built, so nothing is written.
@@ -1106,7 +1063,7 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
         true,
     )])));
     assert!(matches!(
-        fake.next(&replies).body,
+        fake.next(&mut conn).body,
         Body::TargetMetadataAck { .. }
     ));
     conn.send(&message(start_write(
@@ -1116,7 +1073,25 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
         &[3],
         vec![el(0, 3)],
     )));
-    assert_failed_terminal(&fake.reply_for(&replies, 21));
+    // The route UCX refused is not kept: refused outright, or failed
+    // terminally if the put was already under way; never completed.
+    let end = fake.reply_for(&mut conn, 21);
+    assert!(
+        matches!(end, Body::WriteRefused { .. })
+            || matches!(
+                end,
+                Body::WriteDone {
+                    outcome: WriteOutcome::Failed { terminal: true },
+                    ..
+                }
+            ),
+        "{end:?}"
+    );
+    let after_foreign = refused(&source);
+    assert!(
+        after_foreign > before + 7,
+        "the route UCX refused is counted"
+    );
     for i in 3..ELEMENTS {
         assert!(fake.untouched(i), "element {i} was written");
     }
@@ -1132,18 +1107,18 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
     // A wrong preamble.
     let mut bad = TcpStream::connect(("127.0.0.1", source_endpoint.port())).unwrap();
     bad.set_read_timeout(Some(BOUND)).unwrap();
-    bad.write_all(b"HELLO!\0aaaaaaaaaaaaaaaa").unwrap();
+    bad.write_all(b"HELLO!\0aaaaaaaaaaaaaaaaaaaaaaa").unwrap();
     let mut one = [0u8; 1];
     assert!(
         matches!(bad.read(&mut one), Ok(0) | Err(_)),
         "a wrong preamble is never accepted"
     );
     // Garbage after the handshake.
-    let mut c = RawConn::dial(&source_endpoint);
+    let mut c = RawConn::dial(&source_endpoint, &other_member, Incarnation::generate());
     c.send_raw(&[0xFF; 64]);
     assert!(c.closed_by_peer(), "garbage closes the connection");
     // A length prefix past the frame bound.
-    let mut c = RawConn::dial(&source_endpoint);
+    let mut c = RawConn::dial(&source_endpoint, &other_member, Incarnation::generate());
     let too_long = u32::try_from(codec.max_frame_len() + 1).unwrap();
     c.send_raw(&too_long.to_be_bytes());
     c.send_raw(&[0u8; 16]);
@@ -1152,7 +1127,7 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
         "an oversized frame closes the connection"
     );
     // A frame whose length cuts its body short (truncated fields).
-    let mut c = RawConn::dial(&source_endpoint);
+    let mut c = RawConn::dial(&source_endpoint, &other_member, Incarnation::generate());
     let mut cut = good.clone();
     cut.truncate(good.len() - 3);
     let body_len = u32::try_from(cut.len() - 4).unwrap();
@@ -1160,7 +1135,7 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
     c.send_raw(&cut);
     assert!(c.closed_by_peer(), "a truncated body closes the connection");
     // A wrong version byte.
-    let mut c = RawConn::dial(&source_endpoint);
+    let mut c = RawConn::dial(&source_endpoint, &other_member, Incarnation::generate());
     let mut wrong = good.clone();
     wrong[6] = 0x7F;
     c.send_raw(&wrong);
@@ -1169,14 +1144,14 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
         "an unknown version closes the connection"
     );
     // Half a frame, then hang up.
-    let mut c = RawConn::dial(&source_endpoint);
+    let mut c = RawConn::dial(&source_endpoint, &other_member, Incarnation::generate());
     c.send_raw(&good[..good.len() / 2]);
     drop(c);
 
     // The hostile connection itself still works: a fresh granted write.
     conn.send(&message(fake.metadata(regions)));
     assert!(matches!(
-        fake.next(&replies).body,
+        fake.next(&mut conn).body,
         Body::TargetMetadataAck { .. }
     ));
     conn.send(&message(start_write(
@@ -1186,7 +1161,7 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
         &[3],
         vec![el(0, 3)],
     )));
-    assert_completed(&fake.reply_for(&replies, 30), &[0]);
+    assert_completed(&fake.reply_for(&mut conn, 30), &[0]);
     assert!(fake.element(3) == page_bytes(31, 3, HOSTILE_BLOCK));
     for i in GRANTED as usize..ELEMENTS {
         assert!(fake.untouched(i), "guard element {i} was written");
@@ -1203,7 +1178,11 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
     let keys = [0, 1, 2, 3];
     let result = target.fetch("after-hostile", &source_endpoint, &keys);
     assert_eq!(target.check_and_release(&result, &keys, 31), 4);
-    assert_eq!(refused(&source), before + 10);
+    assert_eq!(
+        refused(&source),
+        after_foreign,
+        "honest traffic after the attacks refused nothing"
+    );
     source.check_invariants().unwrap();
     target.runner.check_invariants().unwrap();
     drop(target);

@@ -476,6 +476,7 @@ fn run_example(
         .join("examples")
         .join(example);
     let mut cmd = Command::new(&binary);
+    cmd.env("KVCR_CLUSTER_SECRET", crate::node::cluster_secret());
     cmd.args(args)
         .current_dir(root)
         .stdin(Stdio::null())

@@ -43,8 +43,11 @@ mod peer;
 mod records;
 mod registration;
 
+pub use peer::{
+    MAX_ADVERTISED_REGIONS, MAX_FENCES_PER_TARGET, MAX_RKEY_LEN, MAX_WORKER_ADDRESS_LEN,
+    PeerCounters, PeerNotice,
+};
 pub use peer::{PeerConfig, PutSpan};
-pub use peer::{PeerCounters, PeerNotice};
 
 /// Label prefix of the runner's own pool regions (`kvcr-dram/<pool>`).
 pub const KVCR_REGION_PREFIX: &str = "kvcr-dram/";

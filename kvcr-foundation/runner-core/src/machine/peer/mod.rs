@@ -28,7 +28,7 @@
 //! until restart; a refused or foreign request gets `write_refused` or a
 //! terminal failure, and is counted.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use super::*;
 
@@ -56,7 +56,37 @@ pub struct PeerConfig {
     pub abandon_timeout_ns: u64,
     /// How often unacknowledged metadata is re-sent.
     pub metadata_retry_ns: u64,
+    /// When non-empty, the only peers this runner talks to: hints naming
+    /// another source are dropped, messages from others refused.
+    pub allowed_peers: Vec<ControlEndpoint>,
+    /// Namespaces only the listed targets may fetch from this runner.
+    pub private_namespaces: Vec<(NamespaceId, Vec<ControlEndpoint>)>,
 }
+
+impl PeerConfig {
+    /// Whether this runner talks to `peer` at all.
+    pub fn allows(&self, peer: &ControlEndpoint) -> bool {
+        self.allowed_peers.is_empty() || self.allowed_peers.contains(peer)
+    }
+
+    /// Whether `target` may fetch keys of `namespace` from this runner.
+    pub fn may_fetch(&self, target: &ControlEndpoint, namespace: NamespaceId) -> bool {
+        self.private_namespaces
+            .iter()
+            .filter(|(ns, _)| *ns == namespace)
+            .all(|(_, members)| members.contains(target))
+    }
+}
+
+/// Most regions one target may advertise.
+pub const MAX_ADVERTISED_REGIONS: usize = 64;
+/// Largest packed worker address accepted from a target.
+pub const MAX_WORKER_ADDRESS_LEN: usize = 64 << 10;
+/// Largest packed remote key accepted from a target.
+pub const MAX_RKEY_LEN: usize = 4 << 10;
+/// Fences kept per target incarnation; past it they fold into the op-handle
+/// high-water mark (every op at or below the highest fenced one is refused).
+pub const MAX_FENCES_PER_TARGET: usize = 1024;
 
 /// A notice for the framework about memory a peer may still write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,6 +120,10 @@ pub struct PeerCounters {
     pub refused: u64,
     /// Target operations that reached the abandonment deadline.
     pub quarantined: u64,
+    /// Requests or hints refused because the peer is not on the allowlist.
+    pub refused_peers: u64,
+    /// Writes refused because the namespace is private to other targets.
+    pub refused_private: u64,
 }
 
 #[derive(Debug)]
@@ -203,7 +237,9 @@ struct SourceRole {
     /// `start_write` at or below it never writes (the slots it names may have
     /// been reused by the target since).
     high_water: HashMap<Incarnation, OpHandle>,
-    fences: HashSet<(Incarnation, OpHandle)>,
+    /// Probed ops per target incarnation: a `start_write` arriving after its
+    /// probe never writes. Bounded by [`MAX_FENCES_PER_TARGET`].
+    fences: HashMap<Incarnation, BTreeSet<OpHandle>>,
     next_write: u64,
     stalled: bool,
 }
@@ -216,7 +252,7 @@ impl Default for SourceRole {
             writes: HashMap::new(),
             writes_by_op: HashMap::new(),
             high_water: HashMap::new(),
-            fences: HashSet::new(),
+            fences: HashMap::new(),
             next_write: 1,
             stalled: false,
         }
@@ -290,6 +326,12 @@ impl Core {
         // rather than served with a fresh deadline.
         self.latch_stall(now);
         let Message { header, body } = message;
+        if let Some(peer) = self.peer.as_mut()
+            && !peer.config.allows(&header.sender_endpoint)
+        {
+            peer.counters.refused_peers += 1;
+            return;
+        }
         match body {
             Body::TargetMetadata {
                 worker_address,

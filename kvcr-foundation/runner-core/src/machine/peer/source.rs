@@ -21,6 +21,15 @@ impl Core {
             return;
         };
         let target = header.sender_endpoint.clone();
+        let oversized = regions.len() > MAX_ADVERTISED_REGIONS
+            || worker_address.len() > MAX_WORKER_ADDRESS_LEN
+            || regions.iter().any(|r| r.rkey.len() > MAX_RKEY_LEN);
+        if oversized {
+            // Nothing of it is kept or handed to UCX, and it is not
+            // acknowledged: the target's writes wait and fail by deadline.
+            peer.counters.refused += 1;
+            return;
+        }
         let unchanged = peer.source.routes.get(&target).is_some_and(|r| {
             r.incarnation == header.sender
                 && r.their_generation == header.route_generation
@@ -91,7 +100,18 @@ impl Core {
         // A write must name this incarnation: replies then prove something
         // about exactly the process that may have written.
         let foreign = source_incarnation != Some(peer.config.incarnation);
-        let fenced = peer.source.fences.contains(&(header.sender, op));
+        let fenced = peer
+            .source
+            .fences
+            .get(&header.sender)
+            .is_some_and(|f| f.contains(&op));
+        if !peer.config.may_fetch(&target, namespace) {
+            if let Some(peer) = self.peer.as_mut() {
+                peer.counters.refused_private += 1;
+            }
+            self.send(target, failed);
+            return;
+        }
         if peer.source.writes_by_op.contains_key(&(header.sender, op)) {
             return; // a duplicate of a write in progress: the first one stands
         }
@@ -106,7 +126,7 @@ impl Core {
             return;
         }
         if let Some(peer) = self.peer.as_mut() {
-            peer.source.high_water.insert(header.sender, op);
+            peer.source.raise_high_water(header.sender, op);
         }
         let deadline = now
             .saturating_add((u64::from(remaining_ms) * 1_000_000).min(self.operation_timeout_ns));
@@ -245,6 +265,38 @@ impl Core {
         );
     }
 
+    /// The session from `target` closed: its route goes (writes already
+    /// accepted keep their own copy of what they need and end as usual); its
+    /// fences fold into the high-water mark, which outlives the session.
+    pub fn peer_target_gone(&mut self, target: &ControlEndpoint) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        if let Some(route) = peer.source.routes.remove(target)
+            && let Some(fenced) = peer.source.fences.remove(&route.incarnation)
+            && let Some(highest) = fenced.last()
+        {
+            peer.source.raise_high_water(route.incarnation, *highest);
+        }
+    }
+
+    /// UCX refused the route built from `target`'s metadata: nothing of it
+    /// is kept, and its writes are refused until new metadata connects.
+    pub fn handle_connect_failed(&mut self, target: &ControlEndpoint, generation: u64) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        if peer
+            .source
+            .routes
+            .get(target)
+            .is_some_and(|r| r.local_generation == generation)
+        {
+            peer.source.routes.remove(target);
+            peer.counters.refused += 1;
+        }
+    }
+
     pub(in crate::machine) fn on_probe(
         &mut self,
         header: &Header,
@@ -257,7 +309,7 @@ impl Core {
         let ours = source_incarnation.is_none_or(|i| i == peer.config.incarnation);
         if ours {
             // Sticky: a start_write that arrives after its probe never writes.
-            peer.source.fences.insert((header.sender, op));
+            peer.source.fence(header.sender, op);
         }
         let terminal = ours && !peer.source.writes_by_op.contains_key(&(header.sender, op));
         self.send(
@@ -268,5 +320,37 @@ impl Core {
                 dead_incarnation: None,
             },
         );
+    }
+}
+
+impl SourceRole {
+    /// Records that `op` of `target` was accepted: ops at or below it never
+    /// write again, so fences at or below it are redundant and go.
+    fn raise_high_water(&mut self, target: Incarnation, op: OpHandle) {
+        let high = self.high_water.entry(target).or_insert(op);
+        *high = (*high).max(op);
+        let high = *high;
+        if let Some(fenced) = self.fences.get_mut(&target) {
+            *fenced = fenced.split_off(&OpHandle(high.0.saturating_add(1)));
+            if fenced.is_empty() {
+                self.fences.remove(&target);
+            }
+        }
+    }
+
+    /// Fences `op` of `target`. Past [`MAX_FENCES_PER_TARGET`] the fences fold
+    /// into the high-water mark: conservative (a not-yet-arrived lower op is
+    /// refused too), and bounded under a probe flood.
+    fn fence(&mut self, target: Incarnation, op: OpHandle) {
+        if self.high_water.get(&target).is_some_and(|h| op <= *h) {
+            return; // already refused by the high-water mark
+        }
+        let fenced = self.fences.entry(target).or_default();
+        fenced.insert(op);
+        if fenced.len() > MAX_FENCES_PER_TARGET
+            && let Some(highest) = fenced.last().copied()
+        {
+            self.raise_high_water(target, highest);
+        }
     }
 }

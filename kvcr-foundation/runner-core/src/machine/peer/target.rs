@@ -14,6 +14,12 @@ impl Core {
         let Some(peer) = self.peer.as_mut() else {
             return;
         };
+        if !peer.config.allows(&hint.source) {
+            // A router hint never makes this rank dial a peer outside the
+            // allowlist (nor tell it anything about our memory).
+            peer.counters.refused_peers += 1;
+            return;
+        }
         let hashes: HashSet<BlockKey> = hint.block_hashes.iter().copied().collect();
         match peer.target.hints.get_mut(&request) {
             Some(existing) if existing.source != hint.source => existing.failed = true,

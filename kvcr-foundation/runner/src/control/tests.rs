@@ -1,0 +1,407 @@
+//! The control channel against honest peers and against an attacker who can
+//! reach the port: with and without the secret, replaying what it captured,
+//! speaking out of turn, stalling, and opening too many connections.
+
+use super::*;
+use kvcr_contracts::protocol::{Header, OpHandle, RouteGeneration, WriteOutcome};
+use rstest::rstest;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+const SECRET: &[u8] = b"a-cluster-secret-of-32-bytes-ok!";
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn quick_limits() -> ControlLimits {
+    ControlLimits {
+        handshake_timeout: Duration::from_millis(300),
+        frame_deadline: Duration::from_millis(300),
+        ..ControlLimits::default()
+    }
+}
+
+/// A header that lies about who sent it.
+fn forged_header() -> Header {
+    Header {
+        sender: Incarnation::generate(),
+        route_generation: RouteGeneration(0),
+        sender_endpoint: ControlEndpoint::parse("tcp://10.9.9.9:9").unwrap(),
+    }
+}
+
+fn probe(op: u64) -> Message {
+    Message {
+        header: forged_header(),
+        body: Body::WriteProbe {
+            op_handle: OpHandle(op),
+            source_incarnation: None,
+        },
+    }
+}
+
+fn done(op: u64) -> Message {
+    Message {
+        header: forged_header(),
+        body: Body::WriteDone {
+            op_handle: OpHandle(op),
+            outcome: WriteOutcome::Failed { terminal: true },
+        },
+    }
+}
+
+struct Node {
+    channel: ControlChannel,
+    inbound: UnboundedReceiver<Inbound>,
+    identity: PeerIdentity,
+    addr: SocketAddr,
+}
+
+impl Node {
+    async fn start(secret: Option<&[u8]>, limits: ControlLimits) -> Self {
+        let (listener, addr) = ControlChannel::bind("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        let identity = PeerIdentity {
+            endpoint: ControlEndpoint::parse(&format!("tcp://{addr}")).unwrap(),
+            incarnation: Incarnation::generate(),
+        };
+        let (channel, inbound) = ControlChannel::start(listener, identity.clone(), secret, limits);
+        Self {
+            channel,
+            inbound,
+            identity,
+            addr,
+        }
+    }
+
+    /// The next event the peer thread would act on, if one comes in `wait`.
+    async fn event(&mut self, wait: Duration) -> Option<ChannelEvent> {
+        let deadline = Instant::now() + wait;
+        loop {
+            let item = tokio::time::timeout_at(deadline, self.inbound.recv())
+                .await
+                .ok()??;
+            if let Some(event) = self.channel.on_inbound(item) {
+                return Some(event);
+            }
+        }
+    }
+
+    async fn message(&mut self) -> Option<Message> {
+        match self.event(Duration::from_secs(5)).await? {
+            ChannelEvent::Message(m) => Some(m),
+            other => panic!("expected a message, got {other:?}"),
+        }
+    }
+
+    fn stat(&self, counter: fn(&ControlStats) -> &AtomicU64) -> u64 {
+        counter(&self.channel.stats).load(Ordering::Relaxed)
+    }
+}
+
+async fn settle(channel: &ControlChannel, want: usize) -> usize {
+    for _ in 0..500 {
+        if channel.open_sockets() == want {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    channel.open_sockets()
+}
+
+/// A member of the cluster that speaks the protocol by hand.
+async fn member_session(
+    to: SocketAddr,
+    secret: Option<&[u8]>,
+) -> (TcpStream, snow::TransportState, PeerIdentity) {
+    let (stub, _) = Node::start(secret, quick_limits()).await.channel_parts();
+    let mut stream = TcpStream::connect(to).await.unwrap();
+    let (transport, acceptor) = initiate(&mut stream, &stub.psk, &stub.identity)
+        .await
+        .unwrap();
+    (stream, transport, acceptor)
+}
+
+impl Node {
+    fn channel_parts(self) -> (Arc<Shared>, UnboundedReceiver<Inbound>) {
+        (Arc::clone(&self.channel.shared), self.inbound)
+    }
+}
+
+async fn send_sealed(
+    stream: &mut TcpStream,
+    transport: &mut snow::TransportState,
+    message: &Message,
+) {
+    let mut frames = BytesMut::new();
+    FrameCodec::default().encode(message, &mut frames).unwrap();
+    let mut wire = BytesMut::new();
+    let mut sealed = vec![0u8; RECORD_MAX];
+    seal(transport, &frames, &mut sealed, &mut wire).unwrap();
+    stream.write_all(&wire).await.unwrap();
+}
+
+/// Reads until the peer closes the connection (or 5 s pass).
+async fn closed_by_peer(stream: &mut TcpStream) -> bool {
+    let mut sink = Vec::new();
+    matches!(
+        tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut sink)).await,
+        Ok(Ok(_) | Err(_))
+    )
+}
+
+/// A request travels on the session the target dialed, arrives stamped with
+/// the identity that session proved (not the frame's claim), and the reply
+/// comes back on the same session: one socket each side.
+#[test]
+fn identity_comes_from_the_session_and_replies_share_it() {
+    runtime().block_on(async {
+        let mut target = Node::start(Some(SECRET), quick_limits()).await;
+        let mut source = Node::start(Some(SECRET), quick_limits()).await;
+        let to_source = source.identity.endpoint.clone();
+        for op in 0..50 {
+            target.channel.send(&to_source, probe(op));
+        }
+        for op in 0..50 {
+            let got = source.message().await.unwrap();
+            assert_eq!(got.body, probe(op).body, "in order");
+            assert_eq!(got.header.sender_endpoint, target.identity.endpoint);
+            assert_eq!(got.header.sender, target.identity.incarnation);
+        }
+        source.channel.send(&target.identity.endpoint, done(7));
+        let reply = target.message().await.unwrap();
+        assert_eq!(reply.body, done(7).body);
+        assert_eq!(
+            reply.header.sender_endpoint, to_source,
+            "the name we dialed"
+        );
+        assert_eq!(reply.header.sender, source.identity.incarnation);
+        assert_eq!(settle(&target.channel, 1).await, 1, "one dialed socket");
+        assert_eq!(settle(&source.channel, 1).await, 1, "no second socket back");
+        // Forgetting the source closes the session; the source sees it go.
+        target.channel.remove_peer(&to_source);
+        assert!(matches!(
+            source.event(Duration::from_secs(5)).await,
+            Some(ChannelEvent::TargetGone(t)) if t == target.identity.endpoint
+        ));
+        assert!(matches!(
+            target.event(Duration::from_secs(5)).await,
+            Some(ChannelEvent::SourceLost(s)) if s == to_source
+        ));
+        // A reply with no session to carry it is dropped, never dialed.
+        let dropped = source.stat(|s| &s.dropped);
+        source.channel.send(&target.identity.endpoint, done(8));
+        assert_eq!(source.stat(|s| &s.dropped), dropped + 1);
+        assert_eq!(settle(&source.channel, 0).await, 0);
+    });
+}
+
+#[rstest]
+#[case::no_secret(None)]
+#[case::wrong_secret(Some(&b"another-secret-of-32-bytes-long!"[..]))]
+#[case::one_bit_off(Some(&b"a-cluster-secret-of-32-bytes-ok\""[..]))]
+fn without_the_secret_nothing_gets_through(#[case] intruder_secret: Option<&'static [u8]>) {
+    runtime().block_on(async {
+        let mut source = Node::start(Some(SECRET), quick_limits()).await;
+        let mut intruder = Node::start(intruder_secret, quick_limits()).await;
+        intruder.channel.send(&source.identity.endpoint, probe(1));
+        assert!(
+            source.event(Duration::from_millis(600)).await.is_none(),
+            "nothing reached the runner"
+        );
+        assert!(source.stat(|s| &s.refused_handshakes) >= 1);
+        assert!(matches!(
+            intruder.event(Duration::from_secs(5)).await,
+            Some(ChannelEvent::SourceLost(_))
+        ));
+        let mut friend = Node::start(Some(SECRET), quick_limits()).await;
+        friend.channel.send(&source.identity.endpoint, probe(2));
+        assert_eq!(source.message().await.unwrap().body, probe(2).body);
+    });
+}
+
+/// Garbage, a wrong preamble, or a handshake message too large: refused
+/// before anything is buffered, and the runner keeps serving.
+#[rstest]
+#[case::garbage(b"\xde\xad\xbe\xef\x01\x02\x03\x04\x05\x06".to_vec())]
+#[case::old_preamble(b"KVCRC1\x00".iter().copied().chain([0u8; 16]).collect())]
+#[case::huge_first_message(PREAMBLE.iter().copied().chain([0xff, 0xff]).collect())]
+fn malformed_handshakes_are_refused(#[case] bytes: Vec<u8>) {
+    runtime().block_on(async {
+        let mut source = Node::start(Some(SECRET), quick_limits()).await;
+        let mut raw = TcpStream::connect(source.addr).await.unwrap();
+        raw.write_all(&bytes).await.unwrap();
+        assert!(closed_by_peer(&mut raw).await);
+        assert_eq!(source.stat(|s| &s.refused_handshakes), 1);
+        let mut friend = Node::start(Some(SECRET), quick_limits()).await;
+        friend.channel.send(&source.identity.endpoint, probe(3));
+        assert_eq!(source.message().await.unwrap().body, probe(3).body);
+    });
+}
+
+/// Everything an eavesdropper captured from a real session, replayed on a
+/// new connection, opens nothing: the ephemeral keys differ.
+#[test]
+fn a_replayed_handshake_opens_no_session() {
+    runtime().block_on(async {
+        let source = Node::start(Some(SECRET), quick_limits()).await;
+        let (stub, _inbound) = Node::start(Some(SECRET), quick_limits())
+            .await
+            .channel_parts();
+        // Capture the honest dialer's bytes by relaying them.
+        let relay = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let relay_addr = relay.local_addr().unwrap();
+        let dialer = tokio::spawn(async move {
+            let mut stream = TcpStream::connect(relay_addr).await.unwrap();
+            let result = initiate(&mut stream, &stub.psk, &stub.identity).await;
+            (stream, result.is_some())
+        });
+        let (mut from_dialer, _) = relay.accept().await.unwrap();
+        let mut to_source = TcpStream::connect(source.addr).await.unwrap();
+        let mut captured = Vec::new();
+        let mut buf = vec![0u8; 4096];
+        // Dialer → source: preamble + message 1; source → dialer: message 2;
+        // dialer → source: the identity record.
+        let n = from_dialer.read(&mut buf).await.unwrap();
+        captured.extend_from_slice(&buf[..n]);
+        to_source.write_all(&buf[..n]).await.unwrap();
+        let n = to_source.read(&mut buf).await.unwrap();
+        from_dialer.write_all(&buf[..n]).await.unwrap();
+        let n = from_dialer.read(&mut buf).await.unwrap();
+        captured.extend_from_slice(&buf[..n]);
+        to_source.write_all(&buf[..n]).await.unwrap();
+        let (_dialer_stream, ok) = dialer.await.unwrap();
+        assert!(ok, "the relayed handshake itself succeeds");
+        let refused = source.stat(|s| &s.refused_handshakes);
+        let mut replay = TcpStream::connect(source.addr).await.unwrap();
+        replay.write_all(&captured).await.unwrap();
+        assert!(closed_by_peer(&mut replay).await);
+        assert_eq!(source.stat(|s| &s.refused_handshakes), refused + 1);
+    });
+}
+
+/// Inside a session: a record replayed, a record altered, and a source's
+/// reply sent by a target all close that session without reaching the
+/// runner.
+#[rstest]
+#[case::replayed_record("replay")]
+#[case::altered_record("alter")]
+#[case::reply_out_of_turn("turn")]
+fn a_member_breaking_the_session_rules_is_cut_off(#[case] attack: &str) {
+    runtime().block_on(async {
+        let mut source = Node::start(Some(SECRET), quick_limits()).await;
+        let (mut stream, mut transport, _) = member_session(source.addr, Some(SECRET)).await;
+        let mut frames = BytesMut::new();
+        FrameCodec::default()
+            .encode(&probe(1), &mut frames)
+            .unwrap();
+        let mut record = BytesMut::new();
+        let mut sealed = vec![0u8; RECORD_MAX];
+        seal(&mut transport, &frames, &mut sealed, &mut record).unwrap();
+        stream.write_all(&record).await.unwrap();
+        assert_eq!(source.message().await.unwrap().body, probe(1).body);
+        match attack {
+            "replay" => stream.write_all(&record).await.unwrap(),
+            "alter" => {
+                let mut frames = BytesMut::new();
+                FrameCodec::default()
+                    .encode(&probe(2), &mut frames)
+                    .unwrap();
+                let mut next = BytesMut::new();
+                seal(&mut transport, &frames, &mut sealed, &mut next).unwrap();
+                let last = next.len() - 1;
+                next[last] ^= 1;
+                stream.write_all(&next).await.unwrap();
+            }
+            _ => send_sealed(&mut stream, &mut transport, &done(1)).await,
+        }
+        assert!(closed_by_peer(&mut stream).await);
+        assert_eq!(source.stat(|s| &s.bad_frames), 1);
+        assert!(
+            matches!(
+                source.event(Duration::from_secs(5)).await,
+                Some(ChannelEvent::TargetGone(_))
+            ),
+            "the session's end is reported, and nothing else arrived"
+        );
+    });
+}
+
+/// A member that starts a record and stalls loses the session at the frame
+/// deadline.
+#[test]
+fn a_stalled_frame_is_cut_off_at_its_deadline() {
+    runtime().block_on(async {
+        let source = Node::start(Some(SECRET), quick_limits()).await;
+        let (mut stream, _transport, _) = member_session(source.addr, Some(SECRET)).await;
+        stream.write_all(&[0x01, 0x00, 0xaa]).await.unwrap();
+        assert!(closed_by_peer(&mut stream).await);
+        assert_eq!(source.stat(|s| &s.timeouts), 1);
+    });
+}
+
+/// Connections over the per-address cap are refused at accept; another
+/// address is still served.
+#[test]
+fn connections_are_capped_per_address() {
+    runtime().block_on(async {
+        let limits = ControlLimits {
+            max_sessions_per_address: 3,
+            handshake_timeout: Duration::from_secs(30),
+            ..quick_limits()
+        };
+        let mut source = Node::start(Some(SECRET), limits).await;
+        let mut held = Vec::new();
+        for _ in 0..8 {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+            held.push(socket.connect(source.addr).await.unwrap());
+        }
+        for _ in 0..500 {
+            if source.stat(|s| &s.refused_connections) == 5 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert_eq!(source.stat(|s| &s.refused_connections), 5);
+        let mut friend = Node::start(Some(SECRET), quick_limits()).await;
+        friend.channel.send(&source.identity.endpoint, probe(4));
+        assert_eq!(source.message().await.unwrap().body, probe(4).body);
+        drop(held);
+    });
+}
+
+#[test]
+fn limits_are_checked() {
+    assert!(ControlLimits::default().check().is_ok());
+    let bad = [
+        ControlLimits {
+            max_sessions: 0,
+            ..ControlLimits::default()
+        },
+        ControlLimits {
+            max_frame_len: 100,
+            ..ControlLimits::default()
+        },
+        ControlLimits {
+            inbound_bytes_per_session: 1 << 20,
+            ..ControlLimits::default()
+        },
+        ControlLimits {
+            idle_timeout: Duration::ZERO,
+            ..ControlLimits::default()
+        },
+    ];
+    for limits in bad {
+        assert!(limits.check().is_err(), "{limits:?}");
+    }
+    // The stated bound: 16 sessions × (2 MiB frame + a record + 4 MiB).
+    assert_eq!(
+        ControlLimits::default().per_address_bound_bytes(),
+        16 * ((2 << 20) + RECORD_MAX + 2 + (4 << 20))
+    );
+}
