@@ -13,7 +13,7 @@
 //!   never reported a success.
 //!
 //! A failing seed is reproducible from its number:
-//! `KVCR_SIM_SEED=<n> cargo test -p kvcr-foundation --lib peer_sim`.
+//! `KVCR_SIM_SEED=<n> cargo test -p kvcr-runner-core --lib peer_sim`.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -24,7 +24,10 @@ use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::hint::{FetchHint, FetchMode, RequestId};
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::key::{BlockKey, CompatDigest, Namespace, NamespaceId, ScopedKey};
-use kvcr_contracts::protocol::{ElementRef, Message, OpHandle, RegionId};
+use kvcr_contracts::protocol::{
+    Body, CompletedIndices, ElementRef, Header, Message, OpHandle, RegionAdvert, RegionId,
+    RouteGeneration, WriteOutcome,
+};
 
 const BLOCK: u64 = 64;
 const SLOTS: u32 = 8;
@@ -32,6 +35,8 @@ const TIMEOUT: u64 = 1_000_000; // 1 ms of virtual time
 const TARGET_POOL: u64 = 0x1000_0000;
 const SOURCE_POOL: u64 = 0x2000_0000;
 const SOURCE_HOST: u64 = 0x3000_0000;
+/// The port of the misbehaving member.
+const HOSTILE: u16 = 9;
 
 struct Rng(u64);
 
@@ -55,6 +60,17 @@ fn endpoint(port: u16) -> ControlEndpoint {
 }
 
 fn new_core(pool_base: u64, port: u16, incarnation: u128) -> (Core, NamespaceId) {
+    new_core_with(pool_base, port, incarnation, |_| {})
+}
+
+/// A core whose peer configuration `adjust` may change (allowlist, private
+/// namespaces).
+fn new_core_with(
+    pool_base: u64,
+    port: u16,
+    incarnation: u128,
+    adjust: impl FnOnce(&mut PeerConfig),
+) -> (Core, NamespaceId) {
     let config = CoreConfig {
         pools: vec![("kv".into(), BLOCK, SLOTS)],
         pool_bases: vec![pool_base],
@@ -65,7 +81,7 @@ fn new_core(pool_base: u64, port: u16, incarnation: u128) -> (Core, NamespaceId)
     let mut core = Core::new(&config, Box::new(Lru)).unwrap();
     let ns = core.register_namespace(Namespace::base(CompatDigest(1)));
     let pool_region = RegionId(0);
-    core.enable_peer(PeerConfig {
+    let mut config = PeerConfig {
         endpoint: endpoint(port),
         incarnation: Incarnation::from_raw(incarnation).unwrap(),
         worker_address: vec![port as u8; 4],
@@ -74,7 +90,9 @@ fn new_core(pool_base: u64, port: u16, incarnation: u128) -> (Core, NamespaceId)
         metadata_retry_ns: TIMEOUT / 10,
         allowed_peers: Vec::new(),
         private_namespaces: Vec::new(),
-    });
+    };
+    adjust(&mut config);
+    core.enable_peer(config);
     (core, ns)
 }
 
@@ -180,6 +198,8 @@ impl Sim {
             };
             let Some(action) = action else { break };
             match action {
+                // Replies to the hostile member go nowhere.
+                Action::Send { to, .. } if to == endpoint(HOSTILE) => {}
                 Action::Send { to, message } => {
                     // Each copy of a message gets its own random delay, so
                     // duplicates and reorders both happen.
@@ -306,6 +326,7 @@ impl Sim {
                 self.source.handle_tick(self.now);
                 self.source.handle_timeout(self.now);
             }
+            _ if self.rng.chance(40) => self.hostile(),
             _ => {
                 if self.rng.chance(20) {
                     // The source crashes and restarts at the same address with
@@ -321,6 +342,63 @@ impl Sim {
         self.deliver_actions(true);
         self.deliver_actions(false);
         self.check()
+    }
+
+    /// A cluster member that misbehaves (it authenticated, so the channel
+    /// stamps its own identity on what it sends): replies nobody asked it
+    /// for, to the target; requests naming elements it was never granted, to
+    /// the source (which has no route for it); probes for ops it never ran.
+    fn hostile(&mut self) {
+        let header = Header {
+            sender: Incarnation::from_raw(0xbad).unwrap(),
+            route_generation: RouteGeneration(0),
+            sender_endpoint: endpoint(HOSTILE),
+        };
+        let op = OpHandle(self.rng.below(64));
+        let to_target = [
+            Body::WriteDone {
+                op_handle: op,
+                outcome: WriteOutcome::Completed(CompletedIndices::new(vec![0, 1, 2, 3])),
+            },
+            Body::WriteProbeAck {
+                op_handle: op,
+                terminal: true,
+                dead_incarnation: None,
+            },
+            Body::TargetMetadataAck {
+                op_handle: Some(op),
+            },
+            Body::WriteRefused { op_handle: op },
+        ];
+        let body = to_target[self.rng.below(4) as usize].clone();
+        self.target.handle_message(
+            self.now,
+            Message {
+                header: header.clone(),
+                body,
+            },
+        );
+        let keys = vec![BlockKey::from_u64(self.rng.below(u64::from(SLOTS)))];
+        let to_source = [
+            Body::StartWrite {
+                op_handle: op,
+                remaining_timeout_ms: 1,
+                source_incarnation: Some(Incarnation::from_raw(self.source_incarnation).unwrap()),
+                namespace: self.ns,
+                keys,
+                destinations: vec![vec![ElementRef {
+                    region: RegionId(0),
+                    index: self.rng.below(1 << 20),
+                }]],
+            },
+            Body::WriteProbe {
+                op_handle: op,
+                source_incarnation: None,
+            },
+        ];
+        let body = to_source[self.rng.below(2) as usize].clone();
+        self.source
+            .handle_message(self.now, Message { header, body });
     }
 
     fn check(&mut self) -> Result<(), String> {
@@ -429,7 +507,7 @@ fn peer_protocol_survives_faults_over_many_seeds() {
     for seed in 1..=seeds {
         if let Err(e) = run_seed(seed) {
             panic!(
-                "{e}\nreproduce: KVCR_SIM_SEED={seed} cargo test -p kvcr-foundation --lib peer_sim"
+                "{e}\nreproduce: KVCR_SIM_SEED={seed} cargo test -p kvcr-runner-core --lib peer_sim"
             );
         }
     }
@@ -635,4 +713,256 @@ fn a_write_after_an_expiry_waits_for_a_fresh_ack() {
     named.dedup(); // the simulated network may duplicate a message
     assert_eq!(named, vec![Some(new)], "only the new incarnation is asked");
     assert_eq!(sim.source.peer_counters().refused, 0);
+}
+
+// ------------------------------------------------------------ trust rules
+
+fn from(port: u16, incarnation: u128, body: Body) -> Message {
+    Message {
+        header: Header {
+            sender: Incarnation::from_raw(incarnation).unwrap(),
+            route_generation: RouteGeneration(0),
+            sender_endpoint: endpoint(port),
+        },
+        body,
+    }
+}
+
+/// The messages a core sent, in order (other actions are dropped).
+fn sent(core: &mut Core) -> Vec<(ControlEndpoint, Body)> {
+    let mut out = Vec::new();
+    while let Some(action) = core.poll_action() {
+        if let Action::Send { to, message } = action {
+            out.push((to, message.body));
+        }
+    }
+    out
+}
+
+fn metadata(regions: usize) -> Body {
+    Body::TargetMetadata {
+        worker_address: vec![1; 4],
+        regions: (0..regions)
+            .map(|i| RegionAdvert {
+                id: RegionId(i as u32),
+                label: format!("r{i}"),
+                base: TARGET_POOL,
+                element_size: BLOCK,
+                stride: BLOCK,
+                count: u64::from(SLOTS),
+                rkey: vec![1, 2, 3],
+            })
+            .collect(),
+    }
+}
+
+/// A source with keys 0..8, and the incarnation it answers as.
+fn stocked_source(adjust: impl FnOnce(&mut PeerConfig)) -> (Sim, Incarnation) {
+    let mut sim = Sim::new(3);
+    let incarnation = sim.source_incarnation;
+    let (source, _) = new_core_with(SOURCE_POOL, 2, incarnation, adjust);
+    sim.source = source;
+    sim.stock_source();
+    (sim, Incarnation::from_raw(incarnation).unwrap())
+}
+
+fn start_write(op: u64, source: Incarnation, ns: NamespaceId, key: u64) -> Body {
+    Body::StartWrite {
+        op_handle: OpHandle(op),
+        remaining_timeout_ms: 1,
+        source_incarnation: Some(source),
+        namespace: ns,
+        keys: vec![BlockKey::from_u64(key)],
+        destinations: vec![vec![ElementRef {
+            region: RegionId(0),
+            index: 0,
+        }]],
+    }
+}
+
+/// With an allowlist, a router hint naming another source makes the rank
+/// send nothing (no metadata, no memory description) and fetch nothing, and
+/// messages from outside the list are refused before any handler.
+#[test]
+fn an_allowlist_keeps_hints_and_messages_to_its_peers() {
+    let (mut target, ns) = new_core_with(TARGET_POOL, 1, 1, |c| {
+        c.allowed_peers = vec![endpoint(2)];
+    });
+    let hint = FetchHint {
+        source: endpoint(7),
+        block_hashes: vec![BlockKey::from_u64(1)],
+        mode: FetchMode::Copy,
+        action_id: None,
+    };
+    let request = RequestId("r".into());
+    target.submit_hint(0, request.clone(), &hint);
+    assert!(sent(&mut target).is_empty(), "nothing told to a stranger");
+    let key = ScopedKey {
+        namespace: ns,
+        key: BlockKey::from_u64(1),
+    };
+    assert_eq!(
+        target.query_request(&key, Some(&request)),
+        QueryStatus::Miss
+    );
+    target.handle_message(0, from(7, 7, metadata(1)));
+    assert!(sent(&mut target).is_empty());
+    assert_eq!(target.peer_counters().refused_peers, 2);
+    assert_eq!(target.peer_state_sizes().routes, 0);
+    // The allowed source is served as usual.
+    let hint = FetchHint {
+        source: endpoint(2),
+        ..hint
+    };
+    target.submit_hint(0, request, &hint);
+    assert!(matches!(
+        sent(&mut target).as_slice(),
+        [(to, Body::TargetMetadata { .. })] if *to == endpoint(2)
+    ));
+}
+
+/// A private namespace is served only to its members; others get a terminal
+/// failure and nothing is written or claimed.
+#[test]
+fn a_private_namespace_is_refused_to_other_targets() {
+    let (mut sim, source_incarnation) = stocked_source(|_| {});
+    let ns = sim.ns;
+    let (source, _) = new_core_with(SOURCE_POOL, 2, source_incarnation.raw(), |c| {
+        c.private_namespaces = vec![(ns, vec![endpoint(5)])];
+    });
+    sim.source = source;
+    sim.stock_source();
+    for (port, op) in [(1u16, 1u64), (5, 2)] {
+        sim.source.handle_message(0, from(port, 11, metadata(1)));
+        sim.source.handle_message(
+            0,
+            from(port, 11, start_write(op, source_incarnation, ns, 0)),
+        );
+    }
+    let replies = sent(&mut sim.source);
+    let refused = replies.iter().any(|(to, body)| {
+        *to == endpoint(1)
+            && matches!(
+                body,
+                Body::WriteDone {
+                    op_handle: OpHandle(1),
+                    outcome: WriteOutcome::Failed { terminal: true }
+                }
+            )
+    });
+    assert!(refused, "{replies:?}");
+    assert_eq!(sim.source.peer_counters().refused_private, 1);
+    assert_eq!(
+        sim.source.peer_busy().1,
+        1,
+        "the member's write is under way"
+    );
+}
+
+/// Metadata past the stated bounds is neither kept nor acknowledged nor
+/// handed to UCX; within them it is.
+#[test]
+fn oversized_metadata_is_refused_whole() {
+    let (mut sim, _) = stocked_source(|_| {});
+    let too_many = metadata(MAX_ADVERTISED_REGIONS + 1);
+    let Body::TargetMetadata { regions, .. } = metadata(1) else {
+        unreachable!()
+    };
+    let huge_address = Body::TargetMetadata {
+        worker_address: vec![0; MAX_WORKER_ADDRESS_LEN + 1],
+        regions: regions.clone(),
+    };
+    let mut big_rkey = regions;
+    big_rkey[0].rkey = vec![0; MAX_RKEY_LEN + 1];
+    let huge_rkey = Body::TargetMetadata {
+        worker_address: vec![1; 4],
+        regions: big_rkey,
+    };
+    for body in [too_many, huge_address, huge_rkey] {
+        sim.source.handle_message(0, from(1, 11, body));
+        assert!(sent(&mut sim.source).is_empty(), "not acknowledged");
+    }
+    assert_eq!(sim.source.peer_counters().refused, 3);
+    assert_eq!(sim.source.peer_state_sizes().routes, 0);
+    sim.source
+        .handle_message(0, from(1, 11, metadata(MAX_ADVERTISED_REGIONS)));
+    assert_eq!(sim.source.peer_state_sizes().routes, 1);
+}
+
+/// A route lives as long as its session and its UCX connect: when either
+/// ends, nothing of it is kept and writes through it are refused.
+#[test]
+fn a_route_goes_with_its_session_or_a_failed_connect() {
+    let (mut sim, source_incarnation) = stocked_source(|_| {});
+    let ns = sim.ns;
+    sim.source.handle_message(0, from(1, 11, metadata(1)));
+    let generation = std::iter::from_fn(|| sim.source.poll_action())
+        .find_map(|a| match a {
+            Action::Connect { generation, .. } => Some(generation),
+            _ => None,
+        })
+        .unwrap();
+    sent(&mut sim.source); // the metadata ack
+    sim.source.handle_connect_failed(&endpoint(1), generation);
+    assert_eq!(sim.source.peer_state_sizes().routes, 0);
+    sim.source
+        .handle_message(0, from(1, 11, start_write(1, source_incarnation, ns, 0)));
+    assert!(matches!(
+        sent(&mut sim.source).as_slice(),
+        [(_, Body::WriteRefused { .. })]
+    ));
+    sim.source.handle_message(0, from(1, 11, metadata(1)));
+    assert_eq!(sim.source.peer_state_sizes().routes, 1);
+    sim.source.peer_target_gone(&endpoint(1));
+    assert_eq!(sim.source.peer_state_sizes().routes, 0);
+}
+
+/// A probe flood from one target keeps at most `MAX_FENCES_PER_TARGET`
+/// fences; folded fences still refuse every op at or below the highest
+/// probed, and accepted ops prune the fences below them.
+#[test]
+fn fences_stay_bounded_under_a_probe_flood() {
+    let (mut sim, source_incarnation) = stocked_source(|_| {});
+    let ns = sim.ns;
+    sim.source.handle_message(0, from(1, 11, metadata(1)));
+    let flood = 10 * MAX_FENCES_PER_TARGET as u64;
+    for op in 1..=flood {
+        sim.source.handle_message(
+            0,
+            from(
+                1,
+                11,
+                Body::WriteProbe {
+                    op_handle: OpHandle(op),
+                    source_incarnation: None,
+                },
+            ),
+        );
+        assert!(sim.source.peer_state_sizes().fences <= MAX_FENCES_PER_TARGET);
+    }
+    sent(&mut sim.source);
+    for op in [1, flood / 2, flood] {
+        sim.source
+            .handle_message(0, from(1, 11, start_write(op, source_incarnation, ns, 0)));
+        assert!(
+            matches!(
+                sent(&mut sim.source).as_slice(),
+                [(
+                    _,
+                    Body::WriteDone {
+                        outcome: WriteOutcome::Failed { terminal: true },
+                        ..
+                    }
+                )]
+            ),
+            "op {op} was probed: it never writes"
+        );
+    }
+    assert_eq!(sim.source.peer_busy().1, 0);
+    sim.source.handle_message(
+        0,
+        from(1, 11, start_write(flood + 1, source_incarnation, ns, 0)),
+    );
+    assert_eq!(sim.source.peer_busy().1, 1, "a fresh op is served");
+    assert_eq!(sim.source.peer_state_sizes().fences, 0, "pruned below it");
 }

@@ -45,7 +45,7 @@ mod registration;
 
 pub use peer::{
     MAX_ADVERTISED_REGIONS, MAX_FENCES_PER_TARGET, MAX_RKEY_LEN, MAX_WORKER_ADDRESS_LEN,
-    PeerCounters, PeerNotice,
+    PeerCounters, PeerNotice, PeerStateSizes,
 };
 pub use peer::{PeerConfig, PutSpan};
 

@@ -126,6 +126,23 @@ pub struct PeerCounters {
     pub refused_private: u64,
 }
 
+/// Sizes of the core's per-peer state ([`Core::peer_state_sizes`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PeerStateSizes {
+    /// Routes to targets (one per target session).
+    pub routes: usize,
+    /// Fenced (probed, never started) ops, over all targets.
+    pub fences: usize,
+    /// Target incarnations with an op-handle high-water mark.
+    pub high_water: usize,
+    /// Requests with a router hint.
+    pub hinted_requests: usize,
+    /// Sources this runner fetched from or was hinted to.
+    pub sources: usize,
+    /// Target operations in flight or quarantined.
+    pub target_ops: usize,
+}
+
 #[derive(Debug)]
 pub(crate) struct RequestHint {
     source: ControlEndpoint,
@@ -515,6 +532,21 @@ impl Core {
             .as_mut()
             .map(|p| std::mem::take(&mut p.notices))
             .unwrap_or_default()
+    }
+
+    /// How much per-peer state the core holds: what the bounds in the trust
+    /// rules are checked against.
+    pub fn peer_state_sizes(&self) -> PeerStateSizes {
+        self.peer
+            .as_ref()
+            .map_or_else(PeerStateSizes::default, |p| PeerStateSizes {
+                routes: p.source.routes.len(),
+                fences: p.source.fences.values().map(BTreeSet::len).sum(),
+                high_water: p.source.high_water.len(),
+                hinted_requests: p.target.hints.len(),
+                sources: p.target.sources.len(),
+                target_ops: p.target.ops.len(),
+            })
     }
 
     /// Peer counters.
