@@ -164,6 +164,37 @@ pub(crate) struct ControlStats {
     pub(crate) timeouts: AtomicU64,
 }
 
+impl ControlStats {
+    pub(crate) fn snapshot(&self) -> ControlCounters {
+        ControlCounters {
+            open_sockets: self.open_sockets.load(Ordering::Relaxed),
+            dropped: self.dropped.load(Ordering::Relaxed),
+            bad_frames: self.bad_frames.load(Ordering::Relaxed),
+            refused_handshakes: self.refused_handshakes.load(Ordering::Relaxed),
+            refused_connections: self.refused_connections.load(Ordering::Relaxed),
+            timeouts: self.timeouts.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A snapshot of the control channel's counters.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ControlCounters {
+    /// Sockets open now (accepted and dialed).
+    pub open_sockets: usize,
+    /// Outgoing messages dropped: a full queue, or a reply with no session.
+    pub dropped: u64,
+    /// Sessions cut for a record that did not open, a frame that did not
+    /// decode, or a message in the wrong direction.
+    pub bad_frames: u64,
+    /// Handshakes that failed (no or wrong secret, garbage, too slow).
+    pub refused_handshakes: u64,
+    /// Connections refused at accept (over the total or per-address cap).
+    pub refused_connections: u64,
+    /// Sessions cut at a frame deadline or for idleness.
+    pub timeouts: u64,
+}
+
 /// Who is at the other end of a session, as the session proved it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct PeerIdentity {

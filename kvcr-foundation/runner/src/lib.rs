@@ -47,11 +47,12 @@ use kvcr_runner_core::{Action, Core, CoreConfig, JobId};
 pub use kvcr_runner_core::{
     CachePolicy, ClaimedCopy, CopySpan, CoreCounters, DeliverEntry, DepositEntry, EntryResult,
     EntryStatus, FailReason, KVCR_REGION_PREFIX, MAX_REGION_ELEMENTS, MAX_REGION_LABEL,
-    MAX_SPANS_PER_KEY, OpResult, PageInfo, PeerCounters, PeerNotice, PoolConfig, PoolId, PoolRange,
-    PoolStats, QueryStatus, RegionDesc, RegionMemory, ReleaseHandle, RunnerStats,
+    MAX_SPANS_PER_KEY, OpResult, PageInfo, PeerCounters, PeerNotice, PeerStateSizes, PoolConfig,
+    PoolId, PoolRange, PoolStats, QueryStatus, RegionDesc, RegionMemory, ReleaseHandle,
+    RunnerStats,
 };
 
-pub use self::control::ControlLimits;
+pub use self::control::{ControlCounters, ControlLimits};
 pub use self::device::DeviceCopier;
 pub use self::error::{Error, Result};
 use self::memory::DramPool;
@@ -751,6 +752,20 @@ impl Runner {
             .as_ref()
             .map_or(0, |p| p.stats.open_sockets.load(Ordering::Relaxed));
         (counters, sockets)
+    }
+
+    /// The control channel's counters: what it refused and cut (all zero
+    /// without peers).
+    pub fn control_stats(&self) -> ControlCounters {
+        self.peer
+            .as_ref()
+            .map_or_else(ControlCounters::default, |p| p.stats.snapshot())
+    }
+
+    /// Sizes of the core's per-peer state (routes, fences, hints, ...): what
+    /// the trust rules bound.
+    pub fn peer_state_sizes(&self) -> PeerStateSizes {
+        self.shared.lock().core.peer_state_sizes()
     }
 
     /// Forgets a peer: closes its control socket and data route.

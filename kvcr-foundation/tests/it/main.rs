@@ -23,6 +23,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 mod device;
 mod peer;
 mod peer_faults;
+mod peer_trust;
 mod publisher;
 mod runner;
 mod ucx;

@@ -14,23 +14,29 @@ use kvcr_foundation::{
 };
 use rstest::rstest;
 
-const BLOCK: usize = 64 << 10;
+pub(crate) const BLOCK: usize = 64 << 10;
 
-struct Node {
-    runner: Runner,
-    ns: NamespaceId,
-    host: Vec<u8>,
+pub(crate) struct Node {
+    pub(crate) runner: Runner,
+    pub(crate) ns: NamespaceId,
+    pub(crate) host: Vec<u8>,
     region: kvcr_foundation::protocol::RegionId,
 }
 
 fn node(tls: &str, blocks: u32, timeout: Duration) -> Node {
     let mut options = PeerOptions::loopback();
     options.ucx_tls = Some(tls.to_owned());
+    node_with(&options, blocks, timeout)
+}
+
+/// A runner with `options`, one pool of `blocks` slots and a host region of
+/// as many pages of deterministic bytes.
+pub(crate) fn node_with(options: &PeerOptions, blocks: u32, timeout: Duration) -> Node {
     let config = RunnerConfig {
         operation_timeout: timeout,
         ..RunnerConfig::single_pool("kv", BLOCK as u64, blocks)
     };
-    let runner = Runner::start_with_peers(config, None, &options).unwrap();
+    let runner = Runner::start_with_peers(config, None, options).unwrap();
     let ns = runner.register_namespace(Namespace::base(CompatDigest(42)));
     let mut host = vec![0u8; BLOCK * blocks as usize];
     for (i, b) in host.iter_mut().enumerate() {
@@ -56,14 +62,14 @@ fn node(tls: &str, blocks: u32, timeout: Duration) -> Node {
     }
 }
 
-fn key(ns: NamespaceId, k: u64) -> ScopedKey {
+pub(crate) fn key(ns: NamespaceId, k: u64) -> ScopedKey {
     ScopedKey {
         namespace: ns,
         key: BlockKey::from_u64(k),
     }
 }
 
-fn wait(runner: &mut Runner, op: OpHandle) -> OpResult {
+pub(crate) fn wait(runner: &mut Runner, op: OpHandle) -> OpResult {
     for _ in 0..400 {
         for result in runner.wait_completed(Duration::from_millis(50)) {
             if result.op == op {
@@ -74,7 +80,7 @@ fn wait(runner: &mut Runner, op: OpHandle) -> OpResult {
     panic!("operation {op:?} did not complete");
 }
 
-fn stock(source: &mut Node, keys: &[u64]) {
+pub(crate) fn stock(source: &mut Node, keys: &[u64]) {
     let entries = keys
         .iter()
         .map(|k| DepositEntry {
@@ -91,7 +97,7 @@ fn stock(source: &mut Node, keys: &[u64]) {
     assert!(result.entries.iter().all(|(_, e)| e.is_success()));
 }
 
-fn hint(source: &Node, keys: &[u64]) -> FetchHint {
+pub(crate) fn hint(source: &Node, keys: &[u64]) -> FetchHint {
     FetchHint {
         source: source.runner.endpoint().unwrap().clone(),
         block_hashes: keys.iter().map(|k| BlockKey::from_u64(*k)).collect(),

@@ -1,0 +1,363 @@
+//! The trust rules between real runners (loopback, real UCX, real sessions),
+//! tried as an attacker would: without the secret, forging completions as a
+//! member, flooding while an honest destination restores, and hinting a
+//! rank towards a stranger.
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use kvcr_foundation::protocol::{
+    Body, CompletedIndices, ElementRef, Header, Message, OpHandle, RegionId, RouteGeneration,
+    WriteOutcome,
+};
+use kvcr_foundation::runner::client::ControlClient;
+use kvcr_foundation::runner::{EntryStatus, FailReason, OpResult, PeerOptions, QueryStatus};
+use kvcr_foundation::runner_core::MAX_FENCES_PER_TARGET;
+use kvcr_foundation::{
+    BlockKey, ControlEndpoint, FetchHint, Incarnation, NamespaceId, RequestId, ScopedKey,
+};
+use rstest::rstest;
+
+use crate::peer::{BLOCK, Node, hint, key, node_with, stock, wait};
+
+const SECRET: &[u8] = b"trust-tests-cluster-secret-0123456789";
+
+fn options(tls: &str, secret: Option<&[u8]>) -> PeerOptions {
+    let mut options = PeerOptions::loopback();
+    options.ucx_tls = Some(tls.to_owned());
+    options.secret = secret.map(<[u8]>::to_vec);
+    options
+}
+
+fn member(tls: &str, blocks: u32) -> Node {
+    node_with(&options(tls, Some(SECRET)), blocks, Duration::from_secs(5))
+}
+
+fn fetch(target: &mut Node, request: &str, hint: &FetchHint, keys: &[u64]) -> OpResult {
+    let request = RequestId(request.into());
+    target.runner.submit_hint(request.clone(), hint);
+    let keys: Vec<ScopedKey> = keys.iter().map(|k| key(target.ns, *k)).collect();
+    let pool = target.runner.pool("kv").unwrap();
+    let op = target
+        .runner
+        .fetch_hinted(&request, &keys, &[pool])
+        .unwrap();
+    wait(&mut target.runner, op)
+}
+
+/// Every key restored, each byte equal to the source's.
+fn assert_restored(target: &Node, source: &Node, result: &OpResult, keys: &[u64]) {
+    assert_eq!(result.entries.len(), keys.len());
+    for ((_, entry), k) in result.entries.iter().zip(keys) {
+        assert!(entry.is_success(), "key {k}: {entry:?}");
+        let bytes = target
+            .runner
+            .read_claimed(entry.release.unwrap(), 0)
+            .unwrap();
+        let k = *k as usize;
+        assert!(
+            bytes == source.host[k * BLOCK..(k + 1) * BLOCK],
+            "key {k}: bytes differ"
+        );
+    }
+}
+
+fn assert_nothing_restored(target: &Node, result: &OpResult) {
+    for (key, entry) in &result.entries {
+        assert!(
+            matches!(
+                entry.status,
+                EntryStatus::Failed(FailReason::Timeout | FailReason::NoSource)
+            ),
+            "{key:?}: {entry:?}"
+        );
+        assert_ne!(target.runner.query(key), QueryStatus::Hit);
+    }
+}
+
+/// Page hashes are public (the KV-event stream carries them); the pages are
+/// not: a runner without the cluster secret restores nothing, and the source
+/// sees only failed handshakes.
+#[rstest]
+#[case::no_secret(None)]
+#[case::wrong_secret(Some(&b"another-cluster-secret-0123456789"[..]))]
+fn a_runner_without_the_secret_restores_nothing(#[case] secret: Option<&'static [u8]>) {
+    let _serial = crate::serial();
+    let mut source = member("posix,cma,self", 8);
+    stock(&mut source, &[0, 1, 2, 3]);
+    let mut intruder = node_with(
+        &options("posix,cma,self", secret),
+        8,
+        Duration::from_millis(500),
+    );
+    let result = fetch(
+        &mut intruder,
+        "steal",
+        &hint(&source, &[0, 1, 2, 3]),
+        &[0, 1, 2, 3],
+    );
+    assert_nothing_restored(&intruder, &result);
+    assert!(source.runner.control_stats().refused_handshakes >= 1);
+    assert_eq!(source.runner.peer_stats().0.keys_sent, 0);
+    let mut friend = member("posix,cma,self", 8);
+    let result = fetch(
+        &mut friend,
+        "ok",
+        &hint(&source, &[0, 1, 2, 3]),
+        &[0, 1, 2, 3],
+    );
+    assert_restored(&friend, &source, &result, &[0, 1, 2, 3]);
+    source.runner.check_invariants().unwrap();
+    intruder.runner.check_invariants().unwrap();
+}
+
+/// A member that knows the secret forges completions to a destination whose
+/// hinted source never answers, claiming to be that source: replies are only
+/// taken on the session the destination dialed, so its session is cut, no key
+/// is reported restored, and nothing is served afterwards.
+#[test]
+fn forged_completions_never_succeed() {
+    let _serial = crate::serial();
+    // The hinted source: accepts connections and never says a word.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_endpoint =
+        ControlEndpoint::parse(&format!("tcp://{}", silent.local_addr().unwrap())).unwrap();
+    let (done, until_done) = std::sync::mpsc::channel::<()>();
+    let held = std::thread::spawn(move || {
+        let (stream, _) = silent.accept().unwrap();
+        // Held open, silent, until the test ends.
+        let _ = until_done.recv_timeout(Duration::from_secs(60));
+        drop(stream);
+    });
+    let mut target = node_with(
+        &options("posix,cma,self", Some(SECRET)),
+        32,
+        Duration::from_secs(1),
+    );
+    let keys: Vec<u64> = (0..16).collect();
+    let request = RequestId("forged".into());
+    let the_hint = FetchHint {
+        source: silent_endpoint.clone(),
+        block_hashes: keys.iter().map(|k| BlockKey::from_u64(*k)).collect(),
+        mode: kvcr_foundation::hint::FetchMode::Copy,
+        action_id: None,
+    };
+    target.runner.submit_hint(request.clone(), &the_hint);
+    let scoped: Vec<ScopedKey> = keys.iter().map(|k| key(target.ns, *k)).collect();
+    let pool = target.runner.pool("kv").unwrap();
+    let op = target
+        .runner
+        .fetch_hinted(&request, &scoped, &[pool])
+        .unwrap();
+    let mut forger = ControlClient::connect(
+        target.runner.endpoint().unwrap(),
+        Some(SECRET),
+        silent_endpoint.clone(),
+        Incarnation::generate(),
+    )
+    .unwrap();
+    let header = Header {
+        sender: Incarnation::generate(),
+        route_generation: RouteGeneration(0),
+        sender_endpoint: silent_endpoint,
+    };
+    for op in 0..64 {
+        let done = Message {
+            header: header.clone(),
+            body: Body::WriteDone {
+                op_handle: OpHandle(op),
+                outcome: WriteOutcome::Completed(CompletedIndices::new((0..16).collect())),
+            },
+        };
+        // The session may be cut after the first: later sends can fail.
+        if forger.send(&done).is_err() {
+            break;
+        }
+    }
+    assert!(forger.closed_by_peer(Duration::from_secs(5)));
+    let result = wait(&mut target.runner, op);
+    assert_nothing_restored(&target, &result);
+    assert!(target.runner.control_stats().bad_frames >= 1);
+    assert_eq!(target.runner.peer_stats().0.keys_received, 0);
+    target.runner.check_invariants().unwrap();
+    drop(done);
+    held.join().unwrap();
+}
+
+/// While strangers hold connections open, a member floods probes and
+/// ungranted writes without reading a reply, and another stalls mid-frame, an
+/// honest destination restores every page byte-exact; the source's per-peer
+/// state stays within its bounds.
+#[rstest]
+#[case::shm("posix,cma,self")]
+#[case::tcp("tcp,self")]
+fn honest_restores_complete_during_floods(#[case] tls: &str) {
+    let _serial = crate::serial();
+    let mut source = member(tls, 48);
+    let all: Vec<u64> = (0..48).collect();
+    stock(&mut source, &all);
+    let source_endpoint = source.runner.endpoint().unwrap().clone();
+    let port = source_endpoint.port();
+
+    // Strangers: 64 connections from one address that never handshake.
+    let strangers: Vec<std::net::TcpStream> = (0..64)
+        .filter_map(|_| {
+            let socket = socket2_like_connect("127.0.0.2", port)?;
+            Some(socket)
+        })
+        .collect();
+    assert!(!strangers.is_empty());
+
+    // A member flooding requests and never reading.
+    let stop = Arc::new(AtomicBool::new(false));
+    let flood = {
+        let stop = Arc::clone(&stop);
+        let to = source_endpoint.clone();
+        let ns = source.ns;
+        std::thread::spawn(move || flood_requests(&to, ns, &stop))
+    };
+    // A member that starts a large frame and stalls.
+    let mut staller = ControlClient::connect(
+        &source_endpoint,
+        Some(SECRET),
+        ControlEndpoint::parse("tcp://127.0.0.4:1").unwrap(),
+        Incarnation::generate(),
+    )
+    .unwrap();
+    staller.send_plain(&(1u32 << 20).to_be_bytes()).unwrap();
+    staller.send_plain(&[0u8; 1000]).unwrap();
+
+    // Three rounds, 16 different pages each, all through the peer path.
+    let mut target = member(tls, 48);
+    for keys in all.chunks(16) {
+        let request = format!("honest-{}", keys[0]);
+        let result = fetch(&mut target, &request, &hint(&source, keys), keys);
+        assert_restored(&target, &source, &result, keys);
+    }
+    assert_eq!(target.runner.peer_stats().0.keys_received, 48);
+    stop.store(true, Ordering::Relaxed);
+    let sent = flood.join().unwrap();
+    assert!(sent > 100, "the flood ran ({sent} frames)");
+    let stats = source.runner.control_stats();
+    assert!(
+        stats.refused_connections >= 64 - 16,
+        "per-address cap: {stats:?}"
+    );
+    let sizes = source.runner.peer_state_sizes();
+    assert!(sizes.fences <= MAX_FENCES_PER_TARGET, "{sizes:?}");
+    assert!(sizes.routes <= 2, "{sizes:?}");
+    source.runner.check_invariants().unwrap();
+    target.runner.check_invariants().unwrap();
+    drop(strangers);
+}
+
+/// A TCP connection from a chosen loopback address (a second "host").
+fn socket2_like_connect(from: &str, port: u16) -> Option<std::net::TcpStream> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .ok()?;
+    rt.block_on(async {
+        let socket = tokio::net::TcpSocket::new_v4().ok()?;
+        socket.bind(format!("{from}:0").parse().ok()?).ok()?;
+        let stream = socket
+            .connect(format!("127.0.0.1:{port}").parse().ok()?)
+            .await
+            .ok()?;
+        stream.into_std().ok()
+    })
+}
+
+/// Sends probes and ungranted writes as fast as the session takes them,
+/// never reading; returns how many frames went out.
+fn flood_requests(to: &ControlEndpoint, ns: NamespaceId, stop: &AtomicBool) -> u64 {
+    let mut sent = 0;
+    while !stop.load(Ordering::Relaxed) {
+        let Ok(mut client) = ControlClient::connect(
+            to,
+            Some(SECRET),
+            ControlEndpoint::parse("tcp://127.0.0.3:1").unwrap(),
+            Incarnation::generate(),
+        ) else {
+            continue;
+        };
+        let header = Header {
+            sender: Incarnation::generate(),
+            route_generation: RouteGeneration(0),
+            sender_endpoint: to.clone(),
+        };
+        for op in 1.. {
+            if stop.load(Ordering::Relaxed) {
+                break;
+            }
+            let body = if op % 2 == 0 {
+                Body::WriteProbe {
+                    op_handle: OpHandle(op),
+                    source_incarnation: None,
+                }
+            } else {
+                Body::StartWrite {
+                    op_handle: OpHandle(op),
+                    remaining_timeout_ms: 5000,
+                    source_incarnation: None,
+                    namespace: ns,
+                    keys: vec![BlockKey::from_u64(op % 16)],
+                    destinations: vec![vec![ElementRef {
+                        region: RegionId(0),
+                        index: op,
+                    }]],
+                }
+            };
+            let message = Message {
+                header: header.clone(),
+                body,
+            };
+            if client.send(&message).is_err() {
+                break;
+            }
+            sent += 1;
+        }
+    }
+    sent
+}
+
+/// A router hint naming a process that is not a member makes the rank dial
+/// it, but all it ever receives is the first handshake message: no worker
+/// address, no pool base, no rkey.
+#[test]
+fn a_hint_to_a_stranger_reveals_nothing() {
+    let _serial = crate::serial();
+    let stranger = TcpListener::bind("127.0.0.1:0").unwrap();
+    let stranger_endpoint =
+        ControlEndpoint::parse(&format!("tcp://{}", stranger.local_addr().unwrap())).unwrap();
+    let heard = std::thread::spawn(move || {
+        let (mut stream, _) = stranger.accept().unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(3)))
+            .unwrap();
+        let mut heard = Vec::new();
+        let _ = stream.read_to_end(&mut heard);
+        heard
+    });
+    let mut target = node_with(
+        &options("posix,cma,self", Some(SECRET)),
+        8,
+        Duration::from_millis(500),
+    );
+    let the_hint = FetchHint {
+        source: stranger_endpoint,
+        block_hashes: vec![BlockKey::from_u64(1)],
+        mode: kvcr_foundation::hint::FetchMode::Copy,
+        action_id: None,
+    };
+    let result = fetch(&mut target, "stranger", &the_hint, &[1]);
+    assert_nothing_restored(&target, &result);
+    let heard = heard.join().unwrap();
+    // Preamble, a 2-byte length, and 48 bytes: an ephemeral key and a tag.
+    assert_eq!(&heard[..8], b"KVCR-N1\0");
+    assert_eq!(heard.len(), 8 + 2 + 48, "{heard:?}");
+    target.runner.check_invariants().unwrap();
+}
