@@ -8,6 +8,8 @@
 //! engine stops waiting for must already have failed inside the runner, or its
 //! copy could land in host pages the engine has reused).
 
+use std::ffi::OsString;
+use std::io::Read;
 use std::time::Duration;
 
 use kvcr_foundation::{AdvertisePolicy, BindAddress, Host, Medium, RankCoordinate, RankLayout};
@@ -17,7 +19,10 @@ use crate::error::{Error, Result};
 
 /// What the engine tells every storage backend about the rank it runs on
 /// (SGLang's `HiCacheStorageConfig`).
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Its `Debug` output shows `extra_config` with the `cluster_secret` value
+/// redacted.
+#[derive(Clone, PartialEq)]
 pub struct StorageConfig {
     /// Attention tensor-parallel rank (attention-scoped when attention DP is on).
     pub tp_rank: u32,
@@ -43,6 +48,62 @@ pub struct StorageConfig {
     pub model_name: String,
     /// The backend's extra config (see [`BackendConfig`]).
     pub extra_config: Option<Value>,
+}
+
+impl std::fmt::Debug for StorageConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StorageConfig")
+            .field("tp_rank", &self.tp_rank)
+            .field("tp_size", &self.tp_size)
+            .field("pp_rank", &self.pp_rank)
+            .field("pp_size", &self.pp_size)
+            .field("attn_cp_rank", &self.attn_cp_rank)
+            .field("attn_cp_size", &self.attn_cp_size)
+            .field("dp_rank", &self.dp_rank)
+            .field("dp_size", &self.dp_size)
+            .field("is_mla_model", &self.is_mla_model)
+            .field("should_split_heads", &self.should_split_heads)
+            .field("model_name", &self.model_name)
+            .field(
+                "extra_config",
+                &self.extra_config.as_ref().map(redact_extra),
+            )
+            .finish()
+    }
+}
+
+/// The extra-config key that holds the cluster secret inline.
+const SECRET_KEY: &str = "cluster_secret";
+/// The extra-config key that names a file holding the cluster secret.
+const SECRET_FILE_KEY: &str = "cluster_secret_file";
+/// What a redacted secret reads as.
+const REDACTED: &str = "<redacted>";
+
+/// An extra config (an object, or its JSON text) with the value of
+/// `cluster_secret` replaced by `<redacted>`, for `Debug` output and for the
+/// copy a backend keeps. Text that does not parse and mentions the key is
+/// redacted whole.
+pub(crate) fn redact_extra(value: &Value) -> Value {
+    match value {
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .map(|(k, v)| {
+                    let v = if k == SECRET_KEY && !v.is_null() {
+                        Value::String(REDACTED.to_owned())
+                    } else {
+                        v.clone()
+                    };
+                    (k.clone(), v)
+                })
+                .collect(),
+        ),
+        Value::String(text) => match serde_json::from_str::<Value>(text.trim()) {
+            Ok(parsed @ Value::Object(_)) => Value::String(redact_extra(&parsed).to_string()),
+            _ if text.contains(SECRET_KEY) => Value::String(REDACTED.to_owned()),
+            _ => value.clone(),
+        },
+        other => other.clone(),
+    }
 }
 
 impl StorageConfig {
@@ -176,6 +237,17 @@ pub enum EvictionPolicy {
 /// | `medium` | `"EXTERNAL"` | medium KVCR pages are published under (`EXTERNAL` or `CPU_PINNED`) |
 /// | `prefault` | true | touch KVCR DRAM at startup |
 /// | `max_hinted_requests` | 1024 | live request hint scopes kept per rank |
+/// | `cluster_secret` | none | the peer control channel's cluster secret (a string, used byte for byte, at least 16 bytes) |
+/// | `cluster_secret_file` | none | path of a file whose contents, with surrounding ASCII whitespace trimmed, are the cluster secret (at least 16 bytes, a file of at most 64 KiB) |
+///
+/// The cluster secret: at most one of `cluster_secret` and
+/// `cluster_secret_file` may be set (both is refused, as is an unreadable
+/// file or a secret under [`ClusterSecret::MIN_BYTES`] bytes); when neither
+/// is, the environment variable [`CLUSTER_SECRET_ENV`] (`KVCR_CLUSTER_SECRET`,
+/// used byte for byte; empty counts as unset) is the fallback. The secret goes
+/// to the runner's peer control channel (`PeerOptions::secret`); a runner
+/// without one talks only to peers without one. It is never echoed: errors
+/// name the key, not the value, and `Debug` shows `<redacted>`.
 ///
 /// The engine's dynamic-loader keys (`backend_name`, `module_path`,
 /// `class_name`, `interface_v1`) are accepted and ignored.
@@ -207,6 +279,120 @@ pub struct BackendConfig {
     pub prefault: bool,
     /// Request hint scopes kept per rank (oldest discarded first).
     pub max_hinted_requests: usize,
+    /// The peer control channel's cluster secret (redacted in `Debug`).
+    pub cluster_secret: Option<ClusterSecret>,
+}
+
+/// The environment variable read for the cluster secret when the extra
+/// config sets neither `cluster_secret` nor `cluster_secret_file`.
+pub const CLUSTER_SECRET_ENV: &str = "KVCR_CLUSTER_SECRET";
+
+/// Largest cluster secret accepted (and largest secret file read).
+const MAX_SECRET_BYTES: usize = 64 * 1024;
+
+/// The cluster secret of the peer control channel: bytes, at least
+/// [`Self::MIN_BYTES`] long. `Debug` never shows them, no error message of
+/// this crate contains them, and they are overwritten with zeros (best
+/// effort) when the value is dropped.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ClusterSecret(Vec<u8>);
+
+impl ClusterSecret {
+    /// Shortest secret accepted, in bytes.
+    pub const MIN_BYTES: usize = 16;
+
+    /// A secret from its bytes; refused (the value is not echoed) when
+    /// shorter than [`Self::MIN_BYTES`] or longer than 64 KiB.
+    pub fn new(bytes: Vec<u8>) -> Result<Self> {
+        Self::checked(SECRET_KEY, bytes)
+    }
+
+    /// `bytes` as the secret `source` (a key or the environment variable)
+    /// gave it; the error names `source`, never the value.
+    fn checked(source: &str, bytes: Vec<u8>) -> Result<Self> {
+        let secret = Self(bytes);
+        if secret.0.len() < Self::MIN_BYTES {
+            return Err(Error::config(
+                source,
+                format!(
+                    "the cluster secret must be at least {} bytes",
+                    Self::MIN_BYTES
+                ),
+            ));
+        }
+        if secret.0.len() > MAX_SECRET_BYTES {
+            return Err(Error::config(
+                source,
+                format!("the cluster secret must be at most {MAX_SECRET_BYTES} bytes"),
+            ));
+        }
+        Ok(secret)
+    }
+
+    /// The secret's bytes (to hand to the runner; never log them).
+    pub fn expose(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for ClusterSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ClusterSecret({REDACTED})")
+    }
+}
+
+impl Drop for ClusterSecret {
+    fn drop(&mut self) {
+        self.0.fill(0);
+        // Keeps the zeroing from being optimised away as a dead store.
+        std::hint::black_box(&self.0);
+    }
+}
+
+/// Reads a secret file: at most [`MAX_SECRET_BYTES`], surrounding ASCII
+/// whitespace trimmed. Errors name the path and the OS error, never contents.
+fn read_secret_file(path: &str) -> Result<ClusterSecret> {
+    let unreadable =
+        |e: std::io::Error| Error::config(SECRET_FILE_KEY, format!("cannot read {path}: {e}"));
+    let file = std::fs::File::open(path).map_err(unreadable)?;
+    let mut bytes = Vec::new();
+    file.take(MAX_SECRET_BYTES as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(unreadable)?;
+    if bytes.len() > MAX_SECRET_BYTES {
+        bytes.fill(0);
+        return Err(Error::config(
+            SECRET_FILE_KEY,
+            format!("{path} is larger than {MAX_SECRET_BYTES} bytes"),
+        ));
+    }
+    let secret = ClusterSecret::checked(SECRET_FILE_KEY, bytes.trim_ascii().to_vec());
+    bytes.fill(0);
+    secret
+}
+
+/// The cluster secret from the extra config's two keys, or else from the
+/// environment (`env` looks a variable up).
+fn resolve_secret(
+    inline: Option<String>,
+    file: Option<String>,
+    env: &dyn Fn(&str) -> Option<OsString>,
+) -> Result<Option<ClusterSecret>> {
+    match (inline, file) {
+        (Some(_), Some(_)) => Err(Error::config(
+            SECRET_KEY,
+            format!("set {SECRET_KEY} or {SECRET_FILE_KEY}, not both"),
+        )),
+        (Some(text), None) => ClusterSecret::checked(SECRET_KEY, text.into_bytes()).map(Some),
+        (None, Some(path)) => read_secret_file(&path).map(Some),
+        (None, None) => match env(CLUSTER_SECRET_ENV) {
+            Some(value) if !value.is_empty() => {
+                use std::os::unix::ffi::OsStringExt;
+                ClusterSecret::checked(CLUSTER_SECRET_ENV, value.into_vec()).map(Some)
+            }
+            _ => Ok(None),
+        },
+    }
 }
 
 impl Default for BackendConfig {
@@ -225,6 +411,7 @@ impl Default for BackendConfig {
             medium: Medium::External,
             prefault: true,
             max_hinted_requests: 1024,
+            cluster_secret: None,
         }
     }
 }
@@ -271,6 +458,17 @@ impl BackendConfig {
         value: &Value,
         extension_keys: &[&str],
     ) -> Result<(Self, Map<String, Value>)> {
+        Self::from_value_with_env(value, extension_keys, &|name| std::env::var_os(name))
+    }
+
+    /// Like [`Self::from_value_with_extensions`], with `env` standing in for
+    /// the process environment (it is asked only for [`CLUSTER_SECRET_ENV`],
+    /// and only when neither secret key is set).
+    pub fn from_value_with_env(
+        value: &Value,
+        extension_keys: &[&str],
+        env: &dyn Fn(&str) -> Option<OsString>,
+    ) -> Result<(Self, Map<String, Value>)> {
         let map = value
             .as_object()
             .ok_or_else(|| Error::ConfigSyntax("must be a JSON object".into()))?;
@@ -278,6 +476,8 @@ impl BackendConfig {
         let mut c = Self::default();
         let mut have_dram = false;
         let mut get_timeout_s = None;
+        let mut secret_inline = None;
+        let mut secret_file = None;
         for (key, v) in map {
             let k = key.as_str();
             match k {
@@ -359,6 +559,24 @@ impl BackendConfig {
                     }
                     c.max_hinted_requests = n as usize;
                 }
+                SECRET_KEY => {
+                    secret_inline = match v {
+                        Value::Null => None,
+                        _ => Some(as_str(k, v)?.to_owned()),
+                    }
+                }
+                SECRET_FILE_KEY => {
+                    secret_file = match v {
+                        Value::Null => None,
+                        _ => {
+                            let path = as_str(k, v)?;
+                            if path.is_empty() {
+                                return Err(Error::config(k, "must not be empty"));
+                            }
+                            Some(path.to_owned())
+                        }
+                    }
+                }
                 _ if LOADER_KEYS.contains(&k) => {}
                 _ if extension_keys.contains(&k) => {
                     extensions.insert(key.clone(), v.clone());
@@ -387,6 +605,7 @@ impl BackendConfig {
                 ),
             ));
         }
+        c.cluster_secret = resolve_secret(secret_inline, secret_file, env)?;
         c.check_peer()?;
         Ok((c, extensions))
     }
@@ -404,7 +623,20 @@ impl BackendConfig {
                 "must be set when enable_remote_hint is on (peers dial base + rank offset)",
             ));
         }
-        self.advertise_host().map(drop)
+        let host = self.advertise_host()?;
+        if self.cluster_secret.is_none() && !host.is_loopback() {
+            // Without a secret the runner serves loopback only, so peers on
+            // other hosts could never reach this one: say so at attach.
+            return Err(Error::config(
+                SECRET_KEY,
+                format!(
+                    "a non-loopback control_advertise_host needs a cluster secret \
+                     ({SECRET_KEY}, {SECRET_FILE_KEY} or {CLUSTER_SECRET_ENV}): without one \
+                     the control channel serves loopback only"
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The bind address of a rank at `offset` from the base port.

@@ -42,6 +42,10 @@ pub enum Error {
     /// Keys and host pages differ in length, or a host page is out of range.
     #[error("bad batch: {0}")]
     Batch(String),
+    /// One call names the same host page for two entries (two copies into,
+    /// or out of, one page): the call is refused before anything is copied.
+    #[error("bad batch: host page {0} is named more than once in one call")]
+    DuplicateHostPage(u64),
     /// A rank collective failed.
     #[error("rank group: {0}")]
     Group(#[from] GroupError),

@@ -205,6 +205,9 @@ impl SpanPlan {
         if desc.base == 0 {
             return Err(bad("base address is null"));
         }
+        if desc.len == 0 {
+            return Err(bad("pool size is zero"));
+        }
         let tlb = g
             .token_layer_bytes()
             .ok_or_else(|| bad("geometry overflows"))?;
@@ -295,6 +298,44 @@ impl SpanPlan {
             .iter()
             .map(|k| (k.offset + page * self.page_stride, self.span_bytes))
             .collect()
+    }
+
+    /// Validates the host pages one call names, before anything is copied:
+    /// every page exists, every byte of every span of it lies inside the
+    /// registered buffer of `pool_len` bytes, and no page is named twice (two
+    /// copies into one page would leave only one of them there, and both
+    /// would be reported done).
+    ///
+    /// [`Error::Batch`] for a page outside the pool, [`Error::DuplicateHostPage`]
+    /// for a page named twice.
+    pub fn check_host_pages(&self, pool_len: u64, pages: &[u64]) -> Result<()> {
+        for &page in pages {
+            if page >= self.pages {
+                return Err(Error::Batch(format!(
+                    "host page {page} is outside the pool's {} pages",
+                    self.pages
+                )));
+            }
+            let inside = self.kinds.iter().all(|k| {
+                page.checked_mul(self.page_stride)
+                    .and_then(|at| at.checked_add(k.offset))
+                    .and_then(|at| at.checked_add(self.span_bytes))
+                    .is_some_and(|end| end <= pool_len)
+            });
+            if !inside {
+                return Err(Error::Batch(format!(
+                    "host page {page} runs past the registered buffer of {pool_len} bytes"
+                )));
+            }
+        }
+        let mut sorted = pages.to_vec();
+        sorted.sort_unstable();
+        if let Some(pair) = sorted.windows(2).find(|w| w.first() == w.get(1)) {
+            return Err(Error::DuplicateHostPage(
+                pair.first().copied().unwrap_or_default(),
+            ));
+        }
+        Ok(())
     }
 }
 

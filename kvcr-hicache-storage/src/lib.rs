@@ -33,10 +33,12 @@ mod faults;
 mod group;
 mod layout;
 mod ledger;
+mod mapping;
 mod storage;
 
 pub use config::{
-    BackendConfig, EvictionPolicy, MAX_LOCAL_DRAM_BYTES, MAX_OPERATION_TIMEOUT_MS, StorageConfig,
+    BackendConfig, CLUSTER_SECRET_ENV, ClusterSecret, EvictionPolicy, MAX_LOCAL_DRAM_BYTES,
+    MAX_OPERATION_TIMEOUT_MS, StorageConfig,
 };
 pub use error::{Error, GroupError, Result};
 pub use faults::{FaultInjector, FaultKind, Method};

@@ -34,12 +34,13 @@ use kvcr_foundation::{
 };
 use serde_json::Value;
 
-use crate::config::{BackendConfig, EvictionPolicy, StorageConfig};
+use crate::config::{BackendConfig, EvictionPolicy, StorageConfig, redact_extra};
 use crate::error::{Error, Result};
 use crate::faults::{FaultInjector, Method};
 use crate::group::{RankGroup, RankGroups};
 use crate::layout::{HostPoolDesc, POOL_NAME, SpanPlan};
 use crate::ledger::{EvictionCollector, Ledger, PageTokens};
+use crate::mapping;
 
 /// Extra-info keys engines have carried the router hint under.
 pub const ROUTER_HINT_KEYS: [&str; 2] = ["kvcr_router_hint", "kvcc_router_hint"];
@@ -302,10 +303,13 @@ impl KvcrHiCacheStorage {
     /// layer above that parsed its own keys from the same extra config with
     /// [`BackendConfig::from_value_with_extensions`]).
     pub fn with_backend(
-        storage: StorageConfig,
+        mut storage: StorageConfig,
         backend: BackendConfig,
         groups: RankGroups,
     ) -> Result<Self> {
+        // The secret lives in `backend` only; the raw extra config kept here
+        // has it redacted.
+        storage.extra_config = storage.extra_config.as_ref().map(redact_extra);
         let coordinate = storage.validate()?;
         if backend.enable_remote_hint {
             // This rank binds base + its global offset: refuse an overflow now.
@@ -407,10 +411,19 @@ impl KvcrHiCacheStorage {
     /// it. Registering the identical pool again is a no-op; a different one
     /// is refused.
     ///
+    /// What can be checked is, before the runner starts: the description is
+    /// plausible (a non-null base, a non-zero size that is exactly the
+    /// geometry's, no wrap past the end of the address space) and, right now,
+    /// every byte of `desc.base .. desc.base + desc.len` is mapped readable
+    /// and writable in this process (`/proc/self/maps`; see the `mapping`
+    /// module for what that snapshot cannot prove). Every call then checks
+    /// each host page it names against this pool before anything is copied.
+    ///
     /// # Safety
-    /// `desc.base .. desc.base + desc.len` must stay valid for reads and
-    /// writes until this backend is dropped, and the engine must not touch a
-    /// host page named in a call until that call returns.
+    /// `desc.base .. desc.base + desc.len` must be the engine's own buffer
+    /// and stay valid for reads and writes until this backend is dropped (the
+    /// mapping check above cannot see a later unmap), and the engine must not
+    /// touch a host page named in a call until that call returns.
     #[allow(unsafe_code)]
     pub unsafe fn register_host_pool(&self, desc: HostPoolDesc) -> Result<()> {
         let _serial = lock(&self.register);
@@ -422,6 +435,7 @@ impl KvcrHiCacheStorage {
             };
         }
         let plan = SpanPlan::new(&desc)?;
+        mapping::check_host_memory(desc.base, desc.len)?;
         let runner = self.start_runner(&plan)?;
         let segments: Vec<NamespaceId> = (0..plan.segments.len())
             .map(|s| runner.register_namespace(self.segment_namespace(&desc, s)))
@@ -521,7 +535,7 @@ impl KvcrHiCacheStorage {
             bind: b.bind_address(self.coordinate.global_offset())?,
             advertise_host: b.advertise_host()?,
             advertise_policy: b.advertise_policy(),
-            secret: None,
+            secret: b.cluster_secret.as_ref().map(|s| s.expose().to_vec()),
             ucx_tls: b.ucx_tls.clone(),
             abandon_timeout: None,
             max_puts_in_flight: 0,
@@ -711,6 +725,9 @@ impl KvcrHiCacheStorage {
         agreed
     }
 
+    /// Refuses a call before it copies anything: lengths that differ, a host
+    /// page outside the registered pool (or whose spans would run past it),
+    /// or a host page named twice ([`Error::DuplicateHostPage`]).
     fn check_batch(&self, active: &Active, keys: &[BlockKey], host_pages: &[u64]) -> Result<()> {
         if keys.len() != host_pages.len() {
             return Err(Error::Batch(format!(
@@ -719,13 +736,7 @@ impl KvcrHiCacheStorage {
                 host_pages.len()
             )));
         }
-        if let Some(bad) = host_pages.iter().find(|p| **p >= active.plan.pages) {
-            return Err(Error::Batch(format!(
-                "host page {bad} is outside the pool's {} pages",
-                active.plan.pages
-            )));
-        }
-        Ok(())
+        active.plan.check_host_pages(active.desc.len, host_pages)
     }
 
     fn local_get(

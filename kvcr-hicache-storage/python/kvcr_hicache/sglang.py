@@ -17,7 +17,11 @@ Router hints arrive per request in ``HiCacheStorageExtraInfo.extra_info`` under
 scope under ``request_id`` / ``rid``.
 
 Nothing here raises into SGLang's I/O threads: a miss is ``False`` / ``None`` /
-a short count, and faults are counted in :meth:`KvcrStorage.get_stats`.
+a short count, and faults are counted in :meth:`KvcrStorage.get_stats`. The
+extension itself never raises on a data-path argument (a wrong type, a negative
+index, a host page named twice, a flat page that is not a usable tensor are
+misses it counts); what this class adds is a guard around its own Python
+(``faults_python``).
 Construction and host-pool registration do raise (``KvcrError``), so a bad
 configuration fails the attach, visibly.
 """
@@ -87,13 +91,6 @@ def _extra_info_json(extra_info):
 
 def _token_indices(host_indices) -> list:
     return torch.as_tensor(host_indices).reshape(-1).tolist()
-
-
-def _flat(page):
-    """(address, nbytes) of a contiguous CPU tensor, or None."""
-    if not isinstance(page, torch.Tensor) or page.device.type != "cpu" or not page.is_contiguous():
-        return None
-    return page.data_ptr(), page.numel() * page.element_size()
 
 
 def _count(keys):
@@ -222,23 +219,23 @@ class KvcrStorage(HiCacheStorage):
     @_fail_closed(_no_tensors)
     def batch_get(self, keys, target_locations=None, target_sizes=None):
         """Fills each flat page tensor in ``target_locations``; returns it, or
-        None for a miss (SGLang reads the leading run)."""
+        None for a miss (SGLang reads the leading run). The tensors go to the
+        extension as they are: it reads each one's memory from the tensor and
+        refuses (as a miss) anything but a contiguous CPU tensor of one page."""
         keys = list(keys)
         targets = list(target_locations or [])
-        flats = [_flat(t) for t in targets]
-        usable = next((i for i, f in enumerate(flats) if f is None), len(flats))
-        restored = self._backend.batch_get_flat(keys[:usable], flats[:usable])
+        # Every key reaches the extension (a bad target is its miss), so
+        # every rank makes the same storage calls.
+        restored = self._backend.batch_get_flat(keys, targets)
         out = [t if ok else None for t, ok in zip(targets, restored)]
         return out + [None] * (len(keys) - len(out))
 
     @_fail_closed(lambda keys: False)
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
         keys = list(keys)
+        # The contiguous copies live in this list for the whole call.
         values = [v.contiguous() if isinstance(v, torch.Tensor) else v for v in (values or [])]
-        flats = [_flat(v) for v in values]
-        if len(flats) != len(keys) or any(f is None for f in flats):
-            return False
-        return all(self._backend.batch_set_flat(keys, flats))
+        return all(self._backend.batch_set_flat(keys, values))
 
     @_fail_closed(lambda key: None)
     def get(self, key, target_location=None, target_sizes=None):

@@ -17,10 +17,15 @@
 //!
 //! Every call that waits (a rank collective, a peer, a runner operation) or
 //! copies releases the GIL for its duration. Data-path calls never raise:
-//! like the backend itself, a bad argument becomes a miss of the right shape
-//! and is counted (`stats()["faults_argument"]`); only construction and
-//! registration raise `KvcrError`, so a misconfigured engine fails at attach.
+//! like the backend itself, a bad argument (of the wrong type, a negative
+//! index, a key that is not a digest, a host page named twice, a flat page
+//! that is not a usable tensor) becomes a miss of the right shape and is
+//! counted (`stats()["faults_argument"]`, or the backend's `faults_batch_*`);
+//! the arguments are read by [`args`], not by PyO3's conversion, which would
+//! raise. Only construction and registration raise `KvcrError`, so a
+//! misconfigured engine fails at attach.
 
+mod args;
 mod error;
 mod group;
 mod raw_memory;
@@ -95,10 +100,8 @@ fn lock(m: &Mutex<()>) -> std::sync::MutexGuard<'_, ()> {
 /// The leading run of keys that parse (SGLang keys are 64-hex page digests;
 /// the backend keys pages by their first 16 hex digits, as SGLang's KV events
 /// do).
-fn leading_keys(keys: &[String]) -> Vec<BlockKey> {
-    keys.iter()
-        .map_while(|k| BlockKey::from_hex_digest(k).ok())
-        .collect()
+fn leading_keys(keys: &[Option<BlockKey>]) -> Vec<BlockKey> {
+    keys.iter().map_while(|k| *k).collect()
 }
 
 fn geometry(
@@ -125,13 +128,16 @@ impl Backend {
     }
 
     /// The request scope and router hint of an engine `extra_info` dict,
-    /// passed as JSON text (only the keys the backend reads).
-    fn extra_info(&self, text: Option<&str>) -> ExtraInfo {
-        let Some(text) = text else {
-            return ExtraInfo::default();
+    /// passed as JSON text (only the keys the backend reads). Anything but
+    /// `None` or a JSON object's text is counted and served without a hint.
+    fn extra_info(&self, obj: Option<&Bound<'_, PyAny>>) -> ExtraInfo {
+        let parsed = match args::extra_info_text(obj) {
+            Ok(None) => return ExtraInfo::default(),
+            Ok(Some(text)) => serde_json::from_str::<Value>(&text).ok(),
+            Err(()) => None,
         };
-        match serde_json::from_str::<Value>(text) {
-            Ok(value) if value.is_object() => ExtraInfo::from_engine(&value),
+        match parsed {
+            Some(value) if value.is_object() => ExtraInfo::from_engine(&value),
             _ => {
                 self.counters
                     .extra_info_rejected
@@ -141,17 +147,34 @@ impl Backend {
         }
     }
 
+    /// Keys of a data-path call; a non-sequence is counted and read as no
+    /// keys (items that are not digests are `None`, counted by the caller).
+    fn keys(&self, obj: &Bound<'_, PyAny>) -> Vec<Option<BlockKey>> {
+        args::keys(obj).unwrap_or_else(|| {
+            self.note_argument_fault();
+            Vec::new()
+        })
+    }
+
     /// Host pages of SGLang-style token indices; `None` (counted) when there
-    /// is no host pool yet or the indices are not whole, aligned pages.
-    fn host_pages(&self, token_indices: &[u64]) -> Option<Vec<u64>> {
-        let pages = self
-            .page_size
-            .get()
-            .and_then(|&size| pages_from_token_indices(token_indices, size).ok());
+    /// is no host pool yet, or the indices are not a list of non-negative
+    /// integers making whole, aligned pages.
+    fn host_pages(&self, token_indices: &Bound<'_, PyAny>) -> Option<Vec<u64>> {
+        let pages = args::token_indices(token_indices).and_then(|indices| {
+            self.page_size
+                .get()
+                .and_then(|&size| pages_from_token_indices(&indices, size).ok())
+        });
         if pages.is_none() {
             self.note_argument_fault();
         }
         pages
+    }
+
+    /// Flat pages of a legacy call; a non-sequence reads as no pages (the
+    /// length mismatch is counted by the caller).
+    fn flat_pages(obj: &Bound<'_, PyAny>) -> Vec<Option<FlatPage>> {
+        args::flat_pages(obj).unwrap_or_default()
     }
 
     /// Runs `op` (a storage call with rank collectives) over `keys` and
@@ -163,26 +186,22 @@ impl Backend {
     /// a miss of every entry. Counted in `faults_argument`.
     fn paged(
         &self,
-        keys: &[String],
+        parsed: &[Option<BlockKey>],
         pages: Option<Vec<u64>>,
         op: impl FnOnce(&[BlockKey], &[u64]) -> Vec<bool>,
     ) -> Vec<bool> {
-        let parsed: Vec<Option<BlockKey>> = keys
-            .iter()
-            .map(|k| BlockKey::from_hex_digest(k).ok())
-            .collect();
         let keys_ok = parsed.iter().all(Option::is_some);
         let pages = match pages {
-            Some(p) if keys_ok && p.len() == keys.len() => p,
+            Some(p) if keys_ok && p.len() == parsed.len() => p,
             Some(_) => {
                 self.note_argument_fault();
-                vec![NO_PAGE; keys.len()]
+                vec![NO_PAGE; parsed.len()]
             }
             // The caller already knows (and counted) why there are none.
-            None => vec![NO_PAGE; keys.len()],
+            None => vec![NO_PAGE; parsed.len()],
         };
         let keys: Vec<BlockKey> = parsed
-            .into_iter()
+            .iter()
             .map(|k| k.unwrap_or(BlockKey::from_u64(0)))
             .collect();
         let mut out = op(&keys, &pages);
@@ -242,10 +261,17 @@ impl Backend {
     /// runner over it (KVCR DRAM is allocated and pre-faulted here, with the
     /// GIL released). Registering the same pool again is a no-op.
     ///
+    /// Refused (`KvcrError`, before the runner starts) unless the description
+    /// is plausible (a non-null base, a non-zero size that is exactly
+    /// `pages` pages of the geometry, no wrap past the end of the address
+    /// space) and every byte of `base .. base + nbytes` is mapped readable and
+    /// writable in this process now (read from `/proc/self/maps`). Every call
+    /// then checks each host page it names against this pool before copying.
+    ///
     /// The caller promises what Rust cannot check: `base .. base + nbytes`
     /// is the pool's buffer (`kv_buffer.data_ptr()`, K half then V), it stays
-    /// allocated for the life of this backend, and the engine does not touch
-    /// a host page named in a call until that call returns.
+    /// allocated (and mapped) for the life of this backend, and the engine
+    /// does not touch a host page named in a call until that call returns.
     #[pyo3(signature = (*, layout, base, nbytes, pages, layers, kv_heads, head_dim, dtype_bytes, page_size))]
     #[allow(clippy::too_many_arguments)]
     fn register_host_pool(
@@ -346,9 +372,15 @@ impl Backend {
     /// How many leading `keys` the rank group can serve (locally resident,
     /// or covered by the router hint in `extra_info`).
     #[pyo3(signature = (keys, extra_info=None))]
-    fn batch_exists(&self, py: Python<'_>, keys: Vec<String>, extra_info: Option<&str>) -> usize {
+    fn batch_exists(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        extra_info: Option<&Bound<'_, PyAny>>,
+    ) -> usize {
         // The hit count is one number whatever the batch: a key that is not
         // a digest just ends the run (ranks still make the same collective).
+        let keys = self.keys(keys);
         let valid = leading_keys(&keys);
         if valid.len() < keys.len() {
             self.note_argument_fault();
@@ -359,62 +391,75 @@ impl Backend {
 
     /// Restores `keys` into the registered host pool at `token_indices`
     /// (SGLang's `host_indices`, `page_size` per key): `True` per page every
-    /// rank restored.
+    /// rank restored. Never raises: unusable arguments (indices that are not
+    /// non-negative integers making whole pages, a host page outside the pool
+    /// or named twice) are a `False` per key.
     #[pyo3(signature = (keys, token_indices, extra_info=None))]
     fn batch_get_v1(
         &self,
         py: Python<'_>,
-        keys: Vec<String>,
-        token_indices: Vec<u64>,
-        extra_info: Option<&str>,
+        keys: &Bound<'_, PyAny>,
+        token_indices: &Bound<'_, PyAny>,
+        extra_info: Option<&Bound<'_, PyAny>>,
     ) -> Vec<bool> {
         let extra = self.extra_info(extra_info);
-        let pages = self.host_pages(&token_indices);
+        let keys = self.keys(keys);
+        let pages = self.host_pages(token_indices);
         py.detach(|| self.paged(&keys, pages, |k, p| self.storage.batch_get(k, p, &extra)))
     }
 
     /// Stores the host pages at `token_indices` under `keys`: `True` per page
-    /// every rank committed.
+    /// every rank committed. Never raises (as `batch_get_v1`); a host page
+    /// named twice stores nothing.
     #[pyo3(signature = (keys, token_indices, extra_info=None))]
     fn batch_set_v1(
         &self,
         py: Python<'_>,
-        keys: Vec<String>,
-        token_indices: Vec<u64>,
-        extra_info: Option<&str>,
+        keys: &Bound<'_, PyAny>,
+        token_indices: &Bound<'_, PyAny>,
+        extra_info: Option<&Bound<'_, PyAny>>,
     ) -> Vec<bool> {
         let extra = self.extra_info(extra_info);
-        let pages = self.host_pages(&token_indices);
+        let keys = self.keys(keys);
+        let pages = self.host_pages(token_indices);
         py.detach(|| self.paged(&keys, pages, |k, p| self.storage.batch_set(k, p, &extra)))
     }
 
-    /// Legacy byte-copy read: restores `keys` into flat pages given as
-    /// `(address, nbytes)` (contiguous CPU tensors the caller keeps alive
-    /// and untouched during the call). `True` for the leading run of pages
-    /// restored; the first miss and every page after it are `False`.
+    /// Legacy byte-copy read: restores `keys` into flat pages, one tensor per
+    /// key: each must be a contiguous CPU `torch.Tensor` (exactly that type)
+    /// of exactly one page's bytes, kept alive, unresized and untouched
+    /// during the call. The memory written is read from the tensor itself
+    /// and checked against its storage; a bare `(address, nbytes)` pair, or
+    /// any other object, is a miss. `True` for the leading run of pages
+    /// restored; the first miss and every page after it are `False`; tensors
+    /// that share a byte make the whole call a miss.
     #[pyo3(signature = (keys, pages, extra_info=None))]
     fn batch_get_flat(
         &self,
         py: Python<'_>,
-        keys: Vec<String>,
-        pages: Vec<(u64, u64)>,
-        extra_info: Option<&str>,
+        keys: &Bound<'_, PyAny>,
+        pages: &Bound<'_, PyAny>,
+        extra_info: Option<&Bound<'_, PyAny>>,
     ) -> Vec<bool> {
         let extra = self.extra_info(extra_info);
+        let keys = self.keys(keys);
+        let pages = Self::flat_pages(pages);
         py.detach(|| self.flat_get(&keys, &pages, &extra))
     }
 
-    /// Legacy byte-copy write: stores flat pages given as `(address, nbytes)`
-    /// under `keys`. `True` per page committed.
+    /// Legacy byte-copy write: stores flat pages (tensors, as for
+    /// `batch_get_flat`) under `keys`. `True` per page committed.
     #[pyo3(signature = (keys, pages, extra_info=None))]
     fn batch_set_flat(
         &self,
         py: Python<'_>,
-        keys: Vec<String>,
-        pages: Vec<(u64, u64)>,
-        extra_info: Option<&str>,
+        keys: &Bound<'_, PyAny>,
+        pages: &Bound<'_, PyAny>,
+        extra_info: Option<&Bound<'_, PyAny>>,
     ) -> Vec<bool> {
         let extra = self.extra_info(extra_info);
+        let keys = self.keys(keys);
+        let pages = Self::flat_pages(pages);
         py.detach(|| self.flat_set(&keys, &pages, &extra))
     }
 
@@ -505,27 +550,31 @@ impl Backend {
     /// call, with its collectives, on every rank whatever happened locally,
     /// so ranks stay in step; after this rank's first miss nothing more is
     /// copied out.
-    fn flat_get(&self, keys: &[String], pages: &[(u64, u64)], extra: &ExtraInfo) -> Vec<bool> {
+    fn flat_get(
+        &self,
+        keys: &[Option<BlockKey>],
+        pages: &[Option<FlatPage>],
+        extra: &ExtraInfo,
+    ) -> Vec<bool> {
         let staging = self.staging.get();
         let _held = staging.map(|s| lock(&s.gets));
         let mut out = vec![false; keys.len()];
-        let mut missed = false;
-        if staging.is_none() || pages.len() != keys.len() {
+        // Tensors that share a byte: two copies into one destination.
+        let usable = staging.is_some() && pages.len() == keys.len() && !args::overlapping(pages);
+        if !usable {
             self.note_argument_fault();
-            missed = true;
         }
+        let mut missed = !usable;
         let chunk = STAGING_PAGES as usize;
         for (index, key_chunk) in keys.chunks(chunk).enumerate() {
             let start = index * chunk;
-            let slots = staging.map(|_| (0..key_chunk.len() as u64).collect());
+            let slots = usable.then(|| (0..key_chunk.len() as u64).collect());
             let restored = self.paged(key_chunk, slots, |k, p| self.storage.batch_get(k, p, extra));
             for (i, ok) in restored.into_iter().enumerate() {
                 missed = missed
                     || !ok
                     || !staging.is_some_and(|staging| {
-                        pages.get(start + i).is_some_and(|&(addr, len)| {
-                            self.copy_out(staging, i as u64, FlatPage { addr, len })
-                        })
+                        self.copy_out(staging, i as u64, pages.get(start + i).copied().flatten())
                     });
                 if missed {
                     break;
@@ -542,25 +591,31 @@ impl Backend {
     /// of the staging pool; `True` per page committed. Every chunk makes its
     /// storage call on every rank; a chunk with a page that cannot be staged
     /// (wrong size, bad address) passes no host pages and stores nothing.
-    fn flat_set(&self, keys: &[String], pages: &[(u64, u64)], extra: &ExtraInfo) -> Vec<bool> {
+    fn flat_set(
+        &self,
+        keys: &[Option<BlockKey>],
+        pages: &[Option<FlatPage>],
+        extra: &ExtraInfo,
+    ) -> Vec<bool> {
         let staging = self.staging.get();
         let _held = staging.map(|s| lock(&s.sets));
         let mut out = vec![false; keys.len()];
-        if staging.is_none() || pages.len() != keys.len() {
+        // Tensors that share a byte are refused as `batch_set_v1` refuses a
+        // host page named twice.
+        let usable = staging.is_some() && pages.len() == keys.len() && !args::overlapping(pages);
+        if !usable {
             self.note_argument_fault();
         }
         let chunk = STAGING_PAGES as usize;
         for (index, key_chunk) in keys.chunks(chunk).enumerate() {
             let start = index * chunk;
-            let staged = staging.is_some_and(|staging| {
-                pages.len() == keys.len()
-                    && (0..key_chunk.len()).all(|i| {
-                        pages.get(start + i).is_some_and(|&(addr, len)| {
-                            let slot = STAGING_PAGES + i as u64;
-                            self.copy_in(staging, slot, FlatPage { addr, len })
-                        })
+            let staged = usable
+                && staging.is_some_and(|staging| {
+                    (0..key_chunk.len()).all(|i| {
+                        let slot = STAGING_PAGES + i as u64;
+                        self.copy_in(staging, slot, pages.get(start + i).copied().flatten())
                     })
-            });
+                });
             let slots =
                 staged.then(|| (STAGING_PAGES..STAGING_PAGES + key_chunk.len() as u64).collect());
             let stored = self.paged(key_chunk, slots, |k, p| self.storage.batch_set(k, p, extra));
@@ -573,16 +628,20 @@ impl Backend {
         out
     }
 
-    fn copy_out(&self, staging: &Staging, slot: u64, page: FlatPage) -> bool {
+    /// Copies staging slot `slot` out into `page`; `false` (counted) for a
+    /// page that is not a usable tensor (`None`) or not one page's size.
+    fn copy_out(&self, staging: &Staging, slot: u64, page: Option<FlatPage>) -> bool {
         let spans = staging.plan.page_spans(slot);
-        if page.len != staging.page_bytes {
+        let Some(page) = page.filter(|p| p.len == staging.page_bytes) else {
             self.note_argument_fault();
             return false;
-        }
-        // SAFETY: the flat page is the caller's contiguous CPU buffer, kept
-        // alive and untouched for the call (the contract of
-        // `batch_get_flat`); the staging slot belongs to the get half, whose
-        // lock this thread holds.
+        };
+        // SAFETY: `page` is exactly the memory of a contiguous CPU tensor,
+        // read from the tensor and checked against its storage
+        // (`args::flat_pages`), which the caller keeps alive, unresized and
+        // untouched for the call (the contract of `batch_get_flat`); no two
+        // pages of the call overlap (checked); the staging slot belongs to
+        // the get half, whose lock this thread holds.
         let copied = unsafe { raw_memory::gather_into(&staging.buffer, &spans, page) };
         if copied.is_err() {
             self.note_argument_fault();
@@ -590,13 +649,16 @@ impl Backend {
         copied.is_ok()
     }
 
-    fn copy_in(&self, staging: &Staging, slot: u64, page: FlatPage) -> bool {
+    /// Copies `page` into staging slot `slot`; `false` (counted) as for
+    /// [`Self::copy_out`].
+    fn copy_in(&self, staging: &Staging, slot: u64, page: Option<FlatPage>) -> bool {
         let spans = staging.plan.page_spans(slot);
-        if page.len != staging.page_bytes {
+        let Some(page) = page.filter(|p| p.len == staging.page_bytes) else {
             self.note_argument_fault();
             return false;
-        }
-        // SAFETY: as in `copy_out`, for the set half of the staging pool.
+        };
+        // SAFETY: as in `copy_out` (here the tensor is only read), for the
+        // set half of the staging pool.
         let copied = unsafe { raw_memory::scatter_from(&staging.buffer, &spans, page) };
         if copied.is_err() {
             self.note_argument_fault();
@@ -612,13 +674,14 @@ impl Backend {
 fn restore_from_rust(
     py: Python<'_>,
     backend: &Backend,
-    keys: Vec<String>,
-    token_indices: Vec<u64>,
+    keys: &Bound<'_, PyAny>,
+    token_indices: &Bound<'_, PyAny>,
     iterations: u32,
 ) -> (Vec<f64>, bool) {
-    let Some(pages) = backend.host_pages(&token_indices) else {
+    let Some(pages) = backend.host_pages(token_indices) else {
         return (Vec::new(), false);
     };
+    let keys = backend.keys(keys);
     let valid = leading_keys(&keys);
     let extra = ExtraInfo::default();
     py.detach(|| {

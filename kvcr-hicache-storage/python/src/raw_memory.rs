@@ -1,12 +1,13 @@
 //! Unsafe, named: memory the extension owns (the legacy staging pool) and
 //! byte copies between it and flat pages Python hands over by address.
 //!
-//! Python gives addresses as integers (`tensor.data_ptr()`); nothing in Rust's
-//! type system ties them to live memory. The contract, stated on the Python
-//! class and relied on here: a flat page passed to a call is a contiguous CPU
-//! buffer of at least the stated length that the caller keeps alive and does
-//! not resize or free until the call returns (the call's own argument list
-//! holds a reference to it).
+//! A flat page is a torch tensor; its address and length are read from the
+//! tensor itself and checked against the tensor's storage (`args`), never
+//! taken from the caller as integers, so a page range cannot run past the
+//! tensor. What stays the caller's contract, stated on the Python calls and
+//! relied on here: the tensor is kept alive, not resized and not freed until
+//! the call returns (the call's own argument list holds a reference to it),
+//! and nothing else reads or writes it meanwhile.
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ptr::NonNull;
@@ -63,12 +64,12 @@ impl Drop for OwnedBuffer {
     }
 }
 
-/// One flat page as Python passed it: an address and a length.
+/// The memory of one flat page tensor: its address and length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct FlatPage {
     /// Address of the first byte (`tensor.data_ptr()`).
     pub(crate) addr: u64,
-    /// Bytes the caller vouches for.
+    /// `numel() * element_size()`, inside the tensor's storage.
     pub(crate) len: u64,
 }
 

@@ -151,7 +151,7 @@ def test_legacy_flat_pages_set_exists_get(layout):
     assert backend.get(keys[0], torch.zeros(7, dtype=torch.bfloat16)) is None
     strided = torch.zeros(pool.page_bytes, dtype=torch.bfloat16)[::2]
     assert backend.get(keys[0], strided) is None
-    assert backend.get_stats()["faults_argument"] == before + 2
+    assert backend.get_stats()["faults_argument"] == before + 3
     # Partial: the miss and everything after it are None.
     mixed = keys[:2] + prompt_keys(1, salt=78) + keys[2:4]
     out = backend.batch_get(mixed, [pool.get_dummy_flat_data_page() for _ in mixed])
@@ -176,13 +176,18 @@ def test_bad_input_is_a_counted_miss_never_an_exception():
     assert backend.batch_set(keys, [torch.zeros(3)] * 3) is False
     weird = HiCacheStorageExtraInfo(extra_info={"kvcr_router_hint": object()})
     assert backend.batch_exists(keys, weird) == 3
-    # Arguments of the wrong type (the extension refuses them with a
-    # TypeError): a miss of the right shape, counted, never raised.
-    assert backend.batch_exists([keys[0], 7]) == 0
+    # Arguments of the wrong type: the extension reads them without raising
+    # (a key that is not a str ends the run like any key that is not a
+    # digest), a miss of the right shape, counted.
+    assert backend.batch_exists([keys[0], 7]) == 1
     assert backend.batch_get_v1([keys[0], None], pool.token_indices([1, 2])) == [False, False]
     assert backend.batch_get(keys[:2], None) == [None, None]
+    # What fails in this class's own Python (keys that are not iterable) is
+    # caught here: a miss of the right shape, counted as faults_python.
+    assert backend.batch_get_v1(5, pool.token_indices([1])) == []
+    assert backend.batch_exists(None) == 0
     stats = backend.get_stats()
-    assert stats["faults_argument"] >= 3
+    assert stats["faults_argument"] >= 5
     assert stats["faults_python"] == 2
     assert stats["extra_info_rejected"] == 1
     # And the backend keeps serving.

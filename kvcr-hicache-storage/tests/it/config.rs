@@ -1,10 +1,22 @@
 //! Extra-config and engine-config validation (contract cases 7, 8, 11).
 
+use std::ffi::OsString;
+use std::path::PathBuf;
+
 use kvcr_hicache_storage::{
-    BackendConfig, Error, EvictionPolicy, KvcrHiCacheStorage, RankGroups, StorageConfig,
+    BackendConfig, CLUSTER_SECRET_ENV, ClusterSecret, Error, EvictionPolicy, KvcrHiCacheStorage,
+    RankGroups, StorageConfig,
 };
 use rstest::rstest;
 use serde_json::{Value, json};
+
+/// A cluster secret of the minimum length.
+const SECRET: &str = "0123456789abcdef";
+
+/// An empty environment (tests never read the process's).
+fn no_env(_: &str) -> Option<OsString> {
+    None
+}
 
 fn with(extra: Value) -> Value {
     let mut base = json!({"local_dram_bytes": 1 << 20});
@@ -53,12 +65,19 @@ fn get_timeout_must_exceed_operation_timeout(#[case] extra: Value, #[case] ok: b
 #[case::advertise_star(json!({"enable_remote_hint": true, "control_port": 25000, "control_advertise_host": "*"}), Some("control_advertise_host"))]
 #[case::loopback_cross_host(json!({"enable_remote_hint": true, "control_port": 25000, "control_advertise_host": "127.0.0.1"}), Some("control_advertise_host"))]
 #[case::loopback_single_host(json!({"enable_remote_hint": true, "control_port": 25000, "control_advertise_host": "127.0.0.1", "single_host": true}), None)]
-#[case::wildcard_bind_explicit_advertise(json!({"enable_remote_hint": true, "control_host": "0.0.0.0", "control_port": 25000, "control_advertise_host": "10.0.0.5"}), None)]
-#[case::v6_wildcard_bind(json!({"enable_remote_hint": true, "control_host": "::", "control_port": 25000, "control_advertise_host": "fd00::1"}), None)]
+#[case::wildcard_bind_explicit_advertise(json!({"enable_remote_hint": true, "control_host": "0.0.0.0", "control_port": 25000, "control_advertise_host": "10.0.0.5", "cluster_secret": SECRET}), None)]
+#[case::v6_wildcard_bind(json!({"enable_remote_hint": true, "control_host": "::", "control_port": 25000, "control_advertise_host": "fd00::1", "cluster_secret": SECRET}), None)]
+#[case::cross_host_without_secret(json!({"enable_remote_hint": true, "control_port": 25000, "control_advertise_host": "10.0.0.5"}), Some("cluster_secret"))]
+#[case::named_host_without_secret(json!({"enable_remote_hint": true, "control_port": 25000, "control_advertise_host": "node7", "single_host": true}), Some("cluster_secret"))]
+#[case::localhost_name_without_secret(json!({"enable_remote_hint": true, "control_port": 25000, "control_advertise_host": "localhost", "single_host": true}), None)]
+#[case::local_only_cross_host_without_secret(json!({"control_advertise_host": "10.0.0.5"}), None)]
 #[case::local_only_port_zero(json!({"control_port": 0}), None)]
 #[case::bind_host_name(json!({"control_host": "node7"}), Some("control_host"))]
 fn remote_hint_settings(#[case] extra: Value, #[case] refused_key: Option<&str>) {
-    match (BackendConfig::from_value(&with(extra)), refused_key) {
+    match (
+        BackendConfig::from_value_with_env(&with(extra), &[], &no_env),
+        refused_key,
+    ) {
         (Ok(_), None) => {}
         (Err(Error::Config { key, .. }), Some(expected)) => assert_eq!(key, expected),
         (other, _) => panic!("{other:?}"),
@@ -180,7 +199,7 @@ fn extension_keys_are_handed_back() {
 #[test]
 fn rank_port_overflow_is_refused() {
     let extra = json!({"local_dram_bytes": 4096, "enable_remote_hint": true,
-        "control_port": 65535, "control_advertise_host": "10.0.0.5"});
+        "control_port": 65535, "control_advertise_host": "10.0.0.5", "cluster_secret": SECRET});
     let groups = kvcr_hicache_storage::LocalRankGroup::new(2, std::time::Duration::from_secs(1));
     let g1: std::sync::Arc<dyn kvcr_hicache_storage::RankGroup> =
         std::sync::Arc::new(groups.into_iter().nth(1).unwrap());
@@ -215,4 +234,180 @@ fn storage_config_from_the_engine() {
     .unwrap();
     let err = KvcrHiCacheStorage::new(pp, RankGroups::solo()).unwrap_err();
     assert!(err.to_string().contains("pp_size = 2"), "{err}");
+}
+
+/// A secret file for one test case (removed on drop).
+struct SecretFile(PathBuf);
+
+impl SecretFile {
+    fn new(case: &str, contents: &[u8]) -> Self {
+        let path =
+            std::env::temp_dir().join(format!("kvcr-hicache-secret-{}-{case}", std::process::id()));
+        std::fs::write(&path, contents).unwrap();
+        Self(path)
+    }
+}
+
+impl Drop for SecretFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Where a case's file comes from: none, a file with these contents, or a
+/// path that is not a readable file.
+#[derive(Debug, Clone, Copy)]
+enum File {
+    None,
+    With(&'static [u8]),
+    Missing,
+    Directory,
+}
+
+/// The cluster secret: `cluster_secret` (used byte for byte), or
+/// `cluster_secret_file` (trimmed), never both; else `KVCR_CLUSTER_SECRET`
+/// (byte for byte; empty is unset); at least 16 bytes wherever it comes from;
+/// a refusal names where it came from.
+#[rstest]
+#[case::none(json!({}), File::None, None, Ok(None))]
+#[case::inline(json!({"cluster_secret": SECRET}), File::None, None, Ok(Some(SECRET.as_bytes())))]
+#[case::inline_kept_exactly(json!({"cluster_secret": " 0123456789abcdef "}), File::None, None, Ok(Some(&b" 0123456789abcdef "[..])))]
+#[case::inline_short(json!({"cluster_secret": "0123456789abcde"}), File::None, None, Err("cluster_secret"))]
+#[case::inline_empty(json!({"cluster_secret": ""}), File::None, None, Err("cluster_secret"))]
+#[case::inline_not_a_string(json!({"cluster_secret": 1234567890123456u64}), File::None, None, Err("cluster_secret"))]
+#[case::inline_too_long(json!({"cluster_secret": "x".repeat(65 * 1024)}), File::None, None, Err("cluster_secret"))]
+#[case::inline_null_falls_back(json!({"cluster_secret": null}), File::None, Some("env-secret-0123456789"), Ok(Some(&b"env-secret-0123456789"[..])))]
+#[case::file_trimmed(json!({}), File::With(b"  file-secret-0123456789\n"), None, Ok(Some(&b"file-secret-0123456789"[..])))]
+#[case::file_binary(json!({}), File::With(b"\x01\x02\x03\x04\x05\x06\x07\x08\x09\x0a\xff\xfe\xfd\xfc\xfb\xfa\x00"), None, Ok(Some(&b"\x01\x02\x03\x04\x05\x06\x07\x08\x09\x0a\xff\xfe\xfd\xfc\xfb\xfa\x00"[..])))]
+#[case::file_short_after_trim(json!({}), File::With(b"   short-secret  \n\n"), None, Err("cluster_secret_file"))]
+#[case::file_blank(json!({}), File::With(b" \n\t\n"), None, Err("cluster_secret_file"))]
+#[case::file_missing(json!({}), File::Missing, None, Err("cluster_secret_file"))]
+#[case::file_is_a_directory(json!({}), File::Directory, None, Err("cluster_secret_file"))]
+#[case::file_too_large(json!({}), File::With(&[b'x'; 64 * 1024 + 1]), None, Err("cluster_secret_file"))]
+#[case::file_empty_path(json!({"cluster_secret_file": ""}), File::None, None, Err("cluster_secret_file"))]
+#[case::both(json!({"cluster_secret": SECRET}), File::With(b"file-secret-0123456789"), None, Err("cluster_secret"))]
+#[case::both_even_if_env(json!({"cluster_secret": SECRET}), File::With(b"file-secret-0123456789"), Some("env-secret-0123456789"), Err("cluster_secret"))]
+#[case::env(json!({}), File::None, Some("env-secret-0123456789"), Ok(Some(&b"env-secret-0123456789"[..])))]
+#[case::env_short(json!({}), File::None, Some("env-short"), Err(CLUSTER_SECRET_ENV))]
+#[case::env_empty_is_unset(json!({}), File::None, Some(""), Ok(None))]
+#[case::key_wins_over_env(json!({"cluster_secret": SECRET}), File::None, Some("env-short"), Ok(Some(SECRET.as_bytes())))]
+#[case::file_wins_over_env(json!({}), File::With(b"file-secret-0123456789\n"), Some("env-short"), Ok(Some(&b"file-secret-0123456789"[..])))]
+fn cluster_secret_sources(
+    #[case] extra: Value,
+    #[case] file: File,
+    #[case] env: Option<&'static str>,
+    #[case] expected: Result<Option<&[u8]>, &str>,
+) {
+    static CASE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let mut extra = with(extra);
+    let case = CASE
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        .to_string();
+    let _held = match file {
+        File::None => None,
+        File::With(contents) => {
+            let f = SecretFile::new(&case, contents);
+            extra["cluster_secret_file"] = json!(f.0.to_str().unwrap());
+            Some(f)
+        }
+        File::Missing => {
+            extra["cluster_secret_file"] = json!("/nonexistent/kvcr/secret");
+            None
+        }
+        File::Directory => {
+            extra["cluster_secret_file"] = json!(std::env::temp_dir().to_str().unwrap());
+            None
+        }
+    };
+    let lookup = |name: &str| {
+        assert_eq!(name, CLUSTER_SECRET_ENV);
+        env.map(OsString::from)
+    };
+    let got = BackendConfig::from_value_with_env(&extra, &[], &lookup).map(|(c, _)| c);
+    match (got, expected) {
+        (Ok(c), Ok(want)) => assert_eq!(c.cluster_secret.as_ref().map(ClusterSecret::expose), want),
+        (Err(Error::Config { key, .. }), Err(want)) => assert_eq!(key, want),
+        (other, _) => panic!("{other:?}"),
+    }
+}
+
+/// The secret is never echoed: not by a refusal, not by `Debug` of the
+/// backend's configuration, of the engine's storage configuration (which
+/// carries the raw extra config) or of the backend.
+#[test]
+fn the_cluster_secret_is_never_echoed() {
+    let long = "LONG-SECRET-VALUE-0123456789";
+    let short = "SHORT-SECRET";
+    let refusals = [
+        BackendConfig::from_value_with_env(&with(json!({"cluster_secret": short})), &[], &no_env),
+        BackendConfig::from_value_with_env(
+            &with(json!({"cluster_secret": long, "cluster_secret_file": "/x"})),
+            &[],
+            &no_env,
+        ),
+        BackendConfig::from_value_with_env(&with(json!({})), &[], &|_| Some(short.into())),
+    ];
+    for refusal in refusals {
+        let err = refusal.unwrap_err();
+        for text in [err.to_string(), format!("{err:?}")] {
+            assert!(!text.contains(short) && !text.contains(long), "{text}");
+        }
+    }
+    let extra = with(json!({"cluster_secret": long}));
+    let (config, _) = BackendConfig::from_value_with_env(&extra, &[], &no_env).unwrap();
+    assert_eq!(
+        config.cluster_secret.as_ref().unwrap().expose(),
+        long.as_bytes()
+    );
+    let debug = format!("{config:?} {:?}", config.cluster_secret);
+    assert!(
+        !debug.contains(long) && debug.contains("<redacted>"),
+        "{debug}"
+    );
+    // The engine's storage config, as an object and as JSON text.
+    for extra_config in [extra.clone(), json!(extra.to_string())] {
+        let storage = StorageConfig::single_rank("m", extra_config);
+        let debug = format!("{storage:?}");
+        assert!(
+            !debug.contains(long) && debug.contains("redacted"),
+            "{debug}"
+        );
+        let backend = KvcrHiCacheStorage::new(storage, RankGroups::solo()).unwrap();
+        assert_eq!(
+            backend
+                .backend_config()
+                .cluster_secret
+                .as_ref()
+                .unwrap()
+                .expose(),
+            long.as_bytes()
+        );
+        let debug = format!("{backend:?} {:?}", backend.backend_config());
+        assert!(!debug.contains(long), "{debug}");
+    }
+    // Unparseable text that names the key is redacted whole.
+    let storage =
+        StorageConfig::single_rank("m", json!(format!("{{\"cluster_secret\": \"{long}\"")));
+    assert!(!format!("{storage:?}").contains(long));
+    // A constructor refusal (a short secret) does not echo it either.
+    let storage = StorageConfig::single_rank("m", with(json!({"cluster_secret": short})));
+    let err = KvcrHiCacheStorage::new(storage, RankGroups::solo()).unwrap_err();
+    assert!(!err.to_string().contains(short), "{err}");
+    assert!(matches!(
+        ClusterSecret::new(short.into()),
+        Err(Error::Config { .. })
+    ));
+}
+
+/// A secret key with a typo is an unknown key, named (the value is not).
+#[test]
+fn a_misspelt_secret_key_is_refused_by_name() {
+    let err = BackendConfig::from_value_with_env(
+        &with(json!({"cluster_secrets": "0123456789abcdef0"})),
+        &[],
+        &no_env,
+    )
+    .unwrap_err();
+    assert_eq!(err, Error::UnknownKey("cluster_secrets".into()));
+    assert!(!err.to_string().contains("0123456789abcdef0"));
 }

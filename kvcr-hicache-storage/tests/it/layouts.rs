@@ -180,3 +180,38 @@ fn token_indices(
         expected
     );
 }
+
+/// Before any copy, the host pages of a call are checked against the
+/// registered pool: in range, every span inside the registered buffer, none
+/// named twice.
+#[rstest]
+#[case::fine(&[0, 3, 7], 0, None)]
+#[case::empty(&[], 0, None)]
+#[case::last_page(&[7], 0, None)]
+#[case::past_the_pool(&[8], 0, Some("outside the pool's 8 pages"))]
+#[case::far_past(&[u64::MAX], 0, Some("outside"))]
+#[case::buffer_shorter_than_the_plan(&[7], 1, Some("runs past the registered buffer"))]
+#[case::twice(&[2, 5, 2], 0, Some("host page 2 is named more than once"))]
+#[case::twice_adjacent(&[4, 4], 0, Some("host page 4 is named more than once"))]
+fn host_pages_are_checked_against_the_pool(
+    #[values(
+        HostLayout::LayerFirst,
+        HostLayout::PageFirst,
+        HostLayout::PageFirstDirect,
+        HostLayout::PageHead
+    )]
+    layout: HostLayout,
+    #[case] pages: &[u64],
+    #[case] short_by: u64,
+    #[case] refused: Option<&str>,
+) {
+    let d = desc(layout, KvGeometry::qwen3_0_6b(2), 8);
+    let plan = SpanPlan::new(&d).unwrap();
+    match (plan.check_host_pages(d.len - short_by, pages), refused) {
+        (Ok(()), None) => {}
+        (Err(e @ (Error::Batch(_) | Error::DuplicateHostPage(_))), Some(why)) => {
+            assert!(e.to_string().contains(why), "{e}");
+        }
+        (other, _) => panic!("{pages:?}: {other:?}"),
+    }
+}

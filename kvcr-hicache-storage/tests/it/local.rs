@@ -581,3 +581,125 @@ fn prefetch_and_backup_threads_run_at_once() {
         assert_eq!(rank.storage.stats().faults_collective, 0);
     }
 }
+
+/// A host page named twice in one call is refused before anything is copied
+/// (two copies into one page would keep one and report both): the set path
+/// stores nothing, the get path writes nothing; every entry a miss, the typed
+/// error in `last_error`, counted; the next call is served.
+#[rstest]
+#[case::set_two_keys_one_page(true, &[1, 2], &[3, 3])]
+#[case::set_same_key_same_page(true, &[1, 1], &[3, 3])]
+#[case::set_among_others(true, &[1, 2, 3], &[4, 5, 4])]
+#[case::get_two_keys_one_page(false, &[1, 2], &[9, 9])]
+#[case::get_same_key_same_page(false, &[1, 1], &[9, 9])]
+#[case::get_among_others(false, &[1, 2, 1], &[9, 10, 9])]
+fn a_host_page_named_twice_is_refused(
+    #[case] set: bool,
+    #[case] raw_keys: &[u64],
+    #[case] pages: &[u64],
+) {
+    let _serial = crate::serial();
+    let engine = Engine::start(&EngineSpec::local(1, HostLayout::PageFirst, 8));
+    let rank = &engine.ranks[0];
+    let s = &rank.storage;
+    let none = ExtraInfo::default();
+    // Keys 1 and 2 are stored from pages 0 and 1 for the get cases.
+    assert_eq!(s.batch_set(&keys(&[1, 2]), &[0, 1], &none), vec![true; 2]);
+    let before: Vec<Vec<u8>> = pages.iter().map(|p| rank.page_bytes(*p)).collect();
+    let got = if set {
+        let fresh: Vec<u64> = raw_keys.iter().map(|k| k + 10).collect();
+        s.batch_set(&keys(&fresh), pages, &none)
+    } else {
+        s.batch_get(&keys(raw_keys), pages, &none)
+    };
+    assert_eq!(got, vec![false; raw_keys.len()]);
+    let stats = s.stats();
+    assert_eq!(
+        (stats.faults_batch_set, stats.faults_batch_get),
+        if set { (1, 0) } else { (0, 1) }
+    );
+    let error = stats.last_error.unwrap();
+    let twice = pages
+        .iter()
+        .find(|p| pages.iter().filter(|q| q == p).count() > 1);
+    assert!(
+        error.contains(&Error::DuplicateHostPage(*twice.unwrap()).to_string()),
+        "{error}"
+    );
+    let after: Vec<Vec<u8>> = pages.iter().map(|p| rank.page_bytes(*p)).collect();
+    assert_eq!(before, after, "no host byte was written");
+    assert_eq!(s.batch_exists(&keys(&[11]), &none), 0, "nothing was stored");
+    let runner = s.runner_stats().unwrap();
+    assert_eq!((runner.public_claims, runner.ops_in_flight), (0, 0));
+    // Distinct pages in the next call are served.
+    assert_eq!(s.batch_get(&keys(&[1, 2]), &[9, 10], &none), vec![true; 2]);
+}
+
+/// Read-only memory for a registration that must be refused (it is never
+/// written: the refusal comes before the runner starts).
+static READ_ONLY: [u8; 8192] = [1; 8192];
+
+/// A host pool whose description is implausible or whose memory is not
+/// mapped readable and writable is refused at registration, before the runner
+/// starts; calls stay counted misses (never a fault in the process), and a
+/// good pool can still be registered afterwards.
+#[rstest]
+#[case::null_base(|_: u64| (0, None), "base address is null")]
+#[case::zero_size(|_: u64| (0x10_0000, Some(0)), "pool size is zero")]
+#[case::size_mismatch(|len: u64| (0x10_0000, Some(len - 1)), "need")]
+#[case::wraps(|len: u64| (u64::MAX - len + 2, None), "wraps the address space")]
+#[case::kernel_half(|_: u64| (0xffff_8000_0000_0000, None), "is not mapped")]
+#[case::low_unmapped(|_: u64| (0x1000, None), "is not mapped")]
+#[case::read_only(|_: u64| (READ_ONLY.as_ptr() as u64, None), "without read and write")]
+fn implausible_or_unmapped_pools_are_refused(
+    #[case] describe: fn(u64) -> (u64, Option<u64>),
+    #[case] why: &str,
+) {
+    let _serial = crate::serial();
+    let geometry = small_geometry();
+    let pages = READ_ONLY.len() as u64 / geometry.page_bytes();
+    let len = HostPoolDesc::required_len(&geometry, pages).unwrap();
+    let (base, claimed) = describe(len);
+    let storage = kvcr_hicache_storage::KvcrHiCacheStorage::new(
+        kvcr_hicache_storage::StorageConfig::single_rank(
+            "m",
+            json!({"local_dram_bytes": 8 * geometry.page_bytes(), "prefault": false}),
+        ),
+        kvcr_hicache_storage::RankGroups::solo(),
+    )
+    .unwrap();
+    let desc = HostPoolDesc {
+        layout: HostLayout::PageFirst,
+        base,
+        len: claimed.unwrap_or(len),
+        pages,
+        geometry,
+    };
+    // SAFETY: (test) refused before the runner starts or touches memory.
+    match unsafe { storage.register_host_pool(desc) } {
+        Err(e @ Error::HostPool(_)) => assert!(e.to_string().contains(why), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(storage.runner_stats().is_none(), "no runner started");
+    let none = ExtraInfo::default();
+    assert_eq!(storage.batch_set(&keys(&[1]), &[0], &none), vec![false]);
+    assert_eq!(storage.batch_get(&keys(&[1]), &[0], &none), vec![false]);
+    assert_eq!(
+        storage.stats().last_error.unwrap(),
+        "batch_get: no host pool registered yet"
+    );
+    // The refusal latched nothing: a real pool registers and serves.
+    let mut host = vec![0u8; len as usize];
+    // SAFETY: (test) `host` outlives `storage` (dropped first below).
+    unsafe {
+        storage.register_host_pool(HostPoolDesc {
+            base: host.as_mut_ptr() as u64,
+            len,
+            ..desc
+        })
+    }
+    .unwrap();
+    assert_eq!(storage.batch_set(&keys(&[1]), &[0], &none), vec![true]);
+    drop(storage);
+    drop(host);
+}

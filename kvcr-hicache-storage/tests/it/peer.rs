@@ -404,3 +404,63 @@ fn ranks_bind_their_global_offset() {
     drop(storage);
     drop(host);
 }
+
+/// The cluster secret reaches the runner's control channel: a destination
+/// restores from a source holding the same secret (from the key on one side
+/// and the secret file on the other), and from no source that holds another
+/// secret or none (a miss at the operation deadline, never a fault, nothing
+/// left claimed).
+#[rstest::rstest]
+#[case::same(Some("cluster-secret-one"), Some("cluster-secret-one"), true)]
+#[case::neither(None, None, true)]
+#[case::different(Some("cluster-secret-one"), Some("cluster-secret-two"), false)]
+#[case::source_only(Some("cluster-secret-one"), None, false)]
+#[case::destination_only(None, Some("cluster-secret-one"), false)]
+fn the_cluster_secret_reaches_the_runner(
+    #[case] source_secret: Option<&str>,
+    #[case] dest_secret: Option<&str>,
+    #[case] restores: bool,
+) {
+    let _serial = crate::serial();
+    let (mut source_spec, source_port) = peer_spec(1, Some(5));
+    if let Some(secret) = source_secret {
+        source_spec.extra["cluster_secret"] = json!(secret);
+    }
+    let source = Engine::start(&source_spec);
+    let (mut dest_spec, _) = peer_spec(1, None);
+    dest_spec.extra["operation_timeout_ms"] = json!(500);
+    dest_spec.extra["get_timeout_s"] = json!(3);
+    let secret_file = std::env::temp_dir().join(format!(
+        "kvcr-hicache-peer-secret-{}-{source_port}",
+        std::process::id()
+    ));
+    if let Some(secret) = dest_secret {
+        std::fs::write(&secret_file, format!("{secret}\n")).unwrap();
+        dest_spec.extra["cluster_secret_file"] = json!(secret_file.to_str().unwrap());
+    }
+    let dest = Engine::start(&dest_spec);
+    let _ = std::fs::remove_file(&secret_file);
+    let k = keys(&[41, 42]);
+    assert_eq!(
+        source.set(&k, &[0, 1], &ExtraInfo::default()),
+        vec![vec![true; 2]]
+    );
+    let extra = ExtraInfo::hinted("secret", hint(source_port, &[41, 42]));
+    let got = dest.get(&k, &[4, 5], &extra);
+    assert_eq!(got, vec![vec![restores; 2]]);
+    let rank = &dest.ranks[0];
+    if restores {
+        assert_eq!(rank.page_bytes(4), source.ranks[0].page_bytes(0));
+        assert_eq!(rank.page_bytes(5), source.ranks[0].page_bytes(1));
+    } else {
+        assert_ne!(rank.page_bytes(4), source.ranks[0].page_bytes(0));
+    }
+    let stats = rank.storage.stats();
+    assert_eq!(
+        stats.faults_batch_get, 0,
+        "a refused peer is a miss, not a fault"
+    );
+    assert_eq!(stats.hinted_pages_loaded, if restores { 2 } else { 0 });
+    let runner = rank.storage.runner_stats().unwrap();
+    assert_eq!((runner.public_claims, runner.ops_in_flight), (0, 0));
+}
