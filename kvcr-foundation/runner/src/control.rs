@@ -422,14 +422,16 @@ impl ControlChannel {
                 side: Side::Dialed,
                 peer,
             } => {
-                if self
+                // A session that was already replaced (we re-dialed after it
+                // failed) says nothing about the current one.
+                let current = self
                     .dialed
                     .get(&peer.endpoint)
-                    .is_some_and(|s| s.id == session)
-                {
+                    .is_none_or(|s| s.id == session);
+                current.then(|| {
                     self.dialed.remove(&peer.endpoint);
-                }
-                Some(ChannelEvent::SourceLost(peer.endpoint))
+                    ChannelEvent::SourceLost(peer.endpoint)
+                })
             }
             Inbound::Closed {
                 session,
