@@ -966,3 +966,47 @@ fn fences_stay_bounded_under_a_probe_flood() {
     assert_eq!(sim.source.peer_busy().1, 1, "a fresh op is served");
     assert_eq!(sim.source.peer_state_sizes().fences, 0, "pruned below it");
 }
+
+/// Targets that come and go with fresh incarnations, and router hints naming
+/// ever new sources, leave a bounded memory behind.
+#[test]
+fn per_peer_memory_is_bounded_over_many_peers() {
+    let (mut sim, source_incarnation) = stocked_source(|_| {});
+    let ns = sim.ns;
+    let peers = 3 * MAX_REMEMBERED_PEERS as u128;
+    for incarnation in 100..100 + peers {
+        sim.source
+            .handle_message(0, from(1, incarnation, metadata(1)));
+        sim.source.handle_message(
+            0,
+            from(1, incarnation, start_write(1, source_incarnation, ns, 99)),
+        );
+        sim.source.peer_target_gone(&endpoint(1));
+        sent(&mut sim.source);
+    }
+    let sizes = sim.source.peer_state_sizes();
+    assert!(sizes.high_water <= MAX_REMEMBERED_PEERS + 1, "{sizes:?}");
+    assert_eq!(sizes.routes, 0);
+
+    let (mut target, _) = new_core(TARGET_POOL, 1, 1);
+    for port in 0..3 * MAX_REMEMBERED_PEERS {
+        let request = RequestId(format!("r{port}"));
+        let hint = FetchHint {
+            source: ControlEndpoint::parse(&format!(
+                "tcp://127.0.{}.{}:9",
+                port / 250,
+                port % 250 + 1
+            ))
+            .unwrap(),
+            block_hashes: vec![BlockKey::from_u64(1)],
+            mode: FetchMode::Copy,
+            action_id: None,
+        };
+        target.submit_hint(0, request.clone(), &hint);
+        target.discard_hint(&request);
+        sent(&mut target);
+    }
+    let sizes = target.peer_state_sizes();
+    assert!(sizes.sources <= MAX_REMEMBERED_PEERS, "{sizes:?}");
+    assert_eq!(sizes.hinted_requests, 0);
+}

@@ -84,6 +84,9 @@ pub const MAX_ADVERTISED_REGIONS: usize = 64;
 pub const MAX_WORKER_ADDRESS_LEN: usize = 64 << 10;
 /// Largest packed remote key accepted from a target.
 pub const MAX_RKEY_LEN: usize = 4 << 10;
+/// Target incarnations (source role) and sources (target role) remembered
+/// beyond those in use; past it, the ones not in use are forgotten.
+pub const MAX_REMEMBERED_PEERS: usize = 4096;
 /// Fences kept per target incarnation; past it they fold into the op-handle
 /// high-water mark (every op at or below the highest fenced one is refused).
 pub const MAX_FENCES_PER_TARGET: usize = 1024;

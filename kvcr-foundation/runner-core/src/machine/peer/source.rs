@@ -2,6 +2,8 @@
 //! grants. Metadata replies, `start_write` checks against the advertised
 //! regions, puts, `write_done`, probes and fences.
 
+use std::collections::HashSet;
+
 use super::*;
 
 impl Core {
@@ -330,6 +332,15 @@ impl SourceRole {
         let high = self.high_water.entry(target).or_insert(op);
         *high = (*high).max(op);
         let high = *high;
+        if self.high_water.len() > MAX_REMEMBERED_PEERS {
+            // Forget target incarnations with no session: their old frames
+            // cannot be replayed into a new session (each has its own keys),
+            // and an honest target never re-sends an op on a new session.
+            let live: HashSet<Incarnation> = self.routes.values().map(|r| r.incarnation).collect();
+            self.high_water
+                .retain(|i, _| *i == target || live.contains(i));
+            self.fences.retain(|i, _| *i == target || live.contains(i));
+        }
         if let Some(fenced) = self.fences.get_mut(&target) {
             *fenced = fenced.split_off(&OpHandle(high.0.saturating_add(1)));
             if fenced.is_empty() {

@@ -67,6 +67,21 @@ impl Core {
             return;
         };
         let retry = peer.config.metadata_retry_ns;
+        if peer.target.sources.len() >= MAX_REMEMBERED_PEERS
+            && !peer.target.sources.contains_key(source)
+        {
+            // Router hints name sources; forget those no hint or op uses.
+            let TargetRole {
+                hints,
+                sources,
+                ops,
+                ..
+            } = &mut peer.target;
+            sources.retain(|endpoint, _| {
+                hints.values().any(|h| &h.source == endpoint)
+                    || ops.values().any(|o| &o.source == endpoint)
+            });
+        }
         let state = peer.target.sources.entry(source.clone()).or_default();
         let due = !state.acked
             && state
