@@ -10,6 +10,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -28,8 +29,8 @@ use kvcr_contracts::key::NamespaceId;
 use kvcr_contracts::protocol::RegionId;
 use kvcr_runner_core::{Action, PutSpan};
 use kvcr_ucx::{
-    AnonOptions, Completion, Context, ContextConfig, Endpoint, ErrorMode, Registration, RemoteKey,
-    RkeyBuffer, WorkerAddress,
+    AnonOptions, CloseMode, Completion, Context, ContextConfig, Endpoint, ErrorMode, Registration,
+    RemoteKey, RkeyBuffer, WorkerAddress,
 };
 
 /// How a runner takes part in the peer protocol.
@@ -344,7 +345,10 @@ struct Route {
 
 struct PendingWrite {
     write: u64,
-    target: ControlEndpoint,
+    /// The route the write was accepted on: its puts go through this one
+    /// only, even if the target's route is replaced or dropped meanwhile (a
+    /// replacement may be another process at the same address).
+    route: Rc<Route>,
     spans: VecDeque<PutSpan>,
     in_flight: VecDeque<Completion>,
     flush: Option<Completion>,
@@ -359,12 +363,9 @@ struct State {
     /// worker, which owns the fd).
     efd: Option<tokio::io::unix::AsyncFd<RawFdRef>>,
     pending: Vec<PendingWrite>,
-    routes: HashMap<ControlEndpoint, Route>,
+    routes: HashMap<ControlEndpoint, Rc<Route>>,
     control: ControlChannel,
     inbound: mpsc::UnboundedReceiver<Inbound>,
-    /// Targets whose session closed while writes to them were in flight: their
-    /// data route goes once those writes end.
-    gone: std::collections::HashSet<ControlEndpoint>,
     pools: Vec<Registration<'static>>,
     worker: kvcr_ucx::Worker,
     _context: Context,
@@ -461,7 +462,6 @@ impl State {
                 routes: HashMap::new(),
                 control,
                 inbound,
-                gone: std::collections::HashSet::new(),
                 pools,
                 worker,
                 _context: context,
@@ -590,14 +590,10 @@ impl State {
                 shared.with_core_now(|core, _| core.peer_connection_lost(&source));
             }
             Some(ChannelEvent::TargetGone(target)) => {
-                // Per-peer state goes with the session: the core's route now,
-                // the data route once no write uses it.
+                // Per-peer state goes with the session: the core's route and
+                // ours now; writes under way keep their own until they end.
                 shared.with_core_now(|core, _| core.peer_target_gone(&target));
-                if self.pending.iter().any(|w| w.target == target) {
-                    self.gone.insert(target);
-                } else {
-                    self.routes.remove(&target);
-                }
+                retire(self.routes.remove(&target));
             }
             None => {}
         }
@@ -609,7 +605,7 @@ impl State {
             PeerCmd::Action(action) => self.execute(action, shared),
             PeerCmd::Forget(peer) => {
                 self.control.remove_peer(&peer);
-                self.routes.remove(&peer);
+                retire(self.routes.remove(&peer));
                 shared.with_core_now(|core, _| core.peer_connection_lost(&peer));
             }
             PeerCmd::Stop { leak } => return Some(leak),
@@ -627,19 +623,16 @@ impl State {
                 rkeys,
             } => match self.connect(&worker_address, &rkeys) {
                 Ok((endpoint, keys)) => {
-                    self.gone.remove(&peer);
-                    self.routes.insert(
-                        peer,
-                        Route {
-                            generation,
-                            endpoint,
-                            rkeys: keys,
-                        },
-                    );
+                    let route = Rc::new(Route {
+                        generation,
+                        endpoint,
+                        rkeys: keys,
+                    });
+                    retire(self.routes.insert(peer, route));
                 }
                 Err(_) => {
                     // Nothing is kept for metadata UCX refused.
-                    self.routes.remove(&peer);
+                    retire(self.routes.remove(&peer));
                     shared.with_core_now(|core, _| core.handle_connect_failed(&peer, generation));
                 }
             },
@@ -649,14 +642,15 @@ impl State {
                 generation,
                 spans,
             } => {
-                let routed = self
+                let route = self
                     .routes
                     .get(&target)
-                    .is_some_and(|r| r.generation == generation);
-                if routed {
+                    .filter(|r| r.generation == generation)
+                    .cloned();
+                if let Some(route) = route {
                     self.pending.push(PendingWrite {
                         write,
-                        target,
+                        route,
                         spans: self.put_split.split(spans),
                         in_flight: VecDeque::new(),
                         flush: None,
@@ -677,13 +671,26 @@ impl State {
         worker_address: &[u8],
         rkeys: &[(RegionId, u64, Vec<u8>)],
     ) -> Result<(Endpoint, RemoteKeys)> {
-        let endpoint = self
-            .worker
-            .connect(&WorkerAddress::from_bytes(worker_address)?)?;
+        // Every blob is checked before anything is created from it.
+        let address = WorkerAddress::from_bytes(worker_address)?;
+        let buffers = rkeys
+            .iter()
+            .map(|(region, base, rkey)| Ok((*region, *base, RkeyBuffer::from_bytes(rkey)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let endpoint = self.worker.connect(&address)?;
         let mut keys = HashMap::new();
-        for (region, base, rkey) in rkeys {
-            let key = endpoint.unpack_rkey(&RkeyBuffer::from_bytes(rkey)?)?;
-            keys.insert(*region, (key, *base));
+        for (region, base, buffer) in &buffers {
+            match endpoint.unpack_rkey(buffer) {
+                Ok(key) => {
+                    keys.insert(*region, (key, *base));
+                }
+                Err(e) => {
+                    // Nothing was put through it: close without waiting on a
+                    // peer that may never progress.
+                    endpoint.set_close_mode(CloseMode::Force);
+                    return Err(e.into());
+                }
+            }
         }
         Ok((endpoint, keys))
     }
@@ -694,14 +701,7 @@ impl State {
         let mut finished = Vec::new();
         let pools = &self.pools;
         for w in &mut self.pending {
-            let Some(route) = self.routes.get(&w.target) else {
-                w.failed = true;
-                w.spans.clear();
-                if w.in_flight.is_empty() && w.flush.is_none() {
-                    finished.push((w.write, false));
-                }
-                continue;
-            };
+            let route = &w.route;
             while let Some(done) = w.in_flight.front().and_then(Completion::result) {
                 w.failed |= done.is_err();
                 w.in_flight.pop_front();
@@ -742,22 +742,21 @@ impl State {
         }
         self.pending
             .retain(|w| !finished.iter().any(|(id, _)| *id == w.write));
-        if !self.gone.is_empty() {
-            let pending = &self.pending;
-            let routes = &mut self.routes;
-            self.gone.retain(|target| {
-                let in_use = pending.iter().any(|w| &w.target == target);
-                if !in_use {
-                    routes.remove(target);
-                }
-                in_use
-            });
-        }
         shared.with_core_now(|core, now| {
             for (write, ok) in finished {
                 core.handle_put_done(now, write, ok);
             }
         });
+    }
+}
+
+/// A route leaving the table (replaced, its session gone, forgotten): its
+/// endpoint closes without waiting on the peer once the last write using it
+/// has ended (each write flushed before it reported), so a target that stops
+/// progressing cannot stall this thread for a flush-mode close per route.
+fn retire(route: Option<Rc<Route>>) {
+    if let Some(route) = route {
+        route.endpoint.set_close_mode(CloseMode::Force);
     }
 }
 
