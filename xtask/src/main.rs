@@ -204,7 +204,14 @@ fn ci(root: &Path, rest: &[String]) -> Result<()> {
 }
 
 const FUZZ_DIR: &str = "kvcr-foundation/fuzz";
-const FUZZ_TARGETS: &[&str] = &["frame_decode", "hint_parse"];
+const FUZZ_TARGETS: &[&str] = &[
+    "frame_decode",
+    "hint_parse",
+    "ucx_envelope",
+    "storage_config",
+    "extra_info",
+    "replay_request",
+];
 
 /// cargo-fuzz passes unstable `-Z` flags (sanitizers, coverage); the stable
 /// toolchain accepts them for this build only with `RUSTC_BOOTSTRAP=1`.

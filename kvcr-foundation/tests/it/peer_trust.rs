@@ -361,3 +361,112 @@ fn a_hint_to_a_stranger_reveals_nothing() {
     assert_eq!(heard.len(), 8 + 2 + 48, "{heard:?}");
     target.runner.check_invariants().unwrap();
 }
+
+/// A member sends worker addresses and rkeys that are correctly framed and
+/// sealed but mutated: the 16 bytes starting `0x0f` that made UCX 1.13 abort
+/// in `ucp_address_unpack`, truncations, and single-bit flips of a real
+/// address's header and of a real rkey (the fuzz target `ucx_envelope` covers
+/// the rest), and valid blobs of a destination that never progresses,
+/// replacing each other. A flipped rkey fails after the endpoint exists: that
+/// endpoint is force-closed (a flush-mode close waited a second per blob on
+/// tcp, and the honest fetch below timed out). The runner (this very process) must not abort; every
+/// route it could not validate is dropped, and an honest destination still
+/// restores byte-exact.
+#[rstest]
+#[case::shm("posix,cma,self")]
+#[case::tcp("tcp,self")]
+fn mutated_ucx_blobs_never_reach_ucx(#[case] tls: &str) {
+    use kvcr_foundation::protocol::RegionAdvert;
+    use kvcr_foundation::ucx::{AnonOptions, Context, ContextConfig};
+    let _serial = crate::serial();
+    let mut source = member(tls, 8);
+    stock(&mut source, &[0, 1, 2, 3]);
+    let source_endpoint = source.runner.endpoint().unwrap().clone();
+
+    // A real destination's blobs to mutate.
+    let context = Context::with_config(&ContextConfig::new().loopback_tls(tls)).unwrap();
+    let worker = context.create_worker().unwrap();
+    let registration = context
+        .register_anon(BLOCK * 4, AnonOptions::new())
+        .unwrap();
+    let address = worker.address().unwrap().as_bytes().to_vec();
+    let rkey = registration.pack_rkey().unwrap().as_bytes().to_vec();
+    let advert = |rkey: Vec<u8>| RegionAdvert {
+        id: RegionId(0),
+        label: "victim".into(),
+        base: registration.as_ptr() as u64,
+        element_size: BLOCK as u64,
+        stride: BLOCK as u64,
+        count: 4,
+        rkey,
+    };
+    let mut blobs: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+    let mut abort_case = vec![0x0f];
+    abort_case.extend_from_slice(&[0u8; 15]);
+    blobs.push((abort_case, rkey.clone()));
+    for cut in [1, 8, address.len() / 2, address.len() - 1] {
+        blobs.push((address[..cut].to_vec(), rkey.clone()));
+    }
+    // Flips in the header, flags and worker id only: a flip further in can
+    // turn a transport address into another host's, and these tests reach
+    // loopback only.
+    for i in 0..address.len().min(10) {
+        let mut flipped = address.clone();
+        flipped[i] ^= 1 << (i % 8);
+        blobs.push((flipped, rkey.clone()));
+    }
+    for i in 0..rkey.len().min(24) {
+        let mut flipped = rkey.clone();
+        flipped[i] ^= 1 << (i % 8);
+        blobs.push((address.clone(), flipped));
+    }
+    // And the real pair, again and again: each replaces the route (one per
+    // session) to a destination that never progresses.
+    for _ in 0..8 {
+        blobs.push((address.clone(), rkey.clone()));
+    }
+    let mut client = ControlClient::connect(
+        &source_endpoint,
+        Some(SECRET),
+        ControlEndpoint::parse("tcp://127.0.0.5:1").unwrap(),
+        Incarnation::generate(),
+    )
+    .unwrap();
+    let header = Header {
+        sender: Incarnation::generate(),
+        route_generation: RouteGeneration(0),
+        sender_endpoint: source_endpoint.clone(),
+    };
+    for (worker_address, rkey) in &blobs {
+        let metadata = Message {
+            header: header.clone(),
+            body: Body::TargetMetadata {
+                worker_address: worker_address.clone(),
+                regions: vec![advert(rkey.clone())],
+            },
+        };
+        client.send(&metadata).unwrap();
+        // Each is answered (acknowledged or not) before the next replaces it.
+        while let Some(reply) = client.recv(Duration::from_millis(20)).unwrap() {
+            assert!(
+                matches!(reply.body, Body::TargetMetadataAck { .. }),
+                "{reply:?}"
+            );
+        }
+    }
+    // Still alive, still serving.
+    let mut friend = member(tls, 8);
+    let result = fetch(
+        &mut friend,
+        "after-blobs",
+        &hint(&source, &[0, 1, 2, 3]),
+        &[0, 1, 2, 3],
+    );
+    assert_restored(&friend, &source, &result, &[0, 1, 2, 3]);
+    assert!(
+        source.runner.peer_stats().0.refused >= 1,
+        "the blobs UCX could not take were counted"
+    );
+    source.runner.check_invariants().unwrap();
+    drop(registration);
+}

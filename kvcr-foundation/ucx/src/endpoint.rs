@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use super::context::ErrorMode;
 use super::memory::Registration;
+use super::packed::{validate_rkey, validate_worker_address};
 use super::request::{Completion, OpKind, OpState, ptr_is_err, ptr_status, submit};
 use super::wire::{RkeyBuffer, WorkerAddress};
 use super::worker::{WaitPolicy, WorkerInner};
@@ -165,9 +166,18 @@ impl EndpointInner {
                 drop(unsafe { Rc::from_raw(self.err_arg) });
             }
             Err(status) => {
-                // The close may still be running inside UCX and could call
-                // the error handler later: leave its reference leaked (a few
-                // bytes) rather than risk a dangling pointer.
+                // With peer error handling the close may still be running
+                // inside UCX and could call the error handler later: its
+                // reference stays leaked (a few bytes) rather than risk a
+                // dangling pointer. Without it UCX was never given the
+                // handler or its argument (`Endpoint::create`), so nothing
+                // can call it and the reference is reclaimed.
+                if self.error_mode != ErrorMode::Peer {
+                    // SAFETY: `err_arg` came from `Rc::into_raw` in
+                    // `Endpoint::create`, was never handed to UCX in this
+                    // mode, and is reclaimed exactly once, here.
+                    drop(unsafe { Rc::from_raw(self.err_arg) });
+                }
                 let failed_peer = self.failed.get().is_some();
                 if !(failed_peer && status.is_peer_failure()) {
                     self.worker.ctx.record(Error::Call {
@@ -218,6 +228,11 @@ impl std::fmt::Debug for Endpoint {
 
 impl Endpoint {
     pub(crate) fn create(worker: &Rc<WorkerInner>, peer: &WorkerAddress) -> Result<Self> {
+        // UCX 1.13 has no parse safety: only a well-formed address within
+        // this context's bounds goes on (checked here, whatever the caller
+        // did before).
+        validate_worker_address(peer.ucx_bytes(), &worker.limits)
+            .map_err(|r| input("ucp_ep_create", r))?;
         let failed_cell = Rc::new(Cell::new(None));
         let err_arg = Rc::into_raw(Rc::clone(&failed_cell));
         let inner = Rc::new(EndpointInner {
@@ -253,8 +268,9 @@ impl Endpoint {
         }
         let mut handle: sys::ucp_ep_h = ptr::null_mut();
         // SAFETY: live worker on its thread; `params.address` points at the
-        // peer's packed address (validated envelope, padded copy alive for
-        // the call); the error handler's `arg` is the leaked failure cell,
+        // peer's packed address (envelope checked by `from_bytes`, the
+        // packed address walked against this worker's limits above, a padded
+        // copy alive for the call); the error handler's `arg` is the leaked failure cell,
         // valid for as long as the UCX endpoint can exist (see
         // `EndpointInner::close`); `handle` is a valid out-pointer.
         let status = unsafe { sys::ucp_ep_create(worker.handle, &params, &mut handle) };
@@ -294,7 +310,9 @@ impl Endpoint {
     /// Unpacks a peer's rkey for use with this endpoint. The rkey must have
     /// been packed by the context of this endpoint's peer
     /// ([`UcxReason::ForeignRkey`] otherwise); its envelope and UCX structure
-    /// were validated by [`RkeyBuffer::from_bytes`].
+    /// were validated by [`RkeyBuffer::from_bytes`], and the packed rkey is
+    /// validated again here, against the worker's
+    /// [`limits`](super::Worker::limits), before `ucp_ep_rkey_unpack` sees it.
     pub fn unpack_rkey(&self, rkey: &RkeyBuffer) -> Result<RemoteKey> {
         let op = "ucp_ep_rkey_unpack";
         if rkey.context_id() != self.inner.peer_context {
@@ -307,7 +325,7 @@ impl Endpoint {
             ));
         }
         let ucx = rkey.ucx_bytes();
-        super::wire::check_ucx_rkey(ucx).map_err(|r| input(op, r))?;
+        validate_rkey(ucx, &self.inner.worker.limits).map_err(|r| input(op, r))?;
         let ep = self.inner.usable(op)?;
         let mut padded = Vec::with_capacity(ucx.len() + UCX_PARSE_PAD);
         padded.extend_from_slice(ucx);

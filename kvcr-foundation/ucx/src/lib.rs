@@ -51,13 +51,16 @@
 //! Most of this crate is unsafe FFI, quarantined in the modules that call UCX. Every block carries a
 //! `// SAFETY:` comment, every `unsafe fn` a `# Safety` section. Hostile
 //! bytes never reach UCX's length-less parsers unchecked: worker addresses
-//! and rkeys travel in checksummed envelopes ([`wire`]) and are handed to UCX
-//! as zero-padded copies.
+//! and rkeys travel in checksummed envelopes ([`wire`]); the packed UCX blob
+//! inside is walked field by field against UCX 1.13's formats ([`packed`])
+//! when it is parsed and again, against the local context, right before UCX
+//! sees it; and UCX gets a zero-padded copy.
 
 mod context;
 mod endpoint;
 pub mod error;
 mod memory;
+pub mod packed;
 #[cfg(feature = "perftest")]
 pub mod perftest;
 mod request;
@@ -67,12 +70,15 @@ pub mod wire;
 mod worker;
 
 #[cfg(test)]
+mod packed_tests;
+#[cfg(test)]
 mod tests;
 
 pub use context::{Context, ContextConfig, ErrorMode, library_version};
 pub use endpoint::{CloseMode, DROP_WAIT, Endpoint, RemoteKey};
 pub use error::{Error, Result};
 pub use memory::{AnonOptions, OwnedMemory, Registration, Scope};
+pub use packed::{AddressProblem, Limits, validate_rkey, validate_worker_address};
 pub use request::Completion;
 pub use status::{UcsStatus, UcxReason};
 pub use wire::{RkeyBuffer, WorkerAddress};

@@ -303,6 +303,40 @@ pub enum UcxReason {
     /// The packed UCX rkey inside the envelope is not well formed.
     #[error("packed rkey is malformed: {0}")]
     MalformedRkey(&'static str),
+    /// A packed rkey names a memory domain at or above the bound (64, or the
+    /// local context's md range; see [`Limits`](crate::packed::Limits)).
+    #[error("packed rkey names md index {index}, not below {limit}")]
+    RkeyMdIndex {
+        /// The highest md index in the rkey's md map.
+        index: u32,
+        /// The bound.
+        limit: u32,
+    },
+    /// A packed rkey entry this host would not produce: an md this host does
+    /// not register host memory with (`expected` is `None`), or a key size
+    /// other than this host's for that md.
+    #[error(
+        "packed rkey entry for md {md} ({size} bytes) is not one this host produces (expected {expected:?})"
+    )]
+    ForeignRkeyEntry {
+        /// The md index.
+        md: u32,
+        /// The entry's key size.
+        size: u8,
+        /// This host's key size for that md, if it has one.
+        expected: Option<u8>,
+    },
+    /// The packed UCX worker address inside the envelope is not one UCX 1.13
+    /// produces (see [`packed`](crate::packed) for the format and the checks).
+    #[error("packed UCX worker address ({len} bytes) is malformed at byte {offset}: {problem}")]
+    MalformedAddress {
+        /// Offset of the offending field in the packed address.
+        offset: usize,
+        /// Length of the packed address.
+        len: usize,
+        /// What is wrong there.
+        problem: crate::packed::AddressProblem,
+    },
     /// The rkey was packed by another UCX context than the endpoint's peer.
     #[error(
         "rkey of context {rkey_context:#018x} used with a peer of context {peer_context:#018x}"

@@ -3,8 +3,13 @@
 
 use std::mem::{align_of, offset_of, size_of};
 
-use super::wire::{MAX_UCX_RKEY, check_ucx_rkey};
+use super::packed::{Limits, MAX_UCX_RKEY};
+use super::packed_tests::sample_address;
 use super::*;
+
+fn check_ucx_rkey(b: &[u8]) -> std::result::Result<packed::RkeyShape, UcxReason> {
+    validate_rkey(b, &Limits::new())
+}
 
 /// Sizes and offsets of the structs the safe layer fills in, as `gcc` reports
 /// them for Debian's 1.13.1 headers on x86_64 (`sizeof`/`offsetof` probe).
@@ -130,11 +135,20 @@ fn sample_ucx_rkey() -> Vec<u8> {
 
 #[test]
 fn worker_address_envelope_round_trips_and_refuses_every_truncation() {
-    let a = WorkerAddress::seal(7, 9, &[1, 2, 3, 4, 5]).unwrap();
+    let ucx = sample_address();
+    let a = WorkerAddress::seal(7, 9, &ucx).unwrap();
     let b = WorkerAddress::from_bytes(a.as_bytes()).unwrap();
     assert_eq!(a, b);
     assert_eq!((b.context_id(), b.worker_id()), (7, 9));
-    assert_eq!(b.ucx_bytes(), &[1, 2, 3, 4, 5]);
+    assert_eq!(b.ucx_bytes(), ucx.as_slice());
+    assert_eq!(WorkerAddress::from_packed(7, 9, &ucx).unwrap(), a);
+    // A well-framed envelope around a malformed UCX address is refused too.
+    assert!(matches!(
+        WorkerAddress::seal(7, 9, &[1, 2, 3, 4, 5])
+            .unwrap_err()
+            .reason(),
+        Some(UcxReason::MalformedAddress { .. })
+    ));
     for cut in 0..a.as_bytes().len() {
         let e = WorkerAddress::from_bytes(&a.as_bytes()[..cut]).unwrap_err();
         assert!(e.reason().is_some(), "cut {cut}: {e}");
@@ -184,7 +198,7 @@ fn rkey_envelope_round_trips_and_refuses_garbage() {
         assert!(WorkerAddress::from_bytes(&bytes).is_err());
     }
     // A worker address is not an rkey.
-    let a = WorkerAddress::seal(7, 9, &[1]).unwrap();
+    let a = WorkerAddress::seal(7, 9, &sample_address()).unwrap();
     assert!(matches!(
         RkeyBuffer::from_bytes(a.as_bytes()).unwrap_err().reason(),
         Some(UcxReason::Magic { .. })

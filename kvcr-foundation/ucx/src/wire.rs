@@ -16,16 +16,24 @@
 //! context that packed it, so an rkey is only unpacked on an endpoint whose
 //! peer is that context ([`UcxReason::ForeignRkey`] otherwise); `base`/`len`
 //! describe the remote registration, so a put's remote range is checked
-//! against it. The packed UCX rkey is also checked structurally (its md map,
-//! memory type and per-md sizes must describe exactly the bytes present).
+//! against it.
+//!
+//! The packed UCX blob inside each envelope is then walked field by field
+//! ([`packed`]): UCX 1.13 asserts (SIGABRT) or reads past the
+//! end on a well-framed but malformed address or rkey, so only the shapes 1.13
+//! itself produces get through, on parse here and again, against the local
+//! context's bounds, before `ucp_ep_create` / `ucp_ep_rkey_unpack`.
 //!
 //! The checksum catches corruption and mix-ups, not forgery: a peer that can
 //! talk to the control channel at all is trusted at the transport level (the
 //! control channel's handshake is what keeps strangers out).
 
 use super::UcxReason;
+use super::packed::{self, Limits};
 use super::status::UcxReason as R;
 use crate::error::{Error, Result};
+
+pub use super::packed::{MAX_UCX_ADDRESS, MAX_UCX_RKEY};
 
 const WA_MAGIC: &[u8; 4] = b"KVWA";
 const RK_MAGIC: &[u8; 4] = b"KVRK";
@@ -33,15 +41,6 @@ const VERSION: u8 = 1;
 const WA_HEADER: usize = 4 + 4 + 8 + 8 + 4;
 const RK_HEADER: usize = 4 + 4 + 8 + 8 + 8 + 4;
 const CHECKSUM: usize = 8;
-
-/// Upper bound on a packed UCX worker address (1.13 addresses on this kind of
-/// host are a few hundred bytes; many devices make a few KiB).
-pub const MAX_UCX_ADDRESS: usize = 64 * 1024;
-/// Upper bound on a packed UCX rkey (one size byte per memory domain, at most
-/// 255 bytes each, at most 64 domains, plus the 9-byte header).
-pub const MAX_UCX_RKEY: usize = 9 + 64 * 256;
-/// `UCS_MEMORY_TYPE_LAST` in 1.13: memory types at or above it are invalid.
-const MEMORY_TYPE_LAST: u8 = 5;
 
 /// FNV-1a, 64-bit.
 fn fnv1a64(bytes: &[u8]) -> u64 {
@@ -78,13 +77,6 @@ impl<'a> Reader<'a> {
         })?;
         self.pos = end;
         Ok(out)
-    }
-
-    fn u8(&mut self) -> std::result::Result<u8, UcxReason> {
-        self.take(1)?
-            .first()
-            .copied()
-            .ok_or(R::MalformedRkey("empty read"))
     }
 
     fn u32(&mut self) -> std::result::Result<u32, UcxReason> {
@@ -201,6 +193,8 @@ impl std::fmt::Debug for WorkerAddress {
 
 impl WorkerAddress {
     pub(super) fn seal(context_id: u64, worker_id: u64, ucx: &[u8]) -> Result<Self> {
+        packed::validate_worker_address(ucx, &Limits::new())
+            .map_err(|r| input("worker address", r))?;
         let n = u32::try_from(ucx.len())
             .ok()
             .filter(|&n| n as usize <= MAX_UCX_ADDRESS)
@@ -228,25 +222,30 @@ impl WorkerAddress {
         })
     }
 
-    /// Parses and validates a peer's worker address. Truncated, oversized,
-    /// corrupted or foreign bytes are a typed [`Error::Refused`].
+    /// Wraps a packed UCX worker address (as `ucp_worker_get_address`
+    /// returns it) in its travelling form, after validating it
+    /// ([`packed::validate_worker_address`], format bounds only). For tools
+    /// and tests; a worker's own address comes from
+    /// [`Worker::address`](super::Worker::address).
+    pub fn from_packed(context_id: u64, worker_id: u64, packed: &[u8]) -> Result<Self> {
+        Self::seal(context_id, worker_id, packed)
+    }
+
+    /// Parses and validates a peer's worker address: the envelope (magic,
+    /// version, lengths, checksum), then the packed UCX address inside it
+    /// ([`packed::validate_worker_address`], format bounds only;
+    /// [`Worker::connect`](super::Worker::connect) checks it again against
+    /// the local context). Truncated, oversized, corrupted, foreign or
+    /// malformed bytes are a typed [`Error::Refused`].
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let what = "worker address";
         let mut r = open_envelope(what, WA_MAGIC, WA_HEADER, MAX_UCX_ADDRESS, bytes)
             .map_err(|reason| input(what, reason))?;
         let context_id = r.u64().map_err(|e| input(what, e))?;
         let worker_id = r.u64().map_err(|e| input(what, e))?;
-        let n = r.u32().map_err(|e| input(what, e))?;
-        if n == 0 {
-            return Err(input(
-                what,
-                R::Truncated {
-                    what,
-                    len: 0,
-                    needed: 1,
-                },
-            ));
-        }
+        let n = r.u32().map_err(|e| input(what, e))? as usize;
+        let ucx = r.take(n).map_err(|e| input(what, e))?;
+        packed::validate_worker_address(ucx, &Limits::new()).map_err(|e| input(what, e))?;
         Ok(Self {
             bytes: bytes.to_vec(),
             context_id,
@@ -267,6 +266,12 @@ impl WorkerAddress {
     /// The id of the worker (random, fresh per worker).
     pub fn worker_id(&self) -> u64 {
         self.worker_id
+    }
+
+    /// The packed UCX address inside the envelope (validated; for tools and
+    /// tests that inspect it).
+    pub fn packed(&self) -> &[u8] {
+        self.ucx_bytes()
     }
 
     /// The packed UCX address inside the envelope.
@@ -302,7 +307,7 @@ impl std::fmt::Debug for RkeyBuffer {
 
 impl RkeyBuffer {
     pub(super) fn seal(context_id: u64, base: u64, len: u64, ucx: &[u8]) -> Result<Self> {
-        check_ucx_rkey(ucx).map_err(|r| input("rkey pack", r))?;
+        packed::validate_rkey(ucx, &Limits::new()).map_err(|r| input("rkey pack", r))?;
         let n = u32::try_from(ucx.len()).map_err(|_| {
             input(
                 "rkey pack",
@@ -329,9 +334,24 @@ impl RkeyBuffer {
         })
     }
 
-    /// Parses and validates a peer's packed rkey (envelope and the UCX rkey
-    /// structure). Truncated, oversized, corrupted or garbage bytes are a typed
-    /// [`Error::Refused`].
+    /// Wraps a packed UCX rkey (as `ucp_rkey_pack` returns it) with the
+    /// packing context's id and the registration's extent, after validating
+    /// it ([`packed::validate_rkey`], format bounds only). For tools and
+    /// tests; a registration's own rkey comes from
+    /// [`Registration::pack_rkey`](super::Registration::pack_rkey).
+    pub fn from_packed(context_id: u64, base: u64, len: u64, packed: &[u8]) -> Result<Self> {
+        if len == 0 || base.checked_add(len).is_none() {
+            return Err(input("rkey", R::MalformedRkey("region extent")));
+        }
+        Self::seal(context_id, base, len, packed)
+    }
+
+    /// Parses and validates a peer's packed rkey: the envelope, the region
+    /// extent, then the packed UCX rkey inside it
+    /// ([`packed::validate_rkey`], format bounds only;
+    /// [`Endpoint::unpack_rkey`](super::Endpoint::unpack_rkey) checks it
+    /// again against the local context). Truncated, oversized, corrupted or
+    /// garbage bytes are a typed [`Error::Refused`].
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let what = "rkey";
         let mut r = open_envelope(what, RK_MAGIC, RK_HEADER, MAX_UCX_RKEY, bytes)
@@ -344,7 +364,7 @@ impl RkeyBuffer {
         if len == 0 || base.checked_add(len).is_none() {
             return Err(input(what, R::MalformedRkey("region extent")));
         }
-        check_ucx_rkey(ucx).map_err(|e| input(what, e))?;
+        packed::validate_rkey(ucx, &Limits::new()).map_err(|e| input(what, e))?;
         Ok(Self {
             bytes: bytes.to_vec(),
             context_id,
@@ -378,48 +398,16 @@ impl RkeyBuffer {
         self.len == 0
     }
 
+    /// The packed UCX rkey inside the envelope (validated; for tools and
+    /// tests that inspect it).
+    pub fn packed(&self) -> &[u8] {
+        self.ucx_bytes()
+    }
+
     /// The packed UCX rkey inside the envelope.
     pub(super) fn ucx_bytes(&self) -> &[u8] {
         self.bytes
             .get(RK_HEADER..self.bytes.len().saturating_sub(CHECKSUM))
             .unwrap_or_default()
     }
-}
-
-/// Structural check of a UCX 1.13 packed rkey (`ucp_rkey_pack` output):
-/// `md_map: u64 | mem_type: u8 | for each bit of md_map: size: u8, size bytes`,
-/// nothing after. (`ucp_rkey_pack` never appends the optional system-device
-/// distance section, and `ucp_ep_rkey_unpack` never reads it.)
-pub(super) fn check_ucx_rkey(ucx: &[u8]) -> std::result::Result<(), UcxReason> {
-    if ucx.len() > MAX_UCX_RKEY {
-        return Err(R::TooLarge {
-            what: "rkey",
-            len: ucx.len(),
-            max: MAX_UCX_RKEY,
-        });
-    }
-    let mut r = Reader {
-        what: "packed UCX rkey",
-        bytes: ucx,
-        pos: 0,
-    };
-    let md_map = r.u64()?;
-    if md_map == 0 {
-        return Err(R::MalformedRkey("empty memory-domain map"));
-    }
-    let mem_type = r.u8()?;
-    if mem_type >= MEMORY_TYPE_LAST {
-        return Err(R::MalformedRkey("unknown memory type"));
-    }
-    for _ in 0..md_map.count_ones() {
-        let size = r.u8()?;
-        r.take(usize::from(size))?;
-    }
-    if r.pos != ucx.len() {
-        return Err(R::Trailing {
-            what: "packed UCX rkey",
-            extra: ucx.len() - r.pos,
-        });
-    }
-    Ok(())
 }

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use super::context::{Context, ContextInner, new_id};
 use super::endpoint::{Endpoint, EndpointInner, RkeyInner};
-use super::memory::RegCore;
+use super::memory::{AnonOptions, RegCore};
+use super::packed::Limits;
 use super::request::{Completion, OpKind, OpState, submit};
 use super::wire::WorkerAddress;
 use super::{UcsStatus, UcxReason, check, sys};
@@ -34,6 +35,9 @@ pub(crate) enum Deferred {
 pub(crate) struct WorkerInner {
     pub(crate) handle: sys::ucp_worker_h,
     pub(crate) id: u64,
+    /// What peers' packed addresses and rkeys are checked against (from
+    /// this worker's own address and a probe registration's rkey).
+    pub(crate) limits: Limits,
     efd: Option<RawFd>,
     /// Sequence number of the last put issued on this worker.
     pub(crate) op_seq: Cell<u64>,
@@ -73,6 +77,29 @@ impl WorkerInner {
             }
             drop(list);
         }
+    }
+
+    /// This worker's packed UCX address (`ucp_worker_get_address`).
+    fn packed_address(&self) -> Result<Vec<u8>> {
+        let mut addr: *mut sys::ucp_address_t = ptr::null_mut();
+        let mut len: usize = 0;
+        // SAFETY: live worker on its thread; out-pointers are valid locals.
+        check("ucp_worker_get_address", unsafe {
+            sys::ucp_worker_get_address(self.handle, &mut addr, &mut len)
+        })?;
+        let bytes = if addr.is_null() || len == 0 {
+            Vec::new()
+        } else {
+            // SAFETY: on success UCX returned `addr` pointing at `len`
+            // initialised bytes, valid until released below.
+            unsafe { std::slice::from_raw_parts(addr.cast_const().cast::<u8>(), len) }.to_vec()
+        };
+        if !addr.is_null() {
+            // SAFETY: `addr` came from `ucp_worker_get_address` on this
+            // worker and is released once; `bytes` is an owned copy.
+            unsafe { sys::ucp_worker_release_address(self.handle, addr) };
+        }
+        Ok(bytes)
     }
 
     pub(crate) fn next_seq(&self) -> u64 {
@@ -260,6 +287,7 @@ impl Context {
         let mut inner = WorkerInner {
             handle,
             id: new_id(),
+            limits: Limits::new(),
             efd: None,
             op_seq: Cell::new(0),
             flushed_through: Cell::new(0),
@@ -276,6 +304,21 @@ impl Context {
             })?;
             inner.efd = Some(fd);
         }
+        // Peers' blobs are checked against our own address and the rkey of a
+        // probe registration of ours; if our own check refuses those (UCX's
+        // unified mode, an unknown format), peers cannot be checked either:
+        // no worker.
+        let own_rkey = {
+            let probe = self.register_anon(4096, AnonOptions::new())?;
+            probe.pack_rkey()?
+        };
+        inner.limits =
+            Limits::local(&inner.packed_address()?, own_rkey.ucx_bytes()).map_err(|reason| {
+                Error::Refused {
+                    op: "worker limits",
+                    reason,
+                }
+            })?;
         let inner = Rc::new(inner);
         if let Ok(mut list) = self.inner.workers.try_borrow_mut() {
             list.push(Rc::downgrade(&inner));
@@ -306,31 +349,28 @@ impl Worker {
     /// This worker's address, to send to a peer that will
     /// [`connect`](Worker::connect) to it.
     pub fn address(&self) -> Result<WorkerAddress> {
-        let mut addr: *mut sys::ucp_address_t = ptr::null_mut();
-        let mut len: usize = 0;
-        // SAFETY: live worker on its thread; out-pointers are valid locals.
-        check("ucp_worker_get_address", unsafe {
-            sys::ucp_worker_get_address(self.inner.handle, &mut addr, &mut len)
-        })?;
-        let bytes = if addr.is_null() || len == 0 {
-            Vec::new()
-        } else {
-            // SAFETY: on success UCX returned `addr` pointing at `len`
-            // initialised bytes, valid until released below.
-            unsafe { std::slice::from_raw_parts(addr.cast_const().cast::<u8>(), len) }.to_vec()
-        };
-        if !addr.is_null() {
-            // SAFETY: `addr` came from `ucp_worker_get_address` on this
-            // worker and is released once; `bytes` is an owned copy.
-            unsafe { sys::ucp_worker_release_address(self.inner.handle, addr) };
-        }
+        let bytes = self.inner.packed_address()?;
         WorkerAddress::seal(self.inner.ctx.id, self.inner.id, &bytes)
     }
 
+    /// What this worker checks peers' packed addresses and rkeys against
+    /// ([`Limits::local`]: its own address and the rkey of a probe
+    /// registration).
+    pub fn limits(&self) -> &Limits {
+        &self.inner.limits
+    }
+
     /// Connects to a peer worker (`ucp_ep_create` from its address, with
-    /// `UCP_ERR_HANDLING_MODE_PEER` so a dead peer fails operations instead of
-    /// hanging them). Connection establishment is lazy in UCX: errors may
-    /// surface on the first operation rather than here.
+    /// `UCP_ERR_HANDLING_MODE_PEER` when the context's [`ErrorMode`] is
+    /// `Peer`, so a dead peer fails operations instead of hanging them).
+    /// Connection establishment is lazy in UCX: errors may surface on the
+    /// first operation rather than here.
+    ///
+    /// The packed UCX address is validated again before `ucp_ep_create`
+    /// sees it, now against this worker's [`limits`](Worker::limits)
+    /// ([`UcxReason::MalformedAddress`]).
+    ///
+    /// [`ErrorMode`]: super::ErrorMode
     pub fn connect(&self, peer: &WorkerAddress) -> Result<Endpoint> {
         Endpoint::create(&self.inner, peer)
     }
