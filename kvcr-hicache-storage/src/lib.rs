@@ -47,4 +47,6 @@ pub use layout::{
     HostLayout, HostPoolDesc, KvGeometry, POOL_NAME, SpanKind, SpanPlan, pages_from_token_indices,
 };
 pub use ledger::{MAX_REMOVED_BACKLOG, PageTokens};
-pub use storage::{ExtraInfo, KvcrHiCacheStorage, ROUTER_HINT_KEYS, RunnerTuning, StorageStats};
+pub use storage::{
+    ExtraInfo, KvcrHiCacheStorage, ROUTER_HINT_KEYS, RunnerTuning, StorageStats, parse_router_hint,
+};

@@ -611,8 +611,8 @@ impl KvcrHiCacheStorage {
             return None;
         }
         let parsed = match raw {
-            Value::String(text) => parse_hint(text),
-            other => parse_hint(&other.to_string()),
+            Value::String(text) => parse_router_hint(text),
+            other => parse_router_hint(&other.to_string()),
         };
         let mut hint = match parsed {
             Ok(h) => h,
@@ -1031,7 +1031,11 @@ impl KvcrHiCacheStorage {
     }
 }
 
-fn parse_hint(text: &str) -> kvcr_foundation::Result<FetchHint> {
+/// Parses a router hint's text as the backend does: an object with
+/// `protocol_version` or `actions`, or text that is not a JSON object, is a
+/// versioned envelope (`kv.fetch@1.0`); any other object is the legacy
+/// compact form.
+pub fn parse_router_hint(text: &str) -> kvcr_foundation::Result<FetchHint> {
     let looks_versioned = serde_json::from_str::<Value>(text)
         .ok()
         .and_then(|v| {

@@ -6,28 +6,10 @@
 //! on bare text; this target starts where the engine hands the dict over.
 #![no_main]
 
-use kvcr_contracts::{FetchHint, RankLayout};
-use kvcr_hicache_storage::{ExtraInfo, ROUTER_HINT_KEYS};
+use kvcr_contracts::RankLayout;
+use kvcr_hicache_storage::{ExtraInfo, ROUTER_HINT_KEYS, parse_router_hint};
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
-
-/// The backend's rule (private in its storage module, restated here): an
-/// object with `protocol_version` or `actions`, or text that is not a JSON
-/// object, is a versioned envelope; any other object is the legacy form.
-fn parse_hint(text: &str) -> kvcr_contracts::Result<FetchHint> {
-    let versioned = serde_json::from_str::<Value>(text)
-        .ok()
-        .and_then(|v| {
-            v.as_object()
-                .map(|o| o.contains_key("protocol_version") || o.contains_key("actions"))
-        })
-        .unwrap_or(true);
-    if versioned {
-        FetchHint::from_json(text)
-    } else {
-        FetchHint::from_legacy_json(text)
-    }
-}
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
@@ -50,7 +32,7 @@ fuzz_target!(|data: &[u8]| {
         Value::String(t) => t.clone(),
         other => other.to_string(),
     };
-    let Ok(hint) = parse_hint(&hint_text) else {
+    let Ok(hint) = parse_router_hint(&hint_text) else {
         return;
     };
     assert!(!hint.block_hashes.is_empty());
