@@ -266,20 +266,27 @@ fn source_process() {
         })
     }
     .unwrap();
-    let entries = (0..spec.keys)
-        .map(|k| DepositEntry {
-            key: key(ns, k),
-            spans: vec![ElementRef { region, index: k }],
-            page: None,
-        })
-        .collect();
-    let op = runner.deposit(entries, false).unwrap();
-    assert!(
-        wait(&mut runner, op)
-            .entries
+    // Eight pages per deposit: each operation, held to the source's short
+    // operation timeout, copies at most 32 MiB of 4 MiB pages (the whole
+    // 320 MiB in one timed out on a loaded machine, and the child died).
+    let all_keys: Vec<u64> = (0..spec.keys).collect();
+    for chunk in all_keys.chunks(8) {
+        let entries = chunk
             .iter()
-            .all(|(_, e)| e.is_success())
-    );
+            .map(|k| DepositEntry {
+                key: key(ns, *k),
+                spans: vec![ElementRef { region, index: *k }],
+                page: None,
+            })
+            .collect();
+        let op = runner.deposit(entries, false).unwrap();
+        assert!(
+            wait(&mut runner, op)
+                .entries
+                .iter()
+                .all(|(_, e)| e.is_success())
+        );
+    }
     say(&format!(
         "READY {} {}",
         runner.endpoint().unwrap(),
