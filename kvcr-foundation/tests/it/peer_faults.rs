@@ -508,15 +508,18 @@ fn source_killed_mid_transfer() {
         block: BLOCK,
         keys: 48,
         seed: 11,
-        timeout_ms: 300,
+        // Long enough for 17 pages of 4 MiB over tcp on a loaded 2-core
+        // machine (300 ms timed out there), short enough to keep the test
+        // quick.
+        timeout_ms: 1000,
     };
     let mut old = ChildSource::spawn(&spec);
     let mut target = Target::start(
         tls,
         BLOCK,
         SLOTS,
-        Duration::from_millis(300),
-        Duration::from_secs(1),
+        Duration::from_millis(1000),
+        Duration::from_secs(3),
     );
     let from = old.endpoint.clone();
     // Warm up: the metadata exchange is done and the incarnation known.
