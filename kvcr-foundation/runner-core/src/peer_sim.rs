@@ -576,7 +576,6 @@ fn fault_free_fetch_restores_the_hinted_keys() {
 /// with a fresh deadline.
 #[test]
 fn a_request_queued_during_a_stall_is_refused() {
-    use kvcr_contracts::protocol::{Body, WriteOutcome};
     let mut sim = Sim::new(11);
     sim.drop_percent = 0;
     let keys: Vec<ScopedKey> = (0..2).map(|k| sim.key(k)).collect();
@@ -643,7 +642,6 @@ fn a_request_queued_during_a_stall_is_refused() {
 /// and the old one never receives it.
 #[test]
 fn a_write_after_an_expiry_waits_for_a_fresh_ack() {
-    use kvcr_contracts::protocol::Body;
     let mut sim = Sim::new(13);
     sim.drop_percent = 0;
     let old = Incarnation::from_raw(sim.source_incarnation).unwrap();

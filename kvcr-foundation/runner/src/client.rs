@@ -15,7 +15,7 @@ use tokio::net::TcpStream;
 
 use crate::control::{self, PeerIdentity, RECORD_MAX};
 use crate::error::{Error, Result, RunnerReason};
-use kvcr_contracts::endpoint::{ControlEndpoint, Host};
+use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::protocol::Message;
 use kvcr_contracts::protocol::codec::FrameCodec;
@@ -51,21 +51,16 @@ impl ControlClient {
             .enable_all()
             .build()
             .map_err(|_| refused("could not start a runtime"))?;
-        let target = match to.host() {
-            Host::Ip(ip) => std::net::SocketAddr::new(*ip, to.port()).to_string(),
-            Host::Name(name) => format!("{name}:{}", to.port()),
-        };
         let identity = PeerIdentity {
             endpoint,
             incarnation,
         };
         let psk = control::psk(secret);
         let (stream, transport, peer) = runtime.block_on(async {
-            let mut stream =
-                tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(target))
-                    .await
-                    .map_err(|_| refused("connect timed out"))?
-                    .map_err(|_| refused("connect failed"))?;
+            // The runner's own dialer: same name resolution and timeout.
+            let mut stream = control::dial(to)
+                .await
+                .ok_or(refused("connect failed or timed out"))?;
             let _ = stream.set_nodelay(true);
             let (transport, peer) = tokio::time::timeout(
                 Duration::from_secs(5),

@@ -628,7 +628,8 @@ async fn dial_session(
     });
 }
 
-async fn dial(to: &ControlEndpoint) -> Option<TcpStream> {
+/// Connects to a peer's control endpoint within `CONNECT_TIMEOUT`.
+pub(crate) async fn dial(to: &ControlEndpoint) -> Option<TcpStream> {
     let target = match to.host() {
         Host::Ip(ip) => format!("{}", SocketAddr::new(*ip, to.port())),
         Host::Name(name) => format!("{name}:{}", to.port()),
