@@ -342,6 +342,9 @@ pub enum FrameReason {
     /// Two advertised regions share an id.
     #[error("region id {0} advertised twice")]
     DuplicateRegion(u32),
+    /// A shared segment names a region the metadata does not advertise.
+    #[error("shared segment for region id {0}, which is not advertised")]
+    UnknownSegmentRegion(u32),
     /// Bytes left over after the message.
     #[error("{0} trailing bytes after the message")]
     Trailing(usize),

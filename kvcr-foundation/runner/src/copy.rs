@@ -196,7 +196,7 @@ fn destinations_disjoint(keys: &[Vec<CopySpan>]) -> bool {
 }
 
 /// Whether no two destination ranges among `spans` overlap.
-fn spans_disjoint<'a>(spans: impl Iterator<Item = &'a CopySpan>) -> bool {
+pub(crate) fn spans_disjoint<'a>(spans: impl Iterator<Item = &'a CopySpan>) -> bool {
     let mut ranges: Vec<(u64, u64)> = spans
         .map(|s| (s.dst, s.dst.saturating_add(s.len)))
         .collect();
@@ -206,7 +206,7 @@ fn spans_disjoint<'a>(spans: impl Iterator<Item = &'a CopySpan>) -> bool {
 
 /// Cuts `spans` at `at` bytes: the first part moves exactly the first `at`
 /// bytes (in order), the second the rest (a span may be cut in two).
-fn cut(spans: &[CopySpan], at: u64) -> (Vec<CopySpan>, Vec<CopySpan>) {
+pub(crate) fn cut(spans: &[CopySpan], at: u64) -> (Vec<CopySpan>, Vec<CopySpan>) {
     let (mut first, mut second) = (Vec::new(), Vec::new());
     let mut done = 0u64;
     for s in spans {

@@ -29,10 +29,14 @@ mod copy;
 mod device;
 pub mod error;
 #[allow(unsafe_code)]
+mod lanes;
+#[allow(unsafe_code)]
 mod memory;
 mod peer_driver;
 #[allow(unsafe_code)]
 mod placement;
+#[allow(unsafe_code)]
+mod shared_memory;
 #[cfg(test)]
 mod tests;
 
@@ -668,6 +672,7 @@ impl Runner {
             metadata_retry_ns: 100_000_000,
             allowed_peers: peer.allowed_peers.clone(),
             private_namespaces: peer.private_namespaces.clone(),
+            shared_memory: setup.shared_memory.clone(),
         });
         let (jobs_tx, jobs_rx) = mpsc::channel::<copy::Msg>();
         let shared = Shared::new(core, jobs_tx.clone(), Some(driver.tx.clone()));

@@ -4,9 +4,14 @@
 //! runtime. It feeds control messages and put completions into the shared core
 //! and executes the core's peer actions (send, connect, put + flush).
 //!
-//! While puts are in flight the loop progresses the worker continuously (a
-//! transfer's duration); when idle it sleeps on its queues with a 1 ms tick
-//! for deadlines, probes and stall detection.
+//! Writes into a same-host target whose pools this process mapped
+//! ([`crate::shared_memory`]) are plain copies on the lanes
+//! ([`crate::lanes`]); the thread sleeps until the last lane reports.
+//! While UCX puts are in flight (or a source may be putting into us through
+//! UCX) the loop progresses the worker continuously (a transfer's
+//! duration); otherwise it sleeps on its queues, the worker's event fd and
+//! a timer set to the core's next peer deadline (at most a quarter of the
+//! operation timeout, for stall detection): an idle runner does not wake.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -23,11 +28,13 @@ use super::control::{
 };
 use super::placement::{AnonMapping, PlacementOutcome, PoolMemory};
 use crate::error::{Error, Result, RunnerReason};
+use crate::lanes::Lanes;
+use crate::shared_memory::{HostScope, PeerSegment, SharedPool};
 use kvcr_contracts::endpoint::{AdvertisePolicy, BindAddress, ControlEndpoint, Host};
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::key::NamespaceId;
-use kvcr_contracts::protocol::RegionId;
-use kvcr_runner_core::{Action, PutSpan};
+use kvcr_contracts::protocol::{RegionId, SharedMemoryAdvert};
+use kvcr_runner_core::{Action, CopySpan, PutSpan};
 use kvcr_ucx::{
     AnonOptions, CloseMode, Completion, Context, ContextConfig, Endpoint, ErrorMode, Registration,
     RemoteKey, RkeyBuffer, WorkerAddress,
@@ -69,6 +76,13 @@ pub struct PeerOptions {
     pub max_puts_in_flight: usize,
     /// Split sizing for large puts (off by default: each span is one put).
     pub put_split: PutSplit,
+    /// Pools are sealed memfds a same-host source maps and writes itself,
+    /// with one copy and nothing needed from this process (on by default;
+    /// off: private memory, written through UCX only).
+    pub same_host_mapping: bool,
+    /// Copy lanes for writes into mapped same-host targets; 0 picks one per
+    /// core, at most 8.
+    pub lanes: usize,
 }
 
 impl std::fmt::Debug for PeerOptions {
@@ -86,6 +100,8 @@ impl std::fmt::Debug for PeerOptions {
             .field("abandon_timeout", &self.abandon_timeout)
             .field("max_puts_in_flight", &self.max_puts_in_flight)
             .field("put_split", &self.put_split)
+            .field("same_host_mapping", &self.same_host_mapping)
+            .field("lanes", &self.lanes)
             .finish()
     }
 }
@@ -170,6 +186,8 @@ impl PeerOptions {
             abandon_timeout: None,
             max_puts_in_flight: 0,
             put_split: PutSplit::default(),
+            same_host_mapping: true,
+            lanes: 0,
         }
     }
 }
@@ -182,6 +200,8 @@ pub(crate) struct PeerSetup {
     pub(crate) worker_address: Vec<u8>,
     /// Per pool: what placing it did (`None` with `PoolMemory::Default`).
     pub(crate) placements: Vec<Option<PlacementOutcome>>,
+    /// The pools a same-host source may map (`None`: none can be).
+    pub(crate) shared_memory: Option<SharedMemoryAdvert>,
 }
 
 /// Commands for the peer thread.
@@ -341,6 +361,15 @@ struct Route {
     generation: u64,
     endpoint: Endpoint,
     rkeys: RemoteKeys,
+    /// The target's pools mapped here, by region; when every region is,
+    /// writes are copies on the lanes and never touch UCX.
+    segments: HashMap<RegionId, Arc<PeerSegment>>,
+}
+
+impl Route {
+    fn one_copy(&self) -> bool {
+        !self.rkeys.is_empty() && self.rkeys.keys().all(|r| self.segments.contains_key(r))
+    }
 }
 
 struct PendingWrite {
@@ -366,6 +395,12 @@ struct State {
     routes: HashMap<ControlEndpoint, Rc<Route>>,
     control: ControlChannel,
     inbound: mpsc::UnboundedReceiver<Inbound>,
+    /// Joined (after their queued copies) before the pools they read drop.
+    lanes: Lanes,
+    lane_done_tx: mpsc::UnboundedSender<(u64, bool)>,
+    lane_done: mpsc::UnboundedReceiver<(u64, bool)>,
+    /// This process's host and pid namespace (`None`: never maps peers).
+    scope: Option<HostScope>,
     pools: Vec<Registration<'static>>,
     worker: kvcr_ucx::Worker,
     _context: Context,
@@ -394,10 +429,18 @@ impl State {
         let worker = context.create_worker()?;
         let mut pools = Vec::with_capacity(pool_bytes.len());
         let mut placements = Vec::with_capacity(pool_bytes.len());
+        let scope = HostScope::current();
+        let mut segments = Vec::new();
         for bytes in pool_bytes {
             let len = usize::try_from(*bytes)
                 .map_err(|_| Error::runner(RunnerReason::Allocation { bytes: *bytes }))?;
             match pool_memory {
+                PoolMemory::Default if options.same_host_mapping && scope.is_some() => {
+                    let pool = SharedPool::create(*bytes, false, prefault)?;
+                    segments.push(pool.advert(RegionId(pools.len() as u32)));
+                    pools.push(context.register_owned(Box::new(pool))?);
+                    placements.push(None);
+                }
                 PoolMemory::Default => {
                     pools.push(context.register_anon(len, AnonOptions::new().prefault(prefault))?);
                     placements.push(None);
@@ -431,12 +474,26 @@ impl State {
             options.secret.as_deref(),
             options.limits,
         );
+        // Pool i is region i; advertised only when every pool is a segment
+        // (a source then writes with one copy or not at all through them).
+        let shared_memory = match scope {
+            Some(scope) if !segments.is_empty() && segments.len() == pools.len() => {
+                Some(SharedMemoryAdvert {
+                    boot_id: scope.boot_id,
+                    pid_namespace: scope.pid_namespace,
+                    pid: std::process::id(),
+                    segments,
+                })
+            }
+            _ => None,
+        };
         let setup = PeerSetup {
             endpoint,
             bases: pools.iter().map(|p| p.as_ptr() as usize as u64).collect(),
             rkeys,
             worker_address: worker.address()?.as_bytes().to_vec(),
             placements,
+            shared_memory,
         };
         let over_tcp = options
             .ucx_tls
@@ -455,6 +512,12 @@ impl State {
         let efd = worker
             .event_fd()
             .and_then(|fd| register_efd(std::os::fd::AsRawFd::as_raw_fd(&fd)));
+        let lanes = Lanes::start(match options.lanes {
+            0 => crate::lanes::default_lanes(),
+            n => n,
+        })
+        .map_err(|_| Error::runner(RunnerReason::CopyEngineStopped))?;
+        let (lane_done_tx, lane_done) = mpsc::unbounded_channel();
         Ok((
             Self {
                 efd,
@@ -462,6 +525,10 @@ impl State {
                 routes: HashMap::new(),
                 control,
                 inbound,
+                lanes,
+                lane_done_tx,
+                lane_done,
+                scope,
                 pools,
                 worker,
                 _context: context,
@@ -483,16 +550,15 @@ impl State {
         let mut last_tick = Instant::now();
         let mut last_progress = last_tick;
         loop {
-            // Progress whenever a transfer may be moving in either direction:
-            // our own puts, or writes into us (on TCP the target's worker
-            // applies them).
-            // Busy while our puts are in flight, and while we have granted
-            // memory to a source: UCX 1.13 does not finish a large put into
-            // us over shared memory (nor wire up a new endpoint) unless our
-            // worker progresses too, and it does not reliably signal the
-            // event fd for it.
-            let granted = shared.lock().core.peer_busy().0 > 0;
-            let busy = !self.pending.is_empty() || granted;
+            // Progress whenever a UCX transfer may be moving in either
+            // direction: our own puts, or puts into us from a source that
+            // did not map our pools (UCX 1.13 does not finish a large put
+            // into private memory over shared memory, nor wire up a new
+            // endpoint, unless our worker progresses too, and it does not
+            // reliably signal the event fd for it). One-copy writes into us
+            // need nothing from us; our own run on the lanes.
+            let into_us = shared.lock().core.peer_transport_waits() > 0;
+            let busy = !self.pending.is_empty() || into_us;
             let mut progressed = false;
             while self.worker.progress() > 0 {
                 progressed = true;
@@ -523,6 +589,9 @@ impl State {
                 while let Ok(item) = self.inbound.try_recv() {
                     self.on_inbound(item, shared);
                 }
+                while let Ok(done) = self.lane_done.try_recv() {
+                    lane_write_done(shared, done);
+                }
                 if self.pending.is_empty() {
                     // Only waiting for writes into us: keep progressing, but
                     // leave the core to other threads between rounds (the
@@ -539,11 +608,19 @@ impl State {
                 }
                 tokio::task::yield_now().await;
             } else {
-                // Idle: sleep until a command, a control message, a UCX event
-                // (the armed worker fd: e.g. TCP-emulated writes into us) or
-                // the tick. If events are pending, go round and progress.
+                // Idle as far as UCX goes: sleep until a command, a control
+                // message, a lane's report, a UCX event (the armed worker
+                // fd: e.g. TCP writes into us) or the core's next deadline.
+                // If events are pending, go round and progress.
                 let armed = matches!(self.worker.arm(), Ok(true));
                 let efd = self.efd.as_ref().filter(|_| armed);
+                let nap = shared.with_core_now(|core, now| {
+                    core.peer_wake_at()
+                        .map_or(MAX_IDLE_NAP, |at| {
+                            Duration::from_nanos(at.saturating_sub(now))
+                        })
+                        .min(MAX_IDLE_NAP)
+                });
                 tokio::select! {
                     biased;
                     ready = async {
@@ -562,12 +639,19 @@ impl State {
                         }
                         None => return false,
                     },
+                    // Before the control messages: a flood of them must not
+                    // starve a finished write (the select is biased).
+                    done = self.lane_done.recv() => {
+                        if let Some(done) = done {
+                            lane_write_done(shared, done);
+                        }
+                    }
                     item = self.inbound.recv() => {
                         if let Some(item) = item {
                             self.on_inbound(item, shared);
                         }
                     }
-                    () = tokio::time::sleep(TICK) => {}
+                    () = tokio::time::sleep(nap) => {}
                 }
             }
             if last_tick.elapsed() >= TICK {
@@ -621,14 +705,21 @@ impl State {
                 generation,
                 worker_address,
                 rkeys,
+                shared_memory,
             } => match self.connect(&worker_address, &rkeys) {
                 Ok((endpoint, keys)) => {
+                    let segments = self.map_segments(shared_memory.as_ref(), &rkeys);
                     let route = Rc::new(Route {
                         generation,
                         endpoint,
                         rkeys: keys,
+                        segments,
                     });
-                    retire(self.routes.insert(peer, route));
+                    let one_copy = route.one_copy();
+                    retire(self.routes.insert(peer.clone(), route));
+                    shared.with_core_now(|core, _| {
+                        core.handle_connected(&peer, generation, one_copy);
+                    });
                 }
                 Err(_) => {
                     // Nothing is kept for metadata UCX refused.
@@ -647,7 +738,26 @@ impl State {
                     .get(&target)
                     .filter(|r| r.generation == generation)
                     .cloned();
-                if let Some(route) = route {
+                if let Some(route) = route.as_ref().filter(|r| r.one_copy()) {
+                    let copies = self.one_copy_plan(route, &spans);
+                    match copies {
+                        Some(copies) => {
+                            let segments = route.segments.values().cloned().collect();
+                            // SAFETY: every source range lies inside one of our
+                            // pools (checked by `one_copy_plan`), claimed by this
+                            // write until it is reported; every destination
+                            // lies inside a mapping of `segments` (checked),
+                            // granted to this write by its target.
+                            #[allow(unsafe_code)]
+                            unsafe {
+                                self.lanes
+                                    .submit(write, copies, segments, &self.lane_done_tx);
+                            }
+                        }
+                        None => shared
+                            .with_core_now(|core, now| core.handle_put_done(now, write, false)),
+                    }
+                } else if let Some(route) = route {
                     self.pending.push(PendingWrite {
                         write,
                         route,
@@ -664,6 +774,57 @@ impl State {
             }
             Action::Copy { .. } | Action::Cancel { .. } => {}
         }
+    }
+
+    /// Maps the shared segments a target advertised, when it runs on this
+    /// host in this pid namespace; a segment that fails any check is left
+    /// out (its region is then written through UCX, like every region of
+    /// that route).
+    fn map_segments(
+        &self,
+        advert: Option<&SharedMemoryAdvert>,
+        rkeys: &[(RegionId, u64, Vec<u8>)],
+    ) -> HashMap<RegionId, Arc<PeerSegment>> {
+        let mut mapped = HashMap::new();
+        let Some(advert) = advert.filter(|a| self.scope.is_some_and(|s| s.matches(a))) else {
+            return mapped;
+        };
+        for segment in &advert.segments {
+            let Some((_, base, _)) = rkeys.iter().find(|(r, _, _)| *r == segment.region) else {
+                continue;
+            };
+            if let Ok(view) = PeerSegment::open(advert, segment, *base, 1) {
+                mapped.insert(segment.region, Arc::new(view));
+            }
+        }
+        mapped
+    }
+
+    /// The copies of a one-copy write: each span from our pool to the
+    /// mapped target segment; `None` if any range is outside either.
+    fn one_copy_plan(&self, route: &Route, spans: &[PutSpan]) -> Option<Vec<CopySpan>> {
+        spans
+            .iter()
+            .map(|span| {
+                let inside_pool = self.pools.iter().any(|p| {
+                    let base = p.as_ptr() as usize as u64;
+                    span.local >= base
+                        && span
+                            .local
+                            .checked_add(span.len)
+                            .is_some_and(|end| end <= base + p.len() as u64)
+                });
+                let dst = route
+                    .segments
+                    .get(&span.region)?
+                    .destination(span.remote, span.len)?;
+                inside_pool.then_some(CopySpan {
+                    src: span.local,
+                    dst,
+                    len: span.len,
+                })
+            })
+            .collect()
     }
 
     fn connect(
@@ -800,6 +961,15 @@ fn control_bind_address(options: &PeerOptions) -> Result<SocketAddr> {
         ));
     }
     Ok(SocketAddr::new(requested, options.bind.port))
+}
+
+/// The longest idle sleep: a backstop only (the core's wake time is always
+/// sooner while anything is pending).
+const MAX_IDLE_NAP: Duration = Duration::from_secs(1);
+
+/// A lane's report of a one-copy write, fed to the core.
+fn lane_write_done(shared: &Arc<Shared>, (write, ok): (u64, bool)) {
+    shared.with_core_now(|core, now| core.handle_put_done(now, write, ok));
 }
 
 /// How long the peer thread naps between progress rounds while it only waits

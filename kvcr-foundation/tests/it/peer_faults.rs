@@ -804,6 +804,7 @@ impl FakeTarget {
         Body::TargetMetadata {
             worker_address: self.worker.address().unwrap().as_bytes().to_vec(),
             regions,
+            shared_memory: None,
         }
     }
 
@@ -1045,7 +1046,10 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
             op_handle: OpHandle(999),
             outcome: WriteOutcome::Completed(CompletedIndices::new(vec![0])),
         },
-        Body::TargetMetadataAck { op_handle: None },
+        Body::TargetMetadataAck {
+            op_handle: None,
+            one_copy: true,
+        },
     ] {
         let mut c = RawConn::dial(&source_endpoint, &other_member, Incarnation::generate());
         c.send(&message(reply));

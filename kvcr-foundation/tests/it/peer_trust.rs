@@ -443,6 +443,7 @@ fn mutated_ucx_blobs_never_reach_ucx(#[case] tls: &str) {
             body: Body::TargetMetadata {
                 worker_address: worker_address.clone(),
                 regions: vec![advert(rkey.clone())],
+                shared_memory: None,
             },
         };
         client.send(&metadata).unwrap();

@@ -32,7 +32,7 @@ use bytes::{Buf, BufMut, BytesMut};
 
 use super::{
     Body, CompletedIndices, ElementRef, Header, Message, OpHandle, RegionAdvert, RegionId,
-    RouteGeneration, WriteOutcome,
+    RouteGeneration, SegmentAdvert, SharedMemoryAdvert, WriteOutcome,
 };
 use crate::endpoint::ControlEndpoint;
 use crate::error::{Echo, Error, FrameReason, Result};
@@ -42,7 +42,7 @@ use crate::key::{BlockKey, NamespaceId};
 /// Frame magic: `"KV"`.
 pub const MAGIC: u16 = 0x4B56;
 /// The codec version this build writes and reads.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Default bound on one frame's length (after the length prefix).
 pub const DEFAULT_MAX_FRAME_LEN: usize = 16 << 20;
 /// Most keys in one `start_write` (and completed indices in one `write_done`).
@@ -248,6 +248,7 @@ fn put_body(dst: &mut BytesMut, body: &Body) -> Result<()> {
         Body::TargetMetadata {
             worker_address,
             regions,
+            shared_memory,
         } => {
             if worker_address.is_empty() {
                 return Err(frame(FrameReason::Empty("worker_address")));
@@ -264,14 +265,36 @@ fn put_body(dst: &mut BytesMut, body: &Body) -> Result<()> {
                 dst.put_u64(region.count);
                 put_bytes16(dst, "rkey", &region.rkey, MAX_RKEY)?;
             }
-        }
-        Body::TargetMetadataAck { op_handle } => match op_handle {
-            None => dst.put_u8(0),
-            Some(op) => {
-                dst.put_u8(1);
-                dst.put_u64(op.0);
+            match shared_memory {
+                None => dst.put_u8(0),
+                Some(shared) => {
+                    check_segments(regions, &shared.segments)?;
+                    dst.put_u8(1);
+                    dst.extend_from_slice(&shared.boot_id);
+                    dst.put_u64(shared.pid_namespace);
+                    dst.put_u32(shared.pid);
+                    dst.put_u16(shared.segments.len() as u16);
+                    for segment in &shared.segments {
+                        dst.put_u32(segment.region.0);
+                        dst.put_u32(segment.fd);
+                        dst.extend_from_slice(&segment.token);
+                    }
+                }
             }
-        },
+        }
+        Body::TargetMetadataAck {
+            op_handle,
+            one_copy,
+        } => {
+            match op_handle {
+                None => dst.put_u8(0),
+                Some(op) => {
+                    dst.put_u8(1);
+                    dst.put_u64(op.0);
+                }
+            }
+            dst.put_u8(u8::from(*one_copy));
+        }
         Body::StartWrite {
             op_handle,
             remaining_timeout_ms,
@@ -364,6 +387,25 @@ fn check_regions(regions: &[RegionAdvert]) -> Result<()> {
         )));
     }
     regions.iter().try_for_each(check_region)
+}
+
+/// Each segment names an advertised region, and no region twice.
+fn check_segments(regions: &[RegionAdvert], segments: &[SegmentAdvert]) -> Result<()> {
+    bound("segments", segments.len(), regions.len())?;
+    let mut ids: Vec<u32> = segments.iter().map(|s| s.region.0).collect();
+    ids.sort_unstable();
+    if let Some(w) = ids.windows(2).find(|w| w.first() == w.get(1)) {
+        return Err(frame(FrameReason::DuplicateRegion(
+            w.first().copied().unwrap_or_default(),
+        )));
+    }
+    match segments
+        .iter()
+        .find(|s| !regions.iter().any(|r| r.id == s.region))
+    {
+        Some(stray) => Err(frame(FrameReason::UnknownSegmentRegion(stray.region.0))),
+        None => Ok(()),
+    }
 }
 
 fn check_region(region: &RegionAdvert) -> Result<()> {
@@ -543,6 +585,7 @@ fn decode_body(bytes: &[u8]) -> Result<Message> {
             } else {
                 None
             },
+            one_copy: r.bool("one_copy")?,
         },
         KIND_START_WRITE => decode_start_write(&mut r)?,
         KIND_WRITE_REFUSED => Body::WriteRefused {
@@ -562,6 +605,9 @@ fn decode_body(bytes: &[u8]) -> Result<Message> {
     r.finish()?;
     Ok(Message { header, body })
 }
+
+/// An encoded segment: region id, fd, token.
+const SEGMENT_BYTES: usize = 4 + 4 + 16;
 
 /// Smallest encoded region: id, empty label, four u64s, one-byte rkey.
 const MIN_REGION_BYTES: usize = 4 + 1 + 8 * 4 + 2 + 1;
@@ -586,9 +632,34 @@ fn decode_target_metadata(r: &mut Reader<'_>) -> Result<Body> {
         });
     }
     check_regions(&regions)?;
+    let shared_memory = if r.option_tag("shared_memory")? {
+        let boot_id = r.array::<16>()?;
+        let pid_namespace = r.u64()?;
+        let pid = r.u32()?;
+        let n = usize::from(r.u16()?);
+        r.count("segments", n, regions.len(), SEGMENT_BYTES)?;
+        let mut segments = Vec::with_capacity(n);
+        for _ in 0..n {
+            segments.push(SegmentAdvert {
+                region: RegionId(r.u32()?),
+                fd: r.u32()?,
+                token: r.array::<16>()?,
+            });
+        }
+        check_segments(&regions, &segments)?;
+        Some(SharedMemoryAdvert {
+            boot_id,
+            pid_namespace,
+            pid,
+            segments,
+        })
+    } else {
+        None
+    };
     Ok(Body::TargetMetadata {
         worker_address,
         regions,
+        shared_memory,
     })
 }
 

@@ -45,6 +45,38 @@ pub struct ElementRef {
     pub index: u64,
 }
 
+/// How a source on the same host may write a target's regions itself: the
+/// regions are shared-memory files (`memfd`) the source maps and copies into
+/// with one `memcpy` per span, without UCX and without the target running.
+///
+/// Everything here is a claim by the target; the source acts on it only
+/// when the host and pid namespace are its own, and only after checking
+/// each file it opens (a sealed memfd of the advertised name and at least
+/// the region's size). Otherwise it writes through UCX as before.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedMemoryAdvert {
+    /// The kernel boot the target runs under (`/proc/sys/kernel/random/boot_id`).
+    pub boot_id: [u8; 16],
+    /// The target's pid namespace (inode of `/proc/self/ns/pid`).
+    pub pid_namespace: u64,
+    /// The target's process id in that namespace.
+    pub pid: u32,
+    /// The regions that are shared segments (a subset of the advertised ones).
+    pub segments: Vec<SegmentAdvert>,
+}
+
+/// One advertised region backed by a shared-memory file of the target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentAdvert {
+    /// The advertised region it backs (its first byte is the region's base).
+    pub region: RegionId,
+    /// The file descriptor in the target process (`/proc/<pid>/fd/<fd>`).
+    pub fd: u32,
+    /// Random per segment; part of the file's name, so a source opens only
+    /// the file the target meant.
+    pub token: [u8; 16],
+}
+
 /// A strided region the target registered and advertises to sources.
 ///
 /// Element `i` occupies `[base + i * stride, base + i * stride + element_size)`
@@ -143,12 +175,18 @@ pub enum Body {
         worker_address: Vec<u8>,
         /// Regions the target advertises.
         regions: Vec<RegionAdvert>,
+        /// Regions a same-host source may map and write itself.
+        shared_memory: Option<SharedMemoryAdvert>,
     },
     /// Source → target: metadata loaded; optionally names the write that
     /// triggered it.
     TargetMetadataAck {
         /// The write whose start carried the metadata, if any.
         op_handle: Option<OpHandle>,
+        /// The source mapped every advertised shared segment: its writes
+        /// land with one copy and need nothing from the target's UCX worker
+        /// (which may then sleep while the write runs).
+        one_copy: bool,
     },
     /// Target → source: put these keys into these granted elements.
     StartWrite {

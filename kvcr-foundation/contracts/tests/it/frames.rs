@@ -6,7 +6,7 @@ use kvcr_contracts::error::FrameReason;
 use kvcr_contracts::protocol::codec::{FrameCodec, MAX_KEYS_PER_WRITE, MAX_SPANS_PER_KEY};
 use kvcr_contracts::protocol::{
     Body, CompletedIndices, ElementRef, Header, Message, OpHandle, RegionAdvert, RegionId,
-    RouteGeneration, WriteOutcome,
+    RouteGeneration, SegmentAdvert, SharedMemoryAdvert, WriteOutcome,
 };
 use kvcr_contracts::{BlockKey, ControlEndpoint, Incarnation, NamespaceId};
 use proptest::prelude::*;
@@ -36,6 +36,22 @@ fn region(id: u32) -> RegionAdvert {
     }
 }
 
+fn shared_memory(regions: &[u32]) -> SharedMemoryAdvert {
+    SharedMemoryAdvert {
+        boot_id: [0x5a; 16],
+        pid_namespace: 4_026_531_836,
+        pid: 4242,
+        segments: regions
+            .iter()
+            .map(|&id| SegmentAdvert {
+                region: RegionId(id),
+                fd: 17 + id,
+                token: [id as u8; 16],
+            })
+            .collect(),
+    }
+}
+
 /// One fixed example of every message kind (and every outcome).
 fn examples() -> Vec<(&'static str, Body)> {
     vec![
@@ -44,16 +60,29 @@ fn examples() -> Vec<(&'static str, Body)> {
             Body::TargetMetadata {
                 worker_address: vec![1, 2, 3, 4],
                 regions: vec![region(0), region(1)],
+                shared_memory: None,
+            },
+        ),
+        (
+            "target_metadata_shared_memory",
+            Body::TargetMetadata {
+                worker_address: vec![1, 2, 3, 4],
+                regions: vec![region(0), region(1)],
+                shared_memory: Some(shared_memory(&[1])),
             },
         ),
         (
             "target_metadata_ack_none",
-            Body::TargetMetadataAck { op_handle: None },
+            Body::TargetMetadataAck {
+                op_handle: None,
+                one_copy: false,
+            },
         ),
         (
             "target_metadata_ack_op",
             Body::TargetMetadataAck {
                 op_handle: Some(OpHandle(42)),
+                one_copy: true,
             },
         ),
         (
@@ -258,6 +287,7 @@ fn metadata_with(edit: impl FnOnce(&mut RegionAdvert)) -> Vec<u8> {
     let valid = encode(Body::TargetMetadata {
         worker_address: vec![1],
         regions: vec![r.clone()],
+        shared_memory: None,
     });
     edit(&mut r);
     let at = body_start(&valid) + 2 + 1 + 2; // address len, address, region count
@@ -280,7 +310,7 @@ fn metadata_with(edit: impl FnOnce(&mut RegionAdvert)) -> Vec<u8> {
 #[case::too_large(vec![0xff, 0xff, 0xff, 0xff], FrameReason::TooLarge { len: u32::MAX as usize, max: 16 << 20 })]
 #[case::too_short(vec![0, 0, 0, 2, 0x4b, 0x56], FrameReason::TooShort { len: 2, min: 4 })]
 #[case::magic(mutate(write_refused(), 4, 0), FrameReason::Magic(0x0056))]
-#[case::version(mutate(write_refused(), VERSION_AT, 2), FrameReason::Version(2))]
+#[case::version(mutate(write_refused(), VERSION_AT, 1), FrameReason::Version(1))]
 #[case::kind_zero(mutate(write_refused(), KIND_AT, 0), FrameReason::Kind(0))]
 #[case::kind_unknown(mutate(write_refused(), KIND_AT, 8), FrameReason::Kind(8))]
 #[case::zero_incarnation({let mut f = write_refused(); f[INCARNATION_AT..INCARNATION_AT + 16].fill(0); f}, FrameReason::Zero("sender incarnation"))]
@@ -338,6 +368,7 @@ fn duplicate_region_ids_refused_both_ways() {
     let body = Body::TargetMetadata {
         worker_address: vec![1],
         regions: vec![region(3), region(3)],
+        shared_memory: None,
     };
     let err = FrameCodec::default()
         .encode_to_vec(&Message {
@@ -353,7 +384,10 @@ fn duplicate_region_ids_refused_both_ways() {
 #[case::mismatch(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![] }, FrameReason::LengthMismatch { keys: 1, destinations: 0 })]
 #[case::zero_timeout(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 0, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![vec![]] }, FrameReason::Zero("remaining_timeout_ms"))]
 #[case::empty_dest(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![vec![]] }, FrameReason::Empty("destinations of a key"))]
-#[case::empty_address(Body::TargetMetadata { worker_address: vec![], regions: vec![] }, FrameReason::Empty("worker_address"))]
+#[case::empty_address(Body::TargetMetadata { worker_address: vec![], regions: vec![], shared_memory: None }, FrameReason::Empty("worker_address"))]
+#[case::stray_segment(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0)], shared_memory: Some(shared_memory(&[0, 5])) }, FrameReason::Bound { field: "segments", count: 2, max: 1 })]
+#[case::unknown_segment(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0)], shared_memory: Some(shared_memory(&[5])) }, FrameReason::UnknownSegmentRegion(5))]
+#[case::duplicate_segment(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0), region(1)], shared_memory: Some(shared_memory(&[1, 1])) }, FrameReason::DuplicateRegion(1))]
 fn encoder_refuses(#[case] body: Body, #[case] expected: FrameReason) {
     let mut buf = BytesMut::new();
     let err = FrameCodec::default()
@@ -375,6 +409,7 @@ fn encoder_respects_frame_bound() {
     let body = Body::TargetMetadata {
         worker_address: vec![0; 100],
         regions: vec![],
+        shared_memory: None,
     };
     let err = codec
         .encode_to_vec(&Message {
@@ -477,13 +512,22 @@ fn arb_body() -> impl Strategy<Value = Body> {
         (
             proptest::collection::vec(any::<u8>(), 1..256),
             (0usize..4).prop_flat_map(|n| (0..n as u32).map(arb_region).collect::<Vec<_>>()),
+            any::<bool>(),
         )
-            .prop_map(|(worker_address, regions)| Body::TargetMetadata {
-                worker_address,
-                regions
+            .prop_map(|(worker_address, regions, shared)| {
+                let ids: Vec<u32> = regions.iter().map(|r| r.id.0).collect();
+                Body::TargetMetadata {
+                    worker_address,
+                    regions,
+                    shared_memory: shared.then(|| shared_memory(&ids)),
+                }
             }),
-        proptest::option::of(op.clone())
-            .prop_map(|op_handle| Body::TargetMetadataAck { op_handle }),
+        (proptest::option::of(op.clone()), any::<bool>()).prop_map(|(op_handle, one_copy)| {
+            Body::TargetMetadataAck {
+                op_handle,
+                one_copy,
+            }
+        }),
         (
             op.clone(),
             1u32..,

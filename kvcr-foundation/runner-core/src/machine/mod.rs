@@ -32,7 +32,7 @@ use crate::types::{
 use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::hint::RequestId;
 use kvcr_contracts::key::{BlockKey, Namespace, NamespaceId, ScopedKey};
-use kvcr_contracts::protocol::{ElementRef, OpHandle, RegionId};
+use kvcr_contracts::protocol::{ElementRef, OpHandle, RegionId, SharedMemoryAdvert};
 use kvcr_contracts::tier::{InventoryEvent, InventoryScope, Medium, Owner};
 
 mod completions;
@@ -95,6 +95,9 @@ pub enum Action {
         worker_address: Vec<u8>,
         /// The target's regions: id, base address, packed remote key.
         rkeys: Vec<(RegionId, u64, Vec<u8>)>,
+        /// The target's shared segments, for the driver to map when the
+        /// target runs on this host (checked there, never trusted).
+        shared_memory: Option<SharedMemoryAdvert>,
     },
     /// Put these spans into the target, flush, then report `handle_put_done`.
     Put {

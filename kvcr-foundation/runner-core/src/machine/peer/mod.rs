@@ -38,7 +38,8 @@ use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::hint::{FetchHint, RequestId};
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::protocol::{
-    Body, CompletedIndices, Header, Message, RegionAdvert, RouteGeneration, WriteOutcome,
+    Body, CompletedIndices, Header, Message, RegionAdvert, RouteGeneration, SharedMemoryAdvert,
+    WriteOutcome,
 };
 
 /// Everything a runner needs to take part in the peer protocol.
@@ -52,6 +53,9 @@ pub struct PeerConfig {
     pub worker_address: Vec<u8>,
     /// Packed remote key per runner-owned pool region.
     pub rkeys: Vec<(RegionId, Vec<u8>)>,
+    /// The pools a same-host source may map and write itself (advertised
+    /// with the metadata; `None`: UCX only).
+    pub shared_memory: Option<SharedMemoryAdvert>,
     /// Abandonment budget, from op start (≥ 2 × the op timeout).
     pub abandon_timeout_ns: u64,
     /// How often unacknowledged metadata is re-sent.
@@ -157,6 +161,9 @@ pub(crate) struct RequestHint {
 #[derive(Debug, Default)]
 struct SourcePeer {
     acked: bool,
+    /// The source's ack said it maps our shared segments: its writes need
+    /// nothing from our UCX worker.
+    one_copy: bool,
     incarnation: Option<Incarnation>,
     last_metadata_ns: Option<u64>,
 }
@@ -192,6 +199,10 @@ struct Route {
     their_generation: RouteGeneration,
     local_generation: u64,
     regions: HashMap<RegionId, RegionAdvert>,
+    shared_memory: Option<SharedMemoryAdvert>,
+    /// `None` while the driver connects; then whether it mapped every
+    /// shared segment (the metadata ack waits for this and carries it).
+    one_copy: Option<bool>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -356,8 +367,9 @@ impl Core {
             Body::TargetMetadata {
                 worker_address,
                 regions,
-            } => self.on_target_metadata(&header, worker_address, regions),
-            Body::TargetMetadataAck { .. } => self.on_metadata_ack(&header),
+                shared_memory,
+            } => self.on_target_metadata(&header, worker_address, regions, shared_memory),
+            Body::TargetMetadataAck { one_copy, .. } => self.on_metadata_ack(&header, one_copy),
             Body::StartWrite {
                 op_handle,
                 remaining_timeout_ms,
@@ -520,6 +532,35 @@ impl Core {
             .filter(|w| w.state == WriteState::Writing)
             .map(|w| w.deadline);
         targets.chain(sources).min()
+    }
+
+    /// Target operations whose bytes may arrive through UCX, so this
+    /// process's worker must progress for them (UCX 1.13 completes a put into
+    /// private memory over shared memory only when the destination
+    /// progresses): those from sources that did not map our shared segments.
+    pub fn peer_transport_waits(&self) -> usize {
+        self.peer.as_ref().map_or(0, |p| {
+            p.target
+                .ops
+                .values()
+                .filter(|o| !p.target.sources.get(&o.source).is_some_and(|s| s.one_copy))
+                .count()
+        })
+    }
+
+    /// When the peer driver must next run [`Core::handle_tick`]: the earliest
+    /// peer deadline, and at the latest a quarter of the operation timeout
+    /// after the last tick (so a stall of this process, a whole operation
+    /// timeout between ticks, is still told from an idle sleep).
+    pub fn peer_wake_at(&self) -> Option<u64> {
+        let peer = self.peer.as_ref()?;
+        let guard = peer
+            .last_tick
+            .map(|t| t.saturating_add(self.operation_timeout_ns / 4));
+        match (self.next_peer_deadline(), guard) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Whether the peer side still has work that may touch memory.

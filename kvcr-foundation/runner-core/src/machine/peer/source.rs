@@ -18,6 +18,7 @@ impl Core {
         header: &Header,
         worker_address: Vec<u8>,
         regions: Vec<RegionAdvert>,
+        shared_memory: Option<SharedMemoryAdvert>,
     ) {
         let Some(peer) = self.peer.as_mut() else {
             return;
@@ -37,6 +38,7 @@ impl Core {
                 && r.their_generation == header.route_generation
                 && r.regions.len() == regions.len()
                 && regions.iter().all(|a| r.regions.get(&a.id) == Some(a))
+                && r.shared_memory == shared_memory
         });
         if !unchanged {
             // A new process (or new registrations) at this name: a new route
@@ -54,16 +56,56 @@ impl Core {
                     their_generation: header.route_generation,
                     local_generation: generation,
                     regions: regions.into_iter().map(|r| (r.id, r)).collect(),
+                    shared_memory: shared_memory.clone(),
+                    one_copy: None,
                 },
             );
+            // The ack waits for the driver's connect (`handle_connected`),
+            // so it can say whether the writes will land with one copy.
             self.actions.push_back(Action::Connect {
                 peer: target.clone(),
                 generation,
                 worker_address,
                 rkeys,
+                shared_memory,
             });
+            return;
         }
-        self.send(target, Body::TargetMetadataAck { op_handle: None });
+        let one_copy = peer.source.routes.get(&target).and_then(|r| r.one_copy);
+        if let Some(one_copy) = one_copy {
+            self.send(
+                target,
+                Body::TargetMetadataAck {
+                    op_handle: None,
+                    one_copy,
+                },
+            );
+        }
+    }
+
+    /// The driver built the route of `generation` to `target`; `one_copy`:
+    /// it mapped every shared segment the target advertised. Acknowledges
+    /// the metadata.
+    pub fn handle_connected(&mut self, target: &ControlEndpoint, generation: u64, one_copy: bool) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let Some(route) = peer
+            .source
+            .routes
+            .get_mut(target)
+            .filter(|r| r.local_generation == generation)
+        else {
+            return; // replaced meanwhile; the newer connect acknowledges
+        };
+        route.one_copy = Some(one_copy);
+        self.send(
+            target.clone(),
+            Body::TargetMetadataAck {
+                op_handle: None,
+                one_copy,
+            },
+        );
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -296,6 +338,15 @@ impl Core {
         {
             peer.source.routes.remove(target);
             peer.counters.refused += 1;
+            // Acknowledged anyway, so the target's writes are refused at once
+            // (there is no route) instead of waiting out their deadline.
+            self.send(
+                target.clone(),
+                Body::TargetMetadataAck {
+                    op_handle: None,
+                    one_copy: false,
+                },
+            );
         }
     }
 

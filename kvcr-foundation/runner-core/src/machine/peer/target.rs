@@ -92,12 +92,14 @@ impl Core {
         }
         state.last_metadata_ns = Some(now);
         let worker_address = peer.config.worker_address.clone();
+        let shared_memory = peer.config.shared_memory.clone();
         let regions = self.advertised_regions();
         self.send(
             source.clone(),
             Body::TargetMetadata {
                 worker_address,
                 regions,
+                shared_memory,
             },
         );
     }
@@ -114,6 +116,7 @@ impl Core {
             .and_then(|p| p.target.sources.get_mut(source))
         {
             state.acked = false;
+            state.one_copy = false;
             state.incarnation = None;
             state.last_metadata_ns = None;
         }
@@ -243,7 +246,7 @@ impl Core {
 
     /// The source acknowledged our metadata: we now know its incarnation, and
     /// the writes that waited for it go out, naming it.
-    pub(in crate::machine) fn on_metadata_ack(&mut self, header: &Header) {
+    pub(in crate::machine) fn on_metadata_ack(&mut self, header: &Header, one_copy: bool) {
         let Some(peer) = self.peer.as_mut() else {
             return;
         };
@@ -252,6 +255,9 @@ impl Core {
             return;
         };
         state.acked = true;
+        // Only decides whether our worker spins while this source writes: a
+        // source that lies slows its own UCX writes into us, nothing else.
+        state.one_copy = one_copy && peer.config.shared_memory.is_some();
         state.incarnation = Some(header.sender);
         let mut ready = Vec::new();
         for (handle, op) in peer.target.ops.iter_mut() {

@@ -1,0 +1,332 @@
+//! Unsafe, named: same-host one-copy writes between runners.
+//!
+//! In peer mode each pool is a sealed `memfd` mapped shared ([`SharedPool`]).
+//! A target advertises the file (its pid and fd, a random name token) with
+//! its metadata; a source on the same host and in the same pid namespace
+//! opens `/proc/<pid>/fd/<fd>`, checks the file ([`PeerSegment::open`]) and
+//! maps it, and then writes pages with one `memcpy` per span on its lanes
+//! ([`crate::lanes`]) — no UCX, no second copy through shared-memory FIFOs,
+//! and nothing needed from the target while the bytes land.
+//!
+//! What the source checks before it maps anything a target named:
+//! * the host (kernel boot id) and pid namespace are its own;
+//! * the file opened is a memfd named `kvcr-pool-<token>` with the
+//!   advertised token (checked on the opened descriptor, not the path);
+//! * the file is sealed against shrinking, so it can never become shorter
+//!   than the mapping (no `SIGBUS` on a write);
+//! * every write stays inside the mapping (bounds-checked per span).
+//!
+//! The kernel's own rule covers the rest: opening another process's
+//! descriptor through `/proc` needs the access `ptrace` read mode needs
+//! (same user, dumpable), the access a same-host peer already has to write
+//! that process's memory.
+
+use std::ffi::CString;
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::fs::MetadataExt;
+
+use kvcr_contracts::protocol::{SegmentAdvert, SharedMemoryAdvert};
+use memmap2::{MmapOptions, MmapRaw};
+
+use crate::error::{Error, PoolMemoryReason, Result, RunnerReason};
+
+/// Prefix of a pool file's name (`memfd:` names show in `/proc/*/fd`).
+const NAME_PREFIX: &str = "kvcr-pool-";
+
+/// Where this process runs: the kernel boot and the pid namespace. Two
+/// processes with equal scopes can reach each other's descriptors through
+/// `/proc/<pid>/fd`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct HostScope {
+    pub(crate) boot_id: [u8; 16],
+    pub(crate) pid_namespace: u64,
+}
+
+impl HostScope {
+    /// This process's scope; `None` when `/proc` does not tell.
+    pub(crate) fn current() -> Option<Self> {
+        let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+        let boot_id = parse_uuid(text.trim())?;
+        let pid_namespace = std::fs::metadata("/proc/self/ns/pid").ok()?.ino();
+        Some(Self {
+            boot_id,
+            pid_namespace,
+        })
+    }
+
+    /// Whether a target advertising `advert` runs in this scope.
+    pub(crate) fn matches(&self, advert: &SharedMemoryAdvert) -> bool {
+        self.boot_id == advert.boot_id && self.pid_namespace == advert.pid_namespace
+    }
+}
+
+/// `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` to its 16 bytes.
+fn parse_uuid(text: &str) -> Option<[u8; 16]> {
+    let hex: String = text.chars().filter(|c| *c != '-').collect();
+    if hex.len() != 32 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+fn hex(token: &[u8; 16]) -> String {
+    token.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn os_error(call: &'static str) -> Error {
+    let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+    Error::runner(RunnerReason::PoolMemory(PoolMemoryReason::Os {
+        call,
+        errno,
+    }))
+}
+
+/// A pool backed by a sealed memfd, mapped shared. Owned by the UCX
+/// registration (which unmaps it from UCX before dropping it); the file
+/// stays open for the pool's life so same-host sources can reach it.
+///
+/// Field order is drop order: the mapping goes before the file.
+#[derive(Debug)]
+pub(crate) struct SharedPool {
+    map: MmapRaw,
+    file: File,
+    token: [u8; 16],
+}
+
+impl SharedPool {
+    /// A zeroed pool of `len` bytes (a multiple of the page size is not
+    /// required); with `prefault`, every page is touched now, so neither
+    /// this process nor a peer's first write pays the fault.
+    pub(crate) fn create(len: u64, huge_pages: bool, prefault: bool) -> Result<Self> {
+        let failed = || Error::runner(RunnerReason::Allocation { bytes: len });
+        let size = usize::try_from(len).map_err(|_| failed())?;
+        if size == 0 {
+            return Err(failed());
+        }
+        let mut token = [0u8; 16];
+        getrandom::fill(&mut token).map_err(|_| failed())?;
+        let name = CString::new(format!("{NAME_PREFIX}{}", hex(&token))).map_err(|_| failed())?;
+        // SAFETY: `name` is a valid NUL-terminated string; the flags are
+        // plain bits. The returned descriptor is owned by the `File` below.
+        let fd = unsafe {
+            libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
+        if fd < 0 {
+            return Err(os_error("memfd_create"));
+        }
+        // SAFETY: `fd` was just returned by memfd_create and is owned by
+        // nothing else.
+        let file = unsafe { File::from_raw_fd(fd) };
+        file.set_len(len).map_err(|_| os_error("ftruncate"))?;
+        // The size is final: a source maps the whole file, and a shrink would
+        // turn its writes into SIGBUS.
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: F_ADD_SEALS on our own memfd; no memory is passed.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+            return Err(os_error("fcntl(F_ADD_SEALS)"));
+        }
+        let map = MmapOptions::new()
+            .len(size)
+            .map_raw(&file)
+            .map_err(|_| os_error("mmap"))?;
+        if huge_pages {
+            // Advisory: shared memory takes huge pages only where the
+            // kernel's shmem THP mode allows it.
+            let _ = map.advise(memmap2::Advice::HugePage);
+        }
+        let pool = Self { map, file, token };
+        if prefault {
+            pool.prefault();
+        }
+        Ok(pool)
+    }
+
+    fn prefault(&self) {
+        let page = 4096;
+        let mut offset = 0;
+        while offset < self.map.len() {
+            // SAFETY: `offset < len`, inside our mapping, which nothing else
+            // references yet (not advertised, not registered). Writing the
+            // zero already there faults the page in without changing data.
+            unsafe { self.map.as_mut_ptr().add(offset).write_volatile(0) };
+            offset += page;
+        }
+    }
+
+    /// How a source reaches this pool as region `region`.
+    pub(crate) fn advert(&self, region: kvcr_contracts::protocol::RegionId) -> SegmentAdvert {
+        SegmentAdvert {
+            region,
+            fd: u32::try_from(self.file.as_raw_fd()).unwrap_or(u32::MAX),
+            token: self.token,
+        }
+    }
+}
+
+// SAFETY: `map` is a live shared mapping of `map.len()` writable bytes, owned
+// by this value and unmapped only when it is dropped.
+unsafe impl kvcr_ucx::OwnedMemory for SharedPool {
+    fn as_mut_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
+    fn byte_len(&self) -> usize {
+        self.map.len()
+    }
+}
+
+/// Why a source did not map a target's segment (it writes through UCX then).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SegmentRefusal {
+    /// `/proc/<pid>/fd/<fd>` could not be opened (gone, not ours to open).
+    Open,
+    /// The file is not the memfd of the advertised name.
+    Name,
+    /// Not a regular file, or shorter than the region.
+    Size,
+    /// Not sealed against shrinking.
+    Seals,
+    /// The kernel refused the mapping.
+    Map,
+}
+
+/// A target's pool, mapped into this (source) process for one-copy writes.
+#[derive(Debug)]
+pub(crate) struct PeerSegment {
+    map: MmapRaw,
+    /// The target's address of the segment's first byte (its region base).
+    base: u64,
+}
+
+impl PeerSegment {
+    /// Opens and maps the segment `segment` of the target `advert`
+    /// describes, whose region starts at the target's address `base` and
+    /// spans at least `min_len` bytes. The caller has checked the scope.
+    pub(crate) fn open(
+        advert: &SharedMemoryAdvert,
+        segment: &SegmentAdvert,
+        base: u64,
+        min_len: u64,
+    ) -> std::result::Result<Self, SegmentRefusal> {
+        let path = format!("/proc/{}/fd/{}", advert.pid, segment.fd);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|_| SegmentRefusal::Open)?;
+        // The name of what was opened (not of the path, which may have
+        // changed since): only the advertised pool is written.
+        let expected = format!("/memfd:{NAME_PREFIX}{} (deleted)", hex(&segment.token));
+        let name = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
+            .map_err(|_| SegmentRefusal::Name)?;
+        if name.as_os_str() != expected.as_str() {
+            return Err(SegmentRefusal::Name);
+        }
+        let meta = file.metadata().map_err(|_| SegmentRefusal::Size)?;
+        if !meta.is_file() || meta.len() < min_len {
+            return Err(SegmentRefusal::Size);
+        }
+        // SAFETY: F_GET_SEALS on a descriptor we own; no memory is passed.
+        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(SegmentRefusal::Seals);
+        }
+        let len = usize::try_from(meta.len()).map_err(|_| SegmentRefusal::Size)?;
+        let map = MmapOptions::new()
+            .len(len)
+            .map_raw(&file)
+            .map_err(|_| SegmentRefusal::Map)?;
+        Ok(Self { map, base })
+    }
+
+    /// The local address of the target's `remote..remote+len`, if the whole
+    /// range is inside the mapping.
+    pub(crate) fn destination(&self, remote: u64, len: u64) -> Option<u64> {
+        let offset = remote.checked_sub(self.base)?;
+        let end = offset.checked_add(len)?;
+        (end <= self.map.len() as u64).then(|| self.map.as_mut_ptr() as u64 + offset)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvcr_contracts::protocol::RegionId;
+
+    fn advert_of(pool: &SharedPool) -> SharedMemoryAdvert {
+        let scope = HostScope::current().unwrap();
+        SharedMemoryAdvert {
+            boot_id: scope.boot_id,
+            pid_namespace: scope.pid_namespace,
+            pid: std::process::id(),
+            segments: vec![pool.advert(RegionId(0))],
+        }
+    }
+
+    #[test]
+    fn a_pool_maps_through_proc_and_writes_land_in_it() {
+        let pool = SharedPool::create(1 << 20, false, true).unwrap();
+        let advert = advert_of(&pool);
+        assert!(HostScope::current().unwrap().matches(&advert));
+        let segment = PeerSegment::open(&advert, &advert.segments[0], 0x1000, 1 << 20).unwrap();
+        let dst = segment.destination(0x1000 + 4096, 8).unwrap();
+        // SAFETY: `dst` is inside the mapping (checked just above).
+        unsafe { (dst as *mut u64).write_unaligned(0x0123_4567_89ab_cdef) };
+        // SAFETY: offset 4096 + 8 bytes is inside the pool.
+        let seen = unsafe {
+            (kvcr_ucx::OwnedMemory::as_mut_ptr(&pool).add(4096) as *const u64).read_unaligned()
+        };
+        assert_eq!(seen, 0x0123_4567_89ab_cdef);
+        assert_eq!(segment.destination(0x1000 + (1 << 20) - 4, 8), None);
+        assert_eq!(segment.destination(0xfff, 1), None);
+        assert_eq!(segment.destination(u64::MAX, 2), None);
+    }
+
+    #[test]
+    fn a_segment_named_wrongly_or_too_short_or_unsealed_is_refused() {
+        let pool = SharedPool::create(1 << 16, false, false).unwrap();
+        let advert = advert_of(&pool);
+        let mut forged = advert.segments[0];
+        forged.token[0] ^= 1;
+        assert_eq!(
+            PeerSegment::open(&advert, &forged, 0, 1).unwrap_err(),
+            SegmentRefusal::Name
+        );
+        assert_eq!(
+            PeerSegment::open(&advert, &advert.segments[0], 0, (1 << 16) + 1).unwrap_err(),
+            SegmentRefusal::Size
+        );
+        // Another descriptor of this process: not a pool.
+        let other = File::open("/proc/self/status").unwrap();
+        let mut stray = advert.segments[0];
+        stray.fd = other.as_raw_fd() as u32;
+        assert_eq!(
+            PeerSegment::open(&advert, &stray, 0, 1).unwrap_err(),
+            SegmentRefusal::Name
+        );
+        let mut closed = advert.segments[0];
+        closed.fd = 1 << 20;
+        assert_eq!(
+            PeerSegment::open(&advert, &closed, 0, 1).unwrap_err(),
+            SegmentRefusal::Open
+        );
+    }
+
+    #[test]
+    fn boot_ids_parse_and_bad_ones_do_not() {
+        assert_eq!(
+            parse_uuid("00112233-4455-6677-8899-aabbccddeeff"),
+            Some([
+                0x00, 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88, 0x99, 0xaa, 0xbb, 0xcc, 0xdd,
+                0xee, 0xff
+            ])
+        );
+        assert_eq!(parse_uuid("0011"), None);
+        assert_eq!(parse_uuid("zz112233-4455-6677-8899-aabbccddeeff"), None);
+    }
+}
