@@ -1,6 +1,9 @@
 //! Peer-fetch benchmarks between two processes on loopback (this binary
-//! re-executes itself as the source), each beside `ucx_perftest` measured in
-//! the same run at the same size and transports.
+//! re-executes itself as the source), each beside an anchor measured in the
+//! same run: a DRAM-resident copy of the same bytes over distinct buffers
+//! (one thread, or the lane count; `process_vm_readv` at the lane count),
+//! and `ucx_perftest` at the same size and transports for reference. Every
+//! fetched byte is checked against the source's pattern after the timing.
 //!
 //! `cargo bench -p kvcr-foundation --bench peer [-- --quick]` (or `cargo xtask bench`).
 
@@ -26,10 +29,40 @@ use kvcr_foundation::{
 
 const CHILD: &str = "KVCR_BENCH_PEER_SOURCE";
 
-fn options(tls: &str) -> PeerOptions {
+/// How both runners of a measurement take part in the peer protocol.
+#[derive(Debug, Clone, Copy)]
+struct Path<'a> {
+    /// UCX transports.
+    tls: &'a str,
+    /// Same-host one-copy mapping (off: every byte goes through UCX).
+    mapping: bool,
+    /// Copy lanes (0: the default, one per core up to 8).
+    lanes: usize,
+}
+
+impl Path<'_> {
+    fn spec(&self) -> String {
+        format!(
+            "{}:{}:{}",
+            self.tls.replace(',', "+"),
+            u8::from(self.mapping),
+            self.lanes
+        )
+    }
+}
+
+fn options(path: Path<'_>) -> PeerOptions {
     let mut o = PeerOptions::loopback();
-    o.ucx_tls = Some(tls.to_owned());
+    o.ucx_tls = Some(path.tls.to_owned());
+    o.same_host_mapping = path.mapping;
+    o.lanes = path.lanes;
     o
+}
+
+/// The byte the source holds at offset `i` of its host buffer (key `k`'s
+/// block starts at `k * block`).
+fn pattern(i: usize) -> u8 {
+    (i >> 7) as u8 ^ (i >> 19) as u8
 }
 
 fn config(block: usize, blocks: u32) -> RunnerConfig {
@@ -44,13 +77,20 @@ fn config(block: usize, blocks: u32) -> RunnerConfig {
 fn source(spec: &str) {
     let mut parts = spec.split(':');
     let tls = parts.next().unwrap().replace('+', ",");
+    let mapping = parts.next().unwrap() == "1";
+    let lanes: usize = parts.next().unwrap().parse().unwrap();
     let block: usize = parts.next().unwrap().parse().unwrap();
     let n: u64 = parts.next().unwrap().parse().unwrap();
-    let runner = Runner::start_with_peers(config(block, n as u32), None, &options(&tls)).unwrap();
+    let path = Path {
+        tls: &tls,
+        mapping,
+        lanes,
+    };
+    let runner = Runner::start_with_peers(config(block, n as u32), None, &options(path)).unwrap();
     let ns = runner.register_namespace(Namespace::base(CompatDigest(9)));
     let mut host = vec![0u8; block * n as usize];
     for (i, b) in host.iter_mut().enumerate() {
-        *b = (i >> 7) as u8;
+        *b = pattern(i);
     }
     // SAFETY: `host` outlives the runner (dropped after it, below).
     let region = unsafe {
@@ -63,22 +103,26 @@ fn source(spec: &str) {
         })
     }
     .unwrap();
-    let entries = (0..n)
-        .map(|k| DepositEntry {
-            key: ScopedKey {
-                namespace: ns,
-                key: BlockKey::from_u64(k),
-            },
-            spans: vec![ElementRef { region, index: k }],
-            page: None,
-        })
-        .collect();
-    let op = runner.deposit(entries, false).unwrap();
-    while !runner
-        .wait_completed(Duration::from_secs(1))
-        .iter()
-        .any(|r| r.op == op)
-    {}
+    // In batches: one deposit of gigabytes would outrun its timeout.
+    let per_batch = ((256 << 20) / block as u64).max(1);
+    for first in (0..n).step_by(per_batch as usize) {
+        let entries = (first..(first + per_batch).min(n))
+            .map(|k| DepositEntry {
+                key: ScopedKey {
+                    namespace: ns,
+                    key: BlockKey::from_u64(k),
+                },
+                spans: vec![ElementRef { region, index: k }],
+                page: None,
+            })
+            .collect();
+        let op = runner.deposit(entries, false).unwrap();
+        while !runner
+            .wait_completed(Duration::from_secs(1))
+            .iter()
+            .any(|r| r.op == op)
+        {}
+    }
     println!("{}", runner.endpoint().unwrap());
     std::io::stdout().flush().unwrap();
     let mut line = String::new();
@@ -93,9 +137,9 @@ struct Source {
 }
 
 impl Source {
-    fn start(tls: &str, block: usize, n: u64) -> Self {
+    fn start(path: Path<'_>, block: usize, n: u64) -> Self {
         let mut child = Command::new(std::env::current_exe().unwrap())
-            .env(CHILD, format!("{}:{block}:{n}", tls.replace(',', "+")))
+            .env(CHILD, format!("{}:{block}:{n}", path.spec()))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -162,6 +206,15 @@ fn fetch(
         .filter_map(|(_, e)| e.release)
         .collect();
     assert_eq!(handles.len(), scoped.len(), "not every key was fetched");
+    // Every byte checked, outside the timing: some UCX settings corrupt
+    // data silently.
+    for (k, handle) in keys.clone().zip(&handles) {
+        let bytes = target.read_claimed(*handle, 0).unwrap();
+        let first = k as usize * bytes.len();
+        if let Some(at) = (0..bytes.len()).find(|&i| bytes[i] != pattern(first + i)) {
+            panic!("key {k}: byte {at} differs after the fetch");
+        }
+    }
     target.release(&handles);
     target.discard_hint(&request);
     secs
@@ -172,17 +225,18 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Bandwidth (GB/s) of `n` fetches of `keys` keys of `block` bytes.
-fn bandwidth(tls: &str, block: usize, keys: u64, reps: usize) -> f64 {
-    let source = Source::start(tls, block, keys * reps as u64);
+/// Bandwidth (GB/s) of `n` fetches of `keys` keys of `block` bytes, each
+/// of distinct pages (the source holds `keys * reps`).
+fn bandwidth(path: Path<'_>, block: usize, keys: u64, reps: usize) -> f64 {
+    let source = Source::start(path, block, keys * reps as u64 + 1);
     let mut target =
-        Runner::start_with_peers(config(block, keys as u32), None, &options(tls)).unwrap();
+        Runner::start_with_peers(config(block, keys as u32), None, &options(path)).unwrap();
     let ns = target.register_namespace(Namespace::base(CompatDigest(9)));
     // Warm up the route (metadata, endpoint, rkeys) on a key outside the measurement.
     fetch(&mut target, &source.endpoint, ns, 0..1, usize::MAX);
     let samples: Vec<f64> = (0..reps)
         .map(|r| {
-            let first = r as u64 * keys;
+            let first = 1 + r as u64 * keys;
             let secs = fetch(&mut target, &source.endpoint, ns, first..first + keys, r);
             (block as u64 * keys) as f64 / secs / 1e9
         })
@@ -191,9 +245,9 @@ fn bandwidth(tls: &str, block: usize, keys: u64, reps: usize) -> f64 {
 }
 
 /// Latencies (µs) of `iters` one-key fetches of `block` bytes, sorted.
-fn one_block(tls: &str, block: usize, iters: usize) -> Vec<f64> {
-    let source = Source::start(tls, block, iters as u64 + 1);
-    let mut target = Runner::start_with_peers(config(block, 64), None, &options(tls)).unwrap();
+fn one_block(path: Path<'_>, block: usize, iters: usize) -> Vec<f64> {
+    let source = Source::start(path, block, iters as u64 + 1);
+    let mut target = Runner::start_with_peers(config(block, 64), None, &options(path)).unwrap();
     let ns = target.register_namespace(Namespace::base(CompatDigest(9)));
     fetch(&mut target, &source.endpoint, ns, 0..1, usize::MAX);
     let mut samples: Vec<f64> = (1..=iters as u64)
@@ -225,6 +279,125 @@ fn line(name: &str, value: f64, unit: &str, anchor: Option<f64>) {
     }
 }
 
+/// Anchors: copies of `bytes` between distinct, prefaulted, DRAM-resident
+/// buffers (each larger than any cache here), the way a lane copies.
+struct CopyAnchor {
+    src: Vec<u8>,
+    dst: Vec<u8>,
+}
+
+impl CopyAnchor {
+    fn new(bytes: usize) -> Self {
+        let src: Vec<u8> = (0..bytes).map(pattern).collect();
+        let dst = vec![1u8; bytes];
+        Self { src, dst }
+    }
+
+    /// GB/s of `threads` threads each copying its share with `memcpy`.
+    fn memcpy(&mut self, threads: usize) -> f64 {
+        let share = self.src.len().div_ceil(threads);
+        let start = Instant::now();
+        std::thread::scope(|scope| {
+            for (d, s) in self.dst.chunks_mut(share).zip(self.src.chunks(share)) {
+                scope.spawn(move || d.copy_from_slice(s));
+            }
+        });
+        let secs = start.elapsed().as_secs_f64();
+        assert!(self.dst == self.src, "anchor copy corrupted");
+        self.dst.fill(1);
+        self.src.len() as f64 / secs / 1e9
+    }
+
+    /// GB/s of `threads` threads each reading its share with
+    /// `process_vm_readv` (the kernel's cross-process copy; here from this
+    /// process, which costs the same page walk and copy); `None` if the
+    /// kernel refuses it.
+    fn process_vm_readv(&mut self, threads: usize) -> Option<f64> {
+        let share = self.src.len().div_ceil(threads);
+        let pid = std::process::id() as libc::pid_t;
+        let start = Instant::now();
+        let ok = std::thread::scope(|scope| {
+            let handles: Vec<_> = self
+                .dst
+                .chunks_mut(share)
+                .zip(self.src.chunks(share))
+                .map(|(d, s)| {
+                    scope.spawn(move || {
+                        let mut done = 0;
+                        while done < d.len() {
+                            let local = libc::iovec {
+                                iov_base: d[done..].as_mut_ptr().cast(),
+                                iov_len: d.len() - done,
+                            };
+                            let remote = libc::iovec {
+                                iov_base: s[done..].as_ptr() as *mut libc::c_void,
+                                iov_len: s.len() - done,
+                            };
+                            // SAFETY: both iovecs name live buffers of this
+                            // process of the stated lengths; `d` is this
+                            // thread's exclusive share.
+                            let n =
+                                unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+                            if n <= 0 {
+                                return false;
+                            }
+                            done += n as usize;
+                        }
+                        true
+                    })
+                })
+                .collect();
+            handles.into_iter().all(|h| h.join().unwrap())
+        });
+        let secs = start.elapsed().as_secs_f64();
+        if !ok {
+            return None;
+        }
+        assert!(self.dst == self.src, "process_vm_readv anchor corrupted");
+        self.dst.fill(1);
+        Some(self.src.len() as f64 / secs / 1e9)
+    }
+}
+
+/// Two processes spinning beside the measurement (`--contended`).
+struct BusyLoops(Vec<std::process::Child>);
+
+impl BusyLoops {
+    fn start(n: usize) -> Self {
+        Self(
+            (0..n)
+                .map(|_| {
+                    Command::new("sh")
+                        .args(["-c", "while :; do :; done"])
+                        .spawn()
+                        .unwrap()
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for BusyLoops {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// CPU seconds (user + system) `pid` has used.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command (which may hold spaces) start past its ')'.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
+    // SAFETY: sysconf has no memory arguments.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    ticks / hz
+}
+
 fn main() {
     if let Ok(spec) = std::env::var(CHILD) {
         source(&spec);
@@ -241,22 +414,73 @@ fn main() {
     let shm_tls = shm_tls.as_str();
     const TCP: &str = "tcp,self";
     const MIB16: usize = 16 << 20;
+    let lanes = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+    let one_lane = Path {
+        tls: shm_tls,
+        mapping: true,
+        lanes: 1,
+    };
+    let many_lanes = Path { lanes, ..one_lane };
+    let through_ucx = Path {
+        mapping: false,
+        ..one_lane
+    };
+    let tcp = Path {
+        tls: TCP,
+        mapping: false,
+        lanes: 1,
+    };
 
-    let shm16 = bandwidth(shm_tls, MIB16, 8, reps);
+    // Bulk: 1 GiB of distinct 16 MiB pages per fetch (the source holds
+    // `reps` GiB), beside copies of 1 GiB between distinct buffers.
+    let bulk_keys = 64;
+    let bulk_bytes = bulk_keys as usize * MIB16;
+    let mut anchor = CopyAnchor::new(bulk_bytes);
+    let memcpy_1 = median((0..reps).map(|_| anchor.memcpy(1)).collect());
+    let bulk_1 = bandwidth(one_lane, MIB16, bulk_keys, reps);
+    line("peer.fetch_bulk_shm", bulk_1, "GB/s", Some(memcpy_1));
+    let memcpy_n = median((0..reps).map(|_| anchor.memcpy(lanes)).collect());
+    let pvr_n = (0..reps)
+        .map(|_| anchor.process_vm_readv(lanes))
+        .collect::<Option<Vec<f64>>>()
+        .map(median);
+    let bulk_n = bandwidth(many_lanes, MIB16, bulk_keys, reps);
+    line(
+        "peer.fetch_lanes_shm",
+        bulk_n,
+        "GB/s",
+        pvr_n.or(Some(memcpy_n)),
+    );
+    println!(
+        "# peer.fetch_lanes_shm: {lanes} lanes; memcpy at {lanes} threads {memcpy_n:.2} GB/s, \
+         process_vm_readv at {lanes} threads {} GB/s, 1 thread memcpy {memcpy_1:.2} GB/s",
+        pvr_n.map_or("refused".to_owned(), |v| format!("{v:.2}"))
+    );
+    drop(anchor);
+    let contended = {
+        let _busy = BusyLoops::start(2);
+        bandwidth(many_lanes, MIB16, bulk_keys / 4, reps)
+    };
+    let quiet = bandwidth(many_lanes, MIB16, bulk_keys / 4, reps);
+    line("peer.fetch_contended", contended, "GB/s", Some(quiet));
+
+    let shm16 = bandwidth(many_lanes, MIB16, 8, reps);
     line(
         "peer.fetch_16mib_shm",
         shm16,
         "GB/s",
         kvcr_ucx::perftest::put_bw_gbs("posix,cma", MIB16, if quick { 60 } else { 200 }, &[]),
     );
-    let shm256 = bandwidth(shm_tls, 256 << 10, 512, reps);
+    let ucx16 = bandwidth(through_ucx, MIB16, 8, reps);
+    line("peer.fetch_16mib_shm_ucx", ucx16, "GB/s", Some(shm16));
+    let shm256 = bandwidth(many_lanes, 256 << 10, 512, reps);
     let perftest256 =
         kvcr_ucx::perftest::put_bw_gbs("posix,cma", 256 << 10, if quick { 500 } else { 2000 }, &[]);
     line("peer.fetch_256kib_shm", shm256, "GB/s", perftest256);
     if let Some(p) = perftest256 {
         line("ucx.perftest_put_bw_256kib_shm", p, "GB/s", None);
     }
-    let samples = one_block(shm_tls, 256 << 10, if quick { 100 } else { 500 });
+    let samples = one_block(many_lanes, 256 << 10, if quick { 100 } else { 500 });
     dist("peer.one_block_256kib_shm", &samples);
     line(
         "peer.one_block_p50",
@@ -268,19 +492,32 @@ fn main() {
         "# peer.one_block p99={:.0}us (reference runner: 4,350 us one-block hinted fetch)",
         at(&samples, 0.99)
     );
-    let tcp16 = bandwidth(TCP, MIB16, 4, reps.min(3));
+    let tcp16 = bandwidth(tcp, MIB16, 4, reps.min(3));
     line(
         "peer.fetch_16mib_tcp",
         tcp16,
         "GB/s",
         kvcr_ucx::perftest::put_bw_gbs("tcp", MIB16, if quick { 20 } else { 60 }, &["-O", "1"]),
     );
+
+    // An idle source: CPU seconds per second while it holds pages and
+    // nobody asks for them.
+    let idle = {
+        let source = Source::start(many_lanes, 256 << 10, 16);
+        std::thread::sleep(Duration::from_secs(1));
+        let before = cpu_seconds(source.child.id());
+        let secs = if quick { 5.0 } else { 10.0 };
+        std::thread::sleep(Duration::from_secs_f64(secs));
+        (cpu_seconds(source.child.id()) - before) / secs
+    };
+    line("peer.idle_cpu", idle, "cpu_s/s", None);
+
     // `cargo xtask bench --peers`: kvcr's side of the peers' workloads, over
     // TCP on loopback as they run here (the reference runner's NIXL moves
     // bytes over tcp/lo; Mooncake uses its TCP transport): 256 × 256 KiB
     // hinted fetches, and one key of 64 KiB / 1 MiB / 16 MiB per request.
     if std::env::var("KVCR_BENCH_PEERS").is_ok_and(|v| v == "1") {
-        let tcp256 = bandwidth(TCP, 256 << 10, 256, reps);
+        let tcp256 = bandwidth(tcp, 256 << 10, 256, reps);
         line(
             "peer.fetch_256kib_tcp",
             tcp256,
@@ -293,7 +530,7 @@ fn main() {
             ),
         );
         let iters = if quick { 50 } else { 200 };
-        let samples = one_block(TCP, 256 << 10, iters);
+        let samples = one_block(tcp, 256 << 10, iters);
         dist("peer.one_block_256kib_tcp", &samples);
         line(
             "peer.one_block_tcp_p50",
@@ -307,7 +544,7 @@ fn main() {
             ("16mib", MIB16),
         ] {
             let iters = if quick { 20 } else { 60 }.min((256 << 20) / size).max(8);
-            let samples = one_block(TCP, size, iters);
+            let samples = one_block(tcp, size, iters);
             line(
                 &format!("peer.request_{label}_tcp"),
                 size as f64 / (at(&samples, 0.5) * 1e-6) / 1e9,

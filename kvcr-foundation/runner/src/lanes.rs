@@ -25,6 +25,10 @@ use crate::shared_memory::PeerSegment;
 /// more than a lane could save.
 const MIN_PIECE_BYTES: u64 = 2 << 20;
 
+/// Below this many bytes the caller copies the write itself: two thread
+/// wake-ups (to a lane and back) cost more than the copy (256 KiB: ~25 µs).
+const INLINE_BYTES: u64 = 1 << 20;
+
 /// The lanes' default count: one per core, at most 8 (12 threads reach the
 /// H200 host's copy limit; 8 are within 80 % of it).
 pub(crate) fn default_lanes() -> usize {
@@ -87,8 +91,9 @@ impl Lanes {
         Ok(lanes)
     }
 
-    /// Runs the copies of `write` on the lanes; `(write, ok)` arrives on
-    /// `done` once every byte was copied (or the write failed).
+    /// Runs the copies of `write`: a small write here and now (returns
+    /// `Some(ok)`), a larger one on the lanes (returns `None`; `(write, ok)`
+    /// arrives on `done` once every byte was copied or the write failed).
     ///
     /// # Safety
     /// Every source range must stay valid for reads and unwritten until the
@@ -101,8 +106,15 @@ impl Lanes {
         copies: Vec<CopySpan>,
         segments: Vec<Arc<PeerSegment>>,
         done: &UnboundedSender<(u64, bool)>,
-    ) {
+    ) -> Option<bool> {
         let total: u64 = copies.iter().map(|s| s.len).sum();
+        if total < INLINE_BYTES {
+            // SAFETY: this function's contract; `segments` lives until after
+            // the copy (dropped at the end of this call).
+            unsafe { crate::memory::copy_spans(&copies) };
+            drop(segments);
+            return Some(true);
+        }
         let lanes = self.senders.len() as u64;
         // Pieces write disjoint bytes only if the spans do (a target grants
         // distinct slots; a hostile grant naming one twice stays one piece).
@@ -135,6 +147,7 @@ impl Lanes {
                 finish_piece(&join);
             }
         }
+        None
     }
 }
 
@@ -229,7 +242,7 @@ mod tests {
         // SAFETY: both buffers outlive the wait below and nothing else
         // touches them meanwhile; they do not overlap. (No segment: these
         // destinations are plain memory of this test.)
-        unsafe { lanes.submit(9, copies, Vec::new(), &tx) };
+        assert_eq!(unsafe { lanes.submit(9, copies, Vec::new(), &tx) }, None);
         assert_eq!(rx.blocking_recv(), Some((9, true)));
         assert!(rx.try_recv().is_err(), "reported once");
         assert!(dst.iter().all(|b| *b == 7));

@@ -706,9 +706,10 @@ impl State {
                 worker_address,
                 rkeys,
                 shared_memory,
+                extents,
             } => match self.connect(&worker_address, &rkeys) {
                 Ok((endpoint, keys)) => {
-                    let segments = self.map_segments(shared_memory.as_ref(), &rkeys);
+                    let segments = self.map_segments(shared_memory.as_ref(), &rkeys, &extents);
                     let route = Rc::new(Route {
                         generation,
                         endpoint,
@@ -749,9 +750,12 @@ impl State {
                             // lies inside a mapping of `segments` (checked),
                             // granted to this write by its target.
                             #[allow(unsafe_code)]
-                            unsafe {
+                            let inline = unsafe {
                                 self.lanes
-                                    .submit(write, copies, segments, &self.lane_done_tx);
+                                    .submit(write, copies, segments, &self.lane_done_tx)
+                            };
+                            if let Some(ok) = inline {
+                                lane_write_done(shared, (write, ok));
                             }
                         }
                         None => shared
@@ -784,6 +788,7 @@ impl State {
         &self,
         advert: Option<&SharedMemoryAdvert>,
         rkeys: &[(RegionId, u64, Vec<u8>)],
+        extents: &[(RegionId, u64)],
     ) -> HashMap<RegionId, Arc<PeerSegment>> {
         let mut mapped = HashMap::new();
         let Some(advert) = advert.filter(|a| self.scope.is_some_and(|s| s.matches(a))) else {
@@ -793,9 +798,22 @@ impl State {
             let Some((_, base, _)) = rkeys.iter().find(|(r, _, _)| *r == segment.region) else {
                 continue;
             };
-            if let Ok(view) = PeerSegment::open(advert, segment, *base, 1) {
+            let Some((_, extent)) = extents.iter().find(|(r, _)| *r == segment.region) else {
+                continue;
+            };
+            if let Ok(view) = PeerSegment::open(advert, segment, *base, *extent) {
                 mapped.insert(segment.region, Arc::new(view));
             }
+        }
+        if !mapped.is_empty() {
+            // Page-table entries for the mappings, off this thread: a write
+            // into a page this process never touched takes a fault per 4 KiB
+            // (1 GiB first written at 2.8 GB/s here, 13 GB/s once mapped).
+            // Only entries are made: each file is fully backed (checked).
+            let views: Vec<Arc<PeerSegment>> = mapped.values().cloned().collect();
+            let _ = std::thread::Builder::new()
+                .name("kvcr-populate".into())
+                .spawn(move || views.iter().for_each(|v| v.populate()));
         }
         mapped
     }

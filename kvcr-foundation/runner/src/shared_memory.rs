@@ -13,7 +13,9 @@
 //! * the file opened is a memfd named `kvcr-pool-<token>` with the
 //!   advertised token (checked on the opened descriptor, not the path);
 //! * the file is sealed against shrinking, so it can never become shorter
-//!   than the mapping (no `SIGBUS` on a write);
+//!   than the mapping (no `SIGBUS` on a write), and fully allocated, so no
+//!   write of ours allocates memory on the target's behalf (a sparse file
+//!   could make us commit memory without bound);
 //! * every write stays inside the mapping (bounds-checked per span).
 //!
 //! The kernel's own rule covers the rest: opening another process's
@@ -123,6 +125,13 @@ impl SharedPool {
         // nothing else.
         let file = unsafe { File::from_raw_fd(fd) };
         file.set_len(len).map_err(|_| os_error("ftruncate"))?;
+        // Every page allocated now, by us: a source checks this, so its
+        // writes never allocate memory on our behalf.
+        // SAFETY: fallocate on our own memfd, within its size; no memory is
+        // passed.
+        if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) } != 0 {
+            return Err(os_error("fallocate"));
+        }
         // The size is final: a source maps the whole file, and a shrink would
         // turn its writes into SIGBUS.
         let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
@@ -187,7 +196,7 @@ pub(crate) enum SegmentRefusal {
     Open,
     /// The file is not the memfd of the advertised name.
     Name,
-    /// Not a regular file, or shorter than the region.
+    /// Not a regular file, shorter than the region, or not fully allocated.
     Size,
     /// Not sealed against shrinking.
     Seals,
@@ -204,14 +213,14 @@ pub(crate) struct PeerSegment {
 }
 
 impl PeerSegment {
-    /// Opens and maps the segment `segment` of the target `advert`
-    /// describes, whose region starts at the target's address `base` and
-    /// spans at least `min_len` bytes. The caller has checked the scope.
+    /// Opens the segment `segment` of the target `advert` describes, whose
+    /// region starts at the target's address `base` and spans `extent`
+    /// bytes, and maps those bytes. The caller has checked the scope.
     pub(crate) fn open(
         advert: &SharedMemoryAdvert,
         segment: &SegmentAdvert,
         base: u64,
-        min_len: u64,
+        extent: u64,
     ) -> std::result::Result<Self, SegmentRefusal> {
         let path = format!("/proc/{}/fd/{}", advert.pid, segment.fd);
         let file = std::fs::OpenOptions::new()
@@ -228,7 +237,8 @@ impl PeerSegment {
             return Err(SegmentRefusal::Name);
         }
         let meta = file.metadata().map_err(|_| SegmentRefusal::Size)?;
-        if !meta.is_file() || meta.len() < min_len {
+        let allocated = meta.blocks().saturating_mul(512);
+        if !meta.is_file() || extent == 0 || meta.len() < extent || allocated < extent {
             return Err(SegmentRefusal::Size);
         }
         // SAFETY: F_GET_SEALS on a descriptor we own; no memory is passed.
@@ -236,12 +246,41 @@ impl PeerSegment {
         if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
             return Err(SegmentRefusal::Seals);
         }
-        let len = usize::try_from(meta.len()).map_err(|_| SegmentRefusal::Size)?;
+        let len = usize::try_from(extent).map_err(|_| SegmentRefusal::Size)?;
         let map = MmapOptions::new()
             .len(len)
             .map_raw(&file)
             .map_err(|_| SegmentRefusal::Map)?;
         Ok(Self { map, base })
+    }
+
+    /// Makes this process's page-table entries for the whole mapping
+    /// (`MADV_POPULATE_WRITE`), so writes take no faults. Best effort
+    /// (kernels before 5.14 refuse it; writes then fault as usual); data is
+    /// not touched.
+    pub(crate) fn populate(&self) {
+        const MADV_POPULATE_WRITE: libc::c_int = 23;
+        // In 64 MiB steps, so a mapping dropped meanwhile (its route
+        // retired) is not kept alive longer than one step: the caller holds
+        // an `Arc`, so the mapping is valid throughout anyway.
+        let step = 64 << 20;
+        let mut offset = 0;
+        while offset < self.map.len() {
+            let len = step.min(self.map.len() - offset);
+            // SAFETY: `offset..offset+len` lies inside our live mapping;
+            // populating changes no byte.
+            let rc = unsafe {
+                libc::madvise(
+                    self.map.as_mut_ptr().add(offset).cast(),
+                    len,
+                    MADV_POPULATE_WRITE,
+                )
+            };
+            if rc != 0 {
+                return;
+            }
+            offset += len;
+        }
     }
 
     /// The local address of the target's `remote..remote+len`, if the whole
@@ -315,6 +354,75 @@ mod tests {
             PeerSegment::open(&advert, &closed, 0, 1).unwrap_err(),
             SegmentRefusal::Open
         );
+    }
+
+    /// A memfd named like a pool of `token`, of `len` bytes, optionally
+    /// sealed against shrinking and optionally allocated.
+    fn lookalike(token: [u8; 16], len: u64, seal: bool, allocate: bool) -> File {
+        let name = CString::new(format!("{NAME_PREFIX}{}", hex(&token))).unwrap();
+        // SAFETY: valid name; the fd is owned by the File at once.
+        let file = unsafe {
+            File::from_raw_fd(libc::memfd_create(
+                name.as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            ))
+        };
+        file.set_len(len).unwrap();
+        if allocate {
+            // SAFETY: our own memfd, within its size.
+            assert_eq!(
+                unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as i64) },
+                0
+            );
+        }
+        if seal {
+            // SAFETY: our own memfd.
+            let rc =
+                unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) };
+            assert_eq!(rc, 0);
+        }
+        file
+    }
+
+    #[test]
+    fn an_unsealed_or_sparse_lookalike_is_refused() {
+        let token = [0x42; 16];
+        let scope = HostScope::current().unwrap();
+        let advert_for = |file: &File| {
+            let segment = SegmentAdvert {
+                region: RegionId(0),
+                fd: file.as_raw_fd() as u32,
+                token,
+            };
+            (
+                SharedMemoryAdvert {
+                    boot_id: scope.boot_id,
+                    pid_namespace: scope.pid_namespace,
+                    pid: std::process::id(),
+                    segments: vec![segment],
+                },
+                segment,
+            )
+        };
+        let unsealed = lookalike(token, 1 << 16, false, true);
+        let (advert, segment) = advert_for(&unsealed);
+        assert_eq!(
+            PeerSegment::open(&advert, &segment, 0, 1 << 16).unwrap_err(),
+            SegmentRefusal::Seals
+        );
+        // Sparse: 1 GiB that costs its owner nothing, which our writes would
+        // have allocated.
+        let sparse = lookalike(token, 1 << 30, true, false);
+        let (advert, segment) = advert_for(&sparse);
+        assert_eq!(
+            PeerSegment::open(&advert, &segment, 0, 1 << 30).unwrap_err(),
+            SegmentRefusal::Size
+        );
+        let good = lookalike(token, 1 << 16, true, true);
+        let (advert, segment) = advert_for(&good);
+        let view = PeerSegment::open(&advert, &segment, 0, 1 << 16).unwrap();
+        view.populate();
+        assert!(view.destination(0, 1 << 16).is_some());
     }
 
     #[test]

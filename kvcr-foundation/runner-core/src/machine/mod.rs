@@ -98,6 +98,9 @@ pub enum Action {
         /// The target's shared segments, for the driver to map when the
         /// target runs on this host (checked there, never trusted).
         shared_memory: Option<SharedMemoryAdvert>,
+        /// Bytes from each region's base to the end of its last element:
+        /// all a write may touch, so all a driver maps.
+        extents: Vec<(RegionId, u64)>,
     },
     /// Put these spans into the target, flush, then report `handle_put_done`.
     Put {

@@ -49,6 +49,14 @@ impl Core {
                 .iter()
                 .map(|r| (r.id, r.base, r.rkey.clone()))
                 .collect();
+            // The codec checked that each extent fits (no overflow).
+            let extents = regions
+                .iter()
+                .map(|r| {
+                    let last = r.count.saturating_sub(1).saturating_mul(r.stride);
+                    (r.id, last.saturating_add(r.element_size))
+                })
+                .collect();
             peer.source.routes.insert(
                 target.clone(),
                 Route {
@@ -68,6 +76,7 @@ impl Core {
                 worker_address,
                 rkeys,
                 shared_memory,
+                extents,
             });
             return;
         }
