@@ -425,6 +425,13 @@ impl State {
                 config = config.error_mode(ErrorMode::Peer);
             }
         }
+        let over_tcp = options
+            .ucx_tls
+            .as_deref()
+            .is_none_or(|t| t.split(',').any(|t| t.trim() == "tcp"));
+        if over_tcp {
+            config = config.tuned_tcp_segments();
+        }
         let context = Context::with_config(&config)?;
         let worker = context.create_worker()?;
         let mut pools = Vec::with_capacity(pool_bytes.len());
@@ -495,10 +502,6 @@ impl State {
             placements,
             shared_memory,
         };
-        let over_tcp = options
-            .ucx_tls
-            .as_deref()
-            .is_none_or(|t| t.split(',').any(|t| t.trim() == "tcp"));
         let max_in_flight = match (options.put_split.chunk_bytes, options.max_puts_in_flight) {
             (0, 0) if over_tcp => 2,
             (0, 0) => 64,

@@ -74,7 +74,7 @@ mod packed_tests;
 #[cfg(test)]
 mod tests;
 
-pub use context::{Context, ContextConfig, ErrorMode, library_version};
+pub use context::{Context, ContextConfig, ErrorMode, TCP_SEGMENT_SIZES, library_version};
 pub use endpoint::{CloseMode, DROP_WAIT, Endpoint, RemoteKey};
 pub use error::{Error, Result};
 pub use memory::{AnonOptions, OwnedMemory, Registration, Scope};

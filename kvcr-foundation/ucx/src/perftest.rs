@@ -41,8 +41,20 @@ fn final_row(
     static NEXT: AtomicU16 = AtomicU16::new(0);
     let port = 15_000 + (std::process::id() % 2000) as u16 + NEXT.fetch_add(1, Ordering::Relaxed);
     let port = port.to_string();
+    // Over tcp, the segment sizes kvcr runs with: the anchor takes the
+    // same route with the same settings (the environment still wins).
+    let tcp_env: Vec<(String, &str)> = if tls.split(',').any(|t| t == "tcp") {
+        crate::TCP_SEGMENT_SIZES
+            .iter()
+            .map(|(name, value)| (format!("UCX_TCP_{name}"), *value))
+            .filter(|(var, _)| std::env::var_os(var).is_none())
+            .collect()
+    } else {
+        Vec::new()
+    };
     let mut server = Command::new("ucx_perftest")
         .args(["-p", &port])
+        .envs(tcp_env.iter().map(|(k, v)| (k.as_str(), *v)))
         .env("UCX_TLS", tls)
         .env("UCX_NET_DEVICES", "lo")
         .stdout(Stdio::null())
@@ -56,6 +68,7 @@ fn final_row(
         .args(["-s", &size.to_string(), "-n", &iters.to_string()])
         .args(["-w", &(iters / 10).max(2).to_string()])
         .args(extra)
+        .envs(tcp_env.iter().map(|(k, v)| (k.as_str(), *v)))
         .env("UCX_TLS", tls)
         .env("UCX_NET_DEVICES", "lo")
         .output();
