@@ -132,7 +132,7 @@ impl Sim {
         // Every other seed, the target advertises shared segments, so its
         // sources ack with one copy now and then (the driver decides).
         let (target, ns) = new_core_with(TARGET_POOL, 1, 1, |c| {
-            c.shared_memory = (seed % 2 == 0).then(|| SharedMemoryAdvert {
+            c.shared_memory = seed.is_multiple_of(2).then(|| SharedMemoryAdvert {
                 boot_id: [1; 16],
                 pid_namespace: 1,
                 pid: 1,

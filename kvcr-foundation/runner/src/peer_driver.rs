@@ -543,6 +543,8 @@ impl State {
     }
 
     /// The main loop; returns whether the memory must be leaked.
+    // The driver reads the clock (activity, ticks); the core never does.
+    #[allow(clippy::disallowed_methods)]
     async fn serve(
         &mut self,
         shared: &Arc<Shared>,
@@ -552,6 +554,7 @@ impl State {
         #[allow(clippy::disallowed_methods)]
         let mut last_tick = Instant::now();
         let mut last_progress = last_tick;
+        let mut last_activity = last_tick;
         loop {
             // Progress whenever a UCX transfer may be moving in either
             // direction: our own puts, or puts into us from a source that
@@ -560,7 +563,13 @@ impl State {
             // endpoint, unless our worker progresses too, and it does not
             // reliably signal the event fd for it). One-copy writes into us
             // need nothing from us; our own run on the lanes.
-            let into_us = shared.lock().core.peer_transport_waits() > 0;
+            let (into_us, awaiting_reply) = {
+                let inner = shared.lock();
+                (
+                    inner.core.peer_transport_waits() > 0,
+                    inner.core.peer_busy().0 > 0,
+                )
+            };
             let busy = !self.pending.is_empty() || into_us;
             let mut progressed = false;
             while self.worker.progress() > 0 {
@@ -578,22 +587,10 @@ impl State {
                 // waiting, let the socket tasks run, and come straight back
                 // to progress the worker (a timer would cost a millisecond
                 // per turn).
-                loop {
-                    match rx.try_recv() {
-                        Ok(cmd) => {
-                            if let Some(leak) = self.command(cmd, shared) {
-                                return leak;
-                            }
-                        }
-                        Err(mpsc::error::TryRecvError::Empty) => break,
-                        Err(mpsc::error::TryRecvError::Disconnected) => return false,
-                    }
-                }
-                while let Ok(item) = self.inbound.try_recv() {
-                    self.on_inbound(item, shared);
-                }
-                while let Ok(done) = self.lane_done.try_recv() {
-                    lane_write_done(shared, done);
+                match self.drain_queued(&mut rx, shared) {
+                    Ok(true) => last_activity = Instant::now(),
+                    Ok(false) => {}
+                    Err(leak) => return leak,
                 }
                 if self.pending.is_empty() {
                     // Only waiting for writes into us: keep progressing, but
@@ -609,6 +606,19 @@ impl State {
                         std::thread::sleep(WAIT_NAP);
                     }
                 }
+                tokio::task::yield_now().await;
+            } else if awaiting_reply && last_activity.elapsed() < ACTIVE_SPIN {
+                // Our request is out and its reply is due within a round
+                // trip; waking a sleeping thread costs ~100 µs on a virtual
+                // machine's idle vCPU. Stay awake for a bounded moment,
+                // yielding to the socket tasks and to other threads (on a
+                // small machine the engine's own thread may need this CPU).
+                match self.drain_queued(&mut rx, shared) {
+                    Ok(true) => last_activity = Instant::now(),
+                    Ok(false) => {}
+                    Err(leak) => return leak,
+                }
+                std::thread::yield_now();
                 tokio::task::yield_now().await;
             } else {
                 // Idle as far as UCX goes: sleep until a command, a control
@@ -636,6 +646,7 @@ impl State {
                     }
                     cmd = rx.recv() => match cmd {
                         Some(cmd) => {
+                            last_activity = Instant::now();
                             if let Some(leak) = self.command(cmd, shared) {
                                 return leak;
                             }
@@ -646,11 +657,13 @@ impl State {
                     // starve a finished write (the select is biased).
                     done = self.lane_done.recv() => {
                         if let Some(done) = done {
+                            last_activity = Instant::now();
                             lane_write_done(shared, done);
                         }
                     }
                     item = self.inbound.recv() => {
                         if let Some(item) = item {
+                            last_activity = Instant::now();
                             self.on_inbound(item, shared);
                         }
                     }
@@ -664,6 +677,37 @@ impl State {
                 shared.with_core_now(|core, now| core.handle_tick(now));
             }
         }
+    }
+
+    /// Takes whatever is queued (commands, control messages, lane reports)
+    /// without waiting: `Ok(any)`, or `Err(leak)` to stop.
+    fn drain_queued(
+        &mut self,
+        rx: &mut mpsc::UnboundedReceiver<PeerCmd>,
+        shared: &Arc<Shared>,
+    ) -> std::result::Result<bool, bool> {
+        let mut any = false;
+        loop {
+            match rx.try_recv() {
+                Ok(cmd) => {
+                    any = true;
+                    if let Some(leak) = self.command(cmd, shared) {
+                        return Err(leak);
+                    }
+                }
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => return Err(false),
+            }
+        }
+        while let Ok(done) = self.lane_done.try_recv() {
+            any = true;
+            lane_write_done(shared, done);
+        }
+        while let Ok(item) = self.inbound.try_recv() {
+            any = true;
+            self.on_inbound(item, shared);
+        }
+        Ok(any)
     }
 
     /// One item from the control channel: a message for the core, or a
@@ -983,6 +1027,11 @@ fn control_bind_address(options: &PeerOptions) -> Result<SocketAddr> {
     }
     Ok(SocketAddr::new(requested, options.bind.port))
 }
+
+/// How long a destination's peer thread stays awake for a reply after its
+/// last activity (a request sent, a message): about a one-block fetch's
+/// round trip here. Bounded, so a runner whose source went quiet sleeps.
+const ACTIVE_SPIN: Duration = Duration::from_micros(300);
 
 /// The longest idle sleep: a backstop only (the core's wake time is always
 /// sooner while anything is pending).

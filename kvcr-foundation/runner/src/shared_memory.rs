@@ -370,10 +370,8 @@ mod tests {
         file.set_len(len).unwrap();
         if allocate {
             // SAFETY: our own memfd, within its size.
-            assert_eq!(
-                unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as i64) },
-                0
-            );
+            let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as i64) };
+            assert_eq!(rc, 0);
         }
         if seal {
             // SAFETY: our own memfd.
