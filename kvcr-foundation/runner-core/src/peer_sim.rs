@@ -901,6 +901,38 @@ fn a_private_namespace_is_refused_to_other_targets() {
     );
 }
 
+/// The driver's wake time: nothing pending wakes it a quarter of the
+/// operation timeout after its last tick (a stall is still told from an idle
+/// sleep); a pending request wakes it at its deadline.
+#[test]
+fn an_idle_driver_wakes_for_stall_checks_and_deadlines_only() {
+    let (mut target, ns) = new_core(TARGET_POOL, 1, 1);
+    assert_eq!(target.peer_wake_at(), None, "never ticked: no guard yet");
+    target.handle_tick(1_000);
+    assert_eq!(target.peer_wake_at(), Some(1_000 + TIMEOUT / 4));
+    let request = RequestId("wake".into());
+    let key = ScopedKey {
+        namespace: ns,
+        key: BlockKey::from_u64(1),
+    };
+    target.submit_hint(
+        1_000,
+        request.clone(),
+        &FetchHint {
+            source: endpoint(2),
+            block_hashes: vec![key.key],
+            mode: FetchMode::Copy,
+            action_id: None,
+        },
+    );
+    target
+        .fetch(1_000, &[key], &[PoolId(0)], Some(&request))
+        .unwrap();
+    let wake = target.peer_wake_at().unwrap();
+    assert!(wake <= 1_000 + TIMEOUT, "the request's deadline: {wake}");
+    assert_eq!(target.peer_transport_waits(), 1, "no one-copy ack yet");
+}
+
 /// Metadata past the stated bounds is neither kept nor acknowledged nor
 /// handed to UCX; within them it is.
 #[test]

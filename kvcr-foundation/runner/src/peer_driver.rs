@@ -401,6 +401,8 @@ struct State {
     lane_done: mpsc::UnboundedReceiver<(u64, bool)>,
     /// This process's host and pid namespace (`None`: never maps peers).
     scope: Option<HostScope>,
+    /// The name tokens of our own pools (never mapped as a peer's).
+    own_tokens: Vec<[u8; 16]>,
     pools: Vec<Registration<'static>>,
     worker: kvcr_ucx::Worker,
     _context: Context,
@@ -494,6 +496,10 @@ impl State {
             }
             _ => None,
         };
+        let own_tokens = shared_memory
+            .as_ref()
+            .map(|a| a.segments.iter().map(|s| s.token).collect())
+            .unwrap_or_default();
         let setup = PeerSetup {
             endpoint,
             bases: pools.iter().map(|p| p.as_ptr() as usize as u64).collect(),
@@ -532,6 +538,7 @@ impl State {
                 lane_done_tx,
                 lane_done,
                 scope,
+                own_tokens,
                 pools,
                 worker,
                 _context: context,
@@ -842,6 +849,11 @@ impl State {
             return mapped;
         };
         for segment in &advert.segments {
+            // Never our own pools: a member that learned our advert (as our
+            // source) could otherwise have us overwrite our own pages.
+            if self.own_tokens.contains(&segment.token) {
+                continue;
+            }
             let Some((_, base, _)) = rkeys.iter().find(|(r, _, _)| *r == segment.region) else {
                 continue;
             };

@@ -24,8 +24,14 @@ pub(crate) struct Node {
 }
 
 fn node(tls: &str, blocks: u32, timeout: Duration) -> Node {
+    node_mapped(tls, true, blocks, timeout)
+}
+
+/// A node whose pools a same-host peer maps (`mapping`) or not.
+fn node_mapped(tls: &str, mapping: bool, blocks: u32, timeout: Duration) -> Node {
     let mut options = PeerOptions::loopback();
     options.ucx_tls = Some(tls.to_owned());
+    options.same_host_mapping = mapping;
     node_with(&options, blocks, timeout)
 }
 
@@ -106,15 +112,18 @@ pub(crate) fn hint(source: &Node, keys: &[u64]) -> FetchHint {
     }
 }
 
-/// Full, partial and empty deliveries over shared memory and TCP; every
-/// restored byte equals the source's.
+/// Full, partial and empty deliveries over shared memory and TCP, with the
+/// same-host one-copy mapping and through UCX alone; every restored byte
+/// equals the source's, and the route took the path it should.
 #[rstest]
-#[case::shm("sm,self")]
-#[case::tcp("tcp,self")]
-fn hinted_fetch_restores_bytes(#[case] tls: &str) {
+#[case::shm_one_copy("sm,self", true)]
+#[case::shm_ucx("sm,self", false)]
+#[case::tcp_one_copy("tcp,self", true)]
+#[case::tcp_ucx("tcp,self", false)]
+fn hinted_fetch_restores_bytes(#[case] tls: &str, #[case] mapping: bool) {
     let _serial = crate::serial();
-    let mut source = node(tls, 16, Duration::from_secs(5));
-    let mut target = node(tls, 16, Duration::from_secs(5));
+    let mut source = node_mapped(tls, mapping, 16, Duration::from_secs(5));
+    let mut target = node_mapped(tls, mapping, 16, Duration::from_secs(5));
     stock(&mut source, &[0, 1, 2, 3, 4, 5]);
     let request = RequestId("req-1".into());
     // The hint names 0..8, but the source only holds 0..6: a partial delivery.
@@ -157,6 +166,8 @@ fn hinted_fetch_restores_bytes(#[case] tls: &str) {
     let (source_counters, _) = source.runner.peer_stats();
     assert_eq!(target_counters.keys_received, 6);
     assert_eq!(source_counters.keys_sent, 6);
+    let routes = (source_counters.one_copy_routes, source_counters.ucx_routes);
+    assert_eq!(routes, if mapping { (1, 0) } else { (0, 1) });
     // Missing keys are remembered: the next query is a miss, not fetchable.
     assert_eq!(
         target.runner.query_hinted(&request, &keys[7]),

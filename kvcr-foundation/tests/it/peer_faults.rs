@@ -898,20 +898,10 @@ fn assert_failed_terminal(body: &Body) {
     );
 }
 
-/// Hostile and malformed control traffic against a live source runner:
-/// out-of-range elements, unknown regions, size mismatches, a lying region
-/// extent, a foreign rkey, wrong and missing incarnations, a stale op handle,
-/// unsolicited replies, and garbage, truncated and oversized frames. Every
-/// semantic refusal is counted in `refused`; no element outside what was
-/// granted (or at all, for a refused write) is ever written; malformed
-/// streams lose their connection; and the runner keeps serving, both the
-/// fake destination and a real one.
-#[rstest]
-#[case::shm("posix,cma,self")]
-#[case::tcp("tcp,self")]
-fn hostile_frames_are_refused(#[case] tls: &str) {
-    let _serial = crate::serial();
-    // The source: a real runner holding keys 0..4.
+/// A real source runner holding keys 0..4 (pages of seed 31) of
+/// `HOSTILE_BLOCK` bytes, and the host buffer they came from (drop the
+/// runner first).
+fn hostile_test_source(tls: &str) -> (Runner, NamespaceId, Vec<u8>) {
     let mut options = PeerOptions::loopback();
     options.ucx_tls = Some(tls.to_owned());
     let config = RunnerConfig {
@@ -950,6 +940,24 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
             .iter()
             .all(|(_, e)| e.is_success())
     );
+    (source, ns, host)
+}
+
+/// Hostile and malformed control traffic against a live source runner:
+/// out-of-range elements, unknown regions, size mismatches, a lying region
+/// extent, a foreign rkey, wrong and missing incarnations, a stale op handle,
+/// unsolicited replies, and garbage, truncated and oversized frames. Every
+/// semantic refusal is counted in `refused`; no element outside what was
+/// granted (or at all, for a refused write) is ever written; malformed
+/// streams lose their connection; and the runner keeps serving, both the
+/// fake destination and a real one.
+#[rstest]
+#[case::shm("posix,cma,self")]
+#[case::tcp("tcp,self")]
+fn hostile_frames_are_refused(#[case] tls: &str) {
+    let _serial = crate::serial();
+    // The source: a real runner holding keys 0..4.
+    let (source, ns, host) = hostile_test_source(tls);
     let source_endpoint = source.endpoint().unwrap().clone();
     let refused = |r: &Runner| r.peer_stats().0.refused;
 
@@ -1223,6 +1231,159 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
     target.runner.check_invariants().unwrap();
     drop(target);
     drop(conn);
+    drop(source);
+    drop(host);
+}
+
+/// The memfd pools of this process: `(fd, token)` per `kvcr-pool-<token>`.
+fn own_pool_files() -> Vec<(u32, [u8; 16])> {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|entry| {
+            let entry = entry.ok()?;
+            let fd: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let link = std::fs::read_link(entry.path()).ok()?;
+            let hex = link
+                .to_str()?
+                .strip_prefix("/memfd:kvcr-pool-")?
+                .strip_suffix(" (deleted)")?
+                .to_owned();
+            let mut token = [0u8; 16];
+            for (i, byte) in token.iter_mut().enumerate() {
+                *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+            }
+            Some((fd, token))
+        })
+        .collect()
+}
+
+/// How a fake target lies about its shared segments.
+#[derive(Debug, Clone, Copy)]
+enum Forgery {
+    /// The source's own pool file, with its real name token (a member that
+    /// learned the source's advert could replay it).
+    SourcesOwnPool,
+    /// The source's own pool file under a made-up token.
+    WrongToken,
+    /// A descriptor that is not a pool at all.
+    NotAPool,
+    /// Another kernel boot (another host).
+    OtherHost,
+}
+
+/// A target's shared-memory advert is a claim: a forged one is never mapped.
+/// The source acknowledges the metadata without one copy, writes exactly the
+/// granted elements through UCX into the target's registration, and its own
+/// pages stay intact.
+#[rstest]
+#[case::own_pool(Forgery::SourcesOwnPool)]
+#[case::wrong_token(Forgery::WrongToken)]
+#[case::not_a_pool(Forgery::NotAPool)]
+#[case::other_host(Forgery::OtherHost)]
+fn forged_shared_segments_are_never_mapped(#[case] forgery: Forgery) {
+    use kvcr_foundation::protocol::{SegmentAdvert, SharedMemoryAdvert};
+    let _serial = crate::serial();
+    let tls = "posix,cma,self";
+    let (mut source, ns, host) = hostile_test_source(tls);
+    let (own_fd, own_token) = *own_pool_files()
+        .first()
+        .expect("the source's pool is a memfd of this process");
+    let stray = std::fs::File::open("/proc/self/status").unwrap();
+    let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+    let mut boot = [0u8; 16];
+    for (i, byte) in boot.iter_mut().enumerate() {
+        let hex: String = boot_id.trim().chars().filter(|c| *c != '-').collect();
+        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    let pid_namespace = {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata("/proc/self/ns/pid").unwrap().ino()
+    };
+    let (fd, token, boot_id) = match forgery {
+        Forgery::SourcesOwnPool => (own_fd, own_token, boot),
+        Forgery::WrongToken => (own_fd, [0x5a; 16], boot),
+        Forgery::NotAPool => {
+            use std::os::fd::AsRawFd;
+            (stray.as_raw_fd() as u32, own_token, boot)
+        }
+        Forgery::OtherHost => (own_fd, own_token, [0xab; 16]),
+    };
+    let fake = FakeTarget::new(tls);
+    let me = ControlEndpoint::parse("tcp://127.0.0.1:11").unwrap();
+    let incarnation = Incarnation::generate();
+    let message = |body: Body| Message {
+        header: Header {
+            sender: incarnation,
+            route_generation: RouteGeneration(0),
+            sender_endpoint: me.clone(),
+        },
+        body,
+    };
+    let mut conn = RawConn::dial(source.endpoint().unwrap(), &me, incarnation);
+    let Body::TargetMetadata {
+        worker_address,
+        regions,
+        ..
+    } = fake.metadata(vec![fake.advert(0, GRANTED, HOSTILE_BLOCK as u64, false)])
+    else {
+        unreachable!()
+    };
+    conn.send(&message(Body::TargetMetadata {
+        worker_address,
+        regions,
+        shared_memory: Some(SharedMemoryAdvert {
+            boot_id,
+            pid_namespace,
+            pid: std::process::id(),
+            segments: vec![SegmentAdvert {
+                region: RegionId(0),
+                fd,
+                token,
+            }],
+        }),
+    }));
+    let ack = fake.next(&mut conn);
+    assert!(
+        matches!(
+            ack.body,
+            Body::TargetMetadataAck {
+                one_copy: false,
+                ..
+            }
+        ),
+        "{ack:?}"
+    );
+    conn.send(&message(start_write(
+        1,
+        Some(ack.header.sender),
+        ns,
+        &[0, 1],
+        vec![el(0, 0), el(0, 1)],
+    )));
+    assert_completed(&fake.reply_for(&mut conn, 1), &[0, 1]);
+    for k in 0..2 {
+        assert!(
+            fake.element(k) == page_bytes(31, k as u64, HOSTILE_BLOCK),
+            "element {k}: the write did not land through UCX"
+        );
+    }
+    for k in 2..ELEMENTS {
+        assert!(fake.untouched(k), "element {k} was written");
+    }
+    let counters = source.peer_stats().0;
+    assert_eq!((counters.one_copy_routes, counters.ucx_routes), (0, 1));
+    // The source's own pages are what it deposited.
+    let pool = source.pool("kv").unwrap();
+    let keys: Vec<ScopedKey> = (0..4).map(|k| key(ns, k)).collect();
+    let op = source.fetch(&keys, &[pool]).unwrap();
+    let result = wait(&mut source, op);
+    for ((_, entry), k) in result.entries.iter().zip(0u64..) {
+        let bytes = source.read_claimed(entry.release.unwrap(), 0).unwrap();
+        assert!(
+            bytes == page_bytes(31, k, HOSTILE_BLOCK),
+            "key {k}: the source's own page changed"
+        );
+    }
     drop(source);
     drop(host);
 }

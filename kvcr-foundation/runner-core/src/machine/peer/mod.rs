@@ -131,6 +131,11 @@ pub struct PeerCounters {
     pub refused_peers: u64,
     /// Writes refused because the namespace is private to other targets.
     pub refused_private: u64,
+    /// Routes to targets whose every region the driver mapped (writes are
+    /// one copy, without UCX).
+    pub one_copy_routes: u64,
+    /// Routes written through UCX (no shared segments, or some refused).
+    pub ucx_routes: u64,
 }
 
 /// Sizes of the core's per-peer state ([`Core::peer_state_sizes`]).

@@ -108,6 +108,11 @@ impl Core {
             return; // replaced meanwhile; the newer connect acknowledges
         };
         route.one_copy = Some(one_copy);
+        if one_copy {
+            peer.counters.one_copy_routes += 1;
+        } else {
+            peer.counters.ucx_routes += 1;
+        }
         self.send(
             target.clone(),
             Body::TargetMetadataAck {
