@@ -136,6 +136,22 @@ const ANCHOR_WHAT: &[(&str, &str)] = &[
         "naive path: std HashMap lookup of the same keys",
     ),
     (
+        "peer.fetch_bulk_shm",
+        "memcpy, one thread, 1 GiB between distinct DRAM buffers",
+    ),
+    (
+        "peer.fetch_lanes_shm",
+        "`process_vm_readv` at the lane count, 1 GiB between distinct DRAM buffers",
+    ),
+    (
+        "peer.fetch_contended",
+        "the same fetch without the two busy loops",
+    ),
+    (
+        "peer.fetch_16mib_shm_ucx",
+        "the same fetch with the one-copy mapping",
+    ),
+    (
         "peer.fetch_16mib_shm",
         "`ucx_perftest` put_bw 16 MiB, posix+cma",
     ),
