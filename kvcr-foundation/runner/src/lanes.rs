@@ -49,7 +49,7 @@ struct WriteJoin {
 struct Piece {
     copies: Vec<CopySpan>,
     /// Keeps the destination mappings alive until the copy ran.
-    _segments: Arc<Vec<Arc<PeerSegment>>>,
+    segments: Arc<Vec<Arc<PeerSegment>>>,
     join: Arc<WriteJoin>,
 }
 
@@ -111,7 +111,7 @@ impl Lanes {
         if total < INLINE_BYTES {
             // SAFETY: this function's contract; `segments` lives until after
             // the copy (dropped at the end of this call).
-            unsafe { crate::memory::copy_spans(&copies) };
+            unsafe { copy_populated(&copies, &segments) };
             drop(segments);
             return Some(true);
         }
@@ -136,7 +136,7 @@ impl Lanes {
             self.next = self.next.wrapping_add(1);
             let piece = Piece {
                 copies,
-                _segments: Arc::clone(&segments),
+                segments: Arc::clone(&segments),
                 join: Arc::clone(&join),
             };
             let sent = self.senders.get(lane).map(|tx| tx.send(piece));
@@ -167,8 +167,23 @@ fn run(piece: Piece) {
     // are inside mappings this piece keeps alive, granted to this write
     // alone; pieces of one write cover disjoint destination bytes (`cut` of
     // pairwise-disjoint spans), and a pool never overlaps a peer's mapping.
-    unsafe { crate::memory::copy_spans(&piece.copies) };
+    unsafe { copy_populated(&piece.copies, &piece.segments) };
     finish_piece(&piece.join);
+}
+
+/// Prepares each destination's chunks of its segment (page-table entries
+/// made once per chunk), then copies.
+///
+/// # Safety
+/// As [`crate::memory::copy_spans`].
+unsafe fn copy_populated(copies: &[CopySpan], segments: &[Arc<PeerSegment>]) {
+    for span in copies {
+        if let Some(segment) = segments.iter().find(|s| s.holds(span.dst, span.len)) {
+            segment.prepare(span.dst, span.len);
+        }
+    }
+    // SAFETY: the caller's contract.
+    unsafe { crate::memory::copy_spans(copies) };
 }
 
 fn finish_piece(join: &WriteJoin) {
