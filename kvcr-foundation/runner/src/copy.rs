@@ -228,6 +228,22 @@ pub(crate) fn cut(spans: &[CopySpan], at: u64) -> (Vec<CopySpan>, Vec<CopySpan>)
     (first, second)
 }
 
+/// Cuts `copies` (`total` bytes) into `parts` pieces of near-equal bytes.
+pub(crate) fn split_even(copies: Vec<CopySpan>, total: u64, parts: u64) -> Vec<Vec<CopySpan>> {
+    let mut out = Vec::new();
+    let mut rest = copies;
+    let mut left = total;
+    for remaining_parts in (2..=parts).rev() {
+        let (head, tail) = cut(&rest, left / remaining_parts);
+        left -= head.iter().map(|s| s.len).sum::<u64>();
+        out.push(head);
+        rest = tail;
+    }
+    out.push(rest);
+    out.retain(|p| !p.is_empty());
+    out
+}
+
 /// Copies `spans` in the caller's thread, with a second, scoped thread for
 /// plans of [`SPLIT_BYTES`] or more whose destinations are pairwise disjoint:
 /// the plan is cut at its byte midpoint, so a few long runs split as evenly as
@@ -310,6 +326,31 @@ mod tests {
 
     fn c(src: u64, dst: u64, len: u64) -> CopySpan {
         CopySpan { src, dst, len }
+    }
+
+    #[test]
+    fn even_split_moves_every_byte_once_in_order() {
+        let copies = vec![c(0, 1000, 10), c(100, 2000, 7), c(200, 3000, 13)];
+        for parts in 1..=8 {
+            let pieces = split_even(copies.clone(), 30, parts);
+            assert!(pieces.len() as u64 <= parts);
+            let flat: Vec<CopySpan> = pieces.concat();
+            let bytes: Vec<(u64, u64)> = flat
+                .iter()
+                .flat_map(|s| (0..s.len).map(move |i| (s.src + i, s.dst + i)))
+                .collect();
+            let expected: Vec<(u64, u64)> = copies
+                .iter()
+                .flat_map(|s| (0..s.len).map(move |i| (s.src + i, s.dst + i)))
+                .collect();
+            assert_eq!(bytes, expected, "parts {parts}");
+            let sizes: Vec<u64> = pieces
+                .iter()
+                .map(|p| p.iter().map(|s| s.len).sum())
+                .collect();
+            let (min, max) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
+            assert!(max - min <= 1, "parts {parts}: {sizes:?}");
+        }
     }
 
     #[test]

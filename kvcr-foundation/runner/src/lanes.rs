@@ -18,7 +18,7 @@ use std::thread::JoinHandle;
 use kvcr_runner_core::CopySpan;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::copy::{cut, spans_disjoint};
+use crate::copy::{spans_disjoint, split_even};
 use crate::shared_memory::PeerSegment;
 
 /// Below this many bytes a write is one piece on one lane: a hand-off costs
@@ -194,54 +194,9 @@ fn finish_piece(join: &WriteJoin) {
     }
 }
 
-/// Cuts `copies` (`total` bytes) into `parts` pieces of near-equal bytes.
-fn split_even(copies: Vec<CopySpan>, total: u64, parts: u64) -> Vec<Vec<CopySpan>> {
-    let mut out = Vec::new();
-    let mut rest = copies;
-    let mut left = total;
-    for remaining_parts in (2..=parts).rev() {
-        let (head, tail) = cut(&rest, left / remaining_parts);
-        left -= head.iter().map(|s| s.len).sum::<u64>();
-        out.push(head);
-        rest = tail;
-    }
-    out.push(rest);
-    out.retain(|p| !p.is_empty());
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn span(src: u64, dst: u64, len: u64) -> CopySpan {
-        CopySpan { src, dst, len }
-    }
-
-    #[test]
-    fn even_split_moves_every_byte_once_in_order() {
-        let copies = vec![span(0, 1000, 10), span(100, 2000, 7), span(200, 3000, 13)];
-        for parts in 1..=8 {
-            let pieces = split_even(copies.clone(), 30, parts);
-            assert!(pieces.len() as u64 <= parts);
-            let flat: Vec<CopySpan> = pieces.concat();
-            let bytes: Vec<(u64, u64)> = flat
-                .iter()
-                .flat_map(|s| (0..s.len).map(move |i| (s.src + i, s.dst + i)))
-                .collect();
-            let expected: Vec<(u64, u64)> = copies
-                .iter()
-                .flat_map(|s| (0..s.len).map(move |i| (s.src + i, s.dst + i)))
-                .collect();
-            assert_eq!(bytes, expected, "parts {parts}");
-            let sizes: Vec<u64> = pieces
-                .iter()
-                .map(|p| p.iter().map(|s| s.len).sum())
-                .collect();
-            let (min, max) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
-            assert!(max - min <= 1, "parts {parts}: {sizes:?}");
-        }
-    }
 
     #[test]
     fn every_write_reports_once_even_across_lanes() {
@@ -249,11 +204,11 @@ mod tests {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let src = vec![7u8; 8 << 20];
         let mut dst = vec![0u8; 8 << 20];
-        let copies = vec![span(
-            src.as_ptr() as u64,
-            dst.as_mut_ptr() as u64,
-            src.len() as u64,
-        )];
+        let copies = vec![CopySpan {
+            src: src.as_ptr() as u64,
+            dst: dst.as_mut_ptr() as u64,
+            len: src.len() as u64,
+        }];
         // SAFETY: both buffers outlive the wait below and nothing else
         // touches them meanwhile; they do not overlap. (No segment: these
         // destinations are plain memory of this test.)
