@@ -137,7 +137,7 @@ const ANCHOR_WHAT: &[(&str, &str)] = &[
     ),
     (
         "peer.fetch_bulk_shm",
-        "memcpy, one thread, 1 GiB between distinct DRAM buffers",
+        "memcpy, one thread, 1 GiB between distinct DRAM buffers, 16 MiB per call",
     ),
     (
         "peer.fetch_lanes_shm",

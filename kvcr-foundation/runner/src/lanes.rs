@@ -183,7 +183,7 @@ unsafe fn copy_populated(copies: &[CopySpan], segments: &[Arc<PeerSegment>]) {
         }
     }
     // SAFETY: the caller's contract.
-    unsafe { crate::memory::copy_spans(copies) };
+    unsafe { crate::memory::copy_spans_streaming(copies) };
 }
 
 fn finish_piece(join: &WriteJoin) {

@@ -155,6 +155,85 @@ pub(crate) unsafe fn copy_spans(spans: &[CopySpan]) {
     }
 }
 
+/// Spans at least this long are streamed (see [`copy_spans_streaming`]).
+const STREAM_MIN: u64 = 256 << 10;
+
+/// Like [`copy_spans`], but spans of [`STREAM_MIN`] or more are written with
+/// non-temporal stores, ending with a store fence. Why: glibc's `memcpy`
+/// streams only above a threshold derived from the cache size, so on a host
+/// with a large L3 a 16 MiB page is copied with ordinary stores, which read
+/// every destination line first: 5.0 GB/s on the H200 host against 8.2 for
+/// one 1 GiB `memcpy` (measured, one thread). A peer's page is read next by
+/// the destination's restore, not by this thread, so caching it here buys
+/// nothing.
+///
+/// # Safety
+/// As [`copy_spans`].
+pub(crate) unsafe fn copy_spans_streaming(spans: &[CopySpan]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        for span in spans {
+            let (src, dst) = (span.src as usize as *const u8, span.dst as usize as *mut u8);
+            let len = span.len as usize;
+            if span.len >= STREAM_MIN {
+                // SAFETY: this function's contract, per span.
+                unsafe { stream_copy(dst, src, len) };
+            } else {
+                // SAFETY: this function's contract, per span.
+                unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+            }
+        }
+        // Non-temporal stores are weakly ordered: fence them before anyone
+        // is told the bytes are there. SSE2 is baseline on x86_64.
+        // SAFETY: a store fence has no operands.
+        unsafe { std::arch::x86_64::_mm_sfence() };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    // SAFETY: this function's contract.
+    unsafe {
+        copy_spans(spans)
+    };
+}
+
+/// Copies `len` bytes with 16-byte non-temporal stores into 64-byte aligned
+/// destination lines (the unaligned head and tail with `memcpy`). The caller
+/// fences.
+///
+/// # Safety
+/// `src..src+len` valid for reads, `dst..dst+len` valid for writes, not
+/// overlapping, neither accessed by anyone else during the call.
+#[cfg(target_arch = "x86_64")]
+unsafe fn stream_copy(dst: *mut u8, src: *const u8, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+    let head = dst.align_offset(64).min(len);
+    // SAFETY: the first `head <= len` bytes of both ranges (the contract).
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
+    let mut offset = head;
+    while offset + 64 <= len {
+        // SAFETY: `offset..offset+64` lies inside both ranges (loop bound);
+        // `dst + offset` is 64-byte aligned (after the head), as the
+        // streaming store requires 16; loads are unaligned. SSE2 is
+        // baseline on x86_64.
+        unsafe {
+            let s = src.add(offset).cast::<__m128i>();
+            let d = dst.add(offset).cast::<__m128i>();
+            let (a, b, c, e) = (
+                _mm_loadu_si128(s),
+                _mm_loadu_si128(s.add(1)),
+                _mm_loadu_si128(s.add(2)),
+                _mm_loadu_si128(s.add(3)),
+            );
+            _mm_stream_si128(d, a);
+            _mm_stream_si128(d.add(1), b);
+            _mm_stream_si128(d.add(2), c);
+            _mm_stream_si128(d.add(3), e);
+        }
+        offset += 64;
+    }
+    // SAFETY: the last `len - offset < 64` bytes of both ranges.
+    unsafe { std::ptr::copy_nonoverlapping(src.add(offset), dst.add(offset), len - offset) };
+}
+
 /// Borrows `len` bytes at `addr`.
 ///
 /// # Safety
@@ -163,4 +242,47 @@ pub(crate) unsafe fn copy_spans(spans: &[CopySpan]) {
 pub(crate) unsafe fn bytes_at<'a>(addr: u64, len: u64) -> &'a [u8] {
     // SAFETY: guaranteed by this function's contract.
     unsafe { std::slice::from_raw_parts(addr as usize as *const u8, len as usize) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Streamed copies move exactly the span's bytes at every alignment of
+    /// source and destination and every length around the line and stream
+    /// thresholds, and nothing next to them.
+    #[test]
+    fn streamed_copies_are_exact_at_every_alignment() {
+        let lens = [
+            0,
+            1,
+            63,
+            64,
+            65,
+            4095,
+            STREAM_MIN as usize - 1,
+            STREAM_MIN as usize,
+            (1 << 20) + 37,
+        ];
+        for len in lens {
+            for (src_off, dst_off) in [(0, 0), (3, 0), (0, 5), (17, 61), (64, 1)] {
+                let src: Vec<u8> = (0..len + 128).map(|i| (i * 7 + len) as u8).collect();
+                let mut dst = vec![0xEEu8; len + 128];
+                let span = CopySpan {
+                    src: src.as_ptr() as u64 + src_off,
+                    dst: dst.as_mut_ptr() as u64 + dst_off,
+                    len: len as u64,
+                };
+                // SAFETY: both ranges lie inside the two distinct vectors.
+                unsafe { copy_spans_streaming(&[span]) };
+                let (s, d) = (src_off as usize, dst_off as usize);
+                assert!(dst[d..d + len] == src[s..s + len], "len {len} at {s}/{d}");
+                assert!(dst[..d].iter().all(|b| *b == 0xEE), "before: len {len}");
+                assert!(
+                    dst[d + len..].iter().all(|b| *b == 0xEE),
+                    "after: len {len}"
+                );
+            }
+        }
+    }
 }
