@@ -42,6 +42,8 @@ fn node(tls: &str, split: PutSplit) -> Node {
     let mut options = PeerOptions::loopback();
     options.ucx_tls = Some(tls.to_owned());
     options.put_split = split;
+    // Splitting is about UCX puts: keep the same-host one-copy path out.
+    options.same_host_mapping = false;
     let config = RunnerConfig {
         operation_timeout: Duration::from_secs(10),
         ..RunnerConfig::single_pool("kv", BLOCK, KEYS as u32)

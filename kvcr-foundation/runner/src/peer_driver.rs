@@ -359,16 +359,32 @@ type RemoteKeys = HashMap<RegionId, (RemoteKey, u64)>;
 
 struct Route {
     generation: u64,
-    endpoint: Endpoint,
-    rkeys: RemoteKeys,
-    /// The target's pools mapped here, by region; when every region is,
-    /// writes are copies on the lanes and never touch UCX.
-    segments: HashMap<RegionId, Arc<PeerSegment>>,
+    /// How writes reach the target: copies into its mapped pools on the
+    /// lanes, or UCX puts.
+    path: RoutePath,
+}
+
+enum RoutePath {
+    /// Every advertised region is mapped here: no UCX endpoint is ever made
+    /// (no wire-up, no transport resources, nothing UCX parses).
+    OneCopy(HashMap<RegionId, Arc<PeerSegment>>),
+    /// The target's UCX endpoint and remote keys.
+    Ucx {
+        endpoint: Endpoint,
+        rkeys: RemoteKeys,
+    },
 }
 
 impl Route {
     fn one_copy(&self) -> bool {
-        !self.rkeys.is_empty() && self.rkeys.keys().all(|r| self.segments.contains_key(r))
+        matches!(self.path, RoutePath::OneCopy(_))
+    }
+
+    fn ucx_endpoint(&self) -> Option<&Endpoint> {
+        match &self.path {
+            RoutePath::Ucx { endpoint, .. } => Some(endpoint),
+            RoutePath::OneCopy(_) => None,
+        }
     }
 }
 
@@ -761,15 +777,9 @@ impl State {
                 rkeys,
                 shared_memory,
                 extents,
-            } => match self.connect(&worker_address, &rkeys) {
-                Ok((endpoint, keys)) => {
-                    let segments = self.map_segments(shared_memory.as_ref(), &rkeys, &extents);
-                    let route = Rc::new(Route {
-                        generation,
-                        endpoint,
-                        rkeys: keys,
-                        segments,
-                    });
+            } => match self.route_path(&worker_address, &rkeys, shared_memory.as_ref(), &extents) {
+                Ok(path) => {
+                    let route = Rc::new(Route { generation, path });
                     let one_copy = route.one_copy();
                     retire(self.routes.insert(peer.clone(), route));
                     shared.with_core_now(|core, _| {
@@ -793,11 +803,14 @@ impl State {
                     .get(&target)
                     .filter(|r| r.generation == generation)
                     .cloned();
-                if let Some(route) = route.as_ref().filter(|r| r.one_copy()) {
-                    let copies = self.one_copy_plan(route, &spans);
+                if let Some(segments) = route.as_ref().and_then(|r| match &r.path {
+                    RoutePath::OneCopy(segments) => Some(segments),
+                    RoutePath::Ucx { .. } => None,
+                }) {
+                    let copies = self.one_copy_plan(segments, &spans);
                     match copies {
                         Some(copies) => {
-                            let segments = route.segments.values().cloned().collect();
+                            let segments = segments.values().cloned().collect();
                             // SAFETY: every source range lies inside one of our
                             // pools (checked by `one_copy_plan`), claimed by this
                             // write until it is reported; every destination
@@ -867,9 +880,31 @@ impl State {
         mapped
     }
 
+    /// How writes will reach a target: its pools mapped here when every
+    /// advertised region can be (then UCX is never touched), else a UCX
+    /// endpoint and its remote keys.
+    fn route_path(
+        &self,
+        worker_address: &[u8],
+        rkeys: &[(RegionId, u64, Vec<u8>)],
+        shared_memory: Option<&SharedMemoryAdvert>,
+        extents: &[(RegionId, u64)],
+    ) -> Result<RoutePath> {
+        let segments = self.map_segments(shared_memory, rkeys, extents);
+        if !rkeys.is_empty() && rkeys.iter().all(|(r, _, _)| segments.contains_key(r)) {
+            return Ok(RoutePath::OneCopy(segments));
+        }
+        let (endpoint, rkeys) = self.connect(worker_address, rkeys)?;
+        Ok(RoutePath::Ucx { endpoint, rkeys })
+    }
+
     /// The copies of a one-copy write: each span from our pool to the
     /// mapped target segment; `None` if any range is outside either.
-    fn one_copy_plan(&self, route: &Route, spans: &[PutSpan]) -> Option<Vec<CopySpan>> {
+    fn one_copy_plan(
+        &self,
+        segments: &HashMap<RegionId, Arc<PeerSegment>>,
+        spans: &[PutSpan],
+    ) -> Option<Vec<CopySpan>> {
         spans
             .iter()
             .map(|span| {
@@ -881,8 +916,7 @@ impl State {
                             .checked_add(span.len)
                             .is_some_and(|end| end <= base + p.len() as u64)
                 });
-                let dst = route
-                    .segments
+                let dst = segments
                     .get(&span.region)?
                     .destination(span.remote, span.len)?;
                 inside_pool.then_some(CopySpan {
@@ -944,9 +978,9 @@ impl State {
                 }
             }
             if w.spans.is_empty() && w.flush.is_none() && !w.failed {
-                match route.endpoint.flush() {
-                    Ok(c) => w.flush = Some(c),
-                    Err(_) => w.failed = true,
+                match route.ucx_endpoint().map(Endpoint::flush) {
+                    Some(Ok(c)) => w.flush = Some(c),
+                    Some(Err(_)) | None => w.failed = true,
                 }
             }
             let puts_done = w.in_flight.iter().all(Completion::is_done);
@@ -984,7 +1018,9 @@ impl State {
 /// progressing cannot stall this thread for a flush-mode close per route.
 fn retire(route: Option<Rc<Route>>) {
     if let Some(route) = route {
-        route.endpoint.set_close_mode(CloseMode::Force);
+        if let Some(endpoint) = route.ucx_endpoint() {
+            endpoint.set_close_mode(CloseMode::Force);
+        }
     }
 }
 
@@ -1096,8 +1132,10 @@ fn put(pools: &[Registration<'static>], route: &Route, span: &PutSpan) -> Result
             (span.local >= base && span.local + span.len <= end).then(|| (p, span.local - base))
         })
         .ok_or(Error::runner(RunnerReason::LayoutMismatch))?;
-    let (rkey, base) = route
-        .rkeys
+    let RoutePath::Ucx { endpoint, rkeys } = &route.path else {
+        return Err(Error::runner(RunnerReason::LayoutMismatch));
+    };
+    let (rkey, base) = rkeys
         .get(&span.region)
         .ok_or(Error::runner(RunnerReason::UnknownRegion(span.region.0)))?;
     let remote_offset = span
@@ -1107,7 +1145,7 @@ fn put(pools: &[Registration<'static>], route: &Route, span: &PutSpan) -> Result
     let len = usize::try_from(span.len).map_err(|_| Error::runner(RunnerReason::LayoutMismatch))?;
     let offset =
         usize::try_from(offset).map_err(|_| Error::runner(RunnerReason::LayoutMismatch))?;
-    Ok(route.endpoint.put(pool, offset, len, rkey, remote_offset)?)
+    Ok(endpoint.put(pool, offset, len, rkey, remote_offset)?)
 }
 
 #[cfg(test)]

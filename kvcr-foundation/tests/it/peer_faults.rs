@@ -409,6 +409,21 @@ impl ChildSource {
         #[allow(unsafe_code)]
         let rc = unsafe { libc::kill(pid, signal) };
         assert_eq!(rc, 0, "kill({pid}, {signal}) failed");
+        if signal == libc::SIGSTOP {
+            // kill(2) only queues the stop: wait until every thread of the
+            // child is stopped, or a request sent next may still be served
+            // (a one-copy write takes well under a millisecond).
+            poll_until("the source to stop", || {
+                let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+                let stopped = tasks.filter_map(Result::ok).all(|task| {
+                    std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+                        stat.rsplit_once(") ")
+                            .is_some_and(|(_, rest)| rest.starts_with('T'))
+                    })
+                });
+                stopped.then_some(())
+            });
+        }
     }
 
     /// SIGKILL and reap: the process is gone when this returns.
