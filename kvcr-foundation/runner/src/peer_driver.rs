@@ -1017,10 +1017,8 @@ impl State {
 /// has ended (each write flushed before it reported), so a target that stops
 /// progressing cannot stall this thread for a flush-mode close per route.
 fn retire(route: Option<Rc<Route>>) {
-    if let Some(route) = route {
-        if let Some(endpoint) = route.ucx_endpoint() {
-            endpoint.set_close_mode(CloseMode::Force);
-        }
+    if let Some(endpoint) = route.as_deref().and_then(Route::ucx_endpoint) {
+        endpoint.set_close_mode(CloseMode::Force);
     }
 }
 
