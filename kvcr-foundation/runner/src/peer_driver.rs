@@ -578,6 +578,7 @@ impl State {
         let mut last_tick = Instant::now();
         let mut last_progress = last_tick;
         let mut last_activity = last_tick;
+        let mut deadline_due = false;
         loop {
             // Progress whenever a UCX transfer may be moving in either
             // direction: our own puts, or puts into us from a source that
@@ -690,13 +691,14 @@ impl State {
                             self.on_inbound(item, shared);
                         }
                     }
-                    () = tokio::time::sleep(nap) => {}
+                    () = tokio::time::sleep(nap) => deadline_due = true,
                 }
             }
-            if last_tick.elapsed() >= TICK {
-                #[allow(clippy::disallowed_methods)]
-                let now = Instant::now();
-                last_tick = now;
+            // At most every millisecond while busy; at once when a sleep
+            // ended at the core's deadline (so a due deadline never spins).
+            if deadline_due || last_tick.elapsed() >= TICK {
+                deadline_due = false;
+                last_tick = Instant::now();
                 shared.with_core_now(|core, now| core.handle_tick(now));
             }
         }
