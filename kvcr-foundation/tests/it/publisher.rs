@@ -371,11 +371,26 @@ fn pub_frames_are_topic_seq_payload_and_replay_serves_any_buffered_seq() {
         inc(0x1234_5678_9abc_def0_0fed_cba9_8765_4321)
     );
     assert_eq!(first[0], topic.as_bytes());
-    let first_seq = u64::from_be_bytes(first[1].as_slice().try_into().unwrap());
-    assert!(
-        first_seq >= 1,
-        "seq 0 is the attach barrier, sent before we joined"
-    );
+    let mut first = first;
+    let mut first_seq = u64::from_be_bytes(first[1].as_slice().try_into().unwrap());
+    if first_seq == 0 {
+        // The subscription landed before the driver sent its attach barrier
+        // (it usually lands after): seq 0 clears all, and every store
+        // published while waiting for it (`key` of them) follows it. Take
+        // them all, so the live exchange below runs in lockstep.
+        assert!(strict_decode(&first[2]).contains("AllBlocksCleared ownership=kvcr"));
+        for _ in 0..key {
+            let mut next = None;
+            wait_until("a store after the barrier", Duration::from_secs(10), || {
+                next = s.recv_multipart(0).ok();
+                next.is_some()
+            });
+            first = next.unwrap();
+        }
+        first_seq = u64::from_be_bytes(first[1].as_slice().try_into().unwrap());
+        assert_eq!(first_seq, key, "the barrier, then one batch per store");
+    }
+    assert!(first_seq >= 1, "live batches come after the attach barrier");
     strict_decode(&first[2]);
     // Three more, strictly +1.
     let mut live = vec![(first_seq, first[2].clone())];
