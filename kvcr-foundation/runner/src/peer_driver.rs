@@ -461,7 +461,7 @@ impl State {
                 .map_err(|_| Error::runner(RunnerReason::Allocation { bytes: *bytes }))?;
             match pool_memory {
                 PoolMemory::Default if options.same_host_mapping && scope.is_some() => {
-                    let pool = SharedPool::create(*bytes, false, prefault)?;
+                    let pool = SharedPool::create(*bytes, prefault)?;
                     segments.push(pool.advert(RegionId(pools.len() as u32)));
                     pools.push(context.register_owned(Box::new(pool))?);
                     placements.push(None);
@@ -910,18 +910,11 @@ impl State {
         spans
             .iter()
             .map(|span| {
-                let inside_pool = self.pools.iter().any(|p| {
-                    let base = p.as_ptr() as usize as u64;
-                    span.local >= base
-                        && span
-                            .local
-                            .checked_add(span.len)
-                            .is_some_and(|end| end <= base + p.len() as u64)
-                });
+                pool_holding(&self.pools, span)?;
                 let dst = segments
                     .get(&span.region)?
                     .destination(span.remote, span.len)?;
-                inside_pool.then_some(CopySpan {
+                Some(CopySpan {
                     src: span.local,
                     dst,
                     len: span.len,
@@ -1123,15 +1116,21 @@ impl std::os::fd::AsRawFd for RawFdRef {
     }
 }
 
+/// The pool holding the span's local bytes, and their offset in it.
+fn pool_holding<'p>(
+    pools: &'p [Registration<'static>],
+    span: &PutSpan,
+) -> Option<(&'p Registration<'static>, u64)> {
+    let end = span.local.checked_add(span.len)?;
+    pools.iter().find_map(|p| {
+        let base = p.as_ptr() as usize as u64;
+        (span.local >= base && end <= base + p.len() as u64).then(|| (p, span.local - base))
+    })
+}
+
 fn put(pools: &[Registration<'static>], route: &Route, span: &PutSpan) -> Result<Completion> {
-    let (pool, offset) = pools
-        .iter()
-        .find_map(|p| {
-            let base = p.as_ptr() as usize as u64;
-            let end = base + p.len() as u64;
-            (span.local >= base && span.local + span.len <= end).then(|| (p, span.local - base))
-        })
-        .ok_or(Error::runner(RunnerReason::LayoutMismatch))?;
+    let (pool, offset) =
+        pool_holding(pools, span).ok_or(Error::runner(RunnerReason::LayoutMismatch))?;
     let RoutePath::Ucx { endpoint, rkeys } = &route.path else {
         return Err(Error::runner(RunnerReason::LayoutMismatch));
     };

@@ -105,7 +105,7 @@ impl SharedPool {
     /// A zeroed pool of `len` bytes (a multiple of the page size is not
     /// required); with `prefault`, every page is touched now, so neither
     /// this process nor a peer's first write pays the fault.
-    pub(crate) fn create(len: u64, huge_pages: bool, prefault: bool) -> Result<Self> {
+    pub(crate) fn create(len: u64, prefault: bool) -> Result<Self> {
         let failed = || Error::runner(RunnerReason::Allocation { bytes: len });
         let size = usize::try_from(len).map_err(|_| failed())?;
         if size == 0 {
@@ -133,8 +133,8 @@ impl SharedPool {
         if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) } != 0 {
             return Err(os_error("fallocate"));
         }
-        // The size is final: a source maps the whole file, and a shrink would
-        // turn its writes into SIGBUS.
+        // The size is final: a source maps a region of the file, and a
+        // shrink would turn its writes into SIGBUS.
         let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
         // SAFETY: F_ADD_SEALS on our own memfd; no memory is passed.
         if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
@@ -144,11 +144,6 @@ impl SharedPool {
             .len(size)
             .map_raw(&file)
             .map_err(|_| os_error("mmap"))?;
-        if huge_pages {
-            // Advisory: shared memory takes huge pages only where the
-            // kernel's shmem THP mode allows it.
-            let _ = map.advise(memmap2::Advice::HugePage);
-        }
         let pool = Self { map, file, token };
         if prefault {
             pool.prefault();
@@ -361,7 +356,7 @@ mod tests {
 
     #[test]
     fn a_pool_maps_through_proc_and_writes_land_in_it() {
-        let pool = SharedPool::create(1 << 20, false, true).unwrap();
+        let pool = SharedPool::create(1 << 20, true).unwrap();
         let advert = advert_of(&pool);
         assert!(HostScope::current().unwrap().matches(&advert));
         let segment = PeerSegment::open(&advert, &advert.segments[0], 0x1000, 1 << 20).unwrap();
@@ -380,7 +375,7 @@ mod tests {
 
     #[test]
     fn a_segment_named_wrongly_or_too_short_or_unsealed_is_refused() {
-        let pool = SharedPool::create(1 << 16, false, false).unwrap();
+        let pool = SharedPool::create(1 << 16, false).unwrap();
         let advert = advert_of(&pool);
         let mut forged = advert.segments[0];
         forged.token[0] ^= 1;
