@@ -83,6 +83,21 @@ fn key(ns: NamespaceId, k: u64) -> ScopedKey {
     }
 }
 
+/// Deposits key `k` from element `k` of `region` for each of `keys`, in one
+/// operation, and asserts that every key was stored.
+fn deposit_all(runner: &mut Runner, ns: NamespaceId, region: RegionId, keys: &[u64]) {
+    let entries = keys
+        .iter()
+        .map(|&k| DepositEntry {
+            key: key(ns, k),
+            spans: vec![ElementRef { region, index: k }],
+            page: None,
+        })
+        .collect();
+    let op = runner.deposit(entries, false).unwrap();
+    assert!(wait(runner, op).entries.iter().all(|(_, e)| e.is_success()));
+}
+
 fn wait(runner: &mut Runner, op: OpHandle) -> OpResult {
     #[allow(clippy::disallowed_methods)] // a bound on the wait, not a threshold
     let start = Instant::now();
@@ -271,21 +286,7 @@ fn source_process() {
     // 320 MiB in one timed out on a loaded machine, and the child died).
     let all_keys: Vec<u64> = (0..spec.keys).collect();
     for chunk in all_keys.chunks(8) {
-        let entries = chunk
-            .iter()
-            .map(|k| DepositEntry {
-                key: key(ns, *k),
-                spans: vec![ElementRef { region, index: *k }],
-                page: None,
-            })
-            .collect();
-        let op = runner.deposit(entries, false).unwrap();
-        assert!(
-            wait(&mut runner, op)
-                .entries
-                .iter()
-                .all(|(_, e)| e.is_success())
-        );
+        deposit_all(&mut runner, ns, region, chunk);
     }
     say(&format!(
         "READY {} {}",
@@ -941,20 +942,7 @@ fn hostile_test_source(tls: &str) -> (Runner, NamespaceId, Vec<u8>) {
         })
     }
     .unwrap();
-    let entries = (0..4)
-        .map(|k| DepositEntry {
-            key: key(ns, k),
-            spans: vec![ElementRef { region, index: k }],
-            page: None,
-        })
-        .collect();
-    let op = source.deposit(entries, false).unwrap();
-    assert!(
-        wait(&mut source, op)
-            .entries
-            .iter()
-            .all(|(_, e)| e.is_success())
-    );
+    deposit_all(&mut source, ns, region, &[0, 1, 2, 3]);
     (source, ns, host)
 }
 
