@@ -1,6 +1,7 @@
-//! Unsafe, named (with `copy`, `placement` and the peer driver's event-fd
-//! and timer-slack calls): the DRAM pools the runner owns and raw copies
-//! between byte ranges the region table has already validated.
+//! Unsafe, named (with `copy`, `placement`, `shared_memory`, `lanes` and the
+//! peer driver's event-fd and timer-slack calls): the DRAM pools the runner
+//! owns and raw copies (plain, or streamed for peers' pages) between byte
+//! ranges the region table has already validated.
 //!
 //! Everything above this module works with plain addresses (`u64`) that the
 //! pure `RegionTable` of `kvcr-runner-core` bounds-checks against registrations;

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! frame   := len:u32be  body[len]
-//! body    := magic:u16be=0x4B56 ("KV")  version:u8=1  kind:u8  header  fields(kind)
+//! body    := magic:u16be=0x4B56 ("KV")  version:u8=2  kind:u8  header  fields(kind)
 //! header  := incarnation:u128be  route_generation:u64be  endpoint:str8
 //! str8    := n:u8 utf8[n]          bytes16 := n:u16be u8[n]
 //! opt<T>  := 0 | 1 T               bool    := 0 | 1
@@ -13,8 +13,8 @@
 //!
 //! | kind | message | fields |
 //! |---|---|---|
-//! | 1 | `target_metadata` | `worker_address:bytes16, regions:list16<region>` |
-//! | 2 | `target_metadata_ack` | `op_handle:opt<u64>` |
+//! | 1 | `target_metadata` | `worker_address:bytes16, regions:list16<region>, shared_memory:opt<shared>` |
+//! | 2 | `target_metadata_ack` | `op_handle:opt<u64>, one_copy:bool` |
 //! | 3 | `start_write` | `op:u64, remaining_ms:u32, source_inc:opt<u128>, namespace:u64, entries:list32<(key:u64, dests:list16<(region:u32, index:u64)>)>` |
 //! | 4 | `write_refused` | `op:u64` |
 //! | 5 | `write_done` | `op:u64, outcome:u8` (0 completed, 1 failed-terminal, 2 failed-nonterminal), then `indices:list32<u32>` when completed |
@@ -22,6 +22,8 @@
 //! | 7 | `write_probe_ack` | `op:u64, terminal:bool, dead_inc:opt<u128>` |
 //!
 //! `region := id:u32 label:str8 base:u64 element_size:u64 stride:u64 count:u64 rkey:bytes16`.
+//! `shared := boot_id:u8[16] pid_namespace:u64 pid:u32 segments:list16<(region:u32, fd:u32, token:u8[16])>`
+//! (at most one segment per advertised region, each naming one of them).
 //!
 //! Decoding validates every field (bounds, UTF-8, endpoint grammar, non-zero
 //! incarnations and timeouts, region extents, ascending indices, no trailing
