@@ -91,6 +91,7 @@ fn new_core_with(
         allowed_peers: Vec::new(),
         private_namespaces: Vec::new(),
         shared_memory: None,
+        write_batch_bytes: 0,
     };
     adjust(&mut config);
     core.enable_peer(config);

@@ -692,6 +692,7 @@ impl Runner {
             allowed_peers: peer.allowed_peers.clone(),
             private_namespaces: peer.private_namespaces.clone(),
             shared_memory: setup.shared_memory.clone(),
+            write_batch_bytes: peer.write_batch_bytes,
         });
         let (jobs_tx, jobs_rx) = mpsc::channel::<copy::Msg>();
         let shared = Shared::new(core, jobs_tx.clone(), Some(driver.tx.clone()));

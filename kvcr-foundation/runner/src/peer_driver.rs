@@ -70,7 +70,7 @@ pub struct PeerOptions {
     pub ucx_tls: Option<String>,
     /// Abandonment budget from op start (default 5 × the operation timeout).
     pub abandon_timeout: Option<Duration>,
-    /// Cap on puts in flight per write; 0 picks per transport: 2 when the
+    /// Cap on puts in flight, all writes together; 0 picks per transport: 2 when the
     /// transports include tcp (an unbounded number of large puts collapses
     /// TCP loopback to ~50 MB/s here), 64 otherwise.
     pub max_puts_in_flight: usize,
@@ -83,6 +83,12 @@ pub struct PeerOptions {
     /// Copy lanes for writes into mapped same-host targets; 0 picks one per
     /// core, at most 8.
     pub lanes: usize,
+    /// Bytes of pages a hinted fetch asks of its source per write (default
+    /// [`PeerOptions::DEFAULT_WRITE_BATCH_BYTES`]): a larger fetch goes out
+    /// as several writes that the source runs concurrently and that land one
+    /// by one, so a hinted deliver moves the first pages on (to the GPU)
+    /// while later ones are still crossing. 0: one write per source.
+    pub write_batch_bytes: u64,
 }
 
 impl std::fmt::Debug for PeerOptions {
@@ -102,6 +108,7 @@ impl std::fmt::Debug for PeerOptions {
             .field("put_split", &self.put_split)
             .field("same_host_mapping", &self.same_host_mapping)
             .field("lanes", &self.lanes)
+            .field("write_batch_bytes", &self.write_batch_bytes)
             .finish()
     }
 }
@@ -161,6 +168,11 @@ impl PutSplit {
 impl PeerOptions {
     /// The shortest cluster secret accepted.
     pub const MIN_SECRET_LEN: usize = 16;
+    /// Default bytes per write of a hinted fetch: 32 MiB is 8 lane pieces of
+    /// 4 MiB on the source and a few engine pages, so the destination's next
+    /// hop starts after a fraction of a large restore while a one-block or a
+    /// 16 MiB fetch stays a single write (one control round trip).
+    pub const DEFAULT_WRITE_BATCH_BYTES: u64 = 32 << 20;
 
     /// The same options with a cluster secret.
     pub fn with_secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
@@ -187,6 +199,7 @@ impl PeerOptions {
             max_puts_in_flight: 0,
             put_split: PutSplit::default(),
             same_host_mapping: true,
+            write_batch_bytes: Self::DEFAULT_WRITE_BATCH_BYTES,
             lanes: 0,
         }
     }
@@ -958,17 +971,26 @@ impl State {
         let mut finished = Vec::new();
         let pools = &self.pools;
         for w in &mut self.pending {
-            let route = &w.route;
             while let Some(done) = w.in_flight.front().and_then(Completion::result) {
                 w.failed |= done.is_err();
                 w.in_flight.pop_front();
             }
-            while w.in_flight.len() < self.max_in_flight && !w.failed {
+        }
+        // The cap is shared by every write (a fetch in batches is several
+        // writes at once, and tcp collapses under many large puts); the
+        // oldest write issues first, so batches land roughly in order.
+        let mut in_flight: usize = self.pending.iter().map(|w| w.in_flight.len()).sum();
+        for w in &mut self.pending {
+            let route = &w.route;
+            while in_flight < self.max_in_flight && !w.failed {
                 let Some(span) = w.spans.pop_front() else {
                     break;
                 };
                 match put(pools, route, &span) {
-                    Ok(c) => w.in_flight.push_back(c),
+                    Ok(c) => {
+                        w.in_flight.push_back(c);
+                        in_flight += 1;
+                    }
                     Err(_) => w.failed = true,
                 }
             }

@@ -306,13 +306,20 @@ impl Core {
                 None => self.set_result(op, entry, EntryResult::failed(FailReason::NoSource)),
             }
         }
+        let per_batch = self.keys_per_write(layout);
         for ((source, _), entries) in by_source {
-            let keys: Vec<ScopedKey> = entries.iter().map(|(_, k)| *k).collect();
-            let fills = self.start_remote_fills(now, request, source, &keys, layout, protected);
-            for ((entry, _), fill) in entries.into_iter().zip(fills) {
-                match fill {
-                    Ok(fill) => self.wait_on_fill(op, entry, fill),
-                    Err(reason) => self.set_result(op, entry, EntryResult::failed(reason)),
+            // Batches in key order, each its own write: the source writes them
+            // concurrently, and each batch lands (and its delivers start) as
+            // soon as its own write is done, not when the last one is.
+            for batch in entries.chunks(per_batch) {
+                let keys: Vec<ScopedKey> = batch.iter().map(|(_, k)| *k).collect();
+                let fills =
+                    self.start_remote_fills(now, request, source.clone(), &keys, layout, protected);
+                for ((entry, _), fill) in batch.iter().zip(fills) {
+                    match fill {
+                        Ok(fill) => self.wait_on_fill(op, *entry, fill),
+                        Err(reason) => self.set_result(op, *entry, EntryResult::failed(reason)),
+                    }
                 }
             }
         }

@@ -65,6 +65,11 @@ pub struct PeerConfig {
     pub allowed_peers: Vec<ControlEndpoint>,
     /// Namespaces only the listed targets may fetch from this runner.
     pub private_namespaces: Vec<(NamespaceId, Vec<ControlEndpoint>)>,
+    /// Bytes of pages asked of a source in one write (`start_write`); a
+    /// fetch needing more sends several, which the source writes
+    /// concurrently and which land one by one. 0: one write per source and
+    /// operation.
+    pub write_batch_bytes: u64,
 }
 
 impl PeerConfig {

@@ -5,6 +5,7 @@
 use std::collections::HashSet;
 
 use super::*;
+use kvcr_contracts::protocol::codec::MAX_KEYS_PER_WRITE;
 
 impl Core {
     /// Records a request's router hint. A second hint with the same source
@@ -143,6 +144,29 @@ impl Core {
                 })
             })
             .collect()
+    }
+
+    /// Keys of `layout` per remote write: as many as fit in the configured
+    /// batch bytes, at least one, at most what one message may carry.
+    pub(in crate::machine) fn keys_per_write(&self, layout: u16) -> usize {
+        let batch_bytes = self
+            .peer
+            .as_ref()
+            .map_or(0, |p| p.config.write_batch_bytes);
+        let key_bytes: u64 = self
+            .layouts
+            .get(layout as usize)
+            .into_iter()
+            .flatten()
+            .filter_map(|pool| self.pools.get(pool.0 as usize))
+            .map(|pool| pool.block_size)
+            .sum();
+        let keys = if batch_bytes == 0 || key_bytes == 0 {
+            MAX_KEYS_PER_WRITE
+        } else {
+            usize::try_from(batch_bytes / key_bytes).unwrap_or(MAX_KEYS_PER_WRITE)
+        };
+        keys.clamp(1, MAX_KEYS_PER_WRITE)
     }
 
     /// Starts remote fills for `keys` (missing locally, covered by the hint
