@@ -99,12 +99,29 @@ fn tp2_rank(device: &Arc<Device>, rank: u32, pages: u32) -> (DirectLinker, Vec<D
         store_pages: pages,
         operation_timeout: Duration::from_secs(300),
         incarnation: Incarnation::from_raw(u128::from(rank) + 10).unwrap(),
-        peer: Some(kvcr_foundation::runner::PeerOptions::loopback()),
+        peer: Some(tp2_peer_options()),
         prefault: true,
     };
     // SAFETY: the buffers are returned with the linker and dropped after it.
     let linker = unsafe { DirectLinker::new(config, KvMemory::Cuda(copier)) }.unwrap();
     (linker, buffers)
+}
+
+/// Peer options of a TP=2 runner: the defaults, or `KVCR_TP2_LANES` lanes
+/// and `KVCR_TP2_BATCH_MIB` MiB per write when set (inherited by the
+/// children, for sweeps).
+fn tp2_peer_options() -> kvcr_foundation::runner::PeerOptions {
+    let mut options = kvcr_foundation::runner::PeerOptions::loopback();
+    if let Some(lanes) = std::env::var("KVCR_TP2_LANES").ok().and_then(|v| v.parse().ok()) {
+        options.lanes = lanes;
+    }
+    if let Some(mib) = std::env::var("KVCR_TP2_BATCH_MIB")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        options.write_batch_bytes = mib << 20;
+    }
+    options
 }
 
 /// The keys of the TP=2 prompt.
@@ -158,11 +175,13 @@ fn tp2_source(rank: u32, pages: u32) {
     drop(buffers);
 }
 
-/// `--tp2-dest RANK PAGES ENDPOINT`: one destination rank as its own
+/// `--tp2-dest RANK PAGES ENDPOINT MODE`: one destination rank as its own
 /// process: restores its shard from the source rank at `ENDPOINT` on a hint
-/// (peer KVCR DRAM → local KVCR DRAM over UCX → GPU), checks the patterned
-/// pages, prints `RESULT <peer seconds> <total seconds>`.
-fn tp2_dest(rank: u32, pages: u32, endpoint: &str) {
+/// (peer KVCR DRAM → local KVCR DRAM → GPU), checks the patterned pages,
+/// prints `RESULT <peer seconds> <total seconds>`. MODE `seq` runs the two
+/// hops one after the other (prepare, lookup, load: the peer seconds are the
+/// first hop); `pipe` is one pipelined `restore_hinted` (peer seconds 0).
+fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str) {
     let count = kvcr_direct_linker::cuda::device_count().unwrap();
     let device = Device::open(rank % count.max(1)).unwrap();
     let (mut linker, buffers) = tp2_rank(&device, rank, pages);
@@ -185,6 +204,26 @@ fn tp2_dest(rank: u32, pages: u32, endpoint: &str) {
         tail: keys.clone(),
     };
     let t = Instant::now();
+    if mode == "pipe" {
+        let (context, _) =
+            RequestContext::begin(&mut ledger, RequestId(format!("tp{rank}")), vec![hint], query);
+        let slots: Vec<DeviceSlot> = (0..pages).map(DeviceSlot).collect();
+        let ticket = linker.restore_hinted(&context, &slots).unwrap();
+        let events = linker.settle(SETTLE);
+        assert!(
+            events.iter().any(|e| matches!(
+                e,
+                LinkerEvent::RestoreDone { ticket: t, restored, .. } if *t == ticket && *restored == pages
+            )),
+            "rank {rank}: pipelined restore incomplete: {events:?}"
+        );
+        let total = t.elapsed().as_secs_f64();
+        check_shard(rank, pages, span, &buffers);
+        println!("RESULT 0 {total}");
+        drop(linker);
+        drop(buffers);
+        return;
+    }
     let (context, _) = RequestContext::begin(
         &mut ledger,
         RequestId(format!("tp{rank}")),
@@ -209,6 +248,14 @@ fn tp2_dest(rank: u32, pages: u32, endpoint: &str) {
     )));
     let total = t.elapsed().as_secs_f64();
     linker.request_finished(&attempt).unwrap();
+    check_shard(rank, pages, span, &buffers);
+    println!("RESULT {fetched} {total}");
+    drop(linker);
+    drop(buffers);
+}
+
+/// Asserts the patterned pages of `rank`'s shard landed on its GPU.
+fn check_shard(rank: u32, pages: u32, span: usize, buffers: &[DeviceBuffer]) {
     for (i, b) in buffers.iter().enumerate() {
         for slot in tp2_checked(pages) {
             assert_eq!(
@@ -218,9 +265,6 @@ fn tp2_dest(rank: u32, pages: u32, endpoint: &str) {
             );
         }
     }
-    println!("RESULT {fetched} {total}");
-    drop(linker);
-    drop(buffers);
 }
 
 /// A child process of this benchmark, read line by line.
@@ -278,77 +322,96 @@ impl Drop for Child {
 /// Issue 11's run: engine A and engine B at TP=2, each rank its own process
 /// on GPU `rank` (both on GPU 0 when only one is lent). A's ranks offload;
 /// each rank of B restores its own shard from A's same rank on a router hint
-/// (A's KVCR DRAM → B's over UCX → B's GPU), both ranks at once, and checks
-/// the patterned pages byte for byte. Each rank's figure is against its own
-/// GPU's contiguous host→device anchor.
+/// (A's KVCR DRAM → B's → B's GPU), both ranks at once, and checks the
+/// patterned pages byte for byte. Two rounds, each with fresh destination
+/// processes: the hops one after the other (which measures each hop), then
+/// pipelined (`restore_hinted`), whose figure is against the slower hop of
+/// the same rank measured in the first round.
 fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32) {
     let gpu = |rank: usize| &gpus[rank % gpus.len()];
     println!(
-        "# tp2: {pages} pages per rank, 4 runner processes; rank 0 on GPU {} ({}), rank 1 on GPU {} ({})",
+        "# tp2: {pages} pages per rank, 4 runner processes per round; rank 0 on GPU {} ({}), rank 1 on GPU {} ({})",
         gpu(0).0.ordinal(),
         gpu(0).0.name(),
         gpu(1).0.ordinal(),
         gpu(1).0.name()
     );
-    let shard_bytes = 64 * 2 * 64 * 4 * 128 * 2 * u64::from(pages);
+    let shard_bytes = (64 * 2 * 64 * 4 * 128 * 2 * u64::from(pages)) as f64;
     let mut sources: Vec<Child> = (0..2)
         .map(|r| Child::spawn(&["--tp2-source".into(), r.to_string(), pages.to_string()]))
         .collect();
     let endpoints: Vec<String> = sources.iter_mut().map(|s| s.expect("ENDPOINT")).collect();
-    let mut dests: Vec<Child> = endpoints
-        .iter()
-        .enumerate()
-        .map(|(r, ep)| {
-            Child::spawn(&[
-                "--tp2-dest".into(),
-                r.to_string(),
-                pages.to_string(),
-                ep.clone(),
-            ])
-        })
-        .collect();
-    for d in &mut dests {
-        let _ = d.expect("READY");
-    }
-    let wall = Instant::now();
-    for d in &mut dests {
-        d.say("GO");
-    }
-    let timings: Vec<(f64, f64)> = dests
-        .iter_mut()
-        .map(|d| {
-            let result = d.expect("RESULT");
-            let mut it = result.split_whitespace().map(|v| v.parse::<f64>().unwrap());
-            (it.next().unwrap(), it.next().unwrap())
-        })
-        .collect();
-    let aggregate = wall.elapsed().as_secs_f64();
-    for (rank, (fetched, total)) in timings.iter().enumerate() {
-        let gbps = shard_bytes as f64 / total / 1e9;
-        let gpu_hop = shard_bytes as f64 / (total - fetched) / 1e9;
-        println!(
-            "# tp2: rank {rank}: peer DRAM->DRAM {:.0} ms, DRAM->GPU {:.0} ms ({gpu_hop:.1} GB/s), its shard's bytes checked",
-            fetched * 1e3,
-            (total - fetched) * 1e3
-        );
+    let round = |mode: &str| -> (Vec<(f64, f64)>, f64) {
+        let mut dests: Vec<Child> = endpoints
+            .iter()
+            .enumerate()
+            .map(|(r, ep)| {
+                Child::spawn(&[
+                    "--tp2-dest".into(),
+                    r.to_string(),
+                    pages.to_string(),
+                    ep.clone(),
+                    mode.into(),
+                ])
+            })
+            .collect();
+        for d in &mut dests {
+            let _ = d.expect("READY");
+        }
+        let wall = Instant::now();
+        for d in &mut dests {
+            d.say("GO");
+        }
+        let timings = dests
+            .iter_mut()
+            .map(|d| {
+                let result = d.expect("RESULT");
+                let mut it = result.split_whitespace().map(|v| v.parse::<f64>().unwrap());
+                (it.next().unwrap(), it.next().unwrap())
+            })
+            .collect();
+        (timings, wall.elapsed().as_secs_f64())
+    };
+    let (hops, _) = round("seq");
+    let (pipelined, aggregate) = round("pipe");
+    for rank in 0..2 {
+        let (fetched, total) = hops[rank];
+        let peer_hop = shard_bytes / fetched / 1e9;
+        let gpu_hop = shard_bytes / (total - fetched) / 1e9;
+        let sequential = shard_bytes / total / 1e9;
         let h2d = gpu(rank).1;
+        let restore = shard_bytes / pipelined[rank].1 / 1e9;
+        let slower = peer_hop.min(gpu_hop);
         println!(
-            "BENCH tp2.restore_rank{rank} value={gbps:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
-            gbps / h2d
+            "# tp2: rank {rank}: hops in turn: peer DRAM->DRAM {:.0} ms ({peer_hop:.1} GB/s), DRAM->GPU {:.0} ms ({gpu_hop:.1} GB/s), {sequential:.2} GB/s end to end; pipelined {:.0} ms; its shard's bytes checked in both",
+            fetched * 1e3,
+            (total - fetched) * 1e3,
+            pipelined[rank].1 * 1e3,
+        );
+        println!(
+            "BENCH tp2.restore_rank{rank} value={restore:.2} unit=GB/s anchor={slower:.2} ratio={:.3}",
+            restore / slower
+        );
+        println!(
+            "BENCH tp2.restore_vs_h2d_rank{rank} value={restore:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
+            restore / h2d
+        );
+        println!(
+            "BENCH tp2.peer_hop_rank{rank} value={peer_hop:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
+            peer_hop / h2d
         );
         println!(
             "BENCH tp2.gpu_hop_rank{rank} value={gpu_hop:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
             gpu_hop / h2d
         );
     }
-    // Aggregate against the sum of the distinct GPUs' anchors.
+    // Aggregate (pipelined) against the sum of the distinct GPUs' anchors.
     let h2d: f64 = gpus.iter().map(|g| g.1).sum();
-    let gbps = 2.0 * shard_bytes as f64 / aggregate / 1e9;
+    let gbps = 2.0 * shard_bytes / aggregate / 1e9;
     println!(
         "BENCH tp2.restore_aggregate value={gbps:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
         gbps / h2d
     );
-    drop(dests);
     drop(sources);
 }
 
@@ -370,6 +433,7 @@ fn main() {
             rank.parse().unwrap(),
             args[at + 2].parse().unwrap(),
             &args[at + 3],
+            &args[at + 4],
         );
         return;
     }

@@ -613,15 +613,38 @@ unsafe impl Send for Event {}
 impl Event {
     /// Creates an event that records time.
     pub fn new(device: &Arc<Device>) -> Result<Self> {
+        Self::with_flags(device, sys::CUevent_flags::CU_EVENT_DEFAULT as u32)
+    }
+
+    /// Creates an event that records time and whose [`Event::synchronize`]
+    /// sleeps in the driver rather than spinning, whatever the context's
+    /// scheduling flags (the engine's primary context is not ours to change).
+    pub fn blocking(device: &Arc<Device>) -> Result<Self> {
+        Self::with_flags(
+            device,
+            sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32,
+        )
+    }
+
+    fn with_flags(device: &Arc<Device>, flags: u32) -> Result<Self> {
         device.bind()?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: writes one handle; destroyed in Drop.
         check("cuEventCreate", unsafe {
-            sys::cuEventCreate(&raw mut raw, sys::CUevent_flags::CU_EVENT_DEFAULT as u32)
+            sys::cuEventCreate(&raw mut raw, flags)
         })?;
         Ok(Self {
             device: Arc::clone(device),
             raw,
+        })
+    }
+
+    /// Waits until the work recorded before this event has completed.
+    pub fn synchronize(&self) -> Result<()> {
+        self.device.bind()?;
+        // SAFETY: the handle is live.
+        check("cuEventSynchronize", unsafe {
+            sys::cuEventSynchronize(self.raw)
         })
     }
 

@@ -55,6 +55,16 @@ pub enum Error {
         /// What is wrong with it.
         why: &'static str,
     },
+    /// A pipelined restore was handed slots that do not match its pages.
+    #[error("restore of {pages} pages was given {slots} device slots{}", if *duplicate { " (one named twice)" } else { "" })]
+    RestoreSlots {
+        /// Slots given.
+        slots: usize,
+        /// Pages the request's tail names.
+        pages: usize,
+        /// Whether one slot was named twice (two pages would race for it).
+        duplicate: bool,
+    },
     /// The runner refused or failed.
     #[error(transparent)]
     Runner(#[from] kvcr_foundation::runner::Error),

@@ -82,6 +82,11 @@ enum Pending {
         attempt: AttemptId,
     },
     Offload(OffloadTicket),
+    Restore {
+        ticket: LoadTicket,
+        attempt: AttemptId,
+        pages: u32,
+    },
 }
 
 /// Collects the runner's removals (the store's evictions).
@@ -124,6 +129,8 @@ pub struct DirectLinker {
     offloads: VecDeque<(OffloadTicket, Option<bool>)>,
     /// Every claim held: the runner's release handle has the same number.
     claims: BTreeMap<ClaimId, ScopedKey>,
+    /// Pipelined restores accepted and not yet landed.
+    restores_in_flight: usize,
     next_ticket: u64,
 }
 
@@ -214,6 +221,7 @@ impl DirectLinker {
             immediate: VecDeque::new(),
             offloads: VecDeque::new(),
             claims: BTreeMap::new(),
+            restores_in_flight: 0,
             next_ticket: 0,
         })
     }
@@ -242,6 +250,81 @@ impl DirectLinker {
     pub fn stores(&mut self, namespace: NamespaceId, key: BlockKey) -> bool {
         let scoped = self.scoped(namespace, key);
         self.runner.query(&scoped) == kvcr_foundation::runner::QueryStatus::Hit
+    }
+
+    /// Restores the request's tail straight into `slots` (page `i` of the
+    /// query's tail into `slots[i]`), pipelined: pages already in KVCR DRAM
+    /// go to the device at once; missing ones the request's hints place on a
+    /// peer are pulled in batches ([`PeerOptions::write_batch_bytes`]) and
+    /// each batch moves on to the device as soon as it has landed, so a
+    /// large peer restore takes about as long as its slower hop rather than
+    /// both hops in turn.
+    ///
+    /// This replaces `request_started` + `lookup` + `load` for an engine
+    /// that allocates the hinted pages' slots up front: it takes no
+    /// preparation and holds no claims. [`LinkerEvent::RestoreDone`] reports
+    /// how many leading pages are on the device; the engine recomputes the
+    /// rest. The slots are the engine's grant: nothing else is written, and
+    /// the engine must not touch them until the restore is reported.
+    pub fn restore_hinted(
+        &mut self,
+        context: &RequestContext,
+        slots: &[DeviceSlot],
+    ) -> Result<LoadTicket> {
+        let query = context.query();
+        let pages = query.tail.len();
+        let mut seen = std::collections::HashSet::with_capacity(slots.len());
+        let duplicate = !slots.iter().all(|s| seen.insert(*s));
+        if slots.len() != pages || duplicate {
+            return Err(Error::RestoreSlots {
+                slots: slots.len(),
+                pages,
+                duplicate,
+            });
+        }
+        let page_count = u32::try_from(pages).map_err(|_| Error::RestoreSlots {
+            slots: slots.len(),
+            pages,
+            duplicate: false,
+        })?;
+        for slot in slots {
+            self.check_slot(*slot).map_err(|_| Error::RestoreSlots {
+                slots: slots.len(),
+                pages,
+                duplicate: false,
+            })?;
+        }
+        let entries: Vec<DeliverEntry> = query
+            .tail
+            .iter()
+            .zip(slots)
+            .map(|(key, slot)| DeliverEntry {
+                key: self.scoped(query.namespace, *key),
+                destinations: self.elements(*slot),
+            })
+            .collect();
+        let attempt = context.attempt().clone();
+        let hinted = self.config.peer.is_some() && !context.hints().is_empty();
+        let op = if hinted {
+            for hint in context.hints() {
+                self.runner.submit_hint(attempt.request.clone(), hint);
+            }
+            self.runner.deliver_hinted(&attempt.request, entries)?
+        } else {
+            self.runner.deliver(entries)?
+        };
+        self.next_ticket += 1;
+        let ticket = LoadTicket(self.next_ticket);
+        self.restores_in_flight += 1;
+        self.pending.insert(
+            op,
+            Pending::Restore {
+                ticket,
+                attempt,
+                pages: page_count,
+            },
+        );
+        Ok(ticket)
     }
 
     /// Lands whatever completes within `timeout`, waiting until nothing is in
@@ -334,6 +417,24 @@ impl DirectLinker {
                         attempt,
                         ticket,
                         success,
+                    });
+                }
+                Some(Pending::Restore {
+                    ticket,
+                    attempt,
+                    pages,
+                }) => {
+                    self.restores_in_flight -= 1;
+                    let restored = result
+                        .entries
+                        .iter()
+                        .take_while(|(_, e)| e.is_success())
+                        .count();
+                    events.push(LinkerEvent::RestoreDone {
+                        attempt,
+                        ticket,
+                        restored: u32::try_from(restored).unwrap_or(pages).min(pages),
+                        pages,
                     });
                 }
                 Some(Pending::Offload(ticket)) => {
@@ -603,7 +704,9 @@ impl Linker for DirectLinker {
     fn accounting(&self) -> Accounting {
         Accounting {
             claims_held: self.claims.len(),
-            transfers_in_flight: self.prepared.attempts().in_flight() + self.offloads.len(),
+            transfers_in_flight: self.prepared.attempts().in_flight()
+                + self.offloads.len()
+                + self.restores_in_flight,
             live_attempts: self.prepared.attempts().live(),
         }
     }

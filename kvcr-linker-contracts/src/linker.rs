@@ -83,6 +83,20 @@ pub enum LinkerEvent {
         /// Whether every page landed on the device.
         success: bool,
     },
+    /// A pipelined restore (a linker's restore straight into device slots,
+    /// each page moved on as soon as it reached the store) finished.
+    RestoreDone {
+        /// The attempt that queued it (possibly ended since).
+        attempt: AttemptId,
+        /// Which restore.
+        ticket: LoadTicket,
+        /// Leading pages on the device, byte exact; the engine recomputes
+        /// the rest (a page after a failed one may have landed, but is not
+        /// counted: a prefix is all an engine can use).
+        restored: u32,
+        /// Pages asked for.
+        pages: u32,
+    },
     /// The store evicted pages (feed these to the inventory ledger).
     Evicted {
         /// The store's incarnation.

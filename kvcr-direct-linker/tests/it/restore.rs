@@ -489,3 +489,148 @@ fn tp2_ranks_restore_their_own_shard() {
         assert_eq!(misdirected.linker.accounting().claims_held, 0);
     }
 }
+
+// ------------------------------------------------------- pipelined restore
+
+/// Waits for the restore `ticket` to land and returns `(restored, pages)`.
+fn restore_landed(f: &mut Fixture, ticket: kvcr_linker_contracts::LoadTicket) -> (u32, u32) {
+    let events = f.linker.settle(Duration::from_secs(60));
+    events
+        .iter()
+        .find_map(|e| match e {
+            LinkerEvent::RestoreDone {
+                ticket: t,
+                restored,
+                pages,
+                ..
+            } if *t == ticket => Some((*restored, *pages)),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("restore {ticket:?} did not land: {events:?}"))
+}
+
+/// A pipelined restore pulls the source process's pages in one-page batches
+/// (so every page is its own write, moved on to the device as it lands) and
+/// reports the leading pages restored: a key the source lacks ends the
+/// prefix, its slot is never written, and the pages after it land but are
+/// not counted.
+#[test]
+fn pipelined_peer_restore_reports_the_restored_prefix() {
+    let mut runs = vec![("host", Backend::Host)];
+    if gpu_required() {
+        runs.push(("cuda", Backend::Cuda(CopyMode::default())));
+    }
+    for (name, backend) in runs {
+        let source = Source::spawn(name);
+        let mut dest = peer_fixture(backend);
+        let page = dest.layout.page_bytes() as usize;
+        let mut options = PeerOptions::loopback();
+        options.write_batch_bytes = page as u64;
+        let memory = dest.linker.memory().clone();
+        let mut cfg = config(dest.layout.clone(), 8, incarnation(4));
+        cfg.peer = Some(options);
+        // SAFETY: (test) the fixture's buffers outlive the new linker.
+        dest.linker = unsafe { DirectLinker::new(cfg, memory) }.unwrap();
+        let sentinel = vec![0x5a; page];
+        for slot in 0..8 {
+            dest.write_page(DeviceSlot(slot), &sentinel);
+        }
+        let present = keys(PEER_PAGES);
+        let missing = BlockKey::from_u64(0xdead);
+        let mut wanted = present[..3].to_vec();
+        wanted.push(missing);
+        wanted.extend_from_slice(&present[3..]);
+        let hint = FetchHint {
+            source: source.endpoint.clone(),
+            block_hashes: wanted.clone(),
+            mode: FetchMode::Copy,
+            action_id: None,
+        };
+        let mut ledger = AttemptLedger::new();
+        let query = PrefixQuery {
+            namespace: NAMESPACE,
+            device_prefix_pages: 0,
+            tail: wanted.clone(),
+        };
+        let (context, _) =
+            RequestContext::begin(&mut ledger, RequestId("pipe".into()), vec![hint], query);
+        let slots: Vec<DeviceSlot> = (0..wanted.len() as u32).map(DeviceSlot).collect();
+        let ticket = dest.linker.restore_hinted(&context, &slots).unwrap();
+        assert_eq!(
+            restore_landed(&mut dest, ticket),
+            (3, wanted.len() as u32),
+            "{name}: the prefix before the missing key"
+        );
+        let (counters, _) = dest.linker.runner().peer_stats();
+        assert_eq!(
+            counters.writes_requested,
+            wanted.len() as u64,
+            "{name}: one write per hinted page (batches of one page)"
+        );
+        for (i, key) in wanted.iter().enumerate() {
+            let expected = if *key == missing {
+                sentinel.clone()
+            } else {
+                page_bytes(key.as_u64(), PEER_SEED, page)
+            };
+            assert_eq!(
+                dest.read_page(DeviceSlot(i as u32)),
+                expected,
+                "{name}: slot {i}"
+            );
+        }
+        // Again without the missing key: every page from the local store now.
+        let query = PrefixQuery {
+            namespace: NAMESPACE,
+            device_prefix_pages: 0,
+            tail: present.clone(),
+        };
+        let (context, _) =
+            RequestContext::begin(&mut ledger, RequestId("again".into()), Vec::new(), query);
+        let slots: Vec<DeviceSlot> = (0..PEER_PAGES as u32).rev().map(DeviceSlot).collect();
+        let ticket = dest.linker.restore_hinted(&context, &slots).unwrap();
+        assert_eq!(
+            restore_landed(&mut dest, ticket),
+            (PEER_PAGES as u32, PEER_PAGES as u32),
+            "{name}"
+        );
+        for (key, slot) in present.iter().zip(&slots) {
+            assert_eq!(
+                dest.read_page(*slot),
+                page_bytes(key.as_u64(), PEER_SEED, page),
+                "{name}: {slot:?}"
+            );
+        }
+        assert_eq!(dest.linker.accounting().transfers_in_flight, 0);
+        assert_eq!(dest.linker.accounting().claims_held, 0);
+        drop(source);
+    }
+}
+
+/// Slots that do not match the tail (too few, too many, one named twice, or
+/// outside the pool) are a typed error and nothing is queued.
+#[rstest]
+#[case::too_few(vec![0, 1])]
+#[case::too_many(vec![0, 1, 2, 3])]
+#[case::duplicate(vec![0, 1, 1])]
+#[case::outside_the_pool(vec![0, 1, 8])]
+fn pipelined_restore_refuses_slots_that_do_not_match(#[case] slots: Vec<u32>) {
+    let mut f = fixture(Backend::Host, peer_layout(), 8);
+    let wanted = keys(3);
+    offload(&mut f, &wanted, 7);
+    let mut ledger = AttemptLedger::new();
+    let query = PrefixQuery {
+        namespace: NAMESPACE,
+        device_prefix_pages: 0,
+        tail: wanted,
+    };
+    let (context, _) =
+        RequestContext::begin(&mut ledger, RequestId("bad".into()), Vec::new(), query);
+    let slots: Vec<DeviceSlot> = slots.into_iter().map(DeviceSlot).collect();
+    let err = f.linker.restore_hinted(&context, &slots).unwrap_err();
+    assert!(
+        matches!(err, Error::RestoreSlots { slots: n, pages: 3, .. } if n == slots.len()),
+        "{err}"
+    );
+    assert_eq!(f.linker.accounting().transfers_in_flight, 0);
+}

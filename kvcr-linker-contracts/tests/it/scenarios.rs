@@ -89,6 +89,11 @@ impl Scenario {
                 LinkerEvent::LoadDone { success, .. } => {
                     self.note(format!("load landed: success={success}"));
                 }
+                LinkerEvent::RestoreDone {
+                    restored, pages, ..
+                } => {
+                    self.note(format!("restore landed: {restored}/{pages} pages"));
+                }
             }
         }
     }
