@@ -447,6 +447,14 @@ fn main() {
         lanes: 1,
     };
 
+    // `--one-block`: only the latency figure (for latency work).
+    if std::env::args().any(|a| a == "--one-block") {
+        let samples = one_block(many_lanes, 256 << 10, if quick { 100 } else { 500 });
+        dist("peer.one_block_256kib_shm", &samples);
+        line("peer.one_block_p50", at(&samples, 0.5), "us", None);
+        return;
+    }
+
     // Bulk: 1 GiB of distinct 16 MiB pages per fetch (the source holds
     // `reps` GiB), beside copies of 1 GiB between distinct buffers.
     let bulk_keys = 64;

@@ -73,6 +73,11 @@ use kvcr_contracts::key::{Namespace, NamespaceId, ScopedKey};
 use kvcr_contracts::protocol::{OpHandle, RegionId};
 use kvcr_contracts::tier::{InventorySink, Medium};
 
+/// How long a caller waiting on an operation that awaits a peer's write
+/// stays awake (yielding) before it sleeps: about a one-block fetch's round
+/// trip on the hosts measured.
+const PEER_SPIN: Duration = Duration::from_micros(300);
+
 /// Bytes of KVCR DRAM currently allocated by all runners in this process
 /// (a leak check: it returns to its old value after a runner is closed or a
 /// startup fails).
@@ -307,9 +312,18 @@ impl Shared {
 
     /// A short bounded spin for a completion before sleeping: a single-block
     /// copy finishes in tens of µs, less than a futex wake-up costs here.
+    /// While a peer write into us is awaited (a one-block peer fetch takes a
+    /// round trip, ~100–200 µs), the spin is longer and yields, so the
+    /// threads doing the work keep their CPUs.
     fn spin_for_completion(&self, start: Instant) {
-        while self.completed_len.load(Ordering::Acquire) == 0 && start.elapsed() < copy::SPIN {
-            std::hint::spin_loop();
+        let awaiting_peer = self.lock().core.peer_busy().0 > 0;
+        let budget = if awaiting_peer { PEER_SPIN } else { copy::SPIN };
+        while self.completed_len.load(Ordering::Acquire) == 0 && start.elapsed() < budget {
+            if awaiting_peer {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
     }
 
@@ -1138,3 +1152,4 @@ impl Runner {
         self.pool_bytes
     }
 }
+

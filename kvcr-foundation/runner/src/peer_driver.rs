@@ -366,6 +366,8 @@ fn run(
             // A remote write may still land in our pools: keep every UCX
             // object (and so the mapping) alive until the process exits.
             std::mem::forget(state);
+        } else {
+            state.drain_worker();
         }
     });
 }
@@ -647,12 +649,17 @@ impl State {
                     }
                 }
                 tokio::task::yield_now().await;
-            } else if awaiting_reply && last_activity.elapsed() < ACTIVE_SPIN {
+            } else if last_activity.elapsed()
+                < if awaiting_reply { ACTIVE_SPIN } else { LINGER }
+            {
                 // Our request is out and its reply is due within a round
-                // trip; waking a sleeping thread costs ~100 µs on a virtual
-                // machine's idle vCPU. Stay awake for a bounded moment,
-                // yielding to the socket tasks and to other threads (on a
-                // small machine the engine's own thread may need this CPU).
+                // trip, or we just served one and the next is likely close
+                // behind (engines restore in bursts); waking a sleeping
+                // thread costs 20–40 µs per hop on a virtual machine's idle
+                // vCPU (traced: 3 of a one-block fetch's 190 µs were such
+                // wake-ups). Stay awake for a bounded moment, yielding to
+                // the socket tasks and to other threads (on a small machine
+                // the engine's own thread may need this CPU).
                 match self.drain_queued(&mut rx, shared) {
                     Ok(true) => last_activity = Instant::now(),
                     Ok(false) => {}
@@ -716,6 +723,29 @@ impl State {
                 deadline_due = false;
                 last_tick = Instant::now();
                 shared.with_core_now(|core, now| core.handle_tick(now));
+            }
+        }
+    }
+
+    /// Progresses the worker until it has been quiet for [`DRAIN_QUIET`]
+    /// (at most [`DRAIN_MAX`]) before it is destroyed: UCX 1.13 asserts in
+    /// `ucp_worker_destroy` when a wire-up reply to a peer that connected
+    /// just before the stop is still queued (seen once in CI), and
+    /// progressing sends it.
+    fn drain_worker(&self) {
+        #[allow(clippy::disallowed_methods)]
+        let start = Instant::now();
+        let mut quiet_since = start;
+        while start.elapsed() < DRAIN_MAX {
+            if self.worker.progress() > 0 {
+                #[allow(clippy::disallowed_methods)]
+                {
+                    quiet_since = Instant::now();
+                }
+            } else if quiet_since.elapsed() >= DRAIN_QUIET {
+                return;
+            } else {
+                std::thread::yield_now();
             }
         }
     }
@@ -1088,6 +1118,16 @@ fn control_bind_address(options: &PeerOptions) -> Result<SocketAddr> {
 /// last activity (a request sent, a message): about a one-block fetch's
 /// round trip here. Bounded, so a runner whose source went quiet sleeps.
 const ACTIVE_SPIN: Duration = Duration::from_micros(300);
+
+/// How long a peer thread stays awake after its last activity when it
+/// awaits nothing: a burst's next request then finds it running. Bounded, so
+/// an idle node still sleeps (`peer.idle_cpu`).
+const LINGER: Duration = Duration::from_micros(200);
+
+/// A stopping worker is destroyed once it made no progress for this long.
+const DRAIN_QUIET: Duration = Duration::from_millis(2);
+/// The most a stop waits for a busy worker to go quiet.
+const DRAIN_MAX: Duration = Duration::from_millis(100);
 
 /// The longest idle sleep: a backstop only (the core's wake time is always
 /// sooner while anything is pending).

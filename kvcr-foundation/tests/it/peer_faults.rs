@@ -504,10 +504,11 @@ fn two_process_deliveries(#[case] tls: &str) {
 
 // ------------------------------------------------------------ kill / stop
 
-/// The source is SIGKILLed while a 188 MiB write (47 × 4 MiB over tcp) is in
-/// flight. The caller fails with `Timeout` at the operation deadline (before
-/// the abandonment deadline); at the abandonment deadline the memory is
-/// quarantined with one `Uncertain` notice and never reused: its keys are not
+/// The source is SIGKILLed while a 188 MiB fetch (47 × 4 MiB over tcp, in
+/// writes of the default batch size) is in flight. The caller fails with
+/// `Timeout` at the operation deadline (before the abandonment deadline); at
+/// the abandonment deadline the memory is quarantined with one `Uncertain`
+/// notice per write and never reused: its keys are not
 /// handed out nor re-filled while held, and a restarted source at the same
 /// address is a new incarnation whose writes land only in the free slots
 /// (the rest of its request fails `CapacityExhausted`), with its own bytes,
@@ -568,18 +569,27 @@ fn source_killed_mid_transfer() {
         target.notices().is_empty(),
         "the caller failed before the abandonment deadline"
     );
-    let notices = poll_until("the uncertain notice", || {
-        let n = target.notices();
-        (!n.is_empty()).then_some(n)
+    // The fetch went out as one write per batch of the default size; each
+    // was in flight when the source died, so each is uncertain.
+    let per_write = (PeerOptions::DEFAULT_WRITE_BATCH_BYTES / BLOCK as u64) as usize;
+    let writes = big.len().div_ceil(per_write);
+    assert!(writes > 1, "the fetch spans several writes");
+    let mut notices = Vec::new();
+    poll_until("an uncertain notice per write", || {
+        notices.extend(target.notices());
+        (notices.len() >= writes).then_some(())
     });
+    assert_eq!(notices.len(), writes, "{notices:?}");
     assert!(
-        matches!(notices.as_slice(), [PeerNotice::Uncertain { .. }]),
+        notices
+            .iter()
+            .all(|n| matches!(n, PeerNotice::Uncertain { .. })),
         "{notices:?}"
     );
     let stats = target.runner.stats();
     assert_eq!(stats.discarding, big.len(), "the fills are held");
     assert_eq!(stats.pools[0].free_slots, SLOTS - 1 - big.len() as u32);
-    assert_eq!(target.runner.peer_stats().0.quarantined, 1);
+    assert_eq!(target.runner.peer_stats().0.quarantined, writes as u64);
     for k in &big {
         assert_ne!(target.runner.query(&key(target.ns, *k)), QueryStatus::Hit);
     }
@@ -642,7 +652,7 @@ fn source_killed_mid_transfer() {
     );
     let stats = target.runner.stats();
     assert_eq!(stats.discarding, big.len(), "still held without proof");
-    assert_eq!(target.runner.peer_stats().0.quarantined, 1);
+    assert_eq!(target.runner.peer_stats().0.quarantined, writes as u64);
     assert!(
         !target
             .notices()
