@@ -112,7 +112,10 @@ fn tp2_rank(device: &Arc<Device>, rank: u32, pages: u32) -> (DirectLinker, Vec<D
 /// children, for sweeps).
 fn tp2_peer_options() -> kvcr_foundation::runner::PeerOptions {
     let mut options = kvcr_foundation::runner::PeerOptions::loopback();
-    if let Some(lanes) = std::env::var("KVCR_TP2_LANES").ok().and_then(|v| v.parse().ok()) {
+    if let Some(lanes) = std::env::var("KVCR_TP2_LANES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
         options.lanes = lanes;
     }
     if let Some(mib) = std::env::var("KVCR_TP2_BATCH_MIB")
@@ -205,8 +208,12 @@ fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str) {
     };
     let t = Instant::now();
     if mode == "pipe" {
-        let (context, _) =
-            RequestContext::begin(&mut ledger, RequestId(format!("tp{rank}")), vec![hint], query);
+        let (context, _) = RequestContext::begin(
+            &mut ledger,
+            RequestId(format!("tp{rank}")),
+            vec![hint],
+            query,
+        );
         let slots: Vec<DeviceSlot> = (0..pages).map(DeviceSlot).collect();
         let ticket = linker.restore_hinted(&context, &slots).unwrap();
         let events = linker.settle(SETTLE);

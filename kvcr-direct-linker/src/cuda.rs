@@ -620,10 +620,7 @@ impl Event {
     /// sleeps in the driver rather than spinning, whatever the context's
     /// scheduling flags (the engine's primary context is not ours to change).
     pub fn blocking(device: &Arc<Device>) -> Result<Self> {
-        Self::with_flags(
-            device,
-            sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32,
-        )
+        Self::with_flags(device, sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32)
     }
 
     fn with_flags(device: &Arc<Device>, flags: u32) -> Result<Self> {

@@ -1152,4 +1152,3 @@ impl Runner {
         self.pool_bytes
     }
 }
-

@@ -649,9 +649,7 @@ impl State {
                     }
                 }
                 tokio::task::yield_now().await;
-            } else if last_activity.elapsed()
-                < if awaiting_reply { ACTIVE_SPIN } else { LINGER }
-            {
+            } else if last_activity.elapsed() < if awaiting_reply { ACTIVE_SPIN } else { LINGER } {
                 // Our request is out and its reply is due within a round
                 // trip, or we just served one and the next is likely close
                 // behind (engines restore in bursts); waking a sleeping

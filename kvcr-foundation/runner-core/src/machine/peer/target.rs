@@ -149,10 +149,7 @@ impl Core {
     /// Keys of `layout` per remote write: as many as fit in the configured
     /// batch bytes, at least one, at most what one message may carry.
     pub(in crate::machine) fn keys_per_write(&self, layout: u16) -> usize {
-        let batch_bytes = self
-            .peer
-            .as_ref()
-            .map_or(0, |p| p.config.write_batch_bytes);
+        let batch_bytes = self.peer.as_ref().map_or(0, |p| p.config.write_batch_bytes);
         let key_bytes: u64 = self
             .layouts
             .get(layout as usize)
