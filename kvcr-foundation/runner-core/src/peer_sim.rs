@@ -1,16 +1,45 @@
-//! A deterministic simulator for the peer protocol: two sans-I/O cores (a
-//! target that pulls and a source that holds pages) on a virtual network with
-//! seeded drops, duplicates, delays (hence reorders), put failures, late
-//! completions, and crashes and restarts of the source at the same address.
+//! A deterministic simulator for the peer protocol: sans-I/O cores on a
+//! virtual network with seeded faults. Each run has two targets (which pull)
+//! and two sources (which hold pages; their key sets overlap):
+//! * each request's router hint names either source, so both targets pull
+//!   from one source at once, the same keys too, by fetch and by deliver;
+//! * write batching: each target cuts an operation's missing keys into
+//!   `start_write`s of `write_batch_bytes` (per target and seed: 0, one
+//!   write per operation; or 1 page, 2½ pages (2 keys), 3 pages), each
+//!   landing on its own;
+//! * copy lanes: each source runs its writes on 1..=4 lanes (per source and
+//!   seed), a write cut into pieces over several lanes, the pieces of a lane
+//!   one after the other; so several writes are in progress at once and
+//!   their `handle_put_done` reports arrive in any order;
+//! * faults on every peer: drops, duplicates and delays (hence reorders) of
+//!   messages; failed pieces (the slot then holds garbage) and late ones;
+//!   failed connects; a source's process stopped a while (past an operation
+//!   timeout it finds itself stalled); crashes and restarts of either source
+//!   at the same address (its old puts may still land; the targets may or
+//!   may not see the connection drop); a hostile member that sends what
+//!   nobody asked for.
+//!
+//! Virtual time moves event by event: messages arrive, pieces land and each
+//! driver runs its turn (`handle_tick`) when due, as the real driver sleeps
+//! until `peer_wake_at`; between events, requests and faults are injected.
 //!
 //! After every step it checks the invariants of the design:
-//! * both cores' structural invariants (index, slots, claims);
-//! * a target slot that a put may still write is never free (no reuse
-//!   before proof), and a quarantined destination stays owned however long;
-//! * every page the target commits holds the bytes of that key (modelled:
-//!   the last put that landed in each slot must be for the committed key);
-//! * an operation completes exactly once, and a key failed by deadline is
-//!   never reported a success.
+//! * every core's structural invariants (index, slots, claims);
+//! * per target, a slot that a put may still write is never free (no reuse
+//!   before proof, and a quarantined destination stays owned however long),
+//!   no two writes are ever in flight into one slot, and every put lands in
+//!   the pool of the target that granted it;
+//! * every page a target commits holds the bytes of that key (modelled per
+//!   target slot: the last put that landed there must be that key's, and no
+//!   put may still be in flight into it), checked when the commit happens,
+//!   when a fetch returns the page and when a deliver copies it out;
+//! * a write ended after its operation's deadline (the target probed it)
+//!   never commits; an operation completes exactly once; a key failed by
+//!   deadline is never reported a success.
+//!
+//! The many-seeds test also counts what happened (operations split into
+//! several writes, reports out of order, writes of both sources, commits on
+//! both targets, ...) and fails when some of it never did.
 //!
 //! A failing seed is reproducible from its number:
 //! `KVCR_SIM_SEED=<n> cargo test -p kvcr-runner-core --lib peer_sim`.
@@ -28,15 +57,30 @@ use kvcr_contracts::protocol::{
     Body, CompletedIndices, ElementRef, Header, Message, OpHandle, RegionAdvert, RegionId,
     RouteGeneration, SegmentAdvert, SharedMemoryAdvert, WriteOutcome,
 };
+use kvcr_contracts::tier::InventoryEvent;
 
 const BLOCK: u64 = 64;
 const SLOTS: u32 = 8;
 const TIMEOUT: u64 = 1_000_000; // 1 ms of virtual time
+/// Target `t`'s pool is at `TARGET_POOL + t * POOL_STEP`, source `s`'s at
+/// `SOURCE_POOL + s * POOL_STEP`.
 const TARGET_POOL: u64 = 0x1000_0000;
 const SOURCE_POOL: u64 = 0x2000_0000;
+const POOL_STEP: u64 = 0x0100_0000;
 const SOURCE_HOST: u64 = 0x3000_0000;
+/// The targets' framework region, where delivers copy pages to.
+const FRAMEWORK: u64 = 0x4000_0000;
+const FRAMEWORK_ELEMENTS: u64 = 1 << 16;
+const TARGET_PORTS: [u16; 2] = [1, 3];
+const SOURCE_PORTS: [u16; 2] = [2, 4];
+/// Source `s` holds keys `SOURCE_FIRST_KEY[s]..+SLOTS` (4..8 on both).
+const SOURCE_FIRST_KEY: [u64; 2] = [0, 4];
+/// Requests name keys below this (the last ones on no source).
+const KEYS: u64 = 14;
 /// The port of the misbehaving member.
 const HOSTILE: u16 = 9;
+/// What a slot holds after a failed piece wrote it.
+const GARBAGE: u64 = u64::MAX;
 
 struct Rng(u64);
 
@@ -64,7 +108,7 @@ fn new_core(pool_base: u64, port: u16, incarnation: u128) -> (Core, NamespaceId)
 }
 
 /// A core whose peer configuration `adjust` may change (allowlist, private
-/// namespaces).
+/// namespaces, batching, shared memory).
 fn new_core_with(
     pool_base: u64,
     port: u16,
@@ -98,186 +142,492 @@ fn new_core_with(
     (core, ns)
 }
 
-/// A put in flight from the source into a target slot.
+fn scoped(ns: NamespaceId, k: u64) -> ScopedKey {
+    ScopedKey {
+        namespace: ns,
+        key: BlockKey::from_u64(k),
+    }
+}
+
+/// Deposits keys `first..first + SLOTS` on a source (its host region stands
+/// in for the engine's memory; copies are simulated as landed) and returns
+/// which key each of its pool slots holds.
+fn stock(core: &mut Core, now: u64, ns: NamespaceId, first: u64) -> HashMap<u64, u64> {
+    let region = core
+        .register_region(RegionDesc {
+            label: "kv".into(),
+            base: SOURCE_HOST,
+            size: BLOCK,
+            stride: 0,
+            count: 64,
+        })
+        .or_else(|_| core.region_by_label("kv").ok_or(()))
+        .unwrap_or(RegionId(1));
+    let keys: Vec<ScopedKey> = (first..first + u64::from(SLOTS))
+        .map(|k| scoped(ns, k))
+        .collect();
+    let entries = keys
+        .iter()
+        .enumerate()
+        .map(|(i, key)| DepositEntry {
+            key: *key,
+            spans: vec![ElementRef {
+                region,
+                index: i as u64,
+            }],
+            page: None,
+        })
+        .collect();
+    core.deposit(now, entries, false).unwrap();
+    while let Some(action) = core.poll_action() {
+        if let Action::Copy { job, keys, .. } = action {
+            core.handle_copy_done(now, job, &vec![CopyOutcome::Copied; keys.len()]);
+        }
+    }
+    // Where each page went: a fetch names its slot.
+    core.fetch(now, &keys, &[PoolId(0)], None).unwrap();
+    let mut done = Vec::new();
+    core.drain_completed(&mut done);
+    let mut slot_key = HashMap::new();
+    for result in done {
+        for (key, entry) in result.entries {
+            if let (Some(slot), Some(release)) = (entry.slots.first(), entry.release) {
+                slot_key.insert(slot.index, key.key.as_u64());
+                core.release(&[release]);
+            }
+        }
+    }
+    assert_eq!(slot_key.len(), SLOTS as usize, "every key stocked");
+    core.drain_events().for_each(drop);
+    slot_key
+}
+
+/// Source `s`'s incarnation after `restarts` restarts: unique per seed,
+/// source and restart, and never a target's or the hostile member's.
+fn source_incarnation(seed: u64, s: usize, restarts: u128) -> u128 {
+    (u128::from(seed) << 32) | ((s as u128 + 1) << 16) | restarts
+}
+
+/// One piece of a write in flight from a source into a target slot.
 #[derive(Debug, Clone, Copy)]
 struct InFlightPut {
+    source: usize,
+    incarnation: u128,
     write: u64,
+    target: usize,
     slot: u64,
     key: u64,
     done_at: u64,
     ok: bool,
+    seq: u64,
+}
+
+/// A write (an `Action::Put`) whose pieces have not all landed.
+#[derive(Debug, Clone, Copy)]
+struct WriteTrack {
+    target: usize,
+    left: usize,
+    ok: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Peer {
+    Target(usize),
+    Source(usize),
+}
+
+/// A destination, and what the model knows about its memory.
+struct Target {
+    core: Core,
+    endpoint: ControlEndpoint,
+    pool: u64,
+    framework: RegionId,
+    /// The last key whose bytes landed in each slot (`GARBAGE`: a failed
+    /// piece's).
+    landed: HashMap<u64, u64>,
+    /// Per target operation, the (key, slot) pairs its `start_write` granted.
+    grants: HashMap<OpHandle, Vec<(u64, u64)>>,
+    /// Target operations probed (past their deadline): they never commit.
+    probed: HashSet<OpHandle>,
+    /// Framework element -> the key a deliver wants there, and whether a
+    /// copy of that key's bytes reached it.
+    deliveries: HashMap<u64, (u64, bool)>,
+    /// Deliver ops: (op, key) -> framework element.
+    deliver_elements: HashMap<(OpHandle, u64), u64>,
+    next_element: u64,
+    completed_ops: HashSet<OpHandle>,
+    timed_out: HashSet<(OpHandle, ScopedKey)>,
+    /// Keys this target committed (some run).
+    committed: HashSet<u64>,
+}
+
+impl Target {
+    fn new(t: usize, seed: u64, shared: bool, write_batch_bytes: u64) -> (Self, NamespaceId) {
+        let pool = TARGET_POOL + t as u64 * POOL_STEP;
+        // With shared segments advertised, its sources ack with one copy now
+        // and then (the driver decides).
+        let (mut core, ns) = new_core_with(pool, TARGET_PORTS[t], t as u128 + 1, |c| {
+            c.write_batch_bytes = write_batch_bytes;
+            c.shared_memory = shared.then(|| SharedMemoryAdvert {
+                boot_id: [1; 16],
+                pid_namespace: 1,
+                pid: 1 + t as u32,
+                segments: vec![SegmentAdvert {
+                    region: RegionId(0),
+                    fd: 3,
+                    token: [seed as u8 ^ t as u8; 16],
+                }],
+            });
+        });
+        core.handle_tick(0); // the driver's first turn
+        let framework = core
+            .register_region(RegionDesc {
+                label: "kv".into(),
+                base: FRAMEWORK,
+                size: BLOCK,
+                stride: 0,
+                count: FRAMEWORK_ELEMENTS,
+            })
+            .unwrap();
+        let target = Self {
+            core,
+            endpoint: endpoint(TARGET_PORTS[t]),
+            pool,
+            framework,
+            landed: HashMap::new(),
+            grants: HashMap::new(),
+            probed: HashSet::new(),
+            deliveries: HashMap::new(),
+            deliver_elements: HashMap::new(),
+            next_element: 0,
+            completed_ops: HashSet::new(),
+            timed_out: HashSet::new(),
+            committed: HashSet::new(),
+        };
+        (target, ns)
+    }
+
+    fn slot_of(&self, address: u64) -> Option<u64> {
+        let offset = address.checked_sub(self.pool)?;
+        (offset % BLOCK == 0 && offset / BLOCK < u64::from(SLOTS)).then_some(offset / BLOCK)
+    }
+}
+
+/// A source: its core, and its driver's lanes and routes.
+struct Source {
+    core: Core,
+    endpoint: ControlEndpoint,
+    pool: u64,
     incarnation: u128,
+    restarts: u128,
+    /// Which key each pool slot holds.
+    slot_key: HashMap<u64, u64>,
+    /// When each copy lane is next free.
+    lane_free_at: Vec<u64>,
+    next_lane: usize,
+    /// The driver's route per target: the generation it connected.
+    routes: HashMap<ControlEndpoint, u64>,
+    /// Highest write reported by this incarnation.
+    max_reported: u64,
+    /// Its process is stopped until then: no driver turn, no message handled,
+    /// no put reported.
+    asleep_until: u64,
+}
+
+impl Source {
+    fn new(s: usize, seed: u64, restarts: u128, lanes: usize, now: u64, ns: NamespaceId) -> Self {
+        let pool = SOURCE_POOL + s as u64 * POOL_STEP;
+        let incarnation = source_incarnation(seed, s, restarts);
+        let (mut core, source_ns) = new_core(pool, SOURCE_PORTS[s], incarnation);
+        assert_eq!(source_ns, ns, "one namespace id on every core");
+        let slot_key = stock(&mut core, now, ns, SOURCE_FIRST_KEY[s]);
+        core.handle_tick(now); // the driver's first turn
+        Self {
+            core,
+            endpoint: endpoint(SOURCE_PORTS[s]),
+            pool,
+            incarnation,
+            restarts,
+            slot_key,
+            lane_free_at: vec![0; lanes.max(1)],
+            next_lane: 0,
+            routes: HashMap::new(),
+            max_reported: 0,
+            asleep_until: 0,
+        }
+    }
+
+    fn key_of(&self, address: u64) -> Option<u64> {
+        let offset = address.checked_sub(self.pool)?;
+        if offset % BLOCK != 0 {
+            return None;
+        }
+        self.slot_key.get(&(offset / BLOCK)).copied()
+    }
+}
+
+/// What a run exercised: the many-seeds test sums these and checks that the
+/// new coverage happened.
+#[derive(Debug, Default, Clone, Copy)]
+struct Coverage {
+    /// Fetches and delivers.
+    requests: u64,
+    /// Requests whose missing keys went out as more than one `start_write`.
+    split_requests: u64,
+    /// Puts started, per source.
+    writes: [u64; 2],
+    /// Puts cut into pieces on several lanes.
+    multi_lane_writes: u64,
+    /// Puts started while the same source had another write in progress.
+    concurrent_writes: u64,
+    /// Puts started while the same source wrote for the other target.
+    shared_source_writes: u64,
+    /// Put reports with a lower write id than one already reported.
+    out_of_order_reports: u64,
+    /// Pages committed, per target.
+    committed: [u64; 2],
+    /// Keys committed on both targets (per run).
+    overlapping_keys: u64,
+    /// Fetch and deliver successes, per target.
+    successes: [u64; 2],
+    /// Deliver entries that succeeded (their copies checked).
+    delivered: u64,
+    /// Write ends the target received after probing the op.
+    late_ends: u64,
+    failed_pieces: u64,
+    late_pieces: u64,
+    crashes: u64,
+    /// Source processes stopped past an operation timeout.
+    stalls: u64,
+    quarantined: u64,
+    timeouts: u64,
+}
+
+impl Coverage {
+    fn add(&mut self, o: &Self) {
+        self.requests += o.requests;
+        self.split_requests += o.split_requests;
+        for (mine, theirs) in [
+            (&mut self.writes, o.writes),
+            (&mut self.committed, o.committed),
+            (&mut self.successes, o.successes),
+        ] {
+            for (a, b) in mine.iter_mut().zip(theirs) {
+                *a += b;
+            }
+        }
+        self.multi_lane_writes += o.multi_lane_writes;
+        self.concurrent_writes += o.concurrent_writes;
+        self.shared_source_writes += o.shared_source_writes;
+        self.out_of_order_reports += o.out_of_order_reports;
+        self.overlapping_keys += o.overlapping_keys;
+        self.delivered += o.delivered;
+        self.late_ends += o.late_ends;
+        self.failed_pieces += o.failed_pieces;
+        self.late_pieces += o.late_pieces;
+        self.crashes += o.crashes;
+        self.stalls += o.stalls;
+        self.quarantined += o.quarantined;
+        self.timeouts += o.timeouts;
+    }
 }
 
 struct Sim {
     rng: Rng,
+    seed: u64,
     now: u64,
-    target: Core,
-    source: Core,
     ns: NamespaceId,
-    source_incarnation: u128,
+    targets: Vec<Target>,
+    sources: Vec<Source>,
     network: BTreeMap<(u64, u64), (ControlEndpoint, Message)>,
-    /// Latest delivery time per direction: TCP keeps each direction in order.
-    link_clock: HashMap<ControlEndpoint, u64>,
+    /// Latest delivery time per (from, to): TCP keeps each direction in order.
+    link_clock: HashMap<(ControlEndpoint, ControlEndpoint), u64>,
     seq: u64,
     puts: Vec<InFlightPut>,
-    /// Last key whose put landed in each target slot.
-    landed: HashMap<u64, u64>,
-    completed_ops: HashSet<OpHandle>,
-    timed_out: HashSet<(OpHandle, ScopedKey)>,
+    /// Writes with pieces in flight, by (source, incarnation, write).
+    writes: HashMap<(usize, u128, u64), WriteTrack>,
+    /// Writes whose pieces all landed, waiting for their source's driver.
+    reports: Vec<((usize, u128, u64), bool)>,
+    /// Invariant violations seen while moving things (reported by `check`).
+    violations: Vec<String>,
     drop_percent: u64,
+    put_fail_percent: u64,
+    late_percent: u64,
+    connect_fail_percent: u64,
+    /// Longest delay of a message, and of a piece that is not late.
+    max_delay: u64,
+    /// How often a message is held up (up to an operation timeout).
+    slow_percent: u64,
+    max_put_time: u64,
+    seen: Coverage,
 }
 
 impl Sim {
     fn new(seed: u64) -> Self {
-        // Every other seed, the target advertises shared segments, so its
-        // sources ack with one copy now and then (the driver decides).
-        let (target, ns) = new_core_with(TARGET_POOL, 1, 1, |c| {
-            c.shared_memory = seed.is_multiple_of(2).then(|| SharedMemoryAdvert {
-                boot_id: [1; 16],
-                pid_namespace: 1,
-                pid: 1,
-                segments: vec![SegmentAdvert {
-                    region: RegionId(0),
-                    fd: 3,
-                    token: [seed as u8; 16],
-                }],
-            });
-        });
-        let (source, _) = new_core(SOURCE_POOL, 2, 0x100 + seed as u128);
-        let mut sim = Self {
-            rng: Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1),
+        let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        let mut targets = Vec::new();
+        let mut ns = None;
+        for t in 0..2 {
+            let shared = rng.chance(50);
+            // One write per operation, or writes of 1 page, of 2½ pages (2
+            // keys) or of 3 pages.
+            let batch = [0, BLOCK, 5 * BLOCK / 2, 3 * BLOCK][rng.below(4) as usize];
+            let (target, target_ns) = Target::new(t, seed, shared, batch);
+            assert!(ns.is_none_or(|n| n == target_ns));
+            ns = Some(target_ns);
+            targets.push(target);
+        }
+        let ns = ns.unwrap();
+        let sources = (0..2)
+            .map(|s| {
+                let lanes = 1 + rng.below(4) as usize;
+                Source::new(s, seed, 0, lanes, 0, ns)
+            })
+            .collect();
+        Self {
+            rng,
+            seed,
             now: 0,
-            target,
-            source,
             ns,
-            source_incarnation: 0x100 + seed as u128,
+            targets,
+            sources,
             network: BTreeMap::new(),
             link_clock: HashMap::new(),
             seq: 0,
             puts: Vec::new(),
-            landed: HashMap::new(),
-            completed_ops: HashSet::new(),
-            timed_out: HashSet::new(),
+            writes: HashMap::new(),
+            reports: Vec::new(),
+            violations: Vec::new(),
             drop_percent: 5,
-        };
-        sim.stock_source();
-        sim
+            put_fail_percent: 4,
+            late_percent: 6,
+            connect_fail_percent: 2,
+            max_delay: TIMEOUT / 20,
+            slow_percent: 10,
+            max_put_time: TIMEOUT / 10,
+            seen: Coverage::default(),
+        }
     }
 
-    /// Deposits keys 0..8 on the source (its host region stands in for the
-    /// engine's memory; copies are simulated as landed).
-    fn stock_source(&mut self) {
-        let region = self
-            .source
-            .register_region(RegionDesc {
-                label: "kv".into(),
-                base: SOURCE_HOST,
-                size: BLOCK,
-                stride: 0,
-                count: 64,
-            })
-            .or_else(|_| self.source.region_by_label("kv").ok_or(()))
-            .unwrap_or(RegionId(1));
-        let entries = (0..SLOTS as u64)
-            .map(|k| DepositEntry {
-                key: self.key(k),
-                spans: vec![ElementRef { region, index: k }],
-                page: None,
-            })
-            .collect();
-        self.source.deposit(self.now, entries, false).unwrap();
-        while let Some(action) = self.source.poll_action() {
-            if let Action::Copy { job, keys, .. } = action {
-                self.source
-                    .handle_copy_done(self.now, job, &vec![CopyOutcome::Copied; keys.len()]);
-            }
-        }
-        self.source.drain_completed(&mut Vec::new());
-        self.source.drain_events().for_each(drop);
+    /// No faults, and quick messages and puts (for the scripted tests).
+    fn quiet(&mut self) {
+        self.drop_percent = 0;
+        self.put_fail_percent = 0;
+        self.late_percent = 0;
+        self.connect_fail_percent = 0;
+        self.max_delay = TIMEOUT / 20;
+        self.slow_percent = 0;
+        self.max_put_time = TIMEOUT / 50;
     }
 
     fn key(&self, k: u64) -> ScopedKey {
-        ScopedKey {
-            namespace: self.ns,
-            key: BlockKey::from_u64(k),
+        scoped(self.ns, k)
+    }
+
+    fn peer_of(&self, to: &ControlEndpoint) -> Option<Peer> {
+        if let Some(t) = self.targets.iter().position(|t| t.endpoint == *to) {
+            return Some(Peer::Target(t));
+        }
+        self.sources
+            .iter()
+            .position(|s| s.endpoint == *to)
+            .map(Peer::Source)
+    }
+
+    fn core(&mut self, peer: Peer) -> &mut Core {
+        match peer {
+            Peer::Target(t) => &mut self.targets[t].core,
+            Peer::Source(s) => &mut self.sources[s].core,
         }
     }
 
-    fn deliver_actions(&mut self, from_target: bool) {
-        loop {
-            let action = if from_target {
-                self.target.poll_action()
-            } else {
-                self.source.poll_action()
-            };
-            let Some(action) = action else { break };
+    fn violation(&mut self, what: String) {
+        self.violations.push(what);
+    }
+
+    /// Source `s` crashes and restarts at the same address with a new
+    /// incarnation (and fresh lanes and routes). Its in-flight puts may still
+    /// land (we cannot know), so they stay in `puts`, never reported.
+    fn restart_source(&mut self, s: usize) {
+        let old = &self.sources[s];
+        let (restarts, lanes) = (old.restarts + 1, old.lane_free_at.len());
+        self.sources[s] = Source::new(s, self.seed, restarts, lanes, self.now, self.ns);
+    }
+
+    /// Replaces source `s`'s core by one whose configuration `adjust` changes.
+    fn reconfigure_source(&mut self, s: usize, adjust: impl FnOnce(&mut PeerConfig)) {
+        let source = &mut self.sources[s];
+        let (core, _) = new_core_with(source.pool, SOURCE_PORTS[s], source.incarnation, adjust);
+        source.core = core;
+        source.slot_key = stock(&mut source.core, self.now, self.ns, SOURCE_FIRST_KEY[s]);
+    }
+
+    /// Runs every core's actions.
+    fn flush(&mut self) {
+        for t in 0..self.targets.len() {
+            self.deliver_actions(Peer::Target(t));
+        }
+        for s in 0..self.sources.len() {
+            self.deliver_actions(Peer::Source(s));
+        }
+    }
+
+    /// Runs `peer`'s actions: sends go on the network, puts on the lanes,
+    /// copies and connects are done at once.
+    fn deliver_actions(&mut self, peer: Peer) {
+        while let Some(action) = self.core(peer).poll_action() {
             match action {
                 // Replies to the hostile member go nowhere.
                 Action::Send { to, .. } if to == endpoint(HOSTILE) => {}
                 Action::Send { to, message } => {
-                    // Each copy of a message gets its own random delay, so
-                    // duplicates and reorders both happen.
-                    let copies = if self.rng.chance(self.drop_percent) {
-                        0
-                    } else if self.rng.chance(5) {
-                        2
-                    } else {
-                        1
-                    };
-                    for _ in 0..copies {
-                        let last = self.link_clock.get(&to).copied().unwrap_or(0);
-                        let at = (self.now + self.rng.below(TIMEOUT / 2)).max(last);
-                        self.link_clock.insert(to.clone(), at);
-                        self.seq += 1;
-                        self.network
-                            .insert((at, self.seq), (to.clone(), message.clone()));
+                    if let Peer::Target(t) = peer {
+                        self.note_target_send(t, &message.body);
                     }
+                    self.send(to, message);
                 }
-                Action::Put { write, spans, .. } => {
-                    let late = self.rng.chance(10);
-                    let done_at = self.now
-                        + if late {
-                            self.rng.below(6 * TIMEOUT)
-                        } else {
-                            self.rng.below(TIMEOUT / 4)
-                        };
-                    let ok = !self.rng.chance(5);
-                    for span in spans {
-                        let slot = (span.remote - TARGET_POOL) / BLOCK;
-                        let key = (span.local - SOURCE_POOL) / BLOCK;
-                        // The source's slot index equals its key here (stocked in order).
-                        self.puts.push(InFlightPut {
-                            write,
-                            slot,
-                            key,
-                            done_at,
-                            ok,
-                            incarnation: self.source_incarnation,
-                        });
-                    }
-                }
+                Action::Put {
+                    write,
+                    target,
+                    generation,
+                    spans,
+                } => match peer {
+                    Peer::Source(s) => self.start_put(s, write, &target, generation, &spans),
+                    Peer::Target(t) => self.violation(format!("target {t} issued a put")),
+                },
                 Action::Copy { job, keys, .. } => {
-                    let core = if from_target {
-                        &mut self.target
-                    } else {
-                        &mut self.source
-                    };
-                    core.handle_copy_done(self.now, job, &vec![CopyOutcome::Copied; keys.len()]);
+                    if let Peer::Target(t) = peer {
+                        self.check_copy(t, &keys);
+                    }
+                    let now = self.now;
+                    self.core(peer).handle_copy_done(
+                        now,
+                        job,
+                        &vec![CopyOutcome::Copied; keys.len()],
+                    );
                 }
                 Action::Connect {
-                    peer,
+                    peer: target,
                     generation,
                     shared_memory,
                     ..
                 } => {
+                    let Peer::Source(s) = peer else {
+                        self.violation(format!("{peer:?} connected to {target:?}"));
+                        continue;
+                    };
                     // The driver's connect: now and then UCX refuses it; a
                     // target with shared segments is mapped or not.
-                    if self.rng.chance(2) {
-                        self.source.handle_connect_failed(&peer, generation);
+                    if self.rng.chance(self.connect_fail_percent) {
+                        self.sources[s].routes.remove(&target);
+                        self.sources[s]
+                            .core
+                            .handle_connect_failed(&target, generation);
                     } else {
                         let one_copy = shared_memory.is_some() && self.rng.chance(50);
-                        self.source.handle_connected(&peer, generation, one_copy);
+                        self.sources[s].routes.insert(target.clone(), generation);
+                        self.sources[s]
+                            .core
+                            .handle_connected(&target, generation, one_copy);
                     }
                 }
                 Action::Cancel { .. } => {}
@@ -285,99 +635,527 @@ impl Sim {
         }
     }
 
-    /// Hands a message to the core it is addressed to.
-    fn handle(&mut self, to: &ControlEndpoint, now: u64, message: Message) {
-        if *to == endpoint(1) {
-            self.target.handle_message(now, message);
-        } else {
-            self.source.handle_message(now, message);
+    /// What a target sent that the model needs: the slots each write grants,
+    /// and which ops it probed (past their deadline).
+    fn note_target_send(&mut self, t: usize, body: &Body) {
+        let target = &mut self.targets[t];
+        match body {
+            Body::StartWrite {
+                op_handle,
+                keys,
+                destinations,
+                ..
+            } => {
+                let granted = keys
+                    .iter()
+                    .zip(destinations)
+                    .filter_map(|(k, d)| Some((k.as_u64(), d.first()?.index)))
+                    .collect();
+                target.grants.entry(*op_handle).or_insert(granted);
+            }
+            Body::WriteProbe { op_handle, .. } => {
+                target.probed.insert(*op_handle);
+            }
+            _ => {}
         }
     }
 
-    /// Lands the puts due by now, then reports each write whose puts have
-    /// all landed to the source incarnation that issued it (a crashed
-    /// incarnation's puts may still land, but nobody reports them).
+    /// Puts a message on the network: maybe dropped, maybe duplicated, each
+    /// copy with its own delay, each direction in order.
+    fn send(&mut self, to: ControlEndpoint, message: Message) {
+        let copies = if self.rng.chance(self.drop_percent) {
+            0
+        } else if self.rng.chance(5) {
+            2
+        } else {
+            1
+        };
+        let link = (message.header.sender_endpoint.clone(), to.clone());
+        for _ in 0..copies {
+            let last = self.link_clock.get(&link).copied().unwrap_or(0);
+            let delay = if self.rng.chance(self.slow_percent) {
+                self.rng.below(TIMEOUT)
+            } else {
+                self.rng.below(self.max_delay)
+            };
+            let at = (self.now + delay).max(last);
+            self.link_clock.insert(link.clone(), at);
+            self.seq += 1;
+            self.network
+                .insert((at, self.seq), (to.clone(), message.clone()));
+        }
+    }
+
+    /// The driver runs a put on source `s`'s lanes: cut into pieces, one
+    /// lane each, a lane's pieces one after the other.
+    fn start_put(
+        &mut self,
+        s: usize,
+        write: u64,
+        target: &ControlEndpoint,
+        generation: u64,
+        spans: &[PutSpan],
+    ) {
+        if self.sources[s].routes.get(target) != Some(&generation) {
+            // The route is gone or was replaced: never written through (as
+            // the driver does; rare here, where connects are immediate).
+            let now = self.now;
+            self.sources[s].core.handle_put_done(now, write, false);
+            return;
+        }
+        let Some(Peer::Target(t)) = self.peer_of(target) else {
+            self.violation(format!("source {s} writes to {target:?}"));
+            return;
+        };
+        let mut resolved = Vec::new();
+        for span in spans {
+            let slot = self.targets[t].slot_of(span.remote);
+            let key = self.sources[s].key_of(span.local);
+            match (slot, key) {
+                (Some(slot), Some(key)) if span.len == BLOCK => resolved.push((slot, key)),
+                _ => {
+                    return self.violation(format!(
+                        "source {s}'s put {span:?} is not a page of its pool into target {t}'s"
+                    ));
+                }
+            }
+        }
+        if resolved.is_empty() {
+            return self.violation(format!("source {s} issued an empty put"));
+        }
+        for &(slot, _) in &resolved {
+            if self.targets[t].core.slot_is_free(PoolId(0), slot as u32) {
+                self.violation(format!("source {s} writes target {t}'s free slot {slot}"));
+            }
+            if let Some(other) = self.puts.iter().find(|p| p.target == t && p.slot == slot) {
+                self.violation(format!(
+                    "two writes in flight into target {t}'s slot {slot}: {other:?} and write {write} of source {s}"
+                ));
+            }
+        }
+        let incarnation = self.sources[s].incarnation;
+        let mine: Vec<usize> = self
+            .writes
+            .iter()
+            .filter(|((ws, wi, _), _)| *ws == s && *wi == incarnation)
+            .map(|(_, w)| w.target)
+            .collect();
+        self.seen.writes[s] += 1;
+        if !mine.is_empty() {
+            self.seen.concurrent_writes += 1;
+        }
+        if mine.iter().any(|o| *o != t) {
+            self.seen.shared_source_writes += 1;
+        }
+        let lanes = self.sources[s].lane_free_at.len();
+        let parts = 1 + self.rng.below(resolved.len().min(lanes) as u64) as usize;
+        if parts > 1 {
+            self.seen.multi_lane_writes += 1;
+        }
+        for piece in resolved.chunks(resolved.len().div_ceil(parts)) {
+            let source = &mut self.sources[s];
+            let lane = source.next_lane % lanes;
+            source.next_lane += 1;
+            let start = self.now.max(source.lane_free_at[lane]);
+            let late = self.rng.chance(self.late_percent);
+            let took = if late {
+                self.seen.late_pieces += 1;
+                self.rng.below(6 * TIMEOUT)
+            } else {
+                self.rng.below(self.max_put_time)
+            };
+            let done_at = start + took;
+            // A late piece is a late report: its lane moves on meanwhile.
+            self.sources[s].lane_free_at[lane] = if late { start } else { done_at };
+            let ok = !self.rng.chance(self.put_fail_percent);
+            if !ok {
+                self.seen.failed_pieces += 1;
+            }
+            for &(slot, key) in piece {
+                self.seq += 1;
+                self.puts.push(InFlightPut {
+                    source: s,
+                    incarnation,
+                    write,
+                    target: t,
+                    slot,
+                    key,
+                    done_at,
+                    ok,
+                    seq: self.seq,
+                });
+            }
+        }
+        self.writes.insert(
+            (s, incarnation, write),
+            WriteTrack {
+                target: t,
+                left: resolved.len(),
+                ok: true,
+            },
+        );
+    }
+
+    /// A deliver's copy out of target `t`'s slots: each must hold the key
+    /// that the destination element was asked for.
+    fn check_copy(&mut self, t: usize, keys: &[Vec<CopySpan>]) {
+        for span in keys.iter().flatten() {
+            let target = &mut self.targets[t];
+            let slot = target.slot_of(span.src);
+            let element = span
+                .dst
+                .checked_sub(FRAMEWORK)
+                .filter(|o| o % BLOCK == 0)
+                .map(|o| o / BLOCK);
+            let wanted = element.and_then(|e| target.deliveries.get_mut(&e));
+            let (Some(slot), Some((key, copied))) = (slot, wanted) else {
+                return self.violation(format!("target {t} copies {span:?}, asked by nobody"));
+            };
+            let (key, landed) = (*key, target.landed.get(&slot).copied());
+            *copied = true;
+            if landed != Some(key) {
+                self.violation(format!(
+                    "target {t} delivers key {key} from slot {slot}, which holds {landed:?}"
+                ));
+            }
+            if let Some(put) = self.puts.iter().find(|p| p.target == t && p.slot == slot) {
+                self.violation(format!(
+                    "target {t} delivers from slot {slot} while a put may still write it ({put:?})"
+                ));
+            }
+        }
+    }
+
+    /// Hands a message to the core it is addressed to, and runs that core's
+    /// actions. A target's commits are checked as they happen.
+    fn handle(&mut self, to: &ControlEndpoint, now: u64, message: Message) {
+        match self.peer_of(to) {
+            Some(Peer::Target(t)) => {
+                let ended = match &message.body {
+                    Body::WriteDone { op_handle, outcome } => {
+                        Some((*op_handle, matches!(outcome, WriteOutcome::Completed(_))))
+                    }
+                    Body::WriteRefused { op_handle } => Some((*op_handle, false)),
+                    Body::WriteProbeAck { op_handle, .. } => Some((*op_handle, false)),
+                    _ => None,
+                };
+                let from_peer = self.peer_of(&message.header.sender_endpoint).is_some();
+                let target = &mut self.targets[t];
+                target.core.drain_events().for_each(drop);
+                target.core.handle_message(now, message);
+                let stored: Vec<u64> = target
+                    .core
+                    .drain_events()
+                    .flat_map(|e| match e {
+                        InventoryEvent::Stored { keys, .. } => keys,
+                        _ => Vec::new(),
+                    })
+                    .map(BlockKey::as_u64)
+                    .collect();
+                if let Some((op, true)) = ended
+                    && target.probed.contains(&op)
+                    && target.grants.contains_key(&op)
+                    && from_peer
+                {
+                    self.seen.late_ends += 1;
+                }
+                if !stored.is_empty() {
+                    self.check_commits(t, ended.map(|(op, _)| op), &stored);
+                }
+                self.deliver_actions(Peer::Target(t));
+            }
+            Some(Peer::Source(s)) => {
+                self.sources[s].core.handle_message(now, message);
+                self.deliver_actions(Peer::Source(s));
+            }
+            None => {}
+        }
+    }
+
+    /// Target `t` committed `stored` on the end of write `op`: the op was
+    /// not probed, granted those keys, and their slots hold their bytes.
+    fn check_commits(&mut self, t: usize, op: Option<OpHandle>, stored: &[u64]) {
+        let target = &self.targets[t];
+        let Some(op) = op else {
+            return self.violation(format!("target {t} committed {stored:?} outside a write"));
+        };
+        if target.probed.contains(&op) {
+            return self.violation(format!(
+                "target {t} committed {stored:?} from op {op:?}, which it probed (past its deadline)"
+            ));
+        }
+        let Some(grants) = target.grants.get(&op) else {
+            return self.violation(format!(
+                "target {t} committed {stored:?} from op {op:?}, which it never sent"
+            ));
+        };
+        let mut problems = Vec::new();
+        for key in stored {
+            let Some(&(_, slot)) = grants.iter().find(|(k, _)| k == key) else {
+                problems.push(format!("op {op:?} never asked for key {key}"));
+                continue;
+            };
+            let landed = target.landed.get(&slot).copied();
+            if landed != Some(*key) {
+                problems.push(format!(
+                    "key {key} committed in slot {slot}, where the last put was {landed:?}"
+                ));
+            }
+            if let Some(put) = self.puts.iter().find(|p| p.target == t && p.slot == slot) {
+                problems.push(format!(
+                    "key {key} committed in slot {slot} while a put may still write it ({put:?})"
+                ));
+            }
+        }
+        self.seen.committed[t] += stored.len() as u64;
+        self.targets[t].committed.extend(stored);
+        for problem in problems {
+            self.violation(format!("target {t}: {problem}"));
+        }
+    }
+
+    /// Lands the pieces due by now (in time order), then reports each write
+    /// whose pieces have all landed to the source incarnation that issued it
+    /// (a crashed incarnation's puts may still land, but nobody reports
+    /// them).
     fn complete_due_puts(&mut self) {
         let now = self.now;
-        let (due, pending): (Vec<_>, Vec<_>) = self.puts.iter().partition(|p| p.done_at <= now);
+        let (mut due, pending): (Vec<_>, Vec<_>) = self.puts.iter().partition(|p| p.done_at <= now);
         self.puts = pending;
-        let mut writes = BTreeMap::new();
-        for put in &due {
-            if put.ok {
-                self.landed.insert(put.slot, put.key);
+        due.sort_by_key(|p| (p.done_at, p.seq));
+        for put in due {
+            let target = &mut self.targets[put.target];
+            if target.core.slot_is_free(PoolId(0), put.slot as u32) {
+                self.violations.push(format!(
+                    "a put landed in target {}'s free slot {} ({put:?})",
+                    put.target, put.slot
+                ));
             }
-            writes.insert(put.write, (put.ok, put.incarnation));
-        }
-        for (write, (ok, incarnation)) in writes {
-            if incarnation == self.source_incarnation && !self.puts.iter().any(|p| p.write == write)
-            {
-                self.source.handle_put_done(now, write, ok);
+            let bytes = if put.ok { put.key } else { GARBAGE };
+            target.landed.insert(put.slot, bytes);
+            let id = (put.source, put.incarnation, put.write);
+            if let Some(w) = self.writes.get_mut(&id) {
+                w.left -= 1;
+                w.ok &= put.ok;
+                if w.left == 0 {
+                    self.reports.push((id, w.ok));
+                    self.writes.remove(&id);
+                }
             }
         }
+        let (asleep, reports): (Vec<_>, Vec<_>) = std::mem::take(&mut self.reports)
+            .into_iter()
+            .partition(|((s, ..), _)| self.sources[*s].asleep_until > now);
+        self.reports = asleep;
+        for ((s, incarnation, write), ok) in reports {
+            let source = &mut self.sources[s];
+            if incarnation != source.incarnation {
+                continue;
+            }
+            if write < source.max_reported {
+                self.seen.out_of_order_reports += 1;
+            }
+            source.max_reported = source.max_reported.max(write);
+            source.core.handle_put_done(now, write, ok);
+        }
+    }
+
+    /// When `peer`'s driver next runs a turn: at its earliest deadline or
+    /// stall guard, and not before its process wakes.
+    fn wake_at(&self, peer: Peer) -> Option<u64> {
+        let (core, asleep_until) = match peer {
+            Peer::Target(t) => (&self.targets[t].core, 0),
+            Peer::Source(s) => (&self.sources[s].core, self.sources[s].asleep_until),
+        };
+        let wake = match (core.peer_wake_at(), core.next_deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        wake.map(|w| w.max(asleep_until))
+    }
+
+    fn peers(&self) -> impl Iterator<Item = Peer> + use<> {
+        let (targets, sources) = (self.targets.len(), self.sources.len());
+        (0..targets)
+            .map(Peer::Target)
+            .chain((0..sources).map(Peer::Source))
+    }
+
+    /// Moves time on to `end`, everything in time order: pieces land when
+    /// due, messages arrive when due, and each driver runs its turns when it
+    /// asks to (as the real one sleeps until `peer_wake_at`); a stopped
+    /// process handles nothing until it wakes.
+    fn advance_to(&mut self, end: u64) {
+        for _ in 0..10_000 {
+            let wakes: Vec<(Peer, Option<u64>)> =
+                self.peers().map(|p| (p, self.wake_at(p))).collect();
+            let lands = self.puts.iter().map(|p| p.done_at);
+            let reports = self
+                .reports
+                .iter()
+                .map(|((s, ..), _)| self.sources[*s].asleep_until);
+            let messages = self.network.keys().next().map(|k| k.0);
+            let next = wakes
+                .iter()
+                .filter_map(|(_, w)| *w)
+                .chain(lands)
+                .chain(reports)
+                .chain(messages)
+                .min()
+                .filter(|w| *w <= end);
+            let Some(at) = next else { break };
+            self.now = self.now.max(at);
+            let now = self.now;
+            self.complete_due_puts();
+            while let Some(&(at, seq)) = self.network.keys().next().filter(|k| k.0 <= now) {
+                let Some((to, message)) = self.network.remove(&(at, seq)) else {
+                    break;
+                };
+                if let Some(until) = self.asleep_until(&to) {
+                    // Waits in the socket until its process runs again.
+                    self.seq += 1;
+                    self.network.insert((until, self.seq), (to, message));
+                } else {
+                    self.handle(&to, now, message);
+                }
+            }
+            for (peer, wake) in wakes {
+                if wake.is_some_and(|w| w <= now) {
+                    let core = self.core(peer);
+                    core.handle_tick(now);
+                    core.handle_timeout(now);
+                    if self.wake_at(peer).is_some_and(|w| w <= now) {
+                        self.violation(format!("{peer:?} asks to wake at {now} again"));
+                        return;
+                    }
+                }
+            }
+            self.flush();
+        }
+        self.now = self.now.max(end);
+    }
+
+    /// Moves time on by a random amount below `most`.
+    fn advance(&mut self, most: u64) {
+        let end = self.now + self.rng.below(most);
+        self.advance_to(end);
+    }
+
+    /// Whether the process at `to` is stopped at the moment.
+    fn asleep_until(&self, to: &ControlEndpoint) -> Option<u64> {
+        match self.peer_of(to) {
+            Some(Peer::Source(s)) => Some(self.sources[s].asleep_until).filter(|u| *u > self.now),
+            _ => None,
+        }
+    }
+
+    /// A fetch or a deliver of some keys on a random target, under a fresh
+    /// request whose hint names a random source.
+    fn request(&mut self) -> Result<(), String> {
+        let t = self.rng.below(2) as usize;
+        let s = self.rng.below(2) as usize;
+        let n = 1 + self.rng.below(4);
+        let first = self.rng.below(KEYS - n + 1);
+        let keys: Vec<ScopedKey> = (first..first + n).map(|k| self.key(k)).collect();
+        let request = RequestId(format!("r{}", self.seq));
+        self.seq += 1;
+        let hint = FetchHint {
+            source: self.sources[s].endpoint.clone(),
+            block_hashes: keys.iter().map(|k| k.key).collect(),
+            mode: FetchMode::Copy,
+            action_id: None,
+        };
+        let deliver = self.rng.chance(30);
+        let now = self.now;
+        let target = &mut self.targets[t];
+        let before = target.core.peer_counters().writes_requested;
+        target.core.submit_hint(now, request.clone(), &hint);
+        if deliver {
+            let mut elements = Vec::new();
+            let entries = keys
+                .iter()
+                .map(|key| {
+                    let element = target.next_element % FRAMEWORK_ELEMENTS;
+                    target.next_element += 1;
+                    target.deliveries.insert(element, (key.key.as_u64(), false));
+                    elements.push((key.key.as_u64(), element));
+                    DeliverEntry {
+                        key: *key,
+                        destinations: vec![ElementRef {
+                            region: target.framework,
+                            index: element,
+                        }],
+                    }
+                })
+                .collect();
+            let op = target
+                .core
+                .deliver(now, entries, Some(&request))
+                .map_err(|e| e.to_string())?;
+            for (key, element) in elements {
+                target.deliver_elements.insert((op, key), element);
+            }
+        } else {
+            target
+                .core
+                .fetch(now, &keys, &[PoolId(0)], Some(&request))
+                .map_err(|e| e.to_string())?;
+        }
+        let requested = target.core.peer_counters().writes_requested - before;
+        self.seen.requests += 1;
+        if requested > 1 {
+            self.seen.split_requests += 1;
+        }
+        Ok(())
     }
 
     fn step(&mut self) -> Result<(), String> {
         match self.rng.below(10) {
-            0..=2 => {
-                // A fetch of some keys under a fresh request and hint.
-                let n = 1 + self.rng.below(4);
-                let first = self.rng.below(u64::from(SLOTS) + 2);
-                let keys: Vec<ScopedKey> = (first..first + n).map(|k| self.key(k)).collect();
-                let request = RequestId(format!("r{}", self.seq));
-                self.seq += 1;
-                let hint = FetchHint {
-                    source: endpoint(2),
-                    block_hashes: keys.iter().map(|k| k.key).collect(),
-                    mode: FetchMode::Copy,
-                    action_id: None,
-                };
-                self.target.submit_hint(self.now, request.clone(), &hint);
-                self.target
-                    .fetch(self.now, &keys, &[PoolId(0)], Some(&request))
-                    .map_err(|e| e.to_string())?;
-            }
-            3..=5 => {
-                // Deliver the next message due.
-                if let Some((&(at, seq), _)) = self.network.iter().next() {
-                    self.now = self.now.max(at);
-                    let (to, message) = self.network.remove(&(at, seq)).ok_or("vanished")?;
-                    self.handle(&to, self.now, message);
+            0 | 1 => self.request()?,
+            2..=5 => {
+                // On to the next message.
+                if let Some(&(at, _)) = self.network.keys().next() {
+                    self.advance_to(at);
                 }
             }
-            6 | 7 => {
-                // Complete puts that are due.
-                self.now += self.rng.below(TIMEOUT / 3);
-                self.complete_due_puts();
-            }
-            8 => {
-                self.now += self.rng.below(TIMEOUT);
-                self.target.handle_tick(self.now);
-                self.target.handle_timeout(self.now);
-                self.source.handle_tick(self.now);
-                self.source.handle_timeout(self.now);
-            }
+            6 | 7 => self.advance(TIMEOUT / 3),
+            8 => self.advance(TIMEOUT),
             _ if self.rng.chance(40) => self.hostile(),
+            _ if self.rng.chance(15) => {
+                // A source's process stops a while: past an operation timeout
+                // it finds itself stalled when it wakes, and refuses writes
+                // until it restarts.
+                let s = self.rng.below(2) as usize;
+                let stop = self.rng.below(2 * TIMEOUT);
+                self.sources[s].asleep_until = self.now + stop;
+                if stop >= TIMEOUT {
+                    self.seen.stalls += 1;
+                }
+            }
             _ => {
-                if self.rng.chance(20) {
-                    // The source crashes and restarts at the same address with
-                    // a new incarnation. Its in-flight puts may still land (we
-                    // cannot know), so they stay in `puts`.
-                    self.source_incarnation += 0x1000;
-                    let (source, _) = new_core(SOURCE_POOL, 2, self.source_incarnation);
-                    self.source = source;
-                    self.stock_source();
+                if self.rng.chance(25) {
+                    // A source crashes and restarts at the same address; its
+                    // targets may or may not see the connection drop.
+                    let s = self.rng.below(2) as usize;
+                    self.restart_source(s);
+                    self.seen.crashes += 1;
+                    if self.rng.chance(50) {
+                        let lost = self.sources[s].endpoint.clone();
+                        for t in &mut self.targets {
+                            t.core.peer_connection_lost(&lost);
+                        }
+                    }
                 }
             }
         }
-        self.deliver_actions(true);
-        self.deliver_actions(false);
+        self.flush();
         self.check()
     }
 
     /// A cluster member that misbehaves (it authenticated, so the channel
     /// stamps its own identity on what it sends): replies nobody asked it
-    /// for, to the target; requests naming elements it was never granted, to
-    /// the source (which has no route for it); probes for ops it never ran.
+    /// for, to a target; requests naming elements it was never granted, to
+    /// a source (which has no route for it); probes for ops it never ran.
     fn hostile(&mut self) {
         let header = Header {
             sender: Incarnation::from_raw(0xbad).unwrap(),
@@ -402,19 +1180,21 @@ impl Sim {
             Body::WriteRefused { op_handle: op },
         ];
         let body = to_target[self.rng.below(4) as usize].clone();
-        self.target.handle_message(
-            self.now,
-            Message {
-                header: header.clone(),
-                body,
-            },
-        );
-        let keys = vec![BlockKey::from_u64(self.rng.below(u64::from(SLOTS)))];
+        let target = self.targets[self.rng.below(2) as usize].endpoint.clone();
+        let message = Message {
+            header: header.clone(),
+            body,
+        };
+        self.handle(&target, self.now, message);
+        let s = self.rng.below(2) as usize;
+        let keys = vec![BlockKey::from_u64(self.rng.below(KEYS))];
         let to_source = [
             Body::StartWrite {
                 op_handle: op,
                 remaining_timeout_ms: 1,
-                source_incarnation: Some(Incarnation::from_raw(self.source_incarnation).unwrap()),
+                source_incarnation: Some(
+                    Incarnation::from_raw(self.sources[s].incarnation).unwrap(),
+                ),
                 namespace: self.ns,
                 keys,
                 destinations: vec![vec![ElementRef {
@@ -428,99 +1208,155 @@ impl Sim {
             },
         ];
         let body = to_source[self.rng.below(2) as usize].clone();
-        self.source
-            .handle_message(self.now, Message { header, body });
+        let source = self.sources[s].endpoint.clone();
+        self.handle(&source, self.now, Message { header, body });
     }
 
     fn check(&mut self) -> Result<(), String> {
-        self.target.check_invariants()?;
-        self.source.check_invariants()?;
-        // Record which keys timed out before their results arrive.
-        let mut done = Vec::new();
-        self.target.drain_completed(&mut done);
-        for result in done {
-            if !self.completed_ops.insert(result.op) {
-                return Err(format!("op {:?} completed twice", result.op));
-            }
-            for (key, entry) in &result.entries {
-                if entry.status == EntryStatus::Failed(FailReason::Timeout) {
-                    self.timed_out.insert((result.op, *key));
-                }
-                if entry.is_success() {
-                    let slot = entry.slots.first().ok_or("success without a slot")?.index;
-                    let landed = self.landed.get(&slot);
-                    if landed != Some(&key.key.as_u64()) {
-                        return Err(format!(
-                            "{key:?} committed in slot {slot} but the last put there was {landed:?}"
-                        ));
-                    }
-                    if let Some(release) = entry.release {
-                        self.target.release(&[release]);
-                    }
-                }
-            }
+        for (t, target) in self.targets.iter().enumerate() {
+            target
+                .core
+                .check_invariants()
+                .map_err(|e| format!("target {t}: {e}"))?;
+        }
+        for (s, source) in self.sources.iter().enumerate() {
+            source
+                .core
+                .check_invariants()
+                .map_err(|e| format!("source {s}: {e}"))?;
+        }
+        if let Some(violation) = self.violations.first() {
+            return Err(violation.clone());
+        }
+        for t in 0..self.targets.len() {
+            self.check_results(t)?;
         }
         // No slot a put may still write is free.
         for put in &self.puts {
-            if self.target.slot_is_free(PoolId(0), put.slot as u32) {
+            if self.targets[put.target]
+                .core
+                .slot_is_free(PoolId(0), put.slot as u32)
+            {
                 return Err(format!(
-                    "slot {} is free while a put may still write it ({put:?})",
-                    put.slot
+                    "target {}'s slot {} is free while a put may still write it ({put:?})",
+                    put.target, put.slot
                 ));
             }
         }
-        self.target.drain_events().for_each(drop);
-        self.source.drain_events().for_each(drop);
+        for t in &mut self.targets {
+            t.core.drain_events().for_each(drop);
+        }
+        for s in &mut self.sources {
+            s.core.drain_events().for_each(drop);
+        }
         Ok(())
     }
 
-    /// Lets everything settle without faults; every op must then complete.
+    /// Target `t`'s completed operations: each completes once, a key failed
+    /// by deadline never succeeds, a fetched page holds its key's bytes and
+    /// a delivered one was copied from such a page.
+    fn check_results(&mut self, t: usize) -> Result<(), String> {
+        let mut done = Vec::new();
+        self.targets[t].core.drain_completed(&mut done);
+        for result in done {
+            let target = &mut self.targets[t];
+            if !target.completed_ops.insert(result.op) {
+                return Err(format!("target {t}: op {:?} completed twice", result.op));
+            }
+            for (key, entry) in &result.entries {
+                if entry.status == EntryStatus::Failed(FailReason::Timeout) {
+                    target.timed_out.insert((result.op, *key));
+                    self.seen.timeouts += 1;
+                }
+                if !entry.is_success() {
+                    continue;
+                }
+                if target.timed_out.contains(&(result.op, *key)) {
+                    return Err(format!("target {t}: {key:?} timed out, then succeeded"));
+                }
+                self.seen.successes[t] += 1;
+                let k = key.key.as_u64();
+                if let Some(element) = target.deliver_elements.get(&(result.op, k)) {
+                    if target.deliveries.get(element) != Some(&(k, true)) {
+                        return Err(format!(
+                            "target {t}: {key:?} delivered to element {element} without a copy of it"
+                        ));
+                    }
+                    self.seen.delivered += 1;
+                } else {
+                    let slot = entry.slots.first().ok_or("success without a slot")?.index;
+                    let landed = target.landed.get(&slot);
+                    if landed != Some(&k) {
+                        return Err(format!(
+                            "target {t}: {key:?} fetched from slot {slot} but the last put there was {landed:?}"
+                        ));
+                    }
+                    if let Some(put) = self.puts.iter().find(|p| p.target == t && p.slot == slot) {
+                        return Err(format!(
+                            "target {t}: {key:?} fetched from slot {slot} while a put may still write it ({put:?})"
+                        ));
+                    }
+                }
+                if let Some(release) = entry.release {
+                    target.core.release(&[release]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Lets everything settle without message loss; every op must then
+    /// complete.
     fn settle(&mut self) -> Result<(), String> {
         self.drop_percent = 0;
         for _ in 0..10_000 {
-            if self.network.is_empty() && self.puts.is_empty() && self.target.ops_in_flight() == 0 {
+            let idle = self.targets.iter().all(|t| t.core.ops_in_flight() == 0);
+            if self.network.is_empty() && self.puts.is_empty() && self.reports.is_empty() && idle {
                 break;
             }
-            self.now += TIMEOUT / 10;
-            let now = self.now;
-            let due: Vec<(u64, u64)> = self
-                .network
-                .range(..=(now, u64::MAX))
-                .map(|(k, _)| *k)
-                .collect();
-            for k in due {
-                if let Some((to, message)) = self.network.remove(&k) {
-                    self.handle(&to, now, message);
-                }
-            }
-            self.complete_due_puts();
-            for core in [&mut self.target, &mut self.source] {
-                core.handle_tick(now);
-                core.handle_timeout(now);
-            }
-            self.deliver_actions(true);
-            self.deliver_actions(false);
+            self.advance_to(self.now + TIMEOUT / 10);
             self.check()?;
         }
-        if self.target.ops_in_flight() != 0 {
-            return Err(format!(
-                "{} fetches never completed",
-                self.target.ops_in_flight()
-            ));
+        for (t, target) in self.targets.iter().enumerate() {
+            if target.core.ops_in_flight() != 0 {
+                return Err(format!(
+                    "target {t}: {} operations never completed",
+                    target.core.ops_in_flight()
+                ));
+            }
         }
         Ok(())
     }
+
+    /// What the run exercised.
+    fn coverage(&self) -> Coverage {
+        let mut seen = self.seen;
+        seen.overlapping_keys = self.targets[0]
+            .committed
+            .intersection(&self.targets[1].committed)
+            .count() as u64;
+        seen.quarantined = self
+            .targets
+            .iter()
+            .map(|t| t.core.peer_counters().quarantined)
+            .sum();
+        seen
+    }
 }
 
-fn run_seed(seed: u64) -> Result<(), String> {
+fn run_seed(seed: u64) -> Result<Coverage, String> {
     let mut sim = Sim::new(seed);
-    for step in 0..300 {
+    for step in 0..STEPS {
         sim.step()
             .map_err(|e| format!("seed {seed}, step {step}: {e}"))?;
     }
     sim.settle()
-        .map_err(|e| format!("seed {seed}, settling: {e}"))
+        .map_err(|e| format!("seed {seed}, settling: {e}"))?;
+    Ok(sim.coverage())
 }
+
+/// Steps per seed before settling.
+const STEPS: usize = 400;
 
 #[test]
 fn peer_protocol_survives_faults_over_many_seeds() {
@@ -528,13 +1364,14 @@ fn peer_protocol_survives_faults_over_many_seeds() {
         .ok()
         .and_then(|s| s.parse().ok())
     {
-        run_seed(seed).unwrap();
+        let seen = run_seed(seed).unwrap();
+        eprintln!("peer_sim: seed {seed}: {seen:?}");
         return;
     }
     let seeds: u64 = std::env::var("KVCR_SIM_SEEDS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(2000);
+        .unwrap_or(600);
     // Fresh seeds each run (the first is printed, and a failure names its
     // own), so CI explores new schedules instead of replaying the same ones.
     let first: u64 = std::env::var("KVCR_SIM_FIRST_SEED")
@@ -548,70 +1385,137 @@ fn peer_protocol_survives_faults_over_many_seeds() {
         "peer_sim: seeds {first}..{} (KVCR_SIM_FIRST_SEED={first})",
         first + seeds
     );
+    let mut seen = Coverage::default();
     for seed in first..first + seeds {
-        if let Err(e) = run_seed(seed) {
-            panic!(
+        match run_seed(seed) {
+            Ok(run) => seen.add(&run),
+            Err(e) => panic!(
                 "{e}\nreproduce: KVCR_SIM_SEED={seed} cargo test -p kvcr-runner-core --lib peer_sim"
-            );
+            ),
         }
+    }
+    eprintln!("peer_sim: {seen:#?}");
+    // The coverage the simulator exists for happened, at least once per ten
+    // seeds (each is many times that; a handful of seeds may see less).
+    if seeds >= 100 {
+        let missing: Vec<&str> = [
+            ("ops split into several writes", seen.split_requests),
+            ("source 0 wrote", seen.writes[0]),
+            ("source 1 wrote", seen.writes[1]),
+            ("writes cut over several lanes", seen.multi_lane_writes),
+            ("writes concurrent on one source", seen.concurrent_writes),
+            (
+                "one source writing for both targets",
+                seen.shared_source_writes,
+            ),
+            ("put reports out of order", seen.out_of_order_reports),
+            ("target 0 committed", seen.committed[0]),
+            ("target 1 committed", seen.committed[1]),
+            ("keys committed on both targets", seen.overlapping_keys),
+            ("delivers", seen.delivered),
+            ("write ends after a probe", seen.late_ends),
+            ("failed pieces", seen.failed_pieces),
+            ("late pieces", seen.late_pieces),
+            ("source crashes", seen.crashes),
+            ("source stalls", seen.stalls),
+            ("quarantines", seen.quarantined),
+            ("timeouts", seen.timeouts),
+        ]
+        .into_iter()
+        .filter(|(_, n)| n * 10 < seeds)
+        .map(|(what, _)| what)
+        .collect();
+        assert!(missing.is_empty(), "too rare: {missing:?}");
     }
 }
 
-/// Without faults, a hinted fetch restores every key the source holds.
+/// Without faults, hinted fetches and delivers restore every key their
+/// source holds: both targets pull from source 0 at once, target 1 also
+/// from source 1, with each target's batching and each source's lanes.
 #[test]
-fn fault_free_fetch_restores_the_hinted_keys() {
-    let mut sim = Sim::new(7);
-    sim.drop_percent = 0;
-    let keys: Vec<ScopedKey> = (0..4).map(|k| sim.key(k)).collect();
-    let request = RequestId("r".into());
-    let hint = FetchHint {
-        source: endpoint(2),
-        block_hashes: keys.iter().map(|k| k.key).collect(),
-        mode: FetchMode::Copy,
-        action_id: None,
-    };
-    sim.target.submit_hint(0, request.clone(), &hint);
-    assert_eq!(
-        sim.target.query_request(&keys[0], Some(&request)),
-        QueryStatus::Fetchable(kvcr_contracts::tier::Tier::External)
-    );
-    let op = sim
-        .target
-        .fetch(0, &keys, &[PoolId(0)], Some(&request))
-        .unwrap();
-    sim.deliver_actions(true);
-    // Deliver everything without loss and complete puts successfully.
-    for _ in 0..100 {
-        sim.now += TIMEOUT / 100;
-        let now = sim.now;
-        let due: Vec<(u64, u64)> = sim.network.keys().copied().collect();
-        for k in due {
-            let (to, message) = sim.network.remove(&k).unwrap();
-            sim.handle(&to, now, message);
+fn fault_free_requests_restore_the_hinted_keys() {
+    for seed in [7, 8, 9, 10] {
+        let mut sim = Sim::new(seed);
+        sim.quiet();
+        let request = |sim: &mut Sim, t: usize, s: usize, keys: std::ops::Range<u64>, deliver| {
+            let keys: Vec<ScopedKey> = keys.map(|k| sim.key(k)).collect();
+            let name = RequestId(format!("{t}-{s}-{deliver}"));
+            let hint = FetchHint {
+                source: sim.sources[s].endpoint.clone(),
+                block_hashes: keys.iter().map(|k| k.key).collect(),
+                mode: FetchMode::Copy,
+                action_id: None,
+            };
+            let target = &mut sim.targets[t];
+            target.core.submit_hint(0, name.clone(), &hint);
+            assert_eq!(
+                target.core.query_request(&keys[0], Some(&name)),
+                QueryStatus::Fetchable(kvcr_contracts::tier::Tier::External)
+            );
+            if deliver {
+                let entries = keys
+                    .iter()
+                    .map(|key| {
+                        let element = target.next_element;
+                        target.next_element += 1;
+                        target.deliveries.insert(element, (key.key.as_u64(), false));
+                        DeliverEntry {
+                            key: *key,
+                            destinations: vec![ElementRef {
+                                region: target.framework,
+                                index: element,
+                            }],
+                        }
+                    })
+                    .collect();
+                let op = target.core.deliver(0, entries, Some(&name)).unwrap();
+                for (i, key) in keys.iter().enumerate() {
+                    let element = target.next_element - keys.len() as u64 + i as u64;
+                    target
+                        .deliver_elements
+                        .insert((op, key.key.as_u64()), element);
+                }
+            } else {
+                target
+                    .core
+                    .fetch(0, &keys, &[PoolId(0)], Some(&name))
+                    .unwrap();
+            }
+        };
+        request(&mut sim, 0, 0, 0..4, false);
+        request(&mut sim, 1, 0, 4..8, false);
+        request(&mut sim, 1, 1, 8..12, true);
+        sim.flush();
+        // Deliver everything without loss; every piece lands.
+        for _ in 0..100 {
+            sim.now += TIMEOUT / 100;
+            let now = sim.now;
+            let due: Vec<(u64, u64)> = sim
+                .network
+                .range(..=(now, u64::MAX))
+                .map(|(k, _)| *k)
+                .collect();
+            for k in due {
+                let (to, message) = sim.network.remove(&k).unwrap();
+                sim.handle(&to, now, message);
+            }
+            sim.complete_due_puts();
+            sim.flush();
+            sim.check().unwrap();
         }
-        for put in std::mem::take(&mut sim.puts) {
-            sim.landed.insert(put.slot, put.key);
-            sim.source.handle_put_done(now, put.write, true);
-        }
-        sim.deliver_actions(true);
-        sim.deliver_actions(false);
+        let seen = sim.coverage();
+        let counters = |core: &Core| core.peer_counters();
+        assert_eq!(
+            (seen.successes, seen.delivered, seen.committed),
+            ([4, 8], 4, [4, 8]),
+            "seed {seed}: {seen:?}"
+        );
+        assert_eq!(counters(&sim.targets[0].core).keys_received, 4);
+        assert_eq!(counters(&sim.targets[1].core).keys_received, 8);
+        assert_eq!(counters(&sim.sources[0].core).keys_sent, 8);
+        assert_eq!(counters(&sim.sources[1].core).keys_sent, 4);
+        assert!(sim.targets.iter().all(|t| t.core.ops_in_flight() == 0));
     }
-    let mut done = Vec::new();
-    sim.target.drain_completed(&mut done);
-    let result = done.iter().find(|r| r.op == op).unwrap_or_else(|| {
-        panic!(
-            "fetch incomplete: target {:?} source {:?}, {} in flight",
-            sim.target.peer_counters(),
-            sim.source.peer_counters(),
-            sim.target.ops_in_flight()
-        )
-    });
-    assert!(
-        result.entries.iter().all(|(_, e)| e.is_success()),
-        "{result:?}"
-    );
-    assert_eq!(sim.target.peer_counters().keys_received, 4);
-    assert_eq!(sim.source.peer_counters().keys_sent, 4);
 }
 
 /// A `start_write` that waited in the source's socket while the source was
@@ -621,7 +1525,7 @@ fn fault_free_fetch_restores_the_hinted_keys() {
 #[test]
 fn a_request_queued_during_a_stall_is_refused() {
     let mut sim = Sim::new(11);
-    sim.drop_percent = 0;
+    sim.quiet();
     let keys: Vec<ScopedKey> = (0..2).map(|k| sim.key(k)).collect();
     let request = RequestId("r".into());
     let hint = FetchHint {
@@ -630,11 +1534,12 @@ fn a_request_queued_during_a_stall_is_refused() {
         mode: FetchMode::Copy,
         action_id: None,
     };
-    sim.target.submit_hint(0, request.clone(), &hint);
-    sim.target
+    sim.targets[0].core.submit_hint(0, request.clone(), &hint);
+    sim.targets[0]
+        .core
         .fetch(0, &keys, &[PoolId(0)], Some(&request))
         .unwrap();
-    sim.deliver_actions(true);
+    sim.flush();
     // Metadata and its ack go round at time 0, the source ticking on each
     // turn, until the start_write is on its way.
     let mut stale = None;
@@ -644,25 +1549,24 @@ fn a_request_queued_during_a_stall_is_refused() {
         };
         let (to, message) = sim.network.remove(&k).unwrap();
         if to == endpoint(1) {
-            sim.target.handle_message(0, message);
+            sim.targets[0].core.handle_message(0, message);
         } else if matches!(message.body, Body::StartWrite { .. }) {
             stale = Some(message);
             break;
         } else {
-            sim.source.handle_tick(0);
-            sim.source.handle_message(0, message);
+            sim.sources[0].core.handle_tick(0);
+            sim.sources[0].core.handle_message(0, message);
         }
-        sim.deliver_actions(true);
-        sim.deliver_actions(false);
+        sim.flush();
     }
     let stale = stale.expect("the target sent its start_write");
-    let refused = sim.source.peer_counters().refused;
+    let refused = sim.sources[0].core.peer_counters().refused;
     // The process was stopped for a whole operation timeout; the message is
     // handled before the first tick after it.
-    sim.source.handle_message(TIMEOUT, stale);
-    assert_eq!(sim.source.peer_counters().refused, refused + 1);
+    sim.sources[0].core.handle_message(TIMEOUT, stale);
+    assert_eq!(sim.sources[0].core.peer_counters().refused, refused + 1);
     let mut replied = false;
-    while let Some(action) = sim.source.poll_action() {
+    while let Some(action) = sim.sources[0].core.poll_action() {
         match action {
             Action::Put { .. } => panic!("a request queued during a stall was written"),
             Action::Send { message, .. } => {
@@ -687,8 +1591,8 @@ fn a_request_queued_during_a_stall_is_refused() {
 #[test]
 fn a_write_after_an_expiry_waits_for_a_fresh_ack() {
     let mut sim = Sim::new(13);
-    sim.drop_percent = 0;
-    let old = Incarnation::from_raw(sim.source_incarnation).unwrap();
+    sim.quiet();
+    let old = Incarnation::from_raw(sim.sources[0].incarnation).unwrap();
     let fetch = |sim: &mut Sim, keys: Vec<ScopedKey>, now: u64, name: &str| {
         let request = RequestId(name.into());
         let hint = FetchHint {
@@ -697,11 +1601,12 @@ fn a_write_after_an_expiry_waits_for_a_fresh_ack() {
             mode: FetchMode::Copy,
             action_id: None,
         };
-        sim.target.submit_hint(now, request.clone(), &hint);
-        sim.target
+        sim.targets[0].core.submit_hint(now, request.clone(), &hint);
+        sim.targets[0]
+            .core
             .fetch(now, &keys, &[PoolId(0)], Some(&request))
             .unwrap();
-        sim.deliver_actions(true);
+        sim.flush();
     };
     // Metadata, ack and a start_write naming the old incarnation.
     let k0 = sim.key(0);
@@ -720,20 +1625,17 @@ fn a_write_after_an_expiry_waits_for_a_fresh_ack() {
             continue; // the source dies before it reads it
         }
         sim.handle(&to, 0, message);
-        sim.deliver_actions(true);
-        sim.deliver_actions(false);
+        sim.flush();
     }
     named.dedup();
     assert_eq!(named, vec![Some(old)]);
     // The op expires; a new process takes the address.
-    sim.target.handle_tick(TIMEOUT);
-    sim.target.handle_timeout(TIMEOUT);
+    sim.targets[0].core.handle_tick(TIMEOUT);
+    sim.targets[0].core.handle_timeout(TIMEOUT);
     sim.network.clear();
-    sim.source_incarnation += 0x1000;
-    let (source, _) = new_core(SOURCE_POOL, 2, sim.source_incarnation);
-    sim.source = source;
-    sim.stock_source();
-    let new = Incarnation::from_raw(sim.source_incarnation).unwrap();
+    sim.now = TIMEOUT; // the new process starts then
+    sim.restart_source(0);
+    let new = Incarnation::from_raw(sim.sources[0].incarnation).unwrap();
     let k1 = sim.key(1);
     fetch(&mut sim, vec![k1], TIMEOUT + 1, "b");
     let mut named = Vec::new();
@@ -749,12 +1651,11 @@ fn a_write_after_an_expiry_waits_for_a_fresh_ack() {
             named.push(*source_incarnation);
         }
         sim.handle(&to, TIMEOUT + 1, message);
-        sim.deliver_actions(true);
-        sim.deliver_actions(false);
+        sim.flush();
     }
     named.dedup(); // the simulated network may duplicate a message
     assert_eq!(named, vec![Some(new)], "only the new incarnation is asked");
-    assert_eq!(sim.source.peer_counters().refused, 0);
+    assert_eq!(sim.sources[0].core.peer_counters().refused, 0);
 }
 
 // ------------------------------------------------------------ trust rules
@@ -802,10 +1703,8 @@ fn metadata(regions: usize) -> Body {
 /// A source with keys 0..8, and the incarnation it answers as.
 fn stocked_source(adjust: impl FnOnce(&mut PeerConfig)) -> (Sim, Incarnation) {
     let mut sim = Sim::new(3);
-    let incarnation = sim.source_incarnation;
-    let (source, _) = new_core_with(SOURCE_POOL, 2, incarnation, adjust);
-    sim.source = source;
-    sim.stock_source();
+    sim.reconfigure_source(0, adjust);
+    let incarnation = sim.sources[0].incarnation;
     (sim, Incarnation::from_raw(incarnation).unwrap())
 }
 
@@ -870,19 +1769,19 @@ fn an_allowlist_keeps_hints_and_messages_to_its_peers() {
 fn a_private_namespace_is_refused_to_other_targets() {
     let (mut sim, source_incarnation) = stocked_source(|_| {});
     let ns = sim.ns;
-    let (source, _) = new_core_with(SOURCE_POOL, 2, source_incarnation.raw(), |c| {
+    sim.reconfigure_source(0, |c| {
         c.private_namespaces = vec![(ns, vec![endpoint(5)])];
     });
-    sim.source = source;
-    sim.stock_source();
     for (port, op) in [(1u16, 1u64), (5, 2)] {
-        sim.source.handle_message(0, from(port, 11, metadata(1)));
-        sim.source.handle_message(
+        sim.sources[0]
+            .core
+            .handle_message(0, from(port, 11, metadata(1)));
+        sim.sources[0].core.handle_message(
             0,
             from(port, 11, start_write(op, source_incarnation, ns, 0)),
         );
     }
-    let replies = sent(&mut sim.source);
+    let replies = sent(&mut sim.sources[0].core);
     let refused = replies.iter().any(|(to, body)| {
         *to == endpoint(1)
             && matches!(
@@ -894,9 +1793,9 @@ fn a_private_namespace_is_refused_to_other_targets() {
             )
     });
     assert!(refused, "{replies:?}");
-    assert_eq!(sim.source.peer_counters().refused_private, 1);
+    assert_eq!(sim.sources[0].core.peer_counters().refused_private, 1);
     assert_eq!(
-        sim.source.peer_busy().1,
+        sim.sources[0].core.peer_busy().1,
         1,
         "the member's write is under way"
     );
@@ -956,14 +1855,18 @@ fn oversized_metadata_is_refused_whole() {
         shared_memory: None,
     };
     for body in [too_many, huge_address, huge_rkey] {
-        sim.source.handle_message(0, from(1, 11, body));
-        assert!(sent(&mut sim.source).is_empty(), "not acknowledged");
+        sim.sources[0].core.handle_message(0, from(1, 11, body));
+        assert!(
+            sent(&mut sim.sources[0].core).is_empty(),
+            "not acknowledged"
+        );
     }
-    assert_eq!(sim.source.peer_counters().refused, 3);
-    assert_eq!(sim.source.peer_state_sizes().routes, 0);
-    sim.source
+    assert_eq!(sim.sources[0].core.peer_counters().refused, 3);
+    assert_eq!(sim.sources[0].core.peer_state_sizes().routes, 0);
+    sim.sources[0]
+        .core
         .handle_message(0, from(1, 11, metadata(MAX_ADVERTISED_REGIONS)));
-    assert_eq!(sim.source.peer_state_sizes().routes, 1);
+    assert_eq!(sim.sources[0].core.peer_state_sizes().routes, 1);
 }
 
 /// A route lives as long as its session and its UCX connect: when either
@@ -972,21 +1875,25 @@ fn oversized_metadata_is_refused_whole() {
 fn a_route_goes_with_its_session_or_a_failed_connect() {
     let (mut sim, source_incarnation) = stocked_source(|_| {});
     let ns = sim.ns;
-    sim.source.handle_message(0, from(1, 11, metadata(1)));
-    let generation = std::iter::from_fn(|| sim.source.poll_action())
+    sim.sources[0]
+        .core
+        .handle_message(0, from(1, 11, metadata(1)));
+    let generation = std::iter::from_fn(|| sim.sources[0].core.poll_action())
         .find_map(|a| match a {
             Action::Connect { generation, .. } => Some(generation),
             _ => None,
         })
         .unwrap();
     assert!(
-        sent(&mut sim.source).is_empty(),
+        sent(&mut sim.sources[0].core).is_empty(),
         "the ack waits for the connect"
     );
-    sim.source.handle_connect_failed(&endpoint(1), generation);
-    assert_eq!(sim.source.peer_state_sizes().routes, 0);
+    sim.sources[0]
+        .core
+        .handle_connect_failed(&endpoint(1), generation);
+    assert_eq!(sim.sources[0].core.peer_state_sizes().routes, 0);
     assert!(matches!(
-        sent(&mut sim.source).as_slice(),
+        sent(&mut sim.sources[0].core).as_slice(),
         [(
             _,
             Body::TargetMetadataAck {
@@ -995,16 +1902,19 @@ fn a_route_goes_with_its_session_or_a_failed_connect() {
             }
         )]
     ));
-    sim.source
+    sim.sources[0]
+        .core
         .handle_message(0, from(1, 11, start_write(1, source_incarnation, ns, 0)));
     assert!(matches!(
-        sent(&mut sim.source).as_slice(),
+        sent(&mut sim.sources[0].core).as_slice(),
         [(_, Body::WriteRefused { .. })]
     ));
-    sim.source.handle_message(0, from(1, 11, metadata(1)));
-    assert_eq!(sim.source.peer_state_sizes().routes, 1);
-    sim.source.peer_target_gone(&endpoint(1));
-    assert_eq!(sim.source.peer_state_sizes().routes, 0);
+    sim.sources[0]
+        .core
+        .handle_message(0, from(1, 11, metadata(1)));
+    assert_eq!(sim.sources[0].core.peer_state_sizes().routes, 1);
+    sim.sources[0].core.peer_target_gone(&endpoint(1));
+    assert_eq!(sim.sources[0].core.peer_state_sizes().routes, 0);
 }
 
 /// A probe flood from one target keeps at most `MAX_FENCES_PER_TARGET`
@@ -1014,10 +1924,12 @@ fn a_route_goes_with_its_session_or_a_failed_connect() {
 fn fences_stay_bounded_under_a_probe_flood() {
     let (mut sim, source_incarnation) = stocked_source(|_| {});
     let ns = sim.ns;
-    sim.source.handle_message(0, from(1, 11, metadata(1)));
+    sim.sources[0]
+        .core
+        .handle_message(0, from(1, 11, metadata(1)));
     let flood = 10 * MAX_FENCES_PER_TARGET as u64;
     for op in 1..=flood {
-        sim.source.handle_message(
+        sim.sources[0].core.handle_message(
             0,
             from(
                 1,
@@ -1028,15 +1940,16 @@ fn fences_stay_bounded_under_a_probe_flood() {
                 },
             ),
         );
-        assert!(sim.source.peer_state_sizes().fences <= MAX_FENCES_PER_TARGET);
+        assert!(sim.sources[0].core.peer_state_sizes().fences <= MAX_FENCES_PER_TARGET);
     }
-    sent(&mut sim.source);
+    sent(&mut sim.sources[0].core);
     for op in [1, flood / 2, flood] {
-        sim.source
+        sim.sources[0]
+            .core
             .handle_message(0, from(1, 11, start_write(op, source_incarnation, ns, 0)));
         assert!(
             matches!(
-                sent(&mut sim.source).as_slice(),
+                sent(&mut sim.sources[0].core).as_slice(),
                 [(
                     _,
                     Body::WriteDone {
@@ -1048,13 +1961,17 @@ fn fences_stay_bounded_under_a_probe_flood() {
             "op {op} was probed: it never writes"
         );
     }
-    assert_eq!(sim.source.peer_busy().1, 0);
-    sim.source.handle_message(
+    assert_eq!(sim.sources[0].core.peer_busy().1, 0);
+    sim.sources[0].core.handle_message(
         0,
         from(1, 11, start_write(flood + 1, source_incarnation, ns, 0)),
     );
-    assert_eq!(sim.source.peer_busy().1, 1, "a fresh op is served");
-    assert_eq!(sim.source.peer_state_sizes().fences, 0, "pruned below it");
+    assert_eq!(sim.sources[0].core.peer_busy().1, 1, "a fresh op is served");
+    assert_eq!(
+        sim.sources[0].core.peer_state_sizes().fences,
+        0,
+        "pruned below it"
+    );
 }
 
 /// Targets that come and go with fresh incarnations, and router hints naming
@@ -1065,16 +1982,17 @@ fn per_peer_memory_is_bounded_over_many_peers() {
     let ns = sim.ns;
     let peers = 3 * MAX_REMEMBERED_PEERS as u128;
     for incarnation in 100..100 + peers {
-        sim.source
+        sim.sources[0]
+            .core
             .handle_message(0, from(1, incarnation, metadata(1)));
-        sim.source.handle_message(
+        sim.sources[0].core.handle_message(
             0,
             from(1, incarnation, start_write(1, source_incarnation, ns, 99)),
         );
-        sim.source.peer_target_gone(&endpoint(1));
-        sent(&mut sim.source);
+        sim.sources[0].core.peer_target_gone(&endpoint(1));
+        sent(&mut sim.sources[0].core);
     }
-    let sizes = sim.source.peer_state_sizes();
+    let sizes = sim.sources[0].core.peer_state_sizes();
     assert!(sizes.high_water <= MAX_REMEMBERED_PEERS + 1, "{sizes:?}");
     assert_eq!(sizes.routes, 0);
 
