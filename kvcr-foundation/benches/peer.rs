@@ -447,6 +447,15 @@ fn main() {
         lanes: 1,
     };
 
+    // `--requests`: only the one-key-per-request TCP figures, with their
+    // distributions (for latency work on them).
+    if std::env::args().any(|a| a == "--requests") {
+        for (label, size) in [("64kib", 64usize << 10), ("1mib", 1 << 20)] {
+            let samples = one_block(tcp, size, 40);
+            dist(&format!("peer.request_{label}_tcp"), &samples);
+        }
+        return;
+    }
     // `--one-block`: only the latency figure (for latency work).
     if std::env::args().any(|a| a == "--one-block") {
         let samples = one_block(many_lanes, 256 << 10, if quick { 100 } else { 500 });
