@@ -5,8 +5,10 @@
 //! Every command is one JSON line; every answer is one line `<WORD> <json>`:
 //!
 //! * start: prints `READY {"endpoint": .., "events": .., "replay": ..,
-//!   "incarnation": .., "pid": ..}` (`events`: the KV-event PUB endpoint with
-//!   `--publish`, else null; `replay`: its replay ROUTER with `--replay`).
+//!   "incarnation": .., "pid": .., "write_batch_bytes": ..}` (`events`: the
+//!   KV-event PUB endpoint with `--publish`, else null; `replay`: its replay
+//!   ROUTER with `--replay`; `write_batch_bytes`: how many bytes of pages it
+//!   asks a source for per write).
 //! * `{"cmd":"offload","pages":N,"page_bytes":B,"shards":S,"seed":X}`: fills
 //!   host memory with deterministic bytes and deposits every (page, shard) as
 //!   its own key (namespace per head shard, as a `page_head` layout splits
@@ -274,6 +276,7 @@ fn main() {
         operation_timeout: timeout,
         ..RunnerConfig::single_pool("kv", block as u64, blocks)
     };
+    let write_batch_bytes = options.write_batch_bytes;
     let runner = match Runner::start_with_peers(config, None, &options) {
         Ok(r) => r,
         Err(e) => {
@@ -357,6 +360,7 @@ fn main() {
         &json!({
             "endpoint": endpoint, "events": events, "replay": replay,
             "incarnation": incarnation, "pid": std::process::id(),
+            "write_batch_bytes": write_batch_bytes,
         }),
     );
     for line in std::io::stdin().lock().lines() {

@@ -143,6 +143,9 @@ pub(crate) struct Node {
     pub(crate) incarnation: String,
     /// Its process id (also the worker id in its KV-event topic).
     pub(crate) pid: u64,
+    /// Bytes of pages it asks a source for per write (0: one write per
+    /// operation).
+    pub(crate) write_batch_bytes: u64,
     stopped: bool,
     reaped: bool,
 }
@@ -200,6 +203,7 @@ impl Node {
             replay: None,
             incarnation: String::new(),
             pid: 0,
+            write_batch_bytes: 0,
             stopped: false,
             reaped: false,
         };
@@ -208,6 +212,7 @@ impl Node {
         node.events = ready["events"].as_str().map(str::to_owned);
         node.replay = ready["replay"].as_str().map(str::to_owned);
         node.incarnation = ready["incarnation"].as_str().unwrap_or_default().to_owned();
+        node.write_batch_bytes = ready["write_batch_bytes"].as_u64().unwrap_or(0);
         node.pid = ready["pid"]
             .as_u64()
             .unwrap_or_else(|| u64::from(node.child.id()));

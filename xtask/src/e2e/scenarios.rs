@@ -390,11 +390,11 @@ fn mid_transfer(
 }
 
 /// What follows a hit both for SIGKILL and SIGSTOP: the callers fail by the
-/// deadline with no corrupted byte, an `Uncertain` notice comes at the
-/// abandonment deadline and the granted slots stay held; then a deposit that
-/// wants every slot gets only the free and evictable ones. Returns the
-/// uncertain op and the pressure pages that landed.
-fn quarantine_holds(o: &mut Outcome, hit: &mut MidTransfer) -> Result<Option<(u64, u64)>> {
+/// deadline with no corrupted byte, an `Uncertain` notice per write that was
+/// hit comes at the abandonment deadline and the granted slots stay held;
+/// then a deposit that wants every slot gets only the free and evictable
+/// ones. Returns the uncertain ops and the pressure pages that landed.
+fn quarantine_holds(o: &mut Outcome, hit: &mut MidTransfer) -> Result<Option<(Vec<u64>, u64)>> {
     let failed = num(&hit.restored, "failed");
     no_corruption(o, "the hit request", &hit.restored);
     o.equal(
@@ -411,16 +411,28 @@ fn quarantine_holds(o: &mut Outcome, hit: &mut MidTransfer) -> Result<Option<(u6
         "failed as",
         hit.restored["statuses"].to_string().replace('"', ""),
     );
-    let Some(stats) = poll_stats(&mut hit.dest, |s| !ops(s, "uncertain").is_empty())? else {
+    // The request went out in writes of `write_batch_bytes`; they land in
+    // order, so the failed keys are the last writes', each uncertain.
+    let per_write = match hit.dest.write_batch_bytes / BIG_BLOCK {
+        0 => hit.pages,
+        n => n,
+    };
+    let hit_writes = usize::try_from(failed.div_ceil(per_write)).unwrap_or(usize::MAX);
+    let Some(stats) = poll_stats(&mut hit.dest, |s| ops(s, "uncertain").len() >= hit_writes)?
+    else {
         o.check(
-            "an Uncertain notice at the abandonment deadline",
+            "an Uncertain notice per write hit, at the abandonment deadline",
             false,
-            "none came",
+            "not all came",
         );
         return Ok(None);
     };
     let uncertain = ops(&stats, "uncertain");
-    o.equal("one Uncertain notice", uncertain.len(), 1);
+    o.equal(
+        "one Uncertain notice per write hit",
+        uncertain.len(),
+        hit_writes,
+    );
     o.equal(
         "the failed keys' slots are held (quarantined)",
         num(&stats, "discarding"),
@@ -445,7 +457,7 @@ fn quarantine_holds(o: &mut Outcome, hit: &mut MidTransfer) -> Result<Option<(u6
         failed,
     );
     o.number("held slots", failed);
-    Ok(uncertain.first().map(|op| (*op, landed)))
+    Ok(Some((uncertain, landed)))
 }
 
 const PRESSURE_SEED: u64 = 77;
@@ -564,11 +576,14 @@ pub(super) fn source_sigstop(ctx: &Ctx) -> Result<Outcome> {
         return Ok(o);
     };
     hit.source.signal(Signal::SIGCONT)?;
-    let quiesced = poll_stats(&mut hit.dest, |s| ops(s, "quiesced").contains(&uncertain))?;
+    let quiesced = poll_stats(&mut hit.dest, |s| {
+        let quiesced = ops(s, "quiesced");
+        uncertain.iter().all(|op| quiesced.contains(op))
+    })?;
     o.check(
-        "the resumed source's proof quiesces the operation",
+        "the resumed source's proof quiesces every uncertain write",
         quiesced.is_some(),
-        format!("op {uncertain}"),
+        format!("ops {uncertain:?}"),
     );
     if let Some(stats) = quiesced {
         o.equal(
