@@ -42,7 +42,9 @@
 //! Options: `--blocks N` (pool slots), `--block-bytes B`, `--tls T` (UCX
 //! transports), `--timeout-ms MS`, `--abandon-ms MS` (the peer abandonment
 //! budget), `--port P` (the control port: a restarted source comes back at
-//! the same address), `--publish`, `--replay` (with `--publish`: a replay
+//! the same address), `--host IP` (listen on and advertise this address, for
+//! peers on other hosts, and never map a peer's memory: bytes cross the
+//! network; needs the cluster secret), `--publish`, `--replay` (with `--publish`: a replay
 //! ROUTER), `--pub-hwm N`, `--ownership stream` (with `--publish`: kvcr's
 //! events without the `ownership` field, for consumers that only know the
 //! worker domain, such as Dynamo 1.6.1's standalone indexer).
@@ -256,6 +258,16 @@ fn main() {
         .map(Duration::from_millis);
     if let Some(port) = arg("--port").and_then(|v| v.parse().ok()) {
         options.bind.port = port;
+    }
+    // Another "host" (a network namespace of `cargo xtask e2e`'s link
+    // harness): listen and advertise there; peers are across a network.
+    if let Some(host) = arg("--host").and_then(|v| v.parse::<std::net::IpAddr>().ok()) {
+        options.bind.host = Some(host);
+        options.advertise_host = kvcr_foundation::endpoint::Host::Ip(host);
+        options.advertise_policy = kvcr_foundation::endpoint::AdvertisePolicy::CrossHost;
+        // Namespaces of one kernel could still map each other's pools: two
+        // hosts could not, so every byte crosses the network.
+        options.same_host_mapping = false;
     }
     options.secret = match arg("--secret-file") {
         Some(path) => match std::fs::read_to_string(&path) {

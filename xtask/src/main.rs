@@ -11,6 +11,7 @@ mod demo;
 mod e2e;
 mod gpu;
 mod layers;
+mod link;
 mod node;
 mod peers;
 mod plot;
@@ -36,8 +37,13 @@ Commands:
                     multi-process scenarios on loopback with real UCX: the demo
                     workload and faults (source SIGKILL/SIGSTOP mid-transfer,
                     restart at the same address, subscribers gone, a pool full
-                    of no_evict claims, 64 concurrent requests); each checks
-                    its invariant; a summary table; non-zero exit on a violation
+                    of no_evict claims, 64 concurrent requests) and between
+                    two simulated hosts (network namespaces over a shaped
+                    link: loss, jitter, reordering, partitions, a throttled
+                    rate; root); each checks its invariant; a summary table;
+                    non-zero exit on a violation
+  link-check        what this kernel can shape, and what a shaped link between
+                    two namespaces really does (rate, round trips; root)
   test              install what this machine lacks (apt packages, cargo tools,
                     the Python face's venv), then run every test in the
                     workspace and the Python face's suite
@@ -81,6 +87,11 @@ fn main() -> Result<()> {
             python::ensure_env(&root)?;
             python::build_and_test(&root)
         }
+        "link-check" => link::run_check(),
+        "link-delayer" => link::run_delayer(&rest),
+        "link-echo" => link::run_echo(&rest),
+        "link-blast" => link::run_blast(&rest),
+        "link-rtt" => link::run_rtt(&rest),
         "layers" => {
             layers::check(&root)?;
             println!("xtask: layering ok");

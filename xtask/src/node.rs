@@ -73,6 +73,9 @@ pub(crate) struct NodeSpec {
     pub(crate) timeout_ms: Option<u64>,
     pub(crate) abandon_ms: Option<u64>,
     pub(crate) port: Option<u16>,
+    /// Runs it inside this network namespace (`ip netns exec`), listening on
+    /// and advertising `host` there.
+    pub(crate) netns: Option<(String, std::net::IpAddr)>,
     /// Where the node's stderr goes (UCX and runner diagnostics); inherited
     /// when `None`.
     pub(crate) log: Option<PathBuf>,
@@ -91,6 +94,7 @@ impl NodeSpec {
             timeout_ms: None,
             abandon_ms: None,
             port: None,
+            netns: None,
             log: None,
         }
     }
@@ -113,6 +117,10 @@ impl NodeSpec {
         opt("--timeout-ms", self.timeout_ms.map(|v| v.to_string()));
         opt("--abandon-ms", self.abandon_ms.map(|v| v.to_string()));
         opt("--port", self.port.map(|v| v.to_string()));
+        opt(
+            "--host",
+            self.netns.as_ref().map(|(_, host)| host.to_string()),
+        );
         if self.publish {
             args.push("--publish".to_owned());
         }
@@ -170,7 +178,17 @@ pub(crate) fn cluster_secret() -> &'static str {
 
 impl Node {
     pub(crate) fn spawn(binary: &Path, name: &str, spec: &NodeSpec) -> Result<Self> {
-        let mut cmd = Command::new(binary);
+        let mut cmd = match &spec.netns {
+            Some((netns, _)) => {
+                let mut cmd = Command::new("ip");
+                cmd.args(["netns", "exec", netns]).arg(binary);
+                // UCX's tcp transport on the link, not on the namespace's
+                // loopback.
+                cmd.env("UCX_NET_DEVICES", crate::link::DEVICE);
+                cmd
+            }
+            None => Command::new(binary),
+        };
         cmd.env("KVCR_CLUSTER_SECRET", cluster_secret());
         cmd.args(spec.args())
             .stdin(Stdio::piped())

@@ -18,6 +18,9 @@ const APT_PACKAGES: &[&str] = &[
     "python3",
     "python3-venv",
     "iproute2",
+    // The link harness (`cargo xtask e2e`'s between-hosts scenarios): loss,
+    // partitions and the delayer's NFQUEUE rules.
+    "iptables",
 ];
 
 fn is_installed(package: &str) -> bool {

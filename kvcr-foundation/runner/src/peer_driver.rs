@@ -454,7 +454,18 @@ impl State {
     ) -> Result<(Self, PeerSetup)> {
         let mut config = ContextConfig::new();
         if let Some(tls) = &options.ucx_tls {
-            config = config.loopback_tls(tls);
+            // A runner that advertises loopback keeps tcp on loopback; one
+            // that peers dial over a network must not (it did: every
+            // cross-host tcp route failed "Destination is unreachable",
+            // found by the between-hosts scenarios). `UCX_NET_DEVICES` in
+            // the environment wins either way.
+            let on_loopback = options.advertise_host.is_loopback()
+                && std::env::var_os("UCX_NET_DEVICES").is_none();
+            config = if on_loopback {
+                config.loopback_tls(tls)
+            } else {
+                config.set("TLS", tls)
+            };
             // UCX reports dead peers only on network transports; its 1.13
             // shared-memory transports refuse endpoints in that mode.
             if tls.split(',').any(|t| t.trim() == "tcp") {

@@ -14,6 +14,7 @@
 //! program that checks itself (an example binary that exits non-zero on a
 //! violation and prints a summary line), one [`Scenario::example`] line.
 
+mod between_hosts;
 mod events;
 mod scenarios;
 
@@ -141,6 +142,36 @@ pub(crate) fn registry() -> Vec<Scenario> {
             "64 concurrent requests restoring overlapping prefixes: all complete, every byte equal, each page crosses the wire at most once, stored/removed balanced",
             true,
             scenarios::concurrent_requests,
+        ),
+        Scenario::builtin(
+            "link-lossy",
+            "between two hosts (network namespaces, UCX over tcp), a 200 µs ± 50 µs link with 0.1 % loss: every restored byte equal, every caller answered",
+            true,
+            between_hosts::lossy,
+        ),
+        Scenario::builtin(
+            "link-partition-late",
+            "between two hosts, a partition mid-transfer that heals after the deadline: callers fail by it with no corrupted byte, the written slots stay held until the source's answer quiesces them, then a clean retry restores every page",
+            true,
+            between_hosts::partition_late,
+        ),
+        Scenario::builtin(
+            "link-partition-early",
+            "between two hosts, a 300 ms partition mid-transfer, well before the deadline: no corrupted byte, nothing held once the link is back, every page restorable",
+            false,
+            between_hosts::partition_early,
+        ),
+        Scenario::builtin(
+            "link-throttled",
+            "between two hosts, the link drops to 1 % of its rate mid-transfer: callers fail by the deadline with no corrupted byte, the slots stay held until the source's answer, then a clean retry restores every page",
+            false,
+            between_hosts::throttled,
+        ),
+        Scenario::builtin(
+            "link-reordered",
+            "between two hosts, packets reordered by ± 50 µs of jitter: every restored byte equal",
+            false,
+            between_hosts::reordered,
         ),
         Scenario::example(
             "hicache",

@@ -18,15 +18,15 @@ use super::{Ctx, Outcome};
 use crate::node::{Node, NodeSpec};
 
 /// UCX over TCP: the network transport, with UCX's peer failure handling.
-const TCP: &str = "tcp,self";
+pub(super) const TCP: &str = "tcp,self";
 /// Large pages for the mid-transfer faults, so a write is in flight long
 /// enough to be hit.
-const BIG_BLOCK: u64 = 4 << 20;
+pub(super) const BIG_BLOCK: u64 = 4 << 20;
 /// Operation deadline and abandonment budget of fault-scenario destinations:
 /// generous on a loaded machine; they bound how long a fault takes, and no
 /// check depends on them.
-const OP_TIMEOUT_MS: u64 = 3_000;
-const ABANDON_MS: u64 = 6_000;
+pub(super) const OP_TIMEOUT_MS: u64 = 3_000;
+pub(super) const ABANDON_MS: u64 = 6_000;
 /// The longest a scenario polls a node for something to happen (a notice,
 /// a write in flight) before it reports that it did not.
 const POLL_BOUND: Duration = Duration::from_secs(120);
@@ -34,22 +34,22 @@ const POLL_BOUND: Duration = Duration::from_secs(120);
 /// the write already finished (the scenario's premise, not its invariant).
 const FAULT_ATTEMPTS: usize = 3;
 
-fn num(v: &Value, key: &str) -> u64 {
+pub(super) fn num(v: &Value, key: &str) -> u64 {
     v[key].as_u64().unwrap_or(0)
 }
 
-fn status(v: &Value, name: &str) -> u64 {
+pub(super) fn status(v: &Value, name: &str) -> u64 {
     v["statuses"][name].as_u64().unwrap_or(0)
 }
 
-fn hashes(offloaded: &Value) -> Vec<u64> {
+pub(super) fn hashes(offloaded: &Value) -> Vec<u64> {
     offloaded["hashes"]
         .as_array()
         .map(|a| a.iter().filter_map(Value::as_u64).collect())
         .unwrap_or_default()
 }
 
-fn ops(stats: &Value, key: &str) -> Vec<u64> {
+pub(super) fn ops(stats: &Value, key: &str) -> Vec<u64> {
     stats[key]
         .as_array()
         .map(|a| a.iter().filter_map(Value::as_u64).collect())
@@ -79,7 +79,10 @@ fn lines_of(out: impl Read + Send + 'static) -> Receiver<String> {
 }
 
 /// Polls a node's stats until `ready` says so; `None` after [`POLL_BOUND`].
-fn poll_stats(node: &mut Node, mut ready: impl FnMut(&Value) -> bool) -> Result<Option<Value>> {
+pub(super) fn poll_stats(
+    node: &mut Node,
+    mut ready: impl FnMut(&Value) -> bool,
+) -> Result<Option<Value>> {
     let start = Instant::now();
     while start.elapsed() < POLL_BOUND {
         let stats = node.stats()?;
@@ -92,14 +95,26 @@ fn poll_stats(node: &mut Node, mut ready: impl FnMut(&Value) -> bool) -> Result<
     Ok(None)
 }
 
-fn offload(node: &mut Node, pages: u64, shards: u64, seed: u64, hash_seed: u64) -> Result<Value> {
+pub(super) fn offload(
+    node: &mut Node,
+    pages: u64,
+    shards: u64,
+    seed: u64,
+    hash_seed: u64,
+) -> Result<Value> {
     node.call(
         &json!({"cmd": "offload", "pages": pages, "shards": shards, "seed": seed, "hash_seed": hash_seed}),
         "OFFLOADED",
     )
 }
 
-fn restore_cmd(source: &str, request: &str, hashes: &[u64], first: u64, seed: u64) -> Value {
+pub(super) fn restore_cmd(
+    source: &str,
+    request: &str,
+    hashes: &[u64],
+    first: u64,
+    seed: u64,
+) -> Value {
     json!({
         "cmd": "restore", "request": request, "source": source,
         "hashes": hashes, "first_page": first, "shards": [0], "seed": seed,
@@ -107,7 +122,7 @@ fn restore_cmd(source: &str, request: &str, hashes: &[u64], first: u64, seed: u6
 }
 
 /// The core's own invariant check, as the node reports it.
-fn core_invariants(o: &mut Outcome, node: &mut Node) -> Result<()> {
+pub(super) fn core_invariants(o: &mut Outcome, node: &mut Node) -> Result<()> {
     let stats = node.stats()?;
     o.check(
         &format!("{}: core invariants hold", node.name),
@@ -118,7 +133,7 @@ fn core_invariants(o: &mut Outcome, node: &mut Node) -> Result<()> {
 }
 
 /// Restored or verified answer checks shared by every scenario.
-fn no_corruption(o: &mut Outcome, what: &str, answer: &Value) {
+pub(super) fn no_corruption(o: &mut Outcome, what: &str, answer: &Value) {
     o.equal(
         &format!("{what}: no corrupted byte delivered"),
         num(answer, "mismatched"),

@@ -1,0 +1,705 @@
+//! Two simulated hosts: network namespaces joined by a veth pair, with a
+//! shaped link between them, for `cargo xtask e2e`'s between-hosts
+//! scenarios and `cargo xtask bench --link`.
+//!
+//! This kernel has no netem (nor fq), so each property is made with what it
+//! has (checked by [`features`] before anything is shaped; what is missing is
+//! said, never silently skipped):
+//! * rate: a token bucket (`tc qdisc … tbf`) on each end's egress;
+//! * loss: an iptables `statistic` drop rule on each end's input;
+//! * partitions: iptables drop rules added and removed mid-transfer;
+//! * delay, jitter and reordering: our own delayer ([`run_delayer`], `cargo
+//!   xtask link-delayer`) behind an NFQUEUE rule in namespace A: every packet
+//!   in either direction is held for the one-way delay (± jitter) and then
+//!   released; it reports how long it really held them, and the harness
+//!   measures the round trip across the link ([`Link::measure_rtt`]).
+//!
+//! Everything is torn down on drop (the namespaces, and with them the veth
+//! pair, the qdiscs and the rules; the delayer is killed first). Needs root.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+/// The link's device name in both namespaces.
+pub(crate) const DEVICE: &str = "kvcr0";
+/// The two hosts' addresses (inside their own namespaces only).
+const ADDRESSES: [Ipv4Addr; 2] = [Ipv4Addr::new(10, 77, 0, 1), Ipv4Addr::new(10, 77, 0, 2)];
+/// The NFQUEUE number the delayer serves.
+const QUEUE: u16 = 7;
+
+/// How the link behaves. Delay is one-way (the round trip is twice it).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Shape {
+    /// Rate of each direction, Mbit/s (`None`: the veth's own).
+    pub(crate) rate_mbit: Option<u64>,
+    /// One-way delay, µs.
+    pub(crate) delay_us: u64,
+    /// Uniform jitter around the delay, ± µs.
+    pub(crate) jitter_us: u64,
+    /// Whether jittered packets may overtake each other (else each is held
+    /// at least until the one before it is released).
+    pub(crate) reorder: bool,
+    /// Random loss of each direction, per million packets.
+    pub(crate) loss_ppm: u32,
+}
+
+/// What this kernel can shape.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Features {
+    pub(crate) rate: bool,
+    pub(crate) loss: bool,
+    pub(crate) queue: bool,
+}
+
+impl Features {
+    /// What cannot be shaped, in words (empty when everything can).
+    pub(crate) fn missing(&self) -> Vec<&'static str> {
+        let mut out = Vec::new();
+        if !self.rate {
+            out.push("rate (tc tbf)");
+        }
+        if !self.loss {
+            out.push("loss and partitions (iptables statistic / DROP)");
+        }
+        if !self.queue {
+            out.push("delay, jitter and reordering (iptables NFQUEUE)");
+        }
+        out
+    }
+}
+
+fn quiet(cmd: &mut Command) -> Result<()> {
+    let out = cmd
+        .output()
+        .with_context(|| format!("could not start {cmd:?}"))?;
+    if !out.status.success() {
+        bail!(
+            "{cmd:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+fn ip(args: &[&str]) -> Result<()> {
+    quiet(Command::new("ip").args(args))
+}
+
+fn in_ns(ns: &str, program: &str, args: &[&str]) -> Result<()> {
+    quiet(
+        Command::new("ip")
+            .args(["netns", "exec", ns, program])
+            .args(args),
+    )
+}
+
+/// Probes, in a throwaway namespace, which shaping tools work here.
+pub(crate) fn features() -> Result<Features> {
+    let ns = format!("kvcr-probe-{}", std::process::id());
+    ip(&["netns", "add", &ns]).context("creating a network namespace (needs root)")?;
+    let probe = || -> Features {
+        let _ = in_ns(&ns, "ip", &["link", "set", "lo", "up"]);
+        Features {
+            rate: in_ns(
+                &ns,
+                "tc",
+                &[
+                    "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1gbit", "burst", "64kb",
+                    "latency", "10ms",
+                ],
+            )
+            .is_ok(),
+            loss: in_ns(
+                &ns,
+                "iptables",
+                &[
+                    "-A",
+                    "INPUT",
+                    "-m",
+                    "statistic",
+                    "--mode",
+                    "random",
+                    "--probability",
+                    "0.5",
+                    "-j",
+                    "DROP",
+                ],
+            )
+            .is_ok(),
+            queue: in_ns(
+                &ns,
+                "iptables",
+                &["-A", "OUTPUT", "-j", "NFQUEUE", "--queue-num", "1"],
+            )
+            .is_ok(),
+        }
+    };
+    let found = probe();
+    ip(&["netns", "del", &ns])?;
+    Ok(found)
+}
+
+/// Two namespaces joined by a shaped veth pair (see the module docs).
+pub(crate) struct Link {
+    /// The namespaces, A and B.
+    pub(crate) ns: [String; 2],
+    shape: Shape,
+    delayer: Option<Child>,
+    partitioned: bool,
+}
+
+impl Link {
+    /// Creates namespaces `kvcr-<tag>-<pid>-{a,b}` joined by [`DEVICE`]
+    /// with [`ADDRESSES`], unshaped.
+    pub(crate) fn up(tag: &str) -> Result<Self> {
+        let base = format!("kvcr-{tag}-{}", std::process::id());
+        let ns = [format!("{base}-a"), format!("{base}-b")];
+        for n in &ns {
+            // A namespace left by a crashed run of the same pid is stale.
+            let _ = ip(&["netns", "del", n]);
+            ip(&["netns", "add", n]).context("creating a network namespace (needs root)")?;
+        }
+        let link = Self {
+            ns,
+            shape: Shape::default(),
+            delayer: None,
+            partitioned: false,
+        };
+        ip(&[
+            "link",
+            "add",
+            "name",
+            DEVICE,
+            "netns",
+            &link.ns[0],
+            "type",
+            "veth",
+            "peer",
+            "name",
+            DEVICE,
+            "netns",
+            &link.ns[1],
+        ])?;
+        for (n, address) in link.ns.iter().zip(ADDRESSES) {
+            // IPv4 only: nothing of the link is in duplicate detection.
+            for scope in ["all", "default", DEVICE] {
+                in_ns(
+                    n,
+                    "sysctl",
+                    &["-qw", &format!("net.ipv6.conf.{scope}.disable_ipv6=1")],
+                )?;
+            }
+            in_ns(n, "ip", &["link", "set", "lo", "up"])?;
+            in_ns(
+                n,
+                "ip",
+                &["addr", "add", &format!("{address}/24"), "dev", DEVICE],
+            )?;
+            in_ns(n, "ip", &["link", "set", DEVICE, "up"])?;
+        }
+        // The kernel reports a device running (its operational state) only
+        // once its link watcher ran, up to a second after both ends are up;
+        // UCX's tcp transport skips a device that is not running yet (a node
+        // started too early found the link "not available", 1 start in 3).
+        let start = Instant::now();
+        for n in &link.ns {
+            loop {
+                let state = Command::new("ip")
+                    .args(["netns", "exec", n, "cat"])
+                    .arg(format!("/sys/class/net/{DEVICE}/operstate"))
+                    .output()?;
+                if String::from_utf8_lossy(&state.stdout).trim() == "up" {
+                    break;
+                }
+                if start.elapsed() > Duration::from_secs(10) {
+                    bail!("the link in {n} never came up");
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Ok(link)
+    }
+
+    /// Host `side`'s address (0: A, 1: B).
+    pub(crate) fn address(&self, side: usize) -> IpAddr {
+        let [a, b] = ADDRESSES;
+        IpAddr::V4(if side.is_multiple_of(2) { a } else { b })
+    }
+
+    /// Applies `shape` (replacing the previous one).
+    pub(crate) fn shape(&mut self, shape: Shape) -> Result<()> {
+        self.set_rate(shape.rate_mbit)?;
+        for n in &self.ns {
+            let _ = in_ns(n, "iptables", &["-F", "INPUT"]);
+            let _ = in_ns(n, "iptables", &["-F", "OUTPUT"]);
+            if shape.loss_ppm > 0 {
+                let p = format!("{:.6}", f64::from(shape.loss_ppm) / 1e6);
+                in_ns(
+                    n,
+                    "iptables",
+                    &[
+                        "-A",
+                        "INPUT",
+                        "-i",
+                        DEVICE,
+                        "-m",
+                        "statistic",
+                        "--mode",
+                        "random",
+                        "--probability",
+                        &p,
+                        "-j",
+                        "DROP",
+                    ],
+                )?;
+            }
+        }
+        if let Some(mut old) = self.delayer.take() {
+            let _ = old.kill();
+            let _ = old.wait();
+        }
+        if shape.delay_us > 0 || shape.jitter_us > 0 {
+            self.start_delayer(&shape)?;
+        }
+        self.shape = shape;
+        self.partitioned = false;
+        Ok(())
+    }
+
+    /// Changes the rate of both directions (`None`: unlimited), e.g.
+    /// mid-transfer.
+    pub(crate) fn set_rate(&self, rate_mbit: Option<u64>) -> Result<()> {
+        for n in &self.ns {
+            let _ = in_ns(n, "tc", &["qdisc", "del", "dev", DEVICE, "root"]);
+            if let Some(mbit) = rate_mbit {
+                // A burst of at least one GSO segment (64 KiB), else ~1 ms of
+                // the rate: tbf drops a packet larger than its bucket.
+                let burst = (mbit * 1_000_000 / 8 / 1000).max(128 << 10);
+                in_ns(
+                    n,
+                    "tc",
+                    &[
+                        "qdisc",
+                        "add",
+                        "dev",
+                        DEVICE,
+                        "root",
+                        "tbf",
+                        "rate",
+                        &format!("{mbit}mbit"),
+                        "burst",
+                        &burst.to_string(),
+                        "latency",
+                        "50ms",
+                    ],
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Cuts (or heals) the link both ways: every packet on it is dropped.
+    pub(crate) fn partition(&mut self, cut: bool) -> Result<()> {
+        if cut == self.partitioned {
+            return Ok(());
+        }
+        let action = if cut { "-I" } else { "-D" };
+        for n in &self.ns {
+            in_ns(
+                n,
+                "iptables",
+                &[action, "INPUT", "-i", DEVICE, "-j", "DROP"],
+            )?;
+            in_ns(
+                n,
+                "iptables",
+                &[action, "OUTPUT", "-o", DEVICE, "-j", "DROP"],
+            )?;
+        }
+        self.partitioned = cut;
+        Ok(())
+    }
+
+    fn start_delayer(&mut self, shape: &Shape) -> Result<()> {
+        let exe = std::env::current_exe().context("the xtask binary")?;
+        let ns = &self.ns[0];
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", ns])
+            .arg(exe)
+            .args([
+                "link-delayer",
+                "--queue",
+                &QUEUE.to_string(),
+                "--delay-us",
+                &shape.delay_us.to_string(),
+                "--jitter-us",
+                &shape.jitter_us.to_string(),
+            ])
+            .args(shape.reorder.then_some("--reorder"))
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting the delayer")?;
+        // It says READY once bound to its queue; only then is traffic sent
+        // to it (an unbound queue drops every packet).
+        let mut line = String::new();
+        let stdout = child.stdout.take().context("delayer stdout")?;
+        let mut reader = BufReader::new(stdout);
+        reader.read_line(&mut line)?;
+        if line.trim() != "READY" {
+            let _ = child.kill();
+            bail!("the delayer did not start: {line:?}");
+        }
+        // Keep draining its stdout (its final report) so it never blocks.
+        std::thread::spawn(move || {
+            let mut rest = String::new();
+            let _ = reader.read_to_string(&mut rest);
+            if !rest.trim().is_empty() {
+                eprintln!("link: {}", rest.trim());
+            }
+        });
+        for chain in [["OUTPUT", "-o"], ["INPUT", "-i"]] {
+            in_ns(
+                ns,
+                "iptables",
+                &[
+                    "-A",
+                    chain[0],
+                    chain[1],
+                    DEVICE,
+                    "-j",
+                    "NFQUEUE",
+                    "--queue-num",
+                    &QUEUE.to_string(),
+                ],
+            )?;
+        }
+        self.delayer = Some(child);
+        Ok(())
+    }
+
+    /// The link's own rate A → B (MB/s): `mib` MiB over one TCP connection.
+    pub(crate) fn measure_rate(&self, mib: usize) -> Result<f64> {
+        let out = self.with_echo(&["link-blast", &mib.to_string()])?;
+        Ok(out.trim().parse()?)
+    }
+
+    /// Runs `cargo xtask <args…> ADDR-of-B's-echo …` in namespace A beside an
+    /// echo server in B, and returns its stdout.
+    fn with_echo(&self, args: &[&str]) -> Result<String> {
+        let exe = std::env::current_exe().context("the xtask binary")?;
+        let port = 7_707;
+        let target = format!("{}:{port}", self.address(1));
+        let mut echo = Command::new("ip")
+            .args(["netns", "exec", &self.ns[1]])
+            .arg(&exe)
+            .args(["link-echo", &target])
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting the echo server")?;
+        let mut ready = String::new();
+        BufReader::new(echo.stdout.take().context("echo stdout")?).read_line(&mut ready)?;
+        let (command, rest) = args.split_first().context("a command")?;
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.ns[0]])
+            .arg(&exe)
+            .arg(command)
+            .arg(&target)
+            .args(rest)
+            .output()
+            .with_context(|| format!("running {command}"));
+        let _ = echo.kill();
+        let _ = echo.wait();
+        let out = out?;
+        if !out.status.success() {
+            bail!(
+                "{command} failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Round trips (µs, sorted) of `count` small TCP messages across the
+    /// link, A → B → A: what the link really does, delayer included.
+    pub(crate) fn measure_rtt(&self, count: usize) -> Result<Vec<f64>> {
+        let out = self.with_echo(&["link-rtt", &count.to_string()])?;
+        let mut samples: Vec<f64> = out
+            .split_whitespace()
+            .filter_map(|v| v.parse().ok())
+            .collect();
+        samples.sort_by(f64::total_cmp);
+        Ok(samples)
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        if let Some(mut delayer) = self.delayer.take() {
+            let _ = delayer.kill();
+            let _ = delayer.wait();
+        }
+        for n in &self.ns {
+            let _ = ip(&["netns", "del", n]);
+        }
+    }
+}
+
+/// `cargo xtask link-echo ADDR`: on each connection, echoes every byte of a
+/// 64-byte exchange; a connection that opens with `B` is a bulk one: it is
+/// read to its end and answered with one byte (prints READY once listening).
+pub(crate) fn run_echo(rest: &[String]) -> Result<()> {
+    let addr: SocketAddr = rest.first().context("link-echo ADDR")?.parse()?;
+    let listener = TcpListener::bind(addr)?;
+    println!("READY");
+    std::io::stdout().flush()?;
+    for stream in listener.incoming() {
+        let mut stream = stream?;
+        stream.set_nodelay(true)?;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut first = true;
+        loop {
+            match stream.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) if first && buf.first() == Some(&b'B') => {
+                    let _ = n;
+                    while !matches!(stream.read(&mut buf), Ok(0) | Err(_)) {}
+                    stream.write_all(b"k")?;
+                    break;
+                }
+                Ok(n) => stream.write_all(buf.get(..n).unwrap_or_default())?,
+            }
+            first = false;
+        }
+    }
+    Ok(())
+}
+
+/// `cargo xtask link-blast ADDR MIB`: sends MIB MiB to an echo server's bulk
+/// mode and prints the rate (MB/s) once it confirmed the last byte.
+pub(crate) fn run_blast(rest: &[String]) -> Result<()> {
+    let addr: SocketAddr = rest.first().context("link-blast ADDR MIB")?.parse()?;
+    let mib: usize = rest.get(1).context("link-blast ADDR MIB")?.parse()?;
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    let mut chunk = vec![0x5au8; 1 << 20];
+    if let Some(first) = chunk.first_mut() {
+        *first = b'B';
+    }
+    let start = Instant::now();
+    for _ in 0..mib {
+        stream.write_all(&chunk)?;
+    }
+    stream.shutdown(std::net::Shutdown::Write)?;
+    let mut ack = [0u8; 1];
+    stream.read_exact(&mut ack)?;
+    println!(
+        "{:.1}",
+        (mib << 20) as f64 / start.elapsed().as_secs_f64() / 1e6
+    );
+    Ok(())
+}
+
+/// `cargo xtask link-rtt ADDR COUNT`: prints COUNT round trips (µs) of a
+/// 64-byte message to an echo server.
+pub(crate) fn run_rtt(rest: &[String]) -> Result<()> {
+    let addr: SocketAddr = rest.first().context("link-rtt ADDR COUNT")?.parse()?;
+    let count: usize = rest.get(1).context("link-rtt ADDR COUNT")?.parse()?;
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    stream.set_nodelay(true)?;
+    let msg = [7u8; 64];
+    let mut back = [0u8; 64];
+    let mut out = String::new();
+    for i in 0..count + 5 {
+        let start = Instant::now();
+        stream.write_all(&msg)?;
+        stream.read_exact(&mut back)?;
+        // The first few warm the path (ARP, slow start).
+        if i >= 5 {
+            out.push_str(&format!("{:.1} ", start.elapsed().as_secs_f64() * 1e6));
+        }
+    }
+    println!("{out}");
+    Ok(())
+}
+
+/// `cargo xtask link-delayer --queue N --delay-us D --jitter-us J
+/// [--reorder]`: holds every packet NFQUEUE `N` hands it for `D ± J` µs,
+/// then accepts it; without `--reorder` a packet is never released before
+/// the one queued ahead of it. Prints READY once bound, and on SIGTERM or
+/// SIGKILL simply stops (the namespace goes with it). Reports how long it
+/// really held packets on stderr every 10 000 packets.
+pub(crate) fn run_delayer(rest: &[String]) -> Result<()> {
+    let flag = |name: &str| -> Option<u64> {
+        rest.iter()
+            .position(|a| a == name)
+            .and_then(|i| rest.get(i + 1))
+            .and_then(|v| v.parse().ok())
+    };
+    let queue_num = u16::try_from(flag("--queue").context("--queue")?)?;
+    let delay = flag("--delay-us").unwrap_or(0);
+    let jitter = flag("--jitter-us").unwrap_or(0).min(delay);
+    let reorder = rest.iter().any(|a| a == "--reorder");
+    let mut queue = nfq::Queue::open().context("opening NFQUEUE (needs root)")?;
+    queue.bind(queue_num)?;
+    // Metadata only: the verdict carries no payload back.
+    queue.set_copy_range(queue_num, 0)?;
+    queue.set_recv_gso(queue_num, true)?;
+    queue.set_queue_max_len(queue_num, 1 << 16)?;
+    queue.set_nonblocking(true);
+    // Naps of a few µs must be a few µs, not the default 50 µs of slack.
+    nix::sys::prctl::set_timerslack(1)?;
+    println!("READY");
+    std::io::stdout().flush()?;
+    let mut held: BTreeMap<(Instant, u64), (Instant, nfq::Message)> = BTreeMap::new();
+    let mut seq = 0u64;
+    let mut last_due = Instant::now();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut holds: Vec<f64> = Vec::new();
+    let mut last_busy = Instant::now();
+    /// Releases closer than this are waited for by polling.
+    const SPIN_BELOW: Duration = Duration::from_micros(80);
+    /// How long after the last held packet the delayer keeps polling.
+    const STAY_AWAKE: Duration = Duration::from_millis(20);
+    loop {
+        let now = Instant::now();
+        loop {
+            match queue.recv() {
+                Ok(mut msg) => {
+                    msg.set_verdict(nfq::Verdict::Accept);
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    let spread = if jitter > 0 {
+                        state % (2 * jitter + 1)
+                    } else {
+                        jitter
+                    };
+                    let us = delay - jitter + spread;
+                    let mut due = now + Duration::from_micros(us);
+                    if !reorder && due < last_due {
+                        due = last_due;
+                    }
+                    last_due = due;
+                    seq += 1;
+                    held.insert((due, seq), (now, msg));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let now = Instant::now();
+        while let Some(entry) = held.first_entry() {
+            if entry.key().0 > now {
+                break;
+            }
+            let (arrived, msg) = entry.remove();
+            holds.push(now.duration_since(arrived).as_secs_f64() * 1e6);
+            queue.verdict(msg)?;
+        }
+        if holds.len() >= 10_000 {
+            holds.sort_by(f64::total_cmp);
+            let at = |p: f64| {
+                holds
+                    .get(((holds.len() - 1) as f64 * p) as usize)
+                    .copied()
+                    .unwrap_or(0.0)
+            };
+            eprintln!(
+                "link-delayer: asked {delay} ± {jitter} µs; held p5 {:.0} p50 {:.0} p95 {:.0} µs",
+                at(0.05),
+                at(0.5),
+                at(0.95)
+            );
+            holds.clear();
+        }
+        // While packets are held, or were lately, poll without sleeping: a
+        // nap on a virtual machine's idle vCPU lasts ~50 µs whatever was
+        // asked, which would add to every delay. Idle, nap (a first packet
+        // then waits up to one nap: `link-check` measures what results).
+        if let Some(((due, _), _)) = held.first_key_value() {
+            last_busy = Instant::now();
+            let wait = due.saturating_duration_since(last_busy);
+            if wait > SPIN_BELOW {
+                std::thread::sleep(wait - SPIN_BELOW);
+            } else {
+                std::hint::spin_loop();
+            }
+        } else if last_busy.elapsed() > STAY_AWAKE {
+            std::thread::sleep(Duration::from_micros(20));
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+fn at(sorted: &[f64], p: f64) -> f64 {
+    sorted
+        .get(((sorted.len().max(1) - 1) as f64 * p).round() as usize)
+        .copied()
+        .unwrap_or(f64::NAN)
+}
+
+/// `cargo xtask link-check`: what this kernel can shape, and what a shaped
+/// link really does (round trips measured across it, beside what was asked).
+pub(crate) fn run_check() -> Result<()> {
+    let found = features()?;
+    let missing = found.missing();
+    if missing.is_empty() {
+        println!("link: this kernel shapes rate, loss, partitions, delay, jitter and reordering");
+    } else {
+        println!("link: cannot shape here: {}", missing.join(", "));
+    }
+    let mut link = Link::up("check")?;
+    let shapes = [
+        ("unshaped", Shape::default()),
+        (
+            "100 µs one way",
+            Shape {
+                delay_us: 100,
+                ..Shape::default()
+            },
+        ),
+        (
+            "100 ± 25 µs one way, reordering",
+            Shape {
+                delay_us: 100,
+                jitter_us: 25,
+                reorder: true,
+                ..Shape::default()
+            },
+        ),
+        (
+            "500 µs one way",
+            Shape {
+                delay_us: 500,
+                ..Shape::default()
+            },
+        ),
+    ];
+    link.shape(Shape::default())?;
+    println!("link: unshaped rate {:.0} MB/s", link.measure_rate(256)?);
+    link.shape(Shape {
+        rate_mbit: Some(1_000),
+        ..Shape::default()
+    })?;
+    println!(
+        "link: 1 Gbit/s (125 MB/s) asked: {:.0} MB/s",
+        link.measure_rate(64)?
+    );
+    for (what, shape) in shapes {
+        link.shape(shape)?;
+        let rtt = link.measure_rtt(200)?;
+        println!(
+            "link: {what}: asked RTT {} µs; measured p5 {:.0} p50 {:.0} p95 {:.0} µs",
+            2 * shape.delay_us,
+            at(&rtt, 0.05),
+            at(&rtt, 0.5),
+            at(&rtt, 0.95)
+        );
+    }
+    Ok(())
+}
