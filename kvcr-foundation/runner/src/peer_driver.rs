@@ -459,8 +459,8 @@ impl State {
             // cross-host tcp route failed "Destination is unreachable",
             // found by the between-hosts scenarios). `UCX_NET_DEVICES` in
             // the environment wins either way.
-            let on_loopback = options.advertise_host.is_loopback()
-                && std::env::var_os("UCX_NET_DEVICES").is_none();
+            let on_loopback =
+                pins_tcp_to_loopback(options, std::env::var_os("UCX_NET_DEVICES").is_some());
             config = if on_loopback {
                 config.loopback_tls(tls)
             } else {
@@ -1133,6 +1133,13 @@ const ACTIVE_SPIN: Duration = Duration::from_micros(300);
 /// an idle node still sleeps (`peer.idle_cpu`).
 const LINGER: Duration = Duration::from_micros(200);
 
+/// Whether UCX's tcp transport is kept on the loopback device: only for a
+/// runner whose peers dial it on loopback, and only when the environment
+/// names no devices itself.
+fn pins_tcp_to_loopback(options: &PeerOptions, env_names_devices: bool) -> bool {
+    options.advertise_host.is_loopback() && !env_names_devices
+}
+
 /// A stopping worker is destroyed once it made no progress for this long.
 const DRAIN_QUIET: Duration = Duration::from_millis(2);
 /// The most a stop waits for a busy worker to go quiet.
@@ -1232,6 +1239,35 @@ mod tests {
             len,
             region: RegionId(3),
         }
+    }
+
+    /// A runner that peers dial over a network must not have its tcp
+    /// transport pinned to loopback (every cross-host tcp route failed so).
+    #[rstest::rstest]
+    #[case::loopback(
+        Host::Ip(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)),
+        false,
+        true
+    )]
+    #[case::loopback_with_env_devices(
+        Host::Ip(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)),
+        true,
+        false
+    )]
+    #[case::network_host(
+        Host::Ip(std::net::IpAddr::V4(std::net::Ipv4Addr::new(10, 77, 0, 1))),
+        false,
+        false
+    )]
+    #[case::dns_name(Host::Name("node-7.cluster".into()), false, false)]
+    fn tcp_stays_on_loopback_only_for_loopback_runners(
+        #[case] host: Host,
+        #[case] env_names_devices: bool,
+        #[case] pinned: bool,
+    ) {
+        let mut options = PeerOptions::loopback();
+        options.advertise_host = host;
+        assert_eq!(pins_tcp_to_loopback(&options, env_names_devices), pinned);
     }
 
     #[test]
