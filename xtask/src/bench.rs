@@ -27,6 +27,8 @@ use crate::plot::{self, Bar, Group, Line};
 pub(crate) struct Options {
     pub quick: bool,
     pub peers: bool,
+    /// Also run the between-hosts figures over a shaped link (root).
+    pub link: bool,
     pub rounds: usize,
     /// [`load`] when the measuring started.
     pub load_at_start: Option<(f64, usize)>,
@@ -36,6 +38,7 @@ fn parse(rest: &[String]) -> Result<Options> {
     let mut o = Options {
         quick: false,
         peers: false,
+        link: false,
         rounds: 0,
         load_at_start: None,
     };
@@ -44,6 +47,7 @@ fn parse(rest: &[String]) -> Result<Options> {
         match arg.as_str() {
             "--quick" => o.quick = true,
             "--peers" => o.peers = true,
+            "--link" => o.link = true,
             "--rounds" => {
                 o.rounds = it
                     .next()
@@ -54,7 +58,9 @@ fn parse(rest: &[String]) -> Result<Options> {
                     bail!("--rounds must be at least 1");
                 }
             }
-            other => bail!("unknown bench option {other:?} (use --quick, --peers, --rounds N)"),
+            other => {
+                bail!("unknown bench option {other:?} (use --quick, --peers, --link, --rounds N)")
+            }
         }
     }
     if o.rounds == 0 {
@@ -125,6 +131,22 @@ const PAIRS: &[(&str, &str)] = &[
 /// What each figure's anchor is (figures not listed are anchors themselves,
 /// or are ratios already).
 const ANCHOR_WHAT: &[(&str, &str)] = &[
+    (
+        "link.fetch_bulk_",
+        "ucx_perftest put_bw, 256 KiB puts, over the same link (tcp, kvcr's segments)",
+    ),
+    (
+        "link.fetch_bulk",
+        "ucx_perftest put_bw, 256 KiB puts, over the same link (tcp, kvcr's segments)",
+    ),
+    (
+        "link.one_block_p50_",
+        "2 × the link's measured round trip + the page's serialisation at its measured rate",
+    ),
+    (
+        "link.one_block_p50",
+        "2 × the link's measured round trip + the page's serialisation at its measured rate",
+    ),
     ("runner.deposit", "memcpy, one thread, same 512 × 256 KiB"),
     ("runner.deliver", "memcpy, one thread, same 512 × 256 KiB"),
     (
@@ -332,6 +354,10 @@ const SECTIONS: &[(&str, &[&str])] = &[
     ("Publisher", &["publisher."]),
     ("UCX layer", &["ucx."]),
     ("Peers' own figures (`--peers`)", &["peers."]),
+    (
+        "Between hosts (`--link`: network namespaces over a 1 Gbit/s link at three round trips)",
+        &["link."],
+    ),
 ];
 
 fn section_of(name: &str) -> usize {
@@ -492,6 +518,11 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
             if round + 1 == o.rounds {
                 dists.extend(peer_dists);
             }
+        }
+        if o.link {
+            let node = crate::node::build(root, true)?;
+            let lines = crate::link::bench_round(&node, o.quick, &label)?;
+            figures.extend(lines.iter().filter_map(|l| parse_figure(l)));
         }
         rounds.push(figures);
     }
@@ -893,6 +924,7 @@ mod tests {
         let o = Options {
             quick: true,
             peers: false,
+            link: false,
             rounds: 1,
             load_at_start: None,
         };

@@ -703,3 +703,181 @@ pub(crate) fn run_check() -> Result<()> {
     }
     Ok(())
 }
+
+/// `ucx_perftest -t ucp_put_bw` from A to B over the link (GB/s, the overall
+/// column), with the tcp segment sizes kvcr runs with: the bulk anchor, the
+/// same route and settings in the same round. `None` when it cannot run.
+fn perftest_put_bw(link: &Link, size: usize, iters: usize) -> Option<f64> {
+    let port = (16_000 + std::process::id() % 2000).to_string();
+    let env = [
+        ("UCX_TLS", "tcp,self"),
+        ("UCX_NET_DEVICES", DEVICE),
+        ("UCX_TCP_TX_SEG_SIZE", "64k"),
+        ("UCX_TCP_RX_SEG_SIZE", "256k"),
+    ];
+    let mut server = Command::new("ip")
+        .args(["netns", "exec", &link.ns[1], "ucx_perftest", "-p", &port])
+        .envs(env)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    // ucx_perftest prints nothing when it listens; give it time to bind.
+    std::thread::sleep(Duration::from_millis(500));
+    let out = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &link.ns[0],
+            "timeout",
+            "120",
+            "ucx_perftest",
+        ])
+        .arg(link.address(1).to_string())
+        .args(["-p", &port, "-t", "ucp_put_bw"])
+        .args(["-s", &size.to_string(), "-n", &iters.to_string()])
+        .args(["-w", &(iters / 10).max(2).to_string()])
+        .envs(env)
+        .output();
+    let _ = server.kill();
+    let _ = server.wait();
+    let text = String::from_utf8_lossy(&out.ok()?.stdout).into_owned();
+    let row: Vec<&str> = text
+        .lines()
+        .find(|l| l.starts_with("Final:"))?
+        .split_whitespace()
+        .collect();
+    let overall_mbs: f64 = row.get(6)?.parse().ok()?;
+    Some(overall_mbs / 1e3)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    at(&v, 0.5)
+}
+
+/// One round of `cargo xtask bench --link`: a source node in A and a
+/// destination in B over a 1 Gbit/s link at round trips of 50 µs, 200 µs
+/// and 1 ms, each figure beside an anchor measured over the same link in
+/// the same round. Prints its BENCH lines as it goes (prefixed `label`) and
+/// returns them.
+// `serde_json::Value` indexing returns `Null` for a missing key, and a side
+// is taken modulo the two namespaces: neither panics.
+#[allow(clippy::indexing_slicing)]
+pub(crate) fn bench_round(
+    node_binary: &std::path::Path,
+    quick: bool,
+    label: &str,
+) -> Result<Vec<String>> {
+    use crate::node::{Node, NodeSpec};
+    use serde_json::{Value, json};
+    const RATE_MBIT: u64 = 1_000;
+    const BLOCK: u64 = 256 << 10;
+    let bulk_pages: u64 = if quick { 128 } else { 256 };
+    let one_block_iters: u64 = if quick { 15 } else { 40 };
+    let rtts = [50u64, 200, 1_000];
+    let per_rtt = bulk_pages + one_block_iters + 1;
+    let total = per_rtt * rtts.len() as u64;
+    let found = features()?;
+    if !found.missing().is_empty() {
+        bail!("cannot shape a link here: {}", found.missing().join(", "));
+    }
+    let mut link = Link::up("bench")?;
+    link.shape(Shape {
+        rate_mbit: Some(RATE_MBIT),
+        ..Shape::default()
+    })?;
+    let spec = |side: usize| NodeSpec {
+        tls: Some("tcp,self".into()),
+        netns: Some((link.ns[side % 2].clone(), link.address(side))),
+        timeout_ms: Some(60_000),
+        ..NodeSpec::new(total, BLOCK)
+    };
+    let mut source = Node::spawn(node_binary, "link source", &spec(0))?;
+    let offloaded = source.call(
+        &json!({"cmd": "offload", "pages": total, "shards": 1, "seed": 71, "hash_seed": 7100}),
+        "OFFLOADED",
+    )?;
+    let hashes: Vec<u64> = offloaded["hashes"]
+        .as_array()
+        .map(|a| a.iter().filter_map(Value::as_u64).collect())
+        .unwrap_or_default();
+    let mut dest = Node::spawn(node_binary, "link dest", &spec(1))?;
+    let mut restore = |request: String, first: u64, count: u64| -> Result<Value> {
+        let range = hashes
+            .get(first as usize..(first + count) as usize)
+            .context("page range")?;
+        let answer = dest.call(
+            &json!({
+                "cmd": "restore", "request": request, "source": source.endpoint,
+                "hashes": range, "first_page": first, "shards": [0], "seed": 71,
+            }),
+            "RESTORED",
+        )?;
+        if answer["mismatched"].as_u64() != Some(0) || answer["ok"].as_u64() != Some(count) {
+            bail!("a restore across the link failed or corrupted bytes: {answer}");
+        }
+        Ok(answer)
+    };
+    let mut lines = Vec::new();
+    let mut say = |line: String| {
+        eprintln!("{label}: {line}");
+        lines.push(line);
+    };
+    for (i, rtt_us) in rtts.into_iter().enumerate() {
+        link.shape(Shape {
+            rate_mbit: Some(RATE_MBIT),
+            delay_us: rtt_us / 2,
+            ..Shape::default()
+        })?;
+        let rtt = median(link.measure_rtt(40)?);
+        let rate_gbs = link.measure_rate(if quick { 32 } else { 64 })? / 1e3;
+        let first = i as u64 * per_rtt;
+        // Warm the route (session, metadata, UCX wire-up) on one page.
+        restore(format!("warm-{rtt_us}"), first, 1)?;
+        let bulk = restore(format!("bulk-{rtt_us}"), first + 1, bulk_pages)?;
+        let bulk_gbs =
+            (bulk_pages * BLOCK) as f64 / bulk["secs"].as_f64().unwrap_or(f64::NAN) / 1e9;
+        let mut one_block = Vec::new();
+        for k in 0..one_block_iters {
+            let page = first + 1 + bulk_pages + k;
+            let answer = restore(format!("one-{rtt_us}-{k}"), page, 1)?;
+            one_block.push(answer["secs"].as_f64().unwrap_or(f64::NAN) * 1e6);
+        }
+        let one_block_p50 = median(one_block);
+        let serialisation_us = BLOCK as f64 / (rate_gbs * 1e3);
+        let bound = 2.0 * rtt + serialisation_us;
+        let anchor = perftest_put_bw(&link, BLOCK as usize, if quick { 200 } else { 400 });
+        let tag = format!("rtt{rtt_us}us");
+        say(format!(
+            "BENCH link.rate_{tag} value={rate_gbs:.3} unit=GB/s"
+        ));
+        say(format!("BENCH link.rtt_{tag} value={rtt:.1} unit=us"));
+        let bulk_line = |name: &str| match anchor {
+            Some(a) => format!(
+                "BENCH {name} value={bulk_gbs:.3} unit=GB/s anchor={a:.3} ratio={:.3}",
+                bulk_gbs / a
+            ),
+            None => format!("BENCH {name} value={bulk_gbs:.3} unit=GB/s"),
+        };
+        let block_line = |name: &str| {
+            format!(
+                "BENCH {name} value={one_block_p50:.1} unit=us anchor={bound:.1} ratio={:.3}",
+                one_block_p50 / bound
+            )
+        };
+        say(bulk_line(&format!("link.fetch_bulk_{tag}")));
+        say(block_line(&format!("link.one_block_p50_{tag}")));
+        // Round trips a one-block restore costs beyond the page's own
+        // serialisation, as measured.
+        say(format!(
+            "BENCH link.round_trips_per_block_{tag} value={:.2} unit=rtt",
+            (one_block_p50 - serialisation_us).max(0.0) / rtt
+        ));
+        if rtt_us == 200 {
+            say(bulk_line("link.fetch_bulk"));
+            say(block_line("link.one_block_p50"));
+        }
+    }
+    Ok(lines)
+}

@@ -52,7 +52,7 @@ Commands:
                     -D warnings, and a build of the fuzz targets
   fuzz [--runs N] [--target NAME]
                     run the fuzz targets (default: every target, 200000 runs each)
-  bench [--quick] [--peers] [--rounds N]
+  bench [--quick] [--peers] [--link] [--rounds N]
                     run every benchmark binary N times (default 5, quick 3;
                     each figure beside an anchor measured in the same run);
                     prints progress and BENCH lines (median, min, max over the
@@ -60,6 +60,12 @@ Commands:
                     --peers also installs (once, into target/peers-venv) and
                     runs the reference Python runner and Mooncake's transfer
                     engine on the same workloads: a side-by-side table
+                    --link adds the between-hosts figures: a source and a
+                    destination in two network namespaces over a 1 Gbit/s
+                    link at 50 µs, 200 µs and 1 ms round trips, beside
+                    ucx_perftest over the same link (root)
+  link-bench [--quick]
+                    one round of those between-hosts figures alone
   gpu-build         build the direct linker's GPU tests and bench into
                     target/gpu/ (stripped, with run.sh) to carry to a GPU
                     machine
@@ -88,6 +94,15 @@ fn main() -> Result<()> {
             python::build_and_test(&root)
         }
         "link-check" => link::run_check(),
+        "link-bench" => {
+            crate::setup::ensure_system_packages()?;
+            let node = node::build(&root, true)?;
+            let quick = rest.iter().any(|a| a == "--quick");
+            for line in link::bench_round(&node, quick, "link-bench")? {
+                println!("{line}");
+            }
+            Ok(())
+        }
         "link-delayer" => link::run_delayer(&rest),
         "link-echo" => link::run_echo(&rest),
         "link-blast" => link::run_blast(&rest),
