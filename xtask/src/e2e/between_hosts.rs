@@ -178,6 +178,25 @@ fn fault_mid_transfer(
     })
 }
 
+/// A caller is answered by its operation deadline, whatever the link does.
+/// The grace covers the node's own bookkeeping on a loaded machine; a caller
+/// left waiting on a dead link would wait for minutes.
+fn answered_by_deadline(o: &mut Outcome, answer: &Value) {
+    let secs = answer["secs"].as_f64().unwrap_or(f64::INFINITY);
+    let bound = OP_TIMEOUT_MS as f64 / 1e3 + DEADLINE_GRACE_S;
+    o.check(
+        "the caller was answered by its deadline (no caller hung)",
+        secs <= bound,
+        format!(
+            "{secs:.2} s, deadline {:.1} s + {DEADLINE_GRACE_S} s grace",
+            OP_TIMEOUT_MS as f64 / 1e3
+        ),
+    );
+}
+
+/// Slack on "answered by the deadline" (seconds).
+const DEADLINE_GRACE_S: f64 = 2.0;
+
 /// After a fault that outlived the deadline: the callers failed (no
 /// corrupted byte), each hit write is uncertain and its slots are held;
 /// once the link is back (`heal`), the source's answer quiesces every one of
@@ -200,6 +219,7 @@ fn held_then_quiesced(
         "caller answered after s",
         format!("{:.1}", hit.restored["secs"].as_f64().unwrap_or(f64::NAN)),
     );
+    answered_by_deadline(o, &hit.restored);
     o.check(
         "the fault outlived the deadline: some keys failed",
         failed > 0,
@@ -280,6 +300,7 @@ pub(super) fn partition_early(ctx: &Ctx) -> Result<Outcome> {
         l.partition(false)
     })?;
     no_corruption(&mut o, "across the brief partition", &hit.restored);
+    answered_by_deadline(&mut o, &hit.restored);
     let failed = num(&hit.restored, "failed");
     o.number("keys failed", failed);
     o.number(
