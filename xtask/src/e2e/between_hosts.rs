@@ -77,28 +77,22 @@ fn node_on(
     Node::spawn(&ctx.binary, name, &spec)
 }
 
-/// A restore across a 200 µs ± 50 µs link with 0.1 % loss (and a rate cap):
-/// every byte arrives intact and every caller is answered.
-pub(super) fn lossy(ctx: &Ctx) -> Result<Outcome> {
+/// Restores `pages` pages of 1 MiB across a link shaped `shape`: every byte
+/// intact, every page restored, both cores' invariants hold.
+fn restore_across(ctx: &Ctx, tag: &str, shape: Shape, pages: u64, seed: u64) -> Result<Outcome> {
     let mut o = Outcome::default();
-    let shape = Shape {
-        jitter_us: 25,
-        loss_ppm: 1_000,
-        ..RACK
-    };
-    let Some(link) = link(&mut o, "lossy", shape)? else {
+    let Some(link) = link(&mut o, tag, shape)? else {
         return Ok(o);
     };
-    let pages = ctx.size(24, 96);
     let block = 1 << 20;
     let mut source = node_on(ctx, &link, 0, "source", pages, block)?;
-    let all = hashes(&offload(&mut source, pages, 1, 41, 4100)?);
+    let all = hashes(&offload(&mut source, pages, 1, seed, seed * 100)?);
     let mut dest = node_on(ctx, &link, 1, "dest", pages, block)?;
     let restored = dest.call(
-        &restore_cmd(&source.endpoint, "lossy", &all, 0, 41),
+        &restore_cmd(&source.endpoint, tag, &all, 0, seed),
         "RESTORED",
     )?;
-    no_corruption(&mut o, "across the lossy link", &restored);
+    no_corruption(&mut o, &format!("across the {tag} link"), &restored);
     o.equal("every page restored", num(&restored, "ok"), pages);
     o.number(
         "MB/s",
@@ -112,6 +106,28 @@ pub(super) fn lossy(ctx: &Ctx) -> Result<Outcome> {
     Ok(o)
 }
 
+/// A restore across a 200 µs ± 50 µs link with 0.1 % loss (and a rate cap):
+/// every byte arrives intact and every caller is answered.
+pub(super) fn lossy(ctx: &Ctx) -> Result<Outcome> {
+    let shape = Shape {
+        jitter_us: 25,
+        loss_ppm: 1_000,
+        ..RACK
+    };
+    restore_across(ctx, "lossy", shape, ctx.size(24, 96), 41)
+}
+
+/// Packets reordered by jitter (100 ± 50 µs one way, each packet on its
+/// own): every byte arrives intact.
+pub(super) fn reordered(ctx: &Ctx) -> Result<Outcome> {
+    let shape = Shape {
+        jitter_us: 50,
+        reorder: true,
+        ..RACK
+    };
+    restore_across(ctx, "reordered", shape, ctx.size(16, 64), 61)
+}
+
 /// Starts a restore of big pages across `link`, and calls `fault` once the
 /// source is writing them. Returns the nodes, the keys and the answer.
 struct Faulted {
@@ -122,6 +138,23 @@ struct Faulted {
     pages: u64,
 }
 
+/// Asks the faulted request's pages again, as `request`.
+fn restore_again(hit: &mut Faulted, request: &str) -> Result<Value> {
+    hit.dest.call(
+        &restore_cmd(
+            &hit.source.endpoint,
+            request,
+            hit.hashes.get(1..).unwrap_or_default(),
+            1,
+            FAULT_SEED,
+        ),
+        "RESTORED",
+    )
+}
+
+/// The byte seed of the faulted scenarios' pages.
+const FAULT_SEED: u64 = 51;
+
 fn fault_mid_transfer(
     ctx: &Ctx,
     link: &mut Link,
@@ -130,7 +163,7 @@ fn fault_mid_transfer(
     // 128 MiB: over a second at 1 Gbit/s, so a fault lands mid-transfer,
     // and well inside the 3 s deadline, so the clean retry can finish.
     let pages = 32;
-    let seed = 51;
+    let seed = FAULT_SEED;
     let mut source = node_on(ctx, link, 0, "source", pages + 1, BIG_BLOCK)?;
     let hashes = hashes(&offload(&mut source, pages + 1, 1, seed, 5100)?);
     let mut dest = node_on(ctx, link, 1, "dest", pages + 1, BIG_BLOCK)?;
@@ -249,16 +282,7 @@ fn held_then_quiesced(
         quiesced.is_some(),
         format!("uncertain ops {uncertain:?}"),
     );
-    let retry = hit.dest.call(
-        &restore_cmd(
-            &hit.source.endpoint,
-            "retry",
-            hit.hashes.get(1..).unwrap_or_default(),
-            1,
-            51,
-        ),
-        "RESTORED",
-    )?;
+    let retry = restore_again(hit, "retry")?;
     no_corruption(o, "the clean retry", &retry);
     o.check(
         "the clean retry restores every page",
@@ -316,16 +340,7 @@ pub(super) fn partition_early(ctx: &Ctx) -> Result<Outcome> {
         settled.is_some(),
         format!("{failed} keys failed"),
     );
-    let verify = hit.dest.call(
-        &restore_cmd(
-            &hit.source.endpoint,
-            "after",
-            hit.hashes.get(1..).unwrap_or_default(),
-            1,
-            51,
-        ),
-        "RESTORED",
-    )?;
+    let verify = restore_again(&mut hit, "after")?;
     no_corruption(&mut o, "every page afterwards", &verify);
     o.equal(
         "every page restorable afterwards",
@@ -349,32 +364,5 @@ pub(super) fn throttled(ctx: &Ctx) -> Result<Outcome> {
         l.set_rate(rate.map(|r| (r / 100).max(1)))
     })?;
     held_then_quiesced(&mut o, &mut hit, &mut link, &mut |l| l.set_rate(rate))?;
-    Ok(o)
-}
-
-/// Packets reordered by jitter (100 ± 50 µs one way, each packet on its
-/// own): every byte arrives intact.
-pub(super) fn reordered(ctx: &Ctx) -> Result<Outcome> {
-    let mut o = Outcome::default();
-    let shape = Shape {
-        jitter_us: 50,
-        reorder: true,
-        ..RACK
-    };
-    let Some(link) = link(&mut o, "reorder", shape)? else {
-        return Ok(o);
-    };
-    let pages = ctx.size(16, 64);
-    let block = 1 << 20;
-    let mut source = node_on(ctx, &link, 0, "source", pages, block)?;
-    let all = hashes(&offload(&mut source, pages, 1, 61, 6100)?);
-    let mut dest = node_on(ctx, &link, 1, "dest", pages, block)?;
-    let restored = dest.call(
-        &restore_cmd(&source.endpoint, "reorder", &all, 0, 61),
-        "RESTORED",
-    )?;
-    no_corruption(&mut o, "across the reordering link", &restored);
-    o.equal("every page restored", num(&restored, "ok"), pages);
-    core_invariants(&mut o, &mut dest)?;
     Ok(o)
 }
