@@ -140,6 +140,10 @@ const ANCHOR_WHAT: &[(&str, &str)] = &[
         "ucx_perftest put_bw, 256 KiB puts, over the same link (tcp, kvcr's segments)",
     ),
     (
+        "link.one_block_vs_ucx_",
+        "ucx_perftest put_lat of one 256 KiB put over the same link (tcp, kvcr's segments)",
+    ),
+    (
         "link.one_block_p50_",
         "2 × the link's measured round trip + the page's serialisation at its measured rate",
     ),
