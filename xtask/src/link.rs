@@ -804,8 +804,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// One round of `cargo xtask bench --link`: a source node in A and a
 /// destination in B over a 1 Gbit/s link at round trips of 50 µs, 200 µs
-/// and 1 ms, each figure beside an anchor measured over the same link in
-/// the same round. Prints its BENCH lines as it goes (prefixed `label`) and
+/// and 1 ms, and a 4 Gbit/s one at 200 µs, each figure beside an anchor
+/// measured over the same link in the same round. Prints its BENCH lines as it goes (prefixed `label`) and
 /// returns them.
 // `serde_json::Value` indexing returns `Null` for a missing key, and a side
 // is taken modulo the two namespaces: neither panics.
@@ -821,9 +821,16 @@ pub(crate) fn bench_round(
     const BLOCK: u64 = 256 << 10;
     let bulk_pages: u64 = if quick { 128 } else { 256 };
     let one_block_iters: u64 = if quick { 15 } else { 40 };
-    let rtts = [50u64, 200, 1_000];
+    // (round trip asked, rate): three round trips at 1 Gbit/s, and the
+    // middle one at 4 Gbit/s (as much as this VM moves through the link).
+    let links = [
+        (50u64, RATE_MBIT),
+        (200, RATE_MBIT),
+        (1_000, RATE_MBIT),
+        (200, 4 * RATE_MBIT),
+    ];
     let per_rtt = bulk_pages + one_block_iters + 1;
-    let total = per_rtt * rtts.len() as u64;
+    let total = per_rtt * links.len() as u64;
     let found = features()?;
     if !found.missing().is_empty() {
         bail!("cannot shape a link here: {}", found.missing().join(", "));
@@ -870,9 +877,9 @@ pub(crate) fn bench_round(
         eprintln!("{label}: {line}");
         lines.push(line);
     };
-    for (i, rtt_us) in rtts.into_iter().enumerate() {
+    for (i, (rtt_us, rate_mbit)) in links.into_iter().enumerate() {
         link.shape(Shape {
-            rate_mbit: Some(RATE_MBIT),
+            rate_mbit: Some(rate_mbit),
             delay_us: rtt_us / 2,
             ..Shape::default()
         })?;
@@ -895,7 +902,17 @@ pub(crate) fn bench_round(
         let bound = 2.0 * rtt + serialisation_us;
         let anchor = perftest_put_bw(&link, BLOCK as usize, if quick { 200 } else { 400 });
         let ucx_lat = perftest_put_lat(&link, BLOCK as usize, if quick { 30 } else { 100 });
-        let tag = format!("rtt{rtt_us}us");
+        let tag = if rate_mbit == RATE_MBIT {
+            format!("rtt{rtt_us}us")
+        } else {
+            format!("rtt{rtt_us}us_{}gbit", rate_mbit / 1000)
+        };
+        // The bytes that must be in flight to fill this link (its
+        // bandwidth-delay product, as measured).
+        say(format!(
+            "BENCH link.bytes_to_fill_{tag} value={:.0} unit=bytes",
+            rate_gbs * 1e3 * rtt
+        ));
         say(format!(
             "BENCH link.rate_{tag} value={rate_gbs:.3} unit=GB/s"
         ));
@@ -929,7 +946,7 @@ pub(crate) fn bench_round(
             "BENCH link.round_trips_per_block_{tag} value={:.2} unit=rtt",
             (one_block_p50 - serialisation_us).max(0.0) / rtt
         ));
-        if rtt_us == 200 {
+        if rtt_us == 200 && rate_mbit == RATE_MBIT {
             say(bulk_line("link.fetch_bulk"));
             say(block_line("link.one_block_p50"));
         }
