@@ -114,13 +114,13 @@ impl std::fmt::Debug for PeerOptions {
 }
 
 /// Split sizing: a put larger than `chunk_bytes` is issued as chunks of that
-/// size, at most `max_chunks_in_flight` per write (the write is flushed and
-/// reported once, after its last chunk, exactly as unsplit).
+/// size, at most `max_chunks_in_flight` at once over all writes (a write is
+/// flushed and reported once, after its last chunk, exactly as unsplit).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PutSplit {
     /// Chunk size in bytes; 0 turns splitting off (the default).
     pub chunk_bytes: u64,
-    /// Cap on chunks in flight per write while splitting; 0 picks per
+    /// Cap on chunks in flight, all writes together, while splitting; 0 picks per
     /// transport ([`PutSplit::TCP_IN_FLIGHT`] when the transports include
     /// tcp, [`PutSplit::SHM_IN_FLIGHT`] otherwise).
     pub max_chunks_in_flight: usize,
