@@ -73,12 +73,12 @@ struct Engine {
     profile: CopyProfile,
 }
 
-/// A [`DeviceCopier`] for one GPU.
-///
 /// Jobs of at least this many bytes (~150 µs of copying at 55 GB/s) wait
 /// for the GPU asleep; a wake-up costs tens of microseconds, a small share.
 const SLEEPING_WAIT_BYTES: u64 = 8 << 20;
 
+/// A [`DeviceCopier`] for one GPU.
+///
 /// Field order is drop order: the engine (stream, events, descriptor memory)
 /// and the pool registrations go before the kernel and the device context.
 #[derive(Debug)]

@@ -129,8 +129,6 @@ pub struct DirectLinker {
     offloads: VecDeque<(OffloadTicket, Option<bool>)>,
     /// Every claim held: the runner's release handle has the same number.
     claims: BTreeMap<ClaimId, ScopedKey>,
-    /// Pipelined restores accepted and not yet landed.
-    restores_in_flight: usize,
     next_ticket: u64,
 }
 
@@ -221,7 +219,6 @@ impl DirectLinker {
             immediate: VecDeque::new(),
             offloads: VecDeque::new(),
             claims: BTreeMap::new(),
-            restores_in_flight: 0,
             next_ticket: 0,
         })
     }
@@ -275,25 +272,16 @@ impl DirectLinker {
         let pages = query.tail.len();
         let mut seen = std::collections::HashSet::with_capacity(slots.len());
         let duplicate = !slots.iter().all(|s| seen.insert(*s));
-        if slots.len() != pages || duplicate {
-            return Err(Error::RestoreSlots {
-                slots: slots.len(),
-                pages,
-                duplicate,
-            });
-        }
-        let page_count = u32::try_from(pages).map_err(|_| Error::RestoreSlots {
+        let refused = Error::RestoreSlots {
             slots: slots.len(),
             pages,
-            duplicate: false,
-        })?;
-        for slot in slots {
-            self.check_slot(*slot).map_err(|_| Error::RestoreSlots {
-                slots: slots.len(),
-                pages,
-                duplicate: false,
-            })?;
+            duplicate,
+        };
+        let in_pool = slots.iter().all(|s| self.check_slot(*s).is_ok());
+        if slots.len() != pages || duplicate || !in_pool {
+            return Err(refused);
         }
+        let page_count = u32::try_from(pages).map_err(|_| refused)?;
         let entries: Vec<DeliverEntry> = query
             .tail
             .iter()
@@ -304,18 +292,13 @@ impl DirectLinker {
             })
             .collect();
         let attempt = context.attempt().clone();
-        let hinted = self.config.peer.is_some() && !context.hints().is_empty();
-        let op = if hinted {
-            for hint in context.hints() {
-                self.runner.submit_hint(attempt.request.clone(), hint);
-            }
+        let op = if self.submit_hints(context) {
             self.runner.deliver_hinted(&attempt.request, entries)?
         } else {
             self.runner.deliver(entries)?
         };
         self.next_ticket += 1;
         let ticket = LoadTicket(self.next_ticket);
-        self.restores_in_flight += 1;
         self.pending.insert(
             op,
             Pending::Restore {
@@ -325,6 +308,19 @@ impl DirectLinker {
             },
         );
         Ok(ticket)
+    }
+
+    /// Hands the request's router hints to the runner when it takes part in
+    /// the peer protocol; returns whether its operations are then hinted.
+    fn submit_hints(&self, context: &RequestContext) -> bool {
+        let hinted = self.config.peer.is_some() && !context.hints().is_empty();
+        if hinted {
+            for hint in context.hints() {
+                self.runner
+                    .submit_hint(context.attempt().request.clone(), hint);
+            }
+        }
+        hinted
     }
 
     /// Lands whatever completes within `timeout`, waiting until nothing is in
@@ -424,7 +420,6 @@ impl DirectLinker {
                     attempt,
                     pages,
                 }) => {
-                    self.restores_in_flight -= 1;
                     let restored = result
                         .entries
                         .iter()
@@ -541,13 +536,7 @@ impl RequestHooks for DirectLinker {
             .iter()
             .map(|k| self.scoped(query.namespace, *k))
             .collect();
-        let hinted = self.config.peer.is_some() && !context.hints().is_empty();
-        if hinted {
-            for hint in context.hints() {
-                self.runner.submit_hint(attempt.request.clone(), hint);
-            }
-        }
-        let op = if hinted {
+        let op = if self.submit_hints(context) {
             self.runner
                 .fetch_hinted(&attempt.request, &keys, &self.pool_layout)
         } else {
@@ -706,7 +695,11 @@ impl Linker for DirectLinker {
             claims_held: self.claims.len(),
             transfers_in_flight: self.prepared.attempts().in_flight()
                 + self.offloads.len()
-                + self.restores_in_flight,
+                + self
+                    .pending
+                    .values()
+                    .filter(|p| matches!(p, Pending::Restore { .. }))
+                    .count(),
             live_attempts: self.prepared.attempts().live(),
         }
     }

@@ -8,14 +8,14 @@
 // is taken modulo the two namespaces: neither panics.
 #![allow(clippy::indexing_slicing)]
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Result, bail};
 use serde_json::Value;
 
 use super::scenarios::{
     ABANDON_MS, BIG_BLOCK, OP_TIMEOUT_MS, TCP, core_invariants, hashes, no_corruption, num,
-    offload, ops, poll_stats, restore_cmd,
+    offload, ops, poll_stats, restore_cmd, warm_then_fault,
 };
 use super::{Ctx, Outcome};
 use crate::link::{Link, Shape};
@@ -167,41 +167,17 @@ fn fault_mid_transfer(
     let mut source = node_on(ctx, link, 0, "source", pages + 1, BIG_BLOCK)?;
     let hashes = hashes(&offload(&mut source, pages + 1, 1, seed, 5100)?);
     let mut dest = node_on(ctx, link, 1, "dest", pages + 1, BIG_BLOCK)?;
-    let warm = dest.call(
-        &restore_cmd(
-            &source.endpoint,
-            "warm",
-            hashes.get(..1).unwrap_or_default(),
-            0,
-            seed,
-        ),
-        "RESTORED",
-    )?;
-    if num(&warm, "ok") != 1 {
-        bail!("warm-up restore across the link failed: {warm}");
-    }
-    dest.send(&restore_cmd(
-        &source.endpoint,
-        "faulted",
-        hashes.get(1..).unwrap_or_default(),
-        1,
+    let (restored, faulted) = warm_then_fault(
+        &mut source,
+        &mut dest,
+        &hashes,
         seed,
-    ))?;
-    // A READY page claimed for a put is not evictable: the write is running.
-    let start = Instant::now();
-    let mut faulted = false;
-    while start.elapsed() < Duration::from_secs(60) {
-        let stats = source.stats()?;
-        if num(&stats, "evictable_slots") < num(&stats, "ready") {
-            fault(link)?;
-            faulted = true;
-            break;
-        }
-    }
+        "faulted",
+        &mut |_| fault(link),
+    )?;
     if !faulted {
-        bail!("the source never started writing");
+        bail!("the transfer finished before the fault landed");
     }
-    let restored = dest.read("RESTORED")?;
     Ok(Faulted {
         source,
         dest,

@@ -296,6 +296,52 @@ struct MidTransfer {
     hashes: Vec<u64>,
 }
 
+/// Warms the route from `dest` to `source` up with page 0 of `hashes`,
+/// asks for pages `1..` as `request`, and calls `fault(source)` once the
+/// source is writing them: a READY page claimed for a put is not evictable.
+/// Polled without pause (one command round trip per sample) until that is
+/// seen or the destination has its answer already. Returns the answer and
+/// whether the fault landed before it.
+pub(super) fn warm_then_fault(
+    source: &mut Node,
+    dest: &mut Node,
+    hashes: &[u64],
+    seed: u64,
+    request: &str,
+    fault: &mut dyn FnMut(&mut Node) -> Result<()>,
+) -> Result<(Value, bool)> {
+    let warm = dest.call(
+        &restore_cmd(
+            &source.endpoint,
+            "warm",
+            hashes.get(..1).unwrap_or_default(),
+            0,
+            seed,
+        ),
+        "RESTORED",
+    )?;
+    anyhow::ensure!(num(&warm, "ok") == 1, "warm-up restore failed: {warm}");
+    dest.send(&restore_cmd(
+        &source.endpoint,
+        request,
+        hashes.get(1..).unwrap_or_default(),
+        1,
+        seed,
+    ))?;
+    let start = Instant::now();
+    while start.elapsed() < POLL_BOUND {
+        if let Some(answer) = dest.try_read("RESTORED")? {
+            return Ok((answer, false));
+        }
+        let stats = source.stats()?;
+        if num(&stats, "evictable_slots") < num(&stats, "ready") {
+            fault(source)?;
+            return Ok((dest.read("RESTORED")?, true));
+        }
+    }
+    Ok((dest.read("RESTORED")?, false))
+}
+
 /// Starts a source holding `pages + 1` big pages and a destination, warms the
 /// route up with page 0, asks for pages `1..=pages`, and delivers `signal` to
 /// the source once it is writing them. `None`: the write finished before the
@@ -322,50 +368,20 @@ fn hit_mid_transfer(
         ..ctx.spec(&format!("dest-{attempt}"), pages + 1 + spare, BIG_BLOCK)
     };
     let mut dest = Node::spawn(&ctx.binary, "dest", &dest_spec)?;
-    let warm = dest.call(
-        &restore_cmd(
-            &source.endpoint,
-            "warm",
-            hashes.get(..1).unwrap_or_default(),
-            0,
-            seed,
-        ),
-        "RESTORED",
-    )?;
-    anyhow::ensure!(num(&warm, "ok") == 1, "warm-up restore failed: {warm}");
-    dest.send(&restore_cmd(
-        &source.endpoint,
-        "hit",
-        hashes.get(1..).unwrap_or_default(),
-        1,
+    let (restored, landed) = warm_then_fault(
+        &mut source,
+        &mut dest,
+        &hashes,
         seed,
-    ))?;
-    // A READY page claimed for a put is not evictable: the write is running.
-    // Polled without pause (one command round trip per sample) until it is
-    // seen or the destination has its answer already.
-    let start = Instant::now();
-    let mut landed = false;
-    let mut early = None;
-    while start.elapsed() < POLL_BOUND {
-        if let Some(answer) = dest.try_read("RESTORED")? {
-            early = Some(answer);
-            break;
-        }
-        let stats = source.stats()?;
-        if num(&stats, "evictable_slots") < num(&stats, "ready") {
+        "hit",
+        &mut |source| {
             if signal == Signal::SIGKILL {
-                source.kill_and_reap()?;
+                source.kill_and_reap().map(drop)
             } else {
-                source.signal(signal)?;
+                source.signal(signal)
             }
-            landed = true;
-            break;
-        }
-    }
-    let restored = match early {
-        Some(answer) => answer,
-        None => dest.read("RESTORED")?,
-    };
+        },
+    )?;
     if !landed || num(&restored, "ok") == pages {
         eprintln!("e2e:   the write finished before the signal landed; trying again");
         return Ok(None);
