@@ -165,7 +165,6 @@ fn queue_rules() -> [Vec<&'static str>; 2] {
 pub(crate) struct Link {
     /// The namespaces, A and B.
     pub(crate) ns: [String; 2],
-    shape: Shape,
     delayer: Option<Child>,
     partitioned: bool,
 }
@@ -183,7 +182,6 @@ impl Link {
         }
         let link = Self {
             ns,
-            shape: Shape::default(),
             delayer: None,
             partitioned: false,
         };
@@ -296,7 +294,6 @@ impl Link {
                 ..shape
             })?;
         }
-        self.shape = shape;
         self.partitioned = false;
         Ok(())
     }
@@ -632,17 +629,11 @@ pub(crate) fn run_delayer(rest: &[String]) -> Result<()> {
         }
         if holds.len() >= 10_000 {
             holds.sort_by(f64::total_cmp);
-            let at = |p: f64| {
-                holds
-                    .get(((holds.len() - 1) as f64 * p) as usize)
-                    .copied()
-                    .unwrap_or(0.0)
-            };
             eprintln!(
                 "link-delayer: asked {delay} ± {jitter} µs; held p5 {:.0} p50 {:.0} p95 {:.0} µs",
-                at(0.05),
-                at(0.5),
-                at(0.95)
+                percentile(&holds, 0.05),
+                percentile(&holds, 0.5),
+                percentile(&holds, 0.95)
             );
             holds.clear();
         }
@@ -663,7 +654,8 @@ pub(crate) fn run_delayer(rest: &[String]) -> Result<()> {
     }
 }
 
-fn at(sorted: &[f64], p: f64) -> f64 {
+/// The `p` quantile (0..=1) of `sorted` (NaN when empty).
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted
         .get(((sorted.len().max(1) - 1) as f64 * p).round() as usize)
         .copied()
@@ -723,9 +715,9 @@ pub(crate) fn run_check() -> Result<()> {
         println!(
             "link: {what}: asked RTT {} µs; measured p5 {:.0} p50 {:.0} p95 {:.0} µs",
             2 * shape.delay_us,
-            at(&rtt, 0.05),
-            at(&rtt, 0.5),
-            at(&rtt, 0.95)
+            percentile(&rtt, 0.05),
+            percentile(&rtt, 0.5),
+            percentile(&rtt, 0.95)
         );
     }
     Ok(())
@@ -799,7 +791,7 @@ fn perftest_final(link: &Link, test: &str, size: usize, iters: usize) -> Option<
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    at(&v, 0.5)
+    percentile(&v, 0.5)
 }
 
 /// One round of `cargo xtask bench --link`: a source node in A and a

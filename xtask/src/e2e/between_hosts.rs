@@ -18,7 +18,7 @@ use super::scenarios::{
     offload, ops, poll_stats, restore_cmd, warm_then_fault,
 };
 use super::{Ctx, Outcome};
-use crate::link::{Link, Shape};
+use crate::link::{Link, Shape, percentile};
 use crate::node::{Node, NodeSpec};
 
 /// A link of 1 Gbit/s each way with a 200 µs round trip: a rack's worth.
@@ -46,14 +46,14 @@ fn link(o: &mut Outcome, tag: &str, shape: Shape) -> Result<Option<Link>> {
     let mut link = Link::up(tag)?;
     link.shape(shape)?;
     let rtt = link.measure_rtt(100)?;
-    let at = |p: f64| {
-        rtt.get(((rtt.len().max(1) - 1) as f64 * p).round() as usize)
-            .copied()
-            .unwrap_or(f64::NAN)
-    };
     o.number(
         "link RTT asked/measured p50 (p95) us",
-        format!("{}/{:.0} ({:.0})", 2 * shape.delay_us, at(0.5), at(0.95)),
+        format!(
+            "{}/{:.0} ({:.0})",
+            2 * shape.delay_us,
+            percentile(&rtt, 0.5),
+            percentile(&rtt, 0.95)
+        ),
     );
     Ok(Some(link))
 }
