@@ -54,6 +54,8 @@ fn workload(n_blocks: u64) -> Vec<InventoryEvent> {
                 .collect(),
             block_size: BLOCK_SIZE,
             lora_name: None,
+            lora_id: None,
+            cache_salt: None,
         });
         if k > 1024 {
             events.push(InventoryEvent::Removed {
@@ -145,6 +147,8 @@ fn e2e_round(events: &[InventoryEvent], block_events: u64) -> f64 {
             token_ids: vec![0; BLOCK_SIZE as usize],
             block_size: BLOCK_SIZE,
             lora_name: None,
+            lora_id: None,
+            cache_salt: None,
         });
         std::thread::yield_now();
     }

@@ -348,6 +348,7 @@ impl Engine {
                     parent: first.checked_sub(1).map(|p| keys[p]),
                     token_ids: tokens[first * PAGE_TOKENS..(first + new_keys.len()) * PAGE_TOKENS]
                         .to_vec(),
+                    ..PageTokens::default()
                 }),
                 ..ExtraInfo::default()
             };
@@ -371,6 +372,8 @@ impl Engine {
                 keys: gpu_new,
                 block_size: PAGE_TOKENS as u32,
                 lora_name: None,
+                lora_id: None,
+                cache_salt: None,
             });
         }
         json!({

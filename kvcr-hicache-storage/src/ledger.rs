@@ -17,13 +17,20 @@ use kvcr_foundation::{BlockKey, InventoryEvent, InventoryScope, InventorySink};
 /// Most removed page hashes kept for [`crate::KvcrHiCacheStorage::take_removed_page_hashes`].
 pub const MAX_REMOVED_BACKLOG: usize = 1 << 20;
 
-/// Tokens of the pages of one `batch_set`, for their `Stored` events.
+/// Tokens of the pages of one `batch_set`, for their `Stored` events, and the
+/// namespace they belong to as a router indexes it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct PageTokens {
     /// The key of the page before `keys[0]` in the request, if any.
     pub parent: Option<BlockKey>,
     /// `keys.len() * page_size` real token ids, in key order.
     pub token_ids: Vec<u32>,
+    /// The LoRA adapter the pages were computed with (`None`: the base model).
+    pub lora_name: Option<String>,
+    /// The adapter's numeric id, where the engine has one.
+    pub lora_id: Option<u64>,
+    /// The tenant's cache salt (`None`: unsalted).
+    pub cache_salt: Option<String>,
 }
 
 #[derive(Debug)]
@@ -109,7 +116,9 @@ impl Ledger {
                 parent,
                 token_ids,
                 block_size: self.block_size,
-                lora_name: None,
+                lora_name: tokens.lora_name.clone(),
+                lora_id: tokens.lora_id,
+                cache_salt: tokens.cache_salt.clone(),
             });
         }
         (events, 0)
@@ -188,6 +197,7 @@ mod tests {
         let tokens = PageTokens {
             parent: Some(k(100)),
             token_ids: (0..8).collect(),
+            ..PageTokens::default()
         };
         let keys = [k(1), k(2), k(3), k(4)];
         let (events, unpublished) = ledger.stored(&keys, &[true, true, false, true], Some(&tokens));
@@ -230,6 +240,7 @@ mod tests {
         let tokens = PageTokens {
             parent: None,
             token_ids: vec![1, 2],
+            ..PageTokens::default()
         };
         ledger.stored(&[k(1), k(2)], &[true, true], Some(&tokens));
         let removed = ledger.removed([k(2), k(2), k(9)]);
@@ -307,7 +318,7 @@ mod model {
             for step in steps {
                 match step {
                     Step::Store { keys, agreed, tokens } => {
-                        let page_tokens = PageTokens { parent: None, token_ids: vec![0; keys.len() * 2] };
+                        let page_tokens = PageTokens { parent: None, token_ids: vec![0; keys.len() * 2], ..PageTokens::default() };
                         let block_keys: Vec<BlockKey> = keys.iter().map(|k| BlockKey::from_u64(*k)).collect();
                         let (events, _) = ledger.stored(&block_keys, &agreed, tokens.then_some(&page_tokens));
                         for e in &events {

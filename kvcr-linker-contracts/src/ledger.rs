@@ -471,6 +471,8 @@ fn flush_run(
             .collect(),
         block_size: offload.block_size,
         lora_name: offload.namespace.lora_name.clone(),
+        lora_id: None,
+        cache_salt: offload.namespace.cache_salt.clone(),
     });
     run.clear();
 }

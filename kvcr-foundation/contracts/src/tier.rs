@@ -66,7 +66,10 @@ pub enum Medium {
     /// `"GPU"`.
     #[serde(rename = "GPU")]
     Gpu,
-    /// `"CPU_PINNED"`.
+    /// `"CPU"`: pageable host memory (vLLM's `MEDIUM_CPU`).
+    #[serde(rename = "CPU")]
+    Cpu,
+    /// `"CPU_PINNED"`: page-locked host memory.
     #[serde(rename = "CPU_PINNED")]
     CpuPinned,
     /// `"DISK"`.
@@ -82,6 +85,7 @@ impl Medium {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Gpu => "GPU",
+            Self::Cpu => "CPU",
             Self::CpuPinned => "CPU_PINNED",
             Self::Disk => "DISK",
             Self::External => "EXTERNAL",
@@ -93,7 +97,8 @@ impl Medium {
     pub fn from_wire(s: &str) -> Option<Self> {
         match s {
             "GPU" | "DEVICE" => Some(Self::Gpu),
-            "CPU" | "CPU_PINNED" | "CPU_TIER1" => Some(Self::CpuPinned),
+            "CPU" => Some(Self::Cpu),
+            "CPU_PINNED" | "CPU_TIER1" => Some(Self::CpuPinned),
             "CPU_TIER2" | "DISK" | "NVME" => Some(Self::Disk),
             "EXTERNAL" | "NETWORK" | "REMOTE" | "SHARED" => Some(Self::External),
             _ => None,
@@ -130,6 +135,11 @@ pub enum InventoryEvent {
         block_size: u32,
         /// The LoRA adapter name, when not the base model.
         lora_name: Option<String>,
+        /// The LoRA adapter's numeric id (`lora_id`), where the engine has one.
+        lora_id: Option<u64>,
+        /// The tenant's cache salt (`cache_salt`): a router indexes salted
+        /// pages apart from unsalted ones and from other salts.
+        cache_salt: Option<String>,
     },
     /// Pages removed; exactly once per stored residency.
     Removed {
@@ -160,6 +170,8 @@ impl InventoryEvent {
                     keys,
                     block_size: bs_a,
                     lora_name: lora_a,
+                    lora_id: id_a,
+                    cache_salt: salt_a,
                     ..
                 },
                 Self::Stored {
@@ -167,9 +179,18 @@ impl InventoryEvent {
                     parent,
                     block_size: bs_b,
                     lora_name: lora_b,
+                    lora_id: id_b,
+                    cache_salt: salt_b,
                     ..
                 },
-            ) => a == b && bs_a == bs_b && lora_a == lora_b && *parent == keys.last().copied(),
+            ) => {
+                a == b
+                    && bs_a == bs_b
+                    && lora_a == lora_b
+                    && id_a == id_b
+                    && salt_a == salt_b
+                    && *parent == keys.last().copied()
+            }
             (Self::Removed { scope: a, .. }, Self::Removed { scope: b, .. }) => a == b,
             _ => false,
         }

@@ -33,7 +33,7 @@ use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::key::{BlockKey, NamespaceId};
 use kvcr_contracts::tier::{InventoryEvent, InventoryScope, Medium, Owner};
 
-/// Longest `lora_name` published (bytes).
+/// Longest `lora_name` (and `cache_salt`) published, in bytes.
 pub const MAX_LORA_NAME: usize = 1024;
 
 /// Bounds of one batch.
@@ -97,6 +97,8 @@ pub struct CoreStats {
     pub removed_unknown: u64,
     /// Resynchronisation barriers sent after events were lost upstream.
     pub resyncs: u64,
+    /// Empty heartbeat batches sequenced on a quiet stream.
+    pub heartbeats: u64,
 }
 
 /// One sequenced batch, before encoding.
@@ -129,13 +131,22 @@ struct LiveKey {
     key: BlockKey,
 }
 
+/// What a stored event says about its namespace besides the scope (events
+/// that differ in any of it never merge).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Tags {
+    lora_name: Option<String>,
+    lora_id: Option<u64>,
+    cache_salt: Option<String>,
+}
+
 /// Scope of an event under construction (for merging decisions).
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Meta {
     Stored {
         scope: InventoryScope,
         block_size: u32,
-        lora_name: Option<String>,
+        tags: Tags,
     },
     Removed {
         scope: InventoryScope,
@@ -284,14 +295,16 @@ impl PublisherCore {
                 token_ids,
                 block_size,
                 lora_name,
-            } => self.stored(
-                *scope,
-                keys,
-                *parent,
-                token_ids,
-                *block_size,
-                lora_name.as_deref(),
-            ),
+                lora_id,
+                cache_salt,
+            } => {
+                let tags = Tags {
+                    lora_name: lora_name.clone(),
+                    lora_id: *lora_id,
+                    cache_salt: cache_salt.clone(),
+                };
+                self.stored(*scope, keys, *parent, token_ids, *block_size, &tags)
+            }
             InventoryEvent::Removed { scope, keys } => self.removed(*scope, keys),
             InventoryEvent::AllCleared { owner, incarnation } => {
                 self.all_cleared(*owner, *incarnation)
@@ -412,9 +425,9 @@ impl PublisherCore {
         parent: Option<BlockKey>,
         token_ids: &[u32],
         block_size: u32,
-        lora_name: Option<&str>,
+        tags: &Tags,
     ) {
-        if !self.valid_store(keys, parent, token_ids, block_size, lora_name) {
+        if !self.valid_store(keys, parent, token_ids, block_size, tags) {
             self.stats.stored_rejected += 1;
             return;
         }
@@ -447,14 +460,14 @@ impl PublisherCore {
             match (fresh, run_start) {
                 (true, None) => run_start = Some(i),
                 (false, Some(s)) => {
-                    self.store_run(scope, keys, parent, token_ids, bs, lora_name, s, i);
+                    self.store_run(scope, keys, parent, token_ids, bs, tags, s, i);
                     run_start = None;
                 }
                 _ => {}
             }
         }
         if let Some(s) = run_start {
-            self.store_run(scope, keys, parent, token_ids, bs, lora_name, s, end);
+            self.store_run(scope, keys, parent, token_ids, bs, tags, s, end);
         }
     }
 
@@ -464,7 +477,7 @@ impl PublisherCore {
         parent: Option<BlockKey>,
         token_ids: &[u32],
         block_size: u32,
-        lora_name: Option<&str>,
+        tags: &Tags,
     ) -> bool {
         if keys.is_empty() || block_size == 0 || block_size as usize > self.limits.max_tokens {
             return false;
@@ -472,7 +485,8 @@ impl PublisherCore {
         if keys.len().checked_mul(block_size as usize) != Some(token_ids.len()) {
             return false;
         }
-        if lora_name.is_some_and(|n| n.len() > MAX_LORA_NAME) {
+        let too_long = |s: &Option<String>| s.as_ref().is_some_and(|s| s.len() > MAX_LORA_NAME);
+        if too_long(&tags.lora_name) || too_long(&tags.cache_salt) {
             return false;
         }
         let mut seen: HashSet<BlockKey> = HashSet::with_capacity(keys.len() + 1);
@@ -492,7 +506,7 @@ impl PublisherCore {
         parent: Option<BlockKey>,
         token_ids: &[u32],
         bs: usize,
-        lora_name: Option<&str>,
+        tags: &Tags,
         start: usize,
         end: usize,
     ) {
@@ -522,7 +536,7 @@ impl PublisherCore {
             let meta = Meta::Stored {
                 scope,
                 block_size: bs as u32,
-                lora_name: lora_name.map(str::to_owned),
+                tags: tags.clone(),
             };
             if !self.merge_stored(&meta, chunk_parent, &hashes, tokens) {
                 let event = WireEvent::Stored {
@@ -530,7 +544,9 @@ impl PublisherCore {
                     parent: chunk_parent.map(BlockKey::as_u64),
                     token_ids: tokens.to_vec(),
                     block_size: bs as u32,
-                    lora_name: lora_name.map(str::to_owned),
+                    lora_name: tags.lora_name.clone(),
+                    lora_id: tags.lora_id,
+                    cache_salt: tags.cache_salt.clone(),
                     medium: scope.medium,
                     owner: scope.owner,
                 };
@@ -670,6 +686,21 @@ impl PublisherCore {
             open.blocks += blocks;
             open.tokens += tokens;
         }
+    }
+
+    /// Queues an empty batch (a heartbeat) when nothing else is pending and
+    /// the core is open: on a quiet stream it carries the next sequence
+    /// number, so a subscriber that joined late sees a gap and replays what
+    /// it missed instead of waiting for the next change.
+    pub fn heartbeat(&mut self) {
+        if self.closed || !self.sealed.is_empty() || self.open.is_some() {
+            return;
+        }
+        self.sealed.push_back(Sealed {
+            incarnation: self.incarnation,
+            events: Vec::new(),
+        });
+        self.stats.heartbeats += 1;
     }
 
     fn seal(&mut self) {

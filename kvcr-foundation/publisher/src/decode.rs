@@ -109,6 +109,8 @@ mod tests {
                 token_ids: vec![0; 3 * 4],
                 block_size: 4,
                 lora_name: None,
+                lora_id: None,
+                cache_salt: None,
                 medium: Medium::CpuPinned,
                 owner: Owner::Kvcr,
             },

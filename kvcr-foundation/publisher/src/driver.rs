@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::time::Instant;
 
 use crate::core::{PublisherCore, Transmit};
 use crate::error::{Echo, Error, PublisherReason, Result};
@@ -166,6 +167,14 @@ pub(super) struct Driver {
     config: PublisherConfig,
     seen_lost: u64,
     stats: PublisherStats,
+    /// When a batch last left (for the heartbeat).
+    last_sent: Instant,
+}
+
+/// The driver's monotonic clock, read once per idle round for the heartbeat.
+#[allow(clippy::disallowed_methods)]
+fn monotonic_now() -> Instant {
+    Instant::now()
 }
 
 /// The one place the publisher reads the wall clock: the batch `ts`.
@@ -199,6 +208,7 @@ impl Driver {
             config,
             seen_lost: 0,
             stats: PublisherStats::default(),
+            last_sent: monotonic_now(),
         }
     }
 
@@ -225,7 +235,14 @@ impl Driver {
                         }
                     }
                 }
-                Err(RecvTimeoutError::Timeout) => self.trailing_loss(),
+                Err(RecvTimeoutError::Timeout) => {
+                    self.trailing_loss();
+                    if self.config.heartbeat.is_some_and(|every| {
+                        monotonic_now().duration_since(self.last_sent) >= every
+                    }) {
+                        self.core.heartbeat();
+                    }
+                }
                 Err(RecvTimeoutError::Disconnected) => {
                     // Only the Publisher's own sender can be left; it is gone.
                     self.shared.closing.store(true, Ordering::Release);
@@ -273,6 +290,7 @@ impl Driver {
     fn transmit(&mut self) {
         let ts = now_ts();
         while let Some(t) = self.core.poll_transmit(ts) {
+            self.last_sent = monotonic_now();
             let frames: [&[u8]; 3] = [&t.topic, &t.seq.to_be_bytes(), &t.payload];
             if self
                 .sockets

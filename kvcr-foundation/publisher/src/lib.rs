@@ -93,6 +93,11 @@ pub struct PublisherConfig {
     /// How long the idle driver waits before looking at the replay socket
     /// (1 ms..=1 s): the worst-case replay latency.
     pub idle_tick: Duration,
+    /// Sends an empty batch (the next sequence number, no events) when the
+    /// stream has been quiet this long, so a subscriber that registered late
+    /// notices the gap and replays within about this interval (`None`: off;
+    /// 10 ms..=60 s).
+    pub heartbeat: Option<Duration>,
     /// How long closing waits for queued messages to reach subscribers
     /// (0..=60 s).
     pub close_linger: Duration,
@@ -115,6 +120,7 @@ impl PublisherConfig {
             max_live_blocks: 1 << 22,
             max_drain: 4096,
             idle_tick: Duration::from_millis(5),
+            heartbeat: None,
             close_linger: Duration::from_millis(500),
         }
     }
@@ -152,6 +158,9 @@ impl PublisherConfig {
         check("max_drain", n(self.max_drain), 1, 1 << 20)?;
         let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         check("idle_tick_ms", ms(self.idle_tick), 1, 1000)?;
+        if let Some(every) = self.heartbeat {
+            check("heartbeat_ms", ms(every), 10, 60_000)?;
+        }
         check("close_linger_ms", ms(self.close_linger), 0, 60_000)?;
         if let (PubSocket::Bind(a), Some(b)) = (&self.pub_socket, &self.replay)
             && a.port != 0

@@ -46,6 +46,8 @@ fn stored(owner: Owner, ns: u64, ks: &[u64], parent: Option<u64>) -> InventoryEv
         token_ids: tokens_for(ks),
         block_size: BS,
         lora_name: None,
+        lora_id: None,
+        cache_salt: None,
     }
 }
 
@@ -172,6 +174,8 @@ fn invalid_stores_are_not_sent(
         token_ids,
         block_size,
         lora_name: None,
+        lora_id: None,
+        cache_salt: None,
     });
     assert_eq!(drain(&mut c), Vec::<String>::new());
     assert_eq!(c.stats().stored_rejected, 1);
@@ -189,6 +193,8 @@ fn oversized_lora_name_is_rejected() {
         token_ids: tokens_for(&[1]),
         block_size: BS,
         lora_name: Some("x".repeat(super::core::MAX_LORA_NAME + 1)),
+        lora_id: None,
+        cache_salt: None,
     });
     assert_eq!(c.stats().stored_rejected, 1);
 }
@@ -443,6 +449,8 @@ fn lora_name_string_headers(#[case] n: usize, #[case] expect: &[u8]) {
             token_ids: vec![],
             block_size: 1,
             lora_name: Some("l".repeat(n)),
+            lora_id: None,
+            cache_salt: None,
             medium: Medium::Gpu,
             owner: Owner::Framework,
         }],
@@ -528,4 +536,133 @@ fn stream_ownership_mode_omits_the_field_only() {
     let count = |p: &[u8]| p.windows(needle.len()).filter(|w| *w == needle).count();
     assert_eq!((count(&field), count(&stream)), (2, 0));
     assert_eq!(field.len() - stream.len(), 2 * needle.len());
+}
+
+// ----- heartbeat, salt and LoRA id -----
+
+#[test]
+fn a_heartbeat_is_an_empty_batch_on_a_quiet_stream_only() {
+    let mut c = core();
+    // Pending work (the attach barrier) goes first; no heartbeat beside it.
+    c.heartbeat();
+    assert_eq!(drain(&mut c), ["0 abc: Ckvcr"]);
+    c.heartbeat();
+    assert_eq!(drain(&mut c), ["1 abc: "]);
+    c.handle(&stored(Owner::Kvcr, 1, &[1], None));
+    c.heartbeat();
+    assert_eq!(drain(&mut c), ["2 abc: Skvcr[1]<-None"]);
+    assert_eq!(c.stats().heartbeats, 1);
+    c.close();
+    drain(&mut c);
+    c.heartbeat();
+    assert_eq!(drain(&mut c), Vec::<String>::new(), "closed: silent");
+}
+
+fn tagged(
+    ks: &[u64],
+    parent: Option<u64>,
+    salt: Option<&str>,
+    lora_id: Option<u64>,
+) -> InventoryEvent {
+    match stored(Owner::Kvcr, 1, ks, parent) {
+        InventoryEvent::Stored {
+            scope,
+            keys,
+            parent,
+            token_ids,
+            block_size,
+            ..
+        } => InventoryEvent::Stored {
+            scope,
+            keys,
+            parent,
+            token_ids,
+            block_size,
+            lora_name: lora_id.map(|id| format!("adapter-{id}")),
+            lora_id,
+            cache_salt: salt.map(str::to_owned),
+        },
+        other => other,
+    }
+}
+
+#[test]
+fn salts_and_lora_ids_never_merge_and_reach_the_wire() {
+    let mut c = core();
+    drain(&mut c);
+    c.handle(&tagged(&[1], None, Some("tenant-a"), None));
+    c.handle(&tagged(&[2], Some(1), Some("tenant-b"), None));
+    c.handle(&tagged(&[3], Some(2), Some("tenant-b"), None));
+    c.handle(&tagged(&[4], Some(3), None, Some(7)));
+    let batch = c.poll_batch(0.0).unwrap().batch;
+    let tags: Vec<_> = batch
+        .events
+        .iter()
+        .map(|e| match e {
+            WireEvent::Stored {
+                hashes,
+                cache_salt,
+                lora_id,
+                ..
+            } => (hashes.clone(), cache_salt.clone(), *lora_id),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        tags,
+        [
+            (vec![1], Some("tenant-a".to_owned()), None),
+            (vec![2, 3], Some("tenant-b".to_owned()), None),
+            (vec![4], None, Some(7)),
+        ]
+    );
+    // The bytes: `lora_id` in vLLM's slot, `cache_salt` appended after the
+    // declared fields, and the map header counts it.
+    let bytes = encode_batch_to_vec(&batch);
+    let value = rmpv::decode::read_value(&mut &bytes[..]).unwrap();
+    let events = value.as_array().unwrap()[1].as_array().unwrap();
+    let keys_of = |i: usize| -> Vec<(String, rmpv::Value)> {
+        events[i]
+            .as_map()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.as_str().unwrap().to_owned(), v.clone()))
+            .collect()
+    };
+    let salted = keys_of(0);
+    let names: Vec<&str> = salted.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "type",
+            "block_hashes",
+            "parent_block_hash",
+            "token_ids",
+            "block_size",
+            "lora_id",
+            "medium",
+            "lora_name",
+            "ownership",
+            "cache_salt"
+        ]
+    );
+    assert_eq!(salted[9].1, rmpv::Value::from("tenant-a"));
+    let adapter = keys_of(2);
+    assert_eq!(adapter[5], ("lora_id".to_owned(), rmpv::Value::from(7u64)));
+    assert_eq!(adapter[7].1, rmpv::Value::from("adapter-7"));
+    assert!(adapter.iter().all(|(k, _)| k != "cache_salt"));
+}
+
+#[test]
+fn an_oversized_cache_salt_is_rejected() {
+    let mut c = core();
+    drain(&mut c);
+    c.handle(&tagged(
+        &[1],
+        None,
+        Some(&"s".repeat(super::core::MAX_LORA_NAME + 1)),
+        None,
+    ));
+    assert_eq!(drain(&mut c), Vec::<String>::new());
+    assert_eq!(c.stats().stored_rejected, 1);
 }

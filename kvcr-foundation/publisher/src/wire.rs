@@ -7,8 +7,10 @@
 //! defaulted fields only when set (`omit_defaults`):
 //!
 //! * `BlockStored`: `type, block_hashes, parent_block_hash, token_ids,
-//!   block_size, lora_id (always nil: deprecated), medium, lora_name` and then
-//!   `ownership` for kvcr-owned pages;
+//!   block_size, lora_id (nil unless the engine names an adapter by id),
+//!   medium, lora_name`, then `ownership` for kvcr-owned pages and
+//!   `cache_salt` for a salted tenant's pages (SGLang's field, which vLLM's
+//!   class does not declare and Dynamo reads as the cache namespace);
 //! * `BlockRemoved`: `type, block_hashes, medium` and then `ownership`;
 //! * `AllBlocksCleared`: `type` and then `ownership` for a kvcr-owned barrier
 //!   (an extra key vLLM's own class does not declare; msgspec and Dynamo ignore
@@ -39,6 +41,11 @@ pub enum WireEvent {
         block_size: u32,
         /// `lora_name`.
         lora_name: Option<String>,
+        /// `lora_id` (vLLM keeps the field, deprecated; Dynamo reads it).
+        lora_id: Option<u64>,
+        /// `cache_salt` (SGLang's field, which Dynamo honours; written only
+        /// when set).
+        cache_salt: Option<String>,
         /// `medium`.
         medium: Medium,
         /// Sets `ownership`.
@@ -135,13 +142,18 @@ fn encode_event(event: &WireEvent, mode: OwnershipWire, out: &mut Vec<u8>) {
             token_ids,
             block_size,
             lora_name,
+            lora_id,
+            cache_salt,
             medium,
             owner,
         } => {
             let ownership = ownership_of(*owner, mode);
             // vLLM's `BlockStored` has 15 fields besides the tag, so msgspec
             // reserves a `map16` header for it.
-            map16_header(out, 8 + usize::from(ownership.is_some()));
+            map16_header(
+                out,
+                8 + usize::from(ownership.is_some()) + usize::from(cache_salt.is_some()),
+            );
             str(out, "type");
             str(out, "BlockStored");
             str(out, "block_hashes");
@@ -162,7 +174,10 @@ fn encode_event(event: &WireEvent, mode: OwnershipWire, out: &mut Vec<u8>) {
             str(out, "block_size");
             uint(out, u64::from(*block_size));
             str(out, "lora_id");
-            out.push(0xc0);
+            match lora_id {
+                Some(id) => uint(out, *id),
+                None => out.push(0xc0),
+            }
             str(out, "medium");
             str(out, medium.as_str());
             str(out, "lora_name");
@@ -173,6 +188,10 @@ fn encode_event(event: &WireEvent, mode: OwnershipWire, out: &mut Vec<u8>) {
             if let Some(o) = ownership {
                 str(out, "ownership");
                 str(out, o);
+            }
+            if let Some(salt) = cache_salt {
+                str(out, "cache_salt");
+                str(out, salt);
             }
         }
         WireEvent::Removed {

@@ -79,6 +79,8 @@ fn stored(
         token_ids: tokens,
         block_size,
         lora_name: lora.map(str::to_owned),
+        lora_id: None,
+        cache_salt: None,
     }
 }
 
@@ -303,6 +305,8 @@ fn wire_event_with_every_optional_field_decodes_strictly() {
                 token_ids: (0..20 * 16).map(|i| i * 1000).collect(),
                 block_size: 16,
                 lora_name: Some("l".repeat(300)),
+                lora_id: None,
+                cache_salt: None,
                 medium: Medium::External,
                 owner: Owner::Kvcr,
             },

@@ -827,6 +827,7 @@ fn inventory_events_carry_page_info() {
                 lora_name: l0,
                 block_size: b0,
                 scope: s0,
+                ..
             },
             InventoryEvent::Stored {
                 keys: k1,

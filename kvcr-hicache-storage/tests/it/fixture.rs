@@ -221,6 +221,7 @@ pub(crate) fn tokens(n: usize, page_size: u32, parent: Option<BlockKey>) -> Extr
         pages: Some(kvcr_hicache_storage::PageTokens {
             parent,
             token_ids: (0..(n as u32 * page_size)).collect(),
+            ..kvcr_hicache_storage::PageTokens::default()
         }),
         ..ExtraInfo::default()
     }

@@ -130,6 +130,7 @@ fn render(event: &InventoryEvent) -> String {
             token_ids,
             block_size,
             lora_name,
+            ..
         } => format!(
             "stored    ownership={} ns={} medium={} lora={} parent={} keys={} tokens={:?} block_size={}",
             scope.owner.wire_ownership().unwrap_or("-"),

@@ -7,6 +7,7 @@ use rstest::rstest;
 
 #[rstest]
 #[case::gpu(Medium::Gpu, "GPU")]
+#[case::cpu(Medium::Cpu, "CPU")]
 #[case::pinned(Medium::CpuPinned, "CPU_PINNED")]
 #[case::disk(Medium::Disk, "DISK")]
 #[case::external(Medium::External, "EXTERNAL")]
@@ -22,7 +23,7 @@ fn medium_wire_names(#[case] medium: Medium, #[case] wire: &str) {
 /// Consumer-side aliases map the way Dynamo maps them; unknown strings give None.
 #[rstest]
 #[case("DEVICE", Some(Medium::Gpu))]
-#[case("CPU", Some(Medium::CpuPinned))]
+#[case("CPU", Some(Medium::Cpu))]
 #[case("CPU_TIER1", Some(Medium::CpuPinned))]
 #[case("CPU_TIER2", Some(Medium::Disk))]
 #[case("NVME", Some(Medium::Disk))]
@@ -58,6 +59,8 @@ fn stored(scope: InventoryScope, keys: &[u64], parent: Option<u64>) -> Inventory
         token_ids: vec![0; keys.len() * 4],
         block_size: 4,
         lora_name: None,
+        lora_id: None,
+        cache_salt: None,
     }
 }
 

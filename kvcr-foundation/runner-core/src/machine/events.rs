@@ -15,10 +15,13 @@ impl Core {
         for (idx, page) in stored {
             let Some(r) = self.record(*idx) else { continue };
             let key = r.key;
-            let lora_name = self
+            // The namespace's adapter and salt go on the wire with the page,
+            // so a router never matches it against another namespace's query.
+            let (lora_name, cache_salt) = self
                 .namespaces
                 .get(&key.namespace)
-                .and_then(|n| n.lora_name.clone());
+                .map(|n| (n.lora_name.clone(), n.cache_salt.clone()))
+                .unwrap_or_default();
             let (parent, token_ids) = match page {
                 Some(p) => (p.parent, p.token_ids.clone()),
                 None => (None, Vec::new()),
@@ -30,6 +33,8 @@ impl Core {
                 block_size: u32::try_from(token_ids.len()).unwrap_or(u32::MAX),
                 token_ids,
                 lora_name,
+                lora_id: None,
+                cache_salt,
             };
             let merge = self
                 .events
