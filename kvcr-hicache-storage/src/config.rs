@@ -12,6 +12,7 @@ use std::ffi::OsString;
 use std::io::Read;
 use std::time::Duration;
 
+use kvcr_foundation::hint::WorkerType;
 use kvcr_foundation::{AdvertisePolicy, BindAddress, Host, Medium, RankCoordinate, RankLayout};
 use serde_json::{Map, Value};
 
@@ -234,7 +235,12 @@ pub enum EvictionPolicy {
 /// | `control_advertise_host` | none | host peers dial; required with remote hints |
 /// | `single_host` | false | allow a loopback advertise host |
 /// | `ucx_tls` | none | UCX transports (`UCX_TLS`) |
-/// | `medium` | `"EXTERNAL"` | medium KVCR pages are published under (`EXTERNAL` or `CPU_PINNED`) |
+/// | `medium` | `"CPU"` | medium KVCR pages are published under: `CPU` (what KVCR DRAM is: pageable host memory), `CPU_PINNED` or `EXTERNAL` |
+/// | `publish_inventory` | false | the DP owner rank publishes the group's KVCR inventory on the KV-event wire (ZMQ PUB + replay) |
+/// | `kv_events_port` | 0 | base port of the KV-event sockets: DP rank `d` binds PUB at base + 2d and replay at base + 2d + 1 on `control_host` (0: ephemeral) |
+/// | `kv_events_worker_id` | 0 | the worker id in the KV-event topic (`kvcr.w{id}.dp{d}.{incarnation}`) |
+/// | `worker_type` | `"aggregated"` | `aggregated`, `prefill` or `decode`, for the router registration (`router_hint_worker_type`) |
+/// | `inventory_heartbeat_ms` | 1000 | a quiet KV-event stream sends an empty batch this often, so a late subscriber notices its gap and replays (10..=60000) |
 /// | `prefault` | true | touch KVCR DRAM at startup |
 /// | `max_hinted_requests` | 1024 | live request hint scopes kept per rank |
 /// | `cluster_secret` | none | the peer control channel's cluster secret (a string, used byte for byte, at least 16 bytes) |
@@ -281,6 +287,16 @@ pub struct BackendConfig {
     pub max_hinted_requests: usize,
     /// The peer control channel's cluster secret (redacted in `Debug`).
     pub cluster_secret: Option<ClusterSecret>,
+    /// Publish the group's KVCR inventory (on the DP owner rank).
+    pub publish_inventory: bool,
+    /// Base port of the KV-event PUB and replay sockets (0: ephemeral).
+    pub kv_events_port: u16,
+    /// The worker id in the KV-event topic.
+    pub kv_events_worker_id: u64,
+    /// The worker's role, for the router registration.
+    pub worker_type: WorkerType,
+    /// Quiet-stream heartbeat interval of the KV-event publisher.
+    pub inventory_heartbeat: Duration,
 }
 
 /// The environment variable read for the cluster secret when the extra
@@ -408,10 +424,15 @@ impl Default for BackendConfig {
             control_advertise_host: None,
             single_host: false,
             ucx_tls: None,
-            medium: Medium::External,
+            medium: Medium::Cpu,
             prefault: true,
             max_hinted_requests: 1024,
             cluster_secret: None,
+            publish_inventory: false,
+            kv_events_port: 0,
+            kv_events_worker_id: 0,
+            worker_type: WorkerType::Aggregated,
+            inventory_heartbeat: Duration::from_millis(1000),
         }
     }
 }
@@ -541,15 +562,43 @@ impl BackendConfig {
                 }
                 "medium" => {
                     c.medium = match as_str(k, v)? {
-                        "EXTERNAL" => Medium::External,
+                        "CPU" => Medium::Cpu,
                         "CPU_PINNED" => Medium::CpuPinned,
+                        "EXTERNAL" => Medium::External,
                         other => {
                             return Err(Error::config(
                                 k,
-                                format!("{other:?} is not EXTERNAL or CPU_PINNED"),
+                                format!("{other:?} is not CPU, CPU_PINNED or EXTERNAL"),
                             ));
                         }
                     }
+                }
+                "publish_inventory" => c.publish_inventory = as_bool(k, v)?,
+                "kv_events_port" => {
+                    let port = as_u64(k, v)?;
+                    c.kv_events_port = u16::try_from(port)
+                        .map_err(|_| Error::config(k, "must be in 0..=65535"))?;
+                }
+                "kv_events_worker_id" => c.kv_events_worker_id = as_u64(k, v)?,
+                "worker_type" => {
+                    c.worker_type = match as_str(k, v)? {
+                        "aggregated" => WorkerType::Aggregated,
+                        "prefill" => WorkerType::Prefill,
+                        "decode" => WorkerType::Decode,
+                        other => {
+                            return Err(Error::config(
+                                k,
+                                format!("{other:?} is not aggregated, prefill or decode"),
+                            ));
+                        }
+                    }
+                }
+                "inventory_heartbeat_ms" => {
+                    let ms = as_u64(k, v)?;
+                    if !(10..=60_000).contains(&ms) {
+                        return Err(Error::config(k, "must be in 10..=60000"));
+                    }
+                    c.inventory_heartbeat = Duration::from_millis(ms);
                 }
                 "prefault" => c.prefault = as_bool(k, v)?,
                 "max_hinted_requests" => {
@@ -607,7 +656,44 @@ impl BackendConfig {
         }
         c.cluster_secret = resolve_secret(secret_inline, secret_file, env)?;
         c.check_peer()?;
+        c.check_publishing()?;
         Ok((c, extensions))
+    }
+
+    /// The KV-event settings a publishing rank needs, checked: subscribers
+    /// on other hosts dial the advertise host, so it is required (and must
+    /// pass the loopback policy) exactly as for peers.
+    fn check_publishing(&self) -> Result<()> {
+        if !self.publish_inventory {
+            return Ok(());
+        }
+        self.advertise_host().map_err(|e| match e {
+            Error::Config { why, .. } => Error::config(
+                "control_advertise_host",
+                format!("{why} (publish_inventory advertises the KV-event endpoints with it)"),
+            ),
+            other => other,
+        })?;
+        self.kv_events_bind(0)?;
+        Ok(())
+    }
+
+    /// The PUB and replay bind addresses of DP rank `dp_rank`.
+    pub(crate) fn kv_events_bind(&self, dp_rank: u32) -> Result<(BindAddress, BindAddress)> {
+        if self.kv_events_port == 0 {
+            let any = self.host_bind(0)?;
+            return Ok((any.clone(), any));
+        }
+        let base = u64::from(self.kv_events_port) + 2 * u64::from(dp_rank);
+        let port = |offset: u64| {
+            u16::try_from(base + offset).map_err(|_| {
+                Error::config(
+                    "kv_events_port",
+                    "base port + 2 * dp_rank + 1 exceeds 65535",
+                )
+            })
+        };
+        Ok((self.host_bind(port(0)?)?, self.host_bind(port(1)?)?))
     }
 
     /// The control-channel settings a peer-mode rank needs, checked.
@@ -648,6 +734,11 @@ impl BackendConfig {
                 Error::config("control_port", "base port + rank offset exceeds 65535")
             })?
         };
+        self.host_bind(port)
+    }
+
+    /// `control_host` with `port`, as a bind address.
+    fn host_bind(&self, port: u16) -> Result<BindAddress> {
         let host = self.control_host.trim();
         let text = if host.contains(':') && !host.starts_with('[') {
             format!("tcp://[{host}]:{port}")

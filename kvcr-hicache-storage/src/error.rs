@@ -52,6 +52,10 @@ pub enum Error {
     /// The runner refused a call or failed to start.
     #[error("runner: {0}")]
     Runner(#[from] kvcr_foundation::runner::Error),
+    /// The KV-event publisher (`publish_inventory`) failed to start, or the
+    /// registration it advertises cannot be built.
+    #[error("inventory publisher: {0}")]
+    Publisher(String),
     /// An operation did not complete within its budget.
     #[error("operation did not complete within {0} ms")]
     Timeout(u64),

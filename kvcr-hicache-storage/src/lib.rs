@@ -48,5 +48,6 @@ pub use layout::{
 };
 pub use ledger::{MAX_REMOVED_BACKLOG, PageTokens};
 pub use storage::{
-    ExtraInfo, KvcrHiCacheStorage, ROUTER_HINT_KEYS, RunnerTuning, StorageStats, parse_router_hint,
+    ExtraInfo, KvEventEndpoints, KvcrHiCacheStorage, ROUTER_HINT_KEYS, RunnerTuning, StorageStats,
+    parse_router_hint,
 };

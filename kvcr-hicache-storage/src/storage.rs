@@ -23,14 +23,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::Duration;
 
+use kvcr_foundation::hint::WorkerType;
 use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
+use kvcr_foundation::publisher::{
+    OwnershipWire, PubSocket, Publisher, PublisherConfig, PublisherStats, TopicParts,
+};
 use kvcr_foundation::runner::{
     CachePolicy, DeliverEntry, DepositEntry, OpResult, PeerCounters, PeerOptions, PoolConfig,
     QueryStatus, Runner, RunnerConfig, RunnerStats, policy,
 };
 use kvcr_foundation::{
-    BlockKey, CompatDigest, ControlEndpoint, FetchHint, InventoryEvent, InventoryScope,
-    InventorySink, Namespace, NamespaceId, Owner, RankCoordinate, RequestId, ScopedKey,
+    BlockKey, CompatDigest, ControlEndpoint, FetchHint, Incarnation, InventoryEvent,
+    InventoryScope, InventorySink, Namespace, NamespaceId, Owner, RankCoordinate, RequestId,
+    ScopedKey, WorkerEndpointMap,
 };
 use serde_json::Value;
 
@@ -73,7 +78,13 @@ impl ExtraInfo {
     }
 
     /// From an engine's `extra_info` dict: the hint under one of
-    /// [`ROUTER_HINT_KEYS`], the request under `request_id` / `rid`.
+    /// [`ROUTER_HINT_KEYS`], the request under `request_id` / `rid`, and,
+    /// for `batch_set`, what publishing its pages needs: `token_ids` (the
+    /// pages' real tokens), the chain's parent as the last of `prefix_keys`
+    /// (SGLang's 64-hex page keys), and the namespace as a router indexes it
+    /// (`cache_salt`, `lora_name`, `lora_id`). Tokens that are not a list of
+    /// 32-bit unsigned integers, or a tag of the wrong type, leave the pages
+    /// unpublished (counted as `pages_unpublished`), never mis-published.
     pub fn from_engine(extra_info: &Value) -> Self {
         let request_id = ["request_id", "rid"]
             .iter()
@@ -87,9 +98,54 @@ impl ExtraInfo {
         Self {
             request_id,
             router_hint,
-            pages: None,
+            pages: page_tokens(extra_info),
         }
     }
+}
+
+/// The publishing part of an engine's `extra_info` (see
+/// [`ExtraInfo::from_engine`]); `None` without usable tokens.
+fn page_tokens(extra_info: &Value) -> Option<PageTokens> {
+    let token_ids = extra_info
+        .get("token_ids")?
+        .as_array()?
+        .iter()
+        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+        .collect::<Option<Vec<u32>>>()?;
+    let parent = match extra_info.get("prefix_keys") {
+        None | Some(Value::Null) => None,
+        Some(keys) => match keys.as_array()?.last() {
+            None => None,
+            Some(key) => Some(BlockKey::from_hex_digest(key.as_str()?).ok()?),
+        },
+    };
+    let text = |key: &str| -> Option<Option<String>> {
+        match extra_info.get(key) {
+            None | Some(Value::Null) => Some(None),
+            Some(v) => v.as_str().map(|s| Some(s.to_owned())),
+        }
+    };
+    let lora_id = match extra_info.get("lora_id") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(v.as_u64()?),
+    };
+    Some(PageTokens {
+        parent,
+        token_ids,
+        lora_name: text("lora_name")?,
+        lora_id,
+        cache_salt: text("cache_salt")?,
+    })
+}
+
+/// Where a publishing rank's KV events can be subscribed to (advertised with
+/// the control channel's advertise host).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvEventEndpoints {
+    /// The PUB socket (`endpoint` in a Dynamo indexer registration).
+    pub publish: ControlEndpoint,
+    /// The replay ROUTER (`replay_endpoint`).
+    pub replay: ControlEndpoint,
 }
 
 /// Counters of one rank's backend.
@@ -259,6 +315,13 @@ pub struct KvcrHiCacheStorage {
     faults: FaultInjector,
     page_namespace: NamespaceId,
     tuning: RunnerTuning,
+    /// The KV-event publisher (`publish_inventory`, DP owner rank only).
+    /// Dropped with the backend, which publishes the closing
+    /// `AllBlocksCleared`; [`KvcrHiCacheStorage::close_inventory`] does it
+    /// earlier.
+    publisher: Mutex<Option<Publisher>>,
+    /// What the publisher advertises, kept after it closed.
+    kv_events: OnceLock<KvEventEndpoints>,
 }
 
 impl std::fmt::Debug for KvcrHiCacheStorage {
@@ -315,6 +378,9 @@ impl KvcrHiCacheStorage {
             // This rank binds base + its global offset: refuse an overflow now.
             backend.bind_address(coordinate.global_offset())?;
         }
+        if backend.publish_inventory {
+            backend.kv_events_bind(coordinate.dp())?;
+        }
         if groups.prefetch.size() != groups.backup.size()
             || groups.prefetch.rank() != groups.backup.rank()
         {
@@ -360,7 +426,124 @@ impl KvcrHiCacheStorage {
             storage,
             backend,
             tuning: RunnerTuning::default(),
+            publisher: Mutex::new(None),
+            kv_events: OnceLock::new(),
         })
+    }
+
+    /// Whether this rank publishes its DP group's inventory: the group's
+    /// first rank (TP and CP rank 0). Every rank's ledger is the same, so one
+    /// stream per DP group says it once.
+    fn is_dp_owner(&self) -> bool {
+        self.coordinate.within_dp_offset() == 0
+    }
+
+    /// Starts the KV-event publisher (`publish_inventory`, DP owner only).
+    fn start_publisher(&self) -> Result<()> {
+        let b = &self.backend;
+        if !b.publish_inventory || !self.is_dp_owner() {
+            return Ok(());
+        }
+        let (pub_bind, replay_bind) = b.kv_events_bind(self.coordinate.dp())?;
+        let parts = TopicParts {
+            worker_id: b.kv_events_worker_id,
+            dp_rank: self.coordinate.dp(),
+        };
+        let mut config =
+            PublisherConfig::new(parts, Incarnation::generate(), PubSocket::Bind(pub_bind))
+                .with_replay(replay_bind);
+        // The stream is kvcr's own (only KVCR DRAM pages go on it), so
+        // ownership is the stream's: what Dynamo's worker-domain indexer reads.
+        config.ownership = OwnershipWire::Stream;
+        config.heartbeat = Some(b.inventory_heartbeat);
+        let publisher = Publisher::start(config).map_err(|e| Error::Publisher(e.to_string()))?;
+        let host = b.advertise_host()?;
+        let advertise = |bound: Option<&kvcr_foundation::BindAddress>, what: &str| {
+            bound
+                .ok_or_else(|| Error::Publisher(format!("the {what} socket reports no bound port")))
+                .and_then(|a| {
+                    ControlEndpoint::new(host.clone(), a.port)
+                        .map_err(|e| Error::Publisher(e.to_string()))
+                })
+        };
+        let bound = publisher.bound();
+        let endpoints = KvEventEndpoints {
+            publish: advertise(bound.pub_bound.as_ref(), "PUB")?,
+            replay: advertise(bound.replay_bound.as_ref(), "replay")?,
+        };
+        *lock(&self.sink) = Some(Box::new(publisher.sink()));
+        let _ = self.kv_events.set(endpoints);
+        *lock(&self.publisher) = Some(publisher);
+        Ok(())
+    }
+
+    /// Where this rank's KV events are published (`publish_inventory`, on the
+    /// DP owner rank, once the host pool is registered); `None` elsewhere.
+    pub fn kv_event_endpoints(&self) -> Option<KvEventEndpoints> {
+        self.kv_events.get().cloned()
+    }
+
+    /// The publisher's counters, while it runs.
+    pub fn publisher_stats(&self) -> Option<PublisherStats> {
+        lock(&self.publisher).as_ref().map(Publisher::stats)
+    }
+
+    /// Detach from the routers: publishes what is queued, then
+    /// `AllBlocksCleared`, and stops the publisher (dropping the backend
+    /// does the same). Pages stay in KVCR DRAM and are still served to
+    /// peers that were hinted; nothing new is published. Returns the
+    /// publisher's final counters (`None` when this rank does not publish).
+    pub fn close_inventory(&self) -> Option<PublisherStats> {
+        let running = lock(&self.publisher).take()?;
+        *lock(&self.sink) = None;
+        running.close().ok()
+    }
+
+    /// The registration an engine forwards to its router, in publish order
+    /// (`router_hint` last, so a partial registration is never taken as a
+    /// capability): on a publishing DP owner `kv_events_endpoint` and
+    /// `kv_events_replay_endpoint`; with remote hints on, then
+    /// `router_hint_source_control_endpoints` (JSON: every DP rank's
+    /// control endpoint, all or nothing), `router_hint_worker_type` and
+    /// `router_hint` (`true`). Empty on other ranks, and before the host pool
+    /// is registered. An endpoint map that cannot be built whole is an error.
+    pub fn registration_metadata(&self) -> Result<Vec<(String, String)>> {
+        let b = &self.backend;
+        if !self.is_dp_owner() || self.active.get().is_none() {
+            return Ok(Vec::new());
+        }
+        let mut out = Vec::new();
+        if let Some(events) = self.kv_events.get() {
+            out.push(("kv_events_endpoint".to_owned(), events.publish.to_string()));
+            out.push((
+                "kv_events_replay_endpoint".to_owned(),
+                events.replay.to_string(),
+            ));
+        }
+        if b.enable_remote_hint {
+            let stride = u64::from(self.storage.tp_size) * u64::from(self.storage.attn_cp_size);
+            let map = WorkerEndpointMap::for_dp_range(
+                &b.advertise_host()?,
+                b.control_port,
+                0,
+                self.storage.dp_size,
+                stride,
+            )
+            .and_then(|m| m.check_advertisable(b.advertise_policy()).map(|()| m))
+            .map_err(|e| Error::Publisher(format!("router_hint_source_control_endpoints: {e}")))?;
+            out.push((
+                "router_hint_source_control_endpoints".to_owned(),
+                map.to_json(),
+            ));
+            let role = match b.worker_type {
+                WorkerType::Aggregated => "aggregated",
+                WorkerType::Prefill => "prefill",
+                WorkerType::Decode => "decode",
+            };
+            out.push(("router_hint_worker_type".to_owned(), role.to_owned()));
+            out.push(("router_hint".to_owned(), "true".to_owned()));
+        }
+        Ok(out)
     }
 
     /// Sets runner options for the runner started at registration (a no-op
@@ -466,6 +649,10 @@ impl KvcrHiCacheStorage {
             segments,
             endpoint,
         };
+        // The publisher starts before the backend serves, so the attach
+        // barrier precedes every page it publishes; a publisher that cannot
+        // start fails the attach (the runner stops with `active`).
+        self.start_publisher()?;
         // Set under `register`: nobody else can have set it.
         let _ = self.active.set(active);
         Ok(())
@@ -835,8 +1022,9 @@ impl KvcrHiCacheStorage {
 
     /// Stores host pages `host_pages` under `keys` in KVCR DRAM (write-through
     /// backup). `true` for a page every rank committed; such pages are
-    /// published once (with `extra.pages` tokens). First, every rank's
-    /// evictions since the last call are gathered and published as `Removed`.
+    /// published once (with `extra.pages` tokens). Before and after the
+    /// copy, every rank's evictions are gathered and published as `Removed`
+    /// (so a page this call evicted on any rank is withdrawn by its return).
     pub fn batch_set(&self, keys: &[BlockKey], host_pages: &[u64], extra: &ExtraInfo) -> Vec<bool> {
         self.exchange_evictions();
         let local = self
@@ -851,6 +1039,10 @@ impl KvcrHiCacheStorage {
             bump(&self.counters.pages_unpublished, unpublished as u64);
             self.publish(events);
         }
+        // Pages this call's deposits evicted (on any rank) are withdrawn now,
+        // not at the next call: a router must not keep hinting a page for a
+        // whole backup interval after one shard of it is gone.
+        self.exchange_evictions();
         agreed
     }
 

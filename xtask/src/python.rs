@@ -45,6 +45,14 @@ fn with_env(root: &Path, cmd: &mut Command) {
         .env("PYTHONDONTWRITEBYTECODE", "1");
 }
 
+/// The venv's interpreter, with the environment every command of the Python
+/// face runs with set on `cmd`: for a caller that starts the interpreter
+/// through a wrapper (`cargo xtask e2e` starts it under `unshare`).
+pub(crate) fn interpreter(root: &Path, cmd: &mut Command) -> PathBuf {
+    with_env(root, cmd);
+    python(root)
+}
+
 /// Whether the venv exists already (the benchmark runs only then).
 pub(crate) fn env_ready(root: &Path) -> bool {
     python(root).exists()

@@ -84,6 +84,39 @@ fn remote_hint_settings(#[case] extra: Value, #[case] refused_key: Option<&str>)
     }
 }
 
+/// `publish_inventory` advertises its KV-event endpoints with the control
+/// channel's advertise host (same loopback rule as peers); every new key is
+/// bound-checked by name.
+#[rstest]
+#[case::off_needs_nothing(json!({"kv_events_port": 65535}), None)]
+#[case::advertise_absent(json!({"publish_inventory": true}), Some("control_advertise_host"))]
+#[case::advertise_wildcard(json!({"publish_inventory": true, "control_advertise_host": "0.0.0.0"}), Some("control_advertise_host"))]
+#[case::loopback_cross_host(json!({"publish_inventory": true, "control_advertise_host": "127.0.0.1"}), Some("control_advertise_host"))]
+#[case::loopback_single_host(json!({"publish_inventory": true, "control_advertise_host": "127.0.0.1", "single_host": true}), None)]
+#[case::without_remote_hints(json!({"publish_inventory": true, "control_advertise_host": "10.0.0.5"}), None)]
+#[case::replay_port_overflows(json!({"publish_inventory": true, "control_advertise_host": "10.0.0.5", "kv_events_port": 65535}), Some("kv_events_port"))]
+#[case::port_too_big(json!({"kv_events_port": 65536}), Some("kv_events_port"))]
+#[case::not_a_bool(json!({"publish_inventory": 1}), Some("publish_inventory"))]
+#[case::worker_type(json!({"worker_type": "router"}), Some("worker_type"))]
+#[case::heartbeat_too_fast(json!({"inventory_heartbeat_ms": 9}), Some("inventory_heartbeat_ms"))]
+#[case::heartbeat_too_slow(json!({"inventory_heartbeat_ms": 60001}), Some("inventory_heartbeat_ms"))]
+#[case::medium_cpu(json!({"medium": "CPU"}), None)]
+#[case::medium_gpu(json!({"medium": "GPU"}), Some("medium"))]
+fn publishing_settings(#[case] extra: Value, #[case] refused_key: Option<&str>) {
+    match (
+        BackendConfig::from_value_with_env(&with(extra), &[], &no_env),
+        refused_key,
+    ) {
+        (Ok(c), None) => assert_eq!(
+            c.0.medium.as_str(),
+            "CPU",
+            "KVCR DRAM is pageable host memory"
+        ),
+        (Err(Error::Config { key, .. }), Some(expected)) => assert_eq!(key, expected),
+        (other, _) => panic!("{other:?}"),
+    }
+}
+
 /// Unknown keys are refused with the key named; the engine's loader keys are not.
 #[test]
 fn unknown_keys_are_named() {

@@ -14,6 +14,7 @@ mod fixture;
 mod layouts;
 mod local;
 mod peer;
+mod publish;
 
 /// Tests that start runners (copy threads, UCX workers, sockets) take this
 /// lock: on a 2-core machine they time out against each other otherwise.

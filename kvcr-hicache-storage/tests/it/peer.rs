@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use crate::fixture::{Engine, EngineSpec, Events, keys, pattern, small_geometry, tokens};
 
 /// A base port with `n` free consecutive ports after it (rank r binds base + r).
-fn free_base_port(n: u16) -> u16 {
+pub(crate) fn free_base_port(n: u16) -> u16 {
     for _ in 0..100 {
         let probe = TcpListener::bind("127.0.0.1:0").unwrap();
         let base = probe.local_addr().unwrap().port();

@@ -16,6 +16,7 @@
 
 mod between_hosts;
 mod events;
+mod hicache_dynamo;
 mod scenarios;
 
 use std::fmt::{Debug, Display};
@@ -180,6 +181,12 @@ pub(crate) fn registry() -> Vec<Scenario> {
             "kvcr-hicache-storage",
             "hicache_e2e",
             &[],
+        ),
+        Scenario::builtin(
+            "hicache-dynamo",
+            "two SGLang engines at TP=2 (kvcr as HiCache L3, real processes), Dynamo's indexer the only inventory authority: a KVCR-evicted prefix gives 0 tokens, no hint, no transfer; a KVCR-retained prefix restores 192 of 256 tokens on a hint from /query, each shard byte-equal; salt and LoRA namespaces match only themselves; a late indexer converges; closing clears",
+            true,
+            hicache_dynamo::run,
         ),
     ]
 }
