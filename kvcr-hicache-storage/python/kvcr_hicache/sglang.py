@@ -70,16 +70,33 @@ _CONFIG_FIELDS = (
     "should_split_heads",
     "model_name",
 )
-# extra_info keys the backend reads: the hint and its request scope.
-_EXTRA_INFO_KEYS = frozenset(ROUTER_HINT_KEYS) | {"request_id", "rid"}
+# extra_info keys the backend reads: the hint and its request scope, and what
+# publishing a backup's pages needs (their real tokens and the namespace a
+# router indexes them under).
+_EXTRA_INFO_KEYS = frozenset(ROUTER_HINT_KEYS) | {
+    "request_id",
+    "rid",
+    "token_ids",
+    "cache_salt",
+    "lora_name",
+    "lora_id",
+}
 
 
 def _extra_info_json(extra_info):
-    """The hint-carrying part of SGLang's extra info, as JSON (or None)."""
+    """The part of SGLang's extra info the backend reads, as JSON (or None):
+    the picked ``extra_info`` keys, and the last of ``prefix_keys`` (the
+    parent of the call's first page, for the published chain)."""
     info = getattr(extra_info, "extra_info", None)
-    if not isinstance(info, dict):
-        return None
-    picked = {k: v for k, v in info.items() if k in _EXTRA_INFO_KEYS}
+    picked = {}
+    if isinstance(info, dict):
+        picked = {k: v for k, v in info.items() if k in _EXTRA_INFO_KEYS}
+    prefix = getattr(extra_info, "prefix_keys", None)
+    if picked.get("token_ids") is not None and prefix:
+        try:
+            picked["prefix_keys"] = [prefix[-1]]
+        except (TypeError, IndexError, KeyError):
+            picked["prefix_keys"] = None
     if not picked:
         return None
     try:
@@ -255,6 +272,38 @@ class KvcrStorage(HiCacheStorage):
     def endpoint(self):
         """The control endpoint peers and routers name in hints (peer mode)."""
         return self._backend.endpoint
+
+    # -- inventory publishing (``publish_inventory``) ------------------------
+
+    @property
+    def kv_events_endpoint(self):
+        """The ZMQ PUB endpoint of this DP group's KVCR inventory (on the DP
+        owner rank, once the host pool is registered; else None)."""
+        return self._backend.kv_events_endpoint
+
+    @property
+    def kv_events_replay_endpoint(self):
+        """The replay endpoint of the same stream (or None)."""
+        return self._backend.kv_events_replay_endpoint
+
+    @property
+    def registration_metadata(self):
+        """What the engine forwards to its router, as ``(key, value)`` pairs in
+        publish order: the KV-event endpoints, then (peer mode)
+        ``router_hint_source_control_endpoints``, ``router_hint_worker_type``
+        and ``router_hint`` last. Empty on ranks that do not own their DP group."""
+        return self._backend.registration_metadata()
+
+    def sync_inventory(self) -> None:
+        """Withdraws pages any rank evicted since the last backup (a
+        collective: call it on every rank; ``batch_set_v1`` does it too)."""
+        self._backend.sync_inventory()
+
+    def close(self) -> None:
+        """Detaches from the routers: the inventory stream ends with
+        ``AllBlocksCleared``. Pages stay in KVCR DRAM until the backend is
+        dropped."""
+        self._backend.close_inventory()
 
     def discard_request(self, request_id: str) -> None:
         """Ends a request's hint scope."""

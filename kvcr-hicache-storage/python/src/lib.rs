@@ -478,6 +478,48 @@ impl Backend {
         self.storage.endpoint().map(|e| e.to_string())
     }
 
+    /// Where this rank publishes its DP group's KV events (the ZMQ PUB a
+    /// router subscribes to: `publish_inventory`, on the DP owner rank, once
+    /// a pool is registered); `None` elsewhere.
+    #[getter]
+    fn kv_events_endpoint(&self) -> Option<String> {
+        self.storage
+            .kv_event_endpoints()
+            .map(|e| e.publish.to_string())
+    }
+
+    /// The replay endpoint of [`Self::kv_events_endpoint`]'s stream.
+    #[getter]
+    fn kv_events_replay_endpoint(&self) -> Option<String> {
+        self.storage
+            .kv_event_endpoints()
+            .map(|e| e.replay.to_string())
+    }
+
+    /// Spans (contiguous host ranges) per page of the registered pool.
+    #[getter]
+    fn spans_per_page(&self) -> Option<usize> {
+        self.storage.span_plan().map(|plan| plan.spans_per_page())
+    }
+
+    /// The registration the engine forwards to its router, as `(key, value)`
+    /// pairs in publish order (`router_hint` last); empty on ranks that do
+    /// not own their DP group. Raises `KvcrError` when the control endpoint
+    /// map cannot be built whole.
+    fn registration_metadata(&self) -> PyResult<Vec<(String, String)>> {
+        Ok(self
+            .storage
+            .registration_metadata()
+            .map_err(Error::from)?)
+    }
+
+    /// Detaches from the routers: publishes what is queued, then
+    /// `AllBlocksCleared`, and stops the publisher. Returns whether this rank
+    /// had one running.
+    fn close_inventory(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.storage.close_inventory().is_some())
+    }
+
     /// Ends a request's hint scope (the engine calls it when the request
     /// finishes).
     fn discard_request(&self, request_id: &str) {
@@ -537,6 +579,27 @@ impl Backend {
             ),
         ] {
             d.set_item(name, value)?;
+        }
+        if let Some(peer) = self.storage.peer_counters() {
+            for (name, value) in [
+                ("peer_keys_received", peer.keys_received),
+                ("peer_keys_sent", peer.keys_sent),
+                ("peer_bytes_sent", peer.bytes_sent),
+            ] {
+                d.set_item(name, value)?;
+            }
+        }
+        if let Some(p) = self.storage.publisher_stats() {
+            for (name, value) in [
+                ("inventory_stored_blocks", p.core.stored_blocks),
+                ("inventory_removed_blocks", p.core.removed_blocks),
+                ("inventory_batches", p.core.batches),
+                ("inventory_heartbeats", p.core.heartbeats),
+                ("inventory_replay_requests", p.replay_requests),
+                ("inventory_queue_dropped", p.queue_dropped),
+            ] {
+                d.set_item(name, value)?;
+            }
         }
         d.set_item("last_error", s.last_error)?;
         Ok(d)
