@@ -153,6 +153,17 @@ fn scenario_batches() -> Vec<(String, u64, Vec<u8>)> {
                 4,
                 Some("sql-lora"),
             ),
+            // A salted tenant's page under an adapter with a numeric id.
+            InventoryEvent::Stored {
+                scope: scope(Owner::Kvcr, 3, Medium::Cpu),
+                keys: vec![BlockKey::from_u64(0x4444)],
+                parent: None,
+                token_ids: (1..=4).collect(),
+                block_size: 4,
+                lora_name: Some("sql-lora".to_owned()),
+                lora_id: Some(5),
+                cache_salt: Some("tenant-a".to_owned()),
+            },
         ],
     );
     step(
@@ -219,6 +230,7 @@ fn strict_decode(payload: &[u8]) -> String {
             vec![base.to_vec(), owned]
         };
         let allowed = match ty {
+            // A salted tenant's page appends SGLang's `cache_salt` last.
             "BlockStored" => with_owner(&[
                 "type",
                 "block_hashes",
@@ -228,7 +240,14 @@ fn strict_decode(payload: &[u8]) -> String {
                 "lora_id",
                 "medium",
                 "lora_name",
-            ]),
+            ])
+            .into_iter()
+            .flat_map(|keys| {
+                let mut salted = keys.clone();
+                salted.push("cache_salt");
+                [keys, salted]
+            })
+            .collect(),
             "BlockRemoved" => with_owner(&["type", "block_hashes", "medium"]),
             "AllBlocksCleared" => with_owner(&["type"]),
             other => panic!("unknown event type {other}"),
@@ -260,9 +279,10 @@ fn strict_decode(payload: &[u8]) -> String {
                 }
                 "block_size" => parts.push(format!("{k}={}", v.as_u64().unwrap())),
                 "lora_id" => {
-                    assert!(v.is_nil());
-                    parts.push(format!("{k}=nil"));
+                    assert!(v.is_nil() || v.as_u64().is_some(), "lora_id {v:?}");
+                    parts.push(format!("{k}={v}"));
                 }
+                "cache_salt" => parts.push(format!("{k}={}", v.as_str().unwrap())),
                 "medium" | "ownership" => parts.push(format!("{k}={}", v.as_str().unwrap())),
                 "lora_name" => {
                     assert!(v.is_nil() || v.is_str());
@@ -305,8 +325,8 @@ fn wire_event_with_every_optional_field_decodes_strictly() {
                 token_ids: (0..20 * 16).map(|i| i * 1000).collect(),
                 block_size: 16,
                 lora_name: Some("l".repeat(300)),
-                lora_id: None,
-                cache_salt: None,
+                lora_id: Some(u64::from(u32::MAX) + 1),
+                cache_salt: Some("tenant-a".to_owned()),
                 medium: Medium::External,
                 owner: Owner::Kvcr,
             },
@@ -322,6 +342,8 @@ fn wire_event_with_every_optional_field_decodes_strictly() {
     let text = strict_decode(&p);
     assert!(text.starts_with("ts=0.5 dp=70000\n  BlockStored block_hashes=[18446744073709551615"));
     assert!(text.contains("parent_block_hash=18446744073709551615"));
+    assert!(text.contains("lora_id=4294967296 medium=EXTERNAL"));
+    assert!(text.contains("ownership=kvcr cache_salt=tenant-a\n"));
     assert!(text.ends_with("BlockRemoved block_hashes=[0, 1099511627776] medium=DISK"));
 }
 
@@ -1163,4 +1185,110 @@ fn dynamo_indexer_answers_exactly_what_kvcr_published() {
     assert_eq!(st1.replay_aborted + st2.replay_aborted, 0);
     assert!(st1.replay_requests >= 2, "{st1:?}");
     let _ = std::fs::remove_file(&ix.log);
+}
+
+/// `/query` with an optional cache salt.
+fn query_salted(ix: &Indexer, tokens: &[u32], salt: Option<&str>) -> serde_json::Value {
+    let mut body = serde_json::json!({"token_ids": tokens, "model_name": MODEL});
+    if let Some(s) = salt {
+        body["cache_salt"] = s.into();
+    }
+    let (status, v) = http(ix.port, "POST", "/query", &body);
+    assert_eq!(status, 200, "{v}");
+    v["instances"].clone()
+}
+
+/// Dynamo's indexer keeps a salted tenant's pages apart (a `cache_salt` on
+/// the wire), reads the `CPU` medium as host memory, and an indexer that
+/// registers a worker after its stream went quiet converges without any new
+/// page: the heartbeat shows it the gap and replay fills it.
+#[test]
+fn dynamo_indexer_keeps_salts_apart_and_a_late_registration_converges_by_heartbeat() {
+    let _serial = sockets_lock();
+    let Some(py) = real_client("KVCR_TEST_DYNAMO", "import dynamo.llm") else {
+        return;
+    };
+    if !private_netns(std::env::var("KVCR_TEST_DYNAMO").is_ok_and(|v| v == "1")) {
+        return;
+    }
+    let port = 18091;
+    let dir = realclients_dir().join("tmp");
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join(format!("indexer-late-{}.log", std::process::id()));
+    let out = std::fs::File::create(&log).unwrap();
+    let ix = Indexer {
+        child: Command::new(&py)
+            .args(["-m", "dynamo.indexer", "--block-size", &BS.to_string()])
+            .args(["--port", &port.to_string(), "--threads", "1"])
+            .env("RUST_LOG", "info")
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap(),
+        port,
+        log,
+    };
+    wait_until("the indexer's /health", Duration::from_secs(60), || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+            && http(port, "GET", "/health", &serde_json::Value::Null).0 == 200
+    });
+    let mut c = config(4);
+    c.ownership = OwnershipWire::Stream;
+    c.heartbeat = Some(Duration::from_millis(100));
+    let p = Publisher::start(c).unwrap();
+    let mut sink = p.sink();
+    let base: Vec<u32> = (1..=16).collect();
+    let other: Vec<u32> = (101..=116).collect();
+    let cpu = scope(Owner::Kvcr, 1, Medium::Cpu);
+    let salted = scope(Owner::Kvcr, 2, Medium::Cpu);
+    sink.publish(&stored(cpu, &[1, 2, 3, 4], None, base.clone(), BS, None));
+    sink.publish(&InventoryEvent::Stored {
+        scope: salted,
+        keys: [11, 12, 13, 14].map(BlockKey::from_u64).to_vec(),
+        parent: None,
+        token_ids: other.clone(),
+        block_size: BS,
+        lora_name: None,
+        lora_id: None,
+        cache_salt: Some("tenant-a".to_owned()),
+    });
+    // Quiet: everything sequenced, then heartbeats only.
+    wait_until("the stream went quiet", Duration::from_secs(20), || {
+        p.stats().core.heartbeats >= 3
+    });
+    register(&ix, 4, &p);
+    let want = serde_json::json!({"4": tier(16, 16, 16)});
+    let mut last = serde_json::Value::Null;
+    let converged = wait_for(Duration::from_secs(30), || {
+        last = query_salted(&ix, &base, None);
+        last == want
+    });
+    assert!(
+        converged,
+        "late registration: got {last}, want {want}\nindexer log:\n{}",
+        ix.log_tail()
+    );
+    assert!(p.stats().replay_requests >= 1, "{:?}", p.stats());
+    assert_eq!(
+        query_salted(&ix, &other, Some("tenant-a")),
+        want,
+        "the tenant's pages"
+    );
+    assert_eq!(
+        query_salted(&ix, &other, None),
+        serde_json::json!({}),
+        "unsalted never matches salted"
+    );
+    assert_eq!(
+        query_salted(&ix, &base, Some("tenant-a")),
+        serde_json::json!({}),
+        "salted never matches unsalted"
+    );
+    assert_eq!(
+        query_salted(&ix, &other, Some("tenant-b")),
+        serde_json::json!({}),
+        "salts never cross"
+    );
+    let stats = p.close().unwrap();
+    assert_eq!(stats.queue_dropped, 0);
 }

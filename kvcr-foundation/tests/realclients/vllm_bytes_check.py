@@ -9,7 +9,10 @@ For every payload:
   2. byte-exact re-encode: decoded with vLLM's classes (plus kvcr's one
      extension, an `ownership` key on AllBlocksCleared, declared on vLLM's own
      KVCacheEvent base) and encoded again by msgspec, the bytes must equal
-     kvcr's: same key order, map/array headers and integer widths.
+     kvcr's: same key order, map/array headers and integer widths. kvcr's
+     other extension, SGLang's `cache_salt` on a salted tenant's
+     BlockStored, is declared on a subclass of vLLM's own BlockStored (its
+     fields come after vLLM's, as kvcr writes them).
 Needs VLLM_KV_EVENTS_PY (vllm/distributed/kv_events.py from the vllm wheel).
 """
 import os, sys
@@ -26,8 +29,12 @@ class AllBlocksClearedOwned(kv.KVCacheEvent, tag="AllBlocksCleared"):
     ownership: str | None = None
 
 
+class BlockStoredSalted(kv.BlockStored, tag="BlockStored"):
+    cache_salt: str | None = None
+
+
 class KVEventBatchOwned(kv.EventBatch):
-    events: list[kv.BlockStored | kv.BlockRemoved | AllBlocksClearedOwned]
+    events: list[BlockStoredSalted | kv.BlockRemoved | AllBlocksClearedOwned]
 
 
 strict = msgspec.msgpack.Decoder(kv.KVEventBatch)
