@@ -113,11 +113,16 @@ class Rank:
         return {
             "rank": self.rank,
             "endpoint": b.endpoint,
-            "kv_events_endpoint": getattr(b, "kv_events_endpoint", None),
-            "kv_events_replay_endpoint": getattr(b, "kv_events_replay_endpoint", None),
-            "registration_metadata": [list(p) for p in getattr(b, "registration_metadata", [])],
+            "kv_events_endpoint": b.kv_events_endpoint,
+            "kv_events_replay_endpoint": b.kv_events_replay_endpoint,
+            "registration_metadata": [list(p) for p in b.registration_metadata],
             "page_bytes": self.pool.page_bytes,
+            "spans_per_page": self.spans_per_page(),
         }
+
+    def spans_per_page(self):
+        """Spans per page of the backend's own span plan."""
+        return self.backend.spans_per_page
 
     # -- data ----------------------------------------------------------------
 
@@ -142,29 +147,29 @@ class Rank:
         before = self.backend.get_stats()
         hits = self.backend.batch_exists(keys, info)
         results = []
-        spans = 0
         if hits:
             pages = host_pages[:hits]
             self.pool.clear_pages(pages)
             indices = self.pool.token_indices(pages)
             results = list(self.backend.batch_get_v1(keys[:hits], indices, info))
         restored = next((i for i, ok in enumerate(results) if not ok), len(results))
+        after = self.backend.get_stats()
         equal = mismatched = 0
         for page, key in zip(host_pages[:restored], keys):
             if torch.equal(self.pool.page_bytes_of(page), self.expected(key)):
                 equal += 1
             else:
                 mismatched += 1
+        host_spans = 0
         if restored:
-            # The zero-copy spans of the restored pages (K and V per page in
-            # the page_first layout), from the host pool's own buffer meta.
+            # The host pool's own zero-copy spans of the restored pages (K and
+            # V per page in the page_first layout), to set beside the plan's.
             ptrs, _ = self.pool.get_page_buffer_meta(
                 self.pool.token_indices(host_pages[:restored]))
-            spans = len(ptrs)
+            host_spans = len(ptrs)
         rid = (extra_info or {}).get("request_id")
         if rid:
             self.backend.discard_request(rid)
-        after = self.backend.get_stats()
         return {
             "rank": self.rank,
             "hits": hits,
@@ -172,16 +177,17 @@ class Rank:
             "failed_keys": [k for k, ok in zip(keys, results) if not ok],
             "equal": equal,
             "mismatched": mismatched,
-            "spans": spans,
+            "spans_per_page": self.spans_per_page(),
+            "host_spans": host_spans,
             "bytes": restored * self.pool.page_bytes,
             "stats_delta": delta(before, after),
         }
 
 
 def delta(before, after):
-    """The integer counters that changed."""
+    """How much each integer counter grew."""
     return {k: v - before.get(k, 0) for k, v in after.items()
-            if isinstance(v, int) and not isinstance(v, bool) and v != before.get(k, 0)}
+            if isinstance(v, int) and not isinstance(v, bool)}
 
 
 def plain(stats):

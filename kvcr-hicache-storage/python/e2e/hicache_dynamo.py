@@ -129,9 +129,11 @@ def namespace_seed(kind, value):
 
 
 class Prompt:
-    def __init__(self, name, seed, prior_hex=None):
+    """A prompt's tokens and SGLang's storage keys of its full pages."""
+
+    def __init__(self, name, seed, prior_hex=None, n_tokens=PROMPT_TOKENS):
         self.name = name
-        self.tokens = prompt_tokens(seed)
+        self.tokens = prompt_tokens(seed, n_tokens)
         self.keys = page_keys(self.tokens, PAGE_TOKENS, prior_hex)
 
     def page_tokens(self, pages):
@@ -353,21 +355,15 @@ def poll(deadline_s, probe, done):
         time.sleep(0.1)
 
 
-def stat(ranks, *names):
-    """The sum over ranks of the first of ``names`` the stats expose (None if
-    none does)."""
-    for name in names:
-        if all(name in r for r in ranks):
-            return sum(int(r[name]) for r in ranks)
-    return None
-
-
 # The registration metadata the DP owner rank reports, in publish order.
 REGISTRATION_KEYS = ["kv_events_endpoint", "kv_events_replay_endpoint",
                      "router_hint_source_control_endpoints", "router_hint_worker_type",
                      "router_hint"]
-# Names a source's "bytes written for peers" counter may have in get_stats().
-SENT_BYTES = ("peer_bytes_sent", "bytes_sent")
+
+
+def sent_bytes(ranks):
+    """Bytes an engine's ranks wrote for peers (the runners' peer counter)."""
+    return sum(int(r["peer_bytes_sent"]) for r in ranks)
 
 
 # ---------------------------------------------------------------------------
@@ -388,6 +384,8 @@ def route(indexer, tokens, destination, **ns):
 
 
 def run(args, checks, rows, cleanup):
+    """Starts the processes, plays the cases, records checks and table rows;
+    ``cleanup`` collects what stops each process started."""
     ix = Indexer(args.indexer_python, "indexer-a", args.log_dir)
     cleanup.append(ix.close)
     engines = {}
@@ -427,9 +425,7 @@ def run(args, checks, rows, cleanup):
     R_salt = Prompt("R/salt", 3, namespace_seed("cache_salt", SALT))
     R_lora = Prompt("R/lora", 3, namespace_seed("lora", LORA_ID))
     filler_pages = args.kvcr_pages + REUSABLE_PAGES
-    filler = Prompt("filler", 4)
-    filler.tokens = prompt_tokens(4, filler_pages * PAGE_TOKENS)
-    filler.keys = page_keys(filler.tokens, PAGE_TOKENS)
+    filler = Prompt("filler", 4, n_tokens=filler_pages * PAGE_TOKENS)
 
     # (a) KVCR evicts Q, the engine would retain it. --------------------------
     case = "(a) KVCR evicted"
@@ -452,7 +448,7 @@ def run(args, checks, rows, cleanup):
     got, secs, ok = poll(PUBLISH_S, lambda: ix.matched(S_WORKER, Q.tokens), lambda m: m == 0)
     checks.check(case, "the indexer gives S 0 tokens for Q (BlockRemoved reached it)", ok,
                  f"S matches {got} tokens after {secs:.1f} s")
-    sent_before = stat(S.stats(), *SENT_BYTES)
+    sent_before = sent_bytes(S.stats())
     best, instances = route(ix, Q.tokens, D_WORKER)
     checks.check(case, "the router finds no source for Q: D gets no hint", best is None,
                  f"/query: {instances}")
@@ -461,12 +457,13 @@ def run(args, checks, rows, cleanup):
     checks.equal(case, "D reuses nothing of Q", restored_a, [0] * TP)
     requested = [r["stats_delta"].get("hinted_pages_requested", 0) for r in fetched]
     checks.equal(case, "D asks no peer for a page (hinted_pages_requested)", requested, [0] * TP)
-    sent_after = stat(S.stats(), *SENT_BYTES)
-    if sent_before is None:
-        say("S's get_stats() exposes no peer-send counter: 'no transfer' rests on D's counters")
-    else:
-        checks.equal(case, "S sends no byte to a peer", sent_after - sent_before, 0)
-    rows.append([case, f"0 / {PROMPT_TOKENS}", "0 / 0", "0 / 0", "0", case])
+    sent = sent_bytes(S.stats()) - sent_before
+    checks.equal(case, "S sends no byte to a peer (peer_bytes_sent)", sent, 0)
+    blocks = [r["stats_delta"].get("peer_keys_received") for r in fetched]
+    checks.equal(case, "no block reaches D from a peer (peer_keys_received)", blocks, [0] * TP)
+    rows.append([case, f"{min(restored_a) * PAGE_TOKENS} / {PROMPT_TOKENS}",
+                 " / ".join(map(str, blocks)), " / ".join(str(r["host_spans"]) for r in fetched),
+                 f"{sent:,}", case])
 
     # (b) KVCR retains P, the engine evicted it. -------------------------------
     case = "(b) KVCR retained"
@@ -480,18 +477,18 @@ def run(args, checks, rows, cleanup):
     best, instances = route(ix, P.tokens, D_WORKER)
     checks.equal(case, "the router picks S for P's matched pages", best, (S_WORKER, REUSABLE_PAGES))
     pages = best[1] if best else 0
-    source = json.loads(S.metadata.get("router_hint_source_control_endpoints", "{}")).get("0",
-                                                                                          S.endpoint)
+    # The hint names the source's DP-0 control endpoint, as its registration
+    # metadata advertises it (each destination rank dials its own shard).
+    sources = json.loads(S.metadata.get("router_hint_source_control_endpoints", "{}"))
+    source = sources.get("0", S.endpoint)
     hint = fetch_hint(source, P.keys[:pages]) if pages else None
-    sent_before = stat(S.stats(), *SENT_BYTES)
+    s_before = S.stats()
     fetched = D.call("fetch", keys=P.keys[:REUSABLE_PAGES], hint=hint, request_id="req-p")["ranks"]
-    sent_after = stat(S.stats(), *SENT_BYTES)
-    blocks = [r["restored"] for r in fetched]
-    spans = [r["spans"] for r in fetched]
+    s_after = S.stats()
+    restored = [r["restored"] for r in fetched]
     restored_bytes = sum(r["bytes"] for r in fetched)
-    tokens = min(blocks) * PAGE_TOKENS
-    checks.equal(case, f"D restores {want} of P's {PROMPT_TOKENS} tokens", tokens, want)
-    checks.equal(case, "3 blocks per TP shard", blocks, [REUSABLE_PAGES] * TP)
+    tokens = min(restored) * PAGE_TOKENS
+    checks.equal(case, f"D restores {want} of P's {PROMPT_TOKENS} tokens on every rank", tokens, want)
     checks.equal(case, "every restored byte equals the source's, per shard",
                  [(r["equal"], r["mismatched"]) for r in fetched], [(REUSABLE_PAGES, 0)] * TP)
     checks.equal(case, "no failed key", [r["failed_keys"] for r in fetched], [[]] * TP)
@@ -499,16 +496,26 @@ def run(args, checks, rows, cleanup):
                  [(r["stats_delta"].get("hinted_pages_requested", 0),
                    r["stats_delta"].get("hinted_pages_loaded", 0)) for r in fetched],
                  [(REUSABLE_PAGES, REUSABLE_PAGES)] * TP)
-    if sent_before is None:
-        aggregate = restored_bytes
-        say("S's get_stats() exposes no peer-send counter: aggregate bytes are those D restored")
-    else:
-        aggregate = sent_after - sent_before
-        checks.equal(case, "S sent exactly the restored shards' bytes", aggregate, restored_bytes)
-    checks.equal(case, "aggregate bytes = pages x shards x shard bytes",
+    # Blocks per shard: what the source's runner wrote for each destination
+    # rank (its peer counter).
+    blocks = [r["stats_delta"].get("peer_keys_received") for r in fetched]
+    checks.equal(case, f"{REUSABLE_PAGES} blocks per TP shard came from the peer", blocks,
+                 [REUSABLE_PAGES] * TP)
+    # Spans per shard: blocks x the backend plan's spans per page, checked
+    # against the host pool's own buffer meta for the restored pages.
+    host_spans = [r["host_spans"] for r in fetched]
+    plan = [r["spans_per_page"] for r in fetched]
+    spans = [(b or 0) * (p or 0) for b, p in zip(blocks, plan)]
+    checks.equal(case, "spans per shard (blocks x the plan's spans per page) equal the host "
+                 "pool's buffer meta", spans, host_spans)
+    checks.equal(case, "restored bytes = pages x shards x shard bytes",
                  restored_bytes, REUSABLE_PAGES * TP * page_bytes)
-    say(f"spans per shard from the host pool's buffer meta (page_first: K and V per page): "
-        f"{spans}")
+    # Aggregate bytes: what S's ranks wrote for peers (their peer counter).
+    sent = [a.get("peer_bytes_sent", 0) - b.get("peer_bytes_sent", 0)
+            for a, b in zip(s_after, s_before)]
+    aggregate = sum(sent)
+    checks.equal(case, "S's ranks sent exactly the restored bytes, each rank its own shard",
+                 sent, [REUSABLE_PAGES * page_bytes] * TP)
     number("restored_tokens", f"{tokens}/{PROMPT_TOKENS}")
     number("blocks_per_shard", "/".join(map(str, blocks)))
     number("spans_per_shard", "/".join(map(str, spans)))

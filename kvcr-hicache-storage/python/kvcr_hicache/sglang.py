@@ -273,6 +273,13 @@ class KvcrStorage(HiCacheStorage):
         """The control endpoint peers and routers name in hints (peer mode)."""
         return self._backend.endpoint
 
+    @property
+    def spans_per_page(self):
+        """Contiguous host ranges per page of the registered pool (K and V of
+        every layer for ``layer_first``, 2 for the page-major layouts); None
+        before registration."""
+        return self._backend.spans_per_page
+
     # -- inventory publishing (``publish_inventory``) ------------------------
 
     @property
