@@ -44,7 +44,9 @@
 //! budget), `--port P` (the control port: a restarted source comes back at
 //! the same address), `--host IP` (listen on and advertise this address, for
 //! peers on other hosts, and never map a peer's memory: bytes cross the
-//! network; needs the cluster secret), `--publish`, `--replay` (with `--publish`: a replay
+//! network; needs the cluster secret), `--g3 DIR` (a G3 file tier under
+//! the pool: two files in `DIR`, each `--g3-bytes N` long, default the
+//! pool's size; evicted pages move there), `--publish`, `--replay` (with `--publish`: a replay
 //! ROUTER), `--pub-hwm N`, `--ownership stream` (with `--publish`: kvcr's
 //! events without the `ownership` field, for consumers that only know the
 //! worker domain, such as Dynamo 1.6.1's standalone indexer).
@@ -70,7 +72,7 @@ use kvcr_foundation::publisher::{
     OwnershipWire, PubSocket, Publisher, PublisherConfig, TopicParts,
 };
 use kvcr_foundation::runner::{
-    DepositEntry, EntryResult, OpResult, PageInfo, PeerNotice, PeerOptions, RegionDesc,
+    DepositEntry, EntryResult, G3Options, OpResult, PageInfo, PeerNotice, PeerOptions, RegionDesc,
     ReleaseHandle, Runner, RunnerConfig,
 };
 use kvcr_foundation::{
@@ -284,8 +286,20 @@ fn main() {
             .ok()
             .map(String::into_bytes),
     };
+    // A G3 file tier under the pool: two files in `--g3 DIR`, each
+    // `--g3-bytes` long (default: the pool's size).
+    let g3 = arg("--g3").map(|dir| {
+        let dir = std::path::PathBuf::from(dir);
+        G3Options {
+            paths: vec![dir.join("node-g3-0.bin"), dir.join("node-g3-1.bin")],
+            capacity_bytes_per_file: arg("--g3-bytes")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(u64::from(blocks) * block as u64),
+        }
+    });
     let config = RunnerConfig {
         operation_timeout: timeout,
+        g3,
         ..RunnerConfig::single_pool("kv", block as u64, blocks)
     };
     let write_batch_bytes = options.write_batch_bytes;
@@ -682,6 +696,13 @@ fn stats(node: &mut Node, publisher: Option<&Publisher>) {
             "uncertain": node.uncertain, "quiesced": node.quiesced,
             "invariants": node.runner.check_invariants().err(),
             "publisher": publisher,
+            "g3": node.runner.g3_stats().map(|g| json!({
+                "spills": g.counters.spills_committed, "spills_failed": g.counters.spills_failed,
+                "fills": g.counters.fills, "fills_failed": g.counters.fills_failed,
+                "evictions": g.counters.evictions, "resident": g.counters.resident,
+                "failed_transfers": g.failed_transfers,
+                "last_error": g.last_error.map(|e| e.to_string()),
+            })),
         }),
     );
 }

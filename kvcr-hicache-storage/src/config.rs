@@ -240,6 +240,8 @@ pub enum EvictionPolicy {
 /// | `kv_events_port` | 0 | base port of the KV-event sockets: DP rank `d` binds PUB at base + 2d and replay at base + 2d + 1 on `control_host` (0: ephemeral) |
 /// | `kv_events_worker_id` | 0 | the worker id in the KV-event topic (`kvcr.w{id}.dp{d}.{incarnation}`) |
 /// | `worker_type` | `"aggregated"` | `aggregated`, `prefill` or `decode`, for the router registration (`router_hint_worker_type`) |
+/// | `g3_paths` | none | directories for the G3 file tier under KVCR DRAM: each rank keeps one file per directory, `kvcr-g3-r{global rank offset}.bin` (put them on different devices to stripe) |
+/// | `g3_capacity_bytes` | none | bytes of each G3 file; required with `g3_paths` (a multiple of the page span, itself a multiple of the files' direct-I/O alignment) |
 /// | `inventory_heartbeat_ms` | 1000 | a quiet KV-event stream sends an empty batch this often, so a late subscriber notices its gap and replays (10..=60000) |
 /// | `prefault` | true | touch KVCR DRAM at startup |
 /// | `max_hinted_requests` | 1024 | live request hint scopes kept per rank |
@@ -297,6 +299,27 @@ pub struct BackendConfig {
     pub worker_type: WorkerType,
     /// Quiet-stream heartbeat interval of the KV-event publisher.
     pub inventory_heartbeat: Duration,
+    /// The G3 file tier: its directories and each file's capacity.
+    pub g3: Option<G3Dirs>,
+}
+
+/// Where a rank's G3 files go (`g3_paths`, `g3_capacity_bytes`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct G3Dirs {
+    /// One file per directory, per rank.
+    pub dirs: Vec<std::path::PathBuf>,
+    /// Bytes of each file.
+    pub capacity_bytes_per_file: u64,
+}
+
+impl G3Dirs {
+    /// The files of the rank at `global_offset`, in stripe order.
+    pub fn files(&self, global_offset: u64) -> Vec<std::path::PathBuf> {
+        self.dirs
+            .iter()
+            .map(|d| d.join(format!("kvcr-g3-r{global_offset}.bin")))
+            .collect()
+    }
 }
 
 /// The environment variable read for the cluster secret when the extra
@@ -433,6 +456,7 @@ impl Default for BackendConfig {
             kv_events_worker_id: 0,
             worker_type: WorkerType::Aggregated,
             inventory_heartbeat: Duration::from_millis(1000),
+            g3: None,
         }
     }
 }
@@ -499,6 +523,8 @@ impl BackendConfig {
         let mut get_timeout_s = None;
         let mut secret_inline = None;
         let mut secret_file = None;
+        let mut g3_dirs = None;
+        let mut g3_capacity = None;
         for (key, v) in map {
             let k = key.as_str();
             match k {
@@ -593,6 +619,26 @@ impl BackendConfig {
                         }
                     }
                 }
+                "g3_paths" => {
+                    let dirs = v
+                        .as_array()
+                        .filter(|a| (1..=4096).contains(&a.len()))
+                        .ok_or_else(|| Error::config(k, "must be a list of 1..=4096 directories"))?
+                        .iter()
+                        .map(|d| match d.as_str() {
+                            Some(d) if !d.trim().is_empty() => Ok(std::path::PathBuf::from(d)),
+                            _ => Err(Error::config(k, "every entry must be a non-empty path")),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    g3_dirs = Some(dirs);
+                }
+                "g3_capacity_bytes" => {
+                    let bytes = as_u64(k, v)?;
+                    if bytes == 0 {
+                        return Err(Error::config(k, "must be positive"));
+                    }
+                    g3_capacity = Some(bytes);
+                }
                 "inventory_heartbeat_ms" => {
                     let ms = as_u64(k, v)?;
                     if !(10..=60_000).contains(&ms) {
@@ -654,6 +700,25 @@ impl BackendConfig {
                 ),
             ));
         }
+        c.g3 = match (g3_dirs, g3_capacity) {
+            (None, None) => None,
+            (Some(dirs), Some(capacity_bytes_per_file)) => Some(G3Dirs {
+                dirs,
+                capacity_bytes_per_file,
+            }),
+            (Some(_), None) => {
+                return Err(Error::config(
+                    "g3_capacity_bytes",
+                    "is required with g3_paths",
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(Error::config(
+                    "g3_paths",
+                    "is required with g3_capacity_bytes",
+                ));
+            }
+        };
         c.cluster_secret = resolve_secret(secret_inline, secret_file, env)?;
         c.check_peer()?;
         c.check_publishing()?;

@@ -37,7 +37,7 @@ mod mapping;
 mod storage;
 
 pub use config::{
-    BackendConfig, CLUSTER_SECRET_ENV, ClusterSecret, EvictionPolicy, MAX_LOCAL_DRAM_BYTES,
+    BackendConfig, CLUSTER_SECRET_ENV, ClusterSecret, EvictionPolicy, G3Dirs, MAX_LOCAL_DRAM_BYTES,
     MAX_OPERATION_TIMEOUT_MS, StorageConfig,
 };
 pub use error::{Error, GroupError, Result};

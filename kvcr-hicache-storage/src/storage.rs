@@ -709,11 +709,18 @@ impl KvcrHiCacheStorage {
             medium: b.medium,
             prefault: b.prefault,
             pool_memory: self.tuning.pool_memory.clone(),
+            g3: b.g3.as_ref().map(|g3| kvcr_foundation::runner::G3Options {
+                paths: g3.files(self.coordinate.global_offset()),
+                capacity_bytes_per_file: g3.capacity_bytes_per_file,
+            }),
             ..RunnerConfig::default()
         };
-        let policy: Box<dyn CachePolicy> = match b.policy {
-            EvictionPolicy::Lru => Box::new(policy::Lru),
-            EvictionPolicy::Fifo => Box::new(policy::Fifo),
+        // With G3, victims move to the file tier instead of being dropped.
+        let policy: Box<dyn CachePolicy> = match (b.policy, b.g3.is_some()) {
+            (EvictionPolicy::Lru, false) => Box::new(policy::Lru),
+            (EvictionPolicy::Fifo, false) => Box::new(policy::Fifo),
+            (EvictionPolicy::Lru, true) => Box::new(policy::G3Lru),
+            (EvictionPolicy::Fifo, true) => Box::new(policy::G3Fifo),
         };
         if !b.enable_remote_hint {
             return Ok(Runner::start(config, Some(policy))?);
@@ -1204,6 +1211,11 @@ impl KvcrHiCacheStorage {
     /// The runner's state (once registered).
     pub fn runner_stats(&self) -> Option<RunnerStats> {
         self.active.get().map(|a| a.runner.stats())
+    }
+
+    /// The runner's G3 state (with `g3_paths`, once registered).
+    pub fn runner_g3_stats(&self) -> Option<kvcr_foundation::runner::G3Stats> {
+        self.active.get().and_then(|a| a.runner.g3_stats())
     }
 
     /// The runner's peer counters (peer mode, once registered).

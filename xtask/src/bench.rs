@@ -132,6 +132,18 @@ const PAIRS: &[(&str, &str)] = &[
 /// or are ratios already).
 const ANCHOR_WHAT: &[(&str, &str)] = &[
     (
+        "g3.spill",
+        "O_DIRECT sequential 4 MiB pwrite, one thread per file, same bytes and files, same round",
+    ),
+    (
+        "g3.fill",
+        "O_DIRECT sequential 4 MiB pread, one thread per file, same bytes and files, same round",
+    ),
+    (
+        "g3.one_block_fill_p50",
+        "one O_DIRECT pread of a 3.5 MiB page at the same offset",
+    ),
+    (
         "link.fetch_bulk_",
         "ucx_perftest put_bw, 256 KiB puts, over the same link (tcp, kvcr's segments)",
     ),
@@ -356,6 +368,7 @@ const SECTIONS: &[(&str, &[&str])] = &[
         &["peer.fetch", "peer.request"],
     ),
     ("Publisher", &["publisher."]),
+    ("G3 file tier", &["g3."]),
     ("UCX layer", &["ucx."]),
     ("Peers' own figures (`--peers`)", &["peers."]),
     (

@@ -173,6 +173,8 @@ fn run_tests(_root: &Path) -> Result<()> {
         .env("INSTA_UPDATE", "no")
         .env("CI", "true")
         .env("KVCR_TEST_DYNAMO", "1")
+        // G3's full-disk test loop-mounts a tiny ext4 (root, as CI is).
+        .env("KVCR_TEST_ROOT", "1")
         .env("KVCR_TEST_VLLM_WIRE", "1"))?;
     // The contracts (what a router links) and the facade without its runner
     // must build on their own, outside the workspace's feature unification.

@@ -79,6 +79,8 @@ pub(crate) struct NodeSpec {
     /// Where the node's stderr goes (UCX and runner diagnostics); inherited
     /// when `None`.
     pub(crate) log: Option<PathBuf>,
+    /// A G3 file tier: its folder and each file's bytes (`--g3`, `--g3-bytes`).
+    pub(crate) g3: Option<(PathBuf, u64)>,
 }
 
 impl NodeSpec {
@@ -96,6 +98,7 @@ impl NodeSpec {
             port: None,
             netns: None,
             log: None,
+            g3: None,
         }
     }
 
@@ -117,6 +120,14 @@ impl NodeSpec {
         opt("--timeout-ms", self.timeout_ms.map(|v| v.to_string()));
         opt("--abandon-ms", self.abandon_ms.map(|v| v.to_string()));
         opt("--port", self.port.map(|v| v.to_string()));
+        opt(
+            "--g3",
+            self.g3.as_ref().map(|(dir, _)| dir.display().to_string()),
+        );
+        opt(
+            "--g3-bytes",
+            self.g3.as_ref().map(|(_, bytes)| bytes.to_string()),
+        );
         opt(
             "--host",
             self.netns.as_ref().map(|(_, host)| host.to_string()),

@@ -121,6 +121,7 @@ fn new_core_with(
         operation_timeout_ns: TIMEOUT,
         watermark_percent: 0,
         medium: kvcr_contracts::tier::Medium::CpuPinned,
+        g3: None,
     };
     let mut core = Core::new(&config, Box::new(Lru)).unwrap();
     let ns = core.register_namespace(Namespace::base(CompatDigest(1)));
@@ -594,6 +595,7 @@ impl Sim {
                     Peer::Source(s) => self.start_put(s, write, &target, generation, &spans),
                     Peer::Target(t) => self.violation(format!("target {t} issued a put")),
                 },
+                Action::G3 { .. } => self.violation("a G3 transfer without G3".to_owned()),
                 Action::Copy { job, keys, .. } => {
                     if let Peer::Target(t) = peer {
                         self.check_copy(t, &keys);

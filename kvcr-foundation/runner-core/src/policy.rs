@@ -46,6 +46,10 @@ pub enum EvictionDecision {
     Keep,
     /// Evict it.
     Drop,
+    /// Move it to the file tier (G3): the DRAM copy leaves once G3 holds the
+    /// bytes. Without G3, for a page G3 cannot hold (more than one span, or
+    /// larger than a G3 slot), or after a spill of it failed, this is `Drop`.
+    MoveToG3,
 }
 
 /// How a policy orders eviction candidates.
@@ -114,11 +118,46 @@ impl CachePolicy for Fifo {
     }
 }
 
-/// Looks a built-in policy up by name (`lru`, `fifo`); unknown names give `None`.
+/// Least recently used, moving victims to G3 (the default when G3 is configured).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct G3Lru;
+
+impl CachePolicy for G3Lru {
+    fn name(&self) -> &str {
+        "g3-lru"
+    }
+    fn order(&self) -> EvictionOrder {
+        EvictionOrder::LeastRecentlyUsed
+    }
+    fn decide_eviction(&mut self, _meta: &BlockMeta) -> EvictionDecision {
+        EvictionDecision::MoveToG3
+    }
+}
+
+/// First in, first out, moving victims to G3.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct G3Fifo;
+
+impl CachePolicy for G3Fifo {
+    fn name(&self) -> &str {
+        "g3-fifo"
+    }
+    fn order(&self) -> EvictionOrder {
+        EvictionOrder::Insertion
+    }
+    fn decide_eviction(&mut self, _meta: &BlockMeta) -> EvictionDecision {
+        EvictionDecision::MoveToG3
+    }
+}
+
+/// Looks a built-in policy up by name (`lru`, `fifo`, `g3-lru`, `g3-fifo`);
+/// unknown names give `None`.
 pub fn builtin(name: &str) -> Option<Box<dyn CachePolicy>> {
     match name {
         "lru" => Some(Box::new(Lru)),
         "fifo" => Some(Box::new(Fifo)),
+        "g3-lru" => Some(Box::new(G3Lru)),
+        "g3-fifo" => Some(Box::new(G3Fifo)),
         _ => None,
     }
 }

@@ -4,26 +4,46 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use proptest::prelude::*;
 
-use crate::machine::{Action, CopyOutcome, Core, CoreConfig, JobId};
-use crate::policy::{Fifo, Lru};
+use crate::machine::{Action, CopyOutcome, Core, CoreConfig, G3Config, JobId};
+use crate::policy::{Fifo, G3Fifo, G3Lru, Lru};
 use crate::*;
 use kvcr_contracts::key::{BlockKey, CompatDigest, Namespace, NamespaceId, ScopedKey};
 use kvcr_contracts::protocol::{ElementRef, OpHandle, RegionId};
-use kvcr_contracts::tier::InventoryEvent;
+use kvcr_contracts::tier::{InventoryEvent, Medium, Tier};
 
 const BLOCK: u64 = 64;
 const FRAMEWORK_BASE: u64 = 0x1000_0000;
 const POOL_BASE: u64 = 0x2000_0000;
 
 fn core(slots: u32, lru: bool, timeout_ns: u64) -> (Core, NamespaceId, RegionId) {
+    core_with_g3(slots, lru, timeout_ns, None)
+}
+
+/// A core whose policy moves victims to a G3 of `g3_slots` slots (when set).
+fn core_with_g3(
+    slots: u32,
+    lru: bool,
+    timeout_ns: u64,
+    g3_slots: Option<u32>,
+) -> (Core, NamespaceId, RegionId) {
     let config = CoreConfig {
         pools: vec![("kv".into(), BLOCK, slots)],
         pool_bases: vec![POOL_BASE],
         operation_timeout_ns: timeout_ns,
         watermark_percent: 25,
         medium: kvcr_contracts::tier::Medium::CpuPinned,
+        g3: g3_slots.map(|slots| G3Config {
+            slots,
+            slot_bytes: BLOCK,
+            alignment: BLOCK,
+        }),
     };
-    let policy: Box<dyn CachePolicy> = if lru { Box::new(Lru) } else { Box::new(Fifo) };
+    let policy: Box<dyn CachePolicy> = match (lru, g3_slots.is_some()) {
+        (true, false) => Box::new(Lru),
+        (false, false) => Box::new(Fifo),
+        (true, true) => Box::new(G3Lru),
+        (false, true) => Box::new(G3Fifo),
+    };
     let mut core = Core::new(&config, policy).unwrap();
     let ns = core.register_namespace(Namespace::base(CompatDigest(1)));
     // The framework region is never dereferenced here: the core only computes
@@ -95,21 +115,26 @@ fn step() -> impl Strategy<Value = Step> {
 #[derive(Default)]
 struct Model {
     now: u64,
-    jobs: Vec<(JobId, usize)>,
+    /// Jobs in flight: id, keys, whether it is a G3 job (which may fail).
+    jobs: Vec<(JobId, usize, bool)>,
     cancelled: HashSet<(JobId, u32)>,
     ops: Vec<OpHandle>,
     completed: HashSet<OpHandle>,
     claims: Vec<(ReleaseHandle, ScopedKey)>,
     released: HashSet<ReleaseHandle>,
     failed_entries: HashSet<(OpHandle, ScopedKey)>,
-    stored_minus_removed: HashMap<ScopedKey, i64>,
+    /// Per medium (DRAM or DISK) and key: stored events minus removed ones.
+    stored_minus_removed: HashMap<(Medium, ScopedKey), i64>,
 }
 
 impl Model {
     fn drain(&mut self, core: &mut Core) -> Result<(), TestCaseError> {
         while let Some(action) = core.poll_action() {
             match action {
-                Action::Copy { job, keys, .. } => self.jobs.push((job, keys.len())),
+                Action::Copy { job, keys, .. } => self.jobs.push((job, keys.len(), false)),
+                Action::G3 { job, transfers, .. } => {
+                    self.jobs.push((job, transfers.len(), true));
+                }
                 Action::Cancel { job, key } => {
                     self.cancelled.insert((job, key));
                 }
@@ -122,23 +147,25 @@ impl Model {
             match event {
                 InventoryEvent::Stored { keys, scope, .. } => {
                     for k in keys {
+                        let key = ScopedKey {
+                            namespace: scope.namespace,
+                            key: k,
+                        };
                         *self
                             .stored_minus_removed
-                            .entry(ScopedKey {
-                                namespace: scope.namespace,
-                                key: k,
-                            })
+                            .entry((scope.medium, key))
                             .or_default() += 1;
                     }
                 }
                 InventoryEvent::Removed { keys, scope } => {
                     for k in keys {
+                        let key = ScopedKey {
+                            namespace: scope.namespace,
+                            key: k,
+                        };
                         *self
                             .stored_minus_removed
-                            .entry(ScopedKey {
-                                namespace: scope.namespace,
-                                key: k,
-                            })
+                            .entry((scope.medium, key))
                             .or_default() -= 1;
                     }
                 }
@@ -183,16 +210,22 @@ impl Model {
                 );
             }
         }
-        // Stored and removed balance: at most one stored residency per key,
-        // and it is stored exactly when the key is READY.
-        for (key, balance) in &self.stored_minus_removed {
+        // Stored and removed balance, per tier: at most one stored
+        // residency per key, and it is stored exactly when the key is READY
+        // there (KVCR DRAM: a query hit; G3: its bytes are in the file).
+        for ((medium, key), balance) in &self.stored_minus_removed {
             prop_assert!(
                 (0..=1).contains(balance),
-                "{:?}: stored - removed = {}",
+                "{:?} {:?}: stored - removed = {}",
+                medium,
                 key,
                 balance
             );
-            let ready = core.query(key) == QueryStatus::Hit;
+            let ready = if *medium == Medium::Disk {
+                core.g3_ready(key)
+            } else {
+                core.query(key) == QueryStatus::Hit
+            };
             prop_assert_eq!(
                 *balance == 1,
                 ready,
@@ -207,14 +240,29 @@ impl Model {
 }
 
 fn run_steps(steps: Vec<Step>, lru: bool) -> Result<(), TestCaseError> {
-    let (mut core, ns, region) = core(6, lru, 1_000);
+    run_steps_with(steps, lru, None, 1).map(drop)
+}
+
+/// Runs `steps` against a core (with a G3 of `g3` slots) and the model;
+/// returns G3's counters at the end.
+fn run_steps_with(
+    steps: Vec<Step>,
+    lru: bool,
+    g3: Option<u32>,
+    spans_per_key: u8,
+) -> Result<Option<crate::machine::G3Counters>, TestCaseError> {
+    let (mut core, ns, region) = core_with_g3(6, lru, 1_000, g3);
     let mut m = Model::default();
+    // A page of `spans_per_key` spans (K and V, say), elements 30 apart.
     let spans = |k: u8| {
-        vec![ElementRef {
-            region,
-            index: u64::from(k),
-        }]
+        (0..spans_per_key)
+            .map(|s| ElementRef {
+                region,
+                index: u64::from(k) + 30 * u64::from(s),
+            })
+            .collect::<Vec<_>>()
     };
+    let layout = vec![PoolId(0); usize::from(spans_per_key)];
     for step in steps {
         match step {
             Step::Deposit { keys, no_evict } => {
@@ -234,7 +282,7 @@ fn run_steps(steps: Vec<Step>, lru: bool) -> Result<(), TestCaseError> {
             Step::Fetch { keys } => {
                 let keys: Vec<ScopedKey> = keys.iter().map(|k| key(ns, *k)).collect();
                 m.ops.push(
-                    core.fetch(m.now, &keys, &[PoolId(0)], None)
+                    core.fetch(m.now, &keys, &layout, None)
                         .map_err(|e| TestCaseError::fail(e.to_string()))?,
                 );
             }
@@ -284,15 +332,18 @@ fn run_steps(steps: Vec<Step>, lru: bool) -> Result<(), TestCaseError> {
             }
             Step::Complete { job, outcome } => {
                 if !m.jobs.is_empty() {
-                    let (id, n) = m.jobs.remove(job % m.jobs.len());
+                    let (id, n, is_g3) = m.jobs.remove(job % m.jobs.len());
                     // The simulated copy engine honours cancellation, as the
-                    // real one does for keys that have not started.
+                    // real one does for keys that have not started; a G3
+                    // transfer can also fail (a full disk, a read error).
                     let outcomes: Vec<CopyOutcome> = (0..n as u32)
                         .map(|i| {
                             if m.cancelled.contains(&(id, i)) {
                                 CopyOutcome::Cancelled
                             } else if outcome == 0 {
                                 CopyOutcome::DeadlinePassed
+                            } else if outcome == 1 && is_g3 {
+                                CopyOutcome::Failed
                             } else {
                                 CopyOutcome::Copied
                             }
@@ -310,7 +361,7 @@ fn run_steps(steps: Vec<Step>, lru: bool) -> Result<(), TestCaseError> {
         m.check(&core)?;
     }
     // Drain: finish every copy, then every op must complete.
-    while let Some((id, n)) = m.jobs.pop() {
+    while let Some((id, n, _)) = m.jobs.pop() {
         core.handle_copy_done(m.now, id, &vec![CopyOutcome::Copied; n]);
         m.drain(&mut core)?;
     }
@@ -322,7 +373,7 @@ fn run_steps(steps: Vec<Step>, lru: bool) -> Result<(), TestCaseError> {
         prop_assert!(m.completed.contains(op), "op {:?} never completed", op);
     }
     prop_assert_eq!(core.jobs_in_flight(), 0);
-    Ok(())
+    Ok(core.g3_counters())
 }
 
 proptest! {
@@ -337,6 +388,59 @@ proptest! {
     fn core_matches_model_fifo(steps in proptest::collection::vec(step(), 1..60)) {
         run_steps(steps, false)?;
     }
+}
+
+/// With a G3 of 4 slots under 6 DRAM slots, pages of one or two spans:
+/// spills, fills from G3, direct delivers, failed writes and reads, capacity
+/// waiters and G3 evictions, checked against the model after every step;
+/// the run fails if any of them never happened.
+#[test]
+fn core_with_g3_matches_model() {
+    use proptest::test_runner::{Config, TestRunner};
+    let seen = std::cell::RefCell::new(crate::machine::G3Counters::default());
+    let covered = |s: &crate::machine::G3Counters| {
+        s.spills_committed > 0
+            && s.spills_failed > 0
+            && s.fills > 0
+            && s.fills_failed > 0
+            && s.capacity_waits > 0
+            && s.evictions > 0
+            && s.moves_already_stored > 0
+    };
+    // 400 fresh cases, then more (up to 4000) until every path was taken:
+    // the rarest (a page filled back from G3, then chosen again) needs a
+    // few hundred.
+    for _ in 0..10 {
+        let mut runner = TestRunner::new(Config::with_cases(400));
+        runner
+            .run(
+                &(
+                    proptest::collection::vec(step(), 1..60),
+                    any::<bool>(),
+                    1u8..=2,
+                ),
+                |(steps, lru, spans)| {
+                    let c = run_steps_with(steps, lru, Some(4), spans)?.unwrap_or_default();
+                    let mut s = seen.borrow_mut();
+                    s.spills_committed += c.spills_committed;
+                    s.spills_failed += c.spills_failed;
+                    s.fills += c.fills;
+                    s.fills_failed += c.fills_failed;
+                    s.capacity_waits += c.capacity_waits;
+                    s.evictions += c.evictions;
+                    s.moves_already_stored += c.moves_already_stored;
+                    Ok(())
+                },
+            )
+            .unwrap();
+        if covered(&seen.borrow()) {
+            return;
+        }
+    }
+    panic!(
+        "the G3 model test never reached part of G3: {:?}",
+        seen.into_inner()
+    );
 }
 
 /// A waiter that times out on a shared fill detaches; the fill still commits
@@ -496,5 +600,204 @@ fn a_pinned_record_is_not_evicted_until_unpinned() {
     let third = deposit(&mut core, 3, 3);
     assert!(third.entries[0].1.is_success(), "{third:?}");
     assert_eq!(core.query(&key(ns, 1)), QueryStatus::Miss);
+    core.check_invariants().unwrap();
+}
+
+// ------------------------------------------------------------ G3
+
+/// The next action, which must be a single-key G3 transfer: its job, slot and direction.
+fn next_g3(core: &mut Core) -> (JobId, u32, crate::machine::G3Direction) {
+    match core.poll_action() {
+        Some(Action::G3 { job, transfers, .. }) => {
+            assert_eq!(transfers.len(), 1, "{transfers:?}");
+            (job, transfers[0][0].slot, transfers[0][0].direction)
+        }
+        other => panic!("expected a G3 transfer, got {other:?}"),
+    }
+}
+
+fn next_copy(core: &mut Core) -> (JobId, usize) {
+    match core.poll_action() {
+        Some(Action::Copy { job, keys, .. }) => (job, keys.len()),
+        other => panic!("expected a copy, got {other:?}"),
+    }
+}
+
+fn deposit_one(core: &mut Core, now: u64, k: ScopedKey, region: RegionId, index: u64) -> OpHandle {
+    core.deposit(
+        now,
+        vec![DepositEntry {
+            key: k,
+            spans: vec![ElementRef { region, index }],
+            page: Some(PageInfo {
+                parent: None,
+                token_ids: vec![index as u32; 4],
+            }),
+        }],
+        false,
+    )
+    .unwrap()
+}
+
+fn completed(core: &mut Core) -> Vec<OpResult> {
+    let mut out = Vec::new();
+    core.drain_completed(&mut out);
+    out
+}
+
+fn events(core: &mut Core) -> Vec<(Medium, &'static str, u64)> {
+    core.drain_events()
+        .flat_map(|e| match e {
+            InventoryEvent::Stored { scope, keys, .. } => keys
+                .into_iter()
+                .map(|k| (scope.medium, "stored", k.as_u64()))
+                .collect::<Vec<_>>(),
+            InventoryEvent::Removed { scope, keys } => keys
+                .into_iter()
+                .map(|k| (scope.medium, "removed", k.as_u64()))
+                .collect(),
+            InventoryEvent::AllCleared { .. } => Vec::new(),
+        })
+        .collect()
+}
+
+/// A move to G3, step by step: the deposit that needs room waits while the
+/// victim is spilled (still readable in DRAM), the victim leaves DRAM only
+/// once G3 holds it, and it is then fetchable from G3 and filled back.
+#[test]
+fn a_victim_moves_to_g3_and_fills_back() {
+    use crate::machine::G3Direction::{Load, Store};
+    let (mut core, ns, region) = core_with_g3(2, true, 1_000_000, Some(2));
+    let (k1, k2, k3) = (key(ns, 1), key(ns, 2), key(ns, 3));
+    deposit_one(&mut core, 0, k1, region, 1);
+    let (job, n) = next_copy(&mut core);
+    core.handle_copy_done(1, job, &vec![CopyOutcome::Copied; n]);
+    deposit_one(&mut core, 2, k2, region, 2);
+    let (job, n) = next_copy(&mut core);
+    core.handle_copy_done(3, job, &vec![CopyOutcome::Copied; n]);
+    assert_eq!(events(&mut core).len(), 2);
+    assert_eq!(completed(&mut core).len(), 2);
+
+    // DRAM is full: k3 waits while k1 (least recently used) is spilled.
+    let waiting = deposit_one(&mut core, 4, k3, region, 3);
+    let (spill, _, direction) = next_g3(&mut core);
+    assert_eq!(direction, Store);
+    assert_eq!(
+        core.query(&k1),
+        QueryStatus::Hit,
+        "readable in DRAM while spilling"
+    );
+    assert!(
+        !core.g3_ready(&k1),
+        "not READY in G3 before the write completed"
+    );
+    assert!(completed(&mut core).is_empty());
+    core.check_invariants().unwrap();
+
+    core.handle_copy_done(5, spill, &[CopyOutcome::Copied]);
+    assert_eq!(
+        events(&mut core),
+        [
+            (Medium::Disk, "stored", 1),
+            (Medium::CpuPinned, "removed", 1)
+        ]
+    );
+    assert_eq!(core.query(&k1), QueryStatus::Fetchable(Tier::Disk));
+    let (job, n) = next_copy(&mut core);
+    core.handle_copy_done(6, job, &vec![CopyOutcome::Copied; n]);
+    let done = completed(&mut core);
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].op, waiting);
+    assert!(done[0].entries[0].1.is_success());
+    core.check_invariants().unwrap();
+
+    // Fetching k1 spills k2 to make room, then reads k1 back from G3.
+    let fetch = core.fetch(7, &[k1], &[PoolId(0)], None).unwrap();
+    let (spill, _, direction) = next_g3(&mut core);
+    assert_eq!(direction, Store);
+    core.handle_copy_done(8, spill, &[CopyOutcome::Copied]);
+    let (fill, _, direction) = next_g3(&mut core);
+    assert_eq!(direction, Load);
+    assert_eq!(core.query(&k1), QueryStatus::Fetching);
+    core.handle_copy_done(9, fill, &[CopyOutcome::Copied]);
+    let done = completed(&mut core);
+    assert_eq!(done[0].op, fetch);
+    assert!(
+        done[0].entries[0].1.release.is_some(),
+        "fetched and claimed"
+    );
+    assert_eq!(core.query(&k1), QueryStatus::Hit);
+    assert!(core.g3_ready(&k1), "both tiers hold it now");
+    let c = core.g3_counters().unwrap();
+    assert_eq!(
+        (c.spills_committed, c.fills, c.capacity_waits),
+        (2, 1, 2),
+        "{c:?}"
+    );
+    core.check_invariants().unwrap();
+}
+
+/// A failed spill keeps the DRAM copy (serving) and frees the G3 slot; a
+/// failed read drops the G3 copy and fails the reader, never serving it.
+#[test]
+fn failed_g3_transfers_lose_nothing_and_serve_nothing_wrong() {
+    let (mut core, ns, region) = core_with_g3(1, true, 1_000_000, Some(1));
+    let (k1, k2) = (key(ns, 1), key(ns, 2));
+    deposit_one(&mut core, 0, k1, region, 1);
+    let (job, n) = next_copy(&mut core);
+    core.handle_copy_done(1, job, &vec![CopyOutcome::Copied; n]);
+    events(&mut core);
+    completed(&mut core);
+
+    // The spill of k1 fails (a full disk): k1 stays in DRAM, G3 is empty,
+    // and the waiting deposit of k2 then evicts k1 (dropped, not moved again).
+    let deposit = deposit_one(&mut core, 2, k2, region, 2);
+    let (spill, _, _) = next_g3(&mut core);
+    core.handle_copy_done(3, spill, &[CopyOutcome::Failed]);
+    assert!(!core.g3_ready(&k1));
+    assert_eq!(core.g3_counters().unwrap().free_slots, 1);
+    assert_eq!(events(&mut core), [(Medium::CpuPinned, "removed", 1)]);
+    let (job, n) = next_copy(&mut core);
+    core.handle_copy_done(4, job, &vec![CopyOutcome::Copied; n]);
+    assert_eq!(completed(&mut core)[0].op, deposit);
+    core.check_invariants().unwrap();
+
+    // k2 moves to G3 for k1's deposit; then a read of k2 fails: the fetch
+    // fails and G3 forgets k2.
+    deposit_one(&mut core, 5, k1, region, 1);
+    let (spill, _, _) = next_g3(&mut core);
+    core.handle_copy_done(6, spill, &[CopyOutcome::Copied]);
+    let (job, n) = next_copy(&mut core);
+    core.handle_copy_done(7, job, &vec![CopyOutcome::Copied; n]);
+    completed(&mut core);
+    assert_eq!(core.query(&k2), QueryStatus::Fetchable(Tier::Disk));
+    events(&mut core);
+    let fetch = core.fetch(8, &[k2], &[PoolId(0)], None).unwrap();
+    // Room for k2 first: G3's one slot holds k2, claimed by the fill about
+    // to read it, so k1 cannot move there and is dropped instead.
+    loop {
+        match core.poll_action() {
+            Some(Action::G3 { job, transfers, .. }) => {
+                let load = transfers[0][0].direction == crate::machine::G3Direction::Load;
+                let outcome = if load {
+                    CopyOutcome::Failed
+                } else {
+                    CopyOutcome::Copied
+                };
+                core.handle_copy_done(9, job, &[outcome]);
+            }
+            Some(Action::Copy { job, keys, .. }) => {
+                core.handle_copy_done(9, job, &vec![CopyOutcome::Copied; keys.len()]);
+            }
+            Some(other) => panic!("{other:?}"),
+            None => break,
+        }
+    }
+    let done = completed(&mut core);
+    let result = &done.iter().find(|r| r.op == fetch).unwrap().entries[0].1;
+    assert_eq!(result.status, EntryStatus::Failed(FailReason::CopyFailed));
+    assert!(!core.g3_ready(&k2));
+    assert_eq!(core.query(&k2), QueryStatus::Miss);
+    assert!(events(&mut core).contains(&(Medium::Disk, "removed", 2)));
     core.check_invariants().unwrap();
 }

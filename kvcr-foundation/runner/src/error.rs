@@ -37,6 +37,9 @@ pub enum Error {
     /// A UCX call failed or the UCX layer refused a request.
     #[error(transparent)]
     Ucx(#[from] kvcr_ucx::Error),
+    /// The G3 file tier refused its files or configuration.
+    #[error(transparent)]
+    G3(#[from] crate::g3::G3Error),
 }
 
 impl From<core_error::Error> for Error {

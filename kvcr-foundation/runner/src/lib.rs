@@ -28,6 +28,8 @@ mod control;
 mod copy;
 mod device;
 pub mod error;
+pub mod g3;
+mod g3_driver;
 #[allow(unsafe_code)]
 mod lanes;
 #[allow(unsafe_code)]
@@ -47,10 +49,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 pub use kvcr_runner_core::policy;
-use kvcr_runner_core::{Action, Core, CoreConfig, JobId};
+use kvcr_runner_core::{Action, Core, CoreConfig, G3Config, JobId};
 pub use kvcr_runner_core::{
     CachePolicy, ClaimedCopy, CopySpan, CoreCounters, DeliverEntry, DepositEntry, EntryResult,
-    EntryStatus, FailReason, KVCR_REGION_PREFIX, MAX_REGION_ELEMENTS, MAX_REGION_LABEL,
+    EntryStatus, FailReason, G3Counters, KVCR_REGION_PREFIX, MAX_REGION_ELEMENTS, MAX_REGION_LABEL,
     MAX_SPANS_PER_KEY, OpResult, PageInfo, PeerCounters, PeerNotice, PeerStateSizes, PoolConfig,
     PoolId, PoolRange, PoolStats, QueryStatus, RegionDesc, RegionMemory, ReleaseHandle,
     RunnerStats,
@@ -59,6 +61,7 @@ pub use kvcr_runner_core::{
 pub use self::control::{ControlCounters, ControlLimits};
 pub use self::device::DeviceCopier;
 pub use self::error::{Error, Result};
+pub use self::g3::{G3Error, G3Options, G3Store};
 use self::memory::DramPool;
 pub use self::peer_driver::{PeerOptions, PutSplit};
 pub use self::placement::{
@@ -103,6 +106,11 @@ pub struct RunnerConfig {
     /// [`PoolMemory`] for process-owned anonymous memory with huge pages and
     /// NUMA placement).
     pub pool_memory: PoolMemory,
+    /// A file tier under KVCR DRAM (G3): evicted pages move there and are
+    /// filled back on demand. Needs exactly one pool, whose block size is the
+    /// G3 slot size (a multiple of the files' direct-I/O alignment). The
+    /// default policy then moves victims to G3 (`g3-lru`).
+    pub g3: Option<G3Options>,
 }
 
 impl Default for RunnerConfig {
@@ -114,8 +122,20 @@ impl Default for RunnerConfig {
             medium: Medium::CpuPinned,
             prefault: true,
             pool_memory: PoolMemory::Default,
+            g3: None,
         }
     }
+}
+
+/// G3's state: the core's counters and what its I/O reported.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct G3Stats {
+    /// Spills, fills, evictions, bytes, occupancy.
+    pub counters: G3Counters,
+    /// Transfers the files refused (each failed its spill or fill).
+    pub failed_transfers: u64,
+    /// The last of those errors (a full disk, a file gone, ...).
+    pub last_error: Option<G3Error>,
 }
 
 /// Largest single pool (bytes).
@@ -178,6 +198,12 @@ impl RunnerConfig {
         if self.capacity_low_watermark_percent > 100 {
             return bad("capacity_low_watermark_percent", "must be in 0..=100");
         }
+        if self.g3.is_some() && self.pools.len() != 1 {
+            return bad(
+                "g3",
+                "G3 serves exactly one pool (its block size is the slot size)",
+            );
+        }
         Ok(())
     }
 }
@@ -187,6 +213,7 @@ impl RunnerConfig {
 pub(crate) enum StartupStage {
     Validate,
     AllocatePools,
+    OpenG3,
     BuildCore,
     StartCopyEngine,
 }
@@ -196,6 +223,7 @@ impl StartupStage {
         match self {
             Self::Validate => "validate configuration",
             Self::AllocatePools => "allocate pools",
+            Self::OpenG3 => "open G3",
             Self::BuildCore => "build core",
             Self::StartCopyEngine => "start copy engine",
         }
@@ -220,10 +248,14 @@ struct Inner {
     peer_tx: Option<tokio::sync::mpsc::UnboundedSender<peer_driver::PeerCmd>>,
     /// Runs the copy jobs that touch device regions (absent until set).
     device: Option<Arc<dyn DeviceCopier>>,
+    /// Runs G3 transfers (absent without G3, and once the runner stops).
+    g3: Option<g3_driver::G3Driver>,
 }
 
 /// The shared state, plus the clock epoch and a wake-up for waiters.
 pub(crate) struct Shared {
+    /// This value's own handle, for work that reports back later (G3 jobs).
+    me: std::sync::Weak<Shared>,
     inner: Mutex<Inner>,
     completed_cv: Condvar,
     /// Completed operations not yet taken (read without the lock to spin).
@@ -237,10 +269,12 @@ impl Shared {
         core: Core,
         jobs: Sender<copy::Msg>,
         peer_tx: Option<tokio::sync::mpsc::UnboundedSender<peer_driver::PeerCmd>>,
+        g3: Option<g3_driver::G3Driver>,
     ) -> Arc<Self> {
         #[allow(clippy::disallowed_methods)]
         let epoch = Instant::now();
-        Arc::new(Self {
+        Arc::new_cyclic(|me| Self {
+            me: me.clone(),
             inner: Mutex::new(Inner {
                 core,
                 sink: None,
@@ -251,6 +285,7 @@ impl Shared {
                 cancels: HashMap::new(),
                 peer_tx,
                 device: None,
+                g3,
             }),
             completed_cv: Condvar::new(),
             completed_len: AtomicUsize::new(0),
@@ -359,6 +394,7 @@ impl Shared {
             cancels,
             peer_tx,
             device,
+            g3,
         } = inner;
         let mut failed_jobs = Vec::new();
         while let Some(action) = core.poll_action() {
@@ -400,6 +436,15 @@ impl Shared {
                         failed_jobs.push((job, n));
                     }
                 }
+                Action::G3 { job, transfers, .. } => match g3 {
+                    // Transfers start at once (a G3 job is planned right
+                    // before it is pumped, well inside its deadline); a
+                    // cancelled key's transfer runs anyway, into slots the
+                    // core keeps until it is reported.
+                    Some(driver) => driver.submit(self.me.clone(), job, &transfers),
+                    // Stopping: report them cancelled, nothing waits forever.
+                    None => failed_jobs.push((job, transfers.len())),
+                },
                 Action::Send { .. } | Action::Connect { .. } | Action::Put { .. } => {
                     // The peer thread owns the sockets and the UCX worker.
                     if let Some(tx) = peer_tx {
@@ -443,6 +488,25 @@ impl Shared {
         }
         false
     }
+}
+
+/// The default policy: least recently used, moving victims to G3 when
+/// there is one.
+fn default_policy(config: &RunnerConfig) -> Box<dyn CachePolicy> {
+    if config.g3.is_some() {
+        Box::new(policy::G3Lru)
+    } else {
+        Box::new(policy::Lru)
+    }
+}
+
+/// Opens the G3 store, its slot the (one) pool's block.
+fn open_g3(config: &RunnerConfig) -> Result<Option<G3Store>> {
+    let Some(options) = &config.g3 else {
+        return Ok(None);
+    };
+    let slot_bytes = config.pools.first().map_or(0, |p| p.block_size);
+    Ok(Some(G3Store::open(options, slot_bytes)?))
 }
 
 fn pool_memory_info(
@@ -502,6 +566,11 @@ impl Drop for Runner {
     fn drop(&mut self) {
         // 1. No local copy runs after this (queued ones are skipped).
         self.copy.stop();
+        // 1a. Nor any G3 transfer: the store's workers finish what was
+        //     submitted (reporting it to the core) and are joined here, with
+        //     the runner's lock not held (their reports take it).
+        let g3 = self.shared.lock().g3.take();
+        drop(g3);
         // 1b. No device copy runs either (they run on the copy thread), so the
         //     copier may unpin the pools before anything below frees them.
         if let Some(copier) = self.device.take() {
@@ -583,6 +652,7 @@ impl Runner {
             placements.push(placement);
         }
         injected(StartupStage::AllocatePools)?;
+        let g3 = open_g3(&config).map_err(|e| fail(StartupStage::OpenG3, e))?;
 
         let timeout_ns = u64::try_from(config.operation_timeout.as_nanos()).unwrap_or(u64::MAX);
         let core_config = CoreConfig {
@@ -595,16 +665,26 @@ impl Runner {
             operation_timeout_ns: timeout_ns,
             watermark_percent: config.capacity_low_watermark_percent,
             medium: config.medium,
+            g3: g3.as_ref().map(|store| G3Config {
+                slots: u32::try_from(store.slots()).unwrap_or(u32::MAX),
+                slot_bytes: store.slot_bytes(),
+                alignment: store.alignment(),
+            }),
         };
         let core = Core::new(
             &core_config,
-            policy.unwrap_or_else(|| Box::new(policy::Lru)),
+            policy.unwrap_or_else(|| default_policy(&config)),
         )
         .map_err(|e| fail(StartupStage::BuildCore, e.into()))?;
         injected(StartupStage::BuildCore)?;
 
         let (jobs_tx, jobs_rx) = mpsc::channel::<copy::Msg>();
-        let shared = Shared::new(core, jobs_tx.clone(), None);
+        let shared = Shared::new(
+            core,
+            jobs_tx.clone(),
+            None,
+            g3.map(g3_driver::G3Driver::new),
+        );
         let copy = copy::CopyEngine::start(Arc::downgrade(&shared), jobs_tx, jobs_rx)
             .map_err(|e| fail(StartupStage::StartCopyEngine, e))?;
         let pool_bytes = pools.iter().map(DramPool::len).sum();
@@ -666,6 +746,7 @@ impl Runner {
             Error::Startup { .. } => e,
             _ => fail("start peer", e),
         })?;
+        let g3 = open_g3(&config).map_err(|e| fail(StartupStage::OpenG3.name(), e))?;
         let timeout_ns = u64::try_from(config.operation_timeout.as_nanos()).unwrap_or(u64::MAX);
         let abandon_ns = peer
             .abandon_timeout
@@ -683,10 +764,15 @@ impl Runner {
             operation_timeout_ns: timeout_ns,
             watermark_percent: config.capacity_low_watermark_percent,
             medium: config.medium,
+            g3: g3.as_ref().map(|store| G3Config {
+                slots: u32::try_from(store.slots()).unwrap_or(u32::MAX),
+                slot_bytes: store.slot_bytes(),
+                alignment: store.alignment(),
+            }),
         };
         let mut core = Core::new(
             &core_config,
-            policy.unwrap_or_else(|| Box::new(policy::Lru)),
+            policy.unwrap_or_else(|| default_policy(&config)),
         )
         .map_err(|e| fail(StartupStage::BuildCore.name(), e.into()))?;
         // Pool i is runner region i (registered first, in order).
@@ -709,7 +795,12 @@ impl Runner {
             write_batch_bytes: peer.write_batch_bytes,
         });
         let (jobs_tx, jobs_rx) = mpsc::channel::<copy::Msg>();
-        let shared = Shared::new(core, jobs_tx.clone(), Some(driver.tx.clone()));
+        let shared = Shared::new(
+            core,
+            jobs_tx.clone(),
+            Some(driver.tx.clone()),
+            g3.map(g3_driver::G3Driver::new),
+        );
         let copy = copy::CopyEngine::start(Arc::downgrade(&shared), jobs_tx, jobs_rx)
             .map_err(|e| fail(StartupStage::StartCopyEngine.name(), e))?;
         driver.attach(Arc::clone(&shared));
@@ -1108,6 +1199,28 @@ impl Runner {
             pools: core.pool_stats(),
             counters: core.counters(),
         }
+    }
+
+    /// What G3 did and holds, and what its I/O reported (`None` without G3).
+    pub fn g3_stats(&self) -> Option<G3Stats> {
+        let inner = self.shared.lock();
+        let counters = inner.core.g3_counters()?;
+        let (failed_transfers, last_error) = inner.g3.as_ref().map_or((0, None), |d| {
+            let stats = d.stats();
+            (
+                stats.failed_transfers.load(Ordering::Relaxed),
+                stats
+                    .last_error
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .clone(),
+            )
+        });
+        Some(G3Stats {
+            counters,
+            failed_transfers,
+            last_error,
+        })
     }
 
     /// Number of resident (READY, FILLING or DISCARDING) pages.

@@ -900,7 +900,7 @@ impl State {
                     shared.with_core_now(|core, now| core.handle_put_done(now, write, false));
                 }
             }
-            Action::Copy { .. } | Action::Cancel { .. } => {}
+            Action::Copy { .. } | Action::G3 { .. } | Action::Cancel { .. } => {}
         }
     }
 

@@ -21,6 +21,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 mod device;
+mod g3_tier;
 mod peer;
 mod peer_faults;
 mod peer_trust;

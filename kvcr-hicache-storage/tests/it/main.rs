@@ -11,6 +11,7 @@
 
 mod config;
 mod fixture;
+mod g3;
 mod layouts;
 mod local;
 mod peer;

@@ -16,6 +16,7 @@
 
 mod between_hosts;
 mod events;
+mod g3;
 mod hicache_dynamo;
 mod scenarios;
 
@@ -173,6 +174,12 @@ pub(crate) fn registry() -> Vec<Scenario> {
             "between two hosts, packets reordered by ± 50 µs of jitter: every restored byte equal",
             false,
             between_hosts::reordered,
+        ),
+        Scenario::builtin(
+            "g3-spill",
+            "a 16-page KVCR DRAM pool over a G3 file tier, filled far past its capacity: the victims move to G3 (fetchable from disk), every page comes back byte-exact, and with the files removed underneath no wrong byte is ever served",
+            true,
+            g3::spill,
         ),
         Scenario::example(
             "hicache",

@@ -14,11 +14,14 @@ impl Core {
             }
             self.deadlines.pop_first();
             let Some(o) = self.ops.get(&op) else { continue };
+            // (Entries waiting for room detach from the waiter queue below.)
             let waiting: Vec<u32> = o
                 .entries
                 .iter()
                 .enumerate()
-                .filter(|(_, e)| e.result.is_none() && matches!(e.wait, Wait::Fill(_)))
+                .filter(|(_, e)| {
+                    e.result.is_none() && matches!(e.wait, Wait::Fill(_) | Wait::Capacity)
+                })
                 .map(|(i, _)| i as u32)
                 .collect();
             for entry in waiting {
@@ -29,6 +32,7 @@ impl Core {
             }
             self.finish_if_done(op);
         }
+        self.resume_capacity_waiters(now);
         self.check_pressure();
     }
 
@@ -48,7 +52,9 @@ impl Core {
             .and_then(Option::as_ref)
             .map(|f| f.source)
         {
-            Some(FillSource::Copy { job, .. }) => self.jobs.get(&job).is_some_and(|j| j.op == op),
+            Some(FillSource::Copy { job, .. } | FillSource::G3 { job, .. }) => {
+                self.jobs.get(&job).is_some_and(|j| j.op == op)
+            }
             _ => false,
         }
     }
@@ -81,6 +87,29 @@ impl Core {
                     };
                     self.finish_fill(now, fill, result, &mut stored, &mut deliver_next);
                 }
+                JobKey::Spill { record } => {
+                    self.finish_spill(record, outcome == CopyOutcome::Copied);
+                }
+                JobKey::G3Deliver { entry, key } => {
+                    let read = match outcome {
+                        CopyOutcome::Copied => g3::G3Read::Read,
+                        CopyOutcome::Failed => g3::G3Read::Failed,
+                        CopyOutcome::Cancelled | CopyOutcome::DeadlinePassed => g3::G3Read::NotRead,
+                    };
+                    let bytes = self.g3_bytes(&key);
+                    self.g3_release(key, read);
+                    let result = match outcome {
+                        CopyOutcome::Copied => {
+                            self.counters.bytes_delivered += bytes;
+                            EntryResult::success(None, Vec::new())
+                        }
+                        CopyOutcome::DeadlinePassed => EntryResult::failed(FailReason::Timeout),
+                        CopyOutcome::Cancelled => EntryResult::failed(FailReason::Aborted),
+                        CopyOutcome::Failed => EntryResult::failed(FailReason::CopyFailed),
+                    };
+                    // A result set earlier (abort) stands: set_result keeps the first.
+                    self.set_result(op, entry, result);
+                }
                 JobKey::Deliver { record, entry } => {
                     if outcome == CopyOutcome::Copied {
                         self.counters.bytes_delivered += self.record_bytes(record);
@@ -104,6 +133,9 @@ impl Core {
         for (waiter_op, entries) in deliver_next {
             self.start_delivers(now, waiter_op, entries);
         }
+        // A spill that ended (or a fill that freed its slots) may have made
+        // the room a waiting key needs.
+        self.resume_capacity_waiters(now);
         self.finish_if_done(op);
         let waiting_ops: Vec<OpHandle> = self.ops.keys().copied().collect();
         for o in waiting_ops {
@@ -127,6 +159,17 @@ impl Core {
         };
         self.free_fills.push(fill);
         self.filling.remove(&f.record);
+        if let (FillSource::G3 { .. }, Some(key)) = (f.source, self.record(f.record).map(|r| r.key))
+        {
+            // A copy of bytes G3 could not read is never served again. A fill
+            // cancelled or past its deadline did not read at all.
+            let read = match result {
+                Ok(()) => g3::G3Read::Read,
+                Err(FailReason::CopyFailed) => g3::G3Read::Failed,
+                Err(_) => g3::G3Read::NotRead,
+            };
+            self.g3_release(key, read);
+        }
         let filling = self
             .record(f.record)
             .is_some_and(|r| r.state == Residency::Filling);

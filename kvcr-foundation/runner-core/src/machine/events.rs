@@ -26,6 +26,10 @@ impl Core {
                 Some(p) => (p.parent, p.token_ids.clone()),
                 None => (None, Vec::new()),
             };
+            if let (Some(_), Some(p)) = (&self.g3, page) {
+                // A spill to G3 publishes the page again (medium DISK).
+                self.page_info.insert(*idx, p.clone());
+            }
             let event = InventoryEvent::Stored {
                 scope: self.scope(key.namespace),
                 keys: vec![key.key],
@@ -237,6 +241,6 @@ impl Core {
                 ));
             }
         }
-        Ok(())
+        self.check_g3()
     }
 }

@@ -135,28 +135,39 @@ impl Core {
     }
 
     /// Takes one slot per pool of `layout`, evicting READY unclaimed pages if
-    /// needed. Evicts nothing unless the whole allocation can succeed.
+    /// needed (or moving them to G3, as the policy says). Evicts nothing
+    /// unless the whole allocation can succeed; when it can only once spills
+    /// to G3 are done, starts them and answers [`Allocation::Pending`].
     pub(in crate::machine) fn allocate(
         &mut self,
-        _now: u64,
+        now: u64,
         layout: u16,
         protected: &[ScopedKey],
-    ) -> Option<Vec<u32>> {
-        let spans = self.layouts.get(layout as usize)?.len();
-        // Slots still missing per pool (pools are few; index by pool id).
-        let mut short = vec![0u32; self.pools.len()];
-        for i in 0..spans {
-            let pool = self.layouts.get(layout as usize)?.get(i)?.0 as usize;
-            *short.get_mut(pool)? += 1;
-        }
-        for (pool, missing) in short.iter_mut().enumerate() {
-            let free = self.pools.get(pool).map_or(0, |p| p.free.len() as u32);
-            *missing = missing.saturating_sub(free);
+    ) -> Allocation {
+        let Some(mut short) = self.slots_short(layout) else {
+            return Allocation::Full;
+        };
+        if short.iter().any(|m| *m > 0) {
+            // Spills in flight free DRAM slots when they end; what the keys
+            // already waiting do not need is this allocation's, so it waits
+            // for that rather than spill (or evict) more.
+            let spare = self.room_coming();
+            let mut coming = false;
+            for (m, s) in short.iter_mut().zip(spare) {
+                coming |= *m > 0 && s > 0;
+                *m = m.saturating_sub(s);
+            }
+            if coming && short.iter().all(|m| *m == 0) {
+                return Allocation::Pending;
+            }
         }
         let mut still_short = short.iter().filter(|m| **m > 0).count();
         if still_short > 0 {
             self.rescore_unscored();
             let mut victims = Vec::new();
+            let mut spills = Vec::new();
+            // G3 slots the spills chosen so far will take.
+            let mut promised = 0;
             let mut cursor = self.first_candidate();
             while let (Some(idx), true) = (cursor, still_short > 0) {
                 cursor = self.next_candidate(idx);
@@ -173,10 +184,24 @@ impl Core {
                     continue;
                 }
                 let Some(meta) = self.meta(idx) else { continue };
-                if self.policy.decide_eviction(&meta) == EvictionDecision::Keep {
-                    continue;
+                let victim_spans = self.layouts.get(victim_layout).map_or(0, Vec::len);
+                match self.policy.decide_eviction(&meta) {
+                    EvictionDecision::Keep => continue,
+                    EvictionDecision::Drop => victims.push(idx),
+                    EvictionDecision::MoveToG3 => match self.g3_move_kind(idx) {
+                        Move::Spill if self.g3_has_room(promised, victim_spans) => {
+                            promised += victim_spans;
+                            spills.push(idx);
+                        }
+                        Move::AlreadyStored => {
+                            if let Some(g3) = self.g3.as_mut() {
+                                g3.counters_mut().moves_already_stored += 1;
+                            }
+                            victims.push(idx);
+                        }
+                        Move::Spill | Move::Drop => victims.push(idx),
+                    },
                 }
-                victims.push(idx);
                 for p in self.layouts.get(victim_layout).into_iter().flatten() {
                     if let Some(m) = short.get_mut(p.0 as usize).filter(|m| **m > 0) {
                         *m -= 1;
@@ -187,8 +212,10 @@ impl Core {
                 }
             }
             if still_short > 0 {
-                return None;
+                return Allocation::Full;
             }
+            // Spills first: a victim G3 finds no slot for is dropped instead.
+            victims.extend(self.start_spills(now, &spills));
             let mut removed = Vec::with_capacity(victims.len());
             for idx in victims {
                 removed.extend(self.free_record(idx, "evict"));
@@ -196,13 +223,45 @@ impl Core {
             }
             // One Removed event per namespace for the whole batch.
             self.publish_removed(&removed);
+            if self
+                .slots_short(layout)
+                .is_none_or(|s| s.iter().any(|m| *m > 0))
+            {
+                return Allocation::Pending;
+            }
         }
-        let mut slots = Vec::with_capacity(spans);
-        for i in 0..spans {
-            let pool = self.layouts.get(layout as usize)?.get(i)?.0 as usize;
-            slots.push(self.pools.get_mut(pool)?.free.pop_front()?);
+        let mut slots = Vec::with_capacity(short.len());
+        let Some(pools) = self.layouts.get(layout as usize).cloned() else {
+            return Allocation::Full;
+        };
+        for pool in pools {
+            match self
+                .pools
+                .get_mut(pool.0 as usize)
+                .and_then(|p| p.free.pop_front())
+            {
+                Some(slot) => slots.push(slot),
+                None => {
+                    self.return_slots(layout, slots);
+                    return Allocation::Full;
+                }
+            }
         }
-        Some(slots)
+        Allocation::Slots(slots)
+    }
+
+    /// Per pool, how many slots `layout` still lacks beyond the free ones.
+    fn slots_short(&self, layout: u16) -> Option<Vec<u32>> {
+        let pools = self.layouts.get(layout as usize)?;
+        let mut short = vec![0u32; self.pools.len()];
+        for pool in pools {
+            *short.get_mut(pool.0 as usize)? += 1;
+        }
+        for (pool, missing) in short.iter_mut().enumerate() {
+            let free = self.pools.get(pool).map_or(0, |p| p.free.len() as u32);
+            *missing = missing.saturating_sub(free);
+        }
+        Some(short)
     }
 
     /// The first eviction candidate in policy order.

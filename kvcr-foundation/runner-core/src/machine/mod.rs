@@ -38,6 +38,7 @@ use kvcr_contracts::tier::{InventoryEvent, InventoryScope, Medium, Owner};
 mod completions;
 mod events;
 mod eviction;
+mod g3;
 mod operations;
 mod peer;
 mod records;
@@ -48,6 +49,9 @@ pub use peer::{
     MAX_WORKER_ADDRESS_LEN, PeerCounters, PeerNotice, PeerStateSizes,
 };
 pub use peer::{PeerConfig, PutSpan};
+
+use g3::{Allocation, CapacityWaiter, G3Tier, Move, WaiterKind};
+pub use g3::{G3Config, G3Counters, G3Direction, G3Transfer};
 
 /// Label prefix of the runner's own pool regions (`kvcr-dram/<pool>`).
 pub const KVCR_REGION_PREFIX: &str = "kvcr-dram/";
@@ -113,6 +117,18 @@ pub enum Action {
         /// The puts.
         spans: Vec<peer::PutSpan>,
     },
+    /// Run these G3 (file tier) transfers off the caller's thread, one per
+    /// key of the job, skipping any that has not started by `deadline_ns`;
+    /// report them like a copy job (`handle_copy_done`).
+    G3 {
+        /// The job.
+        job: JobId,
+        /// Runner time after which a not-yet-started key is skipped.
+        deadline_ns: u64,
+        /// Per key, its transfers (one per span); a key is copied only when
+        /// all of them are.
+        transfers: Vec<Vec<G3Transfer>>,
+    },
     /// Skip key `key` of `job` if its copy has not started yet.
     Cancel {
         /// The job.
@@ -161,6 +177,8 @@ enum SlotList {
 const FLAG_QUEUED: u8 = 1;
 const FLAG_RETIRE: u8 = 2;
 const FLAG_UNSCORED: u8 = 4;
+/// A spill of this DRAM page to G3 failed: it is dropped, not moved, next time.
+const FLAG_SPILL_FAILED: u8 = 8;
 
 /// One page the runner holds (or is filling).
 #[derive(Debug, Clone)]
@@ -216,6 +234,8 @@ enum Wait {
     Fill(u32),
     /// Waiting for its own deliver copy (key index inside the job).
     Copy(JobId, u32),
+    /// Waiting for DRAM room that a spill to G3 is making.
+    Capacity,
 }
 
 #[derive(Debug)]
@@ -254,12 +274,28 @@ enum FillSource {
     Copy { job: JobId, key: u32 },
     /// A destination-initiated write from a peer (target operation id).
     Remote { target_op: u64 },
+    /// Key `key` of G3 job `job`, reading the G3 residency of the same key
+    /// (claimed until the read is terminal).
+    G3 { job: JobId, key: u32 },
 }
 
 #[derive(Debug, Clone, Copy)]
 enum JobKey {
     Fill(u32),
-    Deliver { record: u32, entry: u32 },
+    Deliver {
+        record: u32,
+        entry: u32,
+    },
+    /// A spill of DRAM record `record` into the G3 residency of its key.
+    Spill {
+        record: u32,
+    },
+    /// Entry `entry` of the job's deliver, read from `key`'s G3 copy
+    /// straight into its destination.
+    G3Deliver {
+        entry: u32,
+        key: ScopedKey,
+    },
 }
 
 #[derive(Debug)]
@@ -298,6 +334,8 @@ pub struct CoreConfig {
     pub watermark_percent: u8,
     /// The medium KVCR DRAM is published under.
     pub medium: Medium,
+    /// The file tier under KVCR DRAM, if any.
+    pub g3: Option<G3Config>,
 }
 
 /// The sans-I/O runner core.
@@ -338,6 +376,12 @@ pub struct Core {
     capacity_signals: Vec<(PoolId, u32)>,
     counters: CoreCounters,
     peer: Option<peer::PeerState>,
+    /// The file tier (G3), when configured.
+    g3: Option<G3Tier>,
+    /// Operations' keys waiting for DRAM room a spill is making, oldest first.
+    capacity_waiters: VecDeque<CapacityWaiter>,
+    /// Tokens of READY pages, kept only with G3 (its `Stored` events need them).
+    page_info: HashMap<u32, PageInfo>,
 }
 
 impl std::fmt::Debug for Core {
@@ -448,6 +492,9 @@ impl Core {
             capacity_signals: Vec::new(),
             counters: CoreCounters::default(),
             peer: None,
+            g3: config.g3.map(G3Tier::new),
+            capacity_waiters: VecDeque::new(),
+            page_info: HashMap::new(),
         })
     }
 }

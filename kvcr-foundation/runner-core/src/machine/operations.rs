@@ -113,7 +113,8 @@ impl Core {
             op_entries,
             memory.unwrap_or(RegionMemory::Host),
         );
-        let job = JobId(self.next_job);
+        // Reserved now: allocations below may start G3 spill jobs.
+        let job = self.reserve_job();
         let mut job_keys = Vec::new();
         let mut job_spans = Vec::new();
         let protected: Vec<ScopedKey> = validated.iter().map(|v| v.0).collect();
@@ -163,13 +164,27 @@ impl Core {
                         self.set_result(handle, entry, EntryResult::dropped());
                         continue;
                     }
-                    let Some(slots) = self.allocate(now, layout, &protected) else {
-                        self.set_result(
-                            handle,
-                            entry,
-                            EntryResult::failed(FailReason::CapacityExhausted),
-                        );
-                        continue;
+                    let slots = match self.allocate(now, layout, &protected) {
+                        Allocation::Slots(slots) => slots,
+                        Allocation::Pending => {
+                            // Spills to G3 are making room: wait for it.
+                            self.wait_for_capacity(
+                                handle,
+                                entry,
+                                key,
+                                layout,
+                                WaiterKind::Deposit { spans, page },
+                            );
+                            continue;
+                        }
+                        Allocation::Full => {
+                            self.set_result(
+                                handle,
+                                entry,
+                                EntryResult::failed(FailReason::CapacityExhausted),
+                            );
+                            continue;
+                        }
                     };
                     let record = self.insert_record(now, key, layout, slots);
                     for (span, slot) in spans.iter_mut().zip(self.slot_spans(record)) {
@@ -235,6 +250,7 @@ impl Core {
             .collect();
         let handle = self.new_op(now, OpKind::Fetch, entries, RegionMemory::Host);
         let mut remote = Vec::new();
+        let mut g3_batch = Vec::new();
         for (i, key) in unique.iter().enumerate() {
             let entry = i as u32;
             match self.index.get(key).copied() {
@@ -269,9 +285,15 @@ impl Core {
                         }
                     }
                 }
-                None => remote.push((entry, *key)),
+                None => {
+                    if !self.start_g3_fill(now, handle, entry, *key, layout, &unique, &mut g3_batch)
+                    {
+                        remote.push((entry, *key));
+                    }
+                }
             }
         }
+        self.submit_g3_fills(handle, g3_batch);
         self.start_remote(now, handle, request, layout, remote, &unique);
         self.finish_if_done(handle);
         self.check_pressure();
@@ -395,6 +417,29 @@ impl Core {
             }
         }
         let protected: Vec<ScopedKey> = validated.iter().map(|v| v.0).collect();
+        // A key DRAM lacks is filled from G3 when G3 holds it, else from the
+        // hinted peer.
+        let mut g3_batch = Vec::new();
+        let mut g3_direct = Vec::new();
+        for (layout, missing) in std::mem::take(&mut remote) {
+            for (entry, key) in missing {
+                if let Some(transfer) = self.g3_direct_deliver(handle, entry, key, layout) {
+                    g3_direct.push((entry, key, transfer));
+                } else if !self.start_g3_fill(
+                    now,
+                    handle,
+                    entry,
+                    key,
+                    layout,
+                    &protected,
+                    &mut g3_batch,
+                ) {
+                    remote.entry(layout).or_default().push((entry, key));
+                }
+            }
+        }
+        self.submit_g3_delivers(handle, g3_direct);
+        self.submit_g3_fills(handle, g3_batch);
         for (layout, missing) in remote {
             self.start_remote(now, handle, request, layout, missing, &protected);
         }
@@ -415,7 +460,7 @@ impl Core {
         if entries.is_empty() {
             return;
         }
-        let job = JobId(self.next_job);
+        let job = self.reserve_job();
         let mut keys = Vec::with_capacity(entries.len());
         let mut spans = Vec::with_capacity(entries.len());
         for (entry, record) in entries {
@@ -445,6 +490,15 @@ impl Core {
         self.submit_job(handle, job, keys, spans);
     }
 
+    /// A fresh copy job id.
+    pub(in crate::machine) fn reserve_job(&mut self) -> JobId {
+        let job = JobId(self.next_job);
+        self.next_job += 1;
+        job
+    }
+
+    /// Registers `job` (an id from [`Self::reserve_job`]) for `op` and asks the
+    /// driver to run its copies.
     pub(in crate::machine) fn submit_job(
         &mut self,
         op: OpHandle,
@@ -452,8 +506,6 @@ impl Core {
         keys: Vec<JobKey>,
         spans: Vec<Vec<CopySpan>>,
     ) {
-        debug_assert_eq!(job.0, self.next_job);
-        self.next_job += 1;
         let deadline_ns = self.ops.get(&op).map_or(0, |o| o.deadline);
         let memory = self.ops.get(&op).map_or(RegionMemory::Host, |o| o.memory);
         if let Some(o) = self.ops.get_mut(&op) {
@@ -529,9 +581,11 @@ impl Core {
                 let mut cancel = None;
                 if let Some(f) = self.fills.get_mut(fill as usize).and_then(Option::as_mut) {
                     f.waiters.retain(|w| *w != (op, entry));
-                    // A local copy nobody waits for is cancelled; a remote
-                    // write cannot be, and its target operation still owns it.
-                    if let (true, FillSource::Copy { job, key }) = (f.waiters.is_empty(), f.source)
+                    // A local copy or G3 read nobody waits for is cancelled;
+                    // a remote write cannot be, and its target operation
+                    // still owns it.
+                    if let (true, FillSource::Copy { job, key } | FillSource::G3 { job, key }) =
+                        (f.waiters.is_empty(), f.source)
                     {
                         cancel = Some((job, key));
                     }
@@ -541,6 +595,7 @@ impl Core {
                 }
             }
             Wait::Copy(job, key) => self.actions.push_back(Action::Cancel { job, key }),
+            Wait::Capacity => self.forget_waiter(op, entry),
             Wait::None => {}
         }
         self.set_result(op, entry, EntryResult::failed(reason));

@@ -168,6 +168,7 @@ impl Core {
         let slots = self.slot_vec(idx);
         self.many_slots.remove(&idx);
         self.filling.remove(&idx);
+        self.page_info.remove(&idx);
         self.dequeue(idx);
         self.transition(idx, Residency::Vacant, site);
         for (i, slot) in slots.into_iter().enumerate() {

@@ -53,11 +53,13 @@ impl Core {
 
     // ------------------------------------------------------------ queries
 
-    /// Residency of one key. No allocation, no I/O.
+    /// Residency of one key: READY or FILLING in KVCR DRAM, else fetchable
+    /// from G3 when G3 holds it READY. No allocation, no I/O.
     pub fn query(&self, key: &ScopedKey) -> QueryStatus {
         match self.index.get(key).map(|e| e.state) {
             Some(Residency::Ready) => QueryStatus::Hit,
             Some(Residency::Filling) => QueryStatus::Fetching,
+            None if self.g3_ready(key) => QueryStatus::Fetchable(kvcr_contracts::tier::Tier::Disk),
             _ => QueryStatus::Miss,
         }
     }

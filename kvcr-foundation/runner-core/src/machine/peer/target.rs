@@ -188,7 +188,9 @@ impl Core {
         let mut fills = Vec::new();
         let mut destinations = Vec::new();
         for key in keys {
-            let Some(slots) = self.allocate(now, layout, protected) else {
+            // A peer's write cannot wait for room: a spill started for it
+            // makes room for the next request.
+            let Allocation::Slots(slots) = self.allocate(now, layout, protected) else {
                 results.push(Err(FailReason::CapacityExhausted));
                 continue;
             };

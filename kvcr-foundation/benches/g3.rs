@@ -1,0 +1,355 @@
+//! G3 file tier benchmarks, each beside an anchor measured in the same round
+//! on the same files.
+//!
+//! `cargo bench -p kvcr-foundation --bench g3 [-- --quick]` (or
+//! `cargo xtask bench`) prints:
+//! - `BENCH g3.spill`: slots written from a DRAM buffer (page-aligned,
+//!   pre-faulted, 1 GiB: not a small buffer reused from cache) through
+//!   `G3Store::run_batch`, striped over 3 files; anchor: the same bytes
+//!   written to the same files `O_DIRECT`, one thread per file, sequential
+//!   4 MiB `pwrite`s (like `dd oflag=direct bs=4M`).
+//! - `BENCH g3.fill`: the slots read back into DRAM; anchor: the files read
+//!   `O_DIRECT`, one thread per file, sequential 4 MiB `pread`s. Every fill
+//!   is byte-checked.
+//! - `BENCH g3.one_block_fill_p50`: one slot read with `G3Store::read_slot`;
+//!   anchor: one `O_DIRECT` `pread` of a slot's size at the same 4 KiB-aligned
+//!   offset of the same file.
+//!
+//! The slot is a realistic page: one Qwen3-0.6B 64-token page shard per
+//! tensor-parallel rank at TP=2 (28 layers × K and V × 8 KV heads × 128 ×
+//! 2 bytes × 64 tokens / 2 = 3,670,016 bytes, 3.5 MiB).
+//!
+//! Files live in `target/g3-bench` (or `$KVCR_G3_BENCH_DIR`), written once
+//! before measuring (so every measured write overwrites allocated blocks, the
+//! anchor's as the store's) and removed at the end.
+//! `KVCR_G3_BENCH_WORKERS=a,b,…` adds one `g3.spill_w<N>`/`g3.fill_w<N>`
+//! pair per worker count (to choose the default).
+
+#![allow(clippy::disallowed_methods)] // a benchmark reads the clock
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+#![allow(missing_docs, unsafe_code)]
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use kvcr_foundation::runner::g3::{DirectBuf, G3Io, G3Options, G3Store, G3Tuning};
+
+/// One Qwen3-0.6B 64-token page shard at TP=2.
+const SLOT: u64 = 3_670_016;
+const FILES: usize = 3;
+/// 98 per file: 294 × 3.5 MiB = 1.005 GiB.
+const SLOTS_PER_FILE: u64 = 98;
+const SLOTS: u64 = SLOTS_PER_FILE * FILES as u64;
+const TOTAL: u64 = SLOTS * SLOT;
+/// The anchor's request size (`dd bs=4M`).
+const CHUNK: u64 = 4 << 20;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn bench(name: &str, value: f64, unit: &str, anchor: f64) {
+    println!(
+        "BENCH {name} value={value:.3} unit={unit} anchor={anchor:.3} ratio={:.3}",
+        value / anchor
+    );
+}
+
+fn gbps(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+/// The bench's directory, removed on drop (also when a check panics).
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Deterministic pseudo-random bytes (xorshift64*), fast enough for 1 GiB.
+fn fill_random(buf: &mut [u8], seed: u64) {
+    let mut x = seed | 1;
+    for chunk in buf.chunks_exact_mut(8) {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        chunk.copy_from_slice(&x.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes());
+    }
+}
+
+/// Who wrote the files last: their layout differs.
+#[derive(Clone, Copy, PartialEq)]
+enum Layout {
+    /// Slot `i` holds `src[i × SLOT..]` (the store's striping).
+    Store,
+    /// File `f` holds `src[f × share..]` contiguously (the anchor's).
+    Anchor,
+}
+
+/// Where slot `slot`'s bytes came from in `src`, by layout.
+fn source_offset(slot: u64, layout: Layout) -> u64 {
+    match layout {
+        Layout::Store => slot * SLOT,
+        Layout::Anchor => {
+            let (file, row) = (slot % FILES as u64, slot / FILES as u64);
+            file * SLOTS_PER_FILE * SLOT + row * SLOT
+        }
+    }
+}
+
+fn open_direct(path: &PathBuf) -> File {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .unwrap()
+}
+
+/// The anchor: one thread per file moving its share sequentially in 4 MiB
+/// requests, `O_DIRECT`.
+fn anchor(files: &[File], buf: &DirectBuf, write: bool) -> Duration {
+    let share = SLOTS_PER_FILE * SLOT;
+    let base = buf.addr();
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for (f, file) in files.iter().enumerate() {
+            s.spawn(move || {
+                let mut offset = 0;
+                while offset < share {
+                    let len = CHUNK.min(share - offset);
+                    let addr = base + f as u64 * share + offset;
+                    // SAFETY: `addr..addr+len` lies inside `buf` (the file's
+                    // share of it), which outlives the scope; each thread
+                    // touches its own share; a read's share is written by
+                    // this thread alone.
+                    let bytes = unsafe {
+                        std::slice::from_raw_parts_mut(addr as usize as *mut u8, len as usize)
+                    };
+                    if write {
+                        file.write_all_at(bytes, offset).unwrap();
+                    } else {
+                        file.read_exact_at(bytes, offset).unwrap();
+                    }
+                    offset += len;
+                }
+            });
+        }
+    });
+    start.elapsed()
+}
+
+/// Every slot through the store, one batch.
+fn through_store(store: &G3Store, buf: &DirectBuf, write: bool) -> Duration {
+    let items: Vec<G3Io> = (0..SLOTS)
+        .map(|slot| {
+            let addr = buf.addr() + slot * SLOT;
+            if write {
+                G3Io::write(slot, addr, SLOT)
+            } else {
+                G3Io::read(slot, addr, SLOT)
+            }
+        })
+        .collect();
+    let start = Instant::now();
+    // SAFETY: every item's range is its slot's share of `buf`, which
+    // outlives the call; the ranges are disjoint and nothing else touches
+    // `buf` during it.
+    let outcomes = unsafe { store.run_batch(&items) };
+    let elapsed = start.elapsed();
+    for (slot, outcome) in outcomes.iter().enumerate() {
+        if let Err(e) = outcome {
+            panic!("slot {slot}: {e}");
+        }
+    }
+    elapsed
+}
+
+fn check_fill(src: &DirectBuf, dst: &DirectBuf, layout: Layout) {
+    for slot in 0..SLOTS {
+        let from = source_offset(slot, layout) as usize;
+        let at = (slot * SLOT) as usize;
+        let len = SLOT as usize;
+        assert!(
+            dst[at..at + len] == src[from..from + len],
+            "slot {slot}: the bytes read back differ"
+        );
+    }
+}
+
+struct Round {
+    spill: f64,
+    spill_anchor: f64,
+    fill: f64,
+    fill_anchor: f64,
+}
+
+/// One round: anchor write and spill (in alternating order), anchor read and
+/// fill (the fill byte-checked against whoever wrote last).
+fn round(
+    store: &G3Store,
+    files: &[File],
+    src: &DirectBuf,
+    dst: &mut DirectBuf,
+    store_first: bool,
+) -> Round {
+    let (spill, spill_anchor, layout) = if store_first {
+        let s = through_store(store, src, true);
+        let a = anchor(files, src, true);
+        (s, a, Layout::Anchor)
+    } else {
+        let a = anchor(files, src, true);
+        let s = through_store(store, src, true);
+        (s, a, Layout::Store)
+    };
+    let fill_store = |dst: &mut DirectBuf| {
+        dst.fill(0);
+        let d = through_store(store, dst, false);
+        check_fill(src, dst, layout);
+        d
+    };
+    let (fill, fill_anchor) = if store_first {
+        let f = fill_store(dst);
+        (f, anchor(files, dst, false))
+    } else {
+        let a = anchor(files, dst, false);
+        (fill_store(dst), a)
+    };
+    Round {
+        spill: gbps(TOTAL, spill),
+        spill_anchor: gbps(TOTAL, spill_anchor),
+        fill: gbps(TOTAL, fill),
+        fill_anchor: gbps(TOTAL, fill_anchor),
+    }
+}
+
+fn throughput(
+    paths: &[PathBuf],
+    src: &DirectBuf,
+    dst: &mut DirectBuf,
+    tuning: G3Tuning,
+    rounds: usize,
+    suffix: &str,
+) {
+    let options = G3Options {
+        paths: paths.to_vec(),
+        capacity_bytes_per_file: SLOTS_PER_FILE * SLOT,
+    };
+    let store = G3Store::open_with(&options, SLOT, tuning).unwrap();
+    let files: Vec<File> = paths.iter().map(open_direct).collect();
+    let results: Vec<Round> = (0..rounds)
+        .map(|r| round(&store, &files, src, dst, r % 2 == 1))
+        .collect();
+    let pick = |f: fn(&Round) -> f64| median(results.iter().map(f).collect());
+    bench(
+        &format!("g3.spill{suffix}"),
+        pick(|r| r.spill),
+        "GB/s",
+        pick(|r| r.spill_anchor),
+    );
+    bench(
+        &format!("g3.fill{suffix}"),
+        pick(|r| r.fill),
+        "GB/s",
+        pick(|r| r.fill_anchor),
+    );
+    if suffix.is_empty() {
+        println!(
+            "# g3: {} workers, {FILES} files, {SLOTS} slots of {SLOT} B (1.005 GiB); \
+             alignment: memory {} B, offset {} B",
+            store.workers(),
+            store.alignment(),
+            store.offset_alignment()
+        );
+    }
+}
+
+/// One slot read on the caller's thread vs one `O_DIRECT` `pread` of the
+/// same bytes, interleaved, over slots spread across the files.
+fn one_block(paths: &[PathBuf], dst: &mut DirectBuf, samples: usize) {
+    let options = G3Options {
+        paths: paths.to_vec(),
+        capacity_bytes_per_file: SLOTS_PER_FILE * SLOT,
+    };
+    let store = G3Store::open(&options, SLOT).unwrap();
+    let files: Vec<File> = paths.iter().map(open_direct).collect();
+    let mut ours = Vec::with_capacity(samples);
+    let mut theirs = Vec::with_capacity(samples);
+    let page = &mut dst[..SLOT as usize];
+    for i in 0..samples as u64 {
+        // A stride coprime with the slot count: every sample another slot.
+        let slot = (i * 97) % SLOTS;
+        let (file, offset) = store.location(slot).unwrap();
+        let start = Instant::now();
+        files[file].read_exact_at(page, offset).unwrap();
+        theirs.push(start.elapsed().as_secs_f64() * 1e6);
+        let slot = (slot + 1) % SLOTS;
+        let start = Instant::now();
+        store.read_slot_into(slot, page).unwrap();
+        ours.push(start.elapsed().as_secs_f64() * 1e6);
+    }
+    bench("g3.one_block_fill_p50", median(ours), "us", median(theirs));
+}
+
+fn main() {
+    // `cargo test --all-targets` runs bench binaries without `--bench`: build
+    // check only, no timing in tests.
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("g3 bench: run with `cargo bench` or `cargo xtask bench`");
+        return;
+    }
+    let quick = std::env::args().any(|a| a == "--quick")
+        || std::env::var("KVCR_BENCH_QUICK").as_deref() == Ok("1");
+    let dir = std::env::var_os("KVCR_G3_BENCH_DIR").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/g3-bench"),
+        PathBuf::from,
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = Scratch(dir);
+    let paths: Vec<PathBuf> = (0..FILES)
+        .map(|i| scratch.0.join(format!("g3-{i}")))
+        .collect();
+
+    let mut src = DirectBuf::new(TOTAL as usize, 4096).unwrap();
+    let mut dst = DirectBuf::new(TOTAL as usize, 4096).unwrap();
+    fill_random(&mut src, 0x9e37_79b9_7f4a_7c15);
+    // Create and allocate the files once: every measured write overwrites.
+    for p in &paths {
+        File::create(p).unwrap();
+    }
+    let files: Vec<File> = paths.iter().map(open_direct).collect();
+    anchor(&files, &src, true);
+    drop(files);
+
+    let rounds = if quick { 3 } else { 5 };
+    throughput(&paths, &src, &mut dst, G3Tuning::default(), rounds, "");
+    one_block(&paths, &mut dst, if quick { 40 } else { 200 });
+    if let Ok(list) = std::env::var("KVCR_G3_BENCH_WORKERS") {
+        for workers in list.split(',').filter_map(|w| w.trim().parse().ok()) {
+            let tuning = G3Tuning {
+                workers,
+                ..G3Tuning::default()
+            };
+            throughput(
+                &paths,
+                &src,
+                &mut dst,
+                tuning,
+                rounds,
+                &format!("_w{workers}"),
+            );
+        }
+    }
+    drop(scratch);
+}

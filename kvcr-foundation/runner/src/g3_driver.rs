@@ -1,0 +1,135 @@
+//! The runner's side of G3: the core's [`Action::G3`](kvcr_runner_core::Action)
+//! jobs run on the [`G3Store`]'s workers, and their outcomes come back to
+//! the core like a copy job's (`handle_copy_done`), on the worker that
+//! finished the job's last transfer.
+//!
+//! Drop order: the runner stops this driver (joining the store's workers,
+//! after every submitted transfer ran and reported) before it frees the
+//! pools the transfers read and write.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+
+use kvcr_runner_core::{CopyOutcome, G3Direction, G3Transfer, JobId};
+
+use crate::Shared;
+use crate::g3::{DirectBuf, G3Error, G3Io, G3Store};
+
+/// What G3's I/O reported, beside the core's counters.
+#[derive(Debug, Default)]
+pub(crate) struct G3IoStats {
+    pub(crate) failed_transfers: AtomicU64,
+    pub(crate) last_error: Mutex<Option<G3Error>>,
+}
+
+/// The store and what its I/O reported.
+pub(crate) struct G3Driver {
+    store: G3Store,
+    stats: Arc<G3IoStats>,
+}
+
+impl G3Driver {
+    pub(crate) fn new(store: G3Store) -> Self {
+        Self {
+            store,
+            stats: Arc::new(G3IoStats::default()),
+        }
+    }
+
+    pub(crate) fn stats(&self) -> &Arc<G3IoStats> {
+        &self.stats
+    }
+
+    /// Starts job `job`'s transfers (per key, one per span); reports the job
+    /// to `shared` when all ended, a key copied only if all its spans were.
+    ///
+    /// A load into memory the files cannot read into directly (a deliver
+    /// destination off the direct-I/O alignment) goes through a bounce
+    /// buffer of its own, copied out before the job is reported.
+    pub(crate) fn submit(&self, shared: Weak<Shared>, job: JobId, keys: &[Vec<G3Transfer>]) {
+        let spans: Vec<usize> = keys.iter().map(Vec::len).collect();
+        let align = self.store.alignment().max(1);
+        let mut bounces: Vec<(usize, DirectBuf, u64)> = Vec::new();
+        let mut items = Vec::with_capacity(spans.iter().sum());
+        for (i, t) in keys.iter().flatten().enumerate() {
+            let item = match t.direction {
+                G3Direction::Store => G3Io::write(u64::from(t.slot), t.addr, t.len),
+                G3Direction::Load if t.addr % align == 0 => {
+                    G3Io::read(u64::from(t.slot), t.addr, t.len)
+                }
+                G3Direction::Load => {
+                    let bounce = usize::try_from(t.len)
+                        .ok()
+                        .and_then(|len| DirectBuf::new(len, usize::try_from(align).ok()?));
+                    match bounce {
+                        Some(bounce) => {
+                            let item = G3Io::read(u64::from(t.slot), bounce.addr(), t.len);
+                            bounces.push((i, bounce, t.addr));
+                            item
+                        }
+                        // No memory for a bounce: the store refuses the
+                        // unaligned item itself (a typed error, nothing read).
+                        None => G3Io::read(u64::from(t.slot), t.addr, t.len),
+                    }
+                }
+            };
+            items.push(item);
+        }
+        let stats = Arc::clone(&self.stats);
+        let done = move |outcomes: Vec<Result<(), G3Error>>| {
+            for (i, bounce, dest) in &bounces {
+                if outcomes.get(*i).is_some_and(Result::is_ok) {
+                    // SAFETY: `dest .. dest + bounce.len()` is the deliver
+                    // destination of this transfer, which the core keeps for
+                    // this job until its outcome is reported (below), and
+                    // which no other transfer of a live job writes; the
+                    // bounce buffer is this job's own.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            bounce.as_ptr(),
+                            *dest as usize as *mut u8,
+                            bounce.len(),
+                        );
+                    }
+                }
+            }
+            drop(bounces);
+            let mut outcomes = outcomes.into_iter();
+            let outcomes: Vec<CopyOutcome> = spans
+                .iter()
+                .map(|n| {
+                    let mut key = CopyOutcome::Copied;
+                    for outcome in outcomes.by_ref().take(*n) {
+                        if let Err(e) = outcome {
+                            stats.failed_transfers.fetch_add(1, Ordering::Relaxed);
+                            *stats
+                                .last_error
+                                .lock()
+                                .unwrap_or_else(PoisonError::into_inner) = Some(e);
+                            key = CopyOutcome::Failed;
+                        }
+                    }
+                    key
+                })
+                .collect();
+            // The runner is gone: nothing waits for these any more.
+            if let Some(shared) = shared.upgrade() {
+                shared.copy_done(job, &outcomes);
+            }
+        };
+        // SAFETY: every transfer is one whole slot of a runner pool that the
+        // core keeps reserved for this job until its outcome is reported
+        // (`handle_copy_done`, from `done`): a store reads a READY slot held
+        // by an internal claim (no writer touches it while claimed), a load
+        // writes a FILLING slot no one else reads or writes until it commits
+        // or is freed, and no two transfers of live jobs share a slot. The
+        // pools outlive the store: the runner drops this driver, which joins
+        // the store's workers after every submitted transfer ran, before it
+        // frees them.
+        #[allow(unsafe_code)]
+        unsafe {
+            self.store.submit(items, done);
+        }
+    }
+}

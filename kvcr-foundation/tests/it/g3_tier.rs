@@ -1,0 +1,352 @@
+//! The G3 file tier through the runner: real files (`O_DIRECT`, locked), the
+//! real copy thread and the store's workers. Pages evicted from a small DRAM
+//! pool move to G3 and come back byte-exact; G3's own eviction, its
+//! inventory, and configurations it refuses.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
+use kvcr_foundation::runner::{
+    DeliverEntry, DepositEntry, EntryStatus, G3Options, OpResult, PageInfo, QueryStatus,
+    RegionDesc, Runner, RunnerConfig,
+};
+use kvcr_foundation::{
+    BlockKey, CompatDigest, InventoryEvent, InventorySink, Medium, Namespace, NamespaceId,
+    ScopedKey, Tier,
+};
+
+const BLOCK: usize = 4096;
+
+/// A scratch folder for G3 files, removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("g3-tier-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+
+    fn files(&self, n: usize) -> Vec<PathBuf> {
+        (0..n).map(|i| self.0.join(format!("g3-{i}.bin"))).collect()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[derive(Clone, Default)]
+struct Events(std::sync::Arc<std::sync::Mutex<Vec<InventoryEvent>>>);
+
+impl InventorySink for Events {
+    fn publish(&mut self, event: &InventoryEvent) {
+        self.0.lock().unwrap().push(event.clone());
+    }
+}
+
+impl Events {
+    /// (medium, stored?, key) per key event, in order.
+    fn take(&self) -> Vec<(Medium, bool, u64)> {
+        std::mem::take(&mut *self.0.lock().unwrap())
+            .into_iter()
+            .flat_map(|e| match e {
+                InventoryEvent::Stored { scope, keys, .. } => keys
+                    .into_iter()
+                    .map(|k| (scope.medium, true, k.as_u64()))
+                    .collect::<Vec<_>>(),
+                InventoryEvent::Removed { scope, keys } => keys
+                    .into_iter()
+                    .map(|k| (scope.medium, false, k.as_u64()))
+                    .collect(),
+                InventoryEvent::AllCleared { .. } => Vec::new(),
+            })
+            .collect()
+    }
+}
+
+/// Page-aligned engine memory (as an engine's host pool is): G3 reads
+/// straight into an aligned deliver destination.
+struct Aligned {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Aligned {
+    fn zeroed(len: usize) -> Self {
+        let layout = std::alloc::Layout::from_size_align(len, BLOCK).unwrap();
+        // SAFETY: (test) a non-zero size with a valid alignment.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        assert!(!ptr.is_null());
+        Self { ptr, len }
+    }
+
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr
+    }
+}
+
+impl std::ops::Deref for Aligned {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: (test) `ptr` holds `len` initialised bytes while `self` lives.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl std::ops::DerefMut for Aligned {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as `deref`, and `&mut self` is unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Aligned {
+    fn drop(&mut self) {
+        let layout = std::alloc::Layout::from_size_align(self.len, BLOCK).unwrap();
+        // SAFETY: (test) allocated above with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, layout) };
+    }
+}
+
+struct Host {
+    buf: Aligned,
+    region: RegionId,
+}
+
+impl Host {
+    fn new(runner: &mut Runner, pages: usize) -> Self {
+        let mut buf = Aligned::zeroed(pages * BLOCK);
+        // SAFETY: (test) `buf` lives in the returned Host, which outlives the
+        // runner in every test, and no element is touched while an
+        // operation naming it is in flight.
+        let region = unsafe {
+            runner.register_region(RegionDesc {
+                label: "kv".into(),
+                base: buf.as_mut_ptr() as u64,
+                size: BLOCK as u64,
+                stride: 0,
+                count: pages as u64,
+            })
+        }
+        .unwrap();
+        for page in 0..pages {
+            for (i, b) in buf[page * BLOCK..(page + 1) * BLOCK].iter_mut().enumerate() {
+                *b = ((page as u64 * 0x9e37_79b9 + i as u64 * 31) >> 3) as u8;
+            }
+        }
+        Self { buf, region }
+    }
+
+    fn at(&self, page: u64) -> ElementRef {
+        ElementRef {
+            region: self.region,
+            index: page,
+        }
+    }
+
+    fn page(&self, page: u64) -> &[u8] {
+        &self.buf[page as usize * BLOCK..(page as usize + 1) * BLOCK]
+    }
+}
+
+fn start(dram_blocks: u32, g3: G3Options) -> (Runner, NamespaceId, Events) {
+    let config = RunnerConfig {
+        g3: Some(g3),
+        prefault: false,
+        operation_timeout: Duration::from_secs(20),
+        ..RunnerConfig::single_pool("kv", BLOCK as u64, dram_blocks)
+    };
+    let runner = Runner::start(config, None).unwrap();
+    let ns = runner.register_namespace(Namespace::base(CompatDigest(3)));
+    let events = Events::default();
+    runner.set_inventory_sink(Box::new(events.clone()));
+    (runner, ns, events)
+}
+
+fn key(ns: NamespaceId, k: u64) -> ScopedKey {
+    ScopedKey {
+        namespace: ns,
+        key: BlockKey::from_u64(k),
+    }
+}
+
+fn wait(runner: &mut Runner, op: OpHandle) -> OpResult {
+    for _ in 0..1000 {
+        for result in runner.wait_completed(Duration::from_millis(50)) {
+            if result.op == op {
+                return result;
+            }
+        }
+    }
+    panic!("operation {op:?} did not complete");
+}
+
+fn deposit(runner: &mut Runner, host: &Host, ns: NamespaceId, page: u64) -> EntryStatus {
+    let op = runner
+        .deposit(
+            vec![DepositEntry {
+                key: key(ns, page),
+                spans: vec![host.at(page)],
+                page: Some(PageInfo {
+                    parent: None,
+                    token_ids: vec![page as u32; 4],
+                }),
+            }],
+            false,
+        )
+        .unwrap();
+    wait(runner, op).entries[0].1.status
+}
+
+/// Pages past DRAM's capacity move to G3 (the deposits that needed the room
+/// wait for the spills), are reported fetchable from disk, published with
+/// medium DISK, and come back byte-exact through `deliver`.
+#[test]
+fn evicted_pages_move_to_g3_and_come_back_byte_exact() {
+    let _serial = crate::serial();
+    let scratch = Scratch::new("move");
+    let (mut runner, ns, events) = start(
+        4,
+        G3Options {
+            paths: scratch.files(2),
+            capacity_bytes_per_file: 8 * BLOCK as u64,
+        },
+    );
+    let host = Host::new(&mut runner, 32);
+    for page in 0..12 {
+        assert_eq!(
+            deposit(&mut runner, &host, ns, page),
+            EntryStatus::Success,
+            "page {page}"
+        );
+    }
+    for page in 0..8 {
+        assert_eq!(
+            runner.query(&key(ns, page)),
+            QueryStatus::Fetchable(Tier::Disk),
+            "page {page} moved to G3"
+        );
+    }
+    for page in 8..12 {
+        assert_eq!(runner.query(&key(ns, page)), QueryStatus::Hit);
+    }
+    let g3 = runner.g3_stats().unwrap();
+    assert_eq!(g3.counters.spills_committed, 8, "{g3:?}");
+    assert_eq!((g3.failed_transfers, g3.last_error), (0, None));
+    let published = events.take();
+    for page in 0..8 {
+        assert!(
+            published.contains(&(Medium::Disk, true, page)),
+            "{published:?}"
+        );
+        assert!(
+            published.contains(&(Medium::CpuPinned, false, page)),
+            "{published:?}"
+        );
+    }
+    runner.check_invariants().unwrap();
+
+    // Every page back, byte-exact: from DRAM or, through a fill, from G3.
+    let entries = (0..12)
+        .map(|page| DeliverEntry {
+            key: key(ns, page),
+            destinations: vec![host.at(16 + page)],
+        })
+        .collect();
+    let op = runner.deliver(entries).unwrap();
+    let result = wait(&mut runner, op);
+    let ok: Vec<bool> = result.entries.iter().map(|(_, e)| e.is_success()).collect();
+    assert_eq!(ok, vec![true; 12], "{result:?}");
+    for page in 0..12 {
+        assert_eq!(host.page(16 + page), host.page(page), "page {page} differs");
+    }
+    assert!(runner.g3_stats().unwrap().counters.fills >= 8);
+    runner.check_invariants().unwrap();
+    drop(runner);
+    drop(host);
+}
+
+/// G3 has its own eviction: when its slots are full the least recently used
+/// G3 page goes (published removed, medium DISK) and is a miss afterwards.
+#[test]
+fn a_full_g3_evicts_its_least_recently_used_page() {
+    let _serial = crate::serial();
+    let scratch = Scratch::new("evict");
+    let (mut runner, ns, events) = start(
+        2,
+        G3Options {
+            paths: scratch.files(1),
+            capacity_bytes_per_file: 2 * BLOCK as u64,
+        },
+    );
+    let host = Host::new(&mut runner, 8);
+    for page in 0..6 {
+        assert_eq!(deposit(&mut runner, &host, ns, page), EntryStatus::Success);
+    }
+    let status: Vec<QueryStatus> = (0..6).map(|p| runner.query(&key(ns, p))).collect();
+    let disk = QueryStatus::Fetchable(Tier::Disk);
+    assert_eq!(
+        status,
+        [
+            QueryStatus::Miss,
+            QueryStatus::Miss,
+            disk,
+            disk,
+            QueryStatus::Hit,
+            QueryStatus::Hit
+        ]
+    );
+    let published = events.take();
+    assert!(
+        published.contains(&(Medium::Disk, false, 0))
+            && published.contains(&(Medium::Disk, false, 1))
+    );
+    assert_eq!(runner.g3_stats().unwrap().counters.evictions, 2);
+    runner.check_invariants().unwrap();
+}
+
+/// G3 serves one pool; files it cannot use refuse the start, named.
+#[test]
+fn g3_configurations_it_cannot_serve_are_refused() {
+    let scratch = Scratch::new("refuse");
+    let mut two_pools = RunnerConfig::single_pool("a", BLOCK as u64, 4);
+    two_pools.pools.push(
+        RunnerConfig::single_pool("b", BLOCK as u64, 4)
+            .pools
+            .remove(0),
+    );
+    two_pools.g3 = Some(G3Options {
+        paths: scratch.files(1),
+        capacity_bytes_per_file: 4 * BLOCK as u64,
+    });
+    let e = Runner::start(two_pools, None).unwrap_err();
+    assert!(e.to_string().contains("exactly one pool"), "{e}");
+
+    let directory = RunnerConfig {
+        g3: Some(G3Options {
+            paths: vec![scratch.0.clone()],
+            capacity_bytes_per_file: 4 * BLOCK as u64,
+        }),
+        ..RunnerConfig::single_pool("kv", BLOCK as u64, 4)
+    };
+    let e = Runner::start(directory, None).unwrap_err();
+    assert!(e.to_string().contains("open G3"), "{e}");
+
+    // A slot (the pool's block) that is not a multiple of the direct-I/O
+    // alignment.
+    let unaligned = RunnerConfig {
+        g3: Some(G3Options {
+            paths: scratch.files(1),
+            capacity_bytes_per_file: 4 * 1000,
+        }),
+        ..RunnerConfig::single_pool("kv", 1000, 4)
+    };
+    let e = Runner::start(unaligned, None).unwrap_err();
+    assert!(e.to_string().contains("open G3"), "{e}");
+}
