@@ -350,3 +350,112 @@ fn g3_configurations_it_cannot_serve_are_refused() {
     let e = Runner::start(unaligned, None).unwrap_err();
     assert!(e.to_string().contains("open G3"), "{e}");
 }
+
+/// A peer restores pages that only the source's G3 holds: the source fills
+/// them back into its DRAM first (room made by moving pages the write does
+/// not name to G3), then writes them; every byte equals what was deposited.
+#[rstest::rstest]
+#[case::one_copy(true)]
+#[case::ucx(false)]
+fn a_peer_restores_pages_only_g3_holds(#[case] mapping: bool) {
+    use kvcr_foundation::hint::FetchMode;
+    use kvcr_foundation::runner::PeerOptions;
+    use kvcr_foundation::{FetchHint, RequestId};
+    let _serial = crate::serial();
+    const PEER_BLOCK: usize = crate::peer::BLOCK;
+    let scratch = Scratch::new(if mapping { "peer-map" } else { "peer-ucx" });
+    let mut options = PeerOptions::loopback();
+    options.ucx_tls = Some("sm,self".into());
+    options.same_host_mapping = mapping;
+    let config = RunnerConfig {
+        g3: Some(G3Options {
+            paths: scratch.files(2),
+            capacity_bytes_per_file: 8 * PEER_BLOCK as u64,
+        }),
+        prefault: false,
+        operation_timeout: Duration::from_secs(20),
+        ..RunnerConfig::single_pool("kv", PEER_BLOCK as u64, 8)
+    };
+    let mut source = Runner::start_with_peers(config, None, &options).unwrap();
+    let ns = source.register_namespace(Namespace::base(CompatDigest(42)));
+    let pages = 12u64;
+    let mut host = Aligned::zeroed(pages as usize * PEER_BLOCK);
+    for (i, b) in host.iter_mut().enumerate() {
+        *b = ((i * 131) >> 5) as u8 ^ (i / PEER_BLOCK) as u8;
+    }
+    // SAFETY: (test) `host` outlives `source` (dropped first below) and is
+    // not touched while operations on it are in flight.
+    let region = unsafe {
+        source.register_region(RegionDesc {
+            label: "kv".into(),
+            base: host.as_mut_ptr() as u64,
+            size: PEER_BLOCK as u64,
+            stride: 0,
+            count: pages,
+        })
+    }
+    .unwrap();
+    for chunk in (0..pages).collect::<Vec<_>>().chunks(2) {
+        let entries = chunk
+            .iter()
+            .map(|p| DepositEntry {
+                key: key(ns, *p),
+                spans: vec![ElementRef { region, index: *p }],
+                page: None,
+            })
+            .collect();
+        let op = source.deposit(entries, false).unwrap();
+        assert!(
+            wait(&mut source, op)
+                .entries
+                .iter()
+                .all(|(_, e)| e.is_success())
+        );
+    }
+    let only_g3 = (0..pages)
+        .filter(|p| source.query(&key(ns, *p)) == QueryStatus::Fetchable(Tier::Disk))
+        .count();
+    assert_eq!(only_g3, 4, "4 of 12 pages live only in G3");
+
+    let mut target = crate::peer::node_with(&options, 16, Duration::from_secs(20));
+    let request = RequestId("g3".into());
+    // Pages 0..6: four only in G3, two in DRAM (a write's pages must fit in
+    // the source's DRAM together; room for the fills comes from pages the
+    // write does not name).
+    let wanted: Vec<u64> = (0..6).collect();
+    target.runner.submit_hint(
+        request.clone(),
+        &FetchHint {
+            source: source.endpoint().unwrap().clone(),
+            block_hashes: wanted.iter().map(|k| BlockKey::from_u64(*k)).collect(),
+            mode: FetchMode::Copy,
+            action_id: None,
+        },
+    );
+    let keys: Vec<ScopedKey> = wanted.iter().map(|k| key(target.ns, *k)).collect();
+    let pool = target.runner.pool("kv").unwrap();
+    let op = target
+        .runner
+        .fetch_hinted(&request, &keys, &[pool])
+        .unwrap();
+    let result = wait(&mut target.runner, op);
+    for (i, (_, entry)) in result.entries.iter().enumerate() {
+        assert!(entry.is_success(), "page {i}: {entry:?}");
+        let bytes = target
+            .runner
+            .read_claimed(entry.release.unwrap(), 0)
+            .unwrap();
+        assert_eq!(
+            bytes,
+            host[i * PEER_BLOCK..(i + 1) * PEER_BLOCK],
+            "page {i} differs"
+        );
+    }
+    let g3 = source.g3_stats().unwrap();
+    assert!(g3.counters.fills >= 4, "{g3:?}");
+    source.check_invariants().unwrap();
+    target.runner.check_invariants().unwrap();
+    drop(target);
+    drop(source);
+    drop(host);
+}

@@ -220,6 +220,15 @@ impl Core {
                 self.set_result(op, entry, EntryResult::success(Some(release), slots));
             }
             OpKind::Deliver => deliver_next.entry(op).or_default().push((entry, record)),
+            OpKind::SourcePrepare => {
+                // Pinned until the write it prepares has claimed what it
+                // serves (room made meanwhile must not evict it).
+                self.claim_internal(record);
+                if let Some(p) = self.source_prepares.get_mut(&op) {
+                    p.pinned.push(record);
+                }
+                self.set_result(op, entry, EntryResult::success(None, Vec::new()));
+            }
         }
     }
 
@@ -277,6 +286,17 @@ impl Core {
             .get(&op)
             .is_some_and(|o| o.pending == 0 && o.jobs == 0);
         if !done {
+            return;
+        }
+        if self
+            .ops
+            .get(&op)
+            .is_some_and(|o| o.kind == OpKind::SourcePrepare)
+        {
+            if let Some(o) = self.ops.remove(&op) {
+                self.deadlines.remove(&(o.deadline, op));
+            }
+            self.resume_source_write(op);
             return;
         }
         if let Some(o) = self.ops.remove(&op) {

@@ -965,6 +965,12 @@ impl Core {
         room
     }
 
+    /// The layout of `key`'s READY G3 copy (a peer's write fills it first).
+    pub(super) fn g3_layout(&self, key: &ScopedKey) -> Option<u16> {
+        let e = self.g3.as_ref()?.entries.get(key)?;
+        (e.state == G3State::Ready && !e.poisoned).then_some(e.layout)
+    }
+
     /// Whether G3 holds `key` READY (its bytes are in the file).
     pub fn g3_ready(&self, key: &ScopedKey) -> bool {
         self.g3.as_ref().is_some_and(|g| g.is_ready(key))

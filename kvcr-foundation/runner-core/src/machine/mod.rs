@@ -222,9 +222,15 @@ struct PoolState {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum OpKind {
-    Deposit { no_evict: bool },
+    Deposit {
+        no_evict: bool,
+    },
     Fetch,
     Deliver,
+    /// The runner's own: filling from G3 the keys a peer's write asks for
+    /// that only G3 holds, before the write is served. Its result goes to no
+    /// caller; its end resumes the write.
+    SourcePrepare,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -382,6 +388,9 @@ pub struct Core {
     capacity_waiters: VecDeque<CapacityWaiter>,
     /// Tokens of READY pages, kept only with G3 (its `Stored` events need them).
     page_info: HashMap<u32, PageInfo>,
+    /// Peer writes waiting for their G3-only keys to be filled, by the
+    /// preparing operation.
+    source_prepares: HashMap<OpHandle, peer::PendingSourceWrite>,
 }
 
 impl std::fmt::Debug for Core {
@@ -495,6 +504,7 @@ impl Core {
             g3: config.g3.map(G3Tier::new),
             capacity_waiters: VecDeque::new(),
             page_info: HashMap::new(),
+            source_prepares: HashMap::new(),
         })
     }
 }

@@ -267,9 +267,26 @@ struct TargetRole {
     ops: BTreeMap<OpHandle, TargetOp>,
 }
 
+/// A peer's write held back while the keys only G3 holds are filled into
+/// DRAM (the write is then served as if it had just arrived, rechecked).
+#[derive(Debug)]
+pub(in crate::machine) struct PendingSourceWrite {
+    target: ControlEndpoint,
+    target_incarnation: Incarnation,
+    op: OpHandle,
+    deadline: u64,
+    namespace: NamespaceId,
+    keys: Vec<BlockKey>,
+    destinations: Vec<Vec<ElementRef>>,
+    /// DRAM records the fills committed, pinned until the write claims them.
+    pub(in crate::machine) pinned: Vec<u32>,
+}
+
 /// What a source keeps: it writes its READY pages into targets' grants.
 #[derive(Debug)]
 struct SourceRole {
+    /// Writes being prepared (G3 fills first), by target incarnation and op.
+    preparing: HashMap<(Incarnation, OpHandle), OpHandle>,
     routes: HashMap<ControlEndpoint, Route>,
     next_route_generation: u64,
     writes: HashMap<u64, SourceWrite>,
@@ -288,6 +305,7 @@ struct SourceRole {
 impl Default for SourceRole {
     fn default() -> Self {
         Self {
+            preparing: HashMap::new(),
             routes: HashMap::new(),
             next_route_generation: 1,
             writes: HashMap::new(),

@@ -170,7 +170,9 @@ impl Core {
             self.send(target, failed);
             return;
         }
-        if peer.source.writes_by_op.contains_key(&(header.sender, op)) {
+        if peer.source.writes_by_op.contains_key(&(header.sender, op))
+            || peer.source.preparing.contains_key(&(header.sender, op))
+        {
             return; // a duplicate of a write in progress: the first one stands
         }
         let stale = peer
@@ -188,6 +190,174 @@ impl Core {
         }
         let deadline = now
             .saturating_add((u64::from(remaining_ms) * 1_000_000).min(self.operation_timeout_ns));
+        // Keys only G3 holds are filled into DRAM first; the write is served
+        // when that ends (by its deadline at the latest).
+        let from_g3: Vec<(ScopedKey, u16)> = keys
+            .iter()
+            .map(|key| ScopedKey {
+                namespace,
+                key: *key,
+            })
+            .filter(|k| !self.index.contains_key(k))
+            .filter_map(|k| self.g3_layout(&k).map(|layout| (k, layout)))
+            .collect();
+        if !from_g3.is_empty() {
+            self.prepare_source_write(
+                now,
+                PendingSourceWrite {
+                    target,
+                    target_incarnation: header.sender,
+                    op,
+                    deadline,
+                    namespace,
+                    keys: keys.to_vec(),
+                    destinations: destinations.to_vec(),
+                    pinned: Vec::new(),
+                },
+                from_g3,
+            );
+            return;
+        }
+        self.source_write(
+            target,
+            header.sender,
+            op,
+            deadline,
+            namespace,
+            keys,
+            destinations,
+            generation,
+            &regions,
+        );
+    }
+
+    /// Fills `from_g3` into DRAM for the write `pending` (an operation of
+    /// the runner's own, by the write's deadline), then serves it. A write is
+    /// served from DRAM: its pages must fit there together (those that do not
+    /// are not written, and the target reports them missing).
+    fn prepare_source_write(
+        &mut self,
+        now: u64,
+        pending: PendingSourceWrite,
+        from_g3: Vec<(ScopedKey, u16)>,
+    ) {
+        let entries = from_g3
+            .iter()
+            .map(|(key, _)| OpEntry {
+                key: *key,
+                result: None,
+                wait: Wait::None,
+                destinations: Vec::new(),
+            })
+            .collect();
+        let prep = self.new_op(now, OpKind::SourcePrepare, entries, RegionMemory::Host);
+        if let Some(o) = self.ops.get_mut(&prep) {
+            self.deadlines.remove(&(o.deadline, prep));
+            o.deadline = pending.deadline;
+            self.deadlines.insert((pending.deadline, prep));
+        }
+        if let Some(peer) = self.peer.as_mut() {
+            peer.source
+                .preparing
+                .insert((pending.target_incarnation, pending.op), prep);
+        }
+        self.source_prepares.insert(prep, pending);
+        // The write's other keys stay where they are: making room for the
+        // fills must not move away what the write is about to serve.
+        let protected: Vec<ScopedKey> = self
+            .source_prepares
+            .get(&prep)
+            .map(|p| {
+                p.keys
+                    .iter()
+                    .map(|key| ScopedKey {
+                        namespace: p.namespace,
+                        key: *key,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut batch = Vec::new();
+        for (entry, (key, layout)) in from_g3.into_iter().enumerate() {
+            let entry = entry as u32;
+            if !self.start_g3_fill(now, prep, entry, key, layout, &protected, &mut batch) {
+                self.set_result(prep, entry, EntryResult::failed(FailReason::NoSource));
+            }
+        }
+        self.submit_g3_fills(prep, batch);
+        self.finish_if_done(prep);
+    }
+
+    /// The preparation `prep` ended: serves its write with what is resident
+    /// now (rechecked: a probe, a stall or a new route since refuse it), then
+    /// drops the pins.
+    pub(in crate::machine) fn resume_source_write(&mut self, prep: OpHandle) {
+        let Some(p) = self.source_prepares.remove(&prep) else {
+            return;
+        };
+        let key = (p.target_incarnation, p.op);
+        let route = self.peer.as_mut().and_then(|peer| {
+            peer.source.preparing.remove(&key);
+            let fenced = peer
+                .source
+                .fences
+                .get(&p.target_incarnation)
+                .is_some_and(|f| f.contains(&p.op));
+            let route = peer
+                .source
+                .routes
+                .get(&p.target)
+                .filter(|r| r.incarnation == p.target_incarnation)
+                .map(|r| (r.local_generation, r.regions.clone()));
+            if peer.source.stalled || fenced {
+                None
+            } else {
+                route
+            }
+        });
+        match route {
+            Some((generation, regions)) => self.source_write(
+                p.target.clone(),
+                p.target_incarnation,
+                p.op,
+                p.deadline,
+                p.namespace,
+                &p.keys,
+                &p.destinations,
+                generation,
+                &regions,
+            ),
+            None => {
+                self.refuse();
+                self.send(
+                    p.target.clone(),
+                    Body::WriteDone {
+                        op_handle: p.op,
+                        outcome: WriteOutcome::Failed { terminal: true },
+                    },
+                );
+            }
+        }
+        for record in p.pinned {
+            self.unclaim(record);
+        }
+    }
+
+    /// Serves a checked write: puts the READY keys into the granted
+    /// elements (or answers that none could be).
+    #[allow(clippy::too_many_arguments)]
+    fn source_write(
+        &mut self,
+        target: ControlEndpoint,
+        sender: Incarnation,
+        op: OpHandle,
+        deadline: u64,
+        namespace: NamespaceId,
+        keys: &[BlockKey],
+        destinations: &[Vec<ElementRef>],
+        generation: u64,
+        regions: &HashMap<RegionId, RegionAdvert>,
+    ) {
         let mut puts = Vec::new();
         let mut records = Vec::new();
         let mut indices = Vec::new();
@@ -262,12 +432,12 @@ impl Core {
         };
         let write = peer.source.next_write;
         peer.source.next_write += 1;
-        peer.source.writes_by_op.insert((header.sender, op), write);
+        peer.source.writes_by_op.insert((sender, op), write);
         peer.source.writes.insert(
             write,
             SourceWrite {
                 target: target.clone(),
-                target_incarnation: header.sender,
+                target_incarnation: sender,
                 op,
                 records,
                 indices,
