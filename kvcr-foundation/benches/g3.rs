@@ -22,6 +22,12 @@
 //! Files live in `target/g3-bench` (or `$KVCR_G3_BENCH_DIR`), written once
 //! before measuring (so every measured write overwrites allocated blocks, the
 //! anchor's as the store's) and removed at the end.
+//! - `BENCH g3.deposit_with_spills`: a runner whose 64-page DRAM pool is
+//!   full deposits 16 fresh 1 MiB pages per call, each call moving 16 older
+//!   pages to G3 (the deposit waits for the spills); anchor: the same
+//!   deposits into the same pool without G3 (the victims are dropped), in the
+//!   same round. The spilled pages are read back and byte-checked.
+//!
 //! `KVCR_G3_BENCH_WORKERS=a,b,…` adds one `g3.spill_w<N>`/`g3.fill_w<N>`
 //! pair per worker count (to choose the default).
 
@@ -301,6 +307,132 @@ fn one_block(paths: &[PathBuf], dst: &mut DirectBuf, samples: usize) {
     bench("g3.one_block_fill_p50", median(ours), "us", median(theirs));
 }
 
+/// Deposit GB/s of `calls` calls of 16 fresh pages into a full 64-page pool
+/// (after filling it), with G3 under it (`g3_dir`) or without.
+fn deposit_rate(g3_dir: Option<&std::path::Path>, src: &DirectBuf, calls: usize) -> f64 {
+    use kvcr_foundation::protocol::{ElementRef, OpHandle};
+    use kvcr_foundation::runner::{DeliverEntry, DepositEntry, RegionDesc, Runner, RunnerConfig};
+    use kvcr_foundation::{BlockKey, CompatDigest, Namespace, ScopedKey};
+    const PAGE: usize = 1 << 20;
+    const POOL: u64 = 64;
+    const BATCH: u64 = 16;
+    let config = RunnerConfig {
+        g3: g3_dir.map(|dir| G3Options {
+            paths: vec![dir.join("deposit-0"), dir.join("deposit-1")],
+            capacity_bytes_per_file: (POOL + BATCH * calls as u64) * PAGE as u64,
+        }),
+        ..RunnerConfig::single_pool("kv", PAGE as u64, POOL as u32)
+    };
+    let mut runner = Runner::start(config, None).unwrap();
+    let ns = runner.register_namespace(Namespace::base(CompatDigest(5)));
+    let host_pages = (src.len() / PAGE) as u64;
+    // SAFETY: `src` outlives the runner (dropped at the end of this function)
+    // and is only read by it.
+    let region = unsafe {
+        runner.register_region(RegionDesc {
+            label: "kv".into(),
+            base: src.addr(),
+            size: PAGE as u64,
+            stride: 0,
+            count: host_pages,
+        })
+    }
+    .unwrap();
+    let mut dst = DirectBuf::new(BATCH as usize * PAGE, 4096).unwrap();
+    // SAFETY: as above; `dst` is written by the runner's deliver only.
+    let dst_region = unsafe {
+        runner.register_region(RegionDesc {
+            label: "kv:dst".into(),
+            base: dst.addr(),
+            size: PAGE as u64,
+            stride: 0,
+            count: BATCH,
+        })
+    }
+    .unwrap();
+    let key = |k: u64| ScopedKey {
+        namespace: ns,
+        key: BlockKey::from_u64(k),
+    };
+    let wait = |runner: &mut Runner, op: OpHandle| loop {
+        if let Some(r) = runner
+            .wait_completed(Duration::from_secs(30))
+            .into_iter()
+            .find(|r| r.op == op)
+        {
+            assert!(r.entries.iter().all(|(_, e)| e.is_success()), "{r:?}");
+            return;
+        }
+    };
+    let deposit = |runner: &mut Runner, first: u64, n: u64| {
+        let entries = (first..first + n)
+            .map(|k| DepositEntry {
+                key: key(k),
+                spans: vec![ElementRef {
+                    region,
+                    index: k % host_pages,
+                }],
+                page: None,
+            })
+            .collect();
+        let op = runner.deposit(entries, false).unwrap();
+        wait(runner, op);
+    };
+    for first in (0..POOL).step_by(BATCH as usize) {
+        deposit(&mut runner, first, BATCH);
+    }
+    let start = Instant::now();
+    for call in 0..calls as u64 {
+        deposit(&mut runner, POOL + call * BATCH, BATCH);
+    }
+    let rate = gbps(BATCH * calls as u64 * PAGE as u64, start.elapsed());
+    if g3_dir.is_some() {
+        // Byte check: the first pages, moved to G3, read straight back.
+        let entries = (0..BATCH)
+            .map(|k| DeliverEntry {
+                key: key(k),
+                destinations: vec![ElementRef {
+                    region: dst_region,
+                    index: k,
+                }],
+            })
+            .collect();
+        let op = runner.deliver(entries).unwrap();
+        wait(&mut runner, op);
+        for k in 0..BATCH as usize {
+            let page = k % host_pages as usize;
+            assert!(
+                dst[k * PAGE..(k + 1) * PAGE] == src[page * PAGE..(page + 1) * PAGE],
+                "page {k} read back from G3 differs"
+            );
+        }
+        assert_eq!(runner.g3_stats().unwrap().failed_transfers, 0);
+    }
+    dst.fill(0);
+    drop(runner);
+    rate
+}
+
+/// `g3.deposit_with_spills` against the same deposits without G3.
+fn deposit_with_spills(dir: &std::path::Path, rounds: usize) {
+    // 256 MiB of source pages: not a buffer that sits in the cache.
+    let mut src = DirectBuf::new(256 << 20, 4096).unwrap();
+    fill_random(&mut src, 0x5eed);
+    let calls = 16;
+    let mut with = Vec::new();
+    let mut without = Vec::new();
+    for _ in 0..rounds {
+        without.push(deposit_rate(None, &src, calls));
+        with.push(deposit_rate(Some(dir), &src, calls));
+    }
+    bench(
+        "g3.deposit_with_spills",
+        median(with),
+        "GB/s",
+        median(without),
+    );
+}
+
 fn main() {
     // `cargo test --all-targets` runs bench binaries without `--bench`: build
     // check only, no timing in tests.
@@ -334,6 +466,7 @@ fn main() {
 
     let rounds = if quick { 3 } else { 5 };
     throughput(&paths, &src, &mut dst, G3Tuning::default(), rounds, "");
+    deposit_with_spills(&scratch.0, rounds);
     one_block(&paths, &mut dst, if quick { 40 } else { 200 });
     if let Ok(list) = std::env::var("KVCR_G3_BENCH_WORKERS") {
         for workers in list.split(',').filter_map(|w| w.trim().parse().ok()) {

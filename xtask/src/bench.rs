@@ -140,6 +140,10 @@ const ANCHOR_WHAT: &[(&str, &str)] = &[
         "O_DIRECT sequential 4 MiB pread, one thread per file, same bytes and files, same round",
     ),
     (
+        "g3.deposit_with_spills",
+        "the same deposits into the same full pool without G3 (victims dropped), same round",
+    ),
+    (
         "g3.one_block_fill_p50",
         "one O_DIRECT pread of a 3.5 MiB page at the same offset",
     ),
