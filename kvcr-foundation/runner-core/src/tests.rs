@@ -26,6 +26,17 @@ fn core_with_g3(
     timeout_ns: u64,
     g3_slots: Option<u32>,
 ) -> (Core, NamespaceId, RegionId) {
+    core_with_g3_ahead(slots, lru, timeout_ns, g3_slots, false)
+}
+
+/// As [`core_with_g3`], spilling ahead when `ahead`.
+fn core_with_g3_ahead(
+    slots: u32,
+    lru: bool,
+    timeout_ns: u64,
+    g3_slots: Option<u32>,
+    ahead: bool,
+) -> (Core, NamespaceId, RegionId) {
     let config = CoreConfig {
         pools: vec![("kv".into(), BLOCK, slots)],
         pool_bases: vec![POOL_BASE],
@@ -36,6 +47,7 @@ fn core_with_g3(
             slots,
             slot_bytes: BLOCK,
             alignment: BLOCK,
+            spill_ahead: ahead,
         }),
     };
     let policy: Box<dyn CachePolicy> = match (lru, g3_slots.is_some()) {
@@ -240,7 +252,7 @@ impl Model {
 }
 
 fn run_steps(steps: Vec<Step>, lru: bool) -> Result<(), TestCaseError> {
-    run_steps_with(steps, lru, None, 1).map(drop)
+    run_steps_with(steps, lru, None, 1, false).map(drop)
 }
 
 /// Runs `steps` against a core (with a G3 of `g3` slots) and the model;
@@ -250,8 +262,9 @@ fn run_steps_with(
     lru: bool,
     g3: Option<u32>,
     spans_per_key: u8,
+    ahead: bool,
 ) -> Result<Option<crate::machine::G3Counters>, TestCaseError> {
-    let (mut core, ns, region) = core_with_g3(6, lru, 1_000, g3);
+    let (mut core, ns, region) = core_with_g3_ahead(6, lru, 1_000, g3, ahead);
     let mut m = Model::default();
     // A page of `spans_per_key` spans (K and V, say), elements 30 apart.
     let spans = |k: u8| {
@@ -406,6 +419,7 @@ fn core_with_g3_matches_model() {
             && s.capacity_waits > 0
             && s.evictions > 0
             && s.moves_already_stored > 0
+            && s.spills_ahead > 0
     };
     // 400 fresh cases, then more (up to 4000) until every path was taken:
     // the rarest (a page filled back from G3, then chosen again) needs a
@@ -418,9 +432,10 @@ fn core_with_g3_matches_model() {
                     proptest::collection::vec(step(), 1..60),
                     any::<bool>(),
                     1u8..=2,
+                    any::<bool>(),
                 ),
-                |(steps, lru, spans)| {
-                    let c = run_steps_with(steps, lru, Some(4), spans)?.unwrap_or_default();
+                |(steps, lru, spans, ahead)| {
+                    let c = run_steps_with(steps, lru, Some(4), spans, ahead)?.unwrap_or_default();
                     let mut s = seen.borrow_mut();
                     s.spills_committed += c.spills_committed;
                     s.spills_failed += c.spills_failed;
@@ -429,6 +444,7 @@ fn core_with_g3_matches_model() {
                     s.capacity_waits += c.capacity_waits;
                     s.evictions += c.evictions;
                     s.moves_already_stored += c.moves_already_stored;
+                    s.spills_ahead += c.spills_ahead;
                     Ok(())
                 },
             )

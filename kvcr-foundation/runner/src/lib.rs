@@ -669,6 +669,7 @@ impl Runner {
                 slots: u32::try_from(store.slots()).unwrap_or(u32::MAX),
                 slot_bytes: store.slot_bytes(),
                 alignment: store.alignment(),
+                spill_ahead: true,
             }),
         };
         let core = Core::new(
@@ -768,6 +769,7 @@ impl Runner {
                 slots: u32::try_from(store.slots()).unwrap_or(u32::MAX),
                 slot_bytes: store.slot_bytes(),
                 alignment: store.alignment(),
+                spill_ahead: true,
             }),
         };
         let mut core = Core::new(

@@ -237,7 +237,9 @@ fn evicted_pages_move_to_g3_and_come_back_byte_exact() {
         assert_eq!(runner.query(&key(ns, page)), QueryStatus::Hit);
     }
     let g3 = runner.g3_stats().unwrap();
-    assert_eq!(g3.counters.spills_committed, 8, "{g3:?}");
+    // At least the 8 moved pages were written (a spill ahead may also have
+    // copied a page DRAM still holds).
+    assert!(g3.counters.spills_committed >= 8, "{g3:?}");
     assert_eq!((g3.failed_transfers, g3.last_error), (0, None));
     let published = events.take();
     for page in 0..8 {

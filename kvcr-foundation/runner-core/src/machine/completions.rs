@@ -134,8 +134,9 @@ impl Core {
             self.start_delivers(now, waiter_op, entries);
         }
         // A spill that ended (or a fill that freed its slots) may have made
-        // the room a waiting key needs.
+        // the room a waiting key needs; commits may call for spills ahead.
         self.resume_capacity_waiters(now);
+        self.spill_ahead(now);
         self.finish_if_done(op);
         let waiting_ops: Vec<OpHandle> = self.ops.keys().copied().collect();
         for o in waiting_ops {

@@ -168,6 +168,8 @@ impl Core {
             let mut spills = Vec::new();
             // G3 slots the spills chosen so far will take.
             let mut promised = 0;
+            // A candidate is being copied ahead (the allocation waits for it).
+            let mut busy = false;
             let mut cursor = self.first_candidate();
             while let (Some(idx), true) = (cursor, still_short > 0) {
                 cursor = self.next_candidate(idx);
@@ -200,6 +202,10 @@ impl Core {
                             victims.push(idx);
                         }
                         Move::Spill | Move::Drop => victims.push(idx),
+                        // Being copied ahead: it is next in line, and
+                        // evicting it is free once the copy lands; wait for
+                        // that rather than evict a fresher page.
+                        Move::Busy => busy = true,
                     },
                 }
                 for p in self.layouts.get(victim_layout).into_iter().flatten() {
@@ -213,6 +219,11 @@ impl Core {
             }
             if still_short > 0 {
                 return Allocation::Full;
+            }
+            if busy {
+                // Nothing is evicted or spilled now: the copy ahead lands,
+                // the allocation is retried, and that page goes for free.
+                return Allocation::Pending;
             }
             // Spills first: a victim G3 finds no slot for is dropped instead.
             victims.extend(self.start_spills(now, &spills));

@@ -32,6 +32,11 @@
 
 use super::*;
 
+/// Most spills ahead in flight at once.
+const AHEAD_IN_FLIGHT: usize = 16;
+/// Most eviction candidates a spill ahead looks at per call.
+const AHEAD_WINDOW: usize = 4096;
+
 /// Operation of the runner's own background work (spills): no caller waits
 /// on it, and no operation of a caller has this handle (they start at 1).
 pub(super) const BACKGROUND: OpHandle = OpHandle(0);
@@ -46,6 +51,9 @@ pub struct G3Config {
     /// The files' direct-I/O alignment (the driver bounces a deliver
     /// destination that is off it).
     pub alignment: u64,
+    /// Copy the pages next in line for eviction to G3 while the pool still
+    /// has room (see `Core::spill_ahead`), so evicting them later is free.
+    pub spill_ahead: bool,
 }
 
 /// Which way a G3 transfer goes.
@@ -74,8 +82,12 @@ pub struct G3Transfer {
 /// What G3 did, and holds.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct G3Counters {
-    /// Spills started.
+    /// Spills started (moves and spills ahead).
     pub spills: u64,
+    /// Spills ahead started: copies of the pages next in line for eviction,
+    /// made while the pool still has room, so their eviction waits for
+    /// nothing.
+    pub spills_ahead: u64,
     /// Spills committed (the page is READY in G3).
     pub spills_committed: u64,
     /// Spills that failed (the DRAM copy was kept).
@@ -121,6 +133,9 @@ pub(super) struct G3Entry {
     page: Option<PageInfo>,
     /// A read of it failed: no new reader starts, and it goes with the last.
     poisoned: bool,
+    /// While `Storing`: a move (the DRAM copy retires once it lands) or a
+    /// spill ahead (the DRAM copy stays, clean: evicting it later is free).
+    moving: bool,
 }
 
 /// G3's state inside the core.
@@ -240,6 +255,8 @@ pub(super) enum Move {
     Spill,
     /// G3 cannot hold this page (or a spill of it failed before): drop it.
     Drop,
+    /// A spill ahead is copying it: not a victim until that lands.
+    Busy,
 }
 
 impl Core {
@@ -276,9 +293,9 @@ impl Core {
             return Move::Drop;
         }
         match self.g3.as_ref().and_then(|g| g.entries.get(&r.key)) {
-            Some(e) if e.state == G3State::Ready => Move::AlreadyStored,
-            // A spill of this key is already writing (it cannot be, for a
-            // queued victim, but never start a second one).
+            Some(e) if e.state == G3State::Ready && !e.poisoned => Move::AlreadyStored,
+            // A spill ahead is reading it: it stays until that lands.
+            Some(e) if e.state == G3State::Storing => Move::Busy,
             Some(_) => Move::Drop,
             None => Move::Spill,
         }
@@ -379,6 +396,7 @@ impl Core {
                         layout,
                         page,
                         poisoned: false,
+                        moving: true,
                     },
                 );
                 g3.counters.spills += 1;
@@ -423,6 +441,7 @@ impl Core {
         };
         let bytes = self.record_bytes(record);
         let Some(g3) = self.g3.as_mut() else { return };
+        let moving = g3.entries.get(&key).is_some_and(|e| e.moving);
         if copied {
             let mut stored = None;
             if let Some(e) = g3.entries.get_mut(&key) {
@@ -450,8 +469,10 @@ impl Core {
                     cache_salt,
                 });
             }
-            // The DRAM copy goes once its last reader is done (retire).
-            self.unclaim(record);
+            if moving {
+                // The DRAM copy goes once its last reader is done (retire).
+                self.unclaim(record);
+            }
         } else {
             g3.remove(key);
             g3.counters.spills_failed += 1;
@@ -459,8 +480,133 @@ impl Core {
                 r.flags &= !FLAG_RETIRE;
                 r.flags |= FLAG_SPILL_FAILED;
             }
-            self.unclaim(record);
+            if moving {
+                self.unclaim(record);
+            }
         }
+    }
+
+    /// Spills ahead: once the pool is half full, copies the pages next in
+    /// line for eviction (the oldest quarter of the queue, at most
+    /// [`AHEAD_WINDOW`] looked at) that the policy would move, at most
+    /// [`AHEAD_IN_FLIGHT`] at a time, into free G3 slots. Their DRAM copies
+    /// stay READY and evictable; once G3 holds them, evicting them is a drop,
+    /// so a deposit into a full pool waits for no disk write.
+    pub(super) fn spill_ahead(&mut self, now: u64) {
+        let Some(g3) = self.g3.as_ref().filter(|g| g.config.spill_ahead) else {
+            return;
+        };
+        // Only once the pool is half full: an emptier pool evicts nothing soon.
+        let (free, total) = self.pools.iter().fold((0usize, 0usize), |(f, t), p| {
+            (f + p.free.len(), t + p.total as usize)
+        });
+        if free * 2 > total {
+            return;
+        }
+        let in_flight = g3
+            .entries
+            .values()
+            .filter(|e| e.state == G3State::Storing && !e.moving)
+            .count();
+        let mut budget = AHEAD_IN_FLIGHT.saturating_sub(in_flight);
+        if budget == 0 {
+            return;
+        }
+        let window = (total / 4).clamp(1, AHEAD_WINDOW);
+        let mut chosen = Vec::new();
+        let mut promised = 0;
+        let mut cursor = self.first_candidate();
+        for _ in 0..window {
+            let Some(idx) = cursor else { break };
+            cursor = self.next_candidate(idx);
+            if self.g3_move_kind(idx) != Move::Spill {
+                continue;
+            }
+            let Some(meta) = self.meta(idx) else { continue };
+            if self.policy.decide_eviction(&meta) != EvictionDecision::MoveToG3 {
+                continue;
+            }
+            let spans = self
+                .record(idx)
+                .and_then(|r| self.layouts.get(r.layout as usize))
+                .map_or(0, Vec::len);
+            // Ahead of time, only free G3 slots: never evict G3 pages for it.
+            if self
+                .g3
+                .as_ref()
+                .is_none_or(|g| g.free.len() < promised + spans)
+            {
+                break;
+            }
+            promised += spans;
+            chosen.push(idx);
+            budget -= 1;
+            if budget == 0 {
+                break;
+            }
+        }
+        if chosen.is_empty() {
+            return;
+        }
+        let job = self.reserve_job();
+        let mut keys = Vec::new();
+        let mut transfers = Vec::new();
+        for idx in chosen {
+            let Some((key, layout)) = self.record(idx).map(|r| (r.key, r.layout)) else {
+                continue;
+            };
+            let sources = self.slot_spans(idx);
+            let Some(slots) = self.g3_take_slots(sources.len()) else {
+                break;
+            };
+            let page = self.page_info.get(&idx).cloned();
+            if let Some(g3) = self.g3.as_mut() {
+                g3.entries.insert(
+                    key,
+                    G3Entry {
+                        slots: slots.clone(),
+                        state: G3State::Storing,
+                        claims: 0,
+                        seq: 0,
+                        queued: false,
+                        layout,
+                        page,
+                        poisoned: false,
+                        moving: false,
+                    },
+                );
+                g3.counters.spills += 1;
+                g3.counters.spills_ahead += 1;
+            }
+            keys.push(JobKey::Spill { record: idx });
+            transfers.push(
+                sources
+                    .iter()
+                    .zip(slots)
+                    .map(|(source, slot)| G3Transfer {
+                        slot,
+                        addr: source.src,
+                        len: source.len,
+                        direction: G3Direction::Store,
+                    })
+                    .collect(),
+            );
+        }
+        if keys.is_empty() {
+            return;
+        }
+        self.jobs.insert(
+            job,
+            Job {
+                op: BACKGROUND,
+                keys,
+            },
+        );
+        self.actions.push_back(Action::G3 {
+            job,
+            deadline_ns: now.saturating_add(self.operation_timeout_ns),
+            transfers,
+        });
     }
 
     /// Starts filling `key` from its READY G3 copy into a new DRAM residency
@@ -938,7 +1084,7 @@ impl Core {
         let Some(g3) = &self.g3 else { return room };
         let pools_of = |layout: u16| self.layouts.get(layout as usize).into_iter().flatten();
         for (key, e) in &g3.entries {
-            if e.state != G3State::Storing {
+            if e.state != G3State::Storing || !e.moving {
                 continue;
             }
             let Some(layout) = self
@@ -1022,12 +1168,16 @@ impl Core {
                 return Err(format!("g3: {key:?} queued={} but {e:?}", e.queued));
             }
             if e.state == G3State::Storing {
-                // Its DRAM source is claimed and retiring until the spill ends.
+                // A move's DRAM source is claimed and retiring until the
+                // spill ends; a spill ahead's is READY (and evicted by none).
                 let source = self.index.get(key).and_then(|i| self.record(i.record));
-                if !source.is_some_and(|r| r.claims > 0 && r.flags & FLAG_RETIRE != 0) {
-                    return Err(format!(
-                        "g3: storing {key:?} without a claimed, retiring source"
-                    ));
+                let held = if e.moving {
+                    source.is_some_and(|r| r.claims > 0 && r.flags & FLAG_RETIRE != 0)
+                } else {
+                    source.is_some_and(|r| r.state == Residency::Ready)
+                };
+                if !held {
+                    return Err(format!("g3: storing {key:?} without its DRAM source held"));
                 }
             }
         }

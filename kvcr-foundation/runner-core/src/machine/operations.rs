@@ -210,6 +210,7 @@ impl Core {
             self.submit_job(handle, job, job_keys, job_spans);
         }
         self.finish_if_done(handle);
+        self.spill_ahead(now);
         self.check_pressure();
         Ok(handle)
     }
