@@ -148,6 +148,8 @@ pub(super) struct G3Tier {
     queue: BTreeMap<u64, ScopedKey>,
     next_seq: u64,
     counters: G3Counters,
+    /// Spills ahead writing now.
+    ahead_in_flight: usize,
 }
 
 impl G3Tier {
@@ -159,6 +161,7 @@ impl G3Tier {
             queue: BTreeMap::new(),
             next_seq: 0,
             counters: G3Counters::default(),
+            ahead_in_flight: 0,
         }
     }
 
@@ -442,6 +445,9 @@ impl Core {
         let bytes = self.record_bytes(record);
         let Some(g3) = self.g3.as_mut() else { return };
         let moving = g3.entries.get(&key).is_some_and(|e| e.moving);
+        if !moving {
+            g3.ahead_in_flight = g3.ahead_in_flight.saturating_sub(1);
+        }
         if copied {
             let mut stored = None;
             if let Some(e) = g3.entries.get_mut(&key) {
@@ -503,12 +509,7 @@ impl Core {
         if free * 2 > total {
             return;
         }
-        let in_flight = g3
-            .entries
-            .values()
-            .filter(|e| e.state == G3State::Storing && !e.moving)
-            .count();
-        let mut budget = AHEAD_IN_FLIGHT.saturating_sub(in_flight);
+        let mut budget = AHEAD_IN_FLIGHT.saturating_sub(g3.ahead_in_flight);
         if budget == 0 {
             return;
         }
@@ -577,6 +578,7 @@ impl Core {
                 );
                 g3.counters.spills += 1;
                 g3.counters.spills_ahead += 1;
+                g3.ahead_in_flight += 1;
             }
             keys.push(JobKey::Spill { record: idx });
             transfers.push(
@@ -1180,6 +1182,17 @@ impl Core {
                     return Err(format!("g3: storing {key:?} without its DRAM source held"));
                 }
             }
+        }
+        let ahead = g3
+            .entries
+            .values()
+            .filter(|e| e.state == G3State::Storing && !e.moving)
+            .count();
+        if ahead != g3.ahead_in_flight {
+            return Err(format!(
+                "g3: {ahead} spills ahead writing, {} counted",
+                g3.ahead_in_flight
+            ));
         }
         if g3.queue.len() != g3.entries.values().filter(|e| e.queued).count() {
             return Err("g3: queue and entries disagree".into());
