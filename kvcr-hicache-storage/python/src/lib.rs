@@ -507,10 +507,7 @@ impl Backend {
     /// not own their DP group. Raises `KvcrError` when the control endpoint
     /// map cannot be built whole.
     fn registration_metadata(&self) -> PyResult<Vec<(String, String)>> {
-        Ok(self
-            .storage
-            .registration_metadata()
-            .map_err(Error::from)?)
+        Ok(self.storage.registration_metadata().map_err(Error::from)?)
     }
 
     /// Detaches from the routers: publishes what is queued, then
