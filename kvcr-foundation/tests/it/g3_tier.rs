@@ -6,10 +6,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
+use kvcr_foundation::protocol::{ElementRef, RegionId};
 use kvcr_foundation::runner::{
-    DeliverEntry, DepositEntry, EntryStatus, G3Options, OpResult, PageInfo, QueryStatus,
-    RegionDesc, Runner, RunnerConfig,
+    DeliverEntry, DepositEntry, EntryStatus, G3Options, PageInfo, QueryStatus, RegionDesc, Runner,
+    RunnerConfig,
 };
 use kvcr_foundation::{
     BlockKey, CompatDigest, InventoryEvent, InventorySink, Medium, Namespace, NamespaceId,
@@ -169,23 +169,7 @@ fn start(dram_blocks: u32, g3: G3Options) -> (Runner, NamespaceId, Events) {
     (runner, ns, events)
 }
 
-fn key(ns: NamespaceId, k: u64) -> ScopedKey {
-    ScopedKey {
-        namespace: ns,
-        key: BlockKey::from_u64(k),
-    }
-}
-
-fn wait(runner: &mut Runner, op: OpHandle) -> OpResult {
-    for _ in 0..1000 {
-        for result in runner.wait_completed(Duration::from_millis(50)) {
-            if result.op == op {
-                return result;
-            }
-        }
-    }
-    panic!("operation {op:?} did not complete");
-}
+use crate::peer::{key, wait};
 
 fn deposit(runner: &mut Runner, host: &Host, ns: NamespaceId, page: u64) -> EntryStatus {
     let op = runner

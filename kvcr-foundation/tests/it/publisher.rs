@@ -956,6 +956,32 @@ fn tier(matched: u64, cpu: u64, disk: u64) -> serde_json::Value {
     serde_json::json!({"longest_matched": matched, "gpu": 0, "dp": {"0": 0}, "cpu": cpu, "disk": disk})
 }
 
+/// Starts Dynamo's standalone indexer (`py`) on `port`, logging to
+/// `realclients/tmp/<name>-<pid>.log`, and waits for its `/health`.
+fn start_indexer(py: &std::path::Path, port: u16, name: &str) -> Indexer {
+    let dir = realclients_dir().join("tmp");
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join(format!("{name}-{}.log", std::process::id()));
+    let out = std::fs::File::create(&log).unwrap();
+    let ix = Indexer {
+        child: Command::new(py)
+            .args(["-m", "dynamo.indexer", "--block-size", &BS.to_string()])
+            .args(["--port", &port.to_string(), "--threads", "1"])
+            .env("RUST_LOG", "info")
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap(),
+        port,
+        log,
+    };
+    wait_until("the indexer's /health", Duration::from_secs(60), || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+            && http(port, "GET", "/health", &serde_json::Value::Null).0 == 200
+    });
+    ix
+}
+
 /// Enters a private network namespace with only loopback, on this thread
 /// (children and the publisher's threads started from it inherit it).
 fn private_netns(required: bool) -> bool {
@@ -983,27 +1009,7 @@ fn dynamo_indexer_answers_exactly_what_kvcr_published() {
     if !private_netns(std::env::var("KVCR_TEST_DYNAMO").is_ok_and(|v| v == "1")) {
         return;
     }
-    let port = 18090;
-    let dir = realclients_dir().join("tmp");
-    std::fs::create_dir_all(&dir).unwrap();
-    let log = dir.join(format!("indexer-{}.log", std::process::id()));
-    let out = std::fs::File::create(&log).unwrap();
-    let ix = Indexer {
-        child: Command::new(&py)
-            .args(["-m", "dynamo.indexer", "--block-size", &BS.to_string()])
-            .args(["--port", &port.to_string(), "--threads", "1"])
-            .env("RUST_LOG", "info")
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .spawn()
-            .unwrap(),
-        port,
-        log,
-    };
-    wait_until("the indexer's /health", Duration::from_secs(60), || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-            && http(port, "GET", "/health", &serde_json::Value::Null).0 == 200
-    });
+    let ix = start_indexer(&py, 18090, "indexer");
 
     let a: Vec<u32> = (1..=16).collect(); // 4 blocks
     let cpu = scope(Owner::Kvcr, 1, Medium::CpuPinned);
@@ -1211,27 +1217,7 @@ fn dynamo_indexer_keeps_salts_apart_and_a_late_registration_converges_by_heartbe
     if !private_netns(std::env::var("KVCR_TEST_DYNAMO").is_ok_and(|v| v == "1")) {
         return;
     }
-    let port = 18091;
-    let dir = realclients_dir().join("tmp");
-    std::fs::create_dir_all(&dir).unwrap();
-    let log = dir.join(format!("indexer-late-{}.log", std::process::id()));
-    let out = std::fs::File::create(&log).unwrap();
-    let ix = Indexer {
-        child: Command::new(&py)
-            .args(["-m", "dynamo.indexer", "--block-size", &BS.to_string()])
-            .args(["--port", &port.to_string(), "--threads", "1"])
-            .env("RUST_LOG", "info")
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .spawn()
-            .unwrap(),
-        port,
-        log,
-    };
-    wait_until("the indexer's /health", Duration::from_secs(60), || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-            && http(port, "GET", "/health", &serde_json::Value::Null).0 == 200
-    });
+    let ix = start_indexer(&py, 18091, "indexer-late");
     let mut c = config(4);
     c.ownership = OwnershipWire::Stream;
     c.heartbeat = Some(Duration::from_millis(100));

@@ -364,75 +364,93 @@ impl Core {
     /// A victim G3 finds no slot for is dropped instead (returned).
     pub(super) fn start_spills(&mut self, now: u64, victims: &[u32]) -> Vec<u32> {
         let mut dropped = Vec::new();
-        let job = self.reserve_job();
-        let mut keys = Vec::new();
-        let mut transfers = Vec::new();
+        let mut job = Vec::new();
         for &idx in victims {
-            let Some((key, layout)) = self.record(idx).map(|r| (r.key, r.layout)) else {
-                continue;
-            };
-            // Slots are taken only for sources that resolve, one per span.
-            let sources = self.slot_spans(idx);
-            let spans = self.layouts.get(layout as usize).map_or(0, Vec::len);
-            if sources.is_empty() || sources.len() != spans {
-                dropped.push(idx);
-                continue;
+            match self.begin_spill(idx, true) {
+                Some(transfers) => job.push((idx, transfers)),
+                None => dropped.push(idx),
             }
-            let Some(slots) = self.g3_take_slots(sources.len()) else {
-                dropped.push(idx);
-                continue;
-            };
+        }
+        self.submit_spills(now, job);
+        dropped
+    }
+
+    /// Takes G3 slots for DRAM record `idx` (one per span of a resolving
+    /// source), records its `Storing` G3 residency and returns the writes;
+    /// `None` (nothing changed) when G3 has no room or a span does not
+    /// resolve. A move (`moving`) claims the DRAM page and marks it to
+    /// retire; a spill ahead leaves it as it is.
+    fn begin_spill(&mut self, idx: u32, moving: bool) -> Option<Vec<G3Transfer>> {
+        let (key, layout) = self.record(idx).map(|r| (r.key, r.layout))?;
+        let sources = self.slot_spans(idx);
+        let spans = self.layouts.get(layout as usize).map_or(0, Vec::len);
+        if sources.is_empty() || sources.len() != spans {
+            return None;
+        }
+        let slots = self.g3_take_slots(sources.len())?;
+        if moving {
             self.claim_internal(idx);
             if let Some(r) = self.record_mut(idx) {
                 r.flags |= FLAG_RETIRE;
             }
-            let page = self.page_info.get(&idx).cloned();
-            if let Some(g3) = self.g3.as_mut() {
-                g3.entries.insert(
-                    key,
-                    G3Entry {
-                        slots: slots.clone(),
-                        state: G3State::Storing,
-                        claims: 0,
-                        seq: 0,
-                        queued: false,
-                        layout,
-                        page,
-                        poisoned: false,
-                        moving: true,
-                    },
-                );
-                g3.counters.spills += 1;
-            }
-            keys.push(JobKey::Spill { record: idx });
-            transfers.push(
-                sources
-                    .iter()
-                    .zip(slots)
-                    .map(|(source, slot)| G3Transfer {
-                        slot,
-                        addr: source.src,
-                        len: source.len,
-                        direction: G3Direction::Store,
-                    })
-                    .collect(),
-            );
         }
-        if !keys.is_empty() {
-            self.jobs.insert(
-                job,
-                Job {
-                    op: BACKGROUND,
-                    keys,
-                },
-            );
-            self.actions.push_back(Action::G3 {
-                job,
-                deadline_ns: now.saturating_add(self.operation_timeout_ns),
-                transfers,
-            });
+        let page = self.page_info.get(&idx).cloned();
+        let transfers = sources
+            .iter()
+            .zip(&slots)
+            .map(|(source, slot)| G3Transfer {
+                slot: *slot,
+                addr: source.src,
+                len: source.len,
+                direction: G3Direction::Store,
+            })
+            .collect();
+        let g3 = self.g3.as_mut()?;
+        g3.entries.insert(
+            key,
+            G3Entry {
+                slots,
+                state: G3State::Storing,
+                claims: 0,
+                seq: 0,
+                queued: false,
+                layout,
+                page,
+                poisoned: false,
+                moving,
+            },
+        );
+        g3.counters.spills += 1;
+        if !moving {
+            g3.counters.spills_ahead += 1;
+            g3.ahead_in_flight += 1;
         }
-        dropped
+        Some(transfers)
+    }
+
+    /// Submits spills begun with [`Self::begin_spill`] as one G3 job of the
+    /// runner's own.
+    fn submit_spills(&mut self, now: u64, spills: Vec<(u32, Vec<G3Transfer>)>) {
+        if spills.is_empty() {
+            return;
+        }
+        let job = self.reserve_job();
+        let (keys, transfers) = spills
+            .into_iter()
+            .map(|(record, transfers)| (JobKey::Spill { record }, transfers))
+            .unzip();
+        self.jobs.insert(
+            job,
+            Job {
+                op: BACKGROUND,
+                keys,
+            },
+        );
+        self.actions.push_back(Action::G3 {
+            job,
+            deadline_ns: now.saturating_add(self.operation_timeout_ns),
+            transfers,
+        });
     }
 
     /// Ends the spill of DRAM record `record`: on success the G3 copy is
@@ -546,69 +564,11 @@ impl Core {
                 break;
             }
         }
-        if chosen.is_empty() {
-            return;
-        }
-        let job = self.reserve_job();
-        let mut keys = Vec::new();
-        let mut transfers = Vec::new();
-        for idx in chosen {
-            let Some((key, layout)) = self.record(idx).map(|r| (r.key, r.layout)) else {
-                continue;
-            };
-            let sources = self.slot_spans(idx);
-            let Some(slots) = self.g3_take_slots(sources.len()) else {
-                break;
-            };
-            let page = self.page_info.get(&idx).cloned();
-            if let Some(g3) = self.g3.as_mut() {
-                g3.entries.insert(
-                    key,
-                    G3Entry {
-                        slots: slots.clone(),
-                        state: G3State::Storing,
-                        claims: 0,
-                        seq: 0,
-                        queued: false,
-                        layout,
-                        page,
-                        poisoned: false,
-                        moving: false,
-                    },
-                );
-                g3.counters.spills += 1;
-                g3.counters.spills_ahead += 1;
-                g3.ahead_in_flight += 1;
-            }
-            keys.push(JobKey::Spill { record: idx });
-            transfers.push(
-                sources
-                    .iter()
-                    .zip(slots)
-                    .map(|(source, slot)| G3Transfer {
-                        slot,
-                        addr: source.src,
-                        len: source.len,
-                        direction: G3Direction::Store,
-                    })
-                    .collect(),
-            );
-        }
-        if keys.is_empty() {
-            return;
-        }
-        self.jobs.insert(
-            job,
-            Job {
-                op: BACKGROUND,
-                keys,
-            },
-        );
-        self.actions.push_back(Action::G3 {
-            job,
-            deadline_ns: now.saturating_add(self.operation_timeout_ns),
-            transfers,
-        });
+        let spills = chosen
+            .into_iter()
+            .filter_map(|idx| self.begin_spill(idx, false).map(|t| (idx, t)))
+            .collect();
+        self.submit_spills(now, spills);
     }
 
     /// Starts filling `key` from its READY G3 copy into a new DRAM residency
