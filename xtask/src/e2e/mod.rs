@@ -177,7 +177,7 @@ pub(crate) fn registry() -> Vec<Scenario> {
         ),
         Scenario::builtin(
             "g3-spill",
-            "a 16-page KVCR DRAM pool over a G3 file tier, filled far past its capacity: the victims move to G3 (fetchable from disk), every page comes back byte-exact, and with the files removed underneath no wrong byte is ever served",
+            "a 16-page KVCR DRAM pool over a G3 file tier, filled far past its capacity: the victims move to G3 (fetchable from disk), every page comes back byte-exact, with the files removed underneath no wrong byte is ever served, and a node killed mid-spill restarts on the same files with G3 empty (no old byte served)",
             true,
             g3::spill,
         ),
