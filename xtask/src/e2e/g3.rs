@@ -5,7 +5,7 @@
 // `serde_json::Value` indexing returns `Null` for a missing key; it never panics.
 #![allow(clippy::indexing_slicing)]
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use serde_json::{Value, json};
 
 use super::scenarios::{core_invariants, hashes, no_corruption, num, status};
@@ -79,7 +79,7 @@ pub(super) fn spill(ctx: &Ctx) -> Result<Outcome> {
         g3_of(&stats, "failed_transfers"),
         0,
     );
-    let verified = verify_all(&mut node, &all)?;
+    let verified = verify_all(&mut node, &all, 7)?;
     no_corruption(&mut o, "every page, from DRAM or G3", &verified);
     o.equal(
         "every page restored byte-exact",
@@ -93,7 +93,7 @@ pub(super) fn spill(ctx: &Ctx) -> Result<Outcome> {
     for entry in std::fs::read_dir(&dir)? {
         std::fs::remove_file(entry?.path())?;
     }
-    let after = verify_all(&mut node, &all)?;
+    let after = verify_all(&mut node, &all, 7)?;
     no_corruption(&mut o, "after the G3 files were removed", &after);
     o.check(
         "after the G3 files were removed: every page is served right or not at all",
@@ -154,14 +154,15 @@ pub(super) fn spill(ctx: &Ctx) -> Result<Outcome> {
     Ok(o)
 }
 
-/// Verifies `hashes` (pages `0..`) chunk by chunk; returns the totals.
-fn verify_all(node: &mut Node, all: &[u64]) -> Result<Value> {
+/// Verifies `hashes` (pages `0..`, filled with `seed`) chunk by chunk;
+/// returns the totals.
+fn verify_all(node: &mut Node, all: &[u64], seed: u64) -> Result<Value> {
     let mut totals =
         json!({"ok": 0, "mismatched": 0, "failed": 0, "completed": true, "statuses": {}});
     for (i, chunk) in all.chunks(CHUNK as usize).enumerate() {
         let first = i as u64 * CHUNK;
         let v = node.call(
-            &json!({"cmd": "verify", "hashes": chunk, "first_page": first, "shards": [0], "seed": 7}),
+            &json!({"cmd": "verify", "hashes": chunk, "first_page": first, "shards": [0], "seed": seed}),
             "VERIFIED",
         )?;
         for key in ["ok", "mismatched", "failed"] {
@@ -178,4 +179,105 @@ fn verify_all(node: &mut Node, all: &[u64]) -> Result<Value> {
         }
     }
     Ok(totals)
+}
+
+/// A 16 MiB ext4, loop-mounted, unmounted on drop.
+struct LoopMount {
+    mnt: std::path::PathBuf,
+}
+
+impl LoopMount {
+    fn new(dir: &std::path::Path, mib: u64) -> Result<Self> {
+        let image = dir.join("ext4.img");
+        let mnt = dir.join("mnt");
+        std::fs::create_dir_all(&mnt)?;
+        std::fs::File::create(&image)?.set_len(mib << 20)?;
+        crate::run(
+            std::process::Command::new("mkfs.ext4")
+                .args(["-q", "-F"])
+                .arg(&image),
+        )?;
+        crate::run(
+            std::process::Command::new("mount")
+                .args(["-o", "loop"])
+                .arg(&image)
+                .arg(&mnt),
+        )
+        .context("a full-disk scenario loop-mounts an ext4 image: it needs root")?;
+        Ok(Self { mnt })
+    }
+}
+
+impl Drop for LoopMount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.mnt).status();
+    }
+}
+
+/// `g3-full-disk`: the G3 files sit on a 16 MiB filesystem while the node
+/// moves 8 MiB pages' worth of victims at a time: once the disk is full,
+/// spills fail with ENOSPC (typed, counted), the DRAM copies they would have
+/// replaced are kept (or dropped, never half-moved), every deposit still
+/// lands, and every page is restored byte-exact or reported missing.
+pub(super) fn full_disk(ctx: &Ctx) -> Result<Outcome> {
+    let mut o = Outcome::default();
+    let (slots, block) = (16u64, 256u64 << 10);
+    let pages = 96;
+    let dir = crate::workspace_root().join("target/e2e/g3-full-disk/fs");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    let mount = LoopMount::new(&dir, 16)?;
+    // Files allowed far more than the filesystem holds.
+    let spec = crate::node::NodeSpec {
+        g3: Some((mount.mnt.clone(), 64 << 20)),
+        ..ctx.spec("node", slots, block)
+    };
+    let mut node = Node::spawn(&ctx.binary, "node", &spec)?;
+    let mut all = Vec::new();
+    let mut landed = 0;
+    for first in (0..pages).step_by(CHUNK as usize) {
+        let offloaded = node.call(
+            &json!({"cmd": "offload", "pages": CHUNK, "first_page": first, "shards": 1, "seed": 9, "hash_seed": 900}),
+            "OFFLOADED",
+        )?;
+        landed += num(&offloaded, "keys");
+        all.extend(hashes(&offloaded));
+    }
+    o.equal("every deposit lands, full disk or not", landed, pages);
+    let stats = node.stats()?;
+    let error = stats["g3"]["last_error"].as_str().unwrap_or("");
+    o.check(
+        "spills past the full disk fail, typed and counted",
+        g3_of(&stats, "spills_failed") > 0 && g3_of(&stats, "failed_transfers") > 0,
+        format!(
+            "{} failed spills, {} failed transfers, last error: {error}",
+            g3_of(&stats, "spills_failed"),
+            g3_of(&stats, "failed_transfers")
+        ),
+    );
+    o.check(
+        "the error names the full disk",
+        error.contains("no space") || error.contains("ENOSPC") || error.contains("28"),
+        error,
+    );
+    let verified = verify_all(&mut node, &all, 9)?;
+    no_corruption(&mut o, "every page after the disk filled", &verified);
+    o.check(
+        "every page is restored or missing, none wrong",
+        num(&verified, "ok") + num(&verified, "failed") == pages,
+        verified["statuses"].to_string(),
+    );
+    o.check(
+        "what G3 took before the disk filled comes back",
+        num(&verified, "ok") > slots,
+        format!("{} of {pages} restored", num(&verified, "ok")),
+    );
+    core_invariants(&mut o, &mut node)?;
+    o.number("pages", pages);
+    o.number("restored", num(&verified, "ok"));
+    o.number("spills_failed", g3_of(&stats, "spills_failed"));
+    drop(node);
+    drop(mount);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(o)
 }

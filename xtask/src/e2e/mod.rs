@@ -181,6 +181,12 @@ pub(crate) fn registry() -> Vec<Scenario> {
             true,
             g3::spill,
         ),
+        Scenario::builtin(
+            "g3-full-disk",
+            "a node's G3 files on a 16 MiB filesystem that fills up: spills fail with ENOSPC, typed and counted, every deposit still lands, and every page is restored byte-exact or reported missing, never wrong",
+            true,
+            g3::full_disk,
+        ),
         Scenario::example(
             "hicache",
             "HiCache L3 backend, TP=2, page_first: a hinted destination restores the source's prefix through batch_get, each rank its own shard, digests match; an evicted prefix gives no hint and no transfer; a killed source is a miss, never a fault",
