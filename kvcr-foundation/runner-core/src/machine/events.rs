@@ -11,17 +11,23 @@ impl Core {
         }
     }
 
+    /// A namespace's adapter and salt, which go on the wire with its pages so
+    /// a router never matches them against another namespace's query.
+    pub(in crate::machine) fn namespace_tags(
+        &self,
+        namespace: NamespaceId,
+    ) -> (Option<String>, Option<String>) {
+        self.namespaces
+            .get(&namespace)
+            .map(|n| (n.lora_name.clone(), n.cache_salt.clone()))
+            .unwrap_or_default()
+    }
+
     pub(in crate::machine) fn publish_stored(&mut self, stored: &[(u32, Option<PageInfo>)]) {
         for (idx, page) in stored {
             let Some(r) = self.record(*idx) else { continue };
             let key = r.key;
-            // The namespace's adapter and salt go on the wire with the page,
-            // so a router never matches it against another namespace's query.
-            let (lora_name, cache_salt) = self
-                .namespaces
-                .get(&key.namespace)
-                .map(|n| (n.lora_name.clone(), n.cache_salt.clone()))
-                .unwrap_or_default();
+            let (lora_name, cache_salt) = self.namespace_tags(key.namespace);
             let (parent, token_ids) = match page {
                 Some(p) => (p.parent, p.token_ids.clone()),
                 None => (None, Vec::new()),

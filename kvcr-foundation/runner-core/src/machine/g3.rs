@@ -477,11 +477,7 @@ impl Core {
             g3.counters.bytes_spilled += bytes;
             if let Some(page) = stored {
                 let (parent, token_ids) = page.map(|p| (p.parent, p.token_ids)).unwrap_or_default();
-                let (lora_name, cache_salt) = self
-                    .namespaces
-                    .get(&key.namespace)
-                    .map(|n| (n.lora_name.clone(), n.cache_salt.clone()))
-                    .unwrap_or_default();
+                let (lora_name, cache_salt) = self.namespace_tags(key.namespace);
                 self.events.push(InventoryEvent::Stored {
                     scope: Self::g3_scope(key.namespace),
                     keys: vec![key.key],
@@ -758,6 +754,18 @@ impl Core {
             keys.push(JobKey::G3Deliver { entry, key });
             transfers.push(transfer);
         }
+        self.submit_g3_job(op, job, keys, transfers);
+    }
+
+    /// Registers G3 job `job` of caller operation `op` (which then waits for
+    /// it) and asks the driver to run it by the operation's deadline.
+    fn submit_g3_job(
+        &mut self,
+        op: OpHandle,
+        job: JobId,
+        keys: Vec<JobKey>,
+        transfers: Vec<Vec<G3Transfer>>,
+    ) {
         let deadline_ns = self.ops.get(&op).map_or(0, |o| o.deadline);
         if let Some(o) = self.ops.get_mut(&op) {
             o.jobs += 1;
@@ -785,16 +793,7 @@ impl Core {
             keys.push(JobKey::Fill(fill));
             transfers.push(transfer);
         }
-        let deadline_ns = self.ops.get(&op).map_or(0, |o| o.deadline);
-        if let Some(o) = self.ops.get_mut(&op) {
-            o.jobs += 1;
-        }
-        self.jobs.insert(job, Job { op, keys });
-        self.actions.push_back(Action::G3 {
-            job,
-            deadline_ns,
-            transfers,
-        });
+        self.submit_g3_job(op, job, keys, transfers);
     }
 
     /// Drops a claim on `key`'s G3 copy after `read`: a failed read drops
