@@ -1254,12 +1254,20 @@ fn dynamo_indexer_keeps_salts_apart_and_a_late_registration_converges_by_heartbe
         "late registration: got {last}, want {want}\nindexer log:\n{}",
         ix.log_tail()
     );
-    assert!(p.stats().replay_requests >= 1, "{:?}", p.stats());
-    assert_eq!(
-        query_salted(&ix, &other, Some("tenant-a")),
-        want,
-        "the tenant's pages"
+    // The driver publishes its counters after the round that served the
+    // replay: the indexer may answer before they are out.
+    wait_until(
+        "the replay request counted",
+        Duration::from_secs(10),
+        || p.stats().replay_requests >= 1,
     );
+    // The replayed batches are applied one by one: wait for the tenant's.
+    let mut salted = serde_json::Value::Null;
+    let tenant_seen = wait_for(Duration::from_secs(10), || {
+        salted = query_salted(&ix, &other, Some("tenant-a"));
+        salted == want
+    });
+    assert!(tenant_seen, "the tenant's pages: got {salted}, want {want}");
     assert_eq!(
         query_salted(&ix, &other, None),
         serde_json::json!({}),

@@ -23,29 +23,38 @@ impl Core {
             .unwrap_or_default()
     }
 
+    /// The `Stored` event of one page in `scope`: its tokens (none without
+    /// page info) and its namespace's adapter and salt.
+    pub(in crate::machine) fn stored_event(
+        &self,
+        scope: InventoryScope,
+        key: ScopedKey,
+        page: Option<&PageInfo>,
+    ) -> InventoryEvent {
+        let (lora_name, cache_salt) = self.namespace_tags(key.namespace);
+        let (parent, token_ids) =
+            page.map_or((None, Vec::new()), |p| (p.parent, p.token_ids.clone()));
+        InventoryEvent::Stored {
+            scope,
+            keys: vec![key.key],
+            parent,
+            block_size: u32::try_from(token_ids.len()).unwrap_or(u32::MAX),
+            token_ids,
+            lora_name,
+            lora_id: None,
+            cache_salt,
+        }
+    }
+
     pub(in crate::machine) fn publish_stored(&mut self, stored: &[(u32, Option<PageInfo>)]) {
         for (idx, page) in stored {
             let Some(r) = self.record(*idx) else { continue };
             let key = r.key;
-            let (lora_name, cache_salt) = self.namespace_tags(key.namespace);
-            let (parent, token_ids) = match page {
-                Some(p) => (p.parent, p.token_ids.clone()),
-                None => (None, Vec::new()),
-            };
             if let (Some(_), Some(p)) = (&self.g3, page) {
                 // A spill to G3 publishes the page again (medium DISK).
                 self.page_info.insert(*idx, p.clone());
             }
-            let event = InventoryEvent::Stored {
-                scope: self.scope(key.namespace),
-                keys: vec![key.key],
-                parent,
-                block_size: u32::try_from(token_ids.len()).unwrap_or(u32::MAX),
-                token_ids,
-                lora_name,
-                lora_id: None,
-                cache_salt,
-            };
+            let event = self.stored_event(self.scope(key.namespace), key, page.as_ref());
             let merge = self
                 .events
                 .last()

@@ -226,6 +226,9 @@ pub(super) struct CapacityWaiter {
     pub(super) kind: WaiterKind,
 }
 
+/// A copy job being gathered for one operation: its id, keys and spans.
+type GatheredCopy = (JobId, Vec<JobKey>, Vec<Vec<CopySpan>>);
+
 /// What a waiter does once it has room.
 #[derive(Debug)]
 pub(super) enum WaiterKind {
@@ -476,18 +479,8 @@ impl Core {
             g3.counters.spills_committed += 1;
             g3.counters.bytes_spilled += bytes;
             if let Some(page) = stored {
-                let (parent, token_ids) = page.map(|p| (p.parent, p.token_ids)).unwrap_or_default();
-                let (lora_name, cache_salt) = self.namespace_tags(key.namespace);
-                self.events.push(InventoryEvent::Stored {
-                    scope: Self::g3_scope(key.namespace),
-                    keys: vec![key.key],
-                    parent,
-                    block_size: u32::try_from(token_ids.len()).unwrap_or(u32::MAX),
-                    token_ids,
-                    lora_name,
-                    lora_id: None,
-                    cache_salt,
-                });
+                let event = self.stored_event(Self::g3_scope(key.namespace), key, page.as_ref());
+                self.events.push(event);
             }
             if moving {
                 // The DRAM copy goes once its last reader is done (retire).
@@ -842,6 +835,17 @@ impl Core {
         }
     }
 
+    /// Sets what entry `entry` of `op` waits on.
+    fn set_wait(&mut self, op: OpHandle, entry: u32, wait: Wait) {
+        if let Some(e) = self
+            .ops
+            .get_mut(&op)
+            .and_then(|o| o.entries.get_mut(entry as usize))
+        {
+            e.wait = wait;
+        }
+    }
+
     /// Parks entry `entry` of `op` until DRAM room appears.
     pub(super) fn wait_for_capacity(
         &mut self,
@@ -851,13 +855,7 @@ impl Core {
         layout: u16,
         kind: WaiterKind,
     ) {
-        if let Some(e) = self
-            .ops
-            .get_mut(&op)
-            .and_then(|o| o.entries.get_mut(entry as usize))
-        {
-            e.wait = Wait::Capacity;
-        }
+        self.set_wait(op, entry, Wait::Capacity);
         if let Some(g3) = self.g3.as_mut() {
             g3.counters.capacity_waits += 1;
         }
@@ -897,7 +895,7 @@ impl Core {
         if self.capacity_waiters.is_empty() {
             return;
         }
-        let mut copies: BTreeMap<OpHandle, (Vec<JobKey>, Vec<Vec<CopySpan>>)> = BTreeMap::new();
+        let mut copies: BTreeMap<OpHandle, GatheredCopy> = BTreeMap::new();
         let mut g3_batches: BTreeMap<OpHandle, Vec<(u32, Vec<G3Transfer>)>> = BTreeMap::new();
         let mut deliver_next: BTreeMap<OpHandle, Vec<(u32, u32)>> = BTreeMap::new();
         let mut touched = Vec::new();
@@ -912,17 +910,12 @@ impl Core {
                 continue;
             }
             touched.push(w.op);
+            // No longer waiting for room (set back below if it still must).
+            self.set_wait(w.op, w.entry, Wait::None);
             if let Some(IndexEntry { record, state }) = self.index.get(&w.key).copied() {
                 // Resident after all: a waiting fill's G3 claim is not needed.
                 if matches!(w.kind, WaiterKind::G3Fill) {
                     self.g3_release(w.key, G3Read::NotRead);
-                }
-                if let Some(e) = self
-                    .ops
-                    .get_mut(&w.op)
-                    .and_then(|o| o.entries.get_mut(w.entry as usize))
-                {
-                    e.wait = Wait::None;
                 }
                 let same_layout = self.record(record).is_some_and(|r| r.layout == w.layout);
                 match state {
@@ -947,17 +940,11 @@ impl Core {
             let protected = [w.key];
             match self.allocate(now, w.layout, &protected) {
                 Allocation::Pending => {
+                    self.set_wait(w.op, w.entry, Wait::Capacity);
                     self.capacity_waiters.push_front(w);
                     break;
                 }
                 Allocation::Full => {
-                    if let Some(e) = self
-                        .ops
-                        .get_mut(&w.op)
-                        .and_then(|o| o.entries.get_mut(w.entry as usize))
-                    {
-                        e.wait = Wait::None;
-                    }
                     if matches!(w.kind, WaiterKind::G3Fill) {
                         self.g3_release(w.key, G3Read::NotRead);
                     }
@@ -973,12 +960,13 @@ impl Core {
                         for (span, slot) in spans.iter_mut().zip(self.slot_spans(record)) {
                             span.dst = slot.src;
                         }
-                        let (keys, job_spans) = copies.entry(w.op).or_default();
+                        let (job, keys, job_spans) = copies
+                            .entry(w.op)
+                            .or_insert_with(|| (self.reserve_job(), Vec::new(), Vec::new()));
                         let fill = self.new_fill(Fill {
                             record,
                             source: FillSource::Copy {
-                                // Set when the job is submitted below.
-                                job: JobId(0),
+                                job: *job,
                                 key: keys.len() as u32,
                             },
                             waiters: Vec::new(),
@@ -998,13 +986,6 @@ impl Core {
                         } else {
                             self.return_slots(w.layout, slots);
                             self.g3_release(w.key, G3Read::NotRead);
-                            if let Some(e) = self
-                                .ops
-                                .get_mut(&w.op)
-                                .and_then(|o| o.entries.get_mut(w.entry as usize))
-                            {
-                                e.wait = Wait::None;
-                            }
                             self.set_result(
                                 w.op,
                                 w.entry,
@@ -1015,16 +996,7 @@ impl Core {
                 },
             }
         }
-        for (op, (keys, spans)) in copies {
-            let job = self.reserve_job();
-            for key in &keys {
-                if let JobKey::Fill(fill) = key
-                    && let Some(f) = self.fills.get_mut(*fill as usize).and_then(Option::as_mut)
-                    && let FillSource::Copy { job: j, .. } = &mut f.source
-                {
-                    *j = job;
-                }
-            }
+        for (op, (job, keys, spans)) in copies {
             self.submit_job(op, job, keys, spans);
         }
         for (op, batch) in g3_batches {
