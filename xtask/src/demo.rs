@@ -42,6 +42,10 @@ pub(crate) struct Options {
     pub(crate) tls: Option<String>,
     pub(crate) seed: u64,
     pub(crate) router: RouterKind,
+    /// A G3 file tier under the source's KVCR DRAM (`--g3 DIR`): the source's
+    /// pool then holds half the pages, the rest move to files in `DIR` and
+    /// are served from there (filled back into DRAM for each peer write).
+    pub(crate) g3: Option<std::path::PathBuf>,
 }
 
 fn parse(rest: &[String]) -> Result<Options> {
@@ -51,6 +55,7 @@ fn parse(rest: &[String]) -> Result<Options> {
         tls: None,
         seed: 7,
         router: RouterKind::BuiltIn,
+        g3: None,
     };
     let mut it = rest.iter();
     while let Some(flag) = it.next() {
@@ -60,6 +65,7 @@ fn parse(rest: &[String]) -> Result<Options> {
             "--prompts" => o.prompts = value.parse()?,
             "--tls" => o.tls = Some(value.clone()),
             "--seed" => o.seed = value.parse()?,
+            "--g3" => o.g3 = Some(value.into()),
             "--router" => {
                 o.router = match value.as_str() {
                     "builtin" => RouterKind::BuiltIn,
@@ -68,12 +74,17 @@ fn parse(rest: &[String]) -> Result<Options> {
                 }
             }
             other => bail!(
-                "unknown demo option {other} (use --pages, --prompts, --tls, --seed, --router)"
+                "unknown demo option {other} (use --pages, --prompts, --tls, --seed, --router, --g3)"
             ),
         }
     }
     if o.prompts == 0 || o.pages < o.prompts {
         bail!("need at least one page per prompt");
+    }
+    if o.g3.is_some() && o.pages < 2 * (o.pages / o.prompts) {
+        // The source's DRAM holds half the pages and serves a prompt's pages
+        // from DRAM together (filled from G3): a prompt must fit in it.
+        bail!("with --g3 a prompt's pages must fit in half the pages (use more prompts)");
     }
     Ok(o)
 }
@@ -288,6 +299,8 @@ pub(crate) struct DestRow {
     pub(crate) bytes: u64,
     /// Per-request latency, in milliseconds.
     pub(crate) latencies_ms: Vec<f64>,
+    /// How the keys ended, by status name, summed over the requests.
+    pub(crate) statuses: std::collections::BTreeMap<String, u64>,
 }
 
 impl DestRow {
@@ -318,6 +331,8 @@ pub(crate) struct DemoOutcome {
     pub(crate) offloaded_keys: u64,
     /// Pages of the prompts that the router's answers left unhinted.
     pub(crate) unhinted_pages: u64,
+    /// The source's G3 counters at the end, with `--g3`.
+    pub(crate) g3: Option<G3Counts>,
 }
 
 pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
@@ -387,6 +402,12 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
             percentile(&mut lat, 0.99)
         );
     }
+    if let Some(g3) = &outcome.g3 {
+        println!(
+            "\nG3: {} keys moved from the source's KVCR DRAM to files, {} filled back to serve peers ({} failed)",
+            g3.spills, g3.fills, g3.fills_failed
+        );
+    }
     if outcome.unhinted_pages > 0 {
         bail!(
             "the router's answers left {} of {} pages unhinted",
@@ -441,6 +462,25 @@ pub(crate) fn play(binary: &Path, o: &Options) -> Result<DemoOutcome> {
         },
         ..spec(o.pages * SHARDS)
     };
+    let source_spec = match &o.g3 {
+        // Half the keys in DRAM; two G3 files of the pool's size hold them all.
+        Some(dir) => {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("creating the G3 folder {}", dir.display()))?;
+            let slots = o.pages * SHARDS / 2;
+            eprintln!(
+                "demo: the source's KVCR DRAM holds {slots} of {} keys; a G3 file tier in {} holds the rest",
+                o.pages * SHARDS,
+                dir.display()
+            );
+            NodeSpec {
+                blocks: slots,
+                g3: Some((dir.clone(), slots * shard_bytes)),
+                ..source_spec
+            }
+        }
+        None => source_spec,
+    };
     let mut source = Node::spawn(binary, "source", &source_spec)?;
     let mut dests = vec![
         (
@@ -483,12 +523,8 @@ pub(crate) fn play(binary: &Path, o: &Options) -> Result<DemoOutcome> {
     // A subscription takes effect asynchronously (ZMQ's slow joiner); give it
     // a moment before anything is published (the indexer also replays gaps).
     std::thread::sleep(std::time::Duration::from_millis(300));
-    source.send(&json!({"cmd": "offload", "pages": o.pages, "page_bytes": page_bytes, "shards": SHARDS, "seed": o.seed}))?;
-    let offloaded = source.read("OFFLOADED")?;
-    let offloaded_hashes: Vec<u64> = offloaded["hashes"]
-        .as_array()
-        .map(|a| a.iter().filter_map(Value::as_u64).collect())
-        .unwrap_or_default();
+    let offloaded = offload(&mut source, o, page_bytes)?;
+    let offloaded_hashes = offloaded.hashes.clone();
     let mut learned_from_events = false;
     let hashes = if let Some(ix) = &indexer {
         // The indexer answers in tokens per worker, not in hashes: the hint's
@@ -538,11 +574,22 @@ pub(crate) fn play(binary: &Path, o: &Options) -> Result<DemoOutcome> {
     };
     eprintln!(
         "demo: source offloaded {} keys ({:.0} MiB) in {:.2} s into KVCR DRAM at {}",
-        offloaded["keys"],
-        offloaded["bytes"].as_f64().unwrap_or(0.0) / (1u64 << 20) as f64,
-        offloaded["secs"].as_f64().unwrap_or(0.0),
+        offloaded.keys,
+        offloaded.bytes as f64 / (1u64 << 20) as f64,
+        offloaded.secs,
         source.endpoint
     );
+    let g3_before =
+        o.g3.as_ref()
+            .map(|_| G3Counts::of(&mut source))
+            .transpose()?;
+    if let Some(g3) = &g3_before {
+        eprintln!(
+            "demo: {} keys moved to G3 for room, {} still in KVCR DRAM",
+            g3.spills,
+            offloaded.keys.saturating_sub(g3.spills)
+        );
+    }
     // One prompt per request; each destination rank is hinted at the source
     // that holds the prompt's pages (the shard a rank needs is its own head
     // slice). With Dynamo, the source and the hinted pages come from the
@@ -598,6 +645,9 @@ pub(crate) fn play(binary: &Path, o: &Options) -> Result<DemoOutcome> {
             row.mismatched += r["mismatched"].as_u64().unwrap_or(0);
             row.failed += r["failed"].as_u64().unwrap_or(0);
             row.keys += r["keys"].as_u64().unwrap_or(0);
+            for (status, n) in r["statuses"].as_object().into_iter().flatten() {
+                *row.statuses.entry(status.clone()).or_default() += n.as_u64().unwrap_or(0);
+            }
         }
         if dynamo {
             eprintln!("demo: restored prompt {}/{}", prompt + 1, o.prompts);
@@ -608,15 +658,103 @@ pub(crate) fn play(binary: &Path, o: &Options) -> Result<DemoOutcome> {
     if !dynamo {
         eprintln!();
     }
+    let g3 = match g3_before {
+        Some(before) => {
+            let after = G3Counts::of(&mut source)?;
+            eprintln!(
+                "demo: the source filled {} keys back from G3 to serve the destinations ({} failed)",
+                after.fills - before.fills,
+                after.fills_failed
+            );
+            Some(after)
+        }
+        None => None,
+    };
     drop(dests);
     drop(source);
     drop(indexer);
     Ok(DemoOutcome {
         rows,
         learned_from_events,
-        offloaded_keys: offloaded["keys"].as_u64().unwrap_or(0),
+        offloaded_keys: offloaded.keys,
         unhinted_pages,
+        g3,
     })
+}
+
+/// What the source's offloads stored, summed over its calls.
+struct Offloaded {
+    hashes: Vec<u64>,
+    keys: u64,
+    bytes: u64,
+    secs: f64,
+}
+
+/// Offloads every page into the source. With G3 one call per prompt: a
+/// call's pages sit in DRAM together until stored, so each call must fit in
+/// the pool (older pages move to G3 to make room).
+fn offload(source: &mut Node, o: &Options, page_bytes: u64) -> Result<Offloaded> {
+    let chunk = match o.g3 {
+        Some(_) => o.pages / o.prompts,
+        None => o.pages,
+    };
+    let mut total = Offloaded {
+        hashes: Vec::new(),
+        keys: 0,
+        bytes: 0,
+        secs: 0.0,
+    };
+    for first in (0..o.pages).step_by(chunk.max(1) as usize) {
+        let pages = chunk.min(o.pages - first);
+        let answer = source.call(
+            &json!({"cmd": "offload", "pages": pages, "first_page": first, "page_bytes": page_bytes, "shards": SHARDS, "seed": o.seed}),
+            "OFFLOADED",
+        )?;
+        let stored = answer["keys"].as_u64().unwrap_or(0);
+        if stored != pages * SHARDS {
+            bail!(
+                "the source stored {stored} of {} keys of pages {first}..{}: {}",
+                pages * SHARDS,
+                first + pages,
+                answer["statuses"]
+            );
+        }
+        total.hashes.extend(
+            answer["hashes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_u64),
+        );
+        total.keys += stored;
+        total.bytes += answer["bytes"].as_u64().unwrap_or(0);
+        total.secs += answer["secs"].as_f64().unwrap_or(0.0);
+    }
+    Ok(total)
+}
+
+/// The source's G3 counters (node `stats`).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct G3Counts {
+    pub(crate) spills: u64,
+    pub(crate) fills: u64,
+    pub(crate) fills_failed: u64,
+}
+
+impl G3Counts {
+    fn of(node: &mut Node) -> Result<Self> {
+        let stats = node.stats()?;
+        let g3 = &stats["g3"];
+        if g3.is_null() {
+            bail!("the source reports no G3 tier");
+        }
+        let count = |key: &str| g3[key].as_u64().unwrap_or(0);
+        Ok(Self {
+            spills: count("spills"),
+            fills: count("fills"),
+            fills_failed: count("fills_failed"),
+        })
+    }
 }
 
 #[cfg(test)]

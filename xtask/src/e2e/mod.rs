@@ -110,6 +110,12 @@ pub(crate) fn registry() -> Vec<Scenario> {
             scenarios::demo_tcp,
         ),
         Scenario::builtin(
+            "demo-g3",
+            "the demo workload with the source's KVCR DRAM holding half the pages over a G3 file tier: pages move to G3, are filled back to serve the destinations, every restored byte equal",
+            true,
+            scenarios::demo_g3,
+        ),
+        Scenario::builtin(
             "source-sigkill",
             "source SIGKILLed mid-transfer: callers fail by the deadline, no corrupted byte; the granted slots stay quarantined (never reused, never freed without proof), also after a restart at the same address",
             true,

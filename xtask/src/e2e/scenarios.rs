@@ -227,21 +227,31 @@ fn balanced(o: &mut Outcome, tap: &EventTap, node: &mut Node, shown: Advertised)
 /// The demo workload (the same code as `cargo xtask demo`) on the default
 /// transports (shared memory).
 pub(super) fn demo(ctx: &Ctx) -> Result<Outcome> {
-    demo_over(ctx, None)
+    demo_over(ctx, None, None)
 }
 
 /// The demo workload with UCX over TCP.
 pub(super) fn demo_tcp(ctx: &Ctx) -> Result<Outcome> {
-    demo_over(ctx, Some(TCP))
+    demo_over(ctx, Some(TCP), None)
 }
 
-fn demo_over(ctx: &Ctx, tls: Option<&str>) -> Result<Outcome> {
+/// The demo workload with half the source's pages in a G3 file tier.
+pub(super) fn demo_g3(ctx: &Ctx) -> Result<Outcome> {
+    let dir = crate::workspace_root().join("target/e2e/demo-g3/files");
+    let _ = std::fs::remove_dir_all(&dir);
+    let o = demo_over(ctx, None, Some(dir.clone()));
+    let _ = std::fs::remove_dir_all(&dir);
+    o
+}
+
+fn demo_over(ctx: &Ctx, tls: Option<&str>, g3: Option<std::path::PathBuf>) -> Result<Outcome> {
     let options = crate::demo::Options {
         pages: ctx.size(8, 64),
         prompts: ctx.size(2, 4),
         tls: tls.map(str::to_owned),
         seed: 7,
         router: crate::demo::RouterKind::BuiltIn,
+        g3,
     };
     let outcome = crate::demo::play(&ctx.binary, &options)?;
     let mut o = Outcome::default();
@@ -251,8 +261,8 @@ fn demo_over(ctx: &Ctx, tls: Option<&str>) -> Result<Outcome> {
             &format!("{}: every key restored, every byte equal", row.name),
             row.byte_exact(),
             format!(
-                "{}/{} ok, {} mismatched, {} failed",
-                row.ok, row.keys, row.mismatched, row.failed
+                "{}/{} ok, {} mismatched, {} failed; statuses {:?}",
+                row.ok, row.keys, row.mismatched, row.failed, row.statuses
             ),
         );
         restored += row.ok;
@@ -280,6 +290,19 @@ fn demo_over(ctx: &Ctx, tls: Option<&str>) -> Result<Outcome> {
         ),
     );
     o.number("hashes from events", outcome.learned_from_events);
+    if options.g3.is_some() {
+        let g3 = outcome.g3.unwrap_or_default();
+        o.check(
+            "the source moved pages to G3 and filled them back to serve its peers",
+            g3.spills > 0 && g3.fills > 0 && g3.fills_failed == 0,
+            format!(
+                "{} spilled, {} filled, {} fills failed",
+                g3.spills, g3.fills, g3.fills_failed
+            ),
+        );
+        o.number("G3 spills", g3.spills);
+        o.number("G3 fills", g3.fills);
+    }
     Ok(o)
 }
 

@@ -282,6 +282,17 @@ pub(in crate::machine) struct PendingSourceWrite {
     pub(in crate::machine) pinned: Vec<u32>,
 }
 
+/// Why a key of a peer's write is not READY in DRAM yet, and how the write's
+/// preparation waits for it.
+#[derive(Debug, Clone, Copy)]
+pub(in crate::machine) enum Awaited {
+    /// Only G3 holds it (its DRAM layout): fill it.
+    FromG3(u16),
+    /// Its DRAM record is FILLING (another preparation, a deposit): wait on
+    /// that fill.
+    Filling(u32),
+}
+
 /// What a source keeps: it writes its READY pages into targets' grants.
 #[derive(Debug)]
 struct SourceRole {

@@ -190,18 +190,28 @@ impl Core {
         }
         let deadline = now
             .saturating_add((u64::from(remaining_ms) * 1_000_000).min(self.operation_timeout_ns));
-        // Keys only G3 holds are filled into DRAM first; the write is served
-        // when that ends (by its deadline at the latest).
-        let from_g3: Vec<(ScopedKey, u16)> = keys
+        // Keys only G3 holds are filled into DRAM first, and keys being
+        // filled already (another write's preparation, a deposit) are waited
+        // for; the write is served when that ends (by its deadline at the
+        // latest).
+        let awaited: Vec<(ScopedKey, Awaited)> = keys
             .iter()
             .map(|key| ScopedKey {
                 namespace,
                 key: *key,
             })
-            .filter(|k| !self.index.contains_key(k))
-            .filter_map(|k| self.g3_layout(&k).map(|layout| (k, layout)))
+            .filter_map(|k| match self.index.get(&k) {
+                Some(IndexEntry {
+                    record,
+                    state: Residency::Filling,
+                }) => Some((k, Awaited::Filling(*record))),
+                Some(_) => None,
+                None => self
+                    .g3_layout(&k)
+                    .map(|layout| (k, Awaited::FromG3(layout))),
+            })
             .collect();
-        if !from_g3.is_empty() {
+        if !awaited.is_empty() {
             self.prepare_source_write(
                 now,
                 PendingSourceWrite {
@@ -214,7 +224,7 @@ impl Core {
                     destinations: destinations.to_vec(),
                     pinned: Vec::new(),
                 },
-                from_g3,
+                awaited,
             );
             return;
         }
@@ -231,17 +241,33 @@ impl Core {
         );
     }
 
-    /// Fills `from_g3` into DRAM for the write `pending` (an operation of
-    /// the runner's own, by the write's deadline), then serves it. A write is
-    /// served from DRAM: its pages must fit there together (those that do not
-    /// are not written, and the target reports them missing).
+    /// Readies the `awaited` keys of the write `pending` in DRAM (an
+    /// operation of the runner's own, by the write's deadline), then serves
+    /// it. The write's keys READY now are pinned meanwhile, so that room made
+    /// for fills (its own or another write's) never moves them away. A write
+    /// is served from DRAM: its pages must fit there together (those that do
+    /// not are not written, and the target reports them missing).
     fn prepare_source_write(
         &mut self,
         now: u64,
-        pending: PendingSourceWrite,
-        from_g3: Vec<(ScopedKey, u16)>,
+        mut pending: PendingSourceWrite,
+        awaited: Vec<(ScopedKey, Awaited)>,
     ) {
-        let entries = from_g3
+        for key in &pending.keys {
+            let key = ScopedKey {
+                namespace: pending.namespace,
+                key: *key,
+            };
+            if let Some(IndexEntry {
+                record,
+                state: Residency::Ready,
+            }) = self.index.get(&key).copied()
+            {
+                self.claim_internal(record);
+                pending.pinned.push(record);
+            }
+        }
+        let entries = awaited
             .iter()
             .map(|(key, _)| OpEntry {
                 key: *key,
@@ -278,10 +304,18 @@ impl Core {
             })
             .unwrap_or_default();
         let mut batch = Vec::new();
-        for (entry, (key, layout)) in from_g3.into_iter().enumerate() {
+        for (entry, (key, awaited)) in awaited.into_iter().enumerate() {
             let entry = entry as u32;
-            if !self.start_g3_fill(now, prep, entry, key, layout, &protected, &mut batch) {
-                self.set_result(prep, entry, EntryResult::failed(FailReason::NoSource));
+            match awaited {
+                Awaited::FromG3(layout) => {
+                    if !self.start_g3_fill(now, prep, entry, key, layout, &protected, &mut batch) {
+                        self.set_result(prep, entry, EntryResult::failed(FailReason::NoSource));
+                    }
+                }
+                Awaited::Filling(record) => {
+                    let fill = self.filling.get(&record).copied().unwrap_or(NIL);
+                    self.wait_on_fill(prep, entry, fill);
+                }
             }
         }
         self.submit_g3_fills(prep, batch);
