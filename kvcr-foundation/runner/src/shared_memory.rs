@@ -106,40 +106,21 @@ impl SharedPool {
     /// required); with `prefault`, every page is touched now, so neither
     /// this process nor a peer's first write pays the fault.
     pub(crate) fn create(len: u64, prefault: bool) -> Result<Self> {
-        let failed = || Error::runner(RunnerReason::Allocation { bytes: len });
-        let size = usize::try_from(len).map_err(|_| failed())?;
-        if size == 0 {
-            return Err(failed());
-        }
-        let mut token = [0u8; 16];
-        getrandom::fill(&mut token).map_err(|_| failed())?;
-        let name = CString::new(format!("{NAME_PREFIX}{}", hex(&token))).map_err(|_| failed())?;
-        // SAFETY: `name` is a valid NUL-terminated string; the flags are
-        // plain bits. The returned descriptor is owned by the `File` below.
-        let fd = unsafe {
-            libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
-        };
-        if fd < 0 {
-            return Err(os_error("memfd_create"));
-        }
-        // SAFETY: `fd` was just returned by memfd_create and is owned by
-        // nothing else.
-        let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(len).map_err(|_| os_error("ftruncate"))?;
-        // Every page allocated now, by us: a source checks this, so its
-        // writes never allocate memory on our behalf.
-        // SAFETY: fallocate on our own memfd, within its size; no memory is
-        // passed.
-        if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) } != 0 {
-            return Err(os_error("fallocate"));
-        }
-        // The size is final: a source maps a region of the file, and a
-        // shrink would turn its writes into SIGBUS.
-        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-        // SAFETY: F_ADD_SEALS on our own memfd; no memory is passed.
-        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
-            return Err(os_error("fcntl(F_ADD_SEALS)"));
-        }
+        let (file, token) = create_pool_file(len)?;
+        Self::map(file, token, len, prefault)
+    }
+
+    /// A pool in a file made by [`create_pool_file`] in this or another
+    /// process (a guard hands one over): its name must carry `token`, its
+    /// size be `len` and its seals be in place, checked on the descriptor.
+    pub(crate) fn adopt(file: File, token: [u8; 16], len: u64, prefault: bool) -> Result<Self> {
+        check_pool_file(&file, &token, len)?;
+        Self::map(file, token, len, prefault)
+    }
+
+    fn map(file: File, token: [u8; 16], len: u64, prefault: bool) -> Result<Self> {
+        let size = usize::try_from(len)
+            .map_err(|_| Error::runner(RunnerReason::Allocation { bytes: len }))?;
         let map = MmapOptions::new()
             .len(size)
             .map_raw(&file)
@@ -185,6 +166,89 @@ unsafe impl kvcr_ucx::OwnedMemory for SharedPool {
     }
 }
 
+/// Makes a pool's file: a memfd named `kvcr-pool-<token>` of `len` bytes,
+/// every page allocated, sealed against shrinking and growing. A runner maps
+/// it ([`SharedPool`]); a guard makes them for the runners it serves.
+pub(crate) fn create_pool_file(len: u64) -> Result<(File, [u8; 16])> {
+    let failed = || Error::runner(RunnerReason::Allocation { bytes: len });
+    if len == 0 || usize::try_from(len).is_err() {
+        return Err(failed());
+    }
+    let mut token = [0u8; 16];
+    getrandom::fill(&mut token).map_err(|_| failed())?;
+    let name = CString::new(format!("{NAME_PREFIX}{}", hex(&token))).map_err(|_| failed())?;
+    // SAFETY: `name` is a valid NUL-terminated string; the flags are
+    // plain bits. The returned descriptor is owned by the `File` below.
+    let fd =
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(os_error("memfd_create"));
+    }
+    // SAFETY: `fd` was just returned by memfd_create and is owned by
+    // nothing else.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(len).map_err(|_| os_error("ftruncate"))?;
+    // Every page allocated now, by us: a source checks this, so its
+    // writes never allocate memory on our behalf.
+    // SAFETY: fallocate on our own memfd, within its size; no memory is
+    // passed.
+    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) } != 0 {
+        return Err(os_error("fallocate"));
+    }
+    // The size is final: a source maps a region of the file, and a
+    // shrink would turn its writes into SIGBUS.
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: F_ADD_SEALS on our own memfd; no memory is passed.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(os_error("fcntl(F_ADD_SEALS)"));
+    }
+    Ok((file, token))
+}
+
+/// Checks an opened pool file on its descriptor: a memfd named for `token`
+/// (the name of what was opened, not of a path that may have changed), at
+/// least `extent` bytes long and allocated, sealed against shrinking.
+fn inspect_pool_file(
+    file: &File,
+    token: &[u8; 16],
+    extent: u64,
+) -> std::result::Result<(), SegmentRefusal> {
+    let expected = format!("/memfd:{NAME_PREFIX}{} (deleted)", hex(token));
+    let name = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
+        .map_err(|_| SegmentRefusal::Name)?;
+    if name.as_os_str() != expected.as_str() {
+        return Err(SegmentRefusal::Name);
+    }
+    let meta = file.metadata().map_err(|_| SegmentRefusal::Size)?;
+    let allocated = meta.blocks().saturating_mul(512);
+    if !meta.is_file() || extent == 0 || meta.len() < extent || allocated < extent {
+        return Err(SegmentRefusal::Size);
+    }
+    // SAFETY: F_GET_SEALS on a descriptor we own; no memory is passed.
+    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(SegmentRefusal::Seals);
+    }
+    Ok(())
+}
+
+/// [`inspect_pool_file`] for a pool handed to this runner: exactly `len`
+/// bytes.
+fn check_pool_file(file: &File, token: &[u8; 16], len: u64) -> Result<()> {
+    let exact = file.metadata().is_ok_and(|m| m.len() == len);
+    match inspect_pool_file(file, token, len) {
+        Ok(()) if exact => Ok(()),
+        Ok(()) => Err(Error::runner(RunnerReason::Config {
+            field: "guard grant",
+            why: "a granted pool file is not the pool's size",
+        })),
+        Err(refusal) => Err(Error::runner(RunnerReason::Config {
+            field: "guard grant",
+            why: refusal.why(),
+        })),
+    }
+}
+
 /// Makes this process's page-table entries for `addr..addr+len` writable
 /// (`MADV_POPULATE_WRITE`, whole pages), so the copy that follows takes no
 /// fault per 4 KiB page: a first write into a mapped peer pool ran at 2.8
@@ -227,6 +291,19 @@ pub(crate) enum SegmentRefusal {
     Map,
 }
 
+impl SegmentRefusal {
+    /// What was wrong, in words.
+    pub(crate) fn why(self) -> &'static str {
+        match self {
+            Self::Open => "the pool file could not be opened",
+            Self::Name => "the file is not the pool's memfd (its name differs)",
+            Self::Size => "the pool file is not a fully allocated file of the pool's size",
+            Self::Seals => "the pool file is not sealed against shrinking",
+            Self::Map => "the kernel refused to map the pool file",
+        }
+    }
+}
+
 /// A target's pool, mapped into this (source) process for one-copy writes.
 #[derive(Debug)]
 pub(crate) struct PeerSegment {
@@ -259,22 +336,7 @@ impl PeerSegment {
             .map_err(|_| SegmentRefusal::Open)?;
         // The name of what was opened (not of the path, which may have
         // changed since): only the advertised pool is written.
-        let expected = format!("/memfd:{NAME_PREFIX}{} (deleted)", hex(&segment.token));
-        let name = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
-            .map_err(|_| SegmentRefusal::Name)?;
-        if name.as_os_str() != expected.as_str() {
-            return Err(SegmentRefusal::Name);
-        }
-        let meta = file.metadata().map_err(|_| SegmentRefusal::Size)?;
-        let allocated = meta.blocks().saturating_mul(512);
-        if !meta.is_file() || extent == 0 || meta.len() < extent || allocated < extent {
-            return Err(SegmentRefusal::Size);
-        }
-        // SAFETY: F_GET_SEALS on a descriptor we own; no memory is passed.
-        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
-        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
-            return Err(SegmentRefusal::Seals);
-        }
+        inspect_pool_file(&file, &segment.token, extent)?;
         let len = usize::try_from(extent).map_err(|_| SegmentRefusal::Size)?;
         let map = MmapOptions::new()
             .len(len)
