@@ -20,6 +20,7 @@
 #![forbid(unsafe_code)]
 
 pub mod error;
+pub mod journal;
 pub mod machine;
 #[cfg(test)]
 mod peer_sim;
