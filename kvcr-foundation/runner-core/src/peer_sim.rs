@@ -17,37 +17,67 @@
 //!   timeout it finds itself stalled); crashes and restarts of either source
 //!   at the same address (its old puts may still land; the targets may or
 //!   may not see the connection drop); a hostile member that sends what
-//!   nobody asked for.
+//!   nobody asked for;
+//! * G3, the file tier, in half the seeds: each source holds 8 keys over a
+//!   pool of 4 or 5 slots and 5 to 8 G3 slots (its policy moving victims to
+//!   G3, spilling ahead or not), so some keys live only in G3 and a
+//!   `start_write` naming them is prepared first (`SourcePrepare`: filled
+//!   back into the pool, moving other pages to G3); the engine beside a
+//!   source deposits its keys again now and then (more spills, G3
+//!   evictions); each target has G3 half the time (its evictions spill, its
+//!   fetches fill from G3, its delivers read G3 straight into the
+//!   destination). A G3 job runs in virtual time and is reported after a
+//!   seeded delay, in any order with everything else; a write fails (a full
+//!   disk), a read fails (an I/O error), a cancelled key is skipped or not,
+//!   and a source crashes mid-spill: each write it had in flight landed, or
+//!   did not, or did in part, and the new process opens the same files with
+//!   G3 empty.
 //!
-//! Virtual time moves event by event: messages arrive, pieces land and each
-//! driver runs its turn (`handle_tick`) when due, as the real driver sleeps
-//! until `peer_wake_at`; between events, requests and faults are injected.
+//! Virtual time moves event by event: messages arrive, pieces land, G3 jobs
+//! end and each driver runs its turn (`handle_tick`) when due, as the real
+//! driver sleeps until `peer_wake_at`; between events, requests and faults
+//! are injected.
 //!
 //! After every step it checks the invariants of the design:
-//! * every core's structural invariants (index, slots, claims);
+//! * every core's structural invariants (index, slots, claims, and G3's:
+//!   `check_invariants` runs `check_g3`);
 //! * per target, a slot that a put may still write is never free (no reuse
 //!   before proof, and a quarantined destination stays owned however long),
 //!   no two writes are ever in flight into one slot, and every put lands in
 //!   the pool of the target that granted it;
-//! * every page a target commits holds the bytes of that key (modelled per
-//!   target slot: the last put that landed there must be that key's, and no
-//!   put may still be in flight into it), checked when the commit happens,
-//!   when a fetch returns the page and when a deliver copies it out;
+//! * on every node, nothing reads a place (a pool slot, a G3 slot, a deliver
+//!   destination) that a put or G3 transfer in flight writes, nor writes one
+//!   that such a transfer reads or writes, and no slot a transfer of a live
+//!   process still touches is free;
+//! * every page a target commits holds the bytes of that key, checked when
+//!   the commit happens, when a fetch returns the page and when a deliver
+//!   copies it out (or reads it from G3). The model knows, per pool slot and
+//!   G3 slot of every node, the key whose bytes are there: a deposit writes
+//!   its key's, a spill copies a pool slot's into its G3 slot, a fill a G3
+//!   slot's into a pool slot, a put a source slot's into the target slot; a
+//!   failed transfer leaves garbage, and a failed read leaves its G3 slot
+//!   garbage too (bytes G3 could not read are never to be served). So a
+//!   page served from a G3 copy whose write failed, whose read failed (the
+//!   copy is poisoned), or that an earlier process left in the files
+//!   (garbage, another key's bytes) shows up as wrong bytes at the target;
 //! * a write ended after its operation's deadline (the target probed it)
 //!   never commits; an operation completes exactly once; a key failed by
 //!   deadline is never reported a success.
 //!
 //! The many-seeds test also counts what happened (operations split into
 //! several writes, reports out of order, writes of both sources, commits on
-//! both targets, ...) and fails when some of it never did.
+//! both targets, spills, fills on sources and targets, failed spills and
+//! fills, crashes mid-spill, ...) and fails when some of it never did.
 //!
 //! A failing seed is reproducible from its number:
 //! `KVCR_SIM_SEED=<n> cargo test -p kvcr-runner-core --lib peer_sim`.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use crate::machine::{Action, CopyOutcome, Core, CoreConfig, PeerConfig};
-use crate::policy::Lru;
+use crate::machine::{
+    Action, CopyOutcome, Core, CoreConfig, G3Config, G3Direction, G3Transfer, JobId, PeerConfig,
+};
+use crate::policy::{G3Lru, Lru};
 use crate::*;
 use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::hint::{FetchHint, FetchMode, RequestId};
@@ -57,7 +87,7 @@ use kvcr_contracts::protocol::{
     Body, CompletedIndices, ElementRef, Header, Message, OpHandle, RegionAdvert, RegionId,
     RouteGeneration, SegmentAdvert, SharedMemoryAdvert, WriteOutcome,
 };
-use kvcr_contracts::tier::InventoryEvent;
+use kvcr_contracts::tier::{InventoryEvent, Medium};
 
 const BLOCK: u64 = 64;
 const SLOTS: u32 = 8;
@@ -67,19 +97,24 @@ const TIMEOUT: u64 = 1_000_000; // 1 ms of virtual time
 const TARGET_POOL: u64 = 0x1000_0000;
 const SOURCE_POOL: u64 = 0x2000_0000;
 const POOL_STEP: u64 = 0x0100_0000;
+/// A source's host region (the engine's memory it deposits from): element
+/// `i` holds the bytes of the source's key `first + i`.
 const SOURCE_HOST: u64 = 0x3000_0000;
+const SOURCE_HOST_ELEMENTS: u64 = 64;
 /// The targets' framework region, where delivers copy pages to.
 const FRAMEWORK: u64 = 0x4000_0000;
 const FRAMEWORK_ELEMENTS: u64 = 1 << 16;
 const TARGET_PORTS: [u16; 2] = [1, 3];
 const SOURCE_PORTS: [u16; 2] = [2, 4];
-/// Source `s` holds keys `SOURCE_FIRST_KEY[s]..+SLOTS` (4..8 on both).
+/// Source `s` holds keys `SOURCE_FIRST_KEY[s]..+SOURCE_KEYS` (4..8 on both).
 const SOURCE_FIRST_KEY: [u64; 2] = [0, 4];
+const SOURCE_KEYS: u64 = 8;
 /// Requests name keys below this (the last ones on no source).
 const KEYS: u64 = 14;
 /// The port of the misbehaving member.
 const HOSTILE: u16 = 9;
-/// What a slot holds after a failed piece wrote it.
+/// What a slot holds after a failed piece or G3 transfer wrote it, and what
+/// a slot nothing ever wrote holds.
 const GARBAGE: u64 = u64::MAX;
 
 struct Rng(u64);
@@ -103,27 +138,66 @@ fn endpoint(port: u16) -> ControlEndpoint {
     ControlEndpoint::parse(&format!("tcp://10.0.0.1:{port}")).unwrap()
 }
 
-fn new_core(pool_base: u64, port: u16, incarnation: u128) -> (Core, NamespaceId) {
-    new_core_with(pool_base, port, incarnation, |_| {})
+/// A node's memory tiers: its pool's slots, and G3 under them when set (its
+/// policy then moves victims to G3, as the runner's default does).
+#[derive(Debug, Clone, Copy)]
+struct Tiers {
+    slots: u32,
+    g3: Option<G3Config>,
 }
 
-/// A core whose peer configuration `adjust` may change (allowlist, private
-/// namespaces, batching, shared memory).
+impl Tiers {
+    const DRAM_ONLY: Self = Self {
+        slots: SLOTS,
+        g3: None,
+    };
+
+    /// A pool of `slots` over a G3 of `g3_slots`, spilling ahead or not.
+    fn with_g3(slots: u32, g3_slots: u32, spill_ahead: bool) -> Self {
+        Self {
+            slots,
+            g3: Some(G3Config {
+                slots: g3_slots,
+                slot_bytes: BLOCK,
+                alignment: BLOCK,
+                spill_ahead,
+            }),
+        }
+    }
+}
+
+/// The pool slot at `address` of a pool of `slots` at `pool`.
+fn slot_at(pool: u64, slots: u32, address: u64) -> Option<u64> {
+    let offset = address.checked_sub(pool)?;
+    (offset % BLOCK == 0 && offset / BLOCK < u64::from(slots)).then_some(offset / BLOCK)
+}
+
+fn new_core(pool_base: u64, port: u16, incarnation: u128) -> (Core, NamespaceId) {
+    new_core_with(pool_base, port, incarnation, Tiers::DRAM_ONLY, |_| {})
+}
+
+/// A core of `tiers` whose peer configuration `adjust` may change
+/// (allowlist, private namespaces, batching, shared memory).
 fn new_core_with(
     pool_base: u64,
     port: u16,
     incarnation: u128,
+    tiers: Tiers,
     adjust: impl FnOnce(&mut PeerConfig),
 ) -> (Core, NamespaceId) {
     let config = CoreConfig {
-        pools: vec![("kv".into(), BLOCK, SLOTS)],
+        pools: vec![("kv".into(), BLOCK, tiers.slots)],
         pool_bases: vec![pool_base],
         operation_timeout_ns: TIMEOUT,
         watermark_percent: 0,
-        medium: kvcr_contracts::tier::Medium::CpuPinned,
-        g3: None,
+        medium: Medium::CpuPinned,
+        g3: tiers.g3,
     };
-    let mut core = Core::new(&config, Box::new(Lru)).unwrap();
+    let policy: Box<dyn CachePolicy> = match tiers.g3 {
+        Some(_) => Box::new(G3Lru),
+        None => Box::new(Lru),
+    };
+    let mut core = Core::new(&config, policy).unwrap();
     let ns = core.register_namespace(Namespace::base(CompatDigest(1)));
     let pool_region = RegionId(0);
     let mut config = PeerConfig {
@@ -150,57 +224,115 @@ fn scoped(ns: NamespaceId, k: u64) -> ScopedKey {
     }
 }
 
-/// Deposits keys `first..first + SLOTS` on a source (its host region stands
-/// in for the engine's memory; copies are simulated as landed) and returns
-/// which key each of its pool slots holds.
-fn stock(core: &mut Core, now: u64, ns: NamespaceId, first: u64) -> HashMap<u64, u64> {
+/// What the model knows a node's memory holds: per pool slot and per G3
+/// slot, the key whose bytes are there (`GARBAGE`: bytes of no key). G3's
+/// files outlive a source's process: a restarted source opens the same
+/// files, whose old contents it must never serve.
+#[derive(Debug, Default)]
+struct Contents {
+    dram: HashMap<u64, u64>,
+    files: HashMap<u32, u64>,
+}
+
+/// A source's host memory: the key whose bytes are at `address`.
+fn host_key(first: u64, address: u64) -> Option<u64> {
+    let offset = address.checked_sub(SOURCE_HOST)?;
+    (offset % BLOCK == 0 && offset / BLOCK < SOURCE_HOST_ELEMENTS).then(|| first + offset / BLOCK)
+}
+
+/// Runs a source's copies and G3 transfers at once, all succeeding, and
+/// writes what they carry into `contents` (setup only: the fault-injecting
+/// path is `Sim::start_g3`).
+fn run_at_once(
+    core: &mut Core,
+    now: u64,
+    pool: u64,
+    slots: u32,
+    first: u64,
+    contents: &mut Contents,
+) {
+    while let Some(action) = core.poll_action() {
+        match action {
+            Action::Copy { job, keys, .. } => {
+                for span in keys.iter().flatten() {
+                    if let Some(slot) = slot_at(pool, slots, span.dst) {
+                        let bytes = host_key(first, span.src).unwrap_or(GARBAGE);
+                        contents.dram.insert(slot, bytes);
+                    }
+                }
+                core.handle_copy_done(now, job, &vec![CopyOutcome::Copied; keys.len()]);
+            }
+            Action::G3 { job, transfers, .. } => {
+                for t in transfers.iter().flatten() {
+                    let Some(slot) = slot_at(pool, slots, t.addr) else {
+                        continue;
+                    };
+                    match t.direction {
+                        G3Direction::Store => {
+                            let bytes = contents.dram.get(&slot).copied().unwrap_or(GARBAGE);
+                            contents.files.insert(t.slot, bytes);
+                        }
+                        G3Direction::Load => {
+                            let bytes = contents.files.get(&t.slot).copied().unwrap_or(GARBAGE);
+                            contents.dram.insert(slot, bytes);
+                        }
+                    }
+                }
+                core.handle_copy_done(now, job, &vec![CopyOutcome::Copied; transfers.len()]);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Deposits source keys `first..first + SOURCE_KEYS` one at a time (copies
+/// and spills landing at once), so a pool smaller than that moves its older
+/// pages to G3. Returns the host region; `contents` gets what landed where.
+fn stock(
+    core: &mut Core,
+    now: u64,
+    ns: NamespaceId,
+    first: u64,
+    tiers: Tiers,
+    pool: u64,
+    contents: &mut Contents,
+) -> RegionId {
     let region = core
         .register_region(RegionDesc {
             label: "kv".into(),
             base: SOURCE_HOST,
             size: BLOCK,
             stride: 0,
-            count: 64,
+            count: SOURCE_HOST_ELEMENTS,
         })
         .or_else(|_| core.region_by_label("kv").ok_or(()))
         .unwrap_or(RegionId(1));
-    let keys: Vec<ScopedKey> = (first..first + u64::from(SLOTS))
-        .map(|k| scoped(ns, k))
-        .collect();
-    let entries = keys
-        .iter()
-        .enumerate()
-        .map(|(i, key)| DepositEntry {
-            key: *key,
-            spans: vec![ElementRef {
-                region,
-                index: i as u64,
-            }],
+    for i in 0..SOURCE_KEYS {
+        let entry = DepositEntry {
+            key: scoped(ns, first + i),
+            spans: vec![ElementRef { region, index: i }],
             page: None,
-        })
-        .collect();
-    core.deposit(now, entries, false).unwrap();
-    while let Some(action) = core.poll_action() {
-        if let Action::Copy { job, keys, .. } = action {
-            core.handle_copy_done(now, job, &vec![CopyOutcome::Copied; keys.len()]);
-        }
+        };
+        core.deposit(now, vec![entry], false).unwrap();
+        run_at_once(core, now, pool, tiers.slots, first, contents);
     }
-    // Where each page went: a fetch names its slot.
-    core.fetch(now, &keys, &[PoolId(0)], None).unwrap();
     let mut done = Vec::new();
     core.drain_completed(&mut done);
-    let mut slot_key = HashMap::new();
-    for result in done {
-        for (key, entry) in result.entries {
-            if let (Some(slot), Some(release)) = (entry.slots.first(), entry.release) {
-                slot_key.insert(slot.index, key.key.as_u64());
-                core.release(&[release]);
-            }
-        }
-    }
-    assert_eq!(slot_key.len(), SLOTS as usize, "every key stocked");
+    let held = (first..first + SOURCE_KEYS)
+        .filter(|k| {
+            let key = scoped(ns, *k);
+            core.query(&key) == QueryStatus::Hit || core.g3_ready(&key)
+        })
+        .count();
+    // Without G3 every key has a slot; with it, spills ahead may have taken
+    // the G3 room a later move needed (the page then went).
+    let least = match tiers.g3 {
+        None => SOURCE_KEYS as usize,
+        Some(_) => tiers.slots as usize,
+    };
+    assert!(held >= least, "{held} keys stocked");
     core.drain_events().for_each(drop);
-    slot_key
+    region
 }
 
 /// Source `s`'s incarnation after `restarts` restarts: unique per seed,
@@ -217,6 +349,10 @@ struct InFlightPut {
     write: u64,
     target: usize,
     slot: u64,
+    /// The source's pool slot it reads.
+    from: u64,
+    /// The key whose bytes it carries (what `from` held when it started;
+    /// nothing may write `from` until it landed).
     key: u64,
     done_at: u64,
     ok: bool,
@@ -237,15 +373,54 @@ enum Peer {
     Source(usize),
 }
 
+/// A place a G3 transfer reads or writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    /// A pool slot.
+    Dram(u64),
+    /// A G3 slot.
+    File(u32),
+    /// An element of a target's framework region (a direct deliver).
+    Element(u64),
+}
+
+/// One span of a G3 job in flight: it reads `from` and writes `to`,
+/// carrying the key whose bytes `from` held when it started (nothing may
+/// write `from`, nor touch `to`, until the job is reported).
+#[derive(Debug, Clone, Copy)]
+struct G3Span {
+    from: Place,
+    to: Place,
+    bytes: u64,
+    ok: bool,
+    store: bool,
+}
+
+/// An `Action::G3` job in flight on one node (a source's, of the
+/// incarnation that issued it), reported after a seeded delay.
+#[derive(Debug, Clone)]
+struct InFlightG3 {
+    peer: Peer,
+    incarnation: u128,
+    job: JobId,
+    /// Per key, its spans.
+    keys: Vec<Vec<G3Span>>,
+    /// Keys the core cancelled (the driver may skip them, or not).
+    cancelled: Vec<bool>,
+    done_at: u64,
+    seq: u64,
+}
+
 /// A destination, and what the model knows about its memory.
 struct Target {
     core: Core,
     endpoint: ControlEndpoint,
     pool: u64,
+    tiers: Tiers,
     framework: RegionId,
-    /// The last key whose bytes landed in each slot (`GARBAGE`: a failed
-    /// piece's).
-    landed: HashMap<u64, u64>,
+    /// `dram`: the last key whose bytes landed in each slot, by a put or a
+    /// G3 fill (`GARBAGE`: a failed one's); `files`: each G3 slot's.
+    memory: Contents,
     /// Per target operation, the (key, slot) pairs its `start_write` granted.
     grants: HashMap<OpHandle, Vec<(u64, u64)>>,
     /// Target operations probed (past their deadline): they never commit.
@@ -263,11 +438,17 @@ struct Target {
 }
 
 impl Target {
-    fn new(t: usize, seed: u64, shared: bool, write_batch_bytes: u64) -> (Self, NamespaceId) {
+    fn new(
+        t: usize,
+        seed: u64,
+        shared: bool,
+        write_batch_bytes: u64,
+        tiers: Tiers,
+    ) -> (Self, NamespaceId) {
         let pool = TARGET_POOL + t as u64 * POOL_STEP;
         // With shared segments advertised, its sources ack with one copy now
         // and then (the driver decides).
-        let (mut core, ns) = new_core_with(pool, TARGET_PORTS[t], t as u128 + 1, |c| {
+        let (mut core, ns) = new_core_with(pool, TARGET_PORTS[t], t as u128 + 1, tiers, |c| {
             c.write_batch_bytes = write_batch_bytes;
             c.shared_memory = shared.then(|| SharedMemoryAdvert {
                 boot_id: [1; 16],
@@ -294,8 +475,9 @@ impl Target {
             core,
             endpoint: endpoint(TARGET_PORTS[t]),
             pool,
+            tiers,
             framework,
-            landed: HashMap::new(),
+            memory: Contents::default(),
             grants: HashMap::new(),
             probed: HashSet::new(),
             deliveries: HashMap::new(),
@@ -309,20 +491,31 @@ impl Target {
     }
 
     fn slot_of(&self, address: u64) -> Option<u64> {
-        let offset = address.checked_sub(self.pool)?;
-        (offset % BLOCK == 0 && offset / BLOCK < u64::from(SLOTS)).then_some(offset / BLOCK)
+        slot_at(self.pool, self.tiers.slots, address)
+    }
+
+    /// The framework element at `address`.
+    fn element_of(address: u64) -> Option<u64> {
+        let offset = address.checked_sub(FRAMEWORK)?;
+        (offset % BLOCK == 0 && offset / BLOCK < FRAMEWORK_ELEMENTS).then_some(offset / BLOCK)
     }
 }
 
-/// A source: its core, and its driver's lanes and routes.
+/// A source: its core, its memory, and its driver's lanes and routes.
 struct Source {
     core: Core,
     endpoint: ControlEndpoint,
     pool: u64,
+    tiers: Tiers,
+    /// Its host region (deposits copy from it).
+    host: RegionId,
     incarnation: u128,
     restarts: u128,
-    /// Which key each pool slot holds.
-    slot_key: HashMap<u64, u64>,
+    /// What each pool slot and each G3 slot holds.
+    memory: Contents,
+    /// Pool slots whose bytes a G3 fill brought (until a deposit rewrites
+    /// them).
+    filled_from_g3: HashSet<u64>,
     /// When each copy lane is next free.
     lane_free_at: Vec<u64>,
     next_lane: usize,
@@ -331,25 +524,47 @@ struct Source {
     /// Highest write reported by this incarnation.
     max_reported: u64,
     /// Its process is stopped until then: no driver turn, no message handled,
-    /// no put reported.
+    /// no put or G3 job reported.
     asleep_until: u64,
 }
 
 impl Source {
-    fn new(s: usize, seed: u64, restarts: u128, lanes: usize, now: u64, ns: NamespaceId) -> Self {
+    /// Incarnation `restarts` of source `s`, stocked with its keys. `files`:
+    /// what its G3 files hold from earlier incarnations (a restart opens the
+    /// same files, and its core starts with G3 empty).
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        s: usize,
+        seed: u64,
+        restarts: u128,
+        lanes: usize,
+        now: u64,
+        ns: NamespaceId,
+        tiers: Tiers,
+        files: HashMap<u32, u64>,
+    ) -> Self {
         let pool = SOURCE_POOL + s as u64 * POOL_STEP;
         let incarnation = source_incarnation(seed, s, restarts);
-        let (mut core, source_ns) = new_core(pool, SOURCE_PORTS[s], incarnation);
+        let (mut core, source_ns) =
+            new_core_with(pool, SOURCE_PORTS[s], incarnation, tiers, |_| {});
         assert_eq!(source_ns, ns, "one namespace id on every core");
-        let slot_key = stock(&mut core, now, ns, SOURCE_FIRST_KEY[s]);
+        let mut memory = Contents {
+            dram: HashMap::new(),
+            files,
+        };
+        let first = SOURCE_FIRST_KEY[s];
+        let host = stock(&mut core, now, ns, first, tiers, pool, &mut memory);
         core.handle_tick(now); // the driver's first turn
         Self {
             core,
             endpoint: endpoint(SOURCE_PORTS[s]),
             pool,
+            tiers,
+            host,
             incarnation,
             restarts,
-            slot_key,
+            memory,
+            filled_from_g3: HashSet::new(),
             lane_free_at: vec![0; lanes.max(1)],
             next_lane: 0,
             routes: HashMap::new(),
@@ -358,12 +573,8 @@ impl Source {
         }
     }
 
-    fn key_of(&self, address: u64) -> Option<u64> {
-        let offset = address.checked_sub(self.pool)?;
-        if offset % BLOCK != 0 {
-            return None;
-        }
-        self.slot_key.get(&(offset / BLOCK)).copied()
+    fn slot_of(&self, address: u64) -> Option<u64> {
+        slot_at(self.pool, self.tiers.slots, address)
     }
 }
 
@@ -402,6 +613,25 @@ struct Coverage {
     stalls: u64,
     quarantined: u64,
     timeouts: u64,
+    /// Runs whose sources had G3 under a pool smaller than their keys.
+    g3_runs: u64,
+    /// Spans written into G3 (spills, moves and ahead), and those that
+    /// failed (a full disk).
+    spills: u64,
+    failed_spills: u64,
+    /// Spans a source read back from G3 to serve a `start_write`
+    /// (`SourcePrepare`), a target read into its pool, or read straight into
+    /// a deliver's destination; and reads that failed.
+    source_fills: u64,
+    target_fills: u64,
+    g3_delivers: u64,
+    failed_fills: u64,
+    /// Pages put to a target from a pool slot a G3 fill wrote.
+    served_from_g3: u64,
+    /// Source crashes while it was writing into G3.
+    crashes_mid_spill: u64,
+    /// G3 pages evicted for room (by the cores' counters).
+    g3_evictions: u64,
 }
 
 impl Coverage {
@@ -430,6 +660,16 @@ impl Coverage {
         self.stalls += o.stalls;
         self.quarantined += o.quarantined;
         self.timeouts += o.timeouts;
+        self.g3_runs += o.g3_runs;
+        self.spills += o.spills;
+        self.failed_spills += o.failed_spills;
+        self.source_fills += o.source_fills;
+        self.target_fills += o.target_fills;
+        self.g3_delivers += o.g3_delivers;
+        self.failed_fills += o.failed_fills;
+        self.served_from_g3 += o.served_from_g3;
+        self.crashes_mid_spill += o.crashes_mid_spill;
+        self.g3_evictions += o.g3_evictions;
     }
 }
 
@@ -460,12 +700,32 @@ struct Sim {
     /// How often a message is held up (up to an operation timeout).
     slow_percent: u64,
     max_put_time: u64,
+    /// G3 jobs in flight, on every node.
+    g3_jobs: Vec<InFlightG3>,
+    /// How often a G3 span fails: a write (a full disk), a read (an I/O
+    /// error, after which the model holds that G3 slot's bytes for garbage).
+    g3_write_fail_percent: u64,
+    g3_read_fail_percent: u64,
+    /// Longest G3 job, and how often one takes up to two operation timeouts.
+    max_g3_time: u64,
+    g3_slow_percent: u64,
     seen: Coverage,
 }
 
 impl Sim {
+    /// A run without G3 (the scripted tests).
     fn new(seed: u64) -> Self {
+        Self::build(seed, 0)
+    }
+
+    /// A run whose nodes get G3 in `g3_percent` of the seeds: then both
+    /// sources hold more keys than their pool has slots (the rest lives in
+    /// G3 only, and a `start_write` naming them fills them back first), and
+    /// each target has G3 under its pool half the time (its evictions spill,
+    /// and it fills and delivers from its own G3).
+    fn build(seed: u64, g3_percent: u64) -> Self {
         let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        let g3 = rng.chance(g3_percent);
         let mut targets = Vec::new();
         let mut ns = None;
         for t in 0..2 {
@@ -473,7 +733,12 @@ impl Sim {
             // One write per operation, or writes of 1 page, of 2½ pages (2
             // keys) or of 3 pages.
             let batch = [0, BLOCK, 5 * BLOCK / 2, 3 * BLOCK][rng.below(4) as usize];
-            let (target, target_ns) = Target::new(t, seed, shared, batch);
+            let tiers = if g3 && rng.chance(50) {
+                Tiers::with_g3(SLOTS, 4 + rng.below(5) as u32, rng.chance(50))
+            } else {
+                Tiers::DRAM_ONLY
+            };
+            let (target, target_ns) = Target::new(t, seed, shared, batch, tiers);
             assert!(ns.is_none_or(|n| n == target_ns));
             ns = Some(target_ns);
             targets.push(target);
@@ -482,7 +747,19 @@ impl Sim {
         let sources = (0..2)
             .map(|s| {
                 let lanes = 1 + rng.below(4) as usize;
-                Source::new(s, seed, 0, lanes, 0, ns)
+                // A pool of 4 or 5 slots (a write names at most 4 keys) over
+                // 5 to 8 G3 slots, for 8 keys: some live only in G3, and G3
+                // evicts now and then.
+                let tiers = if g3 {
+                    Tiers::with_g3(
+                        4 + rng.below(2) as u32,
+                        5 + rng.below(4) as u32,
+                        rng.chance(50),
+                    )
+                } else {
+                    Tiers::DRAM_ONLY
+                };
+                Source::new(s, seed, 0, lanes, 0, ns, tiers, HashMap::new())
             })
             .collect();
         Self {
@@ -506,7 +783,15 @@ impl Sim {
             max_delay: TIMEOUT / 20,
             slow_percent: 10,
             max_put_time: TIMEOUT / 10,
-            seen: Coverage::default(),
+            g3_jobs: Vec::new(),
+            g3_write_fail_percent: 5,
+            g3_read_fail_percent: 5,
+            max_g3_time: TIMEOUT / 5,
+            g3_slow_percent: 5,
+            seen: Coverage {
+                g3_runs: u64::from(g3),
+                ..Coverage::default()
+            },
         }
     }
 
@@ -519,6 +804,10 @@ impl Sim {
         self.max_delay = TIMEOUT / 20;
         self.slow_percent = 0;
         self.max_put_time = TIMEOUT / 50;
+        self.g3_write_fail_percent = 0;
+        self.g3_read_fail_percent = 0;
+        self.max_g3_time = TIMEOUT / 50;
+        self.g3_slow_percent = 0;
     }
 
     fn key(&self, k: u64) -> ScopedKey {
@@ -548,19 +837,71 @@ impl Sim {
 
     /// Source `s` crashes and restarts at the same address with a new
     /// incarnation (and fresh lanes and routes). Its in-flight puts may still
-    /// land (we cannot know), so they stay in `puts`, never reported.
+    /// land (we cannot know), so they stay in `puts`, never reported. Its G3
+    /// jobs end with the process (the new one locks the files only once the
+    /// old one is gone): each write landed, or did not, or did in part; the
+    /// new incarnation opens the same files with G3 empty.
     fn restart_source(&mut self, s: usize) {
-        let old = &self.sources[s];
-        let (restarts, lanes) = (old.restarts + 1, old.lane_free_at.len());
-        self.sources[s] = Source::new(s, self.seed, restarts, lanes, self.now, self.ns);
+        if self.end_g3_jobs(s) {
+            self.seen.crashes_mid_spill += 1;
+        }
+        let old = &mut self.sources[s];
+        let (restarts, lanes, tiers) = (old.restarts + 1, old.lane_free_at.len(), old.tiers);
+        let files = std::mem::take(&mut old.memory.files);
+        self.sources[s] = Source::new(
+            s, self.seed, restarts, lanes, self.now, self.ns, tiers, files,
+        );
+    }
+
+    /// Source `s`'s process ends: its G3 jobs stop where they are (a write
+    /// leaves its G3 slot as it was, written, or half written). Returns
+    /// whether one was writing.
+    fn end_g3_jobs(&mut self, s: usize) -> bool {
+        let (ended, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.g3_jobs)
+            .into_iter()
+            .partition(|j| j.peer == Peer::Source(s));
+        self.g3_jobs = kept;
+        let mut writing = false;
+        for span in ended.iter().flat_map(|j| j.keys.iter().flatten()) {
+            if let Place::File(slot) = span.to {
+                writing = true;
+                match self.rng.below(3) {
+                    0 => {}
+                    1 => {
+                        self.sources[s].memory.files.insert(slot, span.bytes);
+                    }
+                    _ => {
+                        self.sources[s].memory.files.insert(slot, GARBAGE);
+                    }
+                }
+            }
+        }
+        writing
     }
 
     /// Replaces source `s`'s core by one whose configuration `adjust` changes.
     fn reconfigure_source(&mut self, s: usize, adjust: impl FnOnce(&mut PeerConfig)) {
+        self.end_g3_jobs(s);
         let source = &mut self.sources[s];
-        let (core, _) = new_core_with(source.pool, SOURCE_PORTS[s], source.incarnation, adjust);
+        let (core, _) = new_core_with(
+            source.pool,
+            SOURCE_PORTS[s],
+            source.incarnation,
+            source.tiers,
+            adjust,
+        );
         source.core = core;
-        source.slot_key = stock(&mut source.core, self.now, self.ns, SOURCE_FIRST_KEY[s]);
+        source.memory.dram.clear();
+        source.filled_from_g3.clear();
+        source.host = stock(
+            &mut source.core,
+            self.now,
+            self.ns,
+            SOURCE_FIRST_KEY[s],
+            source.tiers,
+            source.pool,
+            &mut source.memory,
+        );
     }
 
     /// Runs every core's actions.
@@ -595,10 +936,11 @@ impl Sim {
                     Peer::Source(s) => self.start_put(s, write, &target, generation, &spans),
                     Peer::Target(t) => self.violation(format!("target {t} issued a put")),
                 },
-                Action::G3 { .. } => self.violation("a G3 transfer without G3".to_owned()),
+                Action::G3 { job, transfers, .. } => self.start_g3(peer, job, &transfers),
                 Action::Copy { job, keys, .. } => {
-                    if let Peer::Target(t) = peer {
-                        self.check_copy(t, &keys);
+                    match peer {
+                        Peer::Target(t) => self.check_copy(t, &keys),
+                        Peer::Source(s) => self.deposit_copy(s, &keys),
                     }
                     let now = self.now;
                     self.core(peer).handle_copy_done(
@@ -632,8 +974,320 @@ impl Sim {
                             .handle_connected(&target, generation, one_copy);
                     }
                 }
-                Action::Cancel { .. } => {}
+                // A copy is done at once (nothing left to cancel); a G3
+                // job's key may be skipped when it is reported.
+                Action::Cancel { job, key } => {
+                    let cancelled = self
+                        .g3_jobs
+                        .iter_mut()
+                        .find(|j| j.peer == peer && j.job == job)
+                        .and_then(|j| j.cancelled.get_mut(key as usize));
+                    if let Some(cancelled) = cancelled {
+                        *cancelled = true;
+                    }
+                }
             }
+        }
+    }
+
+    fn memory(&mut self, peer: Peer) -> &mut Contents {
+        match peer {
+            Peer::Target(t) => &mut self.targets[t].memory,
+            Peer::Source(s) => &mut self.sources[s].memory,
+        }
+    }
+
+    /// The pool slot of `peer` at `address`.
+    fn pool_slot(&self, peer: Peer, address: u64) -> Option<u64> {
+        match peer {
+            Peer::Target(t) => self.targets[t].slot_of(address),
+            Peer::Source(s) => self.sources[s].slot_of(address),
+        }
+    }
+
+    fn slot_free(&self, peer: Peer, slot: u64) -> bool {
+        let core = match peer {
+            Peer::Target(t) => &self.targets[t].core,
+            Peer::Source(s) => &self.sources[s].core,
+        };
+        core.slot_is_free(PoolId(0), slot as u32)
+    }
+
+    /// What the model holds at `place` of `peer`.
+    fn bytes_at(&self, peer: Peer, place: Place) -> u64 {
+        let memory = match peer {
+            Peer::Target(t) => &self.targets[t].memory,
+            Peer::Source(s) => &self.sources[s].memory,
+        };
+        let bytes = match place {
+            Place::Dram(slot) => memory.dram.get(&slot),
+            Place::File(slot) => memory.files.get(&slot),
+            Place::Element(_) => None,
+        };
+        bytes.copied().unwrap_or(GARBAGE)
+    }
+
+    /// What in flight on `peer` writes `place` (or, unless `writes_only`,
+    /// reads it): a G3 span of `extra` (the job being planned) or of a job in
+    /// flight, a put into a target's slot, or a put out of a source's slot.
+    fn in_flight_at(
+        &self,
+        peer: Peer,
+        place: Place,
+        writes_only: bool,
+        extra: &[G3Span],
+    ) -> Option<String> {
+        let touches = |span: &G3Span| span.to == place || (!writes_only && span.from == place);
+        if let Some(span) = extra.iter().find(|span| touches(span)) {
+            return Some(format!("the same job's {span:?}"));
+        }
+        let g3 = self
+            .g3_jobs
+            .iter()
+            .filter(|j| j.peer == peer)
+            .find_map(|j| {
+                j.keys
+                    .iter()
+                    .flatten()
+                    .find(|span| touches(span))
+                    .map(|span| (j.job, *span))
+            });
+        if let Some((job, span)) = g3 {
+            return Some(format!("G3 job {job:?}'s {span:?}"));
+        }
+        let Place::Dram(slot) = place else {
+            return None;
+        };
+        let put = match peer {
+            Peer::Target(t) => self.puts.iter().find(|p| p.target == t && p.slot == slot),
+            Peer::Source(s) if !writes_only => {
+                let incarnation = self.sources[s].incarnation;
+                self.puts
+                    .iter()
+                    .find(|p| p.source == s && p.incarnation == incarnation && p.from == slot)
+            }
+            Peer::Source(_) => None,
+        };
+        put.map(|p| format!("{p:?}"))
+    }
+
+    /// The driver runs `peer`'s G3 job: each span reads what its source
+    /// place holds now (nothing may write that place, nor touch the one it
+    /// writes, until the job is reported) and may fail; the job is reported
+    /// after a seeded delay, in any order with everything else.
+    fn start_g3(&mut self, peer: Peer, job: JobId, transfers: &[Vec<G3Transfer>]) {
+        let mut keys = Vec::with_capacity(transfers.len());
+        for key in transfers {
+            let mut spans: Vec<G3Span> = Vec::with_capacity(key.len());
+            for t in key {
+                let dram = self.pool_slot(peer, t.addr).map(Place::Dram);
+                let (from, to) = match (t.direction, dram, peer) {
+                    (G3Direction::Store, Some(d), _) => (d, Place::File(t.slot)),
+                    (G3Direction::Load, Some(d), _) => (Place::File(t.slot), d),
+                    // A target's deliver reads G3 straight into its
+                    // destination.
+                    (G3Direction::Load, None, Peer::Target(_)) => {
+                        match Target::element_of(t.addr) {
+                            Some(e) => (Place::File(t.slot), Place::Element(e)),
+                            None => {
+                                return self.violation(format!(
+                                    "{peer:?}'s G3 job {job:?} reads into {t:?}, no memory of its"
+                                ));
+                            }
+                        }
+                    }
+                    _ => {
+                        return self.violation(format!(
+                            "{peer:?}'s G3 job {job:?} writes {t:?} from outside its pool"
+                        ));
+                    }
+                };
+                if t.len != BLOCK {
+                    self.violation(format!("{peer:?}'s G3 job {job:?}: {t:?} is not one page"));
+                }
+                for place in [from, to] {
+                    if let Place::Dram(slot) = place
+                        && self.slot_free(peer, slot)
+                    {
+                        self.violation(format!(
+                            "{peer:?}'s G3 job {job:?} touches its free slot {slot} ({t:?})"
+                        ));
+                    }
+                }
+                if let Some(other) = self.in_flight_at(peer, from, true, &spans) {
+                    self.violation(format!(
+                        "{peer:?}'s G3 job {job:?} reads {from:?} while {other} writes it"
+                    ));
+                }
+                if let Some(other) = self.in_flight_at(peer, to, false, &spans) {
+                    self.violation(format!(
+                        "{peer:?}'s G3 job {job:?} writes {to:?} while {other} touches it"
+                    ));
+                }
+                let store = t.direction == G3Direction::Store;
+                let fail = if store {
+                    self.g3_write_fail_percent
+                } else {
+                    self.g3_read_fail_percent
+                };
+                spans.push(G3Span {
+                    from,
+                    to,
+                    bytes: self.bytes_at(peer, from),
+                    ok: !self.rng.chance(fail),
+                    store,
+                });
+            }
+            keys.push(spans);
+        }
+        let took = if self.rng.chance(self.g3_slow_percent) {
+            self.rng.below(2 * TIMEOUT)
+        } else {
+            self.rng.below(self.max_g3_time)
+        };
+        let incarnation = match peer {
+            Peer::Source(s) => self.sources[s].incarnation,
+            Peer::Target(_) => 0,
+        };
+        self.seq += 1;
+        self.g3_jobs.push(InFlightG3 {
+            peer,
+            incarnation,
+            job,
+            cancelled: vec![false; keys.len()],
+            keys,
+            done_at: self.now + took,
+            seq: self.seq,
+        });
+    }
+
+    /// Reports the G3 jobs due by now (in time order; a stopped source's
+    /// once it runs again): each span writes what it carries (garbage when
+    /// it failed; a failed read leaves its G3 slot untrusted, garbage too),
+    /// a key copied only when all its spans were.
+    fn complete_due_g3(&mut self) {
+        let now = self.now;
+        let (mut due, pending): (Vec<_>, Vec<_>) = std::mem::take(&mut self.g3_jobs)
+            .into_iter()
+            .partition(|j| j.done_at <= now && self.g3_report_at(j) <= now);
+        self.g3_jobs = pending;
+        due.sort_by_key(|j| (j.done_at, j.seq));
+        for job in due {
+            if let Peer::Source(s) = job.peer
+                && self.sources[s].incarnation != job.incarnation
+            {
+                // Its process is gone: a new one must never hear of it.
+                self.violation(format!("{job:?} outlived its source's process"));
+                continue;
+            }
+            let mut outcomes = Vec::with_capacity(job.keys.len());
+            for (spans, cancelled) in job.keys.iter().zip(&job.cancelled) {
+                // The runner's driver runs a cancelled key anyway; a driver
+                // may also skip one that has not started.
+                if *cancelled && self.rng.chance(50) {
+                    outcomes.push(CopyOutcome::Cancelled);
+                    continue;
+                }
+                for span in spans {
+                    self.land_g3(job.peer, span);
+                }
+                let copied = spans.iter().all(|span| span.ok);
+                outcomes.push(if copied {
+                    CopyOutcome::Copied
+                } else {
+                    CopyOutcome::Failed
+                });
+            }
+            self.core(job.peer)
+                .handle_copy_done(now, job.job, &outcomes);
+            self.deliver_actions(job.peer);
+        }
+    }
+
+    /// When job `j` can be reported: once done, and once its process runs.
+    fn g3_report_at(&self, j: &InFlightG3) -> u64 {
+        match j.peer {
+            Peer::Source(s) => j.done_at.max(self.sources[s].asleep_until),
+            Peer::Target(_) => j.done_at,
+        }
+    }
+
+    /// One G3 span of `peer` ends: its destination holds what it carried,
+    /// or garbage.
+    fn land_g3(&mut self, peer: Peer, span: &G3Span) {
+        let bytes = if span.ok { span.bytes } else { GARBAGE };
+        match (span.store, span.ok) {
+            (true, true) => self.seen.spills += 1,
+            (true, false) => self.seen.failed_spills += 1,
+            (false, false) => self.seen.failed_fills += 1,
+            (false, true) => match (peer, span.to) {
+                (Peer::Source(_), _) => self.seen.source_fills += 1,
+                (Peer::Target(_), Place::Element(_)) => self.seen.g3_delivers += 1,
+                (Peer::Target(_), _) => self.seen.target_fills += 1,
+            },
+        }
+        if let (false, false, Place::File(slot)) = (span.store, span.ok, span.from) {
+            self.memory(peer).files.insert(slot, GARBAGE);
+        }
+        match span.to {
+            Place::Dram(slot) => {
+                self.memory(peer).dram.insert(slot, bytes);
+                if let Peer::Source(s) = peer {
+                    let filled = &mut self.sources[s].filled_from_g3;
+                    if span.ok {
+                        filled.insert(slot);
+                    } else {
+                        filled.remove(&slot);
+                    }
+                }
+            }
+            Place::File(slot) => {
+                self.memory(peer).files.insert(slot, bytes);
+            }
+            Place::Element(e) => {
+                let Peer::Target(t) = peer else {
+                    return self.violation(format!("{peer:?} read G3 into element {e}"));
+                };
+                match self.targets[t].deliveries.get_mut(&e) {
+                    None => self.violation(format!(
+                        "target {t} read G3 into element {e}, asked by nobody"
+                    )),
+                    Some((want, copied)) if span.ok => {
+                        let want = *want;
+                        if bytes == want {
+                            *copied = true;
+                        } else {
+                            self.violation(format!(
+                                "target {t} delivers key {want} to element {e} from G3, which held {bytes}"
+                            ));
+                        }
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+    }
+
+    /// A deposit's copy into source `s`'s pool: the slot is allocated and
+    /// nothing in flight touches it; it then holds the deposited key.
+    fn deposit_copy(&mut self, s: usize, keys: &[Vec<CopySpan>]) {
+        let first = SOURCE_FIRST_KEY[s];
+        for span in keys.iter().flatten() {
+            let Some(slot) = self.sources[s].slot_of(span.dst) else {
+                return self.violation(format!("source {s} copies {span:?} outside its pool"));
+            };
+            if self.slot_free(Peer::Source(s), slot) {
+                self.violation(format!("source {s} deposits into its free slot {slot}"));
+            }
+            if let Some(other) = self.in_flight_at(Peer::Source(s), Place::Dram(slot), false, &[]) {
+                self.violation(format!(
+                    "source {s} deposits into slot {slot} while {other} touches it"
+                ));
+            }
+            let bytes = host_key(first, span.src).unwrap_or(GARBAGE);
+            let source = &mut self.sources[s];
+            source.memory.dram.insert(slot, bytes);
+            source.filled_from_g3.remove(&slot);
         }
     }
 
@@ -709,12 +1363,17 @@ impl Sim {
             self.violation(format!("source {s} writes to {target:?}"));
             return;
         };
+        // Each span: (target slot, source slot, the key whose bytes that
+        // source slot holds now).
         let mut resolved = Vec::new();
         for span in spans {
             let slot = self.targets[t].slot_of(span.remote);
-            let key = self.sources[s].key_of(span.local);
-            match (slot, key) {
-                (Some(slot), Some(key)) if span.len == BLOCK => resolved.push((slot, key)),
+            let from = self.sources[s].slot_of(span.local);
+            match (slot, from) {
+                (Some(slot), Some(from)) if span.len == BLOCK => {
+                    let key = self.bytes_at(Peer::Source(s), Place::Dram(from));
+                    resolved.push((slot, from, key));
+                }
                 _ => {
                     return self.violation(format!(
                         "source {s}'s put {span:?} is not a page of its pool into target {t}'s"
@@ -725,7 +1384,7 @@ impl Sim {
         if resolved.is_empty() {
             return self.violation(format!("source {s} issued an empty put"));
         }
-        for &(slot, _) in &resolved {
+        for &(slot, from, _) in &resolved {
             if self.targets[t].core.slot_is_free(PoolId(0), slot as u32) {
                 self.violation(format!("source {s} writes target {t}'s free slot {slot}"));
             }
@@ -733,6 +1392,22 @@ impl Sim {
                 self.violation(format!(
                     "two writes in flight into target {t}'s slot {slot}: {other:?} and write {write} of source {s}"
                 ));
+            }
+            if let Some(other) = self.in_flight_at(Peer::Target(t), Place::Dram(slot), false, &[]) {
+                self.violation(format!(
+                    "source {s} writes target {t}'s slot {slot} while {other} touches it"
+                ));
+            }
+            if self.slot_free(Peer::Source(s), from) {
+                self.violation(format!("source {s} puts from its free slot {from}"));
+            }
+            if let Some(other) = self.in_flight_at(Peer::Source(s), Place::Dram(from), true, &[]) {
+                self.violation(format!(
+                    "source {s} puts from slot {from} while {other} writes it"
+                ));
+            }
+            if self.sources[s].filled_from_g3.contains(&from) {
+                self.seen.served_from_g3 += 1;
             }
         }
         let incarnation = self.sources[s].incarnation;
@@ -773,7 +1448,7 @@ impl Sim {
             if !ok {
                 self.seen.failed_pieces += 1;
             }
-            for &(slot, key) in piece {
+            for &(slot, from, key) in piece {
                 self.seq += 1;
                 self.puts.push(InFlightPut {
                     source: s,
@@ -781,6 +1456,7 @@ impl Sim {
                     write,
                     target: t,
                     slot,
+                    from,
                     key,
                     done_at,
                     ok,
@@ -813,16 +1489,16 @@ impl Sim {
             let (Some(slot), Some((key, copied))) = (slot, wanted) else {
                 return self.violation(format!("target {t} copies {span:?}, asked by nobody"));
             };
-            let (key, landed) = (*key, target.landed.get(&slot).copied());
+            let (key, landed) = (*key, target.memory.dram.get(&slot).copied());
             *copied = true;
             if landed != Some(key) {
                 self.violation(format!(
                     "target {t} delivers key {key} from slot {slot}, which holds {landed:?}"
                 ));
             }
-            if let Some(put) = self.puts.iter().find(|p| p.target == t && p.slot == slot) {
+            if let Some(other) = self.in_flight_at(Peer::Target(t), Place::Dram(slot), true, &[]) {
                 self.violation(format!(
-                    "target {t} delivers from slot {slot} while a put may still write it ({put:?})"
+                    "target {t} delivers from slot {slot} while {other} may still write it"
                 ));
             }
         }
@@ -849,7 +1525,13 @@ impl Sim {
                     .core
                     .drain_events()
                     .flat_map(|e| match e {
-                        InventoryEvent::Stored { keys, .. } => keys,
+                        // Pages committed in the pool (G3's are stored when
+                        // a spill is reported, not here).
+                        InventoryEvent::Stored { keys, scope, .. }
+                            if scope.medium != Medium::Disk =>
+                        {
+                            keys
+                        }
                         _ => Vec::new(),
                     })
                     .map(BlockKey::as_u64)
@@ -897,15 +1579,15 @@ impl Sim {
                 problems.push(format!("op {op:?} never asked for key {key}"));
                 continue;
             };
-            let landed = target.landed.get(&slot).copied();
+            let landed = target.memory.dram.get(&slot).copied();
             if landed != Some(*key) {
                 problems.push(format!(
                     "key {key} committed in slot {slot}, where the last put was {landed:?}"
                 ));
             }
-            if let Some(put) = self.puts.iter().find(|p| p.target == t && p.slot == slot) {
+            if let Some(other) = self.in_flight_at(Peer::Target(t), Place::Dram(slot), true, &[]) {
                 problems.push(format!(
-                    "key {key} committed in slot {slot} while a put may still write it ({put:?})"
+                    "key {key} committed in slot {slot} while {other} may still write it"
                 ));
             }
         }
@@ -934,7 +1616,7 @@ impl Sim {
                 ));
             }
             let bytes = if put.ok { put.key } else { GARBAGE };
-            target.landed.insert(put.slot, bytes);
+            target.memory.dram.insert(put.slot, bytes);
             let id = (put.source, put.incarnation, put.write);
             if let Some(w) = self.writes.get_mut(&id) {
                 w.left -= 1;
@@ -997,18 +1679,21 @@ impl Sim {
                 .iter()
                 .map(|((s, ..), _)| self.sources[*s].asleep_until);
             let messages = self.network.keys().next().map(|k| k.0);
+            let g3 = self.g3_jobs.iter().map(|j| self.g3_report_at(j));
             let next = wakes
                 .iter()
                 .filter_map(|(_, w)| *w)
                 .chain(lands)
                 .chain(reports)
                 .chain(messages)
+                .chain(g3)
                 .min()
                 .filter(|w| *w <= end);
             let Some(at) = next else { break };
             self.now = self.now.max(at);
             let now = self.now;
             self.complete_due_puts();
+            self.complete_due_g3();
             while let Some(&(at, seq)) = self.network.keys().next().filter(|k| k.0 <= now) {
                 let Some((to, message)) = self.network.remove(&(at, seq)) else {
                     break;
@@ -1111,9 +1796,39 @@ impl Sim {
         Ok(())
     }
 
+    /// The engine beside a source with G3 deposits some of the source's
+    /// keys again: those it no longer holds in its pool come back, and
+    /// making room for them moves others to G3.
+    fn source_deposit(&mut self) -> Result<(), String> {
+        let s = self.rng.below(2) as usize;
+        let n = 1 + self.rng.below(3);
+        let first = self.rng.below(SOURCE_KEYS - n + 1);
+        let (now, ns) = (self.now, self.ns);
+        let source = &mut self.sources[s];
+        if source.tiers.g3.is_none() || source.asleep_until > now {
+            return Ok(());
+        }
+        let entries = (first..first + n)
+            .map(|i| DepositEntry {
+                key: scoped(ns, SOURCE_FIRST_KEY[s] + i),
+                spans: vec![ElementRef {
+                    region: source.host,
+                    index: i,
+                }],
+                page: None,
+            })
+            .collect();
+        source
+            .core
+            .deposit(now, entries, false)
+            .map_err(|e| format!("source {s}: {e}"))?;
+        Ok(())
+    }
+
     fn step(&mut self) -> Result<(), String> {
-        match self.rng.below(10) {
+        match self.rng.below(11) {
             0 | 1 => self.request()?,
+            10 => self.source_deposit()?,
             2..=5 => {
                 // On to the next message.
                 if let Some(&(at, _)) = self.network.keys().next() {
@@ -1137,8 +1852,21 @@ impl Sim {
             _ => {
                 if self.rng.chance(25) {
                     // A source crashes and restarts at the same address; its
-                    // targets may or may not see the connection drop.
-                    let s = self.rng.below(2) as usize;
+                    // targets may or may not see the connection drop. Half
+                    // the time it is one writing into G3, if any is.
+                    let spilling: Vec<usize> = (0..self.sources.len())
+                        .filter(|s| {
+                            self.g3_jobs.iter().any(|j| {
+                                j.peer == Peer::Source(*s)
+                                    && j.keys.iter().flatten().any(|span| span.store)
+                            })
+                        })
+                        .collect();
+                    let s = if !spilling.is_empty() && self.rng.chance(50) {
+                        spilling[self.rng.below(spilling.len() as u64) as usize]
+                    } else {
+                        self.rng.below(2) as usize
+                    };
                     self.restart_source(s);
                     self.seen.crashes += 1;
                     if self.rng.chance(50) {
@@ -1244,12 +1972,40 @@ impl Sim {
                     put.target, put.slot
                 ));
             }
+            // Nor is a slot a put of a live source still reads.
+            let source = &self.sources[put.source];
+            if put.incarnation == source.incarnation
+                && source.core.slot_is_free(PoolId(0), put.from as u32)
+            {
+                return Err(format!(
+                    "source {}'s slot {} is free while a put still reads it ({put:?})",
+                    put.source, put.from
+                ));
+            }
+        }
+        // No slot a G3 job still reads or writes is free.
+        for job in &self.g3_jobs {
+            for span in job.keys.iter().flatten() {
+                for place in [span.from, span.to] {
+                    if let Place::Dram(slot) = place
+                        && self.slot_free(job.peer, slot)
+                    {
+                        return Err(format!(
+                            "{:?}'s slot {slot} is free while G3 job {:?} still touches it ({span:?})",
+                            job.peer, job.job
+                        ));
+                    }
+                }
+            }
         }
         for t in &mut self.targets {
             t.core.drain_events().for_each(drop);
         }
         for s in &mut self.sources {
             s.core.drain_events().for_each(drop);
+            // An engine's deposits on a source: nobody waits on them.
+            let mut done = Vec::new();
+            s.core.drain_completed(&mut done);
         }
         Ok(())
     }
@@ -1261,11 +2017,11 @@ impl Sim {
         let mut done = Vec::new();
         self.targets[t].core.drain_completed(&mut done);
         for result in done {
-            let target = &mut self.targets[t];
-            if !target.completed_ops.insert(result.op) {
+            if !self.targets[t].completed_ops.insert(result.op) {
                 return Err(format!("target {t}: op {:?} completed twice", result.op));
             }
             for (key, entry) in &result.entries {
+                let target = &mut self.targets[t];
                 if entry.status == EntryStatus::Failed(FailReason::Timeout) {
                     target.timed_out.insert((result.op, *key));
                     self.seen.timeouts += 1;
@@ -1287,20 +2043,22 @@ impl Sim {
                     self.seen.delivered += 1;
                 } else {
                     let slot = entry.slots.first().ok_or("success without a slot")?.index;
-                    let landed = target.landed.get(&slot);
+                    let landed = target.memory.dram.get(&slot);
                     if landed != Some(&k) {
                         return Err(format!(
                             "target {t}: {key:?} fetched from slot {slot} but the last put there was {landed:?}"
                         ));
                     }
-                    if let Some(put) = self.puts.iter().find(|p| p.target == t && p.slot == slot) {
+                    if let Some(other) =
+                        self.in_flight_at(Peer::Target(t), Place::Dram(slot), true, &[])
+                    {
                         return Err(format!(
-                            "target {t}: {key:?} fetched from slot {slot} while a put may still write it ({put:?})"
+                            "target {t}: {key:?} fetched from slot {slot} while {other} may still write it"
                         ));
                     }
                 }
                 if let Some(release) = entry.release {
-                    target.core.release(&[release]);
+                    self.targets[t].core.release(&[release]);
                 }
             }
         }
@@ -1313,7 +2071,11 @@ impl Sim {
         self.drop_percent = 0;
         for _ in 0..10_000 {
             let idle = self.targets.iter().all(|t| t.core.ops_in_flight() == 0);
-            if self.network.is_empty() && self.puts.is_empty() && self.reports.is_empty() && idle {
+            let quiet = self.network.is_empty()
+                && self.puts.is_empty()
+                && self.reports.is_empty()
+                && self.g3_jobs.is_empty();
+            if quiet && idle {
                 break;
             }
             self.advance_to(self.now + TIMEOUT / 10);
@@ -1342,12 +2104,18 @@ impl Sim {
             .iter()
             .map(|t| t.core.peer_counters().quarantined)
             .sum();
+        let cores = self.targets.iter().map(|t| &t.core);
+        seen.g3_evictions = cores
+            .chain(self.sources.iter().map(|s| &s.core))
+            .filter_map(Core::g3_counters)
+            .map(|c| c.evictions)
+            .sum();
         seen
     }
 }
 
 fn run_seed(seed: u64) -> Result<Coverage, String> {
-    let mut sim = Sim::new(seed);
+    let mut sim = Sim::build(seed, 50);
     for step in 0..STEPS {
         sim.step()
             .map_err(|e| format!("seed {seed}, step {step}: {e}"))?;
@@ -1422,12 +2190,71 @@ fn peer_protocol_survives_faults_over_many_seeds() {
             ("source stalls", seen.stalls),
             ("quarantines", seen.quarantined),
             ("timeouts", seen.timeouts),
+            ("runs with G3", seen.g3_runs),
+            ("spills to G3", seen.spills),
+            ("failed spills", seen.failed_spills),
+            ("fills on a source (SourcePrepare)", seen.source_fills),
+            ("pages put from a G3 fill", seen.served_from_g3),
+            ("fills on a target", seen.target_fills),
+            ("delivers straight from G3", seen.g3_delivers),
+            ("failed fills", seen.failed_fills),
+            ("source crashes mid-spill", seen.crashes_mid_spill),
+            ("G3 evictions", seen.g3_evictions),
         ]
         .into_iter()
         .filter(|(_, n)| n * 10 < seeds)
         .map(|(what, _)| what)
         .collect();
         assert!(missing.is_empty(), "too rare: {missing:?}");
+    }
+}
+
+/// Target `t` fetches (or delivers) `keys` at the current time, under a
+/// router hint naming source `s`.
+fn hinted_request(sim: &mut Sim, t: usize, s: usize, keys: std::ops::Range<u64>, deliver: bool) {
+    let now = sim.now;
+    let keys: Vec<ScopedKey> = keys.map(|k| sim.key(k)).collect();
+    let name = RequestId(format!("{t}-{s}-{deliver}-{now}"));
+    let hint = FetchHint {
+        source: sim.sources[s].endpoint.clone(),
+        block_hashes: keys.iter().map(|k| k.key).collect(),
+        mode: FetchMode::Copy,
+        action_id: None,
+    };
+    let target = &mut sim.targets[t];
+    target.core.submit_hint(now, name.clone(), &hint);
+    assert_eq!(
+        target.core.query_request(&keys[0], Some(&name)),
+        QueryStatus::Fetchable(kvcr_contracts::tier::Tier::External)
+    );
+    if deliver {
+        let entries = keys
+            .iter()
+            .map(|key| {
+                let element = target.next_element;
+                target.next_element += 1;
+                target.deliveries.insert(element, (key.key.as_u64(), false));
+                DeliverEntry {
+                    key: *key,
+                    destinations: vec![ElementRef {
+                        region: target.framework,
+                        index: element,
+                    }],
+                }
+            })
+            .collect();
+        let op = target.core.deliver(now, entries, Some(&name)).unwrap();
+        for (i, key) in keys.iter().enumerate() {
+            let element = target.next_element - keys.len() as u64 + i as u64;
+            target
+                .deliver_elements
+                .insert((op, key.key.as_u64()), element);
+        }
+    } else {
+        target
+            .core
+            .fetch(now, &keys, &[PoolId(0)], Some(&name))
+            .unwrap();
     }
 }
 
@@ -1439,54 +2266,9 @@ fn fault_free_requests_restore_the_hinted_keys() {
     for seed in [7, 8, 9, 10] {
         let mut sim = Sim::new(seed);
         sim.quiet();
-        let request = |sim: &mut Sim, t: usize, s: usize, keys: std::ops::Range<u64>, deliver| {
-            let keys: Vec<ScopedKey> = keys.map(|k| sim.key(k)).collect();
-            let name = RequestId(format!("{t}-{s}-{deliver}"));
-            let hint = FetchHint {
-                source: sim.sources[s].endpoint.clone(),
-                block_hashes: keys.iter().map(|k| k.key).collect(),
-                mode: FetchMode::Copy,
-                action_id: None,
-            };
-            let target = &mut sim.targets[t];
-            target.core.submit_hint(0, name.clone(), &hint);
-            assert_eq!(
-                target.core.query_request(&keys[0], Some(&name)),
-                QueryStatus::Fetchable(kvcr_contracts::tier::Tier::External)
-            );
-            if deliver {
-                let entries = keys
-                    .iter()
-                    .map(|key| {
-                        let element = target.next_element;
-                        target.next_element += 1;
-                        target.deliveries.insert(element, (key.key.as_u64(), false));
-                        DeliverEntry {
-                            key: *key,
-                            destinations: vec![ElementRef {
-                                region: target.framework,
-                                index: element,
-                            }],
-                        }
-                    })
-                    .collect();
-                let op = target.core.deliver(0, entries, Some(&name)).unwrap();
-                for (i, key) in keys.iter().enumerate() {
-                    let element = target.next_element - keys.len() as u64 + i as u64;
-                    target
-                        .deliver_elements
-                        .insert((op, key.key.as_u64()), element);
-                }
-            } else {
-                target
-                    .core
-                    .fetch(0, &keys, &[PoolId(0)], Some(&name))
-                    .unwrap();
-            }
-        };
-        request(&mut sim, 0, 0, 0..4, false);
-        request(&mut sim, 1, 0, 4..8, false);
-        request(&mut sim, 1, 1, 8..12, true);
+        hinted_request(&mut sim, 0, 0, 0..4, false);
+        hinted_request(&mut sim, 1, 0, 4..8, false);
+        hinted_request(&mut sim, 1, 1, 8..12, true);
         sim.flush();
         // Deliver everything without loss; every piece lands.
         for _ in 0..100 {
@@ -1517,6 +2299,48 @@ fn fault_free_requests_restore_the_hinted_keys() {
         assert_eq!(counters(&sim.sources[0].core).keys_sent, 8);
         assert_eq!(counters(&sim.sources[1].core).keys_sent, 4);
         assert!(sim.targets.iter().all(|t| t.core.ops_in_flight() == 0));
+    }
+}
+
+/// Without faults, keys a source holds only in G3 are restored too: it
+/// fills them back into its pool before serving each `start_write`
+/// (`SourcePrepare`), moving the pages it had there to G3 to make room,
+/// and the next request, for those pages, is served the same way. (G3 has
+/// room for every key here: a victim G3 has no slot for is dropped.)
+#[test]
+fn fault_free_requests_restore_keys_only_g3_holds() {
+    for (seed, slots, spill_ahead) in [(7, 4, false), (8, 4, true), (9, 5, false), (10, 5, true)] {
+        let mut sim = Sim::build(seed, 100);
+        sim.quiet();
+        let tiers = Tiers::with_g3(slots, SOURCE_KEYS as u32, spill_ahead);
+        sim.sources[0] = Source::new(0, seed, 0, 2, 0, sim.ns, tiers, HashMap::new());
+        let first = SOURCE_FIRST_KEY[0];
+        let g3_only = (first..first + SOURCE_KEYS)
+            .filter(|k| sim.sources[0].core.query(&sim.key(*k)) != QueryStatus::Hit)
+            .count() as u64;
+        assert_eq!(g3_only, SOURCE_KEYS - u64::from(slots), "seed {seed}");
+        // The oldest keys went to G3: 0..4 are there only (but 3, with a
+        // pool of 5); 4..8 are in the pool until the first request's fills
+        // move them.
+        hinted_request(&mut sim, 0, 0, 0..4, false);
+        sim.flush();
+        sim.settle().unwrap();
+        hinted_request(&mut sim, 1, 0, 4..8, true);
+        sim.flush();
+        sim.settle().unwrap();
+        let seen = sim.coverage();
+        assert_eq!(
+            (seen.successes, seen.delivered),
+            ([4, 4], 4),
+            "seed {seed}: {seen:?}"
+        );
+        assert_eq!(sim.sources[0].core.peer_counters().keys_sent, 8);
+        assert!(seen.source_fills > g3_only, "seed {seed}: {seen:?}");
+        assert_eq!(
+            seen.served_from_g3, seen.source_fills,
+            "seed {seed}: {seen:?}"
+        );
+        assert_eq!((seen.failed_fills, seen.failed_spills), (0, 0));
     }
 }
 
@@ -1729,7 +2553,7 @@ fn start_write(op: u64, source: Incarnation, ns: NamespaceId, key: u64) -> Body 
 /// messages from outside the list are refused before any handler.
 #[test]
 fn an_allowlist_keeps_hints_and_messages_to_its_peers() {
-    let (mut target, ns) = new_core_with(TARGET_POOL, 1, 1, |c| {
+    let (mut target, ns) = new_core_with(TARGET_POOL, 1, 1, Tiers::DRAM_ONLY, |c| {
         c.allowed_peers = vec![endpoint(2)];
     });
     let hint = FetchHint {
@@ -2019,4 +2843,125 @@ fn per_peer_memory_is_bounded_over_many_peers() {
     let sizes = target.peer_state_sizes();
     assert!(sizes.sources <= MAX_REMEMBERED_PEERS, "{sizes:?}");
     assert_eq!(sizes.hinted_requests, 0);
+}
+
+/// A source with G3 (a pool of 4 slots for 8 keys, spilling ahead or not)
+/// that accepted target port 1's `start_write` op 1 for a key only G3
+/// holds: the write is being prepared. Returns the source, its
+/// incarnation, and the G3 jobs the preparation started (room made by a
+/// spill, or the fill).
+fn preparing_source(spill_ahead: bool) -> (Sim, Incarnation, Vec<(JobId, usize)>) {
+    let mut sim = Sim::new(5);
+    let ns = sim.ns;
+    let tiers = Tiers::with_g3(4, 8, spill_ahead);
+    sim.sources[0] = Source::new(0, 5, 1, 1, 0, ns, tiers, HashMap::new());
+    let source = &mut sim.sources[0].core;
+    let incarnation = Incarnation::from_raw(source_incarnation(5, 0, 1)).unwrap();
+    let g3_only = (0..SOURCE_KEYS)
+        .find(|k| {
+            let key = scoped(ns, *k);
+            source.query(&key) != QueryStatus::Hit && source.g3_ready(&key)
+        })
+        .expect("a pool of 4 slots leaves some of 8 keys in G3 only");
+    source.handle_message(0, from(1, 11, metadata(1)));
+    let generation = std::iter::from_fn(|| source.poll_action())
+        .find_map(|a| match a {
+            Action::Connect { generation, .. } => Some(generation),
+            _ => None,
+        })
+        .unwrap();
+    source.handle_connected(&endpoint(1), generation, false);
+    sent(source);
+    source.handle_message(0, from(1, 11, start_write(1, incarnation, ns, g3_only)));
+    let g3: Vec<(JobId, usize)> = std::iter::from_fn(|| source.poll_action())
+        .filter_map(|a| match a {
+            Action::G3 { job, transfers, .. } => Some((job, transfers.len())),
+            _ => None,
+        })
+        .collect();
+    assert!(!g3.is_empty(), "the key is filled from G3 first");
+    (sim, incarnation, g3)
+}
+
+/// Runs `core`'s G3 jobs (and those they lead to) at `now`, all copied:
+/// whether a put was issued, and whether a write ended in a terminal
+/// failure.
+fn finish_g3_jobs(core: &mut Core, now: u64, mut g3: Vec<(JobId, usize)>) -> (bool, bool) {
+    let mut put = false;
+    let mut failed = false;
+    while let Some((job, n)) = g3.pop() {
+        core.handle_copy_done(now, job, &vec![CopyOutcome::Copied; n]);
+        while let Some(action) = core.poll_action() {
+            match action {
+                Action::Put { .. } => put = true,
+                Action::G3 { job, transfers, .. } => g3.push((job, transfers.len())),
+                Action::Send { message, .. } => {
+                    failed |= matches!(
+                        message.body,
+                        Body::WriteDone {
+                            outcome: WriteOutcome::Failed { terminal: true },
+                            ..
+                        }
+                    );
+                }
+                _ => {}
+            }
+        }
+    }
+    (put, failed)
+}
+
+/// A probe for a write whose keys a source is still filling from G3
+/// (`SourcePrepare`) ends it: nothing was put yet, so the answer is
+/// terminal, and when the fill ends the write is refused, never put into
+/// slots the target has freed meanwhile. (The probe's fence alone did not:
+/// the write was already past the high-water mark, where fences fold.)
+#[test]
+fn a_probe_during_a_g3_preparation_ends_the_write() {
+    let (mut sim, incarnation, g3) = preparing_source(false);
+    let source = &mut sim.sources[0].core;
+    // Past its deadline the target probes the op, then frees its grants
+    // when the answer is terminal.
+    source.handle_message(
+        10,
+        from(
+            1,
+            11,
+            Body::WriteProbe {
+                op_handle: OpHandle(1),
+                source_incarnation: Some(incarnation),
+            },
+        ),
+    );
+    let terminal = sent(source)
+        .iter()
+        .any(|(_, body)| matches!(body, Body::WriteProbeAck { terminal: true, .. }));
+    let (put, failed) = finish_g3_jobs(source, 20, g3);
+    assert!(
+        terminal,
+        "nothing was put yet: the probe's answer is terminal"
+    );
+    assert!(!put, "a probed write is never put");
+    assert!(failed, "the write ends with a terminal failure");
+    source.check_invariants().unwrap();
+}
+
+/// A write whose preparation outlives its deadline (its fill reports after
+/// it) is refused, not put, when the fill ends: the target gave up at that
+/// deadline, and a put then would be born expired.
+#[test]
+fn a_g3_preparation_past_its_deadline_refuses_the_write() {
+    // Spilling ahead, the pool's next victim is in G3 already: dropping it
+    // makes room at once, and the fill is the preparation's own job.
+    let (mut sim, _, g3) = preparing_source(true);
+    let source = &mut sim.sources[0].core;
+    assert_eq!(g3.len(), 1, "one job: the fill");
+    for now in [TIMEOUT / 2, TIMEOUT] {
+        source.handle_tick(now);
+        source.handle_timeout(now);
+    }
+    let (put, failed) = finish_g3_jobs(source, TIMEOUT + 10, g3);
+    assert!(!put, "an expired write is never put");
+    assert!(failed, "the write ends with a terminal failure");
+    source.check_invariants().unwrap();
 }

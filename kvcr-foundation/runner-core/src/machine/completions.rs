@@ -30,6 +30,11 @@ impl Core {
                     self.fail_waiting_entry(op, entry, FailReason::Timeout);
                 }
             }
+            // A peer's write being prepared is past its deadline: refused,
+            // not served, when its preparation ends (now or with its fills).
+            if let Some(p) = self.source_prepares.get_mut(&op) {
+                p.refused = true;
+            }
             self.finish_if_done(op);
         }
         self.resume_capacity_waiters(now);

@@ -280,6 +280,12 @@ pub(in crate::machine) struct PendingSourceWrite {
     destinations: Vec<Vec<ElementRef>>,
     /// DRAM records the fills committed, pinned until the write claims them.
     pub(in crate::machine) pinned: Vec<u32>,
+    /// Refused, not served, when its preparation ends: the target probed
+    /// the op meanwhile (and was answered that nothing is in flight; a fence
+    /// cannot say so, the op being at or below the high-water mark where
+    /// fences fold), or the write's deadline passed (the target gives up
+    /// then: a put would only race its probe).
+    pub(in crate::machine) refused: bool,
 }
 
 /// Why a key of a peer's write is not READY in DRAM yet, and how the write's

@@ -223,6 +223,7 @@ impl Core {
                     keys: keys.to_vec(),
                     destinations: destinations.to_vec(),
                     pinned: Vec::new(),
+                    refused: false,
                 },
                 awaited,
             );
@@ -323,8 +324,8 @@ impl Core {
     }
 
     /// The preparation `prep` ended: serves its write with what is resident
-    /// now (rechecked: a probe, a stall or a new route since refuse it), then
-    /// drops the pins.
+    /// now (rechecked: a probe, a passed deadline, a stall or a new route
+    /// since refuse it), then drops the pins.
     pub(in crate::machine) fn resume_source_write(&mut self, prep: OpHandle) {
         let Some(p) = self.source_prepares.remove(&prep) else {
             return;
@@ -343,7 +344,7 @@ impl Core {
                 .get(&p.target)
                 .filter(|r| r.incarnation == p.target_incarnation)
                 .map(|r| (r.local_generation, r.regions.clone()));
-            if peer.source.stalled || fenced {
+            if peer.source.stalled || fenced || p.refused {
                 None
             } else {
                 route
@@ -581,6 +582,12 @@ impl Core {
         if ours {
             // Sticky: a start_write that arrives after its probe never writes.
             peer.source.fence(header.sender, op);
+            // A write still being prepared has put nothing: it never will.
+            if let Some(prep) = peer.source.preparing.get(&(header.sender, op))
+                && let Some(p) = self.source_prepares.get_mut(prep)
+            {
+                p.refused = true;
+            }
         }
         let terminal = ours && !peer.source.writes_by_op.contains_key(&(header.sender, op));
         self.send(
