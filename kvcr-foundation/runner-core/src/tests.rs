@@ -266,6 +266,7 @@ fn run_steps_with(
 ) -> Result<Option<crate::machine::G3Counters>, TestCaseError> {
     let (mut core, ns, region) = core_with_g3_ahead(6, lru, 1_000, g3, ahead);
     let mut m = Model::default();
+    let mut journal = Journal::new(&mut core);
     // A page of `spans_per_key` spans (K and V, say), elements 30 apart.
     let spans = |k: u8| {
         (0..spans_per_key)
@@ -372,6 +373,7 @@ fn run_steps_with(
         }
         m.drain(&mut core)?;
         m.check(&core)?;
+        journal.check(&mut core)?;
     }
     // Drain: finish every copy, then every op must complete.
     while let Some((id, n, _)) = m.jobs.pop() {
@@ -386,7 +388,60 @@ fn run_steps_with(
         prop_assert!(m.completed.contains(op), "op {:?} never completed", op);
     }
     prop_assert_eq!(core.jobs_in_flight(), 0);
+    journal.check(&mut core)?;
+    // A fresh core seats exactly those pages, on the same slots.
+    let (mut fresh, _, _) = core_with_g3_ahead(6, lru, 1_000, g3, ahead);
+    let recovered = crate::journal::recover(&journal.region)
+        .map_err(|e| TestCaseError::fail(format!("recover: {e}")))?;
+    let (report, seated) = fresh.recover(m.now, &recovered);
+    prop_assert_eq!(report.skipped, 0, "{:?}", report.refusals);
+    prop_assert_eq!(seated.pages.len(), recovered.pages.len());
+    prop_assert_eq!(fresh.ready_pages(), core.ready_pages());
+    fresh.check_invariants().map_err(TestCaseError::fail)?;
     Ok(core.g3_counters())
+}
+
+/// The runner's journal, fed after every step as the runner's pump does
+/// (before any action is executed): recovering it at any step gives exactly
+/// the READY pages and their slots.
+struct Journal {
+    region: Vec<u8>,
+    writer: crate::journal::JournalWriter,
+}
+
+impl Journal {
+    fn new(core: &mut Core) -> Self {
+        core.enable_journal();
+        let mut region = vec![0u8; 16 << 10];
+        let writer = crate::journal::JournalWriter::format(&mut region).unwrap();
+        Self { region, writer }
+    }
+
+    fn check(&mut self, core: &mut Core) -> Result<(), TestCaseError> {
+        for record in core.take_journal() {
+            self.writer
+                .append(&mut self.region, &record)
+                .map_err(|e| TestCaseError::fail(format!("append {record:?}: {e}")))?;
+        }
+        let recovered = crate::journal::recover(&self.region)
+            .map_err(|e| TestCaseError::fail(format!("recover: {e}")))?;
+        let journaled: BTreeMap<ScopedKey, Vec<u32>> = recovered
+            .pages
+            .iter()
+            .map(|p| {
+                (
+                    ScopedKey {
+                        namespace: NamespaceId(p.namespace),
+                        key: BlockKey::from_u64(p.key),
+                    },
+                    p.slots.clone(),
+                )
+            })
+            .collect();
+        prop_assert_eq!(journaled, core.ready_pages());
+        prop_assert!(recovered.held.is_empty(), "held without peers");
+        Ok(())
+    }
 }
 
 proptest! {

@@ -183,6 +183,7 @@ impl Core {
             self.counters.bytes_deposited += self.record_bytes(f.record);
             self.counters.committed += 1;
             self.transition(f.record, Residency::Ready, "fill commit");
+            self.journal_ready(f.record, f.page.as_ref());
             if let Some(r) = self.record_mut(f.record) {
                 r.last_access = now;
             }

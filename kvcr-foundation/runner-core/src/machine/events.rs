@@ -235,11 +235,28 @@ impl Core {
                 }
             }
         }
+        for (pool, slot) in &self.recovered_held {
+            if owned.contains_key(&(*pool, *slot))
+                || self
+                    .pools
+                    .get(*pool as usize)
+                    .is_some_and(|p| p.free.contains(slot))
+            {
+                return Err(format!(
+                    "slot {pool}/{slot}, held since the recovery, is in use or free"
+                ));
+            }
+        }
         for (i, p) in self.pools.iter().enumerate() {
             let used = owned.keys().filter(|(pool, _)| *pool as usize == i).count();
-            if used + p.free.len() != p.total as usize {
+            let held = self
+                .recovered_held
+                .iter()
+                .filter(|(pool, _)| *pool as usize == i)
+                .count();
+            if used + held + p.free.len() != p.total as usize {
                 return Err(format!(
-                    "pool {i}: {used} used + {} free != {}",
+                    "pool {i}: {used} used + {held} held + {} free != {}",
                     p.free.len(),
                     p.total
                 ));

@@ -42,6 +42,7 @@ mod g3;
 mod operations;
 mod peer;
 mod records;
+mod recovery;
 mod registration;
 
 pub use peer::{
@@ -52,6 +53,7 @@ pub use peer::{PeerConfig, PutSpan};
 
 use g3::{Allocation, CapacityWaiter, G3Tier, Move, WaiterKind};
 pub use g3::{G3Config, G3Counters, G3Direction, G3Transfer};
+pub use recovery::RecoveryReport;
 
 /// Label prefix of the runner's own pool regions (`kvcr-dram/<pool>`).
 pub const KVCR_REGION_PREFIX: &str = "kvcr-dram/";
@@ -391,6 +393,12 @@ pub struct Core {
     /// Peer writes waiting for their G3-only keys to be filled, by the
     /// preparing operation.
     source_prepares: HashMap<OpHandle, peer::PendingSourceWrite>,
+    /// The residency journal's tap, when the runner keeps a journal.
+    journal: Option<Box<recovery::JournalTap>>,
+    /// Slots a recovery kept out of use (a peer's write may still land).
+    recovered_held: Vec<(u16, u32)>,
+    /// Recovered records' tokens until their inventory is republished.
+    recovered_pages: HashMap<u32, PageInfo>,
 }
 
 impl std::fmt::Debug for Core {
@@ -505,6 +513,9 @@ impl Core {
             capacity_waiters: VecDeque::new(),
             page_info: HashMap::new(),
             source_prepares: HashMap::new(),
+            journal: None,
+            recovered_held: Vec::new(),
+            recovered_pages: HashMap::new(),
         })
     }
 }

@@ -162,6 +162,7 @@ impl Core {
         idx: u32,
         site: &'static str,
     ) -> Option<ScopedKey> {
+        self.journal_freeing(idx);
         let r = self.record(idx)?;
         let stored = (r.state == Residency::Ready).then_some(r.key);
         let layout = r.layout as usize;
@@ -169,6 +170,7 @@ impl Core {
         self.many_slots.remove(&idx);
         self.filling.remove(&idx);
         self.page_info.remove(&idx);
+        self.recovered_pages.remove(&idx);
         self.dequeue(idx);
         self.transition(idx, Residency::Vacant, site);
         for (i, slot) in slots.into_iter().enumerate() {

@@ -38,7 +38,9 @@ impl Core {
     /// Registers a namespace and returns its id (idempotent).
     pub fn register_namespace(&mut self, namespace: Namespace) -> NamespaceId {
         let id = namespace.id();
-        self.namespaces.insert(id, namespace);
+        if self.namespaces.insert(id, namespace).is_none() {
+            self.journal_namespace(id);
+        }
         id
     }
 

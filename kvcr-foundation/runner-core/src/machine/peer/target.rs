@@ -204,6 +204,7 @@ impl Core {
                 page: None,
             });
             self.filling.insert(record, fill);
+            self.journal_held(record);
             destinations.push(self.slot_refs(record));
             op_keys.push(*key);
             fills.push(fill);
