@@ -46,8 +46,9 @@ mod recovery;
 mod registration;
 
 pub use peer::{
-    MAX_ADVERTISED_REGIONS, MAX_FENCES_PER_TARGET, MAX_REMEMBERED_PEERS, MAX_RKEY_LEN,
-    MAX_WORKER_ADDRESS_LEN, PeerCounters, PeerNotice, PeerStateSizes,
+    MAX_ADVERTISED_REGIONS, MAX_DEAD_INCARNATIONS, MAX_FENCES_PER_TARGET, MAX_REMEMBERED_PEERS,
+    MAX_REPROBES_PER_ACK, MAX_RKEY_LEN, MAX_WORKER_ADDRESS_LEN, PeerCounters, PeerNotice,
+    PeerStateSizes,
 };
 pub use peer::{PeerConfig, PutSpan};
 

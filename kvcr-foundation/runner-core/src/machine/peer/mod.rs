@@ -18,7 +18,19 @@
 //! ```
 //!
 //! A late success after the op deadline never commits: the slots are freed.
-//! Elapsed time alone never frees a quarantined destination.
+//! Elapsed time alone never frees a quarantined destination. Terminal proof
+//! is a terminal reply from the incarnation the op was sent to, a refusal,
+//! or a **death report**: a probe ack from the op's own source endpoint, by
+//! the process serving there now, naming the op's incarnation as dead
+//! (`dead_incarnation`; that process was told so by the guard, which saw
+//! the old one exit by its pidfd: it can write nothing any more). A death
+//! report ends every op of that endpoint sent to that incarnation at once.
+//! A quarantined op is probed again, up to [`MAX_REPROBES_PER_ACK`] per
+//! endpoint, whenever its endpoint acknowledges our metadata afresh (a new
+//! process there, or the same one after an expiry or a lost session), so a
+//! restarted or backup runner that knows the old incarnation dead frees its
+//! slots without an engine restart; one that does not answers non-terminal
+//! and the slots stay held.
 //!
 //! **Source** (the peer that holds the pages): a `start_write` is checked
 //! against the target's advertised regions (every element in range, sizes
@@ -26,7 +38,9 @@
 //! put and flush complete, `write_done` reports the completed indices. Probes
 //! install sticky cancellation fences; a stalled source refuses new writes
 //! until restart; a refused or foreign request gets `write_refused` or a
-//! terminal failure, and is counted.
+//! terminal failure, and is counted. A probe naming an incarnation of this
+//! endpoint that the guard confirmed dead ([`Core::set_dead_incarnations`])
+//! is answered with a death report.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
@@ -99,6 +113,12 @@ pub const MAX_REMEMBERED_PEERS: usize = 4096;
 /// Fences kept per target incarnation; past it they fold into the op-handle
 /// high-water mark (every op at or below the highest fenced one is refused).
 pub const MAX_FENCES_PER_TARGET: usize = 1024;
+/// Guard-confirmed dead incarnations a source remembers (the latest ones;
+/// the guard keeps as many by default).
+pub const MAX_DEAD_INCARNATIONS: usize = 64;
+/// Quarantined ops probed again per endpoint when it acknowledges our
+/// metadata afresh (the rest on later acks, in turn).
+pub const MAX_REPROBES_PER_ACK: usize = 64;
 
 /// A notice for the framework about memory a peer may still write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -141,6 +161,18 @@ pub struct PeerCounters {
     pub one_copy_routes: u64,
     /// Routes written through UCX (no shared segments, or some refused).
     pub ucx_routes: u64,
+    /// (Source role) probes answered with a death report: the probed
+    /// incarnation of this endpoint is guard-confirmed dead.
+    pub dead_reported: u64,
+    /// (Target role) operations ended by a death report (the probed one and
+    /// the others sent to that incarnation).
+    pub dead_freed: u64,
+    /// (Target role) death reports not believed: from another endpoint,
+    /// naming another incarnation than the op's, from the dead incarnation
+    /// itself, or about an op that was never probed.
+    pub dead_ignored: u64,
+    /// (Target role) quarantined ops probed again on a fresh metadata ack.
+    pub reprobes: u64,
 }
 
 /// Sizes of the core's per-peer state ([`Core::peer_state_sizes`]).
@@ -176,6 +208,10 @@ struct SourcePeer {
     one_copy: bool,
     incarnation: Option<Incarnation>,
     last_metadata_ns: Option<u64>,
+    /// The last quarantined op probed again on an ack: the next round
+    /// starts after it (so more than [`MAX_REPROBES_PER_ACK`] ops all get
+    /// their turn).
+    reprobed_up_to: Option<OpHandle>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -317,6 +353,9 @@ struct SourceRole {
     fences: HashMap<Incarnation, BTreeSet<OpHandle>>,
     next_write: u64,
     stalled: bool,
+    /// Incarnations of this endpoint the guard confirmed dead (oldest
+    /// first, at most [`MAX_DEAD_INCARNATIONS`], never our own).
+    dead: Vec<Incarnation>,
 }
 
 impl Default for SourceRole {
@@ -331,6 +370,7 @@ impl Default for SourceRole {
             fences: HashMap::new(),
             next_write: 1,
             stalled: false,
+            dead: Vec::new(),
         }
     }
 }
@@ -443,25 +483,8 @@ impl Core {
             Body::WriteProbeAck {
                 op_handle,
                 terminal,
-                ..
-            } => {
-                let proof = terminal
-                    && self
-                        .peer
-                        .as_ref()
-                        .and_then(|p| p.target.ops.get(&op_handle))
-                        .is_some_and(|op| {
-                            op.source == header.sender_endpoint
-                                && matches!(
-                                    op.state,
-                                    TargetState::WaitingTerminal | TargetState::Quarantined
-                                )
-                                && op.source_incarnation == Some(header.sender)
-                        });
-                if proof {
-                    self.finish_target_op(now, op_handle, None);
-                }
-            }
+                dead_incarnation,
+            } => self.on_probe_ack(now, &header, op_handle, terminal, dead_incarnation),
         }
     }
 

@@ -1,6 +1,7 @@
 //! The source role: a peer that holds pages writes them into a target's
 //! grants. Metadata replies, `start_write` checks against the advertised
-//! regions, puts, `write_done`, probes and fences.
+//! regions, puts, `write_done`, probes and fences, and death reports for the
+//! incarnations of this endpoint a guard confirmed dead.
 
 use std::collections::HashSet;
 
@@ -569,6 +570,43 @@ impl Core {
         }
     }
 
+    /// The incarnations of this endpoint that a guard confirmed dead (it saw
+    /// each process exit by its pidfd: none of them can write anyone's
+    /// memory again), oldest first, as the guard's grant lists them. A probe
+    /// naming one of them is answered `WriteProbeAck { terminal: true,
+    /// dead_incarnation: Some(it) }`, which frees the target's slots of
+    /// every op it sent to that incarnation.
+    ///
+    /// Replaces the previous list. Only the latest
+    /// [`MAX_DEAD_INCARNATIONS`] are kept; this runner's own incarnation and
+    /// repeats are dropped (a live process is never reported dead). Without
+    /// the peer protocol enabled ([`Core::enable_peer`] first) it does
+    /// nothing.
+    pub fn set_dead_incarnations(&mut self, dead: Vec<Incarnation>) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let own = peer.config.incarnation;
+        let mut kept: Vec<Incarnation> = Vec::with_capacity(MAX_DEAD_INCARNATIONS);
+        // Newest first, so the bound keeps the latest.
+        for incarnation in dead.into_iter().rev() {
+            if kept.len() == MAX_DEAD_INCARNATIONS {
+                break;
+            }
+            if incarnation != own && !kept.contains(&incarnation) {
+                kept.push(incarnation);
+            }
+        }
+        kept.reverse();
+        peer.source.dead = kept;
+    }
+
+    /// The guard-confirmed dead incarnations this source reports (oldest
+    /// first).
+    pub fn dead_incarnations(&self) -> &[Incarnation] {
+        self.peer.as_ref().map_or(&[], |p| &p.source.dead)
+    }
+
     pub(in crate::machine) fn on_probe(
         &mut self,
         header: &Header,
@@ -578,6 +616,20 @@ impl Core {
         let Some(peer) = self.peer.as_mut() else {
             return;
         };
+        // A probe for an incarnation the guard saw die: that process writes
+        // nothing any more, whatever it had started.
+        if let Some(dead) = source_incarnation.filter(|i| peer.source.dead.contains(i)) {
+            peer.counters.dead_reported += 1;
+            self.send(
+                header.sender_endpoint.clone(),
+                Body::WriteProbeAck {
+                    op_handle: op,
+                    terminal: true,
+                    dead_incarnation: Some(dead),
+                },
+            );
+            return;
+        }
         let ours = source_incarnation.is_none_or(|i| i == peer.config.incarnation);
         if ours {
             // Sticky: a start_write that arrives after its probe never writes.

@@ -1,6 +1,8 @@
 //! The target role: a destination pulls hinted pages. Hints, metadata
 //! exchange with sources, remote fills granted as `start_write`s, and the
-//! target operations' deadlines, probes and quarantine.
+//! target operations' deadlines, probes and quarantine; quarantined ops
+//! probed again on a fresh metadata ack, and death reports (a guard-confirmed
+//! dead incarnation ends every op sent to it).
 
 use std::collections::HashSet;
 
@@ -278,6 +280,9 @@ impl Core {
             peer.counters.refused += 1;
             return;
         };
+        // A fresh ack (not a duplicate): a new process at the endpoint, or
+        // the same one after an expiry or a lost session.
+        let fresh = !state.acked || state.incarnation != Some(header.sender);
         state.acked = true;
         // Only decides whether our worker spins while this source writes: a
         // source that lies slows its own UCX writes into us, nothing else.
@@ -314,6 +319,142 @@ impl Core {
         }
         for (to, body) in ready {
             self.send(to, body);
+        }
+        if fresh {
+            self.reprobe_quarantined(&header.sender_endpoint);
+        }
+    }
+
+    /// Probes again, each naming the incarnation it was sent to, up to
+    /// [`MAX_REPROBES_PER_ACK`] of the quarantined ops of `source` (oldest
+    /// first, starting after the last one the previous round probed): the
+    /// process answering there now may know that incarnation dead (or be it,
+    /// and know the write ended), and an earlier probe or its answer may
+    /// have been lost with a session.
+    fn reprobe_quarantined(&mut self, source: &ControlEndpoint) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let quarantined: Vec<(OpHandle, Option<Incarnation>)> = peer
+            .target
+            .ops
+            .iter()
+            .filter(|(_, o)| o.state == TargetState::Quarantined && o.source == *source)
+            .map(|(h, o)| (*h, o.source_incarnation))
+            .collect();
+        let Some(state) = peer.target.sources.get_mut(source) else {
+            return;
+        };
+        let after = state.reprobed_up_to;
+        let start = quarantined
+            .iter()
+            .position(|(h, _)| after.is_none_or(|a| *h > a))
+            .unwrap_or(0);
+        let round: Vec<(OpHandle, Option<Incarnation>)> = quarantined
+            .iter()
+            .cycle()
+            .skip(start)
+            .take(quarantined.len().min(MAX_REPROBES_PER_ACK))
+            .copied()
+            .collect();
+        state.reprobed_up_to = round.last().map(|(h, _)| *h);
+        peer.counters.reprobes += round.len() as u64;
+        for (op, incarnation) in round {
+            self.send(
+                source.clone(),
+                Body::WriteProbe {
+                    op_handle: op,
+                    source_incarnation: incarnation,
+                },
+            );
+        }
+    }
+
+    /// A source's answer to our probe. `dead`: a death report (the process
+    /// now at the op's endpoint says the guard confirmed the incarnation the
+    /// op was sent to dead). Otherwise a terminal answer is proof only from
+    /// the incarnation the op was sent to.
+    pub(in crate::machine) fn on_probe_ack(
+        &mut self,
+        now: u64,
+        header: &Header,
+        op: OpHandle,
+        terminal: bool,
+        dead: Option<Incarnation>,
+    ) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let Some(target_op) = peer.target.ops.get(&op) else {
+            return; // a late duplicate, or an op from before a restart
+        };
+        let probed = matches!(
+            target_op.state,
+            TargetState::WaitingTerminal | TargetState::Quarantined
+        );
+        let from_source = target_op.source == header.sender_endpoint;
+        match dead {
+            Some(dead) => {
+                // Believed only from the op's own source endpoint (the
+                // session's identity, never the frame's), about the very
+                // incarnation the op was sent to, and from another process
+                // (one never reports itself dead).
+                let believed = from_source
+                    && probed
+                    && target_op.source_incarnation == Some(dead)
+                    && header.sender != dead;
+                if believed {
+                    self.on_incarnation_dead(now, &header.sender_endpoint, dead);
+                } else {
+                    peer.counters.dead_ignored += 1;
+                }
+            }
+            None => {
+                let proof = terminal
+                    && from_source
+                    && probed
+                    && target_op.source_incarnation == Some(header.sender);
+                if proof {
+                    self.finish_target_op(now, op, None);
+                }
+            }
+        }
+    }
+
+    /// `dead`, an incarnation of `source`, is guard-confirmed dead: it will
+    /// never write again, so every op sent to it ends now and its slots are
+    /// freed (a quarantined one with its quiesced notice; one still waiting
+    /// for its `write_done` fails). The next write to `source` waits for a
+    /// fresh ack.
+    fn on_incarnation_dead(&mut self, now: u64, source: &ControlEndpoint, dead: Incarnation) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let ended: Vec<OpHandle> = peer
+            .target
+            .ops
+            .iter()
+            .filter(|(_, o)| {
+                o.source == *source
+                    && o.source_incarnation == Some(dead)
+                    && o.state != TargetState::AwaitingAck
+            })
+            .map(|(h, _)| *h)
+            .collect();
+        peer.counters.dead_freed += ended.len() as u64;
+        if let Some(state) = peer.target.sources.get_mut(source)
+            && state.incarnation == Some(dead)
+        {
+            state.acked = false;
+            state.one_copy = false;
+            state.incarnation = None;
+            state.last_metadata_ns = None;
+        }
+        for op in ended {
+            if let Some(hint) = self.request_hint_of(op) {
+                hint.failed = true;
+            }
+            self.finish_target_op(now, op, None);
         }
     }
 
