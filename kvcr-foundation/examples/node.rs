@@ -46,7 +46,11 @@
 //! peers on other hosts, and never map a peer's memory: bytes cross the
 //! network; needs the cluster secret), `--g3 DIR` (a G3 file tier under
 //! the pool: two files in `DIR`, each `--g3-bytes N` long, default the
-//! pool's size; evicted pages move there), `--publish`, `--replay` (with `--publish`: a replay
+//! pool's size; evicted pages move there), `--guard SOCKET` (the pool, its
+//! residency journal and the control listener belong to the `kvcr-guard`
+//! at `SOCKET`, group `--guard-group N` (default 0), journal
+//! `--guard-journal-bytes B`: a node restarted on the same group takes its
+//! pages back warm; `READY` then carries `warm_start`), `--publish`, `--replay` (with `--publish`: a replay
 //! ROUTER), `--pub-hwm N`, `--ownership stream` (with `--publish`: kvcr's
 //! events without the `ownership` field, for consumers that only know the
 //! worker domain, such as Dynamo 1.6.1's standalone indexer).
@@ -72,8 +76,8 @@ use kvcr_foundation::publisher::{
     OwnershipWire, PubSocket, Publisher, PublisherConfig, TopicParts,
 };
 use kvcr_foundation::runner::{
-    DepositEntry, EntryResult, G3Options, OpResult, PageInfo, PeerNotice, PeerOptions, RegionDesc,
-    ReleaseHandle, Runner, RunnerConfig,
+    DepositEntry, EntryResult, G3Options, GuardOptions, OpResult, PageInfo, PeerNotice,
+    PeerOptions, RegionDesc, ReleaseHandle, Runner, RunnerConfig, WarmStart,
 };
 use kvcr_foundation::{
     BlockKey, CompatDigest, FetchHint, Namespace, NamespaceId, RequestId, ScopedKey,
@@ -243,6 +247,18 @@ fn wait(runner: &mut Runner, op: OpHandle) -> Option<OpResult> {
     wait_all(runner, &[op]).remove(&op)
 }
 
+/// How the node started under its guard, for `READY`.
+fn warm_start_json(w: &WarmStart) -> Value {
+    let report = w.recovery.clone().unwrap_or_default();
+    json!({
+        "group": w.group, "warm": w.warm,
+        "previous_incarnation": w.previous_incarnation.map(|i| format!("{i:032x}")),
+        "dead_incarnations": w.dead_incarnations.iter().map(|i| format!("{i:032x}")).collect::<Vec<_>>(),
+        "recovered": w.recovery.is_some(), "seated": report.seated, "skipped": report.skipped,
+        "held_slots": report.held_slots, "bytes": report.bytes, "disabled": w.disabled,
+    })
+}
+
 fn main() {
     let blocks: u32 = arg("--blocks").and_then(|v| v.parse().ok()).unwrap_or(256);
     let block: usize = arg("--block-bytes")
@@ -296,6 +312,22 @@ fn main() {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(u64::from(blocks) * block as u64),
         }
+    });
+    // `--guard SOCKET`: the pool, its journal and the control listener are
+    // a `kvcr-guard`'s (group `--guard-group`, default 0): they outlive this
+    // process, and a node restarted on the same group takes them back warm.
+    options.guard = arg("--guard").map(|socket| {
+        let mut guard = GuardOptions::new(
+            socket,
+            arg("--guard-group")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+            0x5157_454e,
+        );
+        if let Some(bytes) = arg("--guard-journal-bytes").and_then(|v| v.parse().ok()) {
+            guard.journal_bytes = bytes;
+        }
+        guard
     });
     let config = RunnerConfig {
         operation_timeout: timeout,
@@ -372,6 +404,7 @@ fn main() {
         .and_then(|b| b.replay_bound.as_ref())
         .map(ToString::to_string);
     let incarnation = runner.incarnation().to_string();
+    let warm_start = runner.warm_start().map(warm_start_json);
     let mut node = Node {
         runner,
         shards,
@@ -386,7 +419,7 @@ fn main() {
         &json!({
             "endpoint": endpoint, "events": events, "replay": replay,
             "incarnation": incarnation, "pid": std::process::id(),
-            "write_batch_bytes": write_batch_bytes,
+            "write_batch_bytes": write_batch_bytes, "warm_start": warm_start,
         }),
     );
     for line in std::io::stdin().lock().lines() {
@@ -687,15 +720,20 @@ fn stats(node: &mut Node, publisher: Option<&Publisher>) {
             "free_slots": pool.map_or(0, |p| p.free_slots),
             "evictable_slots": pool.map_or(0, |p| p.evictable_slots),
             "evictions": s.counters.evictions, "dropped": s.counters.dropped,
-            "committed": s.counters.committed,
+            "committed": s.counters.committed, "bytes_deposited": s.counters.bytes_deposited,
             "peer": {
                 "writes_requested": peer.writes_requested, "keys_received": peer.keys_received,
                 "keys_sent": peer.keys_sent, "bytes_sent": peer.bytes_sent,
                 "refused": peer.refused, "quarantined": peer.quarantined, "sockets": sockets,
+                "dead_reported": peer.dead_reported, "dead_freed": peer.dead_freed,
             },
             "uncertain": node.uncertain, "quiesced": node.quiesced,
             "invariants": node.runner.check_invariants().err(),
             "publisher": publisher,
+            "journal": node.runner.journal_stats().map(|j| json!({
+                "appended": j.appended, "compactions": j.compactions,
+                "live_pages": j.live_pages, "held_slots": j.held_slots, "disabled": j.disabled,
+            })),
             "g3": node.runner.g3_stats().map(|g| json!({
                 "spills": g.counters.spills_committed, "spills_failed": g.counters.spills_failed,
                 "fills": g.counters.fills, "fills_failed": g.counters.fills_failed,

@@ -242,6 +242,8 @@ pub enum EvictionPolicy {
 /// | `worker_type` | `"aggregated"` | `aggregated`, `prefill` or `decode`, for the router registration (`router_hint_worker_type`) |
 /// | `g3_paths` | none | directories for the G3 file tier under KVCR DRAM: each rank keeps one file per directory, `kvcr-g3-r{global rank offset}.bin` (put them on different devices to stripe) |
 /// | `g3_capacity_bytes` | none | bytes of each G3 file; required with `g3_paths` (a multiple of the page span, itself a multiple of the files' direct-I/O alignment) |
+/// | `guard_socket` | none | the Unix socket of a `kvcr-guard`: KVCR DRAM, its residency journal and the control listener live in the guard (group: the rank's global offset) and a restarted engine takes its pages back warm; needs `enable_remote_hint` |
+/// | `guard_journal_bytes` | 67108864 | bytes of each rank's residency journal (with `guard_socket`; half of it must hold a snapshot of every page, or warm recovery is disabled when it overflows) |
 /// | `inventory_heartbeat_ms` | 1000 | a quiet KV-event stream sends an empty batch this often, so a late subscriber notices its gap and replays (10..=60000) |
 /// | `prefault` | true | touch KVCR DRAM at startup |
 /// | `max_hinted_requests` | 1024 | live request hint scopes kept per rank |
@@ -301,6 +303,9 @@ pub struct BackendConfig {
     pub inventory_heartbeat: Duration,
     /// The G3 file tier: its directories and each file's capacity.
     pub g3: Option<G3Dirs>,
+    /// A guard that keeps KVCR DRAM across engine restarts: its socket and
+    /// each rank's journal bytes.
+    pub guard: Option<(std::path::PathBuf, u64)>,
 }
 
 /// Where a rank's G3 files go (`g3_paths`, `g3_capacity_bytes`).
@@ -457,12 +462,18 @@ impl Default for BackendConfig {
             worker_type: WorkerType::Aggregated,
             inventory_heartbeat: Duration::from_millis(1000),
             g3: None,
+            guard: None,
         }
     }
 }
 
 /// Keys the engine's dynamic backend loader puts in the extra config.
 const LOADER_KEYS: [&str; 4] = ["backend_name", "module_path", "class_name", "interface_v1"];
+
+/// Smallest residency journal.
+pub(crate) const MIN_GUARD_JOURNAL_BYTES: u64 = 4096;
+/// Largest residency journal (16 GiB).
+pub(crate) const MAX_GUARD_JOURNAL_BYTES: u64 = 1 << 34;
 
 /// Largest KVCR DRAM per rank (the runner's pool limit).
 pub const MAX_LOCAL_DRAM_BYTES: u64 = kvcr_foundation::runner::MAX_POOL_BYTES;
@@ -525,6 +536,8 @@ impl BackendConfig {
         let mut secret_file = None;
         let mut g3_dirs = None;
         let mut g3_capacity = None;
+        let mut guard_socket = None;
+        let mut guard_journal = None;
         for (key, v) in map {
             let k = key.as_str();
             match k {
@@ -639,6 +652,25 @@ impl BackendConfig {
                     }
                     g3_capacity = Some(bytes);
                 }
+                "guard_socket" => {
+                    let path = as_str(k, v)?;
+                    if path.trim().is_empty() {
+                        return Err(Error::config(k, "must be a non-empty path"));
+                    }
+                    guard_socket = Some(std::path::PathBuf::from(path));
+                }
+                "guard_journal_bytes" => {
+                    let bytes = as_u64(k, v)?;
+                    if !(MIN_GUARD_JOURNAL_BYTES..=MAX_GUARD_JOURNAL_BYTES).contains(&bytes) {
+                        return Err(Error::config(
+                            k,
+                            format!(
+                                "must be in {MIN_GUARD_JOURNAL_BYTES}..={MAX_GUARD_JOURNAL_BYTES}"
+                            ),
+                        ));
+                    }
+                    guard_journal = Some(bytes);
+                }
                 "inventory_heartbeat_ms" => {
                     let ms = as_u64(k, v)?;
                     if !(10..=60_000).contains(&ms) {
@@ -719,6 +751,25 @@ impl BackendConfig {
                 ));
             }
         };
+        c.guard = match (guard_socket, guard_journal) {
+            (Some(socket), journal) => Some((
+                socket,
+                journal.unwrap_or(kvcr_foundation::runner::GuardOptions::DEFAULT_JOURNAL_BYTES),
+            )),
+            (None, Some(_)) => {
+                return Err(Error::config(
+                    "guard_socket",
+                    "is required with guard_journal_bytes",
+                ));
+            }
+            (None, None) => None,
+        };
+        if c.guard.is_some() && !c.enable_remote_hint {
+            return Err(Error::config(
+                "guard_socket",
+                "needs enable_remote_hint (the guard keeps the peer mode's pools and control listener)",
+            ));
+        }
         c.cluster_secret = resolve_secret(secret_inline, secret_file, env)?;
         c.check_peer()?;
         c.check_publishing()?;

@@ -734,6 +734,22 @@ impl KvcrHiCacheStorage {
             abandon_timeout: None,
             max_puts_in_flight: 0,
             put_split: self.tuning.put_split,
+            // One guard group per rank; a claim for another model or page
+            // geometry is refused by the guard.
+            guard: b.guard.as_ref().map(|(socket, journal_bytes)| {
+                let mut guard = kvcr_foundation::runner::GuardOptions::new(
+                    socket,
+                    u32::try_from(self.coordinate.global_offset()).unwrap_or(u32::MAX),
+                    digest(&[
+                        b"kvcr-hicache-guard-v1",
+                        self.storage.model_name.as_bytes(),
+                        &plan.span_bytes.to_be_bytes(),
+                        &(plan.spans_per_page() as u64).to_be_bytes(),
+                    ]),
+                );
+                guard.journal_bytes = *journal_bytes;
+                guard
+            }),
             // The runner's defaults for everything this backend does not set.
             ..PeerOptions::loopback()
         };

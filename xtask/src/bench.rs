@@ -148,6 +148,14 @@ const ANCHOR_WHAT: &[(&str, &str)] = &[
         "one O_DIRECT pread of a 3.5 MiB page at the same offset",
     ),
     (
+        "guard.warm_restart_ms",
+        "a cold start of the same runner without a guard (pools made and prefaulted), same round",
+    ),
+    (
+        "guard.journal_overhead",
+        "the same deposits into the same kind of pools without a guard's journal, alternating rounds",
+    ),
+    (
         "link.fetch_bulk_",
         "ucx_perftest put_bw, 256 KiB puts, over the same link (tcp, kvcr's segments)",
     ),
@@ -373,6 +381,7 @@ const SECTIONS: &[(&str, &[&str])] = &[
     ),
     ("Publisher", &["publisher."]),
     ("G3 file tier", &["g3."]),
+    ("Guard: warm restart and the residency journal", &["guard."]),
     ("UCX layer", &["ucx."]),
     ("Peers' own figures (`--peers`)", &["peers."]),
     (

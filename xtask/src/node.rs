@@ -36,7 +36,20 @@ pub(crate) fn build(root: &Path, release: bool) -> Result<PathBuf> {
     }
     cmd.args(["-p", "kvcr-foundation", "--example", "node"]);
     crate::run(&mut cmd)?;
+    // The guard process the `engine-crash` scenarios start next to nodes.
+    let mut cmd = crate::cargo();
+    cmd.current_dir(root).args(["build", "--locked", "--quiet"]);
+    if release {
+        cmd.arg("--release");
+    }
+    cmd.args(["-p", "kvcr-runner", "--bin", "kvcr-guard"]);
+    crate::run(&mut cmd)?;
     Ok(example_path(root, release, "node"))
+}
+
+/// The `kvcr-guard` binary built next to the node binary `node`.
+pub(crate) fn guard_path(node: &Path) -> Option<PathBuf> {
+    Some(node.parent()?.parent()?.join("kvcr-guard"))
 }
 
 /// Where cargo puts an example's binary (`CARGO_TARGET_DIR` honoured).
@@ -81,6 +94,10 @@ pub(crate) struct NodeSpec {
     pub(crate) log: Option<PathBuf>,
     /// A G3 file tier: its folder and each file's bytes (`--g3`, `--g3-bytes`).
     pub(crate) g3: Option<(PathBuf, u64)>,
+    /// The pool belongs to the guard at this socket (`--guard`), with this
+    /// journal size (`--guard-journal-bytes`, the node's default when
+    /// `None`).
+    pub(crate) guard: Option<(PathBuf, Option<u64>)>,
 }
 
 impl NodeSpec {
@@ -99,6 +116,7 @@ impl NodeSpec {
             netns: None,
             log: None,
             g3: None,
+            guard: None,
         }
     }
 
@@ -127,6 +145,16 @@ impl NodeSpec {
         opt(
             "--g3-bytes",
             self.g3.as_ref().map(|(_, bytes)| bytes.to_string()),
+        );
+        opt(
+            "--guard",
+            self.guard.as_ref().map(|(s, _)| s.display().to_string()),
+        );
+        opt(
+            "--guard-journal-bytes",
+            self.guard
+                .as_ref()
+                .and_then(|(_, b)| b.map(|b| b.to_string())),
         );
         opt(
             "--host",
@@ -165,6 +193,8 @@ pub(crate) struct Node {
     /// Bytes of pages it asks a source for per write (0: one write per
     /// operation).
     pub(crate) write_batch_bytes: u64,
+    /// How it started under a guard (`READY`'s `warm_start`; null without).
+    pub(crate) warm_start: Value,
     stopped: bool,
     reaped: bool,
 }
@@ -233,6 +263,7 @@ impl Node {
             incarnation: String::new(),
             pid: 0,
             write_batch_bytes: 0,
+            warm_start: Value::Null,
             stopped: false,
             reaped: false,
         };
@@ -242,6 +273,7 @@ impl Node {
         node.replay = ready["replay"].as_str().map(str::to_owned);
         node.incarnation = ready["incarnation"].as_str().unwrap_or_default().to_owned();
         node.write_batch_bytes = ready["write_batch_bytes"].as_u64().unwrap_or(0);
+        node.warm_start = ready["warm_start"].clone();
         node.pid = ready["pid"]
             .as_u64()
             .unwrap_or_else(|| u64::from(node.child.id()));

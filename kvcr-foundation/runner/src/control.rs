@@ -345,6 +345,17 @@ impl ControlChannel {
         Ok((listener, local))
     }
 
+    /// Takes over a listener bound elsewhere (a guard's, handed over with
+    /// the pools): peers keep dialling the address it was bound at.
+    pub(crate) fn adopt(
+        listener: std::net::TcpListener,
+    ) -> std::io::Result<(TcpListener, SocketAddr)> {
+        listener.set_nonblocking(true)?;
+        let listener = TcpListener::from_std(listener)?;
+        let local = listener.local_addr()?;
+        Ok((listener, local))
+    }
+
     /// Starts accepting on `listener` as `identity`. Returns the channel and
     /// the receiver of inbound items (hand each to [`Self::on_inbound`]).
     pub(crate) fn start(

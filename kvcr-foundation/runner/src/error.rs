@@ -40,6 +40,10 @@ pub enum Error {
     /// The G3 file tier refused its files or configuration.
     #[error(transparent)]
     G3(#[from] crate::g3::G3Error),
+    /// The guard refused a claim, handed over a grant that does not match
+    /// it, or could not be reached or started.
+    #[error(transparent)]
+    Guard(#[from] crate::guard::GuardError),
 }
 
 impl From<core_error::Error> for Error {

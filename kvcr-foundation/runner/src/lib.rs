@@ -30,6 +30,7 @@ mod device;
 pub mod error;
 pub mod g3;
 mod g3_driver;
+pub mod guard;
 #[allow(unsafe_code)]
 mod lanes;
 #[allow(unsafe_code)]
@@ -41,6 +42,7 @@ mod placement;
 mod shared_memory;
 #[cfg(test)]
 mod tests;
+mod warm;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -63,11 +65,12 @@ pub use self::device::DeviceCopier;
 pub use self::error::{Error, Result};
 pub use self::g3::{G3Error, G3Options, G3Store};
 use self::memory::DramPool;
-pub use self::peer_driver::{PeerOptions, PutSplit};
+pub use self::peer_driver::{GuardOptions, PeerOptions, PutSplit};
 pub use self::placement::{
     AnonymousMemory, HugePages, MAX_NUMA_NODE, NumaBinding, NumaMode, PlacementDowngrade,
     PlacementOutcome, PoolMemory, PoolMemoryInfo, online_nodes, transparent_huge_page_mode,
 };
+pub use self::warm::WarmStart;
 use crate::error::RunnerReason;
 use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::hint::{FetchHint, RequestId};
@@ -75,6 +78,8 @@ use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::key::{Namespace, NamespaceId, ScopedKey};
 use kvcr_contracts::protocol::{OpHandle, RegionId};
 use kvcr_contracts::tier::{InventorySink, Medium};
+pub use kvcr_runner_core::RecoveryReport;
+pub use kvcr_runner_core::journal::JournalStats;
 
 /// How long a caller waiting on an operation that awaits a peer's write
 /// stays awake (yielding) before it sleeps: about a one-block fetch's round
@@ -250,6 +255,8 @@ struct Inner {
     device: Option<Arc<dyn DeviceCopier>>,
     /// Runs G3 transfers (absent without G3, and once the runner stops).
     g3: Option<g3_driver::G3Driver>,
+    /// The residency journal, under a guard.
+    journal: Option<warm::RunnerJournal>,
 }
 
 /// The shared state, plus the clock epoch and a wake-up for waiters.
@@ -270,6 +277,7 @@ impl Shared {
         jobs: Sender<copy::Msg>,
         peer_tx: Option<tokio::sync::mpsc::UnboundedSender<peer_driver::PeerCmd>>,
         g3: Option<g3_driver::G3Driver>,
+        journal: Option<warm::RunnerJournal>,
     ) -> Arc<Self> {
         #[allow(clippy::disallowed_methods)]
         let epoch = Instant::now();
@@ -286,6 +294,7 @@ impl Shared {
                 peer_tx,
                 device: None,
                 g3,
+                journal,
             }),
             completed_cv: Condvar::new(),
             completed_len: AtomicUsize::new(0),
@@ -395,7 +404,14 @@ impl Shared {
             peer_tx,
             device,
             g3,
+            journal,
         } = inner;
+        // Residency changes reach the journal before any action runs: a
+        // slot named `Removed` or `Held` is written again only by an action
+        // pumped below or later.
+        if let Some(journal) = journal {
+            journal.append_from(core);
+        }
         let mut failed_jobs = Vec::new();
         while let Some(action) = core.poll_action() {
             match action {
@@ -554,6 +570,11 @@ pub struct Runner {
     /// The device copier, set at most once, detached in `drop` between steps
     /// 1 and 2.
     device: std::sync::OnceLock<Arc<dyn DeviceCopier>>,
+    /// The guard's lease on this runner's group (released in `drop` once
+    /// nothing can write the pools any more).
+    guard: Option<guard::GuardLease>,
+    /// How the runner started under its guard.
+    warm_start: Option<WarmStart>,
 }
 
 // The engine's threads share one runner (`&self` API, state behind its lock).
@@ -588,6 +609,15 @@ impl Drop for Runner {
                 );
             }
             peer.stop(leak);
+            // 2a. The group goes back to the guard for the next incarnation,
+            //     unless a remote write may still land in its pools: then
+            //     the lease ends with this process, as the mapping does.
+            if let Some(lease) = self.guard.take()
+                && !leak
+                && let Err(e) = lease.release()
+            {
+                eprintln!("kvcr: releasing the guard's group failed: {e}");
+            }
         }
         // 3. `pools` (local mode) are freed when the fields drop, after both.
     }
@@ -685,6 +715,7 @@ impl Runner {
             jobs_tx.clone(),
             None,
             g3.map(g3_driver::G3Driver::new),
+            None,
         );
         let copy = copy::CopyEngine::start(Arc::downgrade(&shared), jobs_tx, jobs_rx)
             .map_err(|e| fail(StartupStage::StartCopyEngine, e))?;
@@ -704,6 +735,8 @@ impl Runner {
             pool_bytes,
             pool_memory,
             device: std::sync::OnceLock::new(),
+            guard: None,
+            warm_start: None,
         };
         if let Err(e) = injected(StartupStage::StartCopyEngine) {
             runner.copy.stop();
@@ -735,12 +768,50 @@ impl Runner {
             .map(|p| p.block_size * u64::from(p.blocks))
             .collect();
         let incarnation = Incarnation::generate();
+        let pool_specs: Vec<(String, u64, u32)> = config
+            .pools
+            .iter()
+            .map(|p| (p.name.clone(), p.block_size, p.blocks))
+            .collect();
+        // Under a guard the pools, the journal and the control listener are
+        // the guard's (claimed before anything else is made).
+        let claimed = match &peer.guard {
+            Some(options) => {
+                if config.pool_memory != PoolMemory::Default {
+                    return Err(fail(
+                        StartupStage::Validate.name(),
+                        Error::runner(RunnerReason::Config {
+                            field: "pool_memory",
+                            why: "a guard's pools are its memfds: pool_memory must be the default",
+                        }),
+                    ));
+                }
+                Some(
+                    warm::claim(options, peer, &pool_specs, incarnation.raw())
+                        .map_err(|e| fail("claim guard", e))?,
+                )
+            }
+            None => None,
+        };
+        let (claimed, adopted) = match claimed {
+            Some(c) => {
+                let warm::Claimed {
+                    lease,
+                    adopted,
+                    journal,
+                    start,
+                } = c;
+                (Some((lease, journal, start)), Some(adopted))
+            }
+            None => (None, None),
+        };
         let (mut driver, setup) = peer_driver::PeerDriver::start(
             peer,
             incarnation,
             pool_bytes.clone(),
             config.prefault,
             &config.pool_memory,
+            adopted,
         )
         .map_err(|e| match e {
             // Already a startup error (resources retained): keep it.
@@ -796,12 +867,32 @@ impl Runner {
             shared_memory: setup.shared_memory.clone(),
             write_batch_bytes: peer.write_batch_bytes,
         });
+        let (guard, journal, warm_start) = match claimed {
+            Some((lease, journal, mut start)) => {
+                // The guard saw these incarnations of this endpoint die: a
+                // destination probing a write it sent to one of them is told
+                // so, and frees the slots it held for that write.
+                core.set_dead_incarnations(
+                    start
+                        .dead_incarnations
+                        .iter()
+                        .filter_map(|raw| Incarnation::from_raw(*raw))
+                        .collect(),
+                );
+                let journal = journal.map(|(map, recovered)| {
+                    warm::RunnerJournal::start(&mut core, map, recovered, &mut start)
+                });
+                (Some(lease), journal, Some(start))
+            }
+            None => (None, None, None),
+        };
         let (jobs_tx, jobs_rx) = mpsc::channel::<copy::Msg>();
         let shared = Shared::new(
             core,
             jobs_tx.clone(),
             Some(driver.tx.clone()),
             g3.map(g3_driver::G3Driver::new),
+            journal,
         );
         let copy = copy::CopyEngine::start(Arc::downgrade(&shared), jobs_tx, jobs_rx)
             .map_err(|e| fail(StartupStage::StartCopyEngine.name(), e))?;
@@ -820,7 +911,24 @@ impl Runner {
             endpoint: Some(setup.endpoint),
             pool_bytes: pool_bytes.iter().sum(),
             device: std::sync::OnceLock::new(),
+            guard,
+            warm_start,
         })
+    }
+
+    /// How this runner started under its guard ([`PeerOptions::guard`]):
+    /// warm or fresh, what the recovery seated, or why it was disabled.
+    pub fn warm_start(&self) -> Option<&WarmStart> {
+        self.warm_start.as_ref()
+    }
+
+    /// The residency journal's counters (under a guard, while it runs).
+    pub fn journal_stats(&self) -> Option<JournalStats> {
+        self.shared
+            .lock()
+            .journal
+            .as_ref()
+            .and_then(warm::RunnerJournal::stats)
     }
 
     /// Where each pool's memory is and how it was placed (for audits such as
@@ -908,8 +1016,28 @@ impl Runner {
     }
 
     /// Sends inventory events (owner KVCR, tier KVCR DRAM) to `sink`.
-    pub fn set_inventory_sink(&self, sink: Box<dyn InventorySink>) {
-        self.shared.lock().sink = Some(sink);
+    ///
+    /// A runner that recovered pages from its guard first sends the
+    /// `AllCleared` barrier of its incarnation and then every recovered page
+    /// still resident, once (to the first sink set): a router drops what
+    /// the dead incarnation published and converges on what this one holds.
+    pub fn set_inventory_sink(&self, mut sink: Box<dyn InventorySink>) {
+        let mut inner = self.shared.lock();
+        let recovered = inner.core.recovered_stored_events();
+        if self
+            .warm_start
+            .as_ref()
+            .is_some_and(|w| w.recovery.as_ref().is_some_and(|r| r.seated > 0))
+        {
+            sink.publish(&kvcr_contracts::tier::InventoryEvent::AllCleared {
+                owner: kvcr_contracts::tier::Owner::Kvcr,
+                incarnation: self.incarnation,
+            });
+            for event in &recovered {
+                sink.publish(event);
+            }
+        }
+        inner.sink = Some(sink);
     }
 
     /// Calls `callback` with `(pool, watermark slots)` when pools newly drop

@@ -89,6 +89,48 @@ pub struct PeerOptions {
     /// by one, so a hinted deliver moves the first pages on (to the GPU)
     /// while later ones are still crossing. 0: one write per source.
     pub write_batch_bytes: u64,
+    /// A guard that keeps this runner's pools, journal and control listener
+    /// across its restarts ([`crate::guard`]); `None` (the default): the
+    /// runner makes its own, and they die with it.
+    pub guard: Option<GuardOptions>,
+}
+
+/// Where a runner's pool memory and control listener outlive it: a
+/// `kvcr-guard` process ([`crate::guard`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuardOptions {
+    /// The guard's Unix socket.
+    pub socket: std::path::PathBuf,
+    /// The group this runner claims: one per rank (a TP rank's global
+    /// offset, say). A group's first claim fixes its layout.
+    pub group: u32,
+    /// The engine's compatibility digest (model, dtype, page and layout); a
+    /// claim with another digest is refused.
+    pub compat_digest: u64,
+    /// Bytes of the residency journal (default
+    /// [`GuardOptions::DEFAULT_JOURNAL_BYTES`]). Half of it must hold a
+    /// snapshot of every page at once (about 60 bytes a page plus 4 a
+    /// token), or warm recovery is disabled when it overflows.
+    pub journal_bytes: u64,
+    /// How long the claim may take (the guard answers at once; 5 s).
+    pub claim_timeout: Duration,
+}
+
+impl GuardOptions {
+    /// 64 MiB: two halves of 32 MiB, a snapshot of ~100,000 pages of 64
+    /// tokens.
+    pub const DEFAULT_JOURNAL_BYTES: u64 = 64 << 20;
+
+    /// The guard at `socket`, group `group`, with the defaults.
+    pub fn new(socket: impl Into<std::path::PathBuf>, group: u32, compat_digest: u64) -> Self {
+        Self {
+            socket: socket.into(),
+            group,
+            compat_digest,
+            journal_bytes: Self::DEFAULT_JOURNAL_BYTES,
+            claim_timeout: Duration::from_secs(5),
+        }
+    }
 }
 
 impl std::fmt::Debug for PeerOptions {
@@ -109,6 +151,7 @@ impl std::fmt::Debug for PeerOptions {
             .field("same_host_mapping", &self.same_host_mapping)
             .field("lanes", &self.lanes)
             .field("write_batch_bytes", &self.write_batch_bytes)
+            .field("guard", &self.guard)
             .finish()
     }
 }
@@ -204,6 +247,7 @@ impl PeerOptions {
             same_host_mapping: true,
             write_batch_bytes: Self::DEFAULT_WRITE_BATCH_BYTES,
             lanes: 0,
+            guard: None,
         }
     }
 }
@@ -248,6 +292,7 @@ impl PeerDriver {
         pool_bytes: Vec<u64>,
         prefault: bool,
         pool_memory: &PoolMemory,
+        adopted: Option<Adopted>,
     ) -> Result<(Self, PeerSetup)> {
         let (tx, rx) = mpsc::unbounded_channel();
         let pool_memory = pool_memory.clone();
@@ -260,7 +305,7 @@ impl PeerDriver {
                 run(
                     options,
                     incarnation,
-                    (pool_bytes, prefault, pool_memory),
+                    (pool_bytes, prefault, pool_memory, adopted),
                     rx,
                     setup_tx,
                     shared_rx,
@@ -320,13 +365,25 @@ impl PeerDriver {
 
 type SetupResult = Result<(PeerSetup, Arc<ControlStats>)>;
 
-/// Pool sizes, whether to pre-fault, and how to back them.
-type PoolSpec = (Vec<u64>, bool, PoolMemory);
+/// Pool sizes, whether to pre-fault, how to back them, and what a guard
+/// handed over instead.
+type PoolSpec = (Vec<u64>, bool, PoolMemory, Option<Adopted>);
+
+/// Pool files and the control listener a guard handed over
+/// ([`crate::guard`]): the runner maps those files (their bytes kept) and
+/// accepts on that listener instead of making its own.
+#[derive(Debug)]
+pub(crate) struct Adopted {
+    /// One pool file and its name token per pool, in order; `None`: the
+    /// runner makes its own pools (the guard's could not be recovered).
+    pub(crate) pools: Option<Vec<(std::fs::File, [u8; 16])>>,
+    pub(crate) listener: std::net::TcpListener,
+}
 
 fn run(
     options: PeerOptions,
     incarnation: Incarnation,
-    (pool_bytes, prefault, pool_memory): PoolSpec,
+    (pool_bytes, prefault, pool_memory, adopted): PoolSpec,
     rx: mpsc::UnboundedReceiver<PeerCmd>,
     setup_tx: std::sync::mpsc::Sender<SetupResult>,
     shared_rx: oneshot::Receiver<Arc<Shared>>,
@@ -346,18 +403,26 @@ fn run(
         }
     };
     runtime.block_on(async move {
-        let mut state =
-            match State::setup(&options, incarnation, &pool_bytes, prefault, &pool_memory).await {
-                Ok((state, setup)) => {
-                    let stats = Arc::clone(&state.control.stats);
-                    let _ = setup_tx.send(Ok((setup, stats)));
-                    state
-                }
-                Err(e) => {
-                    let _ = setup_tx.send(Err(e));
-                    return;
-                }
-            };
+        let mut state = match State::setup(
+            &options,
+            incarnation,
+            &pool_bytes,
+            prefault,
+            &pool_memory,
+            adopted,
+        )
+        .await
+        {
+            Ok((state, setup)) => {
+                let stats = Arc::clone(&state.control.stats);
+                let _ = setup_tx.send(Ok((setup, stats)));
+                state
+            }
+            Err(e) => {
+                let _ = setup_tx.send(Err(e));
+                return;
+            }
+        };
         let Ok(shared) = shared_rx.await else {
             return; // startup failed later; dropping `state` releases everything
         };
@@ -451,7 +516,20 @@ impl State {
         pool_bytes: &[u64],
         prefault: bool,
         pool_memory: &PoolMemory,
+        adopted: Option<Adopted>,
     ) -> Result<(Self, PeerSetup)> {
+        let (mut adopted_pools, adopted_listener) = match adopted {
+            Some(a) if a.pools.as_ref().is_none_or(|p| p.len() == pool_bytes.len()) => {
+                (a.pools.map(Vec::into_iter), Some(a.listener))
+            }
+            Some(_) => {
+                return Err(Error::runner(RunnerReason::Config {
+                    field: "guard grant",
+                    why: "the grant's pool count differs from the configuration's",
+                }));
+            }
+            None => (None, None),
+        };
         let mut config = ContextConfig::new();
         if let Some(tls) = &options.ucx_tls {
             // A runner that advertises loopback keeps tcp on loopback; one
@@ -488,6 +566,17 @@ impl State {
         for bytes in pool_bytes {
             let len = usize::try_from(*bytes)
                 .map_err(|_| Error::runner(RunnerReason::Allocation { bytes: *bytes }))?;
+            if let Some((file, token)) = adopted_pools.as_mut().and_then(Iterator::next) {
+                // A guard's file: mapped with its bytes kept; advertised for
+                // one-copy writes as our own pools are.
+                let pool = SharedPool::adopt(file, token, *bytes, prefault)?;
+                if options.same_host_mapping && scope.is_some() {
+                    segments.push(pool.advert(RegionId(pools.len() as u32)));
+                }
+                pools.push(context.register_owned(Box::new(pool))?);
+                placements.push(None);
+                continue;
+            }
             match pool_memory {
                 PoolMemory::Default if options.same_host_mapping && scope.is_some() => {
                     let pool = SharedPool::create(*bytes, prefault)?;
@@ -510,8 +599,12 @@ impl State {
             .iter()
             .map(|p| p.pack_rkey().map(|r| r.as_bytes().to_vec()))
             .collect::<kvcr_ucx::Result<Vec<_>>>()?;
-        let bind = control_bind_address(options)?;
-        let (listener, local) = ControlChannel::bind(bind).await.map_err(|_| {
+        let bound = match adopted_listener {
+            // The guard's listener: peers keep dialling the same address.
+            Some(listener) => ControlChannel::adopt(listener),
+            None => ControlChannel::bind(control_bind_address(options)?).await,
+        };
+        let (listener, local) = bound.map_err(|_| {
             Error::runner(RunnerReason::Config {
                 field: "peer.bind",
                 why: "could not bind the control listener",
@@ -1084,7 +1177,7 @@ fn retire(route: Option<Rc<Route>>) {
 /// Where the control listener binds. Without a cluster secret only loopback
 /// is served, whatever `bind` says (and a non-loopback advertise host is
 /// refused: no other host could talk to this runner).
-fn control_bind_address(options: &PeerOptions) -> Result<SocketAddr> {
+pub(crate) fn control_bind_address(options: &PeerOptions) -> Result<SocketAddr> {
     use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
     let config = |field, why| Error::runner(RunnerReason::Config { field, why });
     let requested = options

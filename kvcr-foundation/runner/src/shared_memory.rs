@@ -113,9 +113,16 @@ impl SharedPool {
     /// A pool in a file made by [`create_pool_file`] in this or another
     /// process (a guard hands one over): its name must carry `token`, its
     /// size be `len` and its seals be in place, checked on the descriptor.
+    /// Its bytes are kept: with `prefault` the pages are populated without
+    /// being written (a recovered pool holds pages).
     pub(crate) fn adopt(file: File, token: [u8; 16], len: u64, prefault: bool) -> Result<Self> {
         check_pool_file(&file, &token, len)?;
-        Self::map(file, token, len, prefault)
+        let pool = Self::map(file, token, len, false)?;
+        if prefault {
+            // SAFETY: the range is exactly our live mapping.
+            unsafe { populate_for_write(pool.map.as_mut_ptr() as u64, pool.map.len() as u64) };
+        }
+        Ok(pool)
     }
 
     fn map(file: File, token: [u8; 16], len: u64, prefault: bool) -> Result<Self> {
@@ -170,13 +177,23 @@ unsafe impl kvcr_ucx::OwnedMemory for SharedPool {
 /// every page allocated, sealed against shrinking and growing. A runner maps
 /// it ([`SharedPool`]); a guard makes them for the runners it serves.
 pub(crate) fn create_pool_file(len: u64) -> Result<(File, [u8; 16])> {
+    create_sealed_file(NAME_PREFIX, len)
+}
+
+/// Makes a residency journal's file: a memfd like a pool's, named
+/// `kvcr-journal-<token>` (never taken for a pool: a source checks the name).
+pub(crate) fn create_journal_file(len: u64) -> Result<File> {
+    create_sealed_file("kvcr-journal-", len).map(|(file, _)| file)
+}
+
+fn create_sealed_file(prefix: &str, len: u64) -> Result<(File, [u8; 16])> {
     let failed = || Error::runner(RunnerReason::Allocation { bytes: len });
     if len == 0 || usize::try_from(len).is_err() {
         return Err(failed());
     }
     let mut token = [0u8; 16];
     getrandom::fill(&mut token).map_err(|_| failed())?;
-    let name = CString::new(format!("{NAME_PREFIX}{}", hex(&token))).map_err(|_| failed())?;
+    let name = CString::new(format!("{prefix}{}", hex(&token))).map_err(|_| failed())?;
     // SAFETY: `name` is a valid NUL-terminated string; the flags are
     // plain bits. The returned descriptor is owned by the `File` below.
     let fd =
@@ -203,6 +220,51 @@ pub(crate) fn create_pool_file(len: u64) -> Result<(File, [u8; 16])> {
         return Err(os_error("fcntl(F_ADD_SEALS)"));
     }
     Ok((file, token))
+}
+
+/// The residency journal's file (a guard's memfd), mapped shared: the runner
+/// writes it through [`crate::journal`], the guard and a restarted runner
+/// read it after this process is gone.
+#[derive(Debug)]
+pub(crate) struct JournalMap {
+    map: memmap2::MmapMut,
+}
+
+impl JournalMap {
+    /// Maps all of `file` (at least `min_len` bytes, sealed against
+    /// shrinking: a mapping of a file that shrinks faults).
+    pub(crate) fn new(file: &File, min_len: u64) -> Result<Self> {
+        let bad = |why| {
+            Error::runner(RunnerReason::Config {
+                field: "guard grant",
+                why,
+            })
+        };
+        let len = file.metadata().map_err(|_| os_error("fstat"))?.len();
+        if len < min_len || usize::try_from(len).is_err() {
+            return Err(bad("the journal file is shorter than asked"));
+        }
+        // SAFETY: F_GET_SEALS on a descriptor we own; no memory is passed.
+        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(bad("the journal file is not sealed against shrinking"));
+        }
+        // SAFETY: the file cannot shrink under the mapping (sealed, checked
+        // above); the only other holder is the guard, which reads it only
+        // once this process's lease has ended (its death or release), so no
+        // one else writes these bytes while we hold `&mut` to them.
+        let map =
+            unsafe { memmap2::MmapOptions::new().map_mut(file) }.map_err(|_| os_error("mmap"))?;
+        Ok(Self { map })
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.map
+    }
 }
 
 /// Checks an opened pool file on its descriptor: a memfd named for `token`

@@ -22,6 +22,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 
 mod device;
 mod g3_tier;
+mod guard;
 mod peer;
 mod peer_faults;
 mod peer_trust;

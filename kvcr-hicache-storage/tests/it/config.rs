@@ -117,6 +117,39 @@ fn publishing_settings(#[case] extra: Value, #[case] refused_key: Option<&str>) 
     }
 }
 
+/// `guard_socket` needs peer mode (the guard keeps its pools and listener);
+/// `guard_journal_bytes` needs the socket and is bounded.
+#[rstest]
+#[case::without_peers(json!({"guard_socket": "/run/kvcr/guard.sock"}), false, None, Some("guard_socket"))]
+#[case::with_peers(json!({"guard_socket": "/run/kvcr/guard.sock"}), true, Some(64 << 20), None)]
+#[case::journal_set(json!({"guard_socket": "/g.sock", "guard_journal_bytes": 4096}), true, Some(4096), None)]
+#[case::journal_alone(json!({"guard_journal_bytes": 1048576}), true, None, Some("guard_socket"))]
+#[case::journal_too_small(json!({"guard_socket": "/g.sock", "guard_journal_bytes": 4095}), true, None, Some("guard_journal_bytes"))]
+#[case::journal_too_big(json!({"guard_socket": "/g.sock", "guard_journal_bytes": 17179869185u64}), true, None, Some("guard_journal_bytes"))]
+#[case::empty_socket(json!({"guard_socket": " "}), true, None, Some("guard_socket"))]
+#[case::not_a_path(json!({"guard_socket": 7}), true, None, Some("guard_socket"))]
+fn guard_settings(
+    #[case] mut extra: Value,
+    #[case] peers: bool,
+    #[case] journal: Option<u64>,
+    #[case] refused_key: Option<&str>,
+) {
+    if peers {
+        extra["enable_remote_hint"] = json!(true);
+        extra["control_port"] = json!(25000);
+        extra["control_advertise_host"] = json!("127.0.0.1");
+        extra["single_host"] = json!(true);
+    }
+    match (
+        BackendConfig::from_value_with_env(&with(extra), &[], &no_env),
+        refused_key,
+    ) {
+        (Ok(c), None) => assert_eq!(c.0.guard.map(|(_, bytes)| bytes), journal),
+        (Err(Error::Config { key, .. }), Some(expected)) => assert_eq!(key, expected),
+        (other, _) => panic!("{other:?}"),
+    }
+}
+
 /// Unknown keys are refused with the key named; the engine's loader keys are not.
 #[test]
 fn unknown_keys_are_named() {

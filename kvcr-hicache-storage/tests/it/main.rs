@@ -12,6 +12,7 @@
 mod config;
 mod fixture;
 mod g3;
+mod guard;
 mod layouts;
 mod local;
 mod peer;

@@ -27,7 +27,7 @@ pub(crate) fn free_base_port(n: u16) -> u16 {
     panic!("no {n} consecutive free ports");
 }
 
-fn peer_spec(tp: u32, fill_seed: Option<u64>) -> (EngineSpec, u16) {
+pub(crate) fn peer_spec(tp: u32, fill_seed: Option<u64>) -> (EngineSpec, u16) {
     let port = free_base_port(tp as u16);
     let mut spec = EngineSpec::local(tp, HostLayout::PageFirst, 32);
     spec.fill_seed = fill_seed;

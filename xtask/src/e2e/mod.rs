@@ -17,6 +17,7 @@
 mod between_hosts;
 mod events;
 mod g3;
+mod guard;
 mod hicache_dynamo;
 mod scenarios;
 
@@ -192,6 +193,24 @@ pub(crate) fn registry() -> Vec<Scenario> {
             "a node's G3 files on a 16 MiB filesystem that fills up: spills fail with ENOSPC, typed and counted, every deposit still lands, and every page is restored byte-exact or reported missing, never wrong",
             true,
             g3::full_disk,
+        ),
+        Scenario::builtin(
+            "engine-crash",
+            "a source engine under a kvcr-guard is SIGKILLed while it serves: the destination's request ends with no corrupted byte; the restarted source claims its group warm at the same address, every page recovered with 0 bytes copied in again and byte-exact locally and for a fresh peer; the router sees Cleared, then the recovered pages",
+            true,
+            guard::engine_crash,
+        ),
+        Scenario::builtin(
+            "journal-overflow",
+            "a guard's journal too small for the pages stops (the node keeps serving); the next incarnation says recovery is disabled, seats nothing, serves fresh pages",
+            true,
+            guard::journal_overflow,
+        ),
+        Scenario::builtin(
+            "journal-corrupt",
+            "a journal corrupted in the guard's memory while its engine is dead: the next incarnation refuses it, seats nothing (no wrong byte served), serves fresh pages",
+            true,
+            guard::journal_corrupt,
         ),
         Scenario::example(
             "hicache",

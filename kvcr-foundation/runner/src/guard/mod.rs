@@ -1,0 +1,564 @@
+//! The guard: a process that owns each rank's pool memory and control
+//! listener, so they outlive the engine that uses them.
+//!
+//! A rank's runner claims its *group* from the guard over a Unix socket
+//! ([`claim`]) and gets the group's memory as descriptors: a journal memfd,
+//! one memfd per pool (made like a runner's own shared pools, so same-host
+//! peers accept them) and the bound TCP control listener. When the engine
+//! dies, the guard still holds all of it: the pages stay in memory, the
+//! listener keeps its port (connections queue in its backlog), and the
+//! restarted engine claims the group back and finds its pages warm.
+//!
+//! ```text
+//!  runner ── claim(socket, GuardClaim) ─────────► guard (GuardService)
+//!         ◄── GuardGrant: [journal, pool 0..n-1, listener] (one SCM_RIGHTS) ──
+//!         ── ... the lease lasts while the claimant process lives ...
+//!         ── GuardLease::release ──► Released (the memory stays with the guard)
+//! ```
+//!
+//! # The lease
+//! * The first claim of a group fixes its layout, compatibility digest and
+//!   control address; a later claim must match them exactly, or it is
+//!   refused naming the field ([`Refusal::Mismatch`]).
+//! * A grant is a lease fenced by the claimant's *process* (a pidfd taken
+//!   when it connected), not by its socket: closing the connection does not
+//!   end it, and a claim of a group whose holder lives is refused
+//!   ([`Refusal::Held`]). The holder's exit ends it: the guard records that
+//!   incarnation as dead, and the next grant says so (`warm`,
+//!   `previous_incarnation`, `dead_incarnations`). [`GuardLease::release`]
+//!   ends it without a death.
+//! * The guard never reads or writes the pools.
+//!
+//! # Limits
+//! At most [`GuardConfig::max_groups`] groups (64) of at most
+//! [`GuardConfig::max_pools`] pools (16) and [`GuardConfig::max_group_bytes`]
+//! (1 TiB); at most [`GuardConfig::max_pending`] connections (16) that have
+//! not been granted yet (more are accepted and closed at once), each closed
+//! if its claim has not arrived within [`GuardConfig::claim_timeout`] (5 s);
+//! frames of at most [`protocol::MAX_FRAME`] bytes. Granted connections are
+//! bounded by the groups (one lease each). Only processes of the guard's
+//! own uid (or root) are served; the socket file is mode 0600.
+//!
+//! The wire is in [`protocol`]; the only unsafe code is in `fd_passing`.
+
+#[allow(unsafe_code)]
+mod fd_passing;
+pub mod protocol;
+mod service;
+#[cfg(test)]
+#[allow(unsafe_code)]
+mod tests;
+
+use std::fs::File;
+use std::io;
+use std::net::{SocketAddr, TcpListener};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::Sender;
+use std::time::{Duration, Instant};
+
+use self::protocol::{ClaimMsg, GrantedMsg, Reply, Request, VERSION};
+pub use self::protocol::{Layout, PoolSpec, Refusal};
+pub use self::service::{GuardHandle, GuardService};
+
+/// How long [`GuardLease::release`] waits for the guard's answer.
+pub const RELEASE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Everything the guard and its clients can fail at.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GuardError {
+    /// The guard refused the request.
+    #[error("guard refused: {0}")]
+    Refused(Refusal),
+    /// The guard's grant does not match the claim (group, layout, a
+    /// descriptor's kind or size, the listener's address, ...); every
+    /// descriptor received was closed.
+    #[error("guard grant does not match the claim: {why}")]
+    BadGrant {
+        /// What differs.
+        why: String,
+    },
+    /// The other side broke the protocol: a frame over the limit, a payload
+    /// that is not a message, an unexpected message, descriptors lost, or
+    /// the connection closed early.
+    #[error("guard protocol: {why}")]
+    Protocol {
+        /// What happened.
+        why: String,
+    },
+    /// No answer within the time allowed.
+    #[error("the guard did not answer within {timeout:?}")]
+    Timeout {
+        /// The time allowed.
+        timeout: Duration,
+    },
+    /// A system call failed.
+    #[error("guard: {call} failed: {}", io::Error::from_raw_os_error(*errno))]
+    Os {
+        /// The call.
+        call: &'static str,
+        /// Its `errno` (0 when there was none).
+        errno: i32,
+    },
+    /// The claim cannot be sent as it is (incarnation 0, over the frame
+    /// limit).
+    #[error("guard claim invalid: {why}")]
+    InvalidClaim {
+        /// Why.
+        why: &'static str,
+    },
+    /// A guard already answers at the socket path.
+    #[error("a guard already serves {}", path.display())]
+    AlreadyRunning {
+        /// The socket path.
+        path: PathBuf,
+    },
+    /// The socket path cannot be served (it is not a socket, or binding it
+    /// failed).
+    #[error("guard socket {}: {why}{}", path.display(), errno.map(|e| format!(": {}", io::Error::from_raw_os_error(e))).unwrap_or_default())]
+    Socket {
+        /// The socket path.
+        path: PathBuf,
+        /// What is wrong.
+        why: &'static str,
+        /// The OS error, when a call failed.
+        errno: Option<i32>,
+    },
+}
+
+impl GuardError {
+    /// The guard's refusal, when it refused.
+    pub fn refusal(&self) -> Option<&Refusal> {
+        match self {
+            Self::Refused(refusal) => Some(refusal),
+            _ => None,
+        }
+    }
+
+    fn os(call: &'static str) -> impl Fn(io::Error) -> Self {
+        move |e| Self::Os {
+            call,
+            errno: e.raw_os_error().unwrap_or(0),
+        }
+    }
+
+    fn protocol(why: impl Into<String>) -> Self {
+        Self::Protocol { why: why.into() }
+    }
+
+    fn bad_grant(why: impl Into<String>) -> Self {
+        Self::BadGrant { why: why.into() }
+    }
+}
+
+/// Where the guard's log lines go.
+#[derive(Debug, Clone, Default)]
+pub enum GuardLog {
+    /// Standard error, prefixed `kvcr-guard: ` (the default).
+    #[default]
+    Stderr,
+    /// Nowhere.
+    Discard,
+    /// One `String` per line, unprefixed (tests).
+    Channel(Sender<String>),
+}
+
+impl GuardLog {
+    fn line(&self, text: String) {
+        match self {
+            Self::Stderr => eprintln!("kvcr-guard: {text}"),
+            Self::Discard => {}
+            Self::Channel(tx) => {
+                let _ = tx.send(text);
+            }
+        }
+    }
+}
+
+/// The guard's limits and log.
+#[derive(Debug, Clone)]
+pub struct GuardConfig {
+    /// Most groups the guard keeps (64).
+    pub max_groups: usize,
+    /// Most pools in one group (16).
+    pub max_pools: usize,
+    /// Most bytes of one group, journal and pools together (1 TiB).
+    pub max_group_bytes: u64,
+    /// Most connections not granted yet (16); more are accepted and closed.
+    pub max_pending: usize,
+    /// How long a connection may take to send its claim (5 s).
+    pub claim_timeout: Duration,
+    /// Dead incarnations remembered per group, the latest (64).
+    pub dead_kept: usize,
+    /// Where log lines go.
+    pub log: GuardLog,
+}
+
+impl Default for GuardConfig {
+    fn default() -> Self {
+        Self {
+            max_groups: 64,
+            max_pools: 16,
+            max_group_bytes: 1 << 40,
+            max_pending: 16,
+            claim_timeout: Duration::from_secs(5),
+            dead_kept: 64,
+            log: GuardLog::Stderr,
+        }
+    }
+}
+
+/// What a runner asks the guard for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuardClaim {
+    /// The group (one per rank).
+    pub group: u32,
+    /// The engine's compatibility digest; must equal the group's.
+    pub compat_digest: u64,
+    /// The pools and the journal; must equal the group's.
+    pub layout: Layout,
+    /// `ip:port` the guard binds the control listener at (port 0 on the
+    /// group's first claim asks the OS for one; a later claim may repeat
+    /// the first claim's string or name the bound address).
+    pub control: String,
+    /// This runner's incarnation (not 0).
+    pub incarnation: u128,
+}
+
+/// What the guard hands over.
+#[derive(Debug)]
+pub struct GuardGrant {
+    /// The journal's memfd (`layout.journal_bytes`, zeroed on a fresh grant).
+    pub journal: File,
+    /// Each pool's memfd and its name token, in layout order: a sealed,
+    /// fully allocated memfd named `kvcr-pool-<token>` of the pool's size.
+    pub pools: Vec<(File, [u8; 16])>,
+    /// The control listener, bound and listening, blocking. Its open file
+    /// description is shared with the guard's copy: setting it
+    /// non-blocking sets it for the guard too.
+    pub listener: TcpListener,
+    /// The address the listener is bound at.
+    pub control: SocketAddr,
+    /// False on the group's first grant (the memory is fresh), true when a
+    /// previous holder had it.
+    pub warm: bool,
+    /// The incarnation that held the group last (released or dead).
+    pub previous_incarnation: Option<u128>,
+    /// The group's incarnations that died holding it, oldest first
+    /// (bounded: the latest [`GuardConfig::dead_kept`]).
+    pub dead_incarnations: Vec<u128>,
+}
+
+/// A granted claim: the connection to the guard.
+///
+/// Dropping it closes the connection but does not end the lease; the
+/// process's exit does, or [`release`](Self::release).
+#[derive(Debug)]
+pub struct GuardLease {
+    stream: UnixStream,
+    group: u32,
+}
+
+impl GuardLease {
+    /// The group held.
+    pub fn group(&self) -> u32 {
+        self.group
+    }
+
+    /// Ends the lease (a clean shutdown): the guard keeps the memory for
+    /// the group's next claim. Nothing of this process may touch the
+    /// group's memory or listener afterwards: the next claimant gets them.
+    pub fn release(self) -> Result<(), GuardError> {
+        let frame = protocol::encode(&Request::Release { version: VERSION }).ok_or(
+            GuardError::InvalidClaim {
+                why: "release over the frame limit",
+            },
+        )?;
+        let mut io = FrameIo::new(&self.stream, RELEASE_TIMEOUT);
+        io.send(&frame)?;
+        let (reply, _fds) = io.receive()?;
+        match reply {
+            Reply::Released => Ok(()),
+            Reply::Refused { refusal } => Err(GuardError::Refused(refusal)),
+            Reply::Granted(_) => Err(GuardError::protocol("a grant answered a release")),
+        }
+    }
+}
+
+/// Claims `claim.group` from the guard at `socket`, waiting at most
+/// `timeout` in all for the grant.
+///
+/// The grant is checked against the claim before it is returned: its group
+/// and layout, one descriptor per pool plus the journal and the listener,
+/// each memfd a regular file of its size, each token 32 hex digits, the
+/// listener bound at the granted address (which has the claim's IP, and
+/// its port unless that was 0). A grant that fails a check is
+/// [`GuardError::BadGrant`], and every descriptor received is closed.
+pub fn claim(
+    socket: &Path,
+    claim: &GuardClaim,
+    timeout: Duration,
+) -> Result<(GuardLease, GuardGrant), GuardError> {
+    if claim.incarnation == 0 {
+        return Err(GuardError::InvalidClaim {
+            why: "incarnation 0",
+        });
+    }
+    let frame = protocol::encode(&Request::Claim(ClaimMsg {
+        version: VERSION,
+        group: claim.group,
+        compat_digest: claim.compat_digest,
+        layout: claim.layout.clone(),
+        control: claim.control.clone(),
+        incarnation: protocol::hex128(claim.incarnation),
+    }))
+    .ok_or(GuardError::InvalidClaim {
+        why: "claim over the frame limit",
+    })?;
+    let stream = UnixStream::connect(socket).map_err(GuardError::os("connect"))?;
+    let mut io = FrameIo::new(&stream, timeout);
+    io.send(&frame)?;
+    let (reply, fds) = io.receive()?;
+    let grant = match reply {
+        Reply::Granted(granted) => check_grant(claim, granted, fds)?,
+        Reply::Refused { refusal } => return Err(GuardError::Refused(refusal)),
+        Reply::Released => return Err(GuardError::protocol("a release answered a claim")),
+    };
+    Ok((
+        GuardLease {
+            stream,
+            group: claim.group,
+        },
+        grant,
+    ))
+}
+
+/// Blocking frame I/O under one deadline.
+struct FrameIo<'a> {
+    stream: &'a UnixStream,
+    timeout: Duration,
+    deadline: Instant,
+}
+
+impl<'a> FrameIo<'a> {
+    fn new(stream: &'a UnixStream, timeout: Duration) -> Self {
+        // The one clock read of the client: its deadline.
+        #[allow(clippy::disallowed_methods)]
+        let now = Instant::now();
+        Self {
+            stream,
+            timeout,
+            deadline: now + timeout,
+        }
+    }
+
+    /// Time left, or [`GuardError::Timeout`].
+    fn remaining(&self) -> Result<Duration, GuardError> {
+        #[allow(clippy::disallowed_methods)]
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(GuardError::Timeout {
+                timeout: self.timeout,
+            });
+        }
+        Ok(left)
+    }
+
+    fn io_error(&self, call: &'static str) -> impl Fn(io::Error) -> GuardError + '_ {
+        move |e| match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => GuardError::Timeout {
+                timeout: self.timeout,
+            },
+            _ => GuardError::os(call)(e),
+        }
+    }
+
+    fn send(&mut self, frame: &[u8]) -> Result<(), GuardError> {
+        let mut rest = frame;
+        while !rest.is_empty() {
+            self.stream
+                .set_write_timeout(Some(self.remaining()?))
+                .map_err(GuardError::os("setsockopt(SO_SNDTIMEO)"))?;
+            match fd_passing::send_with_fds(self.stream.as_fd(), rest, &[]) {
+                Ok(0) => return Err(GuardError::protocol("the guard closed the connection")),
+                Ok(n) => rest = rest.get(n..).unwrap_or_default(),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.io_error("sendmsg")(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Fills `buf`, collecting any descriptors that come along.
+    fn fill(&mut self, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> Result<(), GuardError> {
+        let mut done = 0;
+        while let Some(rest) = buf.get_mut(done..).filter(|r| !r.is_empty()) {
+            self.stream
+                .set_read_timeout(Some(self.remaining()?))
+                .map_err(GuardError::os("setsockopt(SO_RCVTIMEO)"))?;
+            match fd_passing::recv_with_fds(self.stream.as_fd(), rest) {
+                Ok(got) => {
+                    fds.extend(got.fds);
+                    if got.truncated {
+                        return Err(GuardError::protocol(
+                            "more descriptors than a grant carries (some were lost)",
+                        ));
+                    }
+                    if got.bytes == 0 {
+                        return Err(GuardError::protocol("the guard closed the connection"));
+                    }
+                    done += got.bytes;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.io_error("recvmsg")(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// One reply and the descriptors that came with it.
+    fn receive(&mut self) -> Result<(Reply, Vec<OwnedFd>), GuardError> {
+        let mut fds = Vec::new();
+        let mut header = [0u8; 4];
+        self.fill(&mut header, &mut fds)?;
+        let len = protocol::payload_len(header).ok_or_else(|| {
+            GuardError::protocol(format!(
+                "a frame of {} bytes (at most {})",
+                u32::from_le_bytes(header),
+                protocol::MAX_FRAME
+            ))
+        })?;
+        let mut payload = vec![0u8; len];
+        self.fill(&mut payload, &mut fds)?;
+        let reply = serde_json::from_slice(&payload)
+            .map_err(|e| GuardError::protocol(format!("not a reply: {e}")))?;
+        Ok((reply, fds))
+    }
+}
+
+/// Checks a grant against its claim and takes its descriptors.
+fn check_grant(
+    claim: &GuardClaim,
+    granted: GrantedMsg,
+    fds: Vec<OwnedFd>,
+) -> Result<GuardGrant, GuardError> {
+    let pools = claim.layout.pools.len();
+    if granted.version != VERSION {
+        return Err(GuardError::bad_grant(format!(
+            "version {}",
+            granted.version
+        )));
+    }
+    if granted.group != claim.group {
+        return Err(GuardError::bad_grant(format!(
+            "group {} for a claim of group {}",
+            granted.group, claim.group
+        )));
+    }
+    if granted.layout != claim.layout {
+        return Err(GuardError::bad_grant("another layout"));
+    }
+    if fds.len() != pools + 2 {
+        return Err(GuardError::bad_grant(format!(
+            "{} descriptors for {pools} pools (expected {})",
+            fds.len(),
+            pools + 2
+        )));
+    }
+    if granted.pool_tokens.len() != pools {
+        return Err(GuardError::bad_grant(format!(
+            "{} pool tokens for {pools} pools",
+            granted.pool_tokens.len()
+        )));
+    }
+    let tokens = granted
+        .pool_tokens
+        .iter()
+        .map(|t| protocol::parse_token(t))
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| GuardError::bad_grant("a pool token is not 32 hex digits"))?;
+    let control: SocketAddr = granted
+        .control
+        .parse()
+        .map_err(|_| GuardError::bad_grant("the control address is not ip:port"))?;
+    let asked: Option<SocketAddr> = claim.control.parse().ok();
+    if asked
+        .is_some_and(|a| a.ip() != control.ip() || (a.port() != 0 && a.port() != control.port()))
+    {
+        return Err(GuardError::bad_grant(format!(
+            "control {control} for a claim of {}",
+            claim.control
+        )));
+    }
+    let incarnation = |text: &String| {
+        protocol::parse_hex128(text)
+            .ok_or_else(|| GuardError::bad_grant("an incarnation is not 32 hex digits"))
+    };
+    let previous_incarnation = granted
+        .previous_incarnation
+        .as_ref()
+        .map(incarnation)
+        .transpose()?;
+    let dead_incarnations = granted
+        .dead_incarnations
+        .iter()
+        .map(incarnation)
+        .collect::<Result<Vec<_>, _>>()?;
+    if !granted.warm && previous_incarnation.is_some() {
+        return Err(GuardError::bad_grant(
+            "a fresh grant names a previous incarnation",
+        ));
+    }
+
+    let mut fds = fds.into_iter();
+    let mut next_file = |what: &str, len: u64| {
+        let file = File::from(
+            fds.next()
+                .ok_or_else(|| GuardError::bad_grant("descriptors ran out"))?,
+        );
+        let ok = file.metadata().is_ok_and(|m| m.is_file() && m.len() == len);
+        if ok {
+            Ok(file)
+        } else {
+            Err(GuardError::bad_grant(format!(
+                "the {what} is not a file of {len} bytes"
+            )))
+        }
+    };
+    let journal = next_file("journal", claim.layout.journal_bytes)?;
+    let mut files = Vec::with_capacity(pools);
+    for ((i, spec), token) in claim.layout.pools.iter().enumerate().zip(tokens) {
+        let len = spec
+            .bytes()
+            .ok_or_else(|| GuardError::bad_grant(format!("pool {i}'s size overflows")))?;
+        files.push((next_file(&format!("pool {i}"), len)?, token));
+    }
+    let listener = TcpListener::from(
+        fds.next()
+            .ok_or_else(|| GuardError::bad_grant("descriptors ran out"))?,
+    );
+    match listener.local_addr() {
+        Ok(bound) if bound == control => {}
+        Ok(bound) => {
+            return Err(GuardError::bad_grant(format!(
+                "the listener is bound at {bound}, not {control}"
+            )));
+        }
+        Err(_) => {
+            return Err(GuardError::bad_grant(
+                "the last descriptor is not a TCP socket",
+            ));
+        }
+    }
+    Ok(GuardGrant {
+        journal,
+        pools: files,
+        listener,
+        control,
+        warm: granted.warm,
+        previous_incarnation,
+        dead_incarnations,
+    })
+}

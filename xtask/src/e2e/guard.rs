@@ -1,0 +1,418 @@
+//! Engines under a `kvcr-guard`: a source node SIGKILLed mid-serve comes
+//! back on the same group and takes its pages back warm; a journal that
+//! overflowed or was corrupted disables warm recovery and nothing else.
+
+// `serde_json::Value` indexing returns `Null` for a missing key; it never panics.
+#![allow(clippy::indexing_slicing)]
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+
+use super::events::EventTap;
+use super::scenarios::{
+    ABANDON_MS, BIG_BLOCK, OP_TIMEOUT_MS, TCP, core_invariants, hashes, no_corruption, num,
+    offload, poll_stats, restore_cmd, status, warm_then_fault,
+};
+use super::{Ctx, Outcome};
+use crate::node::{Node, NodeSpec};
+
+/// A `kvcr-guard` process, killed on drop.
+struct GuardProcess {
+    child: Child,
+    socket: PathBuf,
+    log: PathBuf,
+}
+
+impl GuardProcess {
+    fn start(ctx: &Ctx, dir: &Path) -> Result<Self> {
+        let binary = crate::node::guard_path(&ctx.binary).context("the guard binary's path")?;
+        let socket = dir.join("guard.sock");
+        let log = dir.join("guard.log");
+        let child = Command::new(&binary)
+            .arg("--socket")
+            .arg(&socket)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(File::create(&log)?)
+            .spawn()
+            .with_context(|| format!("starting {}", binary.display()))?;
+        let guard = Self { child, socket, log };
+        let start = Instant::now();
+        while !guard.socket.exists() {
+            if start.elapsed() > Duration::from_secs(30) {
+                bail!("the guard never made its socket:\n{}", guard.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(guard)
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until the guard's log has a line containing `text`.
+    fn wait_for_log(&self, text: &str) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(30) {
+            if self.log_text().contains(text) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+}
+
+impl Drop for GuardProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn scratch(name: &str) -> Result<PathBuf> {
+    let dir = crate::workspace_root().join("target/e2e").join(name);
+    std::fs::create_dir_all(&dir)?;
+    let _ = std::fs::remove_file(dir.join("guard.sock"));
+    Ok(dir)
+}
+
+fn guarded(
+    ctx: &Ctx,
+    name: &str,
+    guard: &GuardProcess,
+    blocks: u64,
+    journal: Option<u64>,
+) -> NodeSpec {
+    NodeSpec {
+        tls: Some(TCP.into()),
+        publish: true,
+        replay: true,
+        guard: Some((guard.socket.clone(), journal)),
+        ..ctx.spec(name, blocks, BIG_BLOCK)
+    }
+}
+
+fn verify(node: &mut Node, hashes: &[u64], seed: u64) -> Result<Value> {
+    node.call(
+        &json!({"cmd": "verify", "hashes": hashes, "first_page": 0, "shards": [0], "seed": seed}),
+        "VERIFIED",
+    )
+}
+
+/// `engine-crash`: a source engine's pages live in its guard's memory; the
+/// source is SIGKILLed while it serves a destination, restarts on the same
+/// group and takes every page back warm.
+pub(super) fn engine_crash(ctx: &Ctx) -> Result<Outcome> {
+    let mut o = Outcome::default();
+    let dir = scratch("engine-crash")?;
+    let guard = GuardProcess::start(ctx, &dir)?;
+    let pages = ctx.size(12, 32);
+    let (seed, hash_seed) = (21, 2100);
+    let spec = guarded(ctx, "source", &guard, pages + 4, None);
+    let mut source = Node::spawn(&ctx.binary, "source", &spec)?;
+    o.equal(
+        "the first claim is fresh",
+        source.warm_start["warm"].as_bool(),
+        Some(false),
+    );
+    let all = hashes(&offload(&mut source, pages, 1, seed, hash_seed)?);
+    let dest_spec = NodeSpec {
+        tls: Some(TCP.into()),
+        timeout_ms: Some(OP_TIMEOUT_MS),
+        abandon_ms: Some(ABANDON_MS),
+        ..ctx.spec("dest", 2 * pages, BIG_BLOCK)
+    };
+    let mut dest = Node::spawn(&ctx.binary, "dest", &dest_spec)?;
+    let (hit, landed) =
+        warm_then_fault(&mut source, &mut dest, &all, seed, "hit", &mut |source| {
+            source.kill_and_reap().map(drop)
+        })?;
+    if !landed {
+        // Killed right after the answer instead: the premise of the
+        // scenario is a crash, the checks below hold either way.
+        source.kill_and_reap()?;
+    }
+    o.number("killed while writing", landed);
+    no_corruption(&mut o, "the request the crash hit", &hit);
+    let held = num(&dest.stats()?, "discarding");
+    o.check(
+        "the destination holds the slots of the write the crash hit",
+        !landed || held > 0,
+        format!("{held} slots awaiting proof"),
+    );
+    o.check(
+        "the guard saw the source die",
+        guard.wait_for_log("died"),
+        guard
+            .log_text()
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .to_owned(),
+    );
+
+    let mut restarted = Node::spawn(&ctx.binary, "source (restarted)", &{
+        let mut spec = guarded(ctx, "source-restarted", &guard, pages + 4, None);
+        spec.log = Some(dir.join("source-restarted.log"));
+        spec
+    })?;
+    let warm = restarted.warm_start.clone();
+    o.equal(
+        "the restart takes the group warm",
+        warm["warm"].as_bool(),
+        Some(true),
+    );
+    o.equal(
+        "every page recovered, none skipped",
+        (num(&warm, "seated"), num(&warm, "skipped")),
+        (pages, 0),
+    );
+    o.equal(
+        "the dead incarnation is named",
+        warm["previous_incarnation"].as_str(),
+        Some(source.incarnation.as_str()),
+    );
+    o.check(
+        "the guard reports it dead",
+        warm["dead_incarnations"].as_array().is_some_and(|d| {
+            d.iter()
+                .any(|i| i.as_str() == Some(source.incarnation.as_str()))
+        }),
+        &warm["dead_incarnations"],
+    );
+    o.equal(
+        "restarted at the same control address",
+        restarted.endpoint.clone(),
+        source.endpoint.clone(),
+    );
+    // The inventory: the barrier, then every recovered page.
+    let events = restarted.events.clone().context("the source publishes")?;
+    let tap = EventTap::connect(&events, restarted.replay.as_deref())?;
+    let stats = restarted.stats()?;
+    let tally = tap.settle(num(&stats["publisher"], "batches"))?;
+    // The publisher opens its stream with a barrier of its own; the
+    // recovery's barrier follows, then the pages.
+    o.check(
+        "the router sees Cleared, then the recovered pages",
+        tally.clears >= 1 && tally.stored == pages && tally.live == pages as i64,
+        format!(
+            "{} barriers, {} stored, {} live after the last barrier",
+            tally.clears, tally.stored, tally.live
+        ),
+    );
+    o.equal("0 bytes copied in again", num(&stats, "bytes_deposited"), 0);
+    let verified = verify(&mut restarted, &all, seed)?;
+    no_corruption(&mut o, "every recovered page, read locally", &verified);
+    o.equal(
+        "every recovered page byte-exact",
+        num(&verified, "ok"),
+        pages,
+    );
+    // The destination the crash hit holds the granted slots (nothing proved
+    // the dead process stopped); the restarted source's death report frees
+    // them, not a restart of the destination.
+    let again = dest.call(
+        &restore_cmd(&restarted.endpoint, "again", &all, 0, seed),
+        "RESTORED",
+    )?;
+    no_corruption(&mut o, "the hit destination asking again", &again);
+    let freed = poll_stats(&mut dest, |s| {
+        num(s, "discarding") == 0 && num(&s["peer"], "dead_freed") > 0
+    })?;
+    o.check(
+        "the death report frees them (no slot held, the destination not restarted)",
+        freed.is_some(),
+        freed.map_or_else(
+            || "still held".to_owned(),
+            |s| {
+                format!(
+                    "{} writes ended by a death report",
+                    num(&s["peer"], "dead_freed")
+                )
+            },
+        ),
+    );
+    let last = dest.call(
+        &restore_cmd(&restarted.endpoint, "last", &all, 0, seed),
+        "RESTORED",
+    )?;
+    no_corruption(&mut o, "the hit destination, its slots freed", &last);
+    o.equal(
+        "it then restores every page byte-exact",
+        num(&last, "ok"),
+        pages,
+    );
+    core_invariants(&mut o, &mut dest)?;
+    // A fresh destination restores everything from the restarted source.
+    let mut fresh = Node::spawn(&ctx.binary, "dest 2", &{
+        let mut spec = dest_spec.clone();
+        spec.log = Some(dir.join("dest-2.log"));
+        spec
+    })?;
+    let restored = fresh.call(
+        &restore_cmd(&restarted.endpoint, "after", &all, 0, seed),
+        "RESTORED",
+    )?;
+    no_corruption(
+        &mut o,
+        "a peer restoring from the restarted source",
+        &restored,
+    );
+    o.equal(
+        "a peer restores every page byte-exact",
+        num(&restored, "ok"),
+        pages,
+    );
+    core_invariants(&mut o, &mut restarted)?;
+    o.number("pages recovered", num(&warm, "seated"));
+    o.number("bytes recovered", num(&warm, "bytes"));
+    Ok(o)
+}
+
+/// `journal-overflow`: a journal too small for the pages stops (the node
+/// keeps serving); the next incarnation says recovery is disabled, seats
+/// nothing and serves fresh pages.
+pub(super) fn journal_overflow(ctx: &Ctx) -> Result<Outcome> {
+    let mut o = Outcome::default();
+    let dir = scratch("journal-overflow")?;
+    let guard = GuardProcess::start(ctx, &dir)?;
+    let pages = ctx.size(24, 48);
+    let seed = 31;
+    let spec = guarded(ctx, "source", &guard, pages, Some(4096));
+    let mut source = Node::spawn(&ctx.binary, "source", &spec)?;
+    let all = hashes(&offload(&mut source, pages, 1, seed, 3100)?);
+    let stats = source.stats()?;
+    o.check(
+        "the journal stopped when it overflowed",
+        stats["journal"].is_null(),
+        &stats["journal"],
+    );
+    let verified = verify(&mut source, &all, seed)?;
+    o.equal("the node kept serving", num(&verified, "ok"), pages);
+    source.kill_and_reap()?;
+    o.check(
+        "the guard saw it die",
+        guard.wait_for_log("died"),
+        guard.log_text(),
+    );
+    disabled_then_serving(
+        ctx,
+        &mut o,
+        &guard,
+        &dir,
+        &all,
+        pages,
+        Some(4096),
+        "overflow",
+    )?;
+    Ok(o)
+}
+
+/// `journal-corrupt`: the journal is corrupted in the guard's memory while
+/// its engine is dead; the next incarnation refuses it, seats nothing and
+/// serves fresh pages (no wrong byte is ever served).
+pub(super) fn journal_corrupt(ctx: &Ctx) -> Result<Outcome> {
+    let mut o = Outcome::default();
+    let dir = scratch("journal-corrupt")?;
+    let guard = GuardProcess::start(ctx, &dir)?;
+    let pages = ctx.size(8, 16);
+    let seed = 41;
+    let spec = guarded(ctx, "source", &guard, pages, None);
+    let mut source = Node::spawn(&ctx.binary, "source", &spec)?;
+    let all = hashes(&offload(&mut source, pages, 1, seed, 4100)?);
+    source.kill_and_reap()?;
+    o.check(
+        "the guard saw it die",
+        guard.wait_for_log("died"),
+        guard.log_text(),
+    );
+    let flipped = corrupt_journal(guard.pid())?;
+    o.number("journal byte flipped at", flipped);
+    disabled_then_serving(ctx, &mut o, &guard, &dir, &all, pages, None, "unreadable")?;
+    Ok(o)
+}
+
+/// The restart after a disabled or corrupt journal: recovery off (the
+/// reason names `why`), no old page resident, fresh pages byte-exact. The
+/// claim repeats the group's layout (`journal` bytes).
+#[allow(clippy::too_many_arguments)]
+fn disabled_then_serving(
+    ctx: &Ctx,
+    o: &mut Outcome,
+    guard: &GuardProcess,
+    dir: &Path,
+    old: &[u64],
+    pages: u64,
+    journal: Option<u64>,
+    why: &str,
+) -> Result<()> {
+    let mut spec = guarded(ctx, "restarted", guard, pages, journal);
+    spec.log = Some(dir.join("restarted.log"));
+    let mut restarted = Node::spawn(&ctx.binary, "source (restarted)", &spec)?;
+    let warm = restarted.warm_start.clone();
+    o.equal("the grant is warm", warm["warm"].as_bool(), Some(true));
+    let reason = warm["disabled"].as_str().unwrap_or_default().to_owned();
+    o.check(
+        &format!("warm recovery disabled, saying why ({why})"),
+        reason.contains(why),
+        &reason,
+    );
+    o.equal("nothing seated", num(&warm, "seated"), 0);
+    let queried = restarted.call(
+        &json!({"cmd": "query", "hashes": old, "shards": [0]}),
+        "QUERIED",
+    )?;
+    o.equal(
+        "no old page is resident",
+        status(&queried, "Miss"),
+        old.len() as u64,
+    );
+    let fresh = hashes(&offload(&mut restarted, pages, 1, 7, 9100)?);
+    let verified = verify(&mut restarted, &fresh, 7)?;
+    no_corruption(o, "fresh pages after the disabled recovery", &verified);
+    o.equal("the node serves fresh pages", num(&verified, "ok"), pages);
+    core_invariants(o, &mut restarted)?;
+    Ok(())
+}
+
+/// Flips one byte of the first record of the journal the guard holds (its
+/// memfd, reached through `/proc/<guard>/fd`); returns the offset.
+fn corrupt_journal(guard_pid: u32) -> Result<u64> {
+    let fds = std::fs::read_dir(format!("/proc/{guard_pid}/fd"))?;
+    for entry in fds {
+        let path = entry?.path();
+        let Ok(target) = std::fs::read_link(&path) else {
+            continue;
+        };
+        if !target.to_string_lossy().contains("kvcr-journal") {
+            continue;
+        }
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)?;
+        // The header (64 bytes), then the first frame's 16-byte header:
+        // byte 80 is the first record's payload, followed by more records.
+        let offset = 80u64;
+        let mut byte = [0u8; 1];
+        file.seek(SeekFrom::Start(offset))?;
+        file.read_exact(&mut byte)?;
+        byte[0] ^= 0x5a;
+        file.seek(SeekFrom::Start(offset))?;
+        file.write_all(&byte)?;
+        return Ok(offset);
+    }
+    bail!("the guard (pid {guard_pid}) holds no journal memfd")
+}
