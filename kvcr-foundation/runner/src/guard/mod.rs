@@ -235,9 +235,11 @@ pub struct GuardGrant {
     /// Each pool's memfd and its name token, in layout order: a sealed,
     /// fully allocated memfd named `kvcr-pool-<token>` of the pool's size.
     pub pools: Vec<(File, [u8; 16])>,
-    /// The control listener, bound and listening, blocking. Its open file
-    /// description is shared with the guard's copy: setting it
-    /// non-blocking sets it for the guard too.
+    /// The control listener, bound and listening. Its open file
+    /// description is shared with the guard's copy, so its `O_NONBLOCK`
+    /// flag is shared too: blocking on a group's first grant, then as the
+    /// last holder left it (set it as needed). Connections made while no
+    /// holder lived wait in its backlog.
     pub listener: TcpListener,
     /// The address the listener is bound at.
     pub control: SocketAddr,

@@ -13,7 +13,10 @@
 //!   connection: an EOF only stops the reading.
 //!
 //! Every decision is made under one mutex, in [`Registry`], without I/O
-//! but the making of a group's memory and listener; a claim that finds the
+//! but the making of a group's memory and listener (on a group's first
+//! claim: `fallocate` of its whole size, so the guard answers nothing else
+//! until that is done; a claimant that gave up meanwhile finds the group
+//! made when it comes back); a claim that finds the
 //! group leased checks the holder's pidfd itself, so a holder that has
 //! exited but whose exit the lease task has not seen yet does not block it.
 //!
