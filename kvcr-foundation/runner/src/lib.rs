@@ -754,6 +754,26 @@ impl Runner {
         policy: Option<Box<dyn CachePolicy>>,
         peer: &PeerOptions,
     ) -> Result<Self> {
+        Self::start_peers(config, policy, peer, None)
+    }
+
+    /// A guard's backup of an orphaned group: a runner over the group's
+    /// pools and listener serving the pages its journal recovered, on the
+    /// dead primary's control address, never writing the journal.
+    pub(crate) fn start_backup(
+        config: RunnerConfig,
+        peer: &PeerOptions,
+        backup: warm::Claimed,
+    ) -> Result<Self> {
+        Self::start_peers(config, None, peer, Some(backup))
+    }
+
+    fn start_peers(
+        config: RunnerConfig,
+        policy: Option<Box<dyn CachePolicy>>,
+        peer: &PeerOptions,
+        backup: Option<warm::Claimed>,
+    ) -> Result<Self> {
         let fail = |stage: &'static str, cause: Error| Error::Startup {
             stage,
             retained: false,
@@ -775,8 +795,9 @@ impl Runner {
             .collect();
         // Under a guard the pools, the journal and the control listener are
         // the guard's (claimed before anything else is made).
-        let claimed = match &peer.guard {
-            Some(options) => {
+        let claimed = match (&peer.guard, backup) {
+            (_, Some(backup)) => Some(backup),
+            (Some(options), None) => {
                 if config.pool_memory != PoolMemory::Default {
                     return Err(fail(
                         StartupStage::Validate.name(),
@@ -791,7 +812,7 @@ impl Runner {
                         .map_err(|e| fail("claim guard", e))?,
                 )
             }
-            None => None,
+            (None, None) => None,
         };
         let (claimed, adopted) = match claimed {
             Some(c) => {
@@ -879,10 +900,17 @@ impl Runner {
                         .filter_map(|raw| Incarnation::from_raw(*raw))
                         .collect(),
                 );
-                let journal = journal.map(|(map, recovered)| {
-                    warm::RunnerJournal::start(&mut core, map, recovered, &mut start)
-                });
-                (Some(lease), journal, Some(start))
+                let journal = match journal {
+                    warm::JournalPlan::Keep(map, recovered) => Some(warm::RunnerJournal::start(
+                        &mut core, map, recovered, &mut start,
+                    )),
+                    warm::JournalPlan::ReadOnly(recovered) => {
+                        start.recovery = Some(core.recover(0, &recovered).0);
+                        None
+                    }
+                    warm::JournalPlan::None => None,
+                };
+                (lease, journal, Some(start))
             }
             None => (None, None, None),
         };

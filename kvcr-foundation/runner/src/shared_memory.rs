@@ -223,7 +223,7 @@ fn create_sealed_file(prefix: &str, len: u64) -> Result<(File, [u8; 16])> {
 }
 
 /// The residency journal's file (a guard's memfd), mapped shared: the runner
-/// writes it through [`crate::journal`], the guard and a restarted runner
+/// writes it through `kvcr_runner_core::journal`, the guard and a restarted runner
 /// read it after this process is gone.
 #[derive(Debug)]
 pub(crate) struct JournalMap {

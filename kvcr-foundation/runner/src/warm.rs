@@ -49,13 +49,26 @@ pub struct WarmStart {
     pub disabled: Option<String>,
 }
 
-/// What [`claim`] hands to the runner's start.
+/// What [`claim`] (or a guard starting its backup) hands to the runner's
+/// start.
 pub(crate) struct Claimed {
-    pub(crate) lease: GuardLease,
+    /// The lease (a guard's own backup holds none).
+    pub(crate) lease: Option<GuardLease>,
     pub(crate) adopted: Adopted,
-    /// The journal and what it recovered (`None` with recovery disabled).
-    pub(crate) journal: Option<(JournalMap, Option<Recovered>)>,
+    pub(crate) journal: JournalPlan,
     pub(crate) start: WarmStart,
+}
+
+/// What the runner does with the group's journal.
+pub(crate) enum JournalPlan {
+    /// Recovery disabled: no journal.
+    None,
+    /// Seat what it recovered (on a warm grant) and keep it from then on.
+    Keep(JournalMap, Option<Recovered>),
+    /// Seat these pages and never write the journal: a guard's backup
+    /// serving a dead primary's pages changes no residency, and the next
+    /// primary recovers from the journal as the dead one left it.
+    ReadOnly(Recovered),
 }
 
 /// Claims the runner's group from its guard and reads what the journal
@@ -78,17 +91,30 @@ pub(crate) fn claim(
         journal_bytes: options.journal_bytes,
     };
     let control = crate::peer_driver::control_bind_address(peer)?.to_string();
-    let (lease, grant) = guard::claim(
-        &options.socket,
-        &GuardClaim {
-            group: options.group,
-            compat_digest: options.compat_digest,
-            layout,
-            control,
-            incarnation,
-        },
-        options.claim_timeout.max(Duration::from_millis(1)),
-    )?;
+    let claim = GuardClaim {
+        group: options.group,
+        compat_digest: options.compat_digest,
+        layout,
+        control,
+        incarnation,
+    };
+    // A predecessor still exiting holds the group until its pidfd says it
+    // is gone: retry that refusal (only that one) within the claim's time.
+    #[allow(clippy::disallowed_methods)] // a driver reads the clock
+    let deadline = std::time::Instant::now() + options.claim_timeout;
+    let (lease, grant) = loop {
+        #[allow(clippy::disallowed_methods)]
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match guard::claim(&options.socket, &claim, left.max(Duration::from_millis(1))) {
+            Err(guard::GuardError::Refused(guard::Refusal::Held { .. })) if !left.is_zero() => {
+                // Nothing here can wait on the predecessor's exit (the
+                // guard watches it): a short bounded backoff.
+                #[allow(clippy::disallowed_methods)]
+                std::thread::sleep(Duration::from_millis(20).min(left));
+            }
+            other => break other?,
+        }
+    };
     let map = JournalMap::new(&grant.journal, options.journal_bytes)?;
     // The runner keeps the mapping; the descriptor can go.
     drop(grant.journal);
@@ -106,7 +132,7 @@ pub(crate) fn claim(
         disabled: None,
     };
     let (pools, journal) = match recovered {
-        Ok(recovered) => (Some(grant.pools), Some((map, recovered))),
+        Ok(recovered) => (Some(grant.pools), JournalPlan::Keep(map, recovered)),
         Err(e) => {
             let why = disabled_why(&e);
             eprintln!(
@@ -114,17 +140,64 @@ pub(crate) fn claim(
                 options.group
             );
             start.disabled = Some(why);
-            (None, None)
+            (None, JournalPlan::None)
         }
     };
     Ok(Claimed {
-        lease,
+        lease: Some(lease),
         adopted: Adopted {
             pools,
             listener: grant.listener,
         },
         journal,
         start,
+    })
+}
+
+/// A guard's backup of the orphaned group `group`: its pool files and
+/// listener (duplicates of the guard's), the recovered journal, read only.
+/// `Err` says why the journal cannot be served from.
+pub(crate) fn backup(
+    group: u32,
+    pools: Vec<(std::fs::File, [u8; 16])>,
+    listener: std::net::TcpListener,
+    journal: &std::fs::File,
+    dead: &[u128],
+) -> Result<Claimed> {
+    let len = journal
+        .metadata()
+        .map_err(|_| {
+            crate::error::Error::runner(crate::error::RunnerReason::Config {
+                field: "guard journal",
+                why: "the journal file cannot be inspected",
+            })
+        })?
+        .len();
+    let map = JournalMap::new(journal, len)?;
+    let recovered = journal::recover(map.bytes()).map_err(|e| {
+        crate::error::Error::runner(crate::error::RunnerReason::Config {
+            field: "guard journal",
+            why: match e {
+                JournalError::Disabled(_) => "the journal is disabled (it overflowed)",
+                _ => "the journal is unreadable",
+            },
+        })
+    })?;
+    Ok(Claimed {
+        lease: None,
+        adopted: Adopted {
+            pools: Some(pools),
+            listener,
+        },
+        journal: JournalPlan::ReadOnly(recovered),
+        start: WarmStart {
+            group,
+            warm: true,
+            previous_incarnation: dead.last().copied(),
+            dead_incarnations: dead.to_vec(),
+            recovery: None,
+            disabled: None,
+        },
     })
 }
 

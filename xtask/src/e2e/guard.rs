@@ -34,9 +34,13 @@ impl GuardProcess {
         let binary = crate::node::guard_path(&ctx.binary).context("the guard binary's path")?;
         let socket = dir.join("guard.sock");
         let log = dir.join("guard.log");
+        // It serves an orphaned group's pages as the nodes do: same cluster
+        // secret, UCX over tcp.
         let child = Command::new(&binary)
+            .env("KVCR_CLUSTER_SECRET", crate::node::cluster_secret())
             .arg("--socket")
             .arg(&socket)
+            .args(["--ucx-tls", TCP])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(File::create(&log)?)
@@ -163,6 +167,70 @@ pub(super) fn engine_crash(ctx: &Ctx) -> Result<Outcome> {
             .to_owned(),
     );
 
+    // While the source is dead its guard serves the recovered pages on the
+    // same address, reporting the dead incarnation.
+    o.check(
+        "the guard serves the dead source's pages",
+        guard.wait_for_log(&format!("serves {pages} recovered pages")),
+        guard
+            .log_text()
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .to_owned(),
+    );
+    // The destination the crash hit holds the granted slots (nothing proved
+    // the dead process stopped); the guard's death report frees them, not a
+    // restart of the destination.
+    let again = dest.call(
+        &restore_cmd(&source.endpoint, "again", &all, 0, seed),
+        "RESTORED",
+    )?;
+    no_corruption(&mut o, "the hit destination asking again", &again);
+    let freed = poll_stats(&mut dest, |s| {
+        num(s, "discarding") == 0 && num(&s["peer"], "dead_freed") > 0
+    })?;
+    o.check(
+        "the guard's death report frees them (no slot held, the destination not restarted)",
+        freed.is_some(),
+        freed.map_or_else(
+            || "still held".to_owned(),
+            |s| {
+                format!(
+                    "{} writes ended by a death report",
+                    num(&s["peer"], "dead_freed")
+                )
+            },
+        ),
+    );
+    let last = dest.call(
+        &restore_cmd(&source.endpoint, "last", &all, 0, seed),
+        "RESTORED",
+    )?;
+    no_corruption(&mut o, "the hit destination, its slots freed", &last);
+    o.equal(
+        "it then restores every page byte-exact from the guard",
+        num(&last, "ok"),
+        pages,
+    );
+    core_invariants(&mut o, &mut dest)?;
+    let mut from_guard = Node::spawn(&ctx.binary, "dest 3", &{
+        let mut spec = dest_spec.clone();
+        spec.log = Some(dir.join("dest-3.log"));
+        spec
+    })?;
+    let served = from_guard.call(
+        &restore_cmd(&source.endpoint, "from-guard", &all, 0, seed),
+        "RESTORED",
+    )?;
+    no_corruption(&mut o, "a new request while the source is dead", &served);
+    o.equal(
+        "the guard serves a new request byte-exact",
+        num(&served, "ok"),
+        pages,
+    );
+    drop(from_guard);
+
     let mut restarted = Node::spawn(&ctx.binary, "source (restarted)", &{
         let mut spec = guarded(ctx, "source-restarted", &guard, pages + 4, None);
         spec.log = Some(dir.join("source-restarted.log"));
@@ -220,41 +288,6 @@ pub(super) fn engine_crash(ctx: &Ctx) -> Result<Outcome> {
         num(&verified, "ok"),
         pages,
     );
-    // The destination the crash hit holds the granted slots (nothing proved
-    // the dead process stopped); the restarted source's death report frees
-    // them, not a restart of the destination.
-    let again = dest.call(
-        &restore_cmd(&restarted.endpoint, "again", &all, 0, seed),
-        "RESTORED",
-    )?;
-    no_corruption(&mut o, "the hit destination asking again", &again);
-    let freed = poll_stats(&mut dest, |s| {
-        num(s, "discarding") == 0 && num(&s["peer"], "dead_freed") > 0
-    })?;
-    o.check(
-        "the death report frees them (no slot held, the destination not restarted)",
-        freed.is_some(),
-        freed.map_or_else(
-            || "still held".to_owned(),
-            |s| {
-                format!(
-                    "{} writes ended by a death report",
-                    num(&s["peer"], "dead_freed")
-                )
-            },
-        ),
-    );
-    let last = dest.call(
-        &restore_cmd(&restarted.endpoint, "last", &all, 0, seed),
-        "RESTORED",
-    )?;
-    no_corruption(&mut o, "the hit destination, its slots freed", &last);
-    o.equal(
-        "it then restores every page byte-exact",
-        num(&last, "ok"),
-        pages,
-    );
-    core_invariants(&mut o, &mut dest)?;
     // A fresh destination restores everything from the restarted source.
     let mut fresh = Node::spawn(&ctx.binary, "dest 2", &{
         let mut spec = dest_spec.clone();
@@ -306,6 +339,16 @@ pub(super) fn journal_overflow(ctx: &Ctx) -> Result<Outcome> {
         "the guard saw it die",
         guard.wait_for_log("died"),
         guard.log_text(),
+    );
+    o.check(
+        "the guard does not serve pages its journal cannot vouch for",
+        guard.wait_for_log("not serving the dead primary's pages"),
+        guard
+            .log_text()
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .to_owned(),
     );
     disabled_then_serving(
         ctx,

@@ -196,7 +196,7 @@ pub(crate) fn registry() -> Vec<Scenario> {
         ),
         Scenario::builtin(
             "engine-crash",
-            "a source engine under a kvcr-guard is SIGKILLed while it serves: the destination's request ends with no corrupted byte; the restarted source claims its group warm at the same address, every page recovered with 0 bytes copied in again and byte-exact locally and for a fresh peer; the router sees Cleared, then the recovered pages",
+            "a source engine under a kvcr-guard is SIGKILLed while it serves: the destination's request ends with no corrupted byte; the guard serves the recovered pages on the same address and its death report frees the destination's held slots; a new request is served byte-exact; the restarted source claims its group warm, every page recovered with 0 bytes copied in again, byte-exact locally and for a fresh peer; the router sees Cleared, then the recovered pages",
             true,
             guard::engine_crash,
         ),

@@ -194,6 +194,26 @@ pub struct GuardConfig {
     pub dead_kept: usize,
     /// Where log lines go.
     pub log: GuardLog,
+    /// Serve an orphaned group's pages to peers on its control address until
+    /// a new primary claims it (`None`, the default: hold the memory only).
+    pub serve: Option<BackupServing>,
+}
+
+/// How a guard serves the pages of a group whose primary died: a backup
+/// runner over the group's pools and listener, seated from the journal
+/// (read only), answering peers as the primary did (authenticated with the
+/// same cluster secret) and reporting the dead incarnations in its probe
+/// replies, so destinations free the slots they held for it. It stops when
+/// a new primary claims the group.
+#[derive(Debug, Clone)]
+pub struct BackupServing {
+    /// The backup runners' peer options: the cluster secret, UCX transports,
+    /// control limits. `bind` and `guard` are not used (a backup accepts on
+    /// its group's listener); `advertise_host` is, when the group's control
+    /// address is a wildcard (otherwise that address is advertised).
+    pub peer: crate::PeerOptions,
+    /// A backup's operation timeout.
+    pub operation_timeout: Duration,
 }
 
 impl Default for GuardConfig {
@@ -206,6 +226,7 @@ impl Default for GuardConfig {
             claim_timeout: Duration::from_secs(5),
             dead_kept: 64,
             log: GuardLog::Stderr,
+            serve: None,
         }
     }
 }

@@ -22,8 +22,10 @@
 //!
 //! A group goes `Fresh` (made, never handed out) → `Leased` →
 //! `Released` (clean) or `Orphaned` (its holder died) → `Leased` → ...
-//! An `Orphaned` group is where a guard serving pages while the primary is
-//! away would do its work.
+//! An `Orphaned` group is served by a backup runner when the guard is
+//! configured to ([`GuardConfig::serve`]): started when the lease task sees
+//! the holder's exit, stopped (dropped, on the service thread) before the
+//! next claim of the group is granted.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
@@ -43,7 +45,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 
 use super::fd_passing::{self, PeerProcess};
 use super::protocol::{self, ClaimMsg, GrantedMsg, Layout, Refusal, Reply, Request, VERSION};
-use super::{GuardConfig, GuardError, GuardLog};
+use super::{BackupServing, GuardConfig, GuardError, GuardLog};
 
 /// Starts guards.
 #[derive(Debug)]
@@ -504,6 +506,8 @@ struct Group {
     state: GroupState,
     /// Incarnations that died holding it, oldest first.
     dead: VecDeque<u128>,
+    /// While orphaned: the runner serving its recovered pages to peers.
+    backup: Option<crate::Runner>,
 }
 
 impl Group {
@@ -536,6 +540,7 @@ impl Group {
             listener,
             state: GroupState::Fresh,
             dead: VecDeque::new(),
+            backup: None,
         })
     }
 
@@ -565,6 +570,98 @@ impl Group {
     }
 }
 
+/// Starts the backup runner of orphaned `group` (see [`BackupServing`]);
+/// `None`, logged, when its journal cannot be served from or it fails to
+/// start (the memory stays held either way).
+fn start_backup(
+    id: u32,
+    group: &Group,
+    serving: &BackupServing,
+    log: &GuardLog,
+) -> Option<crate::Runner> {
+    use kvcr_contracts::endpoint::{AdvertisePolicy, BindAddress, Host};
+    let failed = |why: String| {
+        log.line(format!(
+            "group {id}: not serving the dead primary's pages: {why}"
+        ));
+    };
+    type PoolFiles = Vec<(File, [u8; 16])>;
+    let dups = || -> io::Result<(PoolFiles, TcpListener)> {
+        let pools = group
+            .pools
+            .iter()
+            .map(|(file, token)| Ok((file.try_clone()?, *token)))
+            .collect::<io::Result<Vec<_>>>()?;
+        Ok((pools, group.listener.try_clone()?))
+    };
+    let (pools, listener) = match dups() {
+        Ok(d) => d,
+        Err(e) => {
+            failed(format!("dup: {e}"));
+            return None;
+        }
+    };
+    let dead: Vec<u128> = group.dead.iter().copied().collect();
+    let claimed = match crate::warm::backup(id, pools, listener, &group.journal, &dead) {
+        Ok(c) => c,
+        Err(e) => {
+            failed(e.to_string());
+            return None;
+        }
+    };
+    let config = crate::RunnerConfig {
+        pools: group
+            .layout
+            .pools
+            .iter()
+            .map(|p| crate::PoolConfig {
+                name: p.name.clone(),
+                block_size: p.block_bytes,
+                blocks: p.blocks,
+            })
+            .collect(),
+        operation_timeout: serving.operation_timeout,
+        // The pages are in the guard's memory already; nothing is written.
+        prefault: false,
+        ..crate::RunnerConfig::default()
+    };
+    let mut peer = serving.peer.clone();
+    peer.guard = None;
+    let ip = group.control.ip();
+    peer.bind = BindAddress {
+        host: Some(ip),
+        port: group.control.port(),
+    };
+    if !ip.is_unspecified() {
+        peer.advertise_host = Host::Ip(ip);
+        peer.advertise_policy = if ip.is_loopback() {
+            AdvertisePolicy::SingleHost
+        } else {
+            AdvertisePolicy::CrossHost
+        };
+    }
+    match crate::Runner::start_backup(config, &peer, claimed) {
+        Ok(runner) => {
+            let seated = runner
+                .warm_start()
+                .and_then(|w| w.recovery.as_ref())
+                .map_or(0, |r| r.seated);
+            log.line(format!(
+                "group {id}: backup {} serves {seated} recovered pages at {}",
+                runner.incarnation(),
+                runner
+                    .endpoint()
+                    .map_or_else(String::new, ToString::to_string)
+            ));
+            Some(runner)
+        }
+        Err(e) => {
+            failed(e.to_string());
+            None
+        }
+    }
+}
+
 /// A claim granted but not yet delivered.
 struct Grant {
     reply: GrantedMsg,
@@ -583,6 +680,7 @@ struct Registry {
     max_pools: usize,
     max_group_bytes: u64,
     dead_kept: usize,
+    serve: Option<BackupServing>,
 }
 
 impl Registry {
@@ -594,6 +692,7 @@ impl Registry {
             max_pools: config.max_pools,
             max_group_bytes: config.max_group_bytes,
             dead_kept: config.dead_kept,
+            serve: config.serve.clone(),
         }
     }
 
@@ -661,6 +760,16 @@ impl Registry {
                 group: claim.group,
                 pid: lease.pid,
             });
+        }
+        // The new primary takes over from the backup: it stops first (its
+        // sessions close; destinations redial the same address).
+        if let Some(backup) = group.backup.take() {
+            let incarnation = backup.incarnation();
+            drop(backup);
+            log.line(format!(
+                "group {}: backup {incarnation} stopped for the claim",
+                claim.group
+            ));
         }
         let fds = group.descriptors().map_err(|e| Refusal::Failed {
             why: format!("dup: {e}"),
@@ -733,11 +842,18 @@ impl Registry {
         ));
     }
 
-    /// The holder of lease `lease` on `group` exited.
+    /// The holder of lease `lease` on `group` exited: with serving
+    /// configured, a backup serves the group's pages until the next claim.
     fn died(&mut self, group: u32, lease: u64, log: &GuardLog) {
         let dead_kept = self.dead_kept;
-        if let Some(entry) = self.groups.get_mut(&group) {
-            Self::end_by_death(group, entry, lease, dead_kept, log);
+        let Some(entry) = self.groups.get_mut(&group) else {
+            return;
+        };
+        Self::end_by_death(group, entry, lease, dead_kept, log);
+        if let (Some(serving), GroupState::Orphaned { .. }, None) =
+            (&self.serve, &entry.state, &entry.backup)
+        {
+            entry.backup = start_backup(group, entry, serving, log);
         }
     }
 
