@@ -65,6 +65,15 @@ impl GuardProcess {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// The log's last line (what a failed check shows).
+    fn last_log_line(&self) -> String {
+        self.log_text()
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .to_owned()
+    }
+
     /// Waits until the guard's log has a line containing `text`.
     fn wait_for_log(&self, text: &str) -> bool {
         let start = Instant::now();
@@ -159,12 +168,7 @@ pub(super) fn engine_crash(ctx: &Ctx) -> Result<Outcome> {
     o.check(
         "the guard saw the source die",
         guard.wait_for_log("died"),
-        guard
-            .log_text()
-            .lines()
-            .last()
-            .unwrap_or_default()
-            .to_owned(),
+        guard.last_log_line(),
     );
 
     // While the source is dead its guard serves the recovered pages on the
@@ -172,12 +176,7 @@ pub(super) fn engine_crash(ctx: &Ctx) -> Result<Outcome> {
     o.check(
         "the guard serves the dead source's pages",
         guard.wait_for_log(&format!("serves {pages} recovered pages")),
-        guard
-            .log_text()
-            .lines()
-            .last()
-            .unwrap_or_default()
-            .to_owned(),
+        guard.last_log_line(),
     );
     // The destination the crash hit holds the granted slots (nothing proved
     // the dead process stopped); the guard's death report frees them, not a
@@ -314,52 +313,104 @@ pub(super) fn engine_crash(ctx: &Ctx) -> Result<Outcome> {
     Ok(o)
 }
 
+/// A guard and a source node under it, holding `pages` pages: what the
+/// journal scenarios share.
+struct Guarded {
+    guard: GuardProcess,
+    dir: PathBuf,
+    source: Node,
+    hashes: Vec<u64>,
+    pages: u64,
+    /// The group's journal bytes (`None`: the node's default).
+    journal: Option<u64>,
+}
+
+impl Guarded {
+    fn start(ctx: &Ctx, name: &str, pages: u64, journal: Option<u64>, seed: u64) -> Result<Self> {
+        let dir = scratch(name)?;
+        let guard = GuardProcess::start(ctx, &dir)?;
+        let spec = guarded(ctx, "source", &guard, pages, journal);
+        let mut source = Node::spawn(&ctx.binary, "source", &spec)?;
+        let hashes = hashes(&offload(&mut source, pages, 1, seed, seed * 100)?);
+        Ok(Self {
+            guard,
+            dir,
+            source,
+            hashes,
+            pages,
+            journal,
+        })
+    }
+
+    /// SIGKILLs the source; the guard must see it die.
+    fn kill(&mut self, o: &mut Outcome) -> Result<()> {
+        self.source.kill_and_reap()?;
+        o.check(
+            "the guard saw it die",
+            self.guard.wait_for_log("died"),
+            self.guard.last_log_line(),
+        );
+        Ok(())
+    }
+
+    /// The restart after a disabled or corrupt journal: recovery off (the
+    /// reason names `why`), no old page resident, fresh pages byte-exact.
+    fn restart_disabled(&self, ctx: &Ctx, o: &mut Outcome, why: &str) -> Result<()> {
+        let mut spec = guarded(ctx, "restarted", &self.guard, self.pages, self.journal);
+        spec.log = Some(self.dir.join("restarted.log"));
+        let mut restarted = Node::spawn(&ctx.binary, "source (restarted)", &spec)?;
+        let warm = restarted.warm_start.clone();
+        o.equal("the grant is warm", warm["warm"].as_bool(), Some(true));
+        let reason = warm["disabled"].as_str().unwrap_or_default().to_owned();
+        o.check(
+            &format!("warm recovery disabled, saying why ({why})"),
+            reason.contains(why),
+            &reason,
+        );
+        o.equal("nothing seated", num(&warm, "seated"), 0);
+        let queried = restarted.call(
+            &json!({"cmd": "query", "hashes": self.hashes, "shards": [0]}),
+            "QUERIED",
+        )?;
+        o.equal(
+            "no old page is resident",
+            status(&queried, "Miss"),
+            self.hashes.len() as u64,
+        );
+        let fresh = hashes(&offload(&mut restarted, self.pages, 1, 7, 9100)?);
+        let verified = verify(&mut restarted, &fresh, 7)?;
+        no_corruption(o, "fresh pages after the disabled recovery", &verified);
+        o.equal(
+            "the node serves fresh pages",
+            num(&verified, "ok"),
+            self.pages,
+        );
+        core_invariants(o, &mut restarted)
+    }
+}
+
 /// `journal-overflow`: a journal too small for the pages stops (the node
 /// keeps serving); the next incarnation says recovery is disabled, seats
 /// nothing and serves fresh pages.
 pub(super) fn journal_overflow(ctx: &Ctx) -> Result<Outcome> {
     let mut o = Outcome::default();
-    let dir = scratch("journal-overflow")?;
-    let guard = GuardProcess::start(ctx, &dir)?;
-    let pages = ctx.size(24, 48);
     let seed = 31;
-    let spec = guarded(ctx, "source", &guard, pages, Some(4096));
-    let mut source = Node::spawn(&ctx.binary, "source", &spec)?;
-    let all = hashes(&offload(&mut source, pages, 1, seed, 3100)?);
-    let stats = source.stats()?;
+    let mut g = Guarded::start(ctx, "journal-overflow", ctx.size(24, 48), Some(4096), seed)?;
+    let stats = g.source.stats()?;
     o.check(
         "the journal stopped when it overflowed",
         stats["journal"].is_null(),
         &stats["journal"],
     );
-    let verified = verify(&mut source, &all, seed)?;
-    o.equal("the node kept serving", num(&verified, "ok"), pages);
-    source.kill_and_reap()?;
-    o.check(
-        "the guard saw it die",
-        guard.wait_for_log("died"),
-        guard.log_text(),
-    );
+    let verified = verify(&mut g.source, &g.hashes, seed)?;
+    o.equal("the node kept serving", num(&verified, "ok"), g.pages);
+    g.kill(&mut o)?;
     o.check(
         "the guard does not serve pages its journal cannot vouch for",
-        guard.wait_for_log("not serving the dead primary's pages"),
-        guard
-            .log_text()
-            .lines()
-            .last()
-            .unwrap_or_default()
-            .to_owned(),
+        g.guard.wait_for_log("not serving the dead primary's pages"),
+        g.guard.last_log_line(),
     );
-    disabled_then_serving(
-        ctx,
-        &mut o,
-        &guard,
-        &dir,
-        &all,
-        pages,
-        Some(4096),
-        "overflow",
-    )?;
+    g.restart_disabled(ctx, &mut o, "overflow")?;
     Ok(o)
 }
 
@@ -368,66 +419,12 @@ pub(super) fn journal_overflow(ctx: &Ctx) -> Result<Outcome> {
 /// serves fresh pages (no wrong byte is ever served).
 pub(super) fn journal_corrupt(ctx: &Ctx) -> Result<Outcome> {
     let mut o = Outcome::default();
-    let dir = scratch("journal-corrupt")?;
-    let guard = GuardProcess::start(ctx, &dir)?;
-    let pages = ctx.size(8, 16);
-    let seed = 41;
-    let spec = guarded(ctx, "source", &guard, pages, None);
-    let mut source = Node::spawn(&ctx.binary, "source", &spec)?;
-    let all = hashes(&offload(&mut source, pages, 1, seed, 4100)?);
-    source.kill_and_reap()?;
-    o.check(
-        "the guard saw it die",
-        guard.wait_for_log("died"),
-        guard.log_text(),
-    );
-    let flipped = corrupt_journal(guard.pid())?;
+    let mut g = Guarded::start(ctx, "journal-corrupt", ctx.size(8, 16), None, 41)?;
+    g.kill(&mut o)?;
+    let flipped = corrupt_journal(g.guard.pid())?;
     o.number("journal byte flipped at", flipped);
-    disabled_then_serving(ctx, &mut o, &guard, &dir, &all, pages, None, "unreadable")?;
+    g.restart_disabled(ctx, &mut o, "unreadable")?;
     Ok(o)
-}
-
-/// The restart after a disabled or corrupt journal: recovery off (the
-/// reason names `why`), no old page resident, fresh pages byte-exact. The
-/// claim repeats the group's layout (`journal` bytes).
-#[allow(clippy::too_many_arguments)]
-fn disabled_then_serving(
-    ctx: &Ctx,
-    o: &mut Outcome,
-    guard: &GuardProcess,
-    dir: &Path,
-    old: &[u64],
-    pages: u64,
-    journal: Option<u64>,
-    why: &str,
-) -> Result<()> {
-    let mut spec = guarded(ctx, "restarted", guard, pages, journal);
-    spec.log = Some(dir.join("restarted.log"));
-    let mut restarted = Node::spawn(&ctx.binary, "source (restarted)", &spec)?;
-    let warm = restarted.warm_start.clone();
-    o.equal("the grant is warm", warm["warm"].as_bool(), Some(true));
-    let reason = warm["disabled"].as_str().unwrap_or_default().to_owned();
-    o.check(
-        &format!("warm recovery disabled, saying why ({why})"),
-        reason.contains(why),
-        &reason,
-    );
-    o.equal("nothing seated", num(&warm, "seated"), 0);
-    let queried = restarted.call(
-        &json!({"cmd": "query", "hashes": old, "shards": [0]}),
-        "QUERIED",
-    )?;
-    o.equal(
-        "no old page is resident",
-        status(&queried, "Miss"),
-        old.len() as u64,
-    );
-    let fresh = hashes(&offload(&mut restarted, pages, 1, 7, 9100)?);
-    let verified = verify(&mut restarted, &fresh, 7)?;
-    no_corruption(o, "fresh pages after the disabled recovery", &verified);
-    o.equal("the node serves fresh pages", num(&verified, "ok"), pages);
-    core_invariants(o, &mut restarted)?;
-    Ok(())
 }
 
 /// Flips one byte of the first record of the journal the guard holds (its
