@@ -814,7 +814,7 @@ impl Runner {
             }
             (None, None) => None,
         };
-        let (claimed, adopted) = match claimed {
+        let (claimed, adopted, lease) = match claimed {
             Some(c) => {
                 let warm::Claimed {
                     lease,
@@ -822,10 +822,14 @@ impl Runner {
                     journal,
                     start,
                 } = c;
-                (Some((lease, journal, start)), Some(adopted))
+                (Some((journal, start)), Some(adopted), lease)
             }
-            None => (None, None),
+            None => (None, None, None),
         };
+        // Released if the start fails from here on, so the group can be
+        // claimed again (by a retry in this process, say), unless a stage
+        // retained resources that may still touch its memory.
+        let mut lease = warm::StartingLease::new(lease);
         let (mut driver, setup) = peer_driver::PeerDriver::start(
             peer,
             incarnation,
@@ -835,8 +839,14 @@ impl Runner {
             adopted,
         )
         .map_err(|e| match e {
-            // Already a startup error (resources retained): keep it.
-            Error::Startup { .. } => e,
+            // Already a startup error (resources retained): keep it, and
+            // the lease with it.
+            Error::Startup { retained, .. } => {
+                if retained {
+                    lease.keep();
+                }
+                e
+            }
             _ => fail("start peer", e),
         })?;
         let g3 = open_g3(&config).map_err(|e| fail(StartupStage::OpenG3.name(), e))?;
@@ -888,8 +898,8 @@ impl Runner {
             shared_memory: setup.shared_memory.clone(),
             write_batch_bytes: peer.write_batch_bytes,
         });
-        let (guard, journal, warm_start) = match claimed {
-            Some((lease, journal, mut start)) => {
+        let (journal, warm_start) = match claimed {
+            Some((journal, mut start)) => {
                 // The guard saw these incarnations of this endpoint die: a
                 // destination probing a write it sent to one of them is told
                 // so, and frees the slots it held for that write.
@@ -910,9 +920,9 @@ impl Runner {
                     }
                     warm::JournalPlan::None => None,
                 };
-                (lease, journal, Some(start))
+                (journal, Some(start))
             }
-            None => (None, None, None),
+            None => (None, None),
         };
         let (jobs_tx, jobs_rx) = mpsc::channel::<copy::Msg>();
         let shared = Shared::new(
@@ -939,7 +949,7 @@ impl Runner {
             endpoint: Some(setup.endpoint),
             pool_bytes: pool_bytes.iter().sum(),
             device: std::sync::OnceLock::new(),
-            guard,
+            guard: lease.started(),
             warm_start,
         })
     }

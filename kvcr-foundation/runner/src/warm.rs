@@ -115,6 +115,8 @@ pub(crate) fn claim(
             other => break other?,
         }
     };
+    // Released if anything below fails.
+    let lease = StartingLease::new(Some(lease));
     let map = JournalMap::new(&grant.journal, options.journal_bytes)?;
     // The runner keeps the mapping; the descriptor can go.
     drop(grant.journal);
@@ -144,7 +146,7 @@ pub(crate) fn claim(
         }
     };
     Ok(Claimed {
-        lease: Some(lease),
+        lease: lease.started(),
         adopted: Adopted {
             pools,
             listener: grant.listener,
@@ -199,6 +201,49 @@ pub(crate) fn backup(
             disabled: None,
         },
     })
+}
+
+/// A lease held while its runner starts: released if the start fails (the
+/// group can then be claimed again, by a retry in this process too), kept
+/// when a stage retained resources that may still touch the group's memory
+/// ([`StartingLease::keep`]: the lease then ends with the process).
+pub(crate) struct StartingLease {
+    lease: Option<GuardLease>,
+    release_on_drop: bool,
+}
+
+impl StartingLease {
+    pub(crate) fn new(lease: Option<GuardLease>) -> Self {
+        Self {
+            lease,
+            release_on_drop: true,
+        }
+    }
+
+    /// The start failed with resources retained: never hand the memory on.
+    pub(crate) fn keep(&mut self) {
+        self.release_on_drop = false;
+    }
+
+    /// The runner started: it holds the lease now.
+    pub(crate) fn started(mut self) -> Option<GuardLease> {
+        self.lease.take()
+    }
+}
+
+impl Drop for StartingLease {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            if self.release_on_drop {
+                if let Err(e) = lease.release() {
+                    eprintln!("kvcr: releasing the guard's group after a failed start: {e}");
+                }
+            } else {
+                // Not released: the process's exit ends it.
+                drop(lease);
+            }
+        }
+    }
 }
 
 fn disabled_why(e: &JournalError) -> String {

@@ -184,3 +184,29 @@ fn an_overflowed_journal_disables_recovery_and_nothing_else() {
     drop(second);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A start that fails after its claim (here: a G3 path that is a folder)
+/// gives the group back, so the same process can claim it again.
+#[test]
+fn a_failed_start_gives_the_group_back() {
+    use kvcr_foundation::runner::{G3Options, Runner, RunnerConfig};
+    let _serial = crate::serial();
+    let dir = scratch("failed-start");
+    let socket = dir.join("guard.sock");
+    let _guard = GuardService::start(&socket).unwrap();
+    let options = guarded(&socket, 1 << 20);
+    let config = RunnerConfig {
+        g3: Some(G3Options {
+            paths: vec![dir.clone()],
+            capacity_bytes_per_file: 4 * BLOCK as u64,
+        }),
+        ..RunnerConfig::single_pool("kv", BLOCK as u64, 16)
+    };
+    let e = Runner::start_with_peers(config, None, &options).unwrap_err();
+    assert!(e.to_string().contains("open G3"), "{e}");
+    // Claimed again at once: no "held by pid" refusal, nothing retained.
+    let node = node_with(&options, 16, Duration::from_secs(10));
+    assert!(node.runner.warm_start().is_some_and(|w| w.warm));
+    drop(node);
+    let _ = std::fs::remove_dir_all(&dir);
+}
