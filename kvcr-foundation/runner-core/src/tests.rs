@@ -872,3 +872,43 @@ fn failed_g3_transfers_lose_nothing_and_serve_nothing_wrong() {
     assert!(events(&mut core).contains(&(Medium::Disk, "removed", 2)));
     core.check_invariants().unwrap();
 }
+
+/// Two readers of one G3 page while DRAM room is still being made: the
+/// second queues behind the first's fill and shares it, instead of asking
+/// for room that is all spoken for (it failed `CapacityExhausted` before).
+#[test]
+fn a_second_reader_of_a_waiting_g3_fill_shares_it() {
+    use crate::machine::G3Direction::{Load, Store};
+    let (mut core, ns, region) = core_with_g3(1, true, 1_000_000, Some(2));
+    let (k1, k2) = (key(ns, 1), key(ns, 2));
+    deposit_one(&mut core, 0, k1, region, 1);
+    let (job, n) = next_copy(&mut core);
+    core.handle_copy_done(1, job, &vec![CopyOutcome::Copied; n]);
+    // k2 needs the one slot: k1 moves to G3.
+    deposit_one(&mut core, 2, k2, region, 2);
+    let (spill, _, direction) = next_g3(&mut core);
+    assert_eq!(direction, Store);
+    core.handle_copy_done(3, spill, &[CopyOutcome::Copied]);
+    let (job, n) = next_copy(&mut core);
+    core.handle_copy_done(4, job, &vec![CopyOutcome::Copied; n]);
+    assert_eq!(completed(&mut core).len(), 2);
+    assert_eq!(core.query(&k1), QueryStatus::Fetchable(Tier::Disk));
+
+    // Two fetches of k1: the room is k2's slot, which a spill makes.
+    let first = core.fetch(5, &[k1], &[PoolId(0)], None).unwrap();
+    let second = core.fetch(5, &[k1], &[PoolId(0)], None).unwrap();
+    assert!(completed(&mut core).is_empty(), "both wait for room");
+    let (spill, _, direction) = next_g3(&mut core);
+    assert_eq!(direction, Store, "k2 is spilled for the room");
+    core.handle_copy_done(6, spill, &[CopyOutcome::Copied]);
+    let (fill, _, direction) = next_g3(&mut core);
+    assert_eq!(direction, Load, "one fill of k1");
+    assert!(core.poll_action().is_none(), "not two");
+    core.handle_copy_done(7, fill, &[CopyOutcome::Copied]);
+    let done = completed(&mut core);
+    for op in [first, second] {
+        let result = done.iter().find(|r| r.op == op).unwrap();
+        assert!(result.entries[0].1.is_success(), "{result:?}");
+    }
+    core.check_invariants().unwrap();
+}

@@ -227,27 +227,37 @@ fn balanced(o: &mut Outcome, tap: &EventTap, node: &mut Node, shown: Advertised)
 /// The demo workload (the same code as `cargo xtask demo`) on the default
 /// transports (shared memory).
 pub(super) fn demo(ctx: &Ctx) -> Result<Outcome> {
-    demo_over(ctx, None, None)
+    demo_over(ctx, None, None, ctx.size(2, 4))
 }
 
 /// The demo workload with UCX over TCP.
 pub(super) fn demo_tcp(ctx: &Ctx) -> Result<Outcome> {
-    demo_over(ctx, Some(TCP), None)
+    demo_over(ctx, Some(TCP), None, ctx.size(2, 4))
 }
 
 /// The demo workload with half the source's pages in a G3 file tier.
 pub(super) fn demo_g3(ctx: &Ctx) -> Result<Outcome> {
     let dir = crate::workspace_root().join("target/e2e/demo-g3/files");
     let _ = std::fs::remove_dir_all(&dir);
-    let o = demo_over(ctx, None, Some(dir.clone()));
+    // Prompts of a quarter of the source's DRAM each: the three
+    // destinations' writes of one prompt are prepared concurrently, and a
+    // prompt as large as DRAM can leave each preparation holding part of it
+    // while waiting for room the others hold (the keys left are reported
+    // missing, never wrong).
+    let o = demo_over(ctx, None, Some(dir.clone()), ctx.size(4, 8));
     let _ = std::fs::remove_dir_all(&dir);
     o
 }
 
-fn demo_over(ctx: &Ctx, tls: Option<&str>, g3: Option<std::path::PathBuf>) -> Result<Outcome> {
+fn demo_over(
+    ctx: &Ctx,
+    tls: Option<&str>,
+    g3: Option<std::path::PathBuf>,
+    prompts: u64,
+) -> Result<Outcome> {
     let options = crate::demo::Options {
         pages: ctx.size(8, 64),
-        prompts: ctx.size(2, 4),
+        prompts,
         tls: tls.map(str::to_owned),
         seed: 7,
         router: crate::demo::RouterKind::BuiltIn,

@@ -591,6 +591,18 @@ impl Core {
                 e.claims += 1;
             }
         }
+        // Another reader's fill of this key waits for room already: queue
+        // behind it, and share its fill once it has a record (the room
+        // coming is that reader's; asking for more would find none and
+        // fail a key that is about to be in DRAM).
+        let queued = self
+            .capacity_waiters
+            .iter()
+            .any(|w| w.key == key && matches!(w.kind, WaiterKind::G3Fill));
+        if queued {
+            self.wait_for_capacity(op, entry, key, layout, WaiterKind::G3Fill);
+            return true;
+        }
         match self.allocate(now, layout, protected) {
             Allocation::Slots(slots) => {
                 self.begin_g3_fill(now, op, entry, key, layout, slots, batch)
