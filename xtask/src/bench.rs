@@ -153,7 +153,7 @@ const ANCHOR_WHAT: &[(&str, &str)] = &[
     ),
     (
         "guard.journal_overhead",
-        "the same deposits into the same kind of pools without a guard's journal, alternating rounds",
+        "the same deposits into the same kind of pools without a guard's journal, the two runners taking turns call by call",
     ),
     (
         "link.fetch_bulk_",

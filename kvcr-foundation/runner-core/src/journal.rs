@@ -96,7 +96,12 @@
 //! cap and against the bytes that remain, so no input makes the reader panic or
 //! allocate more than the input's size.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet};
+
+// foldhash, not SipHash: the mirror is updated on every append, under the
+// runner's lock, and its keys are the runner's own (not a peer's).
+use hashbrown::{HashMap, HashSet};
 use std::sync::atomic::{Ordering, compiler_fence};
 
 #[cfg(test)]
@@ -994,7 +999,7 @@ impl Live {
     fn all_free(&self, slots: &[u32]) -> Result<(), Refusal> {
         match slots
             .iter()
-            .find(|s| self.page_slots.contains(s) || self.held.contains(s))
+            .find(|s| self.page_slots.contains(*s) || self.held.contains(s))
         {
             Some(&slot) => Err(Refusal::SlotInUse(slot)),
             None => Ok(()),
@@ -1446,7 +1451,17 @@ impl JournalWriter {
         region: &mut [u8],
         record: &JournalRecord,
     ) -> Result<(), JournalError> {
-        self.append_in(region, record)
+        self.append_in(region, Cow::Borrowed(record))
+    }
+
+    /// [`Self::append`] of a record the caller gives up (its mirror keeps it
+    /// without a copy).
+    pub fn append_owned(
+        &mut self,
+        region: &mut [u8],
+        record: JournalRecord,
+    ) -> Result<(), JournalError> {
+        self.append_in(region, Cow::Owned(record))
     }
 
     /// Turns the journal off: the header's state says `Disabled(reason)`, so
@@ -1563,16 +1578,17 @@ impl JournalWriter {
     fn append_in<R: Region + ?Sized>(
         &mut self,
         region: &mut R,
-        record: &JournalRecord,
+        record: Cow<'_, JournalRecord>,
     ) -> Result<(), JournalError> {
+        let record_ref: &JournalRecord = &record;
         self.same_region(region)?;
         if let Some(reason) = self.disabled {
             return Err(JournalError::Disabled(reason));
         }
-        if !self.live.check(record).map_err(JournalError::Refused)? {
+        if !self.live.check(record_ref).map_err(JournalError::Refused)? {
             return Ok(());
         }
-        let view = record.view();
+        let view = record_ref.view();
         let need = frame_len(view.payload_len());
         if self.cursor.saturating_add(need) > self.half {
             if self.live.snapshot_len().saturating_add(need) > self.half {
@@ -1597,7 +1613,7 @@ impl JournalWriter {
         let dirty = self.dirty_mut(self.active);
         *dirty = (*dirty).max(cursor);
         self.appended += 1;
-        self.live.apply(record.clone());
+        self.live.apply(record.into_owned());
         Ok(())
     }
 

@@ -312,8 +312,8 @@ impl RunnerJournal {
         let Some(writer) = self.writer.as_mut() else {
             return;
         };
-        for record in &records {
-            let Err(e) = writer.append(self.map.bytes_mut(), record) else {
+        for record in records {
+            let Err(e) = writer.append_owned(self.map.bytes_mut(), record) else {
                 continue;
             };
             if !matches!(e, JournalError::Disabled(_)) {

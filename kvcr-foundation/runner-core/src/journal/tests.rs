@@ -958,7 +958,9 @@ fn every_crash_point_of_a_scripted_workload_recovers_before_or_after() {
         let pre = region.clone();
         let mut rec = Recording::new(region);
         let compactions = writer.stats().compactions;
-        writer.append_in(&mut rec, record).unwrap();
+        writer
+            .append_in(&mut rec, std::borrow::Cow::Borrowed(record))
+            .unwrap();
         let compacted = writer.stats().compactions > compactions;
         let mut after = model.clone();
         after.apply(record);
@@ -1132,7 +1134,7 @@ fn run_with_crashes(size: usize, steps: &[(Step, u32)]) -> Result<(), TestCaseEr
         let was_disabled = writer.is_disabled();
         let pre = region.clone();
         let mut rec = Recording::new(region);
-        let res = writer.append_in(&mut rec, &record);
+        let res = writer.append_in(&mut rec, std::borrow::Cow::Borrowed(&record));
         let mut after = model.clone();
         match &res {
             Err(JournalError::Disabled(DisabledReason::Overflow)) if was_disabled || valid => {}
