@@ -99,8 +99,9 @@
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 
-// foldhash, not SipHash: the mirror is updated on every append, under the
-// runner's lock, and its keys are the runner's own (not a peer's).
+// hashbrown's default (foldhash, seeded at random per process, as the core's
+// own index): the mirror is updated on every append, under the runner's lock,
+// and SipHash made that a measurable share of a deposit.
 use hashbrown::{HashMap, HashSet};
 use std::sync::atomic::{Ordering, compiler_fence};
 
