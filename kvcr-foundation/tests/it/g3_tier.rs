@@ -12,8 +12,7 @@ use kvcr_foundation::runner::{
     RunnerConfig,
 };
 use kvcr_foundation::{
-    BlockKey, CompatDigest, InventoryEvent, InventorySink, Medium, Namespace, NamespaceId,
-    ScopedKey, Tier,
+    CompatDigest, InventoryEvent, InventorySink, Medium, Namespace, NamespaceId, Tier,
 };
 
 const BLOCK: usize = 4096;
@@ -344,9 +343,7 @@ fn g3_configurations_it_cannot_serve_are_refused() {
 #[case::one_copy(true)]
 #[case::ucx(false)]
 fn a_peer_restores_pages_only_g3_holds(#[case] mapping: bool) {
-    use kvcr_foundation::hint::FetchMode;
     use kvcr_foundation::runner::PeerOptions;
-    use kvcr_foundation::{FetchHint, RequestId};
     let _serial = crate::serial();
     const PEER_BLOCK: usize = crate::peer::BLOCK;
     let scratch = Scratch::new(if mapping { "peer-map" } else { "peer-ucx" });
@@ -404,35 +401,14 @@ fn a_peer_restores_pages_only_g3_holds(#[case] mapping: bool) {
     assert_eq!(only_g3, 4, "4 of 12 pages live only in G3");
 
     let mut target = crate::peer::node_with(&options, 16, Duration::from_secs(20));
-    let request = RequestId("g3".into());
     // Pages 0..6: four only in G3, two in DRAM (a write's pages must fit in
     // the source's DRAM together; room for the fills comes from pages the
     // write does not name).
     let wanted: Vec<u64> = (0..6).collect();
-    target.runner.submit_hint(
-        request.clone(),
-        &FetchHint {
-            source: source.endpoint().unwrap().clone(),
-            block_hashes: wanted.iter().map(|k| BlockKey::from_u64(*k)).collect(),
-            mode: FetchMode::Copy,
-            action_id: None,
-        },
-    );
-    let keys: Vec<ScopedKey> = wanted.iter().map(|k| key(target.ns, *k)).collect();
-    let pool = target.runner.pool("kv").unwrap();
-    let op = target
-        .runner
-        .fetch_hinted(&request, &keys, &[pool])
-        .unwrap();
-    let result = wait(&mut target.runner, op);
-    for (i, (_, entry)) in result.entries.iter().enumerate() {
-        assert!(entry.is_success(), "page {i}: {entry:?}");
-        let bytes = target
-            .runner
-            .read_claimed(entry.release.unwrap(), 0)
-            .unwrap();
+    let restored = crate::peer::restore_all(&mut target, "g3", source.endpoint().unwrap(), &wanted);
+    for (i, bytes) in restored.iter().enumerate() {
         assert_eq!(
-            bytes,
+            bytes[..],
             host[i * PEER_BLOCK..(i + 1) * PEER_BLOCK],
             "page {i} differs"
         );

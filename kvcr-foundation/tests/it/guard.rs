@@ -10,9 +10,8 @@ use std::time::Duration;
 use kvcr_foundation::runner::guard::GuardService;
 use kvcr_foundation::runner::{GuardOptions, PeerOptions, QueryStatus};
 use kvcr_foundation::tier::{InventoryEvent, InventorySink};
-use kvcr_foundation::{RequestId, ScopedKey};
 
-use crate::peer::{BLOCK, Node, hint, key, node_with, stock, wait};
+use crate::peer::{BLOCK, Node, key, node_with, restore_all, stock, wait};
 
 /// A unique scratch folder for the guard's socket.
 fn scratch(name: &str) -> std::path::PathBuf {
@@ -121,25 +120,12 @@ fn a_restarted_runner_takes_its_pages_back_warm() {
 
     // A peer restores from it as from any runner.
     let mut target = node_with(&PeerOptions::loopback(), 16, timeout);
-    let request = RequestId("warm".into());
-    target
-        .runner
-        .submit_hint(request.clone(), &hint(&second, &[0, 1, 2, 3]));
-    let keys: Vec<ScopedKey> = (0..4).map(|k| key(target.ns, k)).collect();
-    let pool = target.runner.pool("kv").unwrap();
-    let op = target
-        .runner
-        .fetch_hinted(&request, &keys, &[pool])
-        .unwrap();
-    let result = wait(&mut target.runner, op);
-    for (k, (_, entry)) in result.entries.iter().enumerate() {
-        assert!(entry.is_success(), "page {k}: {entry:?}");
-        let bytes = target
-            .runner
-            .read_claimed(entry.release.unwrap(), 0)
-            .unwrap();
-        assert_eq!(bytes, before[k], "page {k}");
-    }
+    let restored = restore_all(&mut target, "warm", &endpoint, &[0, 1, 2, 3]);
+    assert_eq!(
+        restored,
+        before[..4],
+        "a peer's copy of the recovered pages"
+    );
     drop(target);
     drop(second);
     let _ = std::fs::remove_dir_all(&dir);

@@ -10,7 +10,8 @@ use kvcr_foundation::runner::{
     RunnerConfig,
 };
 use kvcr_foundation::{
-    BlockKey, CompatDigest, FetchHint, Namespace, NamespaceId, RequestId, ScopedKey,
+    BlockKey, CompatDigest, ControlEndpoint, FetchHint, Namespace, NamespaceId, RequestId,
+    ScopedKey,
 };
 use rstest::rstest;
 
@@ -104,12 +105,50 @@ pub(crate) fn stock(source: &mut Node, keys: &[u64]) {
 }
 
 pub(crate) fn hint(source: &Node, keys: &[u64]) -> FetchHint {
+    hint_to(source.runner.endpoint().unwrap(), keys)
+}
+
+/// A copy hint naming `keys` at the runner listening at `source`.
+pub(crate) fn hint_to(source: &ControlEndpoint, keys: &[u64]) -> FetchHint {
     FetchHint {
-        source: source.runner.endpoint().unwrap().clone(),
+        source: source.clone(),
         block_hashes: keys.iter().map(|k| BlockKey::from_u64(*k)).collect(),
         mode: FetchMode::Copy,
         action_id: None,
     }
+}
+
+/// `target` restores `keys` from the runner at `source` on a hint (request
+/// `request`); every key must succeed. Returns each page's bytes, in order.
+pub(crate) fn restore_all(
+    target: &mut Node,
+    request: &str,
+    source: &ControlEndpoint,
+    keys: &[u64],
+) -> Vec<Vec<u8>> {
+    let request = RequestId(request.into());
+    target
+        .runner
+        .submit_hint(request.clone(), &hint_to(source, keys));
+    let scoped: Vec<ScopedKey> = keys.iter().map(|k| key(target.ns, *k)).collect();
+    let pool = target.runner.pool("kv").unwrap();
+    let op = target
+        .runner
+        .fetch_hinted(&request, &scoped, &[pool])
+        .unwrap();
+    let result = wait(&mut target.runner, op);
+    result
+        .entries
+        .iter()
+        .enumerate()
+        .map(|(i, (_, entry))| {
+            assert!(entry.is_success(), "page {i}: {entry:?}");
+            target
+                .runner
+                .read_claimed(entry.release.unwrap(), 0)
+                .unwrap()
+        })
+        .collect()
 }
 
 /// Full, partial and empty deliveries over shared memory and TCP, with the
