@@ -27,24 +27,32 @@ const ANSWER_BOUND: Duration = Duration::from_secs(300);
 const EXIT_BOUND: Duration = Duration::from_secs(30);
 
 /// Builds the node example: release for the demo and full e2e runs, the dev
-/// profile (already built by `cargo xtask test`) for `e2e --quick`.
+/// profile (already built by `cargo xtask test`) for `e2e --quick`; and the
+/// guard the `engine-crash` scenarios start next to nodes.
 pub(crate) fn build(root: &Path, release: bool) -> Result<PathBuf> {
-    let mut cmd = crate::cargo();
-    cmd.current_dir(root).args(["build", "--locked", "--quiet"]);
-    if release {
-        cmd.arg("--release");
-    }
-    cmd.args(["-p", "kvcr-foundation", "--example", "node"]);
-    crate::run(&mut cmd)?;
-    // The guard process the `engine-crash` scenarios start next to nodes.
-    let mut cmd = crate::cargo();
-    cmd.current_dir(root).args(["build", "--locked", "--quiet"]);
-    if release {
-        cmd.arg("--release");
-    }
-    cmd.args(["-p", "kvcr-runner", "--bin", "kvcr-guard"]);
-    crate::run(&mut cmd)?;
+    cargo_build(
+        root,
+        release,
+        &["-p", "kvcr-foundation", "--example", "node"],
+    )?;
+    build_guard(root, release)?;
     Ok(example_path(root, release, "node"))
+}
+
+/// Builds the `kvcr-guard` binary; returns its path.
+pub(crate) fn build_guard(root: &Path, release: bool) -> Result<PathBuf> {
+    cargo_build(root, release, &["-p", "kvcr-runner", "--bin", "kvcr-guard"])?;
+    Ok(profile_dir(root, release).join("kvcr-guard"))
+}
+
+fn cargo_build(root: &Path, release: bool, targets: &[&str]) -> Result<()> {
+    let mut cmd = crate::cargo();
+    cmd.current_dir(root).args(["build", "--locked", "--quiet"]);
+    if release {
+        cmd.arg("--release");
+    }
+    cmd.args(targets);
+    crate::run(&mut cmd)
 }
 
 /// The `kvcr-guard` binary built next to the node binary `node`.
@@ -54,11 +62,15 @@ pub(crate) fn guard_path(node: &Path) -> Option<PathBuf> {
 
 /// Where cargo puts an example's binary (`CARGO_TARGET_DIR` honoured).
 pub(crate) fn example_path(root: &Path, release: bool, example: &str) -> PathBuf {
+    profile_dir(root, release).join("examples").join(example)
+}
+
+/// Cargo's output folder for a profile (`CARGO_TARGET_DIR` honoured).
+fn profile_dir(root: &Path, release: bool) -> PathBuf {
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .map_or_else(|| root.join("target"), |dir| root.join(dir));
-    let profile = if release { "release" } else { "debug" };
-    target.join(profile).join("examples").join(example)
+    target.join(if release { "release" } else { "debug" })
 }
 
 /// How a publishing node tags its KV events.

@@ -118,8 +118,7 @@ pub(crate) fn build_and_test(root: &Path) -> Result<()> {
     build(root)?;
     // The guard test starts a `kvcr-guard` process (built in the main
     // target folder, as the e2e scenarios use it).
-    let node = crate::node::build(root, false)?;
-    let guard = crate::node::guard_path(&node).context("the guard binary's path")?;
+    let guard = crate::node::build_guard(root, false)?;
     let mut pytest = Command::new(python(root));
     pytest.env("KVCR_GUARD_BIN", guard);
     // From the tests folder: `python -m` puts the working folder first on
