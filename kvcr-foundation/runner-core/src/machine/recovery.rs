@@ -100,7 +100,9 @@ impl Core {
         let Some(layout) = self.record(idx).map(|r| r.layout as usize) else {
             return Vec::new();
         };
-        let pools = self.layouts.get(layout).cloned().unwrap_or_default();
+        let Some(pools) = self.layouts.get(layout) else {
+            return Vec::new();
+        };
         self.slot_vec(idx)
             .into_iter()
             .zip(pools)
