@@ -159,6 +159,37 @@ impl RunnerConfig {
         }
     }
 
+    /// Each pool's name, block size and block count, in layout order.
+    fn pool_specs(&self) -> Vec<(String, u64, u32)> {
+        self.pools
+            .iter()
+            .map(|p| (p.name.clone(), p.block_size, p.blocks))
+            .collect()
+    }
+
+    /// The core's configuration: these pools at `pool_bases`, G3 as `g3`
+    /// opened it (spilling ahead).
+    fn core_config(
+        &self,
+        pool_bases: Vec<u64>,
+        timeout_ns: u64,
+        g3: Option<&G3Store>,
+    ) -> CoreConfig {
+        CoreConfig {
+            pools: self.pool_specs(),
+            pool_bases,
+            operation_timeout_ns: timeout_ns,
+            watermark_percent: self.capacity_low_watermark_percent,
+            medium: self.medium,
+            g3: g3.map(|store| G3Config {
+                slots: u32::try_from(store.slots()).unwrap_or(u32::MAX),
+                slot_bytes: store.slot_bytes(),
+                alignment: store.alignment(),
+                spill_ahead: true,
+            }),
+        }
+    }
+
     /// Checks every bound.
     pub fn validate(&self) -> Result<()> {
         let bad = |field, why| Err(Error::runner(RunnerReason::Config { field, why }));
@@ -685,23 +716,11 @@ impl Runner {
         let g3 = open_g3(&config).map_err(|e| fail(StartupStage::OpenG3, e))?;
 
         let timeout_ns = u64::try_from(config.operation_timeout.as_nanos()).unwrap_or(u64::MAX);
-        let core_config = CoreConfig {
-            pools: config
-                .pools
-                .iter()
-                .map(|p| (p.name.clone(), p.block_size, p.blocks))
-                .collect(),
-            pool_bases: pools.iter().map(DramPool::base).collect(),
-            operation_timeout_ns: timeout_ns,
-            watermark_percent: config.capacity_low_watermark_percent,
-            medium: config.medium,
-            g3: g3.as_ref().map(|store| G3Config {
-                slots: u32::try_from(store.slots()).unwrap_or(u32::MAX),
-                slot_bytes: store.slot_bytes(),
-                alignment: store.alignment(),
-                spill_ahead: true,
-            }),
-        };
+        let core_config = config.core_config(
+            pools.iter().map(DramPool::base).collect(),
+            timeout_ns,
+            g3.as_ref(),
+        );
         let core = Core::new(
             &core_config,
             policy.unwrap_or_else(|| default_policy(&config)),
@@ -788,11 +807,7 @@ impl Runner {
             .map(|p| p.block_size * u64::from(p.blocks))
             .collect();
         let incarnation = Incarnation::generate();
-        let pool_specs: Vec<(String, u64, u32)> = config
-            .pools
-            .iter()
-            .map(|p| (p.name.clone(), p.block_size, p.blocks))
-            .collect();
+        let pool_specs = config.pool_specs();
         // Under a guard the pools, the journal and the control listener are
         // the guard's (claimed before anything else is made).
         let claimed = match (&peer.guard, backup) {
@@ -857,23 +872,7 @@ impl Runner {
                 u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
             })
             .max(timeout_ns.saturating_mul(2));
-        let core_config = CoreConfig {
-            pools: config
-                .pools
-                .iter()
-                .map(|p| (p.name.clone(), p.block_size, p.blocks))
-                .collect(),
-            pool_bases: setup.bases.clone(),
-            operation_timeout_ns: timeout_ns,
-            watermark_percent: config.capacity_low_watermark_percent,
-            medium: config.medium,
-            g3: g3.as_ref().map(|store| G3Config {
-                slots: u32::try_from(store.slots()).unwrap_or(u32::MAX),
-                slot_bytes: store.slot_bytes(),
-                alignment: store.alignment(),
-                spill_ahead: true,
-            }),
-        };
+        let core_config = config.core_config(setup.bases.clone(), timeout_ns, g3.as_ref());
         let mut core = Core::new(
             &core_config,
             policy.unwrap_or_else(|| default_policy(&config)),
