@@ -267,7 +267,16 @@ pub(super) fn engine_crash(ctx: &Ctx) -> Result<Outcome> {
     // The inventory: the barrier, then every recovered page.
     let events = restarted.events.clone().context("the source publishes")?;
     let tap = EventTap::connect(&events, restarted.replay.as_deref())?;
-    let stats = restarted.stats()?;
+    // The publisher batches on its own thread: wait until it has counted
+    // every recovered page before settling on its batch count (it read 0
+    // batches once, in a CI run).
+    let published = poll_stats(&mut restarted, |s| {
+        num(&s["publisher"], "stored_blocks") >= pages
+    })?;
+    let stats = match published {
+        Some(stats) => stats,
+        None => restarted.stats()?,
+    };
     let tally = tap.settle(num(&stats["publisher"], "batches"))?;
     // The publisher opens its stream with a barrier of its own; the
     // recovery's barrier follows, then the pages.
