@@ -53,7 +53,8 @@ Commands:
   fuzz [--runs N] [--target NAME]
                     run the fuzz targets (default: every target, 200000 runs each)
   bench [--quick] [--peers] [--link] [--rounds N]
-                    run every benchmark binary N times (default 5, quick 3;
+                    run every benchmark binary N times (default 5, quick 1,
+                    quick with --peers 3;
                     each figure beside an anchor measured in the same run);
                     prints progress and BENCH lines (median, min, max over the
                     rounds) and writes target/bench/report.md with SVG plots.
