@@ -9,13 +9,14 @@
 //!   never copies it, so it keeps serving control messages while bytes move.
 //! * A small write (a one-block restore) is on the latency path: the peer
 //!   thread copies it before it answers. On a host with cores to spare it is
-//!   striped: cut into pieces handed to the lanes that are awake right now
-//!   (a lane stays awake for [`LaneTuning::linger`] after its last piece),
-//!   while the peer thread copies a piece itself and then takes every piece
-//!   no lane has claimed yet, so a stripe is never slower than copying alone
-//!   by more than a queue push (measured on the 16-core H200 host: 256 KiB in
-//!   39 µs on one thread, 12–14 µs over four to eight). A parked lane is
-//!   never woken for a stripe: a wake-up costs more than the piece.
+//!   striped: cut into pieces handed to the striping lanes (the first
+//!   [`LaneTuning::stripe_lanes`]), while the peer thread copies a piece
+//!   itself and then takes every piece no lane has claimed yet, so a stripe
+//!   is never slower than copying alone by more than a queue push and, for a
+//!   parked lane, a wake-up (measured on the 16-core H200 host: 256 KiB in
+//!   38–39 µs on one thread, 22 µs over two, 14 µs over four). A woken lane
+//!   rarely helps the write that woke it; it stays awake for
+//!   [`LaneTuning::linger`] after its last piece, for the writes behind it.
 //!
 //! Drop order: [`Lanes`] closes every lane and joins its threads (after they
 //! finish what is queued) before the peer thread's pools are dropped — the
@@ -52,9 +53,17 @@ const MIN_STRIPE_BYTES: u64 = 32 << 10;
 /// slower).
 const STRIPE_MIN_CORES: usize = 4;
 
-/// How long a lane spins for more work after its last piece where striping
-/// is on (engines restore in bursts; the peer thread lingers as long).
-const LANE_LINGER: Duration = Duration::from_micros(200);
+/// Lanes that take stripes (with the peer thread, four pieces: a 256 KiB
+/// page in 14 µs on the H200 host, against 12 µs over eight lanes, for
+/// half the cores kept awake).
+const STRIPE_LANES: usize = 3;
+
+/// How long a striping lane spins for more work after its last piece. Longer
+/// than the gap between an engine's back-to-back one-block restores (a
+/// restore, its use and the next request: ~200–300 µs in the peer bench);
+/// with 200 µs the lanes parked between restores and no stripe was ever
+/// taken. At most [`STRIPE_LANES`] cores, for a millisecond after work.
+const LANE_LINGER: Duration = Duration::from_millis(1);
 
 /// Spins between clock reads while a lane lingers.
 const SPINS_PER_CLOCK_READ: u32 = 256;
@@ -72,10 +81,11 @@ fn cores() -> usize {
 /// How the lanes treat small writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct LaneTuning {
-    /// Whether small writes are striped over awake lanes.
-    pub(crate) stripe: bool,
-    /// How long a lane stays awake after its last piece (zero: it parks at
-    /// once).
+    /// How many lanes (the first ones) take pieces of small writes and
+    /// linger; zero: small writes are never striped.
+    pub(crate) stripe_lanes: usize,
+    /// How long a striping lane stays awake after its last piece (zero: it
+    /// parks at once). Other lanes park at once.
     pub(crate) linger: Duration,
 }
 
@@ -85,12 +95,12 @@ impl LaneTuning {
     pub(crate) fn for_host() -> Self {
         if cores() >= STRIPE_MIN_CORES {
             Self {
-                stripe: true,
+                stripe_lanes: STRIPE_LANES,
                 linger: LANE_LINGER,
             }
         } else {
             Self {
-                stripe: false,
+                stripe_lanes: 0,
                 linger: Duration::ZERO,
             }
         }
@@ -260,7 +270,11 @@ impl Lanes {
                 closed: AtomicBool::new(false),
             });
             let mine = Arc::clone(&inbox);
-            let linger = tuning.linger;
+            let linger = if i < tuning.stripe_lanes {
+                tuning.linger
+            } else {
+                Duration::ZERO
+            };
             let thread = std::thread::Builder::new()
                 .name(format!("kvcr-lane-{i}"))
                 .spawn(move || lane_loop(&mine, linger))?;
@@ -347,23 +361,19 @@ impl Lanes {
         total: u64,
         segments: Vec<Arc<PeerSegment>>,
     ) {
-        let most_pieces = (total / MIN_STRIPE_BYTES).min(self.lanes.len() as u64 + 1);
-        let awake: Vec<&Lane> = if self.tuning.stripe && most_pieces >= 2 {
-            self.lanes
-                .iter()
-                .filter(|l| !l.inbox.parked.load(Ordering::Acquire))
-                .take(usize::try_from(most_pieces - 1).unwrap_or(usize::MAX))
-                .collect()
-        } else {
-            Vec::new()
-        };
-        if awake.is_empty() || !spans_disjoint(copies.iter()) {
+        let most_pieces = (total / MIN_STRIPE_BYTES).min(self.tuning.stripe_lanes as u64 + 1);
+        let stripers: Vec<&Lane> = self
+            .lanes
+            .iter()
+            .take(usize::try_from(most_pieces.saturating_sub(1)).unwrap_or(usize::MAX))
+            .collect();
+        if stripers.is_empty() || !spans_disjoint(copies.iter()) {
             // SAFETY: this function's contract; `segments` lives until after
             // the copy (dropped at the end of this call).
             unsafe { copy_populated(&copies, &segments) };
             return;
         }
-        let pieces = split_even(copies, total, awake.len() as u64 + 1);
+        let pieces = split_even(copies, total, stripers.len() as u64 + 1);
         let stripe = Arc::new(Stripe {
             pieces: pieces
                 .into_iter()
@@ -375,10 +385,11 @@ impl Lanes {
             segments,
             by_lanes: Arc::clone(&self.striped_by_lanes),
         });
-        for lane in awake {
-            // Never woken: a lane that parked meanwhile finds the stripe
-            // copied when it next wakes, and drops it.
+        for lane in stripers {
+            // A lane that was parked finds the stripe copied when it runs,
+            // and lingers for the next one.
             lane.inbox.push(Work::Stripe(Arc::clone(&stripe)));
+            lane.wake_if_parked();
         }
         // SAFETY: this function's contract; the wait below keeps it until
         // every piece, ours or a lane's, is copied.
@@ -560,7 +571,7 @@ mod tests {
         Lanes::start_tuned(
             count,
             LaneTuning {
-                stripe: true,
+                stripe_lanes: count,
                 linger: Duration::from_secs(30),
             },
         )
@@ -611,12 +622,12 @@ mod tests {
     }
 
     #[test]
-    fn parked_lanes_are_never_woken_for_a_small_write() {
+    fn a_small_write_wakes_parked_striping_lanes() {
         let tuning = LaneTuning {
-            stripe: true,
+            stripe_lanes: 2,
             linger: Duration::ZERO,
         };
-        let mut lanes = Lanes::start_tuned(2, tuning).unwrap();
+        let mut lanes = Lanes::start_tuned(3, tuning).unwrap();
         #[allow(clippy::disallowed_methods)]
         let start = Instant::now();
         while !lanes
@@ -631,16 +642,38 @@ mod tests {
             std::thread::yield_now();
         }
         let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut plan = Plan::new(256 << 10, vec![(0, 0, 256 << 10)]);
+        assert_eq!(plan.submit(&mut lanes, &tx), Some(true));
+        assert!(plan.dst == plan.expected());
+        // A parked lane left unwoken would hold its stripe forever.
+        while !lanes.lanes.iter().all(|l| l.inbox.is_empty()) {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "a striping lane was not woken"
+            );
+            std::thread::yield_now();
+        }
+        assert!(
+            lanes.lanes[2].inbox.is_empty(),
+            "only the striping lanes are handed pieces"
+        );
+    }
+
+    #[test]
+    fn without_striping_a_small_write_is_copied_alone() {
+        let tuning = LaneTuning {
+            stripe_lanes: 0,
+            linger: Duration::from_secs(30),
+        };
+        let mut lanes = Lanes::start_tuned(2, tuning).unwrap();
+        let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
         for _ in 0..20 {
             let mut plan = Plan::new(256 << 10, vec![(0, 0, 256 << 10)]);
             assert_eq!(plan.submit(&mut lanes, &tx), Some(true));
             assert!(plan.dst == plan.expected());
         }
         assert_eq!(lanes.striped_by_lanes.load(Ordering::Relaxed), 0);
-        assert!(
-            lanes.lanes.iter().all(|l| l.inbox.is_empty()),
-            "nothing was queued for a parked lane"
-        );
+        assert!(lanes.lanes.iter().all(|l| l.inbox.is_empty()));
     }
 
     #[test]
