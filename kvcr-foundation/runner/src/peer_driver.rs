@@ -819,6 +819,9 @@ impl State {
                     () = tokio::time::sleep(nap) => deadline_due = true,
                 }
             }
+            // Whatever this turn sent leaves now, one write per peer,
+            // rather than after a hop through each session's task.
+            self.control.flush();
             // At most every millisecond while busy; at once when a sleep
             // ended at the core's deadline (so a due deadline never spins).
             if deadline_due || last_tick.elapsed() >= TICK {
@@ -880,6 +883,8 @@ impl State {
             any = true;
             self.on_inbound(item, shared);
         }
+        // Before this turn yields: what it sent leaves now.
+        self.control.flush();
         Ok(any)
     }
 

@@ -395,13 +395,98 @@ fn limits_are_checked() {
             idle_timeout: Duration::ZERO,
             ..ControlLimits::default()
         },
+        ControlLimits {
+            outbound_bytes_per_session: 1 << 20,
+            ..ControlLimits::default()
+        },
     ];
     for limits in bad {
         assert!(limits.check().is_err(), "{limits:?}");
     }
-    // The stated bound: 16 sessions × (2 MiB frame + a record + 4 MiB).
+    // The stated bound: 16 sessions × (2 MiB frame + a record + 4 MiB in
+    // + 16 MiB out).
     assert_eq!(
         ControlLimits::default().per_address_bound_bytes(),
-        16 * ((2 << 20) + RECORD_MAX + 2 + (4 << 20))
+        16 * ((2 << 20) + RECORD_MAX + 2 + (4 << 20) + (16 << 20))
     );
+}
+
+/// Messages sent before the session is established, after it, with and
+/// without flushes in between, arrive in the order sent.
+#[test]
+fn messages_keep_their_order_across_the_opening_and_flushes() {
+    runtime().block_on(async {
+        let mut target = Node::start(Some(SECRET), quick_limits()).await;
+        let mut source = Node::start(Some(SECRET), quick_limits()).await;
+        let to_source = source.identity.endpoint.clone();
+        // Queued while the dial and the handshake run.
+        for op in 0..50 {
+            target.channel.send(&to_source, probe(op));
+        }
+        for op in 0..10 {
+            assert_eq!(source.message().await.unwrap().body, probe(op).body);
+        }
+        // Established now: sealed at once, written by the flush or the
+        // session task, whichever runs first.
+        for op in 50..200 {
+            target.channel.send(&to_source, probe(op));
+            if op.is_multiple_of(3) {
+                target.channel.flush();
+            }
+        }
+        for op in 10..200 {
+            assert_eq!(
+                source.message().await.unwrap().body,
+                probe(op).body,
+                "in the order sent"
+            );
+        }
+        assert_eq!(target.stat(|s| &s.dropped), 0);
+    });
+}
+
+/// A member that stops reading makes the source hold at most
+/// `outbound_bytes_per_session` for it (later replies are dropped and
+/// counted), and loses the session at the frame deadline.
+#[test]
+fn a_member_that_stops_reading_is_bounded_then_cut_off() {
+    runtime().block_on(async {
+        let limits = ControlLimits {
+            frame_deadline: Duration::from_secs(2),
+            max_frame_len: 4096,
+            inbound_bytes_per_session: 8192,
+            outbound_bytes_per_session: 4096 + RECORD_MAX,
+            ..quick_limits()
+        };
+        let mut source = Node::start(Some(SECRET), limits).await;
+        let (mut stream, mut transport, _) = member_session(source.addr, Some(SECRET)).await;
+        send_sealed(&mut stream, &mut transport, &probe(1)).await;
+        let member = source.message().await.unwrap().header.sender_endpoint;
+        // The member never reads: its socket fills, then the bytes waiting
+        // for it reach the bound and replies are dropped.
+        let dropped = source.stat(|s| &s.dropped);
+        let mut sent = 0u64;
+        while source.stat(|s| &s.dropped) == dropped {
+            source.channel.send(&member, done(sent));
+            source.channel.flush();
+            sent += 1;
+            assert!(sent < 10_000_000, "replies never backed up");
+            if sent.is_multiple_of(1024) {
+                // Let the session task run (it must not be what drains).
+                tokio::task::yield_now().await;
+            }
+        }
+        let waiting = source.channel.accepted[&member].out.lock().wire.len();
+        assert!(
+            waiting <= limits.outbound_bytes_per_session,
+            "{waiting} bytes wait for a member that does not read"
+        );
+        let timeouts = source.stat(|s| &s.timeouts);
+        assert!(matches!(
+            source.event(Duration::from_secs(10)).await,
+            Some(ChannelEvent::TargetGone(t)) if t == member
+        ));
+        assert_eq!(source.stat(|s| &s.timeouts), timeouts + 1);
+        drop(stream);
+    });
 }
