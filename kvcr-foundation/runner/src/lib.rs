@@ -339,6 +339,17 @@ impl Shared {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// The lock if it is free now: for peeks a spinning thread may skip
+    /// (blocking there would sleep it in the kernel until the holder is done,
+    /// and its wake-up cost more than the peek is worth).
+    fn try_lock(&self) -> Option<MutexGuard<'_, Inner>> {
+        match self.inner.try_lock() {
+            Ok(guard) => Some(guard),
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
     fn now(&self) -> u64 {
         #[allow(clippy::disallowed_methods)]
         let elapsed = self.epoch.elapsed();
