@@ -41,6 +41,9 @@
 )]
 #![allow(missing_docs, unsafe_code)]
 
+mod common;
+use common::{bench, gbps, median};
+
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::PathBuf;
@@ -57,22 +60,6 @@ const SLOTS: u64 = SLOTS_PER_FILE * FILES as u64;
 const TOTAL: u64 = SLOTS * SLOT;
 /// The anchor's request size (`dd bs=4M`).
 const CHUNK: u64 = 4 << 20;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn bench(name: &str, value: f64, unit: &str, anchor: f64) {
-    println!(
-        "BENCH {name} value={value:.3} unit={unit} anchor={anchor:.3} ratio={:.3}",
-        value / anchor
-    );
-}
-
-fn gbps(bytes: u64, d: Duration) -> f64 {
-    bytes as f64 / d.as_secs_f64() / 1e9
-}
 
 /// The bench's directory, removed on drop (also when a check panics).
 struct Scratch(PathBuf);
@@ -262,13 +249,13 @@ fn throughput(
         &format!("g3.spill{suffix}"),
         pick(|r| r.spill),
         "GB/s",
-        pick(|r| r.spill_anchor),
+        Some(pick(|r| r.spill_anchor)),
     );
     bench(
         &format!("g3.fill{suffix}"),
         pick(|r| r.fill),
         "GB/s",
-        pick(|r| r.fill_anchor),
+        Some(pick(|r| r.fill_anchor)),
     );
     if suffix.is_empty() {
         println!(
@@ -305,7 +292,12 @@ fn one_block(paths: &[PathBuf], dst: &mut DirectBuf, samples: usize) {
         store.read_slot_into(slot, page).unwrap();
         ours.push(start.elapsed().as_secs_f64() * 1e6);
     }
-    bench("g3.one_block_fill_p50", median(ours), "us", median(theirs));
+    bench(
+        "g3.one_block_fill_p50",
+        median(ours),
+        "us",
+        Some(median(theirs)),
+    );
 }
 
 /// Deposit GB/s of `calls` calls of 16 fresh pages into a full 64-page pool
@@ -443,7 +435,7 @@ fn deposit_with_spills(dir: &std::path::Path, rounds: usize) {
         "g3.deposit_with_spills",
         median(with),
         "GB/s",
-        median(without),
+        Some(median(without)),
     );
 }
 

@@ -24,6 +24,9 @@
 )]
 #![allow(missing_docs, unsafe_code)]
 
+mod common;
+use common::{bench, median};
+
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -38,18 +41,6 @@ const PAGE: usize = 1 << 20;
 /// 1 GiB of pages.
 const PAGES: u64 = 1024;
 const BATCH: u64 = 16;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn bench(name: &str, value: f64, unit: &str, anchor: f64) {
-    println!(
-        "BENCH {name} value={value:.3} unit={unit} anchor={anchor:.3} ratio={:.3}",
-        value / anchor
-    );
-}
 
 /// Deterministic page bytes, distinct per page.
 fn host_pages() -> Vec<u8> {
@@ -218,7 +209,12 @@ fn main() {
         cold.push(t.elapsed().as_secs_f64() * 1e3);
         drop(node);
     }
-    bench("guard.warm_restart_ms", median(warm), "ms", median(cold));
+    bench(
+        "guard.warm_restart_ms",
+        median(warm),
+        "ms",
+        Some(median(cold)),
+    );
 
     // Journal overhead: the same deposits with and without a journal (each
     // runner's pool full after its first round).
@@ -256,7 +252,7 @@ fn main() {
         "guard.journal_overhead",
         median(rate_with),
         "GB/s",
-        median(rate_without),
+        Some(median(rate_without)),
     );
     drop(with);
     drop(without);

@@ -19,6 +19,9 @@
 )]
 #![allow(missing_docs, unsafe_code)]
 
+mod common;
+use common::{at, bench, dist, median};
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -253,11 +256,6 @@ fn fetch(
     secs
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Bandwidth (GB/s) of `n` fetches of `keys` keys of `block` bytes, each
 /// of distinct pages (the source holds `keys * reps`).
 fn bandwidth(path: Path<'_>, block: usize, keys: u64, reps: usize) -> f64 {
@@ -300,28 +298,6 @@ fn one_block(path: Path<'_>, block: usize, iters: usize) -> Vec<f64> {
         .collect();
     samples.sort_by(f64::total_cmp);
     samples
-}
-
-fn at(sorted: &[f64], p: f64) -> f64 {
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
-}
-
-/// The distribution for the report's plot: `DIST <name> unit=us p0=.. p5=.. … p100=..`.
-fn dist(name: &str, sorted: &[f64]) {
-    let points: Vec<String> = (0..=20)
-        .map(|i| format!("p{}={:.2}", i * 5, at(sorted, i as f64 / 20.0)))
-        .collect();
-    println!("DIST {name} unit=us {}", points.join(" "));
-}
-
-fn line(name: &str, value: f64, unit: &str, anchor: Option<f64>) {
-    match anchor {
-        Some(a) => println!(
-            "BENCH {name} value={value:.3} unit={unit} anchor={a:.3} ratio={:.3}",
-            value / a
-        ),
-        None => println!("BENCH {name} value={value:.3} unit={unit}"),
-    }
 }
 
 /// Anchors: copies of `bytes` between distinct, prefaulted, DRAM-resident
@@ -506,7 +482,7 @@ fn main() {
     if std::env::args().any(|a| a == "--one-block") {
         let samples = one_block(many_lanes, 256 << 10, if quick { 100 } else { 500 });
         dist("peer.one_block_256kib_shm", &samples);
-        line("peer.one_block_p50", at(&samples, 0.5), "us", None);
+        bench("peer.one_block_p50", at(&samples, 0.5), "us", None);
         return;
     }
 
@@ -518,7 +494,7 @@ fn main() {
     let memcpy_1 = median((0..reps).map(|_| anchor.memcpy(1, MIB16)).collect());
     let memcpy_whole = median((0..reps).map(|_| anchor.memcpy(1, usize::MAX)).collect());
     let bulk_1 = bandwidth(one_lane, MIB16, bulk_keys, reps);
-    line("peer.fetch_bulk_shm", bulk_1, "GB/s", Some(memcpy_1));
+    bench("peer.fetch_bulk_shm", bulk_1, "GB/s", Some(memcpy_1));
     println!(
         "# peer.fetch_bulk_shm: anchor copies page by page (16 MiB per memcpy); \
          one 1 GiB memcpy: {memcpy_whole:.2} GB/s"
@@ -529,7 +505,7 @@ fn main() {
         .collect::<Option<Vec<f64>>>()
         .map(median);
     let bulk_n = bandwidth(many_lanes, MIB16, bulk_keys, reps);
-    line(
+    bench(
         "peer.fetch_lanes_shm",
         bulk_n,
         "GB/s",
@@ -546,27 +522,27 @@ fn main() {
         bandwidth(many_lanes, MIB16, bulk_keys / 4, reps)
     };
     let quiet = bandwidth(many_lanes, MIB16, bulk_keys / 4, reps);
-    line("peer.fetch_contended", contended, "GB/s", Some(quiet));
+    bench("peer.fetch_contended", contended, "GB/s", Some(quiet));
 
     let shm16 = bandwidth(many_lanes, MIB16, 8, reps);
-    line(
+    bench(
         "peer.fetch_16mib_shm",
         shm16,
         "GB/s",
         kvcr_ucx::perftest::put_bw_gbs("posix,cma", MIB16, if quick { 60 } else { 200 }, &[]),
     );
     let ucx16 = bandwidth(through_ucx, MIB16, 8, reps);
-    line("peer.fetch_16mib_shm_ucx", ucx16, "GB/s", Some(shm16));
+    bench("peer.fetch_16mib_shm_ucx", ucx16, "GB/s", Some(shm16));
     let shm256 = bandwidth(many_lanes, 256 << 10, 512, reps);
     let perftest256 =
         kvcr_ucx::perftest::put_bw_gbs("posix,cma", 256 << 10, if quick { 500 } else { 2000 }, &[]);
-    line("peer.fetch_256kib_shm", shm256, "GB/s", perftest256);
+    bench("peer.fetch_256kib_shm", shm256, "GB/s", perftest256);
     if let Some(p) = perftest256 {
-        line("ucx.perftest_put_bw_256kib_shm", p, "GB/s", None);
+        bench("ucx.perftest_put_bw_256kib_shm", p, "GB/s", None);
     }
     let samples = one_block(many_lanes, 256 << 10, if quick { 100 } else { 500 });
     dist("peer.one_block_256kib_shm", &samples);
-    line(
+    bench(
         "peer.one_block_p50",
         at(&samples, 0.5),
         "us",
@@ -577,7 +553,7 @@ fn main() {
         at(&samples, 0.99)
     );
     let tcp16 = bandwidth(tcp, MIB16, 4, reps.min(3));
-    line(
+    bench(
         "peer.fetch_16mib_tcp",
         tcp16,
         "GB/s",
@@ -594,7 +570,7 @@ fn main() {
         std::thread::sleep(Duration::from_secs_f64(secs));
         (cpu_seconds(source.child.id()) - before) / secs
     };
-    line("peer.idle_cpu", idle, "cpu_s/s", None);
+    bench("peer.idle_cpu", idle, "cpu_s/s", None);
 
     // `cargo xtask bench --peers`: kvcr's side of the peers' workloads, over
     // TCP on loopback as they run here (the reference runner's NIXL moves
@@ -602,7 +578,7 @@ fn main() {
     // hinted fetches, and one key of 64 KiB / 1 MiB / 16 MiB per request.
     if std::env::var("KVCR_BENCH_PEERS").is_ok_and(|v| v == "1") {
         let tcp256 = bandwidth(tcp, 256 << 10, 256, reps);
-        line(
+        bench(
             "peer.fetch_256kib_tcp",
             tcp256,
             "GB/s",
@@ -616,7 +592,7 @@ fn main() {
         let iters = if quick { 50 } else { 200 };
         let samples = one_block(tcp, 256 << 10, iters);
         dist("peer.one_block_256kib_tcp", &samples);
-        line(
+        bench(
             "peer.one_block_tcp_p50",
             at(&samples, 0.5),
             "us",
@@ -629,7 +605,7 @@ fn main() {
         ] {
             let iters = if quick { 20 } else { 60 }.min((256 << 20) / size).max(8);
             let samples = one_block(tcp, size, iters);
-            line(
+            bench(
                 &format!("peer.request_{label}_tcp"),
                 size as f64 / (at(&samples, 0.5) * 1e-6) / 1e9,
                 "GB/s",

@@ -16,6 +16,9 @@
     clippy::indexing_slicing
 )]
 
+mod common;
+use common::median;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -183,11 +186,6 @@ fn e2e_round(events: &[InventoryEvent], block_events: u64) -> f64 {
     assert!(sent >= block_events, "{sent} < {block_events}");
     assert_eq!(stats.pub_send_errors + stats.queue_dropped, 0);
     block_events as f64 / dt / 1e6
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn main() {

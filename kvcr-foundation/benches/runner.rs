@@ -13,6 +13,9 @@
 )]
 #![allow(missing_docs, unsafe_code)]
 
+mod common;
+use common::{at, bench, dist, median, sorted};
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -55,41 +58,6 @@ unsafe impl GlobalAlloc for Counting {
 
 #[global_allocator]
 static ALLOC: Counting = Counting;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[((v.len() - 1) as f64 * p).round() as usize]
-}
-
-fn bench(name: &str, value: f64, unit: &str, anchor: Option<f64>) {
-    match anchor {
-        Some(a) => println!(
-            "BENCH {name} value={value:.3} unit={unit} anchor={a:.3} ratio={:.3}",
-            value / a
-        ),
-        None => println!("BENCH {name} value={value:.3} unit={unit}"),
-    }
-}
-
-/// The latency distribution, for the report's plot:
-/// `DIST <name> unit=us p0=.. p5=.. … p100=..` (every fifth percentile).
-fn dist(name: &str, samples: &[f64]) {
-    let points: Vec<String> = (0..=20)
-        .map(|i| {
-            format!(
-                "p{}={:.2}",
-                i * 5,
-                percentile(samples.to_vec(), i as f64 / 20.0)
-            )
-        })
-        .collect();
-    println!("DIST {name} unit=us {}", points.join(" "));
-}
 
 struct Setup {
     runner: Runner,
@@ -244,7 +212,8 @@ fn one_block_latency(quick: bool) {
         black_box(&dst);
         anchor.push(start.elapsed().as_secs_f64() * 1e6);
     }
-    let p99 = percentile(samples.clone(), 0.99);
+    let samples = sorted(samples);
+    let p99 = at(&samples, 0.99);
     dist("runner.one_block_deposit", &samples);
     bench(
         "runner.one_block_deposit_p50",

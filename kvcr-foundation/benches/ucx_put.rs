@@ -20,17 +20,15 @@
 )]
 #![allow(clippy::disallowed_methods)] // a benchmark reads the clock
 
+mod common;
+use common::median;
+
 use std::time::{Duration, Instant};
 
 use kvcr_foundation::ucx::{AnonOptions, Context, ContextConfig, RkeyBuffer, WorkerAddress};
 
 const TLS: &str = "sm,self";
 const MIB: usize = 1 << 20;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 fn main() {
     // `cargo test --all-targets` runs bench binaries without `--bench`: build
