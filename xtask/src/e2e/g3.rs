@@ -8,7 +8,7 @@
 use anyhow::{Context, Result};
 use serde_json::{Value, json};
 
-use super::scenarios::{core_invariants, hashes, no_corruption, num, status};
+use super::scenarios::{core_invariants, hashes, no_corruption, num, status, verify_cmd};
 use super::{Ctx, Outcome};
 use crate::node::Node;
 
@@ -129,10 +129,7 @@ pub(super) fn spill(ctx: &Ctx) -> Result<Outcome> {
     }
     let mut fresh = Vec::new();
     for (i, chunk) in again.chunks(CHUNK as usize).enumerate() {
-        let v = node.call(
-            &json!({"cmd": "verify", "hashes": chunk, "first_page": i as u64 * CHUNK, "shards": [0], "seed": 8}),
-            "VERIFIED",
-        )?;
+        let v = node.call(&verify_cmd(chunk, i as u64 * CHUNK, 8), "VERIFIED")?;
         fresh.push(v);
     }
     let (ok, bad): (u64, u64) = fresh.iter().fold((0, 0), |(ok, bad), v| {
@@ -161,10 +158,7 @@ fn verify_all(node: &mut Node, all: &[u64], seed: u64) -> Result<Value> {
         json!({"ok": 0, "mismatched": 0, "failed": 0, "completed": true, "statuses": {}});
     for (i, chunk) in all.chunks(CHUNK as usize).enumerate() {
         let first = i as u64 * CHUNK;
-        let v = node.call(
-            &json!({"cmd": "verify", "hashes": chunk, "first_page": first, "shards": [0], "seed": seed}),
-            "VERIFIED",
-        )?;
+        let v = node.call(&verify_cmd(chunk, first, seed), "VERIFIED")?;
         for key in ["ok", "mismatched", "failed"] {
             totals[key] = json!(num(&totals, key) + num(&v, key));
         }

@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 use super::events::EventTap;
 use super::scenarios::{
     ABANDON_MS, BIG_BLOCK, OP_TIMEOUT_MS, TCP, core_invariants, hashes, no_corruption, num,
-    offload, poll_stats, restore_cmd, status, warm_then_fault,
+    offload, poll_stats, restore_cmd, status, verify_cmd, warm_then_fault,
 };
 use super::{Ctx, Outcome};
 use crate::node::{Node, NodeSpec};
@@ -118,10 +118,7 @@ fn guarded(
 }
 
 fn verify(node: &mut Node, hashes: &[u64], seed: u64) -> Result<Value> {
-    node.call(
-        &json!({"cmd": "verify", "hashes": hashes, "first_page": 0, "shards": [0], "seed": seed}),
-        "VERIFIED",
-    )
+    node.call(&verify_cmd(hashes, 0, seed), "VERIFIED")
 }
 
 /// `engine-crash`: a source engine's pages live in its guard's memory; the

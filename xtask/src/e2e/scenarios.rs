@@ -121,6 +121,14 @@ pub(super) fn restore_cmd(
     })
 }
 
+/// A node command checking pages `first..` named by `hashes` (shard 0)
+/// against the bytes seeded with `seed`.
+pub(super) fn verify_cmd(hashes: &[u64], first: u64, seed: u64) -> Value {
+    json!({
+        "cmd": "verify", "hashes": hashes, "first_page": first, "shards": [0], "seed": seed,
+    })
+}
+
 /// The core's own invariant check, as the node reports it.
 pub(super) fn core_invariants(o: &mut Outcome, node: &mut Node) -> Result<()> {
     let stats = node.stats()?;
@@ -531,10 +539,13 @@ const PRESSURE_HASH_SEED: u64 = 7700;
 /// quarantine.
 fn verify_pressure(hit: &mut MidTransfer, landed: u64) -> Result<Value> {
     hit.dest.call(
-        &json!({
-            "cmd": "verify", "shards": [0], "seed": PRESSURE_SEED,
-            "hashes": (0..landed).map(|p| page_hash(p, PRESSURE_HASH_SEED)).collect::<Vec<_>>(),
-        }),
+        &verify_cmd(
+            &(0..landed)
+                .map(|p| page_hash(p, PRESSURE_HASH_SEED))
+                .collect::<Vec<_>>(),
+            0,
+            PRESSURE_SEED,
+        ),
         "VERIFIED",
     )
 }
@@ -777,7 +788,7 @@ pub(super) fn source_restart(ctx: &Ctx) -> Result<Outcome> {
         }
     }
     let kept = dest.call(
-        &json!({"cmd": "verify", "hashes": all.get(..half as usize).unwrap_or_default(), "shards": [0], "seed": 31}),
+        &verify_cmd(all.get(..half as usize).unwrap_or_default(), 0, 31),
         "VERIFIED",
     )?;
     no_corruption(&mut o, "pages restored before the restart", &kept);
@@ -946,10 +957,7 @@ pub(super) fn no_evict_capacity(ctx: &Ctx) -> Result<Outcome> {
     let stats = dest.stats()?;
     o.equal("nothing was evicted", num(&stats, "evictions"), 0);
     let claimed_hashes = hashes(&claimed);
-    let intact = dest.call(
-        &json!({"cmd": "verify", "hashes": claimed_hashes, "shards": [0], "seed": 31}),
-        "VERIFIED",
-    )?;
+    let intact = dest.call(&verify_cmd(&claimed_hashes, 0, 31), "VERIFIED")?;
     no_corruption(&mut o, "the claimed pages", &intact);
     o.equal("every claimed page is intact", num(&intact, "ok"), slots);
     let released = dest.call(&json!({"cmd": "release"}), "RELEASED")?;
