@@ -34,7 +34,8 @@
 //! handshake deadline, a deadline for a started frame to complete, an idle
 //! timeout on accepted sessions, a maximum frame length, and a per-session
 //! budget of inbound bytes not yet handled by the runner (a flooding peer is
-//! slowed by TCP backpressure; other peers' budgets are their own). Outgoing
+//! slowed by TCP backpressure; other peers' budgets are their own), and a
+//! per-session bound of sealed bytes not yet written to the peer. Outgoing
 //! queues drop (and count) on overflow; the protocol's deadlines and probes
 //! recover. A failed `accept` (e.g. out of file descriptors) backs off instead
 //! of spinning.
@@ -125,7 +126,7 @@ impl Default for ControlLimits {
             idle_timeout: Duration::from_secs(300),
             max_frame_len: 2 << 20,
             inbound_bytes_per_session: 4 << 20,
-            outbound_bytes_per_session: 16 << 20,
+            outbound_bytes_per_session: 4 << 20,
         }
     }
 }

@@ -404,10 +404,10 @@ fn limits_are_checked() {
         assert!(limits.check().is_err(), "{limits:?}");
     }
     // The stated bound: 16 sessions × (2 MiB frame + a record + 4 MiB in
-    // + 16 MiB out).
+    // + 4 MiB out).
     assert_eq!(
         ControlLimits::default().per_address_bound_bytes(),
-        16 * ((2 << 20) + RECORD_MAX + 2 + (4 << 20) + (16 << 20))
+        16 * ((2 << 20) + RECORD_MAX + 2 + (4 << 20) + (4 << 20))
     );
 }
 
