@@ -118,6 +118,25 @@ pub(crate) fn hint_to(source: &ControlEndpoint, keys: &[u64]) -> FetchHint {
     }
 }
 
+/// `target` submits `hint` under `request`, fetches `keys` (one span each,
+/// into its pool `kv`) and waits for the outcome.
+pub(crate) fn fetch_on_hint(
+    target: &mut Node,
+    request: &str,
+    hint: &FetchHint,
+    keys: &[u64],
+) -> OpResult {
+    let request = RequestId(request.into());
+    target.runner.submit_hint(request.clone(), hint);
+    let keys: Vec<ScopedKey> = keys.iter().map(|k| key(target.ns, *k)).collect();
+    let pool = target.runner.pool("kv").unwrap();
+    let op = target
+        .runner
+        .fetch_hinted(&request, &keys, &[pool])
+        .unwrap();
+    wait(&mut target.runner, op)
+}
+
 /// `target` restores `keys` from the runner at `source` on a hint (request
 /// `request`); every key must succeed. Returns each page's bytes, in order.
 pub(crate) fn restore_all(
@@ -126,17 +145,7 @@ pub(crate) fn restore_all(
     source: &ControlEndpoint,
     keys: &[u64],
 ) -> Vec<Vec<u8>> {
-    let request = RequestId(request.into());
-    target
-        .runner
-        .submit_hint(request.clone(), &hint_to(source, keys));
-    let scoped: Vec<ScopedKey> = keys.iter().map(|k| key(target.ns, *k)).collect();
-    let pool = target.runner.pool("kv").unwrap();
-    let op = target
-        .runner
-        .fetch_hinted(&request, &scoped, &[pool])
-        .unwrap();
-    let result = wait(&mut target.runner, op);
+    let result = fetch_on_hint(target, request, &hint_to(source, keys), keys);
     result
         .entries
         .iter()

@@ -21,7 +21,7 @@ use kvcr_foundation::{
 };
 use rstest::rstest;
 
-use crate::peer::{BLOCK, Node, hint, key, node_with, stock, wait};
+use crate::peer::{BLOCK, Node, fetch_on_hint, hint, key, node_with, stock, wait};
 
 const SECRET: &[u8] = b"trust-tests-cluster-secret-0123456789";
 
@@ -34,18 +34,6 @@ fn options(tls: &str, secret: Option<&[u8]>) -> PeerOptions {
 
 fn member(tls: &str, blocks: u32) -> Node {
     node_with(&options(tls, Some(SECRET)), blocks, Duration::from_secs(5))
-}
-
-fn fetch(target: &mut Node, request: &str, hint: &FetchHint, keys: &[u64]) -> OpResult {
-    let request = RequestId(request.into());
-    target.runner.submit_hint(request.clone(), hint);
-    let keys: Vec<ScopedKey> = keys.iter().map(|k| key(target.ns, *k)).collect();
-    let pool = target.runner.pool("kv").unwrap();
-    let op = target
-        .runner
-        .fetch_hinted(&request, &keys, &[pool])
-        .unwrap();
-    wait(&mut target.runner, op)
 }
 
 /// Every key restored, each byte equal to the source's.
@@ -93,7 +81,7 @@ fn a_runner_without_the_secret_restores_nothing(#[case] secret: Option<&'static 
         8,
         Duration::from_millis(500),
     );
-    let result = fetch(
+    let result = fetch_on_hint(
         &mut intruder,
         "steal",
         &hint(&source, &[0, 1, 2, 3]),
@@ -103,7 +91,7 @@ fn a_runner_without_the_secret_restores_nothing(#[case] secret: Option<&'static 
     assert!(source.runner.control_stats().refused_handshakes >= 1);
     assert_eq!(source.runner.peer_stats().0.keys_sent, 0);
     let mut friend = member("posix,cma,self", 8);
-    let result = fetch(
+    let result = fetch_on_hint(
         &mut friend,
         "ok",
         &hint(&source, &[0, 1, 2, 3]),
@@ -234,7 +222,7 @@ fn honest_restores_complete_during_floods(#[case] tls: &str) {
     let mut target = member(tls, 48);
     for keys in all.chunks(16) {
         let request = format!("honest-{}", keys[0]);
-        let result = fetch(&mut target, &request, &hint(&source, keys), keys);
+        let result = fetch_on_hint(&mut target, &request, &hint(&source, keys), keys);
         assert_restored(&target, &source, &result, keys);
     }
     assert_eq!(target.runner.peer_stats().0.keys_received, 48);
@@ -353,7 +341,7 @@ fn a_hint_to_a_stranger_reveals_nothing() {
         mode: kvcr_foundation::hint::FetchMode::Copy,
         action_id: None,
     };
-    let result = fetch(&mut target, "stranger", &the_hint, &[1]);
+    let result = fetch_on_hint(&mut target, "stranger", &the_hint, &[1]);
     assert_nothing_restored(&target, &result);
     let heard = heard.join().unwrap();
     // Preamble, a 2-byte length, and 48 bytes: an ephemeral key and a tag.
@@ -457,7 +445,7 @@ fn mutated_ucx_blobs_never_reach_ucx(#[case] tls: &str) {
     }
     // Still alive, still serving.
     let mut friend = member(tls, 8);
-    let result = fetch(
+    let result = fetch_on_hint(
         &mut friend,
         "after-blobs",
         &hint(&source, &[0, 1, 2, 3]),
