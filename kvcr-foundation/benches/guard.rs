@@ -175,8 +175,9 @@ fn main() {
     }
     let quick = std::env::args().any(|a| a == "--quick")
         || std::env::var("KVCR_BENCH_QUICK").as_deref() == Ok("1");
-    // `cargo xtask bench` repeats the whole binary (three rounds when quick);
-    // a restart pair costs seconds, a deposit pair a fraction of one.
+    // A restart pair costs seconds, a deposit pair a fraction of one: one
+    // restart pair when quick (`cargo xtask bench --quick` runs the binary
+    // once), five otherwise (and the full bench repeats the binary).
     let rounds = if quick { 1 } else { 5 };
     let deposit_rounds: u64 = if quick { 5 } else { 9 };
     let dir = scratch();

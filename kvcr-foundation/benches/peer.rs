@@ -65,7 +65,7 @@ fn options(path: Path<'_>) -> PeerOptions {
     o
 }
 
-/// The byte the source holds at offset `i` of its host buffer (key `k`'s
+/// The byte at offset `i` of the source's keys laid end to end (key `k`'s
 /// block starts at `k * block`): constant over each aligned run of
 /// [`RUN`] bytes, so filling and checking gigabytes run at `memset` and
 /// compare speed (a byte-by-byte pass took seconds per GiB, most of a
