@@ -246,6 +246,7 @@ struct Route {
     local_generation: u64,
     regions: HashMap<RegionId, RegionAdvert>,
     shared_memory: Option<SharedMemoryAdvert>,
+    doorbell: Option<DoorbellAdvert>,
     /// `None` while the driver connects; then whether it mapped every
     /// shared segment (the metadata ack waits for this and carries it).
     one_copy: Option<bool>,
@@ -453,7 +454,8 @@ impl Core {
                 worker_address,
                 regions,
                 shared_memory,
-            } => self.on_target_metadata(&header, worker_address, regions, shared_memory),
+                doorbell,
+            } => self.on_target_metadata(&header, worker_address, regions, shared_memory, doorbell),
             Body::TargetMetadataAck { one_copy, .. } => self.on_metadata_ack(&header, one_copy),
             Body::StartWrite {
                 op_handle,
