@@ -945,6 +945,7 @@ impl State {
                 rkeys,
                 shared_memory,
                 extents,
+                doorbell: _,
             } => match self.route_path(&worker_address, &rkeys, shared_memory.as_ref(), &extents) {
                 Ok(path) => {
                     let route = Rc::new(Route { generation, path });
