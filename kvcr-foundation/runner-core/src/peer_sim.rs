@@ -95,8 +95,8 @@ use kvcr_contracts::hint::{FetchHint, FetchMode, RequestId};
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::key::{BlockKey, CompatDigest, Namespace, NamespaceId, ScopedKey};
 use kvcr_contracts::protocol::{
-    Body, DoorbellAdvert, CompletedIndices, ElementRef, Header, Message, OpHandle, RegionAdvert, RegionId,
-    RouteGeneration, SegmentAdvert, SharedMemoryAdvert, WriteOutcome,
+    Body, CompletedIndices, DoorbellAdvert, ElementRef, Header, Message, OpHandle, RegionAdvert,
+    RegionId, RouteGeneration, SegmentAdvert, SharedMemoryAdvert, WriteOutcome,
 };
 use kvcr_contracts::tier::{InventoryEvent, Medium};
 
@@ -2909,7 +2909,10 @@ fn a_doorbell_is_part_of_the_route_and_offers_only_whole_writes() {
     sim.sources[0]
         .core
         .handle_message(0, from(1, 11, with_key(1)));
-    assert!(connects(&mut sim).is_empty(), "the same key: the same route");
+    assert!(
+        connects(&mut sim).is_empty(),
+        "the same key: the same route"
+    );
     sim.sources[0]
         .core
         .handle_message(0, from(1, 11, with_key(2)));

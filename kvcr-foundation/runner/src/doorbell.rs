@@ -24,7 +24,16 @@
 //! tag    := HMAC-SHA256(key, "kvcr-doorbell/1" | op | keys | version | zero)
 //! ```
 
-use kvcr_contracts::protocol::OpHandle;
+use std::collections::HashMap;
+
+use kvcr_contracts::endpoint::ControlEndpoint;
+use kvcr_contracts::incarnation::Incarnation;
+use kvcr_contracts::protocol::{
+    Body, CompletedIndices, DoorbellAdvert, Header, Message, OpHandle, RegionAdvert, RegionId,
+    RouteGeneration, SegmentAdvert, WriteOutcome,
+};
+use kvcr_runner_core::MAX_ADVERTISED_REGIONS;
+use kvcr_ucx::Registration;
 use ring::hmac;
 
 /// Bytes per slot (one record).
@@ -104,6 +113,269 @@ pub(crate) fn slot_offset(op: OpHandle) -> usize {
 
 /// Bytes of a doorbell region.
 pub(crate) const REGION_BYTES: usize = SLOTS as usize * SLOT_BYTES;
+
+/// The region id a target's doorbell is advertised under (pools and engine
+/// regions take small ids from the region table).
+pub(crate) const REGION: RegionId = RegionId(u32::MAX);
+
+/// Most operations a target watches slots for at once; past it, new ones
+/// are left to their `write_done` (the set is also pruned every tick).
+const MAX_AWAITED: usize = 4096;
+
+/// A session's key as the target holds it.
+struct SessionKey {
+    /// The control session (we dialed) the key was sent on.
+    session: u64,
+    key: RecordKey,
+    bytes: [u8; 32],
+}
+
+/// The target's side: the slots, the key per source session, and the
+/// operations whose slots it watches.
+pub(crate) struct TargetDoorbell {
+    slots: Registration<'static>,
+    advert: RegionAdvert,
+    /// The slots' file, when the target's pools are advertised as shared
+    /// segments (a same-host source then maps it with them).
+    segment: Option<SegmentAdvert>,
+    keys: HashMap<ControlEndpoint, SessionKey>,
+    awaited: HashMap<OpHandle, ControlEndpoint>,
+}
+
+impl TargetDoorbell {
+    /// `slots`: [`REGION_BYTES`] registered bytes, zeroed; `rkey` packed
+    /// for them; `segment`: their shared file's advert, if any.
+    pub(crate) fn new(
+        slots: Registration<'static>,
+        rkey: Vec<u8>,
+        segment: Option<SegmentAdvert>,
+    ) -> Self {
+        let advert = RegionAdvert {
+            id: REGION,
+            label: "kvcr-doorbell".to_owned(),
+            base: slots.as_ptr() as usize as u64,
+            element_size: SLOT_BYTES as u64,
+            stride: SLOT_BYTES as u64,
+            count: SLOTS,
+            rkey,
+        };
+        Self {
+            slots,
+            advert,
+            segment,
+            keys: HashMap::new(),
+            awaited: HashMap::new(),
+        }
+    }
+
+    /// Adds the doorbell to `body` (metadata going to `to` on our session
+    /// `session`), with that session's key (made on its first metadata).
+    /// Metadata that already names as many regions as a source accepts,
+    /// or our region id, goes without one.
+    pub(crate) fn advertise(&mut self, to: &ControlEndpoint, session: u64, body: &mut Body) {
+        let Body::TargetMetadata {
+            regions,
+            shared_memory,
+            doorbell,
+            ..
+        } = body
+        else {
+            return;
+        };
+        if regions.len() >= MAX_ADVERTISED_REGIONS || regions.iter().any(|r| r.id == REGION) {
+            return;
+        }
+        if self.keys.get(to).is_none_or(|k| k.session != session) {
+            let Some((key, bytes)) = RecordKey::generate() else {
+                return;
+            };
+            // A new session: operations awaited on the old one are left to
+            // their replies.
+            self.awaited.retain(|_, source| source != to);
+            self.keys.insert(
+                to.clone(),
+                SessionKey {
+                    session,
+                    key,
+                    bytes,
+                },
+            );
+        }
+        let Some(key) = self.keys.get(to) else {
+            return;
+        };
+        // Shared segments are all-or-nothing for a source (it writes with
+        // one copy only when it maps every region), so the doorbell's file
+        // joins them, and without them the doorbell is reached through UCX.
+        if let Some(shared) = shared_memory.as_mut() {
+            match self.segment {
+                Some(segment) => shared.segments.push(segment),
+                None => return,
+            }
+        }
+        regions.push(self.advert.clone());
+        *doorbell = Some(DoorbellAdvert {
+            region: REGION,
+            key: key.bytes,
+        });
+    }
+
+    /// A `start_write` for `op` went to `to`: watch its slot, if `to` has
+    /// our doorbell.
+    pub(crate) fn await_op(&mut self, to: &ControlEndpoint, op: OpHandle) {
+        if self.keys.contains_key(to) && self.awaited.len() < MAX_AWAITED {
+            self.awaited.insert(op, to.clone());
+        }
+    }
+
+    /// Whether any slot is watched.
+    pub(crate) fn awaiting(&self) -> bool {
+        !self.awaited.is_empty()
+    }
+
+    /// `op` ended (its reply came, or the core no longer waits on it).
+    pub(crate) fn forget_op(&mut self, op: OpHandle) {
+        self.awaited.remove(&op);
+    }
+
+    /// Our session to `source` ended: its key and watched slots go.
+    pub(crate) fn forget_source(&mut self, source: &ControlEndpoint) {
+        self.keys.remove(source);
+        self.awaited.retain(|_, s| s != source);
+    }
+
+    /// Keeps only the watched operations `waiting` says are still waited on.
+    pub(crate) fn retain(&mut self, mut waiting: impl FnMut(OpHandle) -> bool) {
+        self.awaited.retain(|op, _| waiting(*op));
+    }
+
+    /// The `write_done`s the watched slots hold now, each with the
+    /// identity of the session its key was sent on (`dialed`: our session
+    /// to an endpoint, its id and who answered it), and how many records
+    /// naming a watched operation did not verify.
+    pub(crate) fn take(
+        &mut self,
+        dialed: impl Fn(&ControlEndpoint) -> Option<(u64, Incarnation)>,
+    ) -> (Vec<Message>, u64) {
+        let mut taken = Vec::new();
+        let mut refused = 0;
+        for (op, source) in &self.awaited {
+            let mut record = [0u8; SLOT_BYTES];
+            if self.slots.read(slot_offset(*op), &mut record).is_err() {
+                continue;
+            }
+            if record_op(&record) != *op {
+                continue;
+            }
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+            let Some(key) = self.keys.get(source) else {
+                continue;
+            };
+            let Some(keys) = key.key.open(*op, &record) else {
+                refused += 1;
+                continue;
+            };
+            // Believed only from the session the key went out on, as that
+            // session's reply would be.
+            let Some((session, incarnation)) = dialed(source) else {
+                continue;
+            };
+            if session != key.session {
+                continue;
+            }
+            taken.push((
+                *op,
+                Message {
+                    header: Header {
+                        sender: incarnation,
+                        route_generation: RouteGeneration(0),
+                        sender_endpoint: source.clone(),
+                    },
+                    body: Body::WriteDone {
+                        op_handle: *op,
+                        outcome: WriteOutcome::Completed(CompletedIndices::new(
+                            (0..keys).collect(),
+                        )),
+                    },
+                },
+            ));
+        }
+        for (op, _) in &taken {
+            self.awaited.remove(op);
+        }
+        (taken.into_iter().map(|(_, m)| m).collect(), refused)
+    }
+}
+
+/// A source's doorbell on one route: where the target's slots are and the
+/// session's key.
+pub(crate) struct RouteDoorbell {
+    key: RecordKey,
+    pub(crate) region: RegionId,
+    base: u64,
+}
+
+impl RouteDoorbell {
+    /// The doorbell `advert` names, if its region was advertised with room
+    /// for every slot (`regions`: id and base; `extents`: id and bytes).
+    pub(crate) fn new(
+        advert: &DoorbellAdvert,
+        regions: &[(RegionId, u64, Vec<u8>)],
+        extents: &[(RegionId, u64)],
+    ) -> Option<Self> {
+        let (_, base, _) = regions.iter().find(|(r, _, _)| *r == advert.region)?;
+        let (_, extent) = extents.iter().find(|(r, _)| *r == advert.region)?;
+        (*extent >= REGION_BYTES as u64).then(|| Self {
+            key: RecordKey::new(&advert.key),
+            region: advert.region,
+            base: *base,
+        })
+    }
+
+    /// The record for `op` (`keys` landed) and the target address of its slot.
+    pub(crate) fn ring(&self, op: OpHandle, keys: u32) -> ([u8; SLOT_BYTES], u64) {
+        (
+            self.key.seal(op, keys),
+            self.base + slot_offset(op) as u64,
+        )
+    }
+}
+
+/// A source's registered staging slots for records it puts through UCX
+/// (each kept until its put completes).
+pub(crate) struct Outbox {
+    pub(crate) memory: Registration<'static>,
+    free: Vec<usize>,
+}
+
+/// Records one source may have in flight through UCX at once; past it, a
+/// write is reported by `write_done` alone.
+pub(crate) const OUTBOX_SLOTS: usize = 256;
+
+impl Outbox {
+    pub(crate) fn new(memory: Registration<'static>) -> Self {
+        Self {
+            memory,
+            free: (0..OUTBOX_SLOTS).rev().collect(),
+        }
+    }
+
+    /// Stages `record`; its slot's byte offset, or `None` when all are in use.
+    pub(crate) fn stage(&mut self, record: &[u8; SLOT_BYTES]) -> Option<usize> {
+        let slot = self.free.pop()?;
+        let offset = slot * SLOT_BYTES;
+        if self.memory.write(offset, record).is_err() {
+            self.free.push(slot);
+            return None;
+        }
+        Some(offset)
+    }
+
+    /// The put from `offset` completed (or failed): the slot is free again.
+    pub(crate) fn release(&mut self, offset: usize) {
+        self.free.push(offset / SLOT_BYTES);
+    }
+}
 
 #[cfg(test)]
 mod tests {

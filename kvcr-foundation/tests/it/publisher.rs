@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::MutexGuard;
 use std::time::Duration;
+use crate::{wait_for, wait_until};
 
 use kvcr_foundation::publisher::wire::{OwnershipWire, WireBatch, WireEvent, encode_batch_to_vec};
 use kvcr_foundation::publisher::{
@@ -29,27 +30,6 @@ use rmpv::Value;
 /// them, so socket tests run one at a time (with the other heavy tests).
 fn sockets_lock() -> MutexGuard<'static, ()> {
     crate::serial()
-}
-
-/// A bounded wait on an explicit condition (never a sleep to settle).
-fn wait_until(what: &str, limit: Duration, cond: impl FnMut() -> bool) {
-    assert!(
-        wait_for(limit, cond),
-        "timed out after {limit:?} waiting for {what}"
-    );
-}
-
-/// Whether `cond` became true within `limit`.
-#[allow(clippy::disallowed_methods)]
-fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = std::time::Instant::now() + limit;
-    while !cond() {
-        if std::time::Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::yield_now();
-    }
-    true
 }
 
 fn inc(n: u128) -> Incarnation {

@@ -34,8 +34,8 @@
 use bytes::{Buf, BufMut, BytesMut};
 
 use super::{
-    Body, CompletedIndices, DoorbellAdvert, ElementRef, Header, Message, OpHandle, RegionAdvert, RegionId,
-    RouteGeneration, SegmentAdvert, SharedMemoryAdvert, WriteOutcome,
+    Body, CompletedIndices, DoorbellAdvert, ElementRef, Header, Message, OpHandle, RegionAdvert,
+    RegionId, RouteGeneration, SegmentAdvert, SharedMemoryAdvert, WriteOutcome,
 };
 use crate::endpoint::ControlEndpoint;
 use crate::error::{Echo, Error, FrameReason, Result};

@@ -5,8 +5,8 @@ use bytes::BytesMut;
 use kvcr_contracts::error::FrameReason;
 use kvcr_contracts::protocol::codec::{FrameCodec, MAX_KEYS_PER_WRITE, MAX_SPANS_PER_KEY};
 use kvcr_contracts::protocol::{
-    Body, CompletedIndices, DoorbellAdvert, ElementRef, Header, Message, OpHandle, RegionAdvert, RegionId,
-    RouteGeneration, SegmentAdvert, SharedMemoryAdvert, WriteOutcome,
+    Body, CompletedIndices, DoorbellAdvert, ElementRef, Header, Message, OpHandle, RegionAdvert,
+    RegionId, RouteGeneration, SegmentAdvert, SharedMemoryAdvert, WriteOutcome,
 };
 use kvcr_contracts::{BlockKey, ControlEndpoint, Incarnation, NamespaceId};
 use proptest::prelude::*;

@@ -32,7 +32,9 @@ use crate::types::{
 use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::hint::RequestId;
 use kvcr_contracts::key::{BlockKey, Namespace, NamespaceId, ScopedKey};
-use kvcr_contracts::protocol::{DoorbellAdvert, ElementRef, OpHandle, RegionId, SharedMemoryAdvert};
+use kvcr_contracts::protocol::{
+    DoorbellAdvert, ElementRef, OpHandle, RegionId, SharedMemoryAdvert,
+};
 use kvcr_contracts::tier::{InventoryEvent, InventoryScope, Medium, Owner};
 
 mod completions;

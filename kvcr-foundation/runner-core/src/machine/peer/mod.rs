@@ -640,6 +640,16 @@ impl Core {
             .map_or((0, 0), |p| (p.target.ops.len(), p.source.writes.len()))
     }
 
+    /// Whether target operation `op` still waits for its source's reply.
+    pub fn peer_awaits_reply(&self, op: OpHandle) -> bool {
+        self.peer.as_ref().is_some_and(|p| {
+            p.target
+                .ops
+                .get(&op)
+                .is_some_and(|o| o.state == TargetState::WaitingWriteDone)
+        })
+    }
+
     /// Drains the framework notices.
     pub fn take_notices(&mut self) -> Vec<PeerNotice> {
         self.peer
