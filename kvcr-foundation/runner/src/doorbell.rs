@@ -334,10 +334,7 @@ impl RouteDoorbell {
 
     /// The record for `op` (`keys` landed) and the target address of its slot.
     pub(crate) fn ring(&self, op: OpHandle, keys: u32) -> ([u8; SLOT_BYTES], u64) {
-        (
-            self.key.seal(op, keys),
-            self.base + slot_offset(op) as u64,
-        )
+        (self.key.seal(op, keys), self.base + slot_offset(op) as u64)
     }
 }
 
@@ -443,6 +440,174 @@ mod tests {
         for op in [0, 1, SLOTS - 1, SLOTS, u64::MAX] {
             assert!(slot_offset(OpHandle(op)) + SLOT_BYTES <= REGION_BYTES);
         }
+    }
+
+    fn endpoint(port: u16) -> ControlEndpoint {
+        ControlEndpoint::parse(&format!("tcp://127.0.0.1:{port}")).unwrap()
+    }
+
+    fn incarnation(raw: u128) -> Incarnation {
+        Incarnation::from_raw(raw).unwrap()
+    }
+
+    fn target_doorbell(shared: bool) -> TargetDoorbell {
+        let context = kvcr_ucx::Context::new().unwrap();
+        let slots = context.register_vec(vec![0; REGION_BYTES]).unwrap();
+        let rkey = slots.pack_rkey().unwrap().as_bytes().to_vec();
+        let segment = shared.then_some(SegmentAdvert {
+            region: REGION,
+            fd: 3,
+            token: [9; 16],
+        });
+        TargetDoorbell::new(slots, rkey, segment)
+    }
+
+    fn metadata(regions: usize, shared: bool) -> Body {
+        let region = |i: u32| RegionAdvert {
+            id: RegionId(i),
+            label: "kv".into(),
+            base: 4096,
+            element_size: 4096,
+            stride: 4096,
+            count: 1,
+            rkey: vec![1],
+        };
+        Body::TargetMetadata {
+            worker_address: vec![1],
+            regions: (0..regions as u32).map(region).collect(),
+            shared_memory: shared.then(|| kvcr_contracts::protocol::SharedMemoryAdvert {
+                boot_id: [0; 16],
+                pid_namespace: 1,
+                pid: 1,
+                segments: Vec::new(),
+            }),
+            doorbell: None,
+        }
+    }
+
+    /// The key `advertise` put into metadata for `to` on `session`.
+    fn advertised_key(db: &mut TargetDoorbell, to: &ControlEndpoint, session: u64) -> RecordKey {
+        let mut body = metadata(1, false);
+        db.advertise(to, session, &mut body);
+        let Body::TargetMetadata {
+            doorbell: Some(advert),
+            ..
+        } = body
+        else {
+            panic!("no doorbell advertised: {body:?}");
+        };
+        RecordKey::new(&advert.key)
+    }
+
+    fn ring(db: &TargetDoorbell, op: u64, record: &[u8; SLOT_BYTES]) {
+        db.slots.write(slot_offset(OpHandle(op)), record).unwrap();
+    }
+
+    #[test]
+    fn advertising_adds_the_region_its_segment_and_a_key_per_session() {
+        let mut db = target_doorbell(true);
+        let to = endpoint(1);
+        let mut body = metadata(2, true);
+        db.advertise(&to, 7, &mut body);
+        let Body::TargetMetadata {
+            regions,
+            shared_memory: Some(shared),
+            doorbell: Some(advert),
+            ..
+        } = &body
+        else {
+            panic!("{body:?}");
+        };
+        assert_eq!(regions.len(), 3);
+        assert!(regions.iter().any(|r| r.id == REGION && r.count == SLOTS));
+        assert_eq!(
+            shared.segments.len(),
+            1,
+            "the slots' file joins the segments"
+        );
+        let first = advert.key;
+        // The same session keeps its key; a new session gets a fresh one.
+        let mut again = metadata(2, true);
+        db.advertise(&to, 7, &mut again);
+        assert!(matches!(&again, Body::TargetMetadata { doorbell: Some(a), .. } if a.key == first));
+        let mut fresh = metadata(2, true);
+        db.advertise(&to, 8, &mut fresh);
+        assert!(matches!(&fresh, Body::TargetMetadata { doorbell: Some(a), .. } if a.key != first));
+        // A source refuses metadata past the region cap: none is added then.
+        let mut full = metadata(MAX_ADVERTISED_REGIONS, false);
+        db.advertise(&to, 8, &mut full);
+        assert!(
+            matches!(&full, Body::TargetMetadata { doorbell: None, regions, .. } if regions.len() == MAX_ADVERTISED_REGIONS)
+        );
+        // Shared pools but slots that are not a shared file: no doorbell,
+        // or a same-host source could not write with one copy at all.
+        let mut plain = target_doorbell(false);
+        let mut body = metadata(1, true);
+        plain.advertise(&to, 1, &mut body);
+        assert!(
+            matches!(&body, Body::TargetMetadata { doorbell: None, regions, .. } if regions.len() == 1)
+        );
+    }
+
+    /// A record is believed only as its session's reply: sealed with the
+    /// key sent on that session, in the slot of an operation sent to that
+    /// source, while that same session is open; the sender is the
+    /// session's proven identity, never anything the record says.
+    #[test]
+    fn a_record_is_taken_only_as_its_sessions_reply() {
+        let mut db = target_doorbell(false);
+        let (a, b) = (endpoint(1), endpoint(2));
+        let key_a = advertised_key(&mut db, &a, 10);
+        let key_b = advertised_key(&mut db, &b, 20);
+        let proven = incarnation(77);
+        let dialed = |session: u64| move |_: &ControlEndpoint| Some((session, proven));
+        db.await_op(&a, OpHandle(5));
+        // Another member's key (b's session) for a's operation: refused.
+        ring(&db, 5, &key_b.seal(OpHandle(5), 2));
+        assert_eq!(db.take(dialed(10)).0.len(), 0);
+        assert_eq!(db.take(dialed(10)).1, 1);
+        // The right key, but the session it went out on was replaced.
+        ring(&db, 5, &key_a.seal(OpHandle(5), 2));
+        assert!(db.take(dialed(11)).0.is_empty());
+        assert!(db.take(|_| None).0.is_empty(), "no open session: nothing");
+        // Its own session: taken once, as that session's `write_done`.
+        let (taken, refused) = db.take(dialed(10));
+        assert_eq!(refused, 0);
+        let [message] = taken.as_slice() else {
+            panic!("{taken:?}");
+        };
+        assert_eq!(message.header.sender, proven);
+        assert_eq!(message.header.sender_endpoint, a);
+        assert_eq!(
+            message.body,
+            Body::WriteDone {
+                op_handle: OpHandle(5),
+                outcome: WriteOutcome::Completed(CompletedIndices::new(vec![0, 1])),
+            }
+        );
+        assert!(!db.awaiting());
+        // Replayed: the record still sits there, but nothing waits on it;
+        // the slot's next operation does not match it.
+        assert!(db.take(dialed(10)).0.is_empty());
+        db.await_op(&a, OpHandle(5 + SLOTS));
+        assert_eq!(db.take(dialed(10)), (Vec::new(), 0));
+        // An operation never sent to a source with our doorbell is not watched.
+        db.await_op(&endpoint(3), OpHandle(6));
+        ring(&db, 6, &key_a.seal(OpHandle(6), 1));
+        assert!(db.take(dialed(10)).0.is_empty());
+    }
+
+    #[test]
+    fn a_lost_session_forgets_its_key_and_watched_slots() {
+        let mut db = target_doorbell(false);
+        let a = endpoint(1);
+        let key = advertised_key(&mut db, &a, 10);
+        db.await_op(&a, OpHandle(9));
+        db.forget_source(&a);
+        assert!(!db.awaiting());
+        ring(&db, 9, &key.seal(OpHandle(9), 1));
+        db.await_op(&a, OpHandle(9));
+        assert!(!db.awaiting(), "no key for it any more: not watched");
     }
 
     proptest! {

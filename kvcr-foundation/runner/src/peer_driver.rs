@@ -27,7 +27,9 @@ use super::control::{
     ChannelEvent, ControlChannel, ControlLimits, ControlStats, Inbound, PeerIdentity,
 };
 use super::placement::{AnonMapping, PlacementOutcome, PoolMemory};
-use crate::doorbell::{OUTBOX_SLOTS, Outbox, REGION_BYTES, RouteDoorbell, SLOT_BYTES, TargetDoorbell};
+use crate::doorbell::{
+    OUTBOX_SLOTS, Outbox, REGION_BYTES, RouteDoorbell, SLOT_BYTES, TargetDoorbell,
+};
 use crate::error::{Error, Result, RunnerReason};
 use crate::lanes::Lanes;
 use crate::shared_memory::{HostScope, PeerSegment, SharedPool};

@@ -214,9 +214,11 @@ fn hinted_fetch_restores_bytes(#[case] tls: &str, #[case] mapping: bool) {
     assert_eq!(target_counters.keys_received, 6);
     // The target may complete on the source's doorbell before the source
     // has counted its own completion.
-    crate::wait_until("the source to count its sent keys", Duration::from_secs(5), || {
-        source.runner.peer_stats().0.keys_sent == 6
-    });
+    crate::wait_until(
+        "the source to count its sent keys",
+        Duration::from_secs(5),
+        || source.runner.peer_stats().0.keys_sent == 6,
+    );
     let (source_counters, _) = source.runner.peer_stats();
     // Every write of every key asked for rings the target's doorbell (on
     // both paths: a copy into the mapped slots, or a fenced put).

@@ -7,12 +7,12 @@
 //! under `target/realclients`. `KVCR_TEST_DYNAMO=1` / `KVCR_TEST_VLLM_WIRE=1`
 //! make a missing client a failure; unset, those tests skip with a reason.
 
+use crate::{wait_for, wait_until};
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::MutexGuard;
 use std::time::Duration;
-use crate::{wait_for, wait_until};
 
 use kvcr_foundation::publisher::wire::{OwnershipWire, WireBatch, WireEvent, encode_batch_to_vec};
 use kvcr_foundation::publisher::{
