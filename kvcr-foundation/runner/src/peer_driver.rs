@@ -36,9 +36,7 @@ use crate::shared_memory::{HostScope, PeerSegment, SharedPool};
 use kvcr_contracts::endpoint::{AdvertisePolicy, BindAddress, ControlEndpoint, Host};
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::key::NamespaceId;
-use kvcr_contracts::protocol::{
-    Body, CompletedIndices, OpHandle, RegionId, SharedMemoryAdvert, WriteOutcome,
-};
+use kvcr_contracts::protocol::{Body, OpHandle, RegionId, SharedMemoryAdvert};
 use kvcr_runner_core::{Action, CopySpan, PutSpan};
 use kvcr_ucx::{
     AnonOptions, CloseMode, Completion, Context, ContextConfig, Endpoint, ErrorMode, Registration,
@@ -519,6 +517,9 @@ struct State {
     doorbell: TargetDoorbell,
     /// Staged records of our doorbell puts as a source.
     outbox: Outbox,
+    /// Records to ring when one-copy writes finish: the target's doorbell
+    /// mapping, the record, and its slot's target address, by write.
+    rings: HashMap<u64, (Arc<PeerSegment>, [u8; SLOT_BYTES], u64)>,
     pools: Vec<Registration<'static>>,
     worker: kvcr_ucx::Worker,
     _context: Context,
@@ -710,6 +711,7 @@ impl State {
                 own_tokens,
                 doorbell,
                 outbox,
+                rings: HashMap::new(),
                 pools,
                 worker,
                 _context: context,
@@ -859,7 +861,7 @@ impl State {
                     done = self.lane_done.recv() => {
                         if let Some(done) = done {
                             last_activity = Instant::now();
-                            lane_write_done(shared, done);
+                            self.copied(shared, done);
                         }
                     }
                     item = self.inbound.recv() => {
@@ -934,7 +936,7 @@ impl State {
         }
         while let Ok(done) = self.lane_done.try_recv() {
             any = true;
-            lane_write_done(shared, done);
+            self.copied(shared, done);
         }
         while let Ok(item) = self.inbound.try_recv() {
             any = true;
@@ -995,10 +997,6 @@ impl State {
                         self.doorbell.advertise(&to, session, &mut message.body);
                     }
                     Body::StartWrite { op_handle, .. } => self.doorbell.await_op(&to, *op_handle),
-                    Body::WriteDone {
-                        op_handle,
-                        outcome: WriteOutcome::Completed(indices),
-                    } => self.ring_mapped(&to, *op_handle, indices),
                     _ => {}
                 }
                 self.control.send(&to, message);
@@ -1054,6 +1052,18 @@ impl State {
                     let copies = self.one_copy_plan(segments, &spans);
                     match copies {
                         Some(copies) => {
+                            if let Some(doorbell) =
+                                &route.as_ref().and_then(|r| r.doorbell.as_ref())
+                            {
+                                let completion = shared.lock().core.peer_write_completion(write);
+                                if let (Some((op, keys)), Some(slots)) =
+                                    (completion, segments.get(&doorbell.region))
+                                {
+                                    let (record, remote) = doorbell.ring(op, keys);
+                                    self.rings
+                                        .insert(write, (Arc::clone(slots), record, remote));
+                                }
+                            }
                             let segments = segments.values().cloned().collect();
                             // SAFETY: every source range lies inside one of our
                             // pools (checked by `one_copy_plan`), claimed by this
@@ -1066,7 +1076,7 @@ impl State {
                                     .submit(write, copies, segments, &self.lane_done_tx)
                             };
                             if let Some(ok) = inline {
-                                lane_write_done(shared, (write, ok));
+                                self.copied(shared, (write, ok));
                             }
                         }
                         None => shared
@@ -1200,34 +1210,21 @@ impl State {
         Ok((endpoint, keys))
     }
 
-    /// A one-copy write to `to` ended with every key in place (its copies
-    /// are done: the lanes reported them): rings the target's doorbell
-    /// before the `write_done` goes out. UCX routes rang theirs already,
-    /// behind their puts.
-    fn ring_mapped(&self, to: &ControlEndpoint, op: OpHandle, indices: &CompletedIndices) {
-        let Some(route) = self.routes.get(to) else {
-            return;
-        };
-        let (RoutePath::OneCopy(segments), Some(doorbell)) = (&route.path, &route.doorbell) else {
-            return;
-        };
-        let keys = indices.as_slice().len();
-        if indices.leading_prefix() != keys {
-            return;
-        }
-        let Ok(keys) = u32::try_from(keys) else {
-            return;
-        };
-        let (record, remote) = doorbell.ring(op, keys);
-        if segments
-            .get(&doorbell.region)
-            .is_some_and(|segment| segment.write_record(remote, &record))
+    /// A write's copies ended (`ok`: all of them): rings the target's
+    /// doorbell first when the write has a record waiting (the moment the
+    /// bytes are in place, before the core hears of it and the
+    /// `write_done` goes out), then reports to the core.
+    fn copied(&mut self, shared: &Arc<Shared>, (write, ok): (u64, bool)) {
+        if let Some((slots, record, remote)) = self.rings.remove(&write)
+            && ok
+            && slots.write_record(remote, &record)
         {
             self.control
                 .stats
                 .doorbells_rung
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
+        shared.with_core_now(|core, now| core.handle_put_done(now, write, ok));
     }
 
     /// Takes the `write_done`s our doorbell's watched slots hold.
@@ -1410,9 +1407,6 @@ const DRAIN_MAX: Duration = Duration::from_millis(100);
 const MAX_IDLE_NAP: Duration = Duration::from_secs(1);
 
 /// A lane's report of a one-copy write, fed to the core.
-fn lane_write_done(shared: &Arc<Shared>, (write, ok): (u64, bool)) {
-    shared.with_core_now(|core, now| core.handle_put_done(now, write, ok));
-}
 
 /// How long the peer thread naps between progress rounds while it only waits
 /// for writes into its memory and nothing moved for `SPIN_BEFORE_NAP`.
