@@ -51,7 +51,7 @@ const MIN_STRIPE_BYTES: u64 = 32 << 10;
 /// lane would take the CPU the engine, the peer thread or the other side of
 /// the copy needs (on the 2-vCPU VMs here striping made one-block restores
 /// slower).
-const STRIPE_MIN_CORES: usize = 4;
+pub(crate) const STRIPE_MIN_CORES: usize = 4;
 
 /// Lanes that take stripes (with the peer thread, four pieces: a 256 KiB
 /// page in 14 µs on the H200 host, against 12 µs over eight lanes, for
@@ -74,7 +74,7 @@ pub(crate) fn default_lanes() -> usize {
     cores().clamp(1, 8)
 }
 
-fn cores() -> usize {
+pub(crate) fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
 }
 

@@ -701,6 +701,7 @@ impl State {
         let mut last_progress = last_tick;
         let mut last_activity = last_tick;
         let mut deadline_due = false;
+        let linger = linger();
         // (writes into us may be under way, a reply to us is awaited)
         let mut waits = (false, false);
         loop {
@@ -765,7 +766,7 @@ impl State {
                 }
                 tokio::task::yield_now().await;
             } else if !peeked
-                || last_activity.elapsed() < if awaiting_reply { ACTIVE_SPIN } else { LINGER }
+                || last_activity.elapsed() < if awaiting_reply { ACTIVE_SPIN } else { linger }
             {
                 // Our request is out and its reply is due within a round
                 // trip, or we just served one and the next is likely close
@@ -1242,7 +1243,21 @@ const ACTIVE_SPIN: Duration = Duration::from_micros(300);
 /// How long a peer thread stays awake after its last activity when it
 /// awaits nothing: a burst's next request then finds it running. Bounded, so
 /// an idle node still sleeps (`peer.idle_cpu`).
-const LINGER: Duration = Duration::from_micros(200);
+///
+/// 1 ms on hosts with [`STRIPE_MIN_CORES`](crate::lanes::STRIPE_MIN_CORES)
+/// cores or more, as long as the striping lanes linger: traced hop by hop on
+/// the H200 host, back-to-back one-block restores reach the source
+/// 150–200 µs apart, and with 200 µs it had often gone to sleep, noticing the
+/// next request 9–23 µs (median) after it was written against 3–4 µs awake
+/// (the target's thread likewise, for its caller's next request). Below,
+/// 200 µs: there a spinning thread takes the CPU the other side needs.
+fn linger() -> Duration {
+    if crate::lanes::cores() >= crate::lanes::STRIPE_MIN_CORES {
+        Duration::from_millis(1)
+    } else {
+        Duration::from_micros(200)
+    }
+}
 
 /// Whether UCX's tcp transport is kept on the loopback device: only for a
 /// runner whose peers dial it on loopback, and only when the environment
