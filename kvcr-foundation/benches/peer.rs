@@ -296,6 +296,11 @@ fn one_block(path: Path<'_>, block: usize, iters: usize) -> Vec<f64> {
             fetch(&mut target, &source.endpoint, ns, k..k + 1, 0) * 1e6
         })
         .collect();
+    let stats = target.control_stats();
+    println!(
+        "# one-block {} B over {}: {} of {} writes completed on the doorbell ({} records refused)",
+        block, path.tls, stats.doorbells_taken, iters, stats.doorbells_refused
+    );
     samples.sort_by(f64::total_cmp);
     samples
 }

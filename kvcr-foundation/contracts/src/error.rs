@@ -345,6 +345,9 @@ pub enum FrameReason {
     /// A shared segment names a region the metadata does not advertise.
     #[error("shared segment for region id {0}, which is not advertised")]
     UnknownSegmentRegion(u32),
+    /// The doorbell names a region the metadata does not advertise.
+    #[error("doorbell in region id {0}, which is not advertised")]
+    UnknownDoorbellRegion(u32),
     /// Bytes left over after the message.
     #[error("{0} trailing bytes after the message")]
     Trailing(usize),

@@ -95,8 +95,8 @@ use kvcr_contracts::hint::{FetchHint, FetchMode, RequestId};
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::key::{BlockKey, CompatDigest, Namespace, NamespaceId, ScopedKey};
 use kvcr_contracts::protocol::{
-    Body, CompletedIndices, ElementRef, Header, Message, OpHandle, RegionAdvert, RegionId,
-    RouteGeneration, SegmentAdvert, SharedMemoryAdvert, WriteOutcome,
+    Body, CompletedIndices, DoorbellAdvert, ElementRef, Header, Message, OpHandle, RegionAdvert,
+    RegionId, RouteGeneration, SegmentAdvert, SharedMemoryAdvert, WriteOutcome,
 };
 use kvcr_contracts::tier::{InventoryEvent, Medium};
 
@@ -2680,6 +2680,7 @@ fn metadata(regions: usize) -> Body {
             })
             .collect(),
         shared_memory: None,
+        doorbell: None,
     }
 }
 
@@ -2829,6 +2830,7 @@ fn oversized_metadata_is_refused_whole() {
         worker_address: vec![0; MAX_WORKER_ADDRESS_LEN + 1],
         regions: regions.clone(),
         shared_memory: None,
+        doorbell: None,
     };
     let mut big_rkey = regions;
     big_rkey[0].rkey = vec![0; MAX_RKEY_LEN + 1];
@@ -2836,6 +2838,7 @@ fn oversized_metadata_is_refused_whole() {
         worker_address: vec![1; 4],
         regions: big_rkey,
         shared_memory: None,
+        doorbell: None,
     };
     for body in [too_many, huge_address, huge_rkey] {
         sim.sources[0].core.handle_message(0, from(1, 11, body));
@@ -2850,6 +2853,98 @@ fn oversized_metadata_is_refused_whole() {
         .core
         .handle_message(0, from(1, 11, metadata(MAX_ADVERTISED_REGIONS)));
     assert_eq!(sim.sources[0].core.peer_state_sizes().routes, 1);
+}
+
+/// The doorbell rides with the route: the same key is the same route (no
+/// new connect), a new key is a new route generation handed to the driver;
+/// a write's completion is offered for ringing only while it is being
+/// written and covers every key asked for.
+#[test]
+fn a_doorbell_is_part_of_the_route_and_offers_only_whole_writes() {
+    let (mut sim, source_incarnation) = stocked_source(|_| {});
+    let ns = sim.ns;
+    let with_key = |key: u8| {
+        let Body::TargetMetadata {
+            worker_address,
+            regions,
+            shared_memory,
+            ..
+        } = metadata(1)
+        else {
+            unreachable!()
+        };
+        Body::TargetMetadata {
+            worker_address,
+            regions,
+            shared_memory,
+            doorbell: Some(DoorbellAdvert {
+                region: RegionId(0),
+                key: [key; 32],
+            }),
+        }
+    };
+    let connects = |sim: &mut Sim| -> Vec<(u64, Option<DoorbellAdvert>)> {
+        std::iter::from_fn(|| sim.sources[0].core.poll_action())
+            .filter_map(|a| match a {
+                Action::Connect {
+                    generation,
+                    doorbell,
+                    ..
+                } => Some((generation, doorbell)),
+                _ => None,
+            })
+            .collect()
+    };
+    sim.sources[0]
+        .core
+        .handle_message(0, from(1, 11, with_key(1)));
+    let first = connects(&mut sim);
+    assert!(
+        matches!(first.as_slice(), [(_, Some(d))] if d.key == [1; 32]),
+        "{first:?}"
+    );
+    sim.sources[0]
+        .core
+        .handle_connected(&endpoint(1), first[0].0, true);
+    sim.sources[0]
+        .core
+        .handle_message(0, from(1, 11, with_key(1)));
+    assert!(
+        connects(&mut sim).is_empty(),
+        "the same key: the same route"
+    );
+    sim.sources[0]
+        .core
+        .handle_message(0, from(1, 11, with_key(2)));
+    let second = connects(&mut sim);
+    assert!(
+        matches!(second.as_slice(), [(g, Some(d))] if *g > first[0].0 && d.key == [2; 32]),
+        "{second:?}"
+    );
+    sim.sources[0]
+        .core
+        .handle_connected(&endpoint(1), second[0].0, true);
+    sent(&mut sim.sources[0].core);
+    sim.sources[0]
+        .core
+        .handle_message(0, from(1, 11, start_write(7, source_incarnation, ns, 0)));
+    let write = std::iter::from_fn(|| sim.sources[0].core.poll_action())
+        .find_map(|a| match a {
+            Action::Put { write, .. } => Some(write),
+            _ => None,
+        })
+        .expect("the write is put");
+    assert_eq!(
+        sim.sources[0].core.peer_write_completion(write),
+        Some((OpHandle(7), 1))
+    );
+    assert_eq!(sim.sources[0].core.peer_write_completion(write + 1), None);
+    sim.sources[0].core.handle_put_done(0, write, true);
+    assert_eq!(
+        sim.sources[0].core.peer_write_completion(write),
+        None,
+        "an ended write offers nothing"
+    );
 }
 
 /// A route lives as long as its session and its UCX connect: when either

@@ -187,6 +187,13 @@ pub(crate) struct ControlStats {
     pub(crate) refused_connections: AtomicU64,
     /// Sessions closed for a frame deadline or idleness.
     pub(crate) timeouts: AtomicU64,
+    /// Doorbell records this runner wrote as a source.
+    pub(crate) doorbells_rung: AtomicU64,
+    /// Doorbell records this runner took as a target's `write_done`.
+    pub(crate) doorbells_taken: AtomicU64,
+    /// Records in a slot a target waited on, naming its operation, that did
+    /// not verify (torn mid-write, or forged): ignored.
+    pub(crate) doorbells_refused: AtomicU64,
 }
 
 impl ControlStats {
@@ -198,6 +205,9 @@ impl ControlStats {
             refused_handshakes: self.refused_handshakes.load(Ordering::Relaxed),
             refused_connections: self.refused_connections.load(Ordering::Relaxed),
             timeouts: self.timeouts.load(Ordering::Relaxed),
+            doorbells_rung: self.doorbells_rung.load(Ordering::Relaxed),
+            doorbells_taken: self.doorbells_taken.load(Ordering::Relaxed),
+            doorbells_refused: self.doorbells_refused.load(Ordering::Relaxed),
         }
     }
 }
@@ -218,6 +228,15 @@ pub struct ControlCounters {
     pub refused_connections: u64,
     /// Sessions cut at a frame deadline or for idleness.
     pub timeouts: u64,
+    /// Doorbell records written as a source (a write's completion, ahead of
+    /// its `write_done`).
+    pub doorbells_rung: u64,
+    /// Doorbell records taken as a target: operations completed before
+    /// their `write_done` arrived.
+    pub doorbells_taken: u64,
+    /// Records naming an awaited operation that did not verify (torn while
+    /// being written, or forged): ignored, the `write_done` still counts.
+    pub doorbells_refused: u64,
 }
 
 /// Who is at the other end of a session, as the session proved it.
@@ -311,6 +330,8 @@ pub(crate) enum ChannelEvent {
 struct Session {
     id: u64,
     out: Arc<SessionOut>,
+    /// Who answered a session we dialed, once its handshake proved it.
+    answered: Option<Incarnation>,
 }
 
 /// The sending side of one session, shared by the channel (the peer
@@ -607,20 +628,7 @@ impl ControlChannel {
     /// drops the message (counted).
     pub(crate) fn send(&mut self, to: &ControlEndpoint, message: Message) {
         let session = if is_request(&message.body) {
-            let closed = self.dialed.get(to).is_none_or(|s| s.out.is_closed());
-            if closed {
-                let out = SessionOut::new(None);
-                let id = self.shared.next_session.fetch_add(1, Ordering::Relaxed);
-                tokio::spawn(dial_session(
-                    to.clone(),
-                    id,
-                    Arc::clone(&out),
-                    Arc::clone(&self.shared),
-                ));
-                if let Some(old) = self.dialed.insert(to.clone(), Session { id, out }) {
-                    old.out.close();
-                }
-            }
+            self.dial(to);
             self.dialed.get(to)
         } else {
             self.accepted.get(to)
@@ -639,6 +647,40 @@ impl ControlChannel {
                 self.stats.dropped.fetch_add(1, Ordering::Relaxed);
             }
         }
+    }
+
+    /// The id of the session our requests to `to` go on, dialing it when
+    /// there is none (or it closed).
+    pub(crate) fn dial(&mut self, to: &ControlEndpoint) -> u64 {
+        match self.dialed.get(to) {
+            Some(session) if !session.out.is_closed() => session.id,
+            _ => {
+                let out = SessionOut::new(None);
+                let id = self.shared.next_session.fetch_add(1, Ordering::Relaxed);
+                tokio::spawn(dial_session(
+                    to.clone(),
+                    id,
+                    Arc::clone(&out),
+                    Arc::clone(&self.shared),
+                ));
+                let session = Session {
+                    id,
+                    out,
+                    answered: None,
+                };
+                if let Some(old) = self.dialed.insert(to.clone(), session) {
+                    old.out.close();
+                }
+                id
+            }
+        }
+    }
+
+    /// The session we dialed to `to`, if it is open and its handshake
+    /// proved who answered: its id and that incarnation.
+    pub(crate) fn dialed_peer(&self, to: &ControlEndpoint) -> Option<(u64, Incarnation)> {
+        let session = self.dialed.get(to).filter(|s| !s.out.is_closed())?;
+        Some((session.id, session.answered?))
     }
 
     /// Writes what was sent since the last flush, one write per session,
@@ -661,11 +703,28 @@ impl ControlChannel {
             } => {
                 // The newest session from an endpoint carries its replies;
                 // an older one from it ends.
-                if let Some(old) = self
-                    .accepted
-                    .insert(peer.endpoint, Session { id: session, out })
-                {
+                let session = Session {
+                    id: session,
+                    out,
+                    answered: Some(peer.incarnation),
+                };
+                if let Some(old) = self.accepted.insert(peer.endpoint, session) {
                     old.out.close();
+                }
+                None
+            }
+            Inbound::Opened {
+                session,
+                side: Side::Dialed,
+                peer,
+                ..
+            } => {
+                if let Some(dialed) = self
+                    .dialed
+                    .get_mut(&peer.endpoint)
+                    .filter(|s| s.id == session)
+                {
+                    dialed.answered = Some(peer.incarnation);
                 }
                 None
             }

@@ -27,6 +27,7 @@ mod control;
 #[allow(unsafe_code)]
 mod copy;
 mod device;
+mod doorbell;
 pub mod error;
 pub mod g3;
 mod g3_driver;

@@ -27,13 +27,16 @@ use super::control::{
     ChannelEvent, ControlChannel, ControlLimits, ControlStats, Inbound, PeerIdentity,
 };
 use super::placement::{AnonMapping, PlacementOutcome, PoolMemory};
+use crate::doorbell::{
+    OUTBOX_SLOTS, Outbox, REGION_BYTES, RouteDoorbell, SLOT_BYTES, TargetDoorbell,
+};
 use crate::error::{Error, Result, RunnerReason};
 use crate::lanes::Lanes;
 use crate::shared_memory::{HostScope, PeerSegment, SharedPool};
 use kvcr_contracts::endpoint::{AdvertisePolicy, BindAddress, ControlEndpoint, Host};
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::key::NamespaceId;
-use kvcr_contracts::protocol::{RegionId, SharedMemoryAdvert};
+use kvcr_contracts::protocol::{Body, OpHandle, RegionId, SharedMemoryAdvert};
 use kvcr_runner_core::{Action, CopySpan, PutSpan};
 use kvcr_ucx::{
     AnonOptions, CloseMode, Completion, Context, ContextConfig, Endpoint, ErrorMode, Registration,
@@ -445,6 +448,9 @@ struct Route {
     /// How writes reach the target: copies into its mapped pools on the
     /// lanes, or UCX puts.
     path: RoutePath,
+    /// Where a write's completion is rung ahead of its `write_done`: with a
+    /// copy into the mapped slots, or a put fenced behind the write's.
+    doorbell: Option<RouteDoorbell>,
 }
 
 enum RoutePath {
@@ -481,6 +487,11 @@ struct PendingWrite {
     in_flight: VecDeque<Completion>,
     flush: Option<Completion>,
     failed: bool,
+    /// The completion to ring once the last put is issued (the target's op
+    /// and how many keys), when the route has a doorbell.
+    ring: Option<(OpHandle, u32)>,
+    /// The doorbell put in flight: its outbox offset and completion.
+    record: Option<(usize, Completion)>,
 }
 
 /// Everything the peer thread owns. Field order is drop order and is
@@ -502,6 +513,13 @@ struct State {
     scope: Option<HostScope>,
     /// The name tokens of our own pools (never mapped as a peer's).
     own_tokens: Vec<[u8; 16]>,
+    /// Our doorbell as a target (its slots are registered memory).
+    doorbell: TargetDoorbell,
+    /// Staged records of our doorbell puts as a source.
+    outbox: Outbox,
+    /// Records to ring when one-copy writes finish: the target's doorbell
+    /// mapping, the record, and its slot's target address, by write.
+    rings: HashMap<u64, (Arc<PeerSegment>, [u8; SLOT_BYTES], u64)>,
     pools: Vec<Registration<'static>>,
     worker: kvcr_ucx::Worker,
     _context: Context,
@@ -634,10 +652,24 @@ impl State {
             }
             _ => None,
         };
-        let own_tokens = shared_memory
+        let mut own_tokens: Vec<[u8; 16]> = shared_memory
             .as_ref()
             .map(|a| a.segments.iter().map(|s| s.token).collect())
             .unwrap_or_default();
+        // The doorbell's slots: a shared file beside shared pools (a
+        // same-host source maps it with them), else plain registered memory.
+        let (slots, segment) = if shared_memory.is_some() {
+            let file = SharedPool::create(REGION_BYTES as u64, true)?;
+            let segment = file.advert(crate::doorbell::REGION);
+            own_tokens.push(segment.token);
+            (context.register_owned(Box::new(file))?, Some(segment))
+        } else {
+            let slots = context.register_anon(REGION_BYTES, AnonOptions::new().prefault(true))?;
+            (slots, None)
+        };
+        let slots_rkey = slots.pack_rkey()?.as_bytes().to_vec();
+        let doorbell = TargetDoorbell::new(slots, slots_rkey, segment);
+        let outbox = Outbox::new(context.register_vec(vec![0; OUTBOX_SLOTS * SLOT_BYTES])?);
         let setup = PeerSetup {
             endpoint,
             bases: pools.iter().map(|p| p.as_ptr() as usize as u64).collect(),
@@ -677,6 +709,9 @@ impl State {
                 lane_done,
                 scope,
                 own_tokens,
+                doorbell,
+                outbox,
+                rings: HashMap::new(),
                 pools,
                 worker,
                 _context: context,
@@ -739,6 +774,12 @@ impl State {
             }
             if !self.pending.is_empty() {
                 self.issue_and_reap(shared);
+            }
+            // A source may have rung for a write into us: a look at the
+            // watched slots costs a load each, and a record taken here
+            // saves waiting for its `write_done` to come through the socket.
+            if self.doorbell.awaiting() {
+                self.take_doorbells(shared);
             }
             if busy {
                 // A transfer is moving: take whatever is queued without
@@ -821,7 +862,7 @@ impl State {
                     done = self.lane_done.recv() => {
                         if let Some(done) = done {
                             last_activity = Instant::now();
-                            lane_write_done(shared, done);
+                            self.copied(shared, done);
                         }
                     }
                     item = self.inbound.recv() => {
@@ -841,7 +882,12 @@ impl State {
             if deadline_due || last_tick.elapsed() >= TICK {
                 deadline_due = false;
                 last_tick = Instant::now();
-                shared.with_core_now(|core, now| core.handle_tick(now));
+                let doorbell = &mut self.doorbell;
+                shared.with_core_now(|core, now| {
+                    core.handle_tick(now);
+                    // Operations that ended without a reply (deadlines).
+                    doorbell.retain(|op| core.peer_awaits_reply(op));
+                });
             }
         }
     }
@@ -891,7 +937,7 @@ impl State {
         }
         while let Ok(done) = self.lane_done.try_recv() {
             any = true;
-            lane_write_done(shared, done);
+            self.copied(shared, done);
         }
         while let Ok(item) = self.inbound.try_recv() {
             any = true;
@@ -907,9 +953,15 @@ impl State {
     fn on_inbound(&mut self, item: Inbound, shared: &Arc<Shared>) {
         match self.control.on_inbound(item) {
             Some(ChannelEvent::Message(message)) => {
+                if let Body::WriteDone { op_handle, .. } | Body::WriteRefused { op_handle } =
+                    &message.body
+                {
+                    self.doorbell.forget_op(*op_handle);
+                }
                 shared.with_core_now(|core, now| core.handle_message(now, message));
             }
             Some(ChannelEvent::SourceLost(source)) => {
+                self.doorbell.forget_source(&source);
                 shared.with_core_now(|core, _| core.peer_connection_lost(&source));
             }
             Some(ChannelEvent::TargetGone(target)) => {
@@ -928,6 +980,7 @@ impl State {
             PeerCmd::Action(action) => self.execute(action, shared),
             PeerCmd::Forget(peer) => {
                 self.control.remove_peer(&peer);
+                self.doorbell.forget_source(&peer);
                 retire(self.routes.remove(&peer));
                 shared.with_core_now(|core, _| core.peer_connection_lost(&peer));
             }
@@ -938,7 +991,17 @@ impl State {
 
     fn execute(&mut self, action: Action, shared: &Arc<Shared>) {
         match action {
-            Action::Send { to, message } => self.control.send(&to, message),
+            Action::Send { to, mut message } => {
+                match &message.body {
+                    Body::TargetMetadata { .. } => {
+                        let session = self.control.dial(&to);
+                        self.doorbell.advertise(&to, session, &mut message.body);
+                    }
+                    Body::StartWrite { op_handle, .. } => self.doorbell.await_op(&to, *op_handle),
+                    _ => {}
+                }
+                self.control.send(&to, message);
+            }
             Action::Connect {
                 peer,
                 generation,
@@ -946,9 +1009,20 @@ impl State {
                 rkeys,
                 shared_memory,
                 extents,
+                doorbell,
             } => match self.route_path(&worker_address, &rkeys, shared_memory.as_ref(), &extents) {
                 Ok(path) => {
-                    let route = Rc::new(Route { generation, path });
+                    let doorbell = doorbell
+                        .and_then(|advert| RouteDoorbell::new(&advert, &rkeys, &extents))
+                        .filter(|d| match &path {
+                            RoutePath::OneCopy(segments) => segments.contains_key(&d.region),
+                            RoutePath::Ucx { rkeys, .. } => rkeys.contains_key(&d.region),
+                        });
+                    let route = Rc::new(Route {
+                        generation,
+                        path,
+                        doorbell,
+                    });
                     let one_copy = route.one_copy();
                     retire(self.routes.insert(peer.clone(), route));
                     shared.with_core_now(|core, _| {
@@ -979,6 +1053,18 @@ impl State {
                     let copies = self.one_copy_plan(segments, &spans);
                     match copies {
                         Some(copies) => {
+                            if let Some(doorbell) =
+                                &route.as_ref().and_then(|r| r.doorbell.as_ref())
+                            {
+                                let completion = shared.lock().core.peer_write_completion(write);
+                                if let (Some((op, keys)), Some(slots)) =
+                                    (completion, segments.get(&doorbell.region))
+                                {
+                                    let (record, remote) = doorbell.ring(op, keys);
+                                    self.rings
+                                        .insert(write, (Arc::clone(slots), record, remote));
+                                }
+                            }
                             let segments = segments.values().cloned().collect();
                             // SAFETY: every source range lies inside one of our
                             // pools (checked by `one_copy_plan`), claimed by this
@@ -991,13 +1077,17 @@ impl State {
                                     .submit(write, copies, segments, &self.lane_done_tx)
                             };
                             if let Some(ok) = inline {
-                                lane_write_done(shared, (write, ok));
+                                self.copied(shared, (write, ok));
                             }
                         }
                         None => shared
                             .with_core_now(|core, now| core.handle_put_done(now, write, false)),
                     }
                 } else if let Some(route) = route {
+                    let ring = route
+                        .doorbell
+                        .as_ref()
+                        .and_then(|_| shared.lock().core.peer_write_completion(write));
                     self.pending.push(PendingWrite {
                         write,
                         route,
@@ -1005,6 +1095,8 @@ impl State {
                         in_flight: VecDeque::new(),
                         flush: None,
                         failed: false,
+                        ring,
+                        record: None,
                     });
                     self.issue_and_reap(shared);
                 } else {
@@ -1119,6 +1211,44 @@ impl State {
         Ok((endpoint, keys))
     }
 
+    /// A write's copies ended (`ok`: all of them): rings the target's
+    /// doorbell first when the write has a record waiting (the moment the
+    /// bytes are in place, before the core hears of it and the
+    /// `write_done` goes out), then reports to the core.
+    fn copied(&mut self, shared: &Arc<Shared>, (write, ok): (u64, bool)) {
+        if let Some((slots, record, remote)) = self.rings.remove(&write)
+            && ok
+            && slots.write_record(remote, &record)
+        {
+            self.control
+                .stats
+                .doorbells_rung
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        shared.with_core_now(|core, now| core.handle_put_done(now, write, ok));
+    }
+
+    /// Takes the `write_done`s our doorbell's watched slots hold.
+    fn take_doorbells(&mut self, shared: &Arc<Shared>) {
+        let control = &self.control;
+        let (taken, refused) = self.doorbell.take(|source| control.dialed_peer(source));
+        let stats = &self.control.stats;
+        stats
+            .doorbells_refused
+            .fetch_add(refused, std::sync::atomic::Ordering::Relaxed);
+        if taken.is_empty() {
+            return;
+        }
+        stats
+            .doorbells_taken
+            .fetch_add(taken.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        shared.with_core_now(|core, now| {
+            for message in taken {
+                core.handle_message(now, message);
+            }
+        });
+    }
+
     /// Issues puts up to the in-flight cap, flushes each write after its last
     /// put, and reports writes whose flush completed.
     fn issue_and_reap(&mut self, shared: &Arc<Shared>) {
@@ -1149,12 +1279,22 @@ impl State {
                 }
             }
             if w.spans.is_empty() && w.flush.is_none() && !w.failed {
+                if let Some((op, keys)) = w.ring.take() {
+                    w.record = ring_through_ucx(&self.worker, &mut self.outbox, route, op, keys);
+                    if w.record.is_some() {
+                        self.control
+                            .stats
+                            .doorbells_rung
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
                 match route.ucx_endpoint().map(Endpoint::flush) {
                     Some(Ok(c)) => w.flush = Some(c),
                     Some(Err(_)) | None => w.failed = true,
                 }
             }
-            let puts_done = w.in_flight.iter().all(Completion::is_done);
+            let puts_done = w.in_flight.iter().all(Completion::is_done)
+                && w.record.as_ref().is_none_or(|(_, c)| c.is_done());
             match (&w.flush, w.failed) {
                 (Some(flush), _) if puts_done => {
                     if let Some(result) = flush.result() {
@@ -1173,8 +1313,14 @@ impl State {
         if finished.is_empty() {
             return;
         }
-        self.pending
-            .retain(|w| !finished.iter().any(|(id, _)| *id == w.write));
+        let outbox = &mut self.outbox;
+        self.pending.retain(|w| {
+            let done = finished.iter().any(|(id, _)| *id == w.write);
+            if done && let Some((offset, _)) = &w.record {
+                outbox.release(*offset);
+            }
+            !done
+        });
         shared.with_core_now(|core, now| {
             for (write, ok) in finished {
                 core.handle_put_done(now, write, ok);
@@ -1276,9 +1422,6 @@ const DRAIN_MAX: Duration = Duration::from_millis(100);
 const MAX_IDLE_NAP: Duration = Duration::from_secs(1);
 
 /// A lane's report of a one-copy write, fed to the core.
-fn lane_write_done(shared: &Arc<Shared>, (write, ok): (u64, bool)) {
-    shared.with_core_now(|core, now| core.handle_put_done(now, write, ok));
-}
 
 /// How long the peer thread naps between progress rounds while it only waits
 /// for writes into its memory and nothing moved for `SPIN_BEFORE_NAP`.
@@ -1333,6 +1476,35 @@ fn pool_holding<'p>(
         let base = p.as_ptr() as usize as u64;
         (span.local >= base && end <= base + p.len() as u64).then(|| (p, span.local - base))
     })
+}
+
+/// Puts write `op`'s doorbell record (`keys` landed) to the target behind
+/// every put issued before it (a worker fence: it lands only after they
+/// have). Its outbox offset and completion; `None` when it could not be
+/// issued (the `write_done` still reports the write).
+fn ring_through_ucx(
+    worker: &kvcr_ucx::Worker,
+    outbox: &mut Outbox,
+    route: &Route,
+    op: OpHandle,
+    keys: u32,
+) -> Option<(usize, Completion)> {
+    let doorbell = route.doorbell.as_ref()?;
+    let RoutePath::Ucx { endpoint, rkeys } = &route.path else {
+        return None;
+    };
+    let (rkey, base) = rkeys.get(&doorbell.region)?;
+    let (record, remote) = doorbell.ring(op, keys);
+    let remote_offset = remote.checked_sub(*base)?;
+    worker.fence().ok()?;
+    let offset = outbox.stage(&record)?;
+    match endpoint.put(&outbox.memory, offset, record.len(), rkey, remote_offset) {
+        Ok(completion) => Some((offset, completion)),
+        Err(_) => {
+            outbox.release(offset);
+            None
+        }
+    }
 }
 
 fn put(pools: &[Registration<'static>], route: &Route, span: &PutSpan) -> Result<Completion> {

@@ -454,6 +454,26 @@ impl PeerSegment {
         }
     }
 
+    /// Writes `bytes` at the target's address `remote` (a doorbell record):
+    /// `false`, writing nothing, when the range is not inside the mapping.
+    /// Everything this thread saw written before (a write's bytes, copied
+    /// by the lanes and reported to it) is visible to the target before
+    /// these bytes are.
+    pub(crate) fn write_record(&self, remote: u64, bytes: &[u8]) -> bool {
+        let Some(dst) = self.destination(remote, bytes.len() as u64) else {
+            return false;
+        };
+        std::sync::atomic::fence(Ordering::Release);
+        // SAFETY: `dst..dst+len` lies inside this live, writable shared
+        // mapping (checked by `destination`); no Rust reference into it
+        // exists (the target process reads it as raw bytes), and `bytes` is
+        // our own memory, so the ranges cannot overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst as usize as *mut u8, bytes.len());
+        }
+        true
+    }
+
     /// The local address of the target's `remote..remote+len`, if the whole
     /// range is inside the mapping.
     pub(crate) fn destination(&self, remote: u64, len: u64) -> Option<u64> {

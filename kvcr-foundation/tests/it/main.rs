@@ -20,6 +20,27 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// A bounded wait on an explicit condition (never a sleep to settle).
+pub(crate) fn wait_until(what: &str, limit: std::time::Duration, cond: impl FnMut() -> bool) {
+    assert!(
+        wait_for(limit, cond),
+        "timed out after {limit:?} waiting for {what}"
+    );
+}
+
+/// Whether `cond` became true within `limit`.
+#[allow(clippy::disallowed_methods)]
+pub(crate) fn wait_for(limit: std::time::Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    while !cond() {
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::yield_now();
+    }
+    true
+}
+
 mod device;
 mod g3_tier;
 mod guard;

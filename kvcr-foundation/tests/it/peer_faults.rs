@@ -831,6 +831,7 @@ impl FakeTarget {
             worker_address: self.worker.address().unwrap().as_bytes().to_vec(),
             regions,
             shared_memory: None,
+            doorbell: None,
         }
     }
 
@@ -1354,6 +1355,7 @@ fn forged_shared_segments_are_never_mapped(#[case] forgery: Forgery) {
                 token,
             }],
         }),
+        doorbell: None,
     }));
     let ack = fake.next(&mut conn);
     assert!(

@@ -432,6 +432,7 @@ fn mutated_ucx_blobs_never_reach_ucx(#[case] tls: &str) {
                 worker_address: worker_address.clone(),
                 regions: vec![advert(rkey.clone())],
                 shared_memory: None,
+                doorbell: None,
             },
         };
         client.send(&metadata).unwrap();

@@ -7,6 +7,7 @@
 //! under `target/realclients`. `KVCR_TEST_DYNAMO=1` / `KVCR_TEST_VLLM_WIRE=1`
 //! make a missing client a failure; unset, those tests skip with a reason.
 
+use crate::{wait_for, wait_until};
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -29,27 +30,6 @@ use rmpv::Value;
 /// them, so socket tests run one at a time (with the other heavy tests).
 fn sockets_lock() -> MutexGuard<'static, ()> {
     crate::serial()
-}
-
-/// A bounded wait on an explicit condition (never a sleep to settle).
-fn wait_until(what: &str, limit: Duration, cond: impl FnMut() -> bool) {
-    assert!(
-        wait_for(limit, cond),
-        "timed out after {limit:?} waiting for {what}"
-    );
-}
-
-/// Whether `cond` became true within `limit`.
-#[allow(clippy::disallowed_methods)]
-fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = std::time::Instant::now() + limit;
-    while !cond() {
-        if std::time::Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::yield_now();
-    }
-    true
 }
 
 fn inc(n: u128) -> Incarnation {

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! frame   := len:u32be  body[len]
-//! body    := magic:u16be=0x4B56 ("KV")  version:u8=2  kind:u8  header  fields(kind)
+//! body    := magic:u16be=0x4B56 ("KV")  version:u8=3  kind:u8  header  fields(kind)
 //! header  := incarnation:u128be  route_generation:u64be  endpoint:str8
 //! str8    := n:u8 utf8[n]          bytes16 := n:u16be u8[n]
 //! opt<T>  := 0 | 1 T               bool    := 0 | 1
@@ -13,7 +13,7 @@
 //!
 //! | kind | message | fields |
 //! |---|---|---|
-//! | 1 | `target_metadata` | `worker_address:bytes16, regions:list16<region>, shared_memory:opt<shared>` |
+//! | 1 | `target_metadata` | `worker_address:bytes16, regions:list16<region>, shared_memory:opt<shared>, doorbell:opt<(region:u32, key:u8[32])>` |
 //! | 2 | `target_metadata_ack` | `op_handle:opt<u64>, one_copy:bool` |
 //! | 3 | `start_write` | `op:u64, remaining_ms:u32, source_inc:opt<u128>, namespace:u64, entries:list32<(key:u64, dests:list16<(region:u32, index:u64)>)>` |
 //! | 4 | `write_refused` | `op:u64` |
@@ -23,7 +23,8 @@
 //!
 //! `region := id:u32 label:str8 base:u64 element_size:u64 stride:u64 count:u64 rkey:bytes16`.
 //! `shared := boot_id:u8[16] pid_namespace:u64 pid:u32 segments:list16<(region:u32, fd:u32, token:u8[16])>`
-//! (at most one segment per advertised region, each naming one of them).
+//! (at most one segment per advertised region, each naming one of them; the
+//! doorbell names an advertised region too).
 //!
 //! Decoding validates every field (bounds, UTF-8, endpoint grammar, non-zero
 //! incarnations and timeouts, region extents, ascending indices, no trailing
@@ -33,8 +34,8 @@
 use bytes::{Buf, BufMut, BytesMut};
 
 use super::{
-    Body, CompletedIndices, ElementRef, Header, Message, OpHandle, RegionAdvert, RegionId,
-    RouteGeneration, SegmentAdvert, SharedMemoryAdvert, WriteOutcome,
+    Body, CompletedIndices, DoorbellAdvert, ElementRef, Header, Message, OpHandle, RegionAdvert,
+    RegionId, RouteGeneration, SegmentAdvert, SharedMemoryAdvert, WriteOutcome,
 };
 use crate::endpoint::ControlEndpoint;
 use crate::error::{Echo, Error, FrameReason, Result};
@@ -44,7 +45,7 @@ use crate::key::{BlockKey, NamespaceId};
 /// Frame magic: `"KV"`.
 pub const MAGIC: u16 = 0x4B56;
 /// The codec version this build writes and reads.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 /// Default bound on one frame's length (after the length prefix).
 pub const DEFAULT_MAX_FRAME_LEN: usize = 16 << 20;
 /// Most keys in one `start_write` (and completed indices in one `write_done`).
@@ -251,6 +252,7 @@ fn put_body(dst: &mut BytesMut, body: &Body) -> Result<()> {
             worker_address,
             regions,
             shared_memory,
+            doorbell,
         } => {
             if worker_address.is_empty() {
                 return Err(frame(FrameReason::Empty("worker_address")));
@@ -281,6 +283,15 @@ fn put_body(dst: &mut BytesMut, body: &Body) -> Result<()> {
                         dst.put_u32(segment.fd);
                         dst.extend_from_slice(&segment.token);
                     }
+                }
+            }
+            match doorbell {
+                None => dst.put_u8(0),
+                Some(doorbell) => {
+                    check_doorbell(regions, doorbell)?;
+                    dst.put_u8(1);
+                    dst.put_u32(doorbell.region.0);
+                    dst.extend_from_slice(&doorbell.key);
                 }
             }
         }
@@ -407,6 +418,15 @@ fn check_segments(regions: &[RegionAdvert], segments: &[SegmentAdvert]) -> Resul
     {
         Some(stray) => Err(frame(FrameReason::UnknownSegmentRegion(stray.region.0))),
         None => Ok(()),
+    }
+}
+
+/// The doorbell names an advertised region.
+fn check_doorbell(regions: &[RegionAdvert], doorbell: &DoorbellAdvert) -> Result<()> {
+    if regions.iter().any(|r| r.id == doorbell.region) {
+        Ok(())
+    } else {
+        Err(frame(FrameReason::UnknownDoorbellRegion(doorbell.region.0)))
     }
 }
 
@@ -658,10 +678,21 @@ fn decode_target_metadata(r: &mut Reader<'_>) -> Result<Body> {
     } else {
         None
     };
+    let doorbell = if r.option_tag("doorbell")? {
+        let doorbell = DoorbellAdvert {
+            region: RegionId(r.u32()?),
+            key: r.array::<32>()?,
+        };
+        check_doorbell(&regions, &doorbell)?;
+        Some(doorbell)
+    } else {
+        None
+    };
     Ok(Body::TargetMetadata {
         worker_address,
         regions,
         shared_memory,
+        doorbell,
     })
 }
 

@@ -77,6 +77,33 @@ pub struct SegmentAdvert {
     pub token: [u8; 16],
 }
 
+/// A target's doorbell: a region of fixed-size slots into which a source
+/// writes a sealed completion record for a write the moment its bytes have
+/// landed (same host: after its copies; over UCX: fenced behind its puts),
+/// so the target need not wait for the `write_done` message, which the
+/// source still sends.
+///
+/// The key is the target's, fresh per session and sent only inside that
+/// session's encrypted frames: a record sealed with it is believed only for
+/// that session's operations, and a record that does not verify is ignored
+/// (the control reply still comes). Its `Debug` form never shows the key.
+#[derive(Clone, PartialEq, Eq)]
+pub struct DoorbellAdvert {
+    /// The advertised region holding the slots (one slot per element).
+    pub region: RegionId,
+    /// The session's record key.
+    pub key: [u8; 32],
+}
+
+impl std::fmt::Debug for DoorbellAdvert {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DoorbellAdvert")
+            .field("region", &self.region)
+            .field("key", &"<redacted>")
+            .finish()
+    }
+}
+
 /// A strided region the target registered and advertises to sources.
 ///
 /// Element `i` occupies `[base + i * stride, base + i * stride + element_size)`
@@ -177,6 +204,8 @@ pub enum Body {
         regions: Vec<RegionAdvert>,
         /// Regions a same-host source may map and write itself.
         shared_memory: Option<SharedMemoryAdvert>,
+        /// Where a source may ring this session's completions.
+        doorbell: Option<DoorbellAdvert>,
     },
     /// Source → target: metadata loaded; optionally names the write that
     /// triggered it.

@@ -5,8 +5,8 @@ use bytes::BytesMut;
 use kvcr_contracts::error::FrameReason;
 use kvcr_contracts::protocol::codec::{FrameCodec, MAX_KEYS_PER_WRITE, MAX_SPANS_PER_KEY};
 use kvcr_contracts::protocol::{
-    Body, CompletedIndices, ElementRef, Header, Message, OpHandle, RegionAdvert, RegionId,
-    RouteGeneration, SegmentAdvert, SharedMemoryAdvert, WriteOutcome,
+    Body, CompletedIndices, DoorbellAdvert, ElementRef, Header, Message, OpHandle, RegionAdvert,
+    RegionId, RouteGeneration, SegmentAdvert, SharedMemoryAdvert, WriteOutcome,
 };
 use kvcr_contracts::{BlockKey, ControlEndpoint, Incarnation, NamespaceId};
 use proptest::prelude::*;
@@ -61,6 +61,7 @@ fn examples() -> Vec<(&'static str, Body)> {
                 worker_address: vec![1, 2, 3, 4],
                 regions: vec![region(0), region(1)],
                 shared_memory: None,
+                doorbell: None,
             },
         ),
         (
@@ -69,6 +70,19 @@ fn examples() -> Vec<(&'static str, Body)> {
                 worker_address: vec![1, 2, 3, 4],
                 regions: vec![region(0), region(1)],
                 shared_memory: Some(shared_memory(&[1])),
+                doorbell: None,
+            },
+        ),
+        (
+            "target_metadata_doorbell",
+            Body::TargetMetadata {
+                worker_address: vec![1, 2, 3, 4],
+                regions: vec![region(0), region(1)],
+                shared_memory: Some(shared_memory(&[0, 1])),
+                doorbell: Some(DoorbellAdvert {
+                    region: RegionId(1),
+                    key: [0xd0; 32],
+                }),
             },
         ),
         (
@@ -312,6 +326,7 @@ fn metadata_with(edit: impl FnOnce(&mut RegionAdvert)) -> Vec<u8> {
         worker_address: vec![1],
         regions: vec![r.clone()],
         shared_memory: None,
+        doorbell: None,
     });
     edit(&mut r);
     let at = body_start(&valid) + 2 + 1 + 2; // address len, address, region count
@@ -393,6 +408,7 @@ fn duplicate_region_ids_refused_both_ways() {
         worker_address: vec![1],
         regions: vec![region(3), region(3)],
         shared_memory: None,
+        doorbell: None,
     };
     let err = FrameCodec::default()
         .encode_to_vec(&Message {
@@ -408,10 +424,11 @@ fn duplicate_region_ids_refused_both_ways() {
 #[case::mismatch(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![] }, FrameReason::LengthMismatch { keys: 1, destinations: 0 })]
 #[case::zero_timeout(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 0, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![vec![]] }, FrameReason::Zero("remaining_timeout_ms"))]
 #[case::empty_dest(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![vec![]] }, FrameReason::Empty("destinations of a key"))]
-#[case::empty_address(Body::TargetMetadata { worker_address: vec![], regions: vec![], shared_memory: None }, FrameReason::Empty("worker_address"))]
-#[case::stray_segment(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0)], shared_memory: Some(shared_memory(&[0, 5])) }, FrameReason::Bound { field: "segments", count: 2, max: 1 })]
-#[case::unknown_segment(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0)], shared_memory: Some(shared_memory(&[5])) }, FrameReason::UnknownSegmentRegion(5))]
-#[case::duplicate_segment(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0), region(1)], shared_memory: Some(shared_memory(&[1, 1])) }, FrameReason::DuplicateRegion(1))]
+#[case::empty_address(Body::TargetMetadata { worker_address: vec![], regions: vec![], shared_memory: None, doorbell: None }, FrameReason::Empty("worker_address"))]
+#[case::stray_segment(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0)], shared_memory: Some(shared_memory(&[0, 5])), doorbell: None }, FrameReason::Bound { field: "segments", count: 2, max: 1 })]
+#[case::unknown_segment(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0)], shared_memory: Some(shared_memory(&[5])), doorbell: None }, FrameReason::UnknownSegmentRegion(5))]
+#[case::unknown_doorbell(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0)], shared_memory: None, doorbell: Some(DoorbellAdvert { region: RegionId(7), key: [5; 32] }) }, FrameReason::UnknownDoorbellRegion(7))]
+#[case::duplicate_segment(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0), region(1)], shared_memory: Some(shared_memory(&[1, 1])), doorbell: None }, FrameReason::DuplicateRegion(1))]
 fn encoder_refuses(#[case] body: Body, #[case] expected: FrameReason) {
     let mut buf = BytesMut::new();
     let err = FrameCodec::default()
@@ -434,6 +451,7 @@ fn encoder_respects_frame_bound() {
         worker_address: vec![0; 100],
         regions: vec![],
         shared_memory: None,
+        doorbell: None,
     };
     let err = codec
         .encode_to_vec(&Message {
@@ -537,13 +555,20 @@ fn arb_body() -> impl Strategy<Value = Body> {
             proptest::collection::vec(any::<u8>(), 1..256),
             (0usize..4).prop_flat_map(|n| (0..n as u32).map(arb_region).collect::<Vec<_>>()),
             any::<bool>(),
+            proptest::option::of(any::<[u8; 32]>()),
         )
-            .prop_map(|(worker_address, regions, shared)| {
+            .prop_map(|(worker_address, regions, shared, key)| {
                 let ids: Vec<u32> = regions.iter().map(|r| r.id.0).collect();
+                // The doorbell names the last region, when there is one.
+                let doorbell = key.zip(ids.last()).map(|(key, id)| DoorbellAdvert {
+                    region: RegionId(*id),
+                    key,
+                });
                 Body::TargetMetadata {
                     worker_address,
                     regions,
                     shared_memory: shared.then(|| shared_memory(&ids)),
+                    doorbell,
                 }
             }),
         (proptest::option::of(op.clone()), any::<bool>()).prop_map(|(op_handle, one_copy)| {

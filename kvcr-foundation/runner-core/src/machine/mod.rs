@@ -32,7 +32,9 @@ use crate::types::{
 use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::hint::RequestId;
 use kvcr_contracts::key::{BlockKey, Namespace, NamespaceId, ScopedKey};
-use kvcr_contracts::protocol::{ElementRef, OpHandle, RegionId, SharedMemoryAdvert};
+use kvcr_contracts::protocol::{
+    DoorbellAdvert, ElementRef, OpHandle, RegionId, SharedMemoryAdvert,
+};
 use kvcr_contracts::tier::{InventoryEvent, InventoryScope, Medium, Owner};
 
 mod completions;
@@ -108,6 +110,10 @@ pub enum Action {
         /// Bytes from each region's base to the end of its last element:
         /// all a write may touch, so all a driver maps.
         extents: Vec<(RegionId, u64)>,
+        /// Where the target takes sealed completion records (one of its
+        /// regions), with the session's key: the driver rings it for a
+        /// write whose bytes have landed, ahead of `write_done`.
+        doorbell: Option<DoorbellAdvert>,
     },
     /// Put these spans into the target, flush, then report `handle_put_done`.
     Put {

@@ -246,6 +246,7 @@ struct Route {
     local_generation: u64,
     regions: HashMap<RegionId, RegionAdvert>,
     shared_memory: Option<SharedMemoryAdvert>,
+    doorbell: Option<DoorbellAdvert>,
     /// `None` while the driver connects; then whether it mapped every
     /// shared segment (the metadata ack waits for this and carries it).
     one_copy: Option<bool>,
@@ -453,7 +454,8 @@ impl Core {
                 worker_address,
                 regions,
                 shared_memory,
-            } => self.on_target_metadata(&header, worker_address, regions, shared_memory),
+                doorbell,
+            } => self.on_target_metadata(&header, worker_address, regions, shared_memory, doorbell),
             Body::TargetMetadataAck { one_copy, .. } => self.on_metadata_ack(&header, one_copy),
             Body::StartWrite {
                 op_handle,
@@ -636,6 +638,16 @@ impl Core {
         self.peer
             .as_ref()
             .map_or((0, 0), |p| (p.target.ops.len(), p.source.writes.len()))
+    }
+
+    /// Whether target operation `op` still waits for its source's reply.
+    pub fn peer_awaits_reply(&self, op: OpHandle) -> bool {
+        self.peer.as_ref().is_some_and(|p| {
+            p.target
+                .ops
+                .get(&op)
+                .is_some_and(|o| o.state == TargetState::WaitingWriteDone)
+        })
     }
 
     /// Drains the framework notices.

@@ -20,6 +20,7 @@ impl Core {
         worker_address: Vec<u8>,
         regions: Vec<RegionAdvert>,
         shared_memory: Option<SharedMemoryAdvert>,
+        doorbell: Option<DoorbellAdvert>,
     ) {
         let Some(peer) = self.peer.as_mut() else {
             return;
@@ -40,6 +41,7 @@ impl Core {
                 && r.regions.len() == regions.len()
                 && regions.iter().all(|a| r.regions.get(&a.id) == Some(a))
                 && r.shared_memory == shared_memory
+                && r.doorbell == doorbell
         });
         if !unchanged {
             // A new process (or new registrations) at this name: a new route
@@ -66,6 +68,7 @@ impl Core {
                     local_generation: generation,
                     regions: regions.into_iter().map(|r| (r.id, r)).collect(),
                     shared_memory: shared_memory.clone(),
+                    doorbell: doorbell.clone(),
                     one_copy: None,
                 },
             );
@@ -78,6 +81,7 @@ impl Core {
                 rkeys,
                 shared_memory,
                 extents,
+                doorbell,
             });
             return;
         }
@@ -488,6 +492,23 @@ impl Core {
             generation,
             spans: puts,
         });
+    }
+
+    /// What write `write` will report when its bytes land, if that is
+    /// every key it was asked for (`0..n`, the only outcome a doorbell
+    /// record carries): the target's op and `n`. `None` once it was
+    /// cancelled or ended, or when some keys were left out (those writes
+    /// are reported by `write_done` alone).
+    pub fn peer_write_completion(&self, write: u64) -> Option<(OpHandle, u32)> {
+        let w = self.peer.as_ref()?.source.writes.get(&write)?;
+        let whole = w
+            .indices
+            .iter()
+            .enumerate()
+            .all(|(i, index)| usize::try_from(*index).ok() == Some(i));
+        (w.state == WriteState::Writing && whole)
+            .then(|| Some((w.op, u32::try_from(w.indices.len()).ok()?)))
+            .flatten()
     }
 
     /// The driver's report that a put (and its flush) finished.

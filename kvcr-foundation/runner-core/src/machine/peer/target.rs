@@ -103,6 +103,8 @@ impl Core {
                 worker_address,
                 regions,
                 shared_memory,
+                // The driver adds its doorbell (a key per session).
+                doorbell: None,
             },
         );
     }

@@ -1,0 +1,623 @@
+//! Doorbell records: a source's early word that a write's bytes landed.
+//!
+//! A target advertises a doorbell (a region of [`SLOTS`] slots of
+//! [`SLOT_BYTES`]) and, per session, a fresh key sent only inside that
+//! session's encrypted frames. When a write's bytes are in place — after
+//! its copies on one host, or fenced behind its puts over UCX — the source
+//! writes a record into slot `op % SLOTS` naming the target's operation and
+//! how many keys landed (always every key asked for: partial outcomes go by
+//! `write_done` alone). The target, polling the slots of operations it is
+//! waiting on, takes a record that verifies as that session's `write_done`;
+//! the source still sends the `write_done` itself, which then arrives as a
+//! duplicate and is ignored.
+//!
+//! What a record is trusted for: it verifies only under the key of the
+//! session the operation was sent on, names that operation, and is taken
+//! only while the target waits on it; anything else (another session's
+//! record, a replay, a torn or forged write, a stale record of an earlier
+//! operation in the same slot) fails to verify or to match and is ignored
+//! — the target then waits for the control reply as before. A doorbell
+//! never makes a completion believable that the control channel would not.
+//!
+//! ```text
+//! record := op:u64le  keys:u32le  version:u8=1  zero:u8[3]  tag:u8[32]  zero:u8[16]
+//! tag    := HMAC-SHA256(key, "kvcr-doorbell/1" | op | keys | version | zero)
+//! ```
+
+use std::collections::HashMap;
+
+use kvcr_contracts::endpoint::ControlEndpoint;
+use kvcr_contracts::incarnation::Incarnation;
+use kvcr_contracts::protocol::{
+    Body, CompletedIndices, DoorbellAdvert, Header, Message, OpHandle, RegionAdvert, RegionId,
+    RouteGeneration, SegmentAdvert, WriteOutcome,
+};
+use kvcr_runner_core::MAX_ADVERTISED_REGIONS;
+use kvcr_ucx::Registration;
+use ring::hmac;
+
+/// Bytes per slot (one record).
+pub(crate) const SLOT_BYTES: usize = 64;
+/// Slots per doorbell: operations `SLOTS` apart share a slot (the later one
+/// then overwrites the earlier's record, which falls back to `write_done`).
+pub(crate) const SLOTS: u64 = 1024;
+/// The record layout's version.
+const VERSION: u8 = 1;
+/// Bytes the tag covers (after the domain label).
+const SIGNED: usize = 16;
+/// Where the tag starts and ends.
+const TAG: std::ops::Range<usize> = SIGNED..SIGNED + 32;
+/// Domain separation: this key signs nothing else.
+const LABEL: &[u8] = b"kvcr-doorbell/1";
+
+/// A session's record key.
+pub(crate) struct RecordKey(hmac::Key);
+
+impl RecordKey {
+    pub(crate) fn new(bytes: &[u8; 32]) -> Self {
+        Self(hmac::Key::new(hmac::HMAC_SHA256, bytes))
+    }
+
+    /// A fresh random key and its bytes (for the advert).
+    pub(crate) fn generate() -> Option<(Self, [u8; 32])> {
+        let mut bytes = [0u8; 32];
+        getrandom::fill(&mut bytes).ok()?;
+        Some((Self::new(&bytes), bytes))
+    }
+
+    fn tag(&self, signed: &[u8]) -> hmac::Tag {
+        let mut ctx = hmac::Context::with_key(&self.0);
+        ctx.update(LABEL);
+        ctx.update(signed);
+        ctx.sign()
+    }
+
+    /// The record saying `keys` keys of `op` landed.
+    pub(crate) fn seal(&self, op: OpHandle, keys: u32) -> [u8; SLOT_BYTES] {
+        let mut record = [0u8; SLOT_BYTES];
+        record[..8].copy_from_slice(&op.0.to_le_bytes());
+        record[8..12].copy_from_slice(&keys.to_le_bytes());
+        record[12] = VERSION;
+        let tag = self.tag(&record[..SIGNED]);
+        record[TAG].copy_from_slice(tag.as_ref());
+        record
+    }
+
+    /// The number of keys `record` says landed for `op`, if it is a record
+    /// of `op` sealed with this key (checked in constant time).
+    pub(crate) fn open(&self, op: OpHandle, record: &[u8; SLOT_BYTES]) -> Option<u32> {
+        if record_op(record) != op || record[12] != VERSION || record[13..SIGNED] != [0; 3] {
+            return None;
+        }
+        let mut signed = [0u8; LABEL.len() + SIGNED];
+        signed[..LABEL.len()].copy_from_slice(LABEL);
+        signed[LABEL.len()..].copy_from_slice(&record[..SIGNED]);
+        hmac::verify(&self.0, &signed, &record[TAG]).ok()?;
+        let keys = u32::from_le_bytes(record[8..12].try_into().ok()?);
+        Some(keys)
+    }
+}
+
+/// The operation a record names (unverified: a cheap first look).
+pub(crate) fn record_op(record: &[u8; SLOT_BYTES]) -> OpHandle {
+    let mut op = [0u8; 8];
+    op.copy_from_slice(&record[..8]);
+    OpHandle(u64::from_le_bytes(op))
+}
+
+/// The byte offset of `op`'s slot in the doorbell region.
+pub(crate) fn slot_offset(op: OpHandle) -> usize {
+    // `SLOTS` is small, so the slot index always fits.
+    (op.0 % SLOTS) as usize * SLOT_BYTES
+}
+
+/// Bytes of a doorbell region.
+pub(crate) const REGION_BYTES: usize = SLOTS as usize * SLOT_BYTES;
+
+/// The region id a target's doorbell is advertised under (pools and engine
+/// regions take small ids from the region table).
+pub(crate) const REGION: RegionId = RegionId(u32::MAX);
+
+/// Most operations a target watches slots for at once; past it, new ones
+/// are left to their `write_done` (the set is also pruned every tick).
+const MAX_AWAITED: usize = 4096;
+
+/// A session's key as the target holds it.
+struct SessionKey {
+    /// The control session (we dialed) the key was sent on.
+    session: u64,
+    key: RecordKey,
+    bytes: [u8; 32],
+}
+
+/// The target's side: the slots, the key per source session, and the
+/// operations whose slots it watches.
+pub(crate) struct TargetDoorbell {
+    slots: Registration<'static>,
+    advert: RegionAdvert,
+    /// The slots' file, when the target's pools are advertised as shared
+    /// segments (a same-host source then maps it with them).
+    segment: Option<SegmentAdvert>,
+    keys: HashMap<ControlEndpoint, SessionKey>,
+    awaited: HashMap<OpHandle, ControlEndpoint>,
+}
+
+impl TargetDoorbell {
+    /// `slots`: [`REGION_BYTES`] registered bytes, zeroed; `rkey` packed
+    /// for them; `segment`: their shared file's advert, if any.
+    pub(crate) fn new(
+        slots: Registration<'static>,
+        rkey: Vec<u8>,
+        segment: Option<SegmentAdvert>,
+    ) -> Self {
+        let advert = RegionAdvert {
+            id: REGION,
+            label: "kvcr-doorbell".to_owned(),
+            base: slots.as_ptr() as usize as u64,
+            element_size: SLOT_BYTES as u64,
+            stride: SLOT_BYTES as u64,
+            count: SLOTS,
+            rkey,
+        };
+        Self {
+            slots,
+            advert,
+            segment,
+            keys: HashMap::new(),
+            awaited: HashMap::new(),
+        }
+    }
+
+    /// Adds the doorbell to `body` (metadata going to `to` on our session
+    /// `session`), with that session's key (made on its first metadata).
+    /// Metadata that already names as many regions as a source accepts,
+    /// or our region id, goes without one.
+    pub(crate) fn advertise(&mut self, to: &ControlEndpoint, session: u64, body: &mut Body) {
+        let Body::TargetMetadata {
+            regions,
+            shared_memory,
+            doorbell,
+            ..
+        } = body
+        else {
+            return;
+        };
+        if regions.len() >= MAX_ADVERTISED_REGIONS || regions.iter().any(|r| r.id == REGION) {
+            return;
+        }
+        if self.keys.get(to).is_none_or(|k| k.session != session) {
+            let Some((key, bytes)) = RecordKey::generate() else {
+                return;
+            };
+            // A new session: operations awaited on the old one are left to
+            // their replies.
+            self.awaited.retain(|_, source| source != to);
+            self.keys.insert(
+                to.clone(),
+                SessionKey {
+                    session,
+                    key,
+                    bytes,
+                },
+            );
+        }
+        let Some(key) = self.keys.get(to) else {
+            return;
+        };
+        // Shared segments are all-or-nothing for a source (it writes with
+        // one copy only when it maps every region), so the doorbell's file
+        // joins them, and without them the doorbell is reached through UCX.
+        if let Some(shared) = shared_memory.as_mut() {
+            match self.segment {
+                Some(segment) => shared.segments.push(segment),
+                None => return,
+            }
+        }
+        regions.push(self.advert.clone());
+        *doorbell = Some(DoorbellAdvert {
+            region: REGION,
+            key: key.bytes,
+        });
+    }
+
+    /// A `start_write` for `op` went to `to`: watch its slot, if `to` has
+    /// our doorbell.
+    pub(crate) fn await_op(&mut self, to: &ControlEndpoint, op: OpHandle) {
+        if self.keys.contains_key(to) && self.awaited.len() < MAX_AWAITED {
+            self.awaited.insert(op, to.clone());
+        }
+    }
+
+    /// Whether any slot is watched.
+    pub(crate) fn awaiting(&self) -> bool {
+        !self.awaited.is_empty()
+    }
+
+    /// `op` ended (its reply came, or the core no longer waits on it).
+    pub(crate) fn forget_op(&mut self, op: OpHandle) {
+        self.awaited.remove(&op);
+    }
+
+    /// Our session to `source` ended: its key and watched slots go.
+    pub(crate) fn forget_source(&mut self, source: &ControlEndpoint) {
+        self.keys.remove(source);
+        self.awaited.retain(|_, s| s != source);
+    }
+
+    /// Keeps only the watched operations `waiting` says are still waited on.
+    pub(crate) fn retain(&mut self, mut waiting: impl FnMut(OpHandle) -> bool) {
+        self.awaited.retain(|op, _| waiting(*op));
+    }
+
+    /// The `write_done`s the watched slots hold now, each with the
+    /// identity of the session its key was sent on (`dialed`: our session
+    /// to an endpoint, its id and who answered it), and how many records
+    /// naming a watched operation did not verify.
+    pub(crate) fn take(
+        &mut self,
+        dialed: impl Fn(&ControlEndpoint) -> Option<(u64, Incarnation)>,
+    ) -> (Vec<Message>, u64) {
+        let mut taken = Vec::new();
+        let mut refused = 0;
+        for (op, source) in &self.awaited {
+            let mut record = [0u8; SLOT_BYTES];
+            if self.slots.read(slot_offset(*op), &mut record).is_err() {
+                continue;
+            }
+            if record_op(&record) != *op {
+                continue;
+            }
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+            let Some(key) = self.keys.get(source) else {
+                continue;
+            };
+            let Some(keys) = key.key.open(*op, &record) else {
+                refused += 1;
+                continue;
+            };
+            // Believed only from the session the key went out on, as that
+            // session's reply would be.
+            let Some((session, incarnation)) = dialed(source) else {
+                continue;
+            };
+            if session != key.session {
+                continue;
+            }
+            taken.push((
+                *op,
+                Message {
+                    header: Header {
+                        sender: incarnation,
+                        route_generation: RouteGeneration(0),
+                        sender_endpoint: source.clone(),
+                    },
+                    body: Body::WriteDone {
+                        op_handle: *op,
+                        outcome: WriteOutcome::Completed(CompletedIndices::new(
+                            (0..keys).collect(),
+                        )),
+                    },
+                },
+            ));
+        }
+        for (op, _) in &taken {
+            self.awaited.remove(op);
+        }
+        (taken.into_iter().map(|(_, m)| m).collect(), refused)
+    }
+}
+
+/// A source's doorbell on one route: where the target's slots are and the
+/// session's key.
+pub(crate) struct RouteDoorbell {
+    key: RecordKey,
+    pub(crate) region: RegionId,
+    base: u64,
+}
+
+impl RouteDoorbell {
+    /// The doorbell `advert` names, if its region was advertised with room
+    /// for every slot (`regions`: id and base; `extents`: id and bytes).
+    pub(crate) fn new(
+        advert: &DoorbellAdvert,
+        regions: &[(RegionId, u64, Vec<u8>)],
+        extents: &[(RegionId, u64)],
+    ) -> Option<Self> {
+        let (_, base, _) = regions.iter().find(|(r, _, _)| *r == advert.region)?;
+        let (_, extent) = extents.iter().find(|(r, _)| *r == advert.region)?;
+        (*extent >= REGION_BYTES as u64).then(|| Self {
+            key: RecordKey::new(&advert.key),
+            region: advert.region,
+            base: *base,
+        })
+    }
+
+    /// The record for `op` (`keys` landed) and the target address of its slot.
+    pub(crate) fn ring(&self, op: OpHandle, keys: u32) -> ([u8; SLOT_BYTES], u64) {
+        (self.key.seal(op, keys), self.base + slot_offset(op) as u64)
+    }
+}
+
+/// A source's registered staging slots for records it puts through UCX
+/// (each kept until its put completes).
+pub(crate) struct Outbox {
+    pub(crate) memory: Registration<'static>,
+    free: Vec<usize>,
+}
+
+/// Records one source may have in flight through UCX at once; past it, a
+/// write is reported by `write_done` alone.
+pub(crate) const OUTBOX_SLOTS: usize = 256;
+
+impl Outbox {
+    pub(crate) fn new(memory: Registration<'static>) -> Self {
+        Self {
+            memory,
+            free: (0..OUTBOX_SLOTS).rev().collect(),
+        }
+    }
+
+    /// Stages `record`; its slot's byte offset, or `None` when all are in use.
+    pub(crate) fn stage(&mut self, record: &[u8; SLOT_BYTES]) -> Option<usize> {
+        let slot = self.free.pop()?;
+        let offset = slot * SLOT_BYTES;
+        if self.memory.write(offset, record).is_err() {
+            self.free.push(slot);
+            return None;
+        }
+        Some(offset)
+    }
+
+    /// The put from `offset` completed (or failed): the slot is free again.
+    pub(crate) fn release(&mut self, offset: usize) {
+        self.free.push(offset / SLOT_BYTES);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use rstest::rstest;
+
+    fn key(byte: u8) -> RecordKey {
+        RecordKey::new(&[byte; 32])
+    }
+
+    #[test]
+    fn a_sealed_record_opens_under_its_key_for_its_op() {
+        let record = key(1).seal(OpHandle(42), 3);
+        assert_eq!(record_op(&record), OpHandle(42));
+        assert_eq!(key(1).open(OpHandle(42), &record), Some(3));
+    }
+
+    /// The layout is a wire format between two processes: pinned.
+    #[test]
+    fn the_record_layout_is_pinned() {
+        let record = key(7).seal(OpHandle(0x0102_0304_0506_0708), 9);
+        let hex: Vec<String> = record
+            .chunks(16)
+            .map(|c| c.iter().map(|b| format!("{b:02x}")).collect())
+            .collect();
+        insta::assert_snapshot!(hex.join("\n"));
+    }
+
+    /// Another session's key, or another operation (a stale record in a
+    /// shared slot, a replay): refused.
+    #[rstest]
+    #[case::another_key(2, 42)]
+    #[case::another_op(1, 43)]
+    #[case::the_slot_mate(1, 42 + SLOTS)]
+    fn a_record_opens_for_nothing_else(#[case] key_byte: u8, #[case] op: u64) {
+        let record = key(1).seal(OpHandle(42), 3);
+        assert_eq!(key(key_byte).open(OpHandle(op), &record), None);
+    }
+
+    #[test]
+    fn any_changed_bit_of_a_record_is_refused() {
+        let record = key(1).seal(OpHandle(42), 3);
+        for at in 0..SIGNED + 32 {
+            for bit in 0..8 {
+                let mut forged = record;
+                forged[at] ^= 1 << bit;
+                // A changed op byte names another op; the caller asks for 42.
+                assert_eq!(
+                    key(1).open(OpHandle(42), &forged),
+                    None,
+                    "byte {at} bit {bit}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_blank_slot_is_nothing() {
+        assert_eq!(key(1).open(OpHandle(0), &[0; SLOT_BYTES]), None);
+    }
+
+    #[test]
+    fn slots_stay_inside_the_region() {
+        for op in [0, 1, SLOTS - 1, SLOTS, u64::MAX] {
+            assert!(slot_offset(OpHandle(op)) + SLOT_BYTES <= REGION_BYTES);
+        }
+    }
+
+    fn endpoint(port: u16) -> ControlEndpoint {
+        ControlEndpoint::parse(&format!("tcp://127.0.0.1:{port}")).unwrap()
+    }
+
+    fn incarnation(raw: u128) -> Incarnation {
+        Incarnation::from_raw(raw).unwrap()
+    }
+
+    fn target_doorbell(shared: bool) -> TargetDoorbell {
+        let context = kvcr_ucx::Context::new().unwrap();
+        let slots = context.register_vec(vec![0; REGION_BYTES]).unwrap();
+        let rkey = slots.pack_rkey().unwrap().as_bytes().to_vec();
+        let segment = shared.then_some(SegmentAdvert {
+            region: REGION,
+            fd: 3,
+            token: [9; 16],
+        });
+        TargetDoorbell::new(slots, rkey, segment)
+    }
+
+    fn metadata(regions: usize, shared: bool) -> Body {
+        let region = |i: u32| RegionAdvert {
+            id: RegionId(i),
+            label: "kv".into(),
+            base: 4096,
+            element_size: 4096,
+            stride: 4096,
+            count: 1,
+            rkey: vec![1],
+        };
+        Body::TargetMetadata {
+            worker_address: vec![1],
+            regions: (0..regions as u32).map(region).collect(),
+            shared_memory: shared.then(|| kvcr_contracts::protocol::SharedMemoryAdvert {
+                boot_id: [0; 16],
+                pid_namespace: 1,
+                pid: 1,
+                segments: Vec::new(),
+            }),
+            doorbell: None,
+        }
+    }
+
+    /// The key `advertise` put into metadata for `to` on `session`.
+    fn advertised_key(db: &mut TargetDoorbell, to: &ControlEndpoint, session: u64) -> RecordKey {
+        let mut body = metadata(1, false);
+        db.advertise(to, session, &mut body);
+        let Body::TargetMetadata {
+            doorbell: Some(advert),
+            ..
+        } = body
+        else {
+            panic!("no doorbell advertised: {body:?}");
+        };
+        RecordKey::new(&advert.key)
+    }
+
+    fn ring(db: &TargetDoorbell, op: u64, record: &[u8; SLOT_BYTES]) {
+        db.slots.write(slot_offset(OpHandle(op)), record).unwrap();
+    }
+
+    #[test]
+    fn advertising_adds_the_region_its_segment_and_a_key_per_session() {
+        let mut db = target_doorbell(true);
+        let to = endpoint(1);
+        let mut body = metadata(2, true);
+        db.advertise(&to, 7, &mut body);
+        let Body::TargetMetadata {
+            regions,
+            shared_memory: Some(shared),
+            doorbell: Some(advert),
+            ..
+        } = &body
+        else {
+            panic!("{body:?}");
+        };
+        assert_eq!(regions.len(), 3);
+        assert!(regions.iter().any(|r| r.id == REGION && r.count == SLOTS));
+        assert_eq!(
+            shared.segments.len(),
+            1,
+            "the slots' file joins the segments"
+        );
+        let first = advert.key;
+        // The same session keeps its key; a new session gets a fresh one.
+        let mut again = metadata(2, true);
+        db.advertise(&to, 7, &mut again);
+        assert!(matches!(&again, Body::TargetMetadata { doorbell: Some(a), .. } if a.key == first));
+        let mut fresh = metadata(2, true);
+        db.advertise(&to, 8, &mut fresh);
+        assert!(matches!(&fresh, Body::TargetMetadata { doorbell: Some(a), .. } if a.key != first));
+        // A source refuses metadata past the region cap: none is added then.
+        let mut full = metadata(MAX_ADVERTISED_REGIONS, false);
+        db.advertise(&to, 8, &mut full);
+        assert!(
+            matches!(&full, Body::TargetMetadata { doorbell: None, regions, .. } if regions.len() == MAX_ADVERTISED_REGIONS)
+        );
+        // Shared pools but slots that are not a shared file: no doorbell,
+        // or a same-host source could not write with one copy at all.
+        let mut plain = target_doorbell(false);
+        let mut body = metadata(1, true);
+        plain.advertise(&to, 1, &mut body);
+        assert!(
+            matches!(&body, Body::TargetMetadata { doorbell: None, regions, .. } if regions.len() == 1)
+        );
+    }
+
+    /// A record is believed only as its session's reply: sealed with the
+    /// key sent on that session, in the slot of an operation sent to that
+    /// source, while that same session is open; the sender is the
+    /// session's proven identity, never anything the record says.
+    #[test]
+    fn a_record_is_taken_only_as_its_sessions_reply() {
+        let mut db = target_doorbell(false);
+        let (a, b) = (endpoint(1), endpoint(2));
+        let key_a = advertised_key(&mut db, &a, 10);
+        let key_b = advertised_key(&mut db, &b, 20);
+        let proven = incarnation(77);
+        let dialed = |session: u64| move |_: &ControlEndpoint| Some((session, proven));
+        db.await_op(&a, OpHandle(5));
+        // Another member's key (b's session) for a's operation: refused.
+        ring(&db, 5, &key_b.seal(OpHandle(5), 2));
+        assert_eq!(db.take(dialed(10)).0.len(), 0);
+        assert_eq!(db.take(dialed(10)).1, 1);
+        // The right key, but the session it went out on was replaced.
+        ring(&db, 5, &key_a.seal(OpHandle(5), 2));
+        assert!(db.take(dialed(11)).0.is_empty());
+        assert!(db.take(|_| None).0.is_empty(), "no open session: nothing");
+        // Its own session: taken once, as that session's `write_done`.
+        let (taken, refused) = db.take(dialed(10));
+        assert_eq!(refused, 0);
+        let [message] = taken.as_slice() else {
+            panic!("{taken:?}");
+        };
+        assert_eq!(message.header.sender, proven);
+        assert_eq!(message.header.sender_endpoint, a);
+        assert_eq!(
+            message.body,
+            Body::WriteDone {
+                op_handle: OpHandle(5),
+                outcome: WriteOutcome::Completed(CompletedIndices::new(vec![0, 1])),
+            }
+        );
+        assert!(!db.awaiting());
+        // Replayed: the record still sits there, but nothing waits on it;
+        // the slot's next operation does not match it.
+        assert!(db.take(dialed(10)).0.is_empty());
+        db.await_op(&a, OpHandle(5 + SLOTS));
+        assert_eq!(db.take(dialed(10)), (Vec::new(), 0));
+        // An operation never sent to a source with our doorbell is not watched.
+        db.await_op(&endpoint(3), OpHandle(6));
+        ring(&db, 6, &key_a.seal(OpHandle(6), 1));
+        assert!(db.take(dialed(10)).0.is_empty());
+    }
+
+    #[test]
+    fn a_lost_session_forgets_its_key_and_watched_slots() {
+        let mut db = target_doorbell(false);
+        let a = endpoint(1);
+        let key = advertised_key(&mut db, &a, 10);
+        db.await_op(&a, OpHandle(9));
+        db.forget_source(&a);
+        assert!(!db.awaiting());
+        ring(&db, 9, &key.seal(OpHandle(9), 1));
+        db.await_op(&a, OpHandle(9));
+        assert!(!db.awaiting(), "no key for it any more: not watched");
+    }
+
+    proptest! {
+        /// Arbitrary bytes never open (a hostile writer of the slot).
+        #[test]
+        fn garbage_never_opens(bytes in proptest::collection::vec(any::<u8>(), SLOT_BYTES)) {
+            let mut record = [0u8; SLOT_BYTES];
+            record.copy_from_slice(&bytes);
+            let op = record_op(&record);
+            prop_assert_eq!(key(1).open(op, &record), None);
+        }
+    }
+}
