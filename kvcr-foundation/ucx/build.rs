@@ -54,7 +54,6 @@ mod bindings {
         "ucp_worker_arm",
         "ucp_worker_signal",
         "ucp_worker_flush_nbx",
-        "ucp_worker_fence",
         "ucp_ep_create",
         "ucp_ep_close_nbx",
         "ucp_ep_flush_nbx",

@@ -1,15 +1,20 @@
-//! Doorbell records: a source's early word that a write's bytes landed.
+//! The doorbell: a same-host source's early word that a write's bytes
+//! landed, written into the target's memory instead of waiting for the
+//! `write_done` to cross the control socket.
 //!
-//! A target advertises a doorbell (a region of [`SLOTS`] slots of
-//! [`SLOT_BYTES`]) and, per session, a fresh key sent only inside that
-//! session's encrypted frames. When a write's bytes are in place — after
-//! its copies on one host, or fenced behind its puts over UCX — the source
-//! writes a record into slot `op % SLOTS` naming the target's operation and
-//! how many keys landed (always every key asked for: partial outcomes go by
-//! `write_done` alone). The target, polling the slots of operations it is
-//! waiting on, takes a record that verifies as that session's `write_done`;
-//! the source still sends the `write_done` itself, which then arrives as a
-//! duplicate and is ignored.
+//! A target whose pools are shared segments advertises one more: a sealed
+//! file of [`SLOTS`] slots of [`SLOT_BYTES`], and, per session, a fresh key
+//! sent only inside that session's encrypted frames. A source that maps the
+//! target (a one-copy route) writes, the moment a write's copies end, a
+//! record into slot `op % SLOTS` naming the target's operation and how many
+//! keys landed (the first `n` asked for: other outcomes go by `write_done`
+//! alone). The target, polling the slots of the operations it waits on while
+//! it spins for their replies, takes a record that verifies as that
+//! session's `write_done`; the source still sends the `write_done`, which
+//! arrives as a duplicate and is ignored. Sources across hosts, or through
+//! UCX, never ring: a record put behind a write's puts saved nothing over
+//! tcp (UCX orders it behind the puts' acknowledgement, the same wait the
+//! flush has), so it was not kept.
 //!
 //! What a record is trusted for: it verifies only under the key of the
 //! session the operation was sent on, names that operation, and is taken
@@ -135,21 +140,19 @@ struct SessionKey {
 pub(crate) struct TargetDoorbell {
     slots: Registration<'static>,
     advert: RegionAdvert,
-    /// The slots' file, when the target's pools are advertised as shared
-    /// segments (a same-host source then maps it with them).
-    segment: Option<SegmentAdvert>,
+    /// The slots' file, advertised beside the pools' (a same-host source
+    /// maps it with them).
+    segment: SegmentAdvert,
     keys: HashMap<ControlEndpoint, SessionKey>,
     awaited: HashMap<OpHandle, ControlEndpoint>,
 }
 
 impl TargetDoorbell {
-    /// `slots`: [`REGION_BYTES`] registered bytes, zeroed; `rkey` packed
-    /// for them; `segment`: their shared file's advert, if any.
-    pub(crate) fn new(
-        slots: Registration<'static>,
-        rkey: Vec<u8>,
-        segment: Option<SegmentAdvert>,
-    ) -> Self {
+    /// `slots`: [`REGION_BYTES`] registered bytes of a shared file, zeroed;
+    /// `rkey` packed for them (every advertised region has one, and a
+    /// source on another host unpacks it like the rest); `segment`: the
+    /// file's advert.
+    pub(crate) fn new(slots: Registration<'static>, rkey: Vec<u8>, segment: SegmentAdvert) -> Self {
         let advert = RegionAdvert {
             id: REGION,
             label: "kvcr-doorbell".to_owned(),
@@ -170,8 +173,8 @@ impl TargetDoorbell {
 
     /// Adds the doorbell to `body` (metadata going to `to` on our session
     /// `session`), with that session's key (made on its first metadata).
-    /// Metadata that already names as many regions as a source accepts,
-    /// or our region id, goes without one.
+    /// Metadata without shared segments, or that already names as many
+    /// regions as a source accepts, or our region id, goes without one.
     pub(crate) fn advertise(&mut self, to: &ControlEndpoint, session: u64, body: &mut Body) {
         let Body::TargetMetadata {
             regions,
@@ -180,6 +183,12 @@ impl TargetDoorbell {
             ..
         } = body
         else {
+            return;
+        };
+        // Shared segments are all-or-nothing for a source (it writes with
+        // one copy only when it maps every region), so the doorbell's file
+        // joins them.
+        let Some(shared) = shared_memory.as_mut() else {
             return;
         };
         if regions.len() >= MAX_ADVERTISED_REGIONS || regions.iter().any(|r| r.id == REGION) {
@@ -204,15 +213,7 @@ impl TargetDoorbell {
         let Some(key) = self.keys.get(to) else {
             return;
         };
-        // Shared segments are all-or-nothing for a source (it writes with
-        // one copy only when it maps every region), so the doorbell's file
-        // joins them, and without them the doorbell is reached through UCX.
-        if let Some(shared) = shared_memory.as_mut() {
-            match self.segment {
-                Some(segment) => shared.segments.push(segment),
-                None => return,
-            }
-        }
+        shared.segments.push(self.segment);
         regions.push(self.advert.clone());
         *doorbell = Some(DoorbellAdvert {
             region: REGION,
@@ -338,42 +339,6 @@ impl RouteDoorbell {
     }
 }
 
-/// A source's registered staging slots for records it puts through UCX
-/// (each kept until its put completes).
-pub(crate) struct Outbox {
-    pub(crate) memory: Registration<'static>,
-    free: Vec<usize>,
-}
-
-/// Records one source may have in flight through UCX at once; past it, a
-/// write is reported by `write_done` alone.
-pub(crate) const OUTBOX_SLOTS: usize = 256;
-
-impl Outbox {
-    pub(crate) fn new(memory: Registration<'static>) -> Self {
-        Self {
-            memory,
-            free: (0..OUTBOX_SLOTS).rev().collect(),
-        }
-    }
-
-    /// Stages `record`; its slot's byte offset, or `None` when all are in use.
-    pub(crate) fn stage(&mut self, record: &[u8; SLOT_BYTES]) -> Option<usize> {
-        let slot = self.free.pop()?;
-        let offset = slot * SLOT_BYTES;
-        if self.memory.write(offset, record).is_err() {
-            self.free.push(slot);
-            return None;
-        }
-        Some(offset)
-    }
-
-    /// The put from `offset` completed (or failed): the slot is free again.
-    pub(crate) fn release(&mut self, offset: usize) {
-        self.free.push(offset / SLOT_BYTES);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -450,15 +415,15 @@ mod tests {
         Incarnation::from_raw(raw).unwrap()
     }
 
-    fn target_doorbell(shared: bool) -> TargetDoorbell {
+    fn target_doorbell() -> TargetDoorbell {
         let context = kvcr_ucx::Context::new().unwrap();
         let slots = context.register_vec(vec![0; REGION_BYTES]).unwrap();
         let rkey = slots.pack_rkey().unwrap().as_bytes().to_vec();
-        let segment = shared.then_some(SegmentAdvert {
+        let segment = SegmentAdvert {
             region: REGION,
             fd: 3,
             token: [9; 16],
-        });
+        };
         TargetDoorbell::new(slots, rkey, segment)
     }
 
@@ -487,7 +452,7 @@ mod tests {
 
     /// The key `advertise` put into metadata for `to` on `session`.
     fn advertised_key(db: &mut TargetDoorbell, to: &ControlEndpoint, session: u64) -> RecordKey {
-        let mut body = metadata(1, false);
+        let mut body = metadata(1, true);
         db.advertise(to, session, &mut body);
         let Body::TargetMetadata {
             doorbell: Some(advert),
@@ -505,7 +470,7 @@ mod tests {
 
     #[test]
     fn advertising_adds_the_region_its_segment_and_a_key_per_session() {
-        let mut db = target_doorbell(true);
+        let mut db = target_doorbell();
         let to = endpoint(1);
         let mut body = metadata(2, true);
         db.advertise(&to, 7, &mut body);
@@ -534,16 +499,15 @@ mod tests {
         db.advertise(&to, 8, &mut fresh);
         assert!(matches!(&fresh, Body::TargetMetadata { doorbell: Some(a), .. } if a.key != first));
         // A source refuses metadata past the region cap: none is added then.
-        let mut full = metadata(MAX_ADVERTISED_REGIONS, false);
+        let mut full = metadata(MAX_ADVERTISED_REGIONS, true);
         db.advertise(&to, 8, &mut full);
         assert!(
             matches!(&full, Body::TargetMetadata { doorbell: None, regions, .. } if regions.len() == MAX_ADVERTISED_REGIONS)
         );
-        // Shared pools but slots that are not a shared file: no doorbell,
-        // or a same-host source could not write with one copy at all.
-        let mut plain = target_doorbell(false);
-        let mut body = metadata(1, true);
-        plain.advertise(&to, 1, &mut body);
+        // Pools that are not shared segments: no source maps them, so no
+        // doorbell (and no region added for one).
+        let mut body = metadata(1, false);
+        db.advertise(&to, 9, &mut body);
         assert!(
             matches!(&body, Body::TargetMetadata { doorbell: None, regions, .. } if regions.len() == 1)
         );
@@ -555,7 +519,7 @@ mod tests {
     /// session's proven identity, never anything the record says.
     #[test]
     fn a_record_is_taken_only_as_its_sessions_reply() {
-        let mut db = target_doorbell(false);
+        let mut db = target_doorbell();
         let (a, b) = (endpoint(1), endpoint(2));
         let key_a = advertised_key(&mut db, &a, 10);
         let key_b = advertised_key(&mut db, &b, 20);
@@ -599,7 +563,7 @@ mod tests {
 
     #[test]
     fn a_lost_session_forgets_its_key_and_watched_slots() {
-        let mut db = target_doorbell(false);
+        let mut db = target_doorbell();
         let a = endpoint(1);
         let key = advertised_key(&mut db, &a, 10);
         db.await_op(&a, OpHandle(9));

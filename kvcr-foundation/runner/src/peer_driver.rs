@@ -27,16 +27,14 @@ use super::control::{
     ChannelEvent, ControlChannel, ControlLimits, ControlStats, Inbound, PeerIdentity,
 };
 use super::placement::{AnonMapping, PlacementOutcome, PoolMemory};
-use crate::doorbell::{
-    OUTBOX_SLOTS, Outbox, REGION_BYTES, RouteDoorbell, SLOT_BYTES, TargetDoorbell,
-};
+use crate::doorbell::{REGION_BYTES, RouteDoorbell, SLOT_BYTES, TargetDoorbell};
 use crate::error::{Error, Result, RunnerReason};
 use crate::lanes::Lanes;
 use crate::shared_memory::{HostScope, PeerSegment, SharedPool};
 use kvcr_contracts::endpoint::{AdvertisePolicy, BindAddress, ControlEndpoint, Host};
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::key::NamespaceId;
-use kvcr_contracts::protocol::{Body, OpHandle, RegionId, SharedMemoryAdvert};
+use kvcr_contracts::protocol::{Body, RegionId, SharedMemoryAdvert};
 use kvcr_runner_core::{Action, CopySpan, PutSpan};
 use kvcr_ucx::{
     AnonOptions, CloseMode, Completion, Context, ContextConfig, Endpoint, ErrorMode, Registration,
@@ -487,11 +485,6 @@ struct PendingWrite {
     in_flight: VecDeque<Completion>,
     flush: Option<Completion>,
     failed: bool,
-    /// The completion to ring once the last put is issued (the target's op
-    /// and how many keys), when the route has a doorbell.
-    ring: Option<(OpHandle, u32)>,
-    /// The doorbell put in flight: its outbox offset and completion.
-    record: Option<(usize, Completion)>,
 }
 
 /// Everything the peer thread owns. Field order is drop order and is
@@ -513,10 +506,9 @@ struct State {
     scope: Option<HostScope>,
     /// The name tokens of our own pools (never mapped as a peer's).
     own_tokens: Vec<[u8; 16]>,
-    /// Our doorbell as a target (its slots are registered memory).
-    doorbell: TargetDoorbell,
-    /// Staged records of our doorbell puts as a source.
-    outbox: Outbox,
+    /// Our doorbell as a target, when our pools are shared segments (its
+    /// slots are a shared file, registered like them).
+    doorbell: Option<TargetDoorbell>,
     /// Records to ring when one-copy writes finish: the target's doorbell
     /// mapping, the record, and its slot's target address, by write.
     rings: HashMap<u64, (Arc<PeerSegment>, [u8; SLOT_BYTES], u64)>,
@@ -656,20 +648,19 @@ impl State {
             .as_ref()
             .map(|a| a.segments.iter().map(|s| s.token).collect())
             .unwrap_or_default();
-        // The doorbell's slots: a shared file beside shared pools (a
-        // same-host source maps it with them), else plain registered memory.
-        let (slots, segment) = if shared_memory.is_some() {
-            let file = SharedPool::create(REGION_BYTES as u64, true)?;
-            let segment = file.advert(crate::doorbell::REGION);
-            own_tokens.push(segment.token);
-            (context.register_owned(Box::new(file))?, Some(segment))
-        } else {
-            let slots = context.register_anon(REGION_BYTES, AnonOptions::new().prefault(true))?;
-            (slots, None)
+        // The doorbell: a shared file beside shared pools (a same-host
+        // source maps it with them); none when the pools are not shared.
+        let doorbell = match &shared_memory {
+            Some(_) => {
+                let file = SharedPool::create(REGION_BYTES as u64, true)?;
+                let segment = file.advert(crate::doorbell::REGION);
+                own_tokens.push(segment.token);
+                let slots = context.register_owned(Box::new(file))?;
+                let rkey = slots.pack_rkey()?.as_bytes().to_vec();
+                Some(TargetDoorbell::new(slots, rkey, segment))
+            }
+            None => None,
         };
-        let slots_rkey = slots.pack_rkey()?.as_bytes().to_vec();
-        let doorbell = TargetDoorbell::new(slots, slots_rkey, segment);
-        let outbox = Outbox::new(context.register_vec(vec![0; OUTBOX_SLOTS * SLOT_BYTES])?);
         let setup = PeerSetup {
             endpoint,
             bases: pools.iter().map(|p| p.as_ptr() as usize as u64).collect(),
@@ -710,7 +701,6 @@ impl State {
                 scope,
                 own_tokens,
                 doorbell,
-                outbox,
                 rings: HashMap::new(),
                 pools,
                 worker,
@@ -778,7 +768,7 @@ impl State {
             // A source may have rung for a write into us: a look at the
             // watched slots costs a load each, and a record taken here
             // saves waiting for its `write_done` to come through the socket.
-            if self.doorbell.awaiting() {
+            if self.doorbell.as_ref().is_some_and(TargetDoorbell::awaiting) {
                 self.take_doorbells(shared);
             }
             if busy {
@@ -886,7 +876,9 @@ impl State {
                 shared.with_core_now(|core, now| {
                     core.handle_tick(now);
                     // Operations that ended without a reply (deadlines).
-                    doorbell.retain(|op| core.peer_awaits_reply(op));
+                    if let Some(doorbell) = doorbell {
+                        doorbell.retain(|op| core.peer_awaits_reply(op));
+                    }
                 });
             }
         }
@@ -956,12 +948,16 @@ impl State {
                 if let Body::WriteDone { op_handle, .. } | Body::WriteRefused { op_handle } =
                     &message.body
                 {
-                    self.doorbell.forget_op(*op_handle);
+                    if let Some(doorbell) = &mut self.doorbell {
+                        doorbell.forget_op(*op_handle);
+                    }
                 }
                 shared.with_core_now(|core, now| core.handle_message(now, message));
             }
             Some(ChannelEvent::SourceLost(source)) => {
-                self.doorbell.forget_source(&source);
+                if let Some(doorbell) = &mut self.doorbell {
+                    doorbell.forget_source(&source);
+                }
                 shared.with_core_now(|core, _| core.peer_connection_lost(&source));
             }
             Some(ChannelEvent::TargetGone(target)) => {
@@ -980,7 +976,9 @@ impl State {
             PeerCmd::Action(action) => self.execute(action, shared),
             PeerCmd::Forget(peer) => {
                 self.control.remove_peer(&peer);
-                self.doorbell.forget_source(&peer);
+                if let Some(doorbell) = &mut self.doorbell {
+                    doorbell.forget_source(&peer);
+                }
                 retire(self.routes.remove(&peer));
                 shared.with_core_now(|core, _| core.peer_connection_lost(&peer));
             }
@@ -992,13 +990,15 @@ impl State {
     fn execute(&mut self, action: Action, shared: &Arc<Shared>) {
         match action {
             Action::Send { to, mut message } => {
-                match &message.body {
-                    Body::TargetMetadata { .. } => {
-                        let session = self.control.dial(&to);
-                        self.doorbell.advertise(&to, session, &mut message.body);
+                if let Some(doorbell) = &mut self.doorbell {
+                    match &message.body {
+                        Body::TargetMetadata { .. } => {
+                            let session = self.control.dial(&to);
+                            doorbell.advertise(&to, session, &mut message.body);
+                        }
+                        Body::StartWrite { op_handle, .. } => doorbell.await_op(&to, *op_handle),
+                        _ => {}
                     }
-                    Body::StartWrite { op_handle, .. } => self.doorbell.await_op(&to, *op_handle),
-                    _ => {}
                 }
                 self.control.send(&to, message);
             }
@@ -1012,11 +1012,13 @@ impl State {
                 doorbell,
             } => match self.route_path(&worker_address, &rkeys, shared_memory.as_ref(), &extents) {
                 Ok(path) => {
+                    // Only a route that maps the target rings it (a record
+                    // put over UCX saved nothing: see `crate::doorbell`).
                     let doorbell = doorbell
                         .and_then(|advert| RouteDoorbell::new(&advert, &rkeys, &extents))
                         .filter(|d| match &path {
                             RoutePath::OneCopy(segments) => segments.contains_key(&d.region),
-                            RoutePath::Ucx { rkeys, .. } => rkeys.contains_key(&d.region),
+                            RoutePath::Ucx { .. } => false,
                         });
                     let route = Rc::new(Route {
                         generation,
@@ -1084,10 +1086,6 @@ impl State {
                             .with_core_now(|core, now| core.handle_put_done(now, write, false)),
                     }
                 } else if let Some(route) = route {
-                    let ring = route
-                        .doorbell
-                        .as_ref()
-                        .and_then(|_| shared.lock().core.peer_write_completion(write));
                     self.pending.push(PendingWrite {
                         write,
                         route,
@@ -1095,8 +1093,6 @@ impl State {
                         in_flight: VecDeque::new(),
                         flush: None,
                         failed: false,
-                        ring,
-                        record: None,
                     });
                     self.issue_and_reap(shared);
                 } else {
@@ -1230,8 +1226,11 @@ impl State {
 
     /// Takes the `write_done`s our doorbell's watched slots hold.
     fn take_doorbells(&mut self, shared: &Arc<Shared>) {
+        let Some(doorbell) = &mut self.doorbell else {
+            return;
+        };
         let control = &self.control;
-        let (taken, refused) = self.doorbell.take(|source| control.dialed_peer(source));
+        let (taken, refused) = doorbell.take(|source| control.dialed_peer(source));
         let stats = &self.control.stats;
         stats
             .doorbells_refused
@@ -1279,22 +1278,12 @@ impl State {
                 }
             }
             if w.spans.is_empty() && w.flush.is_none() && !w.failed {
-                if let Some((op, keys)) = w.ring.take() {
-                    w.record = ring_through_ucx(&self.worker, &mut self.outbox, route, op, keys);
-                    if w.record.is_some() {
-                        self.control
-                            .stats
-                            .doorbells_rung
-                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    }
-                }
                 match route.ucx_endpoint().map(Endpoint::flush) {
                     Some(Ok(c)) => w.flush = Some(c),
                     Some(Err(_)) | None => w.failed = true,
                 }
             }
-            let puts_done = w.in_flight.iter().all(Completion::is_done)
-                && w.record.as_ref().is_none_or(|(_, c)| c.is_done());
+            let puts_done = w.in_flight.iter().all(Completion::is_done);
             match (&w.flush, w.failed) {
                 (Some(flush), _) if puts_done => {
                     if let Some(result) = flush.result() {
@@ -1313,14 +1302,8 @@ impl State {
         if finished.is_empty() {
             return;
         }
-        let outbox = &mut self.outbox;
-        self.pending.retain(|w| {
-            let done = finished.iter().any(|(id, _)| *id == w.write);
-            if done && let Some((offset, _)) = &w.record {
-                outbox.release(*offset);
-            }
-            !done
-        });
+        self.pending
+            .retain(|w| !finished.iter().any(|(id, _)| *id == w.write));
         shared.with_core_now(|core, now| {
             for (write, ok) in finished {
                 core.handle_put_done(now, write, ok);
@@ -1476,35 +1459,6 @@ fn pool_holding<'p>(
         let base = p.as_ptr() as usize as u64;
         (span.local >= base && end <= base + p.len() as u64).then(|| (p, span.local - base))
     })
-}
-
-/// Puts write `op`'s doorbell record (`keys` landed) to the target behind
-/// every put issued before it (a worker fence: it lands only after they
-/// have). Its outbox offset and completion; `None` when it could not be
-/// issued (the `write_done` still reports the write).
-fn ring_through_ucx(
-    worker: &kvcr_ucx::Worker,
-    outbox: &mut Outbox,
-    route: &Route,
-    op: OpHandle,
-    keys: u32,
-) -> Option<(usize, Completion)> {
-    let doorbell = route.doorbell.as_ref()?;
-    let RoutePath::Ucx { endpoint, rkeys } = &route.path else {
-        return None;
-    };
-    let (rkey, base) = rkeys.get(&doorbell.region)?;
-    let (record, remote) = doorbell.ring(op, keys);
-    let remote_offset = remote.checked_sub(*base)?;
-    worker.fence().ok()?;
-    let offset = outbox.stage(&record)?;
-    match endpoint.put(&outbox.memory, offset, record.len(), rkey, remote_offset) {
-        Ok(completion) => Some((offset, completion)),
-        Err(_) => {
-            outbox.release(offset);
-            None
-        }
-    }
 }
 
 fn put(pools: &[Registration<'static>], route: &Route, span: &PutSpan) -> Result<Completion> {

@@ -175,6 +175,77 @@ fn forged_completions_never_succeed() {
     held.join().unwrap();
 }
 
+/// The doorbell files of this process's runners: memfds named like pools,
+/// of the doorbell's size (1024 slots of 64 bytes), opened for writing the
+/// way any process of this user could.
+fn doorbell_files() -> Vec<std::fs::File> {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|entry| {
+            let path = entry.ok()?.path();
+            let link = std::fs::read_link(&path).ok()?;
+            if !link.to_string_lossy().starts_with("/memfd:kvcr-pool-") {
+                return None;
+            }
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .ok()?;
+            (file.metadata().ok()?.len() == 1024 * 64).then_some(file)
+        })
+        .collect()
+}
+
+/// Fills every slot `i` with a record for operation `i` that claims no key
+/// landed, under a tag the forger made up (it has no session's key).
+fn forge_records(files: &[std::fs::File], round: u64) {
+    use std::os::unix::fs::FileExt;
+    let mut slots = vec![0u8; 1024 * 64];
+    for (i, slot) in slots.chunks_mut(64).enumerate() {
+        slot[..8].copy_from_slice(&(i as u64).to_le_bytes());
+        slot[12] = 1;
+        for (j, byte) in slot[16..48].iter_mut().enumerate() {
+            *byte = (i as u64 * 131 + j as u64 * 7 + round) as u8;
+        }
+    }
+    for file in files {
+        file.write_all_at(&slots, 0).unwrap();
+    }
+}
+
+/// Whoever can open a runner's files (its user, on its host) can write its
+/// doorbell's slots, as it can its pools: a record not sealed with the key
+/// of the session the operation went out on is refused (had one been taken,
+/// its claim of no key landed would fail the restore), and every restore
+/// completes byte-exact on the source's own record or its `write_done`.
+#[test]
+fn forged_doorbell_records_are_refused() {
+    let _serial = crate::serial();
+    let mut source = member("posix,cma,self", 32);
+    let mut target = member("posix,cma,self", 32);
+    let keys: Vec<u64> = (0..24).collect();
+    stock(&mut source, &keys);
+    let files = doorbell_files();
+    assert_eq!(files.len(), 2, "one doorbell per runner");
+    for k in &keys {
+        forge_records(&files, *k);
+        let request = format!("forged-doorbell-{k}");
+        let result = fetch_on_hint(&mut target, &request, &hint(&source, &[*k]), &[*k]);
+        assert_restored(&target, &source, &result, &[*k]);
+        let handles: Vec<_> = result
+            .entries
+            .iter()
+            .filter_map(|(_, e)| e.release)
+            .collect();
+        target.runner.release(&handles);
+    }
+    let stats = target.runner.control_stats();
+    assert!(stats.doorbells_refused >= 1, "{stats:?}");
+    assert!(stats.doorbells_taken >= 1, "{stats:?}");
+    target.runner.check_invariants().unwrap();
+}
+
 /// While strangers hold connections open, a member floods probes and
 /// ungranted writes without reading a reply, and another stalls mid-frame, an
 /// honest destination restores every page byte-exact; the source's per-peer

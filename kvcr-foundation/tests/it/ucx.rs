@@ -173,68 +173,6 @@ fn put_16mib_and_256kib_blocks_between_two_contexts_over_tcp() {
     rma_in_one_process(TCP);
 }
 
-/// What the doorbell relies on: a put issued after `Worker::fence` lands
-/// only once every put before it has. The destination watches only the
-/// marker; the moment it shows, the 16 MiB before it must be in place
-/// (checked before either side's completions are looked at). UCX 1.13
-/// keeps this order on these transports even without the fence (tried);
-/// the fence is what its API promises, so the driver asks for it.
-fn a_put_after_a_fence_lands_after_the_puts_before_it(tls: &str) {
-    let dst = side(tls);
-    let src = side(tls);
-    let dst_big = dst
-        .ctx
-        .register_anon(BIG, AnonOptions::new().prefault(true))
-        .unwrap();
-    let dst_marker = dst.ctx.register_vec(vec![0; 64]).unwrap();
-    let src_big = src.ctx.register_anon(BIG, AnonOptions::new()).unwrap();
-    let src_marker = src.ctx.register_vec(vec![0; 64]).unwrap();
-    let ep = src
-        .worker
-        .connect(&WorkerAddress::from_bytes(dst.worker.address().unwrap().as_bytes()).unwrap())
-        .unwrap();
-    let unpack = |reg: &Registration<'_>| {
-        ep.unpack_rkey(&RkeyBuffer::from_bytes(reg.pack_rkey().unwrap().as_bytes()).unwrap())
-            .unwrap()
-    };
-    let (big_key, marker_key) = (unpack(&dst_big), unpack(&dst_marker));
-    for round in 1..=4u8 {
-        src_big
-            .write(0, &pattern(u64::from(round), 0, BIG))
-            .unwrap();
-        src_marker.fill(0, 64, round).unwrap();
-        let data = ep.put(&src_big, 0, BIG, &big_key, 0).unwrap();
-        src.worker.fence().unwrap();
-        let marker = ep.put(&src_marker, 0, 64, &marker_key, 0).unwrap();
-        let mut seen = [0u8; 64];
-        drive(&src.worker, &dst.worker, || {
-            dst_marker.read(0, &mut seen).unwrap();
-            seen == [round; 64]
-        });
-        let mut landed = vec![0u8; BIG];
-        dst_big.read(0, &mut landed).unwrap();
-        assert!(
-            landed == pattern(u64::from(round), 0, BIG),
-            "round {round}: the marker landed before the bytes fenced ahead of it"
-        );
-        drive(&src.worker, &dst.worker, || {
-            data.is_done() && marker.is_done()
-        });
-        data.result().unwrap().unwrap();
-        marker.result().unwrap().unwrap();
-    }
-}
-
-#[test]
-fn a_fenced_marker_lands_after_the_data_over_tcp() {
-    a_put_after_a_fence_lands_after_the_puts_before_it(TCP);
-}
-
-#[test]
-fn a_fenced_marker_lands_after_the_data_over_shm() {
-    a_put_after_a_fence_lands_after_the_puts_before_it(CMA);
-}
-
 // ---------------------------------------------------------------------------
 // Two processes: this test binary re-executed as the source.
 

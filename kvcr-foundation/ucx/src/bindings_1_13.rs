@@ -729,9 +729,6 @@ unsafe extern "C" {
     pub fn ucp_request_free(request: *mut ::core::ffi::c_void);
 }
 unsafe extern "C" {
-    pub fn ucp_worker_fence(worker: ucp_worker_h) -> ucs_status_t;
-}
-unsafe extern "C" {
     pub fn ucp_worker_flush_nbx(
         worker: ucp_worker_h,
         param: *const ucp_request_param_t,

@@ -24,7 +24,6 @@
 //! | `ucp_mem_h` | [`Registration`] (owned: [`Context::register_anon`], [`Context::register_vec`]; borrowed: [`Context::scope`]) |
 //! | `ucp_rkey_pack` / `ucp_ep_rkey_unpack` | [`RkeyBuffer`] / [`RemoteKey`] |
 //! | `ucp_put_nbx`, `ucp_*_flush_nbx` | [`Endpoint::put`], [`Endpoint::flush`], [`Worker::flush`] → [`Completion`] |
-//! | `ucp_worker_fence` | [`Worker::fence`] |
 //! | `ucp_worker_progress`, `_get_efd`, `_arm` | [`Worker::progress`], [`Worker::event_fd`], [`Worker::arm`], [`Worker::wait`] |
 //!
 //! ## Ownership and drop order

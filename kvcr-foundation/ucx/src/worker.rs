@@ -401,18 +401,6 @@ impl Worker {
         self.inner.arm()
     }
 
-    /// Orders this worker's operations (`ucp_worker_fence`): every put
-    /// issued before the fence completes at its target before any put
-    /// issued after it does, so a put after the fence lands only once the
-    /// ones before it have (without waiting here for either).
-    pub fn fence(&self) -> Result<()> {
-        // SAFETY: `handle` is a live worker (destroyed only in `Drop`, which
-        // cannot run while `&self` exists), used on its only thread.
-        check("ucp_worker_fence", unsafe {
-            sys::ucp_worker_fence(self.inner.handle)
-        })
-    }
-
     /// Flushes every endpoint of this worker (`ucp_worker_flush_nbx`): when
     /// the completion is `Ok`, every put issued before the flush is remotely
     /// complete.
