@@ -95,8 +95,12 @@ impl RecordKey {
             return None;
         }
         let mut signed = [0u8; LABEL.len() + SIGNED];
-        signed[..LABEL.len()].copy_from_slice(LABEL);
-        signed[LABEL.len()..].copy_from_slice(&record[..SIGNED]);
+        for (to, from) in signed
+            .iter_mut()
+            .zip(LABEL.iter().chain(record.iter().take(SIGNED)))
+        {
+            *to = *from;
+        }
         hmac::verify(&self.0, &signed, &record[TAG]).ok()?;
         let keys = u32::from_le_bytes(record[8..12].try_into().ok()?);
         Some(keys)

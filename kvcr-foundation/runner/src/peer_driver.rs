@@ -266,6 +266,9 @@ pub(crate) struct PeerSetup {
 }
 
 /// Commands for the peer thread.
+// Actions are most of the traffic (one or more per operation): boxing them
+// would allocate for each, to shrink the two rare variants.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum PeerCmd {
     /// Execute a core action.
     Action(Action),
@@ -947,10 +950,9 @@ impl State {
             Some(ChannelEvent::Message(message)) => {
                 if let Body::WriteDone { op_handle, .. } | Body::WriteRefused { op_handle } =
                     &message.body
+                    && let Some(doorbell) = &mut self.doorbell
                 {
-                    if let Some(doorbell) = &mut self.doorbell {
-                        doorbell.forget_op(*op_handle);
-                    }
+                    doorbell.forget_op(*op_handle);
                 }
                 shared.with_core_now(|core, now| core.handle_message(now, message));
             }
@@ -1403,8 +1405,6 @@ const DRAIN_MAX: Duration = Duration::from_millis(100);
 /// The longest idle sleep: a backstop only (the core's wake time is always
 /// sooner while anything is pending).
 const MAX_IDLE_NAP: Duration = Duration::from_secs(1);
-
-/// A lane's report of a one-copy write, fed to the core.
 
 /// How long the peer thread naps between progress rounds while it only waits
 /// for writes into its memory and nothing moved for `SPIN_BEFORE_NAP`.

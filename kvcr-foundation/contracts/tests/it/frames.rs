@@ -219,7 +219,7 @@ fn fuzz_seeds_are_the_current_examples() {
             header: header(),
             body,
         };
-        let seed = std::fs::read(seeds.join(&name)).unwrap_or_else(|e| {
+        let seed = std::fs::read(seeds.join(name)).unwrap_or_else(|e| {
             panic!("seed {name}: {e}; write it from the snapshot (fuzz/seeds/frame_decode/{name})")
         });
         assert_eq!(
