@@ -449,8 +449,8 @@ struct Route {
     /// How writes reach the target: copies into its mapped pools on the
     /// lanes, or UCX puts.
     path: RoutePath,
-    /// Where a write's completion is rung ahead of its `write_done`: with a
-    /// copy into the mapped slots, or a put fenced behind the write's.
+    /// Where a write's completion is rung ahead of its `write_done` (a
+    /// one-copy route to a target that advertised a doorbell).
     doorbell: Option<RouteDoorbell>,
 }
 
