@@ -177,8 +177,9 @@ fn forged_completions_never_succeed() {
 
 /// The doorbell files of this process's runners: memfds named like pools,
 /// of the doorbell's size (1024 slots of 64 bytes), opened for writing the
-/// way any process of this user could.
-fn doorbell_files() -> Vec<std::fs::File> {
+/// way any process of this user could, with their inode numbers.
+fn doorbell_files() -> Vec<(u64, std::fs::File)> {
+    use std::os::unix::fs::MetadataExt;
     std::fs::read_dir("/proc/self/fd")
         .unwrap()
         .filter_map(|entry| {
@@ -192,14 +193,15 @@ fn doorbell_files() -> Vec<std::fs::File> {
                 .write(true)
                 .open(&path)
                 .ok()?;
-            (file.metadata().ok()?.len() == 1024 * 64).then_some(file)
+            let meta = file.metadata().ok()?;
+            (meta.len() == 1024 * 64).then_some((meta.ino(), file))
         })
         .collect()
 }
 
 /// Fills every slot `i` with a record for operation `i` that claims no key
 /// landed, under a tag the forger made up (it has no session's key).
-fn forge_records(files: &[std::fs::File], round: u64) {
+fn forge_records(files: &[(u64, std::fs::File)], round: u64) {
     use std::os::unix::fs::FileExt;
     let mut slots = vec![0u8; 1024 * 64];
     for (i, slot) in slots.chunks_mut(64).enumerate() {
@@ -209,7 +211,7 @@ fn forge_records(files: &[std::fs::File], round: u64) {
             *byte = (i as u64 * 131 + j as u64 * 7 + round) as u8;
         }
     }
-    for file in files {
+    for (_, file) in files {
         file.write_all_at(&slots, 0).unwrap();
     }
 }
@@ -222,11 +224,17 @@ fn forge_records(files: &[std::fs::File], round: u64) {
 #[test]
 fn forged_doorbell_records_are_refused() {
     let _serial = crate::serial();
+    // Only these two runners' doorbells (another test's runner may still be
+    // alive in this process).
+    let before: Vec<u64> = doorbell_files().into_iter().map(|(ino, _)| ino).collect();
     let mut source = member("posix,cma,self", 32);
     let mut target = member("posix,cma,self", 32);
     let keys: Vec<u64> = (0..24).collect();
     stock(&mut source, &keys);
-    let files = doorbell_files();
+    let files: Vec<_> = doorbell_files()
+        .into_iter()
+        .filter(|(ino, _)| !before.contains(ino))
+        .collect();
     assert_eq!(files.len(), 2, "one doorbell per runner");
     for k in &keys {
         forge_records(&files, *k);
