@@ -266,13 +266,12 @@ impl TargetDoorbell {
         let mut refused = 0;
         for (op, source) in &self.awaited {
             let mut record = [0u8; SLOT_BYTES];
-            if self.slots.read(slot_offset(*op), &mut record).is_err() {
+            if !crate::shared_memory::read_shared(&self.slots, slot_offset(*op), &mut record) {
                 continue;
             }
             if record_op(&record) != *op {
                 continue;
             }
-            std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
             let Some(key) = self.keys.get(source) else {
                 continue;
             };

@@ -338,6 +338,34 @@ pub(crate) unsafe fn populate_for_write(addr: u64, len: u64) {
     };
 }
 
+/// Reads `out.len()` bytes at `offset` of `region`, which another process
+/// may be writing at the same moment (a doorbell's slots): volatile byte
+/// loads, no reference into the memory, then an acquire fence (whatever the
+/// writer published before these bytes is visible after). `false`, reading
+/// nothing, when the range is not inside `region`.
+pub(crate) fn read_shared(
+    region: &kvcr_ucx::Registration<'_>,
+    offset: usize,
+    out: &mut [u8],
+) -> bool {
+    if offset
+        .checked_add(out.len())
+        .is_none_or(|end| end > region.len())
+    {
+        return false;
+    }
+    let base = region.as_ptr();
+    for (i, byte) in out.iter_mut().enumerate() {
+        // SAFETY: `offset + i < region.len()` (checked above), inside the
+        // registration's live memory, which outlives this borrow; a volatile
+        // byte load forms no reference and tolerates a concurrent writer (a
+        // torn record fails its tag and is read again next turn).
+        *byte = unsafe { base.add(offset + i).read_volatile() };
+    }
+    std::sync::atomic::fence(Ordering::Acquire);
+    true
+}
+
 /// Why a source did not map a target's segment (it writes through UCX then).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum SegmentRefusal {
@@ -464,12 +492,13 @@ impl PeerSegment {
             return false;
         };
         std::sync::atomic::fence(Ordering::Release);
-        // SAFETY: `dst..dst+len` lies inside this live, writable shared
-        // mapping (checked by `destination`); no Rust reference into it
-        // exists (the target process reads it as raw bytes), and `bytes` is
-        // our own memory, so the ranges cannot overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst as usize as *mut u8, bytes.len());
+        let dst = dst as usize as *mut u8;
+        for (i, byte) in bytes.iter().enumerate() {
+            // SAFETY: `dst + i` lies inside this live, writable shared
+            // mapping (`destination` checked the whole range); a volatile
+            // byte store forms no reference, and the target reading it
+            // concurrently sees at worst a torn record, which fails its tag.
+            unsafe { dst.add(i).write_volatile(*byte) };
         }
         true
     }
@@ -612,6 +641,20 @@ mod tests {
         let view = PeerSegment::open(&advert, &segment, 0, 1 << 16).unwrap();
         view.populate();
         assert!(view.destination(0, 1 << 16).is_some());
+    }
+
+    #[test]
+    fn shared_reads_stay_inside_the_registration() {
+        let context = kvcr_ucx::Context::new().unwrap();
+        let region = context.register_vec((0..=255u8).collect()).unwrap();
+        let mut out = [0u8; 4];
+        assert!(read_shared(&region, 252, &mut out));
+        assert_eq!(out, [252, 253, 254, 255]);
+        for offset in [253, 256, usize::MAX] {
+            let mut out = [7u8; 4];
+            assert!(!read_shared(&region, offset, &mut out), "offset {offset}");
+            assert_eq!(out, [7; 4], "nothing read");
+        }
     }
 
     #[test]
