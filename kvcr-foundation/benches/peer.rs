@@ -8,7 +8,8 @@
 //! `cargo bench -p kvcr-foundation --bench peer [-- --quick]` (or `cargo xtask bench`).
 //! For latency work, `-- --bench --one-block` runs the one-block figure alone
 //! (`KVCR_BENCH_GAP_MS=10` idles before each fetch: a cold restore) and
-//! `-- --bench --requests` the one-key-per-request TCP distributions.
+//! `-- --bench --requests [--contended]` the one-key-per-request TCP
+//! distributions (beside two busy loops).
 
 #![allow(clippy::disallowed_methods)] // a benchmark reads the clock and sleeps
 #![allow(
@@ -477,6 +478,10 @@ fn main() {
     // `--requests`: only the one-key-per-request TCP figures, with their
     // distributions (for latency work on them).
     if std::env::args().any(|a| a == "--requests") {
+        // `--contended`: with two busy loops beside.
+        let _busy = std::env::args()
+            .any(|a| a == "--contended")
+            .then(|| BusyLoops::start(2));
         for (label, size) in [("64kib", 64usize << 10), ("1mib", 1 << 20)] {
             let samples = one_block(tcp, size, 40);
             dist(&format!("peer.request_{label}_tcp"), &samples);
@@ -563,6 +568,24 @@ fn main() {
         tcp16,
         "GB/s",
         kvcr_ucx::perftest::put_bw_gbs("tcp", MIB16, if quick { 20 } else { 60 }, &["-O", "1"]),
+    );
+
+    // One 64 KiB request at a time over TCP beside two busy loops, against
+    // the same quiet: on a crowded host an awake wait gives whole time
+    // slices away (see the runner's `contention`; before it, 3.9–4.0 ms
+    // per request on the 2-vCPU VM).
+    let iters = if quick { 40 } else { 100 };
+    let crowded = {
+        let _busy = BusyLoops::start(2);
+        one_block(tcp, 64 << 10, iters)
+    };
+    let quiet = one_block(tcp, 64 << 10, iters);
+    dist("peer.request_64kib_tcp_contended", &crowded);
+    bench(
+        "peer.request_64kib_tcp_contended_p50",
+        at(&crowded, 0.5),
+        "us",
+        Some(at(&quiet, 0.5)),
     );
 
     // An idle source: CPU seconds per second while it holds pages and

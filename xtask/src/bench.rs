@@ -226,6 +226,10 @@ const ANCHOR_WHAT: &[(&str, &str)] = &[
         "`ucx_perftest` put_bw at the same size, tcp",
     ),
     (
+        "peer.request_64kib_tcp_contended_p50",
+        "the same requests without the two busy loops",
+    ),
+    (
         "peer.one_block_tcp_p50",
         "`ucx_perftest` put_lat 256 KiB, tcp (one way)",
     ),

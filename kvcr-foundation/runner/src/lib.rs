@@ -23,6 +23,7 @@
 #![deny(unsafe_code)]
 
 pub mod client;
+mod contention;
 mod control;
 #[allow(unsafe_code)]
 mod copy;
@@ -401,13 +402,19 @@ impl Shared {
     /// copy finishes in tens of µs, less than a futex wake-up costs here.
     /// While a peer write into us is awaited (a one-block peer fetch takes a
     /// round trip, ~100–200 µs), the spin is longer and yields, so the
-    /// threads doing the work keep their CPUs.
+    /// threads doing the work keep their CPUs; not at all while the host's
+    /// CPUs are contended (see [`contention`]): there a yield gives a whole
+    /// time slice away, and a sleeper is woken sooner.
     fn spin_for_completion(&self, start: Instant) {
         let awaiting_peer = self.lock().core.peer_busy().0 > 0;
-        let budget = if awaiting_peer { PEER_SPIN } else { copy::SPIN };
+        let budget = match (awaiting_peer, contention::contended()) {
+            (true, true) => return,
+            (true, false) => PEER_SPIN,
+            (false, _) => copy::SPIN,
+        };
         while self.completed_len.load(Ordering::Acquire) == 0 && start.elapsed() < budget {
             if awaiting_peer {
-                std::thread::yield_now();
+                contention::yield_cpu();
             } else {
                 std::hint::spin_loop();
             }

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 use super::Shared;
+use super::contention;
 use super::control::{
     ChannelEvent, ControlChannel, ControlLimits, ControlStats, Inbound, PeerIdentity,
 };
@@ -757,6 +758,8 @@ impl State {
             };
             let (into_us, awaiting_reply) = waits;
             let busy = !self.pending.is_empty() || into_us;
+            #[allow(clippy::disallowed_methods)]
+            let turn_began = Instant::now();
             let mut progressed = false;
             while self.worker.progress() > 0 {
                 progressed = true;
@@ -779,28 +782,44 @@ impl State {
                 // waiting, let the socket tasks run, and come straight back
                 // to progress the worker (a timer would cost a millisecond
                 // per turn).
+                let mut drained = false;
                 match self.drain_queued(&mut rx, shared) {
-                    Ok(true) => last_activity = Instant::now(),
+                    Ok(true) => {
+                        last_activity = Instant::now();
+                        drained = true;
+                    }
                     Ok(false) => {}
                     Err(leak) => return leak,
                 }
-                if self.pending.is_empty() {
-                    // Only waiting for writes into us: keep progressing, but
-                    // leave the core to other threads between rounds (the
-                    // source may share it). A short sleep, not a yield: a
-                    // yielding thread on a crowded machine waits out other
-                    // processes' whole time slices (4 ms each, measured: shm
-                    // fetches fell to 0.1 GB/s beside two busy processes),
-                    // while a sleeper is woken ahead of them when its nap
-                    // ends (timer slack is cut to 1 µs on this thread).
-                    if last_progress.elapsed() >= SPIN_BEFORE_NAP {
-                        #[allow(clippy::disallowed_methods)]
-                        std::thread::sleep(WAIT_NAP);
-                    }
+                // Nothing moved for a while: leave the core to other threads
+                // between rounds. The other side of the transfer may need
+                // this very CPU: a write into us moves only while its source
+                // runs, and our own put over TCP finishes only once the
+                // destination has read it and acknowledged (traced beside
+                // one busy process: a source spinning on its unfinished put
+                // kept the destination it waited for off their shared CPU
+                // for its whole 2.8 ms slice, every 64 KiB request). A short
+                // sleep, not a yield: a yielding thread on a crowded machine
+                // waits out other processes' whole time slices (4 ms each,
+                // measured: shm fetches fell to 0.1 GB/s beside two busy
+                // processes), while a sleeper is woken ahead of them when its
+                // nap ends (timer slack is cut to 1 µs on this thread). At
+                // once while the host's CPUs are contended (`contention`).
+                if !progressed
+                    && (last_progress.elapsed() >= SPIN_BEFORE_NAP || contention::contended())
+                {
+                    #[allow(clippy::disallowed_methods)]
+                    std::thread::sleep(WAIT_NAP);
                 }
                 tokio::task::yield_now().await;
+                // A turn that found nothing to do yet lasted long had the CPU
+                // taken from it (`contention`).
+                if !progressed && !drained {
+                    contention::note_wait(turn_began);
+                }
             } else if !peeked
-                || last_activity.elapsed() < if awaiting_reply { ACTIVE_SPIN } else { linger }
+                || (last_activity.elapsed() < if awaiting_reply { ACTIVE_SPIN } else { linger }
+                    && !contention::contended())
             {
                 // Our request is out and its reply is due within a round
                 // trip, or we just served one and the next is likely close
@@ -809,13 +828,16 @@ impl State {
                 // vCPU (traced: 3 of a one-block fetch's 190 µs were such
                 // wake-ups). Stay awake for a bounded moment, yielding to
                 // the socket tasks and to other threads (on a small machine
-                // the engine's own thread may need this CPU).
+                // the engine's own thread may need this CPU). Not while the
+                // host's CPUs are contended: there a yield gives another
+                // process a whole time slice, and a thread sleeping on its
+                // events is woken ahead of it (see `contention`).
                 match self.drain_queued(&mut rx, shared) {
                     Ok(true) => last_activity = Instant::now(),
                     Ok(false) => {}
                     Err(leak) => return leak,
                 }
-                std::thread::yield_now();
+                contention::yield_cpu();
                 tokio::task::yield_now().await;
             } else {
                 // Idle as far as UCX goes: sleep until a command, a control
@@ -1406,8 +1428,9 @@ const DRAIN_MAX: Duration = Duration::from_millis(100);
 /// sooner while anything is pending).
 const MAX_IDLE_NAP: Duration = Duration::from_secs(1);
 
-/// How long the peer thread naps between progress rounds while it only waits
-/// for writes into its memory and nothing moved for `SPIN_BEFORE_NAP`.
+/// How long the peer thread naps between progress rounds while a transfer is
+/// under way and nothing moved for `SPIN_BEFORE_NAP` (at once on a contended
+/// host).
 const WAIT_NAP: Duration = Duration::from_micros(10);
 
 /// How long the peer thread spins without napping after its worker last made
