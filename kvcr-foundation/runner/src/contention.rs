@@ -26,7 +26,7 @@
 //! the host's CPUs, and every runner in the process learns from any one's
 //! waits.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -54,12 +54,24 @@ pub(crate) const CONTENDED_FOR: Duration = Duration::from_secs(1);
 /// The host's CPUs, as this process has seen them.
 static HOST: Contention = Contention::new();
 
+/// Set by [`force_contended`]: a test's way into the contended paths.
+static FORCED: AtomicBool = AtomicBool::new(false);
+
 /// Whether recent awake waits ran late often enough that they do not pay
 /// now.
 pub(crate) fn contended() -> bool {
     // Drivers read the clock; no sans-I/O core calls this.
     #[allow(clippy::disallowed_methods)]
-    HOST.contended_at(Instant::now())
+    let measured = HOST.contended_at(Instant::now());
+    measured || FORCED.load(Ordering::Relaxed)
+}
+
+/// Test support: while `on`, every runner of this process behaves as on a
+/// contended host (no awake waits), whatever its waits measure. Not for
+/// production use; the measured state is what a runner should follow.
+#[doc(hidden)]
+pub fn force_contended(on: bool) {
+    FORCED.store(on, Ordering::Relaxed);
 }
 
 /// Yields the CPU once and records whether that gave another thread a time

@@ -24,6 +24,8 @@
 
 pub mod client;
 mod contention;
+#[doc(hidden)]
+pub use contention::force_contended;
 mod control;
 #[allow(unsafe_code)]
 mod copy;

@@ -160,6 +160,53 @@ pub(crate) fn restore_all(
         .collect()
 }
 
+/// Keeps this process's runners in their contended mode while alive.
+struct Crowded;
+
+impl Crowded {
+    fn start() -> Self {
+        kvcr_foundation::runner::force_contended(true);
+        Self
+    }
+}
+
+impl Drop for Crowded {
+    fn drop(&mut self) {
+        kvcr_foundation::runner::force_contended(false);
+    }
+}
+
+/// On a crowded host the runners stop waiting awake (no linger, no spin for
+/// a reply, a transfer that finds nothing to do naps at once): every thread
+/// then sleeps on its events. Restores one page at a time, each fetch a
+/// fresh request, so every hop of each round trip starts from a sleeping
+/// thread, over both routes; every page arrives whole.
+#[rstest]
+#[case::shm_one_copy("sm,self", true)]
+#[case::tcp_ucx("tcp,self", false)]
+fn restores_on_a_crowded_host_wait_asleep_and_lose_nothing(
+    #[case] tls: &str,
+    #[case] mapping: bool,
+) {
+    let _serial = crate::serial();
+    let _crowded = Crowded::start();
+    let mut source = node_mapped(tls, mapping, 16, Duration::from_secs(5));
+    let mut target = node_mapped(tls, mapping, 16, Duration::from_secs(5));
+    let keys: Vec<u64> = (0..12).collect();
+    stock(&mut source, &keys);
+    let endpoint = source.runner.endpoint().unwrap().clone();
+    for k in &keys {
+        let pages = restore_all(&mut target, &format!("crowded-{k}"), &endpoint, &[*k]);
+        let at = *k as usize * BLOCK;
+        assert_eq!(
+            pages[0],
+            source.host[at..at + BLOCK],
+            "key {k} bytes differ"
+        );
+    }
+    assert_eq!(target.runner.peer_stats().0.keys_received, 12);
+}
+
 /// Full, partial and empty deliveries over shared memory and TCP, with the
 /// same-host one-copy mapping and through UCX alone; every restored byte
 /// equals the source's, and the route took the path it should.
