@@ -95,12 +95,9 @@ impl RecordKey {
             return None;
         }
         let mut signed = [0u8; LABEL.len() + SIGNED];
-        for (to, from) in signed
-            .iter_mut()
-            .zip(LABEL.iter().chain(record.iter().take(SIGNED)))
-        {
-            *to = *from;
-        }
+        let (label, fields) = signed.split_at_mut(LABEL.len());
+        label.copy_from_slice(LABEL);
+        fields.copy_from_slice(&record[..SIGNED]);
         hmac::verify(&self.0, &signed, &record[TAG]).ok()?;
         let keys = u32::from_le_bytes(record[8..12].try_into().ok()?);
         Some(keys)

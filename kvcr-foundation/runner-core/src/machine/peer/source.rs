@@ -506,9 +506,10 @@ impl Core {
             .iter()
             .enumerate()
             .all(|(i, index)| usize::try_from(*index).ok() == Some(i));
-        (w.state == WriteState::Writing && whole)
-            .then(|| Some((w.op, u32::try_from(w.indices.len()).ok()?)))
-            .flatten()
+        if w.state != WriteState::Writing || !whole {
+            return None;
+        }
+        Some((w.op, u32::try_from(w.indices.len()).ok()?))
     }
 
     /// The driver's report that a put (and its flush) finished.
