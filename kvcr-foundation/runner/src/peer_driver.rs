@@ -758,8 +758,6 @@ impl State {
             };
             let (into_us, awaiting_reply) = waits;
             let busy = !self.pending.is_empty() || into_us;
-            #[allow(clippy::disallowed_methods)]
-            let turn_began = Instant::now();
             let mut progressed = false;
             while self.worker.progress() > 0 {
                 progressed = true;
@@ -788,12 +786,16 @@ impl State {
                 // to sleep the moment its put ended, and a next request
                 // within the linger paid a wake-up (a `start_write` reached a
                 // sleeping source in 50–70 µs, an awake one in 11 µs).
-                // (Anything taken below is this turn's activity too.)
-                last_activity = turn_began;
                 let drained = match self.drain_queued(&mut rx, shared) {
                     Ok(drained) => drained,
                     Err(leak) => return leak,
                 };
+                // The turn's work is done (issuing a 1 MiB put over tcp
+                // writes to the socket for a few hundred µs): what follows
+                // is waiting, and only that is timed for `contention`.
+                #[allow(clippy::disallowed_methods)]
+                let wait_began = Instant::now();
+                last_activity = wait_began;
                 // Nothing moved for a while: leave the core to other threads
                 // between rounds. The other side of the transfer may need
                 // this very CPU: a write into us moves only while its source
@@ -815,10 +817,10 @@ impl State {
                     std::thread::sleep(WAIT_NAP);
                 }
                 tokio::task::yield_now().await;
-                // A turn that found nothing to do yet lasted long had the CPU
-                // taken from it (`contention`).
+                // A turn that found nothing to do yet waited long had the
+                // CPU taken from it (`contention`).
                 if !progressed && !drained {
-                    contention::note_wait(turn_began);
+                    contention::note_wait(wait_began);
                 }
             } else if !peeked
                 || (last_activity.elapsed() < if awaiting_reply { ACTIVE_SPIN } else { linger }
