@@ -353,6 +353,22 @@ fn source_incarnation(seed: u64, s: usize, restarts: u128) -> u128 {
 }
 
 /// One piece of a write in flight from a source into a target slot.
+/// A write sent as one message (bytes and completion together): the
+/// target copies it into the operation's landing spans and takes it as the
+/// `write_done`, or drops it.
+#[derive(Debug)]
+struct InFlightMessage {
+    source: usize,
+    incarnation: u128,
+    target: usize,
+    op: OpHandle,
+    keys: u32,
+    /// The (target slot, key) pairs the source addressed, in order.
+    pieces: Vec<(u64, u64)>,
+    arrives_at: u64,
+    lost: bool,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct InFlightPut {
     source: usize,
@@ -659,6 +675,11 @@ struct Coverage {
     dead_ignored: u64,
     /// Quarantined ops probed again on a fresh metadata ack.
     reprobes: u64,
+    /// Writes sent as one message; those a target took, and those it
+    /// dropped (its operation had ended, or the sender was restarted).
+    message_writes: u64,
+    messages_taken: u64,
+    messages_dropped: u64,
 }
 
 impl Coverage {
@@ -705,6 +726,9 @@ impl Coverage {
         self.dead_reports_ending_several += o.dead_reports_ending_several;
         self.dead_ignored += o.dead_ignored;
         self.reprobes += o.reprobes;
+        self.message_writes += o.message_writes;
+        self.messages_taken += o.messages_taken;
+        self.messages_dropped += o.messages_dropped;
     }
 }
 
@@ -720,6 +744,10 @@ struct Sim {
     link_clock: HashMap<(ControlEndpoint, ControlEndpoint), u64>,
     seq: u64,
     puts: Vec<InFlightPut>,
+    /// Writes sent as one message, in flight.
+    messages: Vec<InFlightMessage>,
+    /// How often a whole write leaves as one message rather than as puts.
+    message_percent: u64,
     /// Writes with pieces in flight, by (source, incarnation, write).
     writes: HashMap<(usize, u128, u64), WriteTrack>,
     /// Writes whose pieces all landed, waiting for their source's driver.
@@ -811,6 +839,8 @@ impl Sim {
             link_clock: HashMap::new(),
             seq: 0,
             puts: Vec::new(),
+            messages: Vec::new(),
+            message_percent: 30,
             writes: HashMap::new(),
             reports: Vec::new(),
             violations: Vec::new(),
@@ -836,6 +866,8 @@ impl Sim {
 
     /// No faults, and quick messages and puts (for the scripted tests).
     fn quiet(&mut self) {
+        // Scripted tests follow puts in flight; messages get their own.
+        self.message_percent = 0;
         self.drop_percent = 0;
         self.put_fail_percent = 0;
         self.late_percent = 0;
@@ -1499,6 +1531,27 @@ impl Sim {
             }
         }
         let incarnation = self.sources[s].incarnation;
+        if let Some((op, keys)) = self.sources[s].core.peer_write_completion(write)
+            && self.rng.chance(self.message_percent)
+        {
+            // The driver reads the source slots into the message now and
+            // reports the write once it has left (here: at once).
+            self.seen.message_writes += 1;
+            self.seen.writes[s] += 1;
+            self.messages.push(InFlightMessage {
+                source: s,
+                incarnation,
+                target: t,
+                op,
+                keys,
+                pieces: resolved.iter().map(|&(slot, _, key)| (slot, key)).collect(),
+                arrives_at: self.now + self.rng.below(self.max_put_time),
+                lost: self.rng.chance(self.put_fail_percent),
+            });
+            let now = self.now;
+            self.sources[s].core.handle_message_sent(now, write, true);
+            return;
+        }
         let mine: Vec<usize> = self
             .writes
             .iter()
@@ -1711,6 +1764,65 @@ impl Sim {
     /// whose pieces have all landed to the source incarnation that issued it
     /// (a crashed incarnation's puts may still land, but nobody reports
     /// them).
+    /// Write messages that arrived: each is copied into its operation's
+    /// landing spans and handled as the write's `write_done`, under one
+    /// step (as the driver does under the core lock), or dropped when the
+    /// target no longer waits on it or its sender was restarted (the
+    /// session key it was sealed with is gone).
+    fn complete_due_messages(&mut self) {
+        let now = self.now;
+        let (due, pending): (Vec<_>, Vec<_>) = std::mem::take(&mut self.messages)
+            .into_iter()
+            .partition(|m| m.arrives_at <= now);
+        self.messages = pending;
+        for m in due {
+            if m.lost || m.incarnation != self.sources[m.source].incarnation {
+                continue;
+            }
+            let target = &mut self.targets[m.target];
+            let Some(spans) = target.core.peer_landing_spans(m.op, m.keys) else {
+                self.seen.messages_dropped += 1;
+                continue;
+            };
+            let slots: Vec<Option<u64>> = spans
+                .iter()
+                .map(|&(addr, len)| {
+                    if len == BLOCK {
+                        target.slot_of(addr)
+                    } else {
+                        None
+                    }
+                })
+                .collect();
+            let addressed: Vec<Option<u64>> =
+                m.pieces.iter().map(|&(slot, _)| Some(slot)).collect();
+            if slots != addressed {
+                self.violations.push(format!(
+                    "target {}'s landing spans {slots:?} are not the slots the source addressed: {m:?}",
+                    m.target
+                ));
+                continue;
+            }
+            for &(slot, key) in &m.pieces {
+                target.memory.dram.insert(slot, key);
+            }
+            self.seen.messages_taken += 1;
+            let done = Message {
+                header: Header {
+                    sender: Incarnation::from_raw(m.incarnation).unwrap(),
+                    route_generation: RouteGeneration(0),
+                    sender_endpoint: self.sources[m.source].endpoint.clone(),
+                },
+                body: Body::WriteDone {
+                    op_handle: m.op,
+                    outcome: WriteOutcome::Completed(CompletedIndices::new((0..m.keys).collect())),
+                },
+            };
+            let to = self.targets[m.target].endpoint.clone();
+            self.handle(&to, now, done);
+        }
+    }
+
     fn complete_due_puts(&mut self) {
         let now = self.now;
         let (mut due, pending): (Vec<_>, Vec<_>) = self.puts.iter().partition(|p| p.done_at <= now);
@@ -1788,6 +1900,7 @@ impl Sim {
                 .iter()
                 .map(|((s, ..), _)| self.sources[*s].asleep_until);
             let messages = self.network.keys().next().map(|k| k.0);
+            let write_messages = self.messages.iter().map(|m| m.arrives_at);
             let g3 = self.g3_jobs.iter().map(|j| self.g3_report_at(j));
             let next = wakes
                 .iter()
@@ -1795,6 +1908,7 @@ impl Sim {
                 .chain(lands)
                 .chain(reports)
                 .chain(messages)
+                .chain(write_messages)
                 .chain(g3)
                 .min()
                 .filter(|w| *w <= end);
@@ -1802,6 +1916,7 @@ impl Sim {
             self.now = self.now.max(at);
             let now = self.now;
             self.complete_due_puts();
+            self.complete_due_messages();
             self.complete_due_g3();
             while let Some(&(at, seq)) = self.network.keys().next().filter(|k| k.0 <= now) {
                 let Some((to, message)) = self.network.remove(&(at, seq)) else {
@@ -2357,6 +2472,9 @@ fn peer_protocol_survives_faults_over_many_seeds() {
             ),
             ("death reports ignored", seen.dead_ignored),
             ("quarantined ops probed again", seen.reprobes),
+            ("writes sent as messages", seen.message_writes),
+            ("write messages taken", seen.messages_taken),
+            ("write messages dropped", seen.messages_dropped),
         ]
         .into_iter()
         .filter(|(_, n)| n * 10 < seeds)
@@ -2441,6 +2559,7 @@ fn fault_free_requests_restore_the_hinted_keys() {
                 sim.handle(&to, now, message);
             }
             sim.complete_due_puts();
+            sim.complete_due_messages();
             sim.flush();
             sim.check().unwrap();
         }
@@ -2944,6 +3063,148 @@ fn a_doorbell_is_part_of_the_route_and_offers_only_whole_writes() {
         sim.sources[0].core.peer_write_completion(write),
         None,
         "an ended write offers nothing"
+    );
+}
+
+/// A write whose bytes leave as one message carrying its completion ends
+/// without a `write_done` (the message is it); one that failed to leave, or
+/// whose target gave up meanwhile, ends with a terminal failure as a put
+/// would. Either way its keys are released.
+#[test]
+fn a_write_sent_as_a_message_sends_no_second_completion() {
+    let (mut sim, source_incarnation) = stocked_source(|_| {});
+    let ns = sim.ns;
+    let core = &mut sim.sources[0].core;
+    core.handle_message(0, from(1, 11, metadata(1)));
+    let generation = std::iter::from_fn(|| core.poll_action())
+        .find_map(|a| match a {
+            Action::Connect { generation, .. } => Some(generation),
+            _ => None,
+        })
+        .expect("a connect");
+    core.handle_connected(&endpoint(1), generation, false);
+    sent(core);
+    let put = |core: &mut Core, op: u64, key: u64| {
+        core.handle_message(0, from(1, 11, start_write(op, source_incarnation, ns, key)));
+        std::iter::from_fn(|| core.poll_action())
+            .find_map(|a| match a {
+                Action::Put { write, .. } => Some(write),
+                _ => None,
+            })
+            .expect("the write is put")
+    };
+    let first = put(core, 7, 0);
+    assert_eq!(core.peer_write_completion(first), Some((OpHandle(7), 1)));
+    core.handle_message_sent(0, first, true);
+    assert!(sent(core).is_empty(), "the message was the write_done");
+    assert_eq!(core.peer_busy().1, 0, "the write ended");
+    assert_eq!(core.peer_counters().keys_sent, 1);
+    let second = put(core, 8, 1);
+    core.handle_message_sent(0, second, false);
+    assert!(
+        matches!(
+            sent(core).as_slice(),
+            [(
+                _,
+                Body::WriteDone {
+                    op_handle: OpHandle(8),
+                    outcome: WriteOutcome::Failed { terminal: true }
+                }
+            )]
+        ),
+        "a message that did not leave ends as a failed put"
+    );
+    assert_eq!(core.peer_busy().1, 0);
+    // Both keys were released: probes answer that nothing is in flight.
+    for op in [7, 8] {
+        core.handle_message(
+            0,
+            from(
+                1,
+                11,
+                Body::WriteProbe {
+                    op_handle: OpHandle(op),
+                    source_incarnation: Some(source_incarnation),
+                },
+            ),
+        );
+        assert!(matches!(
+            sent(core).as_slice(),
+            [(_, Body::WriteProbeAck { terminal: true, .. })]
+        ));
+    }
+}
+
+/// Where a write's bytes may be copied when they arrive as a message: the
+/// elements the target granted, in request order, only for the operation's
+/// whole key count and only while it waits for its reply.
+#[test]
+fn landing_spans_are_the_granted_elements_while_the_reply_is_awaited() {
+    let mut sim = Sim::new(17);
+    sim.quiet();
+    let keys = vec![sim.key(0), sim.key(1)];
+    let request = RequestId("landing".into());
+    let hint = FetchHint {
+        source: endpoint(2),
+        block_hashes: keys.iter().map(|k| k.key).collect(),
+        mode: FetchMode::Copy,
+        action_id: None,
+    };
+    sim.targets[0].core.submit_hint(0, request.clone(), &hint);
+    sim.targets[0]
+        .core
+        .fetch(0, &keys, &[PoolId(0)], Some(&request))
+        .unwrap();
+    sim.flush();
+    // Deliver everything but the start_write (the source never sees it).
+    let mut start = None;
+    for _ in 0..16 {
+        let Some((&k, _)) = sim.network.iter().next() else {
+            break;
+        };
+        let (to, message) = sim.network.remove(&k).unwrap();
+        if let Body::StartWrite {
+            op_handle,
+            destinations,
+            ..
+        } = &message.body
+        {
+            start = Some((*op_handle, destinations.clone()));
+            continue;
+        }
+        sim.handle(&to, 0, message);
+        sim.flush();
+    }
+    let (op, destinations) = start.expect("a start_write went out");
+    let target = &mut sim.targets[0].core;
+    let granted: Vec<(u64, u64)> = destinations
+        .iter()
+        .flatten()
+        .map(|e| target.resolve(*e).unwrap())
+        .collect();
+    assert_eq!(granted.len(), 2);
+    assert_eq!(target.peer_landing_spans(op, 2), Some(granted));
+    assert_eq!(target.peer_landing_spans(op, 1), None, "not the whole op");
+    assert_eq!(target.peer_landing_spans(op, 3), None);
+    assert_eq!(target.peer_landing_spans(op, 0), None);
+    assert_eq!(target.peer_landing_spans(OpHandle(op.0 + 1), 2), None);
+    let source = Incarnation::from_raw(sim.sources[0].incarnation).unwrap();
+    let done = Message {
+        header: Header {
+            sender: source,
+            route_generation: RouteGeneration(0),
+            sender_endpoint: endpoint(2),
+        },
+        body: Body::WriteDone {
+            op_handle: op,
+            outcome: WriteOutcome::Completed(CompletedIndices::new(vec![0, 1])),
+        },
+    };
+    sim.handle(&endpoint(1), 0, done);
+    assert_eq!(
+        sim.targets[0].core.peer_landing_spans(op, 2),
+        None,
+        "the operation ended"
     );
 }
 

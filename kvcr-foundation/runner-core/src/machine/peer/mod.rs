@@ -650,6 +650,45 @@ impl Core {
         })
     }
 
+    /// Where a whole write for target operation `op` lands in our memory,
+    /// while the operation waits for its source's reply: the address and
+    /// length of every element granted to its `keys` keys, key by key in
+    /// request order and each key's elements in layout order (the order a
+    /// source's puts take). `None` unless `keys` is the operation's whole
+    /// key count and every key still holds its granted slots.
+    ///
+    /// A driver that receives a write's bytes as one message (rather than
+    /// as puts into the granted elements) copies them here, in this order,
+    /// and only while the core lock it asked under is held: the slots stay
+    /// the operation's until its reply is handled.
+    pub fn peer_landing_spans(&self, op: OpHandle, keys: u32) -> Option<Vec<(u64, u64)>> {
+        let target_op = self
+            .peer
+            .as_ref()?
+            .target
+            .ops
+            .get(&op)
+            .filter(|o| o.state == TargetState::WaitingWriteDone)?;
+        if usize::try_from(keys).ok()? != target_op.fills.len() || keys == 0 {
+            return None;
+        }
+        let mut spans = Vec::new();
+        for fill in &target_op.fills {
+            let fill = self.fills.get(*fill as usize)?.as_ref()?;
+            if fill.source != (FillSource::Remote { target_op: op.0 }) {
+                return None;
+            }
+            let elements = self.slot_refs(fill.record);
+            if elements.is_empty() {
+                return None;
+            }
+            for element in elements {
+                spans.push(self.resolve(element).ok()?);
+            }
+        }
+        Some(spans)
+    }
+
     /// Drains the framework notices.
     pub fn take_notices(&mut self) -> Vec<PeerNotice> {
         self.peer

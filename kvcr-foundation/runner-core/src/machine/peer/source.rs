@@ -514,6 +514,20 @@ impl Core {
 
     /// The driver's report that a put (and its flush) finished.
     pub fn handle_put_done(&mut self, now: u64, write: u64, ok: bool) {
+        self.end_write(now, write, ok, false);
+    }
+
+    /// The driver's report that write `write` left as one message carrying
+    /// its bytes and its completion (the record
+    /// [`Core::peer_write_completion`] gave), sent `ok` or not. The message
+    /// is the target's `write_done`: a successful one sends none (a second
+    /// could overtake the bytes, which travel another way); a failed or
+    /// cancelled one ends as a put would.
+    pub fn handle_message_sent(&mut self, now: u64, write: u64, ok: bool) {
+        self.end_write(now, write, ok, true);
+    }
+
+    fn end_write(&mut self, now: u64, write: u64, ok: bool, completion_sent: bool) {
         let Some(w) = self
             .peer
             .as_mut()
@@ -537,6 +551,7 @@ impl Core {
         // After a cancellation the target already gave up: only a terminal
         // failure is proof that we are done with its memory.
         let outcome = match (ok, w.state) {
+            (true, WriteState::Writing) if completion_sent => return,
             (true, WriteState::Writing) => {
                 WriteOutcome::Completed(CompletedIndices::new(w.indices))
             }
