@@ -63,6 +63,14 @@ fn options(path: Path<'_>) -> PeerOptions {
     o.ucx_tls = Some(path.tls.to_owned());
     o.same_host_mapping = path.mapping;
     o.lanes = path.lanes;
+    // `KVCR_BENCH_WRITE_MESSAGE_BYTES`: the largest write sent as one
+    // message (0: puts only), to compare the two on one binary.
+    if let Some(bytes) = std::env::var("KVCR_BENCH_WRITE_MESSAGE_BYTES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        o.write_message_max_bytes = bytes;
+    }
     o
 }
 
@@ -299,8 +307,15 @@ fn one_block(path: Path<'_>, block: usize, iters: usize) -> Vec<f64> {
         .collect();
     let stats = target.control_stats();
     println!(
-        "# one-block {} B over {}: {} of {} writes completed on the doorbell ({} records refused)",
-        block, path.tls, stats.doorbells_taken, iters, stats.doorbells_refused
+        "# one-block {} B over {}: of {} writes, {} completed on the doorbell ({} records refused), \
+         {} arrived as one message ({} refused)",
+        block,
+        path.tls,
+        iters,
+        stats.doorbells_taken,
+        stats.doorbells_refused,
+        stats.write_messages_taken,
+        stats.write_messages_refused
     );
     samples.sort_by(f64::total_cmp);
     samples

@@ -54,6 +54,7 @@ mod bindings {
         "ucp_worker_arm",
         "ucp_worker_signal",
         "ucp_worker_flush_nbx",
+        "ucp_worker_query",
         "ucp_ep_create",
         "ucp_ep_close_nbx",
         "ucp_ep_flush_nbx",
@@ -65,13 +66,19 @@ mod bindings {
         "ucp_rkey_destroy",
         "ucp_put_nbx",
         "ucp_get_nbx",
+        "ucp_worker_set_am_recv_handler",
+        "ucp_am_send_nbx",
+        "ucp_am_data_release",
         "ucp_request_check_status",
         "ucp_request_free",
         "ucs_status_string",
     ];
 
     /// Enum types whose constants the safe layer uses (emitted as plain
-    /// constants, never as Rust enums: a value UCX adds later is not UB).
+    /// constants, never as Rust enums: a value UCX adds later is not UB),
+    /// and the structs it fills in or reads (the functions above pull in
+    /// their parameter types anyway; naming them keeps them if a signature
+    /// changes).
     const TYPES: &[&str] = &[
         "ucs_status_t",
         "ucs_thread_mode_t",
@@ -84,6 +91,17 @@ mod bindings {
         "ucp_mem_map_params_field",
         "ucp_op_attr_t",
         "ucp_ep_close_flags_t",
+        "ucp_worker_attr_field",
+        "ucp_worker_attr_t",
+        "ucp_am_handler_param_field",
+        "ucp_am_cb_flags",
+        "ucp_am_recv_attr_t",
+        "ucp_send_am_flags",
+        "ucp_dt_type",
+        "ucp_dt_iov_t",
+        "ucp_am_handler_param_t",
+        "ucp_am_recv_param_t",
+        "ucp_am_recv_callback_t",
     ];
 
     pub(super) fn generate() -> Result<(), Box<dyn Error>> {

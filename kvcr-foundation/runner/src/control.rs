@@ -194,6 +194,13 @@ pub(crate) struct ControlStats {
     /// Records in a slot a target waited on, naming its operation, that did
     /// not verify (torn mid-write, or forged): ignored.
     pub(crate) doorbells_refused: AtomicU64,
+    /// Writes this runner sent as one message (bytes and completion).
+    pub(crate) write_messages_sent: AtomicU64,
+    /// Write messages this runner took as a target's `write_done`.
+    pub(crate) write_messages_taken: AtomicU64,
+    /// Write messages dropped unread: not verified, not awaited, or not
+    /// exactly the operation's granted bytes.
+    pub(crate) write_messages_refused: AtomicU64,
 }
 
 impl ControlStats {
@@ -208,6 +215,9 @@ impl ControlStats {
             doorbells_rung: self.doorbells_rung.load(Ordering::Relaxed),
             doorbells_taken: self.doorbells_taken.load(Ordering::Relaxed),
             doorbells_refused: self.doorbells_refused.load(Ordering::Relaxed),
+            write_messages_sent: self.write_messages_sent.load(Ordering::Relaxed),
+            write_messages_taken: self.write_messages_taken.load(Ordering::Relaxed),
+            write_messages_refused: self.write_messages_refused.load(Ordering::Relaxed),
         }
     }
 }
@@ -237,6 +247,16 @@ pub struct ControlCounters {
     /// Records naming an awaited operation that did not verify (torn while
     /// being written, or forged): ignored, the `write_done` still counts.
     pub doorbells_refused: u64,
+    /// Writes sent as one UCX message carrying their bytes and completion
+    /// (a source's small writes through UCX).
+    pub write_messages_sent: u64,
+    /// Write messages taken as a target: their bytes copied into the
+    /// operation's granted elements, their record as its `write_done`.
+    pub write_messages_taken: u64,
+    /// Write messages dropped unread: a record that did not verify under
+    /// the session's key, an operation not (or no longer) awaited, or data
+    /// not exactly the operation's granted bytes.
+    pub write_messages_refused: u64,
 }
 
 /// Who is at the other end of a session, as the session proved it.

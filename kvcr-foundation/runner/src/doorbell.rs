@@ -26,8 +26,25 @@
 //!
 //! ```text
 //! record := op:u64le  keys:u32le  version:u8=1  zero:u8[3]  tag:u8[32]  zero:u8[16]
-//! tag    := HMAC-SHA256(key, "kvcr-doorbell/1" | op | keys | version | zero)
+//! tag    := HMAC-SHA256(key, label | op | keys | version | zero)
+//! label  := "kvcr-doorbell/1" (a slot) | "kvcr-write-message/1" (a message)
 //! ```
+//!
+//! # Writes as messages
+//!
+//! The same key serves a source that writes through UCX (across hosts, or
+//! over tcp): a small whole write leaves as one UCX active message whose
+//! header is a record (under its own label, so neither kind passes for the
+//! other) and whose data is the write's bytes, key by key. The target
+//! verifies the record as above, asks its core where that operation's
+//! granted elements are (only while it waits on it, under the core lock),
+//! copies the bytes there only if their length is exactly theirs, and takes
+//! the record as the `write_done`. The source sends no other: a put needs an
+//! acknowledgement round trip before its `write_done` may leave (the flush),
+//! a message carries its bytes and its completion together (64 KiB over
+//! tcp: see README). A message that does not verify, or arrives after its
+//! operation ended, is dropped unread; its operation then ends by deadline
+//! and probe, never with bytes it did not get.
 
 use std::collections::HashMap;
 
@@ -52,8 +69,16 @@ const VERSION: u8 = 1;
 const SIGNED: usize = 16;
 /// Where the tag starts and ends.
 const TAG: std::ops::Range<usize> = SIGNED..SIGNED + 32;
-/// Domain separation: this key signs nothing else.
+/// Domain separation: a doorbell slot's record...
 const LABEL: &[u8] = b"kvcr-doorbell/1";
+/// ...and a write message's header; the key signs nothing else.
+const MESSAGE_LABEL: &[u8] = b"kvcr-write-message/1";
+/// Both labels are this long (the signed buffer's size).
+const LABEL_LEN: usize = 20;
+const _: () = assert!(LABEL.len() <= LABEL_LEN && MESSAGE_LABEL.len() <= LABEL_LEN);
+
+/// The UCX active message id of a write message.
+pub(crate) const WRITE_MESSAGE: u16 = 0x6b76;
 
 /// A session's record key.
 pub(crate) struct RecordKey(hmac::Key);
@@ -70,35 +95,49 @@ impl RecordKey {
         Some((Self::new(&bytes), bytes))
     }
 
-    fn tag(&self, signed: &[u8]) -> hmac::Tag {
-        let mut ctx = hmac::Context::with_key(&self.0);
-        ctx.update(LABEL);
-        ctx.update(signed);
-        ctx.sign()
+    /// The record saying `keys` keys of `op` landed (a doorbell slot's).
+    pub(crate) fn seal(&self, op: OpHandle, keys: u32) -> [u8; SLOT_BYTES] {
+        self.seal_labelled(LABEL, op, keys)
     }
 
-    /// The record saying `keys` keys of `op` landed.
-    pub(crate) fn seal(&self, op: OpHandle, keys: u32) -> [u8; SLOT_BYTES] {
+    /// The number of keys `record` says landed for `op`, if it is a slot
+    /// record of `op` sealed with this key (checked in constant time).
+    pub(crate) fn open(&self, op: OpHandle, record: &[u8; SLOT_BYTES]) -> Option<u32> {
+        self.open_labelled(LABEL, op, record)
+    }
+
+    /// A write message's header: `keys` keys of `op` are its data.
+    pub(crate) fn seal_message(&self, op: OpHandle, keys: u32) -> [u8; SLOT_BYTES] {
+        self.seal_labelled(MESSAGE_LABEL, op, keys)
+    }
+
+    /// The number of keys a write message's `header` carries for `op`, if
+    /// it was sealed with this key as a message header.
+    pub(crate) fn open_message(&self, op: OpHandle, header: &[u8; SLOT_BYTES]) -> Option<u32> {
+        self.open_labelled(MESSAGE_LABEL, op, header)
+    }
+
+    fn seal_labelled(&self, label: &[u8], op: OpHandle, keys: u32) -> [u8; SLOT_BYTES] {
         let mut record = [0u8; SLOT_BYTES];
         record[..8].copy_from_slice(&op.0.to_le_bytes());
         record[8..12].copy_from_slice(&keys.to_le_bytes());
         record[12] = VERSION;
-        let tag = self.tag(&record[..SIGNED]);
-        record[TAG].copy_from_slice(tag.as_ref());
+        let mut ctx = hmac::Context::with_key(&self.0);
+        ctx.update(label);
+        ctx.update(&record[..SIGNED]);
+        record[TAG].copy_from_slice(ctx.sign().as_ref());
         record
     }
 
-    /// The number of keys `record` says landed for `op`, if it is a record
-    /// of `op` sealed with this key (checked in constant time).
-    pub(crate) fn open(&self, op: OpHandle, record: &[u8; SLOT_BYTES]) -> Option<u32> {
+    fn open_labelled(&self, label: &[u8], op: OpHandle, record: &[u8; SLOT_BYTES]) -> Option<u32> {
         if record_op(record) != op || record[12] != VERSION || record[13..SIGNED] != [0; 3] {
             return None;
         }
-        let mut signed = [0u8; LABEL.len() + SIGNED];
-        let (label, fields) = signed.split_at_mut(LABEL.len());
-        label.copy_from_slice(LABEL);
-        fields.copy_from_slice(&record[..SIGNED]);
-        hmac::verify(&self.0, &signed, &record[TAG]).ok()?;
+        let mut signed = [0u8; LABEL_LEN + SIGNED];
+        let len = label.len() + SIGNED;
+        signed[..label.len()].copy_from_slice(label);
+        signed[label.len()..len].copy_from_slice(&record[..SIGNED]);
+        hmac::verify(&self.0, &signed[..len], &record[TAG]).ok()?;
         let keys = u32::from_le_bytes(record[8..12].try_into().ok()?);
         Some(keys)
     }
@@ -142,18 +181,24 @@ pub(crate) struct TargetDoorbell {
     slots: Registration<'static>,
     advert: RegionAdvert,
     /// The slots' file, advertised beside the pools' (a same-host source
-    /// maps it with them).
-    segment: SegmentAdvert,
+    /// maps it with them); `None` when the pools are not shared segments
+    /// (the slots are then plain registered memory: the region is
+    /// advertised for its key's sake, and no source rings it).
+    segment: Option<SegmentAdvert>,
     keys: HashMap<ControlEndpoint, SessionKey>,
     awaited: HashMap<OpHandle, ControlEndpoint>,
 }
 
 impl TargetDoorbell {
-    /// `slots`: [`REGION_BYTES`] registered bytes of a shared file, zeroed;
-    /// `rkey` packed for them (every advertised region has one, and a
-    /// source on another host unpacks it like the rest); `segment`: the
-    /// file's advert.
-    pub(crate) fn new(slots: Registration<'static>, rkey: Vec<u8>, segment: SegmentAdvert) -> Self {
+    /// `slots`: [`REGION_BYTES`] registered bytes, zeroed; `rkey` packed
+    /// for them (every advertised region has one, and a source on another
+    /// host unpacks it like the rest); `segment`: the advert of the shared
+    /// file they are, when our pools are shared too.
+    pub(crate) fn new(
+        slots: Registration<'static>,
+        rkey: Vec<u8>,
+        segment: Option<SegmentAdvert>,
+    ) -> Self {
         let advert = RegionAdvert {
             id: REGION,
             label: "kvcr-doorbell".to_owned(),
@@ -173,9 +218,10 @@ impl TargetDoorbell {
     }
 
     /// Adds the doorbell to `body` (metadata going to `to` on our session
-    /// `session`), with that session's key (made on its first metadata).
-    /// Metadata without shared segments, or that already names as many
-    /// regions as a source accepts, or our region id, goes without one.
+    /// `session`), with that session's key (made on its first metadata):
+    /// its region always (the key names it), its file when our pools are
+    /// shared segments. Metadata that already names as many regions as a
+    /// source accepts, or our region id, goes without one.
     pub(crate) fn advertise(&mut self, to: &ControlEndpoint, session: u64, body: &mut Body) {
         let Body::TargetMetadata {
             regions,
@@ -184,12 +230,6 @@ impl TargetDoorbell {
             ..
         } = body
         else {
-            return;
-        };
-        // Shared segments are all-or-nothing for a source (it writes with
-        // one copy only when it maps every region), so the doorbell's file
-        // joins them.
-        let Some(shared) = shared_memory.as_mut() else {
             return;
         };
         if regions.len() >= MAX_ADVERTISED_REGIONS || regions.iter().any(|r| r.id == REGION) {
@@ -214,7 +254,16 @@ impl TargetDoorbell {
         let Some(key) = self.keys.get(to) else {
             return;
         };
-        shared.segments.push(self.segment);
+        // Shared segments are all-or-nothing for a source (it writes with
+        // one copy only when it maps every region), so the doorbell's file
+        // joins them.
+        match (shared_memory.as_mut(), self.segment) {
+            (Some(shared), Some(segment)) => shared.segments.push(segment),
+            // Shared pools beside private slots cannot happen (both come
+            // from the same setting); never advertise half a mapping.
+            (Some(_), None) => return,
+            (None, _) => {}
+        }
         regions.push(self.advert.clone());
         *doorbell = Some(DoorbellAdvert {
             region: REGION,
@@ -276,36 +325,64 @@ impl TargetDoorbell {
                 refused += 1;
                 continue;
             };
-            // Believed only from the session the key went out on, as that
-            // session's reply would be.
-            let Some((session, incarnation)) = dialed(source) else {
-                continue;
-            };
-            if session != key.session {
-                continue;
+            if let Some(done) = write_done(source, key.session, *op, keys, &dialed) {
+                taken.push((*op, done));
             }
-            taken.push((
-                *op,
-                Message {
-                    header: Header {
-                        sender: incarnation,
-                        route_generation: RouteGeneration(0),
-                        sender_endpoint: source.clone(),
-                    },
-                    body: Body::WriteDone {
-                        op_handle: *op,
-                        outcome: WriteOutcome::Completed(CompletedIndices::new(
-                            (0..keys).collect(),
-                        )),
-                    },
-                },
-            ));
         }
         for (op, _) in &taken {
             self.awaited.remove(op);
         }
         (taken.into_iter().map(|(_, m)| m).collect(), refused)
     }
+
+    /// The operation a write message's `header` completes, how many keys
+    /// its data carries, and the `write_done` it stands for, if the header
+    /// is a record of an operation we wait on, sealed as a message with
+    /// the key of the session that operation was sent on (which must still
+    /// be the session we hold to its source). The operation stays watched
+    /// until [`TargetDoorbell::forget_op`]: the caller takes it only once
+    /// the bytes are in place.
+    pub(crate) fn open_message(
+        &self,
+        header: &[u8],
+        dialed: impl Fn(&ControlEndpoint) -> Option<(u64, Incarnation)>,
+    ) -> Option<(OpHandle, u32, Message)> {
+        let header: &[u8; SLOT_BYTES] = header.try_into().ok()?;
+        let op = record_op(header);
+        let source = self.awaited.get(&op)?;
+        let key = self.keys.get(source)?;
+        let keys = key.key.open_message(op, header)?;
+        let done = write_done(source, key.session, op, keys, &dialed)?;
+        Some((op, keys, done))
+    }
+}
+
+/// The `write_done` (the first `keys` keys of `op` landed) a verified record
+/// from `source` stands for, believed only from the session its key went
+/// out on (`key_session`), as that session's reply would be (`dialed`: our
+/// session to an endpoint, its id and who answered it).
+fn write_done(
+    source: &ControlEndpoint,
+    key_session: u64,
+    op: OpHandle,
+    keys: u32,
+    dialed: &impl Fn(&ControlEndpoint) -> Option<(u64, Incarnation)>,
+) -> Option<Message> {
+    let (session, incarnation) = dialed(source)?;
+    if session != key_session {
+        return None;
+    }
+    Some(Message {
+        header: Header {
+            sender: incarnation,
+            route_generation: RouteGeneration(0),
+            sender_endpoint: source.clone(),
+        },
+        body: Body::WriteDone {
+            op_handle: op,
+            outcome: WriteOutcome::Completed(CompletedIndices::new((0..keys).collect())),
+        },
+    })
 }
 
 /// A source's doorbell on one route: where the target's slots are and the
@@ -424,7 +501,7 @@ mod tests {
             fd: 3,
             token: [9; 16],
         };
-        TargetDoorbell::new(slots, rkey, segment)
+        TargetDoorbell::new(slots, rkey, Some(segment))
     }
 
     fn metadata(regions: usize, shared: bool) -> Body {
@@ -504,12 +581,12 @@ mod tests {
         assert!(
             matches!(&full, Body::TargetMetadata { doorbell: None, regions, .. } if regions.len() == MAX_ADVERTISED_REGIONS)
         );
-        // Pools that are not shared segments: no source maps them, so no
-        // doorbell (and no region added for one).
+        // Pools that are not shared segments: the key and its region (for
+        // write messages), no file (no source maps anything).
         let mut body = metadata(1, false);
         db.advertise(&to, 9, &mut body);
         assert!(
-            matches!(&body, Body::TargetMetadata { doorbell: None, regions, .. } if regions.len() == 1)
+            matches!(&body, Body::TargetMetadata { doorbell: Some(_), regions, shared_memory: None, .. } if regions.len() == 2)
         );
     }
 
@@ -559,6 +636,72 @@ mod tests {
         db.await_op(&endpoint(3), OpHandle(6));
         ring(&db, 6, &key_a.seal(OpHandle(6), 1));
         assert!(db.take(dialed(10)).0.is_empty());
+    }
+
+    /// A message header is a record under its own label: a slot record
+    /// never opens as one, nor the reverse.
+    #[test]
+    fn message_headers_and_slot_records_never_pass_for_each_other() {
+        let header = key(1).seal_message(OpHandle(42), 3);
+        assert_eq!(key(1).open_message(OpHandle(42), &header), Some(3));
+        assert_eq!(key(1).open(OpHandle(42), &header), None);
+        let record = key(1).seal(OpHandle(42), 3);
+        assert_eq!(key(1).open_message(OpHandle(42), &record), None);
+        assert_eq!(key(2).open_message(OpHandle(42), &header), None);
+        for at in 0..SIGNED + 32 {
+            let mut forged = header;
+            forged[at] ^= 1;
+            assert_eq!(
+                key(1).open_message(OpHandle(42), &forged),
+                None,
+                "byte {at}"
+            );
+        }
+    }
+
+    /// A message is believed only as its session's reply, for an operation
+    /// we wait on, and stays watched until the caller took it (once its
+    /// bytes are in place).
+    #[test]
+    fn a_message_opens_only_as_its_sessions_reply() {
+        let mut db = target_doorbell();
+        let (a, b) = (endpoint(1), endpoint(2));
+        let key_a = advertised_key(&mut db, &a, 10);
+        let key_b = advertised_key(&mut db, &b, 20);
+        let proven = incarnation(77);
+        let dialed = |session: u64| move |_: &ControlEndpoint| Some((session, proven));
+        let header = key_a.seal_message(OpHandle(5), 2);
+        assert!(
+            db.open_message(&header, dialed(10)).is_none(),
+            "not awaited"
+        );
+        db.await_op(&a, OpHandle(5));
+        for refused in [
+            db.open_message(&key_b.seal_message(OpHandle(5), 2), dialed(10)),
+            db.open_message(&key_a.seal(OpHandle(5), 2), dialed(10)),
+            db.open_message(&header, dialed(11)),
+            db.open_message(&header, |_| None),
+            db.open_message(&header[..SLOT_BYTES - 1], dialed(10)),
+            db.open_message(&[header.as_slice(), &[0]].concat(), dialed(10)),
+        ] {
+            assert!(refused.is_none());
+        }
+        let (op, keys, done) = db
+            .open_message(&header, dialed(10))
+            .expect("its own session");
+        assert_eq!((op, keys), (OpHandle(5), 2));
+        assert_eq!(done.header.sender, proven);
+        assert_eq!(done.header.sender_endpoint, a);
+        assert_eq!(
+            done.body,
+            Body::WriteDone {
+                op_handle: OpHandle(5),
+                outcome: WriteOutcome::Completed(CompletedIndices::new(vec![0, 1])),
+            }
+        );
+        assert!(db.awaiting(), "still watched until taken");
+        db.forget_op(op);
+        assert!(db.open_message(&header, dialed(10)).is_none(), "a replay");
     }
 
     #[test]

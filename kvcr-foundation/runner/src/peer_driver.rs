@@ -28,7 +28,7 @@ use super::control::{
     ChannelEvent, ControlChannel, ControlLimits, ControlStats, Inbound, PeerIdentity,
 };
 use super::placement::{AnonMapping, PlacementOutcome, PoolMemory};
-use crate::doorbell::{REGION_BYTES, RouteDoorbell, SLOT_BYTES, TargetDoorbell};
+use crate::doorbell::{REGION_BYTES, RecordKey, RouteDoorbell, SLOT_BYTES, TargetDoorbell};
 use crate::error::{Error, Result, RunnerReason};
 use crate::lanes::Lanes;
 use crate::shared_memory::{HostScope, PeerSegment, SharedPool};
@@ -38,8 +38,8 @@ use kvcr_contracts::key::NamespaceId;
 use kvcr_contracts::protocol::{Body, RegionId, SharedMemoryAdvert};
 use kvcr_runner_core::{Action, CopySpan, PutSpan};
 use kvcr_ucx::{
-    AnonOptions, CloseMode, Completion, Context, ContextConfig, Endpoint, ErrorMode, Registration,
-    RemoteKey, RkeyBuffer, WorkerAddress,
+    AnonOptions, CloseMode, Completion, Context, ContextConfig, Endpoint, ErrorMode, MessageLimits,
+    Registration, RemoteKey, RkeyBuffer, WorkerAddress,
 };
 
 /// How a runner takes part in the peer protocol.
@@ -91,11 +91,22 @@ pub struct PeerOptions {
     /// by one, so a hinted deliver moves the first pages on (to the GPU)
     /// while later ones are still crossing. 0: one write per source.
     pub write_batch_bytes: u64,
+    /// Writes through UCX of at most this many bytes (default
+    /// [`PeerOptions::DEFAULT_WRITE_MESSAGE_BYTES`], at most
+    /// [`PeerOptions::WRITE_MESSAGE_LIMIT`]) leave as one UCX active message
+    /// that carries the bytes and the write's completion together, when the
+    /// target advertised a record key (see `doorbell`): no put
+    /// acknowledgement round trip, no separate `write_done`. 0: always puts.
+    pub write_message_max_bytes: u64,
     /// A guard that keeps this runner's pools, journal and control listener
     /// across its restarts ([`crate::guard`]); `None` (the default): the
     /// runner makes its own, and they die with it.
     pub guard: Option<GuardOptions>,
 }
+
+/// Most write messages held between a worker progress and their handling
+/// (received from anyone; each is dropped unread if it does not verify).
+const MAX_HELD_MESSAGES: usize = 64;
 
 /// Where a runner's pool memory and control listener outlive it: a
 /// `kvcr-guard` process ([`crate::guard`]).
@@ -153,6 +164,7 @@ impl std::fmt::Debug for PeerOptions {
             .field("same_host_mapping", &self.same_host_mapping)
             .field("lanes", &self.lanes)
             .field("write_batch_bytes", &self.write_batch_bytes)
+            .field("write_message_max_bytes", &self.write_message_max_bytes)
             .field("guard", &self.guard)
             .finish()
     }
@@ -221,6 +233,17 @@ impl PeerOptions {
     /// batches halve the restore (each batch is a GPU job with a fixed
     /// cost); 32 and 128 MiB both reach 0.76–0.90 of the slower hop.
     pub const DEFAULT_WRITE_BATCH_BYTES: u64 = 64 << 20;
+    /// Default largest write sent as one message (see
+    /// [`PeerOptions::write_message_max_bytes`]). One-key requests over tcp
+    /// on the 2-vCPU VM, alternating runs: 64 KiB 41–47 µs as a message
+    /// against 63–69 µs as a put and its flush; 1 MiB 660–805 µs against
+    /// 435–485 µs (UCX reassembles a large message from its segments before
+    /// the target copies it once more), so large writes stay puts.
+    pub const DEFAULT_WRITE_MESSAGE_BYTES: u64 = 256 << 10;
+    /// The largest write message a target accepts: larger ones are dropped
+    /// unread (their operation then ends by deadline), so a source never
+    /// sends one.
+    pub const WRITE_MESSAGE_LIMIT: u64 = 4 << 20;
 
     /// The same options with a cluster secret.
     pub fn with_secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
@@ -248,6 +271,7 @@ impl PeerOptions {
             put_split: PutSplit::default(),
             same_host_mapping: true,
             write_batch_bytes: Self::DEFAULT_WRITE_BATCH_BYTES,
+            write_message_max_bytes: Self::DEFAULT_WRITE_MESSAGE_BYTES,
             lanes: 0,
             guard: None,
         }
@@ -453,6 +477,9 @@ struct Route {
     /// Where a write's completion is rung ahead of its `write_done` (a
     /// one-copy route to a target that advertised a doorbell).
     doorbell: Option<RouteDoorbell>,
+    /// The session's record key, on a UCX route to a target that sent one:
+    /// small writes leave as messages sealed with it.
+    message_key: Option<RecordKey>,
 }
 
 enum RoutePath {
@@ -489,6 +516,9 @@ struct PendingWrite {
     in_flight: VecDeque<Completion>,
     flush: Option<Completion>,
     failed: bool,
+    /// Sent as one message (its completion inside): ends when the message
+    /// has left, with no flush.
+    as_message: bool,
 }
 
 /// Everything the peer thread owns. Field order is drop order and is
@@ -521,6 +551,7 @@ struct State {
     _context: Context,
     max_in_flight: usize,
     put_split: PutSplit,
+    write_message_max_bytes: u64,
 }
 
 impl State {
@@ -653,7 +684,9 @@ impl State {
             .map(|a| a.segments.iter().map(|s| s.token).collect())
             .unwrap_or_default();
         // The doorbell: a shared file beside shared pools (a same-host
-        // source maps it with them); none when the pools are not shared.
+        // source maps it with them); plain registered memory when the pools
+        // are not shared (then it is there for its per-session key, which
+        // seals write messages).
         let doorbell = match &shared_memory {
             Some(_) => {
                 let file = SharedPool::create(REGION_BYTES as u64, true)?;
@@ -661,10 +694,28 @@ impl State {
                 own_tokens.push(segment.token);
                 let slots = context.register_owned(Box::new(file))?;
                 let rkey = slots.pack_rkey()?.as_bytes().to_vec();
-                Some(TargetDoorbell::new(slots, rkey, segment))
+                TargetDoorbell::new(slots, rkey, Some(segment))
             }
-            None => None,
+            None => {
+                let slots = context.register_vec(vec![0; REGION_BYTES])?;
+                let rkey = slots.pack_rkey()?.as_bytes().to_vec();
+                TargetDoorbell::new(slots, rkey, None)
+            }
         };
+        let doorbell = Some(doorbell);
+        // Write messages are verified with the doorbell's session keys, so
+        // they are accepted only where a doorbell is advertised.
+        if doorbell.is_some() {
+            worker.accept_messages(
+                crate::doorbell::WRITE_MESSAGE,
+                MessageLimits {
+                    max_header: SLOT_BYTES,
+                    max_data: usize::try_from(PeerOptions::WRITE_MESSAGE_LIMIT)
+                        .unwrap_or(usize::MAX),
+                    max_held: MAX_HELD_MESSAGES,
+                },
+            )?;
+        }
         let setup = PeerSetup {
             endpoint,
             bases: pools.iter().map(|p| p.as_ptr() as usize as u64).collect(),
@@ -711,6 +762,9 @@ impl State {
                 _context: context,
                 max_in_flight,
                 put_split: options.put_split,
+                write_message_max_bytes: options
+                    .write_message_max_bytes
+                    .min(PeerOptions::WRITE_MESSAGE_LIMIT),
             },
             setup,
         ))
@@ -761,6 +815,9 @@ impl State {
             let mut progressed = false;
             while self.worker.progress() > 0 {
                 progressed = true;
+            }
+            if progressed {
+                self.take_write_messages(shared);
             }
             #[allow(clippy::disallowed_methods)]
             if progressed || !busy {
@@ -1041,6 +1098,10 @@ impl State {
                 doorbell,
             } => match self.route_path(&worker_address, &rkeys, shared_memory.as_ref(), &extents) {
                 Ok(path) => {
+                    let message_key = match (&path, &doorbell) {
+                        (RoutePath::Ucx { .. }, Some(advert)) => Some(RecordKey::new(&advert.key)),
+                        _ => None,
+                    };
                     // Only a route that maps the target rings it (a record
                     // put over UCX saved nothing: see `crate::doorbell`).
                     let doorbell = doorbell
@@ -1053,6 +1114,7 @@ impl State {
                         generation,
                         path,
                         doorbell,
+                        message_key,
                     });
                     let one_copy = route.one_copy();
                     retire(self.routes.insert(peer.clone(), route));
@@ -1115,14 +1177,31 @@ impl State {
                             .with_core_now(|core, now| core.handle_put_done(now, write, false)),
                     }
                 } else if let Some(route) = route {
-                    self.pending.push(PendingWrite {
-                        write,
-                        route,
-                        spans: self.put_split.split(spans),
-                        in_flight: VecDeque::new(),
-                        flush: None,
-                        failed: false,
-                    });
+                    if let Some(sent) = self.send_as_message(shared, write, &route, &spans) {
+                        self.control
+                            .stats
+                            .write_messages_sent
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        self.pending.push(PendingWrite {
+                            write,
+                            route,
+                            spans: VecDeque::new(),
+                            in_flight: VecDeque::from([sent]),
+                            flush: None,
+                            failed: false,
+                            as_message: true,
+                        });
+                    } else {
+                        self.pending.push(PendingWrite {
+                            write,
+                            route,
+                            spans: self.put_split.split(spans),
+                            in_flight: VecDeque::new(),
+                            flush: None,
+                            failed: false,
+                            as_message: false,
+                        });
+                    }
                     self.issue_and_reap(shared);
                 } else {
                     // The route is gone or was replaced: never write through it.
@@ -1306,25 +1385,27 @@ impl State {
                     Err(_) => w.failed = true,
                 }
             }
-            if w.spans.is_empty() && w.flush.is_none() && !w.failed {
+            if w.spans.is_empty() && w.flush.is_none() && !w.failed && !w.as_message {
                 match route.ucx_endpoint().map(Endpoint::flush) {
                     Some(Ok(c)) => w.flush = Some(c),
                     Some(Err(_)) | None => w.failed = true,
                 }
             }
             let puts_done = w.in_flight.iter().all(Completion::is_done);
+            let all_ok = || {
+                !w.failed
+                    && w.in_flight
+                        .iter()
+                        .all(|c| matches!(c.result(), Some(Ok(()))))
+            };
             match (&w.flush, w.failed) {
+                _ if w.as_message && puts_done => finished.push((w.write, all_ok(), true)),
                 (Some(flush), _) if puts_done => {
                     if let Some(result) = flush.result() {
-                        let ok = result.is_ok()
-                            && !w.failed
-                            && w.in_flight
-                                .iter()
-                                .all(|c| matches!(c.result(), Some(Ok(()))));
-                        finished.push((w.write, ok));
+                        finished.push((w.write, result.is_ok() && all_ok(), false));
                     }
                 }
-                (None, true) if puts_done => finished.push((w.write, false)),
+                (None, true) if puts_done => finished.push((w.write, false, false)),
                 _ => {}
             }
         }
@@ -1332,12 +1413,119 @@ impl State {
             return;
         }
         self.pending
-            .retain(|w| !finished.iter().any(|(id, _)| *id == w.write));
+            .retain(|w| !finished.iter().any(|(id, _, _)| *id == w.write));
         shared.with_core_now(|core, now| {
-            for (write, ok) in finished {
-                core.handle_put_done(now, write, ok);
+            for (write, ok, as_message) in finished {
+                if as_message {
+                    core.handle_message_sent(now, write, ok);
+                } else {
+                    core.handle_put_done(now, write, ok);
+                }
             }
         });
+    }
+
+    /// Sends write `write` as one message, when it may go as one: its route
+    /// has the target's record key, it is small enough, and it carries
+    /// every key asked for (the only completion a record states). `None`:
+    /// it goes as puts.
+    fn send_as_message(
+        &self,
+        shared: &Arc<Shared>,
+        write: u64,
+        route: &Route,
+        spans: &[PutSpan],
+    ) -> Option<Completion> {
+        let key = route.message_key.as_ref()?;
+        let endpoint = route.ucx_endpoint()?;
+        let bytes = spans
+            .iter()
+            .try_fold(0u64, |sum, s| sum.checked_add(s.len))?;
+        if bytes > self.write_message_max_bytes {
+            return None;
+        }
+        let (op, keys) = shared.lock().core.peer_write_completion(write)?;
+        let parts = spans
+            .iter()
+            .map(|span| {
+                let (pool, offset) = pool_holding(&self.pools, span)?;
+                Some((
+                    pool,
+                    usize::try_from(offset).ok()?,
+                    usize::try_from(span.len).ok()?,
+                ))
+            })
+            .collect::<Option<Vec<_>>>()?;
+        let header = key.seal_message(op, keys);
+        // Refused before anything left (a bounds check): puts then.
+        endpoint
+            .send_message(crate::doorbell::WRITE_MESSAGE, &header, &parts)
+            .ok()
+    }
+
+    /// Takes the write messages the worker received: each that verifies as
+    /// its session's completion of an operation we wait on, and carries
+    /// exactly that operation's granted bytes, is copied into them and
+    /// handled as its `write_done`; anything else is dropped unread.
+    fn take_write_messages(&mut self, shared: &Arc<Shared>) {
+        let messages = self.worker.take_messages();
+        if messages.is_empty() {
+            return;
+        }
+        let stats = &self.control.stats;
+        for message in messages {
+            let control = &self.control;
+            let opened = self.doorbell.as_ref().and_then(|doorbell| {
+                doorbell.open_message(message.header(), |source| control.dialed_peer(source))
+            });
+            let taken = opened.and_then(|(op, keys, done)| {
+                let data = message.data();
+                shared.with_core_now(|core, now| {
+                    // Under the core lock: the granted slots stay this
+                    // operation's until its reply is handled, just below.
+                    let spans = core.peer_landing_spans(op, keys)?;
+                    let total = spans
+                        .iter()
+                        .try_fold(0u64, |sum, (_, len)| sum.checked_add(*len))?;
+                    if total != data.len() as u64 {
+                        return None;
+                    }
+                    let mut at = 0usize;
+                    for (addr, len) in spans {
+                        let len = usize::try_from(len).ok()?;
+                        let bytes = data.get(at..at + len)?;
+                        // SAFETY: `addr..addr+len` is an element of one of our
+                        // registered regions (resolved by the core's region
+                        // table), granted to operation `op`, whose FILLING
+                        // slot nothing else reads or writes until its reply,
+                        // which is handled below under this same lock; `bytes`
+                        // is UCX's receive buffer, not our memory.
+                        #[allow(unsafe_code)]
+                        unsafe {
+                            crate::memory::write_bytes(addr, bytes);
+                        }
+                        at += len;
+                    }
+                    core.handle_message(now, done);
+                    Some(op)
+                })
+            });
+            match taken {
+                Some(op) => {
+                    if let Some(doorbell) = &mut self.doorbell {
+                        doorbell.forget_op(op);
+                    }
+                    stats
+                        .write_messages_taken
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                None => {
+                    stats
+                        .write_messages_refused
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        }
     }
 }
 

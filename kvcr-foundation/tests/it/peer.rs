@@ -302,6 +302,54 @@ fn hinted_fetch_restores_bytes(#[case] tls: &str, #[case] mapping: bool) {
     drop(source);
 }
 
+/// A whole write through UCX small enough leaves as one message that
+/// carries its bytes and its completion (no put, no flush, no `write_done`);
+/// a larger one, or one from a source with messages off, goes as puts. Both
+/// restore byte-exact, and nothing is refused.
+#[rstest]
+#[case::tcp_message("tcp,self", PeerOptions::DEFAULT_WRITE_MESSAGE_BYTES, true)]
+#[case::tcp_too_large_for_one("tcp,self", 3 * BLOCK as u64, false)]
+#[case::tcp_messages_off("tcp,self", 0, false)]
+#[case::shm_message("sm,self", PeerOptions::DEFAULT_WRITE_MESSAGE_BYTES, true)]
+fn small_whole_writes_through_ucx_go_as_one_message(
+    #[case] tls: &str,
+    #[case] largest_message: u64,
+    #[case] as_message: bool,
+) {
+    let _serial = crate::serial();
+    let mut options = PeerOptions::loopback();
+    options.ucx_tls = Some(tls.to_owned());
+    options.same_host_mapping = false;
+    let target = node_with(&options, 16, Duration::from_secs(5));
+    options.write_message_max_bytes = largest_message;
+    let mut source = node_with(&options, 16, Duration::from_secs(5));
+    let keys = [0, 1, 2, 3];
+    stock(&mut source, &keys);
+    let mut target = target;
+    let result = fetch_on_hint(&mut target, "one-message", &hint(&source, &keys), &keys);
+    for ((_, entry), k) in result.entries.iter().zip(keys) {
+        assert!(entry.is_success(), "key {k}: {entry:?}");
+        let bytes = target
+            .runner
+            .read_claimed(entry.release.unwrap(), 0)
+            .unwrap();
+        let at = k as usize * BLOCK;
+        assert!(bytes == source.host[at..at + BLOCK], "key {k} bytes differ");
+    }
+    crate::wait_until(
+        "the source to count its sent keys",
+        Duration::from_secs(5),
+        || source.runner.peer_stats().0.keys_sent == 4,
+    );
+    let sent = source.runner.control_stats().write_messages_sent;
+    let taken = target.runner.control_stats().write_messages_taken;
+    assert_eq!((sent, taken), if as_message { (1, 1) } else { (0, 0) });
+    assert_eq!(target.runner.control_stats().write_messages_refused, 0);
+    assert_eq!(target.runner.peer_stats().0.keys_received, 4);
+    target.runner.check_invariants().unwrap();
+    source.runner.check_invariants().unwrap();
+}
+
 /// Removing a peer closes its control socket.
 #[test]
 fn forgetting_a_peer_closes_its_socket() {

@@ -93,6 +93,7 @@ impl Default for ucs_sock_addr {
 }
 pub type ucs_sock_addr_t = ucs_sock_addr;
 pub type ucp_tag_recv_info_t = ucp_tag_recv_info;
+pub type ucp_am_recv_param_t = ucp_am_recv_param;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct ucp_context {
@@ -208,6 +209,16 @@ pub type ucp_am_recv_data_nbx_callback_t = ::core::option::Option<
         user_data: *mut ::core::ffi::c_void,
     ),
 >;
+pub type ucp_am_recv_callback_t = ::core::option::Option<
+    unsafe extern "C" fn(
+        arg: *mut ::core::ffi::c_void,
+        header: *const ::core::ffi::c_void,
+        header_length: usize,
+        data: *mut ::core::ffi::c_void,
+        length: usize,
+        param: *const ucp_am_recv_param_t,
+    ) -> ucs_status_t,
+>;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct ucp_ep_params {
@@ -321,6 +332,28 @@ pub const UCP_MEM_MAP_PARAM_FIELD_FLAGS: ucp_mem_map_params_field = 4;
 pub const UCP_MEM_MAP_PARAM_FIELD_PROT: ucp_mem_map_params_field = 8;
 pub const UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE: ucp_mem_map_params_field = 16;
 pub type ucp_mem_map_params_field = ::core::ffi::c_uint;
+pub const UCP_WORKER_ATTR_FIELD_THREAD_MODE: ucp_worker_attr_field = 1;
+pub const UCP_WORKER_ATTR_FIELD_ADDRESS: ucp_worker_attr_field = 2;
+pub const UCP_WORKER_ATTR_FIELD_ADDRESS_FLAGS: ucp_worker_attr_field = 4;
+pub const UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER: ucp_worker_attr_field = 8;
+pub const UCP_WORKER_ATTR_FIELD_NAME: ucp_worker_attr_field = 16;
+pub const UCP_WORKER_ATTR_FIELD_MAX_INFO_STRING: ucp_worker_attr_field = 32;
+pub type ucp_worker_attr_field = ::core::ffi::c_uint;
+pub const UCP_DATATYPE_CONTIG: ucp_dt_type = 0;
+pub const UCP_DATATYPE_STRIDED: ucp_dt_type = 1;
+pub const UCP_DATATYPE_IOV: ucp_dt_type = 2;
+pub const UCP_DATATYPE_GENERIC: ucp_dt_type = 7;
+pub const UCP_DATATYPE_SHIFT: ucp_dt_type = 3;
+pub const UCP_DATATYPE_CLASS_MASK: ucp_dt_type = 7;
+pub type ucp_dt_type = ::core::ffi::c_uint;
+pub const UCP_AM_FLAG_WHOLE_MSG: ucp_am_cb_flags = 1;
+pub const UCP_AM_FLAG_PERSISTENT_DATA: ucp_am_cb_flags = 2;
+pub type ucp_am_cb_flags = ::core::ffi::c_uint;
+pub const UCP_AM_SEND_FLAG_REPLY: ucp_send_am_flags = 1;
+pub const UCP_AM_SEND_FLAG_EAGER: ucp_send_am_flags = 2;
+pub const UCP_AM_SEND_FLAG_RNDV: ucp_send_am_flags = 4;
+pub const UCP_AM_SEND_REPLY: ucp_send_am_flags = 1;
+pub type ucp_send_am_flags = ::core::ffi::c_uint;
 pub const UCP_OP_ATTR_FIELD_REQUEST: ucp_op_attr_t = 1;
 pub const UCP_OP_ATTR_FIELD_CALLBACK: ucp_op_attr_t = 2;
 pub const UCP_OP_ATTR_FIELD_USER_DATA: ucp_op_attr_t = 4;
@@ -335,6 +368,38 @@ pub const UCP_OP_ATTR_FLAG_FAST_CMPL: ucp_op_attr_t = 131072;
 pub const UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL: ucp_op_attr_t = 262144;
 pub const UCP_OP_ATTR_FLAG_MULTI_SEND: ucp_op_attr_t = 524288;
 pub type ucp_op_attr_t = ::core::ffi::c_uint;
+pub const UCP_AM_RECV_ATTR_FIELD_REPLY_EP: ucp_am_recv_attr_t = 1;
+pub const UCP_AM_RECV_ATTR_FLAG_DATA: ucp_am_recv_attr_t = 65536;
+pub const UCP_AM_RECV_ATTR_FLAG_RNDV: ucp_am_recv_attr_t = 131072;
+pub type ucp_am_recv_attr_t = ::core::ffi::c_uint;
+pub const UCP_AM_HANDLER_PARAM_FIELD_ID: ucp_am_handler_param_field = 1;
+pub const UCP_AM_HANDLER_PARAM_FIELD_FLAGS: ucp_am_handler_param_field = 2;
+pub const UCP_AM_HANDLER_PARAM_FIELD_CB: ucp_am_handler_param_field = 4;
+pub const UCP_AM_HANDLER_PARAM_FIELD_ARG: ucp_am_handler_param_field = 8;
+pub type ucp_am_handler_param_field = ::core::ffi::c_uint;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct ucp_dt_iov {
+    pub buffer: *mut ::core::ffi::c_void,
+    pub length: usize,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of ucp_dt_iov"][::core::mem::size_of::<ucp_dt_iov>() - 16usize];
+    ["Alignment of ucp_dt_iov"][::core::mem::align_of::<ucp_dt_iov>() - 8usize];
+    ["Offset of field: ucp_dt_iov::buffer"][::core::mem::offset_of!(ucp_dt_iov, buffer) - 0usize];
+    ["Offset of field: ucp_dt_iov::length"][::core::mem::offset_of!(ucp_dt_iov, length) - 8usize];
+};
+impl Default for ucp_dt_iov {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type ucp_dt_iov_t = ucp_dt_iov;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct ucp_params {
@@ -383,6 +448,49 @@ impl Default for ucp_params {
     }
 }
 pub type ucp_params_t = ucp_params;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct ucp_worker_attr {
+    pub field_mask: u64,
+    pub thread_mode: ucs_thread_mode_t,
+    pub address_flags: u32,
+    pub address: *mut ucp_address_t,
+    pub address_length: usize,
+    pub max_am_header: usize,
+    pub name: [::core::ffi::c_char; 32usize],
+    pub max_debug_string: usize,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of ucp_worker_attr"][::core::mem::size_of::<ucp_worker_attr>() - 80usize];
+    ["Alignment of ucp_worker_attr"][::core::mem::align_of::<ucp_worker_attr>() - 8usize];
+    ["Offset of field: ucp_worker_attr::field_mask"]
+        [::core::mem::offset_of!(ucp_worker_attr, field_mask) - 0usize];
+    ["Offset of field: ucp_worker_attr::thread_mode"]
+        [::core::mem::offset_of!(ucp_worker_attr, thread_mode) - 8usize];
+    ["Offset of field: ucp_worker_attr::address_flags"]
+        [::core::mem::offset_of!(ucp_worker_attr, address_flags) - 12usize];
+    ["Offset of field: ucp_worker_attr::address"]
+        [::core::mem::offset_of!(ucp_worker_attr, address) - 16usize];
+    ["Offset of field: ucp_worker_attr::address_length"]
+        [::core::mem::offset_of!(ucp_worker_attr, address_length) - 24usize];
+    ["Offset of field: ucp_worker_attr::max_am_header"]
+        [::core::mem::offset_of!(ucp_worker_attr, max_am_header) - 32usize];
+    ["Offset of field: ucp_worker_attr::name"]
+        [::core::mem::offset_of!(ucp_worker_attr, name) - 40usize];
+    ["Offset of field: ucp_worker_attr::max_debug_string"]
+        [::core::mem::offset_of!(ucp_worker_attr, max_debug_string) - 72usize];
+};
+impl Default for ucp_worker_attr {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type ucp_worker_attr_t = ucp_worker_attr;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct ucp_worker_params {
@@ -590,6 +698,64 @@ impl Default for ucp_request_param_t {
         }
     }
 }
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct ucp_am_handler_param {
+    pub field_mask: u64,
+    pub id: ::core::ffi::c_uint,
+    pub flags: u32,
+    pub cb: ucp_am_recv_callback_t,
+    pub arg: *mut ::core::ffi::c_void,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of ucp_am_handler_param"][::core::mem::size_of::<ucp_am_handler_param>() - 32usize];
+    ["Alignment of ucp_am_handler_param"][::core::mem::align_of::<ucp_am_handler_param>() - 8usize];
+    ["Offset of field: ucp_am_handler_param::field_mask"]
+        [::core::mem::offset_of!(ucp_am_handler_param, field_mask) - 0usize];
+    ["Offset of field: ucp_am_handler_param::id"]
+        [::core::mem::offset_of!(ucp_am_handler_param, id) - 8usize];
+    ["Offset of field: ucp_am_handler_param::flags"]
+        [::core::mem::offset_of!(ucp_am_handler_param, flags) - 12usize];
+    ["Offset of field: ucp_am_handler_param::cb"]
+        [::core::mem::offset_of!(ucp_am_handler_param, cb) - 16usize];
+    ["Offset of field: ucp_am_handler_param::arg"]
+        [::core::mem::offset_of!(ucp_am_handler_param, arg) - 24usize];
+};
+impl Default for ucp_am_handler_param {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type ucp_am_handler_param_t = ucp_am_handler_param;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct ucp_am_recv_param {
+    pub recv_attr: u64,
+    pub reply_ep: ucp_ep_h,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of ucp_am_recv_param"][::core::mem::size_of::<ucp_am_recv_param>() - 16usize];
+    ["Alignment of ucp_am_recv_param"][::core::mem::align_of::<ucp_am_recv_param>() - 8usize];
+    ["Offset of field: ucp_am_recv_param::recv_attr"]
+        [::core::mem::offset_of!(ucp_am_recv_param, recv_attr) - 0usize];
+    ["Offset of field: ucp_am_recv_param::reply_ep"]
+        [::core::mem::offset_of!(ucp_am_recv_param, reply_ep) - 8usize];
+};
+impl Default for ucp_am_recv_param {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
 unsafe extern "C" {
     pub fn ucp_config_read(
         env_prefix: *const ::core::ffi::c_char,
@@ -635,6 +801,9 @@ unsafe extern "C" {
 }
 unsafe extern "C" {
     pub fn ucp_worker_destroy(worker: ucp_worker_h);
+}
+unsafe extern "C" {
+    pub fn ucp_worker_query(worker: ucp_worker_h, attr: *mut ucp_worker_attr_t) -> ucs_status_t;
 }
 unsafe extern "C" {
     pub fn ucp_worker_get_address(
@@ -701,6 +870,26 @@ unsafe extern "C" {
 }
 unsafe extern "C" {
     pub fn ucp_rkey_destroy(rkey: ucp_rkey_h);
+}
+unsafe extern "C" {
+    pub fn ucp_worker_set_am_recv_handler(
+        worker: ucp_worker_h,
+        param: *const ucp_am_handler_param_t,
+    ) -> ucs_status_t;
+}
+unsafe extern "C" {
+    pub fn ucp_am_send_nbx(
+        ep: ucp_ep_h,
+        id: ::core::ffi::c_uint,
+        header: *const ::core::ffi::c_void,
+        header_length: usize,
+        buffer: *const ::core::ffi::c_void,
+        count: usize,
+        param: *const ucp_request_param_t,
+    ) -> ucs_status_ptr_t;
+}
+unsafe extern "C" {
+    pub fn ucp_am_data_release(worker: ucp_worker_h, data: *mut ::core::ffi::c_void);
 }
 unsafe extern "C" {
     pub fn ucp_put_nbx(

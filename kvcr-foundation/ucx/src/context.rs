@@ -60,7 +60,7 @@ impl Default for ContextConfig {
 }
 
 impl ContextConfig {
-    /// The default: RMA with wakeup.
+    /// The default: RMA and active messages, with wakeup.
     pub fn new() -> Self {
         Self::default()
     }
@@ -166,8 +166,8 @@ impl Drop for ContextInner {
     }
 }
 
-/// A UCP context (`ucp_context_h`) with the RMA feature: the root of every UCX
-/// object. Cheap to clone (reference counted); `!Send` and `!Sync`, like
+/// A UCP context (`ucp_context_h`) with the RMA and AM features: the root of
+/// every UCX object. Cheap to clone (reference counted); `!Send` and `!Sync`, like
 /// everything in this module — a context, its workers and endpoints live on
 /// the one thread that drives UCX.
 ///
@@ -211,7 +211,7 @@ pub(crate) fn new_id() -> u64 {
 }
 
 impl Context {
-    /// A context with the default [`ContextConfig`] (RMA and wakeup).
+    /// A context with the default [`ContextConfig`] (RMA, AM and wakeup).
     pub fn new() -> Result<Self> {
         Self::with_config(&ContextConfig::default())
     }
@@ -251,7 +251,9 @@ impl Context {
                 return Err(e);
             }
         }
-        let mut features = u64::from(sys::UCP_FEATURE_RMA);
+        // RMA for the puts; AM for the small control messages
+        // (`Endpoint::send_message`, `Worker::accept_messages`).
+        let mut features = u64::from(sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AM);
         if config.wakeup {
             features |= u64::from(sys::UCP_FEATURE_WAKEUP);
         }

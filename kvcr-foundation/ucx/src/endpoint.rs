@@ -1,4 +1,5 @@
-//! Endpoints, remote keys, and the two data-path calls: `put` and `flush`.
+//! Endpoints, remote keys, and the data-path calls: `put`, `flush` and
+//! `send_message`.
 
 use std::cell::Cell;
 use std::ffi::c_void;
@@ -9,7 +10,10 @@ use std::time::Duration;
 use super::context::ErrorMode;
 use super::memory::Registration;
 use super::packed::{validate_rkey, validate_worker_address};
-use super::request::{Completion, OpKind, OpState, ptr_is_err, ptr_status, submit};
+use super::request::{
+    Completion, MessageBuffers, MessageHold, OpKind, OpState, RequestExtras, ptr_is_err,
+    ptr_status, submit, submit_with,
+};
 use super::wire::{RkeyBuffer, WorkerAddress};
 use super::worker::{WaitPolicy, WorkerInner};
 use super::{UcsStatus, UcxReason, check, sys};
@@ -409,6 +413,114 @@ impl Endpoint {
             // rkey describes; `param` carries the completion callback and the
             // registration's `memh`.
             unsafe { sys::ucp_put_nbx(ep, src.cast::<c_void>(), len, remote_addr, rkey, param) }
+        })
+    }
+
+    /// `ucp_am_send_nbx` with `UCP_AM_SEND_FLAG_EAGER`: an active message
+    /// with `id`, `header` (copied; the copy is kept until the send
+    /// completes) and the data gathered from `parts`, each `(registration,
+    /// offset, len)`, in order. The peer receives it if it
+    /// [accepts](super::Worker::accept_messages) `id` within its limits.
+    ///
+    /// Checked before UCX is called: the header fits the worker's
+    /// [`max_message_header`](super::Worker::max_message_header)
+    /// ([`UcxReason::TooLarge`]; UCX 1.13 does not check, and overruns its
+    /// fragment buffer); for every part, the range lies inside its
+    /// registration ([`UcxReason::LocalRange`]), which belongs to this
+    /// worker's context ([`UcxReason::ContextMismatch`]). No parts sends the
+    /// header alone; one part goes as a contiguous buffer (with its `memh`),
+    /// more as an iov array (`ucp_dt_make_iov()`) that the operation keeps
+    /// alive.
+    ///
+    /// Eager, never rendezvous (a receiver drops rendezvous messages): large
+    /// messages go as many fragments that UCX reassembles at the receiver.
+    /// The completion means local completion: the parts may change again.
+    /// Each part's registration counts the send as in flight until then, as
+    /// [`put`](Endpoint::put) does, so its teardown waits for it.
+    pub fn send_message(
+        &self,
+        id: u16,
+        header: &[u8],
+        parts: &[(&Registration<'_>, usize, usize)],
+    ) -> Result<Completion> {
+        let op = "ucp_am_send_nbx";
+        let max = self.inner.worker.max_am_header;
+        if header.len() > max {
+            return Err(input(
+                op,
+                UcxReason::TooLarge {
+                    what: "active message header",
+                    len: header.len(),
+                    max,
+                },
+            ));
+        }
+        let mut iov = Vec::with_capacity(parts.len());
+        let mut regs = Vec::with_capacity(parts.len());
+        for &(reg, offset, len) in parts {
+            if !Rc::ptr_eq(reg.context_inner(), &self.inner.worker.ctx) {
+                return Err(input(op, UcxReason::ContextMismatch));
+            }
+            let src = reg.range_ptr(offset, len).map_err(|r| input(op, r))?;
+            iov.push(sys::ucp_dt_iov_t {
+                buffer: src.cast::<c_void>(),
+                length: len,
+            });
+            regs.push(Rc::clone(reg.core()));
+        }
+        let ep = self.inner.usable(op)?;
+        let mut extras = RequestExtras {
+            flags: sys::UCP_AM_SEND_FLAG_EAGER,
+            ..RequestExtras::default()
+        };
+        // One part goes as a contiguous buffer with its `memh` (no iov array).
+        let contig = match parts {
+            [(reg, _, _)] => {
+                extras.memh = Some(reg.memh());
+                iov.pop()
+            }
+            _ => None,
+        };
+        let bufs = MessageBuffers::new(header, iov);
+        let (header_ptr, header_len) = bufs.header();
+        let (buffer, count) = match contig {
+            Some(one) => (one.buffer.cast_const(), one.length),
+            None if parts.is_empty() => (ptr::null(), 0),
+            None => {
+                extras.datatype = Some(sys::ucp_datatype_t::from(sys::UCP_DATATYPE_IOV));
+                bufs.iov()
+            }
+        };
+        let worker = &self.inner.worker;
+        let state = OpState::new(
+            op,
+            OpKind::Message(MessageHold::new(regs, bufs)),
+            Rc::clone(worker),
+            Some(Rc::clone(&self.inner)),
+            None,
+            None,
+        );
+        submit_with(state, extras, |param| {
+            // SAFETY: live endpoint on the worker's thread; `header_ptr` is
+            // null with length 0 or the header copy, and `buffer` is null
+            // with count 0, one part's range, or the iov array of the parts'
+            // ranges — the copy and the array owned by the operation state,
+            // the ranges inside live registrations (checked above) whose
+            // teardown waits for this send (in-flight counts), all kept until
+            // UCX completes the send; `param` carries the completion
+            // callback, the eager flag, and the `memh` of a single part or
+            // the iov datatype.
+            unsafe {
+                sys::ucp_am_send_nbx(
+                    ep,
+                    u32::from(id),
+                    header_ptr,
+                    header_len,
+                    buffer,
+                    count,
+                    param,
+                )
+            }
         })
     }
 

@@ -13,7 +13,8 @@
 //!    ([`Error::Call`]); refusals made on the Rust side before
 //!    UCX is called are [`Error::Refused`] with a
 //!    [`UcxReason`].
-//! 3. The safe types, for a destination-initiated put protocol:
+//! 3. The safe types, for a destination-initiated put protocol and the
+//!    small messages that steer it:
 //!
 //! | UCX | here |
 //! |---|---|
@@ -24,19 +25,25 @@
 //! | `ucp_mem_h` | [`Registration`] (owned: [`Context::register_anon`], [`Context::register_vec`]; borrowed: [`Context::scope`]) |
 //! | `ucp_rkey_pack` / `ucp_ep_rkey_unpack` | [`RkeyBuffer`] / [`RemoteKey`] |
 //! | `ucp_put_nbx`, `ucp_*_flush_nbx` | [`Endpoint::put`], [`Endpoint::flush`], [`Worker::flush`] → [`Completion`] |
+//! | `ucp_am_send_nbx` (eager; header + gathered registration ranges) | [`Endpoint::send_message`] → [`Completion`]; [`Worker::max_message_header`] (`ucp_worker_query`) |
+//! | `ucp_worker_set_am_recv_handler`, `ucp_am_data_release` | [`Worker::accept_messages`] ([`MessageLimits`]), [`Worker::take_messages`] → [`ActiveMessage`], [`Worker::dropped_messages`] |
 //! | `ucp_worker_progress`, `_get_efd`, `_arm` | [`Worker::progress`], [`Worker::event_fd`], [`Worker::arm`], [`Worker::wait`] |
 //!
 //! ## Ownership and drop order
 //!
 //! Everything is reference counted (`Rc`, so nothing here is `Send`), and
 //! each object holds what must outlive it:
-//! an in-flight operation holds its endpoint, its rkey and its registration's
-//! in-flight count; an rkey holds its endpoint; an endpoint holds its worker;
-//! a worker and a registration hold the context. So, whatever order handles
-//! are dropped in, UCX sees: operations complete → rkeys destroyed (after a
-//! flush of their puts) → endpoints closed → workers destroyed; and
-//! registrations unmapped (after their puts complete) → owned memory freed →
-//! `ucp_cleanup` last. Errors in `Drop` are recorded on the context
+//! an in-flight operation holds its endpoint, its rkey and its registrations'
+//! in-flight counts (a message send: one per part, plus its header copy and
+//! iov array); an rkey holds its endpoint; an endpoint holds its worker; a
+//! received [`ActiveMessage`] holds its worker (it may keep UCX's receive
+//! buffer, released when it drops); a worker and a registration hold the
+//! context. So, whatever order handles are dropped in, UCX sees: operations
+//! complete → rkeys destroyed (after a flush of their puts) → endpoints
+//! closed → received buffers released (those never taken by the worker
+//! itself) → workers destroyed (and only then the state their receive
+//! callbacks point at freed); and registrations unmapped (after their puts
+//! and sends complete) → owned memory freed → `ucp_cleanup` last. Errors in `Drop` are recorded on the context
 //! ([`Context::take_drop_errors`]); `Drop` never panics.
 //!
 //! ## Threading
@@ -60,6 +67,7 @@ mod context;
 mod endpoint;
 pub mod error;
 mod memory;
+mod message;
 pub mod packed;
 #[cfg(feature = "perftest")]
 pub mod perftest;
@@ -78,6 +86,7 @@ pub use context::{Context, ContextConfig, ErrorMode, TCP_SEGMENT_SIZES, library_
 pub use endpoint::{CloseMode, DROP_WAIT, Endpoint, RemoteKey};
 pub use error::{Error, Result};
 pub use memory::{AnonOptions, OwnedMemory, Registration, Scope};
+pub use message::{ActiveMessage, MessageLimits};
 pub use packed::{AddressProblem, Limits, validate_rkey, validate_worker_address};
 pub use request::Completion;
 pub use status::{UcsStatus, UcxReason};

@@ -73,7 +73,8 @@ impl AnonOptions {
 }
 
 /// The shared core of a registration: the `memh`, the region, and how many
-/// puts from it are in flight. In-flight puts hold an `Rc` to it.
+/// puts and message sends from it are in flight. In-flight operations hold
+/// an `Rc` to it.
 ///
 /// Field order: `teardown` (run by `Registration`'s drop, the scope, or this
 /// struct's drop, whichever is first) unmaps `memh`; `ctx` is released last,
@@ -302,7 +303,7 @@ impl Registration<'_> {
         self.core.ptr.cast_const()
     }
 
-    /// Puts from this region still in flight.
+    /// Puts and message sends from this region still in flight.
     pub fn in_flight(&self) -> usize {
         self.core.inflight.get()
     }

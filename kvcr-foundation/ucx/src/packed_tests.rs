@@ -514,7 +514,7 @@ fn mutations(base: &[u8], rng: &mut Rng) -> Vec<Vec<u8>> {
 /// Over tcp, the target answers each connection attempt with a wire-up reply
 /// of its own; UCX 1.13 asserts in `ucp_worker_destroy` if such a reply is
 /// still queued when the worker goes (whatever the address was).
-fn settle(source: &Worker, target: &Worker) {
+pub(super) fn settle(source: &Worker, target: &Worker) {
     let mut quiet = 0;
     let _ = source.progress_until(Duration::from_secs(5), || {
         if source.progress() + target.progress() == 0 {

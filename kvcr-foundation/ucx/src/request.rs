@@ -1,4 +1,5 @@
-//! Non-blocking operations (`put`, flushes) and their completion.
+//! Non-blocking operations (`put`, active-message sends, flushes) and their
+//! completion.
 //!
 //! Every operation is submitted with a UCX completion callback whose
 //! `user_data` is an `Rc<OpState>` turned into a raw pointer. The callback
@@ -6,8 +7,9 @@
 //! so an operation completes (and releases what it keeps alive) whether or not
 //! anybody still holds its [`Completion`]. Dropping or even leaking a
 //! `Completion` therefore never leaves UCX pointing at freed Rust memory:
-//! the `OpState` keeps the endpoint, the remote key and the registration's
-//! in-flight counter alive until UCX says the operation is over.
+//! the `OpState` keeps the endpoint, the remote key, the registrations'
+//! in-flight counters and a message's header and iov array alive until UCX
+//! says the operation is over.
 
 use std::cell::Cell;
 use std::ffi::c_void;
@@ -23,10 +25,74 @@ use crate::error::{Error, Result};
 pub(crate) enum OpKind {
     /// A put; decrements the registration's in-flight count.
     Put,
+    /// An active message; releases its buffers and decrements its parts'
+    /// registrations' in-flight counts.
+    Message(MessageHold),
     /// An endpoint flush covering puts up to `seq`.
     EpFlush { seq: u64 },
     /// A worker flush covering puts up to `seq`.
     WorkerFlush { seq: u64 },
+}
+
+/// What an active-message send keeps until it completes: the registrations
+/// its parts come from (one entry per part, so a registration used twice is
+/// counted twice) and its header and iov array.
+pub(crate) struct MessageHold {
+    regs: Cell<Vec<Rc<RegCore>>>,
+    bufs: Cell<Option<MessageBuffers>>,
+}
+
+impl MessageHold {
+    pub(crate) fn new(regs: Vec<Rc<RegCore>>, bufs: MessageBuffers) -> Self {
+        Self {
+            regs: Cell::new(regs),
+            bufs: Cell::new(Some(bufs)),
+        }
+    }
+}
+
+/// A message's header copy and iov array, which UCX may read until the send
+/// completes. Kept as `Box::into_raw` pointers, so moving them (into the
+/// operation state) never retags the boxes while UCX holds their addresses;
+/// freed on drop.
+pub(crate) struct MessageBuffers {
+    header: *mut [u8],
+    iov: *mut [sys::ucp_dt_iov_t],
+}
+
+impl MessageBuffers {
+    pub(crate) fn new(header: &[u8], iov: Vec<sys::ucp_dt_iov_t>) -> Self {
+        Self {
+            header: Box::into_raw(Box::<[u8]>::from(header)),
+            iov: Box::into_raw(iov.into_boxed_slice()),
+        }
+    }
+
+    /// The header copy and its length (null when empty, as UCX asks).
+    pub(crate) fn header(&self) -> (*const c_void, usize) {
+        let len = self.header.len();
+        if len == 0 {
+            (std::ptr::null(), 0)
+        } else {
+            (self.header.cast_const().cast::<c_void>(), len)
+        }
+    }
+
+    /// The iov array and its number of entries.
+    pub(crate) fn iov(&self) -> (*const c_void, usize) {
+        (self.iov.cast_const().cast::<c_void>(), self.iov.len())
+    }
+}
+
+impl Drop for MessageBuffers {
+    fn drop(&mut self) {
+        // SAFETY: both pointers came from `Box::into_raw` in `new` and are
+        // reconstituted exactly once, here; UCX no longer reads them (the
+        // buffers are dropped when the send completed, or never handed over).
+        drop(unsafe { Box::from_raw(self.header) });
+        // SAFETY: as above.
+        drop(unsafe { Box::from_raw(self.iov) });
+    }
 }
 
 /// The state shared by a submitted operation, its UCX callback and its
@@ -60,6 +126,13 @@ impl OpState {
         if let (OpKind::Put, Some(reg)) = (&kind, &reg) {
             reg.inflight.set(reg.inflight.get().saturating_add(1));
         }
+        if let OpKind::Message(hold) = &kind {
+            let regs = hold.regs.take();
+            for reg in &regs {
+                reg.inflight.set(reg.inflight.get().saturating_add(1));
+            }
+            hold.regs.set(regs);
+        }
         Rc::new(Self {
             op,
             status: Cell::new(None),
@@ -82,19 +155,28 @@ impl OpState {
         self.status.set(Some(raw));
         let ok = raw == sys::UCS_OK;
         let ep = self.ep.take();
-        match self.kind {
+        match &self.kind {
             OpKind::Put => {
                 if let Some(reg) = self.reg.take() {
                     reg.inflight.set(reg.inflight.get().saturating_sub(1));
                     self.worker.defer(Deferred::Registration(reg));
                 }
             }
-            OpKind::EpFlush { seq } => {
+            OpKind::Message(hold) => {
+                // UCX is done with the header and the iov array: free them
+                // (plain heap memory, fine inside a callback).
+                drop(hold.bufs.take());
+                for reg in hold.regs.take() {
+                    reg.inflight.set(reg.inflight.get().saturating_sub(1));
+                    self.worker.defer(Deferred::Registration(reg));
+                }
+            }
+            &OpKind::EpFlush { seq } => {
                 if let (true, Some(ep)) = (ok, &ep) {
                     ep.flushed_through.set(ep.flushed_through.get().max(seq));
                 }
             }
-            OpKind::WorkerFlush { seq } => {
+            &OpKind::WorkerFlush { seq } => {
                 if ok {
                     let w = &self.worker;
                     w.flushed_through.set(w.flushed_through.get().max(seq));
@@ -171,12 +253,36 @@ pub(crate) fn ptr_status(p: sys::ucs_status_ptr_t) -> i8 {
     (p as isize) as i8
 }
 
+/// What a request carries besides its callback and user data.
+#[derive(Default)]
+pub(crate) struct RequestExtras {
+    /// `UCP_OP_ATTR_FIELD_MEMH`: the registration of a contiguous buffer.
+    pub(crate) memh: Option<sys::ucp_mem_h>,
+    /// `UCP_OP_ATTR_FIELD_FLAGS` when non-zero (e.g. `ucp_send_am_flags`).
+    pub(crate) flags: u32,
+    /// `UCP_OP_ATTR_FIELD_DATATYPE` (UCX assumes `ucp_dt_make_contig(1)`).
+    pub(crate) datatype: Option<sys::ucp_datatype_t>,
+}
+
 /// Submits an operation. `call` receives the request parameters (callback,
 /// user data, and `memh` when given) and must make exactly one `*_nbx` call
 /// with them, returning its status pointer.
 pub(crate) fn submit(
     state: Rc<OpState>,
     memh: Option<sys::ucp_mem_h>,
+    call: impl FnOnce(&sys::ucp_request_param_t) -> sys::ucs_status_ptr_t,
+) -> Result<Completion> {
+    let extras = RequestExtras {
+        memh,
+        ..RequestExtras::default()
+    };
+    submit_with(state, extras, call)
+}
+
+/// [`submit`] with flags and a datatype besides `memh`.
+pub(crate) fn submit_with(
+    state: Rc<OpState>,
+    extras: RequestExtras,
     call: impl FnOnce(&sys::ucp_request_param_t) -> sys::ucs_status_ptr_t,
 ) -> Result<Completion> {
     let user_data = Rc::into_raw(Rc::clone(&state)).cast_mut().cast::<c_void>();
@@ -186,9 +292,17 @@ pub(crate) fn submit(
         ..Default::default()
     };
     param.cb.send = Some(send_cb);
-    if let Some(memh) = memh {
+    if let Some(memh) = extras.memh {
         mask |= sys::UCP_OP_ATTR_FIELD_MEMH;
         param.memh = memh;
+    }
+    if extras.flags != 0 {
+        mask |= sys::UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = extras.flags;
+    }
+    if let Some(datatype) = extras.datatype {
+        mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE;
+        param.datatype = datatype;
     }
     param.op_attr_mask = mask;
     let ret = call(&param);
@@ -214,7 +328,8 @@ pub(crate) fn submit(
     Ok(Completion { state })
 }
 
-/// The completion of a non-blocking operation (a put or a flush).
+/// The completion of a non-blocking operation (a put, a message send or a
+/// flush).
 ///
 /// Poll it with [`Completion::result`], or wait for it with
 /// [`Worker::wait`](super::Worker::wait). Dropping it does not cancel the
@@ -224,6 +339,13 @@ pub(crate) fn submit(
 /// A put is *locally* complete when its completion is `Ok`: the source range
 /// may be reused. Remote visibility needs a flush of the endpoint (or worker)
 /// issued after the put, completed `Ok`.
+///
+/// A message ([`Endpoint::send_message`](super::Endpoint::send_message)) is
+/// likewise *locally* complete when its completion is `Ok`: the parts it was
+/// gathered from may change again (its header was copied at the send).
+/// Nothing reports delivery: the receiver may drop a message (its
+/// [`MessageLimits`](super::MessageLimits)) without the sender knowing, so
+/// a protocol that needs to know answers with a message of its own.
 pub struct Completion {
     state: Rc<OpState>,
 }

@@ -290,7 +290,8 @@ pub enum UcxReason {
         /// Which blob.
         what: &'static str,
     },
-    /// A blob's length field is above the bound the safe layer accepts.
+    /// A blob's length field (or an active message's header) is above the
+    /// bound the safe layer accepts.
     #[error("{what}: {len} bytes exceeds the bound {max}")]
     TooLarge {
         /// Which blob.

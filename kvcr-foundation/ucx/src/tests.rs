@@ -1,10 +1,14 @@
 //! Unit tests of the UCX layer: struct layouts against the C compiler's view,
-//! status mapping, envelopes, and the type-level threading contract.
+//! status mapping, envelopes, the type-level threading contract, and active
+//! messages between two workers.
 
 use std::mem::{align_of, offset_of, size_of};
+use std::time::Duration;
+
+use rstest::rstest;
 
 use super::packed::{Limits, MAX_UCX_RKEY};
-use super::packed_tests::sample_address;
+use super::packed_tests::{sample_address, settle};
 use super::*;
 
 fn check_ucx_rkey(b: &[u8]) -> std::result::Result<packed::RkeyShape, UcxReason> {
@@ -38,6 +42,15 @@ fn layout_of_the_structs_we_pass_matches_the_c_headers() {
     assert_eq!(offset_of!(sys::ucp_mem_map_params_t, address), 8);
     assert_eq!(offset_of!(sys::ucp_mem_map_params_t, length), 16);
     assert_eq!(offset_of!(sys::ucp_mem_map_params_t, flags), 24);
+
+    assert_eq!(size_of::<sys::ucp_am_handler_param_t>(), 32);
+    assert_eq!(offset_of!(sys::ucp_am_handler_param_t, id), 8);
+    assert_eq!(offset_of!(sys::ucp_am_handler_param_t, flags), 12);
+    assert_eq!(offset_of!(sys::ucp_am_handler_param_t, cb), 16);
+    assert_eq!(offset_of!(sys::ucp_am_handler_param_t, arg), 24);
+    assert_eq!(size_of::<sys::ucp_am_recv_param_t>(), 16);
+    assert_eq!(size_of::<sys::ucp_dt_iov_t>(), 16);
+    assert_eq!(offset_of!(sys::ucp_dt_iov_t, length), 8);
 
     assert_eq!(size_of::<sys::ucp_request_param_t>(), 72);
     assert_eq!(align_of::<sys::ucp_request_param_t>(), 8);
@@ -253,6 +266,7 @@ fn ucx_handles_are_not_send_but_blobs_are() {
     <RemoteKey as AmbiguousIfSend<_>>::some_item();
     <Registration<'static> as AmbiguousIfSend<_>>::some_item();
     <Completion as AmbiguousIfSend<_>>::some_item();
+    <ActiveMessage as AmbiguousIfSend<_>>::some_item();
 
     fn is_send<T: Send + Sync>() {}
     is_send::<WorkerAddress>();
@@ -305,4 +319,353 @@ fn committed_bindings_match_freshly_generated_ones() {
         "regenerate: KVCR_UCX_BINDINGS_OUT=$PWD/kvcr-foundation/ucx/src/bindings_1_13.rs \
          cargo build -p kvcr-ucx --features ucx-bindgen"
     );
+}
+
+/// The message id the tests send and accept.
+const MSG: u16 = 7;
+
+/// Limits roomy enough for every test message but the over-limit ones.
+const ROOMY: MessageLimits = MessageLimits {
+    max_header: 64,
+    max_data: 1 << 20,
+    max_held: 16,
+};
+
+/// Two workers of one context over `tls` (with peer error handling over
+/// tcp, as the put test in `packed_tests` runs it), the source connected to
+/// the target, which accepts [`MSG`].
+struct Pair {
+    ctx: Context,
+    target: Worker,
+    source: Worker,
+    ep: Endpoint,
+    tcp: bool,
+}
+
+impl Pair {
+    fn new(tls: &str, limits: MessageLimits) -> Self {
+        let tcp = tls.split(',').any(|t| t == "tcp");
+        let mut config = ContextConfig::new().loopback_tls(tls);
+        if tcp {
+            config = config.error_mode(ErrorMode::Peer);
+        }
+        let ctx = Context::with_config(&config).unwrap();
+        let target = ctx.create_worker().unwrap();
+        let source = ctx.create_worker().unwrap();
+        target.accept_messages(MSG, limits).unwrap();
+        let ep = source.connect(&target.address().unwrap()).unwrap();
+        Self {
+            ctx,
+            target,
+            source,
+            ep,
+            tcp,
+        }
+    }
+
+    /// Progresses both workers until `done()`.
+    fn pump(&self, mut done: impl FnMut() -> bool) {
+        self.source
+            .progress_until(Duration::from_secs(30), || {
+                self.target.progress();
+                done()
+            })
+            .unwrap();
+    }
+
+    /// Sends a message of [`MSG`] and waits for its local completion.
+    fn send(&self, header: &[u8], parts: &[(&Registration<'_>, usize, usize)]) {
+        let c = self.ep.send_message(MSG, header, parts).unwrap();
+        self.pump(|| c.is_done());
+        c.result().unwrap().unwrap();
+        for (reg, _, _) in parts {
+            assert_eq!(reg.in_flight(), 0);
+        }
+    }
+
+    /// Progresses until `n` messages have arrived; takes them.
+    fn receive(&self, n: usize) -> Vec<ActiveMessage> {
+        let mut got = Vec::new();
+        self.pump(|| {
+            got.extend(self.target.take_messages());
+            got.len() >= n
+        });
+        assert_eq!(got.len(), n);
+        got
+    }
+
+    /// Progresses until the target has dropped `n` messages in all.
+    fn dropped(&self, n: u64) {
+        self.pump(|| self.target.dropped_messages() >= n);
+        assert_eq!(self.target.dropped_messages(), n);
+    }
+
+    /// Flushes and closes the endpoint (flushing while both workers progress:
+    /// over tcp the close's own flush progresses only the source, and timed
+    /// out), lets tcp's wire-up settle (see `settle`), and checks nothing
+    /// went wrong in a `Drop`.
+    fn finish(self) {
+        let flushed = self.ep.flush().unwrap();
+        self.pump(|| flushed.is_done());
+        flushed.result().unwrap().unwrap();
+        let Self {
+            ctx,
+            target,
+            source,
+            ep,
+            tcp,
+        } = self;
+        drop(ep);
+        if tcp {
+            settle(&source, &target);
+        }
+        drop((source, target));
+        let (errors, more) = ctx.take_drop_errors();
+        assert!(errors.is_empty() && more == 0, "{errors:?} (+{more})");
+    }
+}
+
+/// `len` bytes of a pattern that differs from `seed` to `seed`.
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+#[rstest]
+fn a_message_arrives_with_its_header_and_data(#[values("posix,cma,self", "tcp,self")] tls: &str) {
+    let pair = Pair::new(tls, ROOMY);
+    let reg = pair.ctx.register_anon(4096, AnonOptions::new()).unwrap();
+    let data = pattern(300, 1);
+    reg.write(100, &data).unwrap();
+    pair.send(b"header-0123", &[(&reg, 100, 300)]);
+    let got = pair.receive(1);
+    assert_eq!(got[0].id(), MSG);
+    assert_eq!(got[0].header(), b"header-0123");
+    assert_eq!(got[0].data(), data.as_slice());
+    // A header alone, and nothing at all, are messages too.
+    pair.send(b"only", &[]);
+    pair.send(b"", &[(&reg, 0, 0)]);
+    let got = pair.receive(2);
+    assert_eq!((got[0].header(), got[0].data()), (&b"only"[..], &[][..]));
+    assert_eq!((got[1].header(), got[1].data()), (&[][..], &[][..]));
+    assert_eq!(pair.target.dropped_messages(), 0);
+    drop(got);
+    pair.finish();
+}
+
+#[rstest]
+fn three_parts_from_two_registrations_arrive_concatenated(
+    #[values("posix,cma,self", "tcp,self")] tls: &str,
+) {
+    let pair = Pair::new(tls, ROOMY);
+    let a = pair.ctx.register_anon(8192, AnonOptions::new()).unwrap();
+    let b = pair.ctx.register_vec(vec![0; 4096]).unwrap();
+    a.write(0, &pattern(8192, 2)).unwrap();
+    b.write(0, &pattern(4096, 3)).unwrap();
+    pair.send(b"iov", &[(&a, 0, 1000), (&b, 500, 2000), (&a, 3000, 700)]);
+    let mut expected = pattern(8192, 2)[..1000].to_vec();
+    expected.extend_from_slice(&pattern(4096, 3)[500..2500]);
+    expected.extend_from_slice(&pattern(8192, 2)[3000..3700]);
+    let got = pair.receive(1);
+    assert_eq!(got[0].header(), b"iov");
+    assert_eq!(got[0].data(), expected.as_slice());
+    drop(got);
+    pair.finish();
+}
+
+#[rstest]
+fn messages_over_a_limit_are_dropped_and_counted(
+    #[values("posix,cma,self", "tcp,self")] tls: &str,
+) {
+    let limits = MessageLimits {
+        max_header: 16,
+        max_data: 1024,
+        max_held: 16,
+    };
+    let pair = Pair::new(tls, limits);
+    let reg = pair.ctx.register_anon(4096, AnonOptions::new()).unwrap();
+    reg.write(0, &pattern(4096, 4)).unwrap();
+    pair.send(b"too much data", &[(&reg, 0, 1025)]);
+    pair.send(&[0x5a; 17], &[(&reg, 0, 8)]);
+    pair.send(&[0x5a; 16], &[(&reg, 0, 1024)]);
+    pair.dropped(2);
+    let got = pair.receive(1);
+    assert_eq!(got[0].header(), &[0x5a; 16]);
+    assert_eq!(got[0].data(), &pattern(4096, 4)[..1024]);
+    // Accepting again replaces the limits: the same data now fits.
+    pair.target
+        .accept_messages(
+            MSG,
+            MessageLimits {
+                max_data: 4096,
+                ..limits
+            },
+        )
+        .unwrap();
+    pair.send(b"more data", &[(&reg, 0, 1025)]);
+    let more = pair.receive(1);
+    assert_eq!(more[0].data(), &pattern(4096, 4)[..1025]);
+    assert_eq!(pair.target.dropped_messages(), 2);
+    drop((got, more));
+    pair.finish();
+}
+
+#[rstest]
+fn messages_past_max_held_are_dropped_until_held_ones_go(
+    #[values("posix,cma,self", "tcp,self")] tls: &str,
+) {
+    let pair = Pair::new(
+        tls,
+        MessageLimits {
+            max_held: 2,
+            ..ROOMY
+        },
+    );
+    let reg = pair.ctx.register_anon(4096, AnonOptions::new()).unwrap();
+    for i in 0..3u8 {
+        pair.send(&[i], &[(&reg, 0, 64)]);
+    }
+    // One endpoint's messages arrive in order: the third found two held.
+    pair.dropped(1);
+    let held = pair.target.take_messages();
+    let headers: Vec<&[u8]> = held.iter().map(ActiveMessage::header).collect();
+    assert_eq!(headers, [&[0u8][..], &[1u8][..]]);
+    // Taken but alive, they are still held.
+    pair.send(&[3], &[(&reg, 0, 64)]);
+    pair.dropped(2);
+    drop(held);
+    pair.send(&[4], &[(&reg, 0, 64)]);
+    pair.send(&[5], &[(&reg, 0, 64)]);
+    let got = pair.receive(2);
+    assert_eq!((got[0].header(), got[1].header()), (&[4u8][..], &[5u8][..]));
+    assert_eq!(pair.target.dropped_messages(), 2);
+    drop(got);
+    pair.finish();
+}
+
+/// Multi-fragment eager messages: 64 KiB (eight of tcp's default 8 KiB
+/// segments) and 1 MiB, reassembled by UCX (`UCP_AM_FLAG_WHOLE_MSG`).
+#[rstest]
+fn large_messages_arrive_intact(
+    #[values("posix,cma,self", "tcp,self")] tls: &str,
+    #[values(64 << 10, 1 << 20)] len: usize,
+) {
+    let pair = Pair::new(tls, ROOMY);
+    let reg = pair.ctx.register_anon(len, AnonOptions::new()).unwrap();
+    let data = pattern(len, 5);
+    reg.write(0, &data).unwrap();
+    pair.send(b"large", &[(&reg, 0, len)]);
+    let got = pair.receive(1);
+    assert_eq!(got[0].header(), b"large");
+    assert!(got[0].data() == data.as_slice(), "{len} bytes differ");
+    // UCX 1.13 reassembles a multi-fragment message in a buffer of its own
+    // and offers it (`UCP_AM_RECV_ATTR_FLAG_DATA`): kept without a copy.
+    assert!(got[0].is_held_by_ucx());
+    drop(got);
+    pair.finish();
+}
+
+/// A taken message keeps its worker alive (it releases UCX's buffer before
+/// the worker is destroyed); one never taken is released by the worker.
+#[rstest]
+fn held_messages_outlive_their_worker_handles(#[values("posix,cma,self", "tcp,self")] tls: &str) {
+    let pair = Pair::new(
+        tls,
+        MessageLimits {
+            max_held: 2,
+            ..ROOMY
+        },
+    );
+    let reg = pair
+        .ctx
+        .register_anon(64 << 10, AnonOptions::new())
+        .unwrap();
+    reg.write(0, &pattern(64 << 10, 6)).unwrap();
+    pair.send(b"taken", &[(&reg, 0, 64 << 10)]);
+    let taken = pair.receive(1);
+    pair.send(b"queued", &[(&reg, 0, 64 << 10)]);
+    pair.send(b"dropped", &[(&reg, 0, 64 << 10)]);
+    pair.dropped(1);
+    let ctx = pair.ctx.clone();
+    drop(reg);
+    pair.finish();
+    assert_eq!(taken[0].data(), pattern(64 << 10, 6).as_slice());
+    assert!(taken[0].is_held_by_ucx());
+    drop(taken);
+    assert_eq!(ctx.take_drop_errors().0, []);
+}
+
+/// UCX 1.13 does not check `max_am_header` itself: a longer header overran
+/// its fragment buffer (a segfault over posix at 9000 bytes).
+#[rstest]
+fn headers_up_to_max_message_header_are_sent_and_longer_ones_refused(
+    #[values("posix,cma,self", "tcp,self")] tls: &str,
+) {
+    let pair = Pair::new(tls, ROOMY);
+    let max = pair.source.max_message_header();
+    assert!(max >= 1024, "{max}");
+    pair.target
+        .accept_messages(
+            MSG,
+            MessageLimits {
+                max_header: max,
+                ..ROOMY
+            },
+        )
+        .unwrap();
+    let reg = pair
+        .ctx
+        .register_anon(64 << 10, AnonOptions::new())
+        .unwrap();
+    reg.write(0, &pattern(64 << 10, 8)).unwrap();
+    let header = pattern(max + 1, 7);
+    for len in [0, 100, 64 << 10] {
+        pair.send(&header[..max], &[(&reg, 0, len)]);
+        let got = pair.receive(1);
+        assert_eq!(got[0].header(), &header[..max]);
+        assert_eq!(got[0].data(), &pattern(64 << 10, 8)[..len]);
+    }
+    let e = pair.ep.send_message(MSG, &header, &[]).unwrap_err();
+    assert_eq!(
+        e.reason(),
+        Some(&UcxReason::TooLarge {
+            what: "active message header",
+            len: max + 1,
+            max
+        })
+    );
+    pair.finish();
+}
+
+#[test]
+fn send_message_refuses_bad_parts_before_ucx() {
+    let pair = Pair::new("posix,cma,self", ROOMY);
+    let reg = pair.ctx.register_anon(4096, AnonOptions::new()).unwrap();
+    let e = pair
+        .ep
+        .send_message(MSG, b"", &[(&reg, 0, 8), (&reg, 4000, 97)])
+        .unwrap_err();
+    assert_eq!(
+        e.reason(),
+        Some(&UcxReason::LocalRange {
+            offset: 4000,
+            len: 97,
+            size: 4096
+        })
+    );
+    let e = pair
+        .ep
+        .send_message(MSG, b"", &[(&reg, usize::MAX, 2)])
+        .unwrap_err();
+    assert!(matches!(e.reason(), Some(UcxReason::LocalRange { .. })));
+    let other = Context::with_config(&ContextConfig::new().loopback_tls("self")).unwrap();
+    let foreign = other.register_anon(4096, AnonOptions::new()).unwrap();
+    let e = pair
+        .ep
+        .send_message(MSG, b"", &[(&reg, 0, 8), (&foreign, 0, 8)])
+        .unwrap_err();
+    assert_eq!(e.reason(), Some(&UcxReason::ContextMismatch));
+    assert_eq!((reg.in_flight(), foreign.in_flight()), (0, 0));
+    pair.finish();
 }

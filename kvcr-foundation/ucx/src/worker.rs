@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use super::context::{Context, ContextInner, new_id};
 use super::endpoint::{Endpoint, EndpointInner, RkeyInner};
 use super::memory::{AnonOptions, RegCore};
+use super::message::Messages;
 use super::packed::Limits;
 use super::request::{Completion, OpKind, OpState, submit};
 use super::wire::WorkerAddress;
@@ -29,9 +30,11 @@ pub(crate) enum Deferred {
 /// to it, so `ucp_worker_destroy` runs only after every endpoint is closed
 /// and every operation has completed.
 ///
-/// Field order is load-bearing: `Drop::drop` destroys `handle` first; then
-/// `deferred` (empty by then) and finally `ctx` are dropped, so the context
-/// is cleaned up after the worker.
+/// Field order is load-bearing: `Drop::drop` releases the UCX buffers of
+/// received messages nobody took, then destroys `handle`; then `deferred`
+/// (empty by then), `messages` (whose handlers are the receive callbacks'
+/// arguments, so they go only after the worker) and finally `ctx` are
+/// dropped, so the context is cleaned up after the worker.
 pub(crate) struct WorkerInner {
     pub(crate) handle: sys::ucp_worker_h,
     pub(crate) id: u64,
@@ -39,12 +42,19 @@ pub(crate) struct WorkerInner {
     /// this worker's own address and a probe registration's rkey).
     pub(crate) limits: Limits,
     efd: Option<RawFd>,
+    /// The largest active-message header UCX can send from this worker
+    /// (`max_am_header`: what fits a first fragment on every interface).
+    /// UCX 1.13 does not check it: a longer header overruns the fragment
+    /// buffer inside `ucp_am_send_nbx` (a segfault over posix at 9000 bytes).
+    pub(crate) max_am_header: usize,
     /// Sequence number of the last put issued on this worker.
     pub(crate) op_seq: Cell<u64>,
     /// Every put up to this sequence number is remotely complete (a worker
     /// flush issued after it completed).
     pub(crate) flushed_through: Cell<u64>,
     deferred: Cell<Vec<Deferred>>,
+    /// Active messages: the inbox and the accepted ids.
+    pub(crate) messages: Messages,
     pub(crate) ctx: Rc<ContextInner>,
 }
 
@@ -174,10 +184,14 @@ impl WorkerInner {
 impl Drop for WorkerInner {
     fn drop(&mut self) {
         self.drain();
-        // Every endpoint and every operation of this worker held an
-        // `Rc<WorkerInner>`, so they are all gone.
+        // Every endpoint, every operation and every taken message of this
+        // worker held an `Rc<WorkerInner>`, so they are all gone (taken
+        // messages released their UCX buffers); release the buffers of the
+        // messages never taken.
+        self.messages.close(self.handle);
         // SAFETY: `handle` came from `ucp_worker_create`, is destroyed exactly
-        // once, here, on the owning thread; no endpoint or request refers to it.
+        // once, here, on the owning thread; no endpoint, request or held
+        // message buffer refers to it.
         unsafe { sys::ucp_worker_destroy(self.handle) };
     }
 }
@@ -289,9 +303,11 @@ impl Context {
             id: new_id(),
             limits: Limits::new(),
             efd: None,
+            max_am_header: 0,
             op_seq: Cell::new(0),
             flushed_through: Cell::new(0),
             deferred: Cell::new(Vec::new()),
+            messages: Messages::new(),
             ctx: Rc::clone(&self.inner),
         };
         if self.inner.wakeup {
@@ -304,6 +320,17 @@ impl Context {
             })?;
             inner.efd = Some(fd);
         }
+        let mut attr = sys::ucp_worker_attr_t {
+            field_mask: u64::from(sys::UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER),
+            ..Default::default()
+        };
+        // SAFETY: live worker on its thread; `attr` is a valid, zeroed
+        // `ucp_worker_attr_t` asking only for `max_am_header` (nothing UCX
+        // allocates, such as the address, is requested).
+        check("ucp_worker_query", unsafe {
+            sys::ucp_worker_query(inner.handle, &mut attr)
+        })?;
+        inner.max_am_header = attr.max_am_header;
         // Peers' blobs are checked against our own address and the rkey of a
         // probe registration of ours; if our own check refuses those (UCX's
         // unified mode, an unknown format), peers cannot be checked either:
