@@ -78,7 +78,7 @@ const LABEL_LEN: usize = 20;
 const _: () = assert!(LABEL.len() <= LABEL_LEN && MESSAGE_LABEL.len() <= LABEL_LEN);
 
 /// The UCX active message id of a write message.
-pub(crate) const WRITE_MESSAGE: u16 = 0x6b76;
+pub const WRITE_MESSAGE: u16 = 0x6b76;
 
 /// A session's record key.
 pub(crate) struct RecordKey(hmac::Key);

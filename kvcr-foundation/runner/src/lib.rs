@@ -26,6 +26,10 @@ pub mod client;
 mod contention;
 #[doc(hidden)]
 pub use contention::force_contended;
+/// Test support: the UCX active-message id of a write message (the
+/// hostile-member tests forge them).
+#[doc(hidden)]
+pub use doorbell::WRITE_MESSAGE as WRITE_MESSAGE_ID;
 mod control;
 #[allow(unsafe_code)]
 mod copy;
@@ -617,6 +621,8 @@ pub struct Runner {
     pools: Vec<DramPool>,
     incarnation: Incarnation,
     endpoint: Option<ControlEndpoint>,
+    /// Our UCX worker's address, as every source we dial receives it.
+    worker_address: Option<Vec<u8>>,
     pool_bytes: u64,
     pool_memory: Vec<PoolMemoryInfo>,
     /// The device copier, set at most once, detached in `drop` between steps
@@ -772,6 +778,7 @@ impl Runner {
             pools,
             incarnation: Incarnation::generate(),
             endpoint: None,
+            worker_address: None,
             pool_bytes,
             pool_memory,
             device: std::sync::OnceLock::new(),
@@ -966,6 +973,7 @@ impl Runner {
                 setup.bases.iter().copied().zip(pool_bytes.iter().copied()),
                 setup.placements,
             ),
+            worker_address: Some(setup.worker_address.clone()),
             endpoint: Some(setup.endpoint),
             pool_bytes: pool_bytes.iter().sum(),
             device: std::sync::OnceLock::new(),
@@ -998,6 +1006,14 @@ impl Runner {
     /// This runner's advertised control endpoint (peer mode only).
     pub fn endpoint(&self) -> Option<&ControlEndpoint> {
         self.endpoint.as_ref()
+    }
+
+    /// Test support: this runner's UCX worker address, which every source
+    /// it dials receives in its metadata (the hostile-member tests connect
+    /// to it as such a member would). Not for production use.
+    #[doc(hidden)]
+    pub fn peer_worker_address(&self) -> Option<&[u8]> {
+        self.worker_address.as_deref()
     }
 
     /// Records a request's router hint (and starts the metadata handshake

@@ -254,6 +254,104 @@ fn forged_doorbell_records_are_refused() {
     target.runner.check_invariants().unwrap();
 }
 
+/// A member that learned a destination's UCX worker address (every source
+/// it dials receives it) floods it with write messages while it restores
+/// from an honest source over tcp: records for every operation number it
+/// may have, sealed under a key the forger made up, carrying bytes of its
+/// own, and headers of every wrong size. None is taken: every restore is
+/// byte-exact from the honest source's own message, the forged ones are
+/// counted as refused, and the destination keeps serving.
+#[test]
+fn forged_write_messages_are_refused() {
+    use kvcr_foundation::ucx::{Context, ContextConfig, WorkerAddress};
+    let _serial = crate::serial();
+    let mut options = options("tcp,self", Some(SECRET));
+    options.same_host_mapping = false;
+    let mut source = node_with(&options, 16, Duration::from_secs(5));
+    let mut target = node_with(&options, 16, Duration::from_secs(5));
+    let all: Vec<u64> = (0..16).collect();
+    stock(&mut source, &all);
+    let address = WorkerAddress::from_bytes(target.runner.peer_worker_address().unwrap()).unwrap();
+    let context = Context::with_config(&ContextConfig::new().loopback_tls("tcp,self")).unwrap();
+    let worker = context.create_worker().unwrap();
+    let endpoint = worker.connect(&address).unwrap();
+    let forged_bytes = context.register_vec(vec![0xab; 4 * BLOCK]).unwrap();
+    let id = kvcr_foundation::runner::WRITE_MESSAGE_ID;
+    let mut sent = Vec::new();
+    let mut rounds = 0;
+    for round in 0..4u64 {
+        let keys: Vec<u64> = (4 * round..4 * round + 4).collect();
+        let request = format!("flooded-{round}");
+        let the_hint = hint(&source, &keys);
+        target
+            .runner
+            .submit_hint(RequestId(request.clone().into()), &the_hint);
+        let scoped: Vec<ScopedKey> = keys.iter().map(|k| key(target.ns, *k)).collect();
+        let pool = target.runner.pool("kv").unwrap();
+        let op = target
+            .runner
+            .fetch_hinted(&RequestId(request.into()), &scoped, &[pool])
+            .unwrap();
+        // Records for the likely operation numbers (a record is op, key
+        // count, version, then a tag), and every wrong header size.
+        for forged_op in 0..64u64 {
+            let mut header = [0u8; 64];
+            header[..8].copy_from_slice(&forged_op.to_le_bytes());
+            header[8..12].copy_from_slice(&4u32.to_le_bytes());
+            header[12] = 1;
+            header[16..48].fill(forged_op as u8 ^ 0x5a);
+            sent.push(
+                endpoint
+                    .send_message(id, &header, &[(&forged_bytes, 0, 4 * BLOCK)])
+                    .unwrap(),
+            );
+        }
+        for len in [0usize, 8, 63, 65, 200] {
+            let header = vec![1u8; len];
+            sent.push(
+                endpoint
+                    .send_message(id, &header, &[(&forged_bytes, 0, BLOCK)])
+                    .unwrap(),
+            );
+        }
+        while worker.progress() > 0 {}
+        let result = wait(&mut target.runner, op);
+        // Every restored byte is the honest source's.
+        for ((_, entry), &k) in result.entries.iter().zip(&keys) {
+            assert!(entry.is_success(), "round {round}, key {k}: {entry:?}");
+            let release = entry.release.unwrap();
+            let bytes = target.runner.read_claimed(release, 0).unwrap();
+            let at = k as usize * BLOCK;
+            assert!(
+                bytes == source.host[at..at + BLOCK],
+                "round {round}, key {k}: bytes differ"
+            );
+            assert_eq!(target.runner.release(&[release]), vec![true]);
+        }
+        rounds += 1;
+    }
+    // Let the forger's last messages arrive and be judged.
+    let start = std::time::Instant::now();
+    while !sent.iter().all(kvcr_foundation::ucx::Completion::is_done)
+        && start.elapsed() < Duration::from_secs(10)
+    {
+        worker.progress();
+    }
+    crate::wait_until(
+        "the forged messages to be judged",
+        Duration::from_secs(10),
+        || target.runner.control_stats().write_messages_refused >= 64,
+    );
+    let stats = target.runner.control_stats();
+    assert_eq!(
+        stats.write_messages_taken, rounds,
+        "only the honest source's"
+    );
+    assert_eq!(source.runner.control_stats().write_messages_sent, rounds);
+    target.runner.check_invariants().unwrap();
+    drop(endpoint);
+}
+
 /// While strangers hold connections open, a member floods probes and
 /// ungranted writes without reading a reply, and another stalls mid-frame, an
 /// honest destination restores every page byte-exact; the source's per-peer
