@@ -317,6 +317,17 @@ fn one_block(path: Path<'_>, block: usize, iters: usize) -> Vec<f64> {
         stats.write_messages_taken,
         stats.write_messages_refused
     );
+    if std::env::var_os("KVCR_BENCH_SERIES").is_some() {
+        let windows: Vec<String> = samples
+            .chunks(50)
+            .map(|w| {
+                let mut w = w.to_vec();
+                w.sort_by(f64::total_cmp);
+                format!("{:.0}", w[w.len() / 2])
+            })
+            .collect();
+        println!("# series (median per 50): {}", windows.join(" "));
+    }
     samples.sort_by(f64::total_cmp);
     samples
 }
@@ -497,8 +508,20 @@ fn main() {
         let _busy = std::env::args()
             .any(|a| a == "--contended")
             .then(|| BusyLoops::start(2));
-        for (label, size) in [("64kib", 64usize << 10), ("1mib", 1 << 20)] {
-            let samples = one_block(tcp, size, 40);
+        for (label, size) in [
+            ("64kib", 64usize << 10),
+            ("128kib", 128 << 10),
+            ("256kib", 256 << 10),
+            ("1mib", 1 << 20),
+        ] {
+            // `KVCR_BENCH_REQUEST_ITERS`: requests per size (40); with
+            // `KVCR_BENCH_SERIES` set, the medians of each 50 in order are
+            // printed too (a slow stretch shows as a run of high medians).
+            let n = std::env::var("KVCR_BENCH_REQUEST_ITERS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(40);
+            let samples = one_block(tcp, size, n);
             dist(&format!("peer.request_{label}_tcp"), &samples);
         }
         return;

@@ -868,7 +868,9 @@ impl State {
                 // nap ends (timer slack is cut to 1 µs on this thread). At
                 // once while the host's CPUs are contended (`contention`).
                 if !progressed
-                    && (last_progress.elapsed() >= SPIN_BEFORE_NAP || contention::contended())
+                    && (last_progress.elapsed() >= SPIN_BEFORE_NAP
+                        || (contention::contended()
+                            && last_progress.elapsed() >= CONTENDED_SPIN_BEFORE_NAP))
                 {
                     #[allow(clippy::disallowed_methods)]
                     std::thread::sleep(WAIT_NAP);
@@ -1629,6 +1631,12 @@ const WAIT_NAP: Duration = Duration::from_micros(10);
 /// How long the peer thread spins without napping after its worker last made
 /// progress (or a wait began): a quiet machine's transfers finish inside it.
 const SPIN_BEFORE_NAP: Duration = Duration::from_micros(200);
+
+/// The same while the host's CPUs are contended (`contention`): long enough
+/// that a transfer whose bytes are moving (a TCP put is many segments, each
+/// its own progress turn) keeps going, short enough that a stalled one hands
+/// the CPU to the other side of it well inside a time slice.
+const CONTENDED_SPIN_BEFORE_NAP: Duration = Duration::from_micros(30);
 
 /// Cuts this thread's timer slack to 1 µs (Linux default: 50 µs), so a
 /// `WAIT_NAP` sleep lasts about what it says. Best effort: on failure naps
