@@ -133,11 +133,10 @@ impl RecordKey {
         if record_op(record) != op || record[12] != VERSION || record[13..SIGNED] != [0; 3] {
             return None;
         }
-        let mut signed = [0u8; LABEL_LEN + SIGNED];
-        let len = label.len() + SIGNED;
-        signed[..label.len()].copy_from_slice(label);
-        signed[label.len()..len].copy_from_slice(&record[..SIGNED]);
-        hmac::verify(&self.0, &signed[..len], &record[TAG]).ok()?;
+        let mut signed = Vec::with_capacity(LABEL_LEN + SIGNED);
+        signed.extend_from_slice(label);
+        signed.extend_from_slice(&record[..SIGNED]);
+        hmac::verify(&self.0, &signed, &record[TAG]).ok()?;
         let keys = u32::from_le_bytes(record[8..12].try_into().ok()?);
         Some(keys)
     }

@@ -285,12 +285,12 @@ fn forged_write_messages_are_refused() {
         let the_hint = hint(&source, &keys);
         target
             .runner
-            .submit_hint(RequestId(request.clone().into()), &the_hint);
+            .submit_hint(RequestId(request.clone()), &the_hint);
         let scoped: Vec<ScopedKey> = keys.iter().map(|k| key(target.ns, *k)).collect();
         let pool = target.runner.pool("kv").unwrap();
         let op = target
             .runner
-            .fetch_hinted(&RequestId(request.into()), &scoped, &[pool])
+            .fetch_hinted(&RequestId(request), &scoped, &[pool])
             .unwrap();
         // Records for the likely operation numbers (a record is op, key
         // count, version, then a tag), and every wrong header size.
@@ -331,12 +331,14 @@ fn forged_write_messages_are_refused() {
         rounds += 1;
     }
     // Let the forger's last messages arrive and be judged.
-    let start = std::time::Instant::now();
-    while !sent.iter().all(kvcr_foundation::ucx::Completion::is_done)
-        && start.elapsed() < Duration::from_secs(10)
-    {
-        worker.progress();
-    }
+    crate::wait_until(
+        "the forger's sends to leave",
+        Duration::from_secs(10),
+        || {
+            worker.progress();
+            sent.iter().all(kvcr_foundation::ucx::Completion::is_done)
+        },
+    );
     crate::wait_until(
         "the forged messages to be judged",
         Duration::from_secs(10),
