@@ -2536,6 +2536,24 @@ fn hinted_request(sim: &mut Sim, t: usize, s: usize, keys: std::ops::Range<u64>,
 /// Without faults, hinted fetches and delivers restore every key their
 /// source holds: both targets pull from source 0 at once, target 1 also
 /// from source 1, with each target's batching and each source's lanes.
+/// Target 0 fetches `keys` at `now` under a hint (request `name`) naming
+/// source 0, and the first messages are sent (nothing is delivered yet).
+fn start_hinted_fetch(sim: &mut Sim, keys: &[ScopedKey], now: u64, name: &str) {
+    let request = RequestId(name.into());
+    let hint = FetchHint {
+        source: endpoint(2),
+        block_hashes: keys.iter().map(|k| k.key).collect(),
+        mode: FetchMode::Copy,
+        action_id: None,
+    };
+    sim.targets[0].core.submit_hint(now, request.clone(), &hint);
+    sim.targets[0]
+        .core
+        .fetch(now, keys, &[PoolId(0)], Some(&request))
+        .unwrap();
+    sim.flush();
+}
+
 #[test]
 fn fault_free_requests_restore_the_hinted_keys() {
     for seed in [7, 8, 9, 10] {
@@ -2629,19 +2647,7 @@ fn a_request_queued_during_a_stall_is_refused() {
     let mut sim = Sim::new(11);
     sim.quiet();
     let keys: Vec<ScopedKey> = (0..2).map(|k| sim.key(k)).collect();
-    let request = RequestId("r".into());
-    let hint = FetchHint {
-        source: endpoint(2),
-        block_hashes: keys.iter().map(|k| k.key).collect(),
-        mode: FetchMode::Copy,
-        action_id: None,
-    };
-    sim.targets[0].core.submit_hint(0, request.clone(), &hint);
-    sim.targets[0]
-        .core
-        .fetch(0, &keys, &[PoolId(0)], Some(&request))
-        .unwrap();
-    sim.flush();
+    start_hinted_fetch(&mut sim, &keys, 0, "r");
     // Metadata and its ack go round at time 0, the source ticking on each
     // turn, until the start_write is on its way.
     let mut stale = None;
@@ -2695,24 +2701,9 @@ fn a_write_after_an_expiry_waits_for_a_fresh_ack() {
     let mut sim = Sim::new(13);
     sim.quiet();
     let old = Incarnation::from_raw(sim.sources[0].incarnation).unwrap();
-    let fetch = |sim: &mut Sim, keys: Vec<ScopedKey>, now: u64, name: &str| {
-        let request = RequestId(name.into());
-        let hint = FetchHint {
-            source: endpoint(2),
-            block_hashes: keys.iter().map(|k| k.key).collect(),
-            mode: FetchMode::Copy,
-            action_id: None,
-        };
-        sim.targets[0].core.submit_hint(now, request.clone(), &hint);
-        sim.targets[0]
-            .core
-            .fetch(now, &keys, &[PoolId(0)], Some(&request))
-            .unwrap();
-        sim.flush();
-    };
     // Metadata, ack and a start_write naming the old incarnation.
     let k0 = sim.key(0);
-    fetch(&mut sim, vec![k0], 0, "a");
+    start_hinted_fetch(&mut sim, &[k0], 0, "a");
     let mut named = Vec::new();
     for _ in 0..16 {
         let Some((&k, _)) = sim.network.iter().next() else {
@@ -2739,7 +2730,7 @@ fn a_write_after_an_expiry_waits_for_a_fresh_ack() {
     sim.restart_source(0);
     let new = Incarnation::from_raw(sim.sources[0].incarnation).unwrap();
     let k1 = sim.key(1);
-    fetch(&mut sim, vec![k1], TIMEOUT + 1, "b");
+    start_hinted_fetch(&mut sim, &[k1], TIMEOUT + 1, "b");
     let mut named = Vec::new();
     for _ in 0..16 {
         let Some((&k, _)) = sim.network.iter().next() else {
@@ -3143,19 +3134,7 @@ fn landing_spans_are_the_granted_elements_while_the_reply_is_awaited() {
     let mut sim = Sim::new(17);
     sim.quiet();
     let keys = vec![sim.key(0), sim.key(1)];
-    let request = RequestId("landing".into());
-    let hint = FetchHint {
-        source: endpoint(2),
-        block_hashes: keys.iter().map(|k| k.key).collect(),
-        mode: FetchMode::Copy,
-        action_id: None,
-    };
-    sim.targets[0].core.submit_hint(0, request.clone(), &hint);
-    sim.targets[0]
-        .core
-        .fetch(0, &keys, &[PoolId(0)], Some(&request))
-        .unwrap();
-    sim.flush();
+    start_hinted_fetch(&mut sim, &keys, 0, "landing");
     // Deliver everything but the start_write (the source never sees it).
     let mut start = None;
     for _ in 0..16 {

@@ -69,6 +69,23 @@ pub(crate) fn node_with(options: &PeerOptions, blocks: u32, timeout: Duration) -
     }
 }
 
+/// Every key restored, each byte equal to the source's.
+pub(crate) fn assert_restored(target: &Node, source: &Node, result: &OpResult, keys: &[u64]) {
+    assert_eq!(result.entries.len(), keys.len());
+    for ((_, entry), k) in result.entries.iter().zip(keys) {
+        assert!(entry.is_success(), "key {k}: {entry:?}");
+        let bytes = target
+            .runner
+            .read_claimed(entry.release.unwrap(), 0)
+            .unwrap();
+        let k = *k as usize;
+        assert!(
+            bytes == source.host[k * BLOCK..(k + 1) * BLOCK],
+            "key {k}: bytes differ"
+        );
+    }
+}
+
 pub(crate) fn key(ns: NamespaceId, k: u64) -> ScopedKey {
     ScopedKey {
         namespace: ns,
@@ -327,15 +344,7 @@ fn small_whole_writes_through_ucx_go_as_one_message(
     stock(&mut source, &keys);
     let mut target = target;
     let result = fetch_on_hint(&mut target, "one-message", &hint(&source, &keys), &keys);
-    for ((_, entry), k) in result.entries.iter().zip(keys) {
-        assert!(entry.is_success(), "key {k}: {entry:?}");
-        let bytes = target
-            .runner
-            .read_claimed(entry.release.unwrap(), 0)
-            .unwrap();
-        let at = k as usize * BLOCK;
-        assert!(bytes == source.host[at..at + BLOCK], "key {k} bytes differ");
-    }
+    assert_restored(&target, &source, &result, &keys);
     crate::wait_until(
         "the source to count its sent keys",
         Duration::from_secs(5),

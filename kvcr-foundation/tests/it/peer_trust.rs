@@ -21,7 +21,7 @@ use kvcr_foundation::{
 };
 use rstest::rstest;
 
-use crate::peer::{BLOCK, Node, fetch_on_hint, hint, key, node_with, stock, wait};
+use crate::peer::{BLOCK, Node, assert_restored, fetch_on_hint, hint, key, node_with, stock, wait};
 
 const SECRET: &[u8] = b"trust-tests-cluster-secret-0123456789";
 
@@ -34,23 +34,6 @@ fn options(tls: &str, secret: Option<&[u8]>) -> PeerOptions {
 
 fn member(tls: &str, blocks: u32) -> Node {
     node_with(&options(tls, Some(SECRET)), blocks, Duration::from_secs(5))
-}
-
-/// Every key restored, each byte equal to the source's.
-fn assert_restored(target: &Node, source: &Node, result: &OpResult, keys: &[u64]) {
-    assert_eq!(result.entries.len(), keys.len());
-    for ((_, entry), k) in result.entries.iter().zip(keys) {
-        assert!(entry.is_success(), "key {k}: {entry:?}");
-        let bytes = target
-            .runner
-            .read_claimed(entry.release.unwrap(), 0)
-            .unwrap();
-        let k = *k as usize;
-        assert!(
-            bytes == source.host[k * BLOCK..(k + 1) * BLOCK],
-            "key {k}: bytes differ"
-        );
-    }
 }
 
 fn assert_nothing_restored(target: &Node, result: &OpResult) {
