@@ -1508,6 +1508,11 @@ impl State {
                         }
                         at += len;
                     }
+                    // Counted before the operation completes: whoever it
+                    // wakes sees the count.
+                    stats
+                        .write_messages_taken
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     core.handle_message(now, done);
                     Some(op)
                 })
@@ -1517,9 +1522,6 @@ impl State {
                     if let Some(doorbell) = &mut self.doorbell {
                         doorbell.forget_op(op);
                     }
-                    stats
-                        .write_messages_taken
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
                 None => {
                     stats
