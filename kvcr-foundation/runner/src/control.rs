@@ -254,8 +254,9 @@ pub struct ControlCounters {
     /// operation's granted elements, their record as its `write_done`.
     pub write_messages_taken: u64,
     /// Write messages dropped unread: a record that did not verify under
-    /// the session's key, an operation not (or no longer) awaited, or data
-    /// not exactly the operation's granted bytes.
+    /// the session's key, an operation not (or no longer) awaited, data not
+    /// exactly the operation's granted bytes, or past the receive bounds
+    /// (header or data size, messages held at once).
     pub write_messages_refused: u64,
 }
 

@@ -105,8 +105,10 @@ pub struct PeerOptions {
 }
 
 /// Most write messages held between a worker progress and their handling
-/// (received from anyone; each is dropped unread if it does not verify).
-const MAX_HELD_MESSAGES: usize = 64;
+/// (received from anyone; each is dropped unread if it does not verify):
+/// with [`PeerOptions::WRITE_MESSAGE_LIMIT`], at most 16 MiB of UCX's
+/// receive buffers wait on us.
+const MAX_HELD_MESSAGES: usize = 16;
 
 /// Where a runner's pool memory and control listener outlive it: a
 /// `kvcr-guard` process ([`crate::guard`]).
@@ -243,7 +245,7 @@ impl PeerOptions {
     /// The largest write message a target accepts: larger ones are dropped
     /// unread (their operation then ends by deadline), so a source never
     /// sends one.
-    pub const WRITE_MESSAGE_LIMIT: u64 = 4 << 20;
+    pub const WRITE_MESSAGE_LIMIT: u64 = 1 << 20;
 
     /// The same options with a cluster secret.
     pub fn with_secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
@@ -552,6 +554,8 @@ struct State {
     max_in_flight: usize,
     put_split: PutSplit,
     write_message_max_bytes: u64,
+    /// Messages the worker had dropped at its bounds when last looked at.
+    messages_dropped: u64,
 }
 
 impl State {
@@ -765,6 +769,7 @@ impl State {
                 write_message_max_bytes: options
                     .write_message_max_bytes
                     .min(PeerOptions::WRITE_MESSAGE_LIMIT),
+                messages_dropped: 0,
             },
             setup,
         ))
@@ -1470,11 +1475,18 @@ impl State {
     /// exactly that operation's granted bytes, is copied into them and
     /// handled as its `write_done`; anything else is dropped unread.
     fn take_write_messages(&mut self, shared: &Arc<Shared>) {
+        let stats = &self.control.stats;
+        // Those the worker dropped at its bounds were refused unread too.
+        let dropped = self.worker.dropped_messages();
+        stats.write_messages_refused.fetch_add(
+            dropped.saturating_sub(self.messages_dropped),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        self.messages_dropped = dropped;
         let messages = self.worker.take_messages();
         if messages.is_empty() {
             return;
         }
-        let stats = &self.control.stats;
         for message in messages {
             let control = &self.control;
             let opened = self.doorbell.as_ref().and_then(|doorbell| {
