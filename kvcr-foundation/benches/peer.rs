@@ -302,7 +302,20 @@ fn one_block(path: Path<'_>, block: usize, iters: usize) -> Vec<f64> {
             {
                 std::thread::sleep(Duration::from_millis(gap));
             }
-            fetch(&mut target, &source.endpoint, ns, k..k + 1, 0) * 1e6
+            let took = fetch(&mut target, &source.endpoint, ns, k..k + 1, 0) * 1e6;
+            // With `KVCR_BENCH_SERIES`: the monotonic clock every 50
+            // requests, to find a stretch in a scheduler trace taken with
+            // `perf sched record -k mono`.
+            if k % 50 == 0 && std::env::var_os("KVCR_BENCH_SERIES").is_some() {
+                let mut ts = libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: 0,
+                };
+                // SAFETY: `ts` is a valid, writable timespec for the call.
+                unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+                println!("# mark {k} {}.{:06}", ts.tv_sec, ts.tv_nsec / 1000);
+            }
+            took
         })
         .collect();
     let stats = target.control_stats();
