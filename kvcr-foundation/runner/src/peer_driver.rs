@@ -236,11 +236,14 @@ impl PeerOptions {
     /// cost); 32 and 128 MiB both reach 0.76–0.90 of the slower hop.
     pub const DEFAULT_WRITE_BATCH_BYTES: u64 = 64 << 20;
     /// Default largest write sent as one message (see
-    /// [`PeerOptions::write_message_max_bytes`]). One-key requests over tcp
-    /// on the 2-vCPU VM, alternating runs: 64 KiB 41–47 µs as a message
-    /// against 63–69 µs as a put and its flush; 1 MiB 660–805 µs against
-    /// 435–485 µs (UCX reassembles a large message from its segments before
-    /// the target copies it once more), so large writes stay puts.
+    /// [`PeerOptions::write_message_max_bytes`]). One-key requests over tcp,
+    /// p50s of alternating runs as a message against as a put and its flush:
+    /// on the 2-vCPU VM 64 KiB 39–49 against 56–70 µs, 128 KiB 63–68 against
+    /// 80–85, 256 KiB 110–113 against 110–120, 1 MiB 418–805 against
+    /// 408–561; on the H200 host 64 KiB 71–78 against 106–111 µs, 256 KiB
+    /// 185–190 against 198–205. UCX reassembles a large message from its
+    /// segments before the target copies it once more, so large writes stay
+    /// puts.
     pub const DEFAULT_WRITE_MESSAGE_BYTES: u64 = 256 << 10;
     /// The largest write message a target accepts: larger ones are dropped
     /// unread (their operation then ends by deadline), so a source never
@@ -706,20 +709,15 @@ impl State {
                 TargetDoorbell::new(slots, rkey, None)
             }
         };
-        let doorbell = Some(doorbell);
-        // Write messages are verified with the doorbell's session keys, so
-        // they are accepted only where a doorbell is advertised.
-        if doorbell.is_some() {
-            worker.accept_messages(
-                crate::doorbell::WRITE_MESSAGE,
-                MessageLimits {
-                    max_header: SLOT_BYTES,
-                    max_data: usize::try_from(PeerOptions::WRITE_MESSAGE_LIMIT)
-                        .unwrap_or(usize::MAX),
-                    max_held: MAX_HELD_MESSAGES,
-                },
-            )?;
-        }
+        // Write messages, verified with the doorbell's session keys.
+        worker.accept_messages(
+            crate::doorbell::WRITE_MESSAGE,
+            MessageLimits {
+                max_header: SLOT_BYTES,
+                max_data: usize::try_from(PeerOptions::WRITE_MESSAGE_LIMIT).unwrap_or(usize::MAX),
+                max_held: MAX_HELD_MESSAGES,
+            },
+        )?;
         let setup = PeerSetup {
             endpoint,
             bases: pools.iter().map(|p| p.as_ptr() as usize as u64).collect(),
@@ -759,7 +757,7 @@ impl State {
                 lane_done,
                 scope,
                 own_tokens,
-                doorbell,
+                doorbell: Some(doorbell),
                 rings: HashMap::new(),
                 pools,
                 worker,
