@@ -278,9 +278,12 @@ impl TargetDoorbell {
         }
     }
 
-    /// Whether any slot is watched.
+    /// Whether any watched slot could hold a record: only a source that
+    /// maps our slots' file rings, so without one (pools that are not
+    /// shared) the slots are never read; the operations stay watched for
+    /// their write messages.
     pub(crate) fn awaiting(&self) -> bool {
-        !self.awaited.is_empty()
+        self.segment.is_some() && !self.awaited.is_empty()
     }
 
     /// `op` ended (its reply came, or the core no longer waits on it).

@@ -235,17 +235,6 @@ unsafe fn stream_copy(dst: *mut u8, src: *const u8, len: usize) {
     unsafe { std::ptr::copy_nonoverlapping(src.add(offset), dst.add(offset), len - offset) };
 }
 
-/// Writes `src` at `dst`.
-///
-/// # Safety
-/// `dst..dst+src.len()` must be valid for writes for the duration of the
-/// call, must not overlap `src`, and no other thread may access it
-/// meanwhile.
-pub(crate) unsafe fn write_bytes(dst: u64, src: &[u8]) {
-    // SAFETY: guaranteed by this function's contract.
-    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as usize as *mut u8, src.len()) }
-}
-
 /// Borrows `len` bytes at `addr`.
 ///
 /// # Safety

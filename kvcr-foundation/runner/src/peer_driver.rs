@@ -545,9 +545,11 @@ struct State {
     scope: Option<HostScope>,
     /// The name tokens of our own pools (never mapped as a peer's).
     own_tokens: Vec<[u8; 16]>,
-    /// Our doorbell as a target, when our pools are shared segments (its
-    /// slots are a shared file, registered like them).
-    doorbell: Option<TargetDoorbell>,
+    /// Our doorbell as a target: its slots a shared file registered like
+    /// our pools when they are shared segments, plain registered memory
+    /// otherwise; its per-session keys seal doorbell records and write
+    /// messages.
+    doorbell: TargetDoorbell,
     /// Records to ring when one-copy writes finish: the target's doorbell
     /// mapping, the record, and its slot's target address, by write.
     rings: HashMap<u64, (Arc<PeerSegment>, [u8; SLOT_BYTES], u64)>,
@@ -757,7 +759,7 @@ impl State {
                 lane_done,
                 scope,
                 own_tokens,
-                doorbell: Some(doorbell),
+                doorbell,
                 rings: HashMap::new(),
                 pools,
                 worker,
@@ -832,7 +834,7 @@ impl State {
             // A source may have rung for a write into us: a look at the
             // watched slots costs a load each, and a record taken here
             // saves waiting for its `write_done` to come through the socket.
-            if self.doorbell.as_ref().is_some_and(TargetDoorbell::awaiting) {
+            if self.doorbell.awaiting() {
                 self.take_doorbells(shared);
             }
             if busy {
@@ -868,12 +870,12 @@ impl State {
                 // waits out other processes' whole time slices (4 ms each,
                 // measured: shm fetches fell to 0.1 GB/s beside two busy
                 // processes), while a sleeper is woken ahead of them when its
-                // nap ends (timer slack is cut to 1 µs on this thread). At
-                // once while the host's CPUs are contended (`contention`).
+                // nap ends (timer slack is cut to 1 µs on this thread).
+                // Sooner while the host's CPUs are contended (`contention`).
+                let still = wait_began.saturating_duration_since(last_progress);
                 if !progressed
-                    && (last_progress.elapsed() >= SPIN_BEFORE_NAP
-                        || (contention::contended()
-                            && last_progress.elapsed() >= CONTENDED_SPIN_BEFORE_NAP))
+                    && (still >= SPIN_BEFORE_NAP
+                        || (still >= CONTENDED_SPIN_BEFORE_NAP && contention::contended()))
                 {
                     #[allow(clippy::disallowed_methods)]
                     std::thread::sleep(WAIT_NAP);
@@ -968,9 +970,7 @@ impl State {
                 shared.with_core_now(|core, now| {
                     core.handle_tick(now);
                     // Operations that ended without a reply (deadlines).
-                    if let Some(doorbell) = doorbell {
-                        doorbell.retain(|op| core.peer_awaits_reply(op));
-                    }
+                    doorbell.retain(|op| core.peer_awaits_reply(op));
                 });
             }
         }
@@ -1039,16 +1039,13 @@ impl State {
             Some(ChannelEvent::Message(message)) => {
                 if let Body::WriteDone { op_handle, .. } | Body::WriteRefused { op_handle } =
                     &message.body
-                    && let Some(doorbell) = &mut self.doorbell
                 {
-                    doorbell.forget_op(*op_handle);
+                    self.doorbell.forget_op(*op_handle);
                 }
                 shared.with_core_now(|core, now| core.handle_message(now, message));
             }
             Some(ChannelEvent::SourceLost(source)) => {
-                if let Some(doorbell) = &mut self.doorbell {
-                    doorbell.forget_source(&source);
-                }
+                self.doorbell.forget_source(&source);
                 shared.with_core_now(|core, _| core.peer_connection_lost(&source));
             }
             Some(ChannelEvent::TargetGone(target)) => {
@@ -1067,9 +1064,7 @@ impl State {
             PeerCmd::Action(action) => self.execute(action, shared),
             PeerCmd::Forget(peer) => {
                 self.control.remove_peer(&peer);
-                if let Some(doorbell) = &mut self.doorbell {
-                    doorbell.forget_source(&peer);
-                }
+                self.doorbell.forget_source(&peer);
                 retire(self.routes.remove(&peer));
                 shared.with_core_now(|core, _| core.peer_connection_lost(&peer));
             }
@@ -1081,15 +1076,15 @@ impl State {
     fn execute(&mut self, action: Action, shared: &Arc<Shared>) {
         match action {
             Action::Send { to, mut message } => {
-                if let Some(doorbell) = &mut self.doorbell {
-                    match &message.body {
-                        Body::TargetMetadata { .. } => {
-                            let session = self.control.dial(&to);
-                            doorbell.advertise(&to, session, &mut message.body);
-                        }
-                        Body::StartWrite { op_handle, .. } => doorbell.await_op(&to, *op_handle),
-                        _ => {}
+                match &message.body {
+                    Body::TargetMetadata { .. } => {
+                        let session = self.control.dial(&to);
+                        self.doorbell.advertise(&to, session, &mut message.body);
                     }
+                    Body::StartWrite { op_handle, .. } => {
+                        self.doorbell.await_op(&to, *op_handle);
+                    }
+                    _ => {}
                 }
                 self.control.send(&to, message);
             }
@@ -1182,31 +1177,26 @@ impl State {
                             .with_core_now(|core, now| core.handle_put_done(now, write, false)),
                     }
                 } else if let Some(route) = route {
-                    if let Some(sent) = self.send_as_message(shared, write, &route, &spans) {
-                        self.control
-                            .stats
-                            .write_messages_sent
-                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        self.pending.push(PendingWrite {
-                            write,
-                            route,
-                            spans: VecDeque::new(),
-                            in_flight: VecDeque::from([sent]),
-                            flush: None,
-                            failed: false,
-                            as_message: true,
-                        });
-                    } else {
-                        self.pending.push(PendingWrite {
-                            write,
-                            route,
-                            spans: self.put_split.split(spans),
-                            in_flight: VecDeque::new(),
-                            flush: None,
-                            failed: false,
-                            as_message: false,
-                        });
-                    }
+                    let (spans, in_flight, as_message) =
+                        match self.send_as_message(shared, write, &route, &spans) {
+                            Some(sent) => {
+                                self.control
+                                    .stats
+                                    .write_messages_sent
+                                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                (VecDeque::new(), VecDeque::from([sent]), true)
+                            }
+                            None => (self.put_split.split(spans), VecDeque::new(), false),
+                        };
+                    self.pending.push(PendingWrite {
+                        write,
+                        route,
+                        spans,
+                        in_flight,
+                        flush: None,
+                        failed: false,
+                        as_message,
+                    });
                     self.issue_and_reap(shared);
                 } else {
                     // The route is gone or was replaced: never write through it.
@@ -1339,11 +1329,8 @@ impl State {
 
     /// Takes the `write_done`s our doorbell's watched slots hold.
     fn take_doorbells(&mut self, shared: &Arc<Shared>) {
-        let Some(doorbell) = &mut self.doorbell else {
-            return;
-        };
         let control = &self.control;
-        let (taken, refused) = doorbell.take(|source| control.dialed_peer(source));
+        let (taken, refused) = self.doorbell.take(|source| control.dialed_peer(source));
         let stats = &self.control.stats;
         stats
             .doorbells_refused
@@ -1481,15 +1468,11 @@ impl State {
             std::sync::atomic::Ordering::Relaxed,
         );
         self.messages_dropped = dropped;
-        let messages = self.worker.take_messages();
-        if messages.is_empty() {
-            return;
-        }
-        for message in messages {
+        for message in self.worker.take_messages() {
             let control = &self.control;
-            let opened = self.doorbell.as_ref().and_then(|doorbell| {
-                doorbell.open_message(message.header(), |source| control.dialed_peer(source))
-            });
+            let opened = self
+                .doorbell
+                .open_message(message.header(), |source| control.dialed_peer(source));
             let taken = opened.and_then(|(op, keys, done)| {
                 let data = message.data();
                 shared.with_core_now(|core, now| {
@@ -1502,21 +1485,27 @@ impl State {
                     if total != data.len() as u64 {
                         return None;
                     }
-                    let mut at = 0usize;
-                    for (addr, len) in spans {
-                        let len = usize::try_from(len).ok()?;
-                        let bytes = data.get(at..at + len)?;
-                        // SAFETY: `addr..addr+len` is an element of one of our
-                        // registered regions (resolved by the core's region
-                        // table), granted to operation `op`, whose FILLING
-                        // slot nothing else reads or writes until its reply,
-                        // which is handled below under this same lock; `bytes`
-                        // is UCX's receive buffer, not our memory.
-                        #[allow(unsafe_code)]
-                        unsafe {
-                            crate::memory::write_bytes(addr, bytes);
-                        }
-                        at += len;
+                    // The data, cut into the spans in order (their lengths
+                    // sum to its length, checked above).
+                    let mut from = data.as_ptr() as usize as u64;
+                    let copies: Vec<CopySpan> = spans
+                        .into_iter()
+                        .map(|(dst, len)| {
+                            let src = from;
+                            from += len;
+                            CopySpan { src, dst, len }
+                        })
+                        .collect();
+                    // SAFETY: every destination is an element of one of our
+                    // registered regions (resolved by the core's region
+                    // table), granted to operation `op`, whose FILLING slot
+                    // nothing else reads or writes until its reply, which is
+                    // handled below under this same lock; the sources tile
+                    // `data` exactly (UCX's receive buffer, live for this
+                    // call, never our memory, so no span overlaps itself).
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        crate::memory::copy_spans(&copies);
                     }
                     // Counted before the operation completes: whoever it
                     // wakes sees the count.
@@ -1528,11 +1517,7 @@ impl State {
                 })
             });
             match taken {
-                Some(op) => {
-                    if let Some(doorbell) = &mut self.doorbell {
-                        doorbell.forget_op(op);
-                    }
-                }
+                Some(op) => self.doorbell.forget_op(op),
                 None => {
                     stats
                         .write_messages_refused
@@ -1636,8 +1621,8 @@ const DRAIN_MAX: Duration = Duration::from_millis(100);
 const MAX_IDLE_NAP: Duration = Duration::from_secs(1);
 
 /// How long the peer thread naps between progress rounds while a transfer is
-/// under way and nothing moved for `SPIN_BEFORE_NAP` (at once on a contended
-/// host).
+/// under way and nothing moved for `SPIN_BEFORE_NAP` (`CONTENDED_SPIN_BEFORE_NAP`
+/// on a contended host).
 const WAIT_NAP: Duration = Duration::from_micros(10);
 
 /// How long the peer thread spins without napping after its worker last made
