@@ -2,9 +2,11 @@
 //! landed, written into the target's memory instead of waiting for the
 //! `write_done` to cross the control socket.
 //!
-//! A target whose pools are shared segments advertises one more: a sealed
-//! file of [`SLOTS`] slots of [`SLOT_BYTES`], and, per session, a fresh key
-//! sent only inside that session's encrypted frames. A source that maps the
+//! Every target advertises [`SLOTS`] slots of [`SLOT_BYTES`] (a sealed
+//! file beside its pools when they are shared segments, plain registered
+//! memory otherwise, which no source can ring and which is never polled),
+//! and, per session, a fresh key sent only inside that session's encrypted
+//! frames. A source that maps the
 //! target (a one-copy route) writes, the moment a write's copies end, a
 //! record into slot `op % SLOTS` naming the target's operation and how many
 //! keys landed (the first `n` asked for: other outcomes go by `write_done`
