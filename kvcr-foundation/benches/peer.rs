@@ -9,7 +9,8 @@
 //! For latency work, `-- --bench --one-block` runs the one-block figure alone
 //! (`KVCR_BENCH_GAP_MS=10` idles before each fetch: a cold restore) and
 //! `-- --bench --requests [--contended]` the one-key-per-request TCP
-//! distributions (beside two busy loops).
+//! distributions (beside two busy loops), and `-- --bench --tcp-bulk` the
+//! 16 MiB TCP bandwidth figure alone.
 
 #![allow(clippy::disallowed_methods)] // a benchmark reads the clock and sleeps
 #![allow(
@@ -537,6 +538,19 @@ fn main() {
             let samples = one_block(tcp, size, n);
             dist(&format!("peer.request_{label}_tcp"), &samples);
         }
+        return;
+    }
+    // `--tcp-bulk`: only the 16 MiB TCP bandwidth figure and its anchor
+    // (for tuning the tcp transport; `UCX_TCP_*` in the environment wins
+    // over kvcr's segment sizes, so settings can be compared run by run).
+    if std::env::args().any(|a| a == "--tcp-bulk") {
+        let tcp16 = bandwidth(tcp, MIB16, 4, reps);
+        bench(
+            "peer.fetch_16mib_tcp",
+            tcp16,
+            "GB/s",
+            kvcr_ucx::perftest::put_bw_gbs("tcp", MIB16, 20, &["-O", "1"]),
+        );
         return;
     }
     // `--one-block`: only the latency figure (for latency work).
