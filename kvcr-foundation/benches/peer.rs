@@ -72,6 +72,18 @@ fn options(path: Path<'_>) -> PeerOptions {
     {
         o.write_message_max_bytes = bytes;
     }
+    // `KVCR_BENCH_PUTS_IN_FLIGHT` and `KVCR_BENCH_PUT_CHUNK_BYTES`: the
+    // source's put depth and split (0: the defaults), for tuning.
+    let knob = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
+    if let Some(n) = knob("KVCR_BENCH_PUTS_IN_FLIGHT") {
+        o.max_puts_in_flight = n as usize;
+    }
+    if let Some(bytes) = knob("KVCR_BENCH_PUT_CHUNK_BYTES") {
+        o.put_split.chunk_bytes = bytes;
+        if let Some(n) = knob("KVCR_BENCH_PUTS_IN_FLIGHT") {
+            o.put_split.max_chunks_in_flight = n as usize;
+        }
+    }
     o
 }
 
@@ -544,6 +556,12 @@ fn main() {
     // (for tuning the tcp transport; `UCX_TCP_*` in the environment wins
     // over kvcr's segment sizes, so settings can be compared run by run).
     if std::env::args().any(|a| a == "--tcp-bulk") {
+        // `KVCR_BENCH_TCP_REPS`: fetches to take the median of (a long
+        // run to profile).
+        let reps = std::env::var("KVCR_BENCH_TCP_REPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(reps);
         let tcp16 = bandwidth(tcp, MIB16, 4, reps);
         bench(
             "peer.fetch_16mib_tcp",

@@ -339,6 +339,11 @@ fn peer_options(tls: &str, split: PutSplit) -> PeerOptions {
     let mut o = PeerOptions::loopback();
     o.ucx_tls = Some(tls.to_owned());
     o.put_split = split;
+    // Unsplit means whole puts, two in flight (with nothing set, a runner
+    // splits its tcp puts by default).
+    if split == PutSplit::default() {
+        o.max_puts_in_flight = 2;
+    }
     // Through UCX: with the same-host mapping (on by default since the
     // one-copy path landed) the two processes here never touch tcp, and
     // the figure measured memcpy (12 GB/s) against a tcp anchor.

@@ -44,8 +44,10 @@ pub fn audit_runner(runner: &Runner, max_samples: u64) -> Result<Vec<PoolAudit>>
         .collect()
 }
 
-/// Chunk size for split puts when the transports include tcp.
-pub const TCP_CHUNK_BYTES: u64 = 4 << 20;
+/// Chunk size for split puts when the transports include tcp: the runner's
+/// own tcp default ([`PutSplit::TCP_DEFAULT`], 128 KiB; 4 MiB chunks moved
+/// 2.1–2.6 GB/s where 128 KiB ones moved 2.9–3.2).
+pub const TCP_CHUNK_BYTES: u64 = PutSplit::TCP_DEFAULT.chunk_bytes;
 /// Chunk size for split puts over shared memory.
 pub const SHM_CHUNK_BYTES: u64 = 4 << 20;
 
@@ -56,7 +58,7 @@ pub fn split_for(ucx_tls: Option<&str>) -> PutSplit {
     if tcp {
         PutSplit {
             chunk_bytes: TCP_CHUNK_BYTES,
-            max_chunks_in_flight: PutSplit::TCP_IN_FLIGHT,
+            max_chunks_in_flight: PutSplit::TCP_DEFAULT.max_chunks_in_flight,
         }
     } else {
         PutSplit {

@@ -38,10 +38,11 @@ struct Node {
     host: Vec<u8>,
 }
 
-fn node(tls: &str, split: PutSplit) -> Node {
+fn node(tls: &str, split: PutSplit, max_puts_in_flight: usize) -> Node {
     let mut options = PeerOptions::loopback();
     options.ucx_tls = Some(tls.to_owned());
     options.put_split = split;
+    options.max_puts_in_flight = max_puts_in_flight;
     // Splitting is about UCX puts: keep the same-host one-copy path out.
     options.same_host_mapping = false;
     let config = RunnerConfig {
@@ -92,15 +93,24 @@ fn wait(runner: &mut Runner, op: OpHandle) -> OpResult {
 }
 
 #[rstest]
-#[case::shm_chunks("posix,cma,self", PutSplit::chunks_of(64 << 10))]
-#[case::shm_odd_chunks_two_in_flight("posix,cma,self", PutSplit { chunk_bytes: 100_000, max_chunks_in_flight: 2 })]
-#[case::tcp_chunks("tcp,self", PutSplit::chunks_of(64 << 10))]
-#[case::tcp_defaults("tcp,self", kvcr_hicache_perf::placement::split_for(Some("tcp,self")))]
-#[case::tcp_off("tcp,self", PutSplit::default())]
-fn split_puts_restore_every_byte(#[case] tls: &str, #[case] split: PutSplit) {
+#[case::shm_chunks("posix,cma,self", PutSplit::chunks_of(64 << 10), 0)]
+#[case::shm_odd_chunks_two_in_flight("posix,cma,self", PutSplit { chunk_bytes: 100_000, max_chunks_in_flight: 2 }, 0)]
+#[case::tcp_chunks("tcp,self", PutSplit::chunks_of(64 << 10), 0)]
+#[case::tcp_defaults(
+    "tcp,self",
+    kvcr_hicache_perf::placement::split_for(Some("tcp,self")),
+    0
+)]
+#[case::tcp_unconfigured("tcp,self", PutSplit::default(), 0)]
+#[case::tcp_whole_puts("tcp,self", PutSplit::default(), 2)]
+fn split_puts_restore_every_byte(
+    #[case] tls: &str,
+    #[case] split: PutSplit,
+    #[case] max_puts_in_flight: usize,
+) {
     let _serial = serial();
-    let mut source = node(tls, split);
-    let mut target = node(tls, PutSplit::default());
+    let mut source = node(tls, split, max_puts_in_flight);
+    let mut target = node(tls, PutSplit::default(), 0);
     let keys: Vec<u64> = (0..KEYS).collect();
     let op = source
         .runner
