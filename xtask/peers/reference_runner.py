@@ -54,10 +54,29 @@ def key(i):
     return int(i).to_bytes(8, "little")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n):
+    """`n` distinct free loopback ports: all bound at once, so the kernel
+    cannot hand the same one out twice (one port given to both the control
+    channel and NIXL's listener failed a bench run: address in use)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def start_instance(name, slots, elements, peer, attempts=3):
+    """An `Instance`, tried again on fresh ports when one was taken between
+    choosing it and binding it (another process may take a free port)."""
+    for attempt in range(attempts):
+        try:
+            return Instance(name, slots, elements, peer)
+        except Exception as exc:  # KVCRStartupError, or the channel's OSError
+            if "Address already in use" not in str(exc) or attempt + 1 == attempts:
+                raise
 
 
 class Instance:
@@ -69,8 +88,9 @@ class Instance:
         self.pool = np.zeros(slots * BLOCK, dtype=np.uint8)
         self.host = np.zeros(elements * BLOCK, dtype=np.uint8)
         self.channel = None
+        channel_port, nixl_port = free_ports(2)
         if peer:
-            self.channel = ZmqPeerControlChannel("127.0.0.1", free_port(), "127.0.0.1")
+            self.channel = ZmqPeerControlChannel("127.0.0.1", channel_port, "127.0.0.1")
         bindings = KVCRBindings(
             # No framework-held (FW_G2) blocks here: every block a peer asks
             # for is in the runner's own DRAM, so pins are never needed.
@@ -85,7 +105,7 @@ class Instance:
             pool_layouts=[(POOL, BLOCK)],
             operation_timeout_ms=60_000,
             abandon_timeout_ms=120_000,
-            nixl_listen_port=free_port(),
+            nixl_listen_port=nixl_port,
         )
         backends = KVCRBackendConfigs(
             framework_regions=[
@@ -148,7 +168,7 @@ def dist(name, samples):
 def local(quick):
     n = 512
     reps = 5 if quick else 9
-    inst = Instance("ref-local", n, 2 * n, peer=False)
+    inst = start_instance("ref-local", n, 2 * n, peer=False)
     try:
         fill(inst.host[: n * BLOCK], 1)
         deposit, deliver = [], []
@@ -180,7 +200,7 @@ def local(quick):
 
 def source(blocks):
     """Holds `blocks` blocks (pattern seeded by the key range) until stdin closes."""
-    inst = Instance(f"ref-source-{os.getpid()}", blocks, blocks, peer=True)
+    inst = start_instance(f"ref-source-{os.getpid()}", blocks, blocks, peer=True)
     try:
         fill(inst.host, 2)
         inst.wait(inst.kvcr.deposit({key(i): inst.ref(i) for i in range(blocks)}))
@@ -245,7 +265,7 @@ def peer(quick, tls, suffix):
         # Keep draining the source's stdout (NIXL logs there) so it never
         # blocks on a full pipe.
         threading.Thread(target=lambda: [None for _ in child.stdout], daemon=True).start()
-        target = Instance(f"ref-target-{suffix}", n, n, peer=True)
+        target = start_instance(f"ref-target-{suffix}", n, n, peer=True)
         request = 0
 
         def fetch(first, count, check):
