@@ -811,7 +811,7 @@ impl State {
         let mut last_progress = last_tick;
         let mut last_activity = last_tick;
         let mut deadline_due = false;
-        let linger = linger();
+        let linger = LINGER;
         // (writes into us may be under way, a reply to us is awaited)
         let mut waits = (false, false);
         loop {
@@ -1676,20 +1676,19 @@ const ACTIVE_SPIN: Duration = Duration::from_micros(300);
 /// awaits nothing: a burst's next request then finds it running. Bounded, so
 /// an idle node still sleeps (`peer.idle_cpu`).
 ///
-/// 1 ms on hosts with [`STRIPE_MIN_CORES`](crate::lanes::STRIPE_MIN_CORES)
-/// cores or more, as long as the striping lanes linger: traced hop by hop on
-/// the H200 host, back-to-back one-block restores reach the source
-/// 150–200 µs apart, and with 200 µs it had often gone to sleep, noticing the
-/// next request 9–23 µs (median) after it was written against 3–4 µs awake
-/// (the target's thread likewise, for its caller's next request). Below,
-/// 200 µs: there a spinning thread takes the CPU the other side needs.
-fn linger() -> Duration {
-    if crate::lanes::cores() >= crate::lanes::STRIPE_MIN_CORES {
-        Duration::from_millis(1)
-    } else {
-        Duration::from_micros(200)
-    }
-}
+/// Traced hop by hop on the H200 host, back-to-back one-block restores
+/// reach the source 150–200 µs apart, and with 200 µs it had often gone to
+/// sleep, noticing the next request 9–23 µs (median) after it was written
+/// against 3–4 µs awake (the target's thread likewise, for its caller's next
+/// request). On the 2-vCPU VM, where 1 MiB requests come 300 µs or more
+/// apart (the caller checks each one's bytes), a source lingering 200 µs
+/// was asleep for each and took 56 µs (median) to decode it against 10 µs;
+/// 1 MiB requests went from 495–530 µs to 421–430 µs (p50, three
+/// alternating runs each), smaller ones level. A lingering turn yields its
+/// CPU to whoever else is runnable there, and the linger is skipped while
+/// the host is contended (`contention`), so on a small host it takes only
+/// a CPU nobody else wanted.
+const LINGER: Duration = Duration::from_millis(1);
 
 /// Whether UCX's tcp transport is kept on the loopback device: only for a
 /// runner whose peers dial it on loopback, and only when the environment
