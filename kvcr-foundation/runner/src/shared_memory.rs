@@ -414,6 +414,13 @@ pub(crate) struct PeerSegment {
 /// be long, even when the populator loses its CPU in the middle of one.
 const BACKGROUND_STEP: u64 = 256 << 10;
 
+/// How much of a mapping [`PeerSegment::populate_in_background`] populates
+/// ahead, from its start: page-table entries cost 8 bytes per 4 KiB page
+/// (0.2 % of what is mapped) in every source that maps the pool, so a
+/// whole 256 GiB pool would cost each such source 512 MiB up front. 1 GiB
+/// costs 2 MiB; past it, writes populate the granules they touch.
+const BACKGROUND_LIMIT: u64 = 1 << 30;
+
 /// Lowers the calling thread to the weakest nice level (best effort): it
 /// then takes ~1.5 % of a CPU others want, and all of one nobody wants.
 /// Not `SCHED_IDLE`: a thread starved in the middle of a step would hold
@@ -523,10 +530,10 @@ impl PeerSegment {
         }
     }
 
-    /// Populates the whole mapping ahead of the writes, on a thread of its
-    /// own at the lowest priority (it runs on CPUs nobody else wants, and
-    /// takes little of one others do), a step of [`BACKGROUND_STEP`] at a
-    /// time, skipping what a write populated first. It stops once the route let go of the mapping (this thread
+    /// Populates the mapping (its first [`BACKGROUND_LIMIT`] bytes) ahead of
+    /// the writes, on a thread of its own at the lowest priority (it runs on
+    /// CPUs nobody else wants, and takes little of one others do), a step of
+    /// [`BACKGROUND_STEP`] at a time, skipping what a write populated first. It stops once the route let go of the mapping (this thread
     /// holds the last reference), so a replaced route's mapping goes soon
     /// after. The pages are the target's (its pool file is fully
     /// allocated, checked when opened): populating allocates only this
@@ -539,7 +546,7 @@ impl PeerSegment {
             .spawn(move || {
                 lowest_priority();
                 let start = segment.map.as_mut_ptr() as u64;
-                let len = segment.map.len() as u64;
+                let len = (segment.map.len() as u64).min(BACKGROUND_LIMIT);
                 let mut offset = 0;
                 while offset < len && Arc::strong_count(&segment) > 1 {
                     let step = BACKGROUND_STEP.min(len - offset);
