@@ -898,14 +898,13 @@ impl State {
                 // nap ends (timer slack is cut to 1 µs on this thread).
                 // Sooner while the host's CPUs are contended (`contention`).
                 let still = wait_began.saturating_duration_since(last_progress);
-                let mut napped = false;
-                if !progressed
+                let contended = !progressed && contention::contended();
+                let napped = !progressed
                     && (still >= SPIN_BEFORE_NAP
-                        || (still >= CONTENDED_SPIN_BEFORE_NAP && contention::contended()))
-                {
+                        || (still >= CONTENDED_SPIN_BEFORE_NAP && contended));
+                if napped {
                     #[allow(clippy::disallowed_methods)]
                     std::thread::sleep(WAIT_NAP);
-                    napped = true;
                 }
                 // A turn that found nothing hands its CPU to whoever else
                 // is runnable there: on a host with fewer free cores than
@@ -920,9 +919,10 @@ impl State {
                 // requests per size, against nine (up to 1.6 ms) without,
                 // and the 64 KiB median 2–3 µs higher. Not on a contended
                 // host: a yield there gives a busy process a whole time
-                // slice, and the nap above serves instead.
-                if !progressed && !drained && !napped && !contention::contended() {
-                    contention::yield_cpu();
+                // slice, and the nap above serves instead. A plain yield:
+                // the wait it is part of is timed below, once.
+                if !progressed && !drained && !napped && !contended {
+                    std::thread::yield_now();
                 }
                 tokio::task::yield_now().await;
                 // A turn that found nothing to do yet waited long had the
