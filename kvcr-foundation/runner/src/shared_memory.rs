@@ -481,15 +481,21 @@ impl PeerSegment {
         self.prepare(self.map.as_mut_ptr() as u64, self.map.len() as u64);
     }
 
+    /// The word of [`PeerSegment::populated`] holding granule `chunk`'s
+    /// bit, and that bit (`None` past the mapping).
+    fn granule_bit(&self, chunk: u64) -> Option<(&AtomicU64, u64)> {
+        let bits = self.populated.get(usize::try_from(chunk / 64).ok()?)?;
+        Some((bits, 1 << (chunk % 64)))
+    }
+
     /// The granules marked populated, in order.
     #[cfg(test)]
     fn populated_granules(&self) -> Vec<u64> {
         let granules = (self.map.len() as u64).div_ceil(POPULATE_CHUNK);
         (0..granules)
-            .filter(|g| {
-                self.populated
-                    .get((g / 64) as usize)
-                    .is_some_and(|bits| bits.load(Ordering::Relaxed) & (1 << (g % 64)) != 0)
+            .filter(|&g| {
+                self.granule_bit(g)
+                    .is_some_and(|(bits, bit)| bits.load(Ordering::Relaxed) & bit != 0)
             })
             .collect()
     }
@@ -513,8 +519,7 @@ impl PeerSegment {
         // Consecutive granules not yet populated, populated by one call.
         let mut run: Option<std::ops::RangeInclusive<u64>> = None;
         for chunk in first..=last {
-            let (word, bit) = ((chunk / 64) as usize, 1u64 << (chunk % 64));
-            let Some(bits) = self.populated.get(word) else {
+            let Some((bits, bit)) = self.granule_bit(chunk) else {
                 break;
             };
             if bits.load(Ordering::Relaxed) & bit != 0 {
@@ -533,9 +538,10 @@ impl PeerSegment {
     /// Populates the mapping (its first [`BACKGROUND_LIMIT`] bytes) ahead of
     /// the writes, on a thread of its own at the lowest priority (it runs on
     /// CPUs nobody else wants, and takes little of one others do), a step of
-    /// [`BACKGROUND_STEP`] at a time, skipping what a write populated first. It stops once the route let go of the mapping (this thread
-    /// holds the last reference), so a replaced route's mapping goes soon
-    /// after. The pages are the target's (its pool file is fully
+    /// [`BACKGROUND_STEP`] at a time, skipping what a write populated
+    /// first. It stops once the route lets go of the mapping (this thread
+    /// then holds the last reference), so a replaced route's mapping goes
+    /// soon after. The pages are the target's (its pool file is fully
     /// allocated, checked when opened): populating allocates only this
     /// process's page-table entries, which the writes would make anyway.
     /// Best effort: no thread, no population (writes populate as before).
@@ -569,8 +575,8 @@ impl PeerSegment {
         // it, the last cut at its end).
         unsafe { populate_for_write(start + from, to - from) };
         for chunk in chunks {
-            if let Some(bits) = self.populated.get((chunk / 64) as usize) {
-                bits.fetch_or(1u64 << (chunk % 64), Ordering::Relaxed);
+            if let Some((bits, bit)) = self.granule_bit(chunk) {
+                bits.fetch_or(bit, Ordering::Relaxed);
             }
         }
     }
