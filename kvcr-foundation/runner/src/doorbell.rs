@@ -545,6 +545,24 @@ mod tests {
         RecordKey::new(&advert.key)
     }
 
+    /// A doorbell that advertised session 10 to `endpoint(1)` (returned)
+    /// and session 20 to `endpoint(2)`, with the keys of both, in order.
+    fn two_sessions() -> (TargetDoorbell, ControlEndpoint, RecordKey, RecordKey) {
+        let mut db = target_doorbell();
+        let (a, b) = (endpoint(1), endpoint(2));
+        let key_a = advertised_key(&mut db, &a, 10);
+        let key_b = advertised_key(&mut db, &b, 20);
+        (db, a, key_a, key_b)
+    }
+
+    /// The identity every test session proves.
+    const PROVEN: u128 = 77;
+
+    /// A session lookup that finds `session` open, proven as [`PROVEN`].
+    fn dialed(session: u64) -> impl Fn(&ControlEndpoint) -> Option<(u64, Incarnation)> {
+        move |_| Some((session, incarnation(PROVEN)))
+    }
+
     fn ring(db: &TargetDoorbell, op: u64, record: &[u8; SLOT_BYTES]) {
         db.slots.write(slot_offset(OpHandle(op)), record).unwrap();
     }
@@ -600,12 +618,7 @@ mod tests {
     /// session's proven identity, never anything the record says.
     #[test]
     fn a_record_is_taken_only_as_its_sessions_reply() {
-        let mut db = target_doorbell();
-        let (a, b) = (endpoint(1), endpoint(2));
-        let key_a = advertised_key(&mut db, &a, 10);
-        let key_b = advertised_key(&mut db, &b, 20);
-        let proven = incarnation(77);
-        let dialed = |session: u64| move |_: &ControlEndpoint| Some((session, proven));
+        let (mut db, a, key_a, key_b) = two_sessions();
         db.await_op(&a, OpHandle(5));
         // Another member's key (b's session) for a's operation: refused.
         ring(&db, 5, &key_b.seal(OpHandle(5), 2));
@@ -621,7 +634,7 @@ mod tests {
         let [message] = taken.as_slice() else {
             panic!("{taken:?}");
         };
-        assert_eq!(message.header.sender, proven);
+        assert_eq!(message.header.sender, incarnation(PROVEN));
         assert_eq!(message.header.sender_endpoint, a);
         assert_eq!(
             message.body,
@@ -668,12 +681,7 @@ mod tests {
     /// bytes are in place).
     #[test]
     fn a_message_opens_only_as_its_sessions_reply() {
-        let mut db = target_doorbell();
-        let (a, b) = (endpoint(1), endpoint(2));
-        let key_a = advertised_key(&mut db, &a, 10);
-        let key_b = advertised_key(&mut db, &b, 20);
-        let proven = incarnation(77);
-        let dialed = |session: u64| move |_: &ControlEndpoint| Some((session, proven));
+        let (mut db, a, key_a, key_b) = two_sessions();
         let header = key_a.seal_message(OpHandle(5), 2);
         assert!(
             db.open_message(&header, dialed(10)).is_none(),
@@ -694,7 +702,7 @@ mod tests {
             .open_message(&header, dialed(10))
             .expect("its own session");
         assert_eq!((op, keys), (OpHandle(5), 2));
-        assert_eq!(done.header.sender, proven);
+        assert_eq!(done.header.sender, incarnation(PROVEN));
         assert_eq!(done.header.sender_endpoint, a);
         assert_eq!(
             done.body,
