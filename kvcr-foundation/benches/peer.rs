@@ -66,25 +66,27 @@ fn options(path: Path<'_>) -> PeerOptions {
     o.lanes = path.lanes;
     // `KVCR_BENCH_WRITE_MESSAGE_BYTES`: the largest write sent as one
     // message (0: puts only), to compare the two on one binary.
-    if let Some(bytes) = std::env::var("KVCR_BENCH_WRITE_MESSAGE_BYTES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
+    if let Some(bytes) = env_number("KVCR_BENCH_WRITE_MESSAGE_BYTES") {
         o.write_message_max_bytes = bytes;
     }
     // `KVCR_BENCH_PUTS_IN_FLIGHT` and `KVCR_BENCH_PUT_CHUNK_BYTES`: the
     // source's put depth and split (0: the defaults), for tuning.
-    let knob = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
-    if let Some(n) = knob("KVCR_BENCH_PUTS_IN_FLIGHT") {
-        o.max_puts_in_flight = n as usize;
+    let in_flight = env_number("KVCR_BENCH_PUTS_IN_FLIGHT");
+    if let Some(n) = in_flight {
+        o.max_puts_in_flight = n;
     }
-    if let Some(bytes) = knob("KVCR_BENCH_PUT_CHUNK_BYTES") {
+    if let Some(bytes) = env_number("KVCR_BENCH_PUT_CHUNK_BYTES") {
         o.put_split.chunk_bytes = bytes;
-        if let Some(n) = knob("KVCR_BENCH_PUTS_IN_FLIGHT") {
-            o.put_split.max_chunks_in_flight = n as usize;
+        if let Some(n) = in_flight {
+            o.put_split.max_chunks_in_flight = n;
         }
     }
     o
+}
+
+/// The number in environment variable `name`, if it is set and parses.
+fn env_number<T: std::str::FromStr>(name: &str) -> Option<T> {
+    std::env::var(name).ok()?.parse().ok()
 }
 
 /// The byte at offset `i` of the source's keys laid end to end (key `k`'s
@@ -309,10 +311,7 @@ fn one_block(path: Path<'_>, block: usize, iters: usize) -> Vec<f64> {
             // thread on both sides has gone to sleep (a cold restore, as an
             // engine between requests sees it; 10 ms here: ~700 µs against
             // ~180 µs back to back, each hop paying an idle vCPU's wake-up).
-            if let Some(gap) = std::env::var("KVCR_BENCH_GAP_MS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-            {
+            if let Some(gap) = env_number("KVCR_BENCH_GAP_MS") {
                 std::thread::sleep(Duration::from_millis(gap));
             }
             let took = fetch(&mut target, &source.endpoint, ns, k..k + 1, 0) * 1e6;
@@ -543,10 +542,7 @@ fn main() {
             // `KVCR_BENCH_REQUEST_ITERS`: requests per size (40); with
             // `KVCR_BENCH_SERIES` set, the medians of each 50 in order are
             // printed too (a slow stretch shows as a run of high medians).
-            let n = std::env::var("KVCR_BENCH_REQUEST_ITERS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(40);
+            let n = env_number("KVCR_BENCH_REQUEST_ITERS").unwrap_or(40);
             let samples = one_block(tcp, size, n);
             dist(&format!("peer.request_{label}_tcp"), &samples);
         }
@@ -558,10 +554,7 @@ fn main() {
     if std::env::args().any(|a| a == "--tcp-bulk") {
         // `KVCR_BENCH_TCP_REPS`: fetches to take the median of (a long
         // run to profile).
-        let reps = std::env::var("KVCR_BENCH_TCP_REPS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(reps);
+        let reps = env_number("KVCR_BENCH_TCP_REPS").unwrap_or(reps);
         let tcp16 = bandwidth(tcp, MIB16, 4, reps);
         bench(
             "peer.fetch_16mib_tcp",
