@@ -563,6 +563,20 @@ mod tests {
         move |_| Some((session, incarnation(PROVEN)))
     }
 
+    /// `message` is the `write_done` of operation 5 with keys 0 and 1 from
+    /// `from`'s session: its proven identity, never anything a record says.
+    fn assert_is_write_done_of_op_5(message: &Message, from: &ControlEndpoint) {
+        assert_eq!(message.header.sender, incarnation(PROVEN));
+        assert_eq!(&message.header.sender_endpoint, from);
+        assert_eq!(
+            message.body,
+            Body::WriteDone {
+                op_handle: OpHandle(5),
+                outcome: WriteOutcome::Completed(CompletedIndices::new(vec![0, 1])),
+            }
+        );
+    }
+
     fn ring(db: &TargetDoorbell, op: u64, record: &[u8; SLOT_BYTES]) {
         db.slots.write(slot_offset(OpHandle(op)), record).unwrap();
     }
@@ -634,15 +648,7 @@ mod tests {
         let [message] = taken.as_slice() else {
             panic!("{taken:?}");
         };
-        assert_eq!(message.header.sender, incarnation(PROVEN));
-        assert_eq!(message.header.sender_endpoint, a);
-        assert_eq!(
-            message.body,
-            Body::WriteDone {
-                op_handle: OpHandle(5),
-                outcome: WriteOutcome::Completed(CompletedIndices::new(vec![0, 1])),
-            }
-        );
+        assert_is_write_done_of_op_5(message, &a);
         assert!(!db.awaiting());
         // Replayed: the record still sits there, but nothing waits on it;
         // the slot's next operation does not match it.
@@ -702,15 +708,7 @@ mod tests {
             .open_message(&header, dialed(10))
             .expect("its own session");
         assert_eq!((op, keys), (OpHandle(5), 2));
-        assert_eq!(done.header.sender, incarnation(PROVEN));
-        assert_eq!(done.header.sender_endpoint, a);
-        assert_eq!(
-            done.body,
-            Body::WriteDone {
-                op_handle: OpHandle(5),
-                outcome: WriteOutcome::Completed(CompletedIndices::new(vec![0, 1])),
-            }
-        );
+        assert_is_write_done_of_op_5(&done, &a);
         assert!(db.awaiting(), "still watched until taken");
         db.forget_op(op);
         assert!(db.open_message(&header, dialed(10)).is_none(), "a replay");
