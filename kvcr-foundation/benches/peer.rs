@@ -64,10 +64,14 @@ fn options(path: Path<'_>) -> PeerOptions {
     o.ucx_tls = Some(path.tls.to_owned());
     o.same_host_mapping = path.mapping;
     o.lanes = path.lanes;
-    // `KVCR_BENCH_WRITE_MESSAGE_BYTES`: the largest write sent as one
-    // message (0: puts only), to compare the two on one binary.
+    // `KVCR_BENCH_WRITE_MESSAGE_BYTES`: the largest write sent as a
+    // message (0: puts only), and `KVCR_BENCH_WRITE_PART_BYTES` its largest
+    // part, to compare them on one binary.
     if let Some(bytes) = env_number("KVCR_BENCH_WRITE_MESSAGE_BYTES") {
         o.write_message_max_bytes = bytes;
+    }
+    if let Some(bytes) = env_number("KVCR_BENCH_WRITE_PART_BYTES") {
+        o.write_message_part_bytes = bytes;
     }
     // `KVCR_BENCH_PUTS_IN_FLIGHT` and `KVCR_BENCH_PUT_CHUNK_BYTES`: the
     // source's put depth and split (0: the defaults), for tuning.
@@ -333,7 +337,7 @@ fn one_block(path: Path<'_>, block: usize, iters: usize) -> Vec<f64> {
     let stats = target.control_stats();
     println!(
         "# one-block {} B over {}: of {} writes, {} completed on the doorbell ({} records refused), \
-         {} arrived as one message ({} refused)",
+         {} write message parts taken ({} refused)",
         block,
         path.tls,
         iters,

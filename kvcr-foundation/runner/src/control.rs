@@ -194,9 +194,10 @@ pub(crate) struct ControlStats {
     /// Records in a slot a target waited on, naming its operation, that did
     /// not verify (torn mid-write, or forged): ignored.
     pub(crate) doorbells_refused: AtomicU64,
-    /// Writes this runner sent as one message (bytes and completion).
+    /// Write message parts this runner sent (bytes and completion).
     pub(crate) write_messages_sent: AtomicU64,
-    /// Write messages this runner took as a target's `write_done`.
+    /// Write message parts this runner took as a target (the last of a
+    /// write as its `write_done`).
     pub(crate) write_messages_taken: AtomicU64,
     /// Write messages dropped unread: not verified, not awaited, or not
     /// exactly the operation's granted bytes.
@@ -247,16 +248,18 @@ pub struct ControlCounters {
     /// Records naming an awaited operation that did not verify (torn while
     /// being written, or forged): ignored, the `write_done` still counts.
     pub doorbells_refused: u64,
-    /// Writes sent as one UCX message carrying their bytes and completion
-    /// (a source's small writes through UCX).
+    /// UCX active messages sent carrying a write's bytes and completion (a
+    /// source's small writes through UCX; one per part of a write).
     pub write_messages_sent: u64,
-    /// Write messages taken as a target: their bytes copied into the
-    /// operation's granted elements, their record as its `write_done`.
+    /// Write messages (parts) taken as a target: their bytes copied into
+    /// their share of the operation's granted elements, the last part's
+    /// record taken as its `write_done`.
     pub write_messages_taken: u64,
-    /// Write messages dropped unread: a record that did not verify under
-    /// the session's key, an operation not (or no longer) awaited, data not
-    /// exactly the operation's granted bytes, or past the receive bounds
-    /// (header or data size, messages held at once).
+    /// Write messages (parts) dropped unread: a record that did not verify
+    /// under the session's key, an operation not (or no longer) awaited, a
+    /// part already landed or cut unlike the write's first, data not
+    /// exactly the part's share of the operation's granted bytes, or past
+    /// the receive bounds (header or data size, messages held at once).
     pub write_messages_refused: u64,
 }
 

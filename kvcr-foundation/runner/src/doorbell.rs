@@ -99,31 +99,46 @@ impl RecordKey {
 
     /// The record saying `keys` keys of `op` landed (a doorbell slot's).
     pub(crate) fn seal(&self, op: OpHandle, keys: u32) -> [u8; SLOT_BYTES] {
-        self.seal_labelled(LABEL, op, keys)
+        self.seal_labelled(LABEL, op, keys, [0; 3])
     }
 
     /// The number of keys `record` says landed for `op`, if it is a slot
     /// record of `op` sealed with this key (checked in constant time).
     pub(crate) fn open(&self, op: OpHandle, record: &[u8; SLOT_BYTES]) -> Option<u32> {
         self.open_labelled(LABEL, op, record)
+            .and_then(|(keys, tail)| (tail == [0; 3]).then_some(keys))
     }
 
-    /// A write message's header: `keys` keys of `op` are its data.
-    pub(crate) fn seal_message(&self, op: OpHandle, keys: u32) -> [u8; SLOT_BYTES] {
-        self.seal_labelled(MESSAGE_LABEL, op, keys)
+    /// A write message's header: `part` of the bytes of the first `keys`
+    /// keys of `op` is its data.
+    pub(crate) fn seal_message(&self, op: OpHandle, keys: u32, part: Part) -> [u8; SLOT_BYTES] {
+        self.seal_labelled(MESSAGE_LABEL, op, keys, part.to_bytes())
     }
 
-    /// The number of keys a write message's `header` carries for `op`, if
-    /// it was sealed with this key as a message header.
-    pub(crate) fn open_message(&self, op: OpHandle, header: &[u8; SLOT_BYTES]) -> Option<u32> {
-        self.open_labelled(MESSAGE_LABEL, op, header)
+    /// The number of keys a write message's `header` is a part of for
+    /// `op`, and which part, if it was sealed with this key as a message
+    /// header.
+    pub(crate) fn open_message(
+        &self,
+        op: OpHandle,
+        header: &[u8; SLOT_BYTES],
+    ) -> Option<(u32, Part)> {
+        let (keys, tail) = self.open_labelled(MESSAGE_LABEL, op, header)?;
+        Some((keys, Part::from_bytes(tail)?))
     }
 
-    fn seal_labelled(&self, label: &[u8], op: OpHandle, keys: u32) -> [u8; SLOT_BYTES] {
+    fn seal_labelled(
+        &self,
+        label: &[u8],
+        op: OpHandle,
+        keys: u32,
+        tail: [u8; 3],
+    ) -> [u8; SLOT_BYTES] {
         let mut record = [0u8; SLOT_BYTES];
         record[..8].copy_from_slice(&op.0.to_le_bytes());
         record[8..12].copy_from_slice(&keys.to_le_bytes());
         record[12] = VERSION;
+        record[13..SIGNED].copy_from_slice(&tail);
         let mut ctx = hmac::Context::with_key(&self.0);
         ctx.update(label);
         ctx.update(&record[..SIGNED]);
@@ -131,8 +146,15 @@ impl RecordKey {
         record
     }
 
-    fn open_labelled(&self, label: &[u8], op: OpHandle, record: &[u8; SLOT_BYTES]) -> Option<u32> {
-        if record_op(record) != op || record[12] != VERSION || record[13..SIGNED] != [0; 3] {
+    /// The key count and the three bytes after the version of a record of
+    /// `op` that verifies under `label`.
+    fn open_labelled(
+        &self,
+        label: &[u8],
+        op: OpHandle,
+        record: &[u8; SLOT_BYTES],
+    ) -> Option<(u32, [u8; 3])> {
+        if record_op(record) != op || record[12] != VERSION || record[TAG.end..] != [0; 16] {
             return None;
         }
         let mut signed = Vec::with_capacity(LABEL_LEN + SIGNED);
@@ -140,7 +162,76 @@ impl RecordKey {
         signed.extend_from_slice(&record[..SIGNED]);
         hmac::verify(&self.0, &signed, &record[TAG]).ok()?;
         let keys = u32::from_le_bytes(record[8..12].try_into().ok()?);
-        Some(keys)
+        let tail = record[13..SIGNED].try_into().ok()?;
+        Some((keys, tail))
+    }
+}
+
+/// Which part of a write's bytes a write message carries: the bytes of
+/// the keys it completes, cut into `count` pieces of equal length (the last
+/// shorter), in order; `index` is the piece. A write of one part is a
+/// whole-write message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Part {
+    index: u8,
+    /// 1..=[`Part::MAX_COUNT`].
+    count: u16,
+}
+
+impl Part {
+    /// Most parts one write is cut into (the count travels in a byte).
+    pub(crate) const MAX_COUNT: u16 = 256;
+    /// A whole write.
+    #[cfg(test)]
+    pub(crate) const WHOLE: Part = Part { index: 0, count: 1 };
+
+    /// Part `index` of `count`, if `index < count <= MAX_COUNT`.
+    pub(crate) fn new(index: u16, count: u16) -> Option<Self> {
+        (index < count && count <= Self::MAX_COUNT).then_some(Self {
+            index: u8::try_from(index).ok()?,
+            count,
+        })
+    }
+
+    pub(crate) fn index(self) -> u16 {
+        u16::from(self.index)
+    }
+
+    pub(crate) fn count(self) -> u16 {
+        self.count
+    }
+
+    /// The parts `total` bytes are cut into, at most `part_bytes` each, if
+    /// that is at most [`Part::MAX_COUNT`] (one part when `total` is 0).
+    pub(crate) fn cut(total: u64, part_bytes: u64) -> Option<u16> {
+        let count = total.div_ceil(part_bytes.max(1)).max(1);
+        u16::try_from(count).ok().filter(|c| *c <= Self::MAX_COUNT)
+    }
+
+    /// This part's byte range of a write of `total` bytes; `None` when the
+    /// cut leaves it empty (a part that cannot exist).
+    pub(crate) fn range(self, total: u64) -> Option<std::ops::Range<u64>> {
+        let piece = total.div_ceil(u64::from(self.count));
+        let start = piece.checked_mul(u64::from(self.index))?;
+        let end = start.saturating_add(piece).min(total);
+        match self.count {
+            1 => Some(0..total),
+            _ => (start < end).then_some(start..end),
+        }
+    }
+
+    /// The wire form: index, then count − 1 (zeros are a whole write, as
+    /// before writes were cut), then a zero byte.
+    fn to_bytes(self) -> [u8; 3] {
+        // `count` is 1..=256, so count − 1 fits a byte.
+        [self.index, (self.count - 1) as u8, 0]
+    }
+
+    fn from_bytes(bytes: [u8; 3]) -> Option<Self> {
+        if bytes[2] != 0 {
+            return None;
+        }
+        Self::new(u16::from(bytes[0]), u16::from(bytes[1]) + 1)
     }
 }
 
@@ -187,7 +278,59 @@ pub(crate) struct TargetDoorbell {
     /// advertised for its key's sake, and no source rings it).
     segment: Option<SegmentAdvert>,
     keys: HashMap<ControlEndpoint, SessionKey>,
-    awaited: HashMap<OpHandle, ControlEndpoint>,
+    awaited: HashMap<OpHandle, Awaited>,
+}
+
+/// An operation whose reply may come as a doorbell record or a write
+/// message.
+struct Awaited {
+    /// The source it was sent to.
+    source: ControlEndpoint,
+    /// The parts of a write message that have landed, once one has.
+    parts: Option<LandedParts>,
+}
+
+/// Which parts of an operation's write message have landed: the first one
+/// fixes the key count and the cut, every later one must match them.
+struct LandedParts {
+    keys: u32,
+    count: u16,
+    landed: [u64; 4],
+}
+
+const _: () = assert!(Part::MAX_COUNT as usize <= 4 * 64);
+
+impl LandedParts {
+    /// The word and bit of `part` in `landed` (the index is below 256).
+    fn position(part: Part) -> (usize, u64) {
+        let index = usize::from(part.index());
+        (index / 64, 1 << (index % 64))
+    }
+
+    fn has(&self, part: Part) -> bool {
+        let (word, bit) = Self::position(part);
+        self.landed.get(word).is_some_and(|w| w & bit != 0)
+    }
+
+    fn mark(&mut self, part: Part) {
+        let (word, bit) = Self::position(part);
+        if let Some(w) = self.landed.get_mut(word) {
+            *w |= bit;
+        }
+    }
+}
+
+/// How a verified write message's part fits what has landed of its
+/// operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PartFit {
+    /// Its bytes may be copied; the operation then has every part.
+    Last,
+    /// Its bytes may be copied; more parts are to come.
+    More,
+    /// Already landed, or cut differently from the operation's first part
+    /// (a replay, or a source that lies): its bytes are never copied.
+    Refused,
 }
 
 impl TargetDoorbell {
@@ -242,7 +385,7 @@ impl TargetDoorbell {
             };
             // A new session: operations awaited on the old one are left to
             // their replies.
-            self.awaited.retain(|_, source| source != to);
+            self.awaited.retain(|_, a| a.source != *to);
             self.keys.insert(
                 to.clone(),
                 SessionKey {
@@ -276,7 +419,13 @@ impl TargetDoorbell {
     /// our doorbell.
     pub(crate) fn await_op(&mut self, to: &ControlEndpoint, op: OpHandle) {
         if self.keys.contains_key(to) && self.awaited.len() < MAX_AWAITED {
-            self.awaited.insert(op, to.clone());
+            self.awaited.insert(
+                op,
+                Awaited {
+                    source: to.clone(),
+                    parts: None,
+                },
+            );
         }
     }
 
@@ -296,7 +445,7 @@ impl TargetDoorbell {
     /// Our session to `source` ended: its key and watched slots go.
     pub(crate) fn forget_source(&mut self, source: &ControlEndpoint) {
         self.keys.remove(source);
-        self.awaited.retain(|_, s| s != source);
+        self.awaited.retain(|_, a| a.source != *source);
     }
 
     /// Keeps only the watched operations `waiting` says are still waited on.
@@ -314,7 +463,7 @@ impl TargetDoorbell {
     ) -> (Vec<Message>, u64) {
         let mut taken = Vec::new();
         let mut refused = 0;
-        for (op, source) in &self.awaited {
+        for (op, Awaited { source, .. }) in &self.awaited {
             let mut record = [0u8; SLOT_BYTES];
             if !crate::shared_memory::read_shared(&self.slots, slot_offset(*op), &mut record) {
                 continue;
@@ -339,26 +488,96 @@ impl TargetDoorbell {
         (taken.into_iter().map(|(_, m)| m).collect(), refused)
     }
 
-    /// The operation a write message's `header` completes, how many keys
-    /// its data carries, and the `write_done` it stands for, if the header
-    /// is a record of an operation we wait on, sealed as a message with
-    /// the key of the session that operation was sent on (which must still
-    /// be the session we hold to its source). The operation stays watched
-    /// until [`TargetDoorbell::forget_op`]: the caller takes it only once
-    /// the bytes are in place.
+    /// What a write message's `header` is, if it is a record of an
+    /// operation we wait on, sealed as a message with the key of the
+    /// session that operation was sent on (which must still be the session
+    /// we hold to its source): the operation, how many keys its write
+    /// completes, which part of their bytes the data is, and the
+    /// `write_done` the whole write stands for. Nothing is marked: the
+    /// caller asks [`TargetDoorbell::fit_part`], copies the bytes, then
+    /// [`TargetDoorbell::land_part`]s them; the operation stays watched
+    /// until [`TargetDoorbell::forget_op`].
     pub(crate) fn open_message(
         &self,
         header: &[u8],
         dialed: impl Fn(&ControlEndpoint) -> Option<(u64, Incarnation)>,
-    ) -> Option<(OpHandle, u32, Message)> {
+    ) -> Option<OpenedMessage> {
         let header: &[u8; SLOT_BYTES] = header.try_into().ok()?;
         let op = record_op(header);
-        let source = self.awaited.get(&op)?;
+        let source = &self.awaited.get(&op)?.source;
         let key = self.keys.get(source)?;
-        let keys = key.key.open_message(op, header)?;
+        let (keys, part) = key.key.open_message(op, header)?;
         let done = write_done(source, key.session, op, keys, &dialed)?;
-        Some((op, keys, done))
+        Some(OpenedMessage {
+            op,
+            keys,
+            part,
+            done,
+        })
     }
+
+    /// Whether an opened message's part may land (see [`PartFit`]).
+    pub(crate) fn fit_part(&self, message: &OpenedMessage) -> PartFit {
+        let Some(awaited) = self.awaited.get(&message.op) else {
+            return PartFit::Refused;
+        };
+        let landed = match &awaited.parts {
+            None => 0,
+            Some(p) if p.keys != message.keys || p.count != message.part.count() => {
+                return PartFit::Refused;
+            }
+            Some(p) if p.has(message.part) => return PartFit::Refused,
+            Some(p) => p.landed.iter().map(|w| w.count_ones()).sum(),
+        };
+        if landed + 1 == u32::from(message.part.count()) {
+            PartFit::Last
+        } else {
+            PartFit::More
+        }
+    }
+
+    /// An opened message's part landed (its fit was not refused).
+    pub(crate) fn land_part(&mut self, message: &OpenedMessage) {
+        let Some(awaited) = self.awaited.get_mut(&message.op) else {
+            return;
+        };
+        let parts = awaited.parts.get_or_insert(LandedParts {
+            keys: message.keys,
+            count: message.part.count(),
+            landed: [0; 4],
+        });
+        parts.mark(message.part);
+    }
+}
+
+/// The pieces of `spans` (start, length; laid end to end) that bytes
+/// `range` of them cover, in order: how a write message's part maps onto
+/// the write's spans, on both sides. Bytes past the spans' end are left
+/// out.
+pub(crate) fn spans_in_range(spans: &[(u64, u64)], range: std::ops::Range<u64>) -> Vec<(u64, u64)> {
+    let mut pieces = Vec::new();
+    let mut at = 0u64;
+    for &(start, len) in spans {
+        let (from, to) = (range.start.max(at), range.end.min(at.saturating_add(len)));
+        if from < to {
+            pieces.push((start + (from - at), to - from));
+        }
+        at = at.saturating_add(len);
+        if at >= range.end {
+            break;
+        }
+    }
+    pieces
+}
+
+/// A write message whose header verified (see
+/// [`TargetDoorbell::open_message`]).
+pub(crate) struct OpenedMessage {
+    pub(crate) op: OpHandle,
+    pub(crate) keys: u32,
+    pub(crate) part: Part,
+    /// The whole write's `write_done`.
+    pub(crate) done: Message,
 }
 
 /// The `write_done` (the first `keys` keys of `op` landed) a verified record
@@ -665,13 +884,16 @@ mod tests {
     /// never opens as one, nor the reverse.
     #[test]
     fn message_headers_and_slot_records_never_pass_for_each_other() {
-        let header = key(1).seal_message(OpHandle(42), 3);
-        assert_eq!(key(1).open_message(OpHandle(42), &header), Some(3));
+        let header = key(1).seal_message(OpHandle(42), 3, Part::WHOLE);
+        assert_eq!(
+            key(1).open_message(OpHandle(42), &header),
+            Some((3, Part::WHOLE))
+        );
         assert_eq!(key(1).open(OpHandle(42), &header), None);
         let record = key(1).seal(OpHandle(42), 3);
         assert_eq!(key(1).open_message(OpHandle(42), &record), None);
         assert_eq!(key(2).open_message(OpHandle(42), &header), None);
-        for at in 0..SIGNED + 32 {
+        for at in 0..SLOT_BYTES {
             let mut forged = header;
             forged[at] ^= 1;
             assert_eq!(
@@ -688,14 +910,14 @@ mod tests {
     #[test]
     fn a_message_opens_only_as_its_sessions_reply() {
         let (mut db, a, key_a, key_b) = two_sessions();
-        let header = key_a.seal_message(OpHandle(5), 2);
+        let header = key_a.seal_message(OpHandle(5), 2, Part::WHOLE);
         assert!(
             db.open_message(&header, dialed(10)).is_none(),
             "not awaited"
         );
         db.await_op(&a, OpHandle(5));
         for refused in [
-            db.open_message(&key_b.seal_message(OpHandle(5), 2), dialed(10)),
+            db.open_message(&key_b.seal_message(OpHandle(5), 2, Part::WHOLE), dialed(10)),
             db.open_message(&key_a.seal(OpHandle(5), 2), dialed(10)),
             db.open_message(&header, dialed(11)),
             db.open_message(&header, |_| None),
@@ -704,14 +926,96 @@ mod tests {
         ] {
             assert!(refused.is_none());
         }
-        let (op, keys, done) = db
+        let opened = db
             .open_message(&header, dialed(10))
             .expect("its own session");
-        assert_eq!((op, keys), (OpHandle(5), 2));
-        assert_is_write_done_of_op_5(&done, &a);
+        assert_eq!(
+            (opened.op, opened.keys, opened.part),
+            (OpHandle(5), 2, Part::WHOLE)
+        );
+        assert_is_write_done_of_op_5(&opened.done, &a);
+        assert_eq!(db.fit_part(&opened), PartFit::Last);
         assert!(db.awaiting(), "still watched until taken");
-        db.forget_op(op);
+        db.forget_op(opened.op);
         assert!(db.open_message(&header, dialed(10)).is_none(), "a replay");
+    }
+
+    /// The parts of one write each land once, cut alike: the last one
+    /// completes it; a replayed part, or one cut differently or naming
+    /// another key count than the first (a source that lies), is refused
+    /// and never marks anything.
+    #[test]
+    fn each_part_of_a_message_lands_once_and_the_last_completes() {
+        let (mut db, a, key_a, _) = two_sessions();
+        db.await_op(&a, OpHandle(5));
+        let opened = |db: &TargetDoorbell, keys: u32, index: u16, count: u16| {
+            let part = Part::new(index, count).unwrap();
+            db.open_message(&key_a.seal_message(OpHandle(5), keys, part), dialed(10))
+                .expect("verifies")
+        };
+        let first = opened(&db, 2, 1, 3);
+        assert_eq!(db.fit_part(&first), PartFit::More);
+        db.land_part(&first);
+        assert_eq!(db.fit_part(&first), PartFit::Refused, "a replay");
+        assert_eq!(
+            db.fit_part(&opened(&db, 2, 0, 4)),
+            PartFit::Refused,
+            "another cut"
+        );
+        assert_eq!(
+            db.fit_part(&opened(&db, 3, 0, 3)),
+            PartFit::Refused,
+            "another key count"
+        );
+        let second = opened(&db, 2, 2, 3);
+        assert_eq!(db.fit_part(&second), PartFit::More);
+        db.land_part(&second);
+        let last = opened(&db, 2, 0, 3);
+        assert_eq!(db.fit_part(&last), PartFit::Last);
+        assert_is_write_done_of_op_5(&last.done, &a);
+        db.land_part(&last);
+        db.forget_op(OpHandle(5));
+        assert!(
+            db.open_message(&key_a.seal_message(OpHandle(5), 2, Part::WHOLE), dialed(10))
+                .is_none(),
+            "nothing waits on it any more"
+        );
+    }
+
+    /// A part's wire bytes (after the version): its index, its count − 1, a
+    /// zero; all zeros are a whole write, as headers were before writes
+    /// were cut. Anything else does not open.
+    #[rstest]
+    #[case::whole([0, 0, 0], Some((0, 1)))]
+    #[case::second_of_three([1, 2, 0], Some((1, 3)))]
+    #[case::last_of_most([255, 255, 0], Some((255, 256)))]
+    #[case::index_past_count([2, 1, 0], None)]
+    #[case::nonzero_pad([0, 0, 1], None)]
+    fn a_part_travels_as_index_count_and_a_zero(
+        #[case] bytes: [u8; 3],
+        #[case] part: Option<(u16, u16)>,
+    ) {
+        let decoded = Part::from_bytes(bytes);
+        assert_eq!(decoded.map(|p| (p.index(), p.count())), part);
+        if let Some(p) = decoded {
+            assert_eq!(p.to_bytes(), bytes);
+        }
+    }
+
+    /// Bytes `range` of spans laid end to end, as pieces of those spans.
+    #[rstest]
+    #[case::inside_one(0..10, vec![(1000, 10)])]
+    #[case::across_a_seam(90..110, vec![(1090, 10), (5000, 10)])]
+    #[case::a_whole_span(100..150, vec![(5000, 50)])]
+    #[case::all(0..160, vec![(1000, 100), (5000, 50), (9000, 10)])]
+    #[case::past_the_end(155..400, vec![(9005, 5)])]
+    #[case::empty(20..20, vec![])]
+    fn a_byte_range_maps_onto_the_spans_it_covers(
+        #[case] range: std::ops::Range<u64>,
+        #[case] pieces: Vec<(u64, u64)>,
+    ) {
+        let spans = [(1000, 100), (5000, 50), (9000, 10)];
+        assert_eq!(spans_in_range(&spans, range), pieces);
     }
 
     #[test]
@@ -728,6 +1032,28 @@ mod tests {
     }
 
     proptest! {
+        /// A write cut into parts of at most `part_bytes`: the parts tile
+        /// its bytes in order, none empty (a write of no bytes is one empty
+        /// part), none longer than asked; a write needing more than
+        /// `Part::MAX_COUNT` parts is not cut at all.
+        #[test]
+        fn parts_tile_their_write(total in 0u64..1 << 32, part_bytes in 1u64..1 << 22) {
+            let Some(count) = Part::cut(total, part_bytes) else {
+                prop_assert!(total.div_ceil(part_bytes) > u64::from(Part::MAX_COUNT));
+                return Ok(());
+            };
+            let mut at = 0;
+            for index in 0..count {
+                let range = Part::new(index, count).unwrap().range(total).unwrap();
+                prop_assert_eq!(range.start, at);
+                prop_assert!(range.end > range.start || total == 0);
+                prop_assert!(range.end - range.start <= part_bytes);
+                at = range.end;
+            }
+            prop_assert_eq!(at, total);
+            prop_assert_eq!(Part::new(count, count), None);
+        }
+
         /// Arbitrary bytes never open (a hostile writer of the slot).
         #[test]
         fn garbage_never_opens(bytes in proptest::collection::vec(any::<u8>(), SLOT_BYTES)) {

@@ -28,7 +28,9 @@ use super::control::{
     ChannelEvent, ControlChannel, ControlLimits, ControlStats, Inbound, PeerIdentity,
 };
 use super::placement::{AnonMapping, PlacementOutcome, PoolMemory};
-use crate::doorbell::{REGION_BYTES, RecordKey, RouteDoorbell, SLOT_BYTES, TargetDoorbell};
+use crate::doorbell::{
+    Part, PartFit, REGION_BYTES, RecordKey, RouteDoorbell, SLOT_BYTES, TargetDoorbell,
+};
 use crate::error::{Error, Result, RunnerReason};
 use crate::lanes::Lanes;
 use crate::shared_memory::{HostScope, PeerSegment, SharedPool};
@@ -96,23 +98,32 @@ pub struct PeerOptions {
     /// while later ones are still crossing. 0: one write per source.
     pub write_batch_bytes: u64,
     /// Writes through UCX of at most this many bytes (default
-    /// [`PeerOptions::DEFAULT_WRITE_MESSAGE_BYTES`], at most
-    /// [`PeerOptions::WRITE_MESSAGE_LIMIT`]) leave as one UCX active message
-    /// that carries the bytes and the write's completion together, when the
-    /// target advertised a record key (see `doorbell`): no put
-    /// acknowledgement round trip, no separate `write_done`. 0: always puts.
+    /// [`PeerOptions::DEFAULT_WRITE_MESSAGE_BYTES`]) leave as a write
+    /// message, UCX active messages that carry the bytes and the write's
+    /// completion together, when the target advertised a record key (see
+    /// `doorbell`): no put acknowledgement round trip, no separate
+    /// `write_done`. 0: always puts.
     pub write_message_max_bytes: u64,
+    /// The largest part of a write message (default
+    /// [`PeerOptions::DEFAULT_WRITE_MESSAGE_PART_BYTES`], at most
+    /// [`PeerOptions::WRITE_MESSAGE_LIMIT`]): a larger write message is
+    /// cut into equal parts, each its own active message with its own
+    /// sealed header, which the target copies into place as each lands. A
+    /// write that would need more than 256 parts goes as puts.
+    pub write_message_part_bytes: u64,
     /// A guard that keeps this runner's pools, journal and control listener
     /// across its restarts ([`crate::guard`]); `None` (the default): the
     /// runner makes its own, and they die with it.
     pub guard: Option<GuardOptions>,
 }
 
-/// Most write messages held between a worker progress and their handling
-/// (received from anyone; each is dropped unread if it does not verify):
-/// with [`PeerOptions::WRITE_MESSAGE_LIMIT`], at most 16 MiB of UCX's
-/// receive buffers wait on us.
-const MAX_HELD_MESSAGES: usize = 16;
+/// Most write messages (parts) held between a worker progress and their
+/// handling (received from anyone; each is dropped unread if it does not
+/// verify): with [`PeerOptions::WRITE_MESSAGE_LIMIT`], at most 16 MiB of
+/// UCX's receive buffers wait on us. One progress call delivers what one
+/// read of the socket held (a 256 KiB receive segment: four 64 KiB parts),
+/// and they are taken after each.
+const MAX_HELD_MESSAGES: usize = 64;
 
 /// Where a runner's pool memory and control listener outlive it: a
 /// `kvcr-guard` process ([`crate::guard`]).
@@ -171,6 +182,7 @@ impl std::fmt::Debug for PeerOptions {
             .field("lanes", &self.lanes)
             .field("write_batch_bytes", &self.write_batch_bytes)
             .field("write_message_max_bytes", &self.write_message_max_bytes)
+            .field("write_message_part_bytes", &self.write_message_part_bytes)
             .field("guard", &self.guard)
             .finish()
     }
@@ -256,20 +268,30 @@ impl PeerOptions {
     /// batches halve the restore (each batch is a GPU job with a fixed
     /// cost); 32 and 128 MiB both reach 0.76–0.90 of the slower hop.
     pub const DEFAULT_WRITE_BATCH_BYTES: u64 = 64 << 20;
-    /// Default largest write sent as one message (see
+    /// Default largest write sent as a message (see
     /// [`PeerOptions::write_message_max_bytes`]). One-key requests over tcp,
     /// p50s of alternating runs as a message against as a put and its flush:
     /// on the 2-vCPU VM 64 KiB 39–49 against 56–70 µs, 128 KiB 63–68 against
-    /// 80–85, 256 KiB 110–113 against 110–120, 1 MiB 418–805 against
-    /// 408–561; on the H200 host 64 KiB 71–78 against 106–111 µs, 256 KiB
-    /// 185–190 against 198–205. UCX reassembles a large message from its
-    /// segments before the target copies it once more, so large writes stay
-    /// puts.
-    pub const DEFAULT_WRITE_MESSAGE_BYTES: u64 = 256 << 10;
-    /// The largest write message a target accepts: larger ones are dropped
-    /// unread (their operation then ends by deadline), so a source never
-    /// sends one.
-    pub const WRITE_MESSAGE_LIMIT: u64 = 1 << 20;
+    /// 80–85, 256 KiB 110–113 against 110–120; on the H200 host 64 KiB 71–78
+    /// against 106–111 µs, 256 KiB 185–190 against 198–205. A 1 MiB write
+    /// as one message was no faster than puts (418–805 against 408–561 µs:
+    /// UCX reassembles the whole message before the target copies it once
+    /// more); cut into 64 KiB parts, each copied as it lands, it is
+    /// (2-vCPU VM, 100 requests per run, four alternating runs: 414–452 µs
+    /// in three against 529–566 as puts). A 16 MiB write in parts was
+    /// slower than puts (0.9–2.2 against 2.1–2.3 GB/s: the target's one
+    /// thread copies every byte), so larger writes stay puts.
+    pub const DEFAULT_WRITE_MESSAGE_BYTES: u64 = 1 << 20;
+    /// Default largest part of a write message (see
+    /// [`PeerOptions::write_message_part_bytes`]): one tcp segment's worth
+    /// (`kvcr_ucx::TCP_SEGMENT_SIZES`). 1 MiB requests, 2-vCPU VM: 16 KiB
+    /// parts 684 µs, 32 KiB 486, 64 KiB 405–452, 128 KiB 354–908 (and
+    /// 256 KiB 472–591), puts 529–566.
+    pub const DEFAULT_WRITE_MESSAGE_PART_BYTES: u64 = 64 << 10;
+    /// The largest write message part a target accepts: larger ones are
+    /// dropped unread (their operation then ends by deadline), so a source
+    /// never sends one.
+    pub const WRITE_MESSAGE_LIMIT: u64 = 256 << 10;
 
     /// The same options with a cluster secret.
     pub fn with_secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
@@ -298,6 +320,7 @@ impl PeerOptions {
             same_host_mapping: true,
             write_batch_bytes: Self::DEFAULT_WRITE_BATCH_BYTES,
             write_message_max_bytes: Self::DEFAULT_WRITE_MESSAGE_BYTES,
+            write_message_part_bytes: Self::DEFAULT_WRITE_MESSAGE_PART_BYTES,
             lanes: 0,
             guard: None,
         }
@@ -593,6 +616,7 @@ struct State {
     max_in_flight: usize,
     put_split: PutSplit,
     write_message_max_bytes: u64,
+    write_message_part_bytes: u64,
     /// Messages the worker had dropped at its bounds when last looked at.
     messages_dropped: u64,
 }
@@ -791,9 +815,10 @@ impl State {
                 _context: context,
                 max_in_flight,
                 put_split,
-                write_message_max_bytes: options
-                    .write_message_max_bytes
-                    .min(PeerOptions::WRITE_MESSAGE_LIMIT),
+                write_message_max_bytes: options.write_message_max_bytes,
+                write_message_part_bytes: options
+                    .write_message_part_bytes
+                    .clamp(1, PeerOptions::WRITE_MESSAGE_LIMIT),
                 messages_dropped: 0,
             },
             setup,
@@ -843,10 +868,10 @@ impl State {
             let (into_us, awaiting_reply) = waits;
             let busy = !self.pending.is_empty() || into_us;
             let mut progressed = false;
+            // Messages are taken after every progress call: a write's
+            // parts can outnumber what the worker holds at once.
             while self.worker.progress() > 0 {
                 progressed = true;
-            }
-            if progressed {
                 self.take_write_messages(shared);
             }
             #[allow(clippy::disallowed_methods)]
@@ -1243,16 +1268,16 @@ impl State {
                             .with_core_now(|core, now| core.handle_put_done(now, write, false)),
                     }
                 } else if let Some(route) = route {
-                    let (spans, in_flight, as_message) =
+                    let (spans, in_flight, failed, as_message) =
                         match self.send_as_message(shared, write, &route, &spans) {
-                            Some(sent) => {
-                                self.control
-                                    .stats
-                                    .write_messages_sent
-                                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                                (VecDeque::new(), VecDeque::from([sent]), true)
+                            Some((sent, whole)) => {
+                                self.control.stats.write_messages_sent.fetch_add(
+                                    sent.len() as u64,
+                                    std::sync::atomic::Ordering::Relaxed,
+                                );
+                                (VecDeque::new(), sent, !whole, true)
                             }
-                            None => (self.put_split.split(spans), VecDeque::new(), false),
+                            None => (self.put_split.split(spans), VecDeque::new(), false, false),
                         };
                     self.pending.push(PendingWrite {
                         write,
@@ -1260,7 +1285,7 @@ impl State {
                         spans,
                         in_flight,
                         flush: None,
-                        failed: false,
+                        failed,
                         as_message,
                     });
                     self.issue_and_reap(shared);
@@ -1340,7 +1365,7 @@ impl State {
         spans
             .iter()
             .map(|span| {
-                pool_holding(&self.pools, span)?;
+                pool_holding(&self.pools, span.local, span.len)?;
                 let dst = segments
                     .get(&span.region)?
                     .destination(span.remote, span.len)?;
@@ -1489,17 +1514,22 @@ impl State {
         });
     }
 
-    /// Sends write `write` as one message, when it may go as one: its route
+    /// Sends write `write` as a message, when it may go as one: its route
     /// has the target's record key, it is small enough, and it carries
-    /// every key asked for (the only completion a record states). `None`:
-    /// it goes as puts.
+    /// the first keys asked for (the only completion a record states). Its
+    /// bytes leave in parts of at most `write_message_part_bytes`, each
+    /// with its own header, so the target copies each part as it lands
+    /// (UCX reassembles a message from its segments before anyone sees
+    /// it). `None`: nothing left, it goes as puts; otherwise the sends that
+    /// left, and whether every part did (a write missing some fails as a
+    /// failed put would).
     fn send_as_message(
         &self,
         shared: &Arc<Shared>,
         write: u64,
         route: &Route,
         spans: &[PutSpan],
-    ) -> Option<Completion> {
+    ) -> Option<(VecDeque<Completion>, bool)> {
         let key = route.message_key.as_ref()?;
         let endpoint = route.ucx_endpoint()?;
         let bytes = spans
@@ -1508,29 +1538,50 @@ impl State {
         if bytes > self.write_message_max_bytes {
             return None;
         }
+        let count = Part::cut(bytes, self.write_message_part_bytes)?;
         let (op, keys) = shared.lock().core.peer_write_completion(write)?;
-        let parts = spans
-            .iter()
-            .map(|span| {
-                let (pool, offset) = pool_holding(&self.pools, span)?;
-                Some((
-                    pool,
-                    usize::try_from(offset).ok()?,
-                    usize::try_from(span.len).ok()?,
-                ))
-            })
-            .collect::<Option<Vec<_>>>()?;
-        let header = key.seal_message(op, keys);
-        // Refused before anything left (a bounds check): puts then.
-        endpoint
-            .send_message(crate::doorbell::WRITE_MESSAGE, &header, &parts)
-            .ok()
+        let local: Vec<(u64, u64)> = spans.iter().map(|s| (s.local, s.len)).collect();
+        let mut sent = VecDeque::with_capacity(usize::from(count));
+        for index in 0..count {
+            let part = Part::new(index, count)?;
+            let pieces = part
+                .range(bytes)
+                .map(|range| crate::doorbell::spans_in_range(&local, range));
+            let parts = pieces.and_then(|pieces| {
+                pieces
+                    .into_iter()
+                    .map(|(at, len)| {
+                        let (pool, offset) = pool_holding(&self.pools, at, len)?;
+                        Some((
+                            pool,
+                            usize::try_from(offset).ok()?,
+                            usize::try_from(len).ok()?,
+                        ))
+                    })
+                    .collect::<Option<Vec<_>>>()
+            });
+            let header = key.seal_message(op, keys, part);
+            // Refused before anything left (a bounds check).
+            let one = parts.and_then(|parts| {
+                endpoint
+                    .send_message(crate::doorbell::WRITE_MESSAGE, &header, &parts)
+                    .ok()
+            });
+            match one {
+                Some(c) => sent.push_back(c),
+                None if sent.is_empty() => return None,
+                None => return Some((sent, false)),
+            }
+        }
+        Some((sent, true))
     }
 
-    /// Takes the write messages the worker received: each that verifies as
-    /// its session's completion of an operation we wait on, and carries
-    /// exactly that operation's granted bytes, is copied into them and
-    /// handled as its `write_done`; anything else is dropped unread.
+    /// Takes the write messages the worker received: a part that verifies
+    /// as its session's message for an operation we wait on, fits what has
+    /// landed of it (a part lands once; all parts agree on the keys and the
+    /// cut), and carries exactly its share of that operation's granted
+    /// bytes is copied there; the last part is handled as the write's
+    /// `write_done`. Anything else is dropped unread.
     fn take_write_messages(&mut self, shared: &Arc<Shared>) {
         let stats = &self.control.stats;
         // Those the worker dropped at its bounds were refused unread too.
@@ -1542,59 +1593,67 @@ impl State {
         self.messages_dropped = dropped;
         for message in self.worker.take_messages() {
             let control = &self.control;
-            let opened = self
-                .doorbell
-                .open_message(message.header(), |source| control.dialed_peer(source));
-            let taken = opened.and_then(|(op, keys, done)| {
-                let data = message.data();
-                shared.with_core_now(|core, now| {
-                    // Under the core lock: the granted slots stay this
-                    // operation's until its reply is handled, just below.
-                    let spans = core.peer_landing_spans(op, keys)?;
-                    let total = spans
-                        .iter()
-                        .try_fold(0u64, |sum, (_, len)| sum.checked_add(*len))?;
-                    if total != data.len() as u64 {
+            let doorbell = &mut self.doorbell;
+            let taken = doorbell
+                .open_message(message.header(), |source| control.dialed_peer(source))
+                .and_then(|opened| {
+                    let fit = doorbell.fit_part(&opened);
+                    if fit == PartFit::Refused {
                         return None;
                     }
-                    // The data, cut into the spans in order (their lengths
-                    // sum to its length, checked above).
-                    let mut from = data.as_ptr() as usize as u64;
-                    let copies: Vec<CopySpan> = spans
-                        .into_iter()
-                        .map(|(dst, len)| {
-                            let src = from;
-                            from += len;
-                            CopySpan { src, dst, len }
-                        })
-                        .collect();
-                    // SAFETY: every destination is an element of one of our
-                    // registered regions (resolved by the core's region
-                    // table), granted to operation `op`, whose FILLING slot
-                    // nothing else reads or writes until its reply, which is
-                    // handled below under this same lock; the sources tile
-                    // `data` exactly (UCX's receive buffer, live for this
-                    // call, never our memory, so no span overlaps itself).
-                    #[allow(unsafe_code)]
-                    unsafe {
-                        crate::memory::copy_spans(&copies);
-                    }
-                    // Counted before the operation completes: whoever it
-                    // wakes sees the count.
-                    stats
-                        .write_messages_taken
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    core.handle_message(now, done);
-                    Some(op)
-                })
-            });
-            match taken {
-                Some(op) => self.doorbell.forget_op(op),
-                None => {
-                    stats
-                        .write_messages_refused
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
+                    let data = message.data();
+                    shared.with_core_now(|core, now| {
+                        // Under the core lock: the granted slots stay this
+                        // operation's until its reply is handled, just below.
+                        let spans = core.peer_landing_spans(opened.op, opened.keys)?;
+                        let total = spans
+                            .iter()
+                            .try_fold(0u64, |sum, (_, len)| sum.checked_add(*len))?;
+                        let range = opened.part.range(total)?;
+                        if range.end - range.start != data.len() as u64 {
+                            return None;
+                        }
+                        // The data, cut into this part's pieces of the spans
+                        // in order (their lengths sum to its length, checked
+                        // above).
+                        let mut from = data.as_ptr() as usize as u64;
+                        let copies: Vec<CopySpan> = crate::doorbell::spans_in_range(&spans, range)
+                            .into_iter()
+                            .map(|(dst, len)| {
+                                let src = from;
+                                from += len;
+                                CopySpan { src, dst, len }
+                            })
+                            .collect();
+                        // SAFETY: every destination is a piece of an element
+                        // of one of our registered regions (resolved by the
+                        // core's region table), granted to operation `op`,
+                        // whose FILLING slot nothing else reads or writes
+                        // until its reply, which is handled below under this
+                        // same lock; the sources tile `data` exactly (UCX's
+                        // receive buffer, live for this call, never our
+                        // memory, so no span overlaps itself).
+                        #[allow(unsafe_code)]
+                        unsafe {
+                            crate::memory::copy_spans(&copies);
+                        }
+                        doorbell.land_part(&opened);
+                        // Counted before the operation completes: whoever
+                        // it wakes sees the count.
+                        stats
+                            .write_messages_taken
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if fit == PartFit::Last {
+                            core.handle_message(now, opened.done);
+                            doorbell.forget_op(opened.op);
+                        }
+                        Some(())
+                    })
+                });
+            if taken.is_none() {
+                stats
+                    .write_messages_refused
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
         }
     }
@@ -1768,18 +1827,19 @@ impl std::os::fd::AsRawFd for RawFdRef {
 /// The pool holding the span's local bytes, and their offset in it.
 fn pool_holding<'p>(
     pools: &'p [Registration<'static>],
-    span: &PutSpan,
+    local: u64,
+    len: u64,
 ) -> Option<(&'p Registration<'static>, u64)> {
-    let end = span.local.checked_add(span.len)?;
+    let end = local.checked_add(len)?;
     pools.iter().find_map(|p| {
         let base = p.as_ptr() as usize as u64;
-        (span.local >= base && end <= base + p.len() as u64).then(|| (p, span.local - base))
+        (local >= base && end <= base + p.len() as u64).then(|| (p, local - base))
     })
 }
 
 fn put(pools: &[Registration<'static>], route: &Route, span: &PutSpan) -> Result<Completion> {
-    let (pool, offset) =
-        pool_holding(pools, span).ok_or(Error::runner(RunnerReason::LayoutMismatch))?;
+    let (pool, offset) = pool_holding(pools, span.local, span.len)
+        .ok_or(Error::runner(RunnerReason::LayoutMismatch))?;
     let RoutePath::Ucx { endpoint, rkeys } = &route.path else {
         return Err(Error::runner(RunnerReason::LayoutMismatch));
     };

@@ -319,19 +319,29 @@ fn hinted_fetch_restores_bytes(#[case] tls: &str, #[case] mapping: bool) {
     drop(source);
 }
 
-/// A whole write through UCX small enough leaves as one message that
-/// carries its bytes and its completion (no put, no flush, no `write_done`);
-/// a larger one, or one from a source with messages off, goes as puts. Both
-/// restore byte-exact, and nothing is refused.
+/// A whole write through UCX small enough leaves as a message that
+/// carries its bytes and its completion (no put, no flush, no `write_done`),
+/// in parts of at most the part size; a larger one, or one from a source
+/// with messages off, goes as puts. Both restore byte-exact, and nothing is
+/// refused.
 #[rstest]
-#[case::tcp_message("tcp,self", PeerOptions::DEFAULT_WRITE_MESSAGE_BYTES, true)]
-#[case::tcp_too_large_for_one("tcp,self", 3 * BLOCK as u64, false)]
-#[case::tcp_messages_off("tcp,self", 0, false)]
-#[case::shm_message("sm,self", PeerOptions::DEFAULT_WRITE_MESSAGE_BYTES, true)]
+#[case::tcp_message_in_64kib_parts("tcp,self", PeerOptions::DEFAULT_WRITE_MESSAGE_BYTES, 64 << 10, 4)]
+#[case::tcp_message_whole("tcp,self", PeerOptions::DEFAULT_WRITE_MESSAGE_BYTES, 4 * BLOCK as u64, 1)]
+#[case::tcp_message_in_uneven_parts(
+    "tcp,self",
+    PeerOptions::DEFAULT_WRITE_MESSAGE_BYTES,
+    100_000,
+    3
+)]
+#[case::tcp_too_large_for_one("tcp,self", 3 * BLOCK as u64, 64 << 10, 0)]
+#[case::tcp_too_many_parts("tcp,self", PeerOptions::DEFAULT_WRITE_MESSAGE_BYTES, 512, 0)]
+#[case::tcp_messages_off("tcp,self", 0, 64 << 10, 0)]
+#[case::shm_message("sm,self", PeerOptions::DEFAULT_WRITE_MESSAGE_BYTES, 64 << 10, 4)]
 fn small_whole_writes_through_ucx_go_as_one_message(
     #[case] tls: &str,
     #[case] largest_message: u64,
-    #[case] as_message: bool,
+    #[case] part_bytes: u64,
+    #[case] parts: u64,
 ) {
     let _serial = crate::serial();
     let mut options = PeerOptions::loopback();
@@ -339,6 +349,7 @@ fn small_whole_writes_through_ucx_go_as_one_message(
     options.same_host_mapping = false;
     let target = node_with(&options, 16, Duration::from_secs(5));
     options.write_message_max_bytes = largest_message;
+    options.write_message_part_bytes = part_bytes;
     let mut source = node_with(&options, 16, Duration::from_secs(5));
     let keys = [0, 1, 2, 3];
     stock(&mut source, &keys);
@@ -352,7 +363,7 @@ fn small_whole_writes_through_ucx_go_as_one_message(
     );
     let sent = source.runner.control_stats().write_messages_sent;
     let taken = target.runner.control_stats().write_messages_taken;
-    assert_eq!((sent, taken), if as_message { (1, 1) } else { (0, 0) });
+    assert_eq!((sent, taken), (parts, parts));
     assert_eq!(target.runner.control_stats().write_messages_refused, 0);
     assert_eq!(target.runner.peer_stats().0.keys_received, 4);
     target.runner.check_invariants().unwrap();

@@ -327,12 +327,18 @@ fn forged_write_messages_are_refused() {
         Duration::from_secs(10),
         || target.runner.control_stats().write_messages_refused >= 64,
     );
+    // Each round's write is 4 keys, in parts of the default size.
+    let parts = (4 * BLOCK as u64).div_ceil(PeerOptions::DEFAULT_WRITE_MESSAGE_PART_BYTES);
     let stats = target.runner.control_stats();
     assert_eq!(
-        stats.write_messages_taken, rounds,
+        stats.write_messages_taken,
+        rounds * parts,
         "only the honest source's"
     );
-    assert_eq!(source.runner.control_stats().write_messages_sent, rounds);
+    assert_eq!(
+        source.runner.control_stats().write_messages_sent,
+        rounds * parts
+    );
     target.runner.check_invariants().unwrap();
     drop(endpoint);
 }

@@ -650,12 +650,13 @@ impl Core {
         })
     }
 
-    /// Where a whole write for target operation `op` lands in our memory,
-    /// while the operation waits for its source's reply: the address and
-    /// length of every element granted to its `keys` keys, key by key in
-    /// request order and each key's elements in layout order (the order a
-    /// source's puts take). `None` unless `keys` is the operation's whole
-    /// key count and every key still holds its granted slots.
+    /// Where a write of the first `keys` keys of target operation `op`
+    /// lands in our memory, while the operation waits for its source's
+    /// reply: the address and length of every element granted to those
+    /// keys, key by key in request order and each key's elements in layout
+    /// order (the order a source's puts take). `None` unless `keys` is 1 to
+    /// the operation's key count (a source holding only the first keys
+    /// asked writes those) and each of them still holds its granted slots.
     ///
     /// A driver that receives a write's bytes as one message (rather than
     /// as puts into the granted elements) copies them here, in this order,
@@ -669,11 +670,9 @@ impl Core {
             .ops
             .get(&op)
             .filter(|o| o.state == TargetState::WaitingWriteDone)?;
-        if usize::try_from(keys).ok()? != target_op.fills.len() || keys == 0 {
-            return None;
-        }
+        let keys = usize::try_from(keys).ok().filter(|k| *k > 0)?;
         let mut spans = Vec::new();
-        for fill in &target_op.fills {
+        for fill in target_op.fills.get(..keys)? {
             let fill = self.fills.get(*fill as usize)?.as_ref()?;
             if fill.source != (FillSource::Remote { target_op: op.0 }) {
                 return None;

@@ -494,11 +494,11 @@ impl Core {
         });
     }
 
-    /// What write `write` will report when its bytes land, if that is
-    /// every key it was asked for (`0..n`, the only outcome a doorbell
-    /// record carries): the target's op and `n`. `None` once it was
-    /// cancelled or ended, or when some keys were left out (those writes
-    /// are reported by `write_done` alone).
+    /// What write `write` will report when its bytes land, if that is the
+    /// first `n` keys it was asked for (`0..n`, the only outcome a doorbell
+    /// record or a write message carries): the target's op and `n`. `None`
+    /// once it was cancelled or ended, or when a key before its last was
+    /// left out (those writes are reported by `write_done` alone).
     pub fn peer_write_completion(&self, write: u64) -> Option<(OpHandle, u32)> {
         let w = self.peer.as_ref()?.source.writes.get(&write)?;
         let whole = w
