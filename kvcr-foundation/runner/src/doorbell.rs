@@ -1054,6 +1054,54 @@ mod tests {
             prop_assert_eq!(Part::new(count, count), None);
         }
 
+        /// Whatever parts arrive, in any order, with replays and parts cut
+        /// or counted differently mixed in: a part is let in only if its
+        /// index has not landed and it matches the first landed part's key
+        /// count and cut, and `Last` comes exactly once, when the first
+        /// cut's parts have all landed.
+        #[test]
+        fn parts_land_once_each_and_complete_once(
+            arrivals in proptest::collection::vec((1u32..3, 1u16..6, 0u16..6), 0..40),
+        ) {
+            let (mut db, a, key_a, _) = two_sessions();
+            db.await_op(&a, OpHandle(5));
+            let mut first: Option<(u32, u16)> = None;
+            let mut landed = std::collections::BTreeSet::new();
+            let mut completed = 0;
+            for (keys, count, index) in arrivals {
+                let Some(part) = Part::new(index, count) else {
+                    continue;
+                };
+                let header = key_a.seal_message(OpHandle(5), keys, part);
+                if completed > 0 {
+                    // Nothing awaits the operation any more.
+                    prop_assert!(db.open_message(&header, dialed(10)).is_none());
+                    continue;
+                }
+                let opened = db.open_message(&header, dialed(10)).unwrap();
+                let fits_first = first.is_none_or(|f| f == (keys, count));
+                let expected = if !fits_first || landed.contains(&index) {
+                    PartFit::Refused
+                } else if landed.len() + 1 == usize::from(count) {
+                    PartFit::Last
+                } else {
+                    PartFit::More
+                };
+                let fit = db.fit_part(&opened);
+                prop_assert_eq!(fit, expected);
+                if fit != PartFit::Refused {
+                    db.land_part(&opened);
+                    first.get_or_insert((keys, count));
+                    landed.insert(index);
+                }
+                if fit == PartFit::Last {
+                    completed += 1;
+                    db.forget_op(OpHandle(5));
+                }
+            }
+            prop_assert!(completed <= 1);
+        }
+
         /// Arbitrary bytes never open (a hostile writer of the slot).
         #[test]
         fn garbage_never_opens(bytes in proptest::collection::vec(any::<u8>(), SLOT_BYTES)) {
