@@ -537,6 +537,14 @@ fn main() {
         let _busy = std::env::args()
             .any(|a| a == "--contended")
             .then(|| BusyLoops::start(2));
+        // `KVCR_BENCH_REQUEST_TLS`: another UCX transport list for the same
+        // series (pools never mapped: every byte goes through UCX), e.g.
+        // `posix,cma,self`; its figures are named `..._ucx` then.
+        let tls = std::env::var("KVCR_BENCH_REQUEST_TLS").ok();
+        let (path, route) = match tls.as_deref() {
+            Some(tls) => (Path { tls, ..tcp }, "ucx"),
+            None => (tcp, "tcp"),
+        };
         for (label, size) in [
             ("64kib", 64usize << 10),
             ("128kib", 128 << 10),
@@ -547,8 +555,8 @@ fn main() {
             // `KVCR_BENCH_SERIES` set, the medians of each 50 in order are
             // printed too (a slow stretch shows as a run of high medians).
             let n = env_number("KVCR_BENCH_REQUEST_ITERS").unwrap_or(40);
-            let samples = one_block(tcp, size, n);
-            dist(&format!("peer.request_{label}_tcp"), &samples);
+            let samples = one_block(path, size, n);
+            dist(&format!("peer.request_{label}_{route}"), &samples);
         }
         return;
     }
