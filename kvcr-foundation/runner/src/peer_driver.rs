@@ -109,7 +109,8 @@ pub struct PeerOptions {
     /// [`PeerOptions::WRITE_MESSAGE_LIMIT`]): a larger write message is
     /// cut into equal parts, each its own active message with its own
     /// sealed header, which the target copies into place as each lands. A
-    /// write that would need more than 256 parts goes as puts.
+    /// write that would need more than 256 parts goes as puts. 0: the
+    /// default.
     pub write_message_part_bytes: u64,
     /// A guard that keeps this runner's pools, journal and control listener
     /// across its restarts ([`crate::guard`]); `None` (the default): the
@@ -816,9 +817,10 @@ impl State {
                 max_in_flight,
                 put_split,
                 write_message_max_bytes: options.write_message_max_bytes,
-                write_message_part_bytes: options
-                    .write_message_part_bytes
-                    .clamp(1, PeerOptions::WRITE_MESSAGE_LIMIT),
+                write_message_part_bytes: match options.write_message_part_bytes {
+                    0 => PeerOptions::DEFAULT_WRITE_MESSAGE_PART_BYTES,
+                    bytes => bytes.min(PeerOptions::WRITE_MESSAGE_LIMIT),
+                },
                 messages_dropped: 0,
             },
             setup,
