@@ -85,11 +85,24 @@ pub(crate) fn prepare(root: &Path) -> Result<Prepared> {
     Ok(Prepared { dir, isolated })
 }
 
-/// Runs both peers' drivers once (one round, right after kvcr's binaries of
-/// the same round); returns their figures and latency distributions.
+/// A peer system's driver: its name (and venv folder) and its script in
+/// `xtask/peers`.
+pub(crate) type Driver = (&'static str, &'static str);
+
+/// The reference Python runner's driver.
+pub(crate) const REFERENCE: Driver = ("reference", "reference_runner.py");
+
+/// Mooncake's transfer engine driver: its one-key TCP transfers are
+/// compared with kvcr's `peer.request_*_tcp`, so a round runs it right
+/// after kvcr's `peer` benchmark (see `bench::run`).
+pub(crate) const MOONCAKE: Driver = ("mooncake", "mooncake_tcp.py");
+
+/// Runs the given peers' drivers once (one round, next to kvcr's binaries
+/// of the same round); returns their figures and latency distributions.
 pub(crate) fn run_round(
     root: &Path,
     prepared: &Prepared,
+    drivers: &[Driver],
     quick: bool,
     round: &str,
     started: Instant,
@@ -98,10 +111,7 @@ pub(crate) fn run_round(
     std::fs::create_dir_all(&logs)?;
     let mut figures = Vec::new();
     let mut dists = Vec::new();
-    for (name, script) in [
-        ("reference", "reference_runner.py"),
-        ("mooncake", "mooncake_tcp.py"),
-    ] {
+    for &(name, script) in drivers {
         let log = logs.join(format!("peers-{name}.log"));
         let mut cmd = driver(
             &prepared.dir.join(name).join("bin/python"),
@@ -272,7 +282,9 @@ pub(crate) fn render(summaries: &[Summary], isolated: bool) -> (String, String) 
         out,
         "The reference runner (kvcr 0.1.1 from PyPI: NIXL 1.5.0 with its bundled UCX) \
          and Mooncake's transfer engine (0.3.13.post1, non-CUDA, TCP transport, \
-         P2P handshake) ran in every round right after kvcr's benchmarks, each {}, with our \
+         P2P handshake) ran in every round next to kvcr's benchmarks (Mooncake right after \
+         kvcr's `peer` benchmark, whose one-key transfers it is compared with; the reference \
+         runner after all of kvcr's), each {}, with our \
          drivers in `xtask/peers/`. Every transfer checks its bytes. Every cell is the median \
          over the rounds (min–max) of each run's own median. \"kvcr ×\" is how many times better \
          kvcr is (higher throughput or lower latency; below 1 means the peer is better).\n",
