@@ -1545,12 +1545,10 @@ impl State {
         let local: Vec<(u64, u64)> = spans.iter().map(|s| (s.local, s.len)).collect();
         let mut sent = VecDeque::with_capacity(usize::from(count));
         for index in 0..count {
-            let part = Part::new(index, count)?;
-            let pieces = part
-                .range(bytes)
-                .map(|range| crate::doorbell::spans_in_range(&local, range));
-            let parts = pieces.and_then(|pieces| {
-                pieces
+            // Any refusal here is made before this part left (a bounds
+            // check), so the parts sent so far say what left.
+            let one = Part::new(index, count).and_then(|part| {
+                let parts = crate::doorbell::spans_in_range(&local, part.range(bytes)?)
                     .into_iter()
                     .map(|(at, len)| {
                         let (pool, offset) = pool_holding(&self.pools, at, len)?;
@@ -1560,11 +1558,8 @@ impl State {
                             usize::try_from(len).ok()?,
                         ))
                     })
-                    .collect::<Option<Vec<_>>>()
-            });
-            let header = key.seal_message(op, keys, part);
-            // Refused before anything left (a bounds check).
-            let one = parts.and_then(|parts| {
+                    .collect::<Option<Vec<_>>>()?;
+                let header = key.seal_message(op, keys, part);
                 endpoint
                     .send_message(crate::doorbell::WRITE_MESSAGE, &header, &parts)
                     .ok()
@@ -1605,8 +1600,9 @@ impl State {
                     }
                     let data = message.data();
                     shared.with_core_now(|core, now| {
-                        // Under the core lock: the granted slots stay this
-                        // operation's until its reply is handled, just below.
+                        // Under the core lock: the granted slots are this
+                        // operation's while it waits for its reply (a part
+                        // arriving after its deadline finds none).
                         let spans = core.peer_landing_spans(opened.op, opened.keys)?;
                         let total = spans
                             .iter()
@@ -1631,8 +1627,10 @@ impl State {
                         // of one of our registered regions (resolved by the
                         // core's region table), granted to operation `op`,
                         // whose FILLING slot nothing else reads or writes
-                        // until its reply, which is handled below under this
-                        // same lock; the sources tile `data` exactly (UCX's
+                        // while the operation waits for its reply (checked
+                        // just above for this part, under this same lock;
+                        // the last part's reply is handled below, still
+                        // under it); the sources tile `data` exactly (UCX's
                         // receive buffer, live for this call, never our
                         // memory, so no span overlaps itself).
                         #[allow(unsafe_code)]
