@@ -534,7 +534,7 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
     // noise then tends to fall on both (after every binary, ~20 s passed
     // between the two, and a round kvcr lost at every size had run all of
     // kvcr's tcp figures at half speed while Mooncake's were not slowed).
-    let mooncake_after = binaries.iter().any(|b| b.name == "peer").then_some("peer");
+    let mooncake_after_peer = binaries.iter().any(|b| b.name == "peer");
     for round in 0..o.rounds {
         let mut figures = Vec::new();
         let mut peer_dists = Vec::new();
@@ -542,7 +542,7 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
         let mut drivers: Vec<crate::peers::Driver> = Vec::new();
         if peers.is_some() {
             drivers.push(crate::peers::REFERENCE);
-            if mooncake_after.is_none() {
+            if !mooncake_after_peer {
                 drivers.push(crate::peers::MOONCAKE);
             }
         }
@@ -565,7 +565,7 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
             }
             if let Some(prepared) = peers
                 .as_ref()
-                .filter(|_| mooncake_after == Some(binary.name.as_str()))
+                .filter(|_| mooncake_after_peer && binary.name == "peer")
             {
                 let (f, d) = crate::peers::run_round(
                     root,
