@@ -536,15 +536,18 @@ impl Core {
             .is_some_and(|p| p.free.contains(&slot))
     }
 
-    /// Keys of `op` that have no result yet.
-    pub fn pending_keys(&self, op: OpHandle) -> Vec<ScopedKey> {
+    /// Entries of `op` that have no result yet: their position in the op
+    /// (and so in its result) and their key. Positions, not keys, tell
+    /// apart two entries of one key in one call.
+    pub fn pending_entries(&self, op: OpHandle) -> Vec<(usize, ScopedKey)> {
         self.ops
             .get(&op)
             .map(|o| {
                 o.entries
                     .iter()
-                    .filter(|e| e.result.is_none())
-                    .map(|e| e.key)
+                    .enumerate()
+                    .filter(|(_, e)| e.result.is_none())
+                    .map(|(i, e)| (i, e.key))
                     .collect()
             })
             .unwrap_or_default()
