@@ -10,7 +10,9 @@
 //! (`KVCR_BENCH_GAP_MS=10` idles before each fetch: a cold restore) and
 //! `-- --bench --requests [--contended]` the one-key-per-request TCP
 //! distributions (beside two busy loops), and `-- --bench --tcp-bulk` the
-//! 16 MiB TCP bandwidth figure alone.
+//! 16 MiB TCP bandwidth figure alone. `-- --bench --request-blocks <plan>`
+//! serves `cargo xtask bench --peers`, which alternates kvcr's one-key
+//! requests with Mooncake's in blocks.
 
 #![allow(clippy::disallowed_methods)] // a benchmark reads the clock and sleeps
 #![allow(
@@ -312,12 +314,94 @@ fn bandwidth(path: Path<'_>, block: usize, keys: u64, reps: usize) -> f64 {
     median(samples)
 }
 
+/// One key of `block` bytes per request from a source of its own: the
+/// route warmed up by one fetch, then each request takes the next key.
+struct Requests {
+    // Dropped before the source it fetches from (as a target goes first
+    // when an engine shuts down).
+    target: Runner,
+    ns: kvcr_foundation::NamespaceId,
+    next_key: u64,
+    keys: u64,
+    source: Source,
+}
+
+impl Requests {
+    /// A source holding `requests + 1` keys (one warms the route up) and a
+    /// target of 64 slots.
+    fn start(path: Path<'_>, block: usize, requests: usize) -> Self {
+        let keys = requests as u64 + 1;
+        let source = Source::start(path, block, keys);
+        let mut target = Runner::start_with_peers(config(block, 64), None, &options(path)).unwrap();
+        let ns = target.register_namespace(Namespace::base(CompatDigest(9)));
+        fetch(&mut target, &source.endpoint, ns, 0..1, usize::MAX);
+        Self {
+            target,
+            ns,
+            next_key: 1,
+            keys,
+            source,
+        }
+    }
+
+    /// Fetches the next key; returns µs.
+    fn next(&mut self) -> f64 {
+        let k = self.next_key;
+        assert!(k < self.keys, "more requests than the source holds");
+        self.next_key += 1;
+        fetch(
+            &mut self.target,
+            &self.source.endpoint,
+            self.ns,
+            k..k + 1,
+            0,
+        ) * 1e6
+    }
+}
+
+/// Serves `cargo xtask bench --peers`: for each `label:bytes:requests` of
+/// `plan`, a source and target of its own, warmed up; prints `READY`, then
+/// for each line `<label> <count>` on stdin fetches the next `count` keys of
+/// that size and prints `SAMPLES <label> <µs>,<µs>,…`, until stdin closes.
+/// xtask alternates these blocks with the same blocks of Mooncake's driver,
+/// so a slow stretch of a shared host falls on both sides of a comparison.
+fn request_blocks(path: Path<'_>, plan: &str) {
+    let mut series: Vec<(String, Requests)> = plan
+        .split(',')
+        .map(|entry| {
+            let mut fields = entry.split(':');
+            let (Some(label), Some(bytes), Some(requests), None) =
+                (fields.next(), fields.next(), fields.next(), fields.next())
+            else {
+                panic!("--request-blocks: {entry:?} is not label:bytes:requests");
+            };
+            let bytes: usize = bytes.parse().expect("--request-blocks: bytes");
+            let requests: usize = requests.parse().expect("--request-blocks: requests");
+            (label.to_owned(), Requests::start(path, bytes, requests))
+        })
+        .collect();
+    println!("READY");
+    std::io::stdout().flush().unwrap();
+    for line in std::io::stdin().lock().lines() {
+        let line = line.unwrap();
+        let Some((label, count)) = line.split_once(' ') else {
+            panic!("--request-blocks: {line:?} is not `<label> <count>`");
+        };
+        let count: usize = count.trim().parse().expect("--request-blocks: count");
+        let Some((_, requests)) = series.iter_mut().find(|(l, _)| l == label) else {
+            panic!("--request-blocks: no series {label:?}");
+        };
+        let samples: Vec<String> = (0..count)
+            .map(|_| format!("{:.1}", requests.next()))
+            .collect();
+        println!("SAMPLES {label} {}", samples.join(","));
+        std::io::stdout().flush().unwrap();
+    }
+}
+
 /// Latencies (µs) of `iters` one-key fetches of `block` bytes, sorted.
 fn one_block(path: Path<'_>, block: usize, iters: usize) -> Vec<f64> {
-    let source = Source::start(path, block, iters as u64 + 1);
-    let mut target = Runner::start_with_peers(config(block, 64), None, &options(path)).unwrap();
-    let ns = target.register_namespace(Namespace::base(CompatDigest(9)));
-    fetch(&mut target, &source.endpoint, ns, 0..1, usize::MAX);
+    let mut requests = Requests::start(path, block, iters);
     let mut samples: Vec<f64> = (1..=iters as u64)
         .map(|k| {
             // `KVCR_BENCH_GAP_MS`: idle this long before each fetch, so every
@@ -327,7 +411,7 @@ fn one_block(path: Path<'_>, block: usize, iters: usize) -> Vec<f64> {
             if let Some(gap) = env_number("KVCR_BENCH_GAP_MS") {
                 std::thread::sleep(Duration::from_millis(gap));
             }
-            let took = fetch(&mut target, &source.endpoint, ns, k..k + 1, 0) * 1e6;
+            let took = requests.next();
             // With `KVCR_BENCH_SERIES`: the monotonic clock every 50
             // requests, to find a stretch in a scheduler trace taken with
             // `perf sched record -k mono`.
@@ -343,6 +427,7 @@ fn one_block(path: Path<'_>, block: usize, iters: usize) -> Vec<f64> {
             took
         })
         .collect();
+    let target = &requests.target;
     let stats = target.control_stats();
     println!(
         "# one-block {} B over {}: of {} writes, {} completed on the doorbell ({} records refused), \
@@ -539,6 +624,16 @@ fn main() {
         lanes: 1,
     };
 
+    // `--request-blocks <label>:<bytes>:<requests>,…`: one-key requests over
+    // TCP in blocks on command, for `cargo xtask bench --peers`, which
+    // alternates them with Mooncake's (see `request_blocks`).
+    if let Some(plan) = std::env::args()
+        .skip_while(|a| a != "--request-blocks")
+        .nth(1)
+    {
+        request_blocks(tcp, &plan);
+        return;
+    }
     // `--requests`: only the one-key-per-request TCP figures, with their
     // distributions (for latency work on them).
     if std::env::args().any(|a| a == "--requests") {
@@ -727,19 +822,7 @@ fn main() {
             "us",
             kvcr_ucx::perftest::put_lat_us("tcp", 256 << 10, iters),
         );
-        for (label, size) in [
-            ("64kib", 64usize << 10),
-            ("1mib", 1 << 20),
-            ("16mib", MIB16),
-        ] {
-            let iters = if quick { 20 } else { 60 }.min((256 << 20) / size).max(8);
-            let samples = one_block(tcp, size, iters);
-            bench(
-                &format!("peer.request_{label}_tcp"),
-                size as f64 / (at(&samples, 0.5) * 1e-6) / 1e9,
-                "GB/s",
-                kvcr_ucx::perftest::put_bw_gbs("tcp", size, iters.max(20), &["-O", "1"]),
-            );
-        }
+        // One key per request (`peer.request_*_tcp`): measured by xtask in
+        // blocks alternated with Mooncake's (`--request-blocks`).
     }
 }

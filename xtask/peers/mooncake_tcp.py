@@ -11,6 +11,15 @@ it, checks that the bytes read back equal the bytes written, and prints
 
 where GB/s is the transfer size over the median per-request time (the same
 definition as kvcr's `peer.request_<size>_tcp`).
+
+With `--blocks`, it runs the same transfers in blocks on command instead, so
+that `cargo xtask bench --peers` can alternate them with kvcr's: after the
+warm-up it prints `READY`, then for each line `<label> <count>` on stdin it
+runs `count` write-then-read pairs of that size (bytes checked) and prints
+
+    SAMPLES <label> write=<us>,<us>,... read=<us>,<us>,...
+
+until stdin closes.
 """
 
 import argparse
@@ -50,7 +59,41 @@ def server():
 
 
 
-def client(quick):
+def write_then_read(te, target, remote, out, back, size):
+    """One synchronous write of `size` bytes into the server's buffer and
+    one read of them back, the read checked; returns both times (seconds)."""
+    start = time.perf_counter()
+    if te.transfer_sync_write(target, out.ctypes.data, remote, size) < 0:
+        raise RuntimeError(f"transfer_sync_write {size} failed")
+    w = time.perf_counter() - start
+    back[:size] = 0
+    start = time.perf_counter()
+    if te.transfer_sync_read(target, back.ctypes.data, remote, size) < 0:
+        raise RuntimeError(f"transfer_sync_read {size} failed")
+    r = time.perf_counter() - start
+    if not np.array_equal(back[:size], out[:size]):
+        raise RuntimeError(f"{size} bytes read back differ from those written")
+    return w, r
+
+
+def serve_blocks(te, target, remote, out, back):
+    sizes = dict(SIZES)
+    for size in sizes.values():  # two pairs per size warm the connection up
+        for _ in range(2):
+            write_then_read(te, target, remote, out, back, size)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        label, count = line.split()
+        size = sizes[label]
+        writes, reads = [], []
+        for _ in range(int(count)):
+            w, r = write_then_read(te, target, remote, out, back, size)
+            writes.append(f"{w * 1e6:.1f}")
+            reads.append(f"{r * 1e6:.1f}")
+        print(f"SAMPLES {label} write={','.join(writes)} read={','.join(reads)}", flush=True)
+
+
+def client(quick, blocks):
     child = subprocess.Popen(
         [sys.executable, __file__, "--server"],
         stdin=subprocess.PIPE,
@@ -70,23 +113,16 @@ def client(quick):
         back = np.zeros(SPAN, dtype=np.uint8)
         register(te, out)
         register(te, back)
+        if blocks:
+            serve_blocks(te, target, remote, out, back)
+            return
         for label, size in SIZES:
             iters = {"64kib": 300, "1mib": 100, "16mib": 12}[label]
             if not quick:
                 iters *= 3
             writes, reads = [], []
             for i in range(iters + 2):  # the first two warm the connection up
-                start = time.perf_counter()
-                if te.transfer_sync_write(target, out.ctypes.data, remote, size) < 0:
-                    raise RuntimeError(f"transfer_sync_write {size} failed")
-                w = time.perf_counter() - start
-                back[:size] = 0
-                start = time.perf_counter()
-                if te.transfer_sync_read(target, back.ctypes.data, remote, size) < 0:
-                    raise RuntimeError(f"transfer_sync_read {size} failed")
-                r = time.perf_counter() - start
-                if not np.array_equal(back[:size], out[:size]):
-                    raise RuntimeError(f"{size} bytes read back differ from those written")
+                w, r = write_then_read(te, target, remote, out, back, size)
                 if i >= 2:
                     writes.append(w)
                     reads.append(r)
@@ -108,11 +144,12 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--server", action="store_true")
+    parser.add_argument("--blocks", action="store_true")
     args = parser.parse_args()
     if args.server:
         server()
     else:
-        client(args.quick)
+        client(args.quick, args.blocks)
 
 
 if __name__ == "__main__":

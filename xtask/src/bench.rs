@@ -529,11 +529,12 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
         o.rounds,
         if o.quick { " (quick)" } else { "" }
     );
-    // Mooncake's one-key transfers run right after kvcr's `peer` benchmark,
-    // which measures the same workload last: a stretch of the shared VM's
-    // noise then tends to fall on both (after every binary, ~20 s passed
-    // between the two, and a round kvcr lost at every size had run all of
-    // kvcr's tcp figures at half speed while Mooncake's were not slowed).
+    // Mooncake's one-key transfers and kvcr's run right after kvcr's `peer`
+    // benchmark, in alternating blocks of each size (`peers::request_blocks`):
+    // a stretch of the shared VM's noise then falls on both sides (when
+    // Mooncake ran after every binary, ~20 s after kvcr's requests, a round
+    // kvcr lost at every size had run all of kvcr's tcp figures at half
+    // speed while Mooncake's were not slowed).
     let mooncake_after_peer = binaries.iter().any(|b| b.name == "peer");
     for round in 0..o.rounds {
         let mut figures = Vec::new();
@@ -567,16 +568,14 @@ pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
                 .as_ref()
                 .filter(|_| mooncake_after_peer && binary.name == "peer")
             {
-                let (f, d) = crate::peers::run_round(
+                figures.extend(crate::peers::request_blocks(
                     root,
                     prepared,
-                    &[crate::peers::MOONCAKE],
+                    &binary.path,
                     o.quick,
                     &label,
                     started,
-                )?;
-                figures.extend(f);
-                peer_dists.extend(d);
+                )?);
             }
         }
         if let Some(prepared) = &peers {
@@ -750,7 +749,10 @@ fn plots(summaries: &[Summary], dists: &[Dist]) -> Vec<(String, String)> {
                 .name
                 .strip_prefix("peer.fetch_")
                 .or_else(|| s.name.strip_prefix("peer."))?;
-            (s.unit == "GB/s").then_some((s.name.as_str(), label))
+            // One-key requests are anchored on Mooncake, not ucx_perftest:
+            // they are drawn in the side-by-side plot.
+            (s.unit == "GB/s" && !s.name.starts_with("peer.request_"))
+                .then_some((s.name.as_str(), label))
         })
         .collect();
     let peer = bars_with_anchor(summaries, &peer_names, "ucx_perftest");

@@ -8,12 +8,14 @@
 //! of its own holding only loopback (when this user may create one), since
 //! NIXL and Mooncake open listeners on every interface.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::io::{BufRead as _, BufReader, Write as _};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 
 use crate::bench::{self, Dist, Figure, Spread, Summary, short};
 use crate::plot::{self, Bar, Group};
@@ -96,6 +98,264 @@ pub(crate) const REFERENCE: Driver = ("reference", "reference_runner.py");
 /// compared with kvcr's `peer.request_*_tcp`, so a round runs it right
 /// after kvcr's `peer` benchmark (see `bench::run`).
 pub(crate) const MOONCAKE: Driver = ("mooncake", "mooncake_tcp.py");
+
+/// The sizes of the one-key-per-request comparison (`peer.request_*_tcp`
+/// against Mooncake's TCP read and write): label, bytes, blocks per side in
+/// a quick round (a full round takes three times as many), requests per
+/// block.
+const REQUEST_SIZES: &[(&str, usize, usize, usize)] = &[
+    ("64kib", 64 << 10, 6, 50),
+    ("1mib", 1 << 20, 6, 20),
+    ("16mib", 16 << 20, 4, 5),
+];
+
+/// One block of one side of the comparison.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Block {
+    label: &'static str,
+    requests: usize,
+    /// Whether kvcr's block runs before Mooncake's (it alternates, so
+    /// neither side always runs right after the other's warm caches).
+    kvcr_first: bool,
+}
+
+/// The blocks of a round, size by size: each side runs the same blocks,
+/// kvcr and Mooncake in turn, so that a slow stretch of a shared host falls
+/// on both sides of a comparison rather than on one (a round once lost at
+/// every size had run all of kvcr's requests in one such stretch).
+fn request_schedule(quick: bool) -> Vec<Block> {
+    let mut blocks = Vec::new();
+    for &(label, _, quick_blocks, requests) in REQUEST_SIZES {
+        let n = if quick {
+            quick_blocks
+        } else {
+            3 * quick_blocks
+        };
+        blocks.extend((0..n).map(|b| Block {
+            label,
+            requests,
+            kvcr_first: b % 2 == 0,
+        }));
+    }
+    blocks
+}
+
+/// Requests of `label` a side serves over a whole round.
+fn requests_per_round(schedule: &[Block], label: &str) -> usize {
+    schedule
+        .iter()
+        .filter(|b| b.label == label)
+        .map(|b| b.requests)
+        .sum()
+}
+
+/// A `SAMPLES <label> [name=]<µs>,<µs>,…` line: the lists by name (`""`
+/// for an unnamed one).
+fn parse_samples(line: &str, label: &str) -> Result<BTreeMap<String, Vec<f64>>> {
+    let rest = line
+        .strip_prefix("SAMPLES ")
+        .and_then(|r| r.strip_prefix(label))
+        .and_then(|r| r.strip_prefix(' '))
+        .with_context(|| format!("expected `SAMPLES {label} …`, got {line:?}"))?;
+    let mut lists = BTreeMap::new();
+    for field in rest.split_whitespace() {
+        let (name, values) = field.split_once('=').unwrap_or(("", field));
+        let values = values
+            .split(',')
+            .map(|v| {
+                v.parse::<f64>()
+                    .ok()
+                    .filter(|v| v.is_finite() && *v > 0.0)
+                    .with_context(|| format!("bad sample {v:?} in {line:?}"))
+            })
+            .collect::<Result<Vec<f64>>>()?;
+        if lists.insert(name.to_owned(), values).is_some() {
+            bail!("list {name:?} twice in {line:?}");
+        }
+    }
+    Ok(lists)
+}
+
+/// The middle sample (the upper one of an even count), as kvcr's benches
+/// take it.
+fn median(samples: &[f64]) -> Option<f64> {
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.get(sorted.len() / 2).copied()
+}
+
+/// A process serving blocks of requests on command (`READY`, then a
+/// `SAMPLES` line for each `<label> <count>` line). Dropping it closes its
+/// stdin, which ends it, and waits for it.
+struct BlockServer {
+    name: &'static str,
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: std::io::Lines<BufReader<ChildStdout>>,
+}
+
+impl BlockServer {
+    fn start(name: &'static str, cmd: &mut Command) -> Result<Self> {
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("could not start {}", crate::show(cmd)))?;
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().context("no stdout")?;
+        let mut server = Self {
+            name,
+            child,
+            stdin,
+            lines: BufReader::new(stdout).lines(),
+        };
+        loop {
+            match server.lines.next().transpose()? {
+                Some(line) if line == "READY" => return Ok(server),
+                Some(_) => {}
+                None => bail!("{name} exited before it was ready"),
+            }
+        }
+    }
+
+    fn block(&mut self, label: &str, requests: usize) -> Result<BTreeMap<String, Vec<f64>>> {
+        let stdin = self.stdin.as_mut().context("stdin closed")?;
+        writeln!(stdin, "{label} {requests}")?;
+        stdin.flush()?;
+        let line = self
+            .lines
+            .next()
+            .transpose()?
+            .with_context(|| format!("{} exited during a block of {label}", self.name))?;
+        let lists = parse_samples(&line, label)?;
+        for (name, samples) in &lists {
+            if samples.len() != requests {
+                bail!(
+                    "{} answered {} samples in list {name:?} for {requests} requests",
+                    self.name,
+                    samples.len()
+                );
+            }
+        }
+        Ok(lists)
+    }
+}
+
+impl Drop for BlockServer {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+/// kvcr's one-key requests (`peer` bench binary `peer_bench`) and Mooncake's
+/// TCP transfers, in alternating blocks of the same size
+/// (`request_schedule`): `peer.request_<size>_tcp` (GB/s: the size over
+/// the median request; anchor: Mooncake's read of the same blocks) and
+/// `peers.mooncake.{read,write}_<size>_tcp`.
+pub(crate) fn request_blocks(
+    root: &Path,
+    prepared: &Prepared,
+    peer_bench: &Path,
+    quick: bool,
+    round: &str,
+    started: Instant,
+) -> Result<Vec<Figure>> {
+    let schedule = request_schedule(quick);
+    let plan: Vec<String> = REQUEST_SIZES
+        .iter()
+        .map(|&(label, bytes, ..)| {
+            format!("{label}:{bytes}:{}", requests_per_round(&schedule, label))
+        })
+        .collect();
+    let log = root.join("target").join("bench").join("peers-mooncake.log");
+    std::fs::create_dir_all(log.parent().context("log folder")?)?;
+    let mut kvcr = BlockServer::start(
+        "kvcr's peer bench",
+        Command::new(peer_bench).current_dir(root).args([
+            "--bench",
+            "--request-blocks",
+            &plan.join(","),
+        ]),
+    )?;
+    let mut mooncake = BlockServer::start(
+        "Mooncake's driver",
+        driver(
+            &prepared.dir.join("mooncake").join("bin/python"),
+            &root.join("xtask/peers/mooncake_tcp.py"),
+            quick,
+            prepared.isolated,
+        )
+        .arg("--blocks")
+        .stderr(std::fs::File::create(&log)?),
+    )
+    .with_context(|| format!("see {}", log.display()))?;
+    let mut samples: BTreeMap<(&str, &str), Vec<f64>> = BTreeMap::new();
+    for block in &schedule {
+        let mut run = |server: &mut BlockServer, side: &'static str| -> Result<()> {
+            for (name, values) in server.block(block.label, block.requests)? {
+                let key = match (side, name.as_str()) {
+                    ("kvcr", "") => "kvcr",
+                    ("mooncake", "read") => "read",
+                    ("mooncake", "write") => "write",
+                    _ => bail!("{side} answered an unknown list {name:?}"),
+                };
+                samples
+                    .entry((block.label, key))
+                    .or_default()
+                    .extend(values);
+            }
+            Ok(())
+        };
+        if block.kvcr_first {
+            run(&mut kvcr, "kvcr")?;
+            run(&mut mooncake, "mooncake")?;
+        } else {
+            run(&mut mooncake, "mooncake")?;
+            run(&mut kvcr, "kvcr")?;
+        }
+    }
+    drop((kvcr, mooncake));
+    let mut figures = Vec::new();
+    for &(label, bytes, ..) in REQUEST_SIZES {
+        let gbs = |key: &str| -> Result<f64> {
+            let med = samples
+                .get(&(label, key))
+                .and_then(|s| median(s))
+                .with_context(|| format!("no {key} samples of {label}"))?;
+            Ok(bytes as f64 / med / 1e3)
+        };
+        let (kvcr, read, write) = (gbs("kvcr")?, gbs("read")?, gbs("write")?);
+        let count = requests_per_round(&schedule, label);
+        eprintln!(
+            "[{:6.1} s] {round} requests of {label} in alternating blocks ({count} each): \
+             kvcr {kvcr:.3} GB/s, Mooncake read {read:.3}, write {write:.3}",
+            started.elapsed().as_secs_f64()
+        );
+        let figure = |name: String, value: f64, anchor: Option<f64>| Figure {
+            name,
+            unit: "GB/s".to_owned(),
+            value,
+            anchor,
+        };
+        figures.push(figure(
+            format!("peer.request_{label}_tcp"),
+            kvcr,
+            Some(read),
+        ));
+        figures.push(figure(
+            format!("peers.mooncake.read_{label}_tcp"),
+            read,
+            None,
+        ));
+        figures.push(figure(
+            format!("peers.mooncake.write_{label}_tcp"),
+            write,
+            None,
+        ));
+    }
+    Ok(figures)
+}
 
 /// Runs the given peers' drivers once (one round, next to kvcr's binaries
 /// of the same round); returns their figures and latency distributions.
@@ -394,6 +654,73 @@ pub(crate) fn bench_lines(summaries: &[Summary]) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_size_gives_both_sides_the_same_blocks_first_in_turn() {
+        for quick in [true, false] {
+            let schedule = request_schedule(quick);
+            for &(label, _, quick_blocks, requests) in REQUEST_SIZES {
+                let blocks: Vec<&Block> = schedule.iter().filter(|b| b.label == label).collect();
+                let n = if quick {
+                    quick_blocks
+                } else {
+                    3 * quick_blocks
+                };
+                assert_eq!(blocks.len(), n, "{label}");
+                assert!(
+                    n % 2 == 0,
+                    "{label}: as many blocks with kvcr first as second"
+                );
+                assert!(blocks.iter().all(|b| b.requests == requests));
+                let kvcr_first = blocks.iter().filter(|b| b.kvcr_first).count();
+                assert_eq!(kvcr_first * 2, n, "{label}: kvcr first in half the blocks");
+                assert!(
+                    blocks
+                        .windows(2)
+                        .all(|w| w[0].kvcr_first != w[1].kvcr_first),
+                    "{label}: the order alternates block by block"
+                );
+                assert_eq!(requests_per_round(&schedule, label), n * requests);
+            }
+            // Sizes run one after another, not interleaved with each other.
+            let labels: Vec<&str> = schedule.iter().map(|b| b.label).collect();
+            let mut runs = labels.clone();
+            runs.dedup();
+            assert_eq!(runs.len(), REQUEST_SIZES.len());
+        }
+    }
+
+    #[test]
+    fn samples_lines_parse_named_and_unnamed_lists() {
+        let kvcr = parse_samples("SAMPLES 64kib 41.5,40.2,55.0", "64kib").unwrap();
+        assert_eq!(kvcr[""], vec![41.5, 40.2, 55.0]);
+        let moon = parse_samples("SAMPLES 1mib write=900.1,950 read=1200,1100.5", "1mib").unwrap();
+        assert_eq!(moon["write"], vec![900.1, 950.0]);
+        assert_eq!(moon["read"], vec![1200.0, 1100.5]);
+        assert_eq!(moon.len(), 2);
+    }
+
+    #[test]
+    fn bad_samples_lines_are_errors() {
+        for (line, label) in [
+            ("SAMPLES 1mib 1,2", "64kib"),            // another size
+            ("SAMPLE 64kib 1,2", "64kib"),            // not a samples line
+            ("SAMPLES 64kib 1,x", "64kib"),           // not a number
+            ("SAMPLES 64kib 1,0", "64kib"),           // a zero time
+            ("SAMPLES 64kib 1,inf", "64kib"),         // not finite
+            ("SAMPLES 64kib read=1 read=2", "64kib"), // a list twice
+            ("SAMPLES 64kib 1,,2", "64kib"),          // an empty sample
+        ] {
+            assert!(parse_samples(line, label).is_err(), "{line:?} parsed");
+        }
+    }
+
+    #[test]
+    fn median_takes_the_upper_middle() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), Some(3.0));
+        assert_eq!(median(&[]), None);
+    }
 
     fn figure(name: &str, value: f64) -> Figure {
         Figure {
