@@ -9,8 +9,9 @@
 //! The report gives, for every figure, the median over the rounds and the
 //! spread (min–max), beside its anchor and the ratio (each round's ratio is
 //! taken inside that round, so the anchor shares the figure's noise).
-//! `--peers` adds the reference Python runner and Mooncake's transfer engine
-//! measured right after kvcr's figures (see `peers.rs`).
+//! `--peers` adds the reference Python runner, measured after kvcr's
+//! figures, and Mooncake's transfer engine, whose one-key transfers run in
+//! blocks alternating with kvcr's (see `peers.rs`).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -223,7 +224,7 @@ const ANCHOR_WHAT: &[(&str, &str)] = &[
     ),
     (
         "peer.request_",
-        "`ucx_perftest` put_bw at the same size, tcp",
+        "Mooncake's TCP read of the same size, in blocks alternating with kvcr's (`--peers`)",
     ),
     (
         "peer.request_64kib_tcp_contended_p50",

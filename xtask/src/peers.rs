@@ -1,6 +1,8 @@
 //! `cargo xtask bench --peers`: the reference Python KV Cache Runner (kvcr
 //! 0.1.1) and Mooncake's transfer engine (TCP) on the workloads kvcr's
-//! benches measure, run right after them, and a side-by-side table.
+//! benches measure, in the same rounds, and a side-by-side table. kvcr's
+//! one-key TCP requests and Mooncake's run in alternating blocks of each
+//! size (`request_blocks`); the reference runner runs after kvcr's figures.
 //!
 //! Both are installed once into venvs under `target/peers-venv` by
 //! `xtask/peers/setup.sh`; our drivers (`xtask/peers/*.py`) print `BENCH
@@ -95,8 +97,8 @@ pub(crate) type Driver = (&'static str, &'static str);
 pub(crate) const REFERENCE: Driver = ("reference", "reference_runner.py");
 
 /// Mooncake's transfer engine driver: its one-key TCP transfers are
-/// compared with kvcr's `peer.request_*_tcp`, so a round runs it right
-/// after kvcr's `peer` benchmark (see `bench::run`).
+/// compared with kvcr's `peer.request_*_tcp`, block for block with kvcr's
+/// (`request_blocks`, called by `bench::run` after the `peer` benchmark).
 pub(crate) const MOONCAKE: Driver = ("mooncake", "mooncake_tcp.py");
 
 /// The sizes of the one-key-per-request comparison (`peer.request_*_tcp`
@@ -542,9 +544,9 @@ pub(crate) fn render(summaries: &[Summary], isolated: bool) -> (String, String) 
         out,
         "The reference runner (kvcr 0.1.1 from PyPI: NIXL 1.5.0 with its bundled UCX) \
          and Mooncake's transfer engine (0.3.13.post1, non-CUDA, TCP transport, \
-         P2P handshake) ran in every round next to kvcr's benchmarks (Mooncake right after \
-         kvcr's `peer` benchmark, whose one-key transfers it is compared with; the reference \
-         runner after all of kvcr's), each {}, with our \
+         P2P handshake) ran in every round next to kvcr's benchmarks (Mooncake's one-key transfers \
+         in blocks alternating with kvcr's of the same size, right after kvcr's `peer` \
+         benchmark; the reference runner after all of kvcr's), each {}, with our \
          drivers in `xtask/peers/`. Every transfer checks its bytes. Every cell is the median \
          over the rounds (min–max) of each run's own median. \"kvcr ×\" is how many times better \
          kvcr is (higher throughput or lower latency; below 1 means the peer is better).\n",
