@@ -14,8 +14,9 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::time::Instant;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
@@ -187,17 +188,39 @@ fn median(samples: &[f64]) -> Option<f64> {
 }
 
 /// A process serving blocks of requests on command (`READY`, then a
-/// `SAMPLES` line for each `<label> <count>` line). Dropping it closes its
-/// stdin, which ends it, and waits for it.
+/// `SAMPLES` line for each `<label> <count>` line). A server that says
+/// nothing for [`BlockServer::SILENCE`] fails the bench instead of hanging
+/// it. Dropping it closes its stdin, which ends it, waits for it a while
+/// ([`BlockServer::EXIT_GRACE`]), and then kills it.
 struct BlockServer {
     name: &'static str,
+    silence: Duration,
+    exit_grace: Duration,
     child: Child,
     stdin: Option<ChildStdin>,
-    lines: std::io::Lines<BufReader<ChildStdout>>,
+    /// Its stdout's lines, read on a thread of their own so that a wait can
+    /// time out (`None` once stdout closed or failed).
+    lines: mpsc::Receiver<std::io::Result<String>>,
 }
 
 impl BlockServer {
+    /// The longest a server may stay silent: its start (a source and
+    /// target per size, warmed up) or one block (`REQUEST_SIZES`: at most
+    /// 50 requests, or 5 of 16 MiB); a healthy one takes a few seconds.
+    const SILENCE: Duration = Duration::from_secs(120);
+    /// How long a server closed on its stdin may take to exit.
+    const EXIT_GRACE: Duration = Duration::from_secs(10);
+
     fn start(name: &'static str, cmd: &mut Command) -> Result<Self> {
+        Self::start_with(name, cmd, Self::SILENCE, Self::EXIT_GRACE)
+    }
+
+    fn start_with(
+        name: &'static str,
+        cmd: &mut Command,
+        silence: Duration,
+        exit_grace: Duration,
+    ) -> Result<Self> {
         let mut child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -205,18 +228,43 @@ impl BlockServer {
             .with_context(|| format!("could not start {}", crate::show(cmd)))?;
         let stdin = child.stdin.take();
         let stdout = child.stdout.take().context("no stdout")?;
-        let mut server = Self {
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let failed = line.is_err();
+                if tx.send(line).is_err() || failed {
+                    break;
+                }
+            }
+        });
+        let server = Self {
             name,
+            silence,
+            exit_grace,
             child,
             stdin,
-            lines: BufReader::new(stdout).lines(),
+            lines,
         };
         loop {
-            match server.lines.next().transpose()? {
+            match server.next_line("starting")? {
                 Some(line) if line == "READY" => return Ok(server),
                 Some(_) => {}
                 None => bail!("{name} exited before it was ready"),
             }
+        }
+    }
+
+    /// The server's next line (`None`: it closed its stdout), or an error
+    /// after its silence limit.
+    fn next_line(&self, doing: &str) -> Result<Option<String>> {
+        match self.lines.recv_timeout(self.silence) {
+            Ok(line) => Ok(Some(line?)),
+            Err(mpsc::RecvTimeoutError::Disconnected) => Ok(None),
+            Err(mpsc::RecvTimeoutError::Timeout) => bail!(
+                "{} said nothing for {:?} while {doing}",
+                self.name,
+                self.silence
+            ),
         }
     }
 
@@ -225,9 +273,7 @@ impl BlockServer {
         writeln!(stdin, "{label} {requests}")?;
         stdin.flush()?;
         let line = self
-            .lines
-            .next()
-            .transpose()?
+            .next_line(&format!("serving {requests} requests of {label}"))?
             .with_context(|| format!("{} exited during a block of {label}", self.name))?;
         let lists = parse_samples(&line, label)?;
         for (name, samples) in &lists {
@@ -243,10 +289,31 @@ impl BlockServer {
     }
 }
 
+impl BlockServer {
+    /// Closes its stdin and waits for it to exit, killing it after its
+    /// grace; its exit status (`None` if waiting failed).
+    fn shut(&mut self) -> Option<std::process::ExitStatus> {
+        drop(self.stdin.take());
+        let deadline = Instant::now() + self.exit_grace;
+        while Instant::now() < deadline {
+            match self.child.try_wait() {
+                Ok(Some(status)) => return Some(status),
+                Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+                Err(_) => return None,
+            }
+        }
+        eprintln!(
+            "xtask bench: {} did not exit {:?} after its stdin closed; killing it",
+            self.name, self.exit_grace
+        );
+        let _ = self.child.kill();
+        self.child.wait().ok()
+    }
+}
+
 impl Drop for BlockServer {
     fn drop(&mut self) {
-        drop(self.stdin.take());
-        let _ = self.child.wait();
+        self.shut();
     }
 }
 
@@ -656,6 +723,59 @@ pub(crate) fn bench_lines(summaries: &[Summary]) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// SIGKILL's number (9 on every Linux architecture).
+    const SIGKILL: i32 = 9;
+
+    /// A block server played by `sh -c script`.
+    fn shell_server(script: &str, silence_ms: u64, grace_ms: u64) -> Result<BlockServer> {
+        BlockServer::start_with(
+            "test server",
+            Command::new("sh").args(["-c", script]),
+            Duration::from_millis(silence_ms),
+            Duration::from_millis(grace_ms),
+        )
+    }
+
+    #[test]
+    fn a_block_server_answers_blocks_and_ends_with_its_stdin() {
+        let mut server = shell_server(
+            "echo noise; echo READY; while read label n; do echo \"SAMPLES $label 1.5,2.5\"; done",
+            10_000,
+            10_000,
+        )
+        .unwrap();
+        let lists = server.block("64kib", 2).unwrap();
+        assert_eq!(lists[""], vec![1.5, 2.5]);
+        // Two samples answered for three asked is an error, not a figure.
+        let err = server.block("64kib", 3).unwrap_err();
+        assert!(err.to_string().contains("answered 2 samples"), "{err:#}");
+        let status = server.shut().unwrap();
+        assert!(status.success(), "closed stdin ends it: {status}");
+    }
+
+    #[test]
+    fn a_block_server_that_exits_or_stays_silent_is_an_error() {
+        let err = shell_server("exit 0", 10_000, 10_000).err().unwrap();
+        assert!(
+            err.to_string().contains("exited before it was ready"),
+            "{err:#}"
+        );
+        let err = shell_server("sleep 30", 200, 100).err().unwrap();
+        assert!(err.to_string().contains("said nothing"), "{err:#}");
+        let mut server = shell_server("echo READY; read line; sleep 30", 200, 100).unwrap();
+        let err = server.block("1mib", 1).unwrap_err();
+        assert!(err.to_string().contains("said nothing"), "{err:#}");
+    }
+
+    #[test]
+    fn a_block_server_that_ignores_its_closed_stdin_is_killed() {
+        // `exec sleep` ignores stdin: only the kill after the grace ends it.
+        use std::os::unix::process::ExitStatusExt as _;
+        let mut server = shell_server("echo READY; exec sleep 30", 10_000, 100).unwrap();
+        let status = server.shut().unwrap();
+        assert_eq!(status.signal(), Some(SIGKILL), "{status}");
+    }
 
     #[test]
     fn each_size_gives_both_sides_the_same_blocks_first_in_turn() {
