@@ -140,6 +140,44 @@ pub(crate) fn run(cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
+/// A child's stdout, line by line, read on a thread of its own so that a
+/// wait for the next line can time out (`recv_timeout`); the channel
+/// disconnects when stdout closes or a read fails.
+fn stdout_lines(stdout: std::process::ChildStdout) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead as _;
+    let (tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    lines
+}
+
+/// Waits up to `grace` for `child` to exit (std has no wait with a
+/// timeout, so this polls), then kills it; its exit status (`None` if
+/// waiting failed).
+fn wait_or_kill(
+    child: &mut std::process::Child,
+    grace: std::time::Duration,
+    name: &str,
+) -> Option<std::process::ExitStatus> {
+    let start = std::time::Instant::now();
+    while start.elapsed() < grace {
+        match child.try_wait() {
+            Ok(Some(status)) => return Some(status),
+            Ok(None) => std::thread::sleep(std::time::Duration::from_millis(20)),
+            Err(_) => return None,
+        }
+    }
+    eprintln!("xtask: {name} did not exit within {grace:?}; killing it");
+    let _ = child.kill();
+    child.wait().ok()
+}
+
 fn show(cmd: &Command) -> String {
     let mut s = cmd.get_program().to_string_lossy().into_owned();
     for arg in cmd.get_args() {

@@ -8,11 +8,11 @@
 #![allow(clippy::indexing_slicing)]
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use nix::sys::signal::{Signal, kill};
@@ -255,15 +255,7 @@ impl Node {
         let mut child = cmd.spawn().with_context(|| format!("starting {name}"))?;
         let stdin = child.stdin.take().context("stdin")?;
         let stdout = child.stdout.take().context("stdout")?;
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = crate::stdout_lines(stdout);
         let mut node = Self {
             name: name.to_owned(),
             child,
@@ -383,16 +375,6 @@ impl Drop for Node {
         }
         let _ = self.send(&json!({"cmd": "exit"}));
         self.stdin = None;
-        let start = Instant::now();
-        while start.elapsed() < EXIT_BOUND {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            // Polling a child's exit: std has no wait with a timeout.
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        eprintln!("xtask: {} did not exit; killing it", self.name);
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        crate::wait_or_kill(&mut self.child, EXIT_BOUND, &self.name);
     }
 }

@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::io::{BufRead as _, BufReader, Write as _};
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
@@ -198,9 +198,8 @@ struct BlockServer {
     exit_grace: Duration,
     child: Child,
     stdin: Option<ChildStdin>,
-    /// Its stdout's lines, read on a thread of their own so that a wait can
-    /// time out (`None` once stdout closed or failed).
-    lines: mpsc::Receiver<std::io::Result<String>>,
+    /// Its stdout's lines (`crate::stdout_lines`).
+    lines: mpsc::Receiver<String>,
 }
 
 impl BlockServer {
@@ -228,15 +227,7 @@ impl BlockServer {
             .with_context(|| format!("could not start {}", crate::show(cmd)))?;
         let stdin = child.stdin.take();
         let stdout = child.stdout.take().context("no stdout")?;
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let failed = line.is_err();
-                if tx.send(line).is_err() || failed {
-                    break;
-                }
-            }
-        });
+        let lines = crate::stdout_lines(stdout);
         let server = Self {
             name,
             silence,
@@ -258,7 +249,7 @@ impl BlockServer {
     /// after its silence limit.
     fn next_line(&self, doing: &str) -> Result<Option<String>> {
         match self.lines.recv_timeout(self.silence) {
-            Ok(line) => Ok(Some(line?)),
+            Ok(line) => Ok(Some(line)),
             Err(mpsc::RecvTimeoutError::Disconnected) => Ok(None),
             Err(mpsc::RecvTimeoutError::Timeout) => bail!(
                 "{} said nothing for {:?} while {doing}",
@@ -287,27 +278,12 @@ impl BlockServer {
         }
         Ok(lists)
     }
-}
 
-impl BlockServer {
     /// Closes its stdin and waits for it to exit, killing it after its
     /// grace; its exit status (`None` if waiting failed).
     fn shut(&mut self) -> Option<std::process::ExitStatus> {
         drop(self.stdin.take());
-        let deadline = Instant::now() + self.exit_grace;
-        while Instant::now() < deadline {
-            match self.child.try_wait() {
-                Ok(Some(status)) => return Some(status),
-                Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-                Err(_) => return None,
-            }
-        }
-        eprintln!(
-            "xtask bench: {} did not exit {:?} after its stdin closed; killing it",
-            self.name, self.exit_grace
-        );
-        let _ = self.child.kill();
-        self.child.wait().ok()
+        crate::wait_or_kill(&mut self.child, self.exit_grace, self.name)
     }
 }
 
@@ -761,9 +737,9 @@ mod tests {
             err.to_string().contains("exited before it was ready"),
             "{err:#}"
         );
-        let err = shell_server("sleep 30", 200, 100).err().unwrap();
+        let err = shell_server("exec sleep 30", 200, 100).err().unwrap();
         assert!(err.to_string().contains("said nothing"), "{err:#}");
-        let mut server = shell_server("echo READY; read line; sleep 30", 200, 100).unwrap();
+        let mut server = shell_server("echo READY; read line; exec sleep 30", 200, 100).unwrap();
         let err = server.block("1mib", 1).unwrap_err();
         assert!(err.to_string().contains("said nothing"), "{err:#}");
     }
