@@ -203,7 +203,8 @@ fn forge_records(files: &[(u64, std::fs::File)], round: u64) {
 /// doorbell's slots, as it can its pools: a record not sealed with the key
 /// of the session the operation went out on is refused (had one been taken,
 /// its claim of no key landed would fail the restore), and every restore
-/// completes byte-exact on the source's own record or its `write_done`.
+/// completes byte-exact on the source's own record or its `write_done`,
+/// whichever the target sees first.
 #[test]
 fn forged_doorbell_records_are_refused() {
     let _serial = crate::serial();
@@ -231,9 +232,25 @@ fn forged_doorbell_records_are_refused() {
             .collect();
         target.runner.release(&handles);
     }
+    // Every write rang over a forged record (the source counts a ring just
+    // after writing it, so the target may have finished first), and the
+    // target read forged records and refused them. Whether the target then
+    // took the source's own record or its `write_done` is a race it runs
+    // only while it spins; a target on a contended host sleeps on its
+    // socket instead, so the count of records taken is not asserted here
+    // (`doorbell::tests::a_record_is_taken_only_as_its_sessions_reply`
+    // covers taking). Either way the restores above were byte-exact.
+    crate::wait_until(
+        "the source to count its rings",
+        Duration::from_secs(5),
+        || source.runner.control_stats().doorbells_rung == keys.len() as u64,
+    );
     let stats = target.runner.control_stats();
     assert!(stats.doorbells_refused >= 1, "{stats:?}");
-    assert!(stats.doorbells_taken >= 1, "{stats:?}");
+    assert!(
+        stats.doorbells_taken <= keys.len() as u64,
+        "more records taken than operations: {stats:?}"
+    );
     target.runner.check_invariants().unwrap();
 }
 
