@@ -739,7 +739,9 @@ mod tests {
         );
         let err = shell_server("exec sleep 30", 200, 100).err().unwrap();
         assert!(err.to_string().contains("said nothing"), "{err:#}");
-        let mut server = shell_server("echo READY; read line; exec sleep 30", 200, 100).unwrap();
+        // The silence limit covers the start too: long enough for `sh` to
+        // say READY on a loaded machine.
+        let mut server = shell_server("echo READY; read line; exec sleep 30", 2_000, 100).unwrap();
         let err = server.block("1mib", 1).unwrap_err();
         assert!(err.to_string().contains("said nothing"), "{err:#}");
     }

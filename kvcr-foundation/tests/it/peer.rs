@@ -395,14 +395,15 @@ fn forgetting_a_peer_closes_its_socket() {
     );
     assert_eq!(sockets(&source.runner), 1, "the source dialed nothing back");
     target.runner.forget_peer(source.runner.endpoint().unwrap());
-    // Socket closure has no completion to wait on: poll the count, bounded.
-    for _ in 0..200 {
-        if sockets(&target.runner) == 0 && sockets(&source.runner) == 0 {
-            break;
-        }
-        #[allow(clippy::disallowed_methods)]
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    assert_eq!(sockets(&target.runner), 0, "the dialed socket is closed");
-    assert_eq!(sockets(&source.runner), 0, "and the source saw it close");
+    // Socket closure has no completion to wait on: poll the counts, bounded.
+    crate::wait_until(
+        "the dialed socket to close",
+        Duration::from_secs(10),
+        || sockets(&target.runner) == 0,
+    );
+    crate::wait_until(
+        "the source to see it close",
+        Duration::from_secs(10),
+        || sockets(&source.runner) == 0,
+    );
 }

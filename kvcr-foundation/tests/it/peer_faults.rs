@@ -144,8 +144,7 @@ struct Target {
 
 impl Target {
     fn start(tls: &str, block: usize, blocks: u32, timeout: Duration, abandon: Duration) -> Self {
-        let mut options = PeerOptions::loopback();
-        options.ucx_tls = Some(tls.to_owned());
+        let mut options = peer_options(tls);
         options.abandon_timeout = Some(abandon);
         let config = RunnerConfig {
             operation_timeout: timeout,
@@ -197,6 +196,18 @@ impl Target {
     fn free_slots(&self) -> u32 {
         self.runner.stats().pools[0].free_slots
     }
+}
+
+/// Loopback peer options over UCX transports `tls`. A list without shared
+/// memory (`tcp,self`) also turns the same-host mapping off, on both sides,
+/// so that case's bytes really cross tcp: otherwise two processes of one
+/// host write each other's pools with one copy whatever UCX would use, and
+/// a "tcp" case would test the shared-memory route twice.
+fn peer_options(tls: &str) -> PeerOptions {
+    let mut options = PeerOptions::loopback();
+    options.ucx_tls = Some(tls.to_owned());
+    options.same_host_mapping = !tls.split(',').all(|t| t == "tcp" || t == "self");
+    options
 }
 
 fn statuses(result: &OpResult) -> Vec<EntryStatus> {
@@ -260,8 +271,7 @@ fn source_process() {
     for (k, page) in host.chunks_mut(spec.block).enumerate() {
         fill_page(page, spec.seed, k as u64);
     }
-    let mut options = PeerOptions::loopback();
-    options.ucx_tls = Some(spec.tls.clone());
+    let mut options = peer_options(&spec.tls);
     options.bind.port = spec.port;
     let config = RunnerConfig {
         operation_timeout: Duration::from_millis(spec.timeout_ms),
@@ -498,6 +508,10 @@ fn two_process_deliveries(#[case] tls: &str) {
 
     assert_eq!(target.runner.peer_stats().0.keys_received, 6);
     assert_eq!(source.stats(), (6, 0), "(keys sent, refused) at the source");
+    // The route each case names: over tcp, a write of one 256 KiB page
+    // arrives as UCX messages; through a mapping, nothing does.
+    let messages = target.runner.control_stats().write_messages_taken;
+    assert_eq!(messages > 0, tls.starts_with("tcp"), "{messages} messages");
     assert!(target.notices().is_empty());
     target.runner.check_invariants().unwrap();
 }
@@ -681,19 +695,29 @@ fn source_stopped_before_answering(#[case] tls: &str) {
         block: BLOCK,
         keys: 8,
         seed: 21,
-        timeout_ms: 300,
+        // A source latches "stalled" after a whole operation timeout with
+        // no turn: shorter than the stop below (at least the target's
+        // timeout), long enough that a loaded machine's scheduling gaps do
+        // not latch it early.
+        timeout_ms: 700,
     });
+    // The warm fetch is the pair's first contact (session, metadata, UCX
+    // wire-up or mapping) and must fit the target's operation timeout.
     let mut target = Target::start(
         tls,
         BLOCK,
         SLOTS,
-        Duration::from_millis(300),
+        Duration::from_millis(1000),
         Duration::from_secs(1),
     );
     let from = source.endpoint.clone();
     let warm = target.fetch("warm", &from, &[0]);
     assert_eq!(target.check_and_release(&warm, &[0], 21), 1);
-    assert_eq!(source.stats(), (1, 0));
+    // The target may complete on the source's doorbell before the source
+    // has counted its own completion.
+    poll_until("the source to count the warm write", || {
+        (source.stats() == (1, 0)).then_some(())
+    });
 
     source.signal(libc::SIGSTOP);
     let keys: Vec<u64> = (1..5).collect();
@@ -929,8 +953,7 @@ fn assert_failed_terminal(body: &Body) {
 /// `HOSTILE_BLOCK` bytes, and the host buffer they came from (drop the
 /// runner first).
 fn hostile_test_source(tls: &str) -> (Runner, NamespaceId, Vec<u8>) {
-    let mut options = PeerOptions::loopback();
-    options.ucx_tls = Some(tls.to_owned());
+    let options = peer_options(tls);
     let config = RunnerConfig {
         operation_timeout: Duration::from_secs(5),
         ..RunnerConfig::single_pool("kv", HOSTILE_BLOCK as u64, 8)
