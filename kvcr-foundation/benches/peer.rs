@@ -12,7 +12,8 @@
 //! distributions (beside two busy loops), and `-- --bench --tcp-bulk` the
 //! 16 MiB TCP bandwidth figure alone. `-- --bench --request-blocks <plan>`
 //! serves `cargo xtask bench --peers`, which alternates kvcr's one-key
-//! requests with Mooncake's in blocks.
+//! requests with Mooncake's in blocks, each beside the same requests over a
+//! plain TCP socket (the host's loopback ceiling).
 
 #![allow(clippy::disallowed_methods)] // a benchmark reads the clock and sleeps
 #![allow(
@@ -359,14 +360,97 @@ impl Requests {
     }
 }
 
+/// The ceiling beside a series of one-key requests over TCP: one plain
+/// loopback TCP connection, no protocol at all. A server thread answers
+/// each request (an 8-byte page index) with that page of its own buffer of
+/// distinct pages, as a source holds distinct keys; the client reads each
+/// answer into a destination page (prefaulted, reused after 64, as the
+/// target's pool slots are). What one request at a time of this size can
+/// get from this host's loopback TCP, against which both kvcr's requests
+/// and Mooncake's read are measured in the same blocks.
+struct PlainSocket {
+    stream: std::net::TcpStream,
+    destination: Vec<u8>,
+    block: usize,
+    next_page: usize,
+    pages: usize,
+    // Ends when the stream closes (dropped first).
+    server: Option<std::thread::JoinHandle<()>>,
+}
+
+impl PlainSocket {
+    fn start(block: usize, pages: usize) -> Self {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        let mut source = vec![0u8; block * pages];
+        fill_pattern(&mut source, 0);
+        let server = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            stream.set_nodelay(true).unwrap();
+            let mut index = [0u8; 8];
+            while stream.read_exact(&mut index).is_ok() {
+                let page = usize::try_from(u64::from_le_bytes(index)).unwrap();
+                stream
+                    .write_all(&source[page * block..(page + 1) * block])
+                    .unwrap();
+            }
+        });
+        let stream = std::net::TcpStream::connect(address).unwrap();
+        stream.set_nodelay(true).unwrap();
+        let mut socket = Self {
+            stream,
+            destination: vec![1u8; block * pages.min(64)],
+            block,
+            next_page: 0,
+            pages,
+            server: Some(server),
+        };
+        // Warm up as the kvcr series does: one request outside the figures.
+        socket.next();
+        socket.next_page = 0;
+        socket
+    }
+
+    /// Reads the next page; returns µs (its bytes checked after the timing).
+    fn next(&mut self) -> f64 {
+        use std::io::{Read, Write};
+        let page = self.next_page;
+        assert!(page < self.pages, "more requests than the server holds");
+        self.next_page += 1;
+        let slot = page % (self.destination.len() / self.block);
+        let into = &mut self.destination[slot * self.block..(slot + 1) * self.block];
+        let start = Instant::now();
+        self.stream.write_all(&(page as u64).to_le_bytes()).unwrap();
+        self.stream.read_exact(into).unwrap();
+        let secs = start.elapsed().as_secs_f64();
+        if let Some(at) = pattern_mismatch(into, page * self.block) {
+            panic!("plain socket page {page}: byte {at} differs");
+        }
+        secs * 1e6
+    }
+}
+
+impl Drop for PlainSocket {
+    fn drop(&mut self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        if let Some(server) = self.server.take() {
+            let _ = server.join();
+        }
+    }
+}
+
 /// Serves `cargo xtask bench --peers`: for each `label:bytes:requests` of
-/// `plan`, a source and target of its own, warmed up; prints `READY`, then
-/// for each line `<label> <count>` on stdin fetches the next `count` keys of
-/// that size and prints `SAMPLES <label> <µs>,<µs>,…`, until stdin closes.
-/// xtask alternates these blocks with the same blocks of Mooncake's driver,
-/// so a slow stretch of a shared host falls on both sides of a comparison.
+/// `plan`, a source and target of its own, warmed up, and a plain socket
+/// pair ([`PlainSocket`]); prints `READY`, then for each line
+/// `<label> <count>` on stdin fetches the next `count` keys of that size,
+/// reads as many pages through the plain socket (which goes first
+/// alternates), and prints `SAMPLES <label> <µs>,… socket=<µs>,…`, until
+/// stdin closes. xtask alternates these blocks with the same blocks of
+/// Mooncake's driver, so a slow stretch of a shared host falls on every
+/// side of a comparison.
 fn request_blocks(path: Path<'_>, plan: &str) {
-    let mut series: Vec<(String, Requests)> = plan
+    let mut series: Vec<(String, Requests, PlainSocket)> = plan
         .split(',')
         .map(|entry| {
             let mut fields = entry.split(':');
@@ -377,9 +461,14 @@ fn request_blocks(path: Path<'_>, plan: &str) {
             };
             let bytes: usize = bytes.parse().expect("--request-blocks: bytes");
             let requests: usize = requests.parse().expect("--request-blocks: requests");
-            (label.to_owned(), Requests::start(path, bytes, requests))
+            (
+                label.to_owned(),
+                Requests::start(path, bytes, requests),
+                PlainSocket::start(bytes, requests),
+            )
         })
         .collect();
+    let mut socket_first = false;
     println!("READY");
     std::io::stdout().flush().unwrap();
     for line in std::io::stdin().lock().lines() {
@@ -388,13 +477,22 @@ fn request_blocks(path: Path<'_>, plan: &str) {
             panic!("--request-blocks: {line:?} is not `<label> <count>`");
         };
         let count: usize = count.trim().parse().expect("--request-blocks: count");
-        let Some((_, requests)) = series.iter_mut().find(|(l, _)| l == label) else {
+        let Some((_, requests, socket)) = series.iter_mut().find(|(l, ..)| l == label) else {
             panic!("--request-blocks: no series {label:?}");
         };
-        let samples: Vec<String> = (0..count)
-            .map(|_| format!("{:.1}", requests.next()))
-            .collect();
-        println!("SAMPLES {label} {}", samples.join(","));
+        let run = |next: &mut dyn FnMut() -> f64| -> String {
+            let samples: Vec<String> = (0..count).map(|_| format!("{:.1}", next())).collect();
+            samples.join(",")
+        };
+        socket_first = !socket_first;
+        let (kvcr, plain) = if socket_first {
+            let plain = run(&mut || socket.next());
+            (run(&mut || requests.next()), plain)
+        } else {
+            let kvcr = run(&mut || requests.next());
+            (kvcr, run(&mut || socket.next()))
+        };
+        println!("SAMPLES {label} {kvcr} socket={plain}");
         std::io::stdout().flush().unwrap();
     }
 }

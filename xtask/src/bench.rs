@@ -227,6 +227,18 @@ const ANCHOR_WHAT: &[(&str, &str)] = &[
         "Mooncake's TCP read of the same size, in blocks alternating with kvcr's (`--peers`)",
     ),
     (
+        "peer.request_64kib_tcp_of_socket",
+        "the same requests over a plain loopback TCP socket, inside kvcr's blocks (`--peers`)",
+    ),
+    (
+        "peer.request_1mib_tcp_of_socket",
+        "the same requests over a plain loopback TCP socket, inside kvcr's blocks (`--peers`)",
+    ),
+    (
+        "peer.request_16mib_tcp_of_socket",
+        "the same requests over a plain loopback TCP socket, inside kvcr's blocks (`--peers`)",
+    ),
+    (
         "peer.request_64kib_tcp_contended_p50",
         "the same requests without the two busy loops",
     ),
@@ -968,6 +980,19 @@ mod tests {
                 high: 1.0
             }
         );
+    }
+
+    /// Every size's one-key requests name their anchors: Mooncake's read
+    /// for the plain figure, the plain socket for its share of it.
+    #[rstest::rstest]
+    #[case::mooncake_64k("peer.request_64kib_tcp", "Mooncake's TCP read")]
+    #[case::mooncake_16m("peer.request_16mib_tcp", "Mooncake's TCP read")]
+    #[case::socket_64k("peer.request_64kib_tcp_of_socket", "plain loopback TCP socket")]
+    #[case::socket_1m("peer.request_1mib_tcp_of_socket", "plain loopback TCP socket")]
+    #[case::socket_16m("peer.request_16mib_tcp_of_socket", "plain loopback TCP socket")]
+    fn request_figures_name_their_anchor(#[case] name: &str, #[case] anchor: &str) {
+        let what = anchor_what(name).unwrap();
+        assert!(what.contains(anchor), "{name}: {what}");
     }
 
     #[test]

@@ -296,8 +296,11 @@ impl Drop for BlockServer {
 /// kvcr's one-key requests (`peer` bench binary `peer_bench`) and Mooncake's
 /// TCP transfers, in alternating blocks of the same size
 /// (`request_schedule`): `peer.request_<size>_tcp` (GB/s: the size over
-/// the median request; anchor: Mooncake's read of the same blocks) and
-/// `peers.mooncake.{read,write}_<size>_tcp`.
+/// the median request; anchor: Mooncake's read of the same blocks),
+/// `peers.mooncake.{read,write}_<size>_tcp`, and the same requests over a
+/// plain TCP socket inside kvcr's blocks (the host's loopback ceiling):
+/// `peers.plain_socket.read_<size>_tcp` and `peer.request_<size>_tcp_of_socket`
+/// (kvcr anchored on it).
 pub(crate) fn request_blocks(
     root: &Path,
     prepared: &Prepared,
@@ -341,6 +344,7 @@ pub(crate) fn request_blocks(
             for (name, values) in server.block(block.label, block.requests)? {
                 let key = match (side, name.as_str()) {
                     ("kvcr", "") => "kvcr",
+                    ("kvcr", "socket") => "socket",
                     ("mooncake", "read") => "read",
                     ("mooncake", "write") => "write",
                     _ => bail!("{side} answered an unknown list {name:?}"),
@@ -371,10 +375,12 @@ pub(crate) fn request_blocks(
             Ok(bytes as f64 / med / 1e3)
         };
         let (kvcr, read, write) = (gbs("kvcr")?, gbs("read")?, gbs("write")?);
+        let socket = gbs("socket")?;
         let count = requests_per_round(&schedule, label);
         eprintln!(
             "[{:6.1} s] {round} requests of {label} in alternating blocks ({count} each): \
-             kvcr {kvcr:.3} GB/s, Mooncake read {read:.3}, write {write:.3}",
+             kvcr {kvcr:.3} GB/s, Mooncake read {read:.3}, write {write:.3}, \
+             plain socket {socket:.3}",
             started.elapsed().as_secs_f64()
         );
         let figure = |name: String, value: f64, anchor: Option<f64>| Figure {
@@ -397,6 +403,18 @@ pub(crate) fn request_blocks(
             format!("peers.mooncake.write_{label}_tcp"),
             write,
             None,
+        ));
+        // The host's loopback ceiling for one request at a time of this
+        // size, and kvcr's share of it.
+        figures.push(figure(
+            format!("peers.plain_socket.read_{label}_tcp"),
+            socket,
+            None,
+        ));
+        figures.push(figure(
+            format!("peer.request_{label}_tcp_of_socket"),
+            kvcr,
+            Some(socket),
         ));
     }
     Ok(figures)
