@@ -212,19 +212,22 @@ impl PutSplit {
     /// Chunks in flight on shared memory when not configured.
     pub const SHM_IN_FLIGHT: usize = 8;
 
-    /// How puts over tcp are split when nothing is configured: 128 KiB
-    /// chunks, 8 in flight (1 MiB outstanding). Measured on the 2-vCPU VM,
-    /// `peer --bench --tcp-bulk` (4 × 16 MiB per fetch, medians of 7), over
-    /// three to seven alternating runs each: whole puts, 2 in flight,
-    /// 1.84–2.87 GB/s (median 2.23); 128 KiB × 8 2.88–3.17 (3.09); 256 KiB
-    /// × 4 2.60–3.37 (2.90); 1 MiB × 2 2.53–3.42 (2.99); 4 MiB × 2
-    /// 2.12–2.56. One 1 MiB request: 526–535 µs against 469–729 whole.
-    /// On the 16-core H200 host the two are level (2.66–3.08 split, 3.07–3.31
-    /// whole, three alternating runs): splitting pays where the two peer
-    /// threads and the caller share few cores.
+    /// How puts over tcp are split when nothing is configured: 1 MiB
+    /// chunks, 4 in flight (4 MiB outstanding). UCX's tcp receiver reads a
+    /// put's header with up to a receive segment (256 KiB) of its payload
+    /// into its own buffer and copies that part out; the rest lands straight
+    /// from the socket, so the larger the chunk, the less is copied twice.
+    /// On the 16-core H200 host, one 16 MiB request against the same
+    /// request over a plain TCP socket in the same blocks (`--request-blocks`,
+    /// eight blocks per run, two leases): 1.10–1.26 × the socket's time with
+    /// 1 MiB × 4, 1.28–1.42 × with 128 KiB × 8 (the default before), 1 MiB
+    /// requests level (1.26–1.38 against 1.29–1.49). On the 2-vCPU VM the
+    /// sizes were level (`peer --bench --tcp-bulk`, 4 × 16 MiB per fetch:
+    /// 128 KiB × 8 2.88–3.17 GB/s, 1 MiB × 2 2.53–3.42; whole puts, 2 in
+    /// flight, 1.84–2.87; 4 MiB × 2 2.12–2.56).
     pub const TCP_DEFAULT: PutSplit = PutSplit {
-        chunk_bytes: 128 << 10,
-        max_chunks_in_flight: 8,
+        chunk_bytes: 1 << 20,
+        max_chunks_in_flight: 4,
     };
 
     /// Splitting on, with `chunk_bytes` chunks and the per-transport cap.
@@ -1872,7 +1875,7 @@ mod tests {
     /// Over tcp, an unconfigured runner splits its puts; any explicit
     /// setting is taken as given, and other transports keep puts whole.
     #[rstest::rstest]
-    #[case::tcp_unconfigured(0, 0, 0, true, PutSplit::TCP_DEFAULT, 8)]
+    #[case::tcp_unconfigured(0, 0, 0, true, PutSplit::TCP_DEFAULT, 4)]
     #[case::shm_unconfigured(0, 0, 0, false, PutSplit::default(), 64)]
     #[case::tcp_whole_puts_by_cap(0, 0, 2, true, PutSplit::default(), 2)]
     #[case::shm_whole_puts_by_cap(0, 0, 5, false, PutSplit::default(), 5)]
@@ -1917,12 +1920,12 @@ mod tests {
         assert_eq!(put_plan(&options, over_tcp), (split, in_flight));
     }
 
-    /// The tcp default cuts a 16 MiB page into 128 chunks that tile it.
+    /// The tcp default cuts a 16 MiB page into 16 chunks that tile it.
     #[test]
     fn the_tcp_default_cuts_a_large_page_into_small_chunks() {
         let chunks = PutSplit::TCP_DEFAULT.split(vec![span(0, 1 << 30, 16 << 20)]);
-        assert_eq!(chunks.len(), 128);
-        assert!(chunks.iter().all(|c| c.len == 128 << 10));
+        assert_eq!(chunks.len(), 16);
+        assert!(chunks.iter().all(|c| c.len == 1 << 20));
         assert_eq!(
             chunks.back().map(|c| c.remote + c.len),
             Some((1 << 30) + (16 << 20))
