@@ -213,7 +213,8 @@ impl PutSplit {
     pub const SHM_IN_FLIGHT: usize = 8;
 
     /// How puts over tcp are split when nothing is configured: 1 MiB
-    /// chunks, 4 in flight (4 MiB outstanding). UCX's tcp receiver reads a
+    /// chunks, 8 in flight (pages of 128 KiB or less keep the 8 puts in
+    /// flight they had before chunks grew from 128 KiB). UCX's tcp receiver reads a
     /// put's header with up to a receive segment (256 KiB) of its payload
     /// into its own buffer and copies that part out; the rest lands straight
     /// from the socket, so the larger the chunk, the less is copied twice.
@@ -227,7 +228,7 @@ impl PutSplit {
     /// flight, 1.84–2.87; 4 MiB × 2 2.12–2.56).
     pub const TCP_DEFAULT: PutSplit = PutSplit {
         chunk_bytes: 1 << 20,
-        max_chunks_in_flight: 4,
+        max_chunks_in_flight: 8,
     };
 
     /// Splitting on, with `chunk_bytes` chunks and the per-transport cap.
@@ -1875,7 +1876,7 @@ mod tests {
     /// Over tcp, an unconfigured runner splits its puts; any explicit
     /// setting is taken as given, and other transports keep puts whole.
     #[rstest::rstest]
-    #[case::tcp_unconfigured(0, 0, 0, true, PutSplit::TCP_DEFAULT, 4)]
+    #[case::tcp_unconfigured(0, 0, 0, true, PutSplit::TCP_DEFAULT, 8)]
     #[case::shm_unconfigured(0, 0, 0, false, PutSplit::default(), 64)]
     #[case::tcp_whole_puts_by_cap(0, 0, 2, true, PutSplit::default(), 2)]
     #[case::shm_whole_puts_by_cap(0, 0, 5, false, PutSplit::default(), 5)]
