@@ -227,15 +227,7 @@ const ANCHOR_WHAT: &[(&str, &str)] = &[
         "Mooncake's TCP read of the same size, in blocks alternating with kvcr's (`--peers`)",
     ),
     (
-        "peer.request_64kib_tcp_of_socket",
-        "the same requests over a plain loopback TCP socket, inside kvcr's blocks (`--peers`)",
-    ),
-    (
-        "peer.request_1mib_tcp_of_socket",
-        "the same requests over a plain loopback TCP socket, inside kvcr's blocks (`--peers`)",
-    ),
-    (
-        "peer.request_16mib_tcp_of_socket",
+        "peer.request_vs_socket_",
         "the same requests over a plain loopback TCP socket, inside kvcr's blocks (`--peers`)",
     ),
     (
@@ -987,9 +979,9 @@ mod tests {
     #[rstest::rstest]
     #[case::mooncake_64k("peer.request_64kib_tcp", "Mooncake's TCP read")]
     #[case::mooncake_16m("peer.request_16mib_tcp", "Mooncake's TCP read")]
-    #[case::socket_64k("peer.request_64kib_tcp_of_socket", "plain loopback TCP socket")]
-    #[case::socket_1m("peer.request_1mib_tcp_of_socket", "plain loopback TCP socket")]
-    #[case::socket_16m("peer.request_16mib_tcp_of_socket", "plain loopback TCP socket")]
+    #[case::socket_64k("peer.request_vs_socket_64kib_tcp", "plain loopback TCP socket")]
+    #[case::socket_1m("peer.request_vs_socket_1mib_tcp", "plain loopback TCP socket")]
+    #[case::socket_16m("peer.request_vs_socket_16mib_tcp", "plain loopback TCP socket")]
     fn request_figures_name_their_anchor(#[case] name: &str, #[case] anchor: &str) {
         let what = anchor_what(name).unwrap();
         assert!(what.contains(anchor), "{name}: {what}");

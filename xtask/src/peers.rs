@@ -299,7 +299,7 @@ impl Drop for BlockServer {
 /// the median request; anchor: Mooncake's read of the same blocks),
 /// `peers.mooncake.{read,write}_<size>_tcp`, and the same requests over a
 /// plain TCP socket inside kvcr's blocks (the host's loopback ceiling):
-/// `peers.plain_socket.read_<size>_tcp` and `peer.request_<size>_tcp_of_socket`
+/// `peers.plain_socket.read_<size>_tcp` and `peer.request_vs_socket_<size>_tcp`
 /// (kvcr anchored on it).
 pub(crate) fn request_blocks(
     root: &Path,
@@ -412,7 +412,7 @@ pub(crate) fn request_blocks(
             None,
         ));
         figures.push(figure(
-            format!("peer.request_{label}_tcp_of_socket"),
+            format!("peer.request_vs_socket_{label}_tcp"),
             kvcr,
             Some(socket),
         ));

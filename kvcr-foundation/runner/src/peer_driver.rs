@@ -213,20 +213,19 @@ impl PutSplit {
     pub const SHM_IN_FLIGHT: usize = 8;
 
     /// How puts over tcp are split when nothing is configured: 1 MiB
-    /// chunks, 8 in flight (pages of 128 KiB or less keep the 8 puts in
-    /// flight they had before chunks grew from 128 KiB). UCX's tcp receiver reads a
-    /// put's header with up to a receive segment (256 KiB) of its payload
-    /// into its own buffer and copies that part out; the rest lands straight
-    /// from the socket, so the larger the chunk, the less is copied twice.
-    /// On the 16-core H200 host, one 16 MiB request against the same
-    /// request over a plain TCP socket in the same blocks (`--request-blocks`,
-    /// eight blocks per run, five alternating runs): 1.08–1.38 × the
-    /// socket's time with 1 MiB × 8, 1.21–1.56 × with 128 KiB × 8 (the
-    /// default before), 1 MiB requests level (1.31–1.52 against 1.20–1.48);
-    /// `peer.fetch_16mib_tcp` 2.88–3.56 GB/s against 2.51–2.73. On the 2-vCPU VM the
-    /// sizes were level (`peer --bench --tcp-bulk`, 4 × 16 MiB per fetch:
-    /// 128 KiB × 8 2.88–3.17 GB/s, 1 MiB × 2 2.53–3.42; whole puts, 2 in
-    /// flight, 1.84–2.87; 4 MiB × 2 2.12–2.56).
+    /// chunks, 8 in flight. UCX's tcp receiver reads a put's header with up
+    /// to a receive segment (256 KiB) of its payload into its own buffer and
+    /// copies that part out; the rest lands straight from the socket, so the
+    /// larger the chunk, the less is copied twice. On the 16-core H200 host,
+    /// one 16 MiB request against the same request over a plain TCP socket
+    /// in the same blocks (`--request-blocks`, eight blocks per run, five
+    /// alternating runs): 1.08–1.38 × the socket's time with 1 MiB × 8,
+    /// 1.21–1.56 × with 128 KiB × 8 (the default before), 1 MiB requests
+    /// level (1.31–1.52 against 1.20–1.48); `peer.fetch_16mib_tcp`
+    /// 2.88–3.56 GB/s against 2.51–2.73. On the 2-vCPU VM the sizes were
+    /// level (`peer --bench --tcp-bulk`, 4 × 16 MiB per fetch: 128 KiB × 8
+    /// 2.88–3.17 GB/s, 1 MiB × 2 2.53–3.42; whole puts, 2 in flight,
+    /// 1.84–2.87; 4 MiB × 2 2.12–2.56).
     pub const TCP_DEFAULT: PutSplit = PutSplit {
         chunk_bytes: 1 << 20,
         max_chunks_in_flight: 8,

@@ -450,9 +450,9 @@ fn socket2_like_connect(from: &str, port: u16) -> Option<std::net::TcpStream> {
     })
 }
 
-/// Sends probes and ungranted writes as fast as the session takes them,
-/// never reading; returns how many frames went out.
-/// Floods `to` with requests, counting frames sent in `sent`, until `stop`.
+/// Sends probes and ungranted writes to `to` as fast as the session takes
+/// them, never reading, until `stop`; counts the frames that went out in
+/// `sent`.
 fn flood_requests(to: &ControlEndpoint, ns: NamespaceId, stop: &AtomicBool, sent: &AtomicU64) {
     while !stop.load(Ordering::Relaxed) {
         let Ok(mut client) = ControlClient::connect(
