@@ -330,9 +330,9 @@ fn check_pool_file(file: &File, token: &[u8; 16], len: u64) -> Result<()> {
 /// fast as into a mapping populated long before. The TP=2 peer hop there
 /// (8 GB per rank into fresh mappings, both ranks at once, three
 /// alternating runs) went from 12.7–14.7 GB/s per rank with write faults
-/// (`MADV_POPULATE_WRITE`, before 2026-12-03) to 15.7–19.8. Were the entries read-only
-/// on some kernel, each first write would take a cheap write-protect fault
-/// and nothing else changes.
+/// (`MADV_POPULATE_WRITE`, before 2026-12-03) to 15.7–19.8. Were the
+/// entries read-only on some kernel, each first write would take a cheap
+/// write-protect fault and nothing else changes.
 ///
 /// # Safety
 /// `addr..addr+len` must lie inside one live shared mapping of this
