@@ -76,7 +76,8 @@ use self::memory::DramPool;
 pub use self::peer_driver::{GuardOptions, PeerOptions, PutSplit};
 pub use self::placement::{
     AnonymousMemory, HugePages, MAX_NUMA_NODE, NumaBinding, NumaMode, PlacementDowngrade,
-    PlacementOutcome, PoolMemory, PoolMemoryInfo, online_nodes, transparent_huge_page_mode,
+    PlacementOutcome, PoolMemory, PoolMemoryInfo, online_nodes, shared_memory_huge_pages,
+    transparent_huge_page_mode,
 };
 pub use self::warm::WarmStart;
 use crate::error::RunnerReason;
@@ -596,6 +597,7 @@ fn pool_memory_info(
             base,
             len,
             placement,
+            huge_page_bytes: placement::huge_page_bytes(base, len),
         })
         .collect()
 }

@@ -112,6 +112,12 @@ pub struct PoolMemoryInfo {
     pub len: u64,
     /// Placement result (`None` for [`PoolMemory::Default`]).
     pub placement: Option<PlacementOutcome>,
+    /// Bytes of the pool this process had mapped with transparent huge pages
+    /// when the runner started (`/proc/self/smaps`; 0 when it cannot tell).
+    /// A peer-mode default pool has them where the host allows shared memory
+    /// huge pages ([`shared_memory_huge_pages`]); an anonymous one where
+    /// [`HugePages`] asked and the kernel gave them.
+    pub huge_page_bytes: u64,
 }
 
 /// The transparent-huge-page size on x86-64.
@@ -158,9 +164,77 @@ pub fn online_nodes() -> Vec<u16> {
 /// The THP mode (`always`, `madvise` or `never`), if the kernel has THP.
 pub fn transparent_huge_page_mode() -> Option<String> {
     let text = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok()?;
+    bracketed(&text).map(str::to_owned)
+}
+
+/// Whether the kernel may give shared memory (a peer-mode pool's memfd)
+/// transparent huge pages of 2 MiB when a mapping asks: its `shmem_enabled`
+/// mode for that size (the per-size knob, or the global one it inherits) is
+/// `always`, `within_size`, `advise` or `force`, not `never` or `deny`.
+/// `false` when the kernel does not say.
+pub fn shared_memory_huge_pages() -> bool {
+    const ROOT: &str = "/sys/kernel/mm/transparent_hugepage";
+    let mode = |path: &str| {
+        let text = std::fs::read_to_string(path).ok()?;
+        bracketed(&text).map(str::to_owned)
+    };
+    let sized = mode(&format!("{ROOT}/hugepages-2048kB/shmem_enabled"));
+    let effective = match sized.as_deref() {
+        None | Some("inherit") => mode(&format!("{ROOT}/shmem_enabled")),
+        Some(_) => sized,
+    };
+    matches!(
+        effective.as_deref(),
+        Some("always" | "within_size" | "advise" | "force")
+    )
+}
+
+/// The word in brackets, the selected one of a sysfs choice list.
+fn bracketed(text: &str) -> Option<&str> {
     let start = text.find('[')?;
     let end = text.get(start..)?.find(']')? + start;
-    text.get(start + 1..end).map(str::to_owned)
+    text.get(start + 1..end)
+}
+
+/// Bytes of `base..base+len` that this process maps with transparent huge
+/// pages, summed over the mappings in `/proc/self/smaps` that lie inside
+/// the range (`AnonHugePages`, `ShmemPmdMapped`, `FilePmdMapped`); 0 when
+/// the file cannot be read.
+pub(crate) fn huge_page_bytes(base: u64, len: u64) -> u64 {
+    std::fs::read_to_string("/proc/self/smaps")
+        .map(|text| huge_bytes_in_smaps(&text, base, base.saturating_add(len)))
+        .unwrap_or(0)
+}
+
+fn huge_bytes_in_smaps(smaps: &str, start: u64, end: u64) -> u64 {
+    let mut inside = false;
+    let mut kib = 0u64;
+    for line in smaps.lines() {
+        let mut fields = line.split_whitespace();
+        let Some(first) = fields.next() else {
+            continue;
+        };
+        if let Some((lo, hi)) = first.split_once('-').and_then(|(lo, hi)| {
+            Some((
+                u64::from_str_radix(lo, 16).ok()?,
+                u64::from_str_radix(hi, 16).ok()?,
+            ))
+        }) {
+            // A mapping's header: `lo-hi perms offset dev inode [path]`.
+            inside = lo >= start && hi <= end;
+        } else if inside
+            && matches!(
+                first,
+                "AnonHugePages:" | "ShmemPmdMapped:" | "FilePmdMapped:"
+            )
+        {
+            kib += fields
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    kib.saturating_mul(1024)
 }
 
 /// Validates a binding against the online nodes and builds its nodemask.
@@ -380,6 +454,48 @@ unsafe impl kvcr_ucx::OwnedMemory for AnonMapping {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const SMAPS: &str = "\
+7f0000000000-7f0000800000 rw-s 00000000 00:01 1234 /memfd:kvcr-pool-ab (deleted)
+Size:               8192 kB
+AnonHugePages:         0 kB
+ShmemPmdMapped:     6144 kB
+FilePmdMapped:         0 kB
+7f0000800000-7f0000a00000 rw-p 00000000 00:00 0
+Size:               2048 kB
+AnonHugePages:      2048 kB
+ShmemPmdMapped:        0 kB
+7f0001000000-7f0001200000 rw-p 00000000 00:00 0
+AnonHugePages:      2048 kB
+";
+
+    #[rstest::rstest]
+    #[case::the_shared_mapping(0x7f00_0000_0000, 0x7f00_0080_0000, 6 << 20)]
+    #[case::both_adjacent_mappings(0x7f00_0000_0000, 0x7f00_00a0_0000, 8 << 20)]
+    #[case::only_the_anonymous_one(0x7f00_0080_0000, 0x7f00_00a0_0000, 2 << 20)]
+    #[case::a_mapping_reaching_past_the_range_counts_not(0x7f00_0000_0000, 0x7f00_0070_0000, 0)]
+    #[case::nothing_there(0x1000, 0x2000, 0)]
+    fn huge_bytes_count_the_mappings_inside_the_range(
+        #[case] start: u64,
+        #[case] end: u64,
+        #[case] bytes: u64,
+    ) {
+        assert_eq!(huge_bytes_in_smaps(SMAPS, start, end), bytes);
+    }
+
+    #[test]
+    fn a_sysfs_choice_is_the_bracketed_word() {
+        assert_eq!(
+            bracketed("always within_size [advise] never deny force\n"),
+            Some("advise")
+        );
+        assert_eq!(
+            bracketed("always [inherit] within_size advise never"),
+            Some("inherit")
+        );
+        assert_eq!(bracketed("always madvise never"), None);
+        assert_eq!(bracketed("[never"), None);
+    }
 
     #[test]
     fn node_lists_parse_as_sysfs_writes_them() {
