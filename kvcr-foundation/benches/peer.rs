@@ -778,6 +778,16 @@ fn main() {
         );
         return;
     }
+    // Same-host figures depend on it: with huge pages a source's mapping of
+    // a pool is one page-table entry per 2 MiB.
+    println!(
+        "# peer: shared-memory huge pages {} on this host",
+        if kvcr_foundation::runner::shared_memory_huge_pages() {
+            "allowed (pools get them)"
+        } else {
+            "not allowed (4 KiB pages)"
+        }
+    );
     // `--one-block`: only the latency figure (for latency work).
     if std::env::args().any(|a| a == "--one-block") {
         let samples = one_block(many_lanes, 256 << 10, if quick { 100 } else { 500 });
