@@ -19,8 +19,13 @@ use crate::error::{Error, PoolMemoryReason, Result, RunnerReason};
 /// How the runner backs its pools.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum PoolMemory {
-    /// The runner's original allocation (page-aligned heap memory in local
-    /// mode, a plain anonymous mapping registered with UCX in peer mode).
+    /// The runner's original allocation: page-aligned heap memory in local
+    /// mode; in peer mode a sealed memfd mapped shared (what a same-host
+    /// source maps to write with one copy), with transparent huge pages
+    /// where the host allows them for shared memory
+    /// ([`shared_memory_huge_pages`]: the host's mode is the control), or a
+    /// plain anonymous mapping registered with UCX when
+    /// `PeerOptions::same_host_mapping` is off.
     #[default]
     Default,
     /// A process-owned anonymous mapping per pool, placed before first touch.
