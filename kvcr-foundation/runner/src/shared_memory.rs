@@ -182,11 +182,11 @@ unsafe impl kvcr_ucx::OwnedMemory for SharedPool {
 ///
 /// Where the host lets shared memory have transparent huge pages
 /// ([`crate::placement::shared_memory_huge_pages`]), a pool of 2 MiB or more
-/// is allocated as huge pages: through a mapping that asks for them
-/// (`MADV_HUGEPAGE`, which `advise`, the mode that gives them at all without
-/// backing every shared-memory file with them, requires; `fallocate` has no
-/// mapping to ask with), before the `fallocate` that allocates whatever is
-/// left. A huge page is one page-table entry for 2 MiB in every process that
+/// is allocated as huge pages. In `advise` mode (the one that does not give
+/// every shared-memory file huge pages) only a faulting mapping that asked
+/// (`MADV_HUGEPAGE`) gets them, and `fallocate` has no mapping to ask with,
+/// so the pages are allocated through such a mapping first; the
+/// `fallocate` after it allocates whatever is left. A huge page is one page-table entry for 2 MiB in every process that
 /// maps the pool: on the 2-vCPU VM with `shmem_enabled` set to `advise`,
 /// a source's mapping of a 1 GiB pool populated in 0.7–0.9 ms against
 /// 75–90 ms, and making the pool took 77 ms against 780–940 ms (3.3–3.5 s
