@@ -587,18 +587,25 @@ fn pool_memory_info(
     ranges: impl Iterator<Item = (u64, u64)>,
     placements: Vec<Option<PlacementOutcome>>,
 ) -> Vec<PoolMemoryInfo> {
+    let ranges: Vec<(u64, u64)> = ranges.collect();
+    // One read of `/proc/self/smaps` for every pool (it walks the page
+    // tables of every mapping).
+    let huge = placement::huge_page_bytes(&ranges);
     config
         .pools
         .iter()
         .zip(ranges)
         .zip(placements)
-        .map(|((pool, (base, len)), placement)| PoolMemoryInfo {
-            name: pool.name.clone(),
-            base,
-            len,
-            placement,
-            huge_page_bytes: placement::huge_page_bytes(base, len),
-        })
+        .zip(huge)
+        .map(
+            |(((pool, (base, len)), placement), huge_page_bytes)| PoolMemoryInfo {
+                name: pool.name.clone(),
+                base,
+                len,
+                placement,
+                huge_page_bytes,
+            },
+        )
         .collect()
 }
 

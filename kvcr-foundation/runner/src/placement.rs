@@ -126,7 +126,7 @@ pub struct PoolMemoryInfo {
 }
 
 /// The transparent-huge-page size on x86-64.
-const HUGE_PAGE: usize = 2 << 20;
+pub(crate) const HUGE_PAGE: usize = 2 << 20;
 const PAGE: usize = 4096;
 /// `mbind`'s nodemask: 1024 bits.
 const MASK_WORDS: usize = (MAX_NUMA_NODE as usize + 1) / 64;
@@ -201,14 +201,18 @@ fn bracketed(text: &str) -> Option<&str> {
     text.get(start + 1..end)
 }
 
-/// Bytes of `base..base+len` that this process maps with transparent huge
-/// pages, summed over the mappings in `/proc/self/smaps` that lie inside
-/// the range (`AnonHugePages`, `ShmemPmdMapped`, `FilePmdMapped`); 0 when
-/// the file cannot be read.
-pub(crate) fn huge_page_bytes(base: u64, len: u64) -> u64 {
-    std::fs::read_to_string("/proc/self/smaps")
-        .map(|text| huge_bytes_in_smaps(&text, base, base.saturating_add(len)))
-        .unwrap_or(0)
+/// For each `(base, len)`, the bytes of `base..base+len` that this process
+/// maps with transparent huge pages, summed over the mappings in
+/// `/proc/self/smaps` that lie inside the range (`AnonHugePages`,
+/// `ShmemPmdMapped`, `FilePmdMapped`); 0 when the file cannot be read. The
+/// file is read once for all ranges: reading it walks the page tables of
+/// every mapping.
+pub(crate) fn huge_page_bytes(ranges: &[(u64, u64)]) -> Vec<u64> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
+    ranges
+        .iter()
+        .map(|&(base, len)| huge_bytes_in_smaps(&smaps, base, base.saturating_add(len)))
+        .collect()
 }
 
 fn huge_bytes_in_smaps(smaps: &str, start: u64, end: u64) -> u64 {

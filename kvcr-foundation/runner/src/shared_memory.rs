@@ -186,20 +186,21 @@ unsafe impl kvcr_ucx::OwnedMemory for SharedPool {
 /// every shared-memory file huge pages) only a faulting mapping that asked
 /// (`MADV_HUGEPAGE`) gets them, and `fallocate` has no mapping to ask with,
 /// so the pages are allocated through such a mapping first; the
-/// `fallocate` after it allocates whatever is left. A huge page is one page-table entry for 2 MiB in every process that
-/// maps the pool: on the 2-vCPU VM with `shmem_enabled` set to `advise`,
-/// a source's mapping of a 1 GiB pool populated in 0.7–0.9 ms against
-/// 75–90 ms, and making the pool took 77 ms against 780–940 ms (3.3–3.5 s
-/// on the first try after 4 KiB pages had fragmented the memory: the
-/// kernel compacts to find 2 MiB pages; `defrag` decides how hard).
+/// `fallocate` after it allocates whatever is left. A huge page is one
+/// page-table entry for 2 MiB in every process that maps the pool: on the
+/// 2-vCPU VM with `shmem_enabled` set to `advise`, a source's mapping of a
+/// 1 GiB pool populated in 0.7–0.9 ms against 75–90 ms, and making the pool
+/// took 77 ms against 780–940 ms (3.3–3.5 s on the first try after 4 KiB
+/// pages had fragmented the memory: the kernel compacts to find 2 MiB
+/// pages; `defrag` decides how hard).
 /// Elsewhere (`never`, the default on the hosts measured) nothing changes.
 pub(crate) fn create_pool_file(len: u64) -> Result<(File, [u8; 16])> {
     let huge = len >= HUGE_PAGE && crate::placement::shared_memory_huge_pages();
     create_sealed_file(NAME_PREFIX, len, huge)
 }
 
-/// The transparent-huge-page size on x86-64.
-const HUGE_PAGE: u64 = 2 << 20;
+/// The transparent-huge-page size, as a file length.
+const HUGE_PAGE: u64 = crate::placement::HUGE_PAGE as u64;
 
 /// Makes a residency journal's file: a memfd like a pool's, named
 /// `kvcr-journal-<token>` (never taken for a pool: a source checks the name).
@@ -251,7 +252,6 @@ fn create_sealed_file(prefix: &str, len: u64, huge: bool) -> Result<(File, [u8; 
 /// is one huge page (see [`create_pool_file`]). Best effort: whatever this
 /// leaves unallocated, the caller's `fallocate` allocates as 4 KiB pages.
 fn allocate_huge_pages(file: &File, len: u64) {
-    const MADV_POPULATE_WRITE: libc::c_int = 23;
     let Ok(size) = usize::try_from(len) else {
         return;
     };
@@ -264,7 +264,7 @@ fn allocate_huge_pages(file: &File, len: u64) {
     // SAFETY: the range is exactly `map`, a live shared mapping of our own
     // new memfd that nothing else has seen; populating allocates its pages
     // (zeroed, as the file's bytes already are) and changes no byte.
-    let _ = unsafe { libc::madvise(map.as_mut_ptr().cast(), size, MADV_POPULATE_WRITE) };
+    let _ = unsafe { libc::madvise(map.as_mut_ptr().cast(), size, libc::MADV_POPULATE_WRITE) };
 }
 
 /// The residency journal's file (a guard's memfd), mapped shared: the runner
@@ -391,7 +391,6 @@ fn advise_huge_pages(map: &MmapRaw) {
 /// `addr..addr+len` must lie inside one live shared mapping of this
 /// process that stays mapped for the call.
 pub(crate) unsafe fn populate_for_write(addr: u64, len: u64) {
-    const MADV_POPULATE_READ: libc::c_int = 22;
     const PAGE: u64 = 4096;
     let start = addr & !(PAGE - 1);
     let end = addr.saturating_add(len).div_ceil(PAGE) * PAGE;
@@ -401,7 +400,7 @@ pub(crate) unsafe fn populate_for_write(addr: u64, len: u64) {
         libc::madvise(
             start as usize as *mut libc::c_void,
             (end - start) as usize,
-            MADV_POPULATE_READ,
+            libc::MADV_POPULATE_READ,
         )
     };
 }
@@ -813,8 +812,8 @@ mod tests {
         let segment = PeerSegment::open(&advert, &advert.segments[0], 0, LEN).unwrap();
         let dst = segment.destination(0, LEN).unwrap();
         segment.prepare(dst, LEN);
-        let own_huge = crate::placement::huge_page_bytes(own, LEN);
-        let peer_huge = crate::placement::huge_page_bytes(dst, LEN);
+        let huge = crate::placement::huge_page_bytes(&[(own, LEN), (dst, LEN)]);
+        let (own_huge, peer_huge) = (huge[0], huge[1]);
         if crate::placement::shared_memory_huge_pages() {
             assert!(
                 own_huge >= HUGE_PAGE && peer_huge >= HUGE_PAGE,
