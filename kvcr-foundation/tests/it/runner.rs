@@ -84,11 +84,17 @@ impl SharedSink {
 }
 
 fn start(blocks: u32, policy: Option<Box<dyn CachePolicy>>) -> (Runner, NamespaceId, SharedSink) {
-    let runner = Runner::start(
+    start_with(
         RunnerConfig::single_pool("kv", BLOCK as u64, blocks),
         policy,
     )
-    .unwrap();
+}
+
+fn start_with(
+    config: RunnerConfig,
+    policy: Option<Box<dyn CachePolicy>>,
+) -> (Runner, NamespaceId, SharedSink) {
+    let runner = Runner::start(config, policy).unwrap();
     let ns = runner.register_namespace(Namespace::base(CompatDigest(7)));
     let sink = SharedSink::default();
     runner.set_inventory_sink(Box::new(sink.clone()));
@@ -326,7 +332,15 @@ impl CachePolicy for Panicky {
 /// kept, faults counted, the operation completes.
 #[test]
 fn policy_faults_are_sanitised() {
-    let (mut runner, ns, _) = start(4, Some(Box::new(Panicky)));
+    // Each caught panic runs the panic hook, which under RUST_BACKTRACE
+    // symbolises a backtrace: seconds on a loaded CI machine, all of it inside
+    // the deposit's one-second budget (CI saw `Timeout` for both entries).
+    // The budget is not what this test is about, so give it room.
+    let config = RunnerConfig {
+        operation_timeout: Duration::from_secs(120),
+        ..RunnerConfig::single_pool("kv", BLOCK as u64, 4)
+    };
+    let (mut runner, ns, _) = start_with(config, Some(Box::new(Panicky)));
     let host = Host::new(&mut runner, "kv", 4);
     let result = deposit(&mut runner, &host, ns, &[1, 2], false);
     assert_eq!(statuses(&result), vec![EntryStatus::Success; 2]);
