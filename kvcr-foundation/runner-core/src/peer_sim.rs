@@ -22,7 +22,8 @@
 //!   lands later, and the restarted source is told the old incarnation dead
 //!   (`set_dead_incarnations`, the guard's list of that address) and reports
 //!   it in its probe answers; a hostile member that sends what nobody asked
-//!   for (death reports too);
+//!   for (death reports too), and bursts of metadata that change every
+//!   time (route churn);
 //! * G3, the file tier, in half the seeds: each source holds 8 keys over a
 //!   pool of 4 or 5 slots and 5 to 8 G3 slots (its policy moving victims to
 //!   G3, spilling ahead or not), so some keys live only in G3 and a
@@ -67,7 +68,9 @@
 //!   (garbage, another key's bytes) shows up as wrong bytes at the target;
 //! * a write ended after its operation's deadline (the target probed it)
 //!   never commits; an operation completes exactly once; a key failed by
-//!   deadline is never reported a success.
+//!   deadline is never reported a success;
+//! * a source builds routes to a target no faster than its route budget
+//!   (`RouteBudget`): in any window, at most the burst plus one per refill.
 //!
 //! So a death report believed for an incarnation that may still write (a
 //! crash the guard did not confirm, another endpoint's claim, another
@@ -103,6 +106,9 @@ use kvcr_contracts::tier::{InventoryEvent, Medium};
 const BLOCK: u64 = 64;
 const SLOTS: u32 = 8;
 const TIMEOUT: u64 = 1_000_000; // 1 ms of virtual time
+/// Every core's route budget ([`RouteBudget`]), scaled to virtual time.
+const ROUTE_BURST: u32 = 2;
+const ROUTE_REFILL: u64 = TIMEOUT / 5;
 /// Target `t`'s pool is at `TARGET_POOL + t * POOL_STEP`, source `s`'s at
 /// `SOURCE_POOL + s * POOL_STEP`.
 const TARGET_POOL: u64 = 0x1000_0000;
@@ -222,6 +228,12 @@ fn new_core_with(
         private_namespaces: Vec::new(),
         shared_memory: None,
         write_batch_bytes: 0,
+        // Scaled to virtual time: reconnects and restarts now and then come
+        // faster than this, and the refused target re-sends its metadata.
+        route_budget: RouteBudget {
+            burst: ROUTE_BURST,
+            refill_ns: ROUTE_REFILL,
+        },
     };
     adjust(&mut config);
     core.enable_peer(config);
@@ -548,6 +560,9 @@ struct Source {
     next_lane: usize,
     /// The driver's route per target: the generation it connected.
     routes: HashMap<ControlEndpoint, u64>,
+    /// When this process's driver was asked to build each route, per
+    /// target.
+    route_builds: HashMap<ControlEndpoint, Vec<u64>>,
     /// Highest write reported by this incarnation.
     max_reported: u64,
     /// Its process is stopped until then: no driver turn, no message handled,
@@ -595,6 +610,7 @@ impl Source {
             lane_free_at: vec![0; lanes.max(1)],
             next_lane: 0,
             routes: HashMap::new(),
+            route_builds: HashMap::new(),
             max_reported: 0,
             asleep_until: 0,
         }
@@ -675,6 +691,9 @@ struct Coverage {
     dead_ignored: u64,
     /// Quarantined ops probed again on a fresh metadata ack.
     reprobes: u64,
+    /// Route changes a source refused (a target over its budget, or no
+    /// mappings left), by the live sources' counters.
+    routes_refused: u64,
     /// Writes sent as one message; those a target took, and those it
     /// dropped (its operation had ended, or the sender was restarted).
     message_writes: u64,
@@ -726,6 +745,7 @@ impl Coverage {
         self.dead_reports_ending_several += o.dead_reports_ending_several;
         self.dead_ignored += o.dead_ignored;
         self.reprobes += o.reprobes;
+        self.routes_refused += o.routes_refused;
         self.message_writes += o.message_writes;
         self.messages_taken += o.messages_taken;
         self.messages_dropped += o.messages_dropped;
@@ -1079,13 +1099,19 @@ impl Sim {
                         self.violation(format!("{peer:?} connected to {target:?}"));
                         continue;
                     };
+                    self.check_route_rate(s, &target);
                     // The driver's connect: now and then UCX refuses it; a
                     // target with shared segments is mapped or not.
                     if self.rng.chance(self.connect_fail_percent) {
                         self.sources[s].routes.remove(&target);
+                        let why = if self.rng.chance(50) {
+                            ConnectFailure::Unusable
+                        } else {
+                            ConnectFailure::NoMappingsLeft
+                        };
                         self.sources[s]
                             .core
-                            .handle_connect_failed(&target, generation);
+                            .handle_connect_failed(&target, generation, why);
                     } else {
                         let one_copy = shared_memory.is_some() && self.rng.chance(50);
                         self.sources[s].routes.insert(target.clone(), generation);
@@ -2110,10 +2136,34 @@ impl Sim {
         self.check()
     }
 
+    /// Source `s` (this process) builds a route to `target` now: in every
+    /// window ending now, it built at most the budget's burst plus one per
+    /// refill there.
+    fn check_route_rate(&mut self, s: usize, target: &ControlEndpoint) {
+        let now = self.now;
+        let builds = self.sources[s]
+            .route_builds
+            .entry(target.clone())
+            .or_default();
+        builds.push(now);
+        let over = builds.iter().rev().enumerate().find(|&(back, &since)| {
+            back as u64 + 1 > u64::from(ROUTE_BURST) + (now - since) / ROUTE_REFILL
+        });
+        if let Some((back, since)) = over {
+            let message = format!(
+                "source {s} built {} routes to {target:?} in {} ns",
+                back + 1,
+                now - since
+            );
+            self.violation(message);
+        }
+    }
+
     /// A cluster member that misbehaves (it authenticated, so the channel
     /// stamps its own identity on what it sends): replies nobody asked it
     /// for, to a target; requests naming elements it was never granted, to
-    /// a source (which has no route for it); probes for ops it never ran.
+    /// a source (which has no route for it); probes for ops it never ran;
+    /// metadata that changes every time (route churn), to a source.
     fn hostile(&mut self) {
         let header = Header {
             sender: Incarnation::from_raw(0xbad).unwrap(),
@@ -2189,9 +2239,34 @@ impl Sim {
                 source_incarnation: None,
             },
         ];
-        let body = to_source[self.rng.below(2) as usize].clone();
         let source = self.sources[s].endpoint.clone();
-        self.handle(&source, self.now, Message { header, body });
+        if self.rng.chance(66) {
+            let body = to_source[self.rng.below(2) as usize].clone();
+            self.handle(&source, self.now, Message { header, body });
+            return;
+        }
+        // Route churn: a few adverts at once, each unlike the last.
+        for _ in 0..=self.rng.below(4) {
+            let body = Body::TargetMetadata {
+                worker_address: vec![0xba, 0xd0],
+                regions: vec![RegionAdvert {
+                    id: RegionId(0),
+                    label: format!("churn-{}", self.rng.below(1 << 30)),
+                    base: 0x5000_0000,
+                    element_size: BLOCK,
+                    stride: BLOCK,
+                    count: 4,
+                    rkey: vec![9],
+                }],
+                shared_memory: None,
+                doorbell: None,
+            };
+            let message = Message {
+                header: header.clone(),
+                body,
+            };
+            self.handle(&source, self.now, message);
+        }
     }
 
     fn check(&mut self) -> Result<(), String> {
@@ -2362,6 +2437,11 @@ impl Sim {
             seen.dead_ignored += counters.dead_ignored;
             seen.reprobes += counters.reprobes;
         }
+        seen.routes_refused = self
+            .sources
+            .iter()
+            .map(|s| s.core.peer_counters().routes_refused)
+            .sum();
         let cores = self.targets.iter().map(|t| &t.core);
         seen.g3_evictions = cores
             .chain(self.sources.iter().map(|s| &s.core))
@@ -2472,6 +2552,7 @@ fn peer_protocol_survives_faults_over_many_seeds() {
             ),
             ("death reports ignored", seen.dead_ignored),
             ("quarantined ops probed again", seen.reprobes),
+            ("route changes refused", seen.routes_refused),
             ("writes sent as messages", seen.message_writes),
             ("write messages taken", seen.messages_taken),
             ("write messages dropped", seen.messages_dropped),
@@ -3216,7 +3297,7 @@ fn a_route_goes_with_its_session_or_a_failed_connect() {
     );
     sim.sources[0]
         .core
-        .handle_connect_failed(&endpoint(1), generation);
+        .handle_connect_failed(&endpoint(1), generation, ConnectFailure::Unusable);
     assert_eq!(sim.sources[0].core.peer_state_sizes().routes, 0);
     assert!(matches!(
         sent(&mut sim.sources[0].core).as_slice(),
@@ -3241,6 +3322,152 @@ fn a_route_goes_with_its_session_or_a_failed_connect() {
     assert_eq!(sim.sources[0].core.peer_state_sizes().routes, 1);
     sim.sources[0].core.peer_target_gone(&endpoint(1));
     assert_eq!(sim.sources[0].core.peer_state_sizes().routes, 0);
+}
+
+/// The route budget's cell rate: a fresh target may change now; up to
+/// `burst` changes queue ahead of `now`; 0 counts as 1; extremes saturate.
+#[rstest::rstest]
+#[case::fresh(4, 10, None, 100, Some(110))]
+#[case::long_ago(4, 10, Some(50), 100, Some(110))]
+#[case::within_burst(4, 10, Some(130), 100, Some(140))]
+#[case::over_burst(4, 10, Some(131), 100, None)]
+#[case::one_at_a_time(1, 10, Some(110), 105, None)]
+#[case::zero_burst_is_one(0, 10, Some(101), 100, None)]
+#[case::zero_burst_fresh(0, 10, None, 100, Some(110))]
+#[case::saturates(u32::MAX, u64::MAX, Some(u64::MAX), 0, Some(u64::MAX))]
+fn route_budget_admits_a_burst_then_one_per_refill(
+    #[case] burst: u32,
+    #[case] refill_ns: u64,
+    #[case] due: Option<u64>,
+    #[case] now: u64,
+    #[case] expected: Option<u64>,
+) {
+    let budget = RouteBudget { burst, refill_ns };
+    assert_eq!(budget.admit(now, due), expected);
+}
+
+/// Metadata that says `label` for its one region: each new label is a
+/// route change.
+fn labelled_metadata(label: &str) -> Body {
+    let Body::TargetMetadata {
+        worker_address,
+        mut regions,
+        shared_memory,
+        doorbell,
+    } = metadata(1)
+    else {
+        unreachable!("metadata() builds TargetMetadata")
+    };
+    regions[0].label = label.to_owned();
+    Body::TargetMetadata {
+        worker_address,
+        regions,
+        shared_memory,
+        doorbell,
+    }
+}
+
+/// The route builds a core asks of its driver, and the messages it sends
+/// (other actions are dropped).
+fn connects_and_sends(core: &mut Core) -> (Vec<(ControlEndpoint, u64)>, Vec<Body>) {
+    let (mut connects, mut sends) = (Vec::new(), Vec::new());
+    while let Some(action) = core.poll_action() {
+        match action {
+            Action::Connect {
+                peer, generation, ..
+            } => connects.push((peer, generation)),
+            Action::Send { message, .. } => sends.push(message.body),
+            _ => {}
+        }
+    }
+    (connects, sends)
+}
+
+fn connects(core: &mut Core) -> Vec<(ControlEndpoint, u64)> {
+    connects_and_sends(core).0
+}
+
+/// A target that changes its route in a loop gets its burst at once, then
+/// one per refill: the rest are refused unacknowledged (counted), its old
+/// route stays, and a refused target re-sending after the refill is served.
+#[test]
+fn route_changes_beyond_the_budget_are_refused_until_it_refills() {
+    let (mut sim, _) = stocked_source(|c| {
+        c.route_budget = RouteBudget {
+            burst: 3,
+            refill_ns: 1_000,
+        };
+    });
+    let core = &mut sim.sources[0].core;
+    let mut built = Vec::new();
+    for round in 0..10 {
+        core.handle_message(0, from(1, 11, labelled_metadata(&format!("r{round}"))));
+        let (connects, replies) = connects_and_sends(core);
+        assert!(replies.is_empty(), "refused or waiting for its connect");
+        built.extend(connects);
+    }
+    assert_eq!(built.len(), 3, "the burst, at once");
+    assert_eq!(core.peer_counters().routes_refused, 7);
+    for (peer, generation) in &built {
+        core.handle_connected(peer, *generation, false);
+    }
+    let acks = sent(core);
+    assert_eq!(
+        acks.len(),
+        1,
+        "only the newest generation is acknowledged: {acks:?}"
+    );
+    // Refused metadata left the last built route in place: the same advert
+    // again is no change, and is acknowledged at once.
+    core.handle_message(10, from(1, 11, labelled_metadata("r2")));
+    let (built, replies) = connects_and_sends(core);
+    assert!(built.is_empty());
+    assert!(
+        matches!(replies.as_slice(), [Body::TargetMetadataAck { .. }]),
+        "{replies:?}"
+    );
+    // Not yet refilled, then refilled: one more change.
+    core.handle_message(999, from(1, 11, labelled_metadata("r9")));
+    assert!(connects(core).is_empty());
+    core.handle_message(1_000, from(1, 11, labelled_metadata("r9")));
+    assert_eq!(connects(core).len(), 1);
+    core.handle_message(1_000, from(1, 11, labelled_metadata("r10")));
+    assert!(connects(core).is_empty(), "one per refill");
+    // Another target has its own budget.
+    core.handle_message(1_000, from(5, 12, labelled_metadata("x")));
+    assert_eq!(connects(core).len(), 1);
+    assert_eq!(core.peer_counters().routes_refused, 7 + 2);
+    core.check_invariants().unwrap();
+}
+
+/// The budgets a source remembers are bounded: with every one of
+/// [`MAX_ROUTE_BUDGETS`] in use a new target is refused; once they have
+/// refilled (as good as forgotten) they make room.
+#[test]
+fn remembered_route_budgets_are_bounded() {
+    let refill_ns = 1_000;
+    let (mut sim, _) = stocked_source(|c| {
+        c.route_budget = RouteBudget {
+            burst: 1,
+            refill_ns,
+        };
+    });
+    let core = &mut sim.sources[0].core;
+    let port = |i: usize| 10_000 + i as u16;
+    for i in 0..MAX_ROUTE_BUDGETS {
+        core.handle_message(0, from(port(i), 100 + i as u128, metadata(1)));
+        assert_eq!(connects(core).len(), 1, "target {i}");
+    }
+    let newcomer = port(MAX_ROUTE_BUDGETS);
+    core.handle_message(1, from(newcomer, 99, metadata(1)));
+    assert!(
+        connects(core).is_empty(),
+        "no room while every budget is spent"
+    );
+    assert_eq!(core.peer_counters().routes_refused, 1);
+    core.handle_message(refill_ns, from(newcomer, 99, metadata(1)));
+    assert_eq!(connects(core).len(), 1, "refilled budgets were forgotten");
+    core.check_invariants().unwrap();
 }
 
 /// A probe flood from one target keeps at most `MAX_FENCES_PER_TARGET`

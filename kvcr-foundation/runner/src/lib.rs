@@ -65,7 +65,7 @@ pub use kvcr_runner_core::{
     EntryStatus, FailReason, G3Counters, KVCR_REGION_PREFIX, MAX_REGION_ELEMENTS, MAX_REGION_LABEL,
     MAX_SPANS_PER_KEY, OpResult, PageInfo, PeerCounters, PeerNotice, PeerStateSizes, PoolConfig,
     PoolId, PoolRange, PoolStats, QueryStatus, RegionDesc, RegionMemory, ReleaseHandle,
-    RunnerStats,
+    RouteBudget, RunnerStats,
 };
 
 pub use self::control::{ControlCounters, ControlLimits};
@@ -933,6 +933,7 @@ impl Runner {
             private_namespaces: peer.private_namespaces.clone(),
             shared_memory: setup.shared_memory.clone(),
             write_batch_bytes: peer.write_batch_bytes,
+            route_budget: peer.route_budget,
         });
         let (journal, warm_start) = match claimed {
             Some((journal, mut start)) => {

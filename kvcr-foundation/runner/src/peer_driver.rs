@@ -27,7 +27,7 @@ use super::contention;
 use super::control::{
     ChannelEvent, ControlChannel, ControlLimits, ControlStats, Inbound, PeerIdentity,
 };
-use super::placement::{AnonMapping, PlacementOutcome, PoolMemory};
+use super::placement::{self, AnonMapping, PlacementOutcome, PoolMemory};
 use crate::doorbell::{
     Part, PartFit, REGION_BYTES, RecordKey, RouteDoorbell, SLOT_BYTES, TargetDoorbell,
 };
@@ -38,7 +38,7 @@ use kvcr_contracts::endpoint::{AdvertisePolicy, BindAddress, ControlEndpoint, Ho
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::key::NamespaceId;
 use kvcr_contracts::protocol::{Body, RegionId, SharedMemoryAdvert};
-use kvcr_runner_core::{Action, CopySpan, PutSpan};
+use kvcr_runner_core::{Action, ConnectFailure, CopySpan, PutSpan, RouteBudget};
 use kvcr_ucx::{
     AnonOptions, CloseMode, Completion, Context, ContextConfig, Endpoint, ErrorMode, MessageLimits,
     Registration, RemoteKey, RkeyBuffer, WorkerAddress,
@@ -116,6 +116,19 @@ pub struct PeerOptions {
     /// across its restarts ([`crate::guard`]); `None` (the default): the
     /// runner makes its own, and they die with it.
     pub guard: Option<GuardOptions>,
+    /// How often a target may make this runner, as its source, build it a
+    /// new route (default [`RouteBudget::default`]: 4 at once, then one a
+    /// second).
+    pub route_budget: RouteBudget,
+    /// Routes through UCX are refused (the target is answered that it has
+    /// none, and its writes fail at once) while this process holds this
+    /// many memory mappings or more: UCX 1.13 keeps the mappings of every
+    /// distinct shared-memory segment a route unpacked until the runner
+    /// stops, and a process past `vm.max_map_count` fails every `mmap`,
+    /// the engine's too. 0 (the default): half of `vm.max_map_count`
+    /// (65,530 by default), leaving the rest to the engine. Routes that map
+    /// a same-host target's pools themselves are not limited.
+    pub ucx_route_mapping_limit: usize,
 }
 
 /// Most write messages (parts) held between a worker progress and their
@@ -185,6 +198,8 @@ impl std::fmt::Debug for PeerOptions {
             .field("write_message_max_bytes", &self.write_message_max_bytes)
             .field("write_message_part_bytes", &self.write_message_part_bytes)
             .field("guard", &self.guard)
+            .field("route_budget", &self.route_budget)
+            .field("ucx_route_mapping_limit", &self.ucx_route_mapping_limit)
             .finish()
     }
 }
@@ -328,6 +343,8 @@ impl PeerOptions {
             write_message_part_bytes: Self::DEFAULT_WRITE_MESSAGE_PART_BYTES,
             lanes: 0,
             guard: None,
+            route_budget: RouteBudget::default(),
+            ucx_route_mapping_limit: 0,
         }
     }
 }
@@ -624,6 +641,12 @@ struct State {
     write_message_part_bytes: u64,
     /// Messages the worker had dropped at its bounds when last looked at.
     messages_dropped: u64,
+    /// Since when an idle turn found the worker unarmable (events pending)
+    /// and its progress found nothing (see `sleep_on_events`).
+    unarmable_since: Option<Instant>,
+    /// UCX routes are refused while this process holds this many memory
+    /// mappings ([`PeerOptions::ucx_route_mapping_limit`], resolved).
+    ucx_route_mapping_limit: usize,
 }
 
 impl State {
@@ -826,6 +849,12 @@ impl State {
                     bytes => bytes.min(PeerOptions::WRITE_MESSAGE_LIMIT),
                 },
                 messages_dropped: 0,
+                unarmable_since: None,
+                ucx_route_mapping_limit: match options.ucx_route_mapping_limit {
+                    // 65,530 is the kernel's default.
+                    0 => placement::max_map_count().unwrap_or(65_530) / 2,
+                    limit => limit,
+                },
             },
             setup,
         ))
@@ -987,7 +1016,10 @@ impl State {
                 // Idle as far as UCX goes: sleep until a command, a control
                 // message, a lane's report, a UCX event (the armed worker
                 // fd: e.g. TCP writes into us) or the core's next deadline.
-                match self.sleep_on_events(&mut rx, shared, MAX_IDLE_NAP).await {
+                match self
+                    .sleep_on_events(&mut rx, shared, MAX_IDLE_NAP, progressed)
+                    .await
+                {
                     Woken::Event => {}
                     Woken::Activity => last_activity = Instant::now(),
                     Woken::Deadline => deadline_due = true,
@@ -1015,17 +1047,41 @@ impl State {
     /// Sleeps until a command, a control message, a lane's report, a UCX
     /// event (the armed worker fd) or the core's next deadline, at most
     /// `cap`; returns at once if UCX has events pending (the caller goes
-    /// round and progresses).
+    /// round and progresses), unless it has said so for [`SPIN_BEFORE_NAP`]
+    /// while `progressed` (this turn's progress) found nothing: then it naps
+    /// [`UNARMABLE_NAP`] on the rest.
     async fn sleep_on_events(
         &mut self,
         rx: &mut mpsc::UnboundedReceiver<PeerCmd>,
         shared: &Arc<Shared>,
-        cap: Duration,
+        mut cap: Duration,
+        progressed: bool,
     ) -> Woken {
+        if progressed {
+            self.unarmable_since = None;
+        }
         let armed = match self.worker.arm() {
-            Ok(true) => true,
-            // Events are pending: progress them before sleeping.
-            Ok(false) if self.efd.is_some() => return Woken::Event,
+            Ok(true) => {
+                self.unarmable_since = None;
+                true
+            }
+            // Events are pending: progress them before sleeping. UCX 1.13
+            // also says so, for good, while it holds sends it cannot make
+            // (wire-up to a same-host peer whose queue is full and never
+            // drains: a member that advertised a worker it never
+            // progresses); progress then finds nothing, and going straight
+            // round spun this thread at a whole core and never took the
+            // stop command (the runner's drop hung). So after a short
+            // spin, nap on everything else and retry UCX after it.
+            Ok(false) if self.efd.is_some() => {
+                #[allow(clippy::disallowed_methods)]
+                let since = *self.unarmable_since.get_or_insert_with(Instant::now);
+                if progressed || since.elapsed() < SPIN_BEFORE_NAP {
+                    return Woken::Event;
+                }
+                cap = cap.min(UNARMABLE_NAP);
+                false
+            }
             // No event fd (or arming failed): sleep on the rest.
             Ok(false) | Err(_) => false,
         };
@@ -1219,10 +1275,13 @@ impl State {
                         core.handle_connected(&peer, generation, one_copy);
                     });
                 }
-                Err(_) => {
-                    // Nothing is kept for metadata UCX refused.
+                Err(why) => {
+                    // Nothing is kept for metadata UCX refused, or for a UCX
+                    // route this process has no mappings to spare for.
                     retire(self.routes.remove(&peer));
-                    shared.with_core_now(|core, _| core.handle_connect_failed(&peer, generation));
+                    shared.with_core_now(|core, _| {
+                        core.handle_connect_failed(&peer, generation, why);
+                    });
                 }
             },
             Action::Put {
@@ -1339,14 +1398,16 @@ impl State {
 
     /// How writes will reach a target: its pools mapped here when every
     /// advertised region can be (then UCX is never touched), else a UCX
-    /// endpoint and its remote keys.
+    /// endpoint and its remote keys, unless this process holds
+    /// `ucx_route_mapping_limit` mappings or more (UCX keeps mappings of
+    /// some routes until the worker goes, see [`RouteBudget`]).
     fn route_path(
         &self,
         worker_address: &[u8],
         rkeys: &[(RegionId, u64, Vec<u8>)],
         shared_memory: Option<&SharedMemoryAdvert>,
         extents: &[(RegionId, u64)],
-    ) -> Result<RoutePath> {
+    ) -> std::result::Result<RoutePath, ConnectFailure> {
         let segments = self.map_segments(shared_memory, rkeys, extents);
         if !rkeys.is_empty() && rkeys.iter().all(|(r, _, _)| segments.contains_key(r)) {
             // First writes into a fresh part of the target's pool then find
@@ -1357,7 +1418,15 @@ impl State {
             }
             return Ok(RoutePath::OneCopy(segments));
         }
-        let (endpoint, rkeys) = self.connect(worker_address, rkeys)?;
+        // Read once per route built (rate-limited per target by the core);
+        // an unreadable map counts as none.
+        if placement::mapping_count().unwrap_or(0) >= self.ucx_route_mapping_limit {
+            return Err(ConnectFailure::NoMappingsLeft);
+        }
+        // What UCX refused is dropped here: the core counts it.
+        let (endpoint, rkeys) = self
+            .connect(worker_address, rkeys)
+            .map_err(|_| ConnectFailure::Unusable)?;
         Ok(RoutePath::Ucx { endpoint, rkeys })
     }
 
@@ -1405,7 +1474,7 @@ impl State {
                 Err(e) => {
                     // Nothing was put through it: close without waiting on a
                     // peer that may never progress.
-                    endpoint.set_close_mode(CloseMode::Force);
+                    endpoint.set_close_mode(CloseMode::Detach);
                     return Err(e.into());
                 }
             }
@@ -1690,10 +1759,12 @@ fn put_plan(options: &PeerOptions, over_tcp: bool) -> (PutSplit, usize) {
 /// A route leaving the table (replaced, its session gone, forgotten): its
 /// endpoint closes without waiting on the peer once the last write using it
 /// has ended (each write flushed before it reported), so a target that stops
-/// progressing cannot stall this thread for a flush-mode close per route.
+/// progressing cannot stall this thread for a flush-mode close per route
+/// (over shared memory, where UCX 1.13 has no forced close, that was the
+/// whole `DROP_WAIT`, a second per route a member churned).
 fn retire(route: Option<Rc<Route>>) {
     if let Some(endpoint) = route.as_deref().and_then(Route::ucx_endpoint) {
-        endpoint.set_close_mode(CloseMode::Force);
+        endpoint.set_close_mode(CloseMode::Detach);
     }
 }
 
@@ -1777,6 +1848,10 @@ const DRAIN_MAX: Duration = Duration::from_millis(100);
 /// The longest idle sleep: a backstop only (the core's wake time is always
 /// sooner while anything is pending).
 const MAX_IDLE_NAP: Duration = Duration::from_secs(1);
+
+/// How long the idle peer thread naps between retries while its worker
+/// cannot be armed and progress finds nothing (see `sleep_on_events`).
+const UNARMABLE_NAP: Duration = Duration::from_millis(1);
 
 /// How long the peer thread naps between progress rounds while a transfer is
 /// under way and nothing moved for `SPIN_BEFORE_NAP` (`CONTENDED_SPIN_BEFORE_NAP`

@@ -194,6 +194,33 @@ pub fn shared_memory_huge_pages() -> bool {
     )
 }
 
+/// How many memory mappings this process holds (lines of
+/// `/proc/self/maps`), what `vm.max_map_count` bounds.
+pub(crate) fn mapping_count() -> std::io::Result<usize> {
+    use std::io::Read;
+    let mut maps = std::fs::File::open("/proc/self/maps")?;
+    let mut buffer = vec![0u8; 64 << 10];
+    let mut lines = 0;
+    loop {
+        let read = maps.read(&mut buffer)?;
+        if read == 0 {
+            return Ok(lines);
+        }
+        let chunk = buffer.get(..read).unwrap_or_default();
+        lines += chunk.iter().filter(|&&b| b == b'\n').count();
+    }
+}
+
+/// The most mappings a process may hold (`vm.max_map_count`), if the
+/// kernel says.
+pub(crate) fn max_map_count() -> Option<usize> {
+    std::fs::read_to_string("/proc/sys/vm/max_map_count")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
 /// The word in brackets, the selected one of a sysfs choice list.
 fn bracketed(text: &str) -> Option<&str> {
     let start = text.find('[')?;

@@ -650,3 +650,180 @@ fn mutated_ucx_blobs_never_reach_ucx(#[case] tls: &str) {
     source.runner.check_invariants().unwrap();
     drop(registration);
 }
+
+/// Lines of this process's memory map (what `vm.max_map_count` bounds).
+fn mappings() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .count()
+}
+
+/// Sends `rounds` metadata adverts of a real destination's worker and
+/// region to `source` over one member session per name in `names` (a
+/// member may claim any name), each with a new label (so each is a route
+/// change), draining replies between them. The destination's worker is
+/// never progressed.
+fn churn_routes(source: &Node, tls: &str, names: &[&str], rounds: usize) {
+    use kvcr_foundation::protocol::RegionAdvert;
+    use kvcr_foundation::ucx::{AnonOptions, Context, ContextConfig};
+    let context = Context::with_config(&ContextConfig::new().loopback_tls(tls)).unwrap();
+    let worker = context.create_worker().unwrap();
+    let registration = context
+        .register_anon(BLOCK * 4, AnonOptions::new())
+        .unwrap();
+    let address = worker.address().unwrap().as_bytes().to_vec();
+    let rkey = registration.pack_rkey().unwrap().as_bytes().to_vec();
+    let source_endpoint = source.runner.endpoint().unwrap().clone();
+    for name in names {
+        let mut client = ControlClient::connect(
+            &source_endpoint,
+            Some(SECRET),
+            ControlEndpoint::parse(name).unwrap(),
+            Incarnation::generate(),
+        )
+        .unwrap();
+        for round in 0..rounds {
+            let metadata = Message {
+                header: Header {
+                    sender: Incarnation::generate(),
+                    route_generation: RouteGeneration(0),
+                    sender_endpoint: source_endpoint.clone(),
+                },
+                body: Body::TargetMetadata {
+                    worker_address: address.clone(),
+                    regions: vec![RegionAdvert {
+                        id: RegionId(0),
+                        label: format!("churn-{round}"),
+                        base: registration.as_ptr() as u64,
+                        element_size: BLOCK as u64,
+                        stride: BLOCK as u64,
+                        count: 4,
+                        rkey: rkey.clone(),
+                    }],
+                    shared_memory: None,
+                    doorbell: None,
+                },
+            };
+            client.send(&metadata).unwrap();
+            while client.recv(Duration::from_millis(5)).unwrap().is_some() {}
+        }
+    }
+    drop(registration);
+}
+
+/// A member that changes its route in a loop (each advert unlike the last,
+/// over one authenticated session) gets its burst of routes and then one
+/// a second: the rest are refused and counted, the source's memory map
+/// does not grow with them, and an honest destination still restores
+/// byte-exact.
+#[rstest]
+#[case::shm("posix,cma,self")]
+#[case::tcp("tcp,self")]
+fn route_churn_is_rate_limited(#[case] tls: &str) {
+    let _serial = crate::serial();
+    let mut source = member(tls, 8);
+    stock(&mut source, &[0, 1, 2, 3]);
+    let budget = options(tls, Some(SECRET)).route_budget;
+    let adverts: u64 = 200;
+    let mappings_before = mappings();
+    // Not a threshold: the budget's bound grows with the time it had.
+    #[allow(clippy::disallowed_methods)]
+    let started = std::time::Instant::now();
+    churn_routes(&source, tls, &["tcp://127.0.0.6:1"], adverts as usize);
+    // However late the source handles them: by then at most its burst and
+    // one per second since the first were built, every other one refused.
+    let refused_enough = || {
+        let elapsed_ns = u64::try_from(started.elapsed().as_nanos()).unwrap();
+        let admitted_at_most = u64::from(budget.burst) + elapsed_ns / budget.refill_ns + 1;
+        source.runner.peer_stats().0.routes_refused + admitted_at_most >= adverts
+    };
+    crate::wait_until(
+        "the route changes past the budget to be refused",
+        Duration::from_secs(30),
+        refused_enough,
+    );
+    let grown = mappings().saturating_sub(mappings_before);
+    assert!(
+        grown < 64,
+        "{grown} more mappings after {adverts} route changes"
+    );
+    let mut friend = member(tls, 8);
+    let result = fetch_on_hint(
+        &mut friend,
+        "after-churn",
+        &hint(&source, &[0, 1, 2, 3]),
+        &[0, 1, 2, 3],
+    );
+    assert_restored(&friend, &source, &result, &[0, 1, 2, 3]);
+    source.runner.check_invariants().unwrap();
+}
+
+/// A source short of memory mappings builds no route through UCX (UCX
+/// would keep some of its mappings until the runner stops): the target is
+/// answered at once that it has none and restores nothing, counted; a
+/// same-host target whose pools the source maps itself is not affected.
+#[rstest]
+#[case::mapped(true)]
+#[case::through_ucx(false)]
+fn no_ucx_route_while_short_of_mappings(#[case] mapped: bool) {
+    let _serial = crate::serial();
+    let mut starved = options("posix,cma,self", Some(SECRET));
+    // Any process holds more than one mapping.
+    starved.ucx_route_mapping_limit = 1;
+    let mut source = node_with(&starved, 8, Duration::from_secs(5));
+    stock(&mut source, &[0, 1]);
+    let mut target_options = options("posix,cma,self", Some(SECRET));
+    target_options.same_host_mapping = mapped;
+    let mut target = node_with(&target_options, 8, Duration::from_secs(5));
+    let result = fetch_on_hint(&mut target, "starved", &hint(&source, &[0, 1]), &[0, 1]);
+    let (counters, _) = source.runner.peer_stats();
+    if mapped {
+        assert_restored(&target, &source, &result, &[0, 1]);
+        assert_eq!((counters.one_copy_routes, counters.routes_refused), (1, 0));
+    } else {
+        assert_nothing_restored(&target, &result);
+        assert_eq!((counters.ucx_routes, counters.routes_refused), (0, 1));
+    }
+    source.runner.check_invariants().unwrap();
+    target.runner.check_invariants().unwrap();
+}
+
+/// Members churning routes under many names, each name within its budget,
+/// to a worker that never progresses: UCX 1.13 on the source then holds
+/// wire-up sends into that worker's full queue for good, and its worker
+/// can no longer be armed. The source still serves an honest destination,
+/// and stops when dropped (its peer thread spun on the unarmable worker,
+/// never took another message or the stop, and the drop hung).
+#[test]
+fn a_source_churned_under_many_names_keeps_serving_and_stops() {
+    let _serial = crate::serial();
+    // All of it on its own thread, bounded: with the spinning peer thread
+    // the source answered nothing (its sessions run on that thread), so a
+    // member's handshake, the honest fetch and the drop each hung.
+    let (done_tx, done) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let tls = "posix,cma,self";
+        let mut source = member(tls, 8);
+        stock(&mut source, &[0, 1, 2, 3]);
+        let burst = options(tls, Some(SECRET)).route_budget.burst as usize;
+        let names: Vec<String> = (1..=40).map(|i| format!("tcp://127.0.0.7:{i}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        churn_routes(&source, tls, &names, burst);
+        let mut friend = member(tls, 8);
+        let result = fetch_on_hint(
+            &mut friend,
+            "after-many-names",
+            &hint(&source, &[0, 1, 2, 3]),
+            &[0, 1, 2, 3],
+        );
+        assert_restored(&friend, &source, &result, &[0, 1, 2, 3]);
+        source.runner.check_invariants().unwrap();
+        drop(source);
+        let _ = done_tx.send(());
+    });
+    assert!(
+        done.recv_timeout(Duration::from_secs(120)).is_ok(),
+        "the churned source did not serve and stop within two minutes (or a check failed: see above)"
+    );
+}

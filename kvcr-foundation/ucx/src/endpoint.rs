@@ -41,6 +41,15 @@ pub enum CloseMode {
     /// UCX allows it only with [`ErrorMode::Peer`] on both sides; on an
     /// [`ErrorMode::None`] endpoint the close stays in flush mode.
     Force,
+    /// Close without waiting on the peer, for an endpoint with nothing
+    /// left to flush that the caller is done with (every put on it was
+    /// flushed, or none was made) and whose peer may never progress: a
+    /// forced close with [`ErrorMode::Peer`]; otherwise a flush-mode close
+    /// that is requested and not waited for (UCX finishes it when the peer
+    /// answers, or when the worker is destroyed). A flush-mode close of an
+    /// endpoint whose wireup a silent shared-memory peer never answered
+    /// waited the whole [`DROP_WAIT`].
+    Detach,
 }
 
 fn input(op: &'static str, reason: UcxReason) -> Error {
@@ -120,8 +129,13 @@ impl EndpointInner {
         if h.is_null() {
             return;
         }
+        let mode = self.close_mode.get();
         let force = self.error_mode == ErrorMode::Peer
-            && (self.failed.get().is_some() || self.close_mode.get() == CloseMode::Force);
+            && (self.failed.get().is_some()
+                || matches!(mode, CloseMode::Force | CloseMode::Detach));
+        // Only ever without peer error handling: UCX then never had the
+        // error handler's argument, so the close needs no completion.
+        let detach = !force && mode == CloseMode::Detach && self.error_mode != ErrorMode::Peer;
         let param = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
             flags: if force {
@@ -139,6 +153,14 @@ impl EndpointInner {
             Ok(())
         } else if ptr_is_err(req) {
             Err(UcsStatus::from_raw(ptr_status(req)))
+        } else if detach {
+            // SAFETY: `req` is a live request returned by `ucp_ep_close_nbx`,
+            // freed exactly once, here; UCX finishes the close internally
+            // ("regardless of its state"). Nothing of ours is left for it:
+            // every operation and remote key on this endpoint is gone (each
+            // held a reference), and the error handler was never given.
+            unsafe { sys::ucp_request_free(req) };
+            Ok(())
         } else {
             let status = Cell::new(sys::UCS_INPROGRESS);
             let waited = self
@@ -208,7 +230,8 @@ impl Drop for EndpointInner {
 /// Dropping the last handle (and the last [`RemoteKey`] unpacked on it)
 /// closes the endpoint: flush mode (bounded by [`DROP_WAIT`]) while healthy;
 /// with [`ErrorMode::Peer`], force mode once it has failed or after
-/// [`set_close_mode(Force)`](Endpoint::set_close_mode).
+/// [`set_close_mode(Force)`](Endpoint::set_close_mode); not waited for after
+/// [`set_close_mode(Detach)`](Endpoint::set_close_mode).
 #[derive(Clone)]
 pub struct Endpoint {
     pub(crate) inner: Rc<EndpointInner>,

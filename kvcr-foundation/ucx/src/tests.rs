@@ -669,3 +669,52 @@ fn send_message_refuses_bad_parts_before_ucx() {
     assert_eq!((reg.in_flight(), foreign.in_flight()), (0, 0));
     pair.finish();
 }
+
+/// An endpoint to a shared-memory peer that never progresses, with a
+/// remote key of it unpacked (as a route has), cannot be forced closed (no
+/// peer error handling there in UCX 1.13): in flush mode its close waits
+/// out [`DROP_WAIT`] and records the timeout; detached, it is requested and
+/// not waited for, and nothing is recorded, then or when both workers go.
+#[test]
+fn a_detached_close_does_not_wait_for_a_silent_peer() {
+    let config = ContextConfig::new().loopback_tls("posix,cma,self");
+    let silent_ctx = Context::with_config(&config).unwrap();
+    let silent = silent_ctx.create_worker().unwrap();
+    let address = silent.address().unwrap();
+    let region = silent_ctx
+        .register_anon(1 << 16, AnonOptions::new())
+        .unwrap();
+    let rkey = RkeyBuffer::from_bytes(region.pack_rkey().unwrap().as_bytes()).unwrap();
+    let ctx = Context::with_config(&config).unwrap();
+    let worker = ctx.create_worker().unwrap();
+    let route = |mode: CloseMode| {
+        let endpoint = worker.connect(&address).unwrap();
+        drop(endpoint.unpack_rkey(&rkey).unwrap());
+        endpoint.set_close_mode(mode);
+    };
+
+    route(CloseMode::Flush);
+    let (errors, more) = ctx.take_drop_errors();
+    assert!(
+        matches!(
+            errors.as_slice(),
+            [Error::Call {
+                op: "ucp_ep_close_nbx",
+                status: UcsStatus::TimedOut
+            }]
+        ) && more == 0,
+        "{errors:?} (+{more})"
+    );
+
+    route(CloseMode::Detach);
+    assert_eq!(ctx.take_drop_errors(), (vec![], 0));
+    for _ in 0..100 {
+        silent.progress();
+        worker.progress();
+    }
+    drop(worker);
+    drop(silent);
+    drop(region);
+    assert_eq!(ctx.take_drop_errors(), (vec![], 0));
+    assert_eq!(silent_ctx.take_drop_errors(), (vec![], 0));
+}

@@ -47,12 +47,12 @@ mod records;
 mod recovery;
 mod registration;
 
+pub use peer::{ConnectFailure, PeerConfig, PutSpan, RouteBudget};
 pub use peer::{
     MAX_ADVERTISED_REGIONS, MAX_DEAD_INCARNATIONS, MAX_FENCES_PER_TARGET, MAX_REMEMBERED_PEERS,
-    MAX_REPROBES_PER_ACK, MAX_RKEY_LEN, MAX_WORKER_ADDRESS_LEN, PeerCounters, PeerNotice,
-    PeerStateSizes,
+    MAX_REPROBES_PER_ACK, MAX_RKEY_LEN, MAX_ROUTE_BUDGETS, MAX_WORKER_ADDRESS_LEN, PeerCounters,
+    PeerNotice, PeerStateSizes,
 };
-pub use peer::{PeerConfig, PutSpan};
 
 use g3::{Allocation, CapacityWaiter, G3Tier, Move, WaiterKind};
 pub use g3::{G3Config, G3Counters, G3Direction, G3Transfer};

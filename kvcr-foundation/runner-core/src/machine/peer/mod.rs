@@ -84,6 +84,52 @@ pub struct PeerConfig {
     /// concurrently and which land one by one. 0: one write per source and
     /// operation.
     pub write_batch_bytes: u64,
+    /// How often targets may make this source build routes (see
+    /// [`RouteBudget`]).
+    pub route_budget: RouteBudget,
+}
+
+/// How often a target may make this source build it a new data-plane route
+/// (a UCX endpoint and remote keys, or a mapping of its pools).
+///
+/// Building one takes the peer thread a UCX connect and the close of the
+/// route it replaces, and a route to a same-host target through UCX's
+/// shared-memory transport keeps the mappings of each distinct segment it
+/// unpacked until the worker is destroyed. So route changes are
+/// rate-limited per target (the driver also refuses UCX routes while the
+/// process is short of mappings). A target's legitimate changes are rare: a
+/// restart, a re-registration, a new session after an idle close.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouteBudget {
+    /// Route changes one target may make at once after a quiet spell; 0
+    /// counts as 1.
+    pub burst: u32,
+    /// Then one more per this many nanoseconds. A refused change is not
+    /// acknowledged: the target re-sends its metadata (every 100 ms) and is
+    /// served once its budget allows.
+    pub refill_ns: u64,
+}
+
+impl Default for RouteBudget {
+    /// 4 at once, then one a second, per target.
+    fn default() -> Self {
+        Self {
+            burst: 4,
+            refill_ns: 1_000_000_000,
+        }
+    }
+}
+
+impl RouteBudget {
+    /// Whether a target whose next change is theoretically due at `due`
+    /// (`None`: never changed, or long enough ago) may change its route at
+    /// `now`; if so, when its next change is due. A generic cell rate
+    /// algorithm: one timestamp per target, no timer.
+    pub(crate) fn admit(&self, now: u64, due: Option<u64>) -> Option<u64> {
+        let due = due.map_or(now, |d| d.max(now));
+        let tolerance = u64::from(self.burst.max(1) - 1).saturating_mul(self.refill_ns);
+        (due.saturating_sub(tolerance) <= now).then(|| due.saturating_add(self.refill_ns))
+    }
 }
 
 impl PeerConfig {
@@ -113,6 +159,21 @@ pub const MAX_REMEMBERED_PEERS: usize = 4096;
 /// Fences kept per target incarnation; past it they fold into the op-handle
 /// high-water mark (every op at or below the highest fenced one is refused).
 pub const MAX_FENCES_PER_TARGET: usize = 1024;
+/// Why the driver built no route ([`Core::handle_connect_failed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnectFailure {
+    /// UCX refused the target's worker address or a remote key (counted in
+    /// [`PeerCounters::refused`]).
+    Unusable,
+    /// The route would have gone through UCX while this process holds too
+    /// many memory mappings (counted in [`PeerCounters::routes_refused`]).
+    NoMappingsLeft,
+}
+
+/// Targets whose route-change budget a source remembers ([`RouteBudget`]);
+/// past it, those whose budget has refilled are forgotten, and a new target
+/// is refused while none has.
+pub const MAX_ROUTE_BUDGETS: usize = MAX_REMEMBERED_PEERS;
 /// Guard-confirmed dead incarnations a source remembers (the latest ones;
 /// the guard keeps as many by default).
 pub const MAX_DEAD_INCARNATIONS: usize = 64;
@@ -161,6 +222,11 @@ pub struct PeerCounters {
     pub one_copy_routes: u64,
     /// Routes written through UCX (no shared segments, or some refused).
     pub ucx_routes: u64,
+    /// Route changes refused: a target over its [`RouteBudget`] (not
+    /// acknowledged, so it re-sends), or a UCX route while this process was
+    /// short of mappings ([`ConnectFailure::NoMappingsLeft`], acknowledged
+    /// as no route).
+    pub routes_refused: u64,
     /// (Source role) probes answered with a death report: the probed
     /// incarnation of this endpoint is guard-confirmed dead.
     pub dead_reported: u64,
@@ -342,6 +408,10 @@ struct SourceRole {
     /// Writes being prepared (G3 fills first), by target incarnation and op.
     preparing: HashMap<(Incarnation, OpHandle), OpHandle>,
     routes: HashMap<ControlEndpoint, Route>,
+    /// When each target's next route change is due ([`RouteBudget::admit`]);
+    /// at most [`MAX_ROUTE_BUDGETS`], outliving the routes (a target that
+    /// reconnects keeps its budget).
+    route_changes_due: HashMap<ControlEndpoint, u64>,
     next_route_generation: u64,
     writes: HashMap<u64, SourceWrite>,
     writes_by_op: HashMap<(Incarnation, OpHandle), u64>,
@@ -364,6 +434,7 @@ impl Default for SourceRole {
         Self {
             preparing: HashMap::new(),
             routes: HashMap::new(),
+            route_changes_due: HashMap::new(),
             next_route_generation: 1,
             writes: HashMap::new(),
             writes_by_op: HashMap::new(),
@@ -455,7 +526,14 @@ impl Core {
                 regions,
                 shared_memory,
                 doorbell,
-            } => self.on_target_metadata(&header, worker_address, regions, shared_memory, doorbell),
+            } => self.on_target_metadata(
+                now,
+                &header,
+                worker_address,
+                regions,
+                shared_memory,
+                doorbell,
+            ),
             Body::TargetMetadataAck { one_copy, .. } => self.on_metadata_ack(&header, one_copy),
             Body::StartWrite {
                 op_handle,

@@ -16,6 +16,7 @@ impl Core {
 
     pub(in crate::machine) fn on_target_metadata(
         &mut self,
+        now: u64,
         header: &Header,
         worker_address: Vec<u8>,
         regions: Vec<RegionAdvert>,
@@ -44,6 +45,14 @@ impl Core {
                 && r.doorbell == doorbell
         });
         if !unchanged {
+            let budget = peer.config.route_budget;
+            if !peer.source.admit_route_change(now, &target, &budget) {
+                // Not acknowledged and nothing kept: the target re-sends its
+                // metadata and is served when its budget allows. Its old
+                // route, if any, stays, and names its old incarnation.
+                peer.counters.routes_refused += 1;
+                return;
+            }
             // A new process (or new registrations) at this name: a new route
             // generation, so writes queued for the old one are never submitted.
             let generation = peer.source.next_route_generation;
@@ -581,9 +590,15 @@ impl Core {
         }
     }
 
-    /// UCX refused the route built from `target`'s metadata: nothing of it
-    /// is kept, and its writes are refused until new metadata connects.
-    pub fn handle_connect_failed(&mut self, target: &ControlEndpoint, generation: u64) {
+    /// The driver built no route from `target`'s metadata (`why`): nothing
+    /// of it is kept, and its writes are refused until new metadata
+    /// connects.
+    pub fn handle_connect_failed(
+        &mut self,
+        target: &ControlEndpoint,
+        generation: u64,
+        why: ConnectFailure,
+    ) {
         let Some(peer) = self.peer.as_mut() else {
             return;
         };
@@ -591,20 +606,24 @@ impl Core {
             .source
             .routes
             .get(target)
-            .is_some_and(|r| r.local_generation == generation)
+            .is_none_or(|r| r.local_generation != generation)
         {
-            peer.source.routes.remove(target);
-            peer.counters.refused += 1;
-            // Acknowledged anyway, so the target's writes are refused at once
-            // (there is no route) instead of waiting out their deadline.
-            self.send(
-                target.clone(),
-                Body::TargetMetadataAck {
-                    op_handle: None,
-                    one_copy: false,
-                },
-            );
+            return; // replaced meanwhile; the newer connect answers
         }
+        peer.source.routes.remove(target);
+        match why {
+            ConnectFailure::Unusable => peer.counters.refused += 1,
+            ConnectFailure::NoMappingsLeft => peer.counters.routes_refused += 1,
+        }
+        // Acknowledged anyway, so the target's writes are refused at once
+        // (there is no route) instead of waiting out their deadline.
+        self.send(
+            target.clone(),
+            Body::TargetMetadataAck {
+                op_handle: None,
+                one_copy: false,
+            },
+        );
     }
 
     /// The incarnations of this endpoint that a guard confirmed dead (it saw
@@ -691,6 +710,32 @@ impl Core {
 }
 
 impl SourceRole {
+    /// Whether `target` may change its route at `now` under `budget`
+    /// (charging it if so). The remembered targets stay bounded: past
+    /// [`MAX_ROUTE_BUDGETS`] those whose budget has refilled (as good as
+    /// new) are forgotten, and while none has a new target is refused.
+    fn admit_route_change(
+        &mut self,
+        now: u64,
+        target: &ControlEndpoint,
+        budget: &RouteBudget,
+    ) -> bool {
+        let due = self.route_changes_due.get(target).copied();
+        if due.is_none() && self.route_changes_due.len() >= MAX_ROUTE_BUDGETS {
+            self.route_changes_due.retain(|_, due| *due > now);
+            if self.route_changes_due.len() >= MAX_ROUTE_BUDGETS {
+                return false;
+            }
+        }
+        match budget.admit(now, due) {
+            Some(next) => {
+                self.route_changes_due.insert(target.clone(), next);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Records that `op` of `target` was accepted: ops at or below it never
     /// write again, so fences at or below it are redundant and go.
     fn raise_high_water(&mut self, target: Incarnation, op: OpHandle) {
