@@ -540,6 +540,75 @@ fn a_hint_to_a_stranger_reveals_nothing() {
     target.runner.check_invariants().unwrap();
 }
 
+/// A real destination's UCX blobs, from a worker that is never progressed
+/// (it lives as long as this value).
+struct SilentDestination {
+    registration: kvcr_foundation::ucx::Registration<'static>,
+    address: Vec<u8>,
+    rkey: Vec<u8>,
+    _worker: kvcr_foundation::ucx::Worker,
+}
+
+impl SilentDestination {
+    fn new(tls: &str) -> Self {
+        use kvcr_foundation::ucx::{AnonOptions, Context, ContextConfig};
+        let context = Context::with_config(&ContextConfig::new().loopback_tls(tls)).unwrap();
+        let worker = context.create_worker().unwrap();
+        let registration = context
+            .register_anon(BLOCK * 4, AnonOptions::new())
+            .unwrap();
+        Self {
+            address: worker.address().unwrap().as_bytes().to_vec(),
+            rkey: registration.pack_rkey().unwrap().as_bytes().to_vec(),
+            registration,
+            _worker: worker,
+        }
+    }
+
+    /// Its one region, advertised as `label` with `rkey`.
+    fn advert(&self, label: String, rkey: Vec<u8>) -> kvcr_foundation::protocol::RegionAdvert {
+        kvcr_foundation::protocol::RegionAdvert {
+            id: RegionId(0),
+            label,
+            base: self.registration.as_ptr() as u64,
+            element_size: BLOCK as u64,
+            stride: BLOCK as u64,
+            count: 4,
+            rkey,
+        }
+    }
+}
+
+/// Metadata advertising `region` at `worker_address`, as a member sends it
+/// (the header's claims are the channel's to overwrite).
+fn metadata_from(
+    source: &Node,
+    worker_address: Vec<u8>,
+    region: kvcr_foundation::protocol::RegionAdvert,
+) -> Message {
+    Message {
+        header: Header {
+            sender: Incarnation::generate(),
+            route_generation: RouteGeneration(0),
+            sender_endpoint: source.runner.endpoint().unwrap().clone(),
+        },
+        body: Body::TargetMetadata {
+            worker_address,
+            regions: vec![region],
+            shared_memory: None,
+            doorbell: None,
+        },
+    }
+}
+
+/// A fresh honest member restores keys 0..4 of `source` byte-exact.
+fn a_member_restores_from(source: &Node, tls: &str, request: &str) {
+    let mut friend = member(tls, 8);
+    let keys = [0, 1, 2, 3];
+    let result = fetch_on_hint(&mut friend, request, &hint(source, &keys), &keys);
+    assert_restored(&friend, source, &result, &keys);
+}
+
 /// A member sends worker addresses and rkeys that are correctly framed and
 /// sealed but mutated: the 16 bytes starting `0x0f` that made UCX 1.13 abort
 /// in `ucp_address_unpack`, truncations, and single-bit flips of a real
@@ -554,30 +623,18 @@ fn a_hint_to_a_stranger_reveals_nothing() {
 #[case::shm("posix,cma,self")]
 #[case::tcp("tcp,self")]
 fn mutated_ucx_blobs_never_reach_ucx(#[case] tls: &str) {
-    use kvcr_foundation::protocol::RegionAdvert;
-    use kvcr_foundation::ucx::{AnonOptions, Context, ContextConfig};
     let _serial = crate::serial();
-    let mut source = member(tls, 8);
+    // Every blob a route change: each must reach the validator (and UCX),
+    // not the route budget.
+    let mut generous = options(tls, Some(SECRET));
+    generous.route_budget.burst = u32::MAX;
+    let mut source = node_with(&generous, 8, Duration::from_secs(5));
     stock(&mut source, &[0, 1, 2, 3]);
     let source_endpoint = source.runner.endpoint().unwrap().clone();
 
     // A real destination's blobs to mutate.
-    let context = Context::with_config(&ContextConfig::new().loopback_tls(tls)).unwrap();
-    let worker = context.create_worker().unwrap();
-    let registration = context
-        .register_anon(BLOCK * 4, AnonOptions::new())
-        .unwrap();
-    let address = worker.address().unwrap().as_bytes().to_vec();
-    let rkey = registration.pack_rkey().unwrap().as_bytes().to_vec();
-    let advert = |rkey: Vec<u8>| RegionAdvert {
-        id: RegionId(0),
-        label: "victim".into(),
-        base: registration.as_ptr() as u64,
-        element_size: BLOCK as u64,
-        stride: BLOCK as u64,
-        count: 4,
-        rkey,
-    };
+    let destination = SilentDestination::new(tls);
+    let (address, rkey) = (destination.address.clone(), destination.rkey.clone());
     let mut blobs: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
     let mut abort_case = vec![0x0f];
     abort_case.extend_from_slice(&[0u8; 15]);
@@ -610,22 +667,11 @@ fn mutated_ucx_blobs_never_reach_ucx(#[case] tls: &str) {
         Incarnation::generate(),
     )
     .unwrap();
-    let header = Header {
-        sender: Incarnation::generate(),
-        route_generation: RouteGeneration(0),
-        sender_endpoint: source_endpoint.clone(),
-    };
     for (worker_address, rkey) in &blobs {
-        let metadata = Message {
-            header: header.clone(),
-            body: Body::TargetMetadata {
-                worker_address: worker_address.clone(),
-                regions: vec![advert(rkey.clone())],
-                shared_memory: None,
-                doorbell: None,
-            },
-        };
-        client.send(&metadata).unwrap();
+        let region = destination.advert("victim".into(), rkey.clone());
+        client
+            .send(&metadata_from(&source, worker_address.clone(), region))
+            .unwrap();
         // Each is answered (acknowledged or not) before the next replaces it.
         while let Some(reply) = client.recv(Duration::from_millis(20)).unwrap() {
             assert!(
@@ -635,20 +681,14 @@ fn mutated_ucx_blobs_never_reach_ucx(#[case] tls: &str) {
         }
     }
     // Still alive, still serving.
-    let mut friend = member(tls, 8);
-    let result = fetch_on_hint(
-        &mut friend,
-        "after-blobs",
-        &hint(&source, &[0, 1, 2, 3]),
-        &[0, 1, 2, 3],
-    );
-    assert_restored(&friend, &source, &result, &[0, 1, 2, 3]);
+    a_member_restores_from(&source, tls, "after-blobs");
+    let (counters, _) = source.runner.peer_stats();
     assert!(
-        source.runner.peer_stats().0.refused >= 1,
+        counters.refused >= 1,
         "the blobs UCX could not take were counted"
     );
+    assert_eq!(counters.routes_refused, 0, "{counters:?}");
     source.runner.check_invariants().unwrap();
-    drop(registration);
 }
 
 /// Lines of this process's memory map (what `vm.max_map_count` bounds).
@@ -665,15 +705,7 @@ fn mappings() -> usize {
 /// change), draining replies between them. The destination's worker is
 /// never progressed.
 fn churn_routes(source: &Node, tls: &str, names: &[&str], rounds: usize) {
-    use kvcr_foundation::protocol::RegionAdvert;
-    use kvcr_foundation::ucx::{AnonOptions, Context, ContextConfig};
-    let context = Context::with_config(&ContextConfig::new().loopback_tls(tls)).unwrap();
-    let worker = context.create_worker().unwrap();
-    let registration = context
-        .register_anon(BLOCK * 4, AnonOptions::new())
-        .unwrap();
-    let address = worker.address().unwrap().as_bytes().to_vec();
-    let rkey = registration.pack_rkey().unwrap().as_bytes().to_vec();
+    let destination = SilentDestination::new(tls);
     let source_endpoint = source.runner.endpoint().unwrap().clone();
     for name in names {
         let mut client = ControlClient::connect(
@@ -684,32 +716,13 @@ fn churn_routes(source: &Node, tls: &str, names: &[&str], rounds: usize) {
         )
         .unwrap();
         for round in 0..rounds {
-            let metadata = Message {
-                header: Header {
-                    sender: Incarnation::generate(),
-                    route_generation: RouteGeneration(0),
-                    sender_endpoint: source_endpoint.clone(),
-                },
-                body: Body::TargetMetadata {
-                    worker_address: address.clone(),
-                    regions: vec![RegionAdvert {
-                        id: RegionId(0),
-                        label: format!("churn-{round}"),
-                        base: registration.as_ptr() as u64,
-                        element_size: BLOCK as u64,
-                        stride: BLOCK as u64,
-                        count: 4,
-                        rkey: rkey.clone(),
-                    }],
-                    shared_memory: None,
-                    doorbell: None,
-                },
-            };
-            client.send(&metadata).unwrap();
+            let region = destination.advert(format!("churn-{round}"), destination.rkey.clone());
+            client
+                .send(&metadata_from(source, destination.address.clone(), region))
+                .unwrap();
             while client.recv(Duration::from_millis(5)).unwrap().is_some() {}
         }
     }
-    drop(registration);
 }
 
 /// A member that changes its route in a loop (each advert unlike the last,
@@ -748,14 +761,7 @@ fn route_churn_is_rate_limited(#[case] tls: &str) {
         grown < 64,
         "{grown} more mappings after {adverts} route changes"
     );
-    let mut friend = member(tls, 8);
-    let result = fetch_on_hint(
-        &mut friend,
-        "after-churn",
-        &hint(&source, &[0, 1, 2, 3]),
-        &[0, 1, 2, 3],
-    );
-    assert_restored(&friend, &source, &result, &[0, 1, 2, 3]);
+    a_member_restores_from(&source, tls, "after-churn");
     source.runner.check_invariants().unwrap();
 }
 
@@ -810,14 +816,7 @@ fn a_source_churned_under_many_names_keeps_serving_and_stops() {
         let names: Vec<String> = (1..=40).map(|i| format!("tcp://127.0.0.7:{i}")).collect();
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         churn_routes(&source, tls, &names, burst);
-        let mut friend = member(tls, 8);
-        let result = fetch_on_hint(
-            &mut friend,
-            "after-many-names",
-            &hint(&source, &[0, 1, 2, 3]),
-            &[0, 1, 2, 3],
-        );
-        assert_restored(&friend, &source, &result, &[0, 1, 2, 3]);
+        a_member_restores_from(&source, tls, "after-many-names");
         source.runner.check_invariants().unwrap();
         drop(source);
         let _ = done_tx.send(());
