@@ -673,8 +673,9 @@ fn send_message_refuses_bad_parts_before_ucx() {
 /// An endpoint to a shared-memory peer that never progresses, with a
 /// remote key of it unpacked (as a route has), cannot be forced closed (no
 /// peer error handling there in UCX 1.13): in flush mode its close waits
-/// out [`DROP_WAIT`] and records the timeout; detached, it is requested and
-/// not waited for, and nothing is recorded, then or when both workers go.
+/// out [`DROP_WAIT`] and records the timeout (UCX 1.16, on the H200 host,
+/// closes it at once); detached, it is requested and not waited for, and
+/// nothing is recorded, then or when both workers go.
 #[test]
 fn a_detached_close_does_not_wait_for_a_silent_peer() {
     let config = ContextConfig::new().loopback_tls("posix,cma,self");
@@ -695,16 +696,23 @@ fn a_detached_close_does_not_wait_for_a_silent_peer() {
 
     route(CloseMode::Flush);
     let (errors, more) = ctx.take_drop_errors();
-    assert!(
-        matches!(
-            errors.as_slice(),
-            [Error::Call {
-                op: "ucp_ep_close_nbx",
-                status: UcsStatus::TimedOut
-            }]
-        ) && more == 0,
-        "{errors:?} (+{more})"
-    );
+    let timed_out = matches!(
+        errors.as_slice(),
+        [Error::Call {
+            op: "ucp_ep_close_nbx",
+            status: UcsStatus::TimedOut
+        }]
+    ) && more == 0;
+    // The case this mode exists for is 1.13's, the version the layer is
+    // built against; a later UCX may close at once.
+    if library_version() < (1, 14, 0) {
+        assert!(timed_out, "{errors:?} (+{more})");
+    } else {
+        assert!(
+            timed_out || (errors.is_empty() && more == 0),
+            "{errors:?} (+{more})"
+        );
+    }
 
     route(CloseMode::Detach);
     assert_eq!(ctx.take_drop_errors(), (vec![], 0));
