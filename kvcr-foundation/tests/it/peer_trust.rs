@@ -614,11 +614,12 @@ fn a_member_restores_from(source: &Node, tls: &str, request: &str) {
 /// in `ucp_address_unpack`, truncations, and single-bit flips of a real
 /// address's header and of a real rkey (the fuzz target `ucx_envelope` covers
 /// the rest), and valid blobs of a destination that never progresses,
-/// replacing each other. A flipped rkey fails after the endpoint exists: that
-/// endpoint is force-closed (a flush-mode close waited a second per blob on
-/// tcp, and the honest fetch below timed out). The runner (this very process) must not abort; every
-/// route it could not validate is dropped, and an honest destination still
-/// restores byte-exact.
+/// replacing each other. A flipped rkey fails after the endpoint exists:
+/// that endpoint is closed without waiting (a flush-mode close waited a
+/// second per blob on tcp, and the honest fetch below timed out). The
+/// runner (this very process) must not abort; every route it could not
+/// validate is dropped, and an honest destination still restores
+/// byte-exact.
 #[rstest]
 #[case::shm("posix,cma,self")]
 #[case::tcp("tcp,self")]

@@ -133,9 +133,10 @@ impl EndpointInner {
         let force = self.error_mode == ErrorMode::Peer
             && (self.failed.get().is_some()
                 || matches!(mode, CloseMode::Force | CloseMode::Detach));
-        // Only ever without peer error handling: UCX then never had the
-        // error handler's argument, so the close needs no completion.
-        let detach = !force && mode == CloseMode::Detach && self.error_mode != ErrorMode::Peer;
+        // Detached only without peer error handling (with it, `force`): UCX
+        // then never had the error handler's argument, so the close needs
+        // no completion.
+        let detach = mode == CloseMode::Detach && self.error_mode != ErrorMode::Peer;
         let param = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
             flags: if force {

@@ -159,17 +159,6 @@ pub const MAX_REMEMBERED_PEERS: usize = 4096;
 /// Fences kept per target incarnation; past it they fold into the op-handle
 /// high-water mark (every op at or below the highest fenced one is refused).
 pub const MAX_FENCES_PER_TARGET: usize = 1024;
-/// Why the driver built no route ([`Core::handle_connect_failed`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ConnectFailure {
-    /// UCX refused the target's worker address or a remote key (counted in
-    /// [`PeerCounters::refused`]).
-    Unusable,
-    /// The route would have gone through UCX while this process holds too
-    /// many memory mappings (counted in [`PeerCounters::routes_refused`]).
-    NoMappingsLeft,
-}
-
 /// Targets whose route-change budget a source remembers ([`RouteBudget`]);
 /// past it, those whose budget has refilled are forgotten, and a new target
 /// is refused while none has.
@@ -180,6 +169,17 @@ pub const MAX_DEAD_INCARNATIONS: usize = 64;
 /// Quarantined ops probed again per endpoint when it acknowledges our
 /// metadata afresh (the rest on later acks, in turn).
 pub const MAX_REPROBES_PER_ACK: usize = 64;
+
+/// Why the driver built no route ([`Core::handle_connect_failed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnectFailure {
+    /// UCX refused the target's worker address or a remote key (counted in
+    /// [`PeerCounters::refused`]).
+    Unusable,
+    /// The route would have gone through UCX while this process holds too
+    /// many memory mappings (counted in [`PeerCounters::routes_refused`]).
+    NoMappingsLeft,
+}
 
 /// A notice for the framework about memory a peer may still write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
