@@ -33,7 +33,9 @@ use std::time::{Duration, Instant};
 
 use kvcr_foundation::hint::FetchMode;
 use kvcr_foundation::protocol::ElementRef;
-use kvcr_foundation::runner::{DepositEntry, PeerOptions, RegionDesc, Runner, RunnerConfig};
+use kvcr_foundation::runner::{
+    DataStream, DepositEntry, PeerOptions, RegionDesc, Runner, RunnerConfig,
+};
 use kvcr_foundation::{
     BlockKey, CompatDigest, ControlEndpoint, FetchHint, Namespace, RequestId, ScopedKey,
 };
@@ -75,6 +77,13 @@ fn options(path: Path<'_>) -> PeerOptions {
     }
     if let Some(bytes) = env_number("KVCR_BENCH_WRITE_PART_BYTES") {
         o.write_message_part_bytes = bytes;
+    }
+    // `KVCR_BENCH_DATA_STREAM=off|on`: whether targets dial data streams
+    // (default: the runner's, on over tcp alone), to compare on one binary.
+    match std::env::var("KVCR_BENCH_DATA_STREAM").as_deref() {
+        Ok("off") => o.data_stream = DataStream::Off,
+        Ok("on") => o.data_stream = DataStream::On,
+        _ => {}
     }
     // `KVCR_BENCH_PUTS_IN_FLIGHT` and `KVCR_BENCH_PUT_CHUNK_BYTES`: the
     // source's put depth and split (0: the defaults), for tuning.

@@ -202,6 +202,21 @@ pub(crate) struct ControlStats {
     /// Write messages dropped unread: not verified, not awaited, or not
     /// exactly the operation's granted bytes.
     pub(crate) write_messages_refused: AtomicU64,
+    /// Data streams bound (dialed and proven as a target; accepted and
+    /// checked as a source).
+    pub(crate) streams_opened: AtomicU64,
+    /// Data streams a source refused: a proof that did not verify under the
+    /// claimed target's session key, or no route from that target to bind.
+    pub(crate) streams_refused: AtomicU64,
+    /// Writes this runner sent as frames on a data stream.
+    pub(crate) stream_writes_sent: AtomicU64,
+    /// Frames this runner landed as a target (each its write's `write_done`
+    /// when it was the last part).
+    pub(crate) stream_writes_taken: AtomicU64,
+    /// Frames a target read and discarded (not verified, not awaited, not
+    /// exactly the operation's granted bytes, or its operation ended
+    /// mid-payload).
+    pub(crate) stream_writes_refused: AtomicU64,
 }
 
 impl ControlStats {
@@ -219,6 +234,11 @@ impl ControlStats {
             write_messages_sent: self.write_messages_sent.load(Ordering::Relaxed),
             write_messages_taken: self.write_messages_taken.load(Ordering::Relaxed),
             write_messages_refused: self.write_messages_refused.load(Ordering::Relaxed),
+            streams_opened: self.streams_opened.load(Ordering::Relaxed),
+            streams_refused: self.streams_refused.load(Ordering::Relaxed),
+            stream_writes_sent: self.stream_writes_sent.load(Ordering::Relaxed),
+            stream_writes_taken: self.stream_writes_taken.load(Ordering::Relaxed),
+            stream_writes_refused: self.stream_writes_refused.load(Ordering::Relaxed),
         }
     }
 }
@@ -261,6 +281,21 @@ pub struct ControlCounters {
     /// exactly the part's share of the operation's granted bytes, or past
     /// the receive bounds (header or data size, messages held at once).
     pub write_messages_refused: u64,
+    /// Data streams bound: dialed and proven as a target, accepted and
+    /// checked as a source (see [`crate::DataStream`]).
+    pub streams_opened: u64,
+    /// Data streams refused as a source: a proof that did not verify under
+    /// the claimed target's session key, or no route from it to bind to.
+    pub streams_refused: u64,
+    /// Writes sent as frames on a data stream (bytes and completion).
+    pub stream_writes_sent: u64,
+    /// Frames landed as a target: read straight into the operation's
+    /// granted elements, the last part taken as its `write_done`.
+    pub stream_writes_taken: u64,
+    /// Frames read and discarded as a target: a header that did not verify
+    /// under the session's key, an operation not (or no longer) awaited, a
+    /// part already landed, or a length not exactly its share.
+    pub stream_writes_refused: u64,
 }
 
 /// Who is at the other end of a session, as the session proved it.
@@ -337,6 +372,34 @@ pub(crate) enum Inbound {
         side: Side,
         peer: PeerIdentity,
     },
+    /// A data stream was dialed to us (its proof not yet checked).
+    Stream(AcceptedStream),
+}
+
+/// A data stream a target dialed to us (see [`crate::stream`]): who it
+/// claims to be, the challenge we sent and the proof it answered; the
+/// peer thread checks the proof against that target's session key.
+pub(crate) struct AcceptedStream {
+    pub(crate) claim: ControlEndpoint,
+    pub(crate) challenge: [u8; 32],
+    pub(crate) proof: [u8; 32],
+    pub(crate) socket: TcpStream,
+    /// Its place under the channel's caps, held while the stream lives.
+    pub(crate) hold: StreamHold,
+}
+
+impl std::fmt::Debug for AcceptedStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AcceptedStream")
+            .field("claim", &self.claim)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Holds an accepted data stream's place under the channel's caps.
+pub(crate) struct StreamHold {
+    _admission: AdmissionGuard,
+    _socket: SocketGuard,
 }
 
 /// What the peer thread does with an [`Inbound`] item.
@@ -349,6 +412,8 @@ pub(crate) enum ChannelEvent {
     SourceLost(ControlEndpoint),
     /// The current session from a target closed: its routes can go.
     TargetGone(ControlEndpoint),
+    /// A data stream arrived, to be proven.
+    Stream(AcceptedStream),
 }
 
 struct Session {
@@ -754,6 +819,7 @@ impl ControlChannel {
             }
             Inbound::Opened { .. } => None,
             Inbound::Message { message, _budget } => Some(ChannelEvent::Message(message)),
+            Inbound::Stream(stream) => Some(ChannelEvent::Stream(stream)),
             Inbound::Closed {
                 session,
                 side: Side::Dialed,
@@ -889,20 +955,50 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 }
 
 async fn accept_session(mut stream: TcpStream, admission: AdmissionGuard, shared: Arc<Shared>) {
-    let _admission = admission;
-    let _socket = SocketGuard::new(&shared.stats);
-    let handshake = tokio::time::timeout(
-        shared.limits.handshake_timeout,
-        respond(&mut stream, &shared),
-    )
+    let socket = SocketGuard::new(&shared.stats);
+    let handshake = tokio::time::timeout(shared.limits.handshake_timeout, async {
+        let mut preamble = [0u8; PREAMBLE.len()];
+        stream.read_exact(&mut preamble).await.ok()?;
+        if &preamble == crate::stream::PREAMBLE {
+            return crate::stream::accept(&mut stream)
+                .await
+                .map(Accepted::Stream);
+        }
+        if &preamble != PREAMBLE {
+            return None;
+        }
+        respond(&mut stream, &shared)
+            .await
+            .map(|(t, p)| Accepted::Session(t, p))
+    })
     .await;
-    let Ok(Some((transport, peer))) = handshake else {
-        shared
-            .stats
-            .refused_handshakes
-            .fetch_add(1, Ordering::Relaxed);
-        return;
+    let (transport, peer) = match handshake {
+        Ok(Some(Accepted::Session(transport, peer))) => (transport, peer),
+        Ok(Some(Accepted::Stream((claim, challenge, proof)))) => {
+            // Proven (or not) on the peer thread, which holds the keys.
+            let accepted = AcceptedStream {
+                claim,
+                challenge,
+                proof,
+                socket: stream,
+                hold: StreamHold {
+                    _admission: admission,
+                    _socket: socket,
+                },
+            };
+            let _ = shared.inbound.send(Inbound::Stream(accepted));
+            return;
+        }
+        _ => {
+            shared
+                .stats
+                .refused_handshakes
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        }
     };
+    let _admission = admission;
+    let _socket = socket;
     let id = shared.next_session.fetch_add(1, Ordering::Relaxed);
     let stream = Arc::new(stream);
     let out = SessionOut::new(Some(Link {
@@ -1034,16 +1130,18 @@ pub(crate) async fn initiate(
     Some((transport, acceptor))
 }
 
-/// Acceptor side of [`initiate`].
+/// What an accepted connection turned out to be.
+enum Accepted {
+    Session(snow::TransportState, PeerIdentity),
+    /// A data stream's claim, our challenge and its proof.
+    Stream((ControlEndpoint, [u8; 32], [u8; 32])),
+}
+
+/// Acceptor side of [`initiate`] (after its `PREAMBLE`).
 async fn respond(
     stream: &mut TcpStream,
     shared: &Shared,
 ) -> Option<(snow::TransportState, PeerIdentity)> {
-    let mut preamble = [0u8; PREAMBLE.len()];
-    stream.read_exact(&mut preamble).await.ok()?;
-    if &preamble != PREAMBLE {
-        return None;
-    }
     let mut handshake = builder(&shared.psk)?.build_responder().ok()?;
     let first = read_small_record(stream, HANDSHAKE_MESSAGE_MAX).await?;
     let mut payload = vec![0u8; HANDSHAKE_MESSAGE_MAX];

@@ -75,7 +75,9 @@ const TAG: std::ops::Range<usize> = SIGNED..SIGNED + 32;
 const LABEL: &[u8] = b"kvcr-doorbell/1";
 /// ...and a write message's header; the key signs nothing else.
 const MESSAGE_LABEL: &[u8] = b"kvcr-write-message/1";
-/// Both labels are this long (the signed buffer's size).
+/// ...and a data stream's proof of the key (see `crate::stream`).
+const STREAM_LABEL: &[u8] = b"kvcr-data-stream/1";
+/// Both record labels are this long (the signed buffer's size).
 const LABEL_LEN: usize = 20;
 const _: () = assert!(LABEL.len() <= LABEL_LEN && MESSAGE_LABEL.len() <= LABEL_LEN);
 
@@ -125,6 +127,33 @@ impl RecordKey {
     ) -> Option<(u32, Part)> {
         let (keys, tail) = self.open_labelled(MESSAGE_LABEL, op, header)?;
         Some((keys, Part::from_bytes(tail)?))
+    }
+
+    /// The proof a data stream's dialer gives for `challenge` (the
+    /// acceptor's) as `claim` (the dialer's control endpoint).
+    pub(crate) fn stream_proof(&self, challenge: &[u8; 32], claim: &ControlEndpoint) -> [u8; 32] {
+        let mut ctx = hmac::Context::with_key(&self.0);
+        ctx.update(STREAM_LABEL);
+        ctx.update(challenge);
+        ctx.update(claim.to_string().as_bytes());
+        let mut proof = [0u8; 32];
+        proof.copy_from_slice(ctx.sign().as_ref());
+        proof
+    }
+
+    /// Whether `proof` is [`RecordKey::stream_proof`] of `challenge` and
+    /// `claim` under this key (checked in constant time).
+    pub(crate) fn verify_stream_proof(
+        &self,
+        challenge: &[u8; 32],
+        claim: &ControlEndpoint,
+        proof: &[u8; 32],
+    ) -> bool {
+        let mut signed = Vec::with_capacity(STREAM_LABEL.len() + 32 + 64);
+        signed.extend_from_slice(STREAM_LABEL);
+        signed.extend_from_slice(challenge);
+        signed.extend_from_slice(claim.to_string().as_bytes());
+        hmac::verify(&self.0, &signed, proof).is_ok()
     }
 
     fn seal_labelled(
@@ -413,6 +442,12 @@ impl TargetDoorbell {
             region: REGION,
             key: key.bytes,
         });
+    }
+
+    /// The key we sent `source` on our current session to it, and that
+    /// session's id (a data stream to `source` proves it).
+    pub(crate) fn session_key(&self, source: &ControlEndpoint) -> Option<(u64, [u8; 32])> {
+        self.keys.get(source).map(|k| (k.session, k.bytes))
     }
 
     /// A `start_write` for `op` went to `to`: watch its slot, if `to` has

@@ -48,6 +48,8 @@ mod peer_driver;
 mod placement;
 #[allow(unsafe_code)]
 mod shared_memory;
+#[allow(unsafe_code)]
+mod stream;
 #[cfg(test)]
 mod tests;
 mod warm;
@@ -73,7 +75,7 @@ pub use self::device::DeviceCopier;
 pub use self::error::{Error, Result};
 pub use self::g3::{G3Error, G3Options, G3Store};
 use self::memory::DramPool;
-pub use self::peer_driver::{GuardOptions, PeerOptions, PutSplit};
+pub use self::peer_driver::{DataStream, GuardOptions, PeerOptions, PutSplit};
 pub use self::placement::{
     AnonymousMemory, HugePages, MAX_NUMA_NODE, NumaBinding, NumaMode, PlacementDowngrade,
     PlacementOutcome, PoolMemory, PoolMemoryInfo, online_nodes, shared_memory_huge_pages,

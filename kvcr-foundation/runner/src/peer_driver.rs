@@ -13,7 +13,7 @@
 //! a timer set to the core's next peer deadline (at most a quarter of the
 //! operation timeout, for stall detection): an idle runner does not wake.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -29,11 +29,13 @@ use super::control::{
 };
 use super::placement::{self, AnonMapping, PlacementOutcome, PoolMemory};
 use crate::doorbell::{
-    Part, PartFit, REGION_BYTES, RecordKey, RouteDoorbell, SLOT_BYTES, TargetDoorbell,
+    OpenedMessage, Part, PartFit, REGION_BYTES, RecordKey, RouteDoorbell, SLOT_BYTES,
+    TargetDoorbell,
 };
 use crate::error::{Error, Result, RunnerReason};
 use crate::lanes::Lanes;
 use crate::shared_memory::{HostScope, PeerSegment, SharedPool};
+use crate::stream::{InStream, Lander, Landing, OutStream};
 use kvcr_contracts::endpoint::{AdvertisePolicy, BindAddress, ControlEndpoint, Host};
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::key::NamespaceId;
@@ -129,6 +131,44 @@ pub struct PeerOptions {
     /// (65,530 by default), leaving the rest to the engine. Routes that map
     /// a same-host target's pools themselves are not limited.
     pub ucx_route_mapping_limit: usize,
+    /// Whether sources that reach this runner through UCX write into it
+    /// over a data stream instead (see [`DataStream`]).
+    pub data_stream: DataStream,
+}
+
+/// Whether a target has its sources' writes come over a data stream: a
+/// TCP connection of kvcr's own that it dials to a source whose route to
+/// it is not one-copy, on which the source sends each write's bytes from
+/// its pool with the write's sealed header, and which the target reads
+/// straight into the write's granted elements (`crate::stream`). Over tcp
+/// it saves the copy out of UCX's receive buffer, a put's acknowledgement
+/// round trip and its `write_done`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DataStream {
+    /// On when the UCX transports are tcp alone (`ucx_tls` names tcp and
+    /// nothing but tcp and self): then UCX would carry the bytes over tcp
+    /// too. Off when UCX chooses (it may find RDMA) or shared memory is
+    /// named.
+    #[default]
+    Auto,
+    /// Always, for every route that is not one-copy.
+    On,
+    /// Never: writes go through UCX (messages and puts).
+    Off,
+}
+
+impl DataStream {
+    /// Whether a target with these transports dials data streams.
+    pub(crate) fn enabled(self, ucx_tls: Option<&str>) -> bool {
+        match self {
+            Self::On => true,
+            Self::Off => false,
+            Self::Auto => ucx_tls.is_some_and(|tls| {
+                let names: Vec<&str> = tls.split(',').map(str::trim).collect();
+                names.contains(&"tcp") && names.iter().all(|n| matches!(*n, "tcp" | "self"))
+            }),
+        }
+    }
 }
 
 /// Most write messages (parts) held between a worker progress and their
@@ -200,6 +240,7 @@ impl std::fmt::Debug for PeerOptions {
             .field("guard", &self.guard)
             .field("route_budget", &self.route_budget)
             .field("ucx_route_mapping_limit", &self.ucx_route_mapping_limit)
+            .field("data_stream", &self.data_stream)
             .finish()
     }
 }
@@ -345,6 +386,7 @@ impl PeerOptions {
             guard: None,
             route_budget: RouteBudget::default(),
             ucx_route_mapping_limit: 0,
+            data_stream: DataStream::Auto,
         }
     }
 }
@@ -537,6 +579,10 @@ fn run(
     });
 }
 
+/// A data stream dial's outcome: the source, the session (ours, to it)
+/// whose key it proved, and the connection (`None`: it failed).
+type DialedStream = (ControlEndpoint, u64, Option<tokio::net::TcpStream>);
+
 /// A target's remote keys and region bases, by region.
 type RemoteKeys = HashMap<RegionId, (RemoteKey, u64)>;
 
@@ -549,8 +595,11 @@ struct Route {
     /// one-copy route to a target that advertised a doorbell).
     doorbell: Option<RouteDoorbell>,
     /// The session's record key, on a UCX route to a target that sent one:
-    /// small writes leave as messages sealed with it.
+    /// small writes leave as messages sealed with it, and a data stream the
+    /// target dials proves it.
     message_key: Option<RecordKey>,
+    /// That key's bytes (a data stream is bound to the key it proved).
+    stream_key: Option<[u8; 32]>,
 }
 
 enum RoutePath {
@@ -613,6 +662,23 @@ struct State {
     /// worker, which owns the fd).
     efd: Option<tokio::io::unix::AsyncFd<RawFdRef>>,
     pending: Vec<PendingWrite>,
+    /// Data streams targets dialed to us (as their source), by target; the
+    /// frames they queue read our pools, so they go before them.
+    out_streams: HashMap<ControlEndpoint, OutStream>,
+    /// Data streams we dialed to our sources (as their target), by source;
+    /// they read into our pools.
+    in_streams: HashMap<ControlEndpoint, InStream<OpenedMessage>>,
+    /// Sources a data stream is being dialed to.
+    dialing: HashSet<ControlEndpoint>,
+    streams_dialed_tx: mpsc::UnboundedSender<DialedStream>,
+    streams_dialed: mpsc::UnboundedReceiver<DialedStream>,
+    /// Whether we dial data streams to our sources ([`DataStream`]).
+    data_stream: bool,
+    /// Our control endpoint (what a data stream we dial claims).
+    endpoint: ControlEndpoint,
+    /// How long a data stream's dial and proof may take, and how long a
+    /// stream may take no bytes while frames wait.
+    stream_limits: (Duration, Duration),
     routes: HashMap<ControlEndpoint, Rc<Route>>,
     control: ControlChannel,
     inbound: mpsc::UnboundedReceiver<Inbound>,
@@ -752,6 +818,7 @@ impl State {
         })?;
         let endpoint = ControlEndpoint::new(options.advertise_host.clone(), local.port())?;
         endpoint.check_advertisable(options.advertise_policy)?;
+        let endpoint_for_streams = endpoint.clone();
         let (control, inbound) = ControlChannel::start(
             listener,
             PeerIdentity {
@@ -824,10 +891,22 @@ impl State {
         })
         .map_err(|_| Error::runner(RunnerReason::CopyEngineStopped))?;
         let (lane_done_tx, lane_done) = mpsc::unbounded_channel();
+        let (streams_dialed_tx, streams_dialed) = mpsc::unbounded_channel();
         Ok((
             Self {
                 efd,
                 pending: Vec::new(),
+                out_streams: HashMap::new(),
+                in_streams: HashMap::new(),
+                dialing: HashSet::new(),
+                streams_dialed_tx,
+                streams_dialed,
+                data_stream: options.data_stream.enabled(options.ucx_tls.as_deref()),
+                endpoint: endpoint_for_streams,
+                stream_limits: (
+                    options.limits.handshake_timeout,
+                    options.limits.frame_deadline,
+                ),
                 routes: HashMap::new(),
                 control,
                 inbound,
@@ -901,7 +980,9 @@ impl State {
                 None => false,
             };
             let (into_us, awaiting_reply) = waits;
-            let busy = !self.pending.is_empty() || into_us;
+            let busy = !self.pending.is_empty()
+                || into_us
+                || self.out_streams.values().any(OutStream::wants_write);
             let mut progressed = false;
             // Messages are taken after every progress call: a write's
             // parts can outnumber what the worker holds at once.
@@ -915,6 +996,10 @@ impl State {
             }
             if !self.pending.is_empty() {
                 self.issue_and_reap(shared);
+            }
+            if self.pump_streams(shared) {
+                progressed = true;
+                last_progress = Instant::now();
             }
             // A source may have rung for a write into us: a look at the
             // watched slots costs a load each, and a record taken here
@@ -1125,6 +1210,14 @@ impl State {
                 }
                 None => Woken::Event,
             },
+            Some(dialed) = self.streams_dialed.recv() => {
+                self.stream_dialed(dialed);
+                Woken::Activity
+            },
+            // Bytes on a data stream, or room for a frame that waits.
+            () = std::future::poll_fn(|cx| streams_ready(&self.in_streams, &self.out_streams, cx)) => {
+                Woken::Event
+            },
             () = tokio::time::sleep(nap) => Woken::Deadline,
         }
     }
@@ -1180,6 +1273,10 @@ impl State {
             any = true;
             self.on_inbound(item, shared);
         }
+        while let Ok(dialed) = self.streams_dialed.try_recv() {
+            any = true;
+            self.stream_dialed(dialed);
+        }
         // Before this turn yields: what it sent leaves now.
         self.control.flush();
         Ok(any)
@@ -1195,10 +1292,22 @@ impl State {
                 {
                     self.doorbell.forget_op(*op_handle);
                 }
+                // A source that writes to us through UCX: have it write on a
+                // data stream instead, when we dial them.
+                let dial = match &message.body {
+                    Body::TargetMetadataAck {
+                        one_copy: false, ..
+                    } if self.data_stream => Some(message.header.sender_endpoint.clone()),
+                    _ => None,
+                };
                 shared.with_core_now(|core, now| core.handle_message(now, message));
+                if let Some(source) = dial {
+                    self.dial_stream(&source);
+                }
             }
             Some(ChannelEvent::SourceLost(source)) => {
                 self.doorbell.forget_source(&source);
+                self.in_streams.remove(&source);
                 shared.with_core_now(|core, _| core.peer_connection_lost(&source));
             }
             Some(ChannelEvent::TargetGone(target)) => {
@@ -1206,7 +1315,9 @@ impl State {
                 // ours now; writes under way keep their own until they end.
                 shared.with_core_now(|core, _| core.peer_target_gone(&target));
                 retire(self.routes.remove(&target));
+                self.drop_out_stream(shared, &target);
             }
+            Some(ChannelEvent::Stream(accepted)) => self.bind_out_stream(shared, accepted),
             None => {}
         }
     }
@@ -1218,6 +1329,8 @@ impl State {
             PeerCmd::Forget(peer) => {
                 self.control.remove_peer(&peer);
                 self.doorbell.forget_source(&peer);
+                self.in_streams.remove(&peer);
+                self.drop_out_stream(shared, &peer);
                 retire(self.routes.remove(&peer));
                 shared.with_core_now(|core, _| core.peer_connection_lost(&peer));
             }
@@ -1251,10 +1364,11 @@ impl State {
                 doorbell,
             } => match self.route_path(&worker_address, &rkeys, shared_memory.as_ref(), &extents) {
                 Ok(path) => {
-                    let message_key = match (&path, &doorbell) {
-                        (RoutePath::Ucx { .. }, Some(advert)) => Some(RecordKey::new(&advert.key)),
+                    let stream_key = match (&path, &doorbell) {
+                        (RoutePath::Ucx { .. }, Some(advert)) => Some(advert.key),
                         _ => None,
                     };
+                    let message_key = stream_key.as_ref().map(RecordKey::new);
                     // Only a route that maps the target rings it (a record
                     // put over UCX saved nothing: see `crate::doorbell`).
                     let doorbell = doorbell
@@ -1268,6 +1382,7 @@ impl State {
                         path,
                         doorbell,
                         message_key,
+                        stream_key,
                     });
                     let one_copy = route.one_copy();
                     retire(self.routes.insert(peer.clone(), route));
@@ -1333,6 +1448,10 @@ impl State {
                             .with_core_now(|core, now| core.handle_put_done(now, write, false)),
                     }
                 } else if let Some(route) = route {
+                    if self.send_on_stream(shared, write, &target, &route, &spans) {
+                        self.pump_streams(shared);
+                        return;
+                    }
                     let (spans, in_flight, failed, as_message) =
                         match self.send_as_message(shared, write, &route, &spans) {
                             Some((sent, whole)) => {
@@ -1646,6 +1765,209 @@ impl State {
         Some((sent, true))
     }
 
+    /// Dials a data stream to `source` (a source whose route to us is not
+    /// one-copy), proving the key of our current session to it, unless one
+    /// for that session is open or being dialed.
+    fn dial_stream(&mut self, source: &ControlEndpoint) {
+        let Some((session, key)) = self.doorbell.session_key(source) else {
+            return;
+        };
+        if self.dialing.contains(source)
+            || self
+                .in_streams
+                .get(source)
+                .is_some_and(|s| s.session == session)
+        {
+            return;
+        }
+        self.dialing.insert(source.clone());
+        let (source, claim, tx) = (
+            source.clone(),
+            self.endpoint.clone(),
+            self.streams_dialed_tx.clone(),
+        );
+        let within = self.stream_limits.0;
+        tokio::spawn(async move {
+            let socket =
+                tokio::time::timeout(within, crate::stream::dial(&source, &claim, &key)).await;
+            let _ = tx.send((source, session, socket.ok().flatten()));
+        });
+    }
+
+    /// A data stream dial ended: kept if it proved the session we still
+    /// hold to that source.
+    fn stream_dialed(&mut self, (source, session, socket): DialedStream) {
+        self.dialing.remove(&source);
+        let current = self
+            .doorbell
+            .session_key(&source)
+            .is_some_and(|(s, _)| s == session);
+        if let (Some(socket), true) = (socket, current) {
+            self.in_streams
+                .insert(source, InStream::new(session, socket));
+            self.control
+                .stats
+                .streams_opened
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// A target dialed us a data stream: bound to it (replacing an older
+    /// one) only if its proof verifies under the key of the route we built
+    /// from that target's session; dropped otherwise.
+    fn bind_out_stream(&mut self, shared: &Arc<Shared>, accepted: crate::control::AcceptedStream) {
+        let key = self
+            .routes
+            .get(&accepted.claim)
+            .and_then(|r| r.stream_key.zip(r.message_key.as_ref()))
+            .filter(|(_, key)| {
+                key.verify_stream_proof(&accepted.challenge, &accepted.claim, &accepted.proof)
+            })
+            .map(|(bytes, _)| bytes);
+        let stats = &self.control.stats;
+        let Some(key) = key else {
+            stats
+                .streams_refused
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return;
+        };
+        stats
+            .streams_opened
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let target = accepted.claim.clone();
+        self.drop_out_stream(shared, &target);
+        self.out_streams
+            .insert(target, OutStream::new(key, accepted.socket, accepted.hold));
+    }
+
+    /// Drops the data stream to `target`; the writes it had not sent whole
+    /// fail as a failed put would.
+    fn drop_out_stream(&mut self, shared: &Arc<Shared>, target: &ControlEndpoint) {
+        let Some(mut out) = self.out_streams.remove(target) else {
+            return;
+        };
+        let failed = out.take_unsent();
+        if !failed.is_empty() {
+            shared.with_core_now(|core, now| {
+                for write in failed {
+                    core.handle_message_sent(now, write, false);
+                }
+            });
+        }
+    }
+
+    /// Queues write `write` on `target`'s data stream, when it has one bound
+    /// to this route's session key and the write is one a frame can carry
+    /// (its completion is the first keys asked for, as a message's is).
+    /// `false`: it goes through UCX.
+    fn send_on_stream(
+        &mut self,
+        shared: &Arc<Shared>,
+        write: u64,
+        target: &ControlEndpoint,
+        route: &Route,
+        spans: &[PutSpan],
+    ) -> bool {
+        let (Some(bytes), Some(key)) = (route.stream_key, route.message_key.as_ref()) else {
+            return false;
+        };
+        let Some(out) = self
+            .out_streams
+            .get_mut(target)
+            .filter(|o| *o.key() == bytes)
+        else {
+            return false;
+        };
+        let Some(part) = Part::new(0, 1) else {
+            return false;
+        };
+        let Some((op, keys)) = shared.lock().core.peer_write_completion(write) else {
+            return false;
+        };
+        // Every span is read from our pools only (checked here, once).
+        let pieces: Option<Vec<(u64, u64)>> = spans
+            .iter()
+            .map(|s| pool_holding(&self.pools, s.local, s.len).map(|_| (s.local, s.len)))
+            .collect();
+        let Some(pieces) = pieces else {
+            return false;
+        };
+        out.push(write, &key.seal_message(op, keys, part), pieces);
+        self.control
+            .stats
+            .stream_writes_sent
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        true
+    }
+
+    /// Moves bytes on every data stream: frames out as far as the sockets
+    /// take them (reporting each write sent whole, or failed with its
+    /// stream), frames in as far as they have arrived. `true`: bytes moved.
+    fn pump_streams(&mut self, shared: &Arc<Shared>) -> bool {
+        let mut moved = false;
+        if !self.out_streams.is_empty() {
+            #[allow(clippy::disallowed_methods)]
+            let now = Instant::now();
+            let (mut sent, mut failed, mut broken) = (Vec::new(), Vec::new(), Vec::new());
+            for (target, out) in &mut self.out_streams {
+                if !out.wants_write() {
+                    continue;
+                }
+                // SAFETY: every queued span lies in one of our pools
+                // (checked by `send_on_stream`), claimed by its write until
+                // that write is reported below; the pools outlive the streams
+                // (`State`'s field order).
+                #[allow(unsafe_code)]
+                let pumped = unsafe { out.pump(&mut sent, now, self.stream_limits.1) };
+                moved |= pumped.moved;
+                if pumped.broken {
+                    failed.extend(out.take_unsent());
+                    broken.push(target.clone());
+                }
+            }
+            for target in broken {
+                self.out_streams.remove(&target);
+            }
+            if !sent.is_empty() || !failed.is_empty() {
+                shared.with_core_now(|core, now| {
+                    for write in sent {
+                        core.handle_message_sent(now, write, true);
+                    }
+                    for write in failed {
+                        core.handle_message_sent(now, write, false);
+                    }
+                });
+            }
+        }
+        let mut broken = Vec::new();
+        for (source, stream) in &mut self.in_streams {
+            let mut lander = FrameLander {
+                doorbell: &mut self.doorbell,
+                control: &self.control,
+                shared,
+                source,
+                session: stream.session,
+            };
+            // SAFETY: the lander grants only the elements of an operation
+            // that waits for its reply from this stream's source (the core's
+            // landing spans, under its lock), and re-checks that it still
+            // waits before every read; only a reply frees those slots, and
+            // replies are handed to the core on this thread alone (control
+            // messages, doorbells, write messages and these frames), never
+            // while this read runs.
+            #[allow(unsafe_code)]
+            let pumped = unsafe { stream.pump(&mut lander) };
+            moved |= pumped.moved;
+            if pumped.broken {
+                broken.push(source.clone());
+            }
+        }
+        for source in broken {
+            self.in_streams.remove(&source);
+        }
+        moved
+    }
+
     /// Takes the write messages the worker received: a part that verifies
     /// as its session's message for an operation we wait on, fits what has
     /// landed of it (a part lands once; all parts agree on the keys and the
@@ -1729,6 +2051,108 @@ impl State {
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
         }
+    }
+}
+
+/// Ready when a data stream has bytes to read, or room for frames that
+/// wait; registers every stream for a wake-up otherwise.
+fn streams_ready(
+    in_streams: &HashMap<ControlEndpoint, InStream<OpenedMessage>>,
+    out_streams: &HashMap<ControlEndpoint, OutStream>,
+    cx: &mut std::task::Context<'_>,
+) -> std::task::Poll<()> {
+    let mut ready = false;
+    for stream in in_streams.values() {
+        ready |= stream.poll_readable(cx).is_ready();
+    }
+    for stream in out_streams.values() {
+        ready |= stream.poll_writable(cx).is_ready();
+    }
+    if ready {
+        std::task::Poll::Ready(())
+    } else {
+        std::task::Poll::Pending
+    }
+}
+
+/// Lands frames of a data stream from `source` as write messages are
+/// landed: a header that opens under the key of the session it proved (the
+/// one we still hold to `source`), for an operation sent to `source` that
+/// waits for its reply, a part that fits, a length exactly its share.
+struct FrameLander<'a> {
+    doorbell: &'a mut TargetDoorbell,
+    control: &'a ControlChannel,
+    shared: &'a Arc<Shared>,
+    source: &'a ControlEndpoint,
+    session: u64,
+}
+
+impl Lander for FrameLander<'_> {
+    type Opened = OpenedMessage;
+
+    fn open(&mut self, len: u64, header: &[u8; SLOT_BYTES]) -> Landing<OpenedMessage> {
+        let control = self.control;
+        let same_session = self
+            .doorbell
+            .session_key(self.source)
+            .is_some_and(|(s, _)| s == self.session);
+        let opened = self
+            .doorbell
+            .open_message(header, |source| control.dialed_peer(source))
+            .filter(|o| same_session && o.done.header.sender_endpoint == *self.source)
+            .filter(|o| self.doorbell.fit_part(o) != PartFit::Refused);
+        let Some(opened) = opened else {
+            return Landing::Discard;
+        };
+        let spans = self.shared.with_core_now(|core, _| {
+            let spans = core.peer_landing_spans(opened.op, opened.keys)?;
+            let total = spans
+                .iter()
+                .try_fold(0u64, |sum, (_, len)| sum.checked_add(*len))?;
+            let range = opened.part.range(total)?;
+            (range.end - range.start == len).then(|| crate::doorbell::spans_in_range(&spans, range))
+        });
+        match spans {
+            Some(spans) => Landing::Into(opened, spans),
+            None => Landing::Discard,
+        }
+    }
+
+    fn still_granted(&mut self, opened: &OpenedMessage) -> bool {
+        self.shared
+            .with_core_now(|core, _| core.peer_awaits_reply(opened.op))
+    }
+
+    fn landed(&mut self, opened: OpenedMessage) {
+        let stats = &self.control.stats;
+        let doorbell = &mut *self.doorbell;
+        let fit = doorbell.fit_part(&opened);
+        if fit == PartFit::Refused {
+            // Another part landed meanwhile as this one (a source that sent
+            // it twice): its bytes were the operation's own; it completes
+            // nothing.
+            stats
+                .stream_writes_refused
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return;
+        }
+        doorbell.land_part(&opened);
+        // Counted before the operation completes: whoever it wakes sees it.
+        stats
+            .stream_writes_taken
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if fit == PartFit::Last {
+            doorbell.forget_op(opened.op);
+            self.shared
+                .with_core_now(|core, now| core.handle_message(now, opened.done));
+        }
+    }
+
+    fn discarded(&mut self) {
+        self.control
+            .stats
+            .stream_writes_refused
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

@@ -6,8 +6,8 @@ use std::time::Duration;
 use kvcr_foundation::hint::FetchMode;
 use kvcr_foundation::protocol::{ElementRef, OpHandle};
 use kvcr_foundation::runner::{
-    DepositEntry, EntryStatus, FailReason, OpResult, PeerOptions, QueryStatus, RegionDesc, Runner,
-    RunnerConfig,
+    DataStream, DepositEntry, EntryStatus, FailReason, OpResult, PeerOptions, QueryStatus,
+    RegionDesc, Runner, RunnerConfig,
 };
 use kvcr_foundation::{
     BlockKey, CompatDigest, ControlEndpoint, FetchHint, Namespace, NamespaceId, RequestId,
@@ -347,6 +347,8 @@ fn small_whole_writes_through_ucx_go_as_one_message(
     let mut options = PeerOptions::loopback();
     options.ucx_tls = Some(tls.to_owned());
     options.same_host_mapping = false;
+    // Through UCX only: a data stream would carry these writes instead.
+    options.data_stream = DataStream::Off;
     let target = node_with(&options, 16, Duration::from_secs(5));
     options.write_message_max_bytes = largest_message;
     options.write_message_part_bytes = part_bytes;

@@ -14,7 +14,9 @@ use kvcr_foundation::protocol::{
     WriteOutcome,
 };
 use kvcr_foundation::runner::client::ControlClient;
-use kvcr_foundation::runner::{EntryStatus, FailReason, OpResult, PeerOptions, QueryStatus};
+use kvcr_foundation::runner::{
+    DataStream, EntryStatus, FailReason, OpResult, PeerOptions, QueryStatus,
+};
 use kvcr_foundation::runner_core::MAX_FENCES_PER_TARGET;
 use kvcr_foundation::{
     BlockKey, ControlEndpoint, FetchHint, Incarnation, NamespaceId, RequestId, ScopedKey,
@@ -267,6 +269,8 @@ fn forged_write_messages_are_refused() {
     let _serial = crate::serial();
     let mut options = options("tcp,self", Some(SECRET));
     options.same_host_mapping = false;
+    // Write messages through UCX are what is forged here: no data stream.
+    options.data_stream = DataStream::Off;
     let mut source = node_with(&options, 16, Duration::from_secs(5));
     let mut target = node_with(&options, 16, Duration::from_secs(5));
     let all: Vec<u64> = (0..16).collect();

@@ -1,0 +1,529 @@
+//! Unsafe, named: the data stream, a kvcr-owned TCP connection that
+//! carries a source's writes into a target that reaches it through UCX
+//! over tcp, straight from the source's pool into the target's granted
+//! slots.
+//!
+//! Why: over tcp a UCX write message lands in UCX's receive buffer first
+//! and is copied from there into the slots (and a put lands in place only
+//! past its first receive segment, then needs its acknowledgement and a
+//! `write_done`); a plain socket's `read` puts the bytes where they go.
+//! Here the source `writev`s a frame from its claimed pool spans and the
+//! target `readv`s its payload into the write's granted elements: one copy
+//! out of the socket, the same one a plain socket pays, and the frame's
+//! arrival is the write's completion.
+//!
+//! The target dials it, to the source's control listener, once the source
+//! acknowledged its metadata with a route that is not one-copy, and only
+//! when [`crate::DataStream`] says so. The dialer proves it holds the key
+//! of the control session it belongs to (the per-session record key the
+//! target sent inside that encrypted session, see [`crate::doorbell`]):
+//!
+//! ```text
+//! dialer   → PREAMBLE  claim_len:u16be  claim:utf-8 (the target's control endpoint)
+//! acceptor → challenge:[u8; 32] (fresh random)
+//! dialer   → proof:[u8; 32] = HMAC-SHA256(key, "kvcr-data-stream/1" | challenge | claim)
+//! then, source → target only, frames:
+//! frame    := len:u64le  header:[u8; 64]  payload:[u8; len]
+//! header   := a write message's header (the doorbell record under "kvcr-write-message/1")
+//! ```
+//!
+//! The acceptor hands the connection to the peer thread, which checks the
+//! proof under the key of the route it built from that endpoint's session
+//! (so a stream binds to one control session; nobody without that key can
+//! make a source send on it, and a recorded proof does not answer a fresh
+//! challenge). It is held under the control channel's admission caps (per
+//! address and in total), one per target, the newest replacing an older.
+//!
+//! A target takes a frame only as it takes a write message: the header
+//! verifies under the key of the session its operation went out on, while
+//! it waits on that operation, and `len` is exactly that part's share of
+//! the operation's granted bytes; the payload is then read into those
+//! elements (the operation is checked to still wait before every read),
+//! and the last part is that session's `write_done`. A frame that does not
+//! open or fit is read and discarded (counted), so a stream never loses
+//! its framing; bytes that are not a frame end it. Payloads are not
+//! authenticated, as a UCX put's bytes over tcp are not: the connection
+//! is plain TCP, and what it carries is bound by the sealed headers.
+
+use std::collections::VecDeque;
+use std::io::{IoSlice, IoSliceMut};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use kvcr_contracts::endpoint::ControlEndpoint;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::control::StreamHold;
+use crate::doorbell::{RecordKey, SLOT_BYTES};
+
+/// What a data stream's dialer writes first (as long as the control
+/// channel's, which the listener tells it from).
+pub(crate) const PREAMBLE: &[u8; 8] = b"KVCR-D1\0";
+/// The longest endpoint claim a dialer may send.
+pub(crate) const MAX_CLAIM: usize = 300;
+/// Bytes before a frame's payload: its length and its header.
+pub(crate) const PREFIX_BYTES: usize = 8 + SLOT_BYTES;
+/// Most bytes one turn moves on one stream (so a large write never keeps
+/// the peer thread from its other work for long).
+const TURN_BYTES: usize = 8 << 20;
+/// Most buffers handed to one vectored read or write.
+const MAX_IOV: usize = 256;
+
+/// A frame's prefix: its payload's length and its header.
+pub(crate) fn frame_prefix(len: u64, header: &[u8; SLOT_BYTES]) -> [u8; PREFIX_BYTES] {
+    let mut prefix = [0u8; PREFIX_BYTES];
+    prefix[..8].copy_from_slice(&len.to_le_bytes());
+    prefix[8..].copy_from_slice(header);
+    prefix
+}
+
+/// The length and header of a frame's prefix.
+fn parse_prefix(prefix: &[u8; PREFIX_BYTES]) -> (u64, [u8; SLOT_BYTES]) {
+    let mut len = [0u8; 8];
+    len.copy_from_slice(&prefix[..8]);
+    let mut header = [0u8; SLOT_BYTES];
+    header.copy_from_slice(&prefix[8..]);
+    (u64::from_le_bytes(len), header)
+}
+
+/// Dials a data stream to `source` as `claim` (our control endpoint),
+/// proving the session key `key`. `None`: unreachable, or the source hung
+/// up (it refuses a proof it cannot check).
+pub(crate) async fn dial(
+    source: &ControlEndpoint,
+    claim: &ControlEndpoint,
+    key: &[u8; 32],
+) -> Option<TcpStream> {
+    let mut socket = crate::control::dial(source).await?;
+    let _ = socket.set_nodelay(true);
+    let claim_text = claim.to_string();
+    let claim_len = u16::try_from(claim_text.len())
+        .ok()
+        .filter(|n| usize::from(*n) <= MAX_CLAIM)?;
+    let mut hello = Vec::with_capacity(PREAMBLE.len() + 2 + claim_text.len());
+    hello.extend_from_slice(PREAMBLE);
+    hello.extend_from_slice(&claim_len.to_be_bytes());
+    hello.extend_from_slice(claim_text.as_bytes());
+    socket.write_all(&hello).await.ok()?;
+    let mut challenge = [0u8; 32];
+    socket.read_exact(&mut challenge).await.ok()?;
+    let proof = RecordKey::new(key).stream_proof(&challenge, claim);
+    socket.write_all(&proof).await.ok()?;
+    Some(socket)
+}
+
+/// The acceptor's side after [`PREAMBLE`]: reads the claim, challenges,
+/// reads the proof. The peer thread checks it (it holds the keys).
+pub(crate) async fn accept(
+    socket: &mut TcpStream,
+) -> Option<(ControlEndpoint, [u8; 32], [u8; 32])> {
+    let mut len = [0u8; 2];
+    socket.read_exact(&mut len).await.ok()?;
+    let len = usize::from(u16::from_be_bytes(len));
+    if len > MAX_CLAIM {
+        return None;
+    }
+    let mut claim = vec![0u8; len];
+    socket.read_exact(&mut claim).await.ok()?;
+    let claim = ControlEndpoint::parse(std::str::from_utf8(&claim).ok()?).ok()?;
+    let mut challenge = [0u8; 32];
+    getrandom::fill(&mut challenge).ok()?;
+    socket.write_all(&challenge).await.ok()?;
+    let mut proof = [0u8; 32];
+    socket.read_exact(&mut proof).await.ok()?;
+    Some((claim, challenge, proof))
+}
+
+/// One write on its way out: its prefix, then its spans of our pool.
+struct OutFrame {
+    write: u64,
+    prefix: [u8; PREFIX_BYTES],
+    /// Address and length of each span, in the order the target lands them.
+    spans: Vec<(u64, u64)>,
+    /// Bytes of prefix and payload the socket has taken.
+    sent: u64,
+    total: u64,
+}
+
+/// A source's data stream to one target.
+pub(crate) struct OutStream {
+    /// The session key the dialer proved (the route it serves must carry it).
+    key: [u8; 32],
+    socket: TcpStream,
+    frames: VecDeque<OutFrame>,
+    /// Since when frames have waited without the socket taking a byte.
+    stalled_since: Option<Instant>,
+    /// Holds the connection's place under the control channel's caps.
+    _hold: StreamHold,
+}
+
+/// What a turn on a stream did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Pumped {
+    /// Bytes moved.
+    pub(crate) moved: bool,
+    /// The connection failed or closed: drop it.
+    pub(crate) broken: bool,
+}
+
+impl OutStream {
+    pub(crate) fn new(key: [u8; 32], socket: TcpStream, hold: StreamHold) -> Self {
+        Self {
+            key,
+            socket,
+            frames: VecDeque::new(),
+            stalled_since: None,
+            _hold: hold,
+        }
+    }
+
+    /// The session key this stream was proven with.
+    pub(crate) fn key(&self) -> &[u8; 32] {
+        &self.key
+    }
+
+    /// Queues write `write`: `header` (its message header), then the bytes
+    /// of `spans` (address, length) laid end to end.
+    pub(crate) fn push(&mut self, write: u64, header: &[u8; SLOT_BYTES], spans: Vec<(u64, u64)>) {
+        let len: u64 = spans.iter().map(|(_, l)| l).sum();
+        self.frames.push_back(OutFrame {
+            write,
+            prefix: frame_prefix(len, header),
+            spans,
+            sent: 0,
+            total: PREFIX_BYTES as u64 + len,
+        });
+    }
+
+    /// Whether frames wait for the socket.
+    pub(crate) fn wants_write(&self) -> bool {
+        !self.frames.is_empty()
+    }
+
+    /// The writes queued and not yet sent whole, removed (the stream goes).
+    pub(crate) fn take_unsent(&mut self) -> Vec<u64> {
+        self.frames.drain(..).map(|f| f.write).collect()
+    }
+
+    /// Registers for a wake-up when the socket can take more.
+    pub(crate) fn poll_writable(&self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.wants_write() {
+            self.socket.poll_write_ready(cx).map(|_| ())
+        } else {
+            Poll::Pending
+        }
+    }
+
+    /// Writes queued frames while the socket takes them (at most
+    /// [`TURN_BYTES`]); each write sent whole is pushed to `sent`. A
+    /// stream whose socket has taken nothing for `deadline` while frames
+    /// wait (a target that stopped reading) is broken.
+    ///
+    /// # Safety
+    ///
+    /// Every span of every queued frame must stay readable, and its bytes
+    /// unchanged, until its write is reported sent or failed (the claimed
+    /// pages of a write, in pools that outlive this stream).
+    pub(crate) unsafe fn pump(
+        &mut self,
+        sent: &mut Vec<u64>,
+        now: Instant,
+        deadline: Duration,
+    ) -> Pumped {
+        // SAFETY: the caller's contract is this function's.
+        let pumped = unsafe { self.write_frames(sent) };
+        if pumped.moved || self.frames.is_empty() {
+            self.stalled_since = None;
+        } else if now.saturating_duration_since(*self.stalled_since.get_or_insert(now)) >= deadline
+        {
+            return Pumped {
+                moved: false,
+                broken: true,
+            };
+        }
+        pumped
+    }
+
+    /// # Safety
+    ///
+    /// As [`OutStream::pump`].
+    unsafe fn write_frames(&mut self, sent: &mut Vec<u64>) -> Pumped {
+        let mut pumped = Pumped::default();
+        let mut budget = TURN_BYTES;
+        while budget > 0 {
+            let Some(frame) = self.frames.front_mut() else {
+                break;
+            };
+            let mut slices: Vec<IoSlice<'_>> =
+                Vec::with_capacity(MAX_IOV.min(frame.spans.len() + 1));
+            let mut at = 0u64;
+            if let Some(rest) = usize::try_from(frame.sent)
+                .ok()
+                .and_then(|sent| frame.prefix.get(sent..))
+                .filter(|rest| !rest.is_empty())
+            {
+                slices.push(IoSlice::new(rest));
+            }
+            at += PREFIX_BYTES as u64;
+            for &(start, len) in &frame.spans {
+                if slices.len() == MAX_IOV {
+                    break;
+                }
+                let end = at + len;
+                if end > frame.sent {
+                    let skip = frame.sent.saturating_sub(at);
+                    // SAFETY: the span lies in our pool and stays readable
+                    // and unchanged until this write is reported (the
+                    // caller's contract); `skip < len`.
+                    let bytes = unsafe {
+                        std::slice::from_raw_parts(
+                            (start + skip) as usize as *const u8,
+                            (len - skip) as usize,
+                        )
+                    };
+                    slices.push(IoSlice::new(bytes));
+                }
+                at = end;
+            }
+            match self.socket.try_write_vectored(&slices) {
+                Ok(0) => {
+                    pumped.broken = true;
+                    return pumped;
+                }
+                Ok(n) => {
+                    pumped.moved = true;
+                    budget = budget.saturating_sub(n);
+                    frame.sent += n as u64;
+                    if frame.sent >= frame.total {
+                        sent.push(frame.write);
+                        self.frames.pop_front();
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(_) => {
+                    pumped.broken = true;
+                    return pumped;
+                }
+            }
+        }
+        pumped
+    }
+}
+
+/// What the target makes of a frame's prefix (see [`InStream::pump`]).
+pub(crate) enum Landing<T> {
+    /// Read the payload into these spans (address, length; their lengths
+    /// sum to the frame's), then hand `T` back.
+    Into(T, Vec<(u64, u64)>),
+    /// Read and discard the payload (counted as refused by the caller).
+    Discard,
+}
+
+/// The target's side of landing frames: what the peer thread decides.
+pub(crate) trait Lander {
+    /// What a frame that may land carries to its end.
+    type Opened;
+    /// A frame's prefix arrived: where its payload of `len` bytes goes.
+    fn open(&mut self, len: u64, header: &[u8; SLOT_BYTES]) -> Landing<Self::Opened>;
+    /// Whether `opened`'s spans may still be written (its operation waits).
+    fn still_granted(&mut self, opened: &Self::Opened) -> bool;
+    /// `opened`'s payload landed whole.
+    fn landed(&mut self, opened: Self::Opened);
+    /// A frame was discarded (it did not open or fit, or its operation
+    /// stopped waiting mid-payload).
+    fn discarded(&mut self);
+}
+
+enum Recv<T> {
+    Prefix {
+        buf: [u8; PREFIX_BYTES],
+        have: usize,
+    },
+    Payload {
+        opened: T,
+        spans: Vec<(u64, u64)>,
+        landed: u64,
+        len: u64,
+    },
+    Discard {
+        left: u64,
+    },
+}
+
+/// A target's data stream from one source.
+pub(crate) struct InStream<T> {
+    /// The control session (ours, to the source) whose key it proved.
+    pub(crate) session: u64,
+    socket: TcpStream,
+    state: Recv<T>,
+    scratch: Vec<u8>,
+}
+
+impl<T> InStream<T> {
+    pub(crate) fn new(session: u64, socket: TcpStream) -> Self {
+        Self {
+            session,
+            socket,
+            state: Recv::Prefix {
+                buf: [0; PREFIX_BYTES],
+                have: 0,
+            },
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Registers for a wake-up when bytes arrive.
+    pub(crate) fn poll_readable(&self, cx: &mut Context<'_>) -> Poll<()> {
+        self.socket.poll_read_ready(cx).map(|_| ())
+    }
+
+    /// Reads what has arrived (at most [`TURN_BYTES`]): prefixes are opened
+    /// by `lander`, payloads read into the spans it grants (each read after
+    /// it confirmed they still are) or discarded.
+    ///
+    /// # Safety
+    ///
+    /// Spans `lander` returns must be ours to write, and nothing else may
+    /// read or write them, from the moment it returns them until its next
+    /// [`Lander::still_granted`] answers `false` or [`Lander::landed`] is
+    /// called (the granted elements of an operation that waits for its
+    /// reply, on the peer thread that alone hands it its reply).
+    pub(crate) unsafe fn pump<L: Lander<Opened = T>>(&mut self, lander: &mut L) -> Pumped {
+        let mut pumped = Pumped::default();
+        let mut budget = TURN_BYTES;
+        while budget > 0 {
+            let read = match &mut self.state {
+                Recv::Prefix { buf, have } => match buf.get_mut(*have..) {
+                    Some(rest) => self.socket.try_read(rest),
+                    None => Ok(0),
+                },
+                Recv::Payload {
+                    opened,
+                    spans,
+                    landed,
+                    len,
+                } => {
+                    if !lander.still_granted(opened) {
+                        let left = *len - *landed;
+                        lander.discarded();
+                        self.state = Recv::Discard { left };
+                        continue;
+                    }
+                    let mut slices: Vec<IoSliceMut<'_>> = Vec::new();
+                    let mut at = 0u64;
+                    for &(start, span_len) in spans.iter() {
+                        if slices.len() == MAX_IOV {
+                            break;
+                        }
+                        let end = at + span_len;
+                        if end > *landed {
+                            let skip = landed.saturating_sub(at);
+                            // SAFETY: the span is granted to this frame's
+                            // operation, which still waits (checked just
+                            // above), so nothing else touches it (the
+                            // caller's contract); `skip < span_len`.
+                            let bytes = unsafe {
+                                std::slice::from_raw_parts_mut(
+                                    (start + skip) as usize as *mut u8,
+                                    (span_len - skip) as usize,
+                                )
+                            };
+                            slices.push(IoSliceMut::new(bytes));
+                        }
+                        at = end;
+                    }
+                    self.socket.try_read_vectored(&mut slices)
+                }
+                Recv::Discard { left } => {
+                    let want = usize::try_from(*left).unwrap_or(usize::MAX).min(256 << 10);
+                    if self.scratch.len() < want {
+                        self.scratch.resize(want, 0);
+                    }
+                    match self.scratch.get_mut(..want) {
+                        Some(into) => self.socket.try_read(into),
+                        None => Ok(0),
+                    }
+                }
+            };
+            let n = match read {
+                Ok(0) => {
+                    pumped.broken = true;
+                    return pumped;
+                }
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(_) => {
+                    pumped.broken = true;
+                    return pumped;
+                }
+            };
+            pumped.moved = true;
+            budget = budget.saturating_sub(n);
+            self.advance(n, lander);
+        }
+        pumped
+    }
+
+    /// `n` bytes were read in the current state: moves to the next.
+    fn advance<L: Lander<Opened = T>>(&mut self, n: usize, lander: &mut L) {
+        match &mut self.state {
+            Recv::Prefix { buf, have } => {
+                *have += n;
+                if *have < PREFIX_BYTES {
+                    return;
+                }
+                let (len, header) = parse_prefix(buf);
+                self.state = match lander.open(len, &header) {
+                    // The lander's spans are exactly the payload (checked
+                    // again here: a payload read past them would desync).
+                    Landing::Into(opened, spans)
+                        if spans.iter().map(|(_, l)| *l).sum::<u64>() == len && len > 0 =>
+                    {
+                        Recv::Payload {
+                            opened,
+                            spans,
+                            landed: 0,
+                            len,
+                        }
+                    }
+                    Landing::Into(..) | Landing::Discard => {
+                        lander.discarded();
+                        Recv::discarding(len)
+                    }
+                };
+            }
+            Recv::Payload { landed, len, .. } => {
+                *landed += n as u64;
+                if *landed < *len {
+                    return;
+                }
+                if let Recv::Payload { opened, .. } =
+                    std::mem::replace(&mut self.state, Recv::discarding(0))
+                {
+                    lander.landed(opened);
+                }
+            }
+            Recv::Discard { left } => {
+                *left = left.saturating_sub(n as u64);
+                if *left == 0 {
+                    self.state = Recv::discarding(0);
+                }
+            }
+        }
+    }
+}
+
+impl<T> Recv<T> {
+    /// Discards `left` bytes, then reads the next prefix (at once when 0).
+    fn discarding(left: u64) -> Self {
+        if left == 0 {
+            Recv::Prefix {
+                buf: [0; PREFIX_BYTES],
+                have: 0,
+            }
+        } else {
+            Recv::Discard { left }
+        }
+    }
+}
