@@ -684,6 +684,25 @@ mod tests {
         RecordKey::new(&[byte; 32])
     }
 
+    /// A data stream's proof verifies only under its key, for the
+    /// challenge it answered and the endpoint it claimed: a recorded proof
+    /// answers no fresh challenge and vouches for no other endpoint.
+    #[test]
+    fn a_stream_proof_verifies_only_for_its_key_challenge_and_claim() {
+        let claim: ControlEndpoint = "tcp://10.0.0.1:5000".parse().unwrap();
+        let other: ControlEndpoint = "tcp://10.0.0.2:5000".parse().unwrap();
+        let proof = key(1).stream_proof(&[9; 32], &claim);
+        assert!(key(1).verify_stream_proof(&[9; 32], &claim, &proof));
+        assert!(!key(2).verify_stream_proof(&[9; 32], &claim, &proof));
+        assert!(!key(1).verify_stream_proof(&[8; 32], &claim, &proof));
+        assert!(!key(1).verify_stream_proof(&[9; 32], &other, &proof));
+        // Nor does a record of the same key pass for a proof.
+        let record = key(1).seal(OpHandle(9), 9);
+        let mut as_proof = [0u8; 32];
+        as_proof.copy_from_slice(&record[TAG]);
+        assert!(!key(1).verify_stream_proof(&[9; 32], &claim, &as_proof));
+    }
+
     #[test]
     fn a_sealed_record_opens_under_its_key_for_its_op() {
         let record = key(1).seal(OpHandle(42), 3);

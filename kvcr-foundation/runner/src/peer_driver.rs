@@ -1836,8 +1836,10 @@ impl State {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let target = accepted.claim.clone();
         self.drop_out_stream(shared, &target);
-        self.out_streams
-            .insert(target, OutStream::new(key, accepted.socket, accepted.hold));
+        self.out_streams.insert(
+            target,
+            OutStream::new(key, accepted.socket, Some(accepted.hold)),
+        );
     }
 
     /// Drops the data stream to `target`; the writes it had not sent whole

@@ -154,8 +154,9 @@ pub(crate) struct OutStream {
     frames: VecDeque<OutFrame>,
     /// Since when frames have waited without the socket taking a byte.
     stalled_since: Option<Instant>,
-    /// Holds the connection's place under the control channel's caps.
-    _hold: StreamHold,
+    /// Holds the connection's place under the control channel's caps
+    /// (`None` only in unit tests).
+    _hold: Option<StreamHold>,
 }
 
 /// What a turn on a stream did.
@@ -168,7 +169,7 @@ pub(crate) struct Pumped {
 }
 
 impl OutStream {
-    pub(crate) fn new(key: [u8; 32], socket: TcpStream, hold: StreamHold) -> Self {
+    pub(crate) fn new(key: [u8; 32], socket: TcpStream, hold: Option<StreamHold>) -> Self {
         Self {
             key,
             socket,
@@ -525,5 +526,273 @@ impl<T> Recv<T> {
         } else {
             Recv::Discard { left }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lander that grants each frame whose header's first byte is 1 the
+    /// spans it was given, discards the rest, and records what happened.
+    struct Recorder {
+        spans: Vec<(u64, u64)>,
+        granted: bool,
+        events: Vec<String>,
+    }
+
+    impl Lander for Recorder {
+        type Opened = u8;
+
+        fn open(&mut self, len: u64, header: &[u8; SLOT_BYTES]) -> Landing<u8> {
+            self.events.push(format!("open {} {len}", header[0]));
+            if header[0] == 1 {
+                Landing::Into(header[1], self.spans.clone())
+            } else {
+                Landing::Discard
+            }
+        }
+
+        fn still_granted(&mut self, _: &u8) -> bool {
+            self.granted
+        }
+
+        fn landed(&mut self, tag: u8) {
+            self.events.push(format!("landed {tag}"));
+        }
+
+        fn discarded(&mut self) {
+            self.events.push("discarded".to_owned());
+        }
+    }
+
+    fn frame(kind: u8, tag: u8, payload: &[u8]) -> Vec<u8> {
+        let mut header = [0u8; SLOT_BYTES];
+        header[0] = kind;
+        header[1] = tag;
+        let mut bytes = frame_prefix(payload.len() as u64, &header).to_vec();
+        bytes.extend_from_slice(payload);
+        bytes
+    }
+
+    /// A connected pair on loopback: our end, and the peer's (std, blocking).
+    async fn pair() -> (TcpStream, std::net::TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let at = listener.local_addr().unwrap();
+        let peer = std::net::TcpStream::connect(at).unwrap();
+        let (ours, _) = listener.accept().await.unwrap();
+        (ours, peer)
+    }
+
+    fn run(test: impl std::future::Future<Output = ()>) {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(test);
+    }
+
+    /// Pumps until `done` says so (bytes on loopback arrive at once, but a
+    /// read may see them in pieces).
+    async fn pump_until(
+        stream: &mut InStream<u8>,
+        lander: &mut Recorder,
+        mut done: impl FnMut(&Recorder) -> bool,
+    ) -> Pumped {
+        for _ in 0..10_000 {
+            // SAFETY: (test) the spans are live `Vec`s nothing else touches.
+            let pumped = unsafe { stream.pump(lander) };
+            if pumped.broken || done(lander) {
+                return pumped;
+            }
+            tokio::task::yield_now().await;
+        }
+        panic!("the frames never landed: {:?}", lander.events);
+    }
+
+    /// A granted frame's payload lands in its spans in order, across their
+    /// boundary; frames around it that do not open are read past, so the
+    /// framing holds and nothing of theirs is written anywhere.
+    #[test]
+    fn granted_frames_land_in_their_spans_and_others_are_read_past() {
+        run(async {
+            let (ours, mut peer) = pair().await;
+            let mut first = vec![0u8; 3000];
+            let mut second = vec![0u8; 5000];
+            let mut lander = Recorder {
+                spans: vec![
+                    (first.as_mut_ptr() as u64, 3000),
+                    (second.as_mut_ptr() as u64, 5000),
+                ],
+                granted: true,
+                events: Vec::new(),
+            };
+            let payload: Vec<u8> = (0..8000u32).map(|i| (i * 7 % 251) as u8).collect();
+            let mut wire = frame(0, 0, &[0xee; 70_000]);
+            wire.extend(frame(1, 9, &payload));
+            wire.extend(frame(0, 0, &[]));
+            wire.extend(frame(0, 0, &[0xdd; 10]));
+            std::io::Write::write_all(&mut peer, &wire).unwrap();
+            let mut stream = InStream::new(7, ours);
+            let pumped = pump_until(&mut stream, &mut lander, |l| l.events.len() == 8).await;
+            assert!(!pumped.broken);
+            assert_eq!(
+                lander.events,
+                [
+                    "open 0 70000",
+                    "discarded",
+                    "open 1 8000",
+                    "landed 9",
+                    "open 0 0",
+                    "discarded",
+                    "open 0 10",
+                    "discarded",
+                ]
+            );
+            assert_eq!(first, payload[..3000]);
+            assert_eq!(second, payload[3000..]);
+        });
+    }
+
+    /// An operation that stops waiting mid-payload gets no more of it: the
+    /// rest is read past, the next frame lands.
+    #[test]
+    fn a_payload_stops_landing_once_its_operation_stops_waiting() {
+        run(async {
+            let (ours, mut peer) = pair().await;
+            let mut into = vec![0u8; 4096];
+            let mut lander = Recorder {
+                spans: vec![(into.as_mut_ptr() as u64, 4096)],
+                granted: true,
+                events: Vec::new(),
+            };
+            let mut stream = InStream::new(1, ours);
+            let whole = frame(1, 1, &[0xaa; 4096]);
+            let cut = PREFIX_BYTES + 1000;
+            std::io::Write::write_all(&mut peer, &whole[..cut]).unwrap();
+            for _ in 0..10_000 {
+                if into[999] == 0xaa {
+                    break;
+                }
+                // SAFETY: (test) the spans are live `Vec`s nothing else
+                // touches while this runs.
+                assert!(!unsafe { stream.pump(&mut lander) }.broken);
+                tokio::task::yield_now().await;
+            }
+            assert_eq!(into[999], 0xaa, "the first 1000 bytes landed");
+            // The operation ends; the next frame goes elsewhere.
+            lander.granted = false;
+            pump_until(&mut stream, &mut lander, |l| {
+                l.events.last().is_some_and(|e| e == "discarded")
+            })
+            .await;
+            let mut other = vec![0u8; 4096];
+            lander.spans = vec![(other.as_mut_ptr() as u64, 4096)];
+            lander.granted = true;
+            let mut rest = whole[cut..].to_vec();
+            rest.extend(frame(1, 2, &[0xbb; 4096]));
+            std::io::Write::write_all(&mut peer, &rest).unwrap();
+            pump_until(&mut stream, &mut lander, |l| l.events.len() == 4).await;
+            assert_eq!(
+                lander.events,
+                ["open 1 4096", "discarded", "open 1 4096", "landed 2"]
+            );
+            assert!(into[..1000].iter().all(|b| *b == 0xaa));
+            assert!(
+                into[1000..].iter().all(|b| *b == 0),
+                "nothing after it ended"
+            );
+            assert!(other.iter().all(|b| *b == 0xbb));
+        });
+    }
+
+    /// Queued writes leave whole and in order, each its prefix then its
+    /// spans' bytes laid end to end, and are reported sent once the socket
+    /// took their last byte.
+    #[test]
+    fn queued_frames_leave_whole_and_in_order() {
+        run(async {
+            let (ours, mut peer) = pair().await;
+            let a: Vec<u8> = (0..5000u32).map(|i| i as u8).collect();
+            let b = vec![7u8; 3000];
+            let mut out = OutStream::new([0; 32], ours, None);
+            let header = [3u8; SLOT_BYTES];
+            out.push(
+                11,
+                &header,
+                vec![(a.as_ptr() as u64, 5000), (b.as_ptr() as u64, 3000)],
+            );
+            out.push(12, &header, vec![(b.as_ptr() as u64, 10)]);
+            let mut sent = Vec::new();
+            #[allow(clippy::disallowed_methods)]
+            let now = Instant::now();
+            // SAFETY: (test) the spans are live `Vec`s, unchanged until sent.
+            let pumped = unsafe { out.pump(&mut sent, now, Duration::from_secs(1)) };
+            assert!(pumped.moved && !pumped.broken);
+            assert_eq!(sent, [11, 12]);
+            assert!(!out.wants_write());
+            let mut wire = vec![0u8; 2 * PREFIX_BYTES + 8010];
+            std::io::Read::read_exact(&mut peer, &mut wire).unwrap();
+            let mut expected = frame_prefix(8000, &header).to_vec();
+            expected.extend(&a);
+            expected.extend(&b);
+            expected.extend(frame_prefix(10, &header));
+            expected.extend(&b[..10]);
+            assert_eq!(wire, expected);
+        });
+    }
+
+    /// A target that stops reading cannot hold a source's writes: once the
+    /// socket has taken nothing for the deadline the stream is broken, and
+    /// its writes come back unsent.
+    #[test]
+    fn a_stream_nobody_reads_is_broken_at_its_deadline() {
+        run(async {
+            let (ours, _peer) = pair().await;
+            let big = vec![1u8; 64 << 20];
+            let mut out = OutStream::new([0; 32], ours, None);
+            out.push(
+                5,
+                &[0; SLOT_BYTES],
+                vec![(big.as_ptr() as u64, big.len() as u64)],
+            );
+            let mut sent = Vec::new();
+            #[allow(clippy::disallowed_methods)]
+            let start = Instant::now();
+            let deadline = Duration::from_secs(3600);
+            let mut broken = false;
+            for turn in 0..1000u64 {
+                // Each turn an hour later: the socket fills, then takes nothing.
+                let now = start + Duration::from_secs(3600 * turn);
+                // SAFETY: (test) `big` is live and unchanged.
+                let pumped = unsafe { out.pump(&mut sent, now, deadline) };
+                if pumped.broken {
+                    broken = true;
+                    break;
+                }
+            }
+            assert!(broken, "64 MiB never fit an unread socket");
+            assert!(sent.is_empty());
+            assert_eq!(out.take_unsent(), [5]);
+        });
+    }
+
+    /// Bytes that end mid-frame (the peer hung up) break the stream.
+    #[test]
+    fn a_stream_that_ends_is_broken() {
+        run(async {
+            let (ours, mut peer) = pair().await;
+            std::io::Write::write_all(&mut peer, &frame(0, 0, &[1; 100])[..20]).unwrap();
+            drop(peer);
+            let mut lander = Recorder {
+                spans: Vec::new(),
+                granted: true,
+                events: Vec::new(),
+            };
+            let mut stream = InStream::new(1, ours);
+            let pumped = pump_until(&mut stream, &mut lander, |_| false).await;
+            assert!(pumped.broken);
+            assert!(lander.events.is_empty());
+        });
     }
 }

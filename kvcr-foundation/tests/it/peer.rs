@@ -372,6 +372,79 @@ fn small_whole_writes_through_ucx_go_as_one_message(
     source.runner.check_invariants().unwrap();
 }
 
+/// A target that reaches its source through UCX over tcp dials it a data
+/// stream once the source has acknowledged its metadata; the source's
+/// writes then come on it, one frame each, read straight into the granted
+/// elements: byte-exact, one key or many (a write of 256 keys is 16 MiB).
+/// With data streams off, or over shared memory (`Auto`), they go through
+/// UCX and no stream is dialed.
+#[rstest]
+#[case::tcp_one_key("tcp,self", DataStream::Auto, 1, true)]
+#[case::tcp_16mib("tcp,self", DataStream::Auto, 256, true)]
+#[case::tcp_off("tcp,self", DataStream::Off, 8, false)]
+#[case::shm_auto("sm,self", DataStream::Auto, 8, false)]
+fn writes_over_tcp_come_on_a_data_stream(
+    #[case] tls: &str,
+    #[case] mode: DataStream,
+    #[case] keys_per_write: u64,
+    #[case] streamed: bool,
+) {
+    let _serial = crate::serial();
+    let mut options = PeerOptions::loopback();
+    options.ucx_tls = Some(tls.to_owned());
+    options.same_host_mapping = false;
+    options.data_stream = mode;
+    let blocks = u32::try_from(1 + 2 * keys_per_write).unwrap();
+    let mut source = node_with(&options, blocks, Duration::from_secs(10));
+    let mut target = node_with(&options, blocks, Duration::from_secs(10));
+    let all: Vec<u64> = (0..u64::from(blocks)).collect();
+    stock(&mut source, &all);
+    // The first restore builds the route; the stream is dialed behind it.
+    let first = fetch_on_hint(&mut target, "first", &hint(&source, &[0]), &[0]);
+    assert_restored(&target, &source, &first, &[0]);
+    if streamed {
+        crate::wait_until(
+            "both ends to bind the data stream",
+            Duration::from_secs(10),
+            || {
+                target.runner.control_stats().streams_opened == 1
+                    && source.runner.control_stats().streams_opened == 1
+            },
+        );
+    }
+    let before = target.runner.control_stats().stream_writes_taken;
+    for round in 0..2 {
+        let keys: Vec<u64> =
+            (1 + round * keys_per_write..1 + (round + 1) * keys_per_write).collect();
+        let result = fetch_on_hint(
+            &mut target,
+            &format!("round-{round}"),
+            &hint(&source, &keys),
+            &keys,
+        );
+        assert_restored(&target, &source, &result, &keys);
+        for (_, entry) in &result.entries {
+            assert_eq!(target.runner.release(&[entry.release.unwrap()]), vec![true]);
+        }
+    }
+    let (t, s) = (target.runner.control_stats(), source.runner.control_stats());
+    if streamed {
+        assert_eq!(t.stream_writes_taken - before, 2, "each round one frame");
+        assert_eq!(t.stream_writes_taken, s.stream_writes_sent);
+        assert_eq!(t.stream_writes_refused, 0);
+        assert_eq!(s.streams_refused, 0);
+    } else {
+        assert_eq!((t.streams_opened, s.streams_opened), (0, 0));
+        assert_eq!((t.stream_writes_taken, s.stream_writes_sent), (0, 0));
+    }
+    assert_eq!(
+        target.runner.peer_stats().0.keys_received,
+        1 + 2 * keys_per_write
+    );
+    target.runner.check_invariants().unwrap();
+    source.runner.check_invariants().unwrap();
+}
+
 /// Removing a peer closes its control socket.
 #[test]
 fn forgetting_a_peer_closes_its_socket() {

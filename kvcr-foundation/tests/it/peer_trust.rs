@@ -201,6 +201,102 @@ fn forge_records(files: &[(u64, std::fs::File)], round: u64) {
     }
 }
 
+/// What a forger at `source` gets for a data stream claiming `claim` with
+/// `proof` (`None`: a fresh random one): the challenge it was sent (`None`
+/// when the source hung up before one) and whether the source then hung up
+/// rather than send anything.
+fn forge_stream(source: &Node, claim: &[u8], proof: Option<[u8; 32]>) -> (Option<[u8; 32]>, bool) {
+    use std::io::{Read, Write};
+    let port = source.runner.endpoint().unwrap().port();
+    let mut socket = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut hello = b"KVCR-D1\0".to_vec();
+    hello.extend_from_slice(&u16::try_from(claim.len()).unwrap().to_be_bytes());
+    hello.extend_from_slice(claim);
+    socket.write_all(&hello).unwrap();
+    let mut challenge = [0u8; 32];
+    if socket.read_exact(&mut challenge).is_err() {
+        return (None, true);
+    }
+    let proof = proof.unwrap_or_else(|| {
+        use std::hash::BuildHasher;
+        let state = std::collections::hash_map::RandomState::new();
+        std::array::from_fn(|i| state.hash_one(i).to_le_bytes()[0])
+    });
+    socket.write_all(&proof).unwrap();
+    let mut after = [0u8; 1];
+    // A stream that bound would stay open (the read times out).
+    let hung_up = match socket.read(&mut after) {
+        Ok(0) => true,
+        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+        Ok(_) => false,
+    };
+    (Some(challenge), hung_up)
+}
+
+/// A data stream binds only with a proof of the key of the session the
+/// claimed target holds with the source (sent only inside that encrypted
+/// session): a stream claiming the target with a guessed or replayed proof,
+/// claiming an endpoint the source has no route from, or not naming an
+/// endpoint at all is dropped unserved, counted, and never replaces the
+/// target's own stream, which keeps carrying its restores byte-exact.
+#[test]
+fn forged_data_streams_are_refused() {
+    let _serial = crate::serial();
+    let mut options = options("tcp,self", Some(SECRET));
+    options.same_host_mapping = false;
+    let mut source = node_with(&options, 16, Duration::from_secs(10));
+    let mut target = node_with(&options, 16, Duration::from_secs(10));
+    let all: Vec<u64> = (0..16).collect();
+    stock(&mut source, &all);
+    let first = fetch_on_hint(&mut target, "first", &hint(&source, &[0]), &[0]);
+    assert_restored(&target, &source, &first, &[0]);
+    crate::wait_until(
+        "the honest data stream to bind",
+        Duration::from_secs(10),
+        || source.runner.control_stats().streams_opened == 1,
+    );
+    let claim = target.runner.endpoint().unwrap().to_string();
+    let refused = |source: &Node| source.runner.control_stats().streams_refused;
+    // A guessed proof, twice the same (a replay answers a fresh challenge).
+    let guessed = [0x42u8; 32];
+    let (first_challenge, hung_up) = forge_stream(&source, claim.as_bytes(), Some(guessed));
+    assert!(hung_up);
+    let (second_challenge, hung_up) = forge_stream(&source, claim.as_bytes(), Some(guessed));
+    assert!(hung_up);
+    assert_ne!(first_challenge, second_challenge, "challenges are fresh");
+    crate::wait_until("two refusals", Duration::from_secs(10), || {
+        refused(&source) == 2
+    });
+    // A random proof; a stranger's endpoint (no route to bind).
+    assert!(forge_stream(&source, claim.as_bytes(), None).1);
+    assert!(forge_stream(&source, b"tcp://127.0.0.1:9", None).1);
+    crate::wait_until("four refusals", Duration::from_secs(10), || {
+        refused(&source) == 4
+    });
+    // Not an endpoint at all: no challenge is sent.
+    let handshakes = source.runner.control_stats().refused_handshakes;
+    assert_eq!(
+        forge_stream(&source, b"\xff\xfe not an endpoint", None),
+        (None, true)
+    );
+    crate::wait_until("the handshake refusal", Duration::from_secs(10), || {
+        source.runner.control_stats().refused_handshakes == handshakes + 1
+    });
+    assert_eq!(source.runner.control_stats().streams_opened, 1);
+    // The target's own stream still carries its restores.
+    let taken = target.runner.control_stats().stream_writes_taken;
+    let keys = [1, 2, 3, 4, 5];
+    let result = fetch_on_hint(&mut target, "after", &hint(&source, &keys), &keys);
+    assert_restored(&target, &source, &result, &keys);
+    assert_eq!(target.runner.control_stats().stream_writes_taken, taken + 1);
+    assert_eq!(target.runner.control_stats().stream_writes_refused, 0);
+    target.runner.check_invariants().unwrap();
+    source.runner.check_invariants().unwrap();
+}
+
 /// Whoever can open a runner's files (its user, on its host) can write its
 /// doorbell's slots, as it can its pools: a record not sealed with the key
 /// of the session the operation went out on is refused (had one been taken,
