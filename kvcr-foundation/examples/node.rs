@@ -699,6 +699,7 @@ fn stats(node: &mut Node, publisher: Option<&Publisher>) {
     node.take_notices();
     let s = node.runner.stats();
     let (peer, sockets) = node.runner.peer_stats();
+    let control = node.runner.control_stats();
     let pool = s.pools.first();
     let publisher = publisher.map(|p| {
         let p = p.stats();
@@ -726,6 +727,12 @@ fn stats(node: &mut Node, publisher: Option<&Publisher>) {
                 "keys_sent": peer.keys_sent, "bytes_sent": peer.bytes_sent,
                 "refused": peer.refused, "quarantined": peer.quarantined, "sockets": sockets,
                 "dead_reported": peer.dead_reported, "dead_freed": peer.dead_freed,
+            },
+            "streams": {
+                "opened": control.streams_opened, "refused": control.streams_refused,
+                "writes_sent": control.stream_writes_sent,
+                "writes_taken": control.stream_writes_taken,
+                "writes_refused": control.stream_writes_refused,
             },
             "uncertain": node.uncertain, "quiesced": node.quiesced,
             "invariants": node.runner.check_invariants().err(),

@@ -210,12 +210,26 @@ const DEADLINE_GRACE_S: f64 = 2.0;
 /// corrupted byte), each hit write is uncertain and its slots are held;
 /// once the link is back (`heal`), the source's answer quiesces every one of
 /// them, the slots are free, and a clean retry restores every page.
+/// Whether the source sent the faulted writes on the data stream its
+/// destination dialed after the warm-up (UCX over tcp alone: `DataStream`
+/// is on), so a fault hits kvcr's own connection.
+fn on_the_data_stream(o: &mut Outcome, hit: &mut Faulted) -> Result<()> {
+    let streams = hit.source.stats()?["streams"].clone();
+    o.check(
+        "the faulted writes went on the data stream",
+        num(&streams, "opened") >= 1 && num(&streams, "writes_sent") >= 1,
+        format!("{streams}"),
+    );
+    Ok(())
+}
+
 fn held_then_quiesced(
     o: &mut Outcome,
     hit: &mut Faulted,
     link: &mut Link,
     heal: &mut dyn FnMut(&mut Link) -> Result<()>,
 ) -> Result<()> {
+    on_the_data_stream(o, hit)?;
     let failed = num(&hit.restored, "failed");
     no_corruption(o, "the faulted request", &hit.restored);
     o.equal(
@@ -299,6 +313,7 @@ pub(super) fn partition_early(ctx: &Ctx) -> Result<Outcome> {
         std::thread::sleep(Duration::from_millis(300));
         l.partition(false)
     })?;
+    on_the_data_stream(&mut o, &mut hit)?;
     no_corruption(&mut o, "across the brief partition", &hit.restored);
     answered_by_deadline(&mut o, &hit.restored);
     let failed = num(&hit.restored, "failed");
