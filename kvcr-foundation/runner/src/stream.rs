@@ -87,6 +87,19 @@ fn parse_prefix(prefix: &[u8; PREFIX_BYTES]) -> (u64, [u8; SLOT_BYTES]) {
     (u64::from_le_bytes(len), header)
 }
 
+/// What a dialer claiming `claim` writes first (`None`: a claim too long).
+fn hello(claim: &ControlEndpoint) -> Option<Vec<u8>> {
+    let claim = claim.to_string();
+    let claim_len = u16::try_from(claim.len())
+        .ok()
+        .filter(|n| usize::from(*n) <= MAX_CLAIM)?;
+    let mut hello = Vec::with_capacity(PREAMBLE.len() + 2 + claim.len());
+    hello.extend_from_slice(PREAMBLE);
+    hello.extend_from_slice(&claim_len.to_be_bytes());
+    hello.extend_from_slice(claim.as_bytes());
+    Some(hello)
+}
+
 /// Dials a data stream to `source` as `claim` (our control endpoint),
 /// proving the session key `key`. `None`: unreachable, or the source hung
 /// up (it refuses a proof it cannot check).
@@ -95,16 +108,9 @@ pub(crate) async fn dial(
     claim: &ControlEndpoint,
     key: &[u8; 32],
 ) -> Option<TcpStream> {
+    let hello = hello(claim)?;
     let mut socket = crate::control::dial(source).await?;
     let _ = socket.set_nodelay(true);
-    let claim_text = claim.to_string();
-    let claim_len = u16::try_from(claim_text.len())
-        .ok()
-        .filter(|n| usize::from(*n) <= MAX_CLAIM)?;
-    let mut hello = Vec::with_capacity(PREAMBLE.len() + 2 + claim_text.len());
-    hello.extend_from_slice(PREAMBLE);
-    hello.extend_from_slice(&claim_len.to_be_bytes());
-    hello.extend_from_slice(claim_text.as_bytes());
     socket.write_all(&hello).await.ok()?;
     let mut challenge = [0u8; 32];
     socket.read_exact(&mut challenge).await.ok()?;
@@ -704,6 +710,32 @@ mod tests {
             );
             assert!(other.iter().all(|b| *b == 0xbb));
         });
+    }
+
+    /// The stream's wire (a dialer's hello, its proof for a challenge, a
+    /// frame's prefix) is a format between two processes: pinned.
+    #[test]
+    fn the_wire_layout_is_pinned() {
+        let claim: ControlEndpoint = "tcp://10.0.0.1:5000".parse().unwrap();
+        let key = RecordKey::new(&[1; 32]);
+        let header = key.seal_message(
+            kvcr_contracts::protocol::OpHandle(7),
+            2,
+            crate::doorbell::Part::new(0, 1).unwrap(),
+        );
+        let hex = |bytes: &[u8]| -> String {
+            bytes
+                .chunks(16)
+                .map(|c| c.iter().map(|b| format!("{b:02x}")).collect::<String>())
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        insta::assert_snapshot!(format!(
+            "hello\n{}\nproof\n{}\nprefix\n{}",
+            hex(&hello(&claim).unwrap()),
+            hex(&key.stream_proof(&[2; 32], &claim)),
+            hex(&frame_prefix(65_536, &header)),
+        ));
     }
 
     /// Queued writes leave whole and in order, each its prefix then its
