@@ -145,10 +145,10 @@ pub struct PeerOptions {
 /// round trip and its `write_done`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DataStream {
-    /// On when the UCX transports are tcp alone (`ucx_tls` names tcp and
-    /// nothing but tcp and self): then UCX would carry the bytes over tcp
-    /// too. Off when UCX chooses (it may find RDMA) or shared memory is
-    /// named.
+    /// On when the UCX transports are tcp alone (`ucx_tls`, or without it
+    /// the `UCX_TLS` environment variable, names tcp and nothing but tcp
+    /// and self): then UCX would carry the bytes over tcp too. Off when UCX
+    /// chooses (it may find RDMA) or shared memory is named.
     #[default]
     Auto,
     /// Always, for every route that is not one-copy.
@@ -901,7 +901,13 @@ impl State {
                 dialing: HashSet::new(),
                 streams_dialed_tx,
                 streams_dialed,
-                data_stream: options.data_stream.enabled(options.ucx_tls.as_deref()),
+                data_stream: options.data_stream.enabled(
+                    options
+                        .ucx_tls
+                        .clone()
+                        .or_else(|| std::env::var("UCX_TLS").ok())
+                        .as_deref(),
+                ),
                 endpoint: endpoint_for_streams,
                 stream_limits: (
                     options.limits.handshake_timeout,
@@ -2461,6 +2467,23 @@ mod tests {
         let mut options = PeerOptions::loopback();
         options.advertise_host = host;
         assert_eq!(pins_tcp_to_loopback(&options, env_names_devices), pinned);
+    }
+
+    #[rstest::rstest]
+    #[case::tcp_alone(DataStream::Auto, Some("tcp,self"), true)]
+    #[case::tcp_spaced(DataStream::Auto, Some(" tcp "), true)]
+    #[case::tcp_beside_shared_memory(DataStream::Auto, Some("sm,tcp,self"), false)]
+    #[case::rdma(DataStream::Auto, Some("rc,tcp"), false)]
+    #[case::shared_memory(DataStream::Auto, Some("posix,cma,self"), false)]
+    #[case::ucx_chooses(DataStream::Auto, None, false)]
+    #[case::on(DataStream::On, Some("sm,self"), true)]
+    #[case::off(DataStream::Off, Some("tcp,self"), false)]
+    fn data_streams_follow_the_option_and_the_transports(
+        #[case] mode: DataStream,
+        #[case] tls: Option<&str>,
+        #[case] enabled: bool,
+    ) {
+        assert_eq!(mode.enabled(tls), enabled);
     }
 
     #[test]
