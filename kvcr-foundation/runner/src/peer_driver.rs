@@ -178,6 +178,9 @@ impl DataStream {
 /// read of the socket held (a 256 KiB receive segment: four 64 KiB parts),
 /// and they are taken after each.
 const MAX_HELD_MESSAGES: usize = 64;
+/// Most data streams held while their routes are built (each also holds
+/// its place under the control channel's caps until then).
+const MAX_PARKED_STREAMS: usize = 64;
 
 /// Where a runner's pool memory and control listener outlive it: a
 /// `kvcr-guard` process ([`crate::guard`]).
@@ -665,6 +668,11 @@ struct State {
     /// Data streams targets dialed to us (as their source), by target; the
     /// frames they queue read our pools, so they go before them.
     out_streams: HashMap<ControlEndpoint, OutStream>,
+    /// Data streams that arrived before the route their proof is checked
+    /// against (a target dials one beside the metadata that route is built
+    /// from), by claimed target, with when they arrived: checked when that
+    /// route is built, dropped at the handshake deadline.
+    parked_streams: HashMap<ControlEndpoint, (Instant, crate::control::AcceptedStream)>,
     /// Data streams we dialed to our sources (as their target), by source;
     /// they read into our pools.
     in_streams: HashMap<ControlEndpoint, InStream<OpenedMessage>>,
@@ -897,6 +905,7 @@ impl State {
                 efd,
                 pending: Vec::new(),
                 out_streams: HashMap::new(),
+                parked_streams: HashMap::new(),
                 in_streams: HashMap::new(),
                 dialing: HashSet::new(),
                 streams_dialed_tx,
@@ -1300,15 +1309,21 @@ impl State {
                 }
                 // A source that writes to us through UCX: have it write on a
                 // data stream instead, when we dial them.
-                let dial = match &message.body {
-                    Body::TargetMetadataAck {
-                        one_copy: false, ..
-                    } if self.data_stream => Some(message.header.sender_endpoint.clone()),
+                let ack = match &message.body {
+                    Body::TargetMetadataAck { one_copy, .. } => {
+                        Some((message.header.sender_endpoint.clone(), *one_copy))
+                    }
                     _ => None,
                 };
                 shared.with_core_now(|core, now| core.handle_message(now, message));
-                if let Some(source) = dial {
-                    self.dial_stream(&source);
+                match ack {
+                    // The source maps our pools: no byte comes on a stream.
+                    Some((source, true)) => {
+                        self.in_streams.remove(&source);
+                    }
+                    // Dialed with the metadata; again if that one failed.
+                    Some((source, false)) if self.data_stream => self.dial_stream(&source),
+                    _ => {}
                 }
             }
             Some(ChannelEvent::SourceLost(source)) => {
@@ -1322,6 +1337,7 @@ impl State {
                 shared.with_core_now(|core, _| core.peer_target_gone(&target));
                 retire(self.routes.remove(&target));
                 self.drop_out_stream(shared, &target);
+                self.refuse_parked(&target);
             }
             Some(ChannelEvent::Stream(accepted)) => self.bind_out_stream(shared, accepted),
             None => {}
@@ -1348,10 +1364,15 @@ impl State {
     fn execute(&mut self, action: Action, shared: &Arc<Shared>) {
         match action {
             Action::Send { to, mut message } => {
+                // Dialed beside the metadata, so the stream is bound by the
+                // time the first `start_write` reaches the source (it is
+                // checked once the route the metadata builds is there).
+                let mut dial_stream = false;
                 match &message.body {
                     Body::TargetMetadata { .. } => {
                         let session = self.control.dial(&to);
                         self.doorbell.advertise(&to, session, &mut message.body);
+                        dial_stream = self.data_stream;
                     }
                     Body::StartWrite { op_handle, .. } => {
                         self.doorbell.await_op(&to, *op_handle);
@@ -1359,6 +1380,9 @@ impl State {
                     _ => {}
                 }
                 self.control.send(&to, message);
+                if dial_stream {
+                    self.dial_stream(&to);
+                }
             }
             Action::Connect {
                 peer,
@@ -1395,6 +1419,13 @@ impl State {
                     shared.with_core_now(|core, _| {
                         core.handle_connected(&peer, generation, one_copy);
                     });
+                    // A stream dialed beside this route's metadata is checked
+                    // now; a one-copy route needs none (dropped, not refused).
+                    if let Some((_, parked)) = self.parked_streams.remove(&peer)
+                        && !one_copy
+                    {
+                        self.bind_out_stream(shared, parked);
+                    }
                 }
                 Err(why) => {
                     // Nothing is kept for metadata UCX refused, or for a UCX
@@ -1403,6 +1434,7 @@ impl State {
                     shared.with_core_now(|core, _| {
                         core.handle_connect_failed(&peer, generation, why);
                     });
+                    self.refuse_parked(&peer);
                 }
             },
             Action::Put {
@@ -1822,9 +1854,24 @@ impl State {
     /// one) only if its proof verifies under the key of the route we built
     /// from that target's session; dropped otherwise.
     fn bind_out_stream(&mut self, shared: &Arc<Shared>, accepted: crate::control::AcceptedStream) {
-        let key = self
-            .routes
-            .get(&accepted.claim)
+        let Some(route) = self.routes.get(&accepted.claim) else {
+            // Its route is not built yet (the target dials beside its
+            // metadata): held until it is, or until the handshake deadline.
+            let claim = accepted.claim.clone();
+            if self.parked_streams.len() < MAX_PARKED_STREAMS
+                || self.parked_streams.contains_key(&claim)
+            {
+                #[allow(clippy::disallowed_methods)]
+                let now = Instant::now();
+                if self.parked_streams.insert(claim, (now, accepted)).is_some() {
+                    self.count_refused_streams(1);
+                }
+            } else {
+                self.count_refused_streams(1);
+            }
+            return;
+        };
+        let key = Some(route)
             .and_then(|r| r.stream_key.zip(r.message_key.as_ref()))
             .filter(|(_, key)| {
                 key.verify_stream_proof(&accepted.challenge, &accepted.claim, &accepted.proof)
@@ -1846,6 +1893,21 @@ impl State {
             target,
             OutStream::new(key, accepted.socket, Some(accepted.hold)),
         );
+    }
+
+    /// Drops a data stream held for `target`'s route (the route failed, or
+    /// its session went).
+    fn refuse_parked(&mut self, target: &ControlEndpoint) {
+        if self.parked_streams.remove(target).is_some() {
+            self.count_refused_streams(1);
+        }
+    }
+
+    fn count_refused_streams(&self, count: u64) {
+        self.control
+            .stats
+            .streams_refused
+            .fetch_add(count, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Drops the data stream to `target`; the writes it had not sent whole
@@ -1913,6 +1975,15 @@ impl State {
     /// stream), frames in as far as they have arrived. `true`: bytes moved.
     fn pump_streams(&mut self, shared: &Arc<Shared>) -> bool {
         let mut moved = false;
+        if !self.parked_streams.is_empty() {
+            #[allow(clippy::disallowed_methods)]
+            let now = Instant::now();
+            let within = self.stream_limits.0;
+            let held = self.parked_streams.len();
+            self.parked_streams
+                .retain(|_, (since, _)| now.saturating_duration_since(*since) < within);
+            self.count_refused_streams((held - self.parked_streams.len()) as u64);
+        }
         if !self.out_streams.is_empty() {
             #[allow(clippy::disallowed_methods)]
             let now = Instant::now();
