@@ -201,11 +201,14 @@ fn forge_records(files: &[(u64, std::fs::File)], round: u64) {
     }
 }
 
-/// What a forger at `source` gets for a data stream claiming `claim` with
-/// `proof` (`None`: a fresh random one): the challenge it was sent (`None`
-/// when the source hung up before one) and whether the source then hung up
-/// rather than send anything.
-fn forge_stream(source: &Node, claim: &[u8], proof: Option<[u8; 32]>) -> (Option<[u8; 32]>, bool) {
+/// A forger's data stream to `source` claiming `claim` with `proof`
+/// (`None`: a fresh random one), left open: the socket and the challenge
+/// it was sent (`None` when the source hung up before one).
+fn open_forged_stream(
+    source: &Node,
+    claim: &[u8],
+    proof: Option<[u8; 32]>,
+) -> (std::net::TcpStream, Option<[u8; 32]>) {
     use std::io::{Read, Write};
     let port = source.runner.endpoint().unwrap().port();
     let mut socket = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -215,17 +218,33 @@ fn forge_stream(source: &Node, claim: &[u8], proof: Option<[u8; 32]>) -> (Option
     let mut hello = b"KVCR-D1\0".to_vec();
     hello.extend_from_slice(&u16::try_from(claim.len()).unwrap().to_be_bytes());
     hello.extend_from_slice(claim);
-    socket.write_all(&hello).unwrap();
+    // A source that refused the connection may have reset it already.
+    if socket.write_all(&hello).is_err() {
+        return (socket, None);
+    }
     let mut challenge = [0u8; 32];
     if socket.read_exact(&mut challenge).is_err() {
-        return (None, true);
+        return (socket, None);
     }
     let proof = proof.unwrap_or_else(|| {
         use std::hash::BuildHasher;
         let state = std::collections::hash_map::RandomState::new();
         std::array::from_fn(|i| state.hash_one(i).to_le_bytes()[0])
     });
-    socket.write_all(&proof).unwrap();
+    let _ = socket.write_all(&proof);
+    (socket, Some(challenge))
+}
+
+/// What a forger at `source` gets for a data stream claiming `claim` with
+/// `proof` (`None`: a fresh random one): the challenge it was sent (`None`
+/// when the source hung up before one) and whether the source then hung up
+/// rather than send anything.
+fn forge_stream(source: &Node, claim: &[u8], proof: Option<[u8; 32]>) -> (Option<[u8; 32]>, bool) {
+    use std::io::Read;
+    let (mut socket, challenge) = open_forged_stream(source, claim, proof);
+    if challenge.is_none() {
+        return (None, true);
+    }
     let mut after = [0u8; 1];
     // A stream that bound would stay open (the read times out).
     let hung_up = match socket.read(&mut after) {
@@ -233,7 +252,7 @@ fn forge_stream(source: &Node, claim: &[u8], proof: Option<[u8; 32]>) -> (Option
         Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
         Ok(_) => false,
     };
-    (Some(challenge), hung_up)
+    (challenge, hung_up)
 }
 
 /// A data stream binds only with a proof of the key of the session the
@@ -294,6 +313,68 @@ fn forged_data_streams_are_refused() {
     assert_eq!(target.runner.control_stats().stream_writes_taken, taken + 1);
     assert_eq!(target.runner.control_stats().stream_writes_refused, 0);
     target.runner.check_invariants().unwrap();
+    source.runner.check_invariants().unwrap();
+}
+
+/// A flood of data streams claiming targets the source has no route from
+/// (held while a route might still come) is bounded by the control
+/// channel's per-address cap and by the handshake deadline: every one is
+/// refused (at accept, or dropped at the deadline), the source's sockets
+/// return to what its honest peers hold, and the target's own stream keeps
+/// carrying its restores byte-exact.
+#[test]
+fn a_flood_of_unbound_data_streams_is_bounded_and_expires() {
+    let _serial = crate::serial();
+    let mut options = options("tcp,self", Some(SECRET));
+    options.same_host_mapping = false;
+    options.limits.handshake_timeout = Duration::from_secs(1);
+    let mut source = node_with(&options, 16, Duration::from_secs(10));
+    let mut target = node_with(&options, 16, Duration::from_secs(10));
+    let all: Vec<u64> = (0..16).collect();
+    stock(&mut source, &all);
+    let first = fetch_on_hint(&mut target, "first", &hint(&source, &[0]), &[0]);
+    assert_restored(&target, &source, &first, &[0]);
+    crate::wait_until(
+        "the honest data stream to bind",
+        Duration::from_secs(10),
+        || source.runner.control_stats().streams_opened == 1,
+    );
+    let honest_sockets = source.runner.peer_stats().1;
+    const FLOOD: u64 = 40;
+    let forged: Vec<_> = (0..FLOOD)
+        .map(|i| {
+            open_forged_stream(
+                &source,
+                format!("tcp://127.0.0.1:{}", 1000 + i).as_bytes(),
+                None,
+            )
+        })
+        .collect();
+    let challenged = forged.iter().filter(|(_, c)| c.is_some()).count();
+    assert!(
+        challenged < FLOOD as usize,
+        "the per-address cap admits {challenged} of {FLOOD} at once"
+    );
+    crate::wait_until(
+        "every forged stream to be refused",
+        Duration::from_secs(20),
+        || {
+            let stats = source.runner.control_stats();
+            stats.streams_refused + stats.refused_connections + stats.refused_handshakes >= FLOOD
+        },
+    );
+    assert_eq!(source.runner.control_stats().streams_opened, 1);
+    drop(forged);
+    crate::wait_until(
+        "the source's sockets to return to its honest peers'",
+        Duration::from_secs(10),
+        || source.runner.peer_stats().1 == honest_sockets,
+    );
+    let taken = target.runner.control_stats().stream_writes_taken;
+    let keys = [1, 2, 3];
+    let result = fetch_on_hint(&mut target, "after", &hint(&source, &keys), &keys);
+    assert_restored(&target, &source, &result, &keys);
+    assert_eq!(target.runner.control_stats().stream_writes_taken, taken + 1);
     source.runner.check_invariants().unwrap();
 }
 
