@@ -13,6 +13,7 @@ use std::io::Read;
 use std::time::Duration;
 
 use kvcr_foundation::hint::WorkerType;
+use kvcr_foundation::runner::DataStream;
 use kvcr_foundation::{AdvertisePolicy, BindAddress, Host, Medium, RankCoordinate, RankLayout};
 use serde_json::{Map, Value};
 
@@ -235,6 +236,7 @@ pub enum EvictionPolicy {
 /// | `control_advertise_host` | none | host peers dial; required with remote hints |
 /// | `single_host` | false | allow a loopback advertise host |
 /// | `ucx_tls` | none | UCX transports (`UCX_TLS`) |
+/// | `data_stream` | `"auto"` | whether this rank has its peer sources write over a data stream, kvcr's own TCP connection (`"auto"`: when the UCX transports are tcp alone; `"on"`; `"off"`) |
 /// | `medium` | `"CPU"` | medium KVCR pages are published under: `CPU` (what KVCR DRAM is: pageable host memory), `CPU_PINNED` or `EXTERNAL` |
 /// | `publish_inventory` | false | the DP owner rank publishes the group's KVCR inventory on the KV-event wire (ZMQ PUB + replay) |
 /// | `kv_events_port` | 0 | base port of the KV-event sockets: DP rank `d` binds PUB at base + 2d and replay at base + 2d + 1 on `control_host` (0: ephemeral) |
@@ -283,6 +285,8 @@ pub struct BackendConfig {
     pub single_host: bool,
     /// UCX transports.
     pub ucx_tls: Option<String>,
+    /// Whether peer sources write to this rank over a data stream.
+    pub data_stream: DataStream,
     /// Medium of published KVCR pages.
     pub medium: Medium,
     /// Pre-fault KVCR DRAM at startup.
@@ -452,6 +456,7 @@ impl Default for BackendConfig {
             control_advertise_host: None,
             single_host: false,
             ucx_tls: None,
+            data_stream: DataStream::Auto,
             medium: Medium::Cpu,
             prefault: true,
             max_hinted_requests: 1024,
@@ -569,6 +574,19 @@ impl BackendConfig {
                             return Err(Error::config(
                                 k,
                                 format!("unknown policy {other:?} (lru or fifo)"),
+                            ));
+                        }
+                    }
+                }
+                "data_stream" => {
+                    c.data_stream = match as_str(k, v)? {
+                        "auto" => DataStream::Auto,
+                        "on" => DataStream::On,
+                        "off" => DataStream::Off,
+                        other => {
+                            return Err(Error::config(
+                                k,
+                                format!("unknown data_stream {other:?} (auto, on or off)"),
                             ));
                         }
                     }

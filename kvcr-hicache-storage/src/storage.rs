@@ -731,6 +731,7 @@ impl KvcrHiCacheStorage {
             advertise_policy: b.advertise_policy(),
             secret: b.cluster_secret.as_ref().map(|s| s.expose().to_vec()),
             ucx_tls: b.ucx_tls.clone(),
+            data_stream: b.data_stream,
             abandon_timeout: None,
             max_puts_in_flight: 0,
             put_split: self.tuning.put_split,

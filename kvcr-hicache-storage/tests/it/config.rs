@@ -3,6 +3,7 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 
+use kvcr_foundation::runner::DataStream;
 use kvcr_hicache_storage::{
     BackendConfig, CLUSTER_SECRET_ENV, ClusterSecret, Error, EvictionPolicy, KvcrHiCacheStorage,
     RankGroups, StorageConfig,
@@ -33,6 +34,16 @@ fn shipped_defaults_are_accepted() {
     assert_eq!(c.get_timeout.as_secs(), 30);
     assert_eq!(c.policy, EvictionPolicy::Lru);
     assert!(!c.enable_remote_hint);
+    assert_eq!(c.data_stream, DataStream::Auto);
+}
+
+#[rstest]
+#[case::auto("auto", DataStream::Auto)]
+#[case::on("on", DataStream::On)]
+#[case::off("off", DataStream::Off)]
+fn data_stream_spellings(#[case] text: &str, #[case] mode: DataStream) {
+    let c = BackendConfig::from_value(&with(json!({ "data_stream": text }))).unwrap();
+    assert_eq!(c.data_stream, mode);
 }
 
 /// Case 7: `get_timeout_s * 1000 <= operation_timeout_ms` is refused,
@@ -173,6 +184,8 @@ fn unknown_keys_are_named() {
 #[case::get_nan(json!({"local_dram_bytes": 1, "get_timeout_s": "x"}), "get_timeout_s")]
 #[case::get_negative(json!({"local_dram_bytes": 1, "get_timeout_s": -3}), "get_timeout_s")]
 #[case::policy_unknown(json!({"local_dram_bytes": 1, "policy": "g3_lru"}), "policy")]
+#[case::data_stream_unknown(json!({"local_dram_bytes": 1, "data_stream": "maybe"}), "data_stream")]
+#[case::data_stream_bool(json!({"local_dram_bytes": 1, "data_stream": true}), "data_stream")]
 #[case::policy_number(json!({"local_dram_bytes": 1, "policy": 1}), "policy")]
 #[case::port_range(json!({"local_dram_bytes": 1, "control_port": 70000}), "control_port")]
 #[case::medium(json!({"local_dram_bytes": 1, "medium": "GPU"}), "medium")]
