@@ -1307,8 +1307,9 @@ impl State {
                 {
                     self.doorbell.forget_op(*op_handle);
                 }
-                // A source that writes to us through UCX: have it write on a
-                // data stream instead, when we dial them.
+                // A metadata acknowledgement says whether the source maps
+                // our pools (then no byte comes on a data stream) or writes
+                // through UCX (then it should have one).
                 let ack = match &message.body {
                     Body::TargetMetadataAck { one_copy, .. } => {
                         Some((message.header.sender_endpoint.clone(), *one_copy))
@@ -1803,9 +1804,10 @@ impl State {
         Some((sent, true))
     }
 
-    /// Dials a data stream to `source` (a source whose route to us is not
-    /// one-copy), proving the key of our current session to it, unless one
-    /// for that session is open or being dialed.
+    /// Dials a data stream to `source` (beside the metadata we send it, and
+    /// again once it acknowledged a route that is not one-copy), proving the
+    /// key of our current session to it, unless one for that session is
+    /// open or being dialed.
     fn dial_stream(&mut self, source: &ControlEndpoint) {
         let Some((session, key)) = self.doorbell.session_key(source) else {
             return;
