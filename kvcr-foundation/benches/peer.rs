@@ -538,14 +538,16 @@ fn one_block(path: Path<'_>, block: usize, iters: usize) -> Vec<f64> {
     let stats = target.control_stats();
     println!(
         "# one-block {} B over {}: of {} writes, {} completed on the doorbell ({} records refused), \
-         {} write message parts taken ({} refused)",
+         {} write message parts taken ({} refused), {} data stream frames taken ({} refused)",
         block,
         path.tls,
         iters,
         stats.doorbells_taken,
         stats.doorbells_refused,
         stats.write_messages_taken,
-        stats.write_messages_refused
+        stats.write_messages_refused,
+        stats.stream_writes_taken,
+        stats.stream_writes_refused
     );
     if std::env::var_os("KVCR_BENCH_SERIES").is_some() {
         let windows: Vec<String> = samples
