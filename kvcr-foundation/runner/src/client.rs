@@ -5,7 +5,11 @@
 //! It runs the same authenticated handshake as a runner's dialer (so it needs
 //! the cluster secret, or none for a runner without one), presents the
 //! identity it is given, and then sends and receives frames on that one
-//! session, as a target does. Nothing here bypasses the runner's checks.
+//! session, as a target does. [`ControlClient::accept`] plays the other
+//! side: a member a router hinted as a source, taking the session a target
+//! dials and the [`DataStreamPeer`] it dials beside it, on whose frames
+//! ([`seal_write_header`]) a misbehaving source can be tried. Nothing here
+//! bypasses the runner's checks.
 
 use std::time::Duration;
 
@@ -14,11 +18,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::control::{self, PeerIdentity, RECORD_MAX};
+use crate::doorbell::{Part, RecordKey, SLOT_BYTES};
 use crate::error::{Error, Result, RunnerReason};
 use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::incarnation::Incarnation;
-use kvcr_contracts::protocol::Message;
 use kvcr_contracts::protocol::codec::FrameCodec;
+use kvcr_contracts::protocol::{Message, OpHandle};
 
 /// One authenticated session to a runner, driven synchronously.
 pub struct ControlClient {
@@ -30,6 +35,98 @@ pub struct ControlClient {
     plain: BytesMut,
     scratch: Vec<u8>,
     peer: (ControlEndpoint, Incarnation),
+}
+
+/// What a runner's connection to a hand-driven listener turned out to be.
+pub enum Dialed {
+    /// A control session (the handshake done, as the acceptor).
+    Session(Box<ControlClient>),
+    /// A data stream (its hello read and a challenge answered).
+    DataStream(DataStreamPeer),
+}
+
+/// The acceptor's end of a data stream a target dialed: what it claimed,
+/// the challenge it was sent and the proof it gave, then a blocking socket
+/// on which frames go out as [`crate::stream`] lays them out
+/// (`len:u64le | header:[u8; 64] | payload`).
+pub struct DataStreamPeer {
+    socket: std::net::TcpStream,
+    claim: ControlEndpoint,
+    challenge: [u8; 32],
+    proof: [u8; 32],
+}
+
+impl DataStreamPeer {
+    /// The control endpoint the dialer claimed.
+    pub fn claim(&self) -> &ControlEndpoint {
+        &self.claim
+    }
+
+    /// Whether the dialer's proof answers our challenge under `key` (a
+    /// session's record key, as its target advertised it).
+    pub fn proves(&self, key: &[u8; 32]) -> bool {
+        RecordKey::new(key).verify_stream_proof(&self.challenge, &self.claim, &self.proof)
+    }
+
+    /// Sends a frame's prefix claiming `len` payload bytes under `header`,
+    /// then `payload` (which may be shorter or longer than `len`: how a
+    /// source lies about a frame).
+    pub fn send_frame(
+        &mut self,
+        len: u64,
+        header: &[u8; SLOT_BYTES],
+        payload: &[u8],
+    ) -> Result<()> {
+        use std::io::Write;
+        let prefix = crate::stream::frame_prefix(len, header);
+        self.socket
+            .write_all(&prefix)
+            .and_then(|()| self.socket.write_all(payload))
+            .map_err(|_| refused("write failed"))
+    }
+
+    /// Whether the target ends the stream within `wait` (reading and
+    /// discarding whatever it sends, which an honest target never does).
+    pub fn closed_by_peer(&mut self, wait: Duration) -> bool {
+        use std::io::Read;
+        let _ = self.socket.set_read_timeout(Some(wait));
+        let mut sink = [0u8; 64];
+        loop {
+            match self.socket.read(&mut sink) {
+                Ok(0) => return true,
+                Ok(_) => {}
+                Err(e) => {
+                    return !matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A write message's header as a source seals it under a session's record
+/// `key`: operation `op`, `keys` keys landed, part `index` of `count`.
+/// `None` for a part that cannot be (`index >= count`, or more parts than a
+/// write may have).
+pub fn seal_write_header(
+    key: &[u8; 32],
+    op: OpHandle,
+    keys: u32,
+    index: u16,
+    count: u16,
+) -> Option<[u8; SLOT_BYTES]> {
+    let part = Part::new(index, count)?;
+    Some(RecordKey::new(key).seal_message(op, keys, part))
+}
+
+/// What [`ControlClient::accept`] took before it is handed out.
+enum Taken {
+    /// A control session: its socket, transport and the dialer.
+    Session(TcpStream, snow::TransportState, PeerIdentity),
+    /// A data stream: its socket, claim, our challenge and its proof.
+    Stream(TcpStream, ControlEndpoint, [u8; 32], [u8; 32]),
 }
 
 fn refused(why: &'static str) -> Error {
@@ -82,6 +179,84 @@ impl ControlClient {
             scratch: vec![0u8; RECORD_MAX],
             peer: (peer.endpoint, peer.incarnation),
         })
+    }
+
+    /// Takes the next connection a runner makes to `listener` within
+    /// `wait` (the listener is left non-blocking): a control session, whose
+    /// handshake is answered as `endpoint`/`incarnation` under `secret`, or
+    /// a data stream, whose hello is read and challenged. `Err` for anything
+    /// else (a wrong preamble, a handshake that fails, nothing in time).
+    pub fn accept(
+        listener: &std::net::TcpListener,
+        secret: Option<&[u8]>,
+        endpoint: ControlEndpoint,
+        incarnation: Incarnation,
+        wait: Duration,
+    ) -> Result<Dialed> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|_| refused("could not start a runtime"))?;
+        let identity = PeerIdentity {
+            endpoint,
+            incarnation,
+        };
+        let psk = control::psk(secret);
+        let listener = listener
+            .try_clone()
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .map_err(|_| refused("could not use the listener"))?;
+        let accepted = runtime.block_on(async {
+            tokio::time::timeout(wait, Self::take_dialed(listener, &psk, &identity)).await
+        });
+        match accepted.ok().flatten() {
+            Some(Taken::Session(stream, transport, peer)) => Ok(Dialed::Session(Box::new(Self {
+                runtime,
+                stream,
+                transport,
+                codec: FrameCodec::default(),
+                raw: BytesMut::new(),
+                plain: BytesMut::new(),
+                scratch: vec![0u8; RECORD_MAX],
+                peer: (peer.endpoint, peer.incarnation),
+            }))),
+            Some(Taken::Stream(stream, claim, challenge, proof)) => {
+                let socket = stream
+                    .into_std()
+                    .and_then(|s| s.set_nonblocking(false).map(|()| s))
+                    .map_err(|_| refused("could not keep the stream"))?;
+                Ok(Dialed::DataStream(DataStreamPeer {
+                    socket,
+                    claim,
+                    challenge,
+                    proof,
+                }))
+            }
+            None => Err(refused("no session or data stream in time")),
+        }
+    }
+
+    /// The first connection on `listener`, its preamble read and its
+    /// handshake answered.
+    async fn take_dialed(
+        listener: std::net::TcpListener,
+        psk: &[u8; 32],
+        identity: &PeerIdentity,
+    ) -> Option<Taken> {
+        let listener = tokio::net::TcpListener::from_std(listener).ok()?;
+        let (mut stream, _) = listener.accept().await.ok()?;
+        let _ = stream.set_nodelay(true);
+        let mut preamble = [0u8; 8];
+        stream.read_exact(&mut preamble).await.ok()?;
+        if &preamble == control::PREAMBLE {
+            let (transport, peer) = control::respond(&mut stream, psk, identity).await?;
+            return Some(Taken::Session(stream, transport, peer));
+        }
+        if &preamble == crate::stream::PREAMBLE {
+            let (claim, challenge, proof) = crate::stream::accept(&mut stream).await?;
+            return Some(Taken::Stream(stream, claim, challenge, proof));
+        }
+        None
     }
 
     /// The runner's identity as its handshake proved it: the endpoint it

@@ -75,7 +75,7 @@ use kvcr_contracts::protocol::{Body, Message};
 pub(crate) const QUEUE_DEPTH: usize = 4096;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Sent by the dialer before the handshake: names the protocol and version.
-const PREAMBLE: &[u8; 8] = b"KVCR-N1\0";
+pub(crate) const PREAMBLE: &[u8; 8] = b"KVCR-N1\0";
 const NOISE_PARAMS: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
 const PROLOGUE: &[u8] = b"kvcr control channel v1";
 /// Largest Noise message (record ciphertext).
@@ -967,7 +967,7 @@ async fn accept_session(mut stream: TcpStream, admission: AdmissionGuard, shared
         if &preamble != PREAMBLE {
             return None;
         }
-        respond(&mut stream, &shared)
+        respond(&mut stream, &shared.psk, &shared.identity)
             .await
             .map(|(t, p)| Accepted::Session(t, p))
     })
@@ -1138,19 +1138,18 @@ enum Accepted {
 }
 
 /// Acceptor side of [`initiate`] (after its `PREAMBLE`).
-async fn respond(
+pub(crate) async fn respond(
     stream: &mut TcpStream,
-    shared: &Shared,
+    psk: &[u8; 32],
+    identity: &PeerIdentity,
 ) -> Option<(snow::TransportState, PeerIdentity)> {
-    let mut handshake = builder(&shared.psk)?.build_responder().ok()?;
+    let mut handshake = builder(psk)?.build_responder().ok()?;
     let first = read_small_record(stream, HANDSHAKE_MESSAGE_MAX).await?;
     let mut payload = vec![0u8; HANDSHAKE_MESSAGE_MAX];
     // Fails unless the dialer knows the secret (the message is sealed under it).
     handshake.read_message(&first, &mut payload).ok()?;
     let mut buf = vec![0u8; HANDSHAKE_MESSAGE_MAX];
-    let len = handshake
-        .write_message(&shared.identity.encode(), &mut buf)
-        .ok()?;
+    let len = handshake.write_message(&identity.encode(), &mut buf).ok()?;
     write_record(stream, buf.get(..len)?).await?;
     let mut transport = handshake.into_transport_mode().ok()?;
     // Only a dialer holding this session's keys can produce this record: a

@@ -1,7 +1,7 @@
 //! The trust rules between real runners (loopback, real UCX, real sessions),
 //! tried as an attacker would: without the secret, forging completions as a
-//! member, flooding while an honest destination restores, and hinting a
-//! rank towards a stranger.
+//! member, forging data streams and the frames on them, flooding while an
+//! honest destination restores, and hinting a rank towards a stranger.
 
 use std::io::Read;
 use std::net::TcpListener;
@@ -13,7 +13,7 @@ use kvcr_foundation::protocol::{
     Body, CompletedIndices, ElementRef, Header, Message, OpHandle, RegionId, RouteGeneration,
     WriteOutcome,
 };
-use kvcr_foundation::runner::client::ControlClient;
+use kvcr_foundation::runner::client::{ControlClient, Dialed, seal_write_header};
 use kvcr_foundation::runner::{
     DataStream, EntryStatus, FailReason, OpResult, PeerOptions, QueryStatus,
 };
@@ -314,6 +314,209 @@ fn forged_data_streams_are_refused() {
     assert_eq!(target.runner.control_stats().stream_writes_refused, 0);
     target.runner.check_invariants().unwrap();
     source.runner.check_invariants().unwrap();
+}
+
+/// The next session or data stream the runner dials to `listener`, as
+/// the member at `endpoint`.
+fn accept_dialed(listener: &TcpListener, endpoint: &ControlEndpoint) -> Dialed {
+    ControlClient::accept(
+        listener,
+        Some(SECRET),
+        endpoint.clone(),
+        Incarnation::generate(),
+        Duration::from_secs(10),
+    )
+    .unwrap()
+}
+
+/// Reads `session` until the target asks for a write: acknowledges its
+/// metadata (a route that is not one-copy, so its bytes come on the data
+/// stream), keeps the record key it advertised, and returns the write's
+/// operation and granted elements.
+fn next_start_write(
+    session: &mut ControlClient,
+    as_source: &ControlEndpoint,
+    record_key: &mut Option<[u8; 32]>,
+) -> (OpHandle, usize) {
+    loop {
+        let message = session
+            .recv(Duration::from_secs(10))
+            .unwrap()
+            .expect("the target asks for a write");
+        match message.body {
+            Body::TargetMetadata { doorbell, .. } => {
+                *record_key = Some(doorbell.expect("a doorbell advert").key);
+                let ack = Message {
+                    header: Header {
+                        sender: Incarnation::generate(),
+                        route_generation: RouteGeneration(0),
+                        sender_endpoint: as_source.clone(),
+                    },
+                    body: Body::TargetMetadataAck {
+                        op_handle: None,
+                        one_copy: false,
+                    },
+                };
+                session.send(&ack).unwrap();
+            }
+            Body::StartWrite {
+                op_handle,
+                destinations,
+                ..
+            } => return (op_handle, destinations.iter().map(Vec::len).sum()),
+            _ => {}
+        }
+    }
+}
+
+/// A member the router hints as the source takes the target's session and
+/// the data stream the target dials (which proves the session's key), and
+/// then answers on the stream with frames a source must not be able to
+/// land: headers sealed under a key of its own, for an operation never
+/// granted, claiming more keys than were asked, with a payload one byte
+/// short, one element long or empty. Each is read past (the stream keeps
+/// its framing) and counted refused; the write's own frame then lands and
+/// completes it with exactly its bytes; replayed, it lands nowhere, neither
+/// for its own finished write nor for the next. A frame claiming 2⁶⁴ − 1
+/// bytes, and the member hanging up, end only that stream: the target goes
+/// on restoring from an honest source byte-exact.
+#[test]
+fn forged_frames_on_a_hinted_sources_data_stream_are_refused() {
+    let _serial = crate::serial();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let forger =
+        ControlEndpoint::parse(&format!("tcp://{}", listener.local_addr().unwrap())).unwrap();
+    let mut options = options("tcp,self", Some(SECRET));
+    options.same_host_mapping = false;
+    options.data_stream = DataStream::On;
+    let mut target = node_with(&options, 16, Duration::from_secs(20));
+    let pool = target.runner.pool("kv").unwrap();
+    let fetch = |target: &mut Node, request: &str, keys: &[u64]| {
+        let request = RequestId(request.into());
+        target
+            .runner
+            .submit_hint(request.clone(), &crate::peer::hint_to(&forger, keys));
+        let scoped: Vec<ScopedKey> = keys.iter().map(|k| key(target.ns, *k)).collect();
+        target
+            .runner
+            .fetch_hinted(&request, &scoped, &[pool])
+            .unwrap()
+    };
+    let first = fetch(&mut target, "first", &[0, 1]);
+    // The session and the stream, in whichever order they come (the stream
+    // is dialed beside the metadata, and again on the acknowledgement).
+    let (mut session, mut stream) = (None, None);
+    while session.is_none() {
+        match accept_dialed(&listener, &forger) {
+            Dialed::Session(s) => session = Some(*s),
+            Dialed::DataStream(d) => stream = Some(d),
+        }
+    }
+    let mut session = session.unwrap();
+    let mut record_key = None;
+    let (op, elements) = next_start_write(&mut session, &forger, &mut record_key);
+    let record_key = record_key.expect("the metadata came before the write");
+    let mut stream = match stream {
+        Some(stream) => stream,
+        None => match accept_dialed(&listener, &forger) {
+            Dialed::DataStream(d) => d,
+            Dialed::Session(_) => panic!("a second session instead of a data stream"),
+        },
+    };
+    assert_eq!(stream.claim(), target.runner.endpoint().unwrap());
+    assert!(
+        stream.proves(&record_key),
+        "the target proves its session's key"
+    );
+    assert!(!stream.proves(&[7u8; 32]));
+    assert_eq!(elements, 2);
+    let total = (2 * BLOCK) as u64;
+    let honest: Vec<u8> = (0..total).map(|i| (i * 7 % 251) as u8).collect();
+    let forged = vec![0xEEu8; total as usize + BLOCK];
+    let seal =
+        |key: &[u8; 32], op: OpHandle, keys: u32| seal_write_header(key, op, keys, 0, 1).unwrap();
+    let refused = |target: &Node| target.runner.control_stats().stream_writes_refused;
+    let attempts: [(&str, u64, [u8; 64]); 6] = [
+        ("sealed under its own key", total, seal(&[9u8; 32], op, 2)),
+        (
+            "an operation never granted",
+            total,
+            seal(&record_key, OpHandle(op.0 + 1000), 2),
+        ),
+        ("more keys than asked", total, seal(&record_key, op, 3)),
+        ("one byte short", total - 1, seal(&record_key, op, 2)),
+        (
+            "one element long",
+            total + BLOCK as u64,
+            seal(&record_key, op, 2),
+        ),
+        ("empty", 0, seal(&record_key, op, 2)),
+    ];
+    for (i, (what, len, header)) in attempts.iter().enumerate() {
+        stream
+            .send_frame(*len, header, &forged[..*len as usize])
+            .unwrap();
+        crate::wait_until(what, Duration::from_secs(10), || {
+            refused(&target) == i as u64 + 1
+        });
+    }
+    assert_eq!(target.runner.control_stats().stream_writes_taken, 0);
+    let own = seal(&record_key, op, 2);
+    stream.send_frame(total, &own, &honest).unwrap();
+    let result = wait(&mut target.runner, first);
+    let landed: Vec<u8> = result
+        .entries
+        .iter()
+        .flat_map(|(key, entry)| {
+            assert!(entry.is_success(), "{key:?}: {entry:?}");
+            target
+                .runner
+                .read_claimed(entry.release.unwrap(), 0)
+                .unwrap()
+        })
+        .collect();
+    assert!(landed == honest, "exactly the write's own bytes landed");
+    assert_eq!(target.runner.control_stats().stream_writes_taken, 1);
+    // Replayed: for the finished write, then in place of the next one.
+    stream
+        .send_frame(total, &own, &forged[..total as usize])
+        .unwrap();
+    let second = fetch(&mut target, "second", &[2]);
+    let (next, elements) = next_start_write(&mut session, &forger, &mut None);
+    assert_eq!(elements, 1);
+    stream
+        .send_frame(BLOCK as u64, &own, &forged[..BLOCK])
+        .unwrap();
+    crate::wait_until("both replays refused", Duration::from_secs(10), || {
+        refused(&target) == 8
+    });
+    stream
+        .send_frame(BLOCK as u64, &seal(&record_key, next, 1), &honest[..BLOCK])
+        .unwrap();
+    let result = wait(&mut target.runner, second);
+    let (_, entry) = &result.entries[0];
+    assert!(entry.is_success(), "{entry:?}");
+    let bytes = target
+        .runner
+        .read_claimed(entry.release.unwrap(), 0)
+        .unwrap();
+    assert!(bytes == honest[..BLOCK]);
+    assert_eq!(target.runner.control_stats().stream_writes_taken, 2);
+    // A frame no write could be, then the member hangs up.
+    stream.send_frame(u64::MAX, &own, &forged).unwrap();
+    drop(stream);
+    drop(session);
+    crate::wait_until("the endless frame refused", Duration::from_secs(10), || {
+        refused(&target) == 9
+    });
+    target.runner.check_invariants().unwrap();
+    let mut source = member("tcp,self", 16);
+    let keys = [3, 4, 5];
+    stock(&mut source, &keys);
+    let result = fetch_on_hint(&mut target, "honest", &hint(&source, &keys), &keys);
+    assert_restored(&target, &source, &result, &keys);
+    assert_eq!(refused(&target), 9);
+    target.runner.check_invariants().unwrap();
 }
 
 /// A flood of data streams claiming targets the source has no route from
