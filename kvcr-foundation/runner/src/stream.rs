@@ -40,8 +40,10 @@
 //! the operation's granted bytes; the payload is then read into those
 //! elements (the operation is checked to still wait before every read),
 //! and the last part is that session's `write_done`. A frame that does not
-//! open or fit is read and discarded (counted), so a stream never loses
-//! its framing; bytes that are not a frame end it. Payloads are not
+//! open or fit is read and discarded (counted), whatever length it claims,
+//! so a stream never loses its framing (a late frame of a write that timed
+//! out costs nothing after it); a stream ends when its socket does or the
+//! control session it proved goes. Payloads are not
 //! authenticated, as a UCX put's bytes over tcp are not: the connection
 //! is plain TCP, and what it carries is bound by the sealed headers.
 
