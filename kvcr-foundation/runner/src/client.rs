@@ -137,13 +137,12 @@ fn refused(why: &'static str) -> Error {
 }
 
 impl ControlClient {
-    /// Dials `to` and completes the handshake as `endpoint`/`incarnation`.
-    pub fn connect(
-        to: &ControlEndpoint,
+    /// A runtime for one session, our identity and the handshake's key.
+    fn prepare(
         secret: Option<&[u8]>,
         endpoint: ControlEndpoint,
         incarnation: Incarnation,
-    ) -> Result<Self> {
+    ) -> Result<(tokio::runtime::Runtime, PeerIdentity, [u8; 32])> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -152,7 +151,36 @@ impl ControlClient {
             endpoint,
             incarnation,
         };
-        let psk = control::psk(secret);
+        Ok((runtime, identity, control::psk(secret)))
+    }
+
+    /// A session whose handshake is done, with `peer` on the other side.
+    fn established(
+        runtime: tokio::runtime::Runtime,
+        stream: TcpStream,
+        transport: snow::TransportState,
+        peer: PeerIdentity,
+    ) -> Self {
+        Self {
+            runtime,
+            stream,
+            transport,
+            codec: FrameCodec::default(),
+            raw: BytesMut::new(),
+            plain: BytesMut::new(),
+            scratch: vec![0u8; RECORD_MAX],
+            peer: (peer.endpoint, peer.incarnation),
+        }
+    }
+
+    /// Dials `to` and completes the handshake as `endpoint`/`incarnation`.
+    pub fn connect(
+        to: &ControlEndpoint,
+        secret: Option<&[u8]>,
+        endpoint: ControlEndpoint,
+        incarnation: Incarnation,
+    ) -> Result<Self> {
+        let (runtime, identity, psk) = Self::prepare(secret, endpoint, incarnation)?;
         let (stream, transport, peer) = runtime.block_on(async {
             // The runner's own dialer: same name resolution and timeout.
             let mut stream = control::dial(to)
@@ -169,16 +197,7 @@ impl ControlClient {
             .ok_or(refused("handshake refused"))?;
             Ok::<_, Error>((stream, transport, peer))
         })?;
-        Ok(Self {
-            runtime,
-            stream,
-            transport,
-            codec: FrameCodec::default(),
-            raw: BytesMut::new(),
-            plain: BytesMut::new(),
-            scratch: vec![0u8; RECORD_MAX],
-            peer: (peer.endpoint, peer.incarnation),
-        })
+        Ok(Self::established(runtime, stream, transport, peer))
     }
 
     /// Takes the next connection a runner makes to `listener` within
@@ -193,15 +212,7 @@ impl ControlClient {
         incarnation: Incarnation,
         wait: Duration,
     ) -> Result<Dialed> {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|_| refused("could not start a runtime"))?;
-        let identity = PeerIdentity {
-            endpoint,
-            incarnation,
-        };
-        let psk = control::psk(secret);
+        let (runtime, identity, psk) = Self::prepare(secret, endpoint, incarnation)?;
         let listener = listener
             .try_clone()
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
@@ -210,16 +221,9 @@ impl ControlClient {
             tokio::time::timeout(wait, Self::take_dialed(listener, &psk, &identity)).await
         });
         match accepted.ok().flatten() {
-            Some(Taken::Session(stream, transport, peer)) => Ok(Dialed::Session(Box::new(Self {
-                runtime,
-                stream,
-                transport,
-                codec: FrameCodec::default(),
-                raw: BytesMut::new(),
-                plain: BytesMut::new(),
-                scratch: vec![0u8; RECORD_MAX],
-                peer: (peer.endpoint, peer.incarnation),
-            }))),
+            Some(Taken::Session(stream, transport, peer)) => Ok(Dialed::Session(Box::new(
+                Self::established(runtime, stream, transport, peer),
+            ))),
             Some(Taken::Stream(stream, claim, challenge, proof)) => {
                 let socket = stream
                     .into_std()

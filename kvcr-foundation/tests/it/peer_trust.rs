@@ -34,6 +34,14 @@ fn options(tls: &str, secret: Option<&[u8]>) -> PeerOptions {
     options
 }
 
+/// A member's options where every byte goes through UCX over tcp (no
+/// mapping of a same-host peer's pools).
+fn through_tcp() -> PeerOptions {
+    let mut options = options("tcp,self", Some(SECRET));
+    options.same_host_mapping = false;
+    options
+}
+
 fn member(tls: &str, blocks: u32) -> Node {
     node_with(&options(tls, Some(SECRET)), blocks, Duration::from_secs(5))
 }
@@ -255,19 +263,11 @@ fn forge_stream(source: &Node, claim: &[u8], proof: Option<[u8; 32]>) -> (Option
     (challenge, hung_up)
 }
 
-/// A data stream binds only with a proof of the key of the session the
-/// claimed target holds with the source (sent only inside that encrypted
-/// session): a stream claiming the target with a guessed or replayed proof,
-/// claiming an endpoint the source has no route from, or not naming an
-/// endpoint at all is dropped unserved, counted, and never replaces the
-/// target's own stream, which keeps carrying its restores byte-exact.
-#[test]
-fn forged_data_streams_are_refused() {
-    let _serial = crate::serial();
-    let mut options = options("tcp,self", Some(SECRET));
-    options.same_host_mapping = false;
-    let mut source = node_with(&options, 16, Duration::from_secs(10));
-    let mut target = node_with(&options, 16, Duration::from_secs(10));
+/// A source holding keys 0..16 and a target that restored key 0 from it
+/// on the data stream it dialed, which the source has bound.
+fn streaming_pair(options: &PeerOptions) -> (Node, Node) {
+    let mut source = node_with(options, 16, Duration::from_secs(10));
+    let mut target = node_with(options, 16, Duration::from_secs(10));
     let all: Vec<u64> = (0..16).collect();
     stock(&mut source, &all);
     let first = fetch_on_hint(&mut target, "first", &hint(&source, &[0]), &[0]);
@@ -277,6 +277,20 @@ fn forged_data_streams_are_refused() {
         Duration::from_secs(10),
         || source.runner.control_stats().streams_opened == 1,
     );
+    (source, target)
+}
+
+/// A data stream binds only with a proof of the key of the session the
+/// claimed target holds with the source (sent only inside that encrypted
+/// session): a stream claiming the target with a guessed or replayed proof,
+/// claiming an endpoint the source has no route from, or not naming an
+/// endpoint at all is dropped unserved, counted, and never replaces the
+/// target's own stream, which keeps carrying its restores byte-exact.
+#[test]
+fn forged_data_streams_are_refused() {
+    let _serial = crate::serial();
+    let options = through_tcp();
+    let (source, mut target) = streaming_pair(&options);
     let claim = target.runner.endpoint().unwrap().to_string();
     let refused = |source: &Node| source.runner.control_stats().streams_refused;
     // A guessed proof, twice the same (a replay answers a fresh challenge).
@@ -386,8 +400,7 @@ fn forged_frames_on_a_hinted_sources_data_stream_are_refused() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let forger =
         ControlEndpoint::parse(&format!("tcp://{}", listener.local_addr().unwrap())).unwrap();
-    let mut options = options("tcp,self", Some(SECRET));
-    options.same_host_mapping = false;
+    let mut options = through_tcp();
     options.data_stream = DataStream::On;
     let mut target = node_with(&options, 16, Duration::from_secs(20));
     let pool = target.runner.pool("kv").unwrap();
@@ -528,20 +541,9 @@ fn forged_frames_on_a_hinted_sources_data_stream_are_refused() {
 #[test]
 fn a_flood_of_unbound_data_streams_is_bounded_and_expires() {
     let _serial = crate::serial();
-    let mut options = options("tcp,self", Some(SECRET));
-    options.same_host_mapping = false;
+    let mut options = through_tcp();
     options.limits.handshake_timeout = Duration::from_secs(1);
-    let mut source = node_with(&options, 16, Duration::from_secs(10));
-    let mut target = node_with(&options, 16, Duration::from_secs(10));
-    let all: Vec<u64> = (0..16).collect();
-    stock(&mut source, &all);
-    let first = fetch_on_hint(&mut target, "first", &hint(&source, &[0]), &[0]);
-    assert_restored(&target, &source, &first, &[0]);
-    crate::wait_until(
-        "the honest data stream to bind",
-        Duration::from_secs(10),
-        || source.runner.control_stats().streams_opened == 1,
-    );
+    let (source, mut target) = streaming_pair(&options);
     let honest_sockets = source.runner.peer_stats().1;
     const FLOOD: u64 = 40;
     let forged: Vec<_> = (0..FLOOD)
@@ -647,8 +649,7 @@ fn forged_doorbell_records_are_refused() {
 fn forged_write_messages_are_refused() {
     use kvcr_foundation::ucx::{Context, ContextConfig, WorkerAddress};
     let _serial = crate::serial();
-    let mut options = options("tcp,self", Some(SECRET));
-    options.same_host_mapping = false;
+    let mut options = through_tcp();
     // Write messages through UCX are what is forged here: no data stream.
     options.data_stream = DataStream::Off;
     let mut source = node_with(&options, 16, Duration::from_secs(5));
