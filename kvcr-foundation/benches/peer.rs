@@ -7,7 +7,8 @@
 //!
 //! `cargo bench -p kvcr-foundation --bench peer [-- --quick]` (or `cargo xtask bench`).
 //! For latency work, `-- --bench --one-block` runs the one-block figure alone
-//! (`KVCR_BENCH_GAP_MS=10` idles before each fetch: a cold restore) and
+//! (`KVCR_BENCH_GAP_MS=10` idles before each fetch: a cold restore;
+//! `KVCR_BENCH_ONE_BLOCK_BYTES` sets another block size) and
 //! `-- --bench --requests [--contended]` the one-key-per-request TCP
 //! distributions (beside two busy loops), and `-- --bench --tcp-bulk` the
 //! 16 MiB TCP bandwidth figure alone. `-- --bench --request-blocks <plan>`
@@ -801,9 +802,16 @@ fn main() {
     );
     // `--one-block`: only the latency figure (for latency work).
     if std::env::args().any(|a| a == "--one-block") {
-        let samples = one_block(many_lanes, 256 << 10, if quick { 100 } else { 500 });
-        dist("peer.one_block_256kib_shm", &samples);
-        bench("peer.one_block_p50", at(&samples, 0.5), "us", None);
+        // `KVCR_BENCH_ONE_BLOCK_BYTES`: another block size, named by it,
+        // to split a restore's fixed cost from its copy.
+        let block = env_number("KVCR_BENCH_ONE_BLOCK_BYTES").unwrap_or(256 << 10);
+        let samples = one_block(many_lanes, block, if quick { 100 } else { 500 });
+        if block == 256 << 10 {
+            dist("peer.one_block_256kib_shm", &samples);
+            bench("peer.one_block_p50", at(&samples, 0.5), "us", None);
+        } else {
+            dist(&format!("peer.one_block_{block}b_shm"), &samples);
+        }
         return;
     }
 

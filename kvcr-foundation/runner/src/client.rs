@@ -47,7 +47,7 @@ pub enum Dialed {
 
 /// The acceptor's end of a data stream a target dialed: what it claimed,
 /// the challenge it was sent and the proof it gave, then a blocking socket
-/// on which frames go out as [`crate::stream`] lays them out
+/// on which frames go out as a data stream lays them out
 /// (`len:u64le | header:[u8; 64] | payload`).
 pub struct DataStreamPeer {
     socket: std::net::TcpStream,
