@@ -17,7 +17,7 @@ use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::control::{self, PeerIdentity, RECORD_MAX};
+use crate::control::{self, Accepted, PeerIdentity, RECORD_MAX};
 use crate::doorbell::{Part, RecordKey, SLOT_BYTES};
 use crate::error::{Error, Result, RunnerReason};
 use kvcr_contracts::endpoint::ControlEndpoint;
@@ -121,14 +121,6 @@ pub fn seal_write_header(
     Some(RecordKey::new(key).seal_message(op, keys, part))
 }
 
-/// What [`ControlClient::accept`] took before it is handed out.
-enum Taken {
-    /// A control session: its socket, transport and the dialer.
-    Session(TcpStream, snow::TransportState, PeerIdentity),
-    /// A data stream: its socket, claim, our challenge and its proof.
-    Stream(TcpStream, ControlEndpoint, [u8; 32], [u8; 32]),
-}
-
 fn refused(why: &'static str) -> Error {
     Error::runner(RunnerReason::Config {
         field: "control client",
@@ -221,10 +213,10 @@ impl ControlClient {
             tokio::time::timeout(wait, Self::take_dialed(listener, &psk, &identity)).await
         });
         match accepted.ok().flatten() {
-            Some(Taken::Session(stream, transport, peer)) => Ok(Dialed::Session(Box::new(
+            Some((stream, Accepted::Session(transport, peer))) => Ok(Dialed::Session(Box::new(
                 Self::established(runtime, stream, transport, peer),
             ))),
-            Some(Taken::Stream(stream, claim, challenge, proof)) => {
+            Some((stream, Accepted::Stream(claim, challenge, proof))) => {
                 let socket = stream
                     .into_std()
                     .and_then(|s| s.set_nonblocking(false).map(|()| s))
@@ -240,27 +232,18 @@ impl ControlClient {
         }
     }
 
-    /// The first connection on `listener`, its preamble read and its
-    /// handshake answered.
+    /// The first connection on `listener`, answered as a runner's
+    /// listener answers it.
     async fn take_dialed(
         listener: std::net::TcpListener,
         psk: &[u8; 32],
         identity: &PeerIdentity,
-    ) -> Option<Taken> {
+    ) -> Option<(TcpStream, Accepted)> {
         let listener = tokio::net::TcpListener::from_std(listener).ok()?;
         let (mut stream, _) = listener.accept().await.ok()?;
         let _ = stream.set_nodelay(true);
-        let mut preamble = [0u8; 8];
-        stream.read_exact(&mut preamble).await.ok()?;
-        if &preamble == control::PREAMBLE {
-            let (transport, peer) = control::respond(&mut stream, psk, identity).await?;
-            return Some(Taken::Session(stream, transport, peer));
-        }
-        if &preamble == crate::stream::PREAMBLE {
-            let (claim, challenge, proof) = crate::stream::accept(&mut stream).await?;
-            return Some(Taken::Stream(stream, claim, challenge, proof));
-        }
-        None
+        let accepted = control::answer(&mut stream, psk, identity).await?;
+        Some((stream, accepted))
     }
 
     /// The runner's identity as its handshake proved it: the endpoint it

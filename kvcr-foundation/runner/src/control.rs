@@ -75,7 +75,7 @@ use kvcr_contracts::protocol::{Body, Message};
 pub(crate) const QUEUE_DEPTH: usize = 4096;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Sent by the dialer before the handshake: names the protocol and version.
-pub(crate) const PREAMBLE: &[u8; 8] = b"KVCR-N1\0";
+const PREAMBLE: &[u8; 8] = b"KVCR-N1\0";
 const NOISE_PARAMS: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
 const PROLOGUE: &[u8] = b"kvcr control channel v1";
 /// Largest Noise message (record ciphertext).
@@ -956,25 +956,14 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 
 async fn accept_session(mut stream: TcpStream, admission: AdmissionGuard, shared: Arc<Shared>) {
     let socket = SocketGuard::new(&shared.stats);
-    let handshake = tokio::time::timeout(shared.limits.handshake_timeout, async {
-        let mut preamble = [0u8; PREAMBLE.len()];
-        stream.read_exact(&mut preamble).await.ok()?;
-        if &preamble == crate::stream::PREAMBLE {
-            return crate::stream::accept(&mut stream)
-                .await
-                .map(Accepted::Stream);
-        }
-        if &preamble != PREAMBLE {
-            return None;
-        }
-        respond(&mut stream, &shared.psk, &shared.identity)
-            .await
-            .map(|(t, p)| Accepted::Session(t, p))
-    })
+    let handshake = tokio::time::timeout(
+        shared.limits.handshake_timeout,
+        answer(&mut stream, &shared.psk, &shared.identity),
+    )
     .await;
     let (transport, peer) = match handshake {
         Ok(Some(Accepted::Session(transport, peer))) => (transport, peer),
-        Ok(Some(Accepted::Stream((claim, challenge, proof)))) => {
+        Ok(Some(Accepted::Stream(claim, challenge, proof))) => {
             // Proven (or not) on the peer thread, which holds the keys.
             let accepted = AcceptedStream {
                 claim,
@@ -1131,14 +1120,36 @@ pub(crate) async fn initiate(
 }
 
 /// What an accepted connection turned out to be.
-enum Accepted {
+pub(crate) enum Accepted {
+    /// A control session, its handshake done: its transport and the dialer.
     Session(snow::TransportState, PeerIdentity),
     /// A data stream's claim, our challenge and its proof.
-    Stream((ControlEndpoint, [u8; 32], [u8; 32])),
+    Stream(ControlEndpoint, [u8; 32], [u8; 32]),
+}
+
+/// Acceptor side of an accepted connection: reads its preamble, then
+/// answers a control session's handshake (as `identity`, under `psk`) or
+/// challenges a data stream. `None` for anything else.
+pub(crate) async fn answer(
+    stream: &mut TcpStream,
+    psk: &[u8; 32],
+    identity: &PeerIdentity,
+) -> Option<Accepted> {
+    let mut preamble = [0u8; PREAMBLE.len()];
+    stream.read_exact(&mut preamble).await.ok()?;
+    if &preamble == crate::stream::PREAMBLE {
+        let (claim, challenge, proof) = crate::stream::accept(stream).await?;
+        return Some(Accepted::Stream(claim, challenge, proof));
+    }
+    if &preamble != PREAMBLE {
+        return None;
+    }
+    let (transport, dialer) = respond(stream, psk, identity).await?;
+    Some(Accepted::Session(transport, dialer))
 }
 
 /// Acceptor side of [`initiate`] (after its `PREAMBLE`).
-pub(crate) async fn respond(
+async fn respond(
     stream: &mut TcpStream,
     psk: &[u8; 32],
     identity: &PeerIdentity,

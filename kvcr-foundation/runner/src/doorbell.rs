@@ -60,6 +60,17 @@ use kvcr_runner_core::MAX_ADVERTISED_REGIONS;
 use kvcr_ucx::Registration;
 use ring::hmac;
 
+/// What a data stream's proof signs: its label, the acceptor's challenge
+/// and the endpoint the dialer claims.
+fn stream_signed(challenge: &[u8; 32], claim: &ControlEndpoint) -> Vec<u8> {
+    let claim = claim.to_string();
+    let mut signed = Vec::with_capacity(STREAM_LABEL.len() + challenge.len() + claim.len());
+    signed.extend_from_slice(STREAM_LABEL);
+    signed.extend_from_slice(challenge);
+    signed.extend_from_slice(claim.as_bytes());
+    signed
+}
+
 /// Bytes per slot (one record).
 pub(crate) const SLOT_BYTES: usize = 64;
 /// Slots per doorbell: operations `SLOTS` apart share a slot (the later one
@@ -132,12 +143,8 @@ impl RecordKey {
     /// The proof a data stream's dialer gives for `challenge` (the
     /// acceptor's) as `claim` (the dialer's control endpoint).
     pub(crate) fn stream_proof(&self, challenge: &[u8; 32], claim: &ControlEndpoint) -> [u8; 32] {
-        let mut ctx = hmac::Context::with_key(&self.0);
-        ctx.update(STREAM_LABEL);
-        ctx.update(challenge);
-        ctx.update(claim.to_string().as_bytes());
         let mut proof = [0u8; 32];
-        proof.copy_from_slice(ctx.sign().as_ref());
+        proof.copy_from_slice(hmac::sign(&self.0, &stream_signed(challenge, claim)).as_ref());
         proof
     }
 
@@ -149,11 +156,7 @@ impl RecordKey {
         claim: &ControlEndpoint,
         proof: &[u8; 32],
     ) -> bool {
-        let mut signed = Vec::with_capacity(STREAM_LABEL.len() + 32 + 64);
-        signed.extend_from_slice(STREAM_LABEL);
-        signed.extend_from_slice(challenge);
-        signed.extend_from_slice(claim.to_string().as_bytes());
-        hmac::verify(&self.0, &signed, proof).is_ok()
+        hmac::verify(&self.0, &stream_signed(challenge, claim), proof).is_ok()
     }
 
     fn seal_labelled(
@@ -613,6 +616,19 @@ pub(crate) struct OpenedMessage {
     pub(crate) part: Part,
     /// The whole write's `write_done`.
     pub(crate) done: Message,
+}
+
+impl OpenedMessage {
+    /// The pieces of its operation's granted elements (`granted`: start,
+    /// length, in the order the write fills them) that this part covers,
+    /// if it carries exactly their `len` bytes.
+    pub(crate) fn part_pieces(&self, granted: &[(u64, u64)], len: u64) -> Option<Vec<(u64, u64)>> {
+        let total = granted
+            .iter()
+            .try_fold(0u64, |sum, (_, len)| sum.checked_add(*len))?;
+        let range = self.part.range(total)?;
+        (range.end - range.start == len).then(|| spans_in_range(granted, range))
+    }
 }
 
 /// The `write_done` (the first `keys` keys of `op` landed) a verified record

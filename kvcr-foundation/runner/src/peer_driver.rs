@@ -597,12 +597,10 @@ struct Route {
     /// Where a write's completion is rung ahead of its `write_done` (a
     /// one-copy route to a target that advertised a doorbell).
     doorbell: Option<RouteDoorbell>,
-    /// The session's record key, on a UCX route to a target that sent one:
-    /// small writes leave as messages sealed with it, and a data stream the
-    /// target dials proves it.
-    message_key: Option<RecordKey>,
-    /// That key's bytes (a data stream is bound to the key it proved).
-    stream_key: Option<[u8; 32]>,
+    /// The session's record key, on a UCX route to a target that sent one,
+    /// and its bytes: small writes leave as messages sealed with it, and a
+    /// data stream the target dials proves it (and is bound to those bytes).
+    session_key: Option<(RecordKey, [u8; 32])>,
 }
 
 enum RoutePath {
@@ -1395,11 +1393,12 @@ impl State {
                 doorbell,
             } => match self.route_path(&worker_address, &rkeys, shared_memory.as_ref(), &extents) {
                 Ok(path) => {
-                    let stream_key = match (&path, &doorbell) {
-                        (RoutePath::Ucx { .. }, Some(advert)) => Some(advert.key),
+                    let session_key = match (&path, &doorbell) {
+                        (RoutePath::Ucx { .. }, Some(advert)) => {
+                            Some((RecordKey::new(&advert.key), advert.key))
+                        }
                         _ => None,
                     };
-                    let message_key = stream_key.as_ref().map(RecordKey::new);
                     // Only a route that maps the target rings it (a record
                     // put over UCX saved nothing: see `crate::doorbell`).
                     let doorbell = doorbell
@@ -1412,8 +1411,7 @@ impl State {
                         generation,
                         path,
                         doorbell,
-                        message_key,
-                        stream_key,
+                        session_key,
                     });
                     let one_copy = route.one_copy();
                     retire(self.routes.insert(peer.clone(), route));
@@ -1763,7 +1761,7 @@ impl State {
         route: &Route,
         spans: &[PutSpan],
     ) -> Option<(VecDeque<Completion>, bool)> {
-        let key = route.message_key.as_ref()?;
+        let (key, _) = route.session_key.as_ref()?;
         let endpoint = route.ucx_endpoint()?;
         let bytes = spans
             .iter()
@@ -1873,20 +1871,19 @@ impl State {
             }
             return;
         };
-        let key = Some(route)
-            .and_then(|r| r.stream_key.zip(r.message_key.as_ref()))
-            .filter(|(_, key)| {
+        let key = route
+            .session_key
+            .as_ref()
+            .filter(|(key, _)| {
                 key.verify_stream_proof(&accepted.challenge, &accepted.claim, &accepted.proof)
             })
-            .map(|(bytes, _)| bytes);
-        let stats = &self.control.stats;
+            .map(|(_, bytes)| *bytes);
         let Some(key) = key else {
-            stats
-                .streams_refused
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.count_refused_streams(1);
             return;
         };
-        stats
+        self.control
+            .stats
             .streams_opened
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let target = accepted.claim.clone();
@@ -1940,13 +1937,13 @@ impl State {
         route: &Route,
         spans: &[PutSpan],
     ) -> bool {
-        let (Some(bytes), Some(key)) = (route.stream_key, route.message_key.as_ref()) else {
+        let Some((key, bytes)) = route.session_key.as_ref() else {
             return false;
         };
         let Some(out) = self
             .out_streams
             .get_mut(target)
-            .filter(|o| *o.key() == bytes)
+            .filter(|o| o.key() == bytes)
         else {
             return false;
         };
@@ -2080,18 +2077,12 @@ impl State {
                         // operation's while it waits for its reply (a part
                         // arriving after its deadline finds none).
                         let spans = core.peer_landing_spans(opened.op, opened.keys)?;
-                        let total = spans
-                            .iter()
-                            .try_fold(0u64, |sum, (_, len)| sum.checked_add(*len))?;
-                        let range = opened.part.range(total)?;
-                        if range.end - range.start != data.len() as u64 {
-                            return None;
-                        }
+                        let pieces = opened.part_pieces(&spans, data.len() as u64)?;
                         // The data, cut into this part's pieces of the spans
                         // in order (their lengths sum to its length, checked
                         // above).
                         let mut from = data.as_ptr() as usize as u64;
-                        let copies: Vec<CopySpan> = crate::doorbell::spans_in_range(&spans, range)
+                        let copies: Vec<CopySpan> = pieces
                             .into_iter()
                             .map(|(dst, len)| {
                                 let src = from;
@@ -2186,12 +2177,8 @@ impl Lander for FrameLander<'_> {
             return Landing::Discard;
         };
         let spans = self.shared.with_core_now(|core, _| {
-            let spans = core.peer_landing_spans(opened.op, opened.keys)?;
-            let total = spans
-                .iter()
-                .try_fold(0u64, |sum, (_, len)| sum.checked_add(*len))?;
-            let range = opened.part.range(total)?;
-            (range.end - range.start == len).then(|| crate::doorbell::spans_in_range(&spans, range))
+            let granted = core.peer_landing_spans(opened.op, opened.keys)?;
+            opened.part_pieces(&granted, len)
         });
         match spans {
             Some(spans) => Landing::Into(opened, spans),

@@ -89,6 +89,31 @@ fn parse_prefix(prefix: &[u8; PREFIX_BYTES]) -> (u64, [u8; SLOT_BYTES]) {
     (u64::from_le_bytes(len), header)
 }
 
+/// What is left of `spans` (address, length), laid end to end after
+/// `before` bytes of something else, once the first `done` bytes of the
+/// whole have moved: each remaining piece's address and length, in order,
+/// at most `max` of them.
+fn unsent_pieces(
+    spans: &[(u64, u64)],
+    before: u64,
+    done: u64,
+    max: usize,
+) -> impl Iterator<Item = (u64, u64)> + '_ {
+    let mut at = before;
+    spans
+        .iter()
+        .filter_map(move |&(start, len)| {
+            let (from, end) = (at, at + len);
+            at = end;
+            // A piece started is resumed past what moved (`skip < len`).
+            (end > done).then(|| {
+                let skip = done.saturating_sub(from);
+                (start + skip, len - skip)
+            })
+        })
+        .take(max)
+}
+
 /// What a dialer claiming `claim` writes first (`None`: a claim too long).
 fn hello(claim: &ControlEndpoint) -> Option<Vec<u8>> {
     let claim = claim.to_string();
@@ -266,7 +291,6 @@ impl OutStream {
             };
             let mut slices: Vec<IoSlice<'_>> =
                 Vec::with_capacity(MAX_IOV.min(frame.spans.len() + 1));
-            let mut at = 0u64;
             if let Some(rest) = usize::try_from(frame.sent)
                 .ok()
                 .and_then(|sent| frame.prefix.get(sent..))
@@ -274,26 +298,15 @@ impl OutStream {
             {
                 slices.push(IoSlice::new(rest));
             }
-            at += PREFIX_BYTES as u64;
-            for &(start, len) in &frame.spans {
-                if slices.len() == MAX_IOV {
-                    break;
-                }
-                let end = at + len;
-                if end > frame.sent {
-                    let skip = frame.sent.saturating_sub(at);
-                    // SAFETY: the span lies in our pool and stays readable
-                    // and unchanged until this write is reported (the
-                    // caller's contract); `skip < len`.
-                    let bytes = unsafe {
-                        std::slice::from_raw_parts(
-                            (start + skip) as usize as *const u8,
-                            (len - skip) as usize,
-                        )
-                    };
-                    slices.push(IoSlice::new(bytes));
-                }
-                at = end;
+            let room = MAX_IOV - slices.len();
+            for (start, len) in unsent_pieces(&frame.spans, PREFIX_BYTES as u64, frame.sent, room) {
+                // SAFETY: the piece lies in one of the frame's spans, in our
+                // pool, readable and unchanged until this write is reported
+                // (the caller's contract).
+                let bytes = unsafe {
+                    std::slice::from_raw_parts(start as usize as *const u8, len as usize)
+                };
+                slices.push(IoSlice::new(bytes));
             }
             match self.socket.try_write_vectored(&slices) {
                 Ok(0) => {
@@ -420,27 +433,15 @@ impl<T> InStream<T> {
                         continue;
                     }
                     let mut slices: Vec<IoSliceMut<'_>> = Vec::new();
-                    let mut at = 0u64;
-                    for &(start, span_len) in spans.iter() {
-                        if slices.len() == MAX_IOV {
-                            break;
-                        }
-                        let end = at + span_len;
-                        if end > *landed {
-                            let skip = landed.saturating_sub(at);
-                            // SAFETY: the span is granted to this frame's
-                            // operation, which still waits (checked just
-                            // above), so nothing else touches it (the
-                            // caller's contract); `skip < span_len`.
-                            let bytes = unsafe {
-                                std::slice::from_raw_parts_mut(
-                                    (start + skip) as usize as *mut u8,
-                                    (span_len - skip) as usize,
-                                )
-                            };
-                            slices.push(IoSliceMut::new(bytes));
-                        }
-                        at = end;
+                    for (start, len) in unsent_pieces(spans, 0, *landed, MAX_IOV) {
+                        // SAFETY: the piece lies in a span granted to this
+                        // frame's operation, which still waits (checked just
+                        // above), so nothing else touches it (the caller's
+                        // contract).
+                        let bytes = unsafe {
+                            std::slice::from_raw_parts_mut(start as usize as *mut u8, len as usize)
+                        };
+                        slices.push(IoSliceMut::new(bytes));
                     }
                     self.socket.try_read_vectored(&mut slices)
                 }
@@ -540,6 +541,31 @@ impl<T> Recv<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What is left of spans at 100 (10 bytes) and 200 (20 bytes), after
+    /// a prefix of `before` bytes, once `done` bytes moved, at most `max`
+    /// pieces: a piece started is resumed where it stopped.
+    #[rstest::rstest]
+    #[case::nothing_moved(0, 0, 8, vec![(100, 10), (200, 20)])]
+    #[case::into_the_first(0, 4, 8, vec![(104, 6), (200, 20)])]
+    #[case::first_whole(0, 10, 8, vec![(200, 20)])]
+    #[case::into_the_second(0, 15, 8, vec![(205, 15)])]
+    #[case::all_moved(0, 30, 8, vec![])]
+    #[case::prefix_not_yet_whole(72, 50, 8, vec![(100, 10), (200, 20)])]
+    #[case::after_a_prefix(72, 75, 8, vec![(103, 7), (200, 20)])]
+    #[case::at_most_max(0, 0, 1, vec![(100, 10)])]
+    fn unsent_pieces_resume_where_they_stopped(
+        #[case] before: u64,
+        #[case] done: u64,
+        #[case] max: usize,
+        #[case] left: Vec<(u64, u64)>,
+    ) {
+        let spans = [(100, 10), (200, 20)];
+        assert_eq!(
+            unsent_pieces(&spans, before, done, max).collect::<Vec<_>>(),
+            left
+        );
+    }
 
     /// A lander that grants each frame whose header's first byte is 1 the
     /// spans it was given, discards the rest, and records what happened.

@@ -206,10 +206,6 @@ fn answered_by_deadline(o: &mut Outcome, answer: &Value) {
 /// Slack on "answered by the deadline" (seconds).
 const DEADLINE_GRACE_S: f64 = 2.0;
 
-/// After a fault that outlived the deadline: the callers failed (no
-/// corrupted byte), each hit write is uncertain and its slots are held;
-/// once the link is back (`heal`), the source's answer quiesces every one of
-/// them, the slots are free, and a clean retry restores every page.
 /// Whether the source sent the faulted writes on the data stream its
 /// destination dialed after the warm-up (UCX over tcp alone: `DataStream`
 /// is on), so a fault hits kvcr's own connection.
@@ -223,6 +219,10 @@ fn on_the_data_stream(o: &mut Outcome, hit: &mut Faulted) -> Result<()> {
     Ok(())
 }
 
+/// After a fault that outlived the deadline: the callers failed (no
+/// corrupted byte), each hit write is uncertain and its slots are held;
+/// once the link is back (`heal`), the source's answer quiesces every one of
+/// them, the slots are free, and a clean retry restores every page.
 fn held_then_quiesced(
     o: &mut Outcome,
     hit: &mut Faulted,
