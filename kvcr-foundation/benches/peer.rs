@@ -86,6 +86,11 @@ fn options(path: Path<'_>) -> PeerOptions {
         Ok("on") => o.data_stream = DataStream::On,
         _ => {}
     }
+    // `KVCR_BENCH_MAILBOX=off`: targets post no request to their sources'
+    // mailboxes (the control session alone), to compare on one binary.
+    if std::env::var("KVCR_BENCH_MAILBOX").as_deref() == Ok("off") {
+        o.request_mailbox = false;
+    }
     // `KVCR_BENCH_PUTS_IN_FLIGHT` and `KVCR_BENCH_PUT_CHUNK_BYTES`: the
     // source's put depth and split (0: the defaults), for tuning.
     let in_flight = env_number("KVCR_BENCH_PUTS_IN_FLIGHT");
@@ -204,6 +209,15 @@ fn source(spec: &str) {
     std::io::stdout().flush().unwrap();
     let mut line = String::new();
     let _ = std::io::stdin().read_line(&mut line);
+    let stats = runner.control_stats();
+    if stats.mailbox_requests_taken + stats.mailbox_requests_refused > 0 {
+        eprintln!(
+            "# source: {} requests taken from its mailboxes ({} refused), {} socket copies dropped",
+            stats.mailbox_requests_taken,
+            stats.mailbox_requests_refused,
+            stats.early_copies_dropped
+        );
+    }
     drop(runner);
     drop(staging);
 }
@@ -539,7 +553,8 @@ fn one_block(path: Path<'_>, block: usize, iters: usize) -> Vec<f64> {
     let stats = target.control_stats();
     println!(
         "# one-block {} B over {}: of {} writes, {} completed on the doorbell ({} records refused), \
-         {} write message parts taken ({} refused), {} data stream frames taken ({} refused)",
+         {} write message parts taken ({} refused), {} data stream frames taken ({} refused), \
+         {} requests also posted to the source's mailbox",
         block,
         path.tls,
         iters,
@@ -548,7 +563,8 @@ fn one_block(path: Path<'_>, block: usize, iters: usize) -> Vec<f64> {
         stats.write_messages_taken,
         stats.write_messages_refused,
         stats.stream_writes_taken,
-        stats.stream_writes_refused
+        stats.stream_writes_refused,
+        stats.mailbox_requests_posted
     );
     if std::env::var_os("KVCR_BENCH_SERIES").is_some() {
         let windows: Vec<String> = samples

@@ -217,6 +217,18 @@ pub(crate) struct ControlStats {
     /// exactly the operation's granted bytes, or its operation ended
     /// mid-payload).
     pub(crate) stream_writes_refused: AtomicU64,
+    /// Requests this runner also posted to a source's mailbox (as a target).
+    pub(crate) mailbox_requests_posted: AtomicU64,
+    /// Requests this runner took from a target's mailbox, ahead of their
+    /// copies on the control session (as a source).
+    pub(crate) mailbox_requests_taken: AtomicU64,
+    /// Mailbox records that changed but did not verify under the route's
+    /// session key, or did not decode as a `start_write` (forged, torn,
+    /// another session's).
+    pub(crate) mailbox_requests_refused: AtomicU64,
+    /// Control messages dropped on arrival because their mailbox copy had
+    /// been taken.
+    pub(crate) early_copies_dropped: AtomicU64,
 }
 
 impl ControlStats {
@@ -239,6 +251,10 @@ impl ControlStats {
             stream_writes_sent: self.stream_writes_sent.load(Ordering::Relaxed),
             stream_writes_taken: self.stream_writes_taken.load(Ordering::Relaxed),
             stream_writes_refused: self.stream_writes_refused.load(Ordering::Relaxed),
+            mailbox_requests_posted: self.mailbox_requests_posted.load(Ordering::Relaxed),
+            mailbox_requests_taken: self.mailbox_requests_taken.load(Ordering::Relaxed),
+            mailbox_requests_refused: self.mailbox_requests_refused.load(Ordering::Relaxed),
+            early_copies_dropped: self.early_copies_dropped.load(Ordering::Relaxed),
         }
     }
 }
@@ -296,6 +312,18 @@ pub struct ControlCounters {
     /// under the session's key, an operation not (or no longer) awaited, a
     /// part already landed, or a length not exactly its share.
     pub stream_writes_refused: u64,
+    /// Requests posted to a same-host source's mailbox beside their control
+    /// message (as a target).
+    pub mailbox_requests_posted: u64,
+    /// Requests taken from a target's mailbox ahead of their control message
+    /// (as a source).
+    pub mailbox_requests_taken: u64,
+    /// Mailbox records refused: changed but not verified under the session's
+    /// key, or not a `start_write` (as a source).
+    pub mailbox_requests_refused: u64,
+    /// Control messages dropped on arrival because their mailbox copy had
+    /// been taken (as a source).
+    pub early_copies_dropped: u64,
 }
 
 /// Who is at the other end of a session, as the session proved it.
@@ -364,6 +392,8 @@ pub(crate) enum Inbound {
     },
     Message {
         message: Message,
+        /// The session it came on.
+        session: u64,
         /// Returned to the session's inbound budget when handled.
         _budget: OwnedSemaphorePermit,
     },
@@ -405,8 +435,9 @@ pub(crate) struct StreamHold {
 /// What the peer thread does with an [`Inbound`] item.
 #[derive(Debug)]
 pub(crate) enum ChannelEvent {
-    /// A message from a peer, its header rewritten with the session's identity.
-    Message(Message),
+    /// A message from a peer, its header rewritten with the session's
+    /// identity, and the session it came on.
+    Message(Message, u64),
     /// A session we dialed (to a source) closed: what answered there may be
     /// gone.
     SourceLost(ControlEndpoint),
@@ -421,6 +452,35 @@ struct Session {
     out: Arc<SessionOut>,
     /// Who answered a session we dialed, once its handshake proved it.
     answered: Option<Incarnation>,
+    /// An accepted session's messages read so far (the next one's index).
+    read: u64,
+    /// Indexes past `read` whose messages were taken early, from the
+    /// peer's mailbox (see `crate::doorbell`), in order: when their copy
+    /// comes on the session it is dropped.
+    taken_early: VecDeque<u64>,
+}
+
+/// Most messages of one session taken early whose copies have not come on
+/// the session yet; past it, none more is taken early (the session brings
+/// them as before).
+const MAX_TAKEN_EARLY: usize = 64;
+
+impl Session {
+    fn new(id: u64, out: Arc<SessionOut>, answered: Option<Incarnation>) -> Self {
+        Self {
+            id,
+            out,
+            answered,
+            read: 0,
+            taken_early: VecDeque::new(),
+        }
+    }
+
+    /// The index the session's next message will have, counting those taken
+    /// early.
+    fn next_index(&self) -> u64 {
+        self.taken_early.back().map_or(self.read, |last| last + 1)
+    }
 }
 
 /// The sending side of one session, shared by the channel (the peer
@@ -433,9 +493,17 @@ pub(crate) struct SessionOut {
 }
 
 struct OutState {
-    /// Messages sent before the session is established (at most
-    /// [`QUEUE_DEPTH`]); sealed, in order, when it is.
-    queued: VecDeque<Message>,
+    /// Frames of the messages sent before the session is established (at
+    /// most [`QUEUE_DEPTH`] messages), encoded when sent; sealed, in order,
+    /// when it is.
+    queued: BytesMut,
+    /// Messages in `queued`.
+    queued_count: usize,
+    /// Messages this session has carried or holds to carry: the next one's
+    /// index in the session (a mailbox request names it, see
+    /// `crate::doorbell`). Only a message whose frame is on the wire or
+    /// queued counts, so the peer's count of what it read agrees.
+    sent: u64,
     /// The established session's socket and cipher (the session task
     /// decrypts under this lock too: one Noise state serves both directions).
     link: Option<Link>,
@@ -458,7 +526,9 @@ impl SessionOut {
     fn new(link: Option<Link>) -> Arc<Self> {
         Arc::new(Self {
             state: Mutex::new(OutState {
-                queued: VecDeque::new(),
+                queued: BytesMut::new(),
+                queued_count: 0,
+                sent: 0,
                 link,
                 wire: BytesMut::new(),
                 pending_since: None,
@@ -484,36 +554,38 @@ impl SessionOut {
         self.wake.notify_one();
     }
 
-    /// Seals `message` onto the wire (or queues it until the session is
-    /// established). `false`: dropped (closed, queue full, or it could not
-    /// be encoded or sealed; the last closes the session).
-    fn send(&self, codec: &FrameCodec, limits: &ControlLimits, message: &Message) -> bool {
+    /// Seals `message` onto the wire (or queues its frame until the session
+    /// is established); `Some(its index in the session)`, or `None`:
+    /// dropped (closed, queue full, or it could not be encoded or sealed;
+    /// the last closes the session).
+    fn send(&self, codec: &FrameCodec, limits: &ControlLimits, message: &Message) -> Option<u64> {
         let mut state = self.lock();
         let st = &mut *state;
         if st.closed {
-            return false;
+            return None;
         }
         if st.link.is_none() {
-            if st.queued.len() >= QUEUE_DEPTH {
-                return false;
+            // Encoded now, so a message that cannot be is never counted.
+            if st.queued_count >= QUEUE_DEPTH || codec.encode(message, &mut st.queued).is_err() {
+                return None;
             }
-            st.queued.push_back(message.clone());
-            return true;
+            st.queued_count += 1;
+            return Some(st.take_index());
         }
         st.frames.clear();
         if codec.encode(message, &mut st.frames).is_err() {
-            return false;
+            return None;
         }
         let records = st.frames.len().div_ceil(RECORD_PLAIN_MAX);
         let sealed_len = st.frames.len() + records * (2 + TAG_LEN);
         if st.wire.len() + sealed_len > limits.outbound_bytes_per_session {
-            return false;
+            return None;
         }
-        let sealed = st.seal_frames();
+        let index = st.seal_frames().then(|| st.take_index());
         drop(state);
         // The session task writes it if nobody flushes first.
         self.wake.notify_one();
-        sealed
+        index
     }
 
     /// Writes what the socket takes now, without waiting.
@@ -535,6 +607,7 @@ impl OutState {
         self.closed = true;
         self.link = None;
         self.queued.clear();
+        self.queued_count = 0;
         self.wire.clear();
         self.pending_since = None;
     }
@@ -561,13 +634,17 @@ impl OutState {
         true
     }
 
+    /// The index of the message just sealed or queued.
+    fn take_index(&mut self) -> u64 {
+        let index = self.sent;
+        self.sent += 1;
+        index
+    }
+
     /// Seals every message queued before the session was established.
-    fn seal_queued(&mut self, codec: &FrameCodec) {
-        self.frames.clear();
-        while let Some(message) = self.queued.pop_front() {
-            // A message that does not encode is dropped, as when sent.
-            let _ = codec.encode(&message, &mut self.frames);
-        }
+    fn seal_queued(&mut self) {
+        self.frames = std::mem::take(&mut self.queued);
+        self.queued_count = 0;
         if !self.frames.is_empty() {
             self.seal_frames();
         }
@@ -715,27 +792,70 @@ impl ControlChannel {
     /// source's reply goes back on the session `to` opened to us, and is
     /// dropped (counted) when there is none. Never blocks; a full queue
     /// drops the message (counted).
-    pub(crate) fn send(&mut self, to: &ControlEndpoint, message: Message) {
+    pub(crate) fn send(&mut self, to: &ControlEndpoint, message: &Message) -> Option<(u64, u64)> {
         let session = if is_request(&message.body) {
             self.dial(to);
             self.dialed.get(to)
         } else {
             self.accepted.get(to)
         };
-        let sent = session.filter(|s| {
-            s.out
-                .send(&self.shared.codec, &self.shared.limits, &message)
+        let sent = session.and_then(|s| {
+            let index = s
+                .out
+                .send(&self.shared.codec, &self.shared.limits, message)?;
+            Some((s, index))
         });
         match sent {
-            Some(session) => {
+            Some((session, index)) => {
                 if !self.unflushed.iter().any(|o| Arc::ptr_eq(o, &session.out)) {
                     self.unflushed.push(Arc::clone(&session.out));
                 }
+                Some((session.id, index))
             }
             None => {
                 self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+                None
             }
         }
+    }
+
+    /// Encodes `message` as the codec frames it (what a mailbox carries).
+    pub(crate) fn encode(&self, message: &Message) -> Option<BytesMut> {
+        let mut frame = BytesMut::new();
+        self.shared.codec.encode(message, &mut frame).ok()?;
+        Some(frame)
+    }
+
+    /// Decodes one whole frame (a mailbox's): `None` unless it is exactly
+    /// one message.
+    pub(crate) fn decode(&self, frame: &[u8]) -> Option<Message> {
+        let mut bytes = BytesMut::from(frame);
+        let message = self.shared.codec.decode(&mut bytes).ok()??;
+        bytes.is_empty().then_some(message)
+    }
+
+    /// Takes message `index` of our accepted session `session` from `from`
+    /// early (read from `from`'s mailbox), if it is that session's next
+    /// message: its copy on the session is then dropped when it comes.
+    /// `Some(the incarnation the session proved)`: it may be handled now,
+    /// as from that identity; `None`: not now (the session is another, a
+    /// message before it is still unread, or too many wait for their
+    /// copies), and it comes on the session as before.
+    pub(crate) fn take_early(
+        &mut self,
+        from: &ControlEndpoint,
+        session: u64,
+        index: u64,
+    ) -> Option<Incarnation> {
+        let accepted = self
+            .accepted
+            .get_mut(from)
+            .filter(|s| s.id == session && !s.out.is_closed())?;
+        if accepted.next_index() != index || accepted.taken_early.len() >= MAX_TAKEN_EARLY {
+            return None;
+        }
+        accepted.taken_early.push_back(index);
+        accepted.answered
     }
 
     /// The id of the session our requests to `to` go on, dialing it when
@@ -752,11 +872,7 @@ impl ControlChannel {
                     Arc::clone(&out),
                     Arc::clone(&self.shared),
                 ));
-                let session = Session {
-                    id,
-                    out,
-                    answered: None,
-                };
+                let session = Session::new(id, out, None);
                 if let Some(old) = self.dialed.insert(to.clone(), session) {
                     old.out.close();
                 }
@@ -792,11 +908,7 @@ impl ControlChannel {
             } => {
                 // The newest session from an endpoint carries its replies;
                 // an older one from it ends.
-                let session = Session {
-                    id: session,
-                    out,
-                    answered: Some(peer.incarnation),
-                };
+                let session = Session::new(session, out, Some(peer.incarnation));
                 if let Some(old) = self.accepted.insert(peer.endpoint, session) {
                     old.out.close();
                 }
@@ -818,7 +930,30 @@ impl ControlChannel {
                 None
             }
             Inbound::Opened { .. } => None,
-            Inbound::Message { message, _budget } => Some(ChannelEvent::Message(message)),
+            Inbound::Message {
+                message,
+                session,
+                _budget,
+            } => {
+                // An accepted session's message taken early from its
+                // sender's mailbox arrives here a second time: dropped.
+                if let Some(accepted) = self
+                    .accepted
+                    .get_mut(&message.header.sender_endpoint)
+                    .filter(|s| s.id == session)
+                {
+                    let index = accepted.read;
+                    accepted.read += 1;
+                    if accepted.taken_early.front() == Some(&index) {
+                        accepted.taken_early.pop_front();
+                        self.stats
+                            .early_copies_dropped
+                            .fetch_add(1, Ordering::Relaxed);
+                        return None;
+                    }
+                }
+                Some(ChannelEvent::Message(message, session))
+            }
             Inbound::Stream(stream) => Some(ChannelEvent::Stream(stream)),
             Inbound::Closed {
                 session,
@@ -1003,7 +1138,7 @@ async fn accept_session(mut stream: TcpStream, admission: AdmissionGuard, shared
     if shared.inbound.send(opened).is_err() {
         return;
     }
-    run_session(&stream, Side::Accepted, &peer, &out, &shared).await;
+    run_session(&stream, (id, Side::Accepted), &peer, &out, &shared).await;
     out.close();
     let _ = shared.inbound.send(Inbound::Closed {
         session: id,
@@ -1037,7 +1172,7 @@ async fn dial_session(to: ControlEndpoint, id: u64, out: Arc<SessionOut>, shared
                     stream: Arc::clone(&stream),
                     transport,
                 });
-                state.seal_queued(&shared.codec);
+                state.seal_queued();
                 state.write_now();
             }
             let opened = Inbound::Opened {
@@ -1047,7 +1182,7 @@ async fn dial_session(to: ControlEndpoint, id: u64, out: Arc<SessionOut>, shared
                 out: None,
             };
             if shared.inbound.send(opened).is_ok() {
-                run_session(&stream, Side::Dialed, &peer, &out, &shared).await;
+                run_session(&stream, (id, Side::Dialed), &peer, &out, &shared).await;
             }
         } else {
             shared
@@ -1183,7 +1318,7 @@ enum End {
 /// on what arrives, and writes what the sender's turn left unwritten.
 async fn run_session(
     stream: &TcpStream,
-    side: Side,
+    (session, side): (u64, Side),
     peer: &PeerIdentity,
     out: &SessionOut,
     shared: &Shared,
@@ -1247,7 +1382,7 @@ async fn run_session(
                 if opened.is_none() {
                     break End::Bad;
                 }
-                match deliver(&mut plain, side, peer, &budget, shared).await {
+                match deliver(&mut plain, (session, side), peer, &budget, shared).await {
                     Some(()) => {}
                     None => break End::Bad,
                 }
@@ -1322,7 +1457,7 @@ pub(crate) fn open_records(
 /// behind. `None`: a frame did not decode or came in the wrong direction.
 async fn deliver(
     plain: &mut BytesMut,
-    side: Side,
+    (session, side): (u64, Side),
     peer: &PeerIdentity,
     budget: &Arc<Semaphore>,
     shared: &Shared,
@@ -1344,6 +1479,7 @@ async fn deliver(
             .inbound
             .send(Inbound::Message {
                 message,
+                session,
                 _budget: permit,
             })
             .ok()?;

@@ -47,6 +47,31 @@
 //! tcp: see README). A message that does not verify, or arrives after its
 //! operation ended, is dropped unread; its operation then ends by deadline
 //! and probe, never with bytes it did not get.
+//!
+//! # Requests in a mailbox
+//!
+//! The file runs the other way too. After the slots it holds [`MAILBOXES`]
+//! mailboxes of [`MAILBOX_BYTES`], each a target's to write and one source's
+//! to read: the session key picks it (its first two bytes, modulo the count;
+//! the target draws keys until no other live session holds that mailbox).
+//! Once a source has said it maps the file (a one-copy acknowledgement), the
+//! target writes each `start_write` it sends that source into the mailbox as
+//! well, as the session's message number `index` (the control channel counts
+//! every message of a session on both ends). The source's peer thread, while
+//! it is awake, looks at the mailbox's sequence word each turn; a record that
+//! changed, verifies under the session's key, decodes as a `start_write`,
+//! and is exactly the next message the session would bring is handled at
+//! once, as from that session's identity, and its copy is dropped when the
+//! session brings it. Anything else (another session's record, a replay, a
+//! torn or forged write, a message before it still unread) is left to the
+//! session, which carries every request as before: a mailbox only ever makes
+//! a request arrive sooner, never a request the session would not deliver.
+//!
+//! ```text
+//! mailbox := seq:u64 (seqlock word, unsigned)  record  frame:u8[len]
+//! record  := index:u64le  len:u32le  version:u8=1  zero:u8[3]  tag:u8[32]  zero:u8[8]
+//! tag     := HMAC-SHA256(key, "kvcr-request/1" | index | len | version | zero | frame)
+//! ```
 
 use std::collections::HashMap;
 
@@ -57,6 +82,9 @@ use kvcr_contracts::protocol::{
     RouteGeneration, SegmentAdvert, WriteOutcome,
 };
 use kvcr_runner_core::MAX_ADVERTISED_REGIONS;
+use std::sync::Arc;
+
+use crate::shared_memory::PeerSegment;
 use kvcr_ucx::Registration;
 use ring::hmac;
 
@@ -96,6 +124,7 @@ const _: () = assert!(LABEL.len() <= LABEL_LEN && MESSAGE_LABEL.len() <= LABEL_L
 pub const WRITE_MESSAGE: u16 = 0x6b76;
 
 /// A session's record key.
+#[derive(Clone)]
 pub(crate) struct RecordKey(hmac::Key);
 
 impl RecordKey {
@@ -157,6 +186,51 @@ impl RecordKey {
         proof: &[u8; 32],
     ) -> bool {
         hmac::verify(&self.0, &stream_signed(challenge, claim), proof).is_ok()
+    }
+
+    /// A mailbox record: `frame` is the session's message `index`. `None`
+    /// when the frame does not fit a mailbox.
+    pub(crate) fn seal_request(&self, index: u64, frame: &[u8]) -> Option<Vec<u8>> {
+        if frame.len() > MAILBOX_FRAME_MAX {
+            return None;
+        }
+        let mut head = [0u8; RECORD_BYTES];
+        head[..8].copy_from_slice(&index.to_le_bytes());
+        head[8..12].copy_from_slice(&u32::try_from(frame.len()).ok()?.to_le_bytes());
+        head[12] = VERSION;
+        let tag = self.request_tag(&head[..SIGNED], frame);
+        head[REQUEST_TAG].copy_from_slice(tag.as_ref());
+        let mut record = Vec::with_capacity(RECORD_BYTES + frame.len());
+        record.extend_from_slice(&head);
+        record.extend_from_slice(frame);
+        Some(record)
+    }
+
+    /// The index and frame of a mailbox record sealed with this key
+    /// (checked in constant time); `record` is the record's bytes and then
+    /// at least its frame's.
+    pub(crate) fn open_request<'r>(&self, record: &'r [u8]) -> Option<(u64, &'r [u8])> {
+        let head: &[u8; RECORD_BYTES] = record.get(..RECORD_BYTES)?.try_into().ok()?;
+        let len =
+            usize::try_from(u32::from_le_bytes([head[8], head[9], head[10], head[11]])).ok()?;
+        if head[12] != VERSION || head[13..SIGNED] != [0; 3] || head[REQUEST_TAG.end..] != [0; 8] {
+            return None;
+        }
+        let frame = record.get(RECORD_BYTES..RECORD_BYTES.checked_add(len)?)?;
+        let mut signed = Vec::with_capacity(REQUEST_LABEL.len() + SIGNED + frame.len());
+        signed.extend_from_slice(REQUEST_LABEL);
+        signed.extend_from_slice(&head[..SIGNED]);
+        signed.extend_from_slice(frame);
+        hmac::verify(&self.0, &signed, &head[REQUEST_TAG]).ok()?;
+        Some((u64::from_le_bytes(head[..8].try_into().ok()?), frame))
+    }
+
+    fn request_tag(&self, head: &[u8], frame: &[u8]) -> hmac::Tag {
+        let mut ctx = hmac::Context::with_key(&self.0);
+        ctx.update(REQUEST_LABEL);
+        ctx.update(head);
+        ctx.update(frame);
+        ctx.sign()
     }
 
     fn seal_labelled(
@@ -280,12 +354,45 @@ pub(crate) fn slot_offset(op: OpHandle) -> usize {
     (op.0 % SLOTS) as usize * SLOT_BYTES
 }
 
-/// Bytes of a doorbell region.
-pub(crate) const REGION_BYTES: usize = SLOTS as usize * SLOT_BYTES;
+/// Bytes of a doorbell's slots.
+pub(crate) const SLOTS_BYTES: usize = SLOTS as usize * SLOT_BYTES;
+
+/// Mailboxes after the slots (sessions beyond it go without one).
+pub(crate) const MAILBOXES: usize = 128;
+/// Bytes per mailbox: the sequence word, the record, the frame.
+pub(crate) const MAILBOX_BYTES: usize = 4096;
+/// The sequence word and the record before a mailbox's frame.
+const MAILBOX_HEAD: usize = 8 + RECORD_BYTES;
+/// A mailbox record's bytes (after the sequence word).
+const RECORD_BYTES: usize = 56;
+/// The largest frame a mailbox carries; a larger request goes by the
+/// session alone.
+pub(crate) const MAILBOX_FRAME_MAX: usize = MAILBOX_BYTES - MAILBOX_HEAD;
+/// Domain separation of a mailbox record's tag.
+const REQUEST_LABEL: &[u8] = b"kvcr-request/1";
+/// Where a mailbox record's tag lies (after index, len, version, zero).
+const REQUEST_TAG: std::ops::Range<usize> = 16..48;
+
+/// Bytes of a doorbell region (and file): slots, then mailboxes.
+pub(crate) const REGION_BYTES: usize = SLOTS_BYTES + MAILBOXES * MAILBOX_BYTES;
+const _: () = assert!(REGION_BYTES.is_multiple_of(SLOT_BYTES) && SLOTS_BYTES.is_multiple_of(8));
+
+/// The mailbox a session key picks.
+pub(crate) fn mailbox_of(key: &[u8; 32]) -> usize {
+    usize::from(u16::from_le_bytes([key[0], key[1]])) % MAILBOXES
+}
+
+/// The byte offset of `mailbox` (its sequence word) in the doorbell region.
+pub(crate) fn mailbox_offset(mailbox: usize) -> usize {
+    SLOTS_BYTES + (mailbox % MAILBOXES) * MAILBOX_BYTES
+}
 
 /// The region id a target's doorbell is advertised under (pools and engine
 /// regions take small ids from the region table).
 pub(crate) const REGION: RegionId = RegionId(u32::MAX);
+
+/// Keys drawn at most for a session before it goes without a mailbox.
+const MAILBOX_DRAWS: usize = 16;
 
 /// Most operations a target watches slots for at once; past it, new ones
 /// are left to their `write_done` (the set is also pruned every tick).
@@ -297,6 +404,10 @@ struct SessionKey {
     session: u64,
     key: RecordKey,
     bytes: [u8; 32],
+    /// The mailbox the key picks, when no other live session holds it.
+    mailbox: Option<usize>,
+    /// The source said it maps our file (so it may read the mailbox).
+    maps_us: bool,
 }
 
 /// The target's side: the slots, the key per source session, and the
@@ -381,7 +492,7 @@ impl TargetDoorbell {
             base: slots.as_ptr() as usize as u64,
             element_size: SLOT_BYTES as u64,
             stride: SLOT_BYTES as u64,
-            count: SLOTS,
+            count: (REGION_BYTES / SLOT_BYTES) as u64,
             rkey,
         };
         Self {
@@ -412,20 +523,14 @@ impl TargetDoorbell {
             return;
         }
         if self.keys.get(to).is_none_or(|k| k.session != session) {
-            let Some((key, bytes)) = RecordKey::generate() else {
+            // A new session: operations awaited on the old one are left to
+            // their replies, and its mailbox is free.
+            self.awaited.retain(|_, a| a.source != *to);
+            self.keys.remove(to);
+            let Some(key) = self.fresh_key(session) else {
                 return;
             };
-            // A new session: operations awaited on the old one are left to
-            // their replies.
-            self.awaited.retain(|_, a| a.source != *to);
-            self.keys.insert(
-                to.clone(),
-                SessionKey {
-                    session,
-                    key,
-                    bytes,
-                },
-            );
+            self.keys.insert(to.clone(), key);
         }
         let Some(key) = self.keys.get(to) else {
             return;
@@ -445,6 +550,73 @@ impl TargetDoorbell {
             region: REGION,
             key: key.bytes,
         });
+    }
+
+    /// A fresh key for `session`, drawn until the mailbox it picks is held
+    /// by no other live session (a few draws at most while few are; after
+    /// [`MAILBOX_DRAWS`], the last key goes without a mailbox).
+    fn fresh_key(&self, session: u64) -> Option<SessionKey> {
+        let mut last = None;
+        for _ in 0..MAILBOX_DRAWS {
+            let (key, bytes) = RecordKey::generate()?;
+            let mailbox = mailbox_of(&bytes);
+            let free = self.keys.values().all(|k| k.mailbox != Some(mailbox));
+            last = Some(SessionKey {
+                session,
+                key,
+                bytes,
+                mailbox: free.then_some(mailbox),
+                maps_us: false,
+            });
+            if free {
+                break;
+            }
+        }
+        last
+    }
+
+    /// `source` said whether it maps our file (its metadata
+    /// acknowledgement): only then are its requests posted to its mailbox.
+    pub(crate) fn note_mapped(&mut self, source: &ControlEndpoint, maps_us: bool) {
+        if let Some(key) = self.keys.get_mut(source) {
+            key.maps_us = maps_us;
+        }
+    }
+
+    /// The key and mailbox of `to`, when it maps our file (which is shared)
+    /// and the key it holds was sent on our session `session`.
+    fn mailbox_for(&self, to: &ControlEndpoint, session: u64) -> Option<(&RecordKey, usize)> {
+        let key = self.keys.get(to)?;
+        let mailbox = key
+            .mailbox
+            .filter(|_| key.maps_us && key.session == session && self.segment.is_some())?;
+        Some((&key.key, mailbox))
+    }
+
+    /// Whether a request just sent to `to` as message `index` of our
+    /// session `session` would be posted to `to`'s mailbox (before it is
+    /// encoded for it).
+    pub(crate) fn may_post(&self, to: &ControlEndpoint, (session, _): (u64, u64)) -> bool {
+        self.mailbox_for(to, session).is_some()
+    }
+
+    /// Posts `frame` (the encoded `start_write` just sent to `to` as message
+    /// `index` of our session `session`) to `to`'s mailbox, when `to` maps
+    /// our file, the key it holds was sent on that session, and the frame
+    /// fits. `true`: posted.
+    pub(crate) fn post_request(
+        &self,
+        to: &ControlEndpoint,
+        (session, index): (u64, u64),
+        frame: &[u8],
+    ) -> bool {
+        let Some((key, mailbox)) = self.mailbox_for(to, session) else {
+            return false;
+        };
+        let Some(record) = key.seal_request(index, frame) else {
+            return false;
+        };
+        crate::shared_memory::publish_shared(&self.slots, mailbox_offset(mailbox), &record)
     }
 
     /// The key we sent `source` on our current session to it, and that
@@ -665,6 +837,8 @@ pub(crate) struct RouteDoorbell {
     key: RecordKey,
     pub(crate) region: RegionId,
     base: u64,
+    /// The mailbox the session's key picks.
+    mailbox: usize,
 }
 
 impl RouteDoorbell {
@@ -681,12 +855,92 @@ impl RouteDoorbell {
             key: RecordKey::new(&advert.key),
             region: advert.region,
             base: *base,
+            mailbox: mailbox_of(&advert.key),
+        })
+    }
+
+    /// This session's mailbox in `slots` (the mapping of the doorbell's
+    /// file), with what it holds now taken as already seen.
+    pub(crate) fn mailbox(&self, slots: Arc<PeerSegment>) -> Option<RouteMailbox> {
+        let remote = self.base.checked_add(mailbox_offset(self.mailbox) as u64)?;
+        let seen = slots.sequence(remote)?;
+        Some(RouteMailbox {
+            key: self.key.clone(),
+            slots,
+            remote,
+            seen: std::cell::Cell::new(seen),
         })
     }
 
     /// The record for `op` (`keys` landed) and the target address of its slot.
     pub(crate) fn ring(&self, op: OpHandle, keys: u32) -> ([u8; SLOT_BYTES], u64) {
         (self.key.seal(op, keys), self.base + slot_offset(op) as u64)
+    }
+}
+
+/// A source's mailbox in a target's doorbell file (on a one-copy route).
+pub(crate) struct RouteMailbox {
+    key: RecordKey,
+    slots: Arc<PeerSegment>,
+    /// The target's address of the mailbox's sequence word.
+    remote: u64,
+    /// The sequence word when the mailbox was last read whole.
+    seen: std::cell::Cell<u64>,
+}
+
+/// What a look at a mailbox found.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Polled {
+    /// Nothing new, or a record being written (looked at again next turn).
+    Quiet,
+    /// A record that verifies under the session's key: message `index` of
+    /// the session, as its codec frame (not yet decoded).
+    Request { index: u64, frame: Vec<u8> },
+    /// A new record that does not verify (forged, replayed from another
+    /// session, garbage).
+    Refused,
+}
+
+impl RouteMailbox {
+    /// Looks at the mailbox: one load when nothing changed.
+    pub(crate) fn poll(&self) -> Polled {
+        let Some(seq) = self.slots.sequence(self.remote) else {
+            return Polled::Quiet;
+        };
+        if seq == self.seen.get() || seq % 2 == 1 {
+            return Polled::Quiet;
+        }
+        let mut head = [0u8; RECORD_BYTES];
+        if !self.slots.read_record(self.remote + 8, &mut head) {
+            return Polled::Quiet;
+        }
+        let len = u32::from_le_bytes([head[8], head[9], head[10], head[11]]);
+        // A length past the mailbox reads what fits, and fails its tag.
+        let len = usize::try_from(len)
+            .unwrap_or(usize::MAX)
+            .min(MAILBOX_FRAME_MAX);
+        let mut frame = vec![0u8; len];
+        if !self
+            .slots
+            .read_record(self.remote + MAILBOX_HEAD as u64, &mut frame)
+        {
+            return Polled::Quiet;
+        }
+        let mut record = Vec::with_capacity(RECORD_BYTES + len);
+        record.extend_from_slice(&head);
+        record.extend_from_slice(&frame);
+        // Written meanwhile: whatever was copied may be torn; next turn.
+        if self.slots.sequence(self.remote) != Some(seq) {
+            return Polled::Quiet;
+        }
+        self.seen.set(seq);
+        match self.key.open_request(&record) {
+            Some((index, frame)) => Polled::Request {
+                index,
+                frame: frame.to_vec(),
+            },
+            None => Polled::Refused,
+        }
     }
 }
 
@@ -763,6 +1017,206 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_request_record_opens_under_its_key_only_and_any_changed_bit_is_refused() {
+        let frame = b"a start_write's frame".to_vec();
+        let record = key(1).seal_request(7, &frame).unwrap();
+        assert_eq!(key(1).open_request(&record), Some((7, &frame[..])));
+        assert_eq!(key(2).open_request(&record), None, "another session's key");
+        // Slot records and message headers never pass for requests.
+        assert_eq!(key(1).open_request(&key(1).seal(OpHandle(7), 1)), None);
+        for at in 0..record.len() {
+            for bit in 0..8 {
+                let mut forged = record.clone();
+                forged[at] ^= 1 << bit;
+                assert_eq!(key(1).open_request(&forged), None, "byte {at} bit {bit}");
+            }
+        }
+        assert_eq!(
+            key(1).open_request(&record[..record.len() - 1]),
+            None,
+            "short"
+        );
+        assert_eq!(key(1).open_request(&[0; RECORD_BYTES]), None, "blank");
+        assert!(key(1).seal_request(0, &[0; MAILBOX_FRAME_MAX]).is_some());
+        assert!(
+            key(1)
+                .seal_request(0, &[0; MAILBOX_FRAME_MAX + 1])
+                .is_none()
+        );
+    }
+
+    /// A target's doorbell in a shared file, and a source's mapping of that
+    /// file (as a one-copy route maps it), with the target's base address.
+    fn shared_doorbell() -> (TargetDoorbell, Arc<PeerSegment>, u64) {
+        let context = kvcr_ucx::Context::new().unwrap();
+        let file = crate::shared_memory::SharedPool::create(REGION_BYTES as u64, true).unwrap();
+        let segment = file.advert(REGION);
+        let scope = crate::shared_memory::HostScope::current().unwrap();
+        let advert = kvcr_contracts::protocol::SharedMemoryAdvert {
+            boot_id: scope.boot_id,
+            pid_namespace: scope.pid_namespace,
+            pid: std::process::id(),
+            segments: vec![segment],
+        };
+        let slots = context.register_owned(Box::new(file)).unwrap();
+        let base = slots.as_ptr() as usize as u64;
+        let rkey = slots.pack_rkey().unwrap().as_bytes().to_vec();
+        let view = PeerSegment::open(&advert, &segment, base, REGION_BYTES as u64).unwrap();
+        (
+            TargetDoorbell::new(slots, rkey, Some(segment)),
+            Arc::new(view),
+            base,
+        )
+    }
+
+    /// The doorbell advert `db` sent `to` on `session`.
+    fn advert_to(db: &mut TargetDoorbell, to: &ControlEndpoint, session: u64) -> DoorbellAdvert {
+        let mut body = metadata(1, true);
+        db.advertise(to, session, &mut body);
+        let Body::TargetMetadata {
+            doorbell: Some(advert),
+            ..
+        } = body
+        else {
+            panic!("no doorbell advertised: {body:?}");
+        };
+        advert
+    }
+
+    /// The source's mailbox on a route built from `advert`.
+    fn route_mailbox(advert: &DoorbellAdvert, view: &Arc<PeerSegment>, base: u64) -> RouteMailbox {
+        RouteDoorbell::new(
+            advert,
+            &[(REGION, base, Vec::new())],
+            &[(REGION, REGION_BYTES as u64)],
+        )
+        .unwrap()
+        .mailbox(Arc::clone(view))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_request_is_posted_only_to_a_source_that_maps_us_and_read_there_once() {
+        let (mut db, view, base) = shared_doorbell();
+        let a = endpoint(1);
+        let advert = advert_to(&mut db, &a, 10);
+        let mailbox = route_mailbox(&advert, &view, base);
+        assert_eq!(mailbox.poll(), Polled::Quiet);
+        assert!(
+            !db.post_request(&a, (10, 0), b"first"),
+            "not known to map us"
+        );
+        db.note_mapped(&a, true);
+        assert!(!db.may_post(&a, (11, 0)));
+        assert!(
+            !db.post_request(&a, (11, 0), b"first"),
+            "the key went on session 10"
+        );
+        assert!(!db.post_request(&endpoint(2), (10, 0), b"first"), "no key");
+        assert!(db.may_post(&a, (10, 0)));
+        assert!(db.post_request(&a, (10, 0), b"first"));
+        let want = |index, frame: &[u8]| Polled::Request {
+            index,
+            frame: frame.to_vec(),
+        };
+        assert_eq!(mailbox.poll(), want(0, b"first"));
+        assert_eq!(mailbox.poll(), Polled::Quiet, "read once");
+        assert!(db.post_request(&a, (10, 1), b"second"));
+        assert!(db.post_request(&a, (10, 2), b"third"));
+        assert_eq!(mailbox.poll(), want(2, b"third"), "the latest record");
+        assert!(!db.post_request(&a, (10, 3), &[0; MAILBOX_FRAME_MAX + 1]));
+        db.note_mapped(&a, false);
+        assert!(!db.post_request(&a, (10, 3), b"fourth"));
+        assert_eq!(mailbox.poll(), Polled::Quiet);
+        // Without a shared file, nothing is ever posted.
+        let mut private = target_doorbell();
+        private.segment = None;
+        private.advertise(&a, 10, &mut metadata(1, false));
+        assert!(private.session_key(&a).is_some());
+        private.note_mapped(&a, true);
+        assert!(!private.post_request(&a, (10, 0), b"first"));
+    }
+
+    #[test]
+    fn live_sessions_never_share_a_mailbox() {
+        let (mut db, _, _) = shared_doorbell();
+        let mailboxes: Vec<usize> = (1..=64u16)
+            .map(|port| mailbox_of(&advert_to(&mut db, &endpoint(port), u64::from(port)).key))
+            .collect();
+        let held: Vec<usize> = db.keys.values().filter_map(|k| k.mailbox).collect();
+        let unique: std::collections::HashSet<_> = held.iter().collect();
+        assert_eq!(unique.len(), held.len(), "no mailbox held twice");
+        // Nearly all of 64 sessions find one of 128 within 16 draws.
+        assert!(held.len() >= 60, "{} of 64 have a mailbox", held.len());
+        assert!(mailboxes.iter().all(|m| *m < MAILBOXES));
+        // A session that ends frees its mailbox for the next one.
+        let freed = db.keys[&endpoint(1)].mailbox;
+        db.forget_source(&endpoint(1));
+        assert!(
+            db.keys
+                .values()
+                .all(|k| k.mailbox != freed || freed.is_none())
+        );
+    }
+
+    /// What any process that maps the file (another source) can do to a
+    /// source's mailbox: write anything, replay, leave it half written. The
+    /// mailbox reads nothing that its session's key did not seal; a replay
+    /// of its own session's record verifies here, and is refused by the
+    /// session's message count (`control`: only the next message is taken).
+    #[test]
+    fn a_mailbox_refuses_what_its_session_did_not_seal() {
+        let (mut db, view, base) = shared_doorbell();
+        let (a, b) = (endpoint(1), endpoint(2));
+        let advert_a = advert_to(&mut db, &a, 10);
+        let advert_b = advert_to(&mut db, &b, 20);
+        db.note_mapped(&a, true);
+        db.note_mapped(&b, true);
+        let mailbox = route_mailbox(&advert_a, &view, base);
+        let at = base + mailbox_offset(mailbox_of(&advert_a.key)) as u64;
+        assert_ne!(mailbox_of(&advert_a.key), mailbox_of(&advert_b.key));
+        let write = |seq: u64, record: &[u8]| {
+            assert!(view.write_record(at + 8, record));
+            assert!(view.write_record(at, &seq.to_le_bytes()));
+        };
+        let mut seq = view.sequence(at).unwrap();
+        let mut next_seq = || {
+            seq += 2;
+            seq
+        };
+        // B's valid record, written into A's mailbox.
+        let of_b = RecordKey::new(&advert_b.key)
+            .seal_request(0, b"b's")
+            .unwrap();
+        write(next_seq(), &of_b);
+        assert_eq!(mailbox.poll(), Polled::Refused);
+        // Garbage, and a length past the mailbox.
+        write(next_seq(), &[0xa5; 200]);
+        assert_eq!(mailbox.poll(), Polled::Refused);
+        let mut long = RecordKey::new(&advert_a.key).seal_request(1, b"x").unwrap();
+        long[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        write(next_seq(), &long);
+        assert_eq!(mailbox.poll(), Polled::Refused);
+        // A record being written (odd word) is not read yet.
+        assert!(db.post_request(&a, (10, 5), b"honest"));
+        let honest = view.sequence(at).unwrap();
+        assert!(view.write_record(at, &(honest + 1).to_le_bytes()));
+        assert_eq!(mailbox.poll(), Polled::Quiet);
+        assert!(view.write_record(at, &(honest + 2).to_le_bytes()));
+        assert_eq!(
+            mailbox.poll(),
+            Polled::Request {
+                index: 5,
+                frame: b"honest".to_vec()
+            }
+        );
+        // The same record again under a new word: it verifies (its own
+        // session sealed it) with its old index, which the session refuses.
+        assert!(view.write_record(at, &(honest + 4).to_le_bytes()));
+        assert!(matches!(mailbox.poll(), Polled::Request { index: 5, .. }));
     }
 
     #[test]
@@ -886,7 +1340,11 @@ mod tests {
             panic!("{body:?}");
         };
         assert_eq!(regions.len(), 3);
-        assert!(regions.iter().any(|r| r.id == REGION && r.count == SLOTS));
+        assert!(
+            regions
+                .iter()
+                .any(|r| r.id == REGION && r.count * SLOT_BYTES as u64 == REGION_BYTES as u64)
+        );
         assert_eq!(
             shared.segments.len(),
             1,

@@ -433,6 +433,47 @@ pub(crate) fn read_shared(
     true
 }
 
+/// Publishes `body` at `offset + 8` of `region` (our own shared memory,
+/// which other processes read: a mailbox) under the sequence word at
+/// `offset`, seqlock-wise: the word goes odd, the bytes are written, the word
+/// goes even with release ordering. A reader that sees the same even word
+/// before and after copying the bytes saw them whole. The word's next value
+/// follows whatever it holds (a process that maps the file may have changed
+/// it: that costs freshness, never more, since every record carries its own
+/// tag). `false`, writing nothing, when the range is not inside `region` or
+/// the word is not 8-byte aligned.
+pub(crate) fn publish_shared(
+    region: &kvcr_ucx::Registration<'_>,
+    offset: usize,
+    body: &[u8],
+) -> bool {
+    let base = region.as_ptr().cast_mut();
+    let fits = offset
+        .checked_add(8)
+        .and_then(|at| at.checked_add(body.len()))
+        .is_some_and(|end| end <= region.len());
+    if !fits || !(base as usize).wrapping_add(offset).is_multiple_of(8) {
+        return false;
+    }
+    // SAFETY: `offset..offset + 8` lies inside the registration's live,
+    // writable memory (checked above) and is 8-byte aligned (checked); the
+    // word is only ever accessed atomically, here and by readers
+    // (`PeerSegment::sequence`), and outlives this borrow.
+    let word = unsafe { AtomicU64::from_ptr(base.add(offset).cast::<u64>()) };
+    let odd = (word.load(Ordering::Relaxed) | 1).wrapping_add(2);
+    word.store(odd, Ordering::Relaxed);
+    std::sync::atomic::fence(Ordering::Release);
+    for (i, byte) in body.iter().enumerate() {
+        // SAFETY: `offset + 8 + i < region.len()` (checked above), inside
+        // the live registration; a volatile byte store forms no reference,
+        // and a reader copying concurrently sees the word change (or a torn
+        // record, which fails its tag).
+        unsafe { base.add(offset + 8 + i).write_volatile(*byte) };
+    }
+    word.store(odd.wrapping_add(1), Ordering::Release);
+    true
+}
+
 /// Why a source did not map a target's segment (it writes through UCX then).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum SegmentRefusal {
@@ -668,6 +709,41 @@ impl PeerSegment {
             // concurrently sees at worst a torn record, which fails its tag.
             unsafe { dst.add(i).write_volatile(*byte) };
         }
+        true
+    }
+
+    /// The sequence word at the target's `remote` (a mailbox's, see
+    /// [`publish_shared`]), loaded with acquire ordering; `None` when it is
+    /// not inside the mapping or not 8-byte aligned.
+    pub(crate) fn sequence(&self, remote: u64) -> Option<u64> {
+        let at = self.destination(remote, 8)?;
+        if !at.is_multiple_of(8) {
+            return None;
+        }
+        // SAFETY: `at..at + 8` lies inside this live shared mapping
+        // (`destination` checked it) and is aligned; the word is only ever
+        // accessed atomically (by its writer, `publish_shared`), and any
+        // value it holds is a valid `u64`.
+        let word = unsafe { AtomicU64::from_ptr(at as usize as *mut u64) };
+        Some(word.load(Ordering::Acquire))
+    }
+
+    /// Reads `out.len()` bytes at the target's `remote`, which the target
+    /// (or any process mapping the file) may be writing now: volatile byte
+    /// loads, then an acquire fence. `false`, reading nothing, when the range
+    /// is not inside the mapping.
+    pub(crate) fn read_record(&self, remote: u64, out: &mut [u8]) -> bool {
+        let Some(src) = self.destination(remote, out.len() as u64) else {
+            return false;
+        };
+        let src = src as usize as *const u8;
+        for (i, byte) in out.iter_mut().enumerate() {
+            // SAFETY: `src + i` lies inside this live shared mapping
+            // (`destination` checked the whole range); a volatile byte load
+            // forms no reference and tolerates a concurrent writer.
+            *byte = unsafe { src.add(i).read_volatile() };
+        }
+        std::sync::atomic::fence(Ordering::Acquire);
         true
     }
 

@@ -1,7 +1,8 @@
 //! The trust rules between real runners (loopback, real UCX, real sessions),
 //! tried as an attacker would: without the secret, forging completions as a
-//! member, forging data streams and the frames on them, flooding while an
-//! honest destination restores, and hinting a rank towards a stranger.
+//! member, forging data streams and the frames on them, forging and
+//! replaying requests in a source's mailbox, flooding while an honest
+//! destination restores, and hinting a rank towards a stranger.
 
 use std::io::Read;
 use std::net::TcpListener;
@@ -187,9 +188,50 @@ fn doorbell_files() -> Vec<(u64, std::fs::File)> {
                 .open(&path)
                 .ok()?;
             let meta = file.metadata().ok()?;
-            (meta.len() == 1024 * 64).then_some((meta.ino(), file))
+            (meta.len() == DOORBELL_FILE_BYTES).then_some((meta.ino(), file))
         })
         .collect()
+}
+
+/// A doorbell file: 1024 slots of 64 bytes, then 128 mailboxes of 4 KiB.
+const DOORBELL_FILE_BYTES: u64 = 1024 * 64 + MAILBOXES * MAILBOX_BYTES;
+const MAILBOXES: u64 = 128;
+const MAILBOX_BYTES: u64 = 4096;
+
+/// What a forger who can open a doorbell file does to every mailbox in it.
+#[derive(Debug, Clone, Copy)]
+enum MailboxForgery {
+    /// Bytes of its own, published (the sequence word moved on, even).
+    Garbage,
+    /// What the mailbox holds (an honest request of an earlier operation),
+    /// published again.
+    Replay,
+    /// The sequence word left odd: a record forever half written.
+    Torn,
+}
+
+fn forge_mailboxes(files: &[(u64, std::fs::File)], forgery: MailboxForgery, round: u64) {
+    use std::os::unix::fs::FileExt;
+    for (_, file) in files {
+        for mailbox in 0..MAILBOXES {
+            let at = 1024 * 64 + mailbox * MAILBOX_BYTES;
+            let mut word = [0u8; 8];
+            file.read_exact_at(&mut word, at).unwrap();
+            let seq = u64::from_le_bytes(word);
+            let next = match forgery {
+                MailboxForgery::Garbage => {
+                    let garbage: Vec<u8> = (0..200u64)
+                        .map(|i| (i * 31 + mailbox * 7 + round) as u8)
+                        .collect();
+                    file.write_all_at(&garbage, at + 8).unwrap();
+                    (seq | 1) + 1
+                }
+                MailboxForgery::Replay => (seq | 1) + 1,
+                MailboxForgery::Torn => (seq | 1) + 2,
+            };
+            file.write_all_at(&next.to_le_bytes(), at).unwrap();
+        }
+    }
 }
 
 /// Fills every slot `i` with a record for operation `i` that claims no key
@@ -635,6 +677,82 @@ fn forged_doorbell_records_are_refused() {
         stats.doorbells_taken <= keys.len() as u64,
         "more records taken than operations: {stats:?}"
     );
+    target.runner.check_invariants().unwrap();
+}
+
+/// Whoever can open a runner's files can also write the mailboxes in its
+/// doorbell file, where it posts requests for its same-host sources. Before
+/// each restore the forger fills every mailbox with garbage, publishes an
+/// honest request of an earlier operation again, or leaves every mailbox
+/// half written. The source takes nothing it should not: every restore is
+/// byte-exact and written once, no duplicate request reaches the source's
+/// core (it would refuse a finished operation's), garbage is counted as
+/// refused, and every request taken from a mailbox had its control copy
+/// dropped on arrival (none handled twice, none lost).
+#[test]
+fn forged_mailbox_records_are_refused() {
+    let _serial = crate::serial();
+    let before: Vec<u64> = doorbell_files().into_iter().map(|(ino, _)| ino).collect();
+    let mut source = member("posix,cma,self", 32);
+    let mut target = member("posix,cma,self", 32);
+    let keys: Vec<u64> = (0..16).collect();
+    stock(&mut source, &keys);
+    let files: Vec<_> = doorbell_files()
+        .into_iter()
+        .filter(|(ino, _)| !before.contains(ino))
+        .collect();
+    assert_eq!(files.len(), 2, "one doorbell per runner");
+    let refused = |source: &Node| source.runner.control_stats().mailbox_requests_refused;
+    for k in &keys {
+        // The first restore builds the route the mailbox is read on.
+        let forgery = [
+            MailboxForgery::Garbage,
+            MailboxForgery::Replay,
+            MailboxForgery::Torn,
+        ][*k as usize % 3];
+        if *k > 0 {
+            let was = refused(&source);
+            forge_mailboxes(&files, forgery, *k);
+            // The source looks at its mailbox every turn, and turns at
+            // least once a second however idle it is.
+            if matches!(forgery, MailboxForgery::Garbage) {
+                crate::wait_until(
+                    "the source to refuse the garbage",
+                    Duration::from_secs(10),
+                    || refused(&source) > was,
+                );
+            }
+        }
+        let request = format!("forged-mailbox-{k}");
+        let result = fetch_on_hint(&mut target, &request, &hint(&source, &[*k]), &[*k]);
+        assert_restored(&target, &source, &result, &[*k]);
+        let handles: Vec<_> = result
+            .entries
+            .iter()
+            .filter_map(|(_, e)| e.release)
+            .collect();
+        target.runner.release(&handles);
+    }
+    let posted = target.runner.control_stats().mailbox_requests_posted;
+    assert!(posted >= 1, "the target posted requests to the mailbox");
+    crate::wait_until(
+        "every request taken early to have its copy dropped",
+        Duration::from_secs(5),
+        || {
+            let stats = source.runner.control_stats();
+            stats.early_copies_dropped == stats.mailbox_requests_taken
+        },
+    );
+    let stats = source.runner.control_stats();
+    assert!(stats.mailbox_requests_taken <= posted, "{stats:?}");
+    let (counters, _) = source.runner.peer_stats();
+    assert_eq!(counters.refused, 0, "no request reached the core twice");
+    assert_eq!(
+        counters.keys_sent,
+        keys.len() as u64,
+        "each key written once"
+    );
+    source.runner.check_invariants().unwrap();
     target.runner.check_invariants().unwrap();
 }
 

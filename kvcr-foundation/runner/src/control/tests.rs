@@ -93,7 +93,7 @@ impl Node {
 
     async fn message(&mut self) -> Option<Message> {
         match self.event(Duration::from_secs(5)).await? {
-            ChannelEvent::Message(m) => Some(m),
+            ChannelEvent::Message(m, _) => Some(m),
             other => panic!("expected a message, got {other:?}"),
         }
     }
@@ -164,7 +164,7 @@ fn identity_comes_from_the_session_and_replies_share_it() {
         let mut source = Node::start(Some(SECRET), quick_limits()).await;
         let to_source = source.identity.endpoint.clone();
         for op in 0..50 {
-            target.channel.send(&to_source, probe(op));
+            target.channel.send(&to_source, &probe(op));
         }
         for op in 0..50 {
             let got = source.message().await.unwrap();
@@ -172,7 +172,7 @@ fn identity_comes_from_the_session_and_replies_share_it() {
             assert_eq!(got.header.sender_endpoint, target.identity.endpoint);
             assert_eq!(got.header.sender, target.identity.incarnation);
         }
-        source.channel.send(&target.identity.endpoint, done(7));
+        source.channel.send(&target.identity.endpoint, &done(7));
         let reply = target.message().await.unwrap();
         assert_eq!(reply.body, done(7).body);
         assert_eq!(
@@ -194,7 +194,7 @@ fn identity_comes_from_the_session_and_replies_share_it() {
         ));
         // A reply with no session to carry it is dropped, never dialed.
         let dropped = source.stat(|s| &s.dropped);
-        source.channel.send(&target.identity.endpoint, done(8));
+        source.channel.send(&target.identity.endpoint, &done(8));
         assert_eq!(source.stat(|s| &s.dropped), dropped + 1);
         assert_eq!(settle(&source.channel, 0).await, 0);
     });
@@ -208,7 +208,7 @@ fn without_the_secret_nothing_gets_through(#[case] intruder_secret: Option<&'sta
     runtime().block_on(async {
         let mut source = Node::start(Some(SECRET), quick_limits()).await;
         let mut intruder = Node::start(intruder_secret, quick_limits()).await;
-        intruder.channel.send(&source.identity.endpoint, probe(1));
+        intruder.channel.send(&source.identity.endpoint, &probe(1));
         assert!(
             source.event(Duration::from_millis(600)).await.is_none(),
             "nothing reached the runner"
@@ -219,7 +219,7 @@ fn without_the_secret_nothing_gets_through(#[case] intruder_secret: Option<&'sta
             Some(ChannelEvent::SourceLost(_))
         ));
         let mut friend = Node::start(Some(SECRET), quick_limits()).await;
-        friend.channel.send(&source.identity.endpoint, probe(2));
+        friend.channel.send(&source.identity.endpoint, &probe(2));
         assert_eq!(source.message().await.unwrap().body, probe(2).body);
     });
 }
@@ -238,7 +238,7 @@ fn malformed_handshakes_are_refused(#[case] bytes: Vec<u8>) {
         assert!(closed_by_peer(&mut raw).await);
         assert_eq!(source.stat(|s| &s.refused_handshakes), 1);
         let mut friend = Node::start(Some(SECRET), quick_limits()).await;
-        friend.channel.send(&source.identity.endpoint, probe(3));
+        friend.channel.send(&source.identity.endpoint, &probe(3));
         assert_eq!(source.message().await.unwrap().body, probe(3).body);
     });
 }
@@ -369,7 +369,7 @@ fn connections_are_capped_per_address() {
         }
         assert_eq!(source.stat(|s| &s.refused_connections), 5);
         let mut friend = Node::start(Some(SECRET), quick_limits()).await;
-        friend.channel.send(&source.identity.endpoint, probe(4));
+        friend.channel.send(&source.identity.endpoint, &probe(4));
         assert_eq!(source.message().await.unwrap().body, probe(4).body);
         drop(held);
     });
@@ -421,7 +421,7 @@ fn messages_keep_their_order_across_the_opening_and_flushes() {
         let to_source = source.identity.endpoint.clone();
         // Queued while the dial and the handshake run.
         for op in 0..50 {
-            target.channel.send(&to_source, probe(op));
+            target.channel.send(&to_source, &probe(op));
         }
         for op in 0..10 {
             assert_eq!(source.message().await.unwrap().body, probe(op).body);
@@ -429,7 +429,7 @@ fn messages_keep_their_order_across_the_opening_and_flushes() {
         // Established now: sealed at once, written by the flush or the
         // session task, whichever runs first.
         for op in 50..200 {
-            target.channel.send(&to_source, probe(op));
+            target.channel.send(&to_source, &probe(op));
             if op.is_multiple_of(3) {
                 target.channel.flush();
             }
@@ -467,7 +467,7 @@ fn a_member_that_stops_reading_is_bounded_then_cut_off() {
         let dropped = source.stat(|s| &s.dropped);
         let mut sent = 0u64;
         while source.stat(|s| &s.dropped) == dropped {
-            source.channel.send(&member, done(sent));
+            source.channel.send(&member, &done(sent));
             source.channel.flush();
             sent += 1;
             assert!(sent < 10_000_000, "replies never backed up");
@@ -488,5 +488,71 @@ fn a_member_that_stops_reading_is_bounded_then_cut_off() {
         ));
         assert_eq!(source.stat(|s| &s.timeouts), timeouts + 1);
         drop(stream);
+    });
+}
+
+/// A session's messages are numbered alike on both ends; a message taken
+/// early (from the sender's mailbox) must be the session's next one, is
+/// taken once, and its copy is dropped when the session brings it.
+#[test]
+fn a_message_taken_early_is_the_sessions_next_and_its_copy_is_dropped() {
+    runtime().block_on(async {
+        let mut target = Node::start(Some(SECRET), quick_limits()).await;
+        let mut source = Node::start(Some(SECRET), quick_limits()).await;
+        let to_source = source.identity.endpoint.clone();
+        let from_target = target.identity.endpoint.clone();
+        // Numbered from 0, those queued before the session opens included.
+        let sent: Vec<(u64, u64)> = (0..8)
+            .map(|op| target.channel.send(&to_source, &probe(op)).unwrap())
+            .collect();
+        let session = sent[0].0;
+        assert!(sent.iter().all(|(s, _)| *s == session));
+        assert_eq!(
+            sent.iter().map(|(_, i)| *i).collect::<Vec<_>>(),
+            (0..8).collect::<Vec<_>>()
+        );
+        target.channel.flush();
+        assert_eq!(source.message().await.unwrap().body, probe(0).body);
+        assert_eq!(source.message().await.unwrap().body, probe(1).body);
+        let accepted = source.channel.accepted[&from_target].id;
+        let proven = Some(target.identity.incarnation);
+        // Not the next message (2 is unread), another session: refused.
+        assert_eq!(source.channel.take_early(&from_target, accepted, 3), None);
+        assert_eq!(
+            source.channel.take_early(&from_target, accepted + 1, 2),
+            None
+        );
+        assert_eq!(source.channel.take_early(&to_source, accepted, 2), None);
+        // The next one, as the session's proven identity; then only once.
+        assert_eq!(source.channel.take_early(&from_target, accepted, 2), proven);
+        assert_eq!(source.channel.take_early(&from_target, accepted, 2), None);
+        assert_eq!(source.channel.take_early(&from_target, accepted, 3), proven);
+        // Their copies are dropped; what follows comes as before.
+        for op in 4..8 {
+            assert_eq!(source.message().await.unwrap().body, probe(op).body);
+        }
+        assert_eq!(source.stat(|s| &s.early_copies_dropped), 2);
+        // Once a copy came first, its early take is refused.
+        let (_, index) = target.channel.send(&to_source, &probe(8)).unwrap();
+        target.channel.flush();
+        assert_eq!(source.message().await.unwrap().body, probe(8).body);
+        assert_eq!(
+            source.channel.take_early(&from_target, accepted, index),
+            None
+        );
+        // At most `MAX_TAKEN_EARLY` wait for their copies.
+        let next = index + 1;
+        for i in 0..MAX_TAKEN_EARLY as u64 {
+            assert_eq!(
+                source.channel.take_early(&from_target, accepted, next + i),
+                proven
+            );
+        }
+        let past = next + MAX_TAKEN_EARLY as u64;
+        assert_eq!(
+            source.channel.take_early(&from_target, accepted, past),
+            None
+        );
+        assert_eq!(target.stat(|s| &s.dropped), 0);
     });
 }
