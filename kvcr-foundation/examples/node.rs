@@ -734,6 +734,12 @@ fn stats(node: &mut Node, publisher: Option<&Publisher>) {
                 "writes_taken": control.stream_writes_taken,
                 "writes_refused": control.stream_writes_refused,
             },
+            "mailbox": {
+                "posted": control.mailbox_requests_posted,
+                "taken": control.mailbox_requests_taken,
+                "refused": control.mailbox_requests_refused,
+                "copies_dropped": control.early_copies_dropped,
+            },
             "uncertain": node.uncertain, "quiesced": node.quiesced,
             "invariants": node.runner.check_invariants().err(),
             "publisher": publisher,
