@@ -452,18 +452,9 @@ struct Session {
     out: Arc<SessionOut>,
     /// Who answered a session we dialed, once its handshake proved it.
     answered: Option<Incarnation>,
-    /// An accepted session's messages read so far (the next one's index).
-    read: u64,
-    /// Indexes past `read` whose messages were taken early, from the
-    /// peer's mailbox (see `crate::doorbell`), in order: when their copy
-    /// comes on the session it is dropped.
-    taken_early: VecDeque<u64>,
+    /// An accepted session's messages, as read and as taken early.
+    count: MessageCount,
 }
-
-/// Most messages of one session taken early whose copies have not come on
-/// the session yet; past it, none more is taken early (the session brings
-/// them as before).
-const MAX_TAKEN_EARLY: usize = 64;
 
 impl Session {
     fn new(id: u64, out: Arc<SessionOut>, answered: Option<Incarnation>) -> Self {
@@ -471,15 +462,66 @@ impl Session {
             id,
             out,
             answered,
-            read: 0,
-            taken_early: VecDeque::new(),
+            count: MessageCount::default(),
         }
     }
+}
 
-    /// The index the session's next message will have, counting those taken
-    /// early.
+/// Most messages of one session taken early whose copies have not come on
+/// the session yet; past it, none more is taken early (the session brings
+/// them as before).
+const MAX_TAKEN_EARLY: usize = 64;
+
+/// The messages of one accepted session, numbered from 0 in the order its
+/// peer sent them: those read from the socket, and those taken early from
+/// the peer's mailbox (see `crate::doorbell`), whose copies are dropped
+/// when the socket brings them. Sans-I/O: each message is handled once, in
+/// the order sent, whichever way it came first.
+#[derive(Debug, Default)]
+pub(crate) struct MessageCount {
+    /// Messages read from the socket (the next one's index).
+    read: u64,
+    /// Indexes from `read` on whose messages were taken early, in order.
+    taken_early: VecDeque<u64>,
+}
+
+/// What to do with a message read from a session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Arrival {
+    /// Handle it.
+    Handle,
+    /// It was taken early: drop it.
+    Drop,
+}
+
+impl MessageCount {
+    /// The index the session's next message will have, counting those
+    /// taken early.
     fn next_index(&self) -> u64 {
         self.taken_early.back().map_or(self.read, |last| last + 1)
+    }
+
+    /// Whether message `index`, found early, may be handled now: only the
+    /// session's next message, and only while fewer than
+    /// [`MAX_TAKEN_EARLY`] wait for their copies. `true` records it.
+    pub(crate) fn take_early(&mut self, index: u64) -> bool {
+        if self.next_index() != index || self.taken_early.len() >= MAX_TAKEN_EARLY {
+            return false;
+        }
+        self.taken_early.push_back(index);
+        true
+    }
+
+    /// The session brought its next message.
+    pub(crate) fn arrived(&mut self) -> Arrival {
+        let index = self.read;
+        self.read += 1;
+        if self.taken_early.front() == Some(&index) {
+            self.taken_early.pop_front();
+            Arrival::Drop
+        } else {
+            Arrival::Handle
+        }
     }
 }
 
@@ -851,10 +893,9 @@ impl ControlChannel {
             .accepted
             .get_mut(from)
             .filter(|s| s.id == session && !s.out.is_closed())?;
-        if accepted.next_index() != index || accepted.taken_early.len() >= MAX_TAKEN_EARLY {
+        if !accepted.count.take_early(index) {
             return None;
         }
-        accepted.taken_early.push_back(index);
         accepted.answered
     }
 
@@ -942,10 +983,7 @@ impl ControlChannel {
                     .get_mut(&message.header.sender_endpoint)
                     .filter(|s| s.id == session)
                 {
-                    let index = accepted.read;
-                    accepted.read += 1;
-                    if accepted.taken_early.front() == Some(&index) {
-                        accepted.taken_early.pop_front();
+                    if accepted.count.arrived() == Arrival::Drop {
                         self.stats
                             .early_copies_dropped
                             .fetch_add(1, Ordering::Relaxed);
