@@ -982,13 +982,12 @@ impl ControlChannel {
                     .accepted
                     .get_mut(&message.header.sender_endpoint)
                     .filter(|s| s.id == session)
+                    && accepted.count.arrived() == Arrival::Drop
                 {
-                    if accepted.count.arrived() == Arrival::Drop {
-                        self.stats
-                            .early_copies_dropped
-                            .fetch_add(1, Ordering::Relaxed);
-                        return None;
-                    }
+                    self.stats
+                        .early_copies_dropped
+                        .fetch_add(1, Ordering::Relaxed);
+                    return None;
                 }
                 Some(ChannelEvent::Message(message, session))
             }
