@@ -333,6 +333,8 @@ pub(crate) struct DemoOutcome {
     pub(crate) unhinted_pages: u64,
     /// The source's G3 counters at the end, with `--g3`.
     pub(crate) g3: Option<G3Counts>,
+    /// The source's mailbox counters at the end.
+    pub(crate) mailbox: MailboxCounts,
 }
 
 pub(crate) fn run(root: &Path, rest: &[String]) -> Result<()> {
@@ -670,6 +672,12 @@ pub(crate) fn play(binary: &Path, o: &Options) -> Result<DemoOutcome> {
         }
         None => None,
     };
+    let mailbox = MailboxCounts::settled(&mut source)?;
+    eprintln!(
+        "demo: the source took {} requests from its destinations' mailboxes \
+         ({} socket copies dropped, {} records refused)",
+        mailbox.taken, mailbox.copies_dropped, mailbox.refused
+    );
     drop(dests);
     drop(source);
     drop(indexer);
@@ -679,6 +687,7 @@ pub(crate) fn play(binary: &Path, o: &Options) -> Result<DemoOutcome> {
         offloaded_keys: offloaded.keys,
         unhinted_pages,
         g3,
+        mailbox,
     })
 }
 
@@ -739,6 +748,43 @@ pub(crate) struct G3Counts {
     pub(crate) spills: u64,
     pub(crate) fills: u64,
     pub(crate) fills_failed: u64,
+}
+
+/// A source's requests taken from its destinations' mailboxes (see
+/// `kvcr_foundation::runner`'s `request_mailbox`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct MailboxCounts {
+    pub(crate) taken: u64,
+    pub(crate) copies_dropped: u64,
+    pub(crate) refused: u64,
+}
+
+impl MailboxCounts {
+    fn of(node: &mut Node) -> Result<Self> {
+        let stats = node.stats()?;
+        let count = |key: &str| stats["mailbox"][key].as_u64().unwrap_or(0);
+        Ok(Self {
+            taken: count("taken"),
+            copies_dropped: count("copies_dropped"),
+            refused: count("refused"),
+        })
+    }
+
+    /// The counters once every request taken early has had its socket copy
+    /// come and be dropped (a restore can finish before its request's copy
+    /// is read), or as they are after a bounded wait.
+    fn settled(node: &mut Node) -> Result<Self> {
+        let start = std::time::Instant::now();
+        loop {
+            let counts = Self::of(node)?;
+            if counts.taken == counts.copies_dropped
+                || start.elapsed() > std::time::Duration::from_secs(5)
+            {
+                return Ok(counts);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
 }
 
 impl G3Counts {

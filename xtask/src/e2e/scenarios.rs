@@ -308,6 +308,18 @@ fn demo_over(
         ),
     );
     o.number("hashes from events", outcome.learned_from_events);
+    // Requests a source took from its destinations' mailboxes in shared
+    // memory: each handled once (its socket copy dropped), none forged here.
+    let mailbox = outcome.mailbox;
+    o.check(
+        "every request the source took from a mailbox had its socket copy dropped",
+        mailbox.taken == mailbox.copies_dropped && mailbox.refused == 0,
+        format!(
+            "{} taken, {} copies dropped, {} refused",
+            mailbox.taken, mailbox.copies_dropped, mailbox.refused
+        ),
+    );
+    o.number("requests taken from mailboxes", mailbox.taken);
     if options.g3.is_some() {
         let g3 = outcome.g3.unwrap_or_default();
         o.check(
