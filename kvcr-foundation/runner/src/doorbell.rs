@@ -583,6 +583,13 @@ impl TargetDoorbell {
         }
     }
 
+    /// Whether `source`'s acknowledgement on our current session to it said
+    /// it maps our pools and file (then it writes with one copy, and no
+    /// byte of it comes on a data stream).
+    pub(crate) fn maps_us(&self, source: &ControlEndpoint) -> bool {
+        self.keys.get(source).is_some_and(|k| k.maps_us)
+    }
+
     /// The key and mailbox of `to`, when it maps our file (which is shared)
     /// and the key it holds was sent on our session `session`.
     fn mailbox_for(&self, to: &ControlEndpoint, session: u64) -> Option<(&RecordKey, usize)> {

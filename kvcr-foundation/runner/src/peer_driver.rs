@@ -1988,14 +1988,15 @@ impl State {
     }
 
     /// A data stream dial ended: kept if it proved the session we still
-    /// hold to that source.
+    /// hold to that source and that source does not map us (an
+    /// acknowledgement saying it does may have come while the dial ran).
     fn stream_dialed(&mut self, (source, session, socket): DialedStream) {
         self.dialing.remove(&source);
         let current = self
             .doorbell
             .session_key(&source)
             .is_some_and(|(s, _)| s == session);
-        if let (Some(socket), true) = (socket, current) {
+        if let (Some(socket), true, false) = (socket, current, self.doorbell.maps_us(&source)) {
             self.in_streams
                 .insert(source, InStream::new(session, socket));
             self.control
