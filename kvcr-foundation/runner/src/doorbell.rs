@@ -1283,16 +1283,7 @@ mod tests {
 
     /// The key `advertise` put into metadata for `to` on `session`.
     fn advertised_key(db: &mut TargetDoorbell, to: &ControlEndpoint, session: u64) -> RecordKey {
-        let mut body = metadata(1, true);
-        db.advertise(to, session, &mut body);
-        let Body::TargetMetadata {
-            doorbell: Some(advert),
-            ..
-        } = body
-        else {
-            panic!("no doorbell advertised: {body:?}");
-        };
-        RecordKey::new(&advert.key)
+        RecordKey::new(&advert_to(db, to, session).key)
     }
 
     /// A doorbell that advertised session 10 to `endpoint(1)` (returned)

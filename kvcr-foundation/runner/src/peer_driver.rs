@@ -17,6 +17,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -39,7 +40,7 @@ use crate::stream::{InStream, Lander, Landing, OutStream};
 use kvcr_contracts::endpoint::{AdvertisePolicy, BindAddress, ControlEndpoint, Host};
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::key::NamespaceId;
-use kvcr_contracts::protocol::{Body, RegionId, SharedMemoryAdvert};
+use kvcr_contracts::protocol::{Body, Message, RegionId, SharedMemoryAdvert};
 use kvcr_runner_core::{Action, ConnectFailure, CopySpan, PutSpan, RouteBudget};
 use kvcr_ucx::{
     AnonOptions, CloseMode, Completion, Context, ContextConfig, Endpoint, ErrorMode, MessageLimits,
@@ -637,6 +638,30 @@ impl Route {
             RoutePath::OneCopy(_) => None,
         }
     }
+}
+
+/// Hands `taken` (messages read from shared memory: doorbell records or
+/// mailbox requests, each with its session's identity) to the core in one
+/// lock, and counts them and the `refused` ones in `(taken, refused)`.
+/// `true`: there was one.
+fn hand_to_core(
+    shared: &Arc<Shared>,
+    taken: Vec<Message>,
+    refused: u64,
+    (taken_count, refused_count): (&AtomicU64, &AtomicU64),
+) -> bool {
+    use std::sync::atomic::Ordering::Relaxed;
+    refused_count.fetch_add(refused, Relaxed);
+    if taken.is_empty() {
+        return false;
+    }
+    taken_count.fetch_add(taken.len() as u64, Relaxed);
+    shared.with_core_now(|core, now| {
+        for message in taken {
+            core.handle_message(now, message);
+        }
+    });
+    true
 }
 
 /// Rounds of [`State::drain_queued`] in one turn at most.
@@ -1384,21 +1409,11 @@ impl State {
             taken.push(message);
         }
         let stats = &self.control.stats;
-        stats
-            .mailbox_requests_refused
-            .fetch_add(refused, std::sync::atomic::Ordering::Relaxed);
-        if taken.is_empty() {
-            return false;
-        }
-        stats
-            .mailbox_requests_taken
-            .fetch_add(taken.len() as u64, std::sync::atomic::Ordering::Relaxed);
-        shared.with_core_now(|core, now| {
-            for message in taken {
-                core.handle_message(now, message);
-            }
-        });
-        true
+        let counters = (
+            &stats.mailbox_requests_taken,
+            &stats.mailbox_requests_refused,
+        );
+        hand_to_core(shared, taken, refused, counters)
     }
 
     /// One item from the control channel: a message for the core, or a
@@ -1815,20 +1830,8 @@ impl State {
         let control = &self.control;
         let (taken, refused) = self.doorbell.take(|source| control.dialed_peer(source));
         let stats = &self.control.stats;
-        stats
-            .doorbells_refused
-            .fetch_add(refused, std::sync::atomic::Ordering::Relaxed);
-        if taken.is_empty() {
-            return;
-        }
-        stats
-            .doorbells_taken
-            .fetch_add(taken.len() as u64, std::sync::atomic::Ordering::Relaxed);
-        shared.with_core_now(|core, now| {
-            for message in taken {
-                core.handle_message(now, message);
-            }
-        });
+        let counters = (&stats.doorbells_taken, &stats.doorbells_refused);
+        hand_to_core(shared, taken, refused, counters);
     }
 
     /// Issues puts up to the in-flight cap, flushes each write after its last

@@ -193,6 +193,34 @@ fn doorbell_files() -> Vec<(u64, std::fs::File)> {
         .collect()
 }
 
+/// A source holding `keys` and a target, members on one host (the source
+/// maps the target's pools), and the doorbell files of these two runners
+/// (another test's runner may still be alive in this process).
+fn same_host_pair_and_doorbells(keys: &[u64]) -> (Node, Node, Vec<(u64, std::fs::File)>) {
+    let before: Vec<u64> = doorbell_files().into_iter().map(|(ino, _)| ino).collect();
+    let mut source = member("posix,cma,self", 32);
+    let target = member("posix,cma,self", 32);
+    stock(&mut source, keys);
+    let files: Vec<_> = doorbell_files()
+        .into_iter()
+        .filter(|(ino, _)| !before.contains(ino))
+        .collect();
+    assert_eq!(files.len(), 2, "one doorbell per runner");
+    (source, target, files)
+}
+
+/// Restores key `k` from `source` as `request`, byte-exact, and releases it.
+fn restore_and_release(target: &mut Node, source: &Node, request: &str, k: u64) {
+    let result = fetch_on_hint(target, request, &hint(source, &[k]), &[k]);
+    assert_restored(target, source, &result, &[k]);
+    let handles: Vec<_> = result
+        .entries
+        .iter()
+        .filter_map(|(_, e)| e.release)
+        .collect();
+    target.runner.release(&handles);
+}
+
 /// A doorbell file: 1024 slots of 64 bytes, then 128 mailboxes of 4 KiB.
 const DOORBELL_FILE_BYTES: u64 = 1024 * 64 + MAILBOXES * MAILBOX_BYTES;
 const MAILBOXES: u64 = 128;
@@ -634,29 +662,11 @@ fn a_flood_of_unbound_data_streams_is_bounded_and_expires() {
 #[test]
 fn forged_doorbell_records_are_refused() {
     let _serial = crate::serial();
-    // Only these two runners' doorbells (another test's runner may still be
-    // alive in this process).
-    let before: Vec<u64> = doorbell_files().into_iter().map(|(ino, _)| ino).collect();
-    let mut source = member("posix,cma,self", 32);
-    let mut target = member("posix,cma,self", 32);
     let keys: Vec<u64> = (0..24).collect();
-    stock(&mut source, &keys);
-    let files: Vec<_> = doorbell_files()
-        .into_iter()
-        .filter(|(ino, _)| !before.contains(ino))
-        .collect();
-    assert_eq!(files.len(), 2, "one doorbell per runner");
+    let (source, mut target, files) = same_host_pair_and_doorbells(&keys);
     for k in &keys {
         forge_records(&files, *k);
-        let request = format!("forged-doorbell-{k}");
-        let result = fetch_on_hint(&mut target, &request, &hint(&source, &[*k]), &[*k]);
-        assert_restored(&target, &source, &result, &[*k]);
-        let handles: Vec<_> = result
-            .entries
-            .iter()
-            .filter_map(|(_, e)| e.release)
-            .collect();
-        target.runner.release(&handles);
+        restore_and_release(&mut target, &source, &format!("forged-doorbell-{k}"), *k);
     }
     // Every write rang over a forged record (the source counts a ring just
     // after writing it, so the target may have finished first), and the
@@ -692,16 +702,8 @@ fn forged_doorbell_records_are_refused() {
 #[test]
 fn forged_mailbox_records_are_refused() {
     let _serial = crate::serial();
-    let before: Vec<u64> = doorbell_files().into_iter().map(|(ino, _)| ino).collect();
-    let mut source = member("posix,cma,self", 32);
-    let mut target = member("posix,cma,self", 32);
     let keys: Vec<u64> = (0..16).collect();
-    stock(&mut source, &keys);
-    let files: Vec<_> = doorbell_files()
-        .into_iter()
-        .filter(|(ino, _)| !before.contains(ino))
-        .collect();
-    assert_eq!(files.len(), 2, "one doorbell per runner");
+    let (source, mut target, files) = same_host_pair_and_doorbells(&keys);
     let refused = |source: &Node| source.runner.control_stats().mailbox_requests_refused;
     for k in &keys {
         // The first restore builds the route the mailbox is read on.
@@ -723,15 +725,7 @@ fn forged_mailbox_records_are_refused() {
                 );
             }
         }
-        let request = format!("forged-mailbox-{k}");
-        let result = fetch_on_hint(&mut target, &request, &hint(&source, &[*k]), &[*k]);
-        assert_restored(&target, &source, &result, &[*k]);
-        let handles: Vec<_> = result
-            .entries
-            .iter()
-            .filter_map(|(_, e)| e.release)
-            .collect();
-        target.runner.release(&handles);
+        restore_and_release(&mut target, &source, &format!("forged-mailbox-{k}"), *k);
     }
     let posted = target.runner.control_stats().mailbox_requests_posted;
     assert!(posted >= 1, "the target posted requests to the mailbox");
