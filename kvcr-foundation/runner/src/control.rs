@@ -525,6 +525,14 @@ impl MessageCount {
     }
 }
 
+/// A message [`ControlChannel::send`] sealed or queued: the session it
+/// went on, its index there, and its encoded frame.
+pub(crate) struct Sent<'a> {
+    pub(crate) session: u64,
+    pub(crate) index: u64,
+    pub(crate) frame: &'a [u8],
+}
+
 /// The sending side of one session, shared by the channel (the peer
 /// thread's sends) and the session task. Both run on the peer thread's
 /// runtime, so its lock is never contended.
@@ -555,7 +563,6 @@ struct OutState {
     pending_since: Option<Instant>,
     /// The session ended, or the channel dropped it: nothing more is sent.
     closed: bool,
-    frames: BytesMut,
     sealed: Vec<u8>,
 }
 
@@ -575,7 +582,6 @@ impl SessionOut {
                 wire: BytesMut::new(),
                 pending_since: None,
                 closed: false,
-                frames: BytesMut::new(),
                 sealed: vec![0u8; RECORD_MAX],
             }),
             wake: Notify::new(),
@@ -596,34 +602,30 @@ impl SessionOut {
         self.wake.notify_one();
     }
 
-    /// Seals `message` onto the wire (or queues its frame until the session
-    /// is established); `Some(its index in the session)`, or `None`:
-    /// dropped (closed, queue full, or it could not be encoded or sealed;
-    /// the last closes the session).
-    fn send(&self, codec: &FrameCodec, limits: &ControlLimits, message: &Message) -> Option<u64> {
+    /// Seals `frame` (one encoded message) onto the wire, or queues it until
+    /// the session is established; `Some(its index in the session)`, or
+    /// `None`: dropped (closed, queue full, or it could not be sealed,
+    /// which closes the session).
+    fn send(&self, limits: &ControlLimits, frame: &[u8]) -> Option<u64> {
         let mut state = self.lock();
         let st = &mut *state;
         if st.closed {
             return None;
         }
         if st.link.is_none() {
-            // Encoded now, so a message that cannot be is never counted.
-            if st.queued_count >= QUEUE_DEPTH || codec.encode(message, &mut st.queued).is_err() {
+            if st.queued_count >= QUEUE_DEPTH {
                 return None;
             }
+            st.queued.extend_from_slice(frame);
             st.queued_count += 1;
             return Some(st.take_index());
         }
-        st.frames.clear();
-        if codec.encode(message, &mut st.frames).is_err() {
-            return None;
-        }
-        let records = st.frames.len().div_ceil(RECORD_PLAIN_MAX);
-        let sealed_len = st.frames.len() + records * (2 + TAG_LEN);
+        let records = frame.len().div_ceil(RECORD_PLAIN_MAX);
+        let sealed_len = frame.len() + records * (2 + TAG_LEN);
         if st.wire.len() + sealed_len > limits.outbound_bytes_per_session {
             return None;
         }
-        let index = st.seal_frames().then(|| st.take_index());
+        let index = st.seal_frames(frame).then(|| st.take_index());
         drop(state);
         // The session task writes it if nobody flushes first.
         self.wake.notify_one();
@@ -655,7 +657,7 @@ impl OutState {
     }
 
     /// Seals `frames` onto `wire`; a sealing failure closes the session.
-    fn seal_frames(&mut self) -> bool {
+    fn seal_frames(&mut self, frames: &[u8]) -> bool {
         let Some(link) = self.link.as_mut() else {
             return false;
         };
@@ -664,7 +666,7 @@ impl OutState {
         }
         if seal(
             &mut link.transport,
-            &self.frames,
+            frames,
             &mut self.sealed,
             &mut self.wire,
         )
@@ -685,10 +687,10 @@ impl OutState {
 
     /// Seals every message queued before the session was established.
     fn seal_queued(&mut self) {
-        self.frames = std::mem::take(&mut self.queued);
+        let queued = std::mem::take(&mut self.queued);
         self.queued_count = 0;
-        if !self.frames.is_empty() {
-            self.seal_frames();
+        if !queued.is_empty() {
+            self.seal_frames(&queued);
         }
     }
 
@@ -739,6 +741,9 @@ pub(crate) struct ControlChannel {
     accepted: HashMap<ControlEndpoint, Session>,
     /// Sessions sent to since the last [`ControlChannel::flush`].
     unflushed: Vec<Arc<SessionOut>>,
+    /// The frame of the message last sent (encoded once: a mailbox post
+    /// reuses it).
+    frame: BytesMut,
     shared: Arc<Shared>,
     pub(crate) stats: Arc<ControlStats>,
 }
@@ -821,6 +826,7 @@ impl ControlChannel {
                 dialed: HashMap::new(),
                 accepted: HashMap::new(),
                 unflushed: Vec::new(),
+                frame: BytesMut::new(),
                 shared,
                 stats,
             },
@@ -834,17 +840,19 @@ impl ControlChannel {
     /// source's reply goes back on the session `to` opened to us, and is
     /// dropped (counted) when there is none. Never blocks; a full queue
     /// drops the message (counted).
-    pub(crate) fn send(&mut self, to: &ControlEndpoint, message: &Message) -> Option<(u64, u64)> {
+    pub(crate) fn send(&mut self, to: &ControlEndpoint, message: &Message) -> Option<Sent<'_>> {
         let session = if is_request(&message.body) {
             self.dial(to);
             self.dialed.get(to)
         } else {
             self.accepted.get(to)
         };
+        self.frame.clear();
+        // Encoded once, and only for a session to carry it; a message that
+        // does not encode is never counted in the session's numbering.
         let sent = session.and_then(|s| {
-            let index = s
-                .out
-                .send(&self.shared.codec, &self.shared.limits, message)?;
+            self.shared.codec.encode(message, &mut self.frame).ok()?;
+            let index = s.out.send(&self.shared.limits, &self.frame)?;
             Some((s, index))
         });
         match sent {
@@ -852,20 +860,17 @@ impl ControlChannel {
                 if !self.unflushed.iter().any(|o| Arc::ptr_eq(o, &session.out)) {
                     self.unflushed.push(Arc::clone(&session.out));
                 }
-                Some((session.id, index))
+                Some(Sent {
+                    session: session.id,
+                    index,
+                    frame: &self.frame,
+                })
             }
             None => {
                 self.stats.dropped.fetch_add(1, Ordering::Relaxed);
                 None
             }
         }
-    }
-
-    /// Encodes `message` as the codec frames it (what a mailbox carries).
-    pub(crate) fn encode(&self, message: &Message) -> Option<BytesMut> {
-        let mut frame = BytesMut::new();
-        self.shared.codec.encode(message, &mut frame).ok()?;
-        Some(frame)
     }
 
     /// Decodes one whole frame (a mailbox's): `None` unless it is exactly

@@ -206,23 +206,23 @@ impl RecordKey {
         Some(record)
     }
 
-    /// The index and frame of a mailbox record sealed with this key
-    /// (checked in constant time); `record` is the record's bytes and then
-    /// at least its frame's.
-    pub(crate) fn open_request<'r>(&self, record: &'r [u8]) -> Option<(u64, &'r [u8])> {
-        let head: &[u8; RECORD_BYTES] = record.get(..RECORD_BYTES)?.try_into().ok()?;
-        let len =
-            usize::try_from(u32::from_le_bytes([head[8], head[9], head[10], head[11]])).ok()?;
-        if head[12] != VERSION || head[13..SIGNED] != [0; 3] || head[REQUEST_TAG.end..] != [0; 8] {
+    /// The index of a mailbox record (its `head`, and `frame`, the bytes
+    /// after it) sealed with this key for exactly that frame (checked in
+    /// constant time).
+    pub(crate) fn open_request(&self, head: &[u8; RECORD_BYTES], frame: &[u8]) -> Option<u64> {
+        if request_len(head) != frame.len()
+            || head[12] != VERSION
+            || head[13..SIGNED] != [0; 3]
+            || head[REQUEST_TAG.end..] != [0; 8]
+        {
             return None;
         }
-        let frame = record.get(RECORD_BYTES..RECORD_BYTES.checked_add(len)?)?;
         let mut signed = Vec::with_capacity(REQUEST_LABEL.len() + SIGNED + frame.len());
         signed.extend_from_slice(REQUEST_LABEL);
         signed.extend_from_slice(&head[..SIGNED]);
         signed.extend_from_slice(frame);
         hmac::verify(&self.0, &signed, &head[REQUEST_TAG]).ok()?;
-        Some((u64::from_le_bytes(head[..8].try_into().ok()?), frame))
+        Some(u64::from_le_bytes(head[..8].try_into().ok()?))
     }
 
     fn request_tag(&self, head: &[u8], frame: &[u8]) -> hmac::Tag {
@@ -376,6 +376,12 @@ const REQUEST_TAG: std::ops::Range<usize> = 16..48;
 /// Bytes of a doorbell region (and file): slots, then mailboxes.
 pub(crate) const REGION_BYTES: usize = SLOTS_BYTES + MAILBOXES * MAILBOX_BYTES;
 const _: () = assert!(REGION_BYTES.is_multiple_of(SLOT_BYTES) && SLOTS_BYTES.is_multiple_of(8));
+
+/// The frame length a mailbox record's head claims (unverified).
+fn request_len(head: &[u8; RECORD_BYTES]) -> usize {
+    usize::try_from(u32::from_le_bytes([head[8], head[9], head[10], head[11]]))
+        .unwrap_or(usize::MAX)
+}
 
 /// The mailbox a session key picks.
 pub(crate) fn mailbox_of(key: &[u8; 32]) -> usize {
@@ -590,23 +596,6 @@ impl TargetDoorbell {
         self.keys.get(source).is_some_and(|k| k.maps_us)
     }
 
-    /// The key and mailbox of `to`, when it maps our file (which is shared)
-    /// and the key it holds was sent on our session `session`.
-    fn mailbox_for(&self, to: &ControlEndpoint, session: u64) -> Option<(&RecordKey, usize)> {
-        let key = self.keys.get(to)?;
-        let mailbox = key
-            .mailbox
-            .filter(|_| key.maps_us && key.session == session && self.segment.is_some())?;
-        Some((&key.key, mailbox))
-    }
-
-    /// Whether a request just sent to `to` as message `index` of our
-    /// session `session` would be posted to `to`'s mailbox (before it is
-    /// encoded for it).
-    pub(crate) fn may_post(&self, to: &ControlEndpoint, (session, _): (u64, u64)) -> bool {
-        self.mailbox_for(to, session).is_some()
-    }
-
     /// Posts `frame` (the encoded `start_write` just sent to `to` as message
     /// `index` of our session `session`) to `to`'s mailbox, when `to` maps
     /// our file, the key it holds was sent on that session, and the frame
@@ -617,10 +606,16 @@ impl TargetDoorbell {
         (session, index): (u64, u64),
         frame: &[u8],
     ) -> bool {
-        let Some((key, mailbox)) = self.mailbox_for(to, session) else {
+        let Some(key) = self.keys.get(to) else {
             return false;
         };
-        let Some(record) = key.seal_request(index, frame) else {
+        let Some(mailbox) = key
+            .mailbox
+            .filter(|_| key.maps_us && key.session == session && self.segment.is_some())
+        else {
+            return false;
+        };
+        let Some(record) = key.key.seal_request(index, frame) else {
             return false;
         };
         crate::shared_memory::publish_shared(&self.slots, mailbox_offset(mailbox), &record)
@@ -921,31 +916,21 @@ impl RouteMailbox {
         if !self.slots.read_record(self.remote + 8, &mut head) {
             return Polled::Quiet;
         }
-        let len = u32::from_le_bytes([head[8], head[9], head[10], head[11]]);
-        // A length past the mailbox reads what fits, and fails its tag.
-        let len = usize::try_from(len)
-            .unwrap_or(usize::MAX)
-            .min(MAILBOX_FRAME_MAX);
-        let mut frame = vec![0u8; len];
+        // A length past the mailbox reads what fits, and fails to open.
+        let mut frame = vec![0u8; request_len(&head).min(MAILBOX_FRAME_MAX)];
         if !self
             .slots
             .read_record(self.remote + MAILBOX_HEAD as u64, &mut frame)
         {
             return Polled::Quiet;
         }
-        let mut record = Vec::with_capacity(RECORD_BYTES + len);
-        record.extend_from_slice(&head);
-        record.extend_from_slice(&frame);
         // Written meanwhile: whatever was copied may be torn; next turn.
         if self.slots.sequence(self.remote) != Some(seq) {
             return Polled::Quiet;
         }
         self.seen.set(seq);
-        match self.key.open_request(&record) {
-            Some((index, frame)) => Polled::Request {
-                index,
-                frame: frame.to_vec(),
-            },
+        match self.key.open_request(&head, &frame) {
+            Some(index) => Polled::Request { index, frame },
             None => Polled::Refused,
         }
     }
@@ -1030,23 +1015,29 @@ mod tests {
     fn a_request_record_opens_under_its_key_only_and_any_changed_bit_is_refused() {
         let frame = b"a start_write's frame".to_vec();
         let record = key(1).seal_request(7, &frame).unwrap();
-        assert_eq!(key(1).open_request(&record), Some((7, &frame[..])));
-        assert_eq!(key(2).open_request(&record), None, "another session's key");
+        // A record as the mailbox holds it: its head, then its frame.
+        let open = |key: RecordKey, record: &[u8]| {
+            let head: &[u8; RECORD_BYTES] = record.get(..RECORD_BYTES)?.try_into().ok()?;
+            key.open_request(head, record.get(RECORD_BYTES..)?)
+        };
+        assert_eq!(
+            &record[RECORD_BYTES..],
+            &frame[..],
+            "the frame follows its head"
+        );
+        assert_eq!(open(key(1), &record), Some(7));
+        assert_eq!(open(key(2), &record), None, "another session's key");
         // Slot records and message headers never pass for requests.
-        assert_eq!(key(1).open_request(&key(1).seal(OpHandle(7), 1)), None);
+        assert_eq!(open(key(1), &key(1).seal(OpHandle(7), 1)), None);
         for at in 0..record.len() {
             for bit in 0..8 {
                 let mut forged = record.clone();
                 forged[at] ^= 1 << bit;
-                assert_eq!(key(1).open_request(&forged), None, "byte {at} bit {bit}");
+                assert_eq!(open(key(1), &forged), None, "byte {at} bit {bit}");
             }
         }
-        assert_eq!(
-            key(1).open_request(&record[..record.len() - 1]),
-            None,
-            "short"
-        );
-        assert_eq!(key(1).open_request(&[0; RECORD_BYTES]), None, "blank");
+        assert_eq!(open(key(1), &record[..record.len() - 1]), None, "short");
+        assert_eq!(open(key(1), &[0; RECORD_BYTES]), None, "blank");
         assert!(key(1).seal_request(0, &[0; MAILBOX_FRAME_MAX]).is_some());
         assert!(
             key(1)
@@ -1117,13 +1108,11 @@ mod tests {
             "not known to map us"
         );
         db.note_mapped(&a, true);
-        assert!(!db.may_post(&a, (11, 0)));
         assert!(
             !db.post_request(&a, (11, 0), b"first"),
             "the key went on session 10"
         );
         assert!(!db.post_request(&endpoint(2), (10, 0), b"first"), "no key");
-        assert!(db.may_post(&a, (10, 0)));
         assert!(db.post_request(&a, (10, 0), b"first"));
         let want = |index, frame: &[u8]| Polled::Request {
             index,

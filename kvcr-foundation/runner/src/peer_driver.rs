@@ -1521,12 +1521,13 @@ impl State {
                 let sent = self.control.send(&to, &message);
                 // A same-host source that maps us also finds it in its
                 // mailbox, the moment it looks (the socket copy still goes).
-                if let (Some(sent), Body::StartWrite { .. }) = (sent, &message.body)
+                let posted = matches!(message.body, Body::StartWrite { .. })
                     && self.request_mailbox
-                    && self.doorbell.may_post(&to, sent)
-                    && let Some(frame) = self.control.encode(&message)
-                    && self.doorbell.post_request(&to, sent, &frame)
-                {
+                    && sent.is_some_and(|sent| {
+                        self.doorbell
+                            .post_request(&to, (sent.session, sent.index), sent.frame)
+                    });
+                if posted {
                     self.control
                         .stats
                         .mailbox_requests_posted

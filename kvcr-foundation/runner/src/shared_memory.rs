@@ -421,16 +421,42 @@ pub(crate) fn read_shared(
     {
         return false;
     }
-    let base = region.as_ptr();
+    // SAFETY: `offset..offset + out.len()` lies inside the registration's
+    // live memory (checked above), which outlives this borrow.
+    unsafe { load_shared_bytes(region.as_ptr().add(offset), out) };
+    true
+}
+
+/// Copies `out.len()` bytes from `src`, which another process may be
+/// writing at the same moment: volatile byte loads (no reference into the
+/// memory is formed, and a concurrent writer leaves at worst a torn copy,
+/// which fails its tag and is read again next turn), then an acquire fence
+/// (whatever the writer published before these bytes is visible after).
+///
+/// # Safety
+/// `src..src + out.len()` is mapped, readable memory that stays mapped for
+/// the call.
+unsafe fn load_shared_bytes(src: *const u8, out: &mut [u8]) {
     for (i, byte) in out.iter_mut().enumerate() {
-        // SAFETY: `offset + i < region.len()` (checked above), inside the
-        // registration's live memory, which outlives this borrow; a volatile
-        // byte load forms no reference and tolerates a concurrent writer (a
-        // torn record fails its tag and is read again next turn).
-        *byte = unsafe { base.add(offset + i).read_volatile() };
+        // SAFETY: `src + i` lies inside the range the caller vouches for.
+        *byte = unsafe { src.add(i).read_volatile() };
     }
     std::sync::atomic::fence(Ordering::Acquire);
-    true
+}
+
+/// Writes `bytes` at `dst`, which another process may be reading at the
+/// same moment: volatile byte stores (no reference is formed; a concurrent
+/// reader sees at worst a torn record, which fails its tag). Ordering
+/// against earlier writes is the caller's fence.
+///
+/// # Safety
+/// `dst..dst + bytes.len()` is mapped, writable memory that stays mapped for
+/// the call.
+unsafe fn store_shared_bytes(dst: *mut u8, bytes: &[u8]) {
+    for (i, byte) in bytes.iter().enumerate() {
+        // SAFETY: `dst + i` lies inside the range the caller vouches for.
+        unsafe { dst.add(i).write_volatile(*byte) };
+    }
 }
 
 /// Publishes `body` at `offset + 8` of `region` (our own shared memory,
@@ -463,13 +489,10 @@ pub(crate) fn publish_shared(
     let odd = (word.load(Ordering::Relaxed) | 1).wrapping_add(2);
     word.store(odd, Ordering::Relaxed);
     std::sync::atomic::fence(Ordering::Release);
-    for (i, byte) in body.iter().enumerate() {
-        // SAFETY: `offset + 8 + i < region.len()` (checked above), inside
-        // the live registration; a volatile byte store forms no reference,
-        // and a reader copying concurrently sees the word change (or a torn
-        // record, which fails its tag).
-        unsafe { base.add(offset + 8 + i).write_volatile(*byte) };
-    }
+    // SAFETY: `offset + 8..offset + 8 + body.len()` lies inside the live,
+    // writable registration (checked above); a reader copying concurrently
+    // sees the word change.
+    unsafe { store_shared_bytes(base.add(offset + 8), body) };
     word.store(odd.wrapping_add(1), Ordering::Release);
     true
 }
@@ -701,14 +724,9 @@ impl PeerSegment {
             return false;
         };
         std::sync::atomic::fence(Ordering::Release);
-        let dst = dst as usize as *mut u8;
-        for (i, byte) in bytes.iter().enumerate() {
-            // SAFETY: `dst + i` lies inside this live, writable shared
-            // mapping (`destination` checked the whole range); a volatile
-            // byte store forms no reference, and the target reading it
-            // concurrently sees at worst a torn record, which fails its tag.
-            unsafe { dst.add(i).write_volatile(*byte) };
-        }
+        // SAFETY: the whole range lies inside this live, writable shared
+        // mapping (`destination` checked it).
+        unsafe { store_shared_bytes(dst as usize as *mut u8, bytes) };
         true
     }
 
@@ -736,14 +754,9 @@ impl PeerSegment {
         let Some(src) = self.destination(remote, out.len() as u64) else {
             return false;
         };
-        let src = src as usize as *const u8;
-        for (i, byte) in out.iter_mut().enumerate() {
-            // SAFETY: `src + i` lies inside this live shared mapping
-            // (`destination` checked the whole range); a volatile byte load
-            // forms no reference and tolerates a concurrent writer.
-            *byte = unsafe { src.add(i).read_volatile() };
-        }
-        std::sync::atomic::fence(Ordering::Acquire);
+        // SAFETY: the whole range lies inside this live shared mapping
+        // (`destination` checked it).
+        unsafe { load_shared_bytes(src as usize as *const u8, out) };
         true
     }
 

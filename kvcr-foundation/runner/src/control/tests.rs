@@ -503,7 +503,10 @@ fn a_message_taken_early_is_the_sessions_next_and_its_copy_is_dropped() {
         let from_target = target.identity.endpoint.clone();
         // Numbered from 0, those queued before the session opens included.
         let sent: Vec<(u64, u64)> = (0..8)
-            .map(|op| target.channel.send(&to_source, &probe(op)).unwrap())
+            .map(|op| {
+                let sent = target.channel.send(&to_source, &probe(op)).unwrap();
+                (sent.session, sent.index)
+            })
             .collect();
         let session = sent[0].0;
         assert!(sent.iter().all(|(s, _)| *s == session));
@@ -533,7 +536,7 @@ fn a_message_taken_early_is_the_sessions_next_and_its_copy_is_dropped() {
         }
         assert_eq!(source.stat(|s| &s.early_copies_dropped), 2);
         // Once a copy came first, its early take is refused.
-        let (_, index) = target.channel.send(&to_source, &probe(8)).unwrap();
+        let index = target.channel.send(&to_source, &probe(8)).unwrap().index;
         target.channel.flush();
         assert_eq!(source.message().await.unwrap().body, probe(8).body);
         assert_eq!(
