@@ -1,6 +1,7 @@
-//! Integration tests of the runner, the UCX layer and the publisher through
-//! the kvcr-foundation facade (one integration binary). The contracts' own
-//! tables and snapshots live in `contracts/tests`.
+//! Integration tests of the runner and the publisher through the
+//! kvcr-foundation facade (one integration binary). The contracts' own
+//! tables and snapshots live in `contracts/tests`, the UCX layer's in
+//! `ucx/tests`.
 
 // Test helpers outside `#[test]` functions panic on purpose: a failed helper is
 // a failed test.
@@ -49,4 +50,3 @@ mod peer_faults;
 mod peer_trust;
 mod publisher;
 mod runner;
-mod ucx;

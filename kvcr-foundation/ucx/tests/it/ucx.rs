@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use kvcr_foundation::ucx::{
+use kvcr_ucx::{
     AnonOptions, CloseMode, Context, ContextConfig, Endpoint, ErrorMode, Registration, RemoteKey,
     RkeyBuffer, UcsStatus, UcxReason, Worker, WorkerAddress,
 };
@@ -79,7 +79,7 @@ fn issue_plan(
     blocks: &Registration<'_>,
     big_key: &RemoteKey,
     block_key: &RemoteKey,
-) -> Vec<kvcr_foundation::ucx::Completion> {
+) -> Vec<kvcr_ucx::Completion> {
     let mut ops = vec![ep.put(big, 0, BIG, big_key, 0).unwrap()];
     for (src, dst) in block_offsets() {
         ops.push(ep.put(blocks, src, BLOCK, block_key, dst as u64).unwrap());
@@ -365,7 +365,7 @@ fn puts_outside_either_registration_are_refused_before_ucx() {
     let key = ep.unpack_rkey(&remote.pack_rkey().unwrap()).unwrap();
     assert_eq!(key.remote_len(), MIB as u64);
 
-    let reason = |r: Result<_, kvcr_foundation::ucx::Error>| r.unwrap_err().reason().cloned();
+    let reason = |r: Result<_, kvcr_ucx::Error>| r.unwrap_err().reason().cloned();
     assert!(matches!(
         reason(ep.put(&local, MIB - 10, 11, &key, 0)),
         Some(UcxReason::LocalRange { .. })
