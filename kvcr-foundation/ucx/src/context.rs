@@ -7,7 +7,7 @@ use std::ptr;
 use std::rc::{Rc, Weak};
 
 use super::worker::WorkerInner;
-use super::{UcsStatus, UcxReason, check, sys};
+use super::{UcxReason, result, sys};
 
 use crate::error::{Error, Result};
 
@@ -162,7 +162,7 @@ impl Drop for ContextInner {
         // `Rc<ContextInner>`, so all of them are already destroyed/unmapped.
         // SAFETY: `handle` came from a successful `ucp_init_version` and is
         // cleaned up exactly once, here; nothing refers to it any more.
-        unsafe { sys::ucp_cleanup(self.handle) };
+        unsafe { result::context::cleanup(self.handle) };
     }
 }
 
@@ -189,11 +189,7 @@ impl std::fmt::Debug for Context {
 
 /// The runtime libucp version `(major, minor, release)`.
 pub fn library_version() -> (u32, u32, u32) {
-    let (mut major, mut minor, mut release) = (0u32, 0u32, 0u32);
-    // SAFETY: `ucp_get_version` only writes three `unsigned` values through
-    // the pointers, which point at live locals.
-    unsafe { sys::ucp_get_version(&mut major, &mut minor, &mut release) };
-    (major, minor, release)
+    result::context::get_version()
 }
 
 fn random_id() -> u64 {
@@ -230,24 +226,19 @@ impl Context {
                 },
             });
         }
-        let mut ucp_config: *mut sys::ucp_config_t = ptr::null_mut();
-        // SAFETY: null prefix/file mean "UCX_ prefix, no file"; on success
-        // `ucp_config` receives a config we release below.
-        check("ucp_config_read", unsafe {
-            sys::ucp_config_read(ptr::null(), ptr::null(), &mut ucp_config)
-        })?;
+        // Released below, on every path.
+        let ucp_config = result::context::config_read()?;
         for (name, value) in &config.overrides {
-            let status = match (CString::new(name.as_str()), CString::new(value.as_str())) {
-                // SAFETY: live config from `ucp_config_read`; both strings
-                // are NUL-terminated and outlive the call (UCX copies them).
-                (Ok(n), Ok(v)) => unsafe {
-                    sys::ucp_config_modify(ucp_config, n.as_ptr(), v.as_ptr())
-                },
-                _ => sys::UCS_ERR_INVALID_PARAM,
+            let modified = match (CString::new(name.as_str()), CString::new(value.as_str())) {
+                // SAFETY: live config from `ucp_config_read`, released only
+                // below.
+                (Ok(n), Ok(v)) => unsafe { result::context::config_modify(ucp_config, &n, &v) },
+                // A NUL inside a name or value: what UCX says of a bad one.
+                _ => result::check("ucp_config_modify", sys::UCS_ERR_INVALID_PARAM),
             };
-            if let Err(e) = check("ucp_config_modify", status) {
+            if let Err(e) = modified {
                 // SAFETY: releases the config read above, exactly once.
-                unsafe { sys::ucp_config_release(ucp_config) };
+                unsafe { result::context::config_release(ucp_config) };
                 return Err(e);
             }
         }
@@ -262,29 +253,14 @@ impl Context {
             features,
             ..Default::default()
         };
-        let mut handle: sys::ucp_context_h = ptr::null_mut();
         // SAFETY: `params` is a fully initialised `ucp_params_t` whose
         // field_mask names only `features`; `ucp_config` is the live config
-        // read above; `handle` is a valid out-pointer.
-        let status = unsafe {
-            sys::ucp_init_version(
-                sys::UCP_API_MAJOR,
-                sys::UCP_API_MINOR,
-                &params,
-                ucp_config,
-                &mut handle,
-            )
-        };
+        // read above.
+        let created = unsafe { result::context::init(&params, ucp_config) };
         // SAFETY: the config came from `ucp_config_read` and is released
         // exactly once; `ucp_init_version` copied what it needed.
-        unsafe { sys::ucp_config_release(ucp_config) };
-        check("ucp_init", status)?;
-        if handle.is_null() {
-            return Err(Error::Call {
-                op: "ucp_init",
-                status: UcsStatus::NoResource,
-            });
-        }
+        unsafe { result::context::config_release(ucp_config) };
+        let handle = created?;
         Ok(Self {
             inner: Rc::new(ContextInner {
                 handle,

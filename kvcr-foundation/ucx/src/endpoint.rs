@@ -11,12 +11,12 @@ use super::context::ErrorMode;
 use super::memory::Registration;
 use super::packed::{validate_rkey, validate_worker_address};
 use super::request::{
-    Completion, MessageBuffers, MessageHold, OpKind, OpState, RequestExtras, ptr_is_err,
-    ptr_status, submit, submit_with,
+    Completion, MessageBuffers, MessageHold, OpKind, OpState, RequestExtras, submit, submit_with,
 };
+use super::result::request::{ptr_is_err, ptr_status};
 use super::wire::{RkeyBuffer, WorkerAddress};
 use super::worker::{WaitPolicy, WorkerInner};
-use super::{UcsStatus, UcxReason, check, sys};
+use super::{UcsStatus, UcxReason, result, sys};
 use crate::error::{Error, Result};
 
 /// How long an endpoint's `Drop` waits for a flush-mode close, and a remote
@@ -149,7 +149,7 @@ impl EndpointInner {
         // SAFETY: `h` is the live endpoint (taken out of `handle`, so closed
         // exactly once) on the worker's thread; `param` is fully initialised
         // and has no callback, so the returned request is polled below.
-        let req = unsafe { sys::ucp_ep_close_nbx(h, &param) };
+        let req = unsafe { result::endpoint::close_nbx(h, &param) };
         let mut outcome = if req.is_null() {
             Ok(())
         } else if ptr_is_err(req) {
@@ -160,7 +160,7 @@ impl EndpointInner {
             // ("regardless of its state"). Nothing of ours is left for it:
             // every operation and remote key on this endpoint is gone (each
             // held a reference), and the error handler was never given.
-            unsafe { sys::ucp_request_free(req) };
+            unsafe { result::request::free(req) };
             Ok(())
         } else {
             let status = Cell::new(sys::UCS_INPROGRESS);
@@ -169,12 +169,12 @@ impl EndpointInner {
                 .wait_until(DROP_WAIT, &WaitPolicy::default(), || {
                     // SAFETY: `req` is a live request returned by
                     // `ucp_ep_close_nbx`, not yet freed (it is freed only below).
-                    status.set(unsafe { sys::ucp_request_check_status(req) });
+                    status.set(unsafe { result::request::check_status(req) });
                     status.get() != sys::UCS_INPROGRESS
                 });
             // SAFETY: `req` is freed exactly once; if still in progress, UCX
             // finishes the close internally ("regardless of its state").
-            unsafe { sys::ucp_request_free(req) };
+            unsafe { result::request::free(req) };
             match (waited, status.get()) {
                 (Ok(()), sys::UCS_OK) => Ok(()),
                 (Ok(()), raw) => Err(UcsStatus::from_raw(raw)),
@@ -294,22 +294,24 @@ impl Endpoint {
                 arg: err_arg.cast_mut().cast::<c_void>(),
             };
         }
-        let mut handle: sys::ucp_ep_h = ptr::null_mut();
         // SAFETY: live worker on its thread; `params.address` points at the
         // peer's packed address (envelope checked by `from_bytes`, the
         // packed address walked against this worker's limits above, a padded
         // copy alive for the call); the error handler's `arg` is the leaked failure cell,
         // valid for as long as the UCX endpoint can exist (see
-        // `EndpointInner::close`); `handle` is a valid out-pointer.
-        let status = unsafe { sys::ucp_ep_create(worker.handle, &params, &mut handle) };
-        if let Err(e) = check("ucp_ep_create", status) {
-            // No UCX endpoint exists: reclaim the handler's reference.
-            // SAFETY: `err_arg` came from `Rc::into_raw` above and UCX never
-            // stored it (creation failed); reclaimed exactly once.
-            drop(unsafe { Rc::from_raw(inner.err_arg) });
-            // `inner` has a null handle, so its `Drop` closes nothing.
-            return Err(e);
-        }
+        // `EndpointInner::close`).
+        let created = unsafe { result::endpoint::create(worker.handle, &params) };
+        let handle = match created {
+            Ok(handle) => handle,
+            Err(e) => {
+                // No UCX endpoint exists: reclaim the handler's reference.
+                // SAFETY: `err_arg` came from `Rc::into_raw` above and UCX never
+                // stored it (creation failed); reclaimed exactly once.
+                drop(unsafe { Rc::from_raw(inner.err_arg) });
+                // `inner` has a null handle, so its `Drop` closes nothing.
+                return Err(e);
+            }
+        };
         inner.handle.set(handle);
         Ok(Self { inner })
     }
@@ -358,14 +360,12 @@ impl Endpoint {
         let mut padded = Vec::with_capacity(ucx.len() + UCX_PARSE_PAD);
         padded.extend_from_slice(ucx);
         padded.resize(ucx.len() + UCX_PARSE_PAD, 0);
-        let mut handle: sys::ucp_rkey_h = ptr::null_mut();
         // SAFETY: live endpoint on the worker's thread; `padded` holds a
         // structurally checked packed rkey followed by zero padding and lives
-        // across the call (UCX copies what it keeps); `handle` is a valid
-        // out-pointer.
-        check(op, unsafe {
-            sys::ucp_ep_rkey_unpack(ep, padded.as_ptr().cast::<c_void>(), &mut handle)
-        })?;
+        // across the call (UCX copies what it keeps); the rkey is destroyed
+        // before the endpoint closes (`RkeyInner` holds the endpoint).
+        let handle =
+            unsafe { result::endpoint::rkey_unpack(ep, padded.as_ptr().cast::<c_void>()) }?;
         Ok(RemoteKey {
             inner: Rc::new(RkeyInner {
                 handle,
@@ -436,7 +436,9 @@ impl Endpoint {
             // `remote_addr..+len` lies inside the peer's registration as its
             // rkey describes; `param` carries the completion callback and the
             // registration's `memh`.
-            unsafe { sys::ucp_put_nbx(ep, src.cast::<c_void>(), len, remote_addr, rkey, param) }
+            unsafe {
+                result::endpoint::put_nbx(ep, src.cast::<c_void>(), len, remote_addr, rkey, param)
+            }
         })
     }
 
@@ -535,7 +537,7 @@ impl Endpoint {
             // callback, the eager flag, and the `memh` of a single part or
             // the iov datatype.
             unsafe {
-                sys::ucp_am_send_nbx(
+                result::endpoint::am_send_nbx(
                     ep,
                     u32::from(id),
                     header_ptr,
@@ -567,7 +569,7 @@ impl Endpoint {
         submit(state, None, |param| {
             // SAFETY: live endpoint on the worker's thread; `param` carries
             // the completion callback whose user data `submit` manages.
-            unsafe { sys::ucp_ep_flush_nbx(ep, param) }
+            unsafe { result::endpoint::flush_nbx(ep, param) }
         })
     }
 }
@@ -611,7 +613,7 @@ impl Drop for RkeyInner {
             let flushed = submit(state, None, |param| {
                 // SAFETY: live endpoint (this rkey holds it) on the worker's
                 // thread; `param` carries the completion callback.
-                unsafe { sys::ucp_ep_flush_nbx(ep, param) }
+                unsafe { result::endpoint::flush_nbx(ep, param) }
             })
             .and_then(|c| {
                 worker.wait_until(DROP_WAIT, &WaitPolicy::default(), || c.is_done())?;
@@ -631,7 +633,7 @@ impl Drop for RkeyInner {
         // is still open (this struct holds it); no operation uses the rkey any
         // more (puts held this struct until they completed, and the puts are
         // flushed or the endpoint has failed); destroyed exactly once.
-        unsafe { sys::ucp_rkey_destroy(self.handle) };
+        unsafe { result::endpoint::rkey_destroy(self.handle) };
     }
 }
 

@@ -8,11 +8,12 @@
 //! 1. [`sys`]: raw bindgen output for Debian's `libucx-dev` 1.13.1
 //!    (`<ucp/api/ucp.h>`, narrow allowlist, committed; `ucx-bindgen`
 //!    regenerates it). The library is found with pkg-config by `build.rs`.
-//! 2. `check` / `ptr_is_err` (private): every `ucs_status_t` becomes a
-//!    [`UcsStatus`] inside the crate's one error type
-//!    ([`Error::Call`]); refusals made on the Rust side before
-//!    UCX is called are [`Error::Refused`] with a
-//!    [`UcxReason`].
+//! 2. `result` (private): one thin function per UCX routine the crate
+//!    calls, and the only place that calls into [`sys`]. Every
+//!    `ucs_status_t` becomes a [`UcsStatus`] inside the crate's one error
+//!    type ([`Error::Call`]); each `unsafe fn` states what its caller must
+//!    uphold. Refusals made on the Rust side before UCX is called are
+//!    [`Error::Refused`] with a [`UcxReason`].
 //! 3. The safe types, for a destination-initiated put protocol and the
 //!    small messages that steer it:
 //!
@@ -55,7 +56,8 @@
 //!
 //! ## Unsafe
 //!
-//! Most of this crate is unsafe FFI, quarantined in the modules that call UCX. Every block carries a
+//! Most of this crate is unsafe FFI. Every call into libucp goes through
+//! `result`; the safe modules reach it in `unsafe` blocks. Every block carries a
 //! `// SAFETY:` comment, every `unsafe fn` a `# Safety` section. Hostile
 //! bytes never reach UCX's length-less parsers unchecked: worker addresses
 //! and rkeys travel in checksummed envelopes ([`wire`]); the packed UCX blob
@@ -72,6 +74,7 @@ pub mod packed;
 #[cfg(feature = "perftest")]
 pub mod perftest;
 mod request;
+mod result;
 mod status;
 pub mod sys;
 pub mod wire;
@@ -92,16 +95,3 @@ pub use request::Completion;
 pub use status::{UcsStatus, UcxReason};
 pub use wire::{RkeyBuffer, WorkerAddress};
 pub use worker::{WaitPolicy, Worker};
-
-/// Maps a returned `ucs_status_t`: `UCS_OK` is `Ok`, anything else an
-/// [`Error::Call`] naming `op`.
-pub(crate) fn check(op: &'static str, raw: sys::ucs_status_t) -> Result<()> {
-    if raw == sys::UCS_OK {
-        Ok(())
-    } else {
-        Err(Error::Call {
-            op,
-            status: UcsStatus::from_raw(raw),
-        })
-    }
-}

@@ -34,7 +34,7 @@ use super::context::{Context, ContextInner};
 use super::endpoint::DROP_WAIT;
 use super::wire::RkeyBuffer;
 use super::worker::WaitPolicy;
-use super::{UcxReason, check, sys};
+use super::{UcxReason, result, sys};
 use crate::error::{Error, Result};
 
 fn input(op: &'static str, reason: UcxReason) -> Error {
@@ -134,9 +134,9 @@ impl RegCore {
         // SAFETY: `memh` came from `ucp_mem_map` on `ctx` (alive: this struct
         // holds it) and is unmapped exactly once (the handle is nulled right
         // after); no put from the region is in flight (waited above).
-        let status = unsafe { sys::ucp_mem_unmap(self.ctx.handle, memh) };
+        let unmapped = unsafe { result::memory::mem_unmap(self.ctx.handle, memh) };
         self.memh.set(ptr::null_mut());
-        if let Err(e) = check("ucp_mem_unmap", status) {
+        if let Err(e) = unmapped {
             self.ctx.record(e);
         }
         true
@@ -267,13 +267,10 @@ impl Registration<'_> {
             memory_type: sys::UCS_MEMORY_TYPE_HOST,
             ..Default::default()
         };
-        let mut memh: sys::ucp_mem_h = ptr::null_mut();
         // SAFETY: live context; `params` names a host region that the caller
-        // guarantees valid for the registration's life; `memh` is a valid
-        // out-pointer.
-        check("ucp_mem_map", unsafe {
-            sys::ucp_mem_map(ctx.inner.handle, &params, &mut memh)
-        })?;
+        // guarantees valid for the registration's life (which ends with the
+        // unmap in `RegCore::teardown`).
+        let memh = unsafe { result::memory::mem_map(ctx.inner.handle, &params) }?;
         Ok(Self {
             core: Rc::new(RegCore {
                 memh: Cell::new(memh),
@@ -362,13 +359,9 @@ impl Registration<'_> {
     /// write is the protocol's grant.
     pub fn pack_rkey(&self) -> Result<RkeyBuffer> {
         let memh = self.memh();
-        let mut buf: *mut c_void = ptr::null_mut();
-        let mut size: usize = 0;
         // SAFETY: live context and a live `memh` of it (this registration is
-        // not torn down while `&self` exists); out-pointers are valid locals.
-        check("ucp_rkey_pack", unsafe {
-            sys::ucp_rkey_pack(self.core.ctx.handle, memh, &mut buf, &mut size)
-        })?;
+        // not torn down while `&self` exists).
+        let (buf, size) = unsafe { result::memory::rkey_pack(self.core.ctx.handle, memh) }?;
         let bytes = if buf.is_null() {
             Vec::new()
         } else {
@@ -379,7 +372,7 @@ impl Registration<'_> {
         if !buf.is_null() {
             // SAFETY: `buf` came from `ucp_rkey_pack`, released exactly once;
             // `bytes` is an owned copy.
-            unsafe { sys::ucp_rkey_buffer_release(buf) };
+            unsafe { result::memory::rkey_buffer_release(buf) };
         }
         RkeyBuffer::seal(
             self.core.ctx.id,

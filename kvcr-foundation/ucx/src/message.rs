@@ -23,7 +23,7 @@ use std::ptr::NonNull;
 use std::rc::Rc;
 
 use super::worker::{Worker, WorkerInner};
-use super::{check, sys};
+use super::{result, sys};
 use crate::error::Result;
 
 /// Bounds on what the worker holds of received messages.
@@ -253,15 +253,14 @@ impl Messages {
         // `params` is fully initialised, naming every field it sets; `arg`
         // points at a handler that this struct keeps alive (pushed below)
         // until after `ucp_worker_destroy`, as `am_recv_cb` requires.
-        let status = unsafe { sys::ucp_worker_set_am_recv_handler(worker, &params) };
-        let result = check("ucp_worker_set_am_recv_handler", status);
+        let installed = unsafe { result::worker::set_am_recv_handler(worker, &params) };
         // UCX installs the callback only on success (it checks the context's
         // features and the flags first), so a refused handler is not kept.
-        if result.is_ok() {
+        if installed.is_ok() {
             handlers.push(handler);
         }
         self.handlers.set(handlers);
-        result
+        installed
     }
 
     /// Stops queuing and releases the UCX buffers of messages never taken.
@@ -274,7 +273,7 @@ impl Messages {
                 // this worker, kept with `UCS_INPROGRESS` and not released
                 // (it was never taken, so no `ActiveMessage` owns it); the
                 // worker is still alive; released exactly once, here.
-                unsafe { sys::ucp_am_data_release(worker, ptr.as_ptr()) };
+                unsafe { result::worker::am_data_release(worker, ptr.as_ptr()) };
             }
         }
     }
@@ -348,7 +347,7 @@ impl Drop for ActiveMessage {
             // callback and kept with `UCS_INPROGRESS`; the worker is alive
             // (this message holds it) and used on its own thread (`!Send`);
             // released exactly once, here (the payload is never read again).
-            unsafe { sys::ucp_am_data_release(self.worker.handle, ptr.as_ptr()) };
+            unsafe { result::worker::am_data_release(self.worker.handle, ptr.as_ptr()) };
         }
         self.held.set(self.held.get().saturating_sub(1));
     }

@@ -17,8 +17,9 @@ use std::rc::Rc;
 
 use super::endpoint::{EndpointInner, RkeyInner};
 use super::memory::RegCore;
+use super::result::request::{ptr_is_err, ptr_status};
 use super::worker::{Deferred, WorkerInner};
-use super::{UcsStatus, sys};
+use super::{UcsStatus, result, sys};
 use crate::error::{Error, Result};
 
 /// What an operation is, and what it must update when it completes.
@@ -238,19 +239,8 @@ unsafe extern "C" fn send_cb(
     // freeing it from its own completion callback is the documented pattern
     // (ucp.h, `ucp_request_free`), and nothing else frees it: `submit` hands
     // ownership of the request to this callback.
-    unsafe { sys::ucp_request_free(request) };
+    unsafe { result::request::free(request) };
     drop(state);
-}
-
-/// `UCS_PTR_IS_ERR`: a status pointer that encodes an error code.
-pub(crate) fn ptr_is_err(p: sys::ucs_status_ptr_t) -> bool {
-    (p as usize) >= (sys::UCS_ERR_LAST as isize as usize)
-}
-
-/// `UCS_PTR_RAW_STATUS`: the code inside an error status pointer.
-pub(crate) fn ptr_status(p: sys::ucs_status_ptr_t) -> i8 {
-    // Error pointers hold a small negative integer; truncation is the macro's.
-    (p as isize) as i8
 }
 
 /// What a request carries besides its callback and user data.

@@ -116,9 +116,9 @@ fn status_descriptions_match_ucs_status_string() {
         if matches!(ours, UcsStatus::Unknown(_)) {
             continue;
         }
-        // SAFETY: `ucs_status_string` returns a pointer to a static
-        // NUL-terminated string for any code.
-        let theirs = unsafe { std::ffi::CStr::from_ptr(sys::ucs_status_string(raw)) };
+        // SAFETY: this test is the only caller of `ucs_status_string`, so
+        // no other thread rewrites its static buffer meanwhile.
+        let theirs = unsafe { result::request::status_string(raw) };
         let theirs = theirs.to_string_lossy();
         if theirs.starts_with("Unknown error") {
             // Range markers and unnamed codes: UCX has no text, ours is a
@@ -131,10 +131,10 @@ fn status_descriptions_match_ucs_status_string() {
 
 #[test]
 fn error_variant_carries_op_and_status() {
-    let e = check("ucp_mem_map", sys::UCS_ERR_NO_MEMORY).unwrap_err();
+    let e = result::check("ucp_mem_map", sys::UCS_ERR_NO_MEMORY).unwrap_err();
     assert_eq!(e.status(), Some(UcsStatus::NoMemory));
     assert_eq!(e.to_string(), "UCX ucp_mem_map: Out of memory (-4)");
-    assert!(check("x", sys::UCS_OK).is_ok());
+    assert!(result::check("x", sys::UCS_OK).is_ok());
 }
 
 fn sample_ucx_rkey() -> Vec<u8> {

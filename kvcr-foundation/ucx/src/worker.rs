@@ -2,7 +2,6 @@
 
 use std::cell::Cell;
 use std::os::fd::{BorrowedFd, RawFd};
-use std::ptr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -13,7 +12,7 @@ use super::message::Messages;
 use super::packed::Limits;
 use super::request::{Completion, OpKind, OpState, submit};
 use super::wire::WorkerAddress;
-use super::{UcsStatus, UcxReason, check, sys};
+use super::{UcxReason, result, sys};
 use crate::error::{Error, Result};
 
 /// A reference an operation released inside a UCX callback, dropped by the
@@ -65,7 +64,7 @@ impl WorkerInner {
         // cannot run while `&self` exists); this thread is the only one that
         // ever touches it (`WorkerInner` is reachable only through `!Send`
         // handles), as `UCS_THREAD_MODE_SINGLE` requires.
-        let n = unsafe { sys::ucp_worker_progress(self.handle) };
+        let n = unsafe { result::worker::progress(self.handle) };
         self.drain();
         n
     }
@@ -91,12 +90,8 @@ impl WorkerInner {
 
     /// This worker's packed UCX address (`ucp_worker_get_address`).
     fn packed_address(&self) -> Result<Vec<u8>> {
-        let mut addr: *mut sys::ucp_address_t = ptr::null_mut();
-        let mut len: usize = 0;
-        // SAFETY: live worker on its thread; out-pointers are valid locals.
-        check("ucp_worker_get_address", unsafe {
-            sys::ucp_worker_get_address(self.handle, &mut addr, &mut len)
-        })?;
+        // SAFETY: live worker on its thread.
+        let (addr, len) = unsafe { result::worker::get_address(self.handle) }?;
         let bytes = if addr.is_null() || len == 0 {
             Vec::new()
         } else {
@@ -107,7 +102,7 @@ impl WorkerInner {
         if !addr.is_null() {
             // SAFETY: `addr` came from `ucp_worker_get_address` on this
             // worker and is released once; `bytes` is an owned copy.
-            unsafe { sys::ucp_worker_release_address(self.handle, addr) };
+            unsafe { result::worker::release_address(self.handle, addr) };
         }
         Ok(bytes)
     }
@@ -124,15 +119,7 @@ impl WorkerInner {
         // SAFETY: live worker, owning thread (see `progress`); the context
         // was created with `UCP_FEATURE_WAKEUP` (checked by the callers via
         // `efd.is_some()`).
-        let status = unsafe { sys::ucp_worker_arm(self.handle) };
-        match status {
-            sys::UCS_OK => Ok(true),
-            sys::UCS_ERR_BUSY => Ok(false),
-            other => Err(Error::Call {
-                op: "ucp_worker_arm",
-                status: UcsStatus::from_raw(other),
-            }),
-        }
+        unsafe { result::worker::arm(self.handle) }
     }
 
     /// The bounded wait loop behind [`Worker::wait`]; see there.
@@ -192,7 +179,7 @@ impl Drop for WorkerInner {
         // SAFETY: `handle` came from `ucp_worker_create`, is destroyed exactly
         // once, here, on the owning thread; no endpoint, request or held
         // message buffer refers to it.
-        unsafe { sys::ucp_worker_destroy(self.handle) };
+        unsafe { result::worker::destroy(self.handle) };
     }
 }
 
@@ -291,12 +278,9 @@ impl Context {
             thread_mode: sys::UCS_THREAD_MODE_SINGLE,
             ..Default::default()
         };
-        let mut handle: sys::ucp_worker_h = ptr::null_mut();
         // SAFETY: live context; `params` fully initialised with only
-        // `thread_mode` named in the mask; `handle` is a valid out-pointer.
-        check("ucp_worker_create", unsafe {
-            sys::ucp_worker_create(self.inner.handle, &params, &mut handle)
-        })?;
+        // `thread_mode` named in the mask.
+        let handle = unsafe { result::worker::create(self.inner.handle, &params) }?;
         // From here `inner` owns the worker and destroys it on any error path.
         let mut inner = WorkerInner {
             handle,
@@ -311,13 +295,10 @@ impl Context {
             ctx: Rc::clone(&self.inner),
         };
         if self.inner.wakeup {
-            let mut fd: libc::c_int = -1;
-            // SAFETY: live worker of a context created with
-            // `UCP_FEATURE_WAKEUP`; `fd` is a valid out-pointer. The fd is
-            // owned by the worker and closed by `ucp_worker_destroy`.
-            check("ucp_worker_get_efd", unsafe {
-                sys::ucp_worker_get_efd(inner.handle, &mut fd)
-            })?;
+            // SAFETY: live worker, on its thread, of a context created with
+            // `UCP_FEATURE_WAKEUP`. The fd is owned by the worker and closed
+            // by `ucp_worker_destroy`.
+            let fd = unsafe { result::worker::get_efd(inner.handle) }?;
             inner.efd = Some(fd);
         }
         let mut attr = sys::ucp_worker_attr_t {
@@ -327,9 +308,7 @@ impl Context {
         // SAFETY: live worker on its thread; `attr` is a valid, zeroed
         // `ucp_worker_attr_t` asking only for `max_am_header` (nothing UCX
         // allocates, such as the address, is requested).
-        check("ucp_worker_query", unsafe {
-            sys::ucp_worker_query(inner.handle, &mut attr)
-        })?;
+        unsafe { result::worker::query(inner.handle, &mut attr) }?;
         inner.max_am_header = attr.max_am_header;
         // Peers' blobs are checked against our own address and the rkey of a
         // probe registration of ours; if our own check refuses those (UCX's
@@ -446,7 +425,7 @@ impl Worker {
             // SAFETY: live worker on its thread; `param` is a fully
             // initialised request param with a completion callback whose
             // user data `submit` manages.
-            unsafe { sys::ucp_worker_flush_nbx(handle, param) }
+            unsafe { result::worker::flush_nbx(handle, param) }
         })
     }
 
