@@ -7,8 +7,9 @@
 //! newer libucp returns is not undefined behaviour. The generated file carries
 //! bindgen's compile-time size/alignment/offset assertions for every struct.
 //!
-//! Nothing here is safe to call directly: the safe layer is the rest of
-//! crate.
+//! Nothing here is safe to call directly: the crate calls these routines
+//! only through `result` (one thin wrapper each), and the safe layer is the
+//! rest of the crate.
 
 #![allow(
     non_camel_case_types,
