@@ -6,6 +6,10 @@ use std::collections::BTreeSet;
 
 use proptest::prelude::*;
 
+use super::codec::*;
+use super::crc::*;
+use super::layout::*;
+use super::writer::*;
 use super::*;
 
 // ---------------------------------------------------------------------------
