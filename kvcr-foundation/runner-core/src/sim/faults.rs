@@ -4,8 +4,6 @@
 
 use super::*;
 
-pub(super) struct Rng(pub(super) u64);
-
 impl Rng {
     fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;

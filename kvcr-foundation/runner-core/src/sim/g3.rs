@@ -4,33 +4,6 @@
 
 use super::*;
 
-/// One span of a G3 job in flight: it reads `from` and writes `to`,
-/// carrying the key whose bytes `from` held when it started (nothing may
-/// write `from`, nor touch `to`, until the job is reported).
-#[derive(Debug, Clone, Copy)]
-pub(super) struct G3Span {
-    pub(super) from: Place,
-    pub(super) to: Place,
-    pub(super) bytes: u64,
-    ok: bool,
-    pub(super) store: bool,
-}
-
-/// An `Action::G3` job in flight on one node (a source's, of the
-/// incarnation that issued it), reported after a seeded delay.
-#[derive(Debug, Clone)]
-pub(super) struct InFlightG3 {
-    pub(super) peer: Peer,
-    incarnation: u128,
-    pub(super) job: JobId,
-    /// Per key, its spans.
-    pub(super) keys: Vec<Vec<G3Span>>,
-    /// Keys the core cancelled (the driver may skip them, or not).
-    pub(super) cancelled: Vec<bool>,
-    done_at: u64,
-    seq: u64,
-}
-
 /// G3 jobs started, reported and landed.
 impl Sim {
     /// The driver runs `peer`'s G3 job: each span reads what its source

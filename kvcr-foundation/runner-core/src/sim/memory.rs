@@ -4,27 +4,6 @@
 
 use super::*;
 
-/// What the model knows a node's memory holds: per pool slot and per G3
-/// slot, the key whose bytes are there (`GARBAGE`: bytes of no key). G3's
-/// files outlive a source's process: a restarted source opens the same
-/// files, whose old contents it must never serve.
-#[derive(Debug, Default)]
-pub(super) struct Contents {
-    pub(super) dram: HashMap<u64, u64>,
-    pub(super) files: HashMap<u32, u64>,
-}
-
-/// A place a G3 transfer reads or writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Place {
-    /// A pool slot.
-    Dram(u64),
-    /// A G3 slot.
-    File(u32),
-    /// An element of a target's framework region (a direct deliver).
-    Element(u64),
-}
-
 /// What each place holds, and what touches it.
 impl Sim {
     pub(super) fn memory(&mut self, peer: Peer) -> &mut Contents {

@@ -3,29 +3,6 @@
 
 use super::*;
 
-/// One piece of a write in flight from a source into a target slot.
-/// A write sent as one message (bytes and completion together): the
-/// target copies it into the operation's landing spans and takes it as the
-/// `write_done`, or drops it.
-#[derive(Debug)]
-pub(super) struct InFlightMessage {
-    pub(super) source: usize,
-    pub(super) incarnation: u128,
-    pub(super) target: usize,
-    pub(super) op: OpHandle,
-    pub(super) keys: u32,
-    /// The (target slot, key) pairs the source addressed, in order.
-    pub(super) pieces: Vec<(u64, u64)>,
-    pub(super) arrives_at: u64,
-    pub(super) lost: bool,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Peer {
-    Target(usize),
-    Source(usize),
-}
-
 /// Messages, actions and virtual time.
 impl Sim {
     /// Runs every core's actions.

@@ -8,14 +8,6 @@ pub(super) fn endpoint(port: u16) -> ControlEndpoint {
     ControlEndpoint::parse(&format!("tcp://10.0.0.1:{port}")).unwrap()
 }
 
-/// A node's memory tiers: its pool's slots, and G3 under them when set (its
-/// policy then moves victims to G3, as the runner's default does).
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Tiers {
-    slots: u32,
-    pub(super) g3: Option<G3Config>,
-}
-
 impl Tiers {
     pub(super) const DRAM_ONLY: Self = Self {
         slots: SLOTS,
@@ -207,32 +199,6 @@ pub(super) fn source_incarnation(seed: u64, s: usize, restarts: u128) -> u128 {
     (u128::from(seed) << 32) | ((s as u128 + 1) << 16) | restarts
 }
 
-/// A destination, and what the model knows about its memory.
-pub(super) struct Target {
-    pub(super) core: Core,
-    pub(super) endpoint: ControlEndpoint,
-    pool: u64,
-    tiers: Tiers,
-    pub(super) framework: RegionId,
-    /// `dram`: the last key whose bytes landed in each slot, by a put or a
-    /// G3 fill (`GARBAGE`: a failed one's); `files`: each G3 slot's.
-    pub(super) memory: Contents,
-    /// Per target operation, the (key, slot) pairs its `start_write` granted.
-    pub(super) grants: HashMap<OpHandle, Vec<(u64, u64)>>,
-    /// Target operations probed (past their deadline): they never commit.
-    pub(super) probed: HashSet<OpHandle>,
-    /// Framework element -> the key a deliver wants there, and whether a
-    /// copy of that key's bytes reached it.
-    pub(super) deliveries: HashMap<u64, (u64, bool)>,
-    /// Deliver ops: (op, key) -> framework element.
-    pub(super) deliver_elements: HashMap<(OpHandle, u64), u64>,
-    pub(super) next_element: u64,
-    pub(super) completed_ops: HashSet<OpHandle>,
-    pub(super) timed_out: HashSet<(OpHandle, ScopedKey)>,
-    /// Keys this target committed (some run).
-    pub(super) committed: HashSet<u64>,
-}
-
 impl Target {
     pub(super) fn new(
         t: usize,
@@ -295,36 +261,6 @@ impl Target {
         let offset = address.checked_sub(FRAMEWORK)?;
         (offset % BLOCK == 0 && offset / BLOCK < FRAMEWORK_ELEMENTS).then_some(offset / BLOCK)
     }
-}
-
-/// A source: its core, its memory, and its driver's lanes and routes.
-pub(super) struct Source {
-    pub(super) core: Core,
-    pub(super) endpoint: ControlEndpoint,
-    pub(super) pool: u64,
-    pub(super) tiers: Tiers,
-    /// Its host region (deposits copy from it).
-    pub(super) host: RegionId,
-    pub(super) incarnation: u128,
-    pub(super) restarts: u128,
-    /// What each pool slot and each G3 slot holds.
-    pub(super) memory: Contents,
-    /// Pool slots whose bytes a G3 fill brought (until a deposit rewrites
-    /// them).
-    pub(super) filled_from_g3: HashSet<u64>,
-    /// When each copy lane is next free.
-    pub(super) lane_free_at: Vec<u64>,
-    pub(super) next_lane: usize,
-    /// The driver's route per target: the generation it connected.
-    pub(super) routes: HashMap<ControlEndpoint, u64>,
-    /// When this process's driver was asked to build each route, per
-    /// target.
-    pub(super) route_builds: HashMap<ControlEndpoint, Vec<u64>>,
-    /// Highest write reported by this incarnation.
-    pub(super) max_reported: u64,
-    /// Its process is stopped until then: no driver turn, no message handled,
-    /// no put or G3 job reported.
-    pub(super) asleep_until: u64,
 }
 
 impl Source {

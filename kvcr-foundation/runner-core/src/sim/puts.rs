@@ -3,31 +3,6 @@
 
 use super::*;
 
-#[derive(Debug, Clone, Copy)]
-pub(super) struct InFlightPut {
-    pub(super) source: usize,
-    pub(super) incarnation: u128,
-    write: u64,
-    pub(super) target: usize,
-    pub(super) slot: u64,
-    /// The source's pool slot it reads.
-    pub(super) from: u64,
-    /// The key whose bytes it carries (what `from` held when it started;
-    /// nothing may write `from` until it landed).
-    pub(super) key: u64,
-    pub(super) done_at: u64,
-    pub(super) ok: bool,
-    seq: u64,
-}
-
-/// A write (an `Action::Put`) whose pieces have not all landed.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct WriteTrack {
-    target: usize,
-    left: usize,
-    ok: bool,
-}
-
 /// Puts started and landed.
 impl Sim {
     /// The driver runs a put on source `s`'s lanes: cut into pieces, one

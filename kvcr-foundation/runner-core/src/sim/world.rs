@@ -4,52 +4,6 @@
 
 use super::*;
 
-pub(super) struct Sim {
-    pub(super) rng: Rng,
-    pub(super) seed: u64,
-    pub(super) now: u64,
-    pub(super) ns: NamespaceId,
-    pub(super) targets: Vec<Target>,
-    pub(super) sources: Vec<Source>,
-    pub(super) network: BTreeMap<(u64, u64), (ControlEndpoint, Message)>,
-    /// Latest delivery time per (from, to): TCP keeps each direction in order.
-    pub(super) link_clock: HashMap<(ControlEndpoint, ControlEndpoint), u64>,
-    pub(super) seq: u64,
-    pub(super) puts: Vec<InFlightPut>,
-    /// Writes sent as one message, in flight.
-    pub(super) messages: Vec<InFlightMessage>,
-    /// How often a whole write leaves as one message rather than as puts.
-    pub(super) message_percent: u64,
-    /// Writes with pieces in flight, by (source, incarnation, write).
-    pub(super) writes: HashMap<(usize, u128, u64), WriteTrack>,
-    /// Writes whose pieces all landed, waiting for their source's driver.
-    pub(super) reports: Vec<((usize, u128, u64), bool)>,
-    /// Invariant violations seen while moving things (reported by `check`).
-    pub(super) violations: Vec<String>,
-    pub(super) drop_percent: u64,
-    pub(super) put_fail_percent: u64,
-    pub(super) late_percent: u64,
-    pub(super) connect_fail_percent: u64,
-    /// Longest delay of a message, and of a piece that is not late.
-    pub(super) max_delay: u64,
-    /// How often a message is held up (up to an operation timeout).
-    pub(super) slow_percent: u64,
-    pub(super) max_put_time: u64,
-    /// G3 jobs in flight, on every node.
-    pub(super) g3_jobs: Vec<InFlightG3>,
-    /// How often a G3 span fails: a write (a full disk), a read (an I/O
-    /// error, after which the model holds that G3 slot's bytes for garbage).
-    pub(super) g3_write_fail_percent: u64,
-    pub(super) g3_read_fail_percent: u64,
-    /// Longest G3 job, and how often one takes up to two operation timeouts.
-    pub(super) max_g3_time: u64,
-    pub(super) g3_slow_percent: u64,
-    /// Per source address, the incarnations its guard confirmed dead
-    /// (oldest first): what each restarted process there is told.
-    pub(super) dead: [Vec<u128>; 2],
-    pub(super) seen: Coverage,
-}
-
 /// Building a run and stepping it.
 impl Sim {
     /// A run without G3 (the scripted tests).
