@@ -15,17 +15,17 @@
 //! * [`error`]: the crate's one error type.
 //!
 //! The model-based property tests (`tests`) and the peer simulator
-//! (`peer_sim`) drive the core directly, with virtual time.
+//! (`sim`) drive the core directly, with virtual time.
 
 #![forbid(unsafe_code)]
 
 pub mod error;
 pub mod journal;
 pub mod machine;
-#[cfg(test)]
-mod peer_sim;
 pub mod policy;
 pub mod region;
+#[cfg(test)]
+mod sim;
 #[cfg(test)]
 mod tests;
 pub mod types;

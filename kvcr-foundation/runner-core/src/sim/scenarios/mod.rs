@@ -1,0 +1,14 @@
+//! Scripted and seeded runs of the simulator, one file per concern.
+
+use super::*;
+
+mod deaths;
+mod g3_prepare;
+mod journal;
+mod many_seeds;
+mod restore;
+mod routes;
+mod trust;
+
+use restore::*;
+use trust::*;
