@@ -9,18 +9,18 @@ use tokio::sync::mpsc;
 
 use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::incarnation::Incarnation;
-use kvcr_contracts::protocol::{RegionId, SharedMemoryAdvert};
-use kvcr_ucx::{AnonOptions, Context, ContextConfig, ErrorMode, MessageLimits};
+use kvcr_contracts::protocol::{RegionId, SegmentAdvert, SharedMemoryAdvert};
+use kvcr_ucx::{AnonOptions, Context, ContextConfig, ErrorMode, MessageLimits, Registration};
 
 use super::messages::MAX_HELD_MESSAGES;
 use super::puts::put_plan;
 use super::{Adopted, PeerSetup, State};
 use crate::config::{PeerOptions, control_bind_address};
-use crate::control::{ControlChannel, PeerIdentity};
+use crate::control::{ControlChannel, Inbound, PeerIdentity};
 use crate::doorbell::{REGION_BYTES, SLOT_BYTES, TargetDoorbell};
 use crate::error::{Error, Result, RunnerReason};
 use crate::lanes::Lanes;
-use crate::placement::{self, AnonMapping, PoolMemory};
+use crate::placement::{self, AnonMapping, PlacementOutcome, PoolMemory};
 use crate::shared_memory::{HostScope, SharedPool};
 
 impl State {
@@ -46,134 +46,32 @@ impl State {
             }
             None => (None, None),
         };
-        let mut config = ContextConfig::new();
-        if let Some(tls) = &options.ucx_tls {
-            // A runner that advertises loopback keeps tcp on loopback; one
-            // that peers dial over a network must not (it did: every
-            // cross-host tcp route failed "Destination is unreachable",
-            // found by the between-hosts scenarios). `UCX_NET_DEVICES` in
-            // the environment wins either way.
-            let on_loopback =
-                pins_tcp_to_loopback(options, std::env::var_os("UCX_NET_DEVICES").is_some());
-            config = if on_loopback {
-                config.loopback_tls(tls)
-            } else {
-                config.set("TLS", tls)
-            };
-            // UCX reports dead peers only on network transports; its 1.13
-            // shared-memory transports refuse endpoints in that mode.
-            if tls.split(',').any(|t| t.trim() == "tcp") {
-                config = config.error_mode(ErrorMode::Peer);
-            }
-        }
-        let over_tcp = options
-            .ucx_tls
-            .as_deref()
-            .is_none_or(|t| t.split(',').any(|t| t.trim() == "tcp"));
-        if over_tcp {
-            config = config.tuned_tcp_segments();
-        }
+        let (config, over_tcp) = ucx_config(options);
         let context = Context::with_config(&config)?;
         let worker = context.create_worker()?;
-        let mut pools = Vec::with_capacity(pool_bytes.len());
-        let mut placements = Vec::with_capacity(pool_bytes.len());
         let scope = HostScope::current();
-        let mut segments = Vec::new();
-        for bytes in pool_bytes {
-            let len = usize::try_from(*bytes)
-                .map_err(|_| Error::runner(RunnerReason::Allocation { bytes: *bytes }))?;
-            if let Some((file, token)) = adopted_pools.as_mut().and_then(Iterator::next) {
-                // A guard's file: mapped with its bytes kept; advertised for
-                // one-copy writes as our own pools are.
-                let pool = SharedPool::adopt(file, token, *bytes, prefault)?;
-                if options.same_host_mapping && scope.is_some() {
-                    segments.push(pool.advert(RegionId(pools.len() as u32)));
-                }
-                pools.push(context.register_owned(Box::new(pool))?);
-                placements.push(None);
-                continue;
-            }
-            match pool_memory {
-                PoolMemory::Default if options.same_host_mapping && scope.is_some() => {
-                    let pool = SharedPool::create(*bytes, prefault)?;
-                    segments.push(pool.advert(RegionId(pools.len() as u32)));
-                    pools.push(context.register_owned(Box::new(pool))?);
-                    placements.push(None);
-                }
-                PoolMemory::Default => {
-                    pools.push(context.register_anon(len, AnonOptions::new().prefault(prefault))?);
-                    placements.push(None);
-                }
-                PoolMemory::Anonymous(anon) => {
-                    let (mapping, outcome) = AnonMapping::new(*bytes, anon, prefault)?;
-                    pools.push(context.register_owned(Box::new(mapping))?);
-                    placements.push(Some(outcome));
-                }
-            }
-        }
+        let (pools, placements, segments) = make_pools(
+            &context,
+            options,
+            pool_bytes,
+            prefault,
+            pool_memory,
+            adopted_pools.as_mut(),
+            scope,
+        )?;
         let rkeys = pools
             .iter()
             .map(|p| p.pack_rkey().map(|r| r.as_bytes().to_vec()))
             .collect::<kvcr_ucx::Result<Vec<_>>>()?;
-        let bound = match adopted_listener {
-            // The guard's listener: peers keep dialling the same address.
-            Some(listener) => ControlChannel::adopt(listener),
-            None => ControlChannel::bind(control_bind_address(options)?).await,
-        };
-        let (listener, local) = bound.map_err(|_| {
-            Error::runner(RunnerReason::Config {
-                field: "peer.bind",
-                why: "could not bind the control listener",
-            })
-        })?;
-        let endpoint = ControlEndpoint::new(options.advertise_host.clone(), local.port())?;
-        endpoint.check_advertisable(options.advertise_policy)?;
+        let (endpoint, control, inbound) =
+            start_control(options, adopted_listener, incarnation).await?;
         let endpoint_for_streams = endpoint.clone();
-        let (control, inbound) = ControlChannel::start(
-            listener,
-            PeerIdentity {
-                endpoint: endpoint.clone(),
-                incarnation,
-            },
-            options.secret.as_deref(),
-            options.limits,
-        );
-        // Pool i is region i; advertised only when every pool is a segment
-        // (a source then writes with one copy or not at all through them).
-        let shared_memory = match scope {
-            Some(scope) if !segments.is_empty() && segments.len() == pools.len() => {
-                Some(SharedMemoryAdvert {
-                    boot_id: scope.boot_id,
-                    pid_namespace: scope.pid_namespace,
-                    pid: std::process::id(),
-                    segments,
-                })
-            }
-            _ => None,
-        };
+        let shared_memory = shared_memory_advert(scope, segments, pools.len());
         let mut own_tokens: Vec<[u8; 16]> = shared_memory
             .as_ref()
             .map(|a| a.segments.iter().map(|s| s.token).collect())
             .unwrap_or_default();
-        // The doorbell: a shared file beside shared pools (a same-host
-        // source maps it with them); plain registered memory when the pools
-        // are not shared (then it is there for its per-session key, which
-        // seals write messages).
-        let doorbell = match &shared_memory {
-            Some(_) => {
-                let file = SharedPool::create(REGION_BYTES as u64, true)?;
-                let segment = file.advert(crate::doorbell::REGION);
-                own_tokens.push(segment.token);
-                let slots = context.register_owned(Box::new(file))?;
-                let rkey = slots.pack_rkey()?.as_bytes().to_vec();
-                TargetDoorbell::new(slots, rkey, Some(segment))
-            }
-            None => {
-                let slots = context.register_vec(vec![0; REGION_BYTES])?;
-                let rkey = slots.pack_rkey()?.as_bytes().to_vec();
-                TargetDoorbell::new(slots, rkey, None)
-            }
-        };
+        let doorbell = make_doorbell(&context, shared_memory.as_ref(), &mut own_tokens)?;
         // Write messages, verified with the doorbell's session keys.
         worker.accept_messages(
             crate::doorbell::WRITE_MESSAGE,
@@ -257,6 +155,184 @@ impl State {
             setup,
         ))
     }
+}
+
+/// The UCX context's configuration from the options (transports, error
+/// mode, tcp tuning), and whether the transports include tcp.
+fn ucx_config(options: &PeerOptions) -> (ContextConfig, bool) {
+    let mut config = ContextConfig::new();
+    if let Some(tls) = &options.ucx_tls {
+        // A runner that advertises loopback keeps tcp on loopback; one
+        // that peers dial over a network must not (it did: every
+        // cross-host tcp route failed "Destination is unreachable",
+        // found by the between-hosts scenarios). `UCX_NET_DEVICES` in
+        // the environment wins either way.
+        let on_loopback =
+            pins_tcp_to_loopback(options, std::env::var_os("UCX_NET_DEVICES").is_some());
+        config = if on_loopback {
+            config.loopback_tls(tls)
+        } else {
+            config.set("TLS", tls)
+        };
+        // UCX reports dead peers only on network transports; its 1.13
+        // shared-memory transports refuse endpoints in that mode.
+        if tls.split(',').any(|t| t.trim() == "tcp") {
+            config = config.error_mode(ErrorMode::Peer);
+        }
+    }
+    let over_tcp = options
+        .ucx_tls
+        .as_deref()
+        .is_none_or(|t| t.split(',').any(|t| t.trim() == "tcp"));
+    if over_tcp {
+        config = config.tuned_tcp_segments();
+    }
+    (config, over_tcp)
+}
+
+/// Registered pools, what placing each did, and the segments a same-host
+/// source may map.
+type MadePools = (
+    Vec<Registration<'static>>,
+    Vec<Option<PlacementOutcome>>,
+    Vec<SegmentAdvert>,
+);
+
+/// The pools, registered with `context`, one per entry of `pool_bytes`: a
+/// guard's files first (`adopted_pools`), else as `pool_memory` says
+/// (sealed memfds a same-host source may map, when `scope` allows it);
+/// with what placing each did, and the segments a same-host source may map.
+fn make_pools(
+    context: &Context,
+    options: &PeerOptions,
+    pool_bytes: &[u64],
+    prefault: bool,
+    pool_memory: &PoolMemory,
+    mut adopted_pools: Option<&mut std::vec::IntoIter<(std::fs::File, [u8; 16])>>,
+    scope: Option<HostScope>,
+) -> Result<MadePools> {
+    let mut pools = Vec::with_capacity(pool_bytes.len());
+    let mut placements = Vec::with_capacity(pool_bytes.len());
+    let mut segments = Vec::new();
+    for bytes in pool_bytes {
+        let len = usize::try_from(*bytes)
+            .map_err(|_| Error::runner(RunnerReason::Allocation { bytes: *bytes }))?;
+        if let Some((file, token)) = adopted_pools.as_mut().and_then(Iterator::next) {
+            // A guard's file: mapped with its bytes kept; advertised for
+            // one-copy writes as our own pools are.
+            let pool = SharedPool::adopt(file, token, *bytes, prefault)?;
+            if options.same_host_mapping && scope.is_some() {
+                segments.push(pool.advert(RegionId(pools.len() as u32)));
+            }
+            pools.push(context.register_owned(Box::new(pool))?);
+            placements.push(None);
+            continue;
+        }
+        match pool_memory {
+            PoolMemory::Default if options.same_host_mapping && scope.is_some() => {
+                let pool = SharedPool::create(*bytes, prefault)?;
+                segments.push(pool.advert(RegionId(pools.len() as u32)));
+                pools.push(context.register_owned(Box::new(pool))?);
+                placements.push(None);
+            }
+            PoolMemory::Default => {
+                pools.push(context.register_anon(len, AnonOptions::new().prefault(prefault))?);
+                placements.push(None);
+            }
+            PoolMemory::Anonymous(anon) => {
+                let (mapping, outcome) = AnonMapping::new(*bytes, anon, prefault)?;
+                pools.push(context.register_owned(Box::new(mapping))?);
+                placements.push(Some(outcome));
+            }
+        }
+    }
+    Ok((pools, placements, segments))
+}
+
+/// The control channel on the guard's listener (`adopted`) or a new one,
+/// our endpoint on it, and the channel's inbound queue.
+async fn start_control(
+    options: &PeerOptions,
+    adopted: Option<std::net::TcpListener>,
+    incarnation: Incarnation,
+) -> Result<(
+    ControlEndpoint,
+    ControlChannel,
+    mpsc::UnboundedReceiver<Inbound>,
+)> {
+    let bound = match adopted {
+        // The guard's listener: peers keep dialling the same address.
+        Some(listener) => ControlChannel::adopt(listener),
+        None => ControlChannel::bind(control_bind_address(options)?).await,
+    };
+    let (listener, local) = bound.map_err(|_| {
+        Error::runner(RunnerReason::Config {
+            field: "peer.bind",
+            why: "could not bind the control listener",
+        })
+    })?;
+    let endpoint = ControlEndpoint::new(options.advertise_host.clone(), local.port())?;
+    endpoint.check_advertisable(options.advertise_policy)?;
+    let (control, inbound) = ControlChannel::start(
+        listener,
+        PeerIdentity {
+            endpoint: endpoint.clone(),
+            incarnation,
+        },
+        options.secret.as_deref(),
+        options.limits,
+    );
+    Ok((endpoint, control, inbound))
+}
+
+/// The pools a same-host source may map, when every pool is a segment.
+fn shared_memory_advert(
+    scope: Option<HostScope>,
+    segments: Vec<SegmentAdvert>,
+    pools: usize,
+) -> Option<SharedMemoryAdvert> {
+    // Pool i is region i; advertised only when every pool is a segment
+    // (a source then writes with one copy or not at all through them).
+    match scope {
+        Some(scope) if !segments.is_empty() && segments.len() == pools => {
+            Some(SharedMemoryAdvert {
+                boot_id: scope.boot_id,
+                pid_namespace: scope.pid_namespace,
+                pid: std::process::id(),
+                segments,
+            })
+        }
+        _ => None,
+    }
+}
+
+/// Our doorbell, registered with `context`; its file's token joins
+/// `own_tokens` when it is shared.
+fn make_doorbell(
+    context: &Context,
+    shared_memory: Option<&SharedMemoryAdvert>,
+    own_tokens: &mut Vec<[u8; 16]>,
+) -> Result<TargetDoorbell> {
+    // The doorbell: a shared file beside shared pools (a same-host
+    // source maps it with them); plain registered memory when the pools
+    // are not shared (then it is there for its per-session key, which
+    // seals write messages).
+    let doorbell = match shared_memory {
+        Some(_) => {
+            let file = SharedPool::create(REGION_BYTES as u64, true)?;
+            let segment = file.advert(crate::doorbell::REGION);
+            own_tokens.push(segment.token);
+            let slots = context.register_owned(Box::new(file))?;
+            let rkey = slots.pack_rkey()?.as_bytes().to_vec();
+            TargetDoorbell::new(slots, rkey, Some(segment))
+        }
+        None => {
+            let slots = context.register_vec(vec![0; REGION_BYTES])?;
+            let rkey = slots.pack_rkey()?.as_bytes().to_vec();
+            TargetDoorbell::new(slots, rkey, None)
+        }
+    };
+    Ok(doorbell)
 }
 
 /// Whether UCX's tcp transport is kept on the loopback device: only for a

@@ -127,32 +127,12 @@ impl State {
             // endpoint, unless our worker progresses too, and it does not
             // reliably signal the event fd for it). One-copy writes into us
             // need nothing from us; our own run on the lanes.
-            // A peek, not a wait: while a caller holds the core (planning
-            // the very request this thread is about to send), blocking here
-            // slept the thread in the kernel and its wake-up cost ~5 µs of
-            // a one-block restore (traced); last turn's answer serves, and
-            // this turn does not sleep.
-            let peeked = match shared.try_lock() {
-                Some(inner) => {
-                    waits = (
-                        inner.core.peer_transport_waits() > 0,
-                        inner.core.peer_busy().0 > 0,
-                    );
-                    true
-                }
-                None => false,
-            };
+            let peeked = peek_waits(shared, &mut waits);
             let (into_us, awaiting_reply) = waits;
             let busy = !self.pending.is_empty()
                 || into_us
                 || self.out_streams.values().any(OutStream::wants_write);
-            let mut progressed = false;
-            // Messages are taken after every progress call: a write's
-            // parts can outnumber what the worker holds at once.
-            while self.worker.progress() > 0 {
-                progressed = true;
-                self.take_write_messages(shared);
-            }
+            let mut progressed = self.progress_worker(shared);
             #[allow(clippy::disallowed_methods)]
             if progressed || !busy {
                 last_progress = Instant::now();
@@ -206,53 +186,7 @@ impl State {
                 #[allow(clippy::disallowed_methods)]
                 let wait_began = Instant::now();
                 last_activity = wait_began;
-                // Nothing moved for a while: leave the core to other threads
-                // between rounds. The other side of the transfer may need
-                // this very CPU: a write into us moves only while its source
-                // runs, and our own put over TCP finishes only once the
-                // destination has read it and acknowledged (traced beside
-                // one busy process: a source spinning on its unfinished put
-                // kept the destination it waited for off their shared CPU
-                // for its whole 2.8 ms slice, every 64 KiB request). A short
-                // sleep, not a yield: a yielding thread on a crowded machine
-                // waits out other processes' whole time slices (4 ms each,
-                // measured: shm fetches fell to 0.1 GB/s beside two busy
-                // processes), while a sleeper is woken ahead of them when its
-                // nap ends (timer slack is cut to 1 µs on this thread).
-                // Sooner while the host's CPUs are contended (`contention`).
-                let still = wait_began.saturating_duration_since(last_progress);
-                let contended = !progressed && contention::contended();
-                let napped = !progressed
-                    && (still >= SPIN_BEFORE_NAP
-                        || (still >= CONTENDED_SPIN_BEFORE_NAP && contended));
-                if napped {
-                    #[allow(clippy::disallowed_methods)]
-                    std::thread::sleep(WAIT_NAP);
-                }
-                // A turn that found nothing hands its CPU to whoever else
-                // is runnable there: on a host with fewer free cores than
-                // awake threads that is often the very thread this one
-                // waits for (the source's peer thread, sharing the CPU,
-                // cannot read our `start_write` while we spin on its reply).
-                // Traced hop by hop on the 2-vCPU VM: the slow stretches of
-                // 64 KiB requests (250–450 µs, for tens to hundreds of
-                // requests in a row) all stalled between our socket write
-                // and the source decoding it. Yielding each empty turn:
-                // no 50-request median above 200 µs in five runs of 600
-                // requests per size, against nine (up to 1.6 ms) without,
-                // and the 64 KiB median 2–3 µs higher. Not on a contended
-                // host: a yield there gives a busy process a whole time
-                // slice, and the nap above serves instead. A plain yield:
-                // the wait it is part of is timed below, once.
-                if !progressed && !drained && !napped && !contended {
-                    std::thread::yield_now();
-                }
-                tokio::task::yield_now().await;
-                // A turn that found nothing to do yet waited long had the
-                // CPU taken from it (`contention`).
-                if !progressed && !drained {
-                    contention::note_wait(wait_began);
-                }
+                wait_on_transfer(wait_began, last_progress, progressed, drained).await;
             } else if !peeked
                 || (last_activity.elapsed() < if awaiting_reply { ACTIVE_SPIN } else { linger }
                     && !contention::contended())
@@ -297,14 +231,32 @@ impl State {
             if deadline_due || last_tick.elapsed() >= TICK {
                 deadline_due = false;
                 last_tick = Instant::now();
-                let doorbell = &mut self.doorbell;
-                shared.with_core_now(|core, now| {
-                    core.handle_tick(now);
-                    // Operations that ended without a reply (deadlines).
-                    doorbell.retain(|op| core.peer_awaits_reply(op));
-                });
+                self.tick(shared);
             }
         }
+    }
+
+    /// Progresses the worker until it finds nothing, taking the write
+    /// messages after every call (a write's parts can outnumber what the
+    /// worker holds at once). `true`: it progressed.
+    fn progress_worker(&mut self, shared: &Arc<Shared>) -> bool {
+        let mut progressed = false;
+        while self.worker.progress() > 0 {
+            progressed = true;
+            self.take_write_messages(shared);
+        }
+        progressed
+    }
+
+    /// The core's tick (deadlines); our doorbell forgets the operations
+    /// that ended without a reply.
+    fn tick(&mut self, shared: &Arc<Shared>) {
+        let doorbell = &mut self.doorbell;
+        shared.with_core_now(|core, now| {
+            core.handle_tick(now);
+            // Operations that ended without a reply (deadlines).
+            doorbell.retain(|op| core.peer_awaits_reply(op));
+        });
     }
 
     /// Sleeps until a command, a control message, a lane's report, a UCX
@@ -469,6 +421,86 @@ impl State {
         // Before this turn yields: what it sent leaves now.
         self.control.flush();
         Ok(any)
+    }
+}
+
+/// Whether a UCX transfer may be moving into us and whether a reply to us
+/// is awaited, into `waits`, from the core if its lock is free; `false`:
+/// it was not (`waits` keeps last turn's answer).
+fn peek_waits(shared: &Shared, waits: &mut (bool, bool)) -> bool {
+    // A peek, not a wait: while a caller holds the core (planning
+    // the very request this thread is about to send), blocking here
+    // slept the thread in the kernel and its wake-up cost ~5 µs of
+    // a one-block restore (traced); last turn's answer serves, and
+    // this turn does not sleep.
+    match shared.try_lock() {
+        Some(inner) => {
+            *waits = (
+                inner.core.peer_transport_waits() > 0,
+                inner.core.peer_busy().0 > 0,
+            );
+            true
+        }
+        None => false,
+    }
+}
+
+/// One busy turn's wait (it began at `wait_began`), while a transfer moves:
+/// a nap when nothing moved since `last_progress` for a while, else a yield
+/// of the CPU when the turn found nothing (`progressed`, `drained`), then a
+/// turn of the socket tasks; a turn that found nothing yet waited long is
+/// noted for [`contention`].
+async fn wait_on_transfer(
+    wait_began: Instant,
+    last_progress: Instant,
+    progressed: bool,
+    drained: bool,
+) {
+    // Nothing moved for a while: leave the core to other threads
+    // between rounds. The other side of the transfer may need
+    // this very CPU: a write into us moves only while its source
+    // runs, and our own put over TCP finishes only once the
+    // destination has read it and acknowledged (traced beside
+    // one busy process: a source spinning on its unfinished put
+    // kept the destination it waited for off their shared CPU
+    // for its whole 2.8 ms slice, every 64 KiB request). A short
+    // sleep, not a yield: a yielding thread on a crowded machine
+    // waits out other processes' whole time slices (4 ms each,
+    // measured: shm fetches fell to 0.1 GB/s beside two busy
+    // processes), while a sleeper is woken ahead of them when its
+    // nap ends (timer slack is cut to 1 µs on this thread).
+    // Sooner while the host's CPUs are contended (`contention`).
+    let still = wait_began.saturating_duration_since(last_progress);
+    let contended = !progressed && contention::contended();
+    let napped = !progressed
+        && (still >= SPIN_BEFORE_NAP || (still >= CONTENDED_SPIN_BEFORE_NAP && contended));
+    if napped {
+        #[allow(clippy::disallowed_methods)]
+        std::thread::sleep(WAIT_NAP);
+    }
+    // A turn that found nothing hands its CPU to whoever else
+    // is runnable there: on a host with fewer free cores than
+    // awake threads that is often the very thread this one
+    // waits for (the source's peer thread, sharing the CPU,
+    // cannot read our `start_write` while we spin on its reply).
+    // Traced hop by hop on the 2-vCPU VM: the slow stretches of
+    // 64 KiB requests (250–450 µs, for tens to hundreds of
+    // requests in a row) all stalled between our socket write
+    // and the source decoding it. Yielding each empty turn:
+    // no 50-request median above 200 µs in five runs of 600
+    // requests per size, against nine (up to 1.6 ms) without,
+    // and the 64 KiB median 2–3 µs higher. Not on a contended
+    // host: a yield there gives a busy process a whole time
+    // slice, and the nap above serves instead. A plain yield:
+    // the wait it is part of is timed below, once.
+    if !progressed && !drained && !napped && !contended {
+        std::thread::yield_now();
+    }
+    tokio::task::yield_now().await;
+    // A turn that found nothing to do yet waited long had the
+    // CPU taken from it (`contention`).
+    if !progressed && !drained {
+        contention::note_wait(wait_began);
     }
 }
 
