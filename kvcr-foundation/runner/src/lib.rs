@@ -251,35 +251,23 @@ impl Runner {
 
     /// The runner over what a start-up path made.
     fn from_started(started: startup::Started) -> Self {
-        let startup::Started {
-            copy,
-            peer,
-            shared,
-            pools,
-            incarnation,
-            endpoint,
-            worker_address,
-            pool_bytes,
-            pool_memory,
-            guard,
-            warm_start,
-        } = started;
         Self {
-            copy,
-            peer,
-            shared,
-            pools,
-            incarnation,
-            endpoint,
-            worker_address,
-            pool_bytes,
-            pool_memory,
+            copy: started.copy,
+            peer: started.peer,
+            shared: started.shared,
+            pools: started.pools,
+            incarnation: started.incarnation,
+            endpoint: started.endpoint,
+            worker_address: started.worker_address,
+            pool_bytes: started.pool_bytes,
+            pool_memory: started.pool_memory,
             device: std::sync::OnceLock::new(),
-            guard,
-            warm_start,
+            guard: started.guard,
+            warm_start: started.warm_start,
         }
     }
 
+    /// How this runner started under its guard ([`PeerOptions::guard`]):
     /// warm or fresh, what the recovery seated, or why it was disabled.
     pub fn warm_start(&self) -> Option<&WarmStart> {
         self.warm_start.as_ref()
