@@ -15,10 +15,10 @@ use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::Shared;
 use super::device::DeviceCopier;
 use super::memory::{copy_spans, copy_spans_streaming};
 use crate::error::{Error, Result, RunnerReason};
+use crate::shared::Shared;
 use kvcr_runner_core::CopySpan;
 use kvcr_runner_core::{CopyOutcome, JobId};
 

@@ -23,6 +23,7 @@
 #![deny(unsafe_code)]
 
 pub mod client;
+mod config;
 mod contention;
 #[doc(hidden)]
 pub use contention::force_contended;
@@ -37,31 +38,30 @@ mod device;
 mod doorbell;
 pub mod error;
 pub mod g3;
-mod g3_driver;
 pub mod guard;
 #[allow(unsafe_code)]
 mod lanes;
 #[allow(unsafe_code)]
 mod memory;
-mod peer_driver;
+mod peer;
 #[allow(unsafe_code)]
 mod placement;
+mod shared;
 #[allow(unsafe_code)]
 mod shared_memory;
+mod startup;
 #[allow(unsafe_code)]
 mod stream;
 #[cfg(test)]
 mod tests;
 mod warm;
 
-use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Sender};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
+use kvcr_runner_core::Core;
 pub use kvcr_runner_core::policy;
-use kvcr_runner_core::{Action, Core, CoreConfig, G3Config, JobId};
 pub use kvcr_runner_core::{
     CachePolicy, ClaimedCopy, CopySpan, CoreCounters, DeliverEntry, DepositEntry, EntryResult,
     EntryStatus, FailReason, G3Counters, KVCR_REGION_PREFIX, MAX_REGION_ELEMENTS, MAX_REGION_LABEL,
@@ -70,17 +70,21 @@ pub use kvcr_runner_core::{
     RouteBudget, RunnerStats,
 };
 
+pub use self::config::{
+    DataStream, GuardOptions, MAX_POOL_BYTES, PeerOptions, PutSplit, RunnerConfig,
+};
 pub use self::control::{ControlCounters, ControlLimits};
 pub use self::device::DeviceCopier;
 pub use self::error::{Error, Result};
 pub use self::g3::{G3Error, G3Options, G3Store};
 use self::memory::DramPool;
-pub use self::peer_driver::{DataStream, GuardOptions, PeerOptions, PutSplit};
 pub use self::placement::{
     AnonymousMemory, HugePages, MAX_NUMA_NODE, NumaBinding, NumaMode, PlacementDowngrade,
     PlacementOutcome, PoolMemory, PoolMemoryInfo, online_nodes, shared_memory_huge_pages,
     transparent_huge_page_mode,
 };
+use self::shared::{CapacityCallback, Shared};
+use self::startup::StartupStage;
 pub use self::warm::WarmStart;
 use crate::error::RunnerReason;
 use kvcr_contracts::endpoint::ControlEndpoint;
@@ -88,59 +92,15 @@ use kvcr_contracts::hint::{FetchHint, RequestId};
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::key::{Namespace, NamespaceId, ScopedKey};
 use kvcr_contracts::protocol::{OpHandle, RegionId};
-use kvcr_contracts::tier::{InventorySink, Medium};
+use kvcr_contracts::tier::InventorySink;
 pub use kvcr_runner_core::RecoveryReport;
 pub use kvcr_runner_core::journal::JournalStats;
-
-/// How long a caller waiting on an operation that awaits a peer's write
-/// stays awake (yielding) before it sleeps: about a one-block fetch's round
-/// trip on the hosts measured.
-const PEER_SPIN: Duration = Duration::from_micros(300);
 
 /// Bytes of KVCR DRAM currently allocated by all runners in this process
 /// (a leak check: it returns to its old value after a runner is closed or a
 /// startup fails).
 pub fn process_pool_bytes() -> u64 {
     memory::live_pool_bytes()
-}
-
-/// Runner configuration.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RunnerConfig {
-    /// The pools, in layout order.
-    pub pools: Vec<PoolConfig>,
-    /// Budget of one operation, measured from its start (default 1 s).
-    pub operation_timeout: Duration,
-    /// Percent of a pool's slots below which reclaimable space raises
-    /// `capacity_needed` (0 disables it, the default).
-    pub capacity_low_watermark_percent: u8,
-    /// The medium KVCR DRAM is published under (default `CPU_PINNED`).
-    pub medium: Medium,
-    /// Touch every pool page at startup so the first copies run at full speed.
-    pub prefault: bool,
-    /// How pools are backed (default: the original allocation; see
-    /// [`PoolMemory`] for process-owned anonymous memory with huge pages and
-    /// NUMA placement).
-    pub pool_memory: PoolMemory,
-    /// A file tier under KVCR DRAM (G3): evicted pages move there and are
-    /// filled back on demand. Needs exactly one pool, whose block size is the
-    /// G3 slot size (a multiple of the files' direct-I/O alignment). The
-    /// default policy then moves victims to G3 (`g3-lru`).
-    pub g3: Option<G3Options>,
-}
-
-impl Default for RunnerConfig {
-    fn default() -> Self {
-        Self {
-            pools: Vec::new(),
-            operation_timeout: Duration::from_secs(1),
-            capacity_low_watermark_percent: 0,
-            medium: Medium::CpuPinned,
-            prefault: true,
-            pool_memory: PoolMemory::Default,
-            g3: None,
-        }
-    }
 }
 
 /// G3's state: the core's counters and what its I/O reported.
@@ -152,463 +112,6 @@ pub struct G3Stats {
     pub failed_transfers: u64,
     /// The last of those errors (a full disk, a file gone, ...).
     pub last_error: Option<G3Error>,
-}
-
-/// Largest single pool (bytes).
-pub const MAX_POOL_BYTES: u64 = 1 << 46;
-
-impl RunnerConfig {
-    /// A one-pool configuration.
-    pub fn single_pool(name: &str, block_size: u64, blocks: u32) -> Self {
-        Self {
-            pools: vec![PoolConfig {
-                name: name.to_owned(),
-                block_size,
-                blocks,
-            }],
-            ..Self::default()
-        }
-    }
-
-    /// Each pool's name, block size and block count, in layout order.
-    fn pool_specs(&self) -> Vec<(String, u64, u32)> {
-        self.pools
-            .iter()
-            .map(|p| (p.name.clone(), p.block_size, p.blocks))
-            .collect()
-    }
-
-    /// The core's configuration: these pools at `pool_bases`, G3 as `g3`
-    /// opened it (spilling ahead).
-    fn core_config(
-        &self,
-        pool_bases: Vec<u64>,
-        timeout_ns: u64,
-        g3: Option<&G3Store>,
-    ) -> CoreConfig {
-        CoreConfig {
-            pools: self.pool_specs(),
-            pool_bases,
-            operation_timeout_ns: timeout_ns,
-            watermark_percent: self.capacity_low_watermark_percent,
-            medium: self.medium,
-            g3: g3.map(|store| G3Config {
-                slots: u32::try_from(store.slots()).unwrap_or(u32::MAX),
-                slot_bytes: store.slot_bytes(),
-                alignment: store.alignment(),
-                spill_ahead: true,
-            }),
-        }
-    }
-
-    /// Checks every bound.
-    pub fn validate(&self) -> Result<()> {
-        let bad = |field, why| Err(Error::runner(RunnerReason::Config { field, why }));
-        if self.pools.is_empty() {
-            return bad("pools", "at least one pool is required");
-        }
-        if self.pools.len() > usize::from(u16::MAX) {
-            return bad("pools", "too many pools");
-        }
-        for (i, pool) in self.pools.iter().enumerate() {
-            if pool.block_size == 0 {
-                return bad("pools.block_size", "must be at least 1 byte");
-            }
-            if pool.blocks == 0 || u64::from(pool.blocks) > MAX_REGION_ELEMENTS {
-                return bad("pools.blocks", "must be in 1..=2^31");
-            }
-            if pool
-                .block_size
-                .checked_mul(u64::from(pool.blocks))
-                .is_none_or(|b| b > MAX_POOL_BYTES)
-            {
-                return bad("pools", "block_size * blocks exceeds 64 TiB");
-            }
-            let name_ok = !pool.name.is_empty()
-                && pool.name.len() <= MAX_REGION_LABEL - KVCR_REGION_PREFIX.len()
-                && pool
-                    .name
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
-            if !name_ok {
-                return bad("pools.name", "must be 1..=54 of [A-Za-z0-9_.-]");
-            }
-            if self.pools.iter().take(i).any(|p| p.name == pool.name) {
-                return Err(Error::runner(RunnerReason::DuplicatePool(
-                    kvcr_runner_core::Echo::new(&pool.name),
-                )));
-            }
-        }
-        if self.operation_timeout.is_zero() {
-            return bad("operation_timeout", "must be positive");
-        }
-        if self.capacity_low_watermark_percent > 100 {
-            return bad("capacity_low_watermark_percent", "must be in 0..=100");
-        }
-        if self.g3.is_some() && self.pools.len() != 1 {
-            return bad(
-                "g3",
-                "G3 serves exactly one pool (its block size is the slot size)",
-            );
-        }
-        Ok(())
-    }
-}
-
-/// Startup stages, in order (named in startup errors).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) enum StartupStage {
-    Validate,
-    AllocatePools,
-    OpenG3,
-    BuildCore,
-    StartCopyEngine,
-}
-
-impl StartupStage {
-    fn name(self) -> &'static str {
-        match self {
-            Self::Validate => "validate configuration",
-            Self::AllocatePools => "allocate pools",
-            Self::OpenG3 => "open G3",
-            Self::BuildCore => "build core",
-            Self::StartCopyEngine => "start copy engine",
-        }
-    }
-}
-
-type CapacityCallback = Box<dyn FnMut(&[(PoolId, u32)]) + Send>;
-
-/// What the caller's threads and the runner's own threads share: the core and
-/// everything that must change with it atomically.
-struct Inner {
-    core: Core,
-    sink: Option<Box<dyn InventorySink>>,
-    capacity_needed: Option<CapacityCallback>,
-    completed: Vec<OpResult>,
-    /// Operations nobody will wait for: their results are dropped on
-    /// completion ([`Runner::discard_result`]).
-    discarded: HashSet<OpHandle>,
-    jobs: Sender<copy::Msg>,
-    cancels: HashMap<JobId, Arc<[AtomicBool]>>,
-    /// Peer actions go to the peer thread (absent when peers are off).
-    peer_tx: Option<tokio::sync::mpsc::UnboundedSender<peer_driver::PeerCmd>>,
-    /// Runs the copy jobs that touch device regions (absent until set).
-    device: Option<Arc<dyn DeviceCopier>>,
-    /// Runs G3 transfers (absent without G3, and once the runner stops).
-    g3: Option<g3_driver::G3Driver>,
-    /// The residency journal, under a guard.
-    journal: Option<warm::RunnerJournal>,
-}
-
-/// The shared state, plus the clock epoch and a wake-up for waiters.
-pub(crate) struct Shared {
-    /// This value's own handle, for work that reports back later (G3 jobs).
-    me: std::sync::Weak<Shared>,
-    inner: Mutex<Inner>,
-    completed_cv: Condvar,
-    /// Completed operations not yet taken (read without the lock to spin).
-    completed_len: AtomicUsize,
-    epoch: Instant,
-}
-
-impl Shared {
-    /// Shares `core`; its clock starts now.
-    fn new(
-        core: Core,
-        jobs: Sender<copy::Msg>,
-        peer_tx: Option<tokio::sync::mpsc::UnboundedSender<peer_driver::PeerCmd>>,
-        g3: Option<g3_driver::G3Driver>,
-        journal: Option<warm::RunnerJournal>,
-    ) -> Arc<Self> {
-        #[allow(clippy::disallowed_methods)]
-        let epoch = Instant::now();
-        Arc::new_cyclic(|me| Self {
-            me: me.clone(),
-            inner: Mutex::new(Inner {
-                core,
-                sink: None,
-                capacity_needed: None,
-                completed: Vec::new(),
-                discarded: HashSet::new(),
-                jobs,
-                cancels: HashMap::new(),
-                peer_tx,
-                device: None,
-                g3,
-                journal,
-            }),
-            completed_cv: Condvar::new(),
-            completed_len: AtomicUsize::new(0),
-            epoch,
-        })
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        // A panic while holding the lock can only come from a bug in the core;
-        // its state is still structurally valid, so keep serving.
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// The lock if it is free now: for peeks a spinning thread may skip
-    /// (blocking there would sleep it in the kernel until the holder is done,
-    /// and its wake-up cost more than the peek is worth).
-    fn try_lock(&self) -> Option<MutexGuard<'_, Inner>> {
-        match self.inner.try_lock() {
-            Ok(guard) => Some(guard),
-            Err(std::sync::TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        }
-    }
-
-    fn now(&self) -> u64 {
-        #[allow(clippy::disallowed_methods)]
-        let elapsed = self.epoch.elapsed();
-        u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX)
-    }
-
-    /// Runs `f` on the core under the lock with the current time, then pumps.
-    pub(crate) fn with_core_now<T>(&self, f: impl FnOnce(&mut Core, u64) -> T) -> T {
-        let now = self.now();
-        let mut inner = self.lock();
-        let out = f(&mut inner.core, now);
-        let completed = self.pump(&mut inner);
-        self.notify_unlocked(inner, completed);
-        out
-    }
-
-    /// Called by the copy thread with a finished job's outcomes.
-    pub(crate) fn copy_done(&self, job: JobId, outcomes: &[kvcr_runner_core::CopyOutcome]) {
-        let now = self.now();
-        let mut inner = self.lock();
-        inner.cancels.remove(&job);
-        inner.core.handle_copy_done(now, job, outcomes);
-        let completed = self.pump(&mut inner);
-        self.notify_unlocked(inner, completed);
-    }
-
-    /// Releases the lock, then wakes waiters if `completed`: a waiter woken
-    /// while the notifier still holds the lock would block on it again, a
-    /// second wake-up (each ~100 µs on an idle vCPU of a virtual machine).
-    /// No wake-up is lost: a waiter either saw the completion under the lock
-    /// or was already waiting when the lock was taken to add it.
-    fn notify_unlocked(&self, inner: MutexGuard<'_, Inner>, completed: bool) {
-        drop(inner);
-        if completed {
-            self.completed_cv.notify_all();
-        }
-    }
-
-    /// Expires due deadlines, then executes what that caused.
-    fn expire(&self, inner: &mut Inner) {
-        inner.core.handle_timeout(self.now());
-        if self.pump(inner) {
-            self.completed_cv.notify_all();
-        }
-    }
-
-    /// A short bounded spin for a completion before sleeping: a single-block
-    /// copy finishes in tens of µs, less than a futex wake-up costs here.
-    /// While a peer write into us is awaited (a one-block peer fetch takes a
-    /// round trip, ~100–200 µs), the spin is longer and yields, so the
-    /// threads doing the work keep their CPUs; not at all while the host's
-    /// CPUs are contended (see [`contention`]): there a yield gives a whole
-    /// time slice away, and a sleeper is woken sooner.
-    fn spin_for_completion(&self, start: Instant) {
-        let awaiting_peer = self.lock().core.peer_busy().0 > 0;
-        let budget = match (awaiting_peer, contention::contended()) {
-            (true, true) => return,
-            (true, false) => PEER_SPIN,
-            (false, _) => copy::SPIN,
-        };
-        while self.completed_len.load(Ordering::Acquire) == 0 && start.elapsed() < budget {
-            if awaiting_peer {
-                contention::yield_cpu();
-            } else {
-                std::hint::spin_loop();
-            }
-        }
-    }
-
-    /// Sleeps until a completion is signalled, the core's next deadline (whose
-    /// expiry may complete something), or `remaining` has passed.
-    fn sleep_for_progress<'a>(
-        &'a self,
-        inner: MutexGuard<'a, Inner>,
-        remaining: Duration,
-    ) -> MutexGuard<'a, Inner> {
-        let until_deadline = inner
-            .core
-            .next_deadline()
-            .map(|d| Duration::from_nanos(d.saturating_sub(self.now())));
-        let wait = until_deadline.map_or(remaining, |d| d.min(remaining));
-        self.completed_cv
-            .wait_timeout(inner, wait)
-            .map(|(guard, _)| guard)
-            .unwrap_or_else(|e| e.into_inner().0)
-    }
-
-    /// Executes the core's actions and forwards events and signals; returns
-    /// whether completions were added (the caller wakes the waiters).
-    #[must_use]
-    fn pump(&self, inner: &mut Inner) -> bool {
-        let Inner {
-            core,
-            sink,
-            capacity_needed,
-            completed,
-            discarded,
-            jobs,
-            cancels,
-            peer_tx,
-            device,
-            g3,
-            journal,
-        } = inner;
-        // Residency changes reach the journal before any action runs: a
-        // slot named `Removed` or `Held` is written again only by an action
-        // pumped below or later.
-        if let Some(journal) = journal {
-            journal.append_from(core);
-        }
-        let mut failed_jobs = Vec::new();
-        while let Some(action) = core.poll_action() {
-            match action {
-                Action::Copy {
-                    job,
-                    deadline_ns,
-                    memory,
-                    keys,
-                } => {
-                    let cancel: Arc<[AtomicBool]> =
-                        keys.iter().map(|_| AtomicBool::new(false)).collect();
-                    let n = keys.len();
-                    let device = match memory {
-                        RegionMemory::Host => None,
-                        RegionMemory::Device => match device {
-                            Some(copier) => Some(Arc::clone(copier)),
-                            // Unreachable: device regions need a copier first.
-                            None => {
-                                failed_jobs.push((job, n));
-                                continue;
-                            }
-                        },
-                    };
-                    cancels.insert(job, Arc::clone(&cancel));
-                    let deadline = self.epoch + Duration::from_nanos(deadline_ns);
-                    if jobs
-                        .send(copy::Msg::Job(copy::Job {
-                            id: job,
-                            deadline,
-                            keys,
-                            cancel,
-                            device,
-                        }))
-                        .is_err()
-                    {
-                        // The copy thread is gone (it only stops at shutdown):
-                        // report the keys cancelled so nothing waits forever.
-                        failed_jobs.push((job, n));
-                    }
-                }
-                Action::G3 { job, transfers, .. } => match g3 {
-                    // Transfers start at once (a G3 job is planned right
-                    // before it is pumped, well inside its deadline); a
-                    // cancelled key's transfer runs anyway, into slots the
-                    // core keeps until it is reported.
-                    Some(driver) => driver.submit(self.me.clone(), job, &transfers),
-                    // Stopping: report them cancelled, nothing waits forever.
-                    None => failed_jobs.push((job, transfers.len())),
-                },
-                Action::Send { .. } | Action::Connect { .. } | Action::Put { .. } => {
-                    // The peer thread owns the sockets and the UCX worker.
-                    if let Some(tx) = peer_tx {
-                        let _ = tx.send(peer_driver::PeerCmd::Action(action));
-                    }
-                }
-                Action::Cancel { job, key } => {
-                    if let Some(flag) = cancels.get(&job).and_then(|c| c.get(key as usize)) {
-                        flag.store(true, Ordering::Release);
-                    }
-                }
-            }
-        }
-        for (job, n) in failed_jobs {
-            cancels.remove(&job);
-            core.handle_copy_done(
-                self.now(),
-                job,
-                &vec![kvcr_runner_core::CopyOutcome::Cancelled; n],
-            );
-        }
-        match sink.as_mut() {
-            Some(sink) => core.drain_events().for_each(|event| sink.publish(&event)),
-            None => core.drain_events().for_each(drop),
-        }
-        let signals = core.drain_capacity_signals();
-        if let (false, Some(callback)) = (signals.is_empty(), capacity_needed.as_mut()) {
-            callback(&signals);
-        }
-        let before = completed.len();
-        core.drain_completed(completed);
-        if !discarded.is_empty() {
-            // Only results drained just now can be discarded ones: an earlier
-            // result is removed by `discard_result` itself.
-            let fresh = completed.split_off(before);
-            completed.extend(fresh.into_iter().filter(|r| !discarded.remove(&r.op)));
-        }
-        if completed.len() != before {
-            self.completed_len.store(completed.len(), Ordering::Release);
-            return true;
-        }
-        false
-    }
-}
-
-/// The default policy: least recently used, moving victims to G3 when
-/// there is one.
-fn default_policy(config: &RunnerConfig) -> Box<dyn CachePolicy> {
-    if config.g3.is_some() {
-        Box::new(policy::G3Lru)
-    } else {
-        Box::new(policy::Lru)
-    }
-}
-
-/// Opens the G3 store, its slot the (one) pool's block.
-fn open_g3(config: &RunnerConfig) -> Result<Option<G3Store>> {
-    let Some(options) = &config.g3 else {
-        return Ok(None);
-    };
-    let slot_bytes = config.pools.first().map_or(0, |p| p.block_size);
-    Ok(Some(G3Store::open(options, slot_bytes)?))
-}
-
-fn pool_memory_info(
-    config: &RunnerConfig,
-    ranges: impl Iterator<Item = (u64, u64)>,
-    placements: Vec<Option<PlacementOutcome>>,
-) -> Vec<PoolMemoryInfo> {
-    let ranges: Vec<(u64, u64)> = ranges.collect();
-    // One read of `/proc/self/smaps` for every pool (it walks the page
-    // tables of every mapping).
-    let huge = placement::huge_page_bytes(&ranges);
-    config
-        .pools
-        .iter()
-        .zip(ranges)
-        .zip(placements)
-        .zip(huge)
-        .map(
-            |(((pool, (base, len)), placement), huge_page_bytes)| PoolMemoryInfo {
-                name: pool.name.clone(),
-                base,
-                len,
-                placement,
-                huge_page_bytes,
-            },
-        )
-        .collect()
 }
 
 /// The rank-local runner.
@@ -624,7 +127,7 @@ fn pool_memory_info(
 pub struct Runner {
     copy: copy::CopyEngine,
     /// Owns the registered pool memory in peer mode; stopped after `copy`.
-    peer: Option<peer_driver::PeerDriver>,
+    peer: Option<peer::PeerDriver>,
     shared: Arc<Shared>,
     /// Owns the local-mode pool memory the core addresses; never read, only
     /// freed, and only after the copy thread has stopped.
@@ -715,88 +218,8 @@ impl Runner {
         policy: Option<Box<dyn CachePolicy>>,
         fail_at: Option<StartupStage>,
     ) -> Result<Self> {
-        let fail = |stage: StartupStage, cause: Error| Error::Startup {
-            stage: stage.name(),
-            retained: false,
-            cause: Box::new(cause),
-        };
-        let injected = |stage: StartupStage| -> Result<()> {
-            if fail_at == Some(stage) {
-                Err(fail(
-                    stage,
-                    Error::runner(RunnerReason::Config {
-                        field: "fault injection",
-                        why: "injected startup failure",
-                    }),
-                ))
-            } else {
-                Ok(())
-            }
-        };
-        injected(StartupStage::Validate)?;
-        config
-            .validate()
-            .map_err(|e| fail(StartupStage::Validate, e))?;
-
-        // Each stage's resources are owned by locals here; returning early drops
-        // them in reverse order, which is the release the contract asks for.
-        let mut pools = Vec::with_capacity(config.pools.len());
-        let mut placements = Vec::with_capacity(config.pools.len());
-        for pool in &config.pools {
-            let bytes = pool.block_size * u64::from(pool.blocks);
-            let (memory, placement) =
-                DramPool::allocate_with(bytes, config.prefault, &config.pool_memory)
-                    .map_err(|e| fail(StartupStage::AllocatePools, e))?;
-            pools.push(memory);
-            placements.push(placement);
-        }
-        injected(StartupStage::AllocatePools)?;
-        let g3 = open_g3(&config).map_err(|e| fail(StartupStage::OpenG3, e))?;
-
-        let timeout_ns = u64::try_from(config.operation_timeout.as_nanos()).unwrap_or(u64::MAX);
-        let core_config = config.core_config(
-            pools.iter().map(DramPool::base).collect(),
-            timeout_ns,
-            g3.as_ref(),
-        );
-        let core = Core::new(
-            &core_config,
-            policy.unwrap_or_else(|| default_policy(&config)),
-        )
-        .map_err(|e| fail(StartupStage::BuildCore, e.into()))?;
-        injected(StartupStage::BuildCore)?;
-
-        let (jobs_tx, jobs_rx) = mpsc::channel::<copy::Msg>();
-        let shared = Shared::new(
-            core,
-            jobs_tx.clone(),
-            None,
-            g3.map(g3_driver::G3Driver::new),
-            None,
-        );
-        let copy = copy::CopyEngine::start(Arc::downgrade(&shared), jobs_tx, jobs_rx)
-            .map_err(|e| fail(StartupStage::StartCopyEngine, e))?;
-        let pool_bytes = pools.iter().map(DramPool::len).sum();
-        let pool_memory = pool_memory_info(
-            &config,
-            pools.iter().map(|p| (p.base(), p.len())),
-            placements,
-        );
-        let mut runner = Self {
-            copy,
-            peer: None,
-            shared,
-            pools,
-            incarnation: Incarnation::generate(),
-            endpoint: None,
-            worker_address: None,
-            pool_bytes,
-            pool_memory,
-            device: std::sync::OnceLock::new(),
-            guard: None,
-            warm_start: None,
-        };
-        if let Err(e) = injected(StartupStage::StartCopyEngine) {
+        let mut runner = Self::from_started(startup::local(config, policy, fail_at)?);
+        if let Err(e) = startup::injected(fail_at, StartupStage::StartCopyEngine) {
             runner.copy.stop();
             return Err(e);
         }
@@ -812,7 +235,7 @@ impl Runner {
         policy: Option<Box<dyn CachePolicy>>,
         peer: &PeerOptions,
     ) -> Result<Self> {
-        Self::start_peers(config, policy, peer, None)
+        startup::with_peers(config, policy, peer, None).map(Self::from_started)
     }
 
     /// A guard's backup of an orphaned group: a runner over the group's
@@ -823,175 +246,25 @@ impl Runner {
         peer: &PeerOptions,
         backup: warm::Claimed,
     ) -> Result<Self> {
-        Self::start_peers(config, None, peer, Some(backup))
+        startup::with_peers(config, None, peer, Some(backup)).map(Self::from_started)
     }
 
-    fn start_peers(
-        config: RunnerConfig,
-        policy: Option<Box<dyn CachePolicy>>,
-        peer: &PeerOptions,
-        backup: Option<warm::Claimed>,
-    ) -> Result<Self> {
-        let fail = |stage: &'static str, cause: Error| Error::Startup {
-            stage,
-            retained: false,
-            cause: Box::new(cause),
-        };
-        config
-            .validate()
-            .map_err(|e| fail(StartupStage::Validate.name(), e))?;
-        let pool_bytes: Vec<u64> = config
-            .pools
-            .iter()
-            .map(|p| p.block_size * u64::from(p.blocks))
-            .collect();
-        let incarnation = Incarnation::generate();
-        let pool_specs = config.pool_specs();
-        // Under a guard the pools, the journal and the control listener are
-        // the guard's (claimed before anything else is made).
-        let claimed = match (&peer.guard, backup) {
-            (_, Some(backup)) => Some(backup),
-            (Some(options), None) => {
-                if config.pool_memory != PoolMemory::Default {
-                    return Err(fail(
-                        StartupStage::Validate.name(),
-                        Error::runner(RunnerReason::Config {
-                            field: "pool_memory",
-                            why: "a guard's pools are its memfds: pool_memory must be the default",
-                        }),
-                    ));
-                }
-                Some(
-                    warm::claim(options, peer, &pool_specs, incarnation.raw())
-                        .map_err(|e| fail("claim guard", e))?,
-                )
-            }
-            (None, None) => None,
-        };
-        let (claimed, adopted, lease) = match claimed {
-            Some(c) => {
-                let warm::Claimed {
-                    lease,
-                    adopted,
-                    journal,
-                    start,
-                } = c;
-                (Some((journal, start)), Some(adopted), lease)
-            }
-            None => (None, None, None),
-        };
-        // Released if the start fails from here on, so the group can be
-        // claimed again (by a retry in this process, say), unless a stage
-        // retained resources that may still touch its memory.
-        let mut lease = warm::StartingLease::new(lease);
-        let (mut driver, setup) = peer_driver::PeerDriver::start(
-            peer,
-            incarnation,
-            pool_bytes.clone(),
-            config.prefault,
-            &config.pool_memory,
-            adopted,
-        )
-        .map_err(|e| match e {
-            // Already a startup error (resources retained): keep it, and
-            // the lease with it.
-            Error::Startup { retained, .. } => {
-                if retained {
-                    lease.keep();
-                }
-                e
-            }
-            _ => fail("start peer", e),
-        })?;
-        let g3 = open_g3(&config).map_err(|e| fail(StartupStage::OpenG3.name(), e))?;
-        let timeout_ns = u64::try_from(config.operation_timeout.as_nanos()).unwrap_or(u64::MAX);
-        let abandon_ns = peer
-            .abandon_timeout
-            .map_or(timeout_ns.saturating_mul(5), |d| {
-                u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
-            })
-            .max(timeout_ns.saturating_mul(2));
-        let core_config = config.core_config(setup.bases.clone(), timeout_ns, g3.as_ref());
-        let mut core = Core::new(
-            &core_config,
-            policy.unwrap_or_else(|| default_policy(&config)),
-        )
-        .map_err(|e| fail(StartupStage::BuildCore.name(), e.into()))?;
-        // Pool i is runner region i (registered first, in order).
-        let rkeys = setup
-            .rkeys
-            .iter()
-            .enumerate()
-            .map(|(i, rkey)| (RegionId(i as u32), rkey.clone()))
-            .collect();
-        core.enable_peer(kvcr_runner_core::PeerConfig {
-            endpoint: setup.endpoint.clone(),
-            incarnation,
-            worker_address: setup.worker_address.clone(),
-            rkeys,
-            abandon_timeout_ns: abandon_ns,
-            metadata_retry_ns: 100_000_000,
-            allowed_peers: peer.allowed_peers.clone(),
-            private_namespaces: peer.private_namespaces.clone(),
-            shared_memory: setup.shared_memory.clone(),
-            write_batch_bytes: peer.write_batch_bytes,
-            route_budget: peer.route_budget,
-        });
-        let (journal, warm_start) = match claimed {
-            Some((journal, mut start)) => {
-                // The guard saw these incarnations of this endpoint die: a
-                // destination probing a write it sent to one of them is told
-                // so, and frees the slots it held for that write.
-                core.set_dead_incarnations(
-                    start
-                        .dead_incarnations
-                        .iter()
-                        .filter_map(|raw| Incarnation::from_raw(*raw))
-                        .collect(),
-                );
-                let journal = match journal {
-                    warm::JournalPlan::Keep(map, recovered) => Some(warm::RunnerJournal::start(
-                        &mut core, map, recovered, &mut start,
-                    )),
-                    warm::JournalPlan::ReadOnly(recovered) => {
-                        start.recovery = Some(core.recover(0, &recovered).0);
-                        None
-                    }
-                    warm::JournalPlan::None => None,
-                };
-                (journal, Some(start))
-            }
-            None => (None, None),
-        };
-        let (jobs_tx, jobs_rx) = mpsc::channel::<copy::Msg>();
-        let shared = Shared::new(
-            core,
-            jobs_tx.clone(),
-            Some(driver.tx.clone()),
-            g3.map(g3_driver::G3Driver::new),
-            journal,
-        );
-        let copy = copy::CopyEngine::start(Arc::downgrade(&shared), jobs_tx, jobs_rx)
-            .map_err(|e| fail(StartupStage::StartCopyEngine.name(), e))?;
-        driver.attach(Arc::clone(&shared));
-        Ok(Self {
-            copy,
-            peer: Some(driver),
-            shared,
-            pools: Vec::new(),
-            incarnation,
-            pool_memory: pool_memory_info(
-                &config,
-                setup.bases.iter().copied().zip(pool_bytes.iter().copied()),
-                setup.placements,
-            ),
-            worker_address: Some(setup.worker_address.clone()),
-            endpoint: Some(setup.endpoint),
-            pool_bytes: pool_bytes.iter().sum(),
+    /// The runner over what a start-up path made.
+    fn from_started(started: startup::Started) -> Self {
+        Self {
+            copy: started.copy,
+            peer: started.peer,
+            shared: started.shared,
+            pools: started.pools,
+            incarnation: started.incarnation,
+            endpoint: started.endpoint,
+            worker_address: started.worker_address,
+            pool_bytes: started.pool_bytes,
+            pool_memory: started.pool_memory,
             device: std::sync::OnceLock::new(),
-            guard: lease.started(),
-            warm_start,
-        })
+            guard: started.guard,
+            warm_start: started.warm_start,
+        }
     }
 
     /// How this runner started under its guard ([`PeerOptions::guard`]):
@@ -1097,7 +370,7 @@ impl Runner {
     /// Forgets a peer: closes its control socket and data route.
     pub fn forget_peer(&self, peer: &ControlEndpoint) {
         if let Some(driver) = self.peer.as_ref() {
-            let _ = driver.tx.send(peer_driver::PeerCmd::Forget(peer.clone()));
+            let _ = driver.tx.send(peer::PeerCmd::Forget(peer.clone()));
         }
     }
 

@@ -25,9 +25,10 @@ use kvcr_runner_core::Core;
 use kvcr_runner_core::RecoveryReport;
 use kvcr_runner_core::journal::{self, DisabledReason, JournalError, JournalWriter, Recovered};
 
+use crate::config::{GuardOptions, PeerOptions};
 use crate::error::Result;
 use crate::guard::{self, GuardClaim, GuardLease, Layout, PoolSpec};
-use crate::peer_driver::{Adopted, GuardOptions, PeerOptions};
+use crate::peer::Adopted;
 use crate::shared_memory::JournalMap;
 
 /// How a runner under a guard started (see [`crate::Runner::warm_start`]).
@@ -90,7 +91,7 @@ pub(crate) fn claim(
             .collect(),
         journal_bytes: options.journal_bytes,
     };
-    let control = crate::peer_driver::control_bind_address(peer)?.to_string();
+    let control = crate::config::control_bind_address(peer)?.to_string();
     let claim = GuardClaim {
         group: options.group,
         compat_digest: options.compat_digest,

@@ -101,6 +101,7 @@
 
 #[allow(unsafe_code)]
 mod direct_io;
+pub(crate) mod driver;
 mod error;
 mod pool;
 // The tests call the unsafe entry points (`run_batch`, `submit`) too.

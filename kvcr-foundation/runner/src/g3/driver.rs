@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use kvcr_runner_core::{CopyOutcome, G3Direction, G3Transfer, JobId};
 
-use crate::Shared;
 use crate::g3::{DirectBuf, G3Error, G3Io, G3Store};
+use crate::shared::Shared;
 
 /// What G3's I/O reported, beside the core's counters.
 #[derive(Debug, Default)]

@@ -1,0 +1,403 @@
+//! The peer thread's start: the UCX context and worker (transports from
+//! the options), the pools (a guard's files, shared memfds a same-host
+//! source may map, private or placed anonymous memory), the control
+//! channel's listener, our doorbell, and the thread's [`State`].
+
+use std::collections::{HashMap, HashSet};
+
+use tokio::sync::mpsc;
+
+use kvcr_contracts::endpoint::ControlEndpoint;
+use kvcr_contracts::incarnation::Incarnation;
+use kvcr_contracts::protocol::{RegionId, SegmentAdvert, SharedMemoryAdvert};
+use kvcr_ucx::{AnonOptions, Context, ContextConfig, ErrorMode, MessageLimits, Registration};
+
+use super::messages::MAX_HELD_MESSAGES;
+use super::puts::put_plan;
+use super::{Adopted, PeerSetup, State};
+use crate::config::{PeerOptions, control_bind_address};
+use crate::control::{ControlChannel, Inbound, PeerIdentity};
+use crate::doorbell::{REGION_BYTES, SLOT_BYTES, TargetDoorbell};
+use crate::error::{Error, Result, RunnerReason};
+use crate::lanes::Lanes;
+use crate::placement::{self, AnonMapping, PlacementOutcome, PoolMemory};
+use crate::shared_memory::{HostScope, SharedPool};
+
+impl State {
+    /// Starts everything the thread owns; hands back what the runner needs
+    /// to know of it.
+    pub(super) async fn setup(
+        options: &PeerOptions,
+        incarnation: Incarnation,
+        pool_bytes: &[u64],
+        prefault: bool,
+        pool_memory: &PoolMemory,
+        adopted: Option<Adopted>,
+    ) -> Result<(Self, PeerSetup)> {
+        let (mut adopted_pools, adopted_listener) = match adopted {
+            Some(a) if a.pools.as_ref().is_none_or(|p| p.len() == pool_bytes.len()) => {
+                (a.pools.map(Vec::into_iter), Some(a.listener))
+            }
+            Some(_) => {
+                return Err(Error::runner(RunnerReason::Config {
+                    field: "guard grant",
+                    why: "the grant's pool count differs from the configuration's",
+                }));
+            }
+            None => (None, None),
+        };
+        let (config, over_tcp) = ucx_config(options);
+        let context = Context::with_config(&config)?;
+        let worker = context.create_worker()?;
+        let scope = HostScope::current();
+        let (pools, placements, segments) = make_pools(
+            &context,
+            options,
+            pool_bytes,
+            prefault,
+            pool_memory,
+            adopted_pools.as_mut(),
+            scope,
+        )?;
+        let rkeys = pools
+            .iter()
+            .map(|p| p.pack_rkey().map(|r| r.as_bytes().to_vec()))
+            .collect::<kvcr_ucx::Result<Vec<_>>>()?;
+        let (endpoint, control, inbound) =
+            start_control(options, adopted_listener, incarnation).await?;
+        let endpoint_for_streams = endpoint.clone();
+        let shared_memory = shared_memory_advert(scope, segments, pools.len());
+        let mut own_tokens: Vec<[u8; 16]> = shared_memory
+            .as_ref()
+            .map(|a| a.segments.iter().map(|s| s.token).collect())
+            .unwrap_or_default();
+        let doorbell = make_doorbell(&context, shared_memory.as_ref(), &mut own_tokens)?;
+        // Write messages, verified with the doorbell's session keys.
+        worker.accept_messages(
+            crate::doorbell::WRITE_MESSAGE,
+            MessageLimits {
+                max_header: SLOT_BYTES,
+                max_data: usize::try_from(PeerOptions::WRITE_MESSAGE_LIMIT).unwrap_or(usize::MAX),
+                max_held: MAX_HELD_MESSAGES,
+            },
+        )?;
+        let setup = PeerSetup {
+            endpoint,
+            bases: pools.iter().map(|p| p.as_ptr() as usize as u64).collect(),
+            rkeys,
+            worker_address: worker.address()?.as_bytes().to_vec(),
+            placements,
+            shared_memory,
+        };
+        let (put_split, max_in_flight) = put_plan(options, over_tcp);
+        let efd = worker
+            .event_fd()
+            .and_then(|fd| register_efd(std::os::fd::AsRawFd::as_raw_fd(&fd)));
+        let lanes = Lanes::start(match options.lanes {
+            0 => crate::lanes::default_lanes(),
+            n => n,
+        })
+        .map_err(|_| Error::runner(RunnerReason::CopyEngineStopped))?;
+        let (lane_done_tx, lane_done) = mpsc::unbounded_channel();
+        let (streams_dialed_tx, streams_dialed) = mpsc::unbounded_channel();
+        Ok((
+            Self {
+                efd,
+                pending: Vec::new(),
+                out_streams: HashMap::new(),
+                parked_streams: HashMap::new(),
+                in_streams: HashMap::new(),
+                dialing: HashSet::new(),
+                advertised_keys: HashMap::new(),
+                streams_dialed_tx,
+                streams_dialed,
+                request_mailbox: options.request_mailbox,
+                data_stream: options.data_stream.enabled(
+                    options
+                        .ucx_tls
+                        .clone()
+                        .or_else(|| std::env::var("UCX_TLS").ok())
+                        .as_deref(),
+                ),
+                endpoint: endpoint_for_streams,
+                stream_limits: (
+                    options.limits.handshake_timeout,
+                    options.limits.frame_deadline,
+                ),
+                routes: HashMap::new(),
+                control,
+                inbound,
+                lanes,
+                lane_done_tx,
+                lane_done,
+                scope,
+                own_tokens,
+                doorbell,
+                rings: HashMap::new(),
+                pools,
+                worker,
+                _context: context,
+                max_in_flight,
+                put_split,
+                write_message_max_bytes: options.write_message_max_bytes,
+                write_message_part_bytes: match options.write_message_part_bytes {
+                    0 => PeerOptions::DEFAULT_WRITE_MESSAGE_PART_BYTES,
+                    bytes => bytes.min(PeerOptions::WRITE_MESSAGE_LIMIT),
+                },
+                messages_dropped: 0,
+                unarmable_since: None,
+                ucx_route_mapping_limit: match options.ucx_route_mapping_limit {
+                    // 65,530 is the kernel's default.
+                    0 => placement::max_map_count().unwrap_or(65_530) / 2,
+                    limit => limit,
+                },
+            },
+            setup,
+        ))
+    }
+}
+
+/// The UCX context's configuration from the options (transports, error
+/// mode, tcp tuning), and whether the transports include tcp.
+fn ucx_config(options: &PeerOptions) -> (ContextConfig, bool) {
+    let mut config = ContextConfig::new();
+    if let Some(tls) = &options.ucx_tls {
+        // A runner that advertises loopback keeps tcp on loopback; one
+        // that peers dial over a network must not (it did: every
+        // cross-host tcp route failed "Destination is unreachable",
+        // found by the between-hosts scenarios). `UCX_NET_DEVICES` in
+        // the environment wins either way.
+        let on_loopback =
+            pins_tcp_to_loopback(options, std::env::var_os("UCX_NET_DEVICES").is_some());
+        config = if on_loopback {
+            config.loopback_tls(tls)
+        } else {
+            config.set("TLS", tls)
+        };
+        // UCX reports dead peers only on network transports; its 1.13
+        // shared-memory transports refuse endpoints in that mode.
+        if tls.split(',').any(|t| t.trim() == "tcp") {
+            config = config.error_mode(ErrorMode::Peer);
+        }
+    }
+    let over_tcp = options
+        .ucx_tls
+        .as_deref()
+        .is_none_or(|t| t.split(',').any(|t| t.trim() == "tcp"));
+    if over_tcp {
+        config = config.tuned_tcp_segments();
+    }
+    (config, over_tcp)
+}
+
+/// Registered pools, what placing each did, and the segments a same-host
+/// source may map.
+type MadePools = (
+    Vec<Registration<'static>>,
+    Vec<Option<PlacementOutcome>>,
+    Vec<SegmentAdvert>,
+);
+
+/// The pools, registered with `context`, one per entry of `pool_bytes`: a
+/// guard's files first (`adopted_pools`), else as `pool_memory` says
+/// (sealed memfds a same-host source may map, when `scope` allows it);
+/// with what placing each did, and the segments a same-host source may map.
+fn make_pools(
+    context: &Context,
+    options: &PeerOptions,
+    pool_bytes: &[u64],
+    prefault: bool,
+    pool_memory: &PoolMemory,
+    mut adopted_pools: Option<&mut std::vec::IntoIter<(std::fs::File, [u8; 16])>>,
+    scope: Option<HostScope>,
+) -> Result<MadePools> {
+    let mut pools = Vec::with_capacity(pool_bytes.len());
+    let mut placements = Vec::with_capacity(pool_bytes.len());
+    let mut segments = Vec::new();
+    for bytes in pool_bytes {
+        let len = usize::try_from(*bytes)
+            .map_err(|_| Error::runner(RunnerReason::Allocation { bytes: *bytes }))?;
+        if let Some((file, token)) = adopted_pools.as_mut().and_then(Iterator::next) {
+            // A guard's file: mapped with its bytes kept; advertised for
+            // one-copy writes as our own pools are.
+            let pool = SharedPool::adopt(file, token, *bytes, prefault)?;
+            if options.same_host_mapping && scope.is_some() {
+                segments.push(pool.advert(RegionId(pools.len() as u32)));
+            }
+            pools.push(context.register_owned(Box::new(pool))?);
+            placements.push(None);
+            continue;
+        }
+        match pool_memory {
+            PoolMemory::Default if options.same_host_mapping && scope.is_some() => {
+                let pool = SharedPool::create(*bytes, prefault)?;
+                segments.push(pool.advert(RegionId(pools.len() as u32)));
+                pools.push(context.register_owned(Box::new(pool))?);
+                placements.push(None);
+            }
+            PoolMemory::Default => {
+                pools.push(context.register_anon(len, AnonOptions::new().prefault(prefault))?);
+                placements.push(None);
+            }
+            PoolMemory::Anonymous(anon) => {
+                let (mapping, outcome) = AnonMapping::new(*bytes, anon, prefault)?;
+                pools.push(context.register_owned(Box::new(mapping))?);
+                placements.push(Some(outcome));
+            }
+        }
+    }
+    Ok((pools, placements, segments))
+}
+
+/// The control channel on the guard's listener (`adopted`) or a new one,
+/// our endpoint on it, and the channel's inbound queue.
+async fn start_control(
+    options: &PeerOptions,
+    adopted: Option<std::net::TcpListener>,
+    incarnation: Incarnation,
+) -> Result<(
+    ControlEndpoint,
+    ControlChannel,
+    mpsc::UnboundedReceiver<Inbound>,
+)> {
+    let bound = match adopted {
+        // The guard's listener: peers keep dialling the same address.
+        Some(listener) => ControlChannel::adopt(listener),
+        None => ControlChannel::bind(control_bind_address(options)?).await,
+    };
+    let (listener, local) = bound.map_err(|_| {
+        Error::runner(RunnerReason::Config {
+            field: "peer.bind",
+            why: "could not bind the control listener",
+        })
+    })?;
+    let endpoint = ControlEndpoint::new(options.advertise_host.clone(), local.port())?;
+    endpoint.check_advertisable(options.advertise_policy)?;
+    let (control, inbound) = ControlChannel::start(
+        listener,
+        PeerIdentity {
+            endpoint: endpoint.clone(),
+            incarnation,
+        },
+        options.secret.as_deref(),
+        options.limits,
+    );
+    Ok((endpoint, control, inbound))
+}
+
+/// The pools a same-host source may map, when every pool is a segment.
+fn shared_memory_advert(
+    scope: Option<HostScope>,
+    segments: Vec<SegmentAdvert>,
+    pools: usize,
+) -> Option<SharedMemoryAdvert> {
+    // Pool i is region i; advertised only when every pool is a segment
+    // (a source then writes with one copy or not at all through them).
+    match scope {
+        Some(scope) if !segments.is_empty() && segments.len() == pools => {
+            Some(SharedMemoryAdvert {
+                boot_id: scope.boot_id,
+                pid_namespace: scope.pid_namespace,
+                pid: std::process::id(),
+                segments,
+            })
+        }
+        _ => None,
+    }
+}
+
+/// Our doorbell, registered with `context`; its file's token joins
+/// `own_tokens` when it is shared.
+fn make_doorbell(
+    context: &Context,
+    shared_memory: Option<&SharedMemoryAdvert>,
+    own_tokens: &mut Vec<[u8; 16]>,
+) -> Result<TargetDoorbell> {
+    // The doorbell: a shared file beside shared pools (a same-host
+    // source maps it with them); plain registered memory when the pools
+    // are not shared (then it is there for its per-session key, which
+    // seals write messages).
+    let doorbell = match shared_memory {
+        Some(_) => {
+            let file = SharedPool::create(REGION_BYTES as u64, true)?;
+            let segment = file.advert(crate::doorbell::REGION);
+            own_tokens.push(segment.token);
+            let slots = context.register_owned(Box::new(file))?;
+            let rkey = slots.pack_rkey()?.as_bytes().to_vec();
+            TargetDoorbell::new(slots, rkey, Some(segment))
+        }
+        None => {
+            let slots = context.register_vec(vec![0; REGION_BYTES])?;
+            let rkey = slots.pack_rkey()?.as_bytes().to_vec();
+            TargetDoorbell::new(slots, rkey, None)
+        }
+    };
+    Ok(doorbell)
+}
+
+/// Whether UCX's tcp transport is kept on the loopback device: only for a
+/// runner whose peers dial it on loopback, and only when the environment
+/// names no devices itself.
+fn pins_tcp_to_loopback(options: &PeerOptions, env_names_devices: bool) -> bool {
+    options.advertise_host.is_loopback() && !env_names_devices
+}
+
+/// Registers the worker's event fd with the runtime (readable interest).
+#[allow(unsafe_code)]
+fn register_efd(fd: std::os::fd::RawFd) -> Option<tokio::io::unix::AsyncFd<RawFdRef>> {
+    // SAFETY: `fd` is the UCX worker's event fd, open until the worker is
+    // destroyed. The `AsyncFd` lives in `State::efd`, declared before
+    // `State::worker`, so it is dropped (deregistered) before the worker
+    // closes the fd; the leak path forgets both together.
+    unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(
+            RawFdRef(fd),
+            tokio::io::Interest::READABLE,
+        )
+    }
+    .ok()
+}
+
+/// A borrowed file descriptor for `AsyncFd`: the worker owns (and closes) it.
+pub(super) struct RawFdRef(std::os::fd::RawFd);
+
+impl std::os::fd::AsRawFd for RawFdRef {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvcr_contracts::endpoint::Host;
+
+    /// A runner that peers dial over a network must not have its tcp
+    /// transport pinned to loopback (every cross-host tcp route failed so).
+    #[rstest::rstest]
+    #[case::loopback(
+        Host::Ip(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)),
+        false,
+        true
+    )]
+    #[case::loopback_with_env_devices(
+        Host::Ip(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)),
+        true,
+        false
+    )]
+    #[case::network_host(
+        Host::Ip(std::net::IpAddr::V4(std::net::Ipv4Addr::new(10, 77, 0, 1))),
+        false,
+        false
+    )]
+    #[case::dns_name(Host::Name("node-7.cluster".into()), false, false)]
+    fn tcp_stays_on_loopback_only_for_loopback_runners(
+        #[case] host: Host,
+        #[case] env_names_devices: bool,
+        #[case] pinned: bool,
+    ) {
+        let mut options = PeerOptions::loopback();
+        options.advertise_host = host;
+        assert_eq!(pins_tcp_to_loopback(&options, env_names_devices), pinned);
+    }
+}

@@ -1,0 +1,566 @@
+//! The peer thread's loop: progress the UCX worker, take what arrived
+//! (write messages, doorbells, mailbox requests, data stream frames),
+//! issue puts, drain the queues, and pace itself: spin while a transfer
+//! moves, nap between progress rounds when it stalls, linger after activity,
+//! and sleep on its events when idle. Ticks the core's deadlines.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot};
+
+use kvcr_contracts::incarnation::Incarnation;
+
+use super::streams::streams_ready;
+use super::{Adopted, PeerCmd, PeerSetup, State};
+use crate::config::PeerOptions;
+use crate::contention;
+use crate::control::ControlStats;
+use crate::error::{Error, Result, RunnerReason};
+use crate::placement::PoolMemory;
+use crate::shared::Shared;
+use crate::stream::OutStream;
+
+pub(super) type SetupResult = Result<(PeerSetup, Arc<ControlStats>)>;
+
+/// Pool sizes, whether to pre-fault, how to back them, and what a guard
+/// handed over instead.
+pub(super) type PoolSpec = (Vec<u64>, bool, PoolMemory, Option<Adopted>);
+
+/// The thread: builds its state, reports it up, serves until stopped.
+pub(super) fn run(
+    options: PeerOptions,
+    incarnation: Incarnation,
+    (pool_bytes, prefault, pool_memory, adopted): PoolSpec,
+    rx: mpsc::UnboundedReceiver<PeerCmd>,
+    setup_tx: std::sync::mpsc::Sender<SetupResult>,
+    shared_rx: oneshot::Receiver<Arc<Shared>>,
+) {
+    precise_naps();
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(_) => {
+            let _ = setup_tx.send(Err(Error::runner(RunnerReason::Config {
+                field: "peer",
+                why: "could not start the peer runtime",
+            })));
+            return;
+        }
+    };
+    runtime.block_on(async move {
+        let mut state = match State::setup(
+            &options,
+            incarnation,
+            &pool_bytes,
+            prefault,
+            &pool_memory,
+            adopted,
+        )
+        .await
+        {
+            Ok((state, setup)) => {
+                let stats = Arc::clone(&state.control.stats);
+                let _ = setup_tx.send(Ok((setup, stats)));
+                state
+            }
+            Err(e) => {
+                let _ = setup_tx.send(Err(e));
+                return;
+            }
+        };
+        let Ok(shared) = shared_rx.await else {
+            return; // startup failed later; dropping `state` releases everything
+        };
+        let leak = state.serve(&shared, rx).await;
+        if leak {
+            // A remote write may still land in our pools: keep every UCX
+            // object (and so the mapping) alive until the process exits.
+            std::mem::forget(state);
+        } else {
+            state.drain_worker();
+        }
+    });
+}
+
+/// Rounds of [`State::drain_queued`] in one turn at most.
+const DRAIN_ROUNDS: usize = 4;
+
+/// Why [`State::sleep_on_events`] returned.
+enum Woken {
+    /// A UCX event, events already pending, or nothing to note: go round
+    /// and progress.
+    Event,
+    /// A command, control message or lane report was handled.
+    Activity,
+    /// The nap ended: the core's deadline may be due.
+    Deadline,
+    /// A command or a closed channel stops the thread (`leak`).
+    Stop(bool),
+}
+
+impl State {
+    /// The main loop; returns whether the memory must be leaked.
+    // The driver reads the clock (activity, ticks); the core never does.
+    #[allow(clippy::disallowed_methods)]
+    async fn serve(
+        &mut self,
+        shared: &Arc<Shared>,
+        mut rx: mpsc::UnboundedReceiver<PeerCmd>,
+    ) -> bool {
+        const TICK: Duration = Duration::from_millis(1);
+        #[allow(clippy::disallowed_methods)]
+        let mut last_tick = Instant::now();
+        let mut last_progress = last_tick;
+        let mut last_activity = last_tick;
+        let mut deadline_due = false;
+        let linger = LINGER;
+        // (writes into us may be under way, a reply to us is awaited)
+        let mut waits = (false, false);
+        loop {
+            // Progress whenever a UCX transfer may be moving in either
+            // direction: our own puts, or puts into us from a source that
+            // did not map our pools (UCX 1.13 does not finish a large put
+            // into private memory over shared memory, nor wire up a new
+            // endpoint, unless our worker progresses too, and it does not
+            // reliably signal the event fd for it). One-copy writes into us
+            // need nothing from us; our own run on the lanes.
+            let peeked = peek_waits(shared, &mut waits);
+            let (into_us, awaiting_reply) = waits;
+            let busy = !self.pending.is_empty()
+                || into_us
+                || self.out_streams.values().any(OutStream::wants_write);
+            let mut progressed = self.progress_worker(shared);
+            #[allow(clippy::disallowed_methods)]
+            if progressed || !busy {
+                last_progress = Instant::now();
+            }
+            if !self.pending.is_empty() {
+                self.issue_and_reap(shared);
+            }
+            if self.pump_streams(shared) {
+                progressed = true;
+                last_progress = Instant::now();
+            }
+            // A source may have rung for a write into us: a look at the
+            // watched slots costs a load each, and a record taken here
+            // saves waiting for its `write_done` to come through the socket.
+            if self.doorbell.awaiting() {
+                self.take_doorbells(shared);
+            }
+            // A target whose doorbell file we map may have posted a request
+            // to our mailbox: taken here, it skips the socket, the
+            // session task and the hop from it to this loop (~12 µs of a
+            // one-block restore's fixed path on the H200 host, traced).
+            if self.take_requests(shared) {
+                progressed = true;
+                #[allow(clippy::disallowed_methods)]
+                {
+                    last_progress = Instant::now();
+                }
+                // Its write starts now, not a turn later.
+                if let Err(leak) = self.drain_queued(&mut rx, shared) {
+                    return leak;
+                }
+            }
+            if busy {
+                // A transfer is moving: take whatever is queued without
+                // waiting, let the socket tasks run, and come straight back
+                // to progress the worker (a timer would cost a millisecond
+                // per turn).
+                // The linger counts from the end of a transfer, not from the
+                // request that started it: a 1 MiB put over tcp (~330 µs
+                // here, traced) outlasts the 200 µs linger, so the source went
+                // to sleep the moment its put ended, and a next request
+                // within the linger paid a wake-up (a `start_write` reached a
+                // sleeping source in 50–70 µs, an awake one in 11 µs).
+                let drained = match self.drain_queued(&mut rx, shared) {
+                    Ok(drained) => drained,
+                    Err(leak) => return leak,
+                };
+                // The turn's work is done (issuing a 1 MiB put over tcp
+                // writes to the socket for a few hundred µs): what follows
+                // is waiting, and only that is timed for `contention`.
+                #[allow(clippy::disallowed_methods)]
+                let wait_began = Instant::now();
+                last_activity = wait_began;
+                wait_on_transfer(wait_began, last_progress, progressed, drained).await;
+            } else if !peeked
+                || (last_activity.elapsed() < if awaiting_reply { ACTIVE_SPIN } else { linger }
+                    && !contention::contended())
+            {
+                // Our request is out and its reply is due within a round
+                // trip, or we just served one and the next is likely close
+                // behind (engines restore in bursts); waking a sleeping
+                // thread costs 20–40 µs per hop on a virtual machine's idle
+                // vCPU (traced: 3 of a one-block fetch's 190 µs were such
+                // wake-ups). Stay awake for a bounded moment, yielding to
+                // the socket tasks and to other threads (on a small machine
+                // the engine's own thread may need this CPU). Not while the
+                // host's CPUs are contended: there a yield gives another
+                // process a whole time slice, and a thread sleeping on its
+                // events is woken ahead of it (see `contention`).
+                match self.drain_queued(&mut rx, shared) {
+                    Ok(true) => last_activity = Instant::now(),
+                    Ok(false) => {}
+                    Err(leak) => return leak,
+                }
+                contention::yield_cpu();
+                tokio::task::yield_now().await;
+            } else {
+                // Idle as far as UCX goes: sleep until a command, a control
+                // message, a lane's report, a UCX event (the armed worker
+                // fd: e.g. TCP writes into us) or the core's next deadline.
+                match self
+                    .sleep_on_events(&mut rx, shared, MAX_IDLE_NAP, progressed)
+                    .await
+                {
+                    Woken::Event => {}
+                    Woken::Activity => last_activity = Instant::now(),
+                    Woken::Deadline => deadline_due = true,
+                    Woken::Stop(leak) => return leak,
+                }
+            }
+            // Whatever this turn sent leaves now, one write per peer,
+            // rather than after a hop through each session's task.
+            self.control.flush();
+            // At most every millisecond while busy; at once when a sleep
+            // ended at the core's deadline (so a due deadline never spins).
+            if deadline_due || last_tick.elapsed() >= TICK {
+                deadline_due = false;
+                last_tick = Instant::now();
+                self.tick(shared);
+            }
+        }
+    }
+
+    /// Progresses the worker until it finds nothing, taking the write
+    /// messages after every call (a write's parts can outnumber what the
+    /// worker holds at once). `true`: it progressed.
+    fn progress_worker(&mut self, shared: &Arc<Shared>) -> bool {
+        let mut progressed = false;
+        while self.worker.progress() > 0 {
+            progressed = true;
+            self.take_write_messages(shared);
+        }
+        progressed
+    }
+
+    /// The core's tick (deadlines); our doorbell forgets the operations
+    /// that ended without a reply.
+    fn tick(&mut self, shared: &Arc<Shared>) {
+        let doorbell = &mut self.doorbell;
+        shared.with_core_now(|core, now| {
+            core.handle_tick(now);
+            // Operations that ended without a reply (deadlines).
+            doorbell.retain(|op| core.peer_awaits_reply(op));
+        });
+    }
+
+    /// Sleeps until a command, a control message, a lane's report, a UCX
+    /// event (the armed worker fd) or the core's next deadline, at most
+    /// `cap`; returns at once if UCX has events pending (the caller goes
+    /// round and progresses), unless it has said so for [`SPIN_BEFORE_NAP`]
+    /// while `progressed` (this turn's progress) found nothing: then it naps
+    /// [`UNARMABLE_NAP`] on the rest.
+    async fn sleep_on_events(
+        &mut self,
+        rx: &mut mpsc::UnboundedReceiver<PeerCmd>,
+        shared: &Arc<Shared>,
+        mut cap: Duration,
+        progressed: bool,
+    ) -> Woken {
+        if progressed {
+            self.unarmable_since = None;
+        }
+        let armed = match self.worker.arm() {
+            Ok(true) => {
+                self.unarmable_since = None;
+                true
+            }
+            // Events are pending: progress them before sleeping. UCX 1.13
+            // also says so, for good, while it holds sends it cannot make
+            // (wire-up to a same-host peer whose queue is full and never
+            // drains: a member that advertised a worker it never
+            // progresses); progress then finds nothing, and going straight
+            // round spun this thread at a whole core and never took the
+            // stop command (the runner's drop hung). So after a short
+            // spin, nap on everything else and retry UCX after it.
+            Ok(false) if self.efd.is_some() => {
+                #[allow(clippy::disallowed_methods)]
+                let since = *self.unarmable_since.get_or_insert_with(Instant::now);
+                if progressed || since.elapsed() < SPIN_BEFORE_NAP {
+                    return Woken::Event;
+                }
+                cap = cap.min(UNARMABLE_NAP);
+                false
+            }
+            // No event fd (or arming failed): sleep on the rest.
+            Ok(false) | Err(_) => false,
+        };
+        let efd = self.efd.as_ref().filter(|_| armed);
+        let nap = shared.with_core_now(|core, now| {
+            core.peer_wake_at()
+                .map_or(cap, |at| Duration::from_nanos(at.saturating_sub(now)))
+                .min(cap)
+        });
+        tokio::select! {
+            biased;
+            ready = async {
+                match efd {
+                    Some(fd) => fd.readable().await.map(|mut g| g.clear_ready()),
+                    None => std::future::pending().await,
+                }
+            }, if armed => {
+                let _ = ready;
+                Woken::Event
+            }
+            cmd = rx.recv() => match cmd {
+                Some(cmd) => match self.command(cmd, shared) {
+                    Some(leak) => Woken::Stop(leak),
+                    None => Woken::Activity,
+                },
+                None => Woken::Stop(false),
+            },
+            // Before the control messages: a flood of them must not
+            // starve a finished write (the select is biased).
+            done = self.lane_done.recv() => match done {
+                Some(done) => {
+                    self.copied(shared, done);
+                    Woken::Activity
+                }
+                None => Woken::Event,
+            },
+            item = self.inbound.recv() => match item {
+                Some(item) => {
+                    self.on_inbound(item, shared);
+                    Woken::Activity
+                }
+                None => Woken::Event,
+            },
+            Some(dialed) = self.streams_dialed.recv() => {
+                self.stream_dialed(dialed);
+                Woken::Activity
+            },
+            // Bytes on a data stream, or room for a frame that waits.
+            () = std::future::poll_fn(|cx| streams_ready(&self.in_streams, &self.out_streams, cx)) => {
+                Woken::Event
+            },
+            () = tokio::time::sleep(nap) => Woken::Deadline,
+        }
+    }
+
+    /// Progresses the worker until it has been quiet for [`DRAIN_QUIET`]
+    /// (at most [`DRAIN_MAX`]) before it is destroyed: UCX 1.13 asserts in
+    /// `ucp_worker_destroy` when a wire-up reply to a peer that connected
+    /// just before the stop is still queued (seen once in CI), and
+    /// progressing sends it.
+    pub(super) fn drain_worker(&self) {
+        #[allow(clippy::disallowed_methods)]
+        let start = Instant::now();
+        let mut quiet_since = start;
+        while start.elapsed() < DRAIN_MAX {
+            if self.worker.progress() > 0 {
+                #[allow(clippy::disallowed_methods)]
+                {
+                    quiet_since = Instant::now();
+                }
+            } else if quiet_since.elapsed() >= DRAIN_QUIET {
+                return;
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Takes whatever is queued (commands, control messages, lane reports)
+    /// without waiting, until nothing is: what handling one queues (a
+    /// control message's actions come back as commands) runs in this turn,
+    /// not the next. `Ok(any)`, or `Err(leak)` to stop.
+    fn drain_queued(
+        &mut self,
+        rx: &mut mpsc::UnboundedReceiver<PeerCmd>,
+        shared: &Arc<Shared>,
+    ) -> std::result::Result<bool, bool> {
+        let mut any = false;
+        // Bounded: a flood of control messages must not keep this turn
+        // from progressing the worker (the inbound budget paces them).
+        for _ in 0..DRAIN_ROUNDS {
+            let mut more = false;
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => {
+                        more = true;
+                        if let Some(leak) = self.command(cmd, shared) {
+                            return Err(leak);
+                        }
+                    }
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => return Err(false),
+                }
+            }
+            while let Ok(done) = self.lane_done.try_recv() {
+                more = true;
+                self.copied(shared, done);
+            }
+            while let Ok(item) = self.inbound.try_recv() {
+                more = true;
+                self.on_inbound(item, shared);
+            }
+            while let Ok(dialed) = self.streams_dialed.try_recv() {
+                more = true;
+                self.stream_dialed(dialed);
+            }
+            any |= more;
+            if !more {
+                break;
+            }
+        }
+        // Before this turn yields: what it sent leaves now.
+        self.control.flush();
+        Ok(any)
+    }
+}
+
+/// Whether a UCX transfer may be moving into us and whether a reply to us
+/// is awaited, into `waits`, from the core if its lock is free; `false`:
+/// it was not (`waits` keeps last turn's answer).
+fn peek_waits(shared: &Shared, waits: &mut (bool, bool)) -> bool {
+    // A peek, not a wait: while a caller holds the core (planning
+    // the very request this thread is about to send), blocking here
+    // slept the thread in the kernel and its wake-up cost ~5 µs of
+    // a one-block restore (traced); last turn's answer serves, and
+    // this turn does not sleep.
+    match shared.try_lock() {
+        Some(inner) => {
+            *waits = (
+                inner.core.peer_transport_waits() > 0,
+                inner.core.peer_busy().0 > 0,
+            );
+            true
+        }
+        None => false,
+    }
+}
+
+/// One busy turn's wait (it began at `wait_began`), while a transfer moves:
+/// a nap when nothing moved since `last_progress` for a while, else a yield
+/// of the CPU when the turn found nothing (`progressed`, `drained`), then a
+/// turn of the socket tasks; a turn that found nothing yet waited long is
+/// noted for [`contention`].
+async fn wait_on_transfer(
+    wait_began: Instant,
+    last_progress: Instant,
+    progressed: bool,
+    drained: bool,
+) {
+    // Nothing moved for a while: leave the core to other threads
+    // between rounds. The other side of the transfer may need
+    // this very CPU: a write into us moves only while its source
+    // runs, and our own put over TCP finishes only once the
+    // destination has read it and acknowledged (traced beside
+    // one busy process: a source spinning on its unfinished put
+    // kept the destination it waited for off their shared CPU
+    // for its whole 2.8 ms slice, every 64 KiB request). A short
+    // sleep, not a yield: a yielding thread on a crowded machine
+    // waits out other processes' whole time slices (4 ms each,
+    // measured: shm fetches fell to 0.1 GB/s beside two busy
+    // processes), while a sleeper is woken ahead of them when its
+    // nap ends (timer slack is cut to 1 µs on this thread).
+    // Sooner while the host's CPUs are contended (`contention`).
+    let still = wait_began.saturating_duration_since(last_progress);
+    let contended = !progressed && contention::contended();
+    let napped = !progressed
+        && (still >= SPIN_BEFORE_NAP || (still >= CONTENDED_SPIN_BEFORE_NAP && contended));
+    if napped {
+        #[allow(clippy::disallowed_methods)]
+        std::thread::sleep(WAIT_NAP);
+    }
+    // A turn that found nothing hands its CPU to whoever else
+    // is runnable there: on a host with fewer free cores than
+    // awake threads that is often the very thread this one
+    // waits for (the source's peer thread, sharing the CPU,
+    // cannot read our `start_write` while we spin on its reply).
+    // Traced hop by hop on the 2-vCPU VM: the slow stretches of
+    // 64 KiB requests (250–450 µs, for tens to hundreds of
+    // requests in a row) all stalled between our socket write
+    // and the source decoding it. Yielding each empty turn:
+    // no 50-request median above 200 µs in five runs of 600
+    // requests per size, against nine (up to 1.6 ms) without,
+    // and the 64 KiB median 2–3 µs higher. Not on a contended
+    // host: a yield there gives a busy process a whole time
+    // slice, and the nap above serves instead. A plain yield:
+    // the wait it is part of is timed below, once.
+    if !progressed && !drained && !napped && !contended {
+        std::thread::yield_now();
+    }
+    tokio::task::yield_now().await;
+    // A turn that found nothing to do yet waited long had the
+    // CPU taken from it (`contention`).
+    if !progressed && !drained {
+        contention::note_wait(wait_began);
+    }
+}
+
+/// How long a destination's peer thread stays awake for a reply after its
+/// last activity (a request sent, a message): about a one-block fetch's
+/// round trip here. Bounded, so a runner whose source went quiet sleeps.
+const ACTIVE_SPIN: Duration = Duration::from_micros(300);
+
+/// How long a peer thread stays awake after its last activity when it
+/// awaits nothing: a burst's next request then finds it running. Bounded, so
+/// an idle node still sleeps (`peer.idle_cpu`).
+///
+/// Traced hop by hop on the H200 host, back-to-back one-block restores
+/// reach the source 150–200 µs apart, and with 200 µs it had often gone to
+/// sleep, noticing the next request 9–23 µs (median) after it was written
+/// against 3–4 µs awake (the target's thread likewise, for its caller's next
+/// request). On the 2-vCPU VM, where 1 MiB requests come 300 µs or more
+/// apart (the caller checks each one's bytes), a source lingering 200 µs
+/// was asleep for each and took 56 µs (median) to decode it against 10 µs;
+/// 1 MiB requests went from 495–530 µs to 421–430 µs (p50, three
+/// alternating runs each), smaller ones level. A lingering turn yields its
+/// CPU to whoever else is runnable there, and the linger is skipped while
+/// the host is contended (`contention`), so on a small host it takes only
+/// a CPU nobody else wanted.
+const LINGER: Duration = Duration::from_millis(1);
+
+/// A stopping worker is destroyed once it made no progress for this long.
+const DRAIN_QUIET: Duration = Duration::from_millis(2);
+/// The most a stop waits for a busy worker to go quiet.
+const DRAIN_MAX: Duration = Duration::from_millis(100);
+
+/// The longest idle sleep: a backstop only (the core's wake time is always
+/// sooner while anything is pending).
+const MAX_IDLE_NAP: Duration = Duration::from_secs(1);
+
+/// How long the idle peer thread naps between retries while its worker
+/// cannot be armed and progress finds nothing (see `sleep_on_events`).
+const UNARMABLE_NAP: Duration = Duration::from_millis(1);
+
+/// How long the peer thread naps between progress rounds while a transfer is
+/// under way and nothing moved for `SPIN_BEFORE_NAP` (`CONTENDED_SPIN_BEFORE_NAP`
+/// on a contended host).
+const WAIT_NAP: Duration = Duration::from_micros(10);
+
+/// How long the peer thread spins without napping after its worker last made
+/// progress (or a wait began): a quiet machine's transfers finish inside it.
+const SPIN_BEFORE_NAP: Duration = Duration::from_micros(200);
+
+/// The same while the host's CPUs are contended (`contention`): long enough
+/// that a transfer whose bytes are moving (a TCP put is many segments, each
+/// its own progress turn) keeps going, short enough that a stalled one hands
+/// the CPU to the other side of it well inside a time slice.
+const CONTENDED_SPIN_BEFORE_NAP: Duration = Duration::from_micros(30);
+
+/// Cuts this thread's timer slack to 1 µs (Linux default: 50 µs), so a
+/// `WAIT_NAP` sleep lasts about what it says. Best effort: on failure naps
+/// are just longer.
+#[allow(unsafe_code)]
+fn precise_naps() {
+    // SAFETY: PR_SET_TIMERSLACK takes one integer argument and changes only
+    // the calling thread's timer slack; no memory is passed.
+    let _ = unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong) };
+}
