@@ -22,7 +22,7 @@
 
 #![deny(unsafe_code)]
 
-pub mod client;
+pub use self::net::client;
 mod contention;
 #[doc(hidden)]
 pub use contention::force_contended;
@@ -30,6 +30,7 @@ pub use contention::force_contended;
 /// hostile-member tests forge them).
 #[doc(hidden)]
 pub use doorbell::WRITE_MESSAGE as WRITE_MESSAGE_ID;
+// compat shim: removed once the split lands
 mod control;
 #[allow(unsafe_code)]
 mod copy;
@@ -43,16 +44,18 @@ pub mod guard;
 mod lanes;
 #[allow(unsafe_code)]
 mod memory;
+mod net;
 mod peer_driver;
 #[allow(unsafe_code)]
 mod placement;
 #[allow(unsafe_code)]
 mod shared_memory;
-#[allow(unsafe_code)]
+// compat shim: removed once the split lands
 mod stream;
 #[cfg(test)]
 mod tests;
 mod warm;
+mod wire;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -70,11 +73,11 @@ pub use kvcr_runner_core::{
     RouteBudget, RunnerStats,
 };
 
-pub use self::control::{ControlCounters, ControlLimits};
 pub use self::device::DeviceCopier;
 pub use self::error::{Error, Result};
 pub use self::g3::{G3Error, G3Options, G3Store};
 use self::memory::DramPool;
+pub use self::net::{ControlCounters, ControlLimits};
 pub use self::peer_driver::{DataStream, GuardOptions, PeerOptions, PutSplit};
 pub use self::placement::{
     AnonymousMemory, HugePages, MAX_NUMA_NODE, NumaBinding, NumaMode, PlacementDowngrade,
