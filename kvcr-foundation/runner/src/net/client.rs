@@ -19,8 +19,9 @@ use tokio::net::TcpStream;
 
 use super::listener::{self, Accepted};
 use super::session::{self, PeerIdentity, RECORD_MAX};
-use crate::doorbell::{Part, RecordKey, SLOT_BYTES};
 use crate::error::{Error, Result, RunnerReason};
+use crate::wire::part::Part;
+use crate::wire::record::{RecordKey, SLOT_BYTES};
 use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::protocol::codec::FrameCodec;

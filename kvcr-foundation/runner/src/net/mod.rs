@@ -64,12 +64,15 @@
 //! * [`limits`]: [`ControlLimits`] and the counters ([`ControlCounters`]).
 //! * [`stream`]: data streams (a target's frames straight into its slots).
 //! * [`client`]: a blocking client for tools and tests.
+//! * [`doorbell`]: doorbell slots and mailboxes in shared memory (a
+//!   same-host shortcut beside the control session).
 //!
 //! The record formats, mailbox numbering and frame landing these carry are
 //! sans-I/O, in [`crate::wire`].
 
 mod channel;
 pub mod client;
+pub(crate) mod doorbell;
 mod limits;
 mod listener;
 mod session;

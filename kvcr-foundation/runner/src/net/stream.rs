@@ -16,7 +16,7 @@
 //! acknowledged its metadata with a route that is not one-copy, and only
 //! when [`crate::DataStream`] says so. The dialer proves it holds the key
 //! of the control session it belongs to (the per-session record key the
-//! target sent inside that encrypted session, see [`crate::doorbell`]):
+//! target sent inside that encrypted session, see [`crate::wire::record`]):
 //!
 //! ```text
 //! dialer   → PREAMBLE  claim_len:u16be  claim:utf-8 (the target's control endpoint)
@@ -57,7 +57,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::session;
-use crate::doorbell::{RecordKey, SLOT_BYTES};
+use crate::wire::record::{RecordKey, SLOT_BYTES};
 
 /// What a data stream's dialer writes first (as long as the control
 /// channel's, which the listener tells it from).
@@ -815,7 +815,7 @@ mod tests {
         let header = key.seal_message(
             kvcr_contracts::protocol::OpHandle(7),
             2,
-            crate::doorbell::Part::new(0, 1).unwrap(),
+            crate::wire::part::Part::new(0, 1).unwrap(),
         );
         let hex = |bytes: &[u8]| -> String {
             bytes
