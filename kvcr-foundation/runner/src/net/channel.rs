@@ -147,7 +147,7 @@ pub(super) struct OutState {
     queued_count: usize,
     /// Messages this session has carried or holds to carry: the next one's
     /// index in the session (a mailbox request names it, see
-    /// `crate::doorbell`). Only a message whose frame is on the wire or
+    /// `crate::wire::mailbox`). Only a message whose frame is on the wire or
     /// queued counts, so the peer's count of what it read agrees.
     sent: u64,
     /// The established session's socket and cipher (the session task

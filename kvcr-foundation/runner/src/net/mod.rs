@@ -43,8 +43,9 @@
 //!
 //! # Sending
 //! A message is sealed in the sender's turn onto its session's
-//! [`SessionOut`](channel::SessionOut) and written by [`ControlChannel::flush`] at the end of that turn (all of
-//! a turn's messages to one peer in one write), not handed to the session
+//! [`SessionOut`](channel::SessionOut) and written by
+//! [`ControlChannel::flush`] at the end of that turn (all of a turn's
+//! messages to one peer in one write), not handed to the session
 //! task first: from the peer thread's send to the socket write took 5–9 µs
 //! through the task, 3–4 µs now (encoding and sealing), twice per one-block
 //! restore. What the socket does not take at once (and anything sent while

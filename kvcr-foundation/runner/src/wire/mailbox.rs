@@ -172,13 +172,10 @@ impl<V: MailboxView> RouteMailbox<V> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::record::tests::key;
     use crate::wire::region::{MAILBOX_BYTES, SLOT_BYTES};
     use kvcr_contracts::protocol::OpHandle;
     use std::cell::RefCell;
-
-    fn key(byte: u8) -> RecordKey {
-        RecordKey::new(&[byte; 32])
-    }
 
     #[test]
     fn a_request_record_opens_under_its_key_only_and_any_changed_bit_is_refused() {

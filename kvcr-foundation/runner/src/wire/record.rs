@@ -5,7 +5,7 @@
 //!
 //! A target sends each source session a fresh key, only inside that
 //! session's encrypted frames; a record verifies only under the key of the
-//! session it belongs to (see [`crate::doorbell`] for what each kind is
+//! session it belongs to (see [`super::doorbell`] for what each kind is
 //! trusted for):
 //!
 //! ```text
@@ -170,13 +170,14 @@ pub(crate) fn record_op(record: &[u8; SLOT_BYTES]) -> OpHandle {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::wire::region::SLOTS;
     use proptest::prelude::*;
     use rstest::rstest;
 
-    fn key(byte: u8) -> RecordKey {
+    /// A key of 32 `byte`s (the other wire modules' tests use it too).
+    pub(in crate::wire) fn key(byte: u8) -> RecordKey {
         RecordKey::new(&[byte; 32])
     }
 
