@@ -22,7 +22,7 @@
 
 #![deny(unsafe_code)]
 
-pub mod client;
+pub use self::net::client;
 mod config;
 mod contention;
 #[doc(hidden)]
@@ -31,6 +31,7 @@ pub use contention::force_contended;
 /// hostile-member tests forge them).
 #[doc(hidden)]
 pub use doorbell::WRITE_MESSAGE as WRITE_MESSAGE_ID;
+// compat shim: removed once the split lands
 mod control;
 #[allow(unsafe_code)]
 mod copy;
@@ -43,6 +44,7 @@ pub mod guard;
 mod lanes;
 #[allow(unsafe_code)]
 mod memory;
+mod net;
 mod peer;
 #[allow(unsafe_code)]
 mod placement;
@@ -50,11 +52,12 @@ mod shared;
 #[allow(unsafe_code)]
 mod shared_memory;
 mod startup;
-#[allow(unsafe_code)]
+// compat shim: removed once the split lands
 mod stream;
 #[cfg(test)]
 mod tests;
 mod warm;
+mod wire;
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
@@ -73,11 +76,11 @@ pub use kvcr_runner_core::{
 pub use self::config::{
     DataStream, GuardOptions, MAX_POOL_BYTES, PeerOptions, PutSplit, RunnerConfig,
 };
-pub use self::control::{ControlCounters, ControlLimits};
 pub use self::device::DeviceCopier;
 pub use self::error::{Error, Result};
 pub use self::g3::{G3Error, G3Options, G3Store};
 use self::memory::DramPool;
+pub use self::net::{ControlCounters, ControlLimits};
 pub use self::placement::{
     AnonymousMemory, HugePages, MAX_NUMA_NODE, NumaBinding, NumaMode, PlacementDowngrade,
     PlacementOutcome, PoolMemory, PoolMemoryInfo, online_nodes, shared_memory_huge_pages,

@@ -17,9 +17,11 @@ use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::control::{self, Accepted, PeerIdentity, RECORD_MAX};
-use crate::doorbell::{Part, RecordKey, SLOT_BYTES};
+use super::listener::{self, Accepted};
+use super::session::{self, PeerIdentity, RECORD_MAX};
 use crate::error::{Error, Result, RunnerReason};
+use crate::wire::part::Part;
+use crate::wire::record::{RecordKey, SLOT_BYTES};
 use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::protocol::codec::FrameCodec;
@@ -78,7 +80,7 @@ impl DataStreamPeer {
         payload: &[u8],
     ) -> Result<()> {
         use std::io::Write;
-        let prefix = crate::stream::frame_prefix(len, header);
+        let prefix = super::stream::frame_prefix(len, header);
         self.socket
             .write_all(&prefix)
             .and_then(|()| self.socket.write_all(payload))
@@ -143,7 +145,7 @@ impl ControlClient {
             endpoint,
             incarnation,
         };
-        Ok((runtime, identity, control::psk(secret)))
+        Ok((runtime, identity, session::psk(secret)))
     }
 
     /// A session whose handshake is done, with `peer` on the other side.
@@ -175,13 +177,13 @@ impl ControlClient {
         let (runtime, identity, psk) = Self::prepare(secret, endpoint, incarnation)?;
         let (stream, transport, peer) = runtime.block_on(async {
             // The runner's own dialer: same name resolution and timeout.
-            let mut stream = control::dial(to)
+            let mut stream = session::dial(to)
                 .await
                 .ok_or(refused("connect failed or timed out"))?;
             let _ = stream.set_nodelay(true);
             let (transport, peer) = tokio::time::timeout(
                 Duration::from_secs(5),
-                control::initiate(&mut stream, &psk, &identity),
+                session::initiate(&mut stream, &psk, &identity),
             )
             .await
             .ok()
@@ -216,16 +218,16 @@ impl ControlClient {
             Some((stream, Accepted::Session(transport, peer))) => Ok(Dialed::Session(Box::new(
                 Self::established(runtime, stream, transport, peer),
             ))),
-            Some((stream, Accepted::Stream(claim, challenge, proof))) => {
+            Some((stream, Accepted::Stream(hello))) => {
                 let socket = stream
                     .into_std()
                     .and_then(|s| s.set_nonblocking(false).map(|()| s))
                     .map_err(|_| refused("could not keep the stream"))?;
                 Ok(Dialed::DataStream(DataStreamPeer {
                     socket,
-                    claim,
-                    challenge,
-                    proof,
+                    claim: hello.claim,
+                    challenge: hello.challenge,
+                    proof: hello.proof,
                 }))
             }
             None => Err(refused("no session or data stream in time")),
@@ -242,7 +244,7 @@ impl ControlClient {
         let listener = tokio::net::TcpListener::from_std(listener).ok()?;
         let (mut stream, _) = listener.accept().await.ok()?;
         let _ = stream.set_nodelay(true);
-        let accepted = control::answer(&mut stream, psk, identity).await?;
+        let accepted = listener::answer(&mut stream, psk, identity).await?;
         Some((stream, accepted))
     }
 
@@ -263,7 +265,7 @@ impl ControlClient {
     /// frame): how a member sends a malformed frame.
     pub fn send_plain(&mut self, bytes: &[u8]) -> Result<()> {
         let mut wire = BytesMut::new();
-        control::seal(&mut self.transport, bytes, &mut self.scratch, &mut wire)
+        session::seal(&mut self.transport, bytes, &mut self.scratch, &mut wire)
             .ok_or(refused("could not seal"))?;
         let stream = &mut self.stream;
         self.runtime
@@ -295,7 +297,7 @@ impl ControlClient {
                     Ok(Ok(0) | Err(_)) => return Err(refused("the runner closed the session")),
                     Ok(Ok(_)) => {}
                 }
-                control::open_records(transport, raw, scratch, plain)
+                session::open_records(transport, raw, scratch, plain)
                     .ok_or(refused("a record did not open"))?;
             }
         })

@@ -2,7 +2,25 @@
 //! reach the port: with and without the secret, replaying what it captured,
 //! speaking out of turn, stalling, and opening too many connections.
 
-use super::*;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
+
+use kvcr_contracts::endpoint::ControlEndpoint;
+use kvcr_contracts::incarnation::Incarnation;
+use kvcr_contracts::protocol::codec::FrameCodec;
+use kvcr_contracts::protocol::{Body, Message};
+
+use super::channel::{ChannelEvent, ControlChannel, Inbound, Shared};
+use super::limits::{ControlLimits, ControlStats};
+use super::session::{PREAMBLE, PeerIdentity, RECORD_MAX, initiate, seal};
+use crate::wire::numbering::MAX_TAKEN_EARLY;
 use kvcr_contracts::protocol::{Header, OpHandle, RouteGeneration, WriteOutcome};
 use rstest::rstest;
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -558,71 +576,4 @@ fn a_message_taken_early_is_the_sessions_next_and_its_copy_is_dropped() {
         );
         assert_eq!(target.stat(|s| &s.dropped), 0);
     });
-}
-
-mod message_count {
-    use super::super::{Arrival, MAX_TAKEN_EARLY, MessageCount};
-    use proptest::prelude::*;
-
-    /// What happens next to a session of `sent` messages: its socket brings
-    /// the next one, or a mailbox offers some index (honest, stale,
-    /// replayed or from the future).
-    #[derive(Debug, Clone)]
-    enum Step {
-        Socket,
-        Mailbox(u64),
-    }
-
-    fn steps() -> impl Strategy<Value = Vec<Step>> {
-        prop::collection::vec(
-            prop_oneof![
-                3 => Just(Step::Socket),
-                2 => (0u64..80).prop_map(Step::Mailbox),
-            ],
-            0..400,
-        )
-    }
-
-    proptest! {
-        /// However socket arrivals and mailbox offers interleave, every
-        /// message is handled exactly once and in the order sent: an early
-        /// take is only ever the next unhandled message, and the copy of a
-        /// message taken early is what gets dropped.
-        #[test]
-        fn every_message_is_handled_once_in_order(steps in steps(), sent in 0u64..80) {
-            let mut count = MessageCount::default();
-            let mut arrived = 0u64;
-            let mut handled: Vec<u64> = Vec::new();
-            for step in steps {
-                match step {
-                    Step::Socket if arrived < sent => {
-                        let index = arrived;
-                        arrived += 1;
-                        if count.arrived() == Arrival::Handle {
-                            handled.push(index);
-                        }
-                    }
-                    Step::Socket => {}
-                    // A mailbox only holds messages that were sent.
-                    Step::Mailbox(index) if index < sent => {
-                        if count.take_early(index) {
-                            handled.push(index);
-                        }
-                    }
-                    Step::Mailbox(_) => {}
-                }
-                prop_assert!(count.taken_early.len() <= MAX_TAKEN_EARLY);
-            }
-            // The socket brings the rest.
-            while arrived < sent {
-                let index = arrived;
-                arrived += 1;
-                if count.arrived() == Arrival::Handle {
-                    handled.push(index);
-                }
-            }
-            prop_assert_eq!(handled, (0..sent).collect::<Vec<_>>());
-            prop_assert!(count.taken_early.is_empty());
-        }
-    }
 }

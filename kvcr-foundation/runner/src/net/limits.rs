@@ -1,0 +1,268 @@
+//! The control channel's bounds and counters: [`ControlLimits`] (what one
+//! peer, or one remote address, can make the channel hold), the counters the
+//! channel's tasks share ([`ControlStats`]), their public snapshot
+//! ([`ControlCounters`]) and the guard that counts an open socket.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::sync::Semaphore;
+
+use super::session::RECORD_MAX;
+
+/// One unit of the per-session inbound budget.
+pub(super) const BUDGET_UNIT: usize = 1024;
+
+/// Limits of the control channel; the defaults suit a cluster of up to a few
+/// hundred ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ControlLimits {
+    /// Accepted sessions (and handshakes in progress) at once.
+    pub max_sessions: usize,
+    /// Accepted sessions (and handshakes) from one remote IP address.
+    pub max_sessions_per_address: usize,
+    /// Time a connection has to complete the handshake.
+    pub handshake_timeout: Duration,
+    /// Time a started record or frame has to arrive in full.
+    pub frame_deadline: Duration,
+    /// An accepted session that sends nothing for this long is closed (its
+    /// dialer reconnects when it next needs us).
+    pub idle_timeout: Duration,
+    /// Largest control frame accepted or sent, in bytes.
+    pub max_frame_len: usize,
+    /// Bytes of a session's decoded messages the runner may hold unhandled;
+    /// past it, that session is not read until the runner catches up.
+    pub inbound_bytes_per_session: usize,
+    /// Sealed bytes of a session the socket has not taken yet (a peer that
+    /// stops reading); past it, messages to that peer are dropped (counted)
+    /// until it drains, and the frame deadline ends the session. At least
+    /// one frame's worth.
+    pub outbound_bytes_per_session: usize,
+}
+
+impl Default for ControlLimits {
+    fn default() -> Self {
+        Self {
+            max_sessions: 256,
+            max_sessions_per_address: 16,
+            handshake_timeout: Duration::from_secs(2),
+            frame_deadline: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(300),
+            max_frame_len: 2 << 20,
+            inbound_bytes_per_session: 4 << 20,
+            outbound_bytes_per_session: 4 << 20,
+        }
+    }
+}
+
+impl ControlLimits {
+    /// The most memory one remote address can make the channel hold:
+    /// per session a partial frame, one record, the inbound budget and the
+    /// bytes waiting to be written to it.
+    pub fn per_address_bound_bytes(&self) -> usize {
+        self.max_sessions_per_address.saturating_mul(
+            self.max_frame_len
+                .saturating_add(RECORD_MAX + 2)
+                .saturating_add(self.inbound_bytes_per_session)
+                .saturating_add(self.outbound_bytes_per_session),
+        )
+    }
+
+    pub(crate) fn check(&self) -> Result<(), &'static str> {
+        if self.max_sessions == 0 || self.max_sessions_per_address == 0 {
+            return Err("session caps must be at least 1");
+        }
+        if self.max_frame_len < 4096 {
+            return Err("max_frame_len must be at least 4096 bytes");
+        }
+        if self.inbound_bytes_per_session < self.max_frame_len + BUDGET_UNIT {
+            return Err("inbound_bytes_per_session must exceed max_frame_len");
+        }
+        if self.outbound_bytes_per_session < self.max_frame_len + RECORD_MAX {
+            return Err("outbound_bytes_per_session must hold a frame");
+        }
+        if self.inbound_bytes_per_session / BUDGET_UNIT > Semaphore::MAX_PERMITS {
+            return Err("inbound_bytes_per_session is too large");
+        }
+        if self.handshake_timeout.is_zero()
+            || self.frame_deadline.is_zero()
+            || self.idle_timeout.is_zero()
+        {
+            return Err("timeouts must be positive");
+        }
+        Ok(())
+    }
+}
+
+/// Counters shared by the channel's tasks.
+#[derive(Debug, Default)]
+pub(crate) struct ControlStats {
+    /// Sockets currently open (accepted and dialed).
+    pub(crate) open_sockets: AtomicUsize,
+    /// Outgoing messages dropped because a queue was full or no session to
+    /// the peer exists.
+    pub(crate) dropped: AtomicU64,
+    /// Sessions closed for a frame that did not decode, a record that did not
+    /// decrypt, or a message in the wrong direction.
+    pub(crate) bad_frames: AtomicU64,
+    /// Handshakes that failed (wrong or missing secret, garbage, too slow).
+    pub(crate) refused_handshakes: AtomicU64,
+    /// Connections refused at accept: over the total or per-address cap.
+    pub(crate) refused_connections: AtomicU64,
+    /// Sessions closed for a frame deadline or idleness.
+    pub(crate) timeouts: AtomicU64,
+    /// Doorbell records this runner wrote as a source.
+    pub(crate) doorbells_rung: AtomicU64,
+    /// Doorbell records this runner took as a target's `write_done`.
+    pub(crate) doorbells_taken: AtomicU64,
+    /// Records in a slot a target waited on, naming its operation, that did
+    /// not verify (torn mid-write, or forged): ignored.
+    pub(crate) doorbells_refused: AtomicU64,
+    /// Write message parts this runner sent (bytes and completion).
+    pub(crate) write_messages_sent: AtomicU64,
+    /// Write message parts this runner took as a target (the last of a
+    /// write as its `write_done`).
+    pub(crate) write_messages_taken: AtomicU64,
+    /// Write messages dropped unread: not verified, not awaited, or not
+    /// exactly the operation's granted bytes.
+    pub(crate) write_messages_refused: AtomicU64,
+    /// Data streams bound (dialed and proven as a target; accepted and
+    /// checked as a source).
+    pub(crate) streams_opened: AtomicU64,
+    /// Data streams a source refused: a proof that did not verify under the
+    /// claimed target's session key, or no route from that target to bind.
+    pub(crate) streams_refused: AtomicU64,
+    /// Writes this runner sent as frames on a data stream.
+    pub(crate) stream_writes_sent: AtomicU64,
+    /// Frames this runner landed as a target (each its write's `write_done`
+    /// when it was the last part).
+    pub(crate) stream_writes_taken: AtomicU64,
+    /// Frames a target read and discarded (not verified, not awaited, not
+    /// exactly the operation's granted bytes, or its operation ended
+    /// mid-payload).
+    pub(crate) stream_writes_refused: AtomicU64,
+    /// Requests this runner also posted to a source's mailbox (as a target).
+    pub(crate) mailbox_requests_posted: AtomicU64,
+    /// Requests this runner took from a target's mailbox, ahead of their
+    /// copies on the control session (as a source).
+    pub(crate) mailbox_requests_taken: AtomicU64,
+    /// Mailbox records that changed but did not verify under the route's
+    /// session key, or did not decode as a `start_write` (forged, torn,
+    /// another session's).
+    pub(crate) mailbox_requests_refused: AtomicU64,
+    /// Control messages dropped on arrival because their mailbox copy had
+    /// been taken.
+    pub(crate) early_copies_dropped: AtomicU64,
+}
+
+impl ControlStats {
+    pub(crate) fn snapshot(&self) -> ControlCounters {
+        ControlCounters {
+            open_sockets: self.open_sockets.load(Ordering::Relaxed),
+            dropped: self.dropped.load(Ordering::Relaxed),
+            bad_frames: self.bad_frames.load(Ordering::Relaxed),
+            refused_handshakes: self.refused_handshakes.load(Ordering::Relaxed),
+            refused_connections: self.refused_connections.load(Ordering::Relaxed),
+            timeouts: self.timeouts.load(Ordering::Relaxed),
+            doorbells_rung: self.doorbells_rung.load(Ordering::Relaxed),
+            doorbells_taken: self.doorbells_taken.load(Ordering::Relaxed),
+            doorbells_refused: self.doorbells_refused.load(Ordering::Relaxed),
+            write_messages_sent: self.write_messages_sent.load(Ordering::Relaxed),
+            write_messages_taken: self.write_messages_taken.load(Ordering::Relaxed),
+            write_messages_refused: self.write_messages_refused.load(Ordering::Relaxed),
+            streams_opened: self.streams_opened.load(Ordering::Relaxed),
+            streams_refused: self.streams_refused.load(Ordering::Relaxed),
+            stream_writes_sent: self.stream_writes_sent.load(Ordering::Relaxed),
+            stream_writes_taken: self.stream_writes_taken.load(Ordering::Relaxed),
+            stream_writes_refused: self.stream_writes_refused.load(Ordering::Relaxed),
+            mailbox_requests_posted: self.mailbox_requests_posted.load(Ordering::Relaxed),
+            mailbox_requests_taken: self.mailbox_requests_taken.load(Ordering::Relaxed),
+            mailbox_requests_refused: self.mailbox_requests_refused.load(Ordering::Relaxed),
+            early_copies_dropped: self.early_copies_dropped.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A snapshot of the control channel's counters.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ControlCounters {
+    /// Sockets open now (accepted and dialed).
+    pub open_sockets: usize,
+    /// Outgoing messages dropped: a full queue, or a reply with no session.
+    pub dropped: u64,
+    /// Sessions cut for a record that did not open, a frame that did not
+    /// decode, or a message in the wrong direction.
+    pub bad_frames: u64,
+    /// Handshakes that failed (no or wrong secret, garbage, too slow).
+    pub refused_handshakes: u64,
+    /// Connections refused at accept (over the total or per-address cap).
+    pub refused_connections: u64,
+    /// Sessions cut at a frame deadline or for idleness.
+    pub timeouts: u64,
+    /// Doorbell records written as a source (a write's completion, ahead of
+    /// its `write_done`).
+    pub doorbells_rung: u64,
+    /// Doorbell records taken as a target: operations completed before
+    /// their `write_done` arrived.
+    pub doorbells_taken: u64,
+    /// Records naming an awaited operation that did not verify (torn while
+    /// being written, or forged): ignored, the `write_done` still counts.
+    pub doorbells_refused: u64,
+    /// UCX active messages sent carrying a write's bytes and completion (a
+    /// source's small writes through UCX; one per part of a write).
+    pub write_messages_sent: u64,
+    /// Write messages (parts) taken as a target: their bytes copied into
+    /// their share of the operation's granted elements, the last part's
+    /// record taken as its `write_done`.
+    pub write_messages_taken: u64,
+    /// Write messages (parts) dropped unread: a record that did not verify
+    /// under the session's key, an operation not (or no longer) awaited, a
+    /// part already landed or cut unlike the write's first, data not
+    /// exactly the part's share of the operation's granted bytes, or past
+    /// the receive bounds (header or data size, messages held at once).
+    pub write_messages_refused: u64,
+    /// Data streams bound: dialed and proven as a target, accepted and
+    /// checked as a source (see [`crate::DataStream`]).
+    pub streams_opened: u64,
+    /// Data streams refused as a source: a proof that did not verify under
+    /// the claimed target's session key, or no route from it to bind to.
+    pub streams_refused: u64,
+    /// Writes sent as frames on a data stream (bytes and completion).
+    pub stream_writes_sent: u64,
+    /// Frames landed as a target: read straight into the operation's
+    /// granted elements, the last part taken as its `write_done`.
+    pub stream_writes_taken: u64,
+    /// Frames read and discarded as a target: a header that did not verify
+    /// under the session's key, an operation not (or no longer) awaited, a
+    /// part already landed, or a length not exactly its share.
+    pub stream_writes_refused: u64,
+    /// Requests posted to a same-host source's mailbox beside their control
+    /// message (as a target).
+    pub mailbox_requests_posted: u64,
+    /// Requests taken from a target's mailbox ahead of their control message
+    /// (as a source).
+    pub mailbox_requests_taken: u64,
+    /// Mailbox records refused: changed but not verified under the session's
+    /// key, or not a `start_write` (as a source).
+    pub mailbox_requests_refused: u64,
+    /// Control messages dropped on arrival because their mailbox copy had
+    /// been taken (as a source).
+    pub early_copies_dropped: u64,
+}
+
+/// Counts an open socket while alive.
+pub(super) struct SocketGuard(Arc<ControlStats>);
+
+impl SocketGuard {
+    pub(super) fn new(stats: &Arc<ControlStats>) -> Self {
+        stats.open_sockets.fetch_add(1, Ordering::Relaxed);
+        Self(Arc::clone(stats))
+    }
+}
+
+impl Drop for SocketGuard {
+    fn drop(&mut self) {
+        self.0.open_sockets.fetch_sub(1, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,24 @@
+//! The wire logic, sans-I/O: what the peer protocol's records, parts and
+//! numbering mean, apart from the sockets and memory that carry them. No
+//! module here opens a socket, starts a thread, reads a clock or uses
+//! `unsafe`; the drivers ([`crate::net`] and the peer thread) feed them
+//! what arrived and act on what they decide.
+//!
+//! * [`record`]: record keys ([`record::RecordKey`]) and what they seal: a
+//!   doorbell slot's record, a write message's header, a data stream's
+//!   proof.
+//! * [`part`]: how a write is cut into message parts, and which landed.
+//! * [`region`]: the doorbell region's layout (slots, then mailboxes).
+//! * [`mailbox`]: request records and how a source reads its mailbox.
+//! * [`doorbell`]: a target's keys and awaited operations, a source's
+//!   doorbell on a route.
+//! * [`numbering`]: a control session's messages counted on both ends
+//!   ([`numbering::MessageCount`]), so a request taken early from a mailbox
+//!   is handled once and its copy dropped.
+
+pub(crate) mod doorbell;
+pub(crate) mod mailbox;
+pub(crate) mod numbering;
+pub(crate) mod part;
+pub(crate) mod record;
+pub(crate) mod region;
