@@ -83,7 +83,7 @@ pub(crate) fn ensure_system_packages() -> Result<()> {
 /// Installs the real third-party clients the publisher tests run against
 /// (idempotent; a venv under `target/realclients`).
 pub(crate) fn ensure_real_clients(root: &std::path::Path) -> Result<()> {
-    run(Command::new("bash").arg(root.join("kvcr-foundation/tests/realclients/setup.sh")))
+    run(Command::new("bash").arg(root.join("kvcr-foundation/publisher/tests/realclients/setup.sh")))
         .context("installing the real-client test dependencies (needs PyPI)")
 }
 

@@ -11,7 +11,7 @@ use kvcr_foundation::runner::guard::GuardService;
 use kvcr_foundation::runner::{GuardOptions, PeerOptions, QueryStatus};
 use kvcr_foundation::tier::{InventoryEvent, InventorySink};
 
-use crate::peer::{BLOCK, Node, key, node_with, restore_all, stock, wait};
+use crate::nodes::{BLOCK, Node, key, node_with, restore_all, stock, wait};
 
 /// A unique scratch folder for the guard's socket.
 fn scratch(name: &str) -> std::path::PathBuf {

@@ -1,7 +1,7 @@
-//! Integration tests of the runner and the publisher through the
-//! kvcr-foundation facade (one integration binary). The contracts' own
-//! tables and snapshots live in `contracts/tests`, the UCX layer's in
-//! `ucx/tests`.
+//! Integration tests through the kvcr-foundation facade (one binary): the
+//! Guard. The runner's own integration tests are in `runner/tests/it`, the
+//! publisher's in `publisher/tests/it`, the UCX layer's in `ucx/tests` and the
+//! contracts' tables and snapshots in `contracts/tests`.
 
 // Test helpers outside `#[test]` functions panic on purpose: a failed helper is
 // a failed test.
@@ -13,40 +13,16 @@
 )]
 
 /// Tests that open sockets, start runner threads or spawn processes take this
-/// lock: on a 2-core machine they time out against each other otherwise, and
-/// the publisher's leak counts need quiet neighbours.
+/// lock: on a 2-core machine they time out against each other otherwise.
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     LOCK.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// A bounded wait on an explicit condition (never a sleep to settle).
-pub(crate) fn wait_until(what: &str, limit: std::time::Duration, cond: impl FnMut() -> bool) {
-    assert!(
-        wait_for(limit, cond),
-        "timed out after {limit:?} waiting for {what}"
-    );
-}
-
-/// Whether `cond` became true within `limit`.
-#[allow(clippy::disallowed_methods)]
-pub(crate) fn wait_for(limit: std::time::Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = std::time::Instant::now() + limit;
-    while !cond() {
-        if std::time::Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::yield_now();
-    }
-    true
-}
-
-mod device;
-mod g3_tier;
 mod guard;
-mod peer;
-mod peer_faults;
-mod peer_trust;
-mod publisher;
-mod runner;
+// The runner's peer-test nodes, shared with its own tests rather than copied;
+// the Guard's tests use only some of them.
+#[allow(dead_code)]
+#[path = "../../runner/tests/it/nodes.rs"]
+mod nodes;

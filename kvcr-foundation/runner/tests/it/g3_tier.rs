@@ -6,13 +6,13 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvcr_foundation::protocol::{ElementRef, RegionId};
-use kvcr_foundation::runner::{
+use kvcr_contracts::protocol::{ElementRef, RegionId};
+use kvcr_contracts::{
+    CompatDigest, InventoryEvent, InventorySink, Medium, Namespace, NamespaceId, Tier,
+};
+use kvcr_runner::{
     DeliverEntry, DepositEntry, EntryStatus, G3Options, PageInfo, QueryStatus, RegionDesc, Runner,
     RunnerConfig,
-};
-use kvcr_foundation::{
-    CompatDigest, InventoryEvent, InventorySink, Medium, Namespace, NamespaceId, Tier,
 };
 
 const BLOCK: usize = 4096;
@@ -168,7 +168,7 @@ fn start(dram_blocks: u32, g3: G3Options) -> (Runner, NamespaceId, Events) {
     (runner, ns, events)
 }
 
-use crate::peer::{key, wait};
+use crate::nodes::{key, wait};
 
 fn deposit(runner: &mut Runner, host: &Host, ns: NamespaceId, page: u64) -> EntryStatus {
     let op = runner
@@ -343,9 +343,9 @@ fn g3_configurations_it_cannot_serve_are_refused() {
 #[case::one_copy(true)]
 #[case::ucx(false)]
 fn a_peer_restores_pages_only_g3_holds(#[case] mapping: bool) {
-    use kvcr_foundation::runner::PeerOptions;
+    use kvcr_runner::PeerOptions;
     let _serial = crate::serial();
-    const PEER_BLOCK: usize = crate::peer::BLOCK;
+    const PEER_BLOCK: usize = crate::nodes::BLOCK;
     let scratch = Scratch::new(if mapping { "peer-map" } else { "peer-ucx" });
     let mut options = PeerOptions::loopback();
     options.ucx_tls = Some("sm,self".into());
@@ -400,12 +400,13 @@ fn a_peer_restores_pages_only_g3_holds(#[case] mapping: bool) {
         .count();
     assert_eq!(only_g3, 4, "4 of 12 pages live only in G3");
 
-    let mut target = crate::peer::node_with(&options, 16, Duration::from_secs(20));
+    let mut target = crate::nodes::node_with(&options, 16, Duration::from_secs(20));
     // Pages 0..6: four only in G3, two in DRAM (a write's pages must fit in
     // the source's DRAM together; room for the fills comes from pages the
     // write does not name).
     let wanted: Vec<u64> = (0..6).collect();
-    let restored = crate::peer::restore_all(&mut target, "g3", source.endpoint().unwrap(), &wanted);
+    let restored =
+        crate::nodes::restore_all(&mut target, "g3", source.endpoint().unwrap(), &wanted);
     for (i, bytes) in restored.iter().enumerate() {
         assert_eq!(
             bytes[..],

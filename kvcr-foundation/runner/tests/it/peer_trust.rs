@@ -10,21 +10,21 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use kvcr_foundation::protocol::{
+use kvcr_contracts::protocol::{
     Body, CompletedIndices, ElementRef, Header, Message, OpHandle, RegionId, RouteGeneration,
     WriteOutcome,
 };
-use kvcr_foundation::runner::client::{ControlClient, Dialed, seal_write_header};
-use kvcr_foundation::runner::{
-    DataStream, EntryStatus, FailReason, OpResult, PeerOptions, QueryStatus,
-};
-use kvcr_foundation::runner_core::MAX_FENCES_PER_TARGET;
-use kvcr_foundation::{
+use kvcr_contracts::{
     BlockKey, ControlEndpoint, FetchHint, Incarnation, NamespaceId, RequestId, ScopedKey,
 };
+use kvcr_runner::client::{ControlClient, Dialed, seal_write_header};
+use kvcr_runner::{DataStream, EntryStatus, FailReason, OpResult, PeerOptions, QueryStatus};
+use kvcr_runner_core::MAX_FENCES_PER_TARGET;
 use rstest::rstest;
 
-use crate::peer::{BLOCK, Node, assert_restored, fetch_on_hint, hint, key, node_with, stock, wait};
+use crate::nodes::{
+    BLOCK, Node, assert_restored, fetch_on_hint, hint, key, node_with, stock, wait,
+};
 
 const SECRET: &[u8] = b"trust-tests-cluster-secret-0123456789";
 
@@ -124,7 +124,7 @@ fn forged_completions_never_succeed() {
     let the_hint = FetchHint {
         source: silent_endpoint.clone(),
         block_hashes: keys.iter().map(|k| BlockKey::from_u64(*k)).collect(),
-        mode: kvcr_foundation::hint::FetchMode::Copy,
+        mode: kvcr_contracts::hint::FetchMode::Copy,
         action_id: None,
     };
     target.runner.submit_hint(request.clone(), &the_hint);
@@ -478,7 +478,7 @@ fn forged_frames_on_a_hinted_sources_data_stream_are_refused() {
         let request = RequestId(request.into());
         target
             .runner
-            .submit_hint(request.clone(), &crate::peer::hint_to(&forger, keys));
+            .submit_hint(request.clone(), &crate::nodes::hint_to(&forger, keys));
         let scoped: Vec<ScopedKey> = keys.iter().map(|k| key(target.ns, *k)).collect();
         target
             .runner
@@ -759,7 +759,7 @@ fn forged_mailbox_records_are_refused() {
 /// counted as refused, and the destination keeps serving.
 #[test]
 fn forged_write_messages_are_refused() {
-    use kvcr_foundation::ucx::{Context, ContextConfig, WorkerAddress};
+    use kvcr_ucx::{Context, ContextConfig, WorkerAddress};
     let _serial = crate::serial();
     let mut options = through_tcp();
     // Write messages through UCX are what is forged here: no data stream.
@@ -773,7 +773,7 @@ fn forged_write_messages_are_refused() {
     let worker = context.create_worker().unwrap();
     let endpoint = worker.connect(&address).unwrap();
     let forged_bytes = context.register_vec(vec![0xab; 4 * BLOCK]).unwrap();
-    let id = kvcr_foundation::runner::WRITE_MESSAGE_ID;
+    let id = kvcr_runner::WRITE_MESSAGE_ID;
     let mut sent = Vec::new();
     let mut rounds = 0;
     for round in 0..4u64 {
@@ -833,7 +833,7 @@ fn forged_write_messages_are_refused() {
         Duration::from_secs(10),
         || {
             worker.progress();
-            sent.iter().all(kvcr_foundation::ucx::Completion::is_done)
+            sent.iter().all(kvcr_ucx::Completion::is_done)
         },
     );
     crate::wait_until(
@@ -1025,7 +1025,7 @@ fn a_hint_to_a_stranger_reveals_nothing() {
     let the_hint = FetchHint {
         source: stranger_endpoint,
         block_hashes: vec![BlockKey::from_u64(1)],
-        mode: kvcr_foundation::hint::FetchMode::Copy,
+        mode: kvcr_contracts::hint::FetchMode::Copy,
         action_id: None,
     };
     let result = fetch_on_hint(&mut target, "stranger", &the_hint, &[1]);
@@ -1040,15 +1040,15 @@ fn a_hint_to_a_stranger_reveals_nothing() {
 /// A real destination's UCX blobs, from a worker that is never progressed
 /// (it lives as long as this value).
 struct SilentDestination {
-    registration: kvcr_foundation::ucx::Registration<'static>,
+    registration: kvcr_ucx::Registration<'static>,
     address: Vec<u8>,
     rkey: Vec<u8>,
-    _worker: kvcr_foundation::ucx::Worker,
+    _worker: kvcr_ucx::Worker,
 }
 
 impl SilentDestination {
     fn new(tls: &str) -> Self {
-        use kvcr_foundation::ucx::{AnonOptions, Context, ContextConfig};
+        use kvcr_ucx::{AnonOptions, Context, ContextConfig};
         let context = Context::with_config(&ContextConfig::new().loopback_tls(tls)).unwrap();
         let worker = context.create_worker().unwrap();
         let registration = context
@@ -1063,8 +1063,8 @@ impl SilentDestination {
     }
 
     /// Its one region, advertised as `label` with `rkey`.
-    fn advert(&self, label: String, rkey: Vec<u8>) -> kvcr_foundation::protocol::RegionAdvert {
-        kvcr_foundation::protocol::RegionAdvert {
+    fn advert(&self, label: String, rkey: Vec<u8>) -> kvcr_contracts::protocol::RegionAdvert {
+        kvcr_contracts::protocol::RegionAdvert {
             id: RegionId(0),
             label,
             base: self.registration.as_ptr() as u64,
@@ -1081,7 +1081,7 @@ impl SilentDestination {
 fn metadata_from(
     source: &Node,
     worker_address: Vec<u8>,
-    region: kvcr_foundation::protocol::RegionAdvert,
+    region: kvcr_contracts::protocol::RegionAdvert,
 ) -> Message {
     Message {
         header: Header {

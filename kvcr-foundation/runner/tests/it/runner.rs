@@ -5,15 +5,15 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
-use kvcr_foundation::runner::error::RunnerReason;
-use kvcr_foundation::runner::policy::{BlockMeta, CachePolicy, EvictionOrder, IngestDecision};
-use kvcr_foundation::runner::{
+use kvcr_contracts::protocol::{ElementRef, OpHandle, RegionId};
+use kvcr_contracts::{
+    BlockKey, CompatDigest, InventoryEvent, InventorySink, Namespace, NamespaceId, ScopedKey,
+};
+use kvcr_runner::error::RunnerReason;
+use kvcr_runner::policy::{BlockMeta, CachePolicy, EvictionOrder, IngestDecision};
+use kvcr_runner::{
     ClaimedCopy, DeliverEntry, DepositEntry, EntryStatus, FailReason, OpResult, PageInfo, PoolId,
     QueryStatus, RegionDesc, ReleaseHandle, Runner, RunnerConfig, policy,
-};
-use kvcr_foundation::{
-    BlockKey, CompatDigest, InventoryEvent, InventorySink, Namespace, NamespaceId, ScopedKey,
 };
 use rstest::rstest;
 
@@ -482,7 +482,7 @@ fn bad_input_is_refused_unchanged() {
             }],
             RunnerReason::LayoutLength {
                 got: 0,
-                max: kvcr_foundation::runner::MAX_SPANS_PER_KEY,
+                max: kvcr_runner::MAX_SPANS_PER_KEY,
             },
         ),
         (
@@ -552,7 +552,7 @@ fn bad_input_is_refused_unchanged() {
     assert!(fetched.entries[0].1.is_success());
     // Fetching with another layout than the stored one fails that key.
     let mut config2 = RunnerConfig::single_pool("a", BLOCK as u64, 2);
-    config2.pools.push(kvcr_foundation::runner::PoolConfig {
+    config2.pools.push(kvcr_runner::PoolConfig {
         name: "b".into(),
         block_size: BLOCK as u64,
         blocks: 2,
@@ -792,7 +792,7 @@ fn close_refuses_until_quiescent() {
 fn startup_refuses_bad_config(#[case] config: RunnerConfig) {
     let err = Runner::start(config, None).unwrap_err();
     match &err {
-        kvcr_foundation::runner::Error::Startup {
+        kvcr_runner::Error::Startup {
             stage,
             retained: false,
             ..
@@ -817,7 +817,7 @@ fn allocation_failure_is_typed() {
     };
     let err = Runner::start(config, None).unwrap_err();
     match &err {
-        kvcr_foundation::runner::Error::Startup { stage, .. } => {
+        kvcr_runner::Error::Startup { stage, .. } => {
             assert_eq!(*stage, "allocate pools")
         }
         other => panic!("{other:?}"),
@@ -1149,9 +1149,8 @@ fn copy_claimed_is_exact_and_refuses_runs_it_cannot_prove() {
     let refusal = |handles: &[ReleaseHandle], runs: &[ClaimedCopy]| {
         runner.copy_claimed(handles, runs).unwrap_err()
     };
-    let claimed_copy = |e: &kvcr_foundation::runner::Error| {
-        matches!(e.runner_reason(), Some(RunnerReason::ClaimedCopy(_)))
-    };
+    let claimed_copy =
+        |e: &kvcr_runner::Error| matches!(e.runner_reason(), Some(RunnerReason::ClaimedCopy(_)));
     // Past the slots one claim holds (only page 0's claim is given).
     let one = [handles[0]];
     assert!(claimed_copy(&refusal(&one, &[run(slots[0], 0, 2 * block)])));

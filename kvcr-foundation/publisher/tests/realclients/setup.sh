@@ -9,7 +9,7 @@
 # Needs python3 (with venv) and access to PyPI.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-root="$(cd "$here/../../.." && pwd)"
+root="$(cd "$here/../../../.." && pwd)"
 dir="${KVCR_REALCLIENTS_DIR:-$root/target/realclients}"
 venv="$dir/venv"
 kv_events="$dir/vllm/kv_events.py"

@@ -14,22 +14,22 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvcr_foundation::hint::FetchMode;
-use kvcr_foundation::protocol::codec::FrameCodec;
-use kvcr_foundation::protocol::{
+use kvcr_contracts::hint::FetchMode;
+use kvcr_contracts::protocol::codec::FrameCodec;
+use kvcr_contracts::protocol::{
     Body, CompletedIndices, ElementRef, Header, Message, OpHandle, RegionAdvert, RegionId,
     RouteGeneration, WriteOutcome,
 };
-use kvcr_foundation::runner::client::ControlClient;
-use kvcr_foundation::runner::{
-    DepositEntry, EntryStatus, FailReason, OpResult, PeerNotice, PeerOptions, QueryStatus,
-    RegionDesc, Runner, RunnerConfig,
-};
-use kvcr_foundation::ucx::{AnonOptions, Context, ContextConfig, Registration, Worker};
-use kvcr_foundation::{
+use kvcr_contracts::{
     BlockKey, CompatDigest, ControlEndpoint, FetchHint, Incarnation, Namespace, NamespaceId,
     RequestId, ScopedKey,
 };
+use kvcr_runner::client::ControlClient;
+use kvcr_runner::{
+    DepositEntry, EntryStatus, FailReason, OpResult, PeerNotice, PeerOptions, QueryStatus,
+    RegionDesc, Runner, RunnerConfig,
+};
+use kvcr_ucx::{AnonOptions, Context, ContextConfig, Registration, Worker};
 use rstest::rstest;
 
 const CHILD_ENV: &str = "KVCR_PEER_CHILD";
@@ -1347,7 +1347,7 @@ enum Forgery {
 #[case::not_a_pool(Forgery::NotAPool)]
 #[case::other_host(Forgery::OtherHost)]
 fn forged_shared_segments_are_never_mapped(#[case] forgery: Forgery) {
-    use kvcr_foundation::protocol::{SegmentAdvert, SharedMemoryAdvert};
+    use kvcr_contracts::protocol::{SegmentAdvert, SharedMemoryAdvert};
     let _serial = crate::serial();
     let tls = "posix,cma,self";
     let (mut source, ns, host) = hostile_test_source(tls);

@@ -3,7 +3,7 @@
 //! live PUB/replay sockets, bounds, leaks, and the real clients (vLLM's own
 //! wire classes, Dynamo's standalone indexer) when installed.
 //!
-//! Real clients: `kvcr-foundation/tests/realclients/setup.sh` installs them
+//! Real clients: `kvcr-foundation/publisher/tests/realclients/setup.sh` installs them
 //! under `target/realclients`. `KVCR_TEST_DYNAMO=1` / `KVCR_TEST_VLLM_WIRE=1`
 //! make a missing client a failure; unset, those tests skip with a reason.
 
@@ -14,13 +14,13 @@ use std::process::{Child, Command, Stdio};
 use std::sync::MutexGuard;
 use std::time::Duration;
 
-use kvcr_foundation::publisher::wire::{OwnershipWire, WireBatch, WireEvent, encode_batch_to_vec};
-use kvcr_foundation::publisher::{
-    BatchLimits, PubSocket, Publisher, PublisherConfig, PublisherCore, PublisherSink, TopicParts,
-};
-use kvcr_foundation::{
+use kvcr_contracts::{
     BindAddress, BlockKey, Incarnation, InventoryEvent, InventoryScope, InventorySink, Medium,
     NamespaceId, Owner,
+};
+use kvcr_publisher::wire::{OwnershipWire, WireBatch, WireEvent, encode_batch_to_vec};
+use kvcr_publisher::{
+    BatchLimits, PubSocket, Publisher, PublisherConfig, PublisherCore, PublisherSink, TopicParts,
 };
 use rmpv::Value;
 
@@ -484,7 +484,7 @@ fn an_explicit_loopback_address_binds_and_a_connect_endpoint_connects() {
     assert!(
         matches!(
             err.publisher_reason(),
-            Some(kvcr_foundation::publisher::PublisherReason::Endpoint { op: "bind", .. })
+            Some(kvcr_publisher::PublisherReason::Endpoint { op: "bind", .. })
         ),
         "{err}"
     );
@@ -676,7 +676,7 @@ fn out_of_range_configuration_is_a_typed_error() {
     let err = Publisher::start(cfg).unwrap_err();
     assert!(matches!(
         err.publisher_reason(),
-        Some(kvcr_foundation::publisher::PublisherReason::Config {
+        Some(kvcr_publisher::PublisherReason::Config {
             field: "queue_capacity",
             ..
         })
@@ -688,7 +688,7 @@ fn out_of_range_configuration_is_a_typed_error() {
     let err = Publisher::start(cfg).unwrap_err();
     assert!(matches!(
         err.publisher_reason(),
-        Some(kvcr_foundation::publisher::PublisherReason::SameEndpoint(_))
+        Some(kvcr_publisher::PublisherReason::SameEndpoint(_))
     ));
 }
 
@@ -696,7 +696,7 @@ fn out_of_range_configuration_is_a_typed_error() {
 
 fn realclients_dir() -> PathBuf {
     std::env::var_os("KVCR_REALCLIENTS_DIR").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/realclients"),
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/realclients"),
         PathBuf::from,
     )
 }
@@ -720,7 +720,7 @@ fn real_client(flag: &str, check: &str) -> Option<PathBuf> {
         return Some(py);
     }
     let reason = format!(
-        "{} cannot run `{check}`: run kvcr-foundation/tests/realclients/setup.sh",
+        "{} cannot run `{check}`: run kvcr-foundation/publisher/tests/realclients/setup.sh",
         py.display()
     );
     assert!(!required, "{flag}=1 but {reason}");

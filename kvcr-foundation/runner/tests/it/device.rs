@@ -8,14 +8,14 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
-use kvcr_foundation::runner::Error;
-use kvcr_foundation::runner::error::RunnerReason;
-use kvcr_foundation::runner::{
+use kvcr_contracts::protocol::{ElementRef, OpHandle, RegionId};
+use kvcr_contracts::{BlockKey, CompatDigest, Namespace, NamespaceId, ScopedKey};
+use kvcr_runner::Error;
+use kvcr_runner::error::RunnerReason;
+use kvcr_runner::{
     CopySpan, DeliverEntry, DepositEntry, DeviceCopier, EntryStatus, FailReason, OpResult,
     PoolRange, RegionDesc, Runner, RunnerConfig,
 };
-use kvcr_foundation::{BlockKey, CompatDigest, Namespace, NamespaceId, ScopedKey};
 
 const BLOCK: usize = 256;
 
@@ -32,17 +32,17 @@ struct Recorder {
 struct RecordingCopier(Arc<Recorder>);
 
 impl DeviceCopier for RecordingCopier {
-    fn attach(&self, pools: &[PoolRange]) -> kvcr_foundation::runner::Result<()> {
+    fn attach(&self, pools: &[PoolRange]) -> kvcr_runner::Result<()> {
         self.0.attached.lock().unwrap().extend_from_slice(pools);
         Ok(())
     }
 
-    fn copy(&self, keys: &[&[CopySpan]]) -> kvcr_foundation::runner::Result<()> {
+    fn copy(&self, keys: &[&[CopySpan]]) -> kvcr_runner::Result<()> {
         assert!(!self.0.detached.load(Ordering::SeqCst), "copy after detach");
         self.0.calls.fetch_add(1, Ordering::SeqCst);
         if self.0.fail_next.swap(false, Ordering::SeqCst) {
             return Err(Error::runner(RunnerReason::DeviceCopy(
-                kvcr_foundation::error::Echo::new("injected"),
+                kvcr_contracts::error::Echo::new("injected"),
             )));
         }
         for span in keys.iter().flat_map(|k| k.iter()) {
