@@ -44,9 +44,7 @@ mod lanes;
 #[allow(unsafe_code)]
 mod memory;
 mod peer_driver;
-#[allow(unsafe_code)]
 mod placement;
-#[allow(unsafe_code)]
 mod shared_memory;
 #[allow(unsafe_code)]
 mod stream;
