@@ -299,6 +299,25 @@ impl MemoryRegistry {
         Ok(bytes)
     }
 
+    /// Copies `bytes` (memory of the caller's, such as a received message)
+    /// to the registered `dst..dst + bytes.len()`.
+    pub fn write(&self, dst: u64, bytes: &[u8]) -> Result<()> {
+        let len = bytes.len() as u64;
+        let ranges = self.read_lock();
+        if !holds(&ranges, dst, len) {
+            return Err(SysError::Unregistered { addr: dst, len });
+        }
+        // SAFETY: the destination is registered (checked under the lock held
+        // until the copy is made), so valid for writes; `bytes` is a borrowed
+        // slice, which registered memory never backs (it is never seen
+        // through a reference), so they do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst as usize as *mut u8, bytes.len());
+        }
+        drop(ranges);
+        Ok(())
+    }
+
     /// Writes `head`, then the registered `pieces` (address, length), to
     /// `socket` in one vectored write without blocking (see
     /// [`crate::vectored::try_write_spans`]).

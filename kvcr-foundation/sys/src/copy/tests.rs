@@ -85,6 +85,9 @@ fn registered_copies_land_and_others_are_refused_whole() {
     );
     assert!(registry.copy([ByteSpan::new(u64::MAX - 1, d, 4)]).is_err());
     assert_eq!(registry.read(s + 1, 3).unwrap(), src[1..4]);
+    registry.write(d + 7, b"landed").unwrap();
+    assert_eq!(&dst[7..13], b"landed");
+    assert!(registry.write(d + (1 << 20) - 2, b"abc").is_err());
     assert!(registry.read(s, (1 << 20) + 1).is_err());
 }
 
