@@ -5,6 +5,7 @@
 //! |---|---|---|
 //! | `kvcr-contracts` | keys, endpoints, incarnations, hints, inventory events, peer frames; pure | the crate root |
 //! | `kvcr-ucx` | the system UCX binding and its safe layer | [`ucx`] (feature `runner`) |
+//! | `kvcr-sys` | the runner's non-UCX unsafe code (mappings, memfd pools, copies, system calls) behind safe types | [`sys`] (feature `runner`) |
 //! | `kvcr-runner-core` | the runner's sans-I/O core | [`runner_core`] (feature `runner`) |
 //! | `kvcr-runner` | the rank-local runner: pools, copy thread, control channel, peer driver | [`runner`] (feature `runner`) |
 //! | `kvcr-publisher` | inventory on the vLLM/Dynamo KV-event wire | [`publisher`] (feature `publisher`) |
@@ -26,5 +27,7 @@ pub use kvcr_publisher as publisher;
 pub use kvcr_runner as runner;
 #[cfg(feature = "runner")]
 pub use kvcr_runner_core as runner_core;
+#[cfg(feature = "runner")]
+pub use kvcr_sys as sys;
 #[cfg(feature = "runner")]
 pub use kvcr_ucx as ucx;

@@ -2,19 +2,17 @@
 //! `move_pages` in query mode) and whether huge pages took (`AnonHugePages`
 //! of the pool's mappings in `/proc/self/smaps`).
 //!
-//! Unsafe, named: two raw syscalls, read-only (no page is moved, no policy
-//! changed). Parsing is pure and tested on fixed text.
+//! The two raw syscalls (read-only: no page is moved, no policy changed)
+//! are `kvcr_sys::mapping`'s; parsing is pure and tested on fixed text.
 
 use std::collections::BTreeMap;
 
 use kvcr_foundation::runner::{PlacementOutcome, PoolMemoryInfo};
+use kvcr_foundation::sys::SysError;
+use kvcr_foundation::sys::mapping::{mempolicy_at, page_nodes};
 
 use crate::error::{PerfError, Result};
 
-/// `get_mempolicy` flag: `addr` names a mapping whose policy is wanted.
-const MPOL_F_ADDR: libc::c_ulong = 2;
-/// Nodemask words read back (1024 nodes).
-const MASK_WORDS: usize = 16;
 const PAGE: u64 = 4096;
 
 /// A mapping's NUMA policy as the kernel reports it.
@@ -62,13 +60,6 @@ impl PoolAudit {
     }
 }
 
-fn os(call: &'static str) -> PerfError {
-    PerfError::Os {
-        call,
-        errno: std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
-    }
-}
-
 fn mode_name(mode: i32) -> String {
     match mode {
         libc::MPOL_DEFAULT => "default".into(),
@@ -80,33 +71,18 @@ fn mode_name(mode: i32) -> String {
     }
 }
 
+/// `SysError::Os` as this crate's `Os`; anything else as an `Os` of `call`
+/// (the queries refuse nothing else).
+fn os(call: &'static str, error: SysError) -> PerfError {
+    match error {
+        SysError::Os { call, errno } => PerfError::Os { call, errno },
+        _ => PerfError::Os { call, errno: 0 },
+    }
+}
+
 /// The kernel's policy for the mapping at `addr`.
 pub fn policy_at(addr: u64) -> Result<MemPolicy> {
-    let mut mode: libc::c_int = 0;
-    let mut mask = [0u64; MASK_WORDS];
-    // SAFETY: `mode` and `mask` are valid out-pointers for one int and
-    // `MASK_WORDS` words (maxnode = their bit count); `addr` is only looked
-    // up (MPOL_F_ADDR), never dereferenced by the kernel on our behalf.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_get_mempolicy,
-            &mut mode as *mut libc::c_int,
-            mask.as_mut_ptr(),
-            (MASK_WORDS * 64) as libc::c_ulong,
-            addr as usize as *mut libc::c_void,
-            MPOL_F_ADDR,
-        )
-    };
-    if rc != 0 {
-        return Err(os("get_mempolicy"));
-    }
-    let nodes = (0..MASK_WORDS * 64)
-        .filter(|&bit| {
-            mask.get(bit / 64)
-                .is_some_and(|w| w & (1 << (bit % 64)) != 0)
-        })
-        .filter_map(|bit| u16::try_from(bit).ok())
-        .collect();
+    let (mode, nodes) = mempolicy_at(addr).map_err(|e| os("get_mempolicy", e))?;
     Ok(MemPolicy {
         mode: mode_name(mode),
         nodes,
@@ -115,31 +91,7 @@ pub fn policy_at(addr: u64) -> Result<MemPolicy> {
 
 /// Which node each of `pages` is on (`Err(errno)`: not present, etc.).
 pub fn nodes_of(pages: &[u64]) -> Result<Vec<std::result::Result<u16, i32>>> {
-    let ptrs: Vec<*mut libc::c_void> = pages
-        .iter()
-        .map(|&p| p as usize as *mut libc::c_void)
-        .collect();
-    let mut status = vec![0 as libc::c_int; ptrs.len()];
-    // SAFETY: query mode (`nodes` is null): the kernel only reads `ptrs`
-    // (`count` entries) and writes `status` (`count` ints); no page moves.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_move_pages,
-            0 as libc::c_int,
-            ptrs.len() as libc::c_ulong,
-            ptrs.as_ptr(),
-            std::ptr::null::<libc::c_int>(),
-            status.as_mut_ptr(),
-            0 as libc::c_int,
-        )
-    };
-    if rc < 0 {
-        return Err(os("move_pages"));
-    }
-    Ok(status
-        .into_iter()
-        .map(|s| u16::try_from(s).map_err(|_| -s))
-        .collect())
+    page_nodes(pages).map_err(|e| os("move_pages", e))
 }
 
 /// Sums `AnonHugePages` (bytes) and the sizes of the mappings in `smaps`

@@ -25,7 +25,6 @@
 
 #![deny(unsafe_code)]
 
-#[allow(unsafe_code)]
 pub mod audit;
 #[allow(unsafe_code)]
 pub mod backend;

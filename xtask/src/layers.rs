@@ -31,6 +31,7 @@ const SLICES: &[(&[&str], &[&str])] = &[
             "kvcr-foundation",
             "kvcr-contracts",
             "kvcr-ucx",
+            "kvcr-sys",
             "kvcr-runner-core",
             "kvcr-runner",
             "kvcr-publisher",
@@ -51,15 +52,18 @@ const SLICES: &[(&[&str], &[&str])] = &[
 
 /// Edges allowed inside a slice group (directly or not), besides the
 /// facade's (it may reach every crate of its group): strictly down, the
-/// runner to its core and binding, and every crate to the contracts.
-/// `kvcr-ucx` depends on no other kvcr crate.
+/// runner to its core, its binding and its unsafe crate, and every crate to
+/// the contracts. `kvcr-ucx` depends on no other kvcr crate; `kvcr-sys`
+/// (the runner's non-UCX unsafe code) only on the binding, whose
+/// `OwnedMemory` its pools implement, and the contracts.
 const GROUP_EDGES: &[(&str, &[&str])] = &[
     ("kvcr-contracts", &[]),
     ("kvcr-ucx", &[]),
+    ("kvcr-sys", &["kvcr-contracts", "kvcr-ucx"]),
     ("kvcr-runner-core", &["kvcr-contracts"]),
     (
         "kvcr-runner",
-        &["kvcr-contracts", "kvcr-runner-core", "kvcr-ucx"],
+        &["kvcr-contracts", "kvcr-runner-core", "kvcr-ucx", "kvcr-sys"],
     ),
     ("kvcr-publisher", &["kvcr-contracts"]),
 ];
@@ -102,6 +106,7 @@ const PURE_FORBIDDEN: &[&str] = &[
     "memmap2",
     "nix",
     "kvcr-ucx",
+    "kvcr-sys",
     "kvcr-runner",
     "kvcr-publisher",
 ];
@@ -336,6 +341,11 @@ mod tests {
         assert!(!edge_allowed("kvcr-ucx", "kvcr-contracts"));
         assert!(!edge_allowed("kvcr-runner", "kvcr-foundation"));
         assert!(!edge_allowed("kvcr-publisher", "kvcr-runner"));
+        assert!(edge_allowed("kvcr-runner", "kvcr-sys"));
+        assert!(edge_allowed("kvcr-sys", "kvcr-ucx"));
+        assert!(!edge_allowed("kvcr-sys", "kvcr-runner"));
+        assert!(!edge_allowed("kvcr-sys", "kvcr-runner-core"));
+        assert!(!edge_allowed("kvcr-runner-core", "kvcr-sys"));
         assert!(!edge_allowed(
             "kvcr-hicache-storage",
             "kvcr-linker-contracts"

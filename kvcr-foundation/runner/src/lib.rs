@@ -46,10 +46,8 @@ mod lanes;
 mod memory;
 mod net;
 mod peer;
-#[allow(unsafe_code)]
 mod placement;
 mod shared;
-#[allow(unsafe_code)]
 mod shared_memory;
 mod startup;
 // compat shim: removed once the split lands

@@ -39,9 +39,9 @@
 //! bounded by the groups (one lease each). Only processes of the guard's
 //! own uid (or root) are served; the socket file is mode 0600.
 //!
-//! The wire is in [`protocol`]; the only unsafe code is in `fd_passing`.
+//! The wire is in [`protocol`]; its system calls are `kvcr_sys::fd_passing`
+//! (through `fd_passing`).
 
-#[allow(unsafe_code)]
 mod fd_passing;
 pub mod protocol;
 mod service;

@@ -48,7 +48,6 @@
 //! is plain TCP, and what it carries is bound by the sealed headers.
 
 use std::collections::VecDeque;
-use std::io::{IoSlice, IoSliceMut};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -355,26 +354,20 @@ impl OutStream {
             let Some(frame) = self.frames.front_mut() else {
                 break;
             };
-            let mut slices: Vec<IoSlice<'_>> =
-                Vec::with_capacity(MAX_IOV.min(frame.spans.len() + 1));
-            if let Some(rest) = usize::try_from(frame.sent)
+            let head = usize::try_from(frame.sent)
                 .ok()
                 .and_then(|sent| frame.prefix.get(sent..))
-                .filter(|rest| !rest.is_empty())
-            {
-                slices.push(IoSlice::new(rest));
-            }
-            let room = MAX_IOV - slices.len();
-            for (start, len) in unsent_pieces(&frame.spans, PREFIX_BYTES as u64, frame.sent, room) {
-                // SAFETY: the piece lies in one of the frame's spans, in our
-                // pool, readable and unchanged until this write is reported
-                // (the caller's contract).
-                let bytes = unsafe {
-                    std::slice::from_raw_parts(start as usize as *const u8, len as usize)
-                };
-                slices.push(IoSlice::new(bytes));
-            }
-            match self.socket.try_write_vectored(&slices) {
+                .filter(|rest| !rest.is_empty());
+            let room = MAX_IOV - usize::from(head.is_some());
+            let pieces = unsent_pieces(&frame.spans, PREFIX_BYTES as u64, frame.sent, room);
+            let capacity = MAX_IOV.min(frame.spans.len() + 1);
+            // SAFETY: every piece lies in one of the frame's spans, in our
+            // pool, readable and unchanged until this write is reported (the
+            // caller's contract).
+            let written = unsafe {
+                kvcr_sys::vectored::try_write_spans(&self.socket, head, pieces, capacity)
+            };
+            match written {
                 Ok(0) => {
                     pumped.broken = true;
                     return pumped;
@@ -498,18 +491,13 @@ impl<T> InStream<T> {
                         self.state = Recv::Discard { left };
                         continue;
                     }
-                    let mut slices: Vec<IoSliceMut<'_>> = Vec::new();
-                    for (start, len) in unsent_pieces(spans, 0, *landed, MAX_IOV) {
-                        // SAFETY: the piece lies in a span granted to this
-                        // frame's operation, which still waits (checked just
-                        // above), so nothing else touches it (the caller's
-                        // contract).
-                        let bytes = unsafe {
-                            std::slice::from_raw_parts_mut(start as usize as *mut u8, len as usize)
-                        };
-                        slices.push(IoSliceMut::new(bytes));
-                    }
-                    self.socket.try_read_vectored(&mut slices)
+                    let pieces = unsent_pieces(spans, 0, *landed, MAX_IOV);
+                    // SAFETY: every piece lies in a span granted to this
+                    // frame's operation, which still waits (checked just
+                    // above), so nothing else touches it (the caller's
+                    // contract); the pieces are unsent parts of distinct
+                    // granted elements, so they do not overlap.
+                    unsafe { kvcr_sys::vectored::try_read_spans(&self.socket, pieces) }
                 }
                 Recv::Discard { left } => {
                     let want = usize::try_from(*left).unwrap_or(usize::MAX).min(256 << 10);

@@ -1,0 +1,40 @@
+//! kvcr-sys: every piece of the runner's unsafe code that is not the UCX
+//! binding, behind safe types and functions.
+//!
+//! The runner above works with plain addresses (`u64`) that its sans-I/O
+//! core bounds-checks against registrations; this crate turns them into
+//! memory accesses and system calls. What lives here:
+//!
+//! | module | what |
+//! |---|---|
+//! | [`placement`] | pool placement options and the host's sysfs/procfs answers (no unsafe) |
+//! | [`mapping`] | [`DramPool`](mapping::DramPool), anonymous mappings, `mbind`/`madvise`, NUMA audit queries |
+//! | [`memfd`] | sealed memfd pool and journal files, [`SharedPool`](memfd::SharedPool), [`JournalMap`](memfd::JournalMap) |
+//! | [`segment`] | [`PeerSegment`](segment::PeerSegment): a same-host peer's pool, mapped for one-copy writes |
+//! | [`seqlock`] | volatile loads and stores of memory other processes share |
+//! | [`copy`] | span copy kernels and [`MemoryRegistry`](copy::MemoryRegistry), which makes copies safe |
+//! | [`vectored`] | `readv`/`writev` between a socket and spans of memory |
+//! | [`direct_io`] | `flock`, `statx`, slot `pread`/`pwrite`, [`DirectBuf`](direct_io::DirectBuf) |
+//! | [`fd_passing`] | `SCM_RIGHTS`, peer credentials, pidfds |
+//! | [`thread`] | per-thread knobs: timer slack, priority |
+//!
+//! Every `unsafe` block carries a `// SAFETY:` comment and every `unsafe fn`
+//! a `# Safety` section. The one promise this crate cannot check is the
+//! caller's that foreign memory stays valid: [`copy::MemoryRegistry::insert`]
+//! is where an engine's raw region enters, and every copy through the
+//! registry is checked against what was inserted.
+
+pub mod copy;
+pub mod direct_io;
+pub mod error;
+pub mod fd_passing;
+pub mod mapping;
+pub mod memfd;
+pub mod placement;
+pub mod segment;
+pub mod seqlock;
+pub mod thread;
+pub mod vectored;
+
+pub use self::copy::{ByteSpan, MemoryRegistry};
+pub use self::error::{Result, SysError};
