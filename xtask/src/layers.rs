@@ -34,6 +34,7 @@ const SLICES: &[(&[&str], &[&str])] = &[
             "kvcr-sys",
             "kvcr-runner-core",
             "kvcr-runner",
+            "kvcr-guard",
             "kvcr-publisher",
         ],
         &[],
@@ -52,8 +53,9 @@ const SLICES: &[(&[&str], &[&str])] = &[
 
 /// Edges allowed inside a slice group (directly or not), besides the
 /// facade's (it may reach every crate of its group): strictly down, the
-/// runner to its core, its binding and its unsafe crate, and every crate to
-/// the contracts. `kvcr-ucx` depends on no other kvcr crate; `kvcr-sys`
+/// runner to its core, its binding and its unsafe crate, the guard on top of
+/// the runner (no crate of the group but the facade reaches the guard), and
+/// every crate to the contracts. `kvcr-ucx` depends on no other kvcr crate; `kvcr-sys`
 /// (the runner's non-UCX unsafe code) only on the binding, whose
 /// `OwnedMemory` its pools implement, and the contracts.
 const GROUP_EDGES: &[(&str, &[&str])] = &[
@@ -64,6 +66,15 @@ const GROUP_EDGES: &[(&str, &[&str])] = &[
     (
         "kvcr-runner",
         &["kvcr-contracts", "kvcr-runner-core", "kvcr-ucx", "kvcr-sys"],
+    ),
+    (
+        "kvcr-guard",
+        &[
+            "kvcr-contracts",
+            "kvcr-runner-core",
+            "kvcr-runner",
+            "kvcr-sys",
+        ],
     ),
     ("kvcr-publisher", &["kvcr-contracts"]),
 ];
@@ -346,6 +357,10 @@ mod tests {
         assert!(!edge_allowed("kvcr-sys", "kvcr-runner"));
         assert!(!edge_allowed("kvcr-sys", "kvcr-runner-core"));
         assert!(!edge_allowed("kvcr-runner-core", "kvcr-sys"));
+        assert!(edge_allowed("kvcr-guard", "kvcr-runner"));
+        assert!(edge_allowed("kvcr-foundation", "kvcr-guard"));
+        assert!(!edge_allowed("kvcr-runner", "kvcr-guard"));
+        assert!(!edge_allowed("kvcr-publisher", "kvcr-guard"));
         assert!(!edge_allowed(
             "kvcr-hicache-storage",
             "kvcr-linker-contracts"
