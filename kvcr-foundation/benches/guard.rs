@@ -30,8 +30,8 @@ use common::{bench, median};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use kvcr_foundation::guard::GuardService;
 use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
-use kvcr_foundation::runner::guard::GuardService;
 use kvcr_foundation::runner::{
     DepositEntry, GuardOptions, PeerOptions, RegionDesc, Runner, RunnerConfig,
 };

@@ -7,7 +7,8 @@
 //! | `kvcr-ucx` | the system UCX binding and its safe layer | [`ucx`] (feature `runner`) |
 //! | `kvcr-sys` | the runner's non-UCX unsafe code (mappings, memfd pools, copies, system calls) behind safe types | [`sys`] (feature `runner`) |
 //! | `kvcr-runner-core` | the runner's sans-I/O core | [`runner_core`] (feature `runner`) |
-//! | `kvcr-runner` | the rank-local runner: pools, copy thread, control channel, peer driver | [`runner`] (feature `runner`) |
+//! | `kvcr-runner` | the rank-local runner: pools, copy thread, control channel, peer driver; the guard's lease client | [`runner`] (feature `runner`) |
+//! | `kvcr-guard` | the guard: keeps pools, journal and control listener across engine restarts; its binary | [`guard`] (feature `runner`) |
 //! | `kvcr-publisher` | inventory on the vLLM/Dynamo KV-event wire | [`publisher`] (feature `publisher`) |
 //!
 //! Engines that link the whole slice depend on this crate; a router or tool
@@ -21,6 +22,8 @@
 
 pub use kvcr_contracts::*;
 
+#[cfg(feature = "runner")]
+pub use kvcr_guard as guard;
 #[cfg(feature = "publisher")]
 pub use kvcr_publisher as publisher;
 #[cfg(feature = "runner")]

@@ -41,7 +41,7 @@ pub(crate) fn build(root: &Path, release: bool) -> Result<PathBuf> {
 
 /// Builds the `kvcr-guard` binary; returns its path.
 pub(crate) fn build_guard(root: &Path, release: bool) -> Result<PathBuf> {
-    cargo_build(root, release, &["-p", "kvcr-runner", "--bin", "kvcr-guard"])?;
+    cargo_build(root, release, &["-p", "kvcr-guard", "--bin", "kvcr-guard"])?;
     Ok(profile_dir(root, release).join("kvcr-guard"))
 }
 

@@ -239,17 +239,6 @@ impl Runner {
         startup::with_peers(config, policy, peer, None).map(Self::from_started)
     }
 
-    /// A guard's backup of an orphaned group: a runner over the group's
-    /// pools and listener serving the pages its journal recovered, on the
-    /// dead primary's control address, never writing the journal.
-    pub(crate) fn start_backup(
-        config: RunnerConfig,
-        peer: &PeerOptions,
-        backup: warm::Claimed,
-    ) -> Result<Self> {
-        startup::with_peers(config, None, peer, Some(backup)).map(Self::from_started)
-    }
-
     /// The runner over what a start-up path made.
     fn from_started(started: startup::Started) -> Self {
         Self {

@@ -4,8 +4,6 @@
 //! stores of shared records ([`kvcr_sys::seqlock`]) live in `kvcr_sys`;
 //! this module keeps the crate-internal paths the driver modules use.
 
-pub(crate) use kvcr_sys::memfd::{
-    HostScope, JournalMap, SharedPool, create_journal_file, create_pool_file,
-};
+pub(crate) use kvcr_sys::memfd::{HostScope, JournalMap, SharedPool};
 pub(crate) use kvcr_sys::segment::PeerSegment;
 pub(crate) use kvcr_sys::seqlock::{publish_shared, read_shared};

@@ -3,7 +3,7 @@
 //! takes its backed-up pages back warm: `batch_exists` sees them before
 //! anything is backed up again, and `batch_get` restores them byte-exact.
 
-use kvcr_foundation::runner::guard::GuardService;
+use kvcr_foundation::guard::GuardService;
 use kvcr_hicache_storage::ExtraInfo;
 use serde_json::json;
 

@@ -458,6 +458,10 @@ mod tests {
         assert!(!edge_allowed("kvcr-sys", "kvcr-runner"));
         assert!(!edge_allowed("kvcr-sys", "kvcr-runner-core"));
         assert!(!edge_allowed("kvcr-runner-core", "kvcr-sys"));
+        assert!(edge_allowed("kvcr-guard", "kvcr-runner"));
+        assert!(edge_allowed("kvcr-foundation", "kvcr-guard"));
+        assert!(!edge_allowed("kvcr-runner", "kvcr-guard"));
+        assert!(!edge_allowed("kvcr-publisher", "kvcr-guard"));
         assert!(!edge_allowed(
             "kvcr-hicache-storage",
             "kvcr-linker-contracts"

@@ -1,16 +1,17 @@
-//! The guard: a process that owns each rank's pool memory and control
-//! listener, so they outlive the engine that uses them.
+//! The runner's side of the guard: the lease client and the wire.
 //!
-//! A rank's runner claims its *group* from the guard over a Unix socket
-//! ([`claim`]) and gets the group's memory as descriptors: a journal memfd,
-//! one memfd per pool (made like a runner's own shared pools, so same-host
-//! peers accept them) and the bound TCP control listener. When the engine
-//! dies, the guard still holds all of it: the pages stay in memory, the
-//! listener keeps its port (connections queue in its backlog), and the
+//! A guard (the `kvcr-guard` crate and binary) is a process that owns each
+//! rank's pool memory and control listener, so they outlive the engine that
+//! uses them. A rank's runner claims its *group* from the guard over a Unix
+//! socket ([`claim`]) and gets the group's memory as descriptors: a journal
+//! memfd, one memfd per pool (made like a runner's own shared pools, so
+//! same-host peers accept them) and the bound TCP control listener. When the
+//! engine dies, the guard still holds all of it: the pages stay in memory,
+//! the listener keeps its port (connections queue in its backlog), and the
 //! restarted engine claims the group back and finds its pages warm.
 //!
 //! ```text
-//!  runner ── claim(socket, GuardClaim) ─────────► guard (GuardService)
+//!  runner ── claim(socket, GuardClaim) ─────────► guard (kvcr_guard::GuardService)
 //!         ◄── GuardGrant: [journal, pool 0..n-1, listener] (one SCM_RIGHTS) ──
 //!         ── ... the lease lasts while the claimant process lives ...
 //!         ── GuardLease::release ──► Released (the memory stays with the guard)
@@ -29,38 +30,30 @@
 //!   ends it without a death.
 //! * The guard never reads or writes the pools.
 //!
-//! # Limits
-//! At most [`GuardConfig::max_groups`] groups (64) of at most
-//! [`GuardConfig::max_pools`] pools (16) and [`GuardConfig::max_group_bytes`]
-//! (1 TiB); at most [`GuardConfig::max_pending`] connections (16) that have
-//! not been granted yet (more are accepted and closed at once), each closed
-//! if its claim has not arrived within [`GuardConfig::claim_timeout`] (5 s);
-//! frames of at most [`protocol::MAX_FRAME`] bytes. Granted connections are
-//! bounded by the groups (one lease each). Only processes of the guard's
-//! own uid (or root) are served; the socket file is mode 0600.
-//!
-//! The wire is in [`protocol`]; its system calls are `kvcr_sys::fd_passing`
-//! (through `fd_passing`).
+//! Here: the client ([`claim`], [`GuardLease`]), the checks every grant
+//! passes before the runner touches it, the wire ([`protocol`]), the error
+//! both sides report ([`GuardError`]), and the one entry the guard needs
+//! into the runner's start-up: a backup runner over an orphaned group
+//! ([`OrphanedGroup`], [`Runner::start_backup`](crate::Runner::start_backup)).
+//! The guard's service, its limits and its binary are the `kvcr-guard`
+//! crate's. The client's system calls are [`kvcr_sys::fd_passing`]'s.
 
-mod fd_passing;
+mod backup;
 pub mod protocol;
-mod service;
 #[cfg(test)]
-#[allow(unsafe_code)]
 mod tests;
 
 use std::fs::File;
 use std::io;
 use std::net::{SocketAddr, TcpListener};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
+pub use self::backup::OrphanedGroup;
 use self::protocol::{ClaimMsg, GrantedMsg, Reply, Request, VERSION};
 pub use self::protocol::{Layout, PoolSpec, Refusal};
-pub use self::service::{GuardHandle, GuardService};
 
 /// How long [`GuardLease::release`] waits for the guard's answer.
 pub const RELEASE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -153,84 +146,6 @@ impl GuardError {
     }
 }
 
-/// Where the guard's log lines go.
-#[derive(Debug, Clone, Default)]
-pub enum GuardLog {
-    /// Standard error, prefixed `kvcr-guard: ` (the default).
-    #[default]
-    Stderr,
-    /// Nowhere.
-    Discard,
-    /// One `String` per line, unprefixed (tests).
-    Channel(Sender<String>),
-}
-
-impl GuardLog {
-    fn line(&self, text: String) {
-        match self {
-            Self::Stderr => eprintln!("kvcr-guard: {text}"),
-            Self::Discard => {}
-            Self::Channel(tx) => {
-                let _ = tx.send(text);
-            }
-        }
-    }
-}
-
-/// The guard's limits and log.
-#[derive(Debug, Clone)]
-pub struct GuardConfig {
-    /// Most groups the guard keeps (64).
-    pub max_groups: usize,
-    /// Most pools in one group (16).
-    pub max_pools: usize,
-    /// Most bytes of one group, journal and pools together (1 TiB).
-    pub max_group_bytes: u64,
-    /// Most connections not granted yet (16); more are accepted and closed.
-    pub max_pending: usize,
-    /// How long a connection may take to send its claim (5 s).
-    pub claim_timeout: Duration,
-    /// Dead incarnations remembered per group, the latest (64).
-    pub dead_kept: usize,
-    /// Where log lines go.
-    pub log: GuardLog,
-    /// Serve an orphaned group's pages to peers on its control address until
-    /// a new primary claims it (`None`, the default: hold the memory only).
-    pub serve: Option<BackupServing>,
-}
-
-/// How a guard serves the pages of a group whose primary died: a backup
-/// runner over the group's pools and listener, seated from the journal
-/// (read only), answering peers as the primary did (authenticated with the
-/// same cluster secret) and reporting the dead incarnations in its probe
-/// replies, so destinations free the slots they held for it. It stops when
-/// a new primary claims the group.
-#[derive(Debug, Clone)]
-pub struct BackupServing {
-    /// The backup runners' peer options: the cluster secret, UCX transports,
-    /// control limits. `bind` and `guard` are not used (a backup accepts on
-    /// its group's listener); `advertise_host` is, when the group's control
-    /// address is a wildcard (otherwise that address is advertised).
-    pub peer: crate::PeerOptions,
-    /// A backup's operation timeout.
-    pub operation_timeout: Duration,
-}
-
-impl Default for GuardConfig {
-    fn default() -> Self {
-        Self {
-            max_groups: 64,
-            max_pools: 16,
-            max_group_bytes: 1 << 40,
-            max_pending: 16,
-            claim_timeout: Duration::from_secs(5),
-            dead_kept: 64,
-            log: GuardLog::Stderr,
-            serve: None,
-        }
-    }
-}
-
 /// What a runner asks the guard for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GuardClaim {
@@ -270,7 +185,7 @@ pub struct GuardGrant {
     /// The incarnation that held the group last (released or dead).
     pub previous_incarnation: Option<u128>,
     /// The group's incarnations that died holding it, oldest first
-    /// (bounded: the latest [`GuardConfig::dead_kept`]).
+    /// (bounded: the latest the guard is configured to keep, 64 by default).
     pub dead_incarnations: Vec<u128>,
 }
 
@@ -307,6 +222,14 @@ impl GuardLease {
             Reply::Refused { refusal } => Err(GuardError::Refused(refusal)),
             Reply::Granted(_) => Err(GuardError::protocol("a grant answered a release")),
         }
+    }
+}
+
+/// The lease's connection to the guard (the guard's own tests speak the wire
+/// on it); writing to it is the holder's business, as a release is.
+impl AsFd for GuardLease {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.stream.as_fd()
     }
 }
 
@@ -404,7 +327,7 @@ impl<'a> FrameIo<'a> {
             self.stream
                 .set_write_timeout(Some(self.remaining()?))
                 .map_err(GuardError::os("setsockopt(SO_SNDTIMEO)"))?;
-            match fd_passing::send_with_fds(self.stream.as_fd(), rest, &[]) {
+            match kvcr_sys::fd_passing::send_with_fds(self.stream.as_fd(), rest, &[]) {
                 Ok(0) => return Err(GuardError::protocol("the guard closed the connection")),
                 Ok(n) => rest = rest.get(n..).unwrap_or_default(),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -421,7 +344,7 @@ impl<'a> FrameIo<'a> {
             self.stream
                 .set_read_timeout(Some(self.remaining()?))
                 .map_err(GuardError::os("setsockopt(SO_RCVTIMEO)"))?;
-            match fd_passing::recv_with_fds(self.stream.as_fd(), rest) {
+            match kvcr_sys::fd_passing::recv_with_fds(self.stream.as_fd(), rest) {
                 Ok(got) => {
                     fds.extend(got.fds);
                     if got.truncated {

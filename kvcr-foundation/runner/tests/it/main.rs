@@ -1,7 +1,7 @@
 //! Integration tests of the runner (one binary): pools and copies over real
 //! memory, the device seam, G3's disk tier, and peer restore over real UCX and
 //! real TCP control channels, in one process and across processes (faults,
-//! trust). The Guard's tests stay in the facade until the Guard has its crate.
+//! trust). The guard's tests are the `kvcr-guard` crate's.
 
 // Test helpers outside `#[test]` functions panic on purpose: a failed helper is
 // a failed test.

@@ -1,7 +1,7 @@
 //! Runner nodes for the peer tests: a runner with one pool and a host region
 //! of deterministic pages, stocked, hinted and restored from another node.
-//! The facade's Guard tests include this file too (`#[path]`), so it names
-//! the runner's own crates only.
+//! The guard's tests (`kvcr-guard`'s `tests/it`) include this file too (`#[path]`),
+//! so it names the runner's own crates only.
 
 use std::time::Duration;
 

@@ -20,17 +20,11 @@
 //! group leased checks the holder's pidfd itself, so a holder that has
 //! exited but whose exit the lease task has not seen yet does not block it.
 //!
-//! A group goes `Fresh` (made, never handed out) → `Leased` →
-//! `Released` (clean) or `Orphaned` (its holder died) → `Leased` → ...
-//! An `Orphaned` group is served by a backup runner when the guard is
-//! configured to ([`GuardConfig::serve`]): started when the lease task sees
-//! the holder's exit, stopped (dropped, on the service thread) before the
-//! next claim of the group is granted.
+//! An orphaned group's backup runner ([`GuardConfig::serve`]) is started
+//! when the lease task sees the holder's exit and stopped (dropped, on the
+//! service thread) before the next claim of the group is granted.
 
-use std::collections::{BTreeMap, VecDeque};
-use std::fs::File;
 use std::io;
-use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -38,14 +32,15 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use kvcr_runner::guard::protocol::{self, Refusal, Reply, Request};
+use kvcr_sys::fd_passing::{self, PeerProcess};
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncReadExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 
-use super::fd_passing::{self, PeerProcess};
-use super::protocol::{self, ClaimMsg, GrantedMsg, Layout, Refusal, Reply, Request, VERSION};
-use super::{BackupServing, GuardConfig, GuardError, GuardLog};
+use crate::registry::Registry;
+use crate::{GuardConfig, GuardError, os_error, protocol_error};
 
 /// Starts guards.
 #[derive(Debug)]
@@ -74,19 +69,19 @@ impl GuardService {
             .enable_io()
             .enable_time()
             .build()
-            .map_err(GuardError::os("tokio runtime"))?;
+            .map_err(os_error("tokio runtime"))?;
         listener
             .set_nonblocking(true)
-            .map_err(GuardError::os("fcntl(O_NONBLOCK)"))?;
+            .map_err(os_error("fcntl(O_NONBLOCK)"))?;
         let listener = {
             let _entered = runtime.enter();
-            UnixListener::from_std(listener).map_err(GuardError::os("epoll_ctl"))?
+            UnixListener::from_std(listener).map_err(os_error("epoll_ctl"))?
         };
         let (stop, stopped) = oneshot::channel();
         let thread = std::thread::Builder::new()
             .name("kvcr-guard".into())
             .spawn(move || runtime.block_on(run(listener, config, stopped)))
-            .map_err(GuardError::os("thread spawn"))?;
+            .map_err(os_error("thread spawn"))?;
         Ok(GuardHandle {
             stop: Some(stop),
             thread: Some(thread),
@@ -116,7 +111,7 @@ impl GuardHandle {
     pub fn wait(mut self) -> Result<(), GuardError> {
         match self.thread.take().map(JoinHandle::join) {
             Some(Ok(result)) => result,
-            Some(Err(_)) => Err(GuardError::protocol("the guard's thread panicked")),
+            Some(Err(_)) => Err(protocol_error("the guard's thread panicked")),
             None => Ok(()),
         }
     }
@@ -238,7 +233,7 @@ async fn run(
                     continue;
                 }
                 Some(libc::ECONNABORTED | libc::EINTR | libc::EPROTO) => continue,
-                _ => return Err(GuardError::os("accept")(e)),
+                _ => return Err(os_error("accept")(e)),
             },
         };
         // Over the limit: closed at once (dropped).
@@ -460,430 +455,6 @@ async fn hold(
                 refuse(&connection, Refusal::Invalid { why }).await;
             }
             Err(refusal) => refuse(&connection, refusal).await,
-        }
-    }
-}
-
-/// Where a group's lease stands.
-#[derive(Debug)]
-enum GroupState {
-    /// Made, never handed out: nobody has had the memory.
-    Fresh,
-    /// A live process holds it.
-    Leased(Lease),
-    /// Its last holder released it.
-    Released {
-        /// That holder's incarnation.
-        incarnation: u128,
-    },
-    /// Its last holder died holding it.
-    Orphaned {
-        /// That holder's incarnation.
-        dead: u128,
-    },
-}
-
-#[derive(Debug)]
-struct Lease {
-    id: u64,
-    pid: u32,
-    incarnation: u128,
-    pidfd: Arc<OwnedFd>,
-}
-
-/// One group: what its first claim fixed, its memory and its listener.
-#[derive(Debug)]
-struct Group {
-    compat_digest: u64,
-    layout: Layout,
-    /// The first claim's control string.
-    control_asked: String,
-    /// Where the listener is bound.
-    control: SocketAddr,
-    journal: File,
-    pools: Vec<(File, [u8; 16])>,
-    listener: TcpListener,
-    state: GroupState,
-    /// Incarnations that died holding it, oldest first.
-    dead: VecDeque<u128>,
-    /// While orphaned: the runner serving its recovered pages to peers.
-    backup: Option<crate::Runner>,
-}
-
-impl Group {
-    /// Makes the memory and binds the listener of a group's first claim.
-    fn create(claim: &ClaimMsg, control: SocketAddr) -> Result<Self, Refusal> {
-        let failed = |what: &str, e: &dyn std::fmt::Display| Refusal::Failed {
-            why: format!("{what}: {e}"),
-        };
-        let journal = crate::shared_memory::create_journal_file(claim.layout.journal_bytes)
-            .map_err(|e| failed("journal memfd", &e))?;
-        let mut pools = Vec::with_capacity(claim.layout.pools.len());
-        for (i, spec) in claim.layout.pools.iter().enumerate() {
-            let bytes = spec.bytes().unwrap_or(0);
-            let pool = crate::shared_memory::create_pool_file(bytes)
-                .map_err(|e| failed(&format!("pool {i} memfd"), &e))?;
-            pools.push(pool);
-        }
-        let listener = TcpListener::bind(control)
-            .map_err(|e| failed(&format!("bind control {control}"), &e))?;
-        let bound = listener
-            .local_addr()
-            .map_err(|e| failed("control address", &e))?;
-        Ok(Self {
-            compat_digest: claim.compat_digest,
-            layout: claim.layout.clone(),
-            control_asked: claim.control.clone(),
-            control: bound,
-            journal,
-            pools,
-            listener,
-            state: GroupState::Fresh,
-            dead: VecDeque::new(),
-            backup: None,
-        })
-    }
-
-    /// The first field in which `claim` differs from the group.
-    fn difference(&self, claim: &ClaimMsg, control: SocketAddr) -> Option<String> {
-        if claim.compat_digest != self.compat_digest {
-            return Some("compat_digest".into());
-        }
-        if let Some(field) = self.layout.first_difference(&claim.layout) {
-            return Some(field);
-        }
-        if claim.control != self.control_asked && control != self.control {
-            return Some("control".into());
-        }
-        None
-    }
-
-    /// Copies of the descriptors to send: journal, pools, listener.
-    fn descriptors(&self) -> io::Result<Vec<OwnedFd>> {
-        let mut fds = Vec::with_capacity(self.pools.len() + 2);
-        fds.push(OwnedFd::from(self.journal.try_clone()?));
-        for (pool, _) in &self.pools {
-            fds.push(OwnedFd::from(pool.try_clone()?));
-        }
-        fds.push(OwnedFd::from(self.listener.try_clone()?));
-        Ok(fds)
-    }
-}
-
-/// Starts the backup runner of orphaned `group` (see [`BackupServing`]);
-/// `None`, logged, when its journal cannot be served from or it fails to
-/// start (the memory stays held either way).
-fn start_backup(
-    id: u32,
-    group: &Group,
-    serving: &BackupServing,
-    log: &GuardLog,
-) -> Option<crate::Runner> {
-    use kvcr_contracts::endpoint::{AdvertisePolicy, BindAddress, Host};
-    let failed = |why: String| {
-        log.line(format!(
-            "group {id}: not serving the dead primary's pages: {why}"
-        ));
-    };
-    type PoolFiles = Vec<(File, [u8; 16])>;
-    let dups = || -> io::Result<(PoolFiles, TcpListener)> {
-        let pools = group
-            .pools
-            .iter()
-            .map(|(file, token)| Ok((file.try_clone()?, *token)))
-            .collect::<io::Result<Vec<_>>>()?;
-        Ok((pools, group.listener.try_clone()?))
-    };
-    let (pools, listener) = match dups() {
-        Ok(d) => d,
-        Err(e) => {
-            failed(format!("dup: {e}"));
-            return None;
-        }
-    };
-    let dead: Vec<u128> = group.dead.iter().copied().collect();
-    let claimed = match crate::warm::backup(id, pools, listener, &group.journal, &dead) {
-        Ok(c) => c,
-        Err(e) => {
-            failed(e.to_string());
-            return None;
-        }
-    };
-    let config = crate::RunnerConfig {
-        pools: group
-            .layout
-            .pools
-            .iter()
-            .map(|p| crate::PoolConfig {
-                name: p.name.clone(),
-                block_size: p.block_bytes,
-                blocks: p.blocks,
-            })
-            .collect(),
-        operation_timeout: serving.operation_timeout,
-        // The pages are in the guard's memory already; nothing is written.
-        prefault: false,
-        ..crate::RunnerConfig::default()
-    };
-    let mut peer = serving.peer.clone();
-    peer.guard = None;
-    let ip = group.control.ip();
-    peer.bind = BindAddress {
-        host: Some(ip),
-        port: group.control.port(),
-    };
-    if !ip.is_unspecified() {
-        peer.advertise_host = Host::Ip(ip);
-        peer.advertise_policy = if ip.is_loopback() {
-            AdvertisePolicy::SingleHost
-        } else {
-            AdvertisePolicy::CrossHost
-        };
-    }
-    match crate::Runner::start_backup(config, &peer, claimed) {
-        Ok(runner) => {
-            let seated = runner
-                .warm_start()
-                .and_then(|w| w.recovery.as_ref())
-                .map_or(0, |r| r.seated);
-            log.line(format!(
-                "group {id}: backup {} serves {seated} recovered pages at {}",
-                runner.incarnation(),
-                runner
-                    .endpoint()
-                    .map_or_else(String::new, ToString::to_string)
-            ));
-            Some(runner)
-        }
-        Err(e) => {
-            failed(e.to_string());
-            None
-        }
-    }
-}
-
-/// A claim granted but not yet delivered.
-struct Grant {
-    reply: GrantedMsg,
-    fds: Vec<OwnedFd>,
-    group: u32,
-    lease: u64,
-    /// The group's state before, restored if the grant is not delivered.
-    prior: GroupState,
-}
-
-/// Every group, and every decision about them.
-struct Registry {
-    groups: BTreeMap<u32, Group>,
-    next_lease: u64,
-    max_groups: usize,
-    max_pools: usize,
-    max_group_bytes: u64,
-    dead_kept: usize,
-    serve: Option<BackupServing>,
-}
-
-impl Registry {
-    fn new(config: &GuardConfig) -> Self {
-        Self {
-            groups: BTreeMap::new(),
-            next_lease: 1,
-            max_groups: config.max_groups,
-            max_pools: config.max_pools,
-            max_group_bytes: config.max_group_bytes,
-            dead_kept: config.dead_kept,
-            serve: config.serve.clone(),
-        }
-    }
-
-    /// Decides a claim by `pid` (whose pidfd is `pidfd`); on a grant, the
-    /// group is leased to it at once.
-    fn claim(
-        &mut self,
-        claim: &ClaimMsg,
-        pid: u32,
-        pidfd: &Arc<OwnedFd>,
-        log: &GuardLog,
-    ) -> Result<Grant, Refusal> {
-        if claim.version != VERSION {
-            return Err(Refusal::Version { got: claim.version });
-        }
-        let invalid = |why: String| Refusal::Invalid { why };
-        let incarnation = protocol::parse_hex128(&claim.incarnation)
-            .filter(|i| *i != 0)
-            .ok_or_else(|| invalid("incarnation is not 32 hex digits, not all 0".into()))?;
-        let control: SocketAddr = claim
-            .control
-            .parse()
-            .map_err(|_| invalid(format!("control {:?} is not ip:port", claim.control)))?;
-        claim
-            .layout
-            .check(self.max_pools, self.max_group_bytes)
-            .map_err(invalid)?;
-
-        let group = match self.groups.get_mut(&claim.group) {
-            Some(group) => {
-                if let Some(field) = group.difference(claim, control) {
-                    return Err(Refusal::Mismatch {
-                        group: claim.group,
-                        field,
-                    });
-                }
-                group
-            }
-            None => {
-                if self.groups.len() >= self.max_groups {
-                    return Err(Refusal::TooManyGroups {
-                        limit: u32::try_from(self.max_groups).unwrap_or(u32::MAX),
-                    });
-                }
-                let group = Group::create(claim, control)?;
-                log.line(format!(
-                    "group {} made: {} pools, journal {} bytes, control {}",
-                    claim.group,
-                    group.pools.len(),
-                    group.layout.journal_bytes,
-                    group.control
-                ));
-                self.groups.entry(claim.group).or_insert(group)
-            }
-        };
-        // A holder that has exited, though its task has not seen it yet.
-        if let GroupState::Leased(lease) = &group.state
-            && fd_passing::has_exited(lease.pidfd.as_fd()).unwrap_or(false)
-        {
-            let lease_id = lease.id;
-            Self::end_by_death(claim.group, group, lease_id, self.dead_kept, log);
-        }
-        if let GroupState::Leased(lease) = &group.state {
-            return Err(Refusal::Held {
-                group: claim.group,
-                pid: lease.pid,
-            });
-        }
-        // The new primary takes over from the backup: it stops first (its
-        // sessions close; destinations redial the same address).
-        if let Some(backup) = group.backup.take() {
-            let incarnation = backup.incarnation();
-            drop(backup);
-            log.line(format!(
-                "group {}: backup {incarnation} stopped for the claim",
-                claim.group
-            ));
-        }
-        let fds = group.descriptors().map_err(|e| Refusal::Failed {
-            why: format!("dup: {e}"),
-        })?;
-        let (warm, previous) = match group.state {
-            GroupState::Fresh => (false, None),
-            GroupState::Released { incarnation } | GroupState::Orphaned { dead: incarnation } => {
-                (true, Some(incarnation))
-            }
-            GroupState::Leased(_) => (true, None),
-        };
-        let lease = self.next_lease;
-        self.next_lease += 1;
-        let prior = std::mem::replace(
-            &mut group.state,
-            GroupState::Leased(Lease {
-                id: lease,
-                pid,
-                incarnation,
-                pidfd: Arc::clone(pidfd),
-            }),
-        );
-        let reply = GrantedMsg {
-            version: VERSION,
-            group: claim.group,
-            layout: group.layout.clone(),
-            pool_tokens: group
-                .pools
-                .iter()
-                .map(|(_, token)| protocol::token_hex(token))
-                .collect(),
-            control: group.control.to_string(),
-            warm,
-            previous_incarnation: previous.map(protocol::hex128),
-            dead_incarnations: group.dead.iter().copied().map(protocol::hex128).collect(),
-        };
-        log.line(format!(
-            "group {} granted to pid {pid} (incarnation {}){}",
-            claim.group,
-            protocol::hex128(incarnation),
-            if warm { ", warm" } else { ", fresh" }
-        ));
-        Ok(Grant {
-            reply,
-            fds,
-            group: claim.group,
-            lease,
-            prior,
-        })
-    }
-
-    /// The lease's holder exited: the group is orphaned, its incarnation
-    /// dead.
-    fn end_by_death(id: u32, group: &mut Group, lease: u64, dead_kept: usize, log: &GuardLog) {
-        let GroupState::Leased(held) = &group.state else {
-            return;
-        };
-        if held.id != lease {
-            return;
-        }
-        let (pid, dead) = (held.pid, held.incarnation);
-        group.state = GroupState::Orphaned { dead };
-        group.dead.push_back(dead);
-        while group.dead.len() > dead_kept {
-            group.dead.pop_front();
-        }
-        log.line(format!(
-            "primary pid {pid} (incarnation {}) of group {id} died",
-            protocol::hex128(dead)
-        ));
-    }
-
-    /// The holder of lease `lease` on `group` exited: with serving
-    /// configured, a backup serves the group's pages until the next claim.
-    fn died(&mut self, group: u32, lease: u64, log: &GuardLog) {
-        let dead_kept = self.dead_kept;
-        let Some(entry) = self.groups.get_mut(&group) else {
-            return;
-        };
-        Self::end_by_death(group, entry, lease, dead_kept, log);
-        if let (Some(serving), GroupState::Orphaned { .. }, None) =
-            (&self.serve, &entry.state, &entry.backup)
-        {
-            entry.backup = start_backup(group, entry, serving, log);
-        }
-    }
-
-    /// The holder of lease `lease` on `group` released it; false when that
-    /// lease has ended already.
-    fn release(&mut self, group: u32, lease: u64, log: &GuardLog) -> bool {
-        let Some(entry) = self.groups.get_mut(&group) else {
-            return false;
-        };
-        let GroupState::Leased(held) = &entry.state else {
-            return false;
-        };
-        if held.id != lease {
-            return false;
-        }
-        let (pid, incarnation) = (held.pid, held.incarnation);
-        entry.state = GroupState::Released { incarnation };
-        log.line(format!(
-            "group {group} released by pid {pid} (incarnation {})",
-            protocol::hex128(incarnation)
-        ));
-        true
-    }
-
-    /// A grant that was never delivered: the group goes back to `prior`.
-    fn rollback(&mut self, group: u32, lease: u64, prior: GroupState) {
-        if let Some(entry) = self.groups.get_mut(&group)
-            && matches!(&entry.state, GroupState::Leased(held) if held.id == lease)
-        {
-            entry.state = prior;
         }
     }
 }

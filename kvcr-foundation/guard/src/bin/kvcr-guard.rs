@@ -1,6 +1,6 @@
 //! `kvcr-guard --socket PATH`: the guard process. It owns the pool memory
 //! and control listeners of the groups claimed from it, so they outlive the
-//! engines that use them (see `kvcr_runner::guard`).
+//! engines that use them (see the `kvcr_guard` library).
 //!
 //! When a group's engine dies, the guard serves that group's recovered
 //! pages to peers on the engine's control address until a new engine claims
@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use kvcr_runner::guard::{BackupServing, GuardConfig, GuardService};
+use kvcr_guard::{BackupServing, GuardConfig, GuardService};
 
 const USAGE: &str = "usage: kvcr-guard --socket PATH [--no-serve] [--ucx-tls TLS] \
                      [--secret-file PATH] [--advertise-host IP] [--operation-timeout-ms MS]";

@@ -1,7 +1,7 @@
-//! Integration tests through the kvcr-foundation facade (one binary): the
-//! Guard. The runner's own integration tests are in `runner/tests/it`, the
-//! publisher's in `publisher/tests/it`, the UCX layer's in `ucx/tests` and the
-//! contracts' tables and snapshots in `contracts/tests`.
+//! Integration tests of the guard (one binary): runners under a guard
+//! served in this process. The guard's unit tests (its service, leases,
+//! deaths, over real sockets and processes) are in `src/tests.rs`; an engine
+//! killed mid-serve is `cargo xtask e2e --only engine-crash`.
 
 // Test helpers outside `#[test]` functions panic on purpose: a failed helper is
 // a failed test.
@@ -22,7 +22,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 
 mod guard;
 // The runner's peer-test nodes, shared with its own tests rather than copied;
-// the Guard's tests use only some of them.
+// the guard's tests use only some of them.
 #[allow(dead_code)]
-#[path = "../../runner/tests/it/nodes.rs"]
+#[path = "../../../runner/tests/it/nodes.rs"]
 mod nodes;

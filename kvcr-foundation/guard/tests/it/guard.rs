@@ -7,9 +7,9 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvcr_foundation::runner::guard::GuardService;
-use kvcr_foundation::runner::{GuardOptions, PeerOptions, QueryStatus};
-use kvcr_foundation::tier::{InventoryEvent, InventorySink};
+use kvcr_contracts::tier::{InventoryEvent, InventorySink};
+use kvcr_guard::GuardService;
+use kvcr_runner::{GuardOptions, PeerOptions, QueryStatus};
 
 use crate::nodes::{BLOCK, Node, key, node_with, restore_all, stock, wait};
 
@@ -175,7 +175,7 @@ fn an_overflowed_journal_disables_recovery_and_nothing_else() {
 /// gives the group back, so the same process can claim it again.
 #[test]
 fn a_failed_start_gives_the_group_back() {
-    use kvcr_foundation::runner::{G3Options, Runner, RunnerConfig};
+    use kvcr_runner::{G3Options, Runner, RunnerConfig};
     let _serial = crate::serial();
     let dir = scratch("failed-start");
     let socket = dir.join("guard.sock");
