@@ -650,6 +650,7 @@ fn start_backup(
                 "group {id}: backup {} serves {seated} recovered pages at {}",
                 runner.incarnation(),
                 runner
+                    .peers()
                     .endpoint()
                     .map_or_else(String::new, ToString::to_string)
             ));
