@@ -556,24 +556,6 @@ impl Runner {
         }
     }
 
-    /// A snapshot of counts and counters.
-    pub fn stats(&self) -> RunnerStats {
-        let inner = self.shared.lock();
-        let core = &inner.core;
-        let (ready, filling, discarding) = core.state_counts();
-        RunnerStats {
-            policy: core.policy_name(),
-            ready,
-            filling,
-            discarding,
-            public_claims: core.public_claims(),
-            ops_in_flight: core.ops_in_flight(),
-            copies_in_flight: core.jobs_in_flight(),
-            pools: core.pool_stats(),
-            counters: core.counters(),
-        }
-    }
-
     /// Test support: checks the core's structural invariants (for tests and
     /// debugging; it walks the whole index under the lock).
     #[doc(hidden)]

@@ -1,11 +1,32 @@
-//! The runner's named stats structs beyond the core's
-//! [`RunnerStats`](kvcr_runner_core::RunnerStats): what the facets report
-//! ([`Peers::stats`](crate::Peers::stats),
+//! What the runner reports: [`Runner::stats`], its snapshot of the core's
+//! counts and counters ([`RunnerStats`]), and the named structs its facets
+//! report ([`Peers::stats`](crate::Peers::stats),
 //! [`Pools::g3_stats`](crate::Pools::g3_stats)).
 
-use kvcr_runner_core::{G3Counters, PeerCounters};
+use kvcr_runner_core::{G3Counters, PeerCounters, RunnerStats};
 
+use crate::Runner;
 use crate::g3::G3Error;
+
+impl Runner {
+    /// A snapshot of counts and counters.
+    pub fn stats(&self) -> RunnerStats {
+        let inner = self.shared.lock();
+        let core = &inner.core;
+        let (ready, filling, discarding) = core.state_counts();
+        RunnerStats {
+            policy: core.policy_name(),
+            ready,
+            filling,
+            discarding,
+            public_claims: core.public_claims(),
+            ops_in_flight: core.ops_in_flight(),
+            copies_in_flight: core.jobs_in_flight(),
+            pools: core.pool_stats(),
+            counters: core.counters(),
+        }
+    }
+}
 
 /// The peer protocol's state: the core's counters and the driver's sockets.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
