@@ -169,7 +169,7 @@ fn tp2_source(rank: u32, pages: u32) {
         ticket,
         success: true
     }));
-    println!("ENDPOINT {}", linker.runner().endpoint().unwrap());
+    println!("ENDPOINT {}", linker.runner().peers().endpoint().unwrap());
     let mut line = String::new();
     while std::io::stdin().read_line(&mut line).is_ok_and(|n| n > 0) {
         line.clear();
@@ -532,7 +532,7 @@ fn main() {
         unsafe { DirectLinker::new(config, KvMemory::Cuda(Arc::clone(&copier))) }.unwrap();
     println!(
         "# direct: setup (device pool, {:.1} GB KVCR DRAM pinned) {:.1} s",
-        linker.runner().pool_bytes() as f64 / 1e9,
+        linker.runner().pools().bytes() as f64 / 1e9,
         t.elapsed().as_secs_f64()
     );
     let bytes = layout.page_bytes() * u64::from(pages);

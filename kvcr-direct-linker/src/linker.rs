@@ -170,7 +170,7 @@ fn start_runner(
         None => Runner::start(runner_config, None)?,
     };
     if let KvMemory::Cuda(copier) = memory {
-        runner.set_device_copier(Arc::clone(copier) as _)?;
+        runner.pools().set_device_copier(Arc::clone(copier) as _)?;
     }
     let mut regions = Vec::with_capacity(spans);
     for desc in config.layout.regions() {
@@ -293,7 +293,7 @@ impl DirectLinker {
             .collect();
         let attempt = context.attempt().clone();
         let op = if self.submit_hints(context) {
-            self.runner.deliver_hinted(&attempt.request, entries)?
+            self.runner.hints().deliver(&attempt.request, entries)?
         } else {
             self.runner.deliver(entries)?
         };
@@ -317,7 +317,8 @@ impl DirectLinker {
         if hinted {
             for hint in context.hints() {
                 self.runner
-                    .submit_hint(context.attempt().request.clone(), hint);
+                    .hints()
+                    .submit(context.attempt().request.clone(), hint);
             }
         }
         hinted
@@ -538,7 +539,8 @@ impl RequestHooks for DirectLinker {
             .collect();
         let op = if self.submit_hints(context) {
             self.runner
-                .fetch_hinted(&attempt.request, &keys, &self.pool_layout)
+                .hints()
+                .fetch(&attempt.request, &keys, &self.pool_layout)
         } else {
             self.runner.fetch(&keys, &self.pool_layout)
         };
@@ -556,7 +558,7 @@ impl RequestHooks for DirectLinker {
         let released = self.prepared.end(attempt)?;
         self.release_claims(released);
         if self.config.peer.is_some() {
-            self.runner.discard_hint(&attempt.request);
+            self.runner.hints().discard(&attempt.request);
         }
         Ok(())
     }

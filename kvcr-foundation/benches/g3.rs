@@ -378,7 +378,7 @@ fn deposit_rate(g3_dir: Option<&std::path::Path>, src: &DirectBuf, calls: usize)
     // pages, then decoding): between two timed deposits the spills ahead
     // finish, as they do whenever the disk keeps up on average.
     let settle = |runner: &Runner| {
-        while runner.g3_stats().is_some_and(|g| {
+        while runner.pools().g3_stats().is_some_and(|g| {
             g.counters.spills > g.counters.spills_committed + g.counters.spills_failed
         }) {
             std::thread::sleep(Duration::from_millis(1));
@@ -412,7 +412,7 @@ fn deposit_rate(g3_dir: Option<&std::path::Path>, src: &DirectBuf, calls: usize)
                 "page {k} read back from G3 differs"
             );
         }
-        assert_eq!(runner.g3_stats().unwrap().failed_transfers, 0);
+        assert_eq!(runner.pools().g3_stats().unwrap().failed_transfers, 0);
     }
     dst.fill(0);
     drop(runner);

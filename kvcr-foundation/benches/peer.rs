@@ -205,11 +205,11 @@ fn source(spec: &str) {
             .any(|r| r.op == op)
         {}
     }
-    println!("{}", runner.endpoint().unwrap());
+    println!("{}", runner.peers().endpoint().unwrap());
     std::io::stdout().flush().unwrap();
     let mut line = String::new();
     let _ = std::io::stdin().read_line(&mut line);
-    let stats = runner.control_stats();
+    let stats = runner.peers().control_stats();
     if stats.mailbox_requests_taken + stats.mailbox_requests_refused > 0 {
         eprintln!(
             "# source: {} requests taken from its mailboxes ({} refused), {} socket copies dropped",
@@ -269,7 +269,7 @@ fn fetch(
             key: BlockKey::from_u64(k),
         })
         .collect();
-    target.submit_hint(
+    target.hints().submit(
         request.clone(),
         &FetchHint {
             source: source.clone(),
@@ -280,7 +280,7 @@ fn fetch(
     );
     let pool = target.pool("kv").unwrap();
     let start = Instant::now();
-    let op = target.fetch_hinted(&request, &scoped, &[pool]).unwrap();
+    let op = target.hints().fetch(&request, &scoped, &[pool]).unwrap();
     let result = loop {
         if let Some(r) = target
             .wait_completed(Duration::from_secs(5))
@@ -307,7 +307,7 @@ fn fetch(
         }
     }
     target.release(&handles);
-    target.discard_hint(&request);
+    target.hints().discard(&request);
     secs
 }
 
@@ -550,7 +550,7 @@ fn one_block(path: Path<'_>, block: usize, iters: usize) -> Vec<f64> {
         })
         .collect();
     let target = &requests.target;
-    let stats = target.control_stats();
+    let stats = target.peers().control_stats();
     println!(
         "# one-block {} B over {}: of {} writes, {} completed on the doorbell ({} records refused), \
          {} write message parts taken ({} refused), {} data stream frames taken ({} refused), \

@@ -232,7 +232,7 @@ fn resident(n: usize) -> (Setup, f64) {
     // startup), except the pool and the two engine buffers, which are payload.
     let before = LIVE.load(Ordering::Relaxed);
     let mut s = setup(TINY, n as u32, n);
-    let payload = (s.runner.pool_bytes() + 2 * (TINY * n) as u64) as i64;
+    let payload = (s.runner.pools().bytes() + 2 * (TINY * n) as u64) as i64;
     const BATCH: usize = 8192;
     for start in (0..n).step_by(BATCH) {
         let entries: Vec<DepositEntry> = (start..(start + BATCH).min(n))
@@ -248,7 +248,7 @@ fn resident(n: usize) -> (Setup, f64) {
         let op = s.runner.deposit(entries, false).unwrap();
         wait(&mut s.runner, op);
     }
-    assert_eq!(s.runner.resident_blocks(), n);
+    assert_eq!(s.runner.pools().resident_blocks(), n);
     let per_block = (LIVE.load(Ordering::Relaxed) - before - payload) as f64 / n as f64;
     (s, per_block)
 }

@@ -77,7 +77,7 @@ use kvcr_foundation::publisher::{
 };
 use kvcr_foundation::runner::{
     DepositEntry, EntryResult, G3Options, GuardOptions, OpResult, PageInfo, PeerNotice,
-    PeerOptions, RegionDesc, ReleaseHandle, Runner, RunnerConfig, WarmStart,
+    PeerOptions, PeerStats, RegionDesc, ReleaseHandle, Runner, RunnerConfig, WarmStart,
 };
 use kvcr_foundation::{
     BlockKey, CompatDigest, FetchHint, Namespace, NamespaceId, RequestId, ScopedKey,
@@ -121,7 +121,7 @@ struct Node {
 
 impl Node {
     fn take_notices(&mut self) {
-        for notice in self.runner.take_notices() {
+        for notice in self.runner.peers().take_notices() {
             match notice {
                 PeerNotice::Uncertain { op } => self.uncertain.push(op.0),
                 PeerNotice::Quiesced { op } => self.quiesced.push(op.0),
@@ -353,6 +353,7 @@ fn main() {
         })
         .collect();
     let endpoint = runner
+        .peers()
         .endpoint()
         .map(ToString::to_string)
         .unwrap_or_default();
@@ -573,18 +574,18 @@ fn restore(node: &mut Node, cmd: &Value) {
         action_id: None,
     };
     let start = Instant::now();
-    node.runner.submit_hint(request.clone(), &hint);
+    node.runner.hints().submit(request.clone(), &hint);
     let Some(pool) = node.runner.pool("kv") else {
         return answer("ERROR", &json!({ "error": "no pool" }));
     };
     let scoped: Vec<ScopedKey> = keys.iter().map(|(_, _, k)| *k).collect();
-    let op = match node.runner.fetch_hinted(&request, &scoped, &[pool]) {
+    let op = match node.runner.hints().fetch(&request, &scoped, &[pool]) {
         Ok(op) => op,
         Err(e) => return answer("ERROR", &json!({ "error": e.to_string() })),
     };
     let result = wait(&mut node.runner, op);
     let secs = start.elapsed().as_secs_f64();
-    node.runner.discard_hint(&request);
+    node.runner.hints().discard(&request);
     let completed = result.is_some();
     let mut checked = Checked::default();
     let entries = result.map(|r| r.entries).unwrap_or_default();
@@ -630,10 +631,10 @@ fn restore_many(node: &mut Node, cmd: &Value) {
             mode: FetchMode::Copy,
             action_id: None,
         };
-        node.runner.submit_hint(request.clone(), &hint);
+        node.runner.hints().submit(request.clone(), &hint);
         let keys = node.keys(slice, *first, &shards);
         let scoped: Vec<ScopedKey> = keys.iter().map(|(_, _, k)| *k).collect();
-        match node.runner.fetch_hinted(&request, &scoped, &[pool]) {
+        match node.runner.hints().fetch(&request, &scoped, &[pool]) {
             Ok(op) => pending.push((request, op, keys)),
             Err(e) => return answer("ERROR", &json!({ "error": e.to_string() })),
         }
@@ -644,7 +645,7 @@ fn restore_many(node: &mut Node, cmd: &Value) {
     let mut checked = Checked::default();
     let mut completed = 0;
     for (request, op, keys) in &pending {
-        node.runner.discard_hint(request);
+        node.runner.hints().discard(request);
         let entries = results.remove(op).map(|r| r.entries);
         completed += usize::from(entries.is_some());
         checked.add(node, keys, &entries.unwrap_or_default(), seed);
@@ -698,8 +699,11 @@ fn query(node: &Node, cmd: &Value) {
 fn stats(node: &mut Node, publisher: Option<&Publisher>) {
     node.take_notices();
     let s = node.runner.stats();
-    let (peer, sockets) = node.runner.peer_stats();
-    let control = node.runner.control_stats();
+    let PeerStats {
+        counters: peer,
+        open_sockets: sockets,
+    } = node.runner.peers().stats();
+    let control = node.runner.peers().control_stats();
     let pool = s.pools.first();
     let publisher = publisher.map(|p| {
         let p = p.stats();
@@ -747,7 +751,7 @@ fn stats(node: &mut Node, publisher: Option<&Publisher>) {
                 "appended": j.appended, "compactions": j.compactions,
                 "live_pages": j.live_pages, "held_slots": j.held_slots, "disabled": j.disabled,
             })),
-            "g3": node.runner.g3_stats().map(|g| json!({
+            "g3": node.runner.pools().g3_stats().map(|g| json!({
                 "spills": g.counters.spills_committed, "spills_failed": g.counters.spills_failed,
                 "fills": g.counters.fills, "fills_failed": g.counters.fills_failed,
                 "evictions": g.counters.evictions, "resident": g.counters.resident,

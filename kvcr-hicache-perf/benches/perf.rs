@@ -396,7 +396,7 @@ fn source(spec: &str) {
         )
         .unwrap();
     wait(&mut runner, op);
-    println!("{}", runner.endpoint().unwrap());
+    println!("{}", runner.peers().endpoint().unwrap());
     std::io::stdout().flush().unwrap();
     let mut l = String::new();
     let _ = std::io::stdin().read_line(&mut l);
@@ -465,7 +465,7 @@ fn peer_fetch_16mib(tls: &str, split: PutSplit, reps: usize) -> (f64, f64) {
     let mut fetch_one = |source: &Source, s: usize, k: u64| {
         let request = RequestId(format!("perf-{s}-{k}"));
         let scoped = [key(ns, k + s as u64 * OTHER)];
-        target.submit_hint(
+        target.hints().submit(
             request.clone(),
             &FetchHint {
                 source: source.endpoint.clone(),
@@ -475,7 +475,7 @@ fn peer_fetch_16mib(tls: &str, split: PutSplit, reps: usize) -> (f64, f64) {
             },
         );
         let start = Instant::now();
-        let op = target.fetch_hinted(&request, &scoped, &[pool]).unwrap();
+        let op = target.hints().fetch(&request, &scoped, &[pool]).unwrap();
         let result = wait(&mut target, op);
         let secs = start.elapsed().as_secs_f64();
         let handles: Vec<_> = result
@@ -485,7 +485,7 @@ fn peer_fetch_16mib(tls: &str, split: PutSplit, reps: usize) -> (f64, f64) {
             .collect();
         assert_eq!(handles.len(), 1, "the key was not fetched");
         target.release(&handles);
-        target.discard_hint(&request);
+        target.hints().discard(&request);
         MIB16 as f64 / secs / 1e9
     };
     // Warm each route (metadata, endpoint, rkeys) outside the measurement.

@@ -38,7 +38,8 @@ pub fn anonymous_on_node(huge_pages: HugePages, node: u16) -> PoolMemory {
 /// Audits every pool of `runner` (at most `max_samples` pages each).
 pub fn audit_runner(runner: &Runner, max_samples: u64) -> Result<Vec<PoolAudit>> {
     runner
-        .pool_memory()
+        .pools()
+        .memory()
         .iter()
         .map(|info| audit(info, max_samples))
         .collect()

@@ -194,7 +194,7 @@ pub fn restore(
             .filter_map(|&i| entries.get(i).cloned())
             .collect();
         let op = match request {
-            Some(r) => runner.deliver_hinted(r, normal)?,
+            Some(r) => runner.hints().deliver(r, normal)?,
             None => runner.deliver(normal)?,
         };
         let result = wait_for(runner, op)?;

@@ -338,7 +338,7 @@ pub fn deliver_windowed(
         |chunk| {
             let entries = chunks.get_mut(chunk)?.take()?;
             let submitted = match request {
-                Some(q) => runner.deliver_hinted(q, entries),
+                Some(q) => runner.hints().deliver(q, entries),
                 None => runner.deliver(entries),
             };
             match submitted {

@@ -46,7 +46,7 @@ fn thp_usable() -> bool {
 #[test]
 fn the_default_backing_reports_no_placement() {
     let runner = Runner::start(RunnerConfig::single_pool("kv", BLOCK, BLOCKS), None).unwrap();
-    let info = &runner.pool_memory()[0];
+    let info = &runner.pools().memory()[0];
     assert_eq!(
         (info.name.as_str(), info.len),
         ("kv", BLOCK * u64::from(BLOCKS))
@@ -92,7 +92,7 @@ fn a_pool_smaller_than_a_huge_page_downgrades_or_refuses_as_asked() {
         ..RunnerConfig::single_pool("kv", 4096, 4)
     };
     let runner = Runner::start(small(HugePages::Prefer), None).unwrap();
-    let outcome = runner.pool_memory()[0].placement.clone().unwrap();
+    let outcome = runner.pools().memory()[0].placement.clone().unwrap();
     assert!(!outcome.huge_pages_advised);
     assert_eq!(outcome.downgrades.len(), 1);
     drop(runner);

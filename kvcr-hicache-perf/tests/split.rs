@@ -135,10 +135,10 @@ fn split_puts_restore_every_byte(
             .all(|(_, e)| e.is_success())
     );
     let request = RequestId("split".into());
-    target.runner.submit_hint(
+    target.runner.hints().submit(
         request.clone(),
         &FetchHint {
-            source: source.runner.endpoint().unwrap().clone(),
+            source: source.runner.peers().endpoint().unwrap().clone(),
             block_hashes: keys.iter().map(|k| BlockKey::from_u64(*k)).collect(),
             mode: FetchMode::Copy,
             action_id: None,
@@ -148,7 +148,8 @@ fn split_puts_restore_every_byte(
     let pool = target.runner.pool("kv").unwrap();
     let op = target
         .runner
-        .fetch_hinted(&request, &scoped, &[pool])
+        .hints()
+        .fetch(&request, &scoped, &[pool])
         .unwrap();
     let result = wait(&mut target.runner, op);
     for (k, (_, entry)) in keys.iter().zip(&result.entries) {

@@ -632,7 +632,7 @@ impl KvcrHiCacheStorage {
             regions.push(unsafe { runner.register_region(region) }?);
         }
         runner.set_inventory_sink(Box::new(self.evictions.clone()));
-        let endpoint = runner.endpoint().cloned();
+        let endpoint = runner.peers().endpoint().cloned();
         *lock(&self.ledger) = Ledger::new(
             InventoryScope {
                 owner: Owner::Kvcr,
@@ -854,13 +854,13 @@ impl KvcrHiCacheStorage {
                 RequestId(format!("kvcr-hicache-anonymous-{}", scopes.next_anonymous))
             }
         };
-        runner.submit_hint(request.clone(), &hint);
+        runner.hints().submit(request.clone(), &hint);
         if !scopes.live.contains(&request) {
             scopes.live.push_back(request.clone());
         }
         while scopes.live.len() > self.backend.max_hinted_requests {
             if let Some(old) = scopes.live.pop_front() {
-                runner.discard_hint(&old);
+                runner.hints().discard(&old);
             }
         }
         Some(request)
@@ -868,7 +868,7 @@ impl KvcrHiCacheStorage {
 
     fn end_anonymous_scope(&self, runner: &Runner, extra: &ExtraInfo, scope: &Option<RequestId>) {
         if let (None, Some(request)) = (&extra.request_id, scope) {
-            runner.discard_hint(request);
+            runner.hints().discard(request);
             lock(&self.hints).live.retain(|r| r != request);
         }
     }
@@ -876,7 +876,7 @@ impl KvcrHiCacheStorage {
     /// Ends a request's hint scope (call when the request finishes).
     pub fn discard_request(&self, request: &RequestId) {
         if let Some(active) = self.active.get() {
-            active.runner.discard_hint(request);
+            active.runner.hints().discard(request);
         }
         lock(&self.hints).live.retain(|r| r != request);
     }
@@ -908,7 +908,7 @@ impl KvcrHiCacheStorage {
         'keys: for key in keys {
             for scoped in active.scoped(*key) {
                 let status = match &scope {
-                    Some(request) => runner.query_hinted(request, &scoped),
+                    Some(request) => runner.hints().query(request, &scoped),
                     None => runner.query(&scoped),
                 };
                 if status == QueryStatus::Miss {
@@ -993,7 +993,7 @@ impl KvcrHiCacheStorage {
                     for (s, scoped) in active.scoped(*key).enumerate() {
                         if let Some(request) = &scope {
                             remote |= matches!(
-                                runner.query_hinted(request, &scoped),
+                                runner.hints().query(request, &scoped),
                                 QueryStatus::Fetchable(_)
                             );
                         }
@@ -1007,7 +1007,7 @@ impl KvcrHiCacheStorage {
                     }
                 }
                 let op = match &scope {
-                    Some(request) => runner.deliver_hinted(request, entries)?,
+                    Some(request) => runner.hints().deliver(request, entries)?,
                     None => runner.deliver(entries)?,
                 };
                 (op, hinted)
@@ -1232,7 +1232,7 @@ impl KvcrHiCacheStorage {
 
     /// The runner's G3 state (with `g3_paths`, once registered).
     pub fn runner_g3_stats(&self) -> Option<kvcr_foundation::runner::G3Stats> {
-        self.active.get().and_then(|a| a.runner.g3_stats())
+        self.active.get().and_then(|a| a.runner.pools().g3_stats())
     }
 
     /// The runner's peer counters (peer mode, once registered).
@@ -1240,7 +1240,7 @@ impl KvcrHiCacheStorage {
         self.active
             .get()
             .filter(|a| a.endpoint.is_some())
-            .map(|a| a.runner.peer_stats().0)
+            .map(|a| a.runner.peers().stats().counters)
     }
 
     /// Checks the runner's structural invariants (tests and debugging).

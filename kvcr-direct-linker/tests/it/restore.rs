@@ -324,7 +324,7 @@ fn source_process() {
     };
     let mut f = peer_fixture(backend);
     offload(&mut f, &keys(PEER_PAGES), PEER_SEED);
-    let endpoint = f.linker.runner().endpoint().unwrap().to_string();
+    let endpoint = f.linker.runner().peers().endpoint().unwrap().to_string();
     say(&format!("READY {endpoint}"));
     let mut line = String::new();
     while std::io::stdin().read_line(&mut line).is_ok_and(|n| n > 0) {
@@ -421,7 +421,7 @@ fn peer_restore_from_another_process() {
 
 fn hint_to(source: &Fixture, keys: &[BlockKey]) -> FetchHint {
     FetchHint {
-        source: source.linker.runner().endpoint().unwrap().clone(),
+        source: source.linker.runner().peers().endpoint().unwrap().clone(),
         block_hashes: keys.to_vec(),
         mode: FetchMode::Copy,
         action_id: None,
@@ -561,7 +561,7 @@ fn pipelined_peer_restore_reports_the_restored_prefix() {
             (3, wanted.len() as u32),
             "{name}: the prefix before the missing key"
         );
-        let (counters, _) = dest.linker.runner().peer_stats();
+        let counters = dest.linker.runner().peers().stats().counters;
         assert_eq!(
             counters.writes_requested,
             wanted.len() as u64,

@@ -97,6 +97,7 @@ pub(crate) fn start_backup(
                 "group {id}: backup {} serves {seated} recovered pages at {}",
                 runner.incarnation(),
                 runner
+                    .peers()
                     .endpoint()
                     .map_or_else(String::new, ToString::to_string)
             ));

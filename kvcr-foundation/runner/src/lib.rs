@@ -38,6 +38,7 @@ mod copy;
 mod device;
 mod doorbell;
 pub mod error;
+mod facets;
 pub mod g3;
 pub mod guard;
 #[allow(unsafe_code)]
@@ -50,6 +51,7 @@ mod placement;
 mod shared;
 mod shared_memory;
 mod startup;
+mod stats;
 // compat shim: removed once the split lands
 mod stream;
 #[cfg(test)]
@@ -57,8 +59,8 @@ mod tests;
 mod warm;
 mod wire;
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
 use kvcr_runner_core::Core;
@@ -76,6 +78,7 @@ pub use self::config::{
 };
 pub use self::device::DeviceCopier;
 pub use self::error::{Error, Result};
+pub use self::facets::{Hints, Peers, Pools};
 pub use self::g3::{G3Error, G3Options, G3Store};
 use self::memory::DramPool;
 pub use self::net::{ControlCounters, ControlLimits};
@@ -86,10 +89,10 @@ pub use self::placement::{
 };
 use self::shared::{CapacityCallback, Shared};
 use self::startup::StartupStage;
+pub use self::stats::{G3Stats, PeerStats};
 pub use self::warm::WarmStart;
 use crate::error::RunnerReason;
 use kvcr_contracts::endpoint::ControlEndpoint;
-use kvcr_contracts::hint::{FetchHint, RequestId};
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::key::{Namespace, NamespaceId, ScopedKey};
 use kvcr_contracts::protocol::{OpHandle, RegionId};
@@ -97,22 +100,12 @@ use kvcr_contracts::tier::InventorySink;
 pub use kvcr_runner_core::RecoveryReport;
 pub use kvcr_runner_core::journal::JournalStats;
 
-/// Bytes of KVCR DRAM currently allocated by all runners in this process
-/// (a leak check: it returns to its old value after a runner is closed or a
-/// startup fails).
+/// Test support: bytes of KVCR DRAM currently allocated by all runners in
+/// this process (a leak check: it returns to its old value after a runner is
+/// closed or a startup fails).
+#[doc(hidden)]
 pub fn process_pool_bytes() -> u64 {
     memory::live_pool_bytes()
-}
-
-/// G3's state: the core's counters and what its I/O reported.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct G3Stats {
-    /// Spills, fills, evictions, bytes, occupancy.
-    pub counters: G3Counters,
-    /// Transfers the files refused (each failed its spill or fill).
-    pub failed_transfers: u64,
-    /// The last of those errors (a full disk, a file gone, ...).
-    pub last_error: Option<G3Error>,
 }
 
 /// The rank-local runner.
@@ -121,6 +114,11 @@ pub struct G3Stats {
 /// and applies their outcomes to the shared core (so operations complete
 /// without polling). The sink and the capacity callback run on either thread,
 /// under the runner's lock: they must not call back into the runner.
+///
+/// The runner keeps the engine's operations; the rest it hands out as
+/// facets: [`hints`](Self::hints) (operations under a router hint),
+/// [`peers`](Self::peers) (the peer protocol's controls and counters) and
+/// [`pools`](Self::pools) (its DRAM pools, device copier and G3 tier).
 ///
 /// Drop order is load-bearing: `copy` is declared before `pools`, so dropping a
 /// runner stops and joins the copy thread before the pools it copies into and
@@ -272,98 +270,6 @@ impl Runner {
             .and_then(warm::RunnerJournal::stats)
     }
 
-    /// Where each pool's memory is and how it was placed (for audits such as
-    /// `kvcr-hicache-perf`'s, which reads where its pages really are).
-    pub fn pool_memory(&self) -> &[PoolMemoryInfo] {
-        &self.pool_memory
-    }
-
-    /// This runner's advertised control endpoint (peer mode only).
-    pub fn endpoint(&self) -> Option<&ControlEndpoint> {
-        self.endpoint.as_ref()
-    }
-
-    /// Test support: this runner's UCX worker address, which every source
-    /// it dials receives in its metadata (the hostile-member tests connect
-    /// to it as such a member would). Not for production use.
-    #[doc(hidden)]
-    pub fn peer_worker_address(&self) -> Option<&[u8]> {
-        self.worker_address.as_deref()
-    }
-
-    /// Records a request's router hint (and starts the metadata handshake
-    /// with its source, off the fetch path).
-    pub fn submit_hint(&self, request: RequestId, hint: &FetchHint) {
-        self.with_core(|core, now| core.submit_hint(now, request, hint));
-    }
-
-    /// Ends a request's hint scope.
-    pub fn discard_hint(&self, request: &RequestId) {
-        self.with_core(|core, _| core.discard_hint(request));
-    }
-
-    /// `fetch` under a request: keys missing here that the request's hint
-    /// places on a peer are pulled from it into KVCR DRAM.
-    pub fn fetch_hinted(
-        &self,
-        request: &RequestId,
-        keys: &[ScopedKey],
-        layout: &[PoolId],
-    ) -> Result<OpHandle> {
-        self.core_call(|core, now| core.fetch(now, keys, layout, Some(request)))
-    }
-
-    /// `deliver` under a request: missing hinted keys are pulled from the peer
-    /// first, then copied into the destinations.
-    pub fn deliver_hinted(
-        &self,
-        request: &RequestId,
-        entries: Vec<DeliverEntry>,
-    ) -> Result<OpHandle> {
-        self.core_call(|core, now| core.deliver(now, entries, Some(request)))
-    }
-
-    /// `query` under a request: a miss the request's hint covers is `Fetchable`.
-    pub fn query_hinted(&self, request: &RequestId, key: &ScopedKey) -> QueryStatus {
-        self.shared.lock().core.query_request(key, Some(request))
-    }
-
-    /// Notices about memory a peer may still write (uncertain / quiesced).
-    pub fn take_notices(&self) -> Vec<PeerNotice> {
-        self.shared.lock().core.take_notices()
-    }
-
-    /// Peer protocol counters, and the control sockets open now.
-    pub fn peer_stats(&self) -> (PeerCounters, usize) {
-        let counters = self.shared.lock().core.peer_counters();
-        let sockets = self
-            .peer
-            .as_ref()
-            .map_or(0, |p| p.stats.open_sockets.load(Ordering::Relaxed));
-        (counters, sockets)
-    }
-
-    /// The control channel's counters: what it refused and cut (all zero
-    /// without peers).
-    pub fn control_stats(&self) -> ControlCounters {
-        self.peer
-            .as_ref()
-            .map_or_else(ControlCounters::default, |p| p.stats.snapshot())
-    }
-
-    /// Sizes of the core's per-peer state (routes, fences, hints, ...): what
-    /// the trust rules bound.
-    pub fn peer_state_sizes(&self) -> PeerStateSizes {
-        self.shared.lock().core.peer_state_sizes()
-    }
-
-    /// Forgets a peer: closes its control socket and data route.
-    pub fn forget_peer(&self, peer: &ControlEndpoint) {
-        if let Some(driver) = self.peer.as_ref() {
-            let _ = driver.tx.send(peer::PeerCmd::Forget(peer.clone()));
-        }
-    }
-
     /// Sends inventory events (owner KVCR, tier KVCR DRAM) to `sink`.
     ///
     /// A runner that recovered pages from its guard first sends the
@@ -414,29 +320,6 @@ impl Runner {
             .core
             .register_region(desc)
             .map_err(Error::from)
-    }
-
-    /// Sets the copier that runs every copy job touching device regions and
-    /// hands it the pools to pin ([`DeviceCopier::attach`]). Once per runner;
-    /// the runner detaches it when dropped, after its copy thread stops and
-    /// before its pools are freed.
-    pub fn set_device_copier(&self, copier: Arc<dyn DeviceCopier>) -> Result<()> {
-        // Under the core's lock, so two callers cannot both attach.
-        let mut inner = self.shared.lock();
-        if inner.device.is_some() || self.device.get().is_some() {
-            return Err(Error::runner(RunnerReason::DeviceCopierSet));
-        }
-        let pools = inner.core.pool_ranges();
-        copier.attach(&pools)?;
-        inner.device = Some(Arc::clone(&copier));
-        // Cannot be set already: the check above ran under the same lock.
-        let _ = self.device.set(copier);
-        Ok(())
-    }
-
-    /// The runner's pools (host DRAM), as a device copier sees them.
-    pub fn pool_ranges(&self) -> Vec<PoolRange> {
-        self.shared.lock().core.pool_ranges()
     }
 
     /// Registers a framework region in device memory (a GPU address in the
@@ -662,52 +545,9 @@ impl Runner {
         }
     }
 
-    /// A snapshot of counts and counters.
-    pub fn stats(&self) -> RunnerStats {
-        let inner = self.shared.lock();
-        let core = &inner.core;
-        let (ready, filling, discarding) = core.state_counts();
-        RunnerStats {
-            policy: core.policy_name(),
-            ready,
-            filling,
-            discarding,
-            public_claims: core.public_claims(),
-            ops_in_flight: core.ops_in_flight(),
-            copies_in_flight: core.jobs_in_flight(),
-            pools: core.pool_stats(),
-            counters: core.counters(),
-        }
-    }
-
-    /// What G3 did and holds, and what its I/O reported (`None` without G3).
-    pub fn g3_stats(&self) -> Option<G3Stats> {
-        let inner = self.shared.lock();
-        let counters = inner.core.g3_counters()?;
-        let (failed_transfers, last_error) = inner.g3.as_ref().map_or((0, None), |d| {
-            let stats = d.stats();
-            (
-                stats.failed_transfers.load(Ordering::Relaxed),
-                stats
-                    .last_error
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .clone(),
-            )
-        });
-        Some(G3Stats {
-            counters,
-            failed_transfers,
-            last_error,
-        })
-    }
-
-    /// Number of resident (READY, FILLING or DISCARDING) pages.
-    pub fn resident_blocks(&self) -> usize {
-        self.shared.lock().core.resident_blocks()
-    }
-
-    /// Checks the core's structural invariants (for tests and debugging).
+    /// Test support: checks the core's structural invariants (for tests and
+    /// debugging; it walks the whole index under the lock).
+    #[doc(hidden)]
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         self.shared.lock().core.check_invariants()
     }
@@ -737,10 +577,5 @@ impl Runner {
         }
         drop(self);
         Ok(())
-    }
-
-    /// Total bytes of KVCR DRAM this runner owns.
-    pub fn pool_bytes(&self) -> u64 {
-        self.pool_bytes
     }
 }

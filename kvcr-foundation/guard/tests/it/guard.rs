@@ -64,7 +64,7 @@ fn a_restarted_runner_takes_its_pages_back_warm() {
     let start = first.runner.warm_start().unwrap().clone();
     assert!(!start.warm, "{start:?}");
     assert_eq!(start.recovery, None);
-    let endpoint = first.runner.endpoint().unwrap().clone();
+    let endpoint = first.runner.peers().endpoint().unwrap().clone();
     stock(&mut first, &[0, 1, 2, 3, 4, 5, 6, 7]);
     let before: Vec<Vec<u8>> = (0..8).map(|k| read_page(&mut first, k)).collect();
     for (k, bytes) in before.iter().enumerate() {
@@ -87,7 +87,7 @@ fn a_restarted_runner_takes_its_pages_back_warm() {
     assert_eq!(report.seated, 8, "{report:?}");
     assert_eq!(report.skipped, 0);
     assert_eq!(report.bytes, 8 * BLOCK as u64);
-    assert_eq!(second.runner.endpoint().unwrap(), &endpoint);
+    assert_eq!(second.runner.peers().endpoint().unwrap(), &endpoint);
     assert_ne!(
         start.previous_incarnation,
         Some(second.runner.incarnation().raw())

@@ -83,6 +83,7 @@ fn fixture(pages: usize) -> Fixture {
     let ns = runner.register_namespace(Namespace::base(CompatDigest(9)));
     let recorder = Arc::new(Recorder::default());
     runner
+        .pools()
         .set_device_copier(Arc::new(RecordingCopier(Arc::clone(&recorder))))
         .unwrap();
     let mut device = vec![0u8; pages * BLOCK];
@@ -157,7 +158,11 @@ impl Fixture {
 fn device_jobs_go_to_the_copier_byte_exact() {
     let mut f = fixture(4);
     let attached = f.recorder.attached.lock().unwrap().clone();
-    assert_eq!(attached, f.runner.pool_ranges(), "attach sees every pool");
+    assert_eq!(
+        attached,
+        f.runner.pools().ranges(),
+        "attach sees every pool"
+    );
     assert_eq!(attached[0].len, 8 * BLOCK as u64);
     for (i, b) in f.device[..BLOCK].iter_mut().enumerate() {
         *b = (i * 7 + 3) as u8;
@@ -183,7 +188,11 @@ fn a_failed_device_copy_fails_the_key_and_frees_the_slot() {
     let mut f = fixture(2);
     f.recorder.fail_next.store(true, Ordering::SeqCst);
     assert_eq!(f.deposit(5, 0), EntryStatus::Failed(FailReason::CopyFailed));
-    assert_eq!(f.runner.resident_blocks(), 0, "no half-written page stays");
+    assert_eq!(
+        f.runner.pools().resident_blocks(),
+        0,
+        "no half-written page stays"
+    );
     assert_eq!(f.runner.stats().pools[0].free_slots, 8);
     // The runner keeps serving: the same key deposits fine afterwards.
     assert_eq!(f.deposit(5, 0), EntryStatus::Success);
@@ -218,6 +227,7 @@ fn device_regions_need_a_copier_and_calls_never_mix_memories() {
     let f = fixture(2);
     let second = f
         .runner
+        .pools()
         .set_device_copier(Arc::new(RecordingCopier(Arc::default())));
     assert!(matches!(
         second,

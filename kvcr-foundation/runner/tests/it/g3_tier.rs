@@ -219,7 +219,7 @@ fn evicted_pages_move_to_g3_and_come_back_byte_exact() {
     for page in 8..12 {
         assert_eq!(runner.query(&key(ns, page)), QueryStatus::Hit);
     }
-    let g3 = runner.g3_stats().unwrap();
+    let g3 = runner.pools().g3_stats().unwrap();
     // At least the 8 moved pages were written (a spill ahead may also have
     // copied a page DRAM still holds).
     assert!(g3.counters.spills_committed >= 8, "{g3:?}");
@@ -251,7 +251,7 @@ fn evicted_pages_move_to_g3_and_come_back_byte_exact() {
     for page in 0..12 {
         assert_eq!(host.page(16 + page), host.page(page), "page {page} differs");
     }
-    assert!(runner.g3_stats().unwrap().counters.fills >= 8);
+    assert!(runner.pools().g3_stats().unwrap().counters.fills >= 8);
     runner.check_invariants().unwrap();
     drop(runner);
     drop(host);
@@ -292,7 +292,7 @@ fn a_full_g3_evicts_its_least_recently_used_page() {
         published.contains(&(Medium::Disk, false, 0))
             && published.contains(&(Medium::Disk, false, 1))
     );
-    assert_eq!(runner.g3_stats().unwrap().counters.evictions, 2);
+    assert_eq!(runner.pools().g3_stats().unwrap().counters.evictions, 2);
     runner.check_invariants().unwrap();
 }
 
@@ -405,8 +405,12 @@ fn a_peer_restores_pages_only_g3_holds(#[case] mapping: bool) {
     // the source's DRAM together; room for the fills comes from pages the
     // write does not name).
     let wanted: Vec<u64> = (0..6).collect();
-    let restored =
-        crate::nodes::restore_all(&mut target, "g3", source.endpoint().unwrap(), &wanted);
+    let restored = crate::nodes::restore_all(
+        &mut target,
+        "g3",
+        source.peers().endpoint().unwrap(),
+        &wanted,
+    );
     for (i, bytes) in restored.iter().enumerate() {
         assert_eq!(
             bytes[..],
@@ -414,7 +418,7 @@ fn a_peer_restores_pages_only_g3_holds(#[case] mapping: bool) {
             "page {i} differs"
         );
     }
-    let g3 = source.g3_stats().unwrap();
+    let g3 = source.pools().g3_stats().unwrap();
     assert!(g3.counters.fills >= 4, "{g3:?}");
     source.check_invariants().unwrap();
     target.runner.check_invariants().unwrap();

@@ -108,7 +108,7 @@ pub(crate) fn stock(source: &mut Node, keys: &[u64]) {
 }
 
 pub(crate) fn hint(source: &Node, keys: &[u64]) -> FetchHint {
-    hint_to(source.runner.endpoint().unwrap(), keys)
+    hint_to(source.runner.peers().endpoint().unwrap(), keys)
 }
 
 /// A copy hint naming `keys` at the runner listening at `source`.
@@ -130,12 +130,13 @@ pub(crate) fn fetch_on_hint(
     keys: &[u64],
 ) -> OpResult {
     let request = RequestId(request.into());
-    target.runner.submit_hint(request.clone(), hint);
+    target.runner.hints().submit(request.clone(), hint);
     let keys: Vec<ScopedKey> = keys.iter().map(|k| key(target.ns, *k)).collect();
     let pool = target.runner.pool("kv").unwrap();
     let op = target
         .runner
-        .fetch_hinted(&request, &keys, &[pool])
+        .hints()
+        .fetch(&request, &keys, &[pool])
         .unwrap();
     wait(&mut target.runner, op)
 }

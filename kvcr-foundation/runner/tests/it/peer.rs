@@ -57,7 +57,7 @@ fn restores_on_a_crowded_host_wait_asleep_and_lose_nothing(
     let mut target = node_mapped(tls, mapping, 16, Duration::from_secs(5));
     let keys: Vec<u64> = (0..12).collect();
     stock(&mut source, &keys);
-    let endpoint = source.runner.endpoint().unwrap().clone();
+    let endpoint = source.runner.peers().endpoint().unwrap().clone();
     for k in &keys {
         let pages = restore_all(&mut target, &format!("crowded-{k}"), &endpoint, &[*k]);
         let at = *k as usize * BLOCK;
@@ -67,7 +67,7 @@ fn restores_on_a_crowded_host_wait_asleep_and_lose_nothing(
             "key {k} bytes differ"
         );
     }
-    assert_eq!(target.runner.peer_stats().0.keys_received, 12);
+    assert_eq!(target.runner.peers().stats().counters.keys_received, 12);
 }
 
 /// Full, partial and empty deliveries over shared memory and TCP, with the
@@ -88,16 +88,18 @@ fn hinted_fetch_restores_bytes(#[case] tls: &str, #[case] mapping: bool) {
     let wanted: Vec<u64> = (0..8).collect();
     target
         .runner
-        .submit_hint(request.clone(), &hint(&source, &wanted));
+        .hints()
+        .submit(request.clone(), &hint(&source, &wanted));
     let keys: Vec<ScopedKey> = wanted.iter().map(|k| key(target.ns, *k)).collect();
     assert_eq!(
-        target.runner.query_hinted(&request, &keys[0]),
+        target.runner.hints().query(&request, &keys[0]),
         QueryStatus::Fetchable(kvcr_contracts::Tier::External)
     );
     let pool = target.runner.pool("kv").unwrap();
     let op = target
         .runner
-        .fetch_hinted(&request, &keys, &[pool])
+        .hints()
+        .fetch(&request, &keys, &[pool])
         .unwrap();
     let result = wait(&mut target.runner, op);
     for (i, (_, entry)) in result.entries.iter().enumerate() {
@@ -120,35 +122,37 @@ fn hinted_fetch_restores_bytes(#[case] tls: &str, #[case] mapping: bool) {
             );
         }
     }
-    let (target_counters, _) = target.runner.peer_stats();
+    let target_counters = target.runner.peers().stats().counters;
     assert_eq!(target_counters.keys_received, 6);
     // The target may complete on the source's doorbell before the source
     // has counted its own completion.
     crate::wait_until(
         "the source to count its sent keys",
         Duration::from_secs(5),
-        || source.runner.peer_stats().0.keys_sent == 6,
+        || source.runner.peers().stats().counters.keys_sent == 6,
     );
-    let (source_counters, _) = source.runner.peer_stats();
+    let source_counters = source.runner.peers().stats().counters;
     // A one-copy write rings the target's doorbell as its copies end; a
     // write through UCX never does.
-    let rung = source.runner.control_stats().doorbells_rung;
+    let rung = source.runner.peers().control_stats().doorbells_rung;
     assert_eq!(rung > 0, mapping, "doorbells rung: {rung}");
     let routes = (source_counters.one_copy_routes, source_counters.ucx_routes);
     assert_eq!(routes, if mapping { (1, 0) } else { (0, 1) });
     // Missing keys are remembered: the next query is a miss, not fetchable.
     assert_eq!(
-        target.runner.query_hinted(&request, &keys[7]),
+        target.runner.hints().query(&request, &keys[7]),
         QueryStatus::Miss
     );
     // An empty delivery: a hint for keys the source never had.
     let request2 = RequestId("req-2".into());
     target
         .runner
-        .submit_hint(request2.clone(), &hint(&source, &[100, 101]));
+        .hints()
+        .submit(request2.clone(), &hint(&source, &[100, 101]));
     let op = target
         .runner
-        .fetch_hinted(
+        .hints()
+        .fetch(
             &request2,
             &[key(target.ns, 100), key(target.ns, 101)],
             &[pool],
@@ -207,13 +211,16 @@ fn small_whole_writes_through_ucx_go_as_one_message(
     crate::wait_until(
         "the source to count its sent keys",
         Duration::from_secs(5),
-        || source.runner.peer_stats().0.keys_sent == 4,
+        || source.runner.peers().stats().counters.keys_sent == 4,
     );
-    let sent = source.runner.control_stats().write_messages_sent;
-    let taken = target.runner.control_stats().write_messages_taken;
+    let sent = source.runner.peers().control_stats().write_messages_sent;
+    let taken = target.runner.peers().control_stats().write_messages_taken;
     assert_eq!((sent, taken), (parts, parts));
-    assert_eq!(target.runner.control_stats().write_messages_refused, 0);
-    assert_eq!(target.runner.peer_stats().0.keys_received, 4);
+    assert_eq!(
+        target.runner.peers().control_stats().write_messages_refused,
+        0
+    );
+    assert_eq!(target.runner.peers().stats().counters.keys_received, 4);
     target.runner.check_invariants().unwrap();
     source.runner.check_invariants().unwrap();
 }
@@ -257,12 +264,12 @@ fn writes_over_tcp_come_on_a_data_stream(
             "both ends to bind the data stream",
             Duration::from_secs(10),
             || {
-                target.runner.control_stats().streams_opened == 1
-                    && source.runner.control_stats().streams_opened == 1
+                target.runner.peers().control_stats().streams_opened == 1
+                    && source.runner.peers().control_stats().streams_opened == 1
             },
         );
     }
-    let before = target.runner.control_stats().stream_writes_taken;
+    let before = target.runner.peers().control_stats().stream_writes_taken;
     for round in 0..2 {
         let keys: Vec<u64> =
             (1 + round * keys_per_write..1 + (round + 1) * keys_per_write).collect();
@@ -277,7 +284,10 @@ fn writes_over_tcp_come_on_a_data_stream(
             assert_eq!(target.runner.release(&[entry.release.unwrap()]), vec![true]);
         }
     }
-    let (t, s) = (target.runner.control_stats(), source.runner.control_stats());
+    let (t, s) = (
+        target.runner.peers().control_stats(),
+        source.runner.peers().control_stats(),
+    );
     if streamed {
         assert_eq!(t.stream_writes_taken - before, 2, "each round one frame");
         assert_eq!(t.stream_writes_taken, s.stream_writes_sent);
@@ -288,13 +298,13 @@ fn writes_over_tcp_come_on_a_data_stream(
         // came (then it counted the stream, and dropped it on it).
         assert_eq!(s.streams_opened, 0, "a one-copy route binds no stream");
         assert_eq!((t.stream_writes_taken, s.stream_writes_sent), (0, 0));
-        assert_eq!(source.runner.peer_stats().0.one_copy_routes, 1);
+        assert_eq!(source.runner.peers().stats().counters.one_copy_routes, 1);
     } else {
         assert_eq!((t.streams_opened, s.streams_opened), (0, 0));
         assert_eq!((t.stream_writes_taken, s.stream_writes_sent), (0, 0));
     }
     assert_eq!(
-        target.runner.peer_stats().0.keys_received,
+        target.runner.peers().stats().counters.keys_received,
         1 + 2 * keys_per_write
     );
     target.runner.check_invariants().unwrap();
@@ -311,21 +321,26 @@ fn forgetting_a_peer_closes_its_socket() {
     let request = RequestId("r".into());
     target
         .runner
-        .submit_hint(request.clone(), &hint(&source, &[0]));
+        .hints()
+        .submit(request.clone(), &hint(&source, &[0]));
     let pool = target.runner.pool("kv").unwrap();
     let op = target
         .runner
-        .fetch_hinted(&request, &[key(target.ns, 0)], &[pool])
+        .hints()
+        .fetch(&request, &[key(target.ns, 0)], &[pool])
         .unwrap();
     assert!(wait(&mut target.runner, op).entries[0].1.is_success());
-    let sockets = |r: &Runner| r.peer_stats().1;
+    let sockets = |r: &Runner| r.peers().stats().open_sockets;
     assert_eq!(
         sockets(&target.runner),
         1,
         "one session dialed to the source; its replies come back on it"
     );
     assert_eq!(sockets(&source.runner), 1, "the source dialed nothing back");
-    target.runner.forget_peer(source.runner.endpoint().unwrap());
+    target
+        .runner
+        .peers()
+        .forget(source.runner.peers().endpoint().unwrap());
     // Socket closure has no completion to wait on: poll the counts, bounded.
     crate::wait_until(
         "the dialed socket to close",

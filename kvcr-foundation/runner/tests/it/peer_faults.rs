@@ -159,15 +159,17 @@ impl Target {
     fn fetch(&mut self, request: &str, source: &ControlEndpoint, keys: &[u64]) -> OpResult {
         let request = RequestId(request.into());
         self.runner
-            .submit_hint(request.clone(), &hint(source, keys));
+            .hints()
+            .submit(request.clone(), &hint(source, keys));
         let scoped: Vec<ScopedKey> = keys.iter().map(|k| key(self.ns, *k)).collect();
         let pool = self.runner.pool("kv").unwrap();
         let op = self
             .runner
-            .fetch_hinted(&request, &scoped, &[pool])
+            .hints()
+            .fetch(&request, &scoped, &[pool])
             .unwrap();
         let result = wait(&mut self.runner, op);
-        self.runner.discard_hint(&request);
+        self.runner.hints().discard(&request);
         result
     }
 
@@ -190,7 +192,7 @@ impl Target {
     }
 
     fn notices(&mut self) -> Vec<PeerNotice> {
-        self.runner.take_notices()
+        self.runner.peers().take_notices()
     }
 
     fn free_slots(&self) -> u32 {
@@ -300,7 +302,7 @@ fn source_process() {
     }
     say(&format!(
         "READY {} {}",
-        runner.endpoint().unwrap(),
+        runner.peers().endpoint().unwrap(),
         runner.incarnation()
     ));
     let (tx, rx) = mpsc::channel();
@@ -316,7 +318,7 @@ fn source_process() {
     loop {
         match rx.recv_timeout(Duration::from_millis(1)) {
             Ok(cmd) if cmd == "stats" => {
-                let (c, _) = runner.peer_stats();
+                let c = runner.peers().stats().counters;
                 say(&format!("STATS {} {}", c.keys_sent, c.refused));
             }
             Ok(cmd) if cmd == "arm" => {
@@ -506,13 +508,13 @@ fn two_process_deliveries(#[case] tls: &str) {
         vec![EntryStatus::Failed(FailReason::NoSource); 2]
     );
 
-    assert_eq!(target.runner.peer_stats().0.keys_received, 6);
+    assert_eq!(target.runner.peers().stats().counters.keys_received, 6);
     assert_eq!(source.stats(), (6, 0), "(keys sent, refused) at the source");
     // The route each case names: without the mapping (tcp), a write of one
     // 256 KiB page arrives as a frame on the data stream (or, were the
     // stream not bound yet, as UCX messages); through a mapping, nothing
     // does.
-    let control = target.runner.control_stats();
+    let control = target.runner.peers().control_stats();
     let (messages, frames) = (control.write_messages_taken, control.stream_writes_taken);
     let not_mapped = !peer_options(tls).same_host_mapping;
     assert_eq!(
@@ -583,12 +585,14 @@ fn source_killed_mid_transfer() {
         let request = RequestId("big".into());
         target
             .runner
-            .submit_hint(request.clone(), &hint(&from, &big));
+            .hints()
+            .submit(request.clone(), &hint(&from, &big));
         let scoped: Vec<ScopedKey> = big.iter().map(|k| key(target.ns, *k)).collect();
         let pool = target.runner.pool("kv").unwrap();
         let op = target
             .runner
-            .fetch_hinted(&request, &scoped, &[pool])
+            .hints()
+            .fetch(&request, &scoped, &[pool])
             .unwrap();
         old.expect("WRITING");
         old.kill_and_reap();
@@ -632,7 +636,10 @@ fn source_killed_mid_transfer() {
     let stats = target.runner.stats();
     assert_eq!(stats.discarding, big.len(), "the fills are held");
     assert_eq!(stats.pools[0].free_slots, SLOTS - 1 - big.len() as u32);
-    assert_eq!(target.runner.peer_stats().0.quarantined, writes as u64);
+    assert_eq!(
+        target.runner.peers().stats().counters.quarantined,
+        writes as u64
+    );
     for k in &big {
         assert_ne!(target.runner.query(&key(target.ns, *k)), QueryStatus::Hit);
     }
@@ -695,7 +702,10 @@ fn source_killed_mid_transfer() {
     );
     let stats = target.runner.stats();
     assert_eq!(stats.discarding, big.len(), "still held without proof");
-    assert_eq!(target.runner.peer_stats().0.quarantined, writes as u64);
+    assert_eq!(
+        target.runner.peers().stats().counters.quarantined,
+        writes as u64
+    );
     assert!(
         !target
             .notices()
@@ -1024,8 +1034,8 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
     let _serial = crate::serial();
     // The source: a real runner holding keys 0..4.
     let (source, ns, host) = hostile_test_source(tls);
-    let source_endpoint = source.endpoint().unwrap().clone();
-    let refused = |r: &Runner| r.peer_stats().0.refused;
+    let source_endpoint = source.peers().endpoint().unwrap().clone();
+    let refused = |r: &Runner| r.peers().stats().counters.refused;
 
     let fake = FakeTarget::new(tls);
     let our_endpoint = ControlEndpoint::parse("tcp://127.0.0.1:9").unwrap();
@@ -1385,7 +1395,7 @@ fn forged_shared_segments_are_never_mapped(#[case] forgery: Forgery) {
         },
         body,
     };
-    let mut conn = RawConn::dial(source.endpoint().unwrap(), &me, incarnation);
+    let mut conn = RawConn::dial(source.peers().endpoint().unwrap(), &me, incarnation);
     let Body::TargetMetadata {
         worker_address,
         regions,
@@ -1437,7 +1447,7 @@ fn forged_shared_segments_are_never_mapped(#[case] forgery: Forgery) {
     for k in 2..ELEMENTS {
         assert!(fake.untouched(k), "element {k} was written");
     }
-    let counters = source.peer_stats().0;
+    let counters = source.peers().stats().counters;
     assert_eq!((counters.one_copy_routes, counters.ucx_routes), (0, 1));
     // The source's own pages are what it deposited.
     let pool = source.pool("kv").unwrap();

@@ -82,8 +82,8 @@ fn a_runner_without_the_secret_restores_nothing(#[case] secret: Option<&'static 
         &[0, 1, 2, 3],
     );
     assert_nothing_restored(&intruder, &result);
-    assert!(source.runner.control_stats().refused_handshakes >= 1);
-    assert_eq!(source.runner.peer_stats().0.keys_sent, 0);
+    assert!(source.runner.peers().control_stats().refused_handshakes >= 1);
+    assert_eq!(source.runner.peers().stats().counters.keys_sent, 0);
     let mut friend = member("posix,cma,self", 8);
     let result = fetch_on_hint(
         &mut friend,
@@ -127,15 +127,16 @@ fn forged_completions_never_succeed() {
         mode: kvcr_contracts::hint::FetchMode::Copy,
         action_id: None,
     };
-    target.runner.submit_hint(request.clone(), &the_hint);
+    target.runner.hints().submit(request.clone(), &the_hint);
     let scoped: Vec<ScopedKey> = keys.iter().map(|k| key(target.ns, *k)).collect();
     let pool = target.runner.pool("kv").unwrap();
     let op = target
         .runner
-        .fetch_hinted(&request, &scoped, &[pool])
+        .hints()
+        .fetch(&request, &scoped, &[pool])
         .unwrap();
     let mut forger = ControlClient::connect(
-        target.runner.endpoint().unwrap(),
+        target.runner.peers().endpoint().unwrap(),
         Some(SECRET),
         silent_endpoint.clone(),
         Incarnation::generate(),
@@ -162,8 +163,8 @@ fn forged_completions_never_succeed() {
     assert!(forger.closed_by_peer(Duration::from_secs(5)));
     let result = wait(&mut target.runner, op);
     assert_nothing_restored(&target, &result);
-    assert!(target.runner.control_stats().bad_frames >= 1);
-    assert_eq!(target.runner.peer_stats().0.keys_received, 0);
+    assert!(target.runner.peers().control_stats().bad_frames >= 1);
+    assert_eq!(target.runner.peers().stats().counters.keys_received, 0);
     target.runner.check_invariants().unwrap();
     drop(done);
     held.join().unwrap();
@@ -288,7 +289,7 @@ fn open_forged_stream(
     proof: Option<[u8; 32]>,
 ) -> (std::net::TcpStream, Option<[u8; 32]>) {
     use std::io::{Read, Write};
-    let port = source.runner.endpoint().unwrap().port();
+    let port = source.runner.peers().endpoint().unwrap().port();
     let mut socket = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     socket
         .set_read_timeout(Some(Duration::from_secs(10)))
@@ -345,7 +346,7 @@ fn streaming_pair(options: &PeerOptions) -> (Node, Node) {
     crate::wait_until(
         "the honest data stream to bind",
         Duration::from_secs(10),
-        || source.runner.control_stats().streams_opened == 1,
+        || source.runner.peers().control_stats().streams_opened == 1,
     );
     (source, target)
 }
@@ -361,8 +362,8 @@ fn forged_data_streams_are_refused() {
     let _serial = crate::serial();
     let options = through_tcp();
     let (source, mut target) = streaming_pair(&options);
-    let claim = target.runner.endpoint().unwrap().to_string();
-    let refused = |source: &Node| source.runner.control_stats().streams_refused;
+    let claim = target.runner.peers().endpoint().unwrap().to_string();
+    let refused = |source: &Node| source.runner.peers().control_stats().streams_refused;
     // A guessed proof, twice the same (a replay answers a fresh challenge).
     let guessed = [0x42u8; 32];
     let (first_challenge, hung_up) = forge_stream(&source, claim.as_bytes(), Some(guessed));
@@ -380,22 +381,28 @@ fn forged_data_streams_are_refused() {
         refused(&source) == 4
     });
     // Not an endpoint at all: no challenge is sent.
-    let handshakes = source.runner.control_stats().refused_handshakes;
+    let handshakes = source.runner.peers().control_stats().refused_handshakes;
     assert_eq!(
         forge_stream(&source, b"\xff\xfe not an endpoint", None),
         (None, true)
     );
     crate::wait_until("the handshake refusal", Duration::from_secs(10), || {
-        source.runner.control_stats().refused_handshakes == handshakes + 1
+        source.runner.peers().control_stats().refused_handshakes == handshakes + 1
     });
-    assert_eq!(source.runner.control_stats().streams_opened, 1);
+    assert_eq!(source.runner.peers().control_stats().streams_opened, 1);
     // The target's own stream still carries its restores.
-    let taken = target.runner.control_stats().stream_writes_taken;
+    let taken = target.runner.peers().control_stats().stream_writes_taken;
     let keys = [1, 2, 3, 4, 5];
     let result = fetch_on_hint(&mut target, "after", &hint(&source, &keys), &keys);
     assert_restored(&target, &source, &result, &keys);
-    assert_eq!(target.runner.control_stats().stream_writes_taken, taken + 1);
-    assert_eq!(target.runner.control_stats().stream_writes_refused, 0);
+    assert_eq!(
+        target.runner.peers().control_stats().stream_writes_taken,
+        taken + 1
+    );
+    assert_eq!(
+        target.runner.peers().control_stats().stream_writes_refused,
+        0
+    );
     target.runner.check_invariants().unwrap();
     source.runner.check_invariants().unwrap();
 }
@@ -478,11 +485,13 @@ fn forged_frames_on_a_hinted_sources_data_stream_are_refused() {
         let request = RequestId(request.into());
         target
             .runner
-            .submit_hint(request.clone(), &crate::nodes::hint_to(&forger, keys));
+            .hints()
+            .submit(request.clone(), &crate::nodes::hint_to(&forger, keys));
         let scoped: Vec<ScopedKey> = keys.iter().map(|k| key(target.ns, *k)).collect();
         target
             .runner
-            .fetch_hinted(&request, &scoped, &[pool])
+            .hints()
+            .fetch(&request, &scoped, &[pool])
             .unwrap()
     };
     let first = fetch(&mut target, "first", &[0, 1]);
@@ -506,7 +515,7 @@ fn forged_frames_on_a_hinted_sources_data_stream_are_refused() {
             Dialed::Session(_) => panic!("a second session instead of a data stream"),
         },
     };
-    assert_eq!(stream.claim(), target.runner.endpoint().unwrap());
+    assert_eq!(stream.claim(), target.runner.peers().endpoint().unwrap());
     assert!(
         stream.proves(&record_key),
         "the target proves its session's key"
@@ -518,7 +527,7 @@ fn forged_frames_on_a_hinted_sources_data_stream_are_refused() {
     let forged = vec![0xEEu8; total as usize + BLOCK];
     let seal =
         |key: &[u8; 32], op: OpHandle, keys: u32| seal_write_header(key, op, keys, 0, 1).unwrap();
-    let refused = |target: &Node| target.runner.control_stats().stream_writes_refused;
+    let refused = |target: &Node| target.runner.peers().control_stats().stream_writes_refused;
     let attempts: [(&str, u64, [u8; 64]); 6] = [
         ("sealed under its own key", total, seal(&[9u8; 32], op, 2)),
         (
@@ -543,7 +552,7 @@ fn forged_frames_on_a_hinted_sources_data_stream_are_refused() {
             refused(&target) == i as u64 + 1
         });
     }
-    assert_eq!(target.runner.control_stats().stream_writes_taken, 0);
+    assert_eq!(target.runner.peers().control_stats().stream_writes_taken, 0);
     let own = seal(&record_key, op, 2);
     stream.send_frame(total, &own, &honest).unwrap();
     let result = wait(&mut target.runner, first);
@@ -559,7 +568,7 @@ fn forged_frames_on_a_hinted_sources_data_stream_are_refused() {
         })
         .collect();
     assert!(landed == honest, "exactly the write's own bytes landed");
-    assert_eq!(target.runner.control_stats().stream_writes_taken, 1);
+    assert_eq!(target.runner.peers().control_stats().stream_writes_taken, 1);
     // Replayed: for the finished write, then in place of the next one.
     stream
         .send_frame(total, &own, &forged[..total as usize])
@@ -584,7 +593,7 @@ fn forged_frames_on_a_hinted_sources_data_stream_are_refused() {
         .read_claimed(entry.release.unwrap(), 0)
         .unwrap();
     assert!(bytes == honest[..BLOCK]);
-    assert_eq!(target.runner.control_stats().stream_writes_taken, 2);
+    assert_eq!(target.runner.peers().control_stats().stream_writes_taken, 2);
     // A frame no write could be, then the member hangs up.
     stream.send_frame(u64::MAX, &own, &forged).unwrap();
     drop(stream);
@@ -614,7 +623,7 @@ fn a_flood_of_unbound_data_streams_is_bounded_and_expires() {
     let mut options = through_tcp();
     options.limits.handshake_timeout = Duration::from_secs(1);
     let (source, mut target) = streaming_pair(&options);
-    let honest_sockets = source.runner.peer_stats().1;
+    let honest_sockets = source.runner.peers().stats().open_sockets;
     const FLOOD: u64 = 40;
     let forged: Vec<_> = (0..FLOOD)
         .map(|i| {
@@ -634,22 +643,25 @@ fn a_flood_of_unbound_data_streams_is_bounded_and_expires() {
         "every forged stream to be refused",
         Duration::from_secs(20),
         || {
-            let stats = source.runner.control_stats();
+            let stats = source.runner.peers().control_stats();
             stats.streams_refused + stats.refused_connections + stats.refused_handshakes >= FLOOD
         },
     );
-    assert_eq!(source.runner.control_stats().streams_opened, 1);
+    assert_eq!(source.runner.peers().control_stats().streams_opened, 1);
     drop(forged);
     crate::wait_until(
         "the source's sockets to return to its honest peers'",
         Duration::from_secs(10),
-        || source.runner.peer_stats().1 == honest_sockets,
+        || source.runner.peers().stats().open_sockets == honest_sockets,
     );
-    let taken = target.runner.control_stats().stream_writes_taken;
+    let taken = target.runner.peers().control_stats().stream_writes_taken;
     let keys = [1, 2, 3];
     let result = fetch_on_hint(&mut target, "after", &hint(&source, &keys), &keys);
     assert_restored(&target, &source, &result, &keys);
-    assert_eq!(target.runner.control_stats().stream_writes_taken, taken + 1);
+    assert_eq!(
+        target.runner.peers().control_stats().stream_writes_taken,
+        taken + 1
+    );
     source.runner.check_invariants().unwrap();
 }
 
@@ -679,9 +691,9 @@ fn forged_doorbell_records_are_refused() {
     crate::wait_until(
         "the source to count its rings",
         Duration::from_secs(5),
-        || source.runner.control_stats().doorbells_rung == keys.len() as u64,
+        || source.runner.peers().control_stats().doorbells_rung == keys.len() as u64,
     );
-    let stats = target.runner.control_stats();
+    let stats = target.runner.peers().control_stats();
     assert!(stats.doorbells_refused >= 1, "{stats:?}");
     assert!(
         stats.doorbells_taken <= keys.len() as u64,
@@ -704,7 +716,13 @@ fn forged_mailbox_records_are_refused() {
     let _serial = crate::serial();
     let keys: Vec<u64> = (0..16).collect();
     let (source, mut target, files) = same_host_pair_and_doorbells(&keys);
-    let refused = |source: &Node| source.runner.control_stats().mailbox_requests_refused;
+    let refused = |source: &Node| {
+        source
+            .runner
+            .peers()
+            .control_stats()
+            .mailbox_requests_refused
+    };
     for k in &keys {
         // The first restore builds the route the mailbox is read on.
         let forgery = [
@@ -727,19 +745,23 @@ fn forged_mailbox_records_are_refused() {
         }
         restore_and_release(&mut target, &source, &format!("forged-mailbox-{k}"), *k);
     }
-    let posted = target.runner.control_stats().mailbox_requests_posted;
+    let posted = target
+        .runner
+        .peers()
+        .control_stats()
+        .mailbox_requests_posted;
     assert!(posted >= 1, "the target posted requests to the mailbox");
     crate::wait_until(
         "every request taken early to have its copy dropped",
         Duration::from_secs(5),
         || {
-            let stats = source.runner.control_stats();
+            let stats = source.runner.peers().control_stats();
             stats.early_copies_dropped == stats.mailbox_requests_taken
         },
     );
-    let stats = source.runner.control_stats();
+    let stats = source.runner.peers().control_stats();
     assert!(stats.mailbox_requests_taken <= posted, "{stats:?}");
-    let (counters, _) = source.runner.peer_stats();
+    let counters = source.runner.peers().stats().counters;
     assert_eq!(counters.refused, 0, "no request reached the core twice");
     assert_eq!(
         counters.keys_sent,
@@ -768,7 +790,8 @@ fn forged_write_messages_are_refused() {
     let mut target = node_with(&options, 16, Duration::from_secs(5));
     let all: Vec<u64> = (0..16).collect();
     stock(&mut source, &all);
-    let address = WorkerAddress::from_bytes(target.runner.peer_worker_address().unwrap()).unwrap();
+    let address =
+        WorkerAddress::from_bytes(target.runner.peers().worker_address().unwrap()).unwrap();
     let context = Context::with_config(&ContextConfig::new().loopback_tls("tcp,self")).unwrap();
     let worker = context.create_worker().unwrap();
     let endpoint = worker.connect(&address).unwrap();
@@ -782,12 +805,14 @@ fn forged_write_messages_are_refused() {
         let the_hint = hint(&source, &keys);
         target
             .runner
-            .submit_hint(RequestId(request.clone()), &the_hint);
+            .hints()
+            .submit(RequestId(request.clone()), &the_hint);
         let scoped: Vec<ScopedKey> = keys.iter().map(|k| key(target.ns, *k)).collect();
         let pool = target.runner.pool("kv").unwrap();
         let op = target
             .runner
-            .fetch_hinted(&RequestId(request), &scoped, &[pool])
+            .hints()
+            .fetch(&RequestId(request), &scoped, &[pool])
             .unwrap();
         // Records for the likely operation numbers (a record is op, key
         // count, version, then a tag), and every wrong header size.
@@ -839,18 +864,18 @@ fn forged_write_messages_are_refused() {
     crate::wait_until(
         "the forged messages to be judged",
         Duration::from_secs(10),
-        || target.runner.control_stats().write_messages_refused >= 64,
+        || target.runner.peers().control_stats().write_messages_refused >= 64,
     );
     // Each round's write is 4 keys, in parts of the default size.
     let parts = (4 * BLOCK as u64).div_ceil(PeerOptions::DEFAULT_WRITE_MESSAGE_PART_BYTES);
-    let stats = target.runner.control_stats();
+    let stats = target.runner.peers().control_stats();
     assert_eq!(
         stats.write_messages_taken,
         rounds * parts,
         "only the honest source's"
     );
     assert_eq!(
-        source.runner.control_stats().write_messages_sent,
+        source.runner.peers().control_stats().write_messages_sent,
         rounds * parts
     );
     target.runner.check_invariants().unwrap();
@@ -869,7 +894,7 @@ fn honest_restores_complete_during_floods(#[case] tls: &str) {
     let mut source = member(tls, 48);
     let all: Vec<u64> = (0..48).collect();
     stock(&mut source, &all);
-    let source_endpoint = source.runner.endpoint().unwrap().clone();
+    let source_endpoint = source.runner.peers().endpoint().unwrap().clone();
     let port = source_endpoint.port();
 
     // Strangers: 64 connections from one address that never handshake.
@@ -885,7 +910,7 @@ fn honest_restores_complete_during_floods(#[case] tls: &str) {
     crate::wait_until(
         "the strangers past the per-address cap to be refused",
         Duration::from_secs(10),
-        || source.runner.control_stats().refused_connections >= 64 - 16,
+        || source.runner.peers().control_stats().refused_connections >= 64 - 16,
     );
 
     // A member flooding requests and never reading.
@@ -919,10 +944,10 @@ fn honest_restores_complete_during_floods(#[case] tls: &str) {
         let result = fetch_on_hint(&mut target, &request, &hint(&source, keys), keys);
         assert_restored(&target, &source, &result, keys);
     }
-    assert_eq!(target.runner.peer_stats().0.keys_received, 48);
+    assert_eq!(target.runner.peers().stats().counters.keys_received, 48);
     stop.store(true, Ordering::Relaxed);
     flood.join().unwrap();
-    let sizes = source.runner.peer_state_sizes();
+    let sizes = source.runner.peers().state_sizes();
     assert!(sizes.fences <= MAX_FENCES_PER_TARGET, "{sizes:?}");
     assert!(sizes.routes <= 2, "{sizes:?}");
     source.runner.check_invariants().unwrap();
@@ -1087,7 +1112,7 @@ fn metadata_from(
         header: Header {
             sender: Incarnation::generate(),
             route_generation: RouteGeneration(0),
-            sender_endpoint: source.runner.endpoint().unwrap().clone(),
+            sender_endpoint: source.runner.peers().endpoint().unwrap().clone(),
         },
         body: Body::TargetMetadata {
             worker_address,
@@ -1128,7 +1153,7 @@ fn mutated_ucx_blobs_never_reach_ucx(#[case] tls: &str) {
     generous.route_budget.burst = u32::MAX;
     let mut source = node_with(&generous, 8, Duration::from_secs(5));
     stock(&mut source, &[0, 1, 2, 3]);
-    let source_endpoint = source.runner.endpoint().unwrap().clone();
+    let source_endpoint = source.runner.peers().endpoint().unwrap().clone();
 
     // A real destination's blobs to mutate.
     let destination = SilentDestination::new(tls);
@@ -1180,7 +1205,7 @@ fn mutated_ucx_blobs_never_reach_ucx(#[case] tls: &str) {
     }
     // Still alive, still serving.
     a_member_restores_from(&source, tls, "after-blobs");
-    let (counters, _) = source.runner.peer_stats();
+    let counters = source.runner.peers().stats().counters;
     assert!(
         counters.refused >= 1,
         "the blobs UCX could not take were counted"
@@ -1204,7 +1229,7 @@ fn mappings() -> usize {
 /// never progressed.
 fn churn_routes(source: &Node, tls: &str, names: &[&str], rounds: usize) {
     let destination = SilentDestination::new(tls);
-    let source_endpoint = source.runner.endpoint().unwrap().clone();
+    let source_endpoint = source.runner.peers().endpoint().unwrap().clone();
     for name in names {
         let mut client = ControlClient::connect(
             &source_endpoint,
@@ -1247,7 +1272,7 @@ fn route_churn_is_rate_limited(#[case] tls: &str) {
     let refused_enough = || {
         let elapsed_ns = u64::try_from(started.elapsed().as_nanos()).unwrap();
         let admitted_at_most = u64::from(budget.burst) + elapsed_ns / budget.refill_ns + 1;
-        source.runner.peer_stats().0.routes_refused + admitted_at_most >= adverts
+        source.runner.peers().stats().counters.routes_refused + admitted_at_most >= adverts
     };
     crate::wait_until(
         "the route changes past the budget to be refused",
@@ -1281,7 +1306,7 @@ fn no_ucx_route_while_short_of_mappings(#[case] mapped: bool) {
     target_options.same_host_mapping = mapped;
     let mut target = node_with(&target_options, 8, Duration::from_secs(5));
     let result = fetch_on_hint(&mut target, "starved", &hint(&source, &[0, 1]), &[0, 1]);
-    let (counters, _) = source.runner.peer_stats();
+    let counters = source.runner.peers().stats().counters;
     if mapped {
         assert_restored(&target, &source, &result, &[0, 1]);
         assert_eq!((counters.one_copy_routes, counters.routes_refused), (1, 0));

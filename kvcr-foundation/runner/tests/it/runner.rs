@@ -533,7 +533,7 @@ fn bad_input_is_refused_unchanged() {
         let err = runner.deposit(entries, false).unwrap_err();
         assert_eq!(err.runner_reason(), Some(&expected));
     }
-    assert_eq!(runner.resident_blocks(), 0);
+    assert_eq!(runner.pools().resident_blocks(), 0);
     assert_eq!(runner.stats().ops_in_flight, 0);
     // Wrong layouts and unknown handles.
     let pool = runner.pool("kv").unwrap();
@@ -882,7 +882,7 @@ fn inventory_events_carry_page_info() {
         other => panic!("{other:?}"),
     }
     assert_eq!(
-        runner.resident_blocks(),
+        runner.pools().resident_blocks(),
         4,
         "same hashes, two namespaces, four pages"
     );
