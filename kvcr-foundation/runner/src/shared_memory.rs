@@ -1,11 +1,7 @@
-//! Compat shim: removed once the split lands. Same-host one-copy writes
-//! between runners: memfd pools and files ([`kvcr_sys::memfd`]), peers'
-//! mapped segments ([`kvcr_sys::segment`]) and the volatile loads and
-//! stores of shared records ([`kvcr_sys::seqlock`]) live in `kvcr_sys`;
-//! this module keeps the crate-internal paths the driver modules use.
+//! Compat shim, kept only for `guard/` and `warm.rs` (being moved into
+//! their own crate by another change; they switch to `kvcr_sys::memfd`
+//! then and this file goes): the memfd pool and journal files.
 
-pub(crate) use kvcr_sys::memfd::{
-    HostScope, JournalMap, SharedPool, create_journal_file, create_pool_file,
-};
-pub(crate) use kvcr_sys::segment::PeerSegment;
-pub(crate) use kvcr_sys::seqlock::{publish_shared, read_shared};
+#[cfg(test)]
+pub(crate) use kvcr_sys::memfd::SharedPool;
+pub(crate) use kvcr_sys::memfd::{JournalMap, create_journal_file, create_pool_file};

@@ -13,6 +13,7 @@
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 
 use crate::error::{Result, SysError};
+use crate::segment::PeerSegment;
 
 /// One copy: `len` bytes from `src` to `dst` (plain addresses).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -286,6 +287,24 @@ impl MemoryRegistry {
         Ok(())
     }
 
+    /// As [`Self::copy_streaming`], where a destination may also lie inside
+    /// one of `segments` (a same-host peer's pools, mapped here; the borrow
+    /// keeps them mapped for the call). One read lock for the whole call.
+    pub fn copy_streaming_into<I>(&self, spans: I, segments: &[Arc<PeerSegment>]) -> Result<()>
+    where
+        I: IntoIterator<Item = ByteSpan> + Clone,
+    {
+        let in_segment = |dst: u64, len: u64| segments.iter().any(|s| s.holds(dst, len));
+        let ranges = self.checked_into(spans.clone(), in_segment)?;
+        // SAFETY: as in `copy`; a destination inside a segment is inside a
+        // live shared mapping (borrowed for the call), writable, and the
+        // write's target granted it to this copy alone (the caller's
+        // protocol, as for registered memory).
+        unsafe { copy_spans_streaming(spans) };
+        drop(ranges);
+        Ok(())
+    }
+
     /// A copy of the `len` bytes at `addr`, which must be registered.
     pub fn read(&self, addr: u64, len: u64) -> Result<Vec<u8>> {
         let ranges = self.read_lock();
@@ -368,10 +387,24 @@ impl MemoryRegistry {
         &self,
         spans: impl IntoIterator<Item = ByteSpan>,
     ) -> Result<RwLockReadGuard<'_, Vec<Registered>>> {
+        self.checked_into(spans, |_, _| false)
+    }
+
+    /// As [`Self::checked`], with destinations `also(dst, len)` accepts
+    /// allowed beside registered ones.
+    fn checked_into(
+        &self,
+        spans: impl IntoIterator<Item = ByteSpan>,
+        also: impl Fn(u64, u64) -> bool,
+    ) -> Result<RwLockReadGuard<'_, Vec<Registered>>> {
         let ranges = self.read_lock();
         for span in spans {
-            for addr in [span.src, span.dst] {
-                if !holds(&ranges, addr, span.len) {
+            let (src_ok, dst_ok) = (
+                holds(&ranges, span.src, span.len),
+                holds(&ranges, span.dst, span.len) || also(span.dst, span.len),
+            );
+            for (addr, ok) in [(span.src, src_ok), (span.dst, dst_ok)] {
+                if !ok {
                     return Err(SysError::Unregistered {
                         addr,
                         len: span.len,

@@ -12,6 +12,8 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use kvcr_runner_core::{CopyOutcome, G3Direction, G3Transfer, JobId};
 
+use kvcr_sys::MemoryRegistry;
+
 use crate::g3::{DirectBuf, G3Error, G3Io, G3Store};
 use crate::shared::Shared;
 
@@ -26,13 +28,17 @@ pub(crate) struct G3IoStats {
 pub(crate) struct G3Driver {
     store: G3Store,
     stats: Arc<G3IoStats>,
+    /// The runner's registered memory: bounce buffers are copied out
+    /// through it.
+    memory: Arc<MemoryRegistry>,
 }
 
 impl G3Driver {
-    pub(crate) fn new(store: G3Store) -> Self {
+    pub(crate) fn new(store: G3Store, memory: Arc<MemoryRegistry>) -> Self {
         Self {
             store,
             stats: Arc::new(G3IoStats::default()),
+            memory,
         }
     }
 
@@ -49,7 +55,7 @@ impl G3Driver {
     pub(crate) fn submit(&self, shared: Weak<Shared>, job: JobId, keys: &[Vec<G3Transfer>]) {
         let spans: Vec<usize> = keys.iter().map(Vec::len).collect();
         let align = self.store.alignment().max(1);
-        let mut bounces: Vec<(usize, DirectBuf, u64)> = Vec::new();
+        let mut bounces: Vec<(usize, DirectBuf, u64, u64)> = Vec::new();
         let mut items = Vec::with_capacity(spans.iter().sum());
         for (i, t) in keys.iter().flatten().enumerate() {
             let item = match t.direction {
@@ -64,7 +70,7 @@ impl G3Driver {
                     match bounce {
                         Some(bounce) => {
                             let item = G3Io::read(u64::from(t.slot), bounce.addr(), t.len);
-                            bounces.push((i, bounce, t.addr));
+                            bounces.push((i, bounce, t.addr, u64::from(t.slot)));
                             item
                         }
                         // No memory for a bounce: the store refuses the
@@ -76,21 +82,25 @@ impl G3Driver {
             items.push(item);
         }
         let stats = Arc::clone(&self.stats);
-        let done = move |outcomes: Vec<Result<(), G3Error>>| {
-            for (i, bounce, dest) in &bounces {
-                if outcomes.get(*i).is_some_and(Result::is_ok) {
-                    // SAFETY: `dest .. dest + bounce.len()` is the deliver
-                    // destination of this transfer, which the core keeps for
-                    // this job until its outcome is reported (below), and
-                    // which no other transfer of a live job writes; the
-                    // bounce buffer is this job's own.
-                    #[allow(unsafe_code)]
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            bounce.as_ptr(),
-                            *dest as usize as *mut u8,
-                            bounce.len(),
-                        );
+        let memory = Arc::clone(&self.memory);
+        let slot_bytes = self.store.slot_bytes();
+        let done = move |mut outcomes: Vec<Result<(), G3Error>>| {
+            for (i, bounce, dest, slot) in &bounces {
+                if let Some(outcome @ Ok(())) = outcomes.get_mut(*i) {
+                    // `dest .. dest + bounce.len()` is the deliver
+                    // destination of this transfer (a registered engine
+                    // region), which the core keeps for this job until its
+                    // outcome is reported (below), and which no other
+                    // transfer of a live job writes.
+                    if memory.write(*dest, bounce).is_err() {
+                        // Unreachable while the core and the registry agree.
+                        *outcome = Err(G3Error::Buffer {
+                            slot: *slot,
+                            addr: *dest,
+                            len: bounce.len() as u64,
+                            slot_bytes,
+                            align,
+                        });
                     }
                 }
             }
