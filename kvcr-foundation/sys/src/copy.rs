@@ -146,9 +146,12 @@ pub unsafe fn bytes_at<'a>(addr: u64, len: u64) -> &'a [u8] {
 }
 
 /// One registered range.
-struct Registered {
+pub(crate) struct Registered {
     start: u64,
     end: u64,
+    /// Copies may write it (`false`: a buffer lent for reading only, see
+    /// [`MemoryRegistry::lend`]).
+    writable: bool,
     /// Keeps memory this crate owns mapped while it is registered (`None`:
     /// a caller's range, valid by its [`MemoryRegistry::insert`] promise).
     _owner: Option<Arc<dyn kvcr_ucx::OwnedMemory + Send + Sync>>,
@@ -197,7 +200,7 @@ impl MemoryRegistry {
     /// must keep two copies from writing the same bytes (or one writing
     /// what another reads) at the same time.
     pub unsafe fn insert(&self, base: u64, len: u64) -> Result<()> {
-        self.insert_range(base, len, None)
+        self.insert_range(base, len, None, true)
     }
 
     /// Registers memory this process owns (a pool, a mapping), kept alive by
@@ -206,14 +209,17 @@ impl MemoryRegistry {
     pub fn insert_owned(&self, memory: Arc<dyn kvcr_ucx::OwnedMemory + Send + Sync>) -> Result<()> {
         let base = memory.as_mut_ptr() as usize as u64;
         let len = memory.byte_len() as u64;
-        self.insert_range(base, len, Some(memory))
+        self.insert_range(base, len, Some(memory), true)
     }
 
-    fn insert_range(
+    /// Inserts `base..base + len` (kept alive by `owner`, if any; written
+    /// by copies only if `writable`).
+    pub(crate) fn insert_range(
         &self,
         base: u64,
         len: u64,
         owner: Option<Arc<dyn kvcr_ucx::OwnedMemory + Send + Sync>>,
+        writable: bool,
     ) -> Result<()> {
         let end = base
             .checked_add(len)
@@ -231,6 +237,7 @@ impl MemoryRegistry {
             Registered {
                 start: base,
                 end,
+                writable,
                 _owner: owner,
             },
         );
@@ -323,7 +330,7 @@ impl MemoryRegistry {
     pub fn write(&self, dst: u64, bytes: &[u8]) -> Result<()> {
         let len = bytes.len() as u64;
         let ranges = self.read_lock();
-        if !holds(&ranges, dst, len) {
+        if !holds_writable(&ranges, dst, len) {
             return Err(SysError::Unregistered { addr: dst, len });
         }
         // SAFETY: the destination is registered (checked under the lock held
@@ -367,7 +374,10 @@ impl MemoryRegistry {
         pieces: &[(u64, u64)],
     ) -> std::io::Result<usize> {
         let ranges = self.read_lock();
-        if let Some(&(addr, len)) = pieces.iter().find(|(a, l)| !holds(&ranges, *a, *l)) {
+        if let Some(&(addr, len)) = pieces
+            .iter()
+            .find(|(a, l)| !holds_writable(&ranges, *a, *l))
+        {
             return Err(std::io::Error::other(SysError::Unregistered { addr, len }));
         }
         // SAFETY: every piece is registered (checked under the lock, held
@@ -377,7 +387,7 @@ impl MemoryRegistry {
         read
     }
 
-    fn read_lock(&self) -> RwLockReadGuard<'_, Vec<Registered>> {
+    pub(crate) fn read_lock(&self) -> RwLockReadGuard<'_, Vec<Registered>> {
         self.ranges.read().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -401,7 +411,7 @@ impl MemoryRegistry {
         for span in spans {
             let (src_ok, dst_ok) = (
                 holds(&ranges, span.src, span.len),
-                holds(&ranges, span.dst, span.len) || also(span.dst, span.len),
+                holds_writable(&ranges, span.dst, span.len) || also(span.dst, span.len),
             );
             for (addr, ok) in [(span.src, src_ok), (span.dst, dst_ok)] {
                 if !ok {
@@ -421,13 +431,22 @@ impl MemoryRegistry {
     }
 }
 
-/// Whether `addr..addr + len` lies inside one of `ranges` (sorted, disjoint).
-fn holds(ranges: &[Registered], addr: u64, len: u64) -> bool {
-    let Some(end) = addr.checked_add(len) else {
-        return false;
-    };
+/// The one of `ranges` (sorted, disjoint) that `addr..addr + len` lies in.
+fn holding(ranges: &[Registered], addr: u64, len: u64) -> Option<&Registered> {
+    let end = addr.checked_add(len)?;
     let at = ranges.partition_point(|r| r.start <= addr);
-    at > 0 && ranges.get(at - 1).is_some_and(|r| end <= r.end)
+    ranges.get(at.checked_sub(1)?).filter(|r| end <= r.end)
+}
+
+/// Whether `addr..addr + len` lies inside one of `ranges`.
+pub(crate) fn holds(ranges: &[Registered], addr: u64, len: u64) -> bool {
+    holding(ranges, addr, len).is_some()
+}
+
+/// Whether `addr..addr + len` lies inside one of `ranges` that copies may
+/// write.
+pub(crate) fn holds_writable(ranges: &[Registered], addr: u64, len: u64) -> bool {
+    holding(ranges, addr, len).is_some_and(|r| r.writable)
 }
 
 #[cfg(test)]

@@ -1,6 +1,8 @@
-//! Memory this process owns, registered for copies: [`RegisteredMemory`],
-//! a registry entry that lasts as long as its handle, and [`SharedMemory`],
-//! one allocation owned together by the registry and a UCX registration.
+//! Memory registered for copies without `unsafe`: [`RegisteredMemory`], a
+//! registry entry of owned memory that lasts as long as its handle;
+//! [`SharedMemory`], one allocation owned together by the registry and a
+//! UCX registration; and [`MemoryRegistry::lend`], borrowed buffers
+//! registered for the length of a call.
 //!
 //! Why: the runner's pools are both copied through the
 //! [`MemoryRegistry`](crate::copy::MemoryRegistry) and (in peer mode)
@@ -65,6 +67,71 @@ impl MemoryRegistry {
     }
 }
 
+impl MemoryRegistry {
+    /// Registers borrowed buffers while `f` runs: `writable` ones for
+    /// copies to write and read, `readable` ones for copies to read only
+    /// (readable buffers may overlap each other; the same one twice is
+    /// fine). Every range is removed again before this returns, or unwinds,
+    /// once no copy through the registry is in flight, so no copy outlives
+    /// the borrows. Refused (nothing registered, `f` not run) when a buffer
+    /// overlaps a registered range.
+    pub fn lend<R>(
+        &self,
+        writable: &mut [&mut [u8]],
+        readable: &[&[u8]],
+        f: impl FnOnce() -> R,
+    ) -> Result<R> {
+        let mut shared: Vec<(u64, u64)> = readable
+            .iter()
+            .filter(|b| !b.is_empty())
+            .map(|b| {
+                (
+                    b.as_ptr() as usize as u64,
+                    b.as_ptr() as usize as u64 + b.len() as u64,
+                )
+            })
+            .collect();
+        shared.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(shared.len());
+        for (start, end) in shared {
+            match merged.last_mut() {
+                Some(last) if start <= last.1 => last.1 = last.1.max(end),
+                _ => merged.push((start, end)),
+            }
+        }
+        let mut lent = Lent {
+            registry: self,
+            bases: Vec::with_capacity(writable.len() + merged.len()),
+        };
+        for buffer in writable.iter_mut().filter(|b| !b.is_empty()) {
+            let base = buffer.as_mut_ptr() as usize as u64;
+            self.insert_range(base, buffer.len() as u64, None, true)?;
+            lent.bases.push(base);
+        }
+        for (start, end) in merged {
+            self.insert_range(start, end - start, None, false)?;
+            lent.bases.push(start);
+        }
+        let out = f();
+        drop(lent);
+        Ok(out)
+    }
+}
+
+/// Ranges lent by [`MemoryRegistry::lend`], removed when dropped.
+struct Lent<'a> {
+    registry: &'a MemoryRegistry,
+    bases: Vec<u64>,
+}
+
+impl Drop for Lent<'_> {
+    fn drop(&mut self) {
+        for base in &self.bases {
+            self.registry.remove(*base);
+        }
+    }
+}
+
 /// One owner's share of memory whose other owners may live elsewhere (a
 /// registry entry): hand it to [`kvcr_ucx::Context::register_owned`] and
 /// the registration keeps the memory alive as long as it needs it.
@@ -118,5 +185,22 @@ mod tests {
         // The share still owns the bytes: they can be held again.
         let again = registry.hold(share.0).unwrap();
         assert_eq!(again.base(), base);
+    }
+
+    #[test]
+    fn lent_buffers_are_registered_for_the_call_only() {
+        let registry = MemoryRegistry::new();
+        let mut into = vec![0u8; 64];
+        let from = vec![7u8; 64];
+        let (to, at) = (into.as_ptr() as u64, from.as_ptr() as u64);
+        let copied = registry.lend(&mut [&mut into], &[&from, &from[8..16]], || {
+            registry.copy([crate::ByteSpan::new(at, to, 64)]).unwrap();
+            // A readable buffer is never written.
+            assert!(registry.copy([crate::ByteSpan::new(to, at, 8)]).is_err());
+            assert!(registry.write(at, &[1]).is_err());
+        });
+        assert!(copied.is_ok());
+        assert_eq!(into, from);
+        assert!(!registry.contains(to, 1) && !registry.contains(at, 1));
     }
 }

@@ -1,6 +1,6 @@
 //! Test support: buffers the tests copy between, registered in a
 //! [`MemoryRegistry`] (as the runner's pools are), written and read through
-//! it, so no test needs `unsafe`.
+//! it, as the runner's own copies are.
 
 use std::sync::Arc;
 
