@@ -164,9 +164,11 @@ pub(crate) struct Registered {
 /// of it, for shared pools), exactly as memory another process writes.
 /// Which copy may touch which bytes when is the caller's protocol (the
 /// runner's core: claims, FILLING and READY slots); the registry answers
-/// only whether bytes are there to touch. Removing a range waits for the
-/// copies in flight (each holds the read lock for its whole copy), so no
-/// copy outlives the range it was checked against.
+/// only whether bytes are there to touch, and whether copies may write them
+/// (a buffer [lent](MemoryRegistry::lend) for reading only is never a
+/// destination). Removing a range waits for the copies in flight (each
+/// holds the read lock for its whole copy), so no copy outlives the range
+/// it was checked against.
 #[derive(Default)]
 pub struct MemoryRegistry {
     ranges: RwLock<Vec<Registered>>,
@@ -333,10 +335,12 @@ impl MemoryRegistry {
         if !holds_writable(&ranges, dst, len) {
             return Err(SysError::Unregistered { addr: dst, len });
         }
-        // SAFETY: the destination is registered (checked under the lock held
-        // until the copy is made), so valid for writes; `bytes` is a borrowed
-        // slice, which registered memory never backs (it is never seen
-        // through a reference), so they do not overlap.
+        // SAFETY: the destination is registered writable (checked under the
+        // lock held until the copy is made), so valid for writes; `bytes` is
+        // a borrowed slice, which writable registered memory never backs (it
+        // is never seen through a reference, or is lent exclusively by a
+        // caller that cannot reach it during the loan), so they do not
+        // overlap.
         unsafe {
             std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst as usize as *mut u8, bytes.len());
         }
@@ -380,8 +384,9 @@ impl MemoryRegistry {
         {
             return Err(std::io::Error::other(SysError::Unregistered { addr, len }));
         }
-        // SAFETY: every piece is registered (checked under the lock, held
-        // until the read returns); other accesses are the caller's protocol.
+        // SAFETY: every piece is registered writable (checked under the
+        // lock, held until the read returns); other accesses are the
+        // caller's protocol.
         let read = unsafe { crate::vectored::try_read_spans(socket, pieces.iter().copied()) };
         drop(ranges);
         read
