@@ -12,25 +12,25 @@
 //! busy loop, no sleep floor), so a single-block copy costs at most one thread
 //! wake-up plus the memcpy.
 
+pub(crate) mod device;
+pub(crate) mod lanes;
+pub(crate) mod plan;
+#[cfg(test)]
+pub(crate) mod test_memory;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-pub(crate) mod device;
-pub(crate) mod lanes;
-pub(crate) mod plan;
-
+use kvcr_runner_core::{CopyOutcome, CopySpan, JobId};
 use kvcr_sys::MemoryRegistry;
 
 use self::device::DeviceCopier;
 use self::plan::{copy_checked, cut, spans_disjoint};
 use crate::error::{Error, Result, RunnerReason};
 use crate::shared::Shared;
-use kvcr_runner_core::CopySpan;
-use kvcr_runner_core::{CopyOutcome, JobId};
 
 /// How long a thread that just finished work polls for more before it blocks.
 /// A blocked thread costs a futex wake-up (tens of µs on a VM) to restart; a
@@ -328,9 +328,6 @@ fn execute_range(
     }
     outcomes
 }
-
-#[cfg(test)]
-pub(crate) mod test_memory;
 
 #[cfg(test)]
 mod tests {
