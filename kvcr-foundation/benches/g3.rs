@@ -49,7 +49,7 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use kvcr_foundation::runner::g3::{DirectBuf, G3Io, G3Options, G3Store, G3Tuning};
+use kvcr_foundation::runner::g3::{DirectBuf, G3Options, G3SliceIo, G3Store, G3Tuning};
 
 /// One Qwen3-0.6B 64-token page shard at TP=2.
 const SLOT: u64 = 3_670_016;
@@ -143,23 +143,40 @@ fn anchor(files: &[File], buf: &DirectBuf, write: bool) -> Duration {
     start.elapsed()
 }
 
-/// Every slot through the store, one batch.
-fn through_store(store: &G3Store, buf: &DirectBuf, write: bool) -> Duration {
-    let items: Vec<G3Io> = (0..SLOTS)
-        .map(|slot| {
-            let addr = buf.addr() + slot * SLOT;
-            if write {
-                G3Io::write(slot, addr, SLOT)
-            } else {
-                G3Io::read(slot, addr, SLOT)
-            }
-        })
-        .collect();
+/// Which way [`through_store`] moves a buffer.
+enum Through<'a> {
+    /// Buffer → slots.
+    Spill(&'a DirectBuf),
+    /// Slots → buffer.
+    Fill(&'a mut DirectBuf),
+}
+
+/// Every slot through the store, one batch (the buffer lent to the store
+/// for the call: its registry checks every item's memory).
+fn through_store(store: &G3Store, buf: Through<'_>) -> Duration {
+    let slot_of = |slot: usize| slot as u64;
+    let mut items: Vec<G3SliceIo<'_>> = match buf {
+        Through::Spill(src) => src
+            .chunks(SLOT as usize)
+            .take(SLOTS as usize)
+            .enumerate()
+            .map(|(slot, src)| G3SliceIo::Write {
+                slot: slot_of(slot),
+                src,
+            })
+            .collect(),
+        Through::Fill(dst) => dst
+            .chunks_mut(SLOT as usize)
+            .take(SLOTS as usize)
+            .enumerate()
+            .map(|(slot, dst)| G3SliceIo::Read {
+                slot: slot_of(slot),
+                dst,
+            })
+            .collect(),
+    };
     let start = Instant::now();
-    // SAFETY: every item's range is its slot's share of `buf`, which
-    // outlives the call; the ranges are disjoint and nothing else touches
-    // `buf` during it.
-    let outcomes = unsafe { store.run_batch(&items) };
+    let outcomes = store.run_batch_slices(&mut items);
     let elapsed = start.elapsed();
     for (slot, outcome) in outcomes.iter().enumerate() {
         if let Err(e) = outcome {
@@ -198,17 +215,17 @@ fn round(
     store_first: bool,
 ) -> Round {
     let (spill, spill_anchor, layout) = if store_first {
-        let s = through_store(store, src, true);
+        let s = through_store(store, Through::Spill(src));
         let a = anchor(files, src, true);
         (s, a, Layout::Anchor)
     } else {
         let a = anchor(files, src, true);
-        let s = through_store(store, src, true);
+        let s = through_store(store, Through::Spill(src));
         (s, a, Layout::Store)
     };
     let fill_store = |dst: &mut DirectBuf| {
         dst.fill(0);
-        let d = through_store(store, dst, false);
+        let d = through_store(store, Through::Fill(dst));
         check_fill(src, dst, layout);
         d
     };

@@ -14,10 +14,10 @@ use kvcr_runner_core::{
     PutSpan, RouteBudget,
 };
 
-use crate::control::ControlLimits;
 use crate::error::{Error, Result, RunnerReason};
 use crate::g3::{G3Options, G3Store};
-use crate::placement::PoolMemory;
+use crate::net::ControlLimits;
+use kvcr_sys::placement::PoolMemory;
 
 /// Runner configuration.
 #[derive(Debug, Clone, PartialEq)]
@@ -259,7 +259,7 @@ pub struct PeerOptions {
 /// TCP connection of kvcr's own that it dials to a source whose route to
 /// it is not one-copy, on which the source sends each write's bytes from
 /// its pool with the write's sealed header, and which the target reads
-/// straight into the write's granted elements (`crate::stream`). Over tcp
+/// straight into the write's granted elements (`crate::net::stream`). Over tcp
 /// it saves the copy out of UCX's receive buffer, a put's acknowledgement
 /// round trip and its `write_done`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

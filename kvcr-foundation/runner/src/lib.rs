@@ -25,35 +25,27 @@
 pub use self::net::client;
 mod config;
 mod contention;
-#[doc(hidden)]
-pub use contention::force_contended;
 /// Test support: the UCX active-message id of a write message (the
 /// hostile-member tests forge them).
 #[doc(hidden)]
-pub use doorbell::WRITE_MESSAGE as WRITE_MESSAGE_ID;
-// compat shim: removed once the split lands
-mod control;
-#[allow(unsafe_code)]
+pub use self::wire::record::WRITE_MESSAGE as WRITE_MESSAGE_ID;
+#[doc(hidden)]
+pub use contention::force_contended;
 mod copy;
-mod device;
-mod doorbell;
 pub mod error;
 mod facets;
 pub mod g3;
 pub mod guard;
-#[allow(unsafe_code)]
-mod lanes;
-#[allow(unsafe_code)]
-mod memory;
 mod net;
 mod peer;
-mod placement;
+/// The one module with `unsafe`: where an engine hands the runner raw
+/// memory (`Runner::register_region`, `Runner::register_device_region`).
+#[allow(unsafe_code)]
+mod register;
 mod shared;
-mod shared_memory;
+// Compat shim for `guard/` and `warm.rs` only (see the file).
 mod startup;
 mod stats;
-// compat shim: removed once the split lands
-mod stream;
 #[cfg(test)]
 mod tests;
 mod warm;
@@ -76,17 +68,11 @@ pub use kvcr_runner_core::{
 pub use self::config::{
     DataStream, GuardOptions, MAX_POOL_BYTES, PeerOptions, PutSplit, RunnerConfig,
 };
-pub use self::device::DeviceCopier;
+pub use self::copy::device::DeviceCopier;
 pub use self::error::{Error, Result};
 pub use self::facets::{Hints, Peers, Pools};
 pub use self::g3::{G3Error, G3Options, G3Store};
-use self::memory::DramPool;
 pub use self::net::{ControlCounters, ControlLimits};
-pub use self::placement::{
-    AnonymousMemory, HugePages, MAX_NUMA_NODE, NumaBinding, NumaMode, PlacementDowngrade,
-    PlacementOutcome, PoolMemory, PoolMemoryInfo, online_nodes, shared_memory_huge_pages,
-    transparent_huge_page_mode,
-};
 use self::shared::{CapacityCallback, Shared};
 use self::startup::StartupStage;
 pub use self::stats::{G3Stats, PeerStats};
@@ -99,13 +85,18 @@ use kvcr_contracts::protocol::{OpHandle, RegionId};
 use kvcr_contracts::tier::InventorySink;
 pub use kvcr_runner_core::RecoveryReport;
 pub use kvcr_runner_core::journal::JournalStats;
+pub use kvcr_sys::placement::{
+    AnonymousMemory, HugePages, MAX_NUMA_NODE, NumaBinding, NumaMode, PlacementDowngrade,
+    PlacementOutcome, PoolMemory, PoolMemoryInfo, online_nodes, shared_memory_huge_pages,
+    transparent_huge_page_mode,
+};
 
 /// Test support: bytes of KVCR DRAM currently allocated by all runners in
 /// this process (a leak check: it returns to its old value after a runner is
 /// closed or a startup fails).
 #[doc(hidden)]
 pub fn process_pool_bytes() -> u64 {
-    memory::live_pool_bytes()
+    kvcr_sys::mapping::live_pool_bytes()
 }
 
 /// The rank-local runner.
@@ -128,10 +119,11 @@ pub struct Runner {
     /// Owns the registered pool memory in peer mode; stopped after `copy`.
     peer: Option<peer::PeerDriver>,
     shared: Arc<Shared>,
-    /// Owns the local-mode pool memory the core addresses; never read, only
-    /// freed, and only after the copy thread has stopped.
+    /// Owns the local-mode pool memory the core addresses, registered for
+    /// copies; never read, only freed (unregistered first), and only after
+    /// the copy thread has stopped.
     #[allow(dead_code)]
-    pools: Vec<DramPool>,
+    pools: Vec<kvcr_sys::RegisteredMemory>,
     incarnation: Incarnation,
     endpoint: Option<ControlEndpoint>,
     /// Our UCX worker's address, as every source we dial receives it.
@@ -306,44 +298,6 @@ impl Runner {
         self.incarnation
     }
 
-    /// Registers a framework region (`label` is `pool` or `pool:part`; its
-    /// element size must equal the pool's block size).
-    ///
-    /// # Safety
-    /// `desc.base .. desc.base + extent` must be valid for reads and writes until
-    /// the runner is closed or dropped, and the caller must not access an
-    /// element named by an operation until that operation has completed.
-    #[allow(unsafe_code)]
-    pub unsafe fn register_region(&self, desc: RegionDesc) -> Result<RegionId> {
-        self.shared
-            .lock()
-            .core
-            .register_region(desc)
-            .map_err(Error::from)
-    }
-
-    /// Registers a framework region in device memory (a GPU address in the
-    /// process's unified address space). Copies that touch it run on the
-    /// device copier, which must be set first; one call of `deposit` or
-    /// `deliver` names only host or only device elements.
-    ///
-    /// # Safety
-    /// As [`Runner::register_region`], for device memory: the extent must stay
-    /// allocated on the device until the runner is closed or dropped, and the
-    /// caller must not touch an element named by an operation until that
-    /// operation has completed.
-    #[allow(unsafe_code)]
-    pub unsafe fn register_device_region(&self, desc: RegionDesc) -> Result<RegionId> {
-        if self.device.get().is_none() {
-            return Err(Error::runner(RunnerReason::NoDeviceCopier));
-        }
-        self.shared
-            .lock()
-            .core
-            .register_region_in(desc, RegionMemory::Device)
-            .map_err(Error::from)
-    }
-
     /// The id of a registered region.
     pub fn region(&self, label: &str) -> Option<RegionId> {
         self.shared.lock().core.region_by_label(label)
@@ -417,7 +371,6 @@ impl Runner {
 
     /// Copies span `span` of a claimed page into `out` (which must be the
     /// span's length).
-    #[allow(unsafe_code)]
     pub fn read_claimed(&self, handle: ReleaseHandle, span: usize) -> Result<Vec<u8>> {
         let inner = self.shared.lock();
         let refs = inner
@@ -428,11 +381,11 @@ impl Runner {
             .get(span)
             .ok_or(Error::runner(RunnerReason::LayoutMismatch))?;
         let (addr, len) = inner.core.resolve(*element)?;
-        // SAFETY: the element is a slot of a runner-owned pool (bounds-checked
-        // by `resolve`); the claim keeps the page READY, READY slots are never
-        // written (fills write only FILLING slots), and the lock keeps the claim
-        // from being released while we copy; `&self` keeps the pools alive.
-        Ok(unsafe { memory::bytes_at(addr, len) }.to_vec())
+        // The element is a slot of a runner-owned pool (bounds-checked by
+        // `resolve`, and by the registry); the claim keeps the page READY,
+        // READY slots are never written (fills write only FILLING slots), and
+        // the lock keeps the claim from being released while we copy.
+        Ok(self.shared.memory.read(addr, len)?)
     }
 
     /// Expires deadlines and returns completed operations. Never blocks.
@@ -514,18 +467,17 @@ impl Runner {
     /// pinned during the copy, so a claim released meanwhile by another
     /// thread cannot free the bytes being read; the claims themselves stay
     /// the caller's to release.
-    #[allow(unsafe_code)]
     pub fn copy_claimed(&self, handles: &[ReleaseHandle], copies: &[ClaimedCopy]) -> Result<()> {
         let (spans, pinned) = self.core_call(|core, _| core.pin_claimed_copy(handles, copies))?;
-        // SAFETY: the sources are slots of READY records pinned above (an
-        // internal claim each, so not evicted or refilled until `unpin`); the
+        // The sources are slots of READY records pinned above (an internal
+        // claim each, so not evicted or refilled until `unpin`); the
         // destinations are framework host elements bounds-checked by the core
-        // against their registrations, which the caller promised valid and
-        // untouched while an operation names them (`register_region`); pool
-        // and framework regions never overlap (checked at registration).
-        unsafe { copy::copy_plan(&spans) };
+        // against their registrations, which the caller promised untouched
+        // while an operation names them (`register_region`); the registry
+        // checks every span again.
+        let copied = copy::copy_plan(&self.shared.memory, &spans);
         self.with_core(|core, _| core.unpin(&pinned));
-        Ok(())
+        Ok(copied?)
     }
 
     /// Nobody will wait for `op`: its result is dropped when it completes (or

@@ -14,7 +14,9 @@ use kvcr_contracts::protocol::OpHandle;
 use kvcr_contracts::tier::InventorySink;
 use kvcr_runner_core::{Action, Core, JobId, OpResult, PoolId, RegionMemory};
 
-use crate::device::DeviceCopier;
+use kvcr_sys::MemoryRegistry;
+
+use crate::copy::device::DeviceCopier;
 use crate::{contention, copy, warm};
 
 /// How long a caller waiting on an operation that awaits a peer's write
@@ -52,6 +54,9 @@ pub(crate) struct Shared {
     me: std::sync::Weak<Shared>,
     inner: Mutex<Inner>,
     completed_cv: Condvar,
+    /// The memory copies may touch: the pools and the engine's registered
+    /// regions. Every copy the runner makes is checked against it.
+    pub(crate) memory: Arc<MemoryRegistry>,
     /// Completed operations not yet taken (read without the lock to spin).
     pub(crate) completed_len: AtomicUsize,
     epoch: Instant,
@@ -65,6 +70,7 @@ impl Shared {
         peer_tx: Option<tokio::sync::mpsc::UnboundedSender<crate::peer::PeerCmd>>,
         g3: Option<crate::g3::driver::G3Driver>,
         journal: Option<warm::RunnerJournal>,
+        memory: Arc<MemoryRegistry>,
     ) -> Arc<Self> {
         #[allow(clippy::disallowed_methods)]
         let epoch = Instant::now();
@@ -84,6 +90,7 @@ impl Shared {
                 journal,
             }),
             completed_cv: Condvar::new(),
+            memory,
             completed_len: AtomicUsize::new(0),
             epoch,
         })

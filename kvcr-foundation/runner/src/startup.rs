@@ -13,6 +13,9 @@ use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::protocol::RegionId;
 use kvcr_runner_core::{CachePolicy, Core, policy};
+use kvcr_sys::mapping::DramPool;
+use kvcr_sys::placement::{self, PlacementOutcome, PoolMemory, PoolMemoryInfo};
+use kvcr_sys::{MemoryRegistry, RegisteredMemory};
 
 use crate::config::{PeerOptions, RunnerConfig};
 use crate::copy;
@@ -20,9 +23,7 @@ use crate::error::{Error, Result, RunnerReason};
 use crate::g3::G3Store;
 use crate::g3::driver::G3Driver;
 use crate::guard::GuardLease;
-use crate::memory::DramPool;
 use crate::peer::PeerDriver;
-use crate::placement::{self, PlacementOutcome, PoolMemory, PoolMemoryInfo};
 use crate::shared::Shared;
 use crate::warm::{self, WarmStart};
 
@@ -100,7 +101,8 @@ pub(crate) struct Started {
     pub(crate) copy: copy::CopyEngine,
     pub(crate) peer: Option<PeerDriver>,
     pub(crate) shared: Arc<Shared>,
-    pub(crate) pools: Vec<DramPool>,
+    /// The local pools, registered for copies (freed when dropped).
+    pub(crate) pools: Vec<RegisteredMemory>,
     pub(crate) incarnation: Incarnation,
     pub(crate) endpoint: Option<ControlEndpoint>,
     pub(crate) worker_address: Option<Vec<u8>>,
@@ -150,14 +152,20 @@ pub(crate) fn local(
         .validate()
         .map_err(|e| failed(StartupStage::Validate, e))?;
 
+    // Every copy goes through the registry: the pools are held in it until
+    // the runner drops them (after its copy thread has stopped).
+    let memory = Arc::new(MemoryRegistry::new());
     let mut pools = Vec::with_capacity(config.pools.len());
     let mut placements = Vec::with_capacity(config.pools.len());
     for pool in &config.pools {
         let bytes = pool.block_size * u64::from(pool.blocks);
-        let (memory, placement) =
+        let (pool, placement) =
             DramPool::allocate_with(bytes, config.prefault, &config.pool_memory)
-                .map_err(|e| failed(StartupStage::AllocatePools, e))?;
-        pools.push(memory);
+                .map_err(|e| failed(StartupStage::AllocatePools, e.into()))?;
+        let pool = memory
+            .hold(Arc::new(pool))
+            .map_err(|e| failed(StartupStage::AllocatePools, e.into()))?;
+        pools.push(pool);
         placements.push(placement);
     }
     injected(fail_at, StartupStage::AllocatePools)?;
@@ -165,7 +173,7 @@ pub(crate) fn local(
 
     let timeout_ns = u64::try_from(config.operation_timeout.as_nanos()).unwrap_or(u64::MAX);
     let core_config = config.core_config(
-        pools.iter().map(DramPool::base).collect(),
+        pools.iter().map(RegisteredMemory::base).collect(),
         timeout_ns,
         g3.as_ref(),
     );
@@ -177,10 +185,11 @@ pub(crate) fn local(
     injected(fail_at, StartupStage::BuildCore)?;
 
     let (jobs_tx, jobs_rx) = mpsc::channel::<copy::Msg>();
-    let shared = Shared::new(core, jobs_tx.clone(), None, g3.map(G3Driver::new), None);
-    let copy = copy::CopyEngine::start(Arc::downgrade(&shared), jobs_tx, jobs_rx)
+    let g3 = g3.map(|store| G3Driver::new(store, Arc::clone(&memory)));
+    let shared = Shared::new(core, jobs_tx.clone(), None, g3, None, Arc::clone(&memory));
+    let copy = copy::CopyEngine::start(Arc::downgrade(&shared), memory, jobs_tx, jobs_rx)
         .map_err(|e| failed(StartupStage::StartCopyEngine, e))?;
-    let pool_bytes = pools.iter().map(DramPool::len).sum();
+    let pool_bytes = pools.iter().map(RegisteredMemory::len).sum();
     let pool_memory = pool_memory_info(
         &config,
         pools.iter().map(|p| (p.base(), p.len())),
@@ -264,6 +273,9 @@ pub(crate) fn with_peers(
     // claimed again (by a retry in this process, say), unless a stage
     // retained resources that may still touch its memory.
     let mut lease = warm::StartingLease::new(lease);
+    // Every copy goes through the registry: the peer thread holds its pools
+    // in it (and in UCX) until it drops them.
+    let memory = Arc::new(MemoryRegistry::new());
     let (mut driver, setup) = PeerDriver::start(
         peer,
         incarnation,
@@ -271,6 +283,7 @@ pub(crate) fn with_peers(
         config.prefault,
         &config.pool_memory,
         adopted,
+        Arc::clone(&memory),
     )
     .map_err(|e| match e {
         // Already a startup error (resources retained): keep it, and
@@ -348,10 +361,11 @@ pub(crate) fn with_peers(
         core,
         jobs_tx.clone(),
         Some(driver.tx.clone()),
-        g3.map(G3Driver::new),
+        g3.map(|store| G3Driver::new(store, Arc::clone(&memory))),
         journal,
+        Arc::clone(&memory),
     );
-    let copy = copy::CopyEngine::start(Arc::downgrade(&shared), jobs_tx, jobs_rx)
+    let copy = copy::CopyEngine::start(Arc::downgrade(&shared), memory, jobs_tx, jobs_rx)
         .map_err(|e| fail(StartupStage::StartCopyEngine.name(), e))?;
     driver.attach(Arc::clone(&shared));
     Ok(Started {

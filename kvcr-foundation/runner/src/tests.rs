@@ -26,13 +26,13 @@ fn startup_failure_at_every_stage_releases_everything() {
             other => panic!("{stage:?}: {other:?}"),
         }
         assert_eq!(
-            crate::memory::live_pool_bytes(),
+            kvcr_sys::mapping::live_pool_bytes(),
             0,
             "pools leaked after a failure at {stage:?}"
         );
     }
     let runner = Runner::start(RunnerConfig::single_pool("kv", 4096, 16), None).unwrap();
-    assert_eq!(crate::memory::live_pool_bytes(), 4096 * 16);
+    assert_eq!(kvcr_sys::mapping::live_pool_bytes(), 4096 * 16);
     runner.close().map_err(|(_, e)| e).unwrap();
-    assert_eq!(crate::memory::live_pool_bytes(), 0);
+    assert_eq!(kvcr_sys::mapping::live_pool_bytes(), 0);
 }

@@ -29,7 +29,7 @@ use crate::config::{GuardOptions, PeerOptions};
 use crate::error::Result;
 use crate::guard::{self, GuardClaim, GuardLease, Layout, PoolSpec};
 use crate::peer::Adopted;
-use crate::shared_memory::JournalMap;
+use kvcr_sys::memfd::JournalMap;
 
 /// How a runner under a guard started (see [`crate::Runner::warm_start`]).
 #[derive(Debug, Clone, PartialEq, Eq)]

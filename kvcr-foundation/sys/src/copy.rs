@@ -13,6 +13,7 @@
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 
 use crate::error::{Result, SysError};
+use crate::segment::PeerSegment;
 
 /// One copy: `len` bytes from `src` to `dst` (plain addresses).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -145,9 +146,12 @@ pub unsafe fn bytes_at<'a>(addr: u64, len: u64) -> &'a [u8] {
 }
 
 /// One registered range.
-struct Registered {
+pub(crate) struct Registered {
     start: u64,
     end: u64,
+    /// Copies may write it (`false`: a buffer lent for reading only, see
+    /// [`MemoryRegistry::lend`]).
+    writable: bool,
     /// Keeps memory this crate owns mapped while it is registered (`None`:
     /// a caller's range, valid by its [`MemoryRegistry::insert`] promise).
     _owner: Option<Arc<dyn kvcr_ucx::OwnedMemory + Send + Sync>>,
@@ -160,9 +164,11 @@ struct Registered {
 /// of it, for shared pools), exactly as memory another process writes.
 /// Which copy may touch which bytes when is the caller's protocol (the
 /// runner's core: claims, FILLING and READY slots); the registry answers
-/// only whether bytes are there to touch. Removing a range waits for the
-/// copies in flight (each holds the read lock for its whole copy), so no
-/// copy outlives the range it was checked against.
+/// only whether bytes are there to touch, and whether copies may write them
+/// (a buffer [lent](MemoryRegistry::lend) for reading only is never a
+/// destination). Removing a range waits for the copies in flight (each
+/// holds the read lock for its whole copy), so no copy outlives the range
+/// it was checked against.
 #[derive(Default)]
 pub struct MemoryRegistry {
     ranges: RwLock<Vec<Registered>>,
@@ -196,7 +202,7 @@ impl MemoryRegistry {
     /// must keep two copies from writing the same bytes (or one writing
     /// what another reads) at the same time.
     pub unsafe fn insert(&self, base: u64, len: u64) -> Result<()> {
-        self.insert_range(base, len, None)
+        self.insert_range(base, len, None, true)
     }
 
     /// Registers memory this process owns (a pool, a mapping), kept alive by
@@ -205,14 +211,17 @@ impl MemoryRegistry {
     pub fn insert_owned(&self, memory: Arc<dyn kvcr_ucx::OwnedMemory + Send + Sync>) -> Result<()> {
         let base = memory.as_mut_ptr() as usize as u64;
         let len = memory.byte_len() as u64;
-        self.insert_range(base, len, Some(memory))
+        self.insert_range(base, len, Some(memory), true)
     }
 
-    fn insert_range(
+    /// Inserts `base..base + len` (kept alive by `owner`, if any; written
+    /// by copies only if `writable`).
+    pub(crate) fn insert_range(
         &self,
         base: u64,
         len: u64,
         owner: Option<Arc<dyn kvcr_ucx::OwnedMemory + Send + Sync>>,
+        writable: bool,
     ) -> Result<()> {
         let end = base
             .checked_add(len)
@@ -230,6 +239,7 @@ impl MemoryRegistry {
             Registered {
                 start: base,
                 end,
+                writable,
                 _owner: owner,
             },
         );
@@ -286,6 +296,24 @@ impl MemoryRegistry {
         Ok(())
     }
 
+    /// As [`Self::copy_streaming`], where a destination may also lie inside
+    /// one of `segments` (a same-host peer's pools, mapped here; the borrow
+    /// keeps them mapped for the call). One read lock for the whole call.
+    pub fn copy_streaming_into<I>(&self, spans: I, segments: &[Arc<PeerSegment>]) -> Result<()>
+    where
+        I: IntoIterator<Item = ByteSpan> + Clone,
+    {
+        let in_segment = |dst: u64, len: u64| segments.iter().any(|s| s.holds(dst, len));
+        let ranges = self.checked_into(spans.clone(), in_segment)?;
+        // SAFETY: as in `copy`; a destination inside a segment is inside a
+        // live shared mapping (borrowed for the call), writable, and the
+        // write's target granted it to this copy alone (the caller's
+        // protocol, as for registered memory).
+        unsafe { copy_spans_streaming(spans) };
+        drop(ranges);
+        Ok(())
+    }
+
     /// A copy of the `len` bytes at `addr`, which must be registered.
     pub fn read(&self, addr: u64, len: u64) -> Result<Vec<u8>> {
         let ranges = self.read_lock();
@@ -304,13 +332,15 @@ impl MemoryRegistry {
     pub fn write(&self, dst: u64, bytes: &[u8]) -> Result<()> {
         let len = bytes.len() as u64;
         let ranges = self.read_lock();
-        if !holds(&ranges, dst, len) {
+        if !holds_writable(&ranges, dst, len) {
             return Err(SysError::Unregistered { addr: dst, len });
         }
-        // SAFETY: the destination is registered (checked under the lock held
-        // until the copy is made), so valid for writes; `bytes` is a borrowed
-        // slice, which registered memory never backs (it is never seen
-        // through a reference), so they do not overlap.
+        // SAFETY: the destination is registered writable (checked under the
+        // lock held until the copy is made), so valid for writes; `bytes` is
+        // a borrowed slice, which writable registered memory never backs (it
+        // is never seen through a reference, or is lent exclusively by a
+        // caller that cannot reach it during the loan), so they do not
+        // overlap.
         unsafe {
             std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst as usize as *mut u8, bytes.len());
         }
@@ -348,17 +378,21 @@ impl MemoryRegistry {
         pieces: &[(u64, u64)],
     ) -> std::io::Result<usize> {
         let ranges = self.read_lock();
-        if let Some(&(addr, len)) = pieces.iter().find(|(a, l)| !holds(&ranges, *a, *l)) {
+        if let Some(&(addr, len)) = pieces
+            .iter()
+            .find(|(a, l)| !holds_writable(&ranges, *a, *l))
+        {
             return Err(std::io::Error::other(SysError::Unregistered { addr, len }));
         }
-        // SAFETY: every piece is registered (checked under the lock, held
-        // until the read returns); other accesses are the caller's protocol.
+        // SAFETY: every piece is registered writable (checked under the
+        // lock, held until the read returns); other accesses are the
+        // caller's protocol.
         let read = unsafe { crate::vectored::try_read_spans(socket, pieces.iter().copied()) };
         drop(ranges);
         read
     }
 
-    fn read_lock(&self) -> RwLockReadGuard<'_, Vec<Registered>> {
+    pub(crate) fn read_lock(&self) -> RwLockReadGuard<'_, Vec<Registered>> {
         self.ranges.read().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -368,10 +402,24 @@ impl MemoryRegistry {
         &self,
         spans: impl IntoIterator<Item = ByteSpan>,
     ) -> Result<RwLockReadGuard<'_, Vec<Registered>>> {
+        self.checked_into(spans, |_, _| false)
+    }
+
+    /// As [`Self::checked`], with destinations `also(dst, len)` accepts
+    /// allowed beside registered ones.
+    fn checked_into(
+        &self,
+        spans: impl IntoIterator<Item = ByteSpan>,
+        also: impl Fn(u64, u64) -> bool,
+    ) -> Result<RwLockReadGuard<'_, Vec<Registered>>> {
         let ranges = self.read_lock();
         for span in spans {
-            for addr in [span.src, span.dst] {
-                if !holds(&ranges, addr, span.len) {
+            let (src_ok, dst_ok) = (
+                holds(&ranges, span.src, span.len),
+                holds_writable(&ranges, span.dst, span.len) || also(span.dst, span.len),
+            );
+            for (addr, ok) in [(span.src, src_ok), (span.dst, dst_ok)] {
+                if !ok {
                     return Err(SysError::Unregistered {
                         addr,
                         len: span.len,
@@ -388,13 +436,22 @@ impl MemoryRegistry {
     }
 }
 
-/// Whether `addr..addr + len` lies inside one of `ranges` (sorted, disjoint).
-fn holds(ranges: &[Registered], addr: u64, len: u64) -> bool {
-    let Some(end) = addr.checked_add(len) else {
-        return false;
-    };
+/// The one of `ranges` (sorted, disjoint) that `addr..addr + len` lies in.
+fn holding(ranges: &[Registered], addr: u64, len: u64) -> Option<&Registered> {
+    let end = addr.checked_add(len)?;
     let at = ranges.partition_point(|r| r.start <= addr);
-    at > 0 && ranges.get(at - 1).is_some_and(|r| end <= r.end)
+    ranges.get(at.checked_sub(1)?).filter(|r| end <= r.end)
+}
+
+/// Whether `addr..addr + len` lies inside one of `ranges`.
+pub(crate) fn holds(ranges: &[Registered], addr: u64, len: u64) -> bool {
+    holding(ranges, addr, len).is_some()
+}
+
+/// Whether `addr..addr + len` lies inside one of `ranges` that copies may
+/// write.
+pub(crate) fn holds_writable(ranges: &[Registered], addr: u64, len: u64) -> bool {
+    holding(ranges, addr, len).is_some_and(|r| r.writable)
 }
 
 #[cfg(test)]

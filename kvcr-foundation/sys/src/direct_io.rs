@@ -126,6 +126,54 @@ pub unsafe fn transfer(
     Ok(())
 }
 
+/// [`transfer`] into a borrowed buffer: `dst.len()` bytes from `offset`.
+pub fn read_into(file: &File, dst: &mut [u8], offset: u64) -> Result<(), Failure> {
+    let (addr, len) = (dst.as_mut_ptr() as usize as u64, dst.len() as u64);
+    // SAFETY: `dst` is borrowed exclusively for the call: writable, and
+    // nobody else accesses it.
+    unsafe { transfer(file, Transfer::Read, addr, len, offset) }
+}
+
+/// [`transfer`] from a borrowed buffer: `src.len()` bytes to `offset`.
+pub fn write_from(file: &File, src: &[u8], offset: u64) -> Result<(), Failure> {
+    let (addr, len) = (src.as_ptr() as usize as u64, src.len() as u64);
+    // SAFETY: `src` is borrowed for the call: readable, and nobody writes
+    // it meanwhile.
+    unsafe { transfer(file, Transfer::Write, addr, len, offset) }
+}
+
+impl crate::copy::MemoryRegistry {
+    /// [`transfer`] of registered memory: `Err` (nothing moved) when
+    /// `addr..addr + len` is not registered, or, for a read into it, not
+    /// writable; else the transfer's own outcome. The range stays
+    /// registered until the transfer returns (the read lock is held).
+    pub fn transfer(
+        &self,
+        file: &File,
+        op: Transfer,
+        addr: u64,
+        len: u64,
+        offset: u64,
+    ) -> crate::Result<Result<(), Failure>> {
+        let ranges = self.read_lock();
+        let registered = match op {
+            Transfer::Read => crate::copy::holds_writable(&ranges, addr, len),
+            Transfer::Write => crate::copy::holds(&ranges, addr, len),
+        };
+        if !registered {
+            return Err(crate::SysError::Unregistered { addr, len });
+        }
+        // SAFETY: the range is registered (checked under the read lock,
+        // held until the transfer returns, so it is not removed meanwhile):
+        // valid by `insert`'s promise, owned, or lent; a read's range is
+        // writable. Who else touches it when is the caller's protocol, as
+        // for every copy through the registry.
+        let moved = unsafe { transfer(file, op, addr, len, offset) };
+        drop(ranges);
+        Ok(moved)
+    }
+}
+
 /// An owned, zeroed, pre-faulted buffer aligned for direct I/O (for tests,
 /// benchmarks and bounce buffers; the runner's pools are page-aligned
 /// already).

@@ -13,6 +13,7 @@
 //! | [`segment`] | [`PeerSegment`](segment::PeerSegment): a same-host peer's pool, mapped for one-copy writes |
 //! | [`seqlock`] | volatile loads and stores of memory other processes share |
 //! | [`copy`] | span copy kernels and [`MemoryRegistry`](copy::MemoryRegistry), which makes copies safe |
+//! | [`owned`] | owned memory held by the registry and a UCX registration at once |
 //! | [`vectored`] | `readv`/`writev` between a socket and spans of memory |
 //! | [`direct_io`] | `flock`, `statx`, slot `pread`/`pwrite`, [`DirectBuf`](direct_io::DirectBuf) |
 //! | [`fd_passing`] | `SCM_RIGHTS`, peer credentials, pidfds |
@@ -30,6 +31,7 @@ pub mod error;
 pub mod fd_passing;
 pub mod mapping;
 pub mod memfd;
+pub mod owned;
 pub mod placement;
 pub mod segment;
 pub mod seqlock;
@@ -38,3 +40,4 @@ pub mod vectored;
 
 pub use self::copy::{ByteSpan, MemoryRegistry};
 pub use self::error::{Result, SysError};
+pub use self::owned::{RegisteredMemory, SharedMemory};

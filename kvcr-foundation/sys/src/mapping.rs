@@ -161,6 +161,11 @@ pub struct AnonMapping {
 // SAFETY: the mapping is uniquely owned plain memory with no thread affinity.
 unsafe impl Send for AnonMapping {}
 
+// SAFETY: `&self` gives only the mapping's address and length; its bytes are
+// touched only through raw copies whose callers arrange who writes what (a
+// registry's, or UCX's), so sharing the handle between threads is sound.
+unsafe impl Sync for AnonMapping {}
+
 impl AnonMapping {
     /// Maps `bytes` (rounded up to a page), applies `memory`'s placement,
     /// then (with `prefault`) touches every page once.

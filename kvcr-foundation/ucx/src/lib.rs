@@ -94,4 +94,4 @@ pub use packed::{AddressProblem, Limits, validate_rkey, validate_worker_address}
 pub use request::Completion;
 pub use status::{UcsStatus, UcxReason};
 pub use wire::{RkeyBuffer, WorkerAddress};
-pub use worker::{WaitPolicy, Worker};
+pub use worker::{WaitPolicy, Worker, WorkerEvents};

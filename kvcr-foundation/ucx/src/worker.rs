@@ -261,6 +261,27 @@ pub struct Worker {
     policy: WaitPolicy,
 }
 
+/// A worker's event fd as an event loop holds it ([`Worker::watch_events`]):
+/// it keeps the worker alive, so the fd stays open while it is watched.
+pub struct WorkerEvents {
+    fd: RawFd,
+    _worker: Rc<WorkerInner>,
+}
+
+impl std::os::fd::AsRawFd for WorkerEvents {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd
+    }
+}
+
+impl std::fmt::Debug for WorkerEvents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerEvents")
+            .field("fd", &self.fd)
+            .finish()
+    }
+}
+
 impl std::fmt::Debug for Worker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Worker")
@@ -384,6 +405,28 @@ impl Worker {
     /// One round of `ucp_worker_progress`; returns how many events it handled.
     pub fn progress(&self) -> u32 {
         self.inner.progress()
+    }
+
+    /// The worker's event fd registered with the current tokio runtime for
+    /// readable events (`None` without wakeup, or where the runtime refuses
+    /// it). The returned value keeps the worker (so its fd) alive until it is
+    /// dropped, which deregisters the fd first. Before sleeping on it, call
+    /// [`Worker::arm`]. Must be called inside a tokio runtime.
+    pub fn watch_events(&self) -> Option<tokio::io::unix::AsyncFd<WorkerEvents>> {
+        let fd = self.inner.efd?;
+        let events = WorkerEvents {
+            fd,
+            _worker: Rc::clone(&self.inner),
+        };
+        // SAFETY: `fd` is the worker's event fd, open until
+        // `ucp_worker_destroy`, which runs only when the last `Rc` of the
+        // worker is dropped: `events` holds one, and the `AsyncFd` owns
+        // `events` until it has deregistered the fd. `as_raw_fd` always
+        // returns this same fd.
+        unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(events, tokio::io::Interest::READABLE)
+        }
+        .ok()
     }
 
     /// The worker's event fd (`ucp_worker_get_efd`), when the context has

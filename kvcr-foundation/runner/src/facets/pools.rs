@@ -7,9 +7,9 @@ use std::sync::{Arc, PoisonError};
 
 use kvcr_runner_core::PoolRange;
 
-use crate::device::DeviceCopier;
+use crate::PoolMemoryInfo;
+use crate::copy::device::DeviceCopier;
 use crate::error::RunnerReason;
-use crate::placement::PoolMemoryInfo;
 use crate::stats::G3Stats;
 use crate::{Error, Result, Runner};
 

@@ -1,5 +1,7 @@
-//! The store's raw-memory I/O entry points (whose callers promise the
-//! memory) and the safe slice wrappers over them.
+//! The store's I/O entry points. Memory named by address is checked
+//! against the store's [`MemoryRegistry`] (the runner's, whose pools and
+//! engine regions are registered there; a caller of its own registers its
+//! buffers in [`G3Store::memory`]); borrowed buffers need no registration.
 //!
 //! The system calls themselves (`flock`, `statx` for `STATX_DIOALIGN`, the
 //! `pread`/`pwrite` loop that moves one slot) and [`DirectBuf`] live in
@@ -7,14 +9,15 @@
 
 use std::sync::Arc;
 
+use kvcr_sys::MemoryRegistry;
 pub use kvcr_sys::direct_io::DirectBuf;
 #[cfg(test)]
 pub(super) use kvcr_sys::direct_io::limit_file_size;
 pub(super) use kvcr_sys::direct_io::{Failure, dio_alignment, lock_exclusive};
-use kvcr_sys::direct_io::{Transfer, transfer};
+use kvcr_sys::direct_io::{Transfer, read_into, write_from};
 
 use super::pool::{Exec, Outcome};
-use super::{Files, G3Io, G3Op, G3SliceIo, G3Store};
+use super::{Files, G3Error, G3Io, G3Op, G3SliceIo, G3Store};
 
 /// The system call's direction for `op`.
 fn direction(op: G3Op) -> Transfer {
@@ -24,53 +27,47 @@ fn direction(op: G3Op) -> Transfer {
     }
 }
 
-/// Validates one item and moves its slot.
-///
-/// # Safety
-/// The item's memory as [`G3Store::run_batch`] requires, for the call.
-unsafe fn execute(files: &Files, item: &G3Io) -> Outcome {
+/// Validates one item and moves its slot through `memory`.
+fn execute(files: &Files, memory: &MemoryRegistry, item: &G3Io) -> Outcome {
     let (file, offset) = files.validate(item)?;
-    // SAFETY: `validate` checked the length (one slot) and the alignment;
-    // the memory itself is this function's contract.
-    let result = unsafe { transfer(&file.file, direction(item.op), item.addr, item.len, offset) };
-    result.map_err(|failure| files.failure(file, item, failure))
+    let moved = memory
+        .transfer(&file.file, direction(item.op), item.addr, item.len, offset)
+        .map_err(|_| G3Error::Unregistered {
+            slot: item.slot,
+            addr: item.addr,
+            len: item.len,
+        })?;
+    moved.map_err(|failure| files.failure(file, item, failure))
 }
 
 /// The executor the worker pool runs items with.
-///
-/// Built only inside the `unsafe` entry points below, whose callers promise
-/// every item's memory until the batch is over.
-fn executor(files: &Arc<Files>) -> Exec {
-    let files = Arc::clone(files);
-    Arc::new(move |item: &G3Io| {
-        // SAFETY: this executor runs only items of a batch submitted through
-        // `run_batch` or `submit`, before that batch is over; their callers
-        // promised the memory until then (their `# Safety`).
-        unsafe { execute(&files, item) }
-    })
+fn executor(files: &Arc<Files>, memory: &Arc<MemoryRegistry>) -> Exec {
+    let (files, memory) = (Arc::clone(files), Arc::clone(memory));
+    Arc::new(move |item: &G3Io| execute(&files, &memory, item))
 }
 
 impl G3Store {
-    /// Moves whole slots between caller memory and the files, many at once:
-    /// the calling thread and the store's workers claim items in order, so
-    /// consecutive slots (consecutive files) run in parallel; returns every
-    /// item's outcome, in order, once all have finished. A batch of one runs
-    /// on the calling thread alone. Items are independent: one failing fails
-    /// only itself. An item whose slot, length or alignment is wrong touches
-    /// nothing ([`G3Error::SlotRange`](super::G3Error::SlotRange),
-    /// [`G3Error::Buffer`](super::G3Error::Buffer)).
+    /// Moves whole slots between memory registered in [`G3Store::memory`]
+    /// and the files, many at once: the calling thread and the store's
+    /// workers claim items in order, so consecutive slots (consecutive
+    /// files) run in parallel; returns every item's outcome, in order, once
+    /// all have finished. A batch of one runs on the calling thread alone.
+    /// Items are independent: one failing fails only itself. An item whose
+    /// slot, length or alignment is wrong, or whose memory is not
+    /// registered (for a read: not writable), touches nothing
+    /// ([`G3Error::SlotRange`](super::G3Error::SlotRange),
+    /// [`G3Error::Buffer`](super::G3Error::Buffer),
+    /// [`G3Error::Unregistered`](super::G3Error::Unregistered)).
+    ///
+    /// Which item touches which bytes when is the caller's protocol (a
+    /// read's range should overlap no other item's, and nobody else should
+    /// touch it meanwhile), as for every copy through the registry.
     ///
     /// Hold no lock the workers' callers need: this blocks for the I/O.
-    ///
-    /// # Safety
-    /// Until this call returns, for every item:
-    /// 1. `addr..addr+len` is valid memory: writable for a
-    ///    [`G3Op::Read`], readable for a [`G3Op::Write`];
-    /// 2. nobody else accesses a read's range, or writes a write's range;
-    /// 3. a read's range overlaps no other item's range.
     #[must_use]
-    pub unsafe fn run_batch(&self, items: &[G3Io]) -> Vec<Outcome> {
-        self.pool.run(items.to_vec(), executor(&self.files))
+    pub fn run_batch(&self, items: &[G3Io]) -> Vec<Outcome> {
+        self.pool
+            .run(items.to_vec(), executor(&self.files, &self.memory))
     }
 
     /// Queues `items` and returns at once; `done` is called with every
@@ -78,74 +75,82 @@ impl G3Store {
     /// one (or now, on this thread, for an empty batch). `done` should be
     /// short (it delays the worker's next item) and must not drop the last
     /// owner of this store (its workers are joined on drop). A panic in
-    /// `done` is caught and counted ([`G3Store::callback_panics`]).
+    /// `done` is caught and counted ([`G3Store::callback_panics`]). Memory
+    /// as [`G3Store::run_batch`] (checked as each item runs).
     ///
     /// Dropping the store runs every submitted item and calls every `done`
     /// first.
-    ///
-    /// # Safety
-    /// As [`G3Store::run_batch`], until `done` has been called.
-    pub unsafe fn submit(
-        &self,
-        items: Vec<G3Io>,
-        done: impl FnOnce(Vec<Outcome>) + Send + 'static,
-    ) {
+    pub fn submit(&self, items: Vec<G3Io>, done: impl FnOnce(Vec<Outcome>) + Send + 'static) {
         self.pool
-            .submit(items, executor(&self.files), Box::new(done));
+            .submit(items, executor(&self.files, &self.memory), Box::new(done));
     }
 
-    /// Reads one slot into `addr..addr+len` on the calling thread: the
-    /// one-block fill's path (one `pread`, no hand-off).
-    ///
-    /// # Safety
-    /// `addr..addr+len` is valid for writes and accessed by nobody else
-    /// until this returns.
-    pub unsafe fn read_slot(&self, slot: u64, addr: u64, len: u64) -> Outcome {
-        // SAFETY: this function's contract.
-        unsafe { execute(&self.files, &G3Io::read(slot, addr, len)) }
+    /// Reads one slot into registered `addr..addr+len` on the calling
+    /// thread: the one-block fill's path (one `pread`, no hand-off).
+    pub fn read_slot(&self, slot: u64, addr: u64, len: u64) -> Outcome {
+        execute(&self.files, &self.memory, &G3Io::read(slot, addr, len))
     }
 
-    /// Writes one slot from `addr..addr+len` on the calling thread.
-    ///
-    /// # Safety
-    /// `addr..addr+len` is valid for reads and written by nobody until this
-    /// returns.
-    pub unsafe fn write_slot(&self, slot: u64, addr: u64, len: u64) -> Outcome {
-        // SAFETY: this function's contract.
-        unsafe { execute(&self.files, &G3Io::write(slot, addr, len)) }
+    /// Writes one slot from registered `addr..addr+len` on the calling
+    /// thread.
+    pub fn write_slot(&self, slot: u64, addr: u64, len: u64) -> Outcome {
+        execute(&self.files, &self.memory, &G3Io::write(slot, addr, len))
     }
 
     /// [`G3Store::read_slot`] into a borrowed buffer (one slot long, aligned
     /// to [`G3Store::alignment`]).
     pub fn read_slot_into(&self, slot: u64, dst: &mut [u8]) -> Outcome {
-        // SAFETY: `dst` is borrowed exclusively for the call.
-        unsafe { self.read_slot(slot, dst.as_mut_ptr() as usize as u64, dst.len() as u64) }
+        let item = G3Io::read(slot, dst.as_mut_ptr() as usize as u64, dst.len() as u64);
+        let (file, offset) = self.files.validate(&item)?;
+        read_into(&file.file, dst, offset).map_err(|f| self.files.failure(file, &item, f))
     }
 
     /// [`G3Store::write_slot`] from a borrowed buffer (one slot long,
     /// aligned to [`G3Store::alignment`]).
     pub fn write_slot_from(&self, slot: u64, src: &[u8]) -> Outcome {
-        // SAFETY: `src` is borrowed (so not written) for the call.
-        unsafe { self.write_slot(slot, src.as_ptr() as usize as u64, src.len() as u64) }
+        let item = G3Io::write(slot, src.as_ptr() as usize as u64, src.len() as u64);
+        let (file, offset) = self.files.validate(&item)?;
+        write_from(&file.file, src, offset).map_err(|f| self.files.failure(file, &item, f))
     }
 
-    /// [`G3Store::run_batch`] over borrowed buffers.
+    /// [`G3Store::run_batch`] over borrowed buffers (lent to the store's
+    /// registry for the call).
     #[must_use]
     pub fn run_batch_slices(&self, items: &mut [G3SliceIo<'_>]) -> Vec<Outcome> {
         let raw: Vec<G3Io> = items
-            .iter_mut()
+            .iter()
             .map(|item| match item {
                 G3SliceIo::Read { slot, dst } => {
-                    G3Io::read(*slot, dst.as_mut_ptr() as usize as u64, dst.len() as u64)
+                    G3Io::read(*slot, dst.as_ptr() as usize as u64, dst.len() as u64)
                 }
                 G3SliceIo::Write { slot, src } => {
                     G3Io::write(*slot, src.as_ptr() as usize as u64, src.len() as u64)
                 }
             })
             .collect();
-        // SAFETY: every buffer is borrowed for the call, reads' exclusively
-        // (so they overlap nothing), writes' shared (so nobody writes them);
-        // `run_batch` returns only after every item has finished.
-        unsafe { self.run_batch(&raw) }
+        let mut writable: Vec<&mut [u8]> = Vec::new();
+        let mut readable: Vec<&[u8]> = Vec::new();
+        for item in items.iter_mut() {
+            match item {
+                G3SliceIo::Read { dst, .. } => writable.push(dst),
+                G3SliceIo::Write { src, .. } => readable.push(src),
+            }
+        }
+        // Reads' buffers are borrowed exclusively (so they overlap nothing),
+        // writes' shared (so nobody writes them); `run_batch` returns only
+        // after every item has finished, inside the loan.
+        self.memory
+            .lend(&mut writable, &readable, || self.run_batch(&raw))
+            .unwrap_or_else(|_| {
+                raw.iter()
+                    .map(|item| {
+                        Err(G3Error::Unregistered {
+                            slot: item.slot,
+                            addr: item.addr,
+                            len: item.len,
+                        })
+                    })
+                    .collect()
+            })
     }
 }

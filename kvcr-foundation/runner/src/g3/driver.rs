@@ -12,7 +12,12 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use kvcr_runner_core::{CopyOutcome, G3Direction, G3Transfer, JobId};
 
-use crate::g3::{DirectBuf, G3Error, G3Io, G3Store};
+use kvcr_sys::MemoryRegistry;
+
+use kvcr_sys::mapping::AnonMapping;
+use kvcr_sys::{ByteSpan, RegisteredMemory};
+
+use crate::g3::{G3Error, G3Io, G3Store};
 use crate::shared::Shared;
 
 /// What G3's I/O reported, beside the core's counters.
@@ -26,13 +31,20 @@ pub(crate) struct G3IoStats {
 pub(crate) struct G3Driver {
     store: G3Store,
     stats: Arc<G3IoStats>,
+    /// The runner's registered memory: bounce buffers are copied out
+    /// through it.
+    memory: Arc<MemoryRegistry>,
 }
 
 impl G3Driver {
-    pub(crate) fn new(store: G3Store) -> Self {
+    /// The driver of `store`, whose transfers go through `memory` (the
+    /// runner's registry: its pools and the engine's regions).
+    pub(crate) fn new(mut store: G3Store, memory: Arc<MemoryRegistry>) -> Self {
+        store.use_memory(Arc::clone(&memory));
         Self {
             store,
             stats: Arc::new(G3IoStats::default()),
+            memory,
         }
     }
 
@@ -49,7 +61,8 @@ impl G3Driver {
     pub(crate) fn submit(&self, shared: Weak<Shared>, job: JobId, keys: &[Vec<G3Transfer>]) {
         let spans: Vec<usize> = keys.iter().map(Vec::len).collect();
         let align = self.store.alignment().max(1);
-        let mut bounces: Vec<(usize, DirectBuf, u64)> = Vec::new();
+        // (transfer, bounce, destination, slot, length) per bounced load.
+        let mut bounces: Vec<(usize, RegisteredMemory, u64, u64, u64)> = Vec::new();
         let mut items = Vec::with_capacity(spans.iter().sum());
         for (i, t) in keys.iter().flatten().enumerate() {
             let item = match t.direction {
@@ -58,13 +71,10 @@ impl G3Driver {
                     G3Io::read(u64::from(t.slot), t.addr, t.len)
                 }
                 G3Direction::Load => {
-                    let bounce = usize::try_from(t.len)
-                        .ok()
-                        .and_then(|len| DirectBuf::new(len, usize::try_from(align).ok()?));
-                    match bounce {
+                    match bounce(&self.memory, t.len, align) {
                         Some(bounce) => {
-                            let item = G3Io::read(u64::from(t.slot), bounce.addr(), t.len);
-                            bounces.push((i, bounce, t.addr));
+                            let item = G3Io::read(u64::from(t.slot), bounce.base(), t.len);
+                            bounces.push((i, bounce, t.addr, u64::from(t.slot), t.len));
                             item
                         }
                         // No memory for a bounce: the store refuses the
@@ -76,21 +86,25 @@ impl G3Driver {
             items.push(item);
         }
         let stats = Arc::clone(&self.stats);
-        let done = move |outcomes: Vec<Result<(), G3Error>>| {
-            for (i, bounce, dest) in &bounces {
-                if outcomes.get(*i).is_some_and(Result::is_ok) {
-                    // SAFETY: `dest .. dest + bounce.len()` is the deliver
-                    // destination of this transfer, which the core keeps for
-                    // this job until its outcome is reported (below), and
-                    // which no other transfer of a live job writes; the
-                    // bounce buffer is this job's own.
-                    #[allow(unsafe_code)]
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            bounce.as_ptr(),
-                            *dest as usize as *mut u8,
-                            bounce.len(),
-                        );
+        let memory = Arc::clone(&self.memory);
+        let done = move |mut outcomes: Vec<Result<(), G3Error>>| {
+            for (i, bounce, dest, slot, len) in &bounces {
+                if let Some(outcome @ Ok(())) = outcomes.get_mut(*i) {
+                    // `dest .. dest + len` is the deliver destination of
+                    // this transfer (a registered engine region), which the
+                    // core keeps for this job until its outcome is reported
+                    // (below), and which no other transfer of a live job
+                    // writes; the bounce buffer is this job's own.
+                    if memory
+                        .copy([ByteSpan::new(bounce.base(), *dest, *len)])
+                        .is_err()
+                    {
+                        // Unreachable while the core and the registry agree.
+                        *outcome = Err(G3Error::Unregistered {
+                            slot: *slot,
+                            addr: *dest,
+                            len: *len,
+                        });
                     }
                 }
             }
@@ -118,18 +132,26 @@ impl G3Driver {
                 shared.copy_done(job, &outcomes);
             }
         };
-        // SAFETY: every transfer is one whole slot of a runner pool that the
-        // core keeps reserved for this job until its outcome is reported
-        // (`handle_copy_done`, from `done`): a store reads a READY slot held
-        // by an internal claim (no writer touches it while claimed), a load
-        // writes a FILLING slot no one else reads or writes until it commits
-        // or is freed, and no two transfers of live jobs share a slot. The
-        // pools outlive the store: the runner drops this driver, which joins
-        // the store's workers after every submitted transfer ran, before it
-        // frees them.
-        #[allow(unsafe_code)]
-        unsafe {
-            self.store.submit(items, done);
-        }
+        // Every transfer is one whole slot of a runner pool (or a bounce
+        // buffer, lent to the registry until the job's callback ran) that
+        // the core keeps reserved for this job until its outcome is
+        // reported (`handle_copy_done`, from `done`): a store reads a READY
+        // slot held by an internal claim, a load writes a FILLING slot no one
+        // else reads or writes until it commits or is freed, and no two
+        // transfers of live jobs share a slot. The store checks each against
+        // the registry.
+        self.store.submit(items, done);
     }
+}
+
+/// A bounce buffer of `len` bytes aligned to `align`: a zeroed, pre-faulted
+/// anonymous mapping held in `memory` (so the store may read into it and
+/// the job copy out of it) until the returned handle drops. `None`: no
+/// memory, or a mapping not aligned enough (beyond a page).
+fn bounce(memory: &Arc<MemoryRegistry>, len: u64, align: u64) -> Option<RegisteredMemory> {
+    let (mapping, _) = AnonMapping::new(len, &Default::default(), true).ok()?;
+    if !(mapping.as_ptr() as usize as u64).is_multiple_of(align) {
+        return None;
+    }
+    memory.hold(Arc::new(mapping)).ok()
 }

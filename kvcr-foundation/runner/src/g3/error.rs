@@ -131,6 +131,18 @@ pub enum G3Error {
         /// The required memory alignment.
         align: u64,
     },
+    /// An I/O item's memory is not registered in the store's
+    /// [`memory`](super::G3Store::memory) (for a read: not writable there).
+    /// Nothing was read or written.
+    #[error("g3 slot {slot}: memory at {addr:#x} ({len} bytes) is not registered")]
+    Unregistered {
+        /// The slot named.
+        slot: u64,
+        /// The memory's address.
+        addr: u64,
+        /// The memory's length.
+        len: u64,
+    },
     /// A read or write failed with an OS error (other than "no space").
     #[error("g3 {op} of slot {slot} in {} failed{}", path.display(), Errno(Some(*errno)))]
     Io {

@@ -99,14 +99,11 @@
 //! and calling every callback), then the files are closed, which releases
 //! their locks (field order in [`G3Store`]).
 
-#[allow(unsafe_code)]
 mod direct_io;
 pub(crate) mod driver;
 mod error;
 mod pool;
-// The tests call the unsafe entry points (`run_batch`, `submit`) too.
 #[cfg(test)]
-#[allow(unsafe_code)]
 mod tests;
 
 use std::fs::{File, OpenOptions};
@@ -341,6 +338,8 @@ pub struct G3Store {
     // reach a closed or reused descriptor and the locks outlive the I/O.
     pool: WorkerPool,
     files: Arc<Files>,
+    /// The memory items named by address may touch.
+    memory: Arc<kvcr_sys::MemoryRegistry>,
 }
 
 impl std::fmt::Debug for G3Store {
@@ -558,12 +557,29 @@ impl G3Store {
             offset_align,
         });
         let pool = WorkerPool::start(tuning.worker_count(options.paths.len()))?;
-        Ok(Self { pool, files })
+        Ok(Self {
+            pool,
+            files,
+            memory: Arc::new(kvcr_sys::MemoryRegistry::new()),
+        })
     }
 
     /// Number of slots: files × (capacity per file / slot size).
     pub fn slots(&self) -> u64 {
         self.files.slots
+    }
+
+    /// The memory the address-named entry points ([`G3Store::run_batch`],
+    /// [`G3Store::submit`], [`G3Store::read_slot`], [`G3Store::write_slot`])
+    /// may touch: register buffers here first (a store opened on its own
+    /// starts with none; the runner's shares the runner's pools and regions).
+    pub fn memory(&self) -> &Arc<kvcr_sys::MemoryRegistry> {
+        &self.memory
+    }
+
+    /// Moves items through `memory` instead (the runner's registry).
+    pub(crate) fn use_memory(&mut self, memory: Arc<kvcr_sys::MemoryRegistry>) {
+        self.memory = memory;
     }
 
     /// Bytes per slot.

@@ -2,9 +2,9 @@
 //! at once, so a large spill or fill keeps several requests in flight on
 //! every file.
 //!
-//! Safe code: a batch is a list of [`G3Io`] items plus the function that
-//! executes one (built by `direct_io`, whose `unsafe` entry points carry the
-//! memory contract). Items are claimed one at a time from the oldest batch
+//! A batch is a list of [`G3Io`] items plus the function that executes one
+//! (built by `direct_io`, which checks each item's memory against the
+//! store's registry). Items are claimed one at a time from the oldest batch
 //! (an atomic cursor), so consecutive slots (which sit in consecutive files)
 //! go to different threads; each item's outcome lands in its own cell and the
 //! last item to finish completes the batch: it wakes the submitter that waits

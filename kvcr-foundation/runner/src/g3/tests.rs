@@ -17,6 +17,7 @@ use std::sync::mpsc;
 use proptest::prelude::*;
 
 use super::*;
+use crate::copy::test_memory::TestBuffer;
 
 /// One G3 test at a time: a process forked (to spawn a child) while a store
 /// is open shares the store's locked file description until its `exec`
@@ -89,6 +90,14 @@ fn options(paths: Vec<PathBuf>, slots_per_file: u64) -> G3Options {
 
 fn buf(len: u64) -> DirectBuf {
     DirectBuf::new(len as usize, 4096).unwrap()
+}
+
+/// `len` bytes of `seed`'s pattern ([`fill`]), registered in `store`'s
+/// memory (page-aligned) for the address-named entry points.
+fn registered(store: &G3Store, len: u64, seed: u64) -> TestBuffer {
+    let mut bytes = vec![0u8; len as usize];
+    fill(&mut bytes, seed);
+    TestBuffer::with(store.memory(), len as usize, &bytes)
 }
 
 /// Random bytes through 3 files and back; each slot's bytes sit in file
@@ -214,8 +223,8 @@ fn bad_items_are_refused_one_by_one() {
     let _serial = serial();
     let dir = Scratch::new("items");
     let store = G3Store::open(&options(dir.paths(2), 2), SLOT).unwrap();
-    let good = buf(SLOT);
-    let big = buf(2 * SLOT);
+    let good = registered(&store, SLOT, 0);
+    let big = registered(&store, 2 * SLOT, 1);
     let align = store.alignment();
     let items = [
         G3Io::write(4, good.addr(), SLOT),
@@ -226,10 +235,10 @@ fn bad_items_are_refused_one_by_one() {
         G3Io::read(0, 0, SLOT),
         G3Io::read(0, u64::MAX - 4095, SLOT),
     ];
-    // SAFETY: every range that passes validation lies inside `good` or
-    // `big`, which outlive the call; the only read-direction items fail
-    // validation (out of range, null, wrapping) before touching memory.
-    let outcomes = unsafe { store.run_batch(&items) };
+    // Every range that passes validation lies inside `good` or `big`
+    // (registered); the only read-direction items fail validation (out of
+    // range, null, wrapping) before touching memory.
+    let outcomes = store.run_batch(&items);
     assert!(matches!(
         outcomes[0],
         Err(G3Error::SlotRange { slot: 4, slots: 4 })
@@ -723,13 +732,7 @@ fn submitted_batches_call_back_even_when_the_store_drops() {
     let _serial = serial();
     let dir = Scratch::new("submit");
     let store = G3Store::open(&options(dir.paths(3), 4), SLOT).unwrap();
-    let srcs: Vec<DirectBuf> = (0..12)
-        .map(|i| {
-            let mut b = buf(SLOT);
-            fill(&mut b, i);
-            b
-        })
-        .collect();
+    let srcs: Vec<TestBuffer> = (0..12).map(|i| registered(&store, SLOT, i)).collect();
     let (tx, rx) = mpsc::channel();
     for round in 0..4 {
         let items: Vec<G3Io> = srcs
@@ -738,18 +741,16 @@ fn submitted_batches_call_back_even_when_the_store_drops() {
             .map(|(i, b)| G3Io::write(i as u64, b.addr(), SLOT))
             .collect();
         let tx = tx.clone();
-        // SAFETY: `srcs` outlives every callback: the store is dropped
-        // (which calls them all) before `srcs`, and nothing writes them.
-        unsafe { store.submit(items, move |outcomes| tx.send((round, outcomes)).unwrap()) };
+        // `srcs` stay registered until after the store is dropped (which
+        // calls every callback), and nothing writes them.
+        store.submit(items, move |outcomes| tx.send((round, outcomes)).unwrap());
     }
     // An empty batch is called back at once; a panicking callback is
     // caught and counted.
     let tx2 = tx.clone();
-    // SAFETY: no items, no memory.
-    unsafe { store.submit(Vec::new(), move |o| tx2.send((99, o)).unwrap()) };
+    store.submit(Vec::new(), move |o| tx2.send((99, o)).unwrap());
     let b = &srcs[0];
-    // SAFETY: as above.
-    unsafe { store.submit(vec![G3Io::write(0, b.addr(), SLOT)], |_| panic!("callback")) };
+    store.submit(vec![G3Io::write(0, b.addr(), SLOT)], |_| panic!("callback"));
     drop(store);
     drop(tx);
     let mut got: Vec<(i32, Vec<Result<(), G3Error>>)> = rx.iter().collect();
@@ -768,17 +769,14 @@ fn a_panicking_callback_is_counted() {
     let _serial = serial();
     let dir = Scratch::new("panic");
     let store = G3Store::open(&options(dir.paths(1), 2), SLOT).unwrap();
-    let b = buf(SLOT);
+    let b = registered(&store, SLOT, 0);
     let (tx, rx) = mpsc::channel();
-    // SAFETY: `b` outlives the store (dropped after it), which calls every
-    // callback before it is gone.
-    unsafe { store.submit(vec![G3Io::write(0, b.addr(), SLOT)], |_| panic!("callback")) };
-    // SAFETY: as above.
-    unsafe {
-        store.submit(vec![G3Io::write(1, b.addr(), SLOT)], move |o| {
-            tx.send(o).unwrap()
-        })
-    };
+    // `b` stays registered until after the store is dropped, which calls
+    // every callback before it is gone.
+    store.submit(vec![G3Io::write(0, b.addr(), SLOT)], |_| panic!("callback"));
+    store.submit(vec![G3Io::write(1, b.addr(), SLOT)], move |o| {
+        tx.send(o).unwrap()
+    });
     assert_eq!(rx.recv().unwrap(), vec![Ok(())]);
     drop(store);
 }

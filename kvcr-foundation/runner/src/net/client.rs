@@ -80,7 +80,7 @@ impl DataStreamPeer {
         payload: &[u8],
     ) -> Result<()> {
         use std::io::Write;
-        let prefix = super::stream::frame_prefix(len, header);
+        let prefix = crate::wire::frame::frame_prefix(len, header);
         self.socket
             .write_all(&prefix)
             .and_then(|()| self.socket.write_all(payload))

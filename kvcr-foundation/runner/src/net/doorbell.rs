@@ -14,10 +14,11 @@ use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::protocol::{Message, SegmentAdvert};
 use kvcr_ucx::Registration;
 
-use crate::shared_memory::{PeerSegment, publish_shared, read_shared};
 use crate::wire::doorbell::DoorbellState;
 use crate::wire::mailbox::{self, MailboxView};
 use crate::wire::region::slot_offset;
+use kvcr_sys::segment::PeerSegment;
+use kvcr_sys::seqlock::{publish_shared, read_shared};
 
 /// A source's mailbox in a target's doorbell file, read through its
 /// mapping of that file.
@@ -119,9 +120,9 @@ mod tests {
     /// file (as a one-copy route maps it), with the target's base address.
     fn shared_doorbell() -> (TargetDoorbell, Arc<PeerSegment>, u64) {
         let context = kvcr_ucx::Context::new().unwrap();
-        let file = crate::shared_memory::SharedPool::create(REGION_BYTES as u64, true).unwrap();
+        let file = kvcr_sys::memfd::SharedPool::create(REGION_BYTES as u64, true).unwrap();
         let segment = file.advert(REGION);
-        let scope = crate::shared_memory::HostScope::current().unwrap();
+        let scope = kvcr_sys::memfd::HostScope::current().unwrap();
         let advert = kvcr_contracts::protocol::SharedMemoryAdvert {
             boot_id: scope.boot_id,
             pid_namespace: scope.pid_namespace,

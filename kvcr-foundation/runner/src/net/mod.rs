@@ -77,7 +77,6 @@ pub(crate) mod doorbell;
 mod limits;
 mod listener;
 mod session;
-#[allow(unsafe_code)]
 pub(crate) mod stream;
 #[cfg(test)]
 mod tests;

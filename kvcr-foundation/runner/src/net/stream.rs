@@ -1,4 +1,4 @@
-//! Unsafe, named: the data stream, a kvcr-owned TCP connection that
+//! The data stream, a kvcr-owned TCP connection that
 //! carries a source's writes into a target that reaches it through UCX
 //! over tcp, straight from the source's pool into the target's granted
 //! slots.
@@ -52,79 +52,22 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use kvcr_contracts::endpoint::ControlEndpoint;
+use kvcr_sys::MemoryRegistry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::session;
+use crate::wire::frame::{
+    FrameReader, MAX_CLAIM, PREFIX_BYTES, Want, frame_prefix, hello, unsent_pieces,
+};
+pub(crate) use crate::wire::frame::{Lander, Landing, PREAMBLE};
 use crate::wire::record::{RecordKey, SLOT_BYTES};
 
-/// What a data stream's dialer writes first (as long as the control
-/// channel's, which the listener tells it from).
-pub(crate) const PREAMBLE: &[u8; 8] = b"KVCR-D1\0";
-/// The longest endpoint claim a dialer may send.
-pub(crate) const MAX_CLAIM: usize = 300;
-/// Bytes before a frame's payload: its length and its header.
-pub(crate) const PREFIX_BYTES: usize = 8 + SLOT_BYTES;
 /// Most bytes one turn moves on one stream (so a large write never keeps
 /// the peer thread from its other work for long).
 const TURN_BYTES: usize = 8 << 20;
 /// Most buffers handed to one vectored read or write.
 const MAX_IOV: usize = 256;
-
-/// A frame's prefix: its payload's length and its header.
-pub(crate) fn frame_prefix(len: u64, header: &[u8; SLOT_BYTES]) -> [u8; PREFIX_BYTES] {
-    let mut prefix = [0u8; PREFIX_BYTES];
-    prefix[..8].copy_from_slice(&len.to_le_bytes());
-    prefix[8..].copy_from_slice(header);
-    prefix
-}
-
-/// The length and header of a frame's prefix.
-fn parse_prefix(prefix: &[u8; PREFIX_BYTES]) -> (u64, [u8; SLOT_BYTES]) {
-    let mut len = [0u8; 8];
-    len.copy_from_slice(&prefix[..8]);
-    let mut header = [0u8; SLOT_BYTES];
-    header.copy_from_slice(&prefix[8..]);
-    (u64::from_le_bytes(len), header)
-}
-
-/// What is left of `spans` (address, length), laid end to end after
-/// `before` bytes of something else, once the first `done` bytes of the
-/// whole have moved: each remaining piece's address and length, in order,
-/// at most `max` of them.
-fn unsent_pieces(
-    spans: &[(u64, u64)],
-    before: u64,
-    done: u64,
-    max: usize,
-) -> impl Iterator<Item = (u64, u64)> + '_ {
-    let mut at = before;
-    spans
-        .iter()
-        .filter_map(move |&(start, len)| {
-            let (from, end) = (at, at + len);
-            at = end;
-            // A piece started is resumed past what moved (`skip < len`).
-            (end > done).then(|| {
-                let skip = done.saturating_sub(from);
-                (start + skip, len - skip)
-            })
-        })
-        .take(max)
-}
-
-/// What a dialer claiming `claim` writes first (`None`: a claim too long).
-fn hello(claim: &ControlEndpoint) -> Option<Vec<u8>> {
-    let claim = claim.to_string();
-    let claim_len = u16::try_from(claim.len())
-        .ok()
-        .filter(|n| usize::from(*n) <= MAX_CLAIM)?;
-    let mut hello = Vec::with_capacity(PREAMBLE.len() + 2 + claim.len());
-    hello.extend_from_slice(PREAMBLE);
-    hello.extend_from_slice(&claim_len.to_be_bytes());
-    hello.extend_from_slice(claim.as_bytes());
-    Some(hello)
-}
 
 /// Dials a data stream to `source` as `claim` (our control endpoint),
 /// proving the session key `key`. `None`: unreachable, or the source hung
@@ -250,6 +193,8 @@ pub(crate) struct OutStream {
     key: [u8; 32],
     socket: TcpStream,
     frames: VecDeque<OutFrame>,
+    /// The pieces of the next vectored write (kept to reuse its buffer).
+    pieces: Vec<(u64, u64)>,
     /// Since when frames have waited without the socket taking a byte.
     stalled_since: Option<Instant>,
     /// Holds the connection's place under the control channel's caps
@@ -272,6 +217,7 @@ impl OutStream {
             key,
             socket,
             frames: VecDeque::new(),
+            pieces: Vec::with_capacity(MAX_IOV),
             stalled_since: None,
             _hold: hold,
         }
@@ -315,23 +261,20 @@ impl OutStream {
     }
 
     /// Writes queued frames while the socket takes them (at most
-    /// [`TURN_BYTES`]); each write sent whole is pushed to `sent`. A
-    /// stream whose socket has taken nothing for `deadline` while frames
-    /// wait (a target that stopped reading) is broken.
-    ///
-    /// # Safety
-    ///
-    /// Every span of every queued frame must stay readable, and its bytes
-    /// unchanged, until its write is reported sent or failed (the claimed
-    /// pages of a write, in pools that outlive this stream).
-    pub(crate) unsafe fn pump(
+    /// [`TURN_BYTES`]), their spans read through `memory` (each span must
+    /// be registered there: the claimed pages of a write, unchanged until
+    /// its write is reported sent or failed); each write sent whole is
+    /// pushed to `sent`. A stream whose socket has taken nothing for
+    /// `deadline` while frames wait (a target that stopped reading) is
+    /// broken, as is one whose frame names unregistered memory.
+    pub(crate) fn pump(
         &mut self,
+        memory: &MemoryRegistry,
         sent: &mut Vec<u64>,
         now: Instant,
         deadline: Duration,
     ) -> Pumped {
-        // SAFETY: the caller's contract is this function's.
-        let pumped = unsafe { self.write_frames(sent) };
+        let pumped = self.write_frames(memory, sent);
         if pumped.moved || self.frames.is_empty() {
             self.stalled_since = None;
         } else if now.saturating_duration_since(*self.stalled_since.get_or_insert(now)) >= deadline
@@ -344,10 +287,8 @@ impl OutStream {
         pumped
     }
 
-    /// # Safety
-    ///
-    /// As [`OutStream::pump`].
-    unsafe fn write_frames(&mut self, sent: &mut Vec<u64>) -> Pumped {
+    /// The writes of [`OutStream::pump`].
+    fn write_frames(&mut self, memory: &MemoryRegistry, sent: &mut Vec<u64>) -> Pumped {
         let mut pumped = Pumped::default();
         let mut budget = TURN_BYTES;
         while budget > 0 {
@@ -359,14 +300,16 @@ impl OutStream {
                 .and_then(|sent| frame.prefix.get(sent..))
                 .filter(|rest| !rest.is_empty());
             let room = MAX_IOV - usize::from(head.is_some());
-            let pieces = unsent_pieces(&frame.spans, PREFIX_BYTES as u64, frame.sent, room);
-            let capacity = MAX_IOV.min(frame.spans.len() + 1);
-            // SAFETY: every piece lies in one of the frame's spans, in our
-            // pool, readable and unchanged until this write is reported (the
-            // caller's contract).
-            let written = unsafe {
-                kvcr_sys::vectored::try_write_spans(&self.socket, head, pieces, capacity)
-            };
+            self.pieces.clear();
+            self.pieces.extend(unsent_pieces(
+                &frame.spans,
+                PREFIX_BYTES as u64,
+                frame.sent,
+                room,
+            ));
+            // Every piece lies in one of the frame's spans, in our pool,
+            // unchanged until this write is reported (claimed by it).
+            let written = memory.try_write_vectored(&self.socket, head, &self.pieces);
             match written {
                 Ok(0) => {
                     pumped.broken = true;
@@ -392,52 +335,14 @@ impl OutStream {
     }
 }
 
-/// What the target makes of a frame's prefix (see [`InStream::pump`]).
-pub(crate) enum Landing<T> {
-    /// Read the payload into these spans (address, length; their lengths
-    /// sum to the frame's), then hand `T` back.
-    Into(T, Vec<(u64, u64)>),
-    /// Read and discard the payload (counted as refused by the caller).
-    Discard,
-}
-
-/// The target's side of landing frames: what the peer thread decides.
-pub(crate) trait Lander {
-    /// What a frame that may land carries to its end.
-    type Opened;
-    /// A frame's prefix arrived: where its payload of `len` bytes goes.
-    fn open(&mut self, len: u64, header: &[u8; SLOT_BYTES]) -> Landing<Self::Opened>;
-    /// Whether `opened`'s spans may still be written (its operation waits).
-    fn still_granted(&mut self, opened: &Self::Opened) -> bool;
-    /// `opened`'s payload landed whole.
-    fn landed(&mut self, opened: Self::Opened);
-    /// A frame was discarded (it did not open or fit, or its operation
-    /// stopped waiting mid-payload).
-    fn discarded(&mut self);
-}
-
-enum Recv<T> {
-    Prefix {
-        buf: [u8; PREFIX_BYTES],
-        have: usize,
-    },
-    Payload {
-        opened: T,
-        spans: Vec<(u64, u64)>,
-        landed: u64,
-        len: u64,
-    },
-    Discard {
-        left: u64,
-    },
-}
-
 /// A target's data stream from one source.
 pub(crate) struct InStream<T> {
     /// The control session (ours, to the source) whose key it proved.
     pub(crate) session: u64,
     socket: TcpStream,
-    state: Recv<T>,
+    reader: FrameReader<T>,
+    /// The granted pieces of the next vectored read (kept to reuse it).
+    pieces: Vec<(u64, u64)>,
     scratch: Vec<u8>,
 }
 
@@ -446,10 +351,8 @@ impl<T> InStream<T> {
         Self {
             session,
             socket,
-            state: Recv::Prefix {
-                buf: [0; PREFIX_BYTES],
-                have: 0,
-            },
+            reader: FrameReader::default(),
+            pieces: Vec::with_capacity(MAX_IOV),
             scratch: Vec::new(),
         }
     }
@@ -460,47 +363,29 @@ impl<T> InStream<T> {
     }
 
     /// Reads what has arrived (at most [`TURN_BYTES`]): prefixes are opened
-    /// by `lander`, payloads read into the spans it grants (each read after
-    /// it confirmed they still are) or discarded.
+    /// by `lander`, payloads read through `memory` into the spans it grants
+    /// (each read after it confirmed they still are) or discarded.
     ///
-    /// # Safety
-    ///
-    /// Spans `lander` returns must be ours to write, and nothing else may
-    /// read or write them, from the moment it returns them until its next
-    /// [`Lander::still_granted`] answers `false` or [`Lander::landed`] is
-    /// called (the granted elements of an operation that waits for its
-    /// reply, on the peer thread that alone hands it its reply).
-    pub(crate) unsafe fn pump<L: Lander<Opened = T>>(&mut self, lander: &mut L) -> Pumped {
+    /// Spans `lander` returns must be registered in `memory`, and nothing
+    /// else may read or write them from the moment it returns them until
+    /// its next [`Lander::still_granted`] answers `false` or
+    /// [`Lander::landed`] is called (the granted elements of an operation
+    /// that waits for its reply, on the peer thread that alone hands it its
+    /// reply): a span outside the registry breaks the stream.
+    pub(crate) fn pump<L: Lander<Opened = T>>(
+        &mut self,
+        memory: &MemoryRegistry,
+        lander: &mut L,
+    ) -> Pumped {
         let mut pumped = Pumped::default();
         let mut budget = TURN_BYTES;
         while budget > 0 {
-            let read = match &mut self.state {
-                Recv::Prefix { buf, have } => match buf.get_mut(*have..) {
-                    Some(rest) => self.socket.try_read(rest),
-                    None => Ok(0),
-                },
-                Recv::Payload {
-                    opened,
-                    spans,
-                    landed,
-                    len,
-                } => {
-                    if !lander.still_granted(opened) {
-                        let left = *len - *landed;
-                        lander.discarded();
-                        self.state = Recv::Discard { left };
-                        continue;
-                    }
-                    let pieces = unsent_pieces(spans, 0, *landed, MAX_IOV);
-                    // SAFETY: every piece lies in a span granted to this
-                    // frame's operation, which still waits (checked just
-                    // above), so nothing else touches it (the caller's
-                    // contract); the pieces are unsent parts of distinct
-                    // granted elements, so they do not overlap.
-                    unsafe { kvcr_sys::vectored::try_read_spans(&self.socket, pieces) }
-                }
-                Recv::Discard { left } => {
-                    let want = usize::try_from(*left).unwrap_or(usize::MAX).min(256 << 10);
+            let read = match self.reader.want(lander, &mut self.pieces, MAX_IOV) {
+                Want::Prefix(rest) => self.socket.try_read(rest),
+                // The pieces are unsent parts of distinct granted elements,
+                // whose operation still waits (checked by `want`).
+                Want::Payload => memory.try_read_vectored(&self.socket, &self.pieces),
+                Want::Discard(want) => {
                     if self.scratch.len() < want {
                         self.scratch.resize(want, 0);
                     }
@@ -524,389 +409,11 @@ impl<T> InStream<T> {
             };
             pumped.moved = true;
             budget = budget.saturating_sub(n);
-            self.advance(n, lander);
+            self.reader.advance(n, lander);
         }
         pumped
-    }
-
-    /// `n` bytes were read in the current state: moves to the next.
-    fn advance<L: Lander<Opened = T>>(&mut self, n: usize, lander: &mut L) {
-        match &mut self.state {
-            Recv::Prefix { buf, have } => {
-                *have += n;
-                if *have < PREFIX_BYTES {
-                    return;
-                }
-                let (len, header) = parse_prefix(buf);
-                self.state = match lander.open(len, &header) {
-                    // The lander's spans are exactly the payload (checked
-                    // again here: a payload read past them would desync).
-                    Landing::Into(opened, spans)
-                        if spans.iter().map(|(_, l)| *l).sum::<u64>() == len && len > 0 =>
-                    {
-                        Recv::Payload {
-                            opened,
-                            spans,
-                            landed: 0,
-                            len,
-                        }
-                    }
-                    Landing::Into(..) | Landing::Discard => {
-                        lander.discarded();
-                        Recv::discarding(len)
-                    }
-                };
-            }
-            Recv::Payload { landed, len, .. } => {
-                *landed += n as u64;
-                if *landed < *len {
-                    return;
-                }
-                if let Recv::Payload { opened, .. } =
-                    std::mem::replace(&mut self.state, Recv::discarding(0))
-                {
-                    lander.landed(opened);
-                }
-            }
-            Recv::Discard { left } => {
-                *left = left.saturating_sub(n as u64);
-                if *left == 0 {
-                    self.state = Recv::discarding(0);
-                }
-            }
-        }
-    }
-}
-
-impl<T> Recv<T> {
-    /// Discards `left` bytes, then reads the next prefix (at once when 0).
-    fn discarding(left: u64) -> Self {
-        if left == 0 {
-            Recv::Prefix {
-                buf: [0; PREFIX_BYTES],
-                have: 0,
-            }
-        } else {
-            Recv::Discard { left }
-        }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// What is left of spans at 100 (10 bytes) and 200 (20 bytes), after
-    /// a prefix of `before` bytes, once `done` bytes moved, at most `max`
-    /// pieces: a piece started is resumed where it stopped.
-    #[rstest::rstest]
-    #[case::nothing_moved(0, 0, 8, vec![(100, 10), (200, 20)])]
-    #[case::into_the_first(0, 4, 8, vec![(104, 6), (200, 20)])]
-    #[case::first_whole(0, 10, 8, vec![(200, 20)])]
-    #[case::into_the_second(0, 15, 8, vec![(205, 15)])]
-    #[case::all_moved(0, 30, 8, vec![])]
-    #[case::prefix_not_yet_whole(72, 50, 8, vec![(100, 10), (200, 20)])]
-    #[case::after_a_prefix(72, 75, 8, vec![(103, 7), (200, 20)])]
-    #[case::at_most_max(0, 0, 1, vec![(100, 10)])]
-    fn unsent_pieces_resume_where_they_stopped(
-        #[case] before: u64,
-        #[case] done: u64,
-        #[case] max: usize,
-        #[case] left: Vec<(u64, u64)>,
-    ) {
-        let spans = [(100, 10), (200, 20)];
-        assert_eq!(
-            unsent_pieces(&spans, before, done, max).collect::<Vec<_>>(),
-            left
-        );
-    }
-
-    /// A lander that grants each frame whose header's first byte is 1 the
-    /// spans it was given, discards the rest, and records what happened.
-    struct Recorder {
-        spans: Vec<(u64, u64)>,
-        granted: bool,
-        events: Vec<String>,
-    }
-
-    impl Lander for Recorder {
-        type Opened = u8;
-
-        fn open(&mut self, len: u64, header: &[u8; SLOT_BYTES]) -> Landing<u8> {
-            self.events.push(format!("open {} {len}", header[0]));
-            if header[0] == 1 {
-                Landing::Into(header[1], self.spans.clone())
-            } else {
-                Landing::Discard
-            }
-        }
-
-        fn still_granted(&mut self, _: &u8) -> bool {
-            self.granted
-        }
-
-        fn landed(&mut self, tag: u8) {
-            self.events.push(format!("landed {tag}"));
-        }
-
-        fn discarded(&mut self) {
-            self.events.push("discarded".to_owned());
-        }
-    }
-
-    fn frame(kind: u8, tag: u8, payload: &[u8]) -> Vec<u8> {
-        let mut header = [0u8; SLOT_BYTES];
-        header[0] = kind;
-        header[1] = tag;
-        let mut bytes = frame_prefix(payload.len() as u64, &header).to_vec();
-        bytes.extend_from_slice(payload);
-        bytes
-    }
-
-    /// A connected pair on loopback: our end, and the peer's (std, blocking).
-    async fn pair() -> (TcpStream, std::net::TcpStream) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let at = listener.local_addr().unwrap();
-        let peer = std::net::TcpStream::connect(at).unwrap();
-        let (ours, _) = listener.accept().await.unwrap();
-        (ours, peer)
-    }
-
-    fn run(test: impl std::future::Future<Output = ()>) {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(test);
-    }
-
-    /// Pumps until `done` says so (bytes on loopback arrive at once, but a
-    /// read may see them in pieces).
-    async fn pump_until(
-        stream: &mut InStream<u8>,
-        lander: &mut Recorder,
-        mut done: impl FnMut(&Recorder) -> bool,
-    ) -> Pumped {
-        for _ in 0..10_000 {
-            // SAFETY: (test) the spans are live `Vec`s nothing else touches.
-            let pumped = unsafe { stream.pump(lander) };
-            if pumped.broken || done(lander) {
-                return pumped;
-            }
-            tokio::task::yield_now().await;
-        }
-        panic!("the frames never landed: {:?}", lander.events);
-    }
-
-    /// A granted frame's payload lands in its spans in order, across their
-    /// boundary; frames around it that do not open are read past, so the
-    /// framing holds and nothing of theirs is written anywhere.
-    #[test]
-    fn granted_frames_land_in_their_spans_and_others_are_read_past() {
-        run(async {
-            let (ours, mut peer) = pair().await;
-            let mut first = vec![0u8; 3000];
-            let mut second = vec![0u8; 5000];
-            let mut lander = Recorder {
-                spans: vec![
-                    (first.as_mut_ptr() as u64, 3000),
-                    (second.as_mut_ptr() as u64, 5000),
-                ],
-                granted: true,
-                events: Vec::new(),
-            };
-            let payload: Vec<u8> = (0..8000u32).map(|i| (i * 7 % 251) as u8).collect();
-            let mut wire = frame(0, 0, &[0xee; 70_000]);
-            wire.extend(frame(1, 9, &payload));
-            wire.extend(frame(0, 0, &[]));
-            wire.extend(frame(0, 0, &[0xdd; 10]));
-            std::io::Write::write_all(&mut peer, &wire).unwrap();
-            let mut stream = InStream::new(7, ours);
-            let pumped = pump_until(&mut stream, &mut lander, |l| l.events.len() == 8).await;
-            assert!(!pumped.broken);
-            assert_eq!(
-                lander.events,
-                [
-                    "open 0 70000",
-                    "discarded",
-                    "open 1 8000",
-                    "landed 9",
-                    "open 0 0",
-                    "discarded",
-                    "open 0 10",
-                    "discarded",
-                ]
-            );
-            assert_eq!(first, payload[..3000]);
-            assert_eq!(second, payload[3000..]);
-        });
-    }
-
-    /// An operation that stops waiting mid-payload gets no more of it: the
-    /// rest is read past, the next frame lands.
-    #[test]
-    fn a_payload_stops_landing_once_its_operation_stops_waiting() {
-        run(async {
-            let (ours, mut peer) = pair().await;
-            let mut into = vec![0u8; 4096];
-            let mut lander = Recorder {
-                spans: vec![(into.as_mut_ptr() as u64, 4096)],
-                granted: true,
-                events: Vec::new(),
-            };
-            let mut stream = InStream::new(1, ours);
-            let whole = frame(1, 1, &[0xaa; 4096]);
-            let cut = PREFIX_BYTES + 1000;
-            std::io::Write::write_all(&mut peer, &whole[..cut]).unwrap();
-            for _ in 0..10_000 {
-                if into[999] == 0xaa {
-                    break;
-                }
-                // SAFETY: (test) the spans are live `Vec`s nothing else
-                // touches while this runs.
-                assert!(!unsafe { stream.pump(&mut lander) }.broken);
-                tokio::task::yield_now().await;
-            }
-            assert_eq!(into[999], 0xaa, "the first 1000 bytes landed");
-            // The operation ends; the next frame goes elsewhere.
-            lander.granted = false;
-            pump_until(&mut stream, &mut lander, |l| {
-                l.events.last().is_some_and(|e| e == "discarded")
-            })
-            .await;
-            let mut other = vec![0u8; 4096];
-            lander.spans = vec![(other.as_mut_ptr() as u64, 4096)];
-            lander.granted = true;
-            let mut rest = whole[cut..].to_vec();
-            rest.extend(frame(1, 2, &[0xbb; 4096]));
-            std::io::Write::write_all(&mut peer, &rest).unwrap();
-            pump_until(&mut stream, &mut lander, |l| l.events.len() == 4).await;
-            assert_eq!(
-                lander.events,
-                ["open 1 4096", "discarded", "open 1 4096", "landed 2"]
-            );
-            assert!(into[..1000].iter().all(|b| *b == 0xaa));
-            assert!(
-                into[1000..].iter().all(|b| *b == 0),
-                "nothing after it ended"
-            );
-            assert!(other.iter().all(|b| *b == 0xbb));
-        });
-    }
-
-    /// The stream's wire (a dialer's hello, its proof for a challenge, a
-    /// frame's prefix) is a format between two processes: pinned.
-    #[test]
-    fn the_wire_layout_is_pinned() {
-        let claim: ControlEndpoint = "tcp://10.0.0.1:5000".parse().unwrap();
-        let key = RecordKey::new(&[1; 32]);
-        let header = key.seal_message(
-            kvcr_contracts::protocol::OpHandle(7),
-            2,
-            crate::wire::part::Part::new(0, 1).unwrap(),
-        );
-        let hex = |bytes: &[u8]| -> String {
-            bytes
-                .chunks(16)
-                .map(|c| c.iter().map(|b| format!("{b:02x}")).collect::<String>())
-                .collect::<Vec<_>>()
-                .join("\n")
-        };
-        insta::assert_snapshot!(format!(
-            "hello\n{}\nproof\n{}\nprefix\n{}",
-            hex(&hello(&claim).unwrap()),
-            hex(&key.stream_proof(&[2; 32], &claim)),
-            hex(&frame_prefix(65_536, &header)),
-        ));
-    }
-
-    /// Queued writes leave whole and in order, each its prefix then its
-    /// spans' bytes laid end to end, and are reported sent once the socket
-    /// took their last byte.
-    #[test]
-    fn queued_frames_leave_whole_and_in_order() {
-        run(async {
-            let (ours, mut peer) = pair().await;
-            let a: Vec<u8> = (0..5000u32).map(|i| i as u8).collect();
-            let b = vec![7u8; 3000];
-            let mut out = OutStream::new([0; 32], ours, None);
-            let header = [3u8; SLOT_BYTES];
-            out.push(
-                11,
-                &header,
-                vec![(a.as_ptr() as u64, 5000), (b.as_ptr() as u64, 3000)],
-            );
-            out.push(12, &header, vec![(b.as_ptr() as u64, 10)]);
-            let mut sent = Vec::new();
-            #[allow(clippy::disallowed_methods)]
-            let now = Instant::now();
-            // SAFETY: (test) the spans are live `Vec`s, unchanged until sent.
-            let pumped = unsafe { out.pump(&mut sent, now, Duration::from_secs(1)) };
-            assert!(pumped.moved && !pumped.broken);
-            assert_eq!(sent, [11, 12]);
-            assert!(!out.wants_write());
-            let mut wire = vec![0u8; 2 * PREFIX_BYTES + 8010];
-            std::io::Read::read_exact(&mut peer, &mut wire).unwrap();
-            let mut expected = frame_prefix(8000, &header).to_vec();
-            expected.extend(&a);
-            expected.extend(&b);
-            expected.extend(frame_prefix(10, &header));
-            expected.extend(&b[..10]);
-            assert_eq!(wire, expected);
-        });
-    }
-
-    /// A target that stops reading cannot hold a source's writes: once the
-    /// socket has taken nothing for the deadline the stream is broken, and
-    /// its writes come back unsent.
-    #[test]
-    fn a_stream_nobody_reads_is_broken_at_its_deadline() {
-        run(async {
-            let (ours, _peer) = pair().await;
-            let big = vec![1u8; 64 << 20];
-            let mut out = OutStream::new([0; 32], ours, None);
-            out.push(
-                5,
-                &[0; SLOT_BYTES],
-                vec![(big.as_ptr() as u64, big.len() as u64)],
-            );
-            let mut sent = Vec::new();
-            #[allow(clippy::disallowed_methods)]
-            let start = Instant::now();
-            let deadline = Duration::from_secs(3600);
-            let mut broken = false;
-            for turn in 0..1000u64 {
-                // Each turn an hour later: the socket fills, then takes nothing.
-                let now = start + Duration::from_secs(3600 * turn);
-                // SAFETY: (test) `big` is live and unchanged.
-                let pumped = unsafe { out.pump(&mut sent, now, deadline) };
-                if pumped.broken {
-                    broken = true;
-                    break;
-                }
-            }
-            assert!(broken, "64 MiB never fit an unread socket");
-            assert!(sent.is_empty());
-            assert_eq!(out.take_unsent(), [5]);
-        });
-    }
-
-    /// Bytes that end mid-frame (the peer hung up) break the stream.
-    #[test]
-    fn a_stream_that_ends_is_broken() {
-        run(async {
-            let (ours, mut peer) = pair().await;
-            std::io::Write::write_all(&mut peer, &frame(0, 0, &[1; 100])[..20]).unwrap();
-            drop(peer);
-            let mut lander = Recorder {
-                spans: Vec::new(),
-                granted: true,
-                events: Vec::new(),
-            };
-            let mut stream = InStream::new(1, ours);
-            let pumped = pump_until(&mut stream, &mut lander, |_| false).await;
-            assert!(pumped.broken);
-            assert!(lander.events.is_empty());
-        });
-    }
-}
+mod tests;

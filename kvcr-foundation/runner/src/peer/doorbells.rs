@@ -9,8 +9,8 @@ use std::sync::atomic::AtomicU64;
 use kvcr_contracts::protocol::{Body, Message};
 
 use super::State;
-use crate::doorbell::Polled;
 use crate::shared::Shared;
+use crate::wire::mailbox::Polled;
 
 /// Hands `taken` (messages read from shared memory: doorbell records or
 /// mailbox requests, each with its session's identity) to the core in one
@@ -41,7 +41,7 @@ impl State {
     /// doorbell files (as their source) ahead of their copies on the control
     /// sessions: a record that verifies under the route's session key,
     /// decodes as a `start_write`, and is that session's next message (see
-    /// `crate::doorbell`), as from the identity the session proved. `true`:
+    /// `crate::wire`), as from the identity the session proved. `true`:
     /// one was handled.
     pub(super) fn take_requests(&mut self, shared: &Arc<Shared>) -> bool {
         let mut taken = Vec::new();

@@ -7,14 +7,14 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use kvcr_runner_core::{CopySpan, PutSpan};
+use kvcr_runner_core::PutSpan;
 use kvcr_ucx::Completion;
 
 use super::State;
 use super::puts::pool_holding;
 use super::routes::Route;
-use crate::doorbell::{Part, PartFit};
 use crate::shared::Shared;
+use crate::wire::part::{Part, PartFit};
 
 /// Most write messages (parts) held between a worker progress and their
 /// handling (received from anyone; each is dropped unread if it does not
@@ -57,7 +57,7 @@ impl State {
             // Any refusal here is made before this part left (a bounds
             // check), so the parts sent so far say what left.
             let one = Part::new(index, count).and_then(|part| {
-                let parts = crate::doorbell::spans_in_range(&local, part.range(bytes)?)
+                let parts = crate::wire::part::spans_in_range(&local, part.range(bytes)?)
                     .into_iter()
                     .map(|(at, len)| {
                         let (pool, offset) = pool_holding(&self.pools, at, len)?;
@@ -70,7 +70,7 @@ impl State {
                     .collect::<Option<Vec<_>>>()?;
                 let header = key.seal_message(op, keys, part);
                 endpoint
-                    .send_message(crate::doorbell::WRITE_MESSAGE, &header, &parts)
+                    .send_message(crate::wire::record::WRITE_MESSAGE, &header, &parts)
                     .ok()
             });
             match one {
@@ -116,29 +116,19 @@ impl State {
                         let pieces = opened.part_pieces(&spans, data.len() as u64)?;
                         // The data, cut into this part's pieces of the spans
                         // in order (their lengths sum to its length, checked
-                        // above).
-                        let mut from = data.as_ptr() as usize as u64;
-                        let copies: Vec<CopySpan> = pieces
-                            .into_iter()
-                            .map(|(dst, len)| {
-                                let src = from;
-                                from += len;
-                                CopySpan { src, dst, len }
-                            })
-                            .collect();
-                        // SAFETY: every destination is a piece of an element
-                        // of one of our registered regions (resolved by the
-                        // core's region table), granted to operation `op`,
-                        // whose FILLING slot nothing else reads or writes
-                        // while the operation waits for its reply (checked
-                        // just above for this part, under this same lock;
-                        // the last part's reply is handled below, still
-                        // under it); the sources tile `data` exactly (UCX's
-                        // receive buffer, live for this call, never our
-                        // memory, so no span overlaps itself).
-                        #[allow(unsafe_code)]
-                        unsafe {
-                            crate::memory::copy_spans(&copies);
+                        // above), each landed through the registry. Every
+                        // destination is a piece of an element of one of our
+                        // pools (resolved by the core's region table),
+                        // granted to operation `op`, whose FILLING slot
+                        // nothing else reads or writes while the operation
+                        // waits for its reply (checked just above for this
+                        // part, under this same lock; the last part's reply
+                        // is handled below, still under it).
+                        let mut from = 0usize;
+                        for (dst, len) in pieces {
+                            let to = from.checked_add(usize::try_from(len).ok()?)?;
+                            shared.memory.write(dst, data.get(from..to)?).ok()?;
+                            from = to;
                         }
                         doorbell.land_part(&opened);
                         // Counted before the operation completes: whoever

@@ -5,8 +5,8 @@
 //! and executes the core's peer actions (send, connect, put + flush).
 //!
 //! Writes into a same-host target whose pools this process mapped
-//! ([`crate::shared_memory`]) are plain copies on the lanes
-//! ([`crate::lanes`]); the thread sleeps until the last lane reports.
+//! ([`kvcr_sys::segment`]) are plain copies on the lanes
+//! ([`crate::copy::lanes`]); the thread sleeps until the last lane reports.
 //! While UCX puts are in flight (or a source may be putting into us through
 //! UCX) the loop progresses the worker continuously (a transfer's
 //! duration); otherwise it sleeps on its queues, the worker's event fd and
@@ -46,17 +46,19 @@ use kvcr_ucx::{Context, Registration};
 
 use self::puts::PendingWrite;
 use self::routes::{Route, retire};
-use self::setup::RawFdRef;
 use self::streams::DialedStream;
 use crate::config::{PeerOptions, PutSplit};
-use crate::control::{ChannelEvent, ControlChannel, ControlStats, Inbound};
-use crate::doorbell::{OpenedMessage, SLOT_BYTES, TargetDoorbell};
+use crate::copy::lanes::Lanes;
 use crate::error::{Error, Result, RunnerReason};
-use crate::lanes::Lanes;
-use crate::placement::{PlacementOutcome, PoolMemory};
+use crate::net::doorbell::TargetDoorbell;
+use crate::net::stream::{InStream, OutStream};
+use crate::net::{ChannelEvent, ControlChannel, ControlStats, Inbound};
 use crate::shared::Shared;
-use crate::shared_memory::{HostScope, PeerSegment};
-use crate::stream::{InStream, OutStream};
+use crate::wire::doorbell::OpenedMessage;
+use crate::wire::record::SLOT_BYTES;
+use kvcr_sys::memfd::HostScope;
+use kvcr_sys::placement::{PlacementOutcome, PoolMemory};
+use kvcr_sys::segment::PeerSegment;
 
 /// What the peer thread hands back once it is up.
 pub(crate) struct PeerSetup {
@@ -102,6 +104,7 @@ impl PeerDriver {
         prefault: bool,
         pool_memory: &PoolMemory,
         adopted: Option<Adopted>,
+        memory: Arc<kvcr_sys::MemoryRegistry>,
     ) -> Result<(Self, PeerSetup)> {
         let (tx, rx) = mpsc::unbounded_channel();
         let pool_memory = pool_memory.clone();
@@ -114,7 +117,7 @@ impl PeerDriver {
                 thread::run(
                     options,
                     incarnation,
-                    (pool_bytes, prefault, pool_memory, adopted),
+                    (pool_bytes, prefault, pool_memory, adopted, memory),
                     rx,
                     setup_tx,
                     shared_rx,
@@ -189,7 +192,7 @@ pub(crate) struct Adopted {
 struct State {
     /// The worker's event fd registered with the runtime (dropped before the
     /// worker, which owns the fd).
-    efd: Option<tokio::io::unix::AsyncFd<RawFdRef>>,
+    efd: Option<tokio::io::unix::AsyncFd<kvcr_ucx::WorkerEvents>>,
     pending: Vec<PendingWrite>,
     /// Data streams targets dialed to us (as their source), by target; the
     /// frames they queue read our pools, so they go before them.
@@ -198,7 +201,7 @@ struct State {
     /// against (a target dials one beside the metadata that route is built
     /// from), by claimed target, with when they arrived: checked when that
     /// route is built, dropped at the handshake deadline.
-    parked_streams: HashMap<ControlEndpoint, (Instant, crate::control::AcceptedStream)>,
+    parked_streams: HashMap<ControlEndpoint, (Instant, crate::net::AcceptedStream)>,
     /// Data streams we dialed to our sources (as their target), by source;
     /// they read into our pools.
     in_streams: HashMap<ControlEndpoint, InStream<OpenedMessage>>,
@@ -240,6 +243,11 @@ struct State {
     /// mapping, the record, and its slot's target address, by write.
     rings: HashMap<u64, (Arc<PeerSegment>, [u8; SLOT_BYTES], u64)>,
     pools: Vec<Registration<'static>>,
+    /// The pools as the copy registry holds them (the registry, and so the
+    /// pools, stay until these go; forgotten with the rest on a leak).
+    _held_pools: Vec<kvcr_sys::RegisteredMemory>,
+    /// What every copy into or out of the pools goes through.
+    memory: Arc<kvcr_sys::MemoryRegistry>,
     worker: kvcr_ucx::Worker,
     _context: Context,
     max_in_flight: usize,

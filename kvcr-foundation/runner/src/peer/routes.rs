@@ -14,11 +14,13 @@ use kvcr_runner_core::ConnectFailure;
 use kvcr_ucx::{CloseMode, Endpoint, RemoteKey, RkeyBuffer, WorkerAddress};
 
 use super::State;
-use crate::doorbell::{RecordKey, RouteDoorbell, RouteMailbox};
 use crate::error::Result;
-use crate::placement;
+use crate::net::doorbell::RouteMailbox;
 use crate::shared::Shared;
-use crate::shared_memory::PeerSegment;
+use crate::wire::doorbell::RouteDoorbell;
+use crate::wire::record::RecordKey;
+use kvcr_sys::placement;
+use kvcr_sys::segment::PeerSegment;
 
 /// A target's remote keys and region bases, by region.
 pub(super) type RemoteKeys = HashMap<RegionId, (RemoteKey, u64)>;
@@ -89,7 +91,7 @@ impl State {
             _ => None,
         };
         // Only a route that maps the target rings it (a record
-        // put over UCX saved nothing: see `crate::doorbell`).
+        // put over UCX saved nothing: see `crate::wire`).
         let advertised = self.advertised_keys.remove(peer);
         let doorbell = doorbell
             .and_then(|advert| RouteDoorbell::new(advert, rkeys, extents))

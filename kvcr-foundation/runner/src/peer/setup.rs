@@ -4,24 +4,30 @@
 //! channel's listener, our doorbell, and the thread's [`State`].
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
 use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::protocol::{RegionId, SegmentAdvert, SharedMemoryAdvert};
-use kvcr_ucx::{AnonOptions, Context, ContextConfig, ErrorMode, MessageLimits, Registration};
+use kvcr_ucx::{Context, ContextConfig, ErrorMode, MessageLimits, Registration};
 
 use super::messages::MAX_HELD_MESSAGES;
 use super::puts::put_plan;
 use super::{Adopted, PeerSetup, State};
 use crate::config::{PeerOptions, control_bind_address};
-use crate::control::{ControlChannel, Inbound, PeerIdentity};
-use crate::doorbell::{REGION_BYTES, SLOT_BYTES, TargetDoorbell};
+use crate::copy::lanes::Lanes;
 use crate::error::{Error, Result, RunnerReason};
-use crate::lanes::Lanes;
-use crate::placement::{self, AnonMapping, PlacementOutcome, PoolMemory};
-use crate::shared_memory::{HostScope, SharedPool};
+use crate::net::doorbell::TargetDoorbell;
+use crate::net::{ControlChannel, Inbound, PeerIdentity};
+use crate::wire::record::SLOT_BYTES;
+use crate::wire::region::REGION_BYTES;
+use kvcr_sys::mapping::AnonMapping;
+use kvcr_sys::memfd::{HostScope, SharedPool};
+use kvcr_sys::owned::{SharedMemory, SharedOwner};
+use kvcr_sys::placement::{self, PlacementOutcome, PoolMemory};
+use kvcr_sys::{MemoryRegistry, RegisteredMemory};
 
 impl State {
     /// Starts everything the thread owns; hands back what the runner needs
@@ -33,6 +39,7 @@ impl State {
         prefault: bool,
         pool_memory: &PoolMemory,
         adopted: Option<Adopted>,
+        memory: Arc<MemoryRegistry>,
     ) -> Result<(Self, PeerSetup)> {
         let (mut adopted_pools, adopted_listener) = match adopted {
             Some(a) if a.pools.as_ref().is_none_or(|p| p.len() == pool_bytes.len()) => {
@@ -50,8 +57,11 @@ impl State {
         let context = Context::with_config(&config)?;
         let worker = context.create_worker()?;
         let scope = HostScope::current();
-        let (pools, placements, segments) = make_pools(
-            &context,
+        let (pools, placements, segments, held_pools) = make_pools(
+            PoolHomes {
+                context: &context,
+                memory: &memory,
+            },
             options,
             pool_bytes,
             prefault,
@@ -74,7 +84,7 @@ impl State {
         let doorbell = make_doorbell(&context, shared_memory.as_ref(), &mut own_tokens)?;
         // Write messages, verified with the doorbell's session keys.
         worker.accept_messages(
-            crate::doorbell::WRITE_MESSAGE,
+            crate::wire::record::WRITE_MESSAGE,
             MessageLimits {
                 max_header: SLOT_BYTES,
                 max_data: usize::try_from(PeerOptions::WRITE_MESSAGE_LIMIT).unwrap_or(usize::MAX),
@@ -90,13 +100,14 @@ impl State {
             shared_memory,
         };
         let (put_split, max_in_flight) = put_plan(options, over_tcp);
-        let efd = worker
-            .event_fd()
-            .and_then(|fd| register_efd(std::os::fd::AsRawFd::as_raw_fd(&fd)));
-        let lanes = Lanes::start(match options.lanes {
-            0 => crate::lanes::default_lanes(),
-            n => n,
-        })
+        let efd = worker.watch_events();
+        let lanes = Lanes::start(
+            match options.lanes {
+                0 => crate::copy::plan::default_lanes(),
+                n => n,
+            },
+            Arc::clone(&memory),
+        )
         .map_err(|_| Error::runner(RunnerReason::CopyEngineStopped))?;
         let (lane_done_tx, lane_done) = mpsc::unbounded_channel();
         let (streams_dialed_tx, streams_dialed) = mpsc::unbounded_channel();
@@ -135,6 +146,8 @@ impl State {
                 doorbell,
                 rings: HashMap::new(),
                 pools,
+                _held_pools: held_pools,
+                memory,
                 worker,
                 _context: context,
                 max_in_flight,
@@ -196,14 +209,24 @@ type MadePools = (
     Vec<Registration<'static>>,
     Vec<Option<PlacementOutcome>>,
     Vec<SegmentAdvert>,
+    Vec<RegisteredMemory>,
 );
+
+/// Where a pool is registered: with UCX (its context) and for copies.
+#[derive(Clone, Copy)]
+struct PoolHomes<'a> {
+    context: &'a Context,
+    memory: &'a Arc<MemoryRegistry>,
+}
 
 /// The pools, registered with `context`, one per entry of `pool_bytes`: a
 /// guard's files first (`adopted_pools`), else as `pool_memory` says
 /// (sealed memfds a same-host source may map, when `scope` allows it);
 /// with what placing each did, and the segments a same-host source may map.
+/// Each pool is held by `memory` too (copies go through it), so it is freed
+/// once both the registration and the returned handle let go.
 fn make_pools(
-    context: &Context,
+    homes: PoolHomes<'_>,
     options: &PeerOptions,
     pool_bytes: &[u64],
     prefault: bool,
@@ -214,9 +237,14 @@ fn make_pools(
     let mut pools = Vec::with_capacity(pool_bytes.len());
     let mut placements = Vec::with_capacity(pool_bytes.len());
     let mut segments = Vec::new();
+    let mut held = Vec::with_capacity(pool_bytes.len());
+    let mut register = |pool: SharedOwner| -> Result<Registration<'static>> {
+        held.push(homes.memory.hold(Arc::clone(&pool))?);
+        Ok(homes
+            .context
+            .register_owned(Box::new(SharedMemory::new(pool)))?)
+    };
     for bytes in pool_bytes {
-        let len = usize::try_from(*bytes)
-            .map_err(|_| Error::runner(RunnerReason::Allocation { bytes: *bytes }))?;
         if let Some((file, token)) = adopted_pools.as_mut().and_then(Iterator::next) {
             // A guard's file: mapped with its bytes kept; advertised for
             // one-copy writes as our own pools are.
@@ -224,7 +252,7 @@ fn make_pools(
             if options.same_host_mapping && scope.is_some() {
                 segments.push(pool.advert(RegionId(pools.len() as u32)));
             }
-            pools.push(context.register_owned(Box::new(pool))?);
+            pools.push(register(Arc::new(pool))?);
             placements.push(None);
             continue;
         }
@@ -232,21 +260,24 @@ fn make_pools(
             PoolMemory::Default if options.same_host_mapping && scope.is_some() => {
                 let pool = SharedPool::create(*bytes, prefault)?;
                 segments.push(pool.advert(RegionId(pools.len() as u32)));
-                pools.push(context.register_owned(Box::new(pool))?);
+                pools.push(register(Arc::new(pool))?);
                 placements.push(None);
             }
             PoolMemory::Default => {
-                pools.push(context.register_anon(len, AnonOptions::new().prefault(prefault))?);
+                // A plain private mapping, touched page by page with
+                // `prefault` (what UCX's own anonymous registration made).
+                let (mapping, _) = AnonMapping::new(*bytes, &Default::default(), prefault)?;
+                pools.push(register(Arc::new(mapping))?);
                 placements.push(None);
             }
             PoolMemory::Anonymous(anon) => {
                 let (mapping, outcome) = AnonMapping::new(*bytes, anon, prefault)?;
-                pools.push(context.register_owned(Box::new(mapping))?);
+                pools.push(register(Arc::new(mapping))?);
                 placements.push(Some(outcome));
             }
         }
     }
-    Ok((pools, placements, segments))
+    Ok((pools, placements, segments, held))
 }
 
 /// The control channel on the guard's listener (`adopted`) or a new one,
@@ -320,7 +351,7 @@ fn make_doorbell(
     let doorbell = match shared_memory {
         Some(_) => {
             let file = SharedPool::create(REGION_BYTES as u64, true)?;
-            let segment = file.advert(crate::doorbell::REGION);
+            let segment = file.advert(crate::wire::region::REGION);
             own_tokens.push(segment.token);
             let slots = context.register_owned(Box::new(file))?;
             let rkey = slots.pack_rkey()?.as_bytes().to_vec();
@@ -340,31 +371,6 @@ fn make_doorbell(
 /// names no devices itself.
 fn pins_tcp_to_loopback(options: &PeerOptions, env_names_devices: bool) -> bool {
     options.advertise_host.is_loopback() && !env_names_devices
-}
-
-/// Registers the worker's event fd with the runtime (readable interest).
-#[allow(unsafe_code)]
-fn register_efd(fd: std::os::fd::RawFd) -> Option<tokio::io::unix::AsyncFd<RawFdRef>> {
-    // SAFETY: `fd` is the UCX worker's event fd, open until the worker is
-    // destroyed. The `AsyncFd` lives in `State::efd`, declared before
-    // `State::worker`, so it is dropped (deregistered) before the worker
-    // closes the fd; the leak path forgets both together.
-    unsafe {
-        tokio::io::unix::AsyncFd::register_with_interest(
-            RawFdRef(fd),
-            tokio::io::Interest::READABLE,
-        )
-    }
-    .ok()
-}
-
-/// A borrowed file descriptor for `AsyncFd`: the worker owns (and closes) it.
-pub(super) struct RawFdRef(std::os::fd::RawFd);
-
-impl std::os::fd::AsRawFd for RawFdRef {
-    fn as_raw_fd(&self) -> std::os::fd::RawFd {
-        self.0
-    }
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
 //! Data streams: TCP connections of kvcr's own that a target dials to a
-//! source whose route to it is not one-copy (`crate::stream`). As a
+//! source whose route to it is not one-copy (`crate::net::stream`). As a
 //! target we dial them and land their frames into granted slots; as a
 //! source we bind each to the route whose session key it proves, and send
 //! writes on it as frames.
@@ -14,10 +14,13 @@ use kvcr_runner_core::PutSpan;
 use super::State;
 use super::puts::pool_holding;
 use super::routes::Route;
-use crate::control::ControlChannel;
-use crate::doorbell::{OpenedMessage, Part, PartFit, SLOT_BYTES, TargetDoorbell};
+use crate::net::ControlChannel;
+use crate::net::doorbell::TargetDoorbell;
+use crate::net::stream::{InStream, Lander, Landing, OutStream};
 use crate::shared::Shared;
-use crate::stream::{InStream, Lander, Landing, OutStream};
+use crate::wire::doorbell::OpenedMessage;
+use crate::wire::part::{Part, PartFit};
+use crate::wire::record::SLOT_BYTES;
 
 /// Most data streams held while their routes are built (each also holds
 /// its place under the control channel's caps until then).
@@ -53,7 +56,7 @@ impl State {
         let within = self.stream_limits.0;
         tokio::spawn(async move {
             let socket =
-                tokio::time::timeout(within, crate::stream::dial(&source, &claim, &key)).await;
+                tokio::time::timeout(within, crate::net::stream::dial(&source, &claim, &key)).await;
             let _ = tx.send((source, session, socket.ok().flatten()));
         });
     }
@@ -83,7 +86,7 @@ impl State {
     pub(super) fn bind_out_stream(
         &mut self,
         shared: &Arc<Shared>,
-        accepted: crate::control::AcceptedStream,
+        accepted: crate::net::AcceptedStream,
     ) {
         let Some(route) = self.routes.get(&accepted.claim) else {
             // Its route is not built yet (the target dials beside its
@@ -222,12 +225,10 @@ impl State {
                 if !out.wants_write() {
                     continue;
                 }
-                // SAFETY: every queued span lies in one of our pools
-                // (checked by `send_on_stream`), claimed by its write until
-                // that write is reported below; the pools outlive the streams
-                // (`State`'s field order).
-                #[allow(unsafe_code)]
-                let pumped = unsafe { out.pump(&mut sent, now, self.stream_limits.1) };
+                // Every queued span lies in one of our pools (checked by
+                // `send_on_stream`, and by the registry), claimed by its
+                // write until that write is reported below.
+                let pumped = out.pump(&self.memory, &mut sent, now, self.stream_limits.1);
                 moved |= pumped.moved;
                 if pumped.broken {
                     failed.extend(out.take_unsent());
@@ -257,15 +258,14 @@ impl State {
                 source,
                 session: stream.session,
             };
-            // SAFETY: the lander grants only the elements of an operation
-            // that waits for its reply from this stream's source (the core's
+            // The lander grants only the elements of an operation that
+            // waits for its reply from this stream's source (the core's
             // landing spans, under its lock), and re-checks that it still
             // waits before every read; only a reply frees those slots, and
             // replies are handed to the core on this thread alone (control
             // messages, doorbells, write messages and these frames), never
             // while this read runs.
-            #[allow(unsafe_code)]
-            let pumped = unsafe { stream.pump(&mut lander) };
+            let pumped = stream.pump(&self.memory, &mut lander);
             moved |= pumped.moved;
             if pumped.broken {
                 broken.push(source.clone());

@@ -15,28 +15,34 @@ use super::streams::streams_ready;
 use super::{Adopted, PeerCmd, PeerSetup, State};
 use crate::config::PeerOptions;
 use crate::contention;
-use crate::control::ControlStats;
 use crate::error::{Error, Result, RunnerReason};
-use crate::placement::PoolMemory;
+use crate::net::ControlStats;
+use crate::net::stream::OutStream;
 use crate::shared::Shared;
-use crate::stream::OutStream;
+use kvcr_sys::placement::PoolMemory;
 
 pub(super) type SetupResult = Result<(PeerSetup, Arc<ControlStats>)>;
 
 /// Pool sizes, whether to pre-fault, how to back them, and what a guard
 /// handed over instead.
-pub(super) type PoolSpec = (Vec<u64>, bool, PoolMemory, Option<Adopted>);
+pub(super) type PoolSpec = (
+    Vec<u64>,
+    bool,
+    PoolMemory,
+    Option<Adopted>,
+    Arc<kvcr_sys::MemoryRegistry>,
+);
 
 /// The thread: builds its state, reports it up, serves until stopped.
 pub(super) fn run(
     options: PeerOptions,
     incarnation: Incarnation,
-    (pool_bytes, prefault, pool_memory, adopted): PoolSpec,
+    (pool_bytes, prefault, pool_memory, adopted, memory): PoolSpec,
     rx: mpsc::UnboundedReceiver<PeerCmd>,
     setup_tx: std::sync::mpsc::Sender<SetupResult>,
     shared_rx: oneshot::Receiver<Arc<Shared>>,
 ) {
-    precise_naps();
+    kvcr_sys::thread::precise_timer_slack();
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -58,6 +64,7 @@ pub(super) fn run(
             prefault,
             &pool_memory,
             adopted,
+            memory,
         )
         .await
         {
@@ -554,13 +561,3 @@ const SPIN_BEFORE_NAP: Duration = Duration::from_micros(200);
 /// its own progress turn) keeps going, short enough that a stalled one hands
 /// the CPU to the other side of it well inside a time slice.
 const CONTENDED_SPIN_BEFORE_NAP: Duration = Duration::from_micros(30);
-
-/// Cuts this thread's timer slack to 1 µs (Linux default: 50 µs), so a
-/// `WAIT_NAP` sleep lasts about what it says. Best effort: on failure naps
-/// are just longer.
-#[allow(unsafe_code)]
-fn precise_naps() {
-    // SAFETY: PR_SET_TIMERSLACK takes one integer argument and changes only
-    // the calling thread's timer slack; no memory is passed.
-    let _ = unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong) };
-}

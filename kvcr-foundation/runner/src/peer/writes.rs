@@ -15,7 +15,7 @@ use super::State;
 use super::puts::{PendingWrite, pool_holding};
 use super::routes::{Route, RoutePath};
 use crate::shared::Shared;
-use crate::shared_memory::PeerSegment;
+use kvcr_sys::segment::PeerSegment;
 
 impl State {
     /// Starts write `write` into `target` through the route it was accepted
@@ -70,16 +70,14 @@ impl State {
                     }
                 }
                 let segments = segments.values().cloned().collect();
-                // SAFETY: every source range lies inside one of our
-                // pools (checked by `one_copy_plan`), claimed by this
-                // write until it is reported; every destination
-                // lies inside a mapping of `segments` (checked),
-                // granted to this write by its target.
-                #[allow(unsafe_code)]
-                let inline = unsafe {
-                    self.lanes
-                        .submit(write, copies, segments, &self.lane_done_tx)
-                };
+                // Every source range lies inside one of our pools
+                // (checked by `one_copy_plan`, and by the registry),
+                // claimed by this write until it is reported; every
+                // destination lies inside a mapping of `segments`
+                // (checked), granted to this write by its target.
+                let inline = self
+                    .lanes
+                    .submit(write, copies, segments, &self.lane_done_tx);
                 if let Some(ok) = inline {
                     self.copied(shared, (write, ok));
                 }

@@ -15,8 +15,11 @@
 //! * [`numbering`]: a control session's messages counted on both ends
 //!   ([`numbering::MessageCount`]), so a request taken early from a mailbox
 //!   is handled once and its copy dropped.
+//! * [`frame`]: a data stream's hello and frames, and how a target lands
+//!   them.
 
 pub(crate) mod doorbell;
+pub(crate) mod frame;
 pub(crate) mod mailbox;
 pub(crate) mod numbering;
 pub(crate) mod part;

@@ -4,23 +4,33 @@
 //! scoped helper threads (up to the peer lanes' count), each streaming its own
 //! keys' bytes.
 //!
+//! Every copy goes through the runner's [`MemoryRegistry`]: its spans are
+//! checked against the registered pools and engine regions (one read lock
+//! per key, or per half of a claimed copy) before a byte moves.
+//!
 //! The thread blocks on its queue when idle (after a short bounded poll; no
 //! busy loop, no sleep floor), so a single-block copy costs at most one thread
 //! wake-up plus the memcpy.
 
+pub(crate) mod device;
+pub(crate) mod lanes;
+pub(crate) mod plan;
+#[cfg(test)]
+pub(crate) mod test_memory;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::device::DeviceCopier;
-use super::memory::{copy_spans, copy_spans_streaming};
+use kvcr_runner_core::{CopyOutcome, CopySpan, JobId};
+use kvcr_sys::MemoryRegistry;
+
+use self::device::DeviceCopier;
+use self::plan::{copy_checked, cut, spans_disjoint};
 use crate::error::{Error, Result, RunnerReason};
 use crate::shared::Shared;
-use kvcr_runner_core::CopySpan;
-use kvcr_runner_core::{CopyOutcome, JobId};
 
 /// How long a thread that just finished work polls for more before it blocks.
 /// A blocked thread costs a futex wake-up (tens of µs on a VM) to restart; a
@@ -56,10 +66,11 @@ pub(crate) struct CopyEngine {
 }
 
 impl CopyEngine {
-    /// Starts the thread on `jobs`; it applies outcomes to `shared` while that
-    /// is alive.
+    /// Starts the thread on `jobs`, copying through `memory`; it applies
+    /// outcomes to `shared` while that is alive.
     pub(crate) fn start(
         shared: Weak<Shared>,
+        memory: Arc<MemoryRegistry>,
         stop: Sender<Msg>,
         jobs: Receiver<Msg>,
     ) -> Result<Self> {
@@ -67,7 +78,7 @@ impl CopyEngine {
         let flag = Arc::clone(&shutdown);
         let thread = std::thread::Builder::new()
             .name("kvcr-copy".into())
-            .spawn(move || worker(&jobs, &shared, &flag))
+            .spawn(move || worker(&jobs, &shared, &memory, &flag))
             .map_err(|_| Error::runner(RunnerReason::CopyEngineStopped))?;
         Ok(Self {
             stop,
@@ -114,12 +125,17 @@ pub(crate) fn spin_recv<T>(rx: &Receiver<T>, budget: Duration) -> Option<T> {
     }
 }
 
-fn worker(jobs: &Receiver<Msg>, shared: &Weak<Shared>, shutdown: &AtomicBool) {
+fn worker(
+    jobs: &Receiver<Msg>,
+    shared: &Weak<Shared>,
+    memory: &MemoryRegistry,
+    shutdown: &AtomicBool,
+) {
     loop {
         let Some(Msg::Job(job)) = spin_recv(jobs, SPIN).or_else(|| jobs.recv().ok()) else {
             return;
         };
-        let outcomes = execute(&job, shutdown);
+        let outcomes = execute(&job, memory, shutdown);
         match shared.upgrade() {
             Some(shared) => shared.copy_done(job.id, &outcomes),
             None => return,
@@ -141,7 +157,7 @@ const PART_BYTES: u64 = 4 << 20;
 /// takes: at most the lanes' count (one per core, at most 8), at least
 /// [`PART_BYTES`] each.
 fn key_ranges(keys: &[Vec<CopySpan>], total: u64) -> Vec<std::ops::Range<usize>> {
-    let parts = crate::lanes::default_lanes()
+    let parts = plan::default_lanes()
         .min(usize::try_from(total / PART_BYTES).unwrap_or(usize::MAX))
         .min(keys.len())
         .max(1);
@@ -160,13 +176,13 @@ fn key_ranges(keys: &[Vec<CopySpan>], total: u64) -> Vec<std::ops::Range<usize>>
     ranges
 }
 
-fn execute(job: &Job, shutdown: &AtomicBool) -> Vec<CopyOutcome> {
+fn execute(job: &Job, memory: &MemoryRegistry, shutdown: &AtomicBool) -> Vec<CopyOutcome> {
     if let Some(copier) = &job.device {
         return execute_on_device(job, copier.as_ref(), shutdown);
     }
     let total: u64 = job.keys.iter().flatten().map(|s| s.len).sum();
     if total < SPLIT_BYTES || !destinations_disjoint(&job.keys) {
-        return execute_range(job, 0..job.keys.len(), shutdown, false);
+        return execute_range(job, memory, 0..job.keys.len(), shutdown, false);
     }
     let ranges = key_ranges(&job.keys, total);
     let Some((first, rest)) = ranges.split_first() else {
@@ -182,11 +198,11 @@ fn execute(job: &Job, shutdown: &AtomicBool) -> Vec<CopyOutcome> {
                 let range = range.clone();
                 (
                     range.clone(),
-                    scope.spawn(move || execute_range(job, range, shutdown, true)),
+                    scope.spawn(move || execute_range(job, memory, range, shutdown, true)),
                 )
             })
             .collect();
-        let mut outcomes = execute_range(job, first.clone(), shutdown, true);
+        let mut outcomes = execute_range(job, memory, first.clone(), shutdown, true);
         for (range, helper) in helpers {
             match helper.join() {
                 Ok(done) => outcomes.extend(done),
@@ -240,94 +256,38 @@ fn destinations_disjoint(keys: &[Vec<CopySpan>]) -> bool {
     spans_disjoint(keys.iter().flatten())
 }
 
-/// Whether no two destination ranges among `spans` overlap.
-pub(crate) fn spans_disjoint<'a>(spans: impl Iterator<Item = &'a CopySpan>) -> bool {
-    let mut ranges: Vec<(u64, u64)> = spans
-        .map(|s| (s.dst, s.dst.saturating_add(s.len)))
-        .collect();
-    ranges.sort_unstable();
-    ranges.windows(2).all(|w| matches!(w, [a, b] if a.1 <= b.0))
-}
-
-/// Cuts `spans` at `at` bytes: the first part moves exactly the first `at`
-/// bytes (in order), the second the rest (a span may be cut in two).
-pub(crate) fn cut(spans: &[CopySpan], at: u64) -> (Vec<CopySpan>, Vec<CopySpan>) {
-    let (mut first, mut second) = (Vec::new(), Vec::new());
-    let mut done = 0u64;
-    for s in spans {
-        if done >= at {
-            second.push(*s);
-        } else if done + s.len <= at {
-            first.push(*s);
-        } else {
-            let head = at - done;
-            first.push(CopySpan { len: head, ..*s });
-            second.push(CopySpan {
-                src: s.src + head,
-                dst: s.dst + head,
-                len: s.len - head,
-            });
-        }
-        done += s.len;
-    }
-    (first, second)
-}
-
-/// Cuts `copies` (`total` bytes) into `parts` pieces of near-equal bytes.
-pub(crate) fn split_even(copies: Vec<CopySpan>, total: u64, parts: u64) -> Vec<Vec<CopySpan>> {
-    let mut out = Vec::new();
-    let mut rest = copies;
-    let mut left = total;
-    for remaining_parts in (2..=parts).rev() {
-        let (head, tail) = cut(&rest, left / remaining_parts);
-        left -= head.iter().map(|s| s.len).sum::<u64>();
-        out.push(head);
-        rest = tail;
-    }
-    out.push(rest);
-    out.retain(|p| !p.is_empty());
-    out
-}
-
-/// Copies `spans` in the caller's thread, with a second, scoped thread for
-/// plans of [`SPLIT_BYTES`] or more whose destinations are pairwise disjoint:
-/// the plan is cut at its byte midpoint, so a few long runs split as evenly as
-/// many short ones. For `Runner::copy_claimed`, whose runs span several pages.
-///
-/// # Safety
-/// As [`copy_spans`]: every range valid for the whole call, nothing else
-/// touching a destination or writing a source, no source overlapping a
-/// destination.
-pub(crate) unsafe fn copy_plan(spans: &[CopySpan]) {
+/// Copies `spans` through `memory` in the caller's thread, with a second,
+/// scoped thread for plans of [`SPLIT_BYTES`] or more whose destinations are
+/// pairwise disjoint: the plan is cut at its byte midpoint, so a few long
+/// runs split as evenly as many short ones. For `Runner::copy_claimed`,
+/// whose runs span several pages. Every span is checked against `memory`
+/// first (a refusal copies nothing of that half).
+pub(crate) fn copy_plan(memory: &MemoryRegistry, spans: &[CopySpan]) -> kvcr_sys::Result<()> {
     let total: u64 = spans.iter().map(|s| s.len).sum();
     if total < SPLIT_BYTES || !spans_disjoint(spans.iter()) {
-        // SAFETY: this function's contract.
-        unsafe { copy_spans(spans) };
-        return;
+        return copy_checked(memory, spans, false);
     }
     let (first, second) = cut(spans, total / 2);
     // The halves write disjoint bytes (destinations are pairwise disjoint, and
     // a cut span's two parts are disjoint ranges); the scope joins the helper
-    // before this returns, inside the contract's window.
+    // before this returns.
     std::thread::scope(|scope| {
-        // SAFETY: the contract, over a subset of the ranges, disjoint from
-        // what this thread writes.
-        let helper = scope.spawn(|| unsafe { copy_spans(&second) });
-        // SAFETY: as above.
-        unsafe { copy_spans(&first) };
-        if helper.join().is_err() {
-            // A raw copy of validated ranges cannot panic; if the helper died
-            // anyway, copy its half here so the result stays whole.
-            // SAFETY: as above; the helper has ended.
-            unsafe { copy_spans(&second) };
-        }
-    });
+        let helper = scope.spawn(|| copy_checked(memory, &second, false));
+        let mine = copy_checked(memory, &first, false);
+        let theirs = helper.join().unwrap_or_else(|_| {
+            // A checked copy cannot panic; if the helper died anyway, copy
+            // its half here so the result stays whole.
+            copy_checked(memory, &second, false)
+        });
+        mine.and(theirs)
+    })
 }
 
 /// Copies the keys of `range`; `stream`: large spans with non-temporal
 /// stores (fenced before returning, so before the job is reported).
 fn execute_range(
     job: &Job,
+    memory: &MemoryRegistry,
     range: std::ops::Range<usize>,
     shutdown: &AtomicBool,
     stream: bool,
@@ -351,24 +311,19 @@ fn execute_range(
             outcomes.push(CopyOutcome::DeadlinePassed);
             continue;
         }
-        // SAFETY: every span was produced by the core from registrations it
-        // bounds-checked: sources and destinations lie inside either a
-        // runner-owned pool (alive until this thread is joined, see `Runner`'s
-        // field order) or a framework region the caller promised valid for the
-        // runner's lifetime (`Runner::register_region`'s contract). A FILLING
-        // slot is written only by its own fill, a READY slot is only read while
-        // claimed, and the caller promised not to touch framework elements of an
-        // operation until it completes; pool and framework regions never
-        // overlap (checked at registration). When a job is split over two
-        // threads, their destination ranges are pairwise disjoint
+        // Every span was produced by the core from registrations it
+        // bounds-checked, and is checked again against the registry: pools
+        // and engine regions. A FILLING slot is written only by its own fill,
+        // a READY slot is only read while claimed, and the caller promised
+        // not to touch framework elements of an operation until it completes
+        // (`Runner::register_region`). When a job is split over threads,
+        // their destination ranges are pairwise disjoint
         // (`destinations_disjoint`), so no byte is written by both.
-        unsafe {
-            if stream {
-                copy_spans_streaming(spans);
-            } else {
-                copy_spans(spans);
-            }
-        };
+        if copy_checked(memory, spans, stream).is_err() {
+            // Unreachable while the core and the registry agree.
+            outcomes.push(CopyOutcome::Failed);
+            continue;
+        }
         outcomes.push(CopyOutcome::Copied);
     }
     outcomes
@@ -376,35 +331,11 @@ fn execute_range(
 
 #[cfg(test)]
 mod tests {
+    use super::test_memory::TestBuffer;
     use super::*;
 
     fn c(src: u64, dst: u64, len: u64) -> CopySpan {
         CopySpan { src, dst, len }
-    }
-
-    #[test]
-    fn even_split_moves_every_byte_once_in_order() {
-        let copies = vec![c(0, 1000, 10), c(100, 2000, 7), c(200, 3000, 13)];
-        for parts in 1..=8 {
-            let pieces = split_even(copies.clone(), 30, parts);
-            assert!(pieces.len() as u64 <= parts);
-            let flat: Vec<CopySpan> = pieces.concat();
-            let bytes: Vec<(u64, u64)> = flat
-                .iter()
-                .flat_map(|s| (0..s.len).map(move |i| (s.src + i, s.dst + i)))
-                .collect();
-            let expected: Vec<(u64, u64)> = copies
-                .iter()
-                .flat_map(|s| (0..s.len).map(move |i| (s.src + i, s.dst + i)))
-                .collect();
-            assert_eq!(bytes, expected, "parts {parts}");
-            let sizes: Vec<u64> = pieces
-                .iter()
-                .map(|p| p.iter().map(|s| s.len).sum())
-                .collect();
-            let (min, max) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
-            assert!(max - min <= 1, "parts {parts}: {sizes:?}");
-        }
     }
 
     /// A large job's threads take every key once, in order, in contiguous
@@ -421,26 +352,18 @@ mod tests {
         let ranges = key_ranges(&keys, total);
         let flat: Vec<usize> = ranges.iter().cloned().flatten().collect();
         assert_eq!(flat, (0..keys.len()).collect::<Vec<_>>());
-        assert!(ranges.len() <= crate::lanes::default_lanes());
+        assert!(ranges.len() <= plan::default_lanes());
         assert!(ranges.len() as u64 <= (total / PART_BYTES).max(1));
-    }
-
-    #[test]
-    fn cutting_keeps_every_byte_once_and_in_order() {
-        let spans = [c(0, 100, 10), c(50, 200, 6)];
-        let (a, b) = cut(&spans, 8);
-        assert_eq!(a, vec![c(0, 100, 8)]);
-        assert_eq!(b, vec![c(8, 108, 2), c(50, 200, 6)]);
-        let (a, b) = cut(&spans, 10);
-        assert_eq!((a.len(), b.len()), (1, 1));
     }
 
     #[test]
     fn a_large_plan_copied_on_two_threads_matches() {
         let len = (SPLIT_BYTES + 12_345) as usize;
         let src: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
-        let mut dst = vec![0u8; len];
-        let (s, d) = (src.as_ptr() as u64, dst.as_mut_ptr() as u64);
+        let memory = Arc::new(MemoryRegistry::new());
+        let source = TestBuffer::with(&memory, len, &src);
+        let destination = TestBuffer::new(&memory, len);
+        let (s, d) = (source.addr(), destination.addr());
         // Three pieces, the middle one reversed in placement.
         let third = (len / 3) as u64;
         let spans = [
@@ -448,15 +371,13 @@ mod tests {
             c(s + (len as u64 - 2 * third), d, third),
             c(s + (len as u64 - third), d + third, third),
         ];
-        // SAFETY: (test) all ranges lie inside `src` / `dst`, which outlive
-        // the call and are not otherwise touched; they do not overlap.
-        unsafe { copy_plan(&spans) };
+        copy_plan(&memory, &spans).unwrap();
         let mut expect = vec![0u8; len];
         for k in spans {
             let (so, dof) = ((k.src - s) as usize, (k.dst - d) as usize);
             expect[dof..dof + k.len as usize].copy_from_slice(&src[so..so + k.len as usize]);
         }
-        assert_eq!(dst, expect);
+        assert_eq!(destination.read(len), expect);
     }
 
     fn span(dst: u64, len: u64) -> CopySpan {

@@ -1,7 +1,9 @@
-//! Unsafe, named: the copy lanes of one-copy peer writes.
+//! The copy lanes of one-copy peer writes.
 //!
 //! A write into a same-host target's mapped segments
-//! ([`crate::shared_memory::PeerSegment`]) is a plan of plain copies.
+//! ([`kvcr_sys::segment::PeerSegment`]) is a plan of plain copies, checked
+//! against the runner's registered pools and the write's segments (one
+//! registry read per piece) before a byte moves.
 //!
 //! * A large write (1 MiB or more) is cut at byte boundaries into one piece
 //!   per lane and handed to the lane threads; the last lane to finish reports
@@ -31,8 +33,10 @@ use std::time::{Duration, Instant};
 use kvcr_runner_core::CopySpan;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::copy::{spans_disjoint, split_even};
-use crate::shared_memory::PeerSegment;
+use kvcr_sys::MemoryRegistry;
+use kvcr_sys::segment::PeerSegment;
+
+use super::plan::{byte_span, cores, spans_disjoint, split_even};
 
 /// Below this many bytes a write is one piece on one lane: a hand-off costs
 /// more than a lane could save.
@@ -68,16 +72,6 @@ const LANE_LINGER: Duration = Duration::from_millis(1);
 /// Spins between clock reads while a lane lingers.
 const SPINS_PER_CLOCK_READ: u32 = 256;
 
-/// The lanes' default count: one per core, at most 8 (12 threads reach the
-/// H200 host's copy limit; 8 are within 80 % of it).
-pub(crate) fn default_lanes() -> usize {
-    cores().clamp(1, 8)
-}
-
-pub(crate) fn cores() -> usize {
-    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
-}
-
 /// How the lanes treat small writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct LaneTuning {
@@ -111,6 +105,8 @@ impl LaneTuning {
 #[derive(Debug)]
 struct WriteJoin {
     write: u64,
+    /// What the pieces copy through.
+    memory: Arc<MemoryRegistry>,
     pieces_left: AtomicUsize,
     failed: AtomicBool,
     done: UnboundedSender<(u64, bool)>,
@@ -129,6 +125,11 @@ struct Stripe {
     pieces: Vec<StripePiece>,
     /// Keeps the destination mappings alive until every piece ran.
     segments: Vec<Arc<PeerSegment>>,
+    /// What the pieces copy through.
+    memory: Arc<MemoryRegistry>,
+    /// A piece's copy was refused (a span outside the registry and the
+    /// segments): the write fails.
+    failed: AtomicBool,
     /// Pieces the lanes copied, all stripes together (for tests and audits:
     /// whether striping ever happens on this host).
     by_lanes: Arc<AtomicUsize>,
@@ -144,14 +145,11 @@ const CLAIMED: u8 = 1;
 const COPIED: u8 = 2;
 
 impl Stripe {
-    /// Claims and copies every piece nobody has claimed yet.
-    ///
-    /// # Safety
-    /// [`Lanes::submit`]'s contract, until the stripe is [`Stripe::copied`]:
-    /// the submitter waits for that before it reports the write, so a piece
-    /// is never copied after its sources or destinations may change hands.
+    /// Claims and copies every piece nobody has claimed yet. The submitter
+    /// waits for [`Stripe::copied`] before it reports the write, so a piece
+    /// is never copied after its sources or destinations change hands.
     /// Returns how many pieces this call copied.
-    unsafe fn help(&self) -> usize {
+    fn help(&self) -> usize {
         let mut copied = 0;
         for piece in &self.pieces {
             if piece
@@ -159,10 +157,12 @@ impl Stripe {
                 .compare_exchange(UNCLAIMED, CLAIMED, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok()
             {
-                // SAFETY: this function's contract; the claim makes this
-                // thread the piece's only writer, and pieces cover disjoint
-                // destination bytes (`split_even` of pairwise-disjoint spans).
-                unsafe { copy_populated(&piece.copies, &self.segments) };
+                // The claim makes this thread the piece's only writer, and
+                // pieces cover disjoint destination bytes (`split_even` of
+                // pairwise-disjoint spans).
+                if !copy_populated(&self.memory, &piece.copies, &self.segments) {
+                    self.failed.store(true, Ordering::Release);
+                }
                 // Release after the copy's store fence: whoever sees COPIED
                 // sees the bytes.
                 piece.state.store(COPIED, Ordering::Release);
@@ -232,6 +232,8 @@ impl Lane {
 /// The lane threads.
 pub(crate) struct Lanes {
     lanes: Vec<Lane>,
+    /// The runner's pools (the writes' sources), as registered.
+    memory: Arc<MemoryRegistry>,
     threads: Vec<JoinHandle<()>>,
     tuning: LaneTuning,
     next: usize,
@@ -249,15 +251,21 @@ impl std::fmt::Debug for Lanes {
 }
 
 impl Lanes {
-    /// Starts `count` lanes (at least one), tuned for this host.
-    pub(crate) fn start(count: usize) -> std::io::Result<Self> {
-        Self::start_tuned(count, LaneTuning::for_host())
+    /// Starts `count` lanes (at least one), tuned for this host, copying
+    /// from memory registered in `memory`.
+    pub(crate) fn start(count: usize, memory: Arc<MemoryRegistry>) -> std::io::Result<Self> {
+        Self::start_tuned(count, LaneTuning::for_host(), memory)
     }
 
     /// Starts `count` lanes (at least one) with `tuning`.
-    pub(crate) fn start_tuned(count: usize, tuning: LaneTuning) -> std::io::Result<Self> {
+    pub(crate) fn start_tuned(
+        count: usize,
+        tuning: LaneTuning,
+        memory: Arc<MemoryRegistry>,
+    ) -> std::io::Result<Self> {
         let mut lanes = Self {
             lanes: Vec::new(),
+            memory,
             threads: Vec::new(),
             tuning,
             next: 0,
@@ -292,12 +300,11 @@ impl Lanes {
     /// larger one on the lanes (returns `None`; `(write, ok)` arrives on
     /// `done` once every byte was copied or the write failed).
     ///
-    /// # Safety
-    /// Every source range must stay valid for reads and unwritten until the
-    /// report (the runner's own pool pages, claimed by the write); every
-    /// destination range must lie inside one of `segments` (checked by
-    /// [`PeerSegment::destination`]), granted to this write by its target.
-    pub(crate) unsafe fn submit(
+    /// Every source must be registered (the runner's own pool pages, claimed
+    /// by the write and unwritten until the report) and every destination
+    /// inside one of `segments`, granted to this write by its target: a
+    /// piece naming anything else is refused and the write fails.
+    pub(crate) fn submit(
         &mut self,
         write: u64,
         copies: Vec<CopySpan>,
@@ -306,9 +313,7 @@ impl Lanes {
     ) -> Option<bool> {
         let total: u64 = copies.iter().map(|s| s.len).sum();
         if total < INLINE_BYTES {
-            // SAFETY: this function's contract.
-            unsafe { self.copy_small(copies, total, segments) };
-            return Some(true);
+            return Some(self.copy_small(copies, total, segments));
         }
         let lanes = self.lanes.len() as u64;
         // Pieces write disjoint bytes only if the spans do (a target grants
@@ -324,6 +329,7 @@ impl Lanes {
             pieces_left: AtomicUsize::new(pieces.len()),
             failed: AtomicBool::new(false),
             done: done.clone(),
+            memory: Arc::clone(&self.memory),
         });
         let segments = Arc::new(segments);
         for copies in pieces {
@@ -352,15 +358,13 @@ impl Lanes {
 
     /// Copies a small write before returning: striped over the lanes awake
     /// now when the tuning allows and it is worth cutting, else alone.
-    ///
-    /// # Safety
-    /// As [`Lanes::submit`].
-    unsafe fn copy_small(
+    /// Returns whether every piece was copied.
+    fn copy_small(
         &self,
         copies: Vec<CopySpan>,
         total: u64,
         segments: Vec<Arc<PeerSegment>>,
-    ) {
+    ) -> bool {
         let most_pieces = (total / MIN_STRIPE_BYTES).min(self.tuning.stripe_lanes as u64 + 1);
         let stripers: Vec<&Lane> = self
             .lanes
@@ -368,10 +372,9 @@ impl Lanes {
             .take(usize::try_from(most_pieces.saturating_sub(1)).unwrap_or(usize::MAX))
             .collect();
         if stripers.is_empty() || !spans_disjoint(copies.iter()) {
-            // SAFETY: this function's contract; `segments` lives until after
-            // the copy (dropped at the end of this call).
-            unsafe { copy_populated(&copies, &segments) };
-            return;
+            // `segments` lives until after the copy (dropped at the end of
+            // this call).
+            return copy_populated(&self.memory, &copies, &segments);
         }
         let pieces = split_even(copies, total, stripers.len() as u64 + 1);
         let stripe = Arc::new(Stripe {
@@ -383,6 +386,8 @@ impl Lanes {
                 })
                 .collect(),
             segments,
+            memory: Arc::clone(&self.memory),
+            failed: AtomicBool::new(false),
             by_lanes: Arc::clone(&self.striped_by_lanes),
         });
         for lane in stripers {
@@ -391,13 +396,14 @@ impl Lanes {
             lane.inbox.push(Work::Stripe(Arc::clone(&stripe)));
             lane.wake_if_parked();
         }
-        // SAFETY: this function's contract; the wait below keeps it until
-        // every piece, ours or a lane's, is copied.
-        let _ours = unsafe { stripe.help() };
+        // The wait below keeps the write ours until every piece, ours or a
+        // lane's, is copied.
+        let _ours = stripe.help();
         while !stripe.copied() {
             // Only pieces a lane claimed and is copying remain.
             std::hint::spin_loop();
         }
+        !stripe.failed.load(Ordering::Acquire)
     }
 }
 
@@ -424,10 +430,9 @@ fn lane_loop(inbox: &LaneInbox, linger: Duration) {
         match inbox.pop() {
             Some(Work::Piece(piece)) => run(piece),
             Some(Work::Stripe(stripe)) => {
-                // SAFETY: the submitter's contract holds until the stripe
-                // is copied, and it waits for that; pieces already claimed
-                // are skipped, so a late lane copies nothing.
-                let copied = unsafe { stripe.help() };
+                // The submitter waits until the stripe is copied; pieces
+                // already claimed are skipped, so a late lane copies nothing.
+                let copied = stripe.help();
                 stripe.by_lanes.fetch_add(copied, Ordering::Relaxed);
             }
             None => {
@@ -459,28 +464,32 @@ fn lane_loop(inbox: &LaneInbox, linger: Duration) {
 }
 
 fn run(piece: Piece) {
-    // SAFETY: `Lanes::submit`'s contract: sources are claimed pool pages
-    // alive until the lanes are joined (before the pools drop), destinations
-    // are inside mappings this piece keeps alive, granted to this write
-    // alone; pieces of one write cover disjoint destination bytes (`cut` of
-    // pairwise-disjoint spans), and a pool never overlaps a peer's mapping.
-    unsafe { copy_populated(&piece.copies, &piece.segments) };
+    // Sources are claimed pool pages (registered until the lanes are joined,
+    // before the pools drop); destinations are inside mappings this piece
+    // keeps alive, granted to this write alone; pieces of one write cover
+    // disjoint destination bytes (`cut` of pairwise-disjoint spans).
+    if !copy_populated(&piece.join.memory, &piece.copies, &piece.segments) {
+        piece.join.failed.store(true, Ordering::Release);
+    }
     finish_piece(&piece.join);
 }
 
 /// Prepares each destination's chunks of its segment (page-table entries
-/// made once per chunk), then copies.
-///
-/// # Safety
-/// As [`crate::memory::copy_spans`].
-unsafe fn copy_populated(copies: &[CopySpan], segments: &[Arc<PeerSegment>]) {
+/// made once per chunk), then copies through `memory` (one check of every
+/// span, under one read lock); `false` when the copy was refused.
+fn copy_populated(
+    memory: &MemoryRegistry,
+    copies: &[CopySpan],
+    segments: &[Arc<PeerSegment>],
+) -> bool {
     for span in copies {
         if let Some(segment) = segments.iter().find(|s| s.holds(span.dst, span.len)) {
             segment.prepare(span.dst, span.len);
         }
     }
-    // SAFETY: the caller's contract.
-    unsafe { crate::memory::copy_spans_streaming(copies) };
+    memory
+        .copy_streaming_into(copies.iter().map(byte_span), segments)
+        .is_ok()
 }
 
 fn finish_piece(join: &WriteJoin) {
@@ -492,232 +501,4 @@ fn finish_piece(join: &WriteJoin) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use rstest::rstest;
-
-    /// A test's source and destination buffers and the copy plan between
-    /// them: `spans` of (source offset, destination offset, length).
-    struct Plan {
-        src: Vec<u8>,
-        dst: Vec<u8>,
-        spans: Vec<(usize, usize, usize)>,
-    }
-
-    impl Plan {
-        fn new(bytes: usize, spans: Vec<(usize, usize, usize)>) -> Self {
-            Self {
-                src: (0..bytes).map(|i| (i % 251) as u8).collect(),
-                dst: vec![0u8; bytes],
-                spans,
-            }
-        }
-
-        fn copies(&mut self) -> Vec<CopySpan> {
-            let (src, dst) = (self.src.as_ptr() as u64, self.dst.as_mut_ptr() as u64);
-            self.spans
-                .iter()
-                .map(|&(s, d, len)| CopySpan {
-                    src: src + s as u64,
-                    dst: dst + d as u64,
-                    len: len as u64,
-                })
-                .collect()
-        }
-
-        /// `dst` as copying the spans one after another leaves it.
-        fn expected(&self) -> Vec<u8> {
-            let mut want = vec![0u8; self.dst.len()];
-            for &(s, d, len) in &self.spans {
-                want[d..d + len].copy_from_slice(&self.src[s..s + len]);
-            }
-            want
-        }
-
-        /// Submits the plan (no segment: the destinations are plain memory
-        /// of this test) and returns the inline outcome.
-        fn submit(&mut self, lanes: &mut Lanes, tx: &UnboundedSender<(u64, bool)>) -> Option<bool> {
-            let copies = self.copies();
-            // SAFETY: both buffers outlive the call (a small write is copied
-            // before it returns) and nothing else touches them meanwhile;
-            // source and destination are distinct vectors.
-            unsafe { lanes.submit(1, copies, Vec::new(), tx) }
-        }
-    }
-
-    #[test]
-    fn every_write_reports_once_even_across_lanes() {
-        let mut lanes = Lanes::start(3).unwrap();
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let src = vec![7u8; 8 << 20];
-        let mut dst = vec![0u8; 8 << 20];
-        let copies = vec![CopySpan {
-            src: src.as_ptr() as u64,
-            dst: dst.as_mut_ptr() as u64,
-            len: src.len() as u64,
-        }];
-        // SAFETY: both buffers outlive the wait below and nothing else
-        // touches them meanwhile; they do not overlap. (No segment: these
-        // destinations are plain memory of this test.)
-        assert_eq!(unsafe { lanes.submit(9, copies, Vec::new(), &tx) }, None);
-        assert_eq!(rx.blocking_recv(), Some((9, true)));
-        assert!(rx.try_recv().is_err(), "reported once");
-        assert!(dst.iter().all(|b| *b == 7));
-        drop(lanes);
-    }
-
-    /// Lanes that stay awake (striping on), so small writes are striped.
-    fn lingering(count: usize) -> Lanes {
-        Lanes::start_tuned(
-            count,
-            LaneTuning {
-                stripe_lanes: count,
-                linger: Duration::from_secs(30),
-            },
-        )
-        .unwrap()
-    }
-
-    #[rstest]
-    #[case::one_block(256 << 10, vec![(0, 0, 256 << 10)])]
-    #[case::odd_length(300_001, vec![(0, 0, 300_001)])]
-    #[case::scattered_pages(512 << 10, vec![(0, 256 << 10, 64 << 10), (64 << 10, 0, 128 << 10), (300 << 10, 400 << 10, 100 << 10)])]
-    #[case::below_a_stripe(48 << 10, vec![(0, 0, 48 << 10)])]
-    #[case::just_under_inline((1 << 20) - 1, vec![(0, 0, (1 << 20) - 1)])]
-    fn small_writes_are_copied_before_submit_returns(
-        #[case] bytes: usize,
-        #[case] spans: Vec<(usize, usize, usize)>,
-        #[values(1, 3)] lanes: usize,
-    ) {
-        let mut lanes = lingering(lanes);
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        for _ in 0..20 {
-            let mut plan = Plan::new(bytes, spans.clone());
-            assert_eq!(plan.submit(&mut lanes, &tx), Some(true));
-            assert!(plan.dst == plan.expected(), "every byte, at once");
-        }
-        assert!(
-            rx.try_recv().is_err(),
-            "a small write is not reported later"
-        );
-    }
-
-    #[test]
-    fn awake_lanes_take_pieces_of_small_writes() {
-        let mut lanes = lingering(1);
-        let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
-        // A spinning lane may be descheduled on a loaded machine; it takes
-        // a piece within a few writes once it runs.
-        #[allow(clippy::disallowed_methods)]
-        let start = Instant::now();
-        while lanes.striped_by_lanes.load(Ordering::Relaxed) == 0 {
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
-                "no lane ever took a piece of a striped write"
-            );
-            let mut plan = Plan::new(1 << 20, vec![(0, 0, (1 << 20) - 4096)]);
-            assert_eq!(plan.submit(&mut lanes, &tx), Some(true));
-            assert!(plan.dst == plan.expected());
-        }
-    }
-
-    #[test]
-    fn a_small_write_wakes_parked_striping_lanes() {
-        let tuning = LaneTuning {
-            stripe_lanes: 2,
-            linger: Duration::ZERO,
-        };
-        let mut lanes = Lanes::start_tuned(3, tuning).unwrap();
-        #[allow(clippy::disallowed_methods)]
-        let start = Instant::now();
-        while !lanes
-            .lanes
-            .iter()
-            .all(|l| l.inbox.parked.load(Ordering::SeqCst))
-        {
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
-                "lanes never parked"
-            );
-            std::thread::yield_now();
-        }
-        let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
-        let mut plan = Plan::new(256 << 10, vec![(0, 0, 256 << 10)]);
-        assert_eq!(plan.submit(&mut lanes, &tx), Some(true));
-        assert!(plan.dst == plan.expected());
-        // A parked lane left unwoken would hold its stripe forever.
-        while !lanes.lanes.iter().all(|l| l.inbox.is_empty()) {
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
-                "a striping lane was not woken"
-            );
-            std::thread::yield_now();
-        }
-        assert!(
-            lanes.lanes[2].inbox.is_empty(),
-            "only the striping lanes are handed pieces"
-        );
-    }
-
-    #[test]
-    fn without_striping_a_small_write_is_copied_alone() {
-        let tuning = LaneTuning {
-            stripe_lanes: 0,
-            linger: Duration::from_secs(30),
-        };
-        let mut lanes = Lanes::start_tuned(2, tuning).unwrap();
-        let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
-        for _ in 0..20 {
-            let mut plan = Plan::new(256 << 10, vec![(0, 0, 256 << 10)]);
-            assert_eq!(plan.submit(&mut lanes, &tx), Some(true));
-            assert!(plan.dst == plan.expected());
-        }
-        assert_eq!(lanes.striped_by_lanes.load(Ordering::Relaxed), 0);
-        assert!(lanes.lanes.iter().all(|l| l.inbox.is_empty()));
-    }
-
-    #[test]
-    fn a_small_write_naming_one_destination_twice_is_copied_in_order() {
-        // A hostile grant may name one slot twice: never striped, so the
-        // bytes are those of copying the spans in order.
-        let mut lanes = lingering(3);
-        let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
-        let mut plan = Plan::new(
-            512 << 10,
-            vec![(0, 0, 256 << 10), (256 << 10, 0, 256 << 10)],
-        );
-        assert_eq!(plan.submit(&mut lanes, &tx), Some(true));
-        assert!(plan.dst == plan.expected());
-        assert_eq!(lanes.striped_by_lanes.load(Ordering::Relaxed), 0);
-    }
-
-    #[test]
-    fn closing_joins_lanes_after_their_queued_work() {
-        let mut lanes = Lanes::start_tuned(2, LaneTuning::for_host()).unwrap();
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let mut plans: Vec<Plan> = (0..4)
-            .map(|_| Plan::new(4 << 20, vec![(0, 0, 4 << 20)]))
-            .collect();
-        for (i, plan) in plans.iter_mut().enumerate() {
-            let copies = plan.copies();
-            // SAFETY: the buffers outlive the lanes, joined below before
-            // they are read; nothing else touches them.
-            let inline = unsafe { lanes.submit(i as u64, copies, Vec::new(), &tx) };
-            assert_eq!(inline, None);
-        }
-        drop(lanes);
-        let mut reported: Vec<u64> = std::iter::from_fn(|| rx.try_recv().ok())
-            .map(|(write, ok)| {
-                assert!(ok);
-                write
-            })
-            .collect();
-        reported.sort_unstable();
-        assert_eq!(
-            reported,
-            vec![0, 1, 2, 3],
-            "every queued write ran and reported"
-        );
-        assert!(plans.iter().all(|p| p.dst == p.expected()));
-    }
-}
+mod tests;

@@ -1,0 +1,131 @@
+//! Copy plans: cutting a list of spans at byte boundaries, and how many
+//! threads a large copy may take. Shared by the copy thread ([`super`]) and
+//! the peer write lanes ([`super::lanes`]), neither of which imports the
+//! other for them.
+
+use kvcr_runner_core::CopySpan;
+
+/// The lanes' default count: one per core, at most 8 (12 threads reach the
+/// H200 host's copy limit; 8 are within 80 % of it). A large local copy job
+/// takes at most as many threads.
+pub(crate) fn default_lanes() -> usize {
+    cores().clamp(1, 8)
+}
+
+/// The CPUs this process may run on (1 when unknown).
+pub(crate) fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+}
+
+/// Performs the copies of `spans` through `memory`, which checks every span
+/// against what is registered there (one read lock for the call).
+pub(crate) fn copy_checked(
+    memory: &kvcr_sys::MemoryRegistry,
+    spans: &[CopySpan],
+    stream: bool,
+) -> kvcr_sys::Result<()> {
+    let spans = spans.iter().map(byte_span);
+    if stream {
+        memory.copy_streaming(spans)
+    } else {
+        memory.copy(spans)
+    }
+}
+
+/// The span as the registry names it.
+pub(crate) fn byte_span(span: &CopySpan) -> kvcr_sys::ByteSpan {
+    kvcr_sys::ByteSpan::new(span.src, span.dst, span.len)
+}
+
+/// Whether no two destination ranges among `spans` overlap.
+pub(crate) fn spans_disjoint<'a>(spans: impl Iterator<Item = &'a CopySpan>) -> bool {
+    let mut ranges: Vec<(u64, u64)> = spans
+        .map(|s| (s.dst, s.dst.saturating_add(s.len)))
+        .collect();
+    ranges.sort_unstable();
+    ranges.windows(2).all(|w| matches!(w, [a, b] if a.1 <= b.0))
+}
+
+/// Cuts `spans` at `at` bytes: the first part moves exactly the first `at`
+/// bytes (in order), the second the rest (a span may be cut in two).
+pub(crate) fn cut(spans: &[CopySpan], at: u64) -> (Vec<CopySpan>, Vec<CopySpan>) {
+    let (mut first, mut second) = (Vec::new(), Vec::new());
+    let mut done = 0u64;
+    for s in spans {
+        if done >= at {
+            second.push(*s);
+        } else if done + s.len <= at {
+            first.push(*s);
+        } else {
+            let head = at - done;
+            first.push(CopySpan { len: head, ..*s });
+            second.push(CopySpan {
+                src: s.src + head,
+                dst: s.dst + head,
+                len: s.len - head,
+            });
+        }
+        done += s.len;
+    }
+    (first, second)
+}
+
+/// Cuts `copies` (`total` bytes) into `parts` pieces of near-equal bytes.
+pub(crate) fn split_even(copies: Vec<CopySpan>, total: u64, parts: u64) -> Vec<Vec<CopySpan>> {
+    let mut out = Vec::new();
+    let mut rest = copies;
+    let mut left = total;
+    for remaining_parts in (2..=parts).rev() {
+        let (head, tail) = cut(&rest, left / remaining_parts);
+        left -= head.iter().map(|s| s.len).sum::<u64>();
+        out.push(head);
+        rest = tail;
+    }
+    out.push(rest);
+    out.retain(|p| !p.is_empty());
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn c(src: u64, dst: u64, len: u64) -> CopySpan {
+        CopySpan { src, dst, len }
+    }
+
+    #[test]
+    fn even_split_moves_every_byte_once_in_order() {
+        let copies = vec![c(0, 1000, 10), c(100, 2000, 7), c(200, 3000, 13)];
+        for parts in 1..=8 {
+            let pieces = split_even(copies.clone(), 30, parts);
+            assert!(pieces.len() as u64 <= parts);
+            let flat: Vec<CopySpan> = pieces.concat();
+            let bytes: Vec<(u64, u64)> = flat
+                .iter()
+                .flat_map(|s| (0..s.len).map(move |i| (s.src + i, s.dst + i)))
+                .collect();
+            let expected: Vec<(u64, u64)> = copies
+                .iter()
+                .flat_map(|s| (0..s.len).map(move |i| (s.src + i, s.dst + i)))
+                .collect();
+            assert_eq!(bytes, expected, "parts {parts}");
+            let sizes: Vec<u64> = pieces
+                .iter()
+                .map(|p| p.iter().map(|s| s.len).sum())
+                .collect();
+            let (min, max) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
+            assert!(max - min <= 1, "parts {parts}: {sizes:?}");
+        }
+    }
+
+    #[test]
+    fn cutting_keeps_every_byte_once_and_in_order() {
+        let spans = [c(0, 100, 10), c(50, 200, 6)];
+        let (a, b) = cut(&spans, 8);
+        assert_eq!(a, vec![c(0, 100, 8)]);
+        assert_eq!(b, vec![c(8, 108, 2), c(50, 200, 6)]);
+        let (a, b) = cut(&spans, 10);
+        assert_eq!((a.len(), b.len()), (1, 1));
+    }
+}
