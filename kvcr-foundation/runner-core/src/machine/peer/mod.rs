@@ -1,7 +1,8 @@
 //! The peer protocol's two state machines, inside the sans-I/O core: the
 //! target role in `target`, the source role in `source`, and what they
-//! share: `config` and `reports` (the public values), `state`, the message
-//! `dispatch`, the `timers`, and the driver's read-only `queries`.
+//! share: the state types here, `config` and `reports` (the public values),
+//! the message `dispatch`, the `timers`, and the driver's read-only
+//! `queries`.
 //!
 //! **Target** (the destination, which pulls): a fetch or deliver of keys the
 //! request's router hint places on a peer reserves FILLING slots and becomes a
@@ -43,6 +44,8 @@
 //! endpoint that the guard confirmed dead ([`Core::set_dead_incarnations`])
 //! is answered with a death report.
 
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+
 use super::*;
 
 mod config;
@@ -50,7 +53,6 @@ mod dispatch;
 mod queries;
 mod reports;
 mod source;
-mod state;
 mod target;
 mod timers;
 
@@ -60,8 +62,6 @@ pub use config::{
     RouteBudget,
 };
 pub use reports::{ConnectFailure, PeerCounters, PeerNotice, PeerStateSizes, PutSpan};
-pub(in crate::machine) use state::{Awaited, PeerState, PendingSourceWrite, RequestHint};
-use state::{Route, SourceRole, SourceWrite, TargetOp, TargetRole, TargetState, WriteState};
 
 use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::hint::{FetchHint, RequestId};
@@ -70,3 +70,211 @@ use kvcr_contracts::protocol::{
     Body, CompletedIndices, Header, Message, RegionAdvert, RouteGeneration, SharedMemoryAdvert,
     WriteOutcome,
 };
+
+#[derive(Debug)]
+pub(crate) struct RequestHint {
+    source: ControlEndpoint,
+    hashes: HashSet<BlockKey>,
+    failed: bool,
+    missing: HashSet<BlockKey>,
+}
+
+#[derive(Debug, Default)]
+struct SourcePeer {
+    acked: bool,
+    /// The source's ack said it maps our shared segments: its writes need
+    /// nothing from our UCX worker.
+    one_copy: bool,
+    incarnation: Option<Incarnation>,
+    last_metadata_ns: Option<u64>,
+    /// The last quarantined op probed again on an ack: the next round
+    /// starts after it (so more than [`MAX_REPROBES_PER_ACK`] ops all get
+    /// their turn).
+    reprobed_up_to: Option<OpHandle>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TargetState {
+    /// The source's incarnation is not known yet: `start_write` waits for the
+    /// metadata ack, so that every reply can be checked against it.
+    AwaitingAck,
+    WaitingWriteDone,
+    WaitingTerminal,
+    Quarantined,
+}
+
+#[derive(Debug)]
+struct TargetOp {
+    source: ControlEndpoint,
+    source_incarnation: Option<Incarnation>,
+    request: Option<RequestId>,
+    state: TargetState,
+    deadline: u64,
+    abandon_deadline: u64,
+    keys: Vec<ScopedKey>,
+    fills: Vec<u32>,
+    uncertain: bool,
+    /// The request, until it is sent.
+    start: Option<Body>,
+}
+
+#[derive(Debug)]
+struct Route {
+    incarnation: Incarnation,
+    their_generation: RouteGeneration,
+    local_generation: u64,
+    regions: HashMap<RegionId, RegionAdvert>,
+    shared_memory: Option<SharedMemoryAdvert>,
+    doorbell: Option<DoorbellAdvert>,
+    /// `None` while the driver connects; then whether it mapped every
+    /// shared segment (the metadata ack waits for this and carries it).
+    one_copy: Option<bool>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WriteState {
+    Writing,
+    CancelPending,
+}
+
+#[derive(Debug)]
+struct SourceWrite {
+    target: ControlEndpoint,
+    target_incarnation: Incarnation,
+    op: OpHandle,
+    records: Vec<u32>,
+    indices: Vec<u32>,
+    bytes: u64,
+    deadline: u64,
+    state: WriteState,
+}
+
+/// The peer half of the core's state: the two roles, and what they share.
+#[derive(Debug)]
+pub(crate) struct PeerState {
+    config: PeerConfig,
+    /// The destination role: hints, sources' metadata, target operations.
+    target: TargetRole,
+    /// The source role: routes to targets, writes, fences, the stall latch.
+    source: SourceRole,
+    last_tick: Option<u64>,
+    pub(crate) notices: Vec<PeerNotice>,
+    pub(crate) counters: PeerCounters,
+}
+
+/// What a destination (a target) keeps: it pulls hinted pages from sources.
+#[derive(Debug, Default)]
+struct TargetRole {
+    hints: HashMap<RequestId, RequestHint>,
+    sources: HashMap<ControlEndpoint, SourcePeer>,
+    ops: BTreeMap<OpHandle, TargetOp>,
+}
+
+/// A peer's write held back while the keys only G3 holds are filled into
+/// DRAM (the write is then served as if it had just arrived, rechecked).
+#[derive(Debug)]
+pub(in crate::machine) struct PendingSourceWrite {
+    target: ControlEndpoint,
+    target_incarnation: Incarnation,
+    op: OpHandle,
+    deadline: u64,
+    namespace: NamespaceId,
+    keys: Vec<BlockKey>,
+    destinations: Vec<Vec<ElementRef>>,
+    /// DRAM records the fills committed, pinned until the write claims them.
+    pub(in crate::machine) pinned: Vec<u32>,
+    /// Refused, not served, when its preparation ends: the target probed
+    /// the op meanwhile (and was answered that nothing is in flight; a fence
+    /// cannot say so, the op being at or below the high-water mark where
+    /// fences fold), or the write's deadline passed (the target gives up
+    /// then: a put would only race its probe).
+    pub(in crate::machine) refused: bool,
+}
+
+/// Why a key of a peer's write is not READY in DRAM yet, and how the write's
+/// preparation waits for it.
+#[derive(Debug, Clone, Copy)]
+pub(in crate::machine) enum Awaited {
+    /// Only G3 holds it (its DRAM layout): fill it.
+    FromG3(u16),
+    /// Its DRAM record is FILLING (another preparation, a deposit): wait on
+    /// that fill.
+    Filling(u32),
+}
+
+/// What a source keeps: it writes its READY pages into targets' grants.
+#[derive(Debug)]
+struct SourceRole {
+    /// Writes being prepared (G3 fills first), by target incarnation and op.
+    preparing: HashMap<(Incarnation, OpHandle), OpHandle>,
+    routes: HashMap<ControlEndpoint, Route>,
+    /// When each target's next route change is due ([`RouteBudget::admit`]);
+    /// at most [`MAX_ROUTE_BUDGETS`], outliving the routes (a target that
+    /// reconnects keeps its budget).
+    route_changes_due: HashMap<ControlEndpoint, u64>,
+    next_route_generation: u64,
+    writes: HashMap<u64, SourceWrite>,
+    writes_by_op: HashMap<(Incarnation, OpHandle), u64>,
+    /// Highest op handle accepted per target incarnation: a duplicate or late
+    /// `start_write` at or below it never writes (the slots it names may have
+    /// been reused by the target since).
+    high_water: HashMap<Incarnation, OpHandle>,
+    /// Probed ops per target incarnation: a `start_write` arriving after its
+    /// probe never writes. Bounded by [`MAX_FENCES_PER_TARGET`].
+    fences: HashMap<Incarnation, BTreeSet<OpHandle>>,
+    next_write: u64,
+    stalled: bool,
+    /// Incarnations of this endpoint the guard confirmed dead (oldest
+    /// first, at most [`MAX_DEAD_INCARNATIONS`], never our own).
+    dead: Vec<Incarnation>,
+}
+
+impl Default for SourceRole {
+    fn default() -> Self {
+        Self {
+            preparing: HashMap::new(),
+            routes: HashMap::new(),
+            route_changes_due: HashMap::new(),
+            next_route_generation: 1,
+            writes: HashMap::new(),
+            writes_by_op: HashMap::new(),
+            high_water: HashMap::new(),
+            fences: HashMap::new(),
+            next_write: 1,
+            stalled: false,
+            dead: Vec::new(),
+        }
+    }
+}
+
+impl PeerState {
+    pub(crate) fn new(config: PeerConfig) -> Self {
+        Self {
+            config,
+            target: TargetRole::default(),
+            source: SourceRole::default(),
+            last_tick: None,
+            notices: Vec::new(),
+            counters: PeerCounters::default(),
+        }
+    }
+
+    fn header(&self) -> Header {
+        Header {
+            sender: self.config.incarnation,
+            route_generation: RouteGeneration(0),
+            sender_endpoint: self.config.endpoint.clone(),
+        }
+    }
+
+    /// Whether `key` of `request` may come from the request's hinted source.
+    pub(crate) fn hinted_source(
+        &self,
+        request: Option<&RequestId>,
+        key: &ScopedKey,
+    ) -> Option<&ControlEndpoint> {
+        let hint = self.target.hints.get(request?)?;
+        (!hint.failed && hint.hashes.contains(&key.key) && !hint.missing.contains(&key.key))
+            .then_some(&hint.source)
+    }
+}
