@@ -1,0 +1,79 @@
+//! The source role's write completions: what a write will report, and the
+//! driver's reports that its puts finished or its message left, answered
+//! to the target with `write_done`.
+
+use super::*;
+
+impl Core {
+    /// What write `write` will report when its bytes land, if that is the
+    /// first `n` keys it was asked for (`0..n`, the only outcome a doorbell
+    /// record or a write message carries): the target's op and `n`. `None`
+    /// once it was cancelled or ended, or when a key before its last was
+    /// left out (those writes are reported by `write_done` alone).
+    pub fn peer_write_completion(&self, write: u64) -> Option<(OpHandle, u32)> {
+        let w = self.peer.as_ref()?.source.writes.get(&write)?;
+        let whole = w
+            .indices
+            .iter()
+            .enumerate()
+            .all(|(i, index)| usize::try_from(*index).ok() == Some(i));
+        if w.state != WriteState::Writing || !whole {
+            return None;
+        }
+        Some((w.op, u32::try_from(w.indices.len()).ok()?))
+    }
+
+    /// The driver's report that a put (and its flush) finished.
+    pub fn handle_put_done(&mut self, now: u64, write: u64, ok: bool) {
+        self.end_write(now, write, ok, false);
+    }
+
+    /// The driver's report that write `write` left as one message carrying
+    /// its bytes and its completion (the record
+    /// [`Core::peer_write_completion`] gave), sent `ok` or not. The message
+    /// is the target's `write_done`: a successful one sends none (a second
+    /// could overtake the bytes, which travel another way); a failed or
+    /// cancelled one ends as a put would.
+    pub fn handle_message_sent(&mut self, now: u64, write: u64, ok: bool) {
+        self.end_write(now, write, ok, true);
+    }
+
+    fn end_write(&mut self, now: u64, write: u64, ok: bool, completion_sent: bool) {
+        let Some(w) = self
+            .peer
+            .as_mut()
+            .and_then(|p| p.source.writes.remove(&write))
+        else {
+            return;
+        };
+        if let Some(peer) = self.peer.as_mut() {
+            peer.source
+                .writes_by_op
+                .remove(&(w.target_incarnation, w.op));
+            if ok && w.state == WriteState::Writing {
+                peer.counters.keys_sent += w.indices.len() as u64;
+                peer.counters.bytes_sent += w.bytes;
+            }
+        }
+        for record in &w.records {
+            self.touch(now, *record);
+            self.unclaim(*record);
+        }
+        // After a cancellation the target already gave up: only a terminal
+        // failure is proof that we are done with its memory.
+        let outcome = match (ok, w.state) {
+            (true, WriteState::Writing) if completion_sent => return,
+            (true, WriteState::Writing) => {
+                WriteOutcome::Completed(CompletedIndices::new(w.indices))
+            }
+            _ => WriteOutcome::Failed { terminal: true },
+        };
+        self.send(
+            w.target,
+            Body::WriteDone {
+                op_handle: w.op,
+                outcome,
+            },
+        );
+    }
+}

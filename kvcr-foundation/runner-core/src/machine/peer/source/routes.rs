@@ -1,0 +1,208 @@
+//! The source role's routes: a target's metadata checked and turned into a
+//! connect (within its route-change budget), the driver's connect results
+//! acknowledged, and a closed session's route dropped.
+
+use super::*;
+
+impl Core {
+    pub(in crate::machine) fn on_target_metadata(
+        &mut self,
+        now: u64,
+        header: &Header,
+        worker_address: Vec<u8>,
+        regions: Vec<RegionAdvert>,
+        shared_memory: Option<SharedMemoryAdvert>,
+        doorbell: Option<DoorbellAdvert>,
+    ) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let target = header.sender_endpoint.clone();
+        let oversized = regions.len() > MAX_ADVERTISED_REGIONS
+            || worker_address.len() > MAX_WORKER_ADDRESS_LEN
+            || regions.iter().any(|r| r.rkey.len() > MAX_RKEY_LEN);
+        if oversized {
+            // Nothing of it is kept or handed to UCX, and it is not
+            // acknowledged: the target's writes wait and fail by deadline.
+            peer.counters.refused += 1;
+            return;
+        }
+        let unchanged = peer.source.routes.get(&target).is_some_and(|r| {
+            r.incarnation == header.sender
+                && r.their_generation == header.route_generation
+                && r.regions.len() == regions.len()
+                && regions.iter().all(|a| r.regions.get(&a.id) == Some(a))
+                && r.shared_memory == shared_memory
+                && r.doorbell == doorbell
+        });
+        if !unchanged {
+            let budget = peer.config.route_budget;
+            if !peer.source.admit_route_change(now, &target, &budget) {
+                // Not acknowledged and nothing kept: the target re-sends its
+                // metadata and is served when its budget allows. Its old
+                // route, if any, stays, and names its old incarnation.
+                peer.counters.routes_refused += 1;
+                return;
+            }
+            // A new process (or new registrations) at this name: a new route
+            // generation, so writes queued for the old one are never submitted.
+            let generation = peer.source.next_route_generation;
+            peer.source.next_route_generation += 1;
+            let rkeys = regions
+                .iter()
+                .map(|r| (r.id, r.base, r.rkey.clone()))
+                .collect();
+            // The codec checked that each extent fits (no overflow).
+            let extents = regions
+                .iter()
+                .map(|r| {
+                    let last = r.count.saturating_sub(1).saturating_mul(r.stride);
+                    (r.id, last.saturating_add(r.element_size))
+                })
+                .collect();
+            peer.source.routes.insert(
+                target.clone(),
+                Route {
+                    incarnation: header.sender,
+                    their_generation: header.route_generation,
+                    local_generation: generation,
+                    regions: regions.into_iter().map(|r| (r.id, r)).collect(),
+                    shared_memory: shared_memory.clone(),
+                    doorbell: doorbell.clone(),
+                    one_copy: None,
+                },
+            );
+            // The ack waits for the driver's connect (`handle_connected`),
+            // so it can say whether the writes will land with one copy.
+            self.actions.push_back(Action::Connect {
+                peer: target.clone(),
+                generation,
+                worker_address,
+                rkeys,
+                shared_memory,
+                extents,
+                doorbell,
+            });
+            return;
+        }
+        let one_copy = peer.source.routes.get(&target).and_then(|r| r.one_copy);
+        if let Some(one_copy) = one_copy {
+            self.send(
+                target,
+                Body::TargetMetadataAck {
+                    op_handle: None,
+                    one_copy,
+                },
+            );
+        }
+    }
+
+    /// The driver built the route of `generation` to `target`; `one_copy`:
+    /// it mapped every shared segment the target advertised. Acknowledges
+    /// the metadata.
+    pub fn handle_connected(&mut self, target: &ControlEndpoint, generation: u64, one_copy: bool) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let Some(route) = peer
+            .source
+            .routes
+            .get_mut(target)
+            .filter(|r| r.local_generation == generation)
+        else {
+            return; // replaced meanwhile; the newer connect acknowledges
+        };
+        route.one_copy = Some(one_copy);
+        if one_copy {
+            peer.counters.one_copy_routes += 1;
+        } else {
+            peer.counters.ucx_routes += 1;
+        }
+        self.send(
+            target.clone(),
+            Body::TargetMetadataAck {
+                op_handle: None,
+                one_copy,
+            },
+        );
+    }
+
+    /// The session from `target` closed: its route goes (writes already
+    /// accepted keep their own copy of what they need and end as usual); its
+    /// fences fold into the high-water mark, which outlives the session.
+    pub fn peer_target_gone(&mut self, target: &ControlEndpoint) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        if let Some(route) = peer.source.routes.remove(target)
+            && let Some(fenced) = peer.source.fences.remove(&route.incarnation)
+            && let Some(highest) = fenced.last()
+        {
+            peer.source.raise_high_water(route.incarnation, *highest);
+        }
+    }
+
+    /// The driver built no route from `target`'s metadata (`why`): nothing
+    /// of it is kept, and its writes are refused until new metadata
+    /// connects.
+    pub fn handle_connect_failed(
+        &mut self,
+        target: &ControlEndpoint,
+        generation: u64,
+        why: ConnectFailure,
+    ) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        if peer
+            .source
+            .routes
+            .get(target)
+            .is_none_or(|r| r.local_generation != generation)
+        {
+            return; // replaced meanwhile; the newer connect answers
+        }
+        peer.source.routes.remove(target);
+        match why {
+            ConnectFailure::Unusable => peer.counters.refused += 1,
+            ConnectFailure::NoMappingsLeft => peer.counters.routes_refused += 1,
+        }
+        // Acknowledged anyway, so the target's writes are refused at once
+        // (there is no route) instead of waiting out their deadline.
+        self.send(
+            target.clone(),
+            Body::TargetMetadataAck {
+                op_handle: None,
+                one_copy: false,
+            },
+        );
+    }
+}
+
+impl SourceRole {
+    /// Whether `target` may change its route at `now` under `budget`
+    /// (charging it if so). The remembered targets stay bounded: past
+    /// [`MAX_ROUTE_BUDGETS`] those whose budget has refilled (as good as
+    /// new) are forgotten, and while none has a new target is refused.
+    fn admit_route_change(
+        &mut self,
+        now: u64,
+        target: &ControlEndpoint,
+        budget: &RouteBudget,
+    ) -> bool {
+        let due = self.route_changes_due.get(target).copied();
+        if due.is_none() && self.route_changes_due.len() >= MAX_ROUTE_BUDGETS {
+            self.route_changes_due.retain(|_, due| *due > now);
+            if self.route_changes_due.len() >= MAX_ROUTE_BUDGETS {
+                return false;
+            }
+        }
+        match budget.admit(now, due) {
+            Some(next) => {
+                self.route_changes_due.insert(target.clone(), next);
+                true
+            }
+            None => false,
+        }
+    }
+}

@@ -1,0 +1,136 @@
+//! The peer protocol's clock: target-op deadlines, the abandonment
+//! quarantine, source-write cancellations, the stall latch, and when the
+//! peer driver must next wake.
+
+use super::*;
+
+impl Core {
+    /// Peer deadlines: target ops past their deadlines move on; source writes
+    /// past theirs send a non-terminal cancellation once.
+    pub fn handle_peer_timeout(&mut self, now: u64) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let unsent: Vec<OpHandle> = peer
+            .target
+            .ops
+            .iter()
+            .filter(|(_, o)| o.state == TargetState::AwaitingAck && now >= o.deadline)
+            .map(|(h, _)| *h)
+            .collect();
+        let expired: Vec<OpHandle> = peer
+            .target
+            .ops
+            .iter()
+            .filter(|(_, o)| o.state == TargetState::WaitingWriteDone && now >= o.deadline)
+            .map(|(h, _)| *h)
+            .collect();
+        let abandoned: Vec<OpHandle> = peer
+            .target
+            .ops
+            .iter()
+            .filter(|(_, o)| o.state == TargetState::WaitingTerminal && now >= o.abandon_deadline)
+            .map(|(h, _)| *h)
+            .collect();
+        let mut cancels = Vec::new();
+        for w in peer.source.writes.values_mut() {
+            if w.state == WriteState::Writing && now >= w.deadline {
+                w.state = WriteState::CancelPending;
+                cancels.push((w.target.clone(), w.op));
+            }
+        }
+        for (target, op) in cancels {
+            self.send(
+                target,
+                Body::WriteDone {
+                    op_handle: op,
+                    outcome: WriteOutcome::Failed { terminal: false },
+                },
+            );
+        }
+        for op in unsent {
+            // Never sent, so nothing can write: fail and free at once.
+            self.finish_target_op_with(now, op, None, FailReason::Timeout);
+        }
+        for op in expired {
+            self.expire_target_op(now, op);
+        }
+        for op in abandoned {
+            let Some(peer) = self.peer.as_mut() else {
+                return;
+            };
+            let Some(target_op) = peer.target.ops.get_mut(&op) else {
+                continue;
+            };
+            // Quarantine: held until proof, however long that takes.
+            target_op.state = TargetState::Quarantined;
+            target_op.uncertain = true;
+            let (source, incarnation) = (target_op.source.clone(), target_op.source_incarnation);
+            peer.counters.quarantined += 1;
+            peer.notices.push(PeerNotice::Uncertain { op });
+            self.send(
+                source,
+                Body::WriteProbe {
+                    op_handle: op,
+                    source_incarnation: incarnation,
+                },
+            );
+        }
+    }
+
+    /// Called by the peer driver on every turn: a gap of a whole operation
+    /// timeout between turns means this process was stalled (stopped,
+    /// starved); such a source refuses new writes until restart.
+    pub fn handle_tick(&mut self, now: u64) {
+        self.latch_stall(now);
+        if let Some(peer) = self.peer.as_mut() {
+            peer.last_tick = Some(now);
+        }
+        self.handle_peer_timeout(now);
+    }
+
+    /// Latches `stalled` when a whole operation timeout has passed since the
+    /// last driver turn (the tick or a message may come first after a stop).
+    pub(in crate::machine) fn latch_stall(&mut self, now: u64) {
+        let timeout = self.operation_timeout_ns;
+        if let Some(peer) = self.peer.as_mut()
+            && peer
+                .last_tick
+                .is_some_and(|t| now.saturating_sub(t) >= timeout)
+        {
+            peer.source.stalled = true;
+        }
+    }
+
+    /// The earliest peer deadline.
+    pub fn next_peer_deadline(&self) -> Option<u64> {
+        let peer = self.peer.as_ref()?;
+        let targets = peer.target.ops.values().filter_map(|o| match o.state {
+            TargetState::AwaitingAck | TargetState::WaitingWriteDone => Some(o.deadline),
+            TargetState::WaitingTerminal => Some(o.abandon_deadline),
+            TargetState::Quarantined => None,
+        });
+        let sources = peer
+            .source
+            .writes
+            .values()
+            .filter(|w| w.state == WriteState::Writing)
+            .map(|w| w.deadline);
+        targets.chain(sources).min()
+    }
+
+    /// When the peer driver must next run [`Core::handle_tick`]: the earliest
+    /// peer deadline, and at the latest a quarter of the operation timeout
+    /// after the last tick (so a stall of this process, a whole operation
+    /// timeout between ticks, is still told from an idle sleep).
+    pub fn peer_wake_at(&self) -> Option<u64> {
+        let peer = self.peer.as_ref()?;
+        let guard = peer
+            .last_tick
+            .map(|t| t.saturating_add(self.operation_timeout_ns / 4));
+        match (self.next_peer_deadline(), guard) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
