@@ -7,7 +7,7 @@
 //! | `kvcr-ucx` | the system UCX binding and its safe layer | [`ucx`] (feature `runner`) |
 //! | `kvcr-sys` | the runner's non-UCX unsafe code (mappings, memfd pools, copies, system calls) behind safe types | [`sys`] (feature `runner`) |
 //! | `kvcr-runner-core` | the runner's sans-I/O core | [`runner_core`] (feature `runner`) |
-//! | `kvcr-runner` | the rank-local runner: pools, copy thread, control channel, peer driver; the guard's lease client | [`runner`] (feature `runner`) |
+//! | `kvcr-runner` | the rank-local runner: pools, copy thread, control channel, peer thread; the guard's lease client | [`runner`] (feature `runner`) |
 //! | `kvcr-guard` | the guard: keeps pools, journal and control listener across engine restarts; its binary | [`guard`] (feature `runner`) |
 //! | `kvcr-publisher` | inventory on the vLLM/Dynamo KV-event wire | [`publisher`] (feature `publisher`) |
 //!

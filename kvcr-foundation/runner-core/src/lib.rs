@@ -12,6 +12,8 @@
 //! * [`policy`]: [`CachePolicy`] (LRU default, FIFO, user policies).
 //! * [`region`]: registered strided regions and their bounds checks.
 //! * [`types`]: what goes in and comes out (entries, results, statistics).
+//! * [`journal`]: the residency journal a guard keeps for a restarted
+//!   runner (records, codec, layout, writer, recovery).
 //! * [`error`]: the crate's one error type.
 //!
 //! The model-based property tests (`tests`) and the peer simulator

@@ -12,7 +12,7 @@
 //! | [`memfd`] | sealed memfd pool and journal files, [`SharedPool`](memfd::SharedPool), [`JournalMap`](memfd::JournalMap) |
 //! | [`segment`] | [`PeerSegment`](segment::PeerSegment): a same-host peer's pool, mapped for one-copy writes |
 //! | [`seqlock`] | volatile loads and stores of memory other processes share |
-//! | [`copy`] | span copy kernels and [`MemoryRegistry`](copy::MemoryRegistry), which makes copies safe |
+//! | [`copy`] | span copy kernels and [`MemoryRegistry`], which makes copies safe |
 //! | [`owned`] | owned memory held by the registry and a UCX registration at once |
 //! | [`vectored`] | `readv`/`writev` between a socket and spans of memory |
 //! | [`direct_io`] | `flock`, `statx`, slot `pread`/`pwrite`, [`DirectBuf`](direct_io::DirectBuf) |

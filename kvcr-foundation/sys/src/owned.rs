@@ -5,7 +5,7 @@
 //! registered for the length of a call.
 //!
 //! Why: the runner's pools are both copied through the
-//! [`MemoryRegistry`](crate::copy::MemoryRegistry) and (in peer mode)
+//! [`MemoryRegistry`] and (in peer mode)
 //! registered with UCX, and each must keep the bytes alive for as long as
 //! it may touch them. With both holding one `Arc`, the memory is freed
 //! after the last of them lets go, and forgetting either (a runner that

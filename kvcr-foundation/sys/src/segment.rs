@@ -179,10 +179,10 @@ impl PeerSegment {
         }
     }
 
-    /// Populates the mapping (its first [`BACKGROUND_LIMIT`] bytes) ahead of
+    /// Populates the mapping (its first `BACKGROUND_LIMIT` bytes) ahead of
     /// the writes, on a thread of its own at the lowest priority (it runs on
     /// CPUs nobody else wants, and takes little of one others do), a step of
-    /// [`BACKGROUND_STEP`] at a time, skipping what a write populated
+    /// `BACKGROUND_STEP` at a time, skipping what a write populated
     /// first. It stops once the route lets go of the mapping (this thread
     /// then holds the last reference), so a replaced route's mapping goes
     /// soon after. The pages are the target's (its pool file is fully
@@ -242,7 +242,7 @@ impl PeerSegment {
     }
 
     /// The sequence word at the target's `remote` (a mailbox's, see
-    /// [`publish_shared`]), loaded with acquire ordering; `None` when it is
+    /// [`publish_shared`](crate::seqlock::publish_shared)), loaded with acquire ordering; `None` when it is
     /// not inside the mapping or not 8-byte aligned.
     pub fn sequence(&self, remote: u64) -> Option<u64> {
         let at = self.destination(remote, 8)?;

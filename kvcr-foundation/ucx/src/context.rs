@@ -45,7 +45,8 @@ pub enum ErrorMode {
     /// failed operations) and endpoints can be force-closed. UCX 1.13's
     /// shared-memory transports (`posix`, `sysv`, `self`) have no peer-failure
     /// support, so with them `connect` fails with
-    /// [`UcsStatus::Unreachable`]; use it with network transports (tcp, IB).
+    /// [`UcsStatus::Unreachable`](crate::UcsStatus::Unreachable); use it with
+    /// network transports (tcp, IB).
     Peer,
 }
 

@@ -1,7 +1,7 @@
 //! kvcr-ucx: our binding to the system UCX and its safe layer.
 //!
-//! Part of slice 1 (`kvcr-foundation`); depends on no other kvcr crate. The
-//! runner's peer driver is its user.
+//! Part of slice 1 (`kvcr-foundation`); depends on no other kvcr crate. Its
+//! users are the runner's peer thread and `kvcr-sys` (owned memory).
 //!
 //! The ladder, as cudarc does it for CUDA:
 //!

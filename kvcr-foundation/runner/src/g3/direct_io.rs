@@ -55,9 +55,9 @@ impl G3Store {
     /// Items are independent: one failing fails only itself. An item whose
     /// slot, length or alignment is wrong, or whose memory is not
     /// registered (for a read: not writable), touches nothing
-    /// ([`G3Error::SlotRange`](super::G3Error::SlotRange),
-    /// [`G3Error::Buffer`](super::G3Error::Buffer),
-    /// [`G3Error::Unregistered`](super::G3Error::Unregistered)).
+    /// ([`G3Error::SlotRange`],
+    /// [`G3Error::Buffer`],
+    /// [`G3Error::Unregistered`]).
     ///
     /// Which item touches which bytes when is the caller's protocol (a
     /// read's range should overlap no other item's, and nobody else should

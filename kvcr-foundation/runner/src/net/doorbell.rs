@@ -1,7 +1,7 @@
 //! The doorbell's memory: a target's slots and mailboxes as registered
 //! memory ([`TargetDoorbell`], its bookkeeping in
 //! [`crate::wire::doorbell`]) and a source's mapping of them, read through
-//! the seqlock helpers of the shared-memory module. Doorbell records and
+//! the seqlock helpers of `kvcr_sys::seqlock`. Doorbell records and
 //! mailbox requests are control messages that go by shared memory instead
 //! of the socket, so they sit with the network; what they mean is in
 //! [`crate::wire`].

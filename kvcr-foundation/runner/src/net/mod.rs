@@ -27,8 +27,8 @@
 //!   direction closes the session. So a completion can only come from the
 //!   process we asked, on the connection we asked on.
 //! * Without a cluster secret the key is a fixed public one: the runner then
-//!   listens on loopback only (the peer driver enforces it), and everything
-//!   above still holds between local processes.
+//!   listens on loopback only (`config::control_bind_address` enforces it),
+//!   and everything above still holds between local processes.
 //!
 //! # Bounds (per [`ControlLimits`])
 //! Sessions in total and per remote address (handshakes included), a
