@@ -39,7 +39,7 @@
     clippy::panic,
     clippy::indexing_slicing
 )]
-#![allow(missing_docs, unsafe_code)]
+#![allow(missing_docs)]
 
 mod common;
 use common::{bench, gbps, median};
@@ -110,34 +110,35 @@ fn open_direct(path: &PathBuf) -> File {
         .unwrap()
 }
 
+/// The anchor's direction: a buffer written to the files, or one read into.
+enum Anchor<'a> {
+    Write(&'a DirectBuf),
+    Read(&'a mut DirectBuf),
+}
+
 /// The anchor: one thread per file moving its share sequentially in 4 MiB
 /// requests, `O_DIRECT`.
-fn anchor(files: &[File], buf: &DirectBuf, write: bool) -> Duration {
-    let share = SLOTS_PER_FILE * SLOT;
-    let base = buf.addr();
+fn anchor(files: &[File], buf: Anchor<'_>) -> Duration {
+    let share = (SLOTS_PER_FILE * SLOT) as usize;
     let start = Instant::now();
-    std::thread::scope(|s| {
-        for (f, file) in files.iter().enumerate() {
-            s.spawn(move || {
-                let mut offset = 0;
-                while offset < share {
-                    let len = CHUNK.min(share - offset);
-                    let addr = base + f as u64 * share + offset;
-                    // SAFETY: `addr..addr+len` lies inside `buf` (the file's
-                    // share of it), which outlives the scope; each thread
-                    // touches its own share; a read's share is written by
-                    // this thread alone.
-                    let bytes = unsafe {
-                        std::slice::from_raw_parts_mut(addr as usize as *mut u8, len as usize)
-                    };
-                    if write {
-                        file.write_all_at(bytes, offset).unwrap();
-                    } else {
-                        file.read_exact_at(bytes, offset).unwrap();
+    std::thread::scope(|s| match buf {
+        Anchor::Write(buf) => {
+            for (file, part) in files.iter().zip(buf.chunks(share)) {
+                s.spawn(move || {
+                    for (i, chunk) in part.chunks(CHUNK as usize).enumerate() {
+                        file.write_all_at(chunk, i as u64 * CHUNK).unwrap();
                     }
-                    offset += len;
-                }
-            });
+                });
+            }
+        }
+        Anchor::Read(buf) => {
+            for (file, part) in files.iter().zip(buf.chunks_mut(share)) {
+                s.spawn(move || {
+                    for (i, chunk) in part.chunks_mut(CHUNK as usize).enumerate() {
+                        file.read_exact_at(chunk, i as u64 * CHUNK).unwrap();
+                    }
+                });
+            }
         }
     });
     start.elapsed()
@@ -216,10 +217,10 @@ fn round(
 ) -> Round {
     let (spill, spill_anchor, layout) = if store_first {
         let s = through_store(store, Through::Spill(src));
-        let a = anchor(files, src, true);
+        let a = anchor(files, Anchor::Write(src));
         (s, a, Layout::Anchor)
     } else {
-        let a = anchor(files, src, true);
+        let a = anchor(files, Anchor::Write(src));
         let s = through_store(store, Through::Spill(src));
         (s, a, Layout::Store)
     };
@@ -231,9 +232,9 @@ fn round(
     };
     let (fill, fill_anchor) = if store_first {
         let f = fill_store(dst);
-        (f, anchor(files, dst, false))
+        (f, anchor(files, Anchor::Read(dst)))
     } else {
-        let a = anchor(files, dst, false);
+        let a = anchor(files, Anchor::Read(dst));
         (fill_store(dst), a)
     };
     Round {
@@ -484,7 +485,7 @@ fn main() {
         File::create(p).unwrap();
     }
     let files: Vec<File> = paths.iter().map(open_direct).collect();
-    anchor(&files, &src, true);
+    anchor(&files, Anchor::Write(&src));
     drop(files);
 
     let rounds = if quick { 3 } else { 5 };

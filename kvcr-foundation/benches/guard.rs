@@ -22,7 +22,7 @@
     clippy::panic,
     clippy::indexing_slicing
 )]
-#![allow(missing_docs, unsafe_code)]
+#![allow(missing_docs)]
 
 mod common;
 use common::{bench, median};

@@ -23,7 +23,7 @@
     clippy::panic,
     clippy::indexing_slicing
 )]
-#![allow(missing_docs, unsafe_code)]
+#![allow(missing_docs)]
 
 mod common;
 use common::{at, bench, dist, median};
@@ -37,6 +37,7 @@ use kvcr_foundation::protocol::ElementRef;
 use kvcr_foundation::runner::{
     DataStream, DepositEntry, PeerOptions, RegionDesc, Runner, RunnerConfig,
 };
+use kvcr_foundation::sys;
 use kvcr_foundation::{
     BlockKey, CompatDigest, ControlEndpoint, FetchHint, Namespace, RequestId, ScopedKey,
 };
@@ -538,13 +539,8 @@ fn one_block(path: Path<'_>, block: usize, iters: usize) -> Vec<f64> {
             // requests, to find a stretch in a scheduler trace taken with
             // `perf sched record -k mono`.
             if k % 50 == 0 && std::env::var_os("KVCR_BENCH_SERIES").is_some() {
-                let mut ts = libc::timespec {
-                    tv_sec: 0,
-                    tv_nsec: 0,
-                };
-                // SAFETY: `ts` is a valid, writable timespec for the call.
-                unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-                println!("# mark {k} {}.{:06}", ts.tv_sec, ts.tv_nsec / 1000);
+                let now = sys::process::monotonic_clock();
+                println!("# mark {k} {}.{:06}", now.as_secs(), now.subsec_micros());
             }
             took
         })
@@ -595,11 +591,9 @@ impl CopyAnchor {
         // route it anchors. Advised before the first touch.
         let mut src: Vec<u8> = Vec::with_capacity(bytes);
         let mut dst: Vec<u8> = Vec::with_capacity(bytes);
-        // SAFETY: advice on the fresh, untouched allocations; no data changes.
-        unsafe {
-            libc::madvise(src.as_mut_ptr().cast(), bytes, libc::MADV_NOHUGEPAGE);
-            libc::madvise(dst.as_mut_ptr().cast(), bytes, libc::MADV_NOHUGEPAGE);
-        }
+        // Best effort, as before: a refusal leaves the default backing.
+        let _ = sys::mapping::advise_no_huge_pages(src.spare_capacity_mut());
+        let _ = sys::mapping::advise_no_huge_pages(dst.spare_capacity_mut());
         src.resize(bytes, 0);
         fill_pattern(&mut src, 0);
         dst.resize(bytes, 1u8);
@@ -633,7 +627,7 @@ impl CopyAnchor {
     /// kernel refuses it.
     fn process_vm_readv(&mut self, threads: usize) -> Option<f64> {
         let share = self.src.len().div_ceil(threads);
-        let pid = std::process::id() as libc::pid_t;
+        let pid = std::process::id();
         let start = Instant::now();
         let ok = std::thread::scope(|scope| {
             let handles: Vec<_> = self
@@ -644,23 +638,11 @@ impl CopyAnchor {
                     scope.spawn(move || {
                         let mut done = 0;
                         while done < d.len() {
-                            let local = libc::iovec {
-                                iov_base: d[done..].as_mut_ptr().cast(),
-                                iov_len: d.len() - done,
-                            };
-                            let remote = libc::iovec {
-                                iov_base: s[done..].as_ptr() as *mut libc::c_void,
-                                iov_len: s.len() - done,
-                            };
-                            // SAFETY: both iovecs name live buffers of this
-                            // process of the stated lengths; `d` is this
-                            // thread's exclusive share.
-                            let n =
-                                unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
-                            if n <= 0 {
-                                return false;
+                            let from = s[done..].as_ptr() as u64;
+                            match sys::process::read_remote(pid, from, &mut d[done..]) {
+                                Ok(n) if n > 0 => done += n,
+                                _ => return false,
                             }
-                            done += n as usize;
                         }
                         true
                     })
@@ -712,8 +694,7 @@ fn cpu_seconds(pid: u32) -> f64 {
     let rest = &stat[stat.rfind(')').unwrap() + 2..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
     let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
-    // SAFETY: sysconf has no memory arguments.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let hz = sys::process::clock_ticks_per_second().unwrap() as f64;
     ticks / hz
 }
 

@@ -11,14 +11,12 @@
     clippy::panic,
     clippy::indexing_slicing
 )]
-#![allow(missing_docs, unsafe_code)]
+#![allow(missing_docs)]
 
 mod common;
 use common::{at, bench, dist, median, sorted};
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvcr_foundation::protocol::{ElementRef, OpHandle};
@@ -26,38 +24,12 @@ use kvcr_foundation::publisher::{PubSocket, Publisher, PublisherConfig, TopicPar
 use kvcr_foundation::runner::{
     DeliverEntry, DepositEntry, PageInfo, QueryStatus, RegionDesc, Runner, RunnerConfig,
 };
+use kvcr_foundation::sys::heap::CountingAllocator;
 use kvcr_foundation::{BlockKey, CompatDigest, Namespace, NamespaceId, ScopedKey};
 
 /// Counts live heap bytes, to measure the index's memory per block.
-struct Counting;
-static LIVE: AtomicI64 = AtomicI64::new(0);
-
-// SAFETY: delegates to the system allocator and only adds bookkeeping.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
-        // SAFETY: forwarded with the caller's layout.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as i64, Ordering::Relaxed);
-        // SAFETY: forwarded with the caller's pointer and layout.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
-        // SAFETY: forwarded with the caller's layout.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(new_size as i64 - layout.size() as i64, Ordering::Relaxed);
-        // SAFETY: forwarded unchanged.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: CountingAllocator = CountingAllocator::new();
 
 struct Setup {
     runner: Runner,
@@ -230,7 +202,7 @@ fn resident(n: usize) -> (Setup, f64) {
     const TINY: usize = 8;
     // Everything the runner allocates counts (index and records are sized at
     // startup), except the pool and the two engine buffers, which are payload.
-    let before = LIVE.load(Ordering::Relaxed);
+    let before = ALLOC.live_bytes();
     let mut s = setup(TINY, n as u32, n);
     let payload = (s.runner.pools().bytes() + 2 * (TINY * n) as u64) as i64;
     const BATCH: usize = 8192;
@@ -249,7 +221,7 @@ fn resident(n: usize) -> (Setup, f64) {
         wait(&mut s.runner, op);
     }
     assert_eq!(s.runner.pools().resident_blocks(), n);
-    let per_block = (LIVE.load(Ordering::Relaxed) - before - payload) as f64 / n as f64;
+    let per_block = (ALLOC.live_bytes() - before - payload) as f64 / n as f64;
     (s, per_block)
 }
 

@@ -19,7 +19,7 @@
     clippy::panic,
     clippy::indexing_slicing
 )]
-#![allow(missing_docs, unsafe_code)]
+#![allow(missing_docs)]
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};

@@ -26,7 +26,6 @@
 #![deny(unsafe_code)]
 
 pub mod audit;
-#[allow(unsafe_code)]
 pub mod backend;
 pub mod coalesce;
 pub mod error;

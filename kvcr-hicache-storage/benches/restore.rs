@@ -14,7 +14,7 @@
     clippy::panic,
     clippy::indexing_slicing
 )]
-#![allow(missing_docs, unsafe_code)]
+#![allow(missing_docs)]
 
 use std::hint::black_box;
 use std::time::Instant;

@@ -150,78 +150,10 @@ impl Fixture {
     }
 }
 
-/// UCX's memory hooks patch `mmap`/`munmap` in place ("bistro" mode) while
-/// libucs loads, and the patch does not survive AddressSanitizer's
-/// interceptors (a wild jump before `main`). UCX reads the switch
-/// (`UCX_MEM_EVENTS`) from the environment in its library constructor, which
-/// runs before any code of this binary but one: `.preinit_array`, which the
-/// loader calls first, with `(argc, argv, envp)`. libc is not initialised
-/// yet there (a `setenv` would be lost), so when the switch is unset the
-/// target executes itself again with `UCX_MEM_EVENTS=no` added; nothing has
-/// run yet that could notice (its log level goes to `fatal` too, unless
-/// set: refused connects are the common case here, and UCX would log each).
-/// An explicit `UCX_MEM_EVENTS` in the environment wins.
-#[used]
-#[unsafe(link_section = ".preinit_array")]
-static UCX_MEMORY_HOOKS_OFF: unsafe extern "C" fn(
-    std::ffi::c_int,
-    *const *const std::ffi::c_char,
-    *const *const std::ffi::c_char,
-) = ucx_memory_hooks_off;
-
-/// # Safety
-///
-/// Called only by the loader, from `.preinit_array`, with the process's
-/// NUL-terminated argument and environment vectors.
-unsafe extern "C" fn ucx_memory_hooks_off(
-    _argc: std::ffi::c_int,
-    argv: *const *const std::ffi::c_char,
-    envp: *const *const std::ffi::c_char,
-) {
-    unsafe extern "C" {
-        fn execve(
-            path: *const std::ffi::c_char,
-            argv: *const *const std::ffi::c_char,
-            envp: *const *const std::ffi::c_char,
-        ) -> std::ffi::c_int;
-    }
-    const SWITCH: &[u8] = b"UCX_MEM_EVENTS=";
-    let mut env: Vec<*const std::ffi::c_char> = Vec::new();
-    let mut at = envp;
-    // SAFETY: `envp` is the loader's NULL-terminated vector of NUL-terminated
-    // strings, alive for the whole process.
-    unsafe {
-        while !at.is_null() && !(*at).is_null() {
-            if std::ffi::CStr::from_ptr(*at).to_bytes().starts_with(SWITCH) {
-                return;
-            }
-            env.push(*at);
-            at = at.add(1);
-        }
-    }
-    env.push(c"UCX_MEM_EVENTS=no".as_ptr());
-    // Refused connects are the common case here; UCX would log each one.
-    if !env.iter().any(|v| {
-        // SAFETY: every entry so far is one of `envp`'s strings.
-        unsafe { std::ffi::CStr::from_ptr(*v) }
-            .to_bytes()
-            .starts_with(b"UCX_LOG_LEVEL=")
-    }) {
-        env.push(c"UCX_LOG_LEVEL=fatal".as_ptr());
-    }
-    env.push(std::ptr::null());
-    // SAFETY: `argv` is the loader's vector; `env` is NULL-terminated and
-    // outlives the call. On failure the process simply goes on.
-    unsafe { execve(c"/proc/self/exe".as_ptr(), argv, env.as_ptr()) };
-}
-
-/// UCX's own allocations that outlive a refused or failed connect (inside
-/// libuct/libucp/libucs, freed with the worker or never) are not this
-/// target's findings; anything leaked from Rust code still is.
-#[unsafe(no_mangle)]
-pub extern "C" fn __lsan_default_suppressions() -> *const std::ffi::c_char {
-    c"leak:libuct.so\nleak:libucp.so\nleak:libucs.so\n".as_ptr()
-}
+// UCX's memory hooks off before libucs loads (they do not survive
+// AddressSanitizer), its log level down, and its own leaks suppressed: the
+// process-level setup every fuzz target that loads UCX needs.
+kvcr_ucx::fuzz_process_setup!();
 
 fuzz_target!(|data: &[u8]| {
     FIXTURE.with_borrow_mut(|slot| {

@@ -18,6 +18,8 @@
 //! | [`direct_io`] | `flock`, `statx`, slot `pread`/`pwrite`, [`DirectBuf`](direct_io::DirectBuf) |
 //! | [`fd_passing`] | `SCM_RIGHTS`, peer credentials, pidfds |
 //! | [`thread`] | per-thread knobs: timer slack, priority |
+//! | [`process`] | another process's memory (`process_vm_readv`), clock ticks, the raw monotonic clock |
+//! | [`heap`] | [`CountingAllocator`](heap::CountingAllocator): live heap bytes, for benchmarks |
 //!
 //! Every `unsafe` block carries a `// SAFETY:` comment and every `unsafe fn`
 //! a `# Safety` section. The one promise this crate cannot check is the
@@ -29,10 +31,12 @@ pub mod copy;
 pub mod direct_io;
 pub mod error;
 pub mod fd_passing;
+pub mod heap;
 pub mod mapping;
 pub mod memfd;
 pub mod owned;
 pub mod placement;
+pub mod process;
 pub mod segment;
 pub mod seqlock;
 pub mod thread;

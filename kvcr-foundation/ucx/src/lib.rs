@@ -68,6 +68,8 @@
 mod context;
 mod endpoint;
 pub mod error;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod memory;
 mod message;
 pub mod packed;

@@ -7,16 +7,24 @@
 //!  kvcr-hicache-storage   kvcr-linker-contracts
 //!          |                       |
 //!  kvcr-hicache-perf      kvcr-direct-linker
+//!
+//!  inside kvcr-foundation (the facade reaches all; every crate may reach contracts):
+//!
+//!     kvcr-guard --> kvcr-runner --> kvcr-runner-core (sans-I/O)
+//!                        |
+//!                        +--> kvcr-sys (the unsafe) --> kvcr-ucx (the binding)
+//!     kvcr-publisher
 //! ```
 //!
 //! A slice may be a group of crates in its folder: every crate of a group sits
 //! at its slice's level, so a crate may depend on any crate of a slice below
 //! its own, and inside a group only along the group's own edges.
 //!
-//! Besides the manifests, two rules read the source (see [`SOURCE_RULES_ENFORCED`]):
-//! no module of the runner imports `lib.rs`'s private state ([`private_state`]),
-//! and `unsafe` appears only in the places [`unsafe_code::UNSAFE_ALLOWED`] names.
-//! `cargo xtask layers --census` counts the `unsafe` lines per crate.
+//! Besides the manifests, two rules read the source: no module of the runner
+//! imports `lib.rs`'s private state ([`private_state`]), and `unsafe` appears
+//! only in the places [`unsafe_code::UNSAFE_ALLOWED`] names (and the register
+//! contract's calls and wrappers). `cargo xtask layers --census` counts the
+//! `unsafe` lines per crate.
 //!
 //! Run by `cargo xtask layers`, by `cargo xtask ci`, and as a `#[test]` so that
 //! plain `cargo test` enforces it.
@@ -32,12 +40,6 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use cargo_metadata::{DependencyKind, MetadataCommand, PackageId};
-
-/// Whether the source rules fail the check. While false, `cargo xtask layers`
-/// prints their findings as warnings and passes. Flips to true when the
-/// runner split (no `Shared` through `lib.rs`) and the `kvcr-sys` crate (the
-/// runner's unsafe moved out) land.
-const SOURCE_RULES_ENFORCED: bool = false;
 
 /// The slices, bottom up: each slice's crates (the first names the slice and
 /// is its facade) and the slices it may sit on.
@@ -94,14 +96,6 @@ const GROUP_EDGES: &[(&str, &[&str])] = &[
         ],
     ),
     ("kvcr-publisher", &["kvcr-contracts"]),
-];
-
-/// Crates of the slice table that are still being created, with their
-/// folders: until a folder holds a `Cargo.toml`, the crate's absence from the
-/// workspace is no violation. Once it does, every rule applies in full.
-const PLANNED_CRATES: &[(&str, &str)] = &[
-    ("kvcr-sys", "kvcr-foundation/sys"),
-    ("kvcr-guard", "kvcr-foundation/guard"),
 ];
 
 /// The Python face of `kvcr-hicache-storage`: an extension crate in its own
@@ -211,7 +205,7 @@ pub(crate) fn violations(root: &Path) -> Result<Vec<String>> {
     let mut problems = Vec::new();
     for (crates, _) in SLICES {
         for name in *crates {
-            if !members.contains(name) && !still_planned(root, name) {
+            if !members.contains(name) {
                 problems.push(format!("{name} is not a workspace member"));
             }
         }
@@ -261,13 +255,6 @@ pub(crate) fn violations(root: &Path) -> Result<Vec<String>> {
     }
     problems.extend(python_face_violations(root, &members)?);
     Ok(problems)
-}
-
-/// Whether `name` is a planned crate whose folder holds no manifest yet.
-fn still_planned(root: &Path, name: &str) -> bool {
-    PLANNED_CRATES
-        .iter()
-        .any(|(planned, folder)| *planned == name && !root.join(folder).join("Cargo.toml").exists())
 }
 
 /// Checks the Python face's crate (outside the main workspace): every crate of
@@ -342,23 +329,11 @@ fn source_findings(root: &Path) -> Result<Vec<String>> {
     Ok(findings)
 }
 
-/// Fails with every violation listed. The source rules' findings count as
-/// violations when [`SOURCE_RULES_ENFORCED`]; until then they are printed
-/// as warnings.
+/// Fails with every violation listed: the manifests' and the source
+/// rules'.
 pub(crate) fn check(root: &Path) -> Result<()> {
     let mut problems = violations(root)?;
-    let findings = source_findings(root)?;
-    if SOURCE_RULES_ENFORCED {
-        problems.extend(findings);
-    } else if !findings.is_empty() {
-        eprintln!(
-            "xtask: {} source-rule findings (warnings until SOURCE_RULES_ENFORCED):",
-            findings.len()
-        );
-        for finding in &findings {
-            eprintln!("  warning: {finding}");
-        }
-    }
+    problems.extend(source_findings(root)?);
     if !problems.is_empty() {
         bail!("layering violations:\n  {}", problems.join("\n  "));
     }
@@ -415,11 +390,16 @@ mod tests {
 
     use super::*;
 
+    /// The tree as it is: manifests and source rules both hold (it fails
+    /// when `unsafe` appears outside its places or a runner module imports
+    /// `lib.rs`'s private state).
     #[test]
     fn workspace_layering_holds() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
         let problems = violations(root).unwrap();
         assert!(problems.is_empty(), "{problems:#?}");
+        let findings = source_findings(root).unwrap();
+        assert!(findings.is_empty(), "{findings:#?}");
     }
 
     /// The rule table itself: siblings are never allowed, and nothing but the
@@ -497,40 +477,6 @@ mod tests {
     #[case::guard_to_facade("kvcr-guard", "kvcr-foundation", false)]
     fn new_crates_in_the_group(#[case] from: &str, #[case] to: &str, #[case] allowed: bool) {
         assert_eq!(edge_allowed(from, to), allowed, "{from} -> {to}");
-    }
-
-    /// A planned crate is excused from membership only while its folder has
-    /// no manifest; the crates of today never are.
-    #[test]
-    fn only_absent_planned_crates_are_excused() {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-        for (name, folder) in PLANNED_CRATES {
-            let present = root.join(folder).join("Cargo.toml").exists();
-            assert_eq!(still_planned(root, name), !present, "{name}");
-            assert!(slice_of(name).is_some(), "{name} is in the slice table");
-        }
-        for name in [
-            "kvcr-runner",
-            "kvcr-ucx",
-            "kvcr-foundation",
-            "kvcr-contracts",
-        ] {
-            assert!(!still_planned(root, name));
-        }
-        let empty = Path::new("/nonexistent-workspace");
-        assert!(still_planned(empty, "kvcr-guard") && still_planned(empty, "kvcr-sys"));
-        assert!(!still_planned(empty, "kvcr-runner"));
-    }
-
-    /// The source rules run over today's tree without failing; once they are
-    /// enforced, the tree must be clean.
-    #[test]
-    fn source_rules_hold_when_enforced() {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-        let findings = source_findings(root).unwrap();
-        if SOURCE_RULES_ENFORCED {
-            assert!(findings.is_empty(), "{findings:#?}");
-        }
     }
 
     /// The scan covers the workspace: the runner's modules, its tests and the

@@ -15,7 +15,9 @@
 //! so such a block (keep it to the call) never counts, anywhere. A wrapper
 //! that passes the promise on (`unsafe fn register_host_pool`, with its
 //! `#[allow(unsafe_code)]`) does not count outside the runner; inside the
-//! runner the contract's functions live in `register.rs` only.
+//! runner the contract's functions live in `register.rs` only, and its
+//! `lib.rs` may opt exactly that module out of the lint (`#[allow(unsafe_code)]
+//! mod register;`, [`Place::RunnerRoot`]), nothing else.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -49,6 +51,12 @@ pub(super) const UNSAFE_ALLOWED: &[(&str, &str)] = &[
         "kvcr-foundation/runner/src/register.rs",
         "the runner's one contract: an engine hands it raw memory (`register_*`)",
     ),
+    (
+        "kvcr-foundation/runner/tests/it/device.rs",
+        "the device half of that contract: a stand-in `DeviceCopier` copies the raw \
+         spans the runner hands it (host memory playing the device), as the CUDA \
+         copier does in kvcr-direct-linker; no safe API can name the runner's pools",
+    ),
 ];
 
 /// The functions of the register contract: an engine hands the runner raw
@@ -64,6 +72,37 @@ pub(super) const REGISTER_CONTRACT: &[&str] = &[
 /// [`UNSAFE_ALLOWED`]: anywhere but the runner's source, whose contract lives
 /// in its `register.rs` alone.
 const CONTRACT_WRAPPERS_BARRED: &str = "kvcr-foundation/runner/src/";
+
+/// The runner's crate root, which declares the contract's module.
+const RUNNER_ROOT: &str = "kvcr-foundation/runner/src/lib.rs";
+
+/// What the register contract lets a file outside [`UNSAFE_ALLOWED`] hold,
+/// by where the file is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Place {
+    /// Outside the runner's source: wrappers that pass the contract on
+    /// (`#[allow(unsafe_code)] pub unsafe fn register_host_pool`).
+    Elsewhere,
+    /// The runner's source: no wrapper (the contract lives in `register.rs`).
+    Runner,
+    /// The runner's `lib.rs`: as [`Place::Runner`], and it opts the
+    /// contract's module out of the lint with exactly
+    /// `#[allow(unsafe_code)] mod register;`.
+    RunnerRoot,
+}
+
+impl Place {
+    /// The place of `path` (relative, `/`-separated).
+    pub(super) fn of(path: &str) -> Self {
+        if path == RUNNER_ROOT {
+            Self::RunnerRoot
+        } else if path.starts_with(CONTRACT_WRAPPERS_BARRED) {
+            Self::Runner
+        } else {
+            Self::Elsewhere
+        }
+    }
+}
 
 /// The reason `unsafe` may appear in `path` (relative, `/`-separated), if it
 /// may.
@@ -82,8 +121,10 @@ pub(super) fn allowed_because(path: &str) -> Option<&'static str> {
 
 /// The lines of `source` whose code uses `unsafe`, with that code trimmed.
 /// Calls of the register contract never count; its wrappers' declarations
-/// count unless `wrappers_allowed`.
-pub(super) fn unsafe_lines(source: &str, wrappers_allowed: bool) -> Vec<(usize, String)> {
+/// and the runner's `mod register;` attribute count unless `place` allows
+/// them.
+pub(super) fn unsafe_lines(source: &str, place: Place) -> Vec<(usize, String)> {
+    let wrappers_allowed = place == Place::Elsewhere;
     let code = strip(source);
     let located = tokens(&code);
     let mut lines: Vec<usize> = Vec::new();
@@ -113,6 +154,7 @@ pub(super) fn unsafe_lines(source: &str, wrappers_allowed: bool) -> Vec<(usize, 
                 w == "unsafe_code"
                     && lint_parens.is_some()
                     && !(wrappers_allowed && attribute_on_contract(&located, lint_start))
+                    && !(place == Place::RunnerRoot && opts_out_register(&located, lint_start))
             }
             _ => false,
         };
@@ -178,6 +220,25 @@ fn attribute_on_contract(located: &[Located], start: usize) -> bool {
     declares_contract(located, unsafe_at + 1)
 }
 
+/// Whether the lint list starting at `start` (its `allow`) is exactly
+/// `#[allow(unsafe_code)] mod register;`: an outer attribute with that one
+/// lint, on that module's declaration (not an inline module, not `pub`).
+fn opts_out_register(located: &[Located], start: usize) -> bool {
+    let Some(hash) = start.checked_sub(2) else {
+        return false;
+    };
+    is_punct(located, hash, '#')
+        && is_punct(located, hash + 1, '[')
+        && is_word(located, start, "allow")
+        && is_punct(located, start + 1, '(')
+        && is_word(located, start + 2, "unsafe_code")
+        && is_punct(located, start + 3, ')')
+        && is_punct(located, start + 4, ']')
+        && is_word(located, start + 5, "mod")
+        && is_word(located, start + 6, "register")
+        && is_punct(located, start + 7, ';')
+}
+
 /// The rule's findings over the tree: `path:line: code` for every line of
 /// code with `unsafe` outside [`UNSAFE_ALLOWED`].
 pub(super) fn violations(root: &Path) -> Result<Vec<String>> {
@@ -188,8 +249,7 @@ pub(super) fn violations(root: &Path) -> Result<Vec<String>> {
             continue;
         }
         let source = read(&path)?;
-        let wrappers_allowed = !relative.starts_with(CONTRACT_WRAPPERS_BARRED);
-        for (line, code) in unsafe_lines(&source, wrappers_allowed) {
+        for (line, code) in unsafe_lines(&source, Place::of(&relative)) {
             problems.push(format!(
                 "{relative}:{line}: unsafe outside its places: {code}"
             ));
@@ -316,8 +376,8 @@ mod tests {
     #[case::raw_string("let s = r#\"unsafe \"x\" fn\"#;", &[])]
     #[case::identifier_part("let unsafely = not_unsafe();", &[])]
     fn unsafe_rule(#[case] source: &str, #[case] lines: &[usize]) {
-        for wrappers_allowed in [false, true] {
-            let found: Vec<usize> = unsafe_lines(source, wrappers_allowed)
+        for place in [Place::Elsewhere, Place::Runner, Place::RunnerRoot] {
+            let found: Vec<usize> = unsafe_lines(source, place)
                 .into_iter()
                 .map(|(l, _)| l)
                 .collect();
@@ -351,14 +411,64 @@ mod tests {
         #[case] outside_runner: &[usize],
         #[case] in_runner: &[usize],
     ) {
-        let lines = |wrappers_allowed| -> Vec<usize> {
-            unsafe_lines(source, wrappers_allowed)
+        let lines = |place| -> Vec<usize> {
+            unsafe_lines(source, place)
                 .into_iter()
                 .map(|(l, _)| l)
                 .collect()
         };
-        assert_eq!(lines(true), outside_runner);
-        assert_eq!(lines(false), in_runner);
+        assert_eq!(lines(Place::Elsewhere), outside_runner);
+        assert_eq!(lines(Place::Runner), in_runner);
+        assert_eq!(lines(Place::RunnerRoot), in_runner);
+    }
+
+    /// The runner's `lib.rs` may opt exactly its contract's module out of
+    /// the lint, and nothing else; no other file may.
+    #[rstest]
+    #[case::the_contract("#[allow(unsafe_code)]\nmod register;", &[])]
+    #[case::one_line("#[allow(unsafe_code)] mod register;", &[])]
+    #[case::documented("/// The contract.\n#[allow(unsafe_code)]\nmod register;", &[])]
+    #[case::other_module("#[allow(unsafe_code)]\nmod copy;", &[1])]
+    #[case::public("#[allow(unsafe_code)]\npub mod register;", &[1])]
+    #[case::inline("#[allow(unsafe_code)]\nmod register {}", &[1])]
+    #[case::inline_unsafe(
+        "#[allow(unsafe_code)]\nmod register {\n unsafe fn f() {}\n}",
+        &[1, 3]
+    )]
+    #[case::expect("#[expect(unsafe_code)]\nmod register;", &[1])]
+    #[case::more_lints("#[allow(dead_code, unsafe_code)]\nmod register;", &[1])]
+    #[case::inner("#![allow(unsafe_code)]\nmod register;", &[1])]
+    #[case::register_then_more("#[allow(unsafe_code)]\nmod register;\nunsafe fn f() {}", &[3])]
+    fn register_module(#[case] source: &str, #[case] in_root: &[usize]) {
+        let lines = |place| -> Vec<usize> {
+            unsafe_lines(source, place)
+                .into_iter()
+                .map(|(l, _)| l)
+                .collect()
+        };
+        assert_eq!(lines(Place::RunnerRoot), in_root);
+        let attribute_line = source
+            .lines()
+            .position(|l| l.contains("unsafe_code"))
+            .unwrap()
+            + 1;
+        for place in [Place::Elsewhere, Place::Runner] {
+            assert!(
+                lines(place).contains(&attribute_line),
+                "{place:?} takes no attribute"
+            );
+        }
+    }
+
+    #[rstest]
+    #[case::root("kvcr-foundation/runner/src/lib.rs", Place::RunnerRoot)]
+    #[case::module("kvcr-foundation/runner/src/copy/mod.rs", Place::Runner)]
+    #[case::nested_lib("kvcr-foundation/runner/src/peer/lib.rs", Place::Runner)]
+    #[case::runner_tests("kvcr-foundation/runner/tests/it/main.rs", Place::Elsewhere)]
+    #[case::other_crate("kvcr-hicache-perf/src/backend.rs", Place::Elsewhere)]
+    #[case::guard_root("kvcr-foundation/guard/src/lib.rs", Place::Elsewhere)]
+    fn places(#[case] path: &str, #[case] place: Place) {
+        assert_eq!(Place::of(path), place);
     }
 
     #[rstest]
@@ -368,6 +478,8 @@ mod tests {
     #[case::future_linker_face("kvcr-direct-linker/python/src/lib.rs", true)]
     #[case::storage_face("kvcr-hicache-storage/python/src/lib.rs", true)]
     #[case::register("kvcr-foundation/runner/src/register.rs", true)]
+    #[case::device_seam_test("kvcr-foundation/runner/tests/it/device.rs", true)]
+    #[case::other_runner_test("kvcr-foundation/runner/tests/it/g3_tier.rs", false)]
     #[case::register_folder("kvcr-foundation/runner/src/register/raw.rs", false)]
     #[case::runner_module("kvcr-foundation/runner/src/copy.rs", false)]
     #[case::runner_core("kvcr-foundation/runner-core/src/lib.rs", false)]

@@ -14,6 +14,7 @@ use kvcr_runner::{
     DeliverEntry, DepositEntry, EntryStatus, G3Options, PageInfo, QueryStatus, RegionDesc, Runner,
     RunnerConfig,
 };
+use kvcr_sys::direct_io::DirectBuf;
 
 const BLOCK: usize = 4096;
 
@@ -71,56 +72,18 @@ impl Events {
 
 /// Page-aligned engine memory (as an engine's host pool is): G3 reads
 /// straight into an aligned deliver destination.
-struct Aligned {
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl Aligned {
-    fn zeroed(len: usize) -> Self {
-        let layout = std::alloc::Layout::from_size_align(len, BLOCK).unwrap();
-        // SAFETY: (test) a non-zero size with a valid alignment.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        assert!(!ptr.is_null());
-        Self { ptr, len }
-    }
-
-    fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.ptr
-    }
-}
-
-impl std::ops::Deref for Aligned {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        // SAFETY: (test) `ptr` holds `len` initialised bytes while `self` lives.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-}
-
-impl std::ops::DerefMut for Aligned {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as `deref`, and `&mut self` is unique.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-}
-
-impl Drop for Aligned {
-    fn drop(&mut self) {
-        let layout = std::alloc::Layout::from_size_align(self.len, BLOCK).unwrap();
-        // SAFETY: (test) allocated above with this layout.
-        unsafe { std::alloc::dealloc(self.ptr, layout) };
-    }
+fn aligned_zeroed(len: usize) -> DirectBuf {
+    DirectBuf::new(len, BLOCK).unwrap()
 }
 
 struct Host {
-    buf: Aligned,
+    buf: DirectBuf,
     region: RegionId,
 }
 
 impl Host {
     fn new(runner: &mut Runner, pages: usize) -> Self {
-        let mut buf = Aligned::zeroed(pages * BLOCK);
+        let mut buf = aligned_zeroed(pages * BLOCK);
         // SAFETY: (test) `buf` lives in the returned Host, which outlives the
         // runner in every test, and no element is touched while an
         // operation naming it is in flight.
@@ -362,7 +325,7 @@ fn a_peer_restores_pages_only_g3_holds(#[case] mapping: bool) {
     let mut source = Runner::start_with_peers(config, None, &options).unwrap();
     let ns = source.register_namespace(Namespace::base(CompatDigest(42)));
     let pages = 12u64;
-    let mut host = Aligned::zeroed(pages as usize * PEER_BLOCK);
+    let mut host = aligned_zeroed(pages as usize * PEER_BLOCK);
     for (i, b) in host.iter_mut().enumerate() {
         *b = ((i * 131) >> 5) as u8 ^ (i / PEER_BLOCK) as u8;
     }

@@ -30,6 +30,8 @@ use kvcr_runner::{
     RegionDesc, Runner, RunnerConfig,
 };
 use kvcr_ucx::{AnonOptions, Context, ContextConfig, Registration, Worker};
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
 use rstest::rstest;
 
 const CHILD_ENV: &str = "KVCR_PEER_CHILD";
@@ -416,13 +418,11 @@ impl ChildSource {
         (parts.next().unwrap(), parts.next().unwrap())
     }
 
-    fn signal(&self, signal: libc::c_int) {
-        let pid = libc::pid_t::try_from(self.child.id()).unwrap();
-        // SAFETY: kill(2) on our own child's pid; no memory is involved.
-        #[allow(unsafe_code)]
-        let rc = unsafe { libc::kill(pid, signal) };
-        assert_eq!(rc, 0, "kill({pid}, {signal}) failed");
-        if signal == libc::SIGSTOP {
+    fn signal(&self, signal: Signal) {
+        let pid = i32::try_from(self.child.id()).unwrap();
+        let sent = nix::sys::signal::kill(Pid::from_raw(pid), signal);
+        assert_eq!(sent, Ok(()), "kill({pid}, {signal}) failed");
+        if signal == Signal::SIGSTOP {
             // kill(2) only queues the stop: wait until every thread of the
             // child is stopped, or a request sent next may still be served
             // (a one-copy write takes well under a millisecond).
@@ -441,7 +441,7 @@ impl ChildSource {
 
     /// SIGKILL and reap: the process is gone when this returns.
     fn kill_and_reap(&mut self) {
-        self.signal(libc::SIGKILL);
+        self.signal(Signal::SIGKILL);
         let status = self.child.wait().unwrap();
         assert!(!status.success(), "the source was killed");
     }
@@ -758,7 +758,7 @@ fn source_stopped_before_answering(#[case] tls: &str) {
         (source.stats() == (1, 0)).then_some(())
     });
 
-    source.signal(libc::SIGSTOP);
+    source.signal(Signal::SIGSTOP);
     let keys: Vec<u64> = (1..5).collect();
     let result = target.fetch("stopped", &from, &keys);
     assert_eq!(
@@ -779,7 +779,7 @@ fn source_stopped_before_answering(#[case] tls: &str) {
         assert_ne!(target.runner.query(&key(target.ns, *k)), QueryStatus::Hit);
     }
 
-    source.signal(libc::SIGCONT);
+    source.signal(Signal::SIGCONT);
     let notices = poll_until("the quiesced notice", || {
         let n = target.notices();
         (!n.is_empty()).then_some(n)
