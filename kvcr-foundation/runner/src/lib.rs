@@ -43,7 +43,6 @@ mod peer;
 #[allow(unsafe_code)]
 mod register;
 mod shared;
-// Compat shim for `guard/` and `warm.rs` only (see the file).
 mod startup;
 mod stats;
 #[cfg(test)]
