@@ -11,9 +11,8 @@ use std::net::TcpStream;
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -21,79 +20,21 @@ use kvcr_runner::guard::protocol::{self, ClaimMsg, Reply, Request};
 use kvcr_runner::guard::{GuardClaim, GuardGrant, GuardLease, claim};
 use kvcr_sys::fd_passing;
 
+use self::fixtures::*;
 use super::*;
 
+/// The runner's guard-test fixtures, shared by path: the same scratch
+/// directories, layout and claims on both sides of the socket.
+#[path = "../../runner/src/guard/tests/fixtures.rs"]
+mod fixtures;
+
 const TIMEOUT: Duration = Duration::from_secs(10);
-
-/// A directory of its own under the temp dir (short: socket paths must fit
-/// in 108 bytes), removed on drop.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new() -> Self {
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("kvcr-guard-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Self(dir)
-    }
-
-    fn socket(&self) -> PathBuf {
-        self.0.join("guard.sock")
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn quiet() -> GuardConfig {
     GuardConfig {
         log: GuardLog::Discard,
         ..GuardConfig::default()
     }
-}
-
-fn layout() -> Layout {
-    Layout {
-        pools: vec![
-            PoolSpec {
-                name: "kv".into(),
-                block_bytes: 4096,
-                blocks: 4,
-            },
-            PoolSpec {
-                name: "state".into(),
-                block_bytes: 8192,
-                blocks: 2,
-            },
-        ],
-        journal_bytes: 3 * 4096,
-    }
-}
-
-fn claim_of(group: u32, incarnation: u128) -> GuardClaim {
-    GuardClaim {
-        group,
-        compat_digest: 0xfeed_f00d,
-        layout: layout(),
-        control: "127.0.0.1:0".into(),
-        incarnation,
-    }
-}
-
-/// The descriptor's flags in `/proc/self/fdinfo` include `O_CLOEXEC`.
-fn is_cloexec(fd: &impl AsRawFd) -> bool {
-    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd())).unwrap();
-    let flags = info
-        .lines()
-        .find_map(|l| l.strip_prefix("flags:"))
-        .map(|f| u32::from_str_radix(f.trim(), 8).unwrap())
-        .unwrap();
-    flags & 0o2000000 != 0
 }
 
 fn fd_name(fd: &impl AsRawFd) -> String {
@@ -351,18 +292,6 @@ fn framed(payload: &[u8]) -> Vec<u8> {
     let mut frame = (payload.len() as u32).to_le_bytes().to_vec();
     frame.extend_from_slice(payload);
     frame
-}
-
-fn claim_json(group: u32) -> serde_json::Value {
-    serde_json::to_value(Request::Claim(ClaimMsg {
-        version: 1,
-        group,
-        compat_digest: 5,
-        layout: layout(),
-        control: "127.0.0.1:0".into(),
-        incarnation: protocol::hex128(0x77),
-    }))
-    .unwrap()
 }
 
 fn refused_invalid(reply: Option<Reply>) -> String {

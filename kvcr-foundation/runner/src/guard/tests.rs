@@ -5,95 +5,21 @@
 use std::fs::File;
 use std::io::Read;
 use std::net::TcpListener;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::path::Path;
 use std::time::Duration;
 
 use kvcr_sys::fd_passing;
 
+use self::fixtures::*;
 use super::protocol::{self, ClaimMsg, GrantedMsg, Reply, Request};
 use super::*;
 
+mod fixtures;
+
 const TIMEOUT: Duration = Duration::from_secs(10);
-
-/// A directory of its own under the temp dir (short: socket paths must fit
-/// in 108 bytes), removed on drop.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new() -> Self {
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("kvcr-guard-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Self(dir)
-    }
-
-    fn socket(&self) -> PathBuf {
-        self.0.join("guard.sock")
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn layout() -> Layout {
-    Layout {
-        pools: vec![
-            PoolSpec {
-                name: "kv".into(),
-                block_bytes: 4096,
-                blocks: 4,
-            },
-            PoolSpec {
-                name: "state".into(),
-                block_bytes: 8192,
-                blocks: 2,
-            },
-        ],
-        journal_bytes: 3 * 4096,
-    }
-}
-
-fn claim_of(group: u32, incarnation: u128) -> GuardClaim {
-    GuardClaim {
-        group,
-        compat_digest: 0xfeed_f00d,
-        layout: layout(),
-        control: "127.0.0.1:0".into(),
-        incarnation,
-    }
-}
-
-/// The descriptor's flags in `/proc/self/fdinfo` include `O_CLOEXEC`.
-fn is_cloexec(fd: &impl AsRawFd) -> bool {
-    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd())).unwrap();
-    let flags = info
-        .lines()
-        .find_map(|l| l.strip_prefix("flags:"))
-        .map(|f| u32::from_str_radix(f.trim(), 8).unwrap())
-        .unwrap();
-    flags & 0o2000000 != 0
-}
-
-fn claim_json(group: u32) -> serde_json::Value {
-    serde_json::to_value(Request::Claim(ClaimMsg {
-        version: 1,
-        group,
-        compat_digest: 5,
-        layout: layout(),
-        control: "127.0.0.1:0".into(),
-        incarnation: protocol::hex128(0x77),
-    }))
-    .unwrap()
-}
 
 /// A guard of the test's making: answers one claim with `reply` and `fds`.
 fn fake_guard(socket: &Path, reply: Reply, fds: Vec<OwnedFd>) -> std::thread::JoinHandle<()> {
