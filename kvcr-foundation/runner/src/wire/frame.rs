@@ -237,4 +237,6 @@ impl<T> FrameReader<T> {
 }
 
 #[cfg(test)]
+pub(crate) mod test_lander;
+#[cfg(test)]
 mod tests;

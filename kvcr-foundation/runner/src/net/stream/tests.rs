@@ -6,48 +6,7 @@ use std::sync::Arc;
 
 use super::*;
 use crate::copy::test_memory::TestBuffer;
-
-/// A lander that grants each frame whose header's first byte is 1 the
-/// spans it was given, discards the rest, and records what happened.
-struct Recorder {
-    spans: Vec<(u64, u64)>,
-    granted: bool,
-    events: Vec<String>,
-}
-
-impl Lander for Recorder {
-    type Opened = u8;
-
-    fn open(&mut self, len: u64, header: &[u8; SLOT_BYTES]) -> Landing<u8> {
-        self.events.push(format!("open {} {len}", header[0]));
-        if header[0] == 1 {
-            Landing::Into(header[1], self.spans.clone())
-        } else {
-            Landing::Discard
-        }
-    }
-
-    fn still_granted(&mut self, _: &u8) -> bool {
-        self.granted
-    }
-
-    fn landed(&mut self, tag: u8) {
-        self.events.push(format!("landed {tag}"));
-    }
-
-    fn discarded(&mut self) {
-        self.events.push("discarded".to_owned());
-    }
-}
-
-fn frame(kind: u8, tag: u8, payload: &[u8]) -> Vec<u8> {
-    let mut header = [0u8; SLOT_BYTES];
-    header[0] = kind;
-    header[1] = tag;
-    let mut bytes = frame_prefix(payload.len() as u64, &header).to_vec();
-    bytes.extend_from_slice(payload);
-    bytes
-}
+use crate::wire::frame::test_lander::{GrantedAmongOthers, Recorder, frame};
 
 /// A connected pair on loopback: our end, and the peer's (std, blocking).
 async fn pair() -> (TcpStream, std::net::TcpStream) {
@@ -94,35 +53,15 @@ fn granted_frames_land_in_their_spans_and_others_are_read_past() {
         let memory = Arc::new(MemoryRegistry::new());
         let first = TestBuffer::new(&memory, 3000);
         let second = TestBuffer::new(&memory, 5000);
-        let mut lander = Recorder {
-            spans: vec![(first.addr(), 3000), (second.addr(), 5000)],
-            granted: true,
-            events: Vec::new(),
-        };
-        let payload: Vec<u8> = (0..8000u32).map(|i| (i * 7 % 251) as u8).collect();
-        let mut wire = frame(0, 0, &[0xee; 70_000]);
-        wire.extend(frame(1, 9, &payload));
-        wire.extend(frame(0, 0, &[]));
-        wire.extend(frame(0, 0, &[0xdd; 10]));
-        std::io::Write::write_all(&mut peer, &wire).unwrap();
+        let mut lander = Recorder::granting(vec![(first.addr(), 3000), (second.addr(), 5000)]);
+        let frames = GrantedAmongOthers::new(70_000);
+        std::io::Write::write_all(&mut peer, &frames.wire).unwrap();
         let mut stream = InStream::new(7, ours);
         let pumped = pump_until(&mut stream, &memory, &mut lander, |l| l.events.len() == 8).await;
         assert!(!pumped.broken);
-        assert_eq!(
-            lander.events,
-            [
-                "open 0 70000",
-                "discarded",
-                "open 1 8000",
-                "landed 9",
-                "open 0 0",
-                "discarded",
-                "open 0 10",
-                "discarded",
-            ]
-        );
-        assert_eq!(first.read(3000), payload[..3000]);
-        assert_eq!(second.read(5000), payload[3000..]);
+        assert_eq!(lander.events, frames.events);
+        assert_eq!(first.read(3000), frames.payload[..3000]);
+        assert_eq!(second.read(5000), frames.payload[3000..]);
     });
 }
 
@@ -134,11 +73,7 @@ fn a_payload_stops_landing_once_its_operation_stops_waiting() {
         let (ours, mut peer) = pair().await;
         let memory = Arc::new(MemoryRegistry::new());
         let into = TestBuffer::new(&memory, 4096);
-        let mut lander = Recorder {
-            spans: vec![(into.addr(), 4096)],
-            granted: true,
-            events: Vec::new(),
-        };
+        let mut lander = Recorder::granting(vec![(into.addr(), 4096)]);
         let mut stream = InStream::new(1, ours);
         let whole = frame(1, 1, &[0xaa; 4096]);
         let cut = PREFIX_BYTES + 1000;
@@ -278,11 +213,7 @@ fn a_stream_that_ends_is_broken() {
         let (ours, mut peer) = pair().await;
         std::io::Write::write_all(&mut peer, &frame(0, 0, &[1; 100])[..20]).unwrap();
         drop(peer);
-        let mut lander = Recorder {
-            spans: Vec::new(),
-            granted: true,
-            events: Vec::new(),
-        };
+        let mut lander = Recorder::granting(Vec::new());
         let mut stream = InStream::new(1, ours);
         let memory = MemoryRegistry::new();
         let pumped = pump_until(&mut stream, &memory, &mut lander, |_| false).await;

@@ -2,6 +2,7 @@
 //! and a reader fed a byte stream lands, skips and discards as its lander
 //! says.
 
+use super::test_lander::{GrantedAmongOthers, Recorder, frame};
 use super::*;
 
 /// What is left of spans at 100 (10 bytes) and 200 (20 bytes), after
@@ -27,48 +28,6 @@ fn unsent_pieces_resume_where_they_stopped(
         unsent_pieces(&spans, before, done, max).collect::<Vec<_>>(),
         left
     );
-}
-
-/// A lander that grants each frame whose header's first byte is 1 the
-/// spans it was given, discards the rest, and records what happened.
-struct Recorder {
-    spans: Vec<(u64, u64)>,
-    granted: bool,
-    events: Vec<String>,
-}
-
-impl Lander for Recorder {
-    type Opened = u8;
-
-    fn open(&mut self, len: u64, header: &[u8; SLOT_BYTES]) -> Landing<u8> {
-        self.events.push(format!("open {} {len}", header[0]));
-        if header[0] == 1 {
-            Landing::Into(header[1], self.spans.clone())
-        } else {
-            Landing::Discard
-        }
-    }
-
-    fn still_granted(&mut self, _: &u8) -> bool {
-        self.granted
-    }
-
-    fn landed(&mut self, tag: u8) {
-        self.events.push(format!("landed {tag}"));
-    }
-
-    fn discarded(&mut self) {
-        self.events.push("discarded".to_owned());
-    }
-}
-
-fn frame(kind: u8, tag: u8, payload: &[u8]) -> Vec<u8> {
-    let mut header = [0u8; SLOT_BYTES];
-    header[0] = kind;
-    header[1] = tag;
-    let mut bytes = frame_prefix(payload.len() as u64, &header).to_vec();
-    bytes.extend_from_slice(payload);
-    bytes
 }
 
 /// Feeds `wire` to `reader` at most `chunk` bytes a read, landing payload
@@ -117,35 +76,19 @@ fn feed(
 /// are read past, so the framing holds.
 #[rstest::rstest]
 fn granted_frames_land_and_others_are_read_past(#[values(1, 7, 100, 1 << 20)] chunk: usize) {
-    let mut lander = Recorder {
-        spans: vec![(0, 3000), (5000, 5000)],
-        granted: true,
-        events: Vec::new(),
-    };
-    let payload: Vec<u8> = (0..8000u32).map(|i| (i * 7 % 251) as u8).collect();
-    let mut wire = frame(0, 0, &[0xee; 7000]);
-    wire.extend(frame(1, 9, &payload));
-    wire.extend(frame(0, 0, &[]));
-    wire.extend(frame(0, 0, &[0xdd; 10]));
+    let mut lander = Recorder::granting(vec![(0, 3000), (5000, 5000)]);
+    let GrantedAmongOthers {
+        payload,
+        wire,
+        events,
+    } = GrantedAmongOthers::new(7000);
     let mut memory = vec![0u8; 10_000];
     let mut reader = FrameReader::default();
     assert_eq!(
         feed(&mut reader, &mut lander, &mut memory, &wire, chunk),
         wire.len()
     );
-    assert_eq!(
-        lander.events,
-        [
-            "open 0 7000",
-            "discarded",
-            "open 1 8000",
-            "landed 9",
-            "open 0 0",
-            "discarded",
-            "open 0 10",
-            "discarded",
-        ]
-    );
+    assert_eq!(lander.events, events);
     assert_eq!(memory[..3000], payload[..3000]);
     assert!(memory[3000..5000].iter().all(|b| *b == 0));
     assert_eq!(memory[5000..], payload[3000..]);
@@ -155,11 +98,7 @@ fn granted_frames_land_and_others_are_read_past(#[values(1, 7, 100, 1 << 20)] ch
 /// lander is told once, and nothing more of it lands.
 #[test]
 fn a_payload_stops_landing_once_its_operation_stops_waiting() {
-    let mut lander = Recorder {
-        spans: vec![(0, 4096)],
-        granted: true,
-        events: Vec::new(),
-    };
+    let mut lander = Recorder::granting(vec![(0, 4096)]);
     let whole = frame(1, 1, &[0xaa; 4096]);
     let cut = PREFIX_BYTES + 1000;
     let mut memory = vec![0u8; 4096];
