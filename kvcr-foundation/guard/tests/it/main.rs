@@ -12,17 +12,16 @@
     clippy::indexing_slicing
 )]
 
-/// Tests that open sockets, start runner threads or spawn processes take this
-/// lock: on a 2-core machine they time out against each other otherwise.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 mod guard;
 // The runner's peer-test nodes, shared with its own tests rather than copied;
 // the guard's tests use only some of them.
 #[allow(dead_code)]
 #[path = "../../../runner/tests/it/nodes.rs"]
 mod nodes;
+
+// The lock, one copy for the crate group's test binaries (the guard's tests
+// need no waits of their own).
+#[allow(dead_code)]
+#[path = "../../../test-support/serial.rs"]
+mod support;
+use support::serial;

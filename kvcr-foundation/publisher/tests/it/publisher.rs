@@ -7,7 +7,6 @@
 //! under `target/realclients`. `KVCR_TEST_DYNAMO=1` / `KVCR_TEST_VLLM_WIRE=1`
 //! make a missing client a failure; unset, those tests skip with a reason.
 
-use crate::{wait_for, wait_until};
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -24,12 +23,18 @@ use kvcr_publisher::{
 };
 use rmpv::Value;
 
+use self::support::{serial, wait_for, wait_until};
+
+// The lock and the waits, one copy for the crate group's test binaries.
+#[path = "../../../test-support/serial.rs"]
+mod support;
+
 // ----- helpers -----
 
 /// Socket tests share the process's file descriptors; the leak test counts
 /// them, so socket tests run one at a time (with the other heavy tests).
 fn sockets_lock() -> MutexGuard<'static, ()> {
-    crate::serial()
+    serial()
 }
 
 fn inc(n: u128) -> Incarnation {
