@@ -357,6 +357,14 @@ mod tests {
 
     use super::*;
 
+    /// The numbers of the lines [`unsafe_lines`] finds in `source`.
+    fn line_numbers(source: &str, place: Place) -> Vec<usize> {
+        unsafe_lines(source, place)
+            .into_iter()
+            .map(|(l, _)| l)
+            .collect()
+    }
+
     #[rstest]
     #[case::block("let x = unsafe { *p };", &[1])]
     #[case::function("\npub unsafe fn f() {}", &[2])]
@@ -377,11 +385,7 @@ mod tests {
     #[case::identifier_part("let unsafely = not_unsafe();", &[])]
     fn unsafe_rule(#[case] source: &str, #[case] lines: &[usize]) {
         for place in [Place::Elsewhere, Place::Runner, Place::RunnerRoot] {
-            let found: Vec<usize> = unsafe_lines(source, place)
-                .into_iter()
-                .map(|(l, _)| l)
-                .collect();
-            assert_eq!(found, lines);
+            assert_eq!(line_numbers(source, place), lines);
         }
     }
 
@@ -411,12 +415,7 @@ mod tests {
         #[case] outside_runner: &[usize],
         #[case] in_runner: &[usize],
     ) {
-        let lines = |place| -> Vec<usize> {
-            unsafe_lines(source, place)
-                .into_iter()
-                .map(|(l, _)| l)
-                .collect()
-        };
+        let lines = |place| line_numbers(source, place);
         assert_eq!(lines(Place::Elsewhere), outside_runner);
         assert_eq!(lines(Place::Runner), in_runner);
         assert_eq!(lines(Place::RunnerRoot), in_runner);
@@ -440,12 +439,7 @@ mod tests {
     #[case::inner("#![allow(unsafe_code)]\nmod register;", &[1])]
     #[case::register_then_more("#[allow(unsafe_code)]\nmod register;\nunsafe fn f() {}", &[3])]
     fn register_module(#[case] source: &str, #[case] in_root: &[usize]) {
-        let lines = |place| -> Vec<usize> {
-            unsafe_lines(source, place)
-                .into_iter()
-                .map(|(l, _)| l)
-                .collect()
-        };
+        let lines = |place| line_numbers(source, place);
         assert_eq!(lines(Place::RunnerRoot), in_root);
         let attribute_line = source
             .lines()
