@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 
 use kvcr_foundation::runner::{PlacementOutcome, PoolMemoryInfo};
 use kvcr_foundation::sys::SysError;
+use kvcr_foundation::sys::error::PoolMemoryReason;
 use kvcr_foundation::sys::mapping::{mempolicy_at, page_nodes};
 
 use crate::error::{PerfError, Result};
@@ -71,11 +72,11 @@ fn mode_name(mode: i32) -> String {
     }
 }
 
-/// `SysError::Os` as this crate's `Os`; anything else as an `Os` of `call`
-/// (the queries refuse nothing else).
+/// A kernel refusal (`PoolMemoryReason::Os`) as this crate's `Os`; anything
+/// else as an `Os` of `call` (the queries refuse nothing else).
 fn os(call: &'static str, error: SysError) -> PerfError {
     match error {
-        SysError::Os { call, errno } => PerfError::Os { call, errno },
+        SysError::PoolMemory(PoolMemoryReason::Os { call, errno }) => PerfError::Os { call, errno },
         _ => PerfError::Os { call, errno: 0 },
     }
 }

@@ -353,6 +353,42 @@ pub enum FrameReason {
     Trailing(usize),
 }
 
+/// Why a pool's memory placement was refused (`RunnerConfig::pool_memory`).
+///
+/// Not a reason of [`Error`]: it lives here so that the crate that makes the
+/// memory calls (`kvcr-sys`) and the runner core that reports them share one
+/// definition.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PoolMemoryReason {
+    /// A NUMA binding names no node.
+    #[error("a NUMA binding needs at least one node")]
+    NoNodes,
+    /// `Preferred` takes exactly one node.
+    #[error("a preferred NUMA policy takes exactly one node")]
+    PreferredNeedsOneNode,
+    /// A NUMA binding names a node that is not online.
+    #[error("NUMA node {node} does not exist (online: {online:?})")]
+    NoSuchNode {
+        /// The node asked for.
+        node: u16,
+        /// The online nodes.
+        online: Vec<u16>,
+    },
+    /// Huge pages were required and cannot be had.
+    #[error("huge pages required but unavailable: {0}")]
+    HugePagesUnavailable(&'static str),
+    /// The kernel refused a call (a memory call; `kvcr-sys` also reports its
+    /// process calls' refusals so).
+    #[error("{call} refused (errno {errno})")]
+    Os {
+        /// The call.
+        call: &'static str,
+        /// Its errno.
+        errno: i32,
+    },
+}
+
 impl Error {
     pub(crate) fn endpoint(input: &str, reason: EndpointReason) -> Self {
         Self::Endpoint {

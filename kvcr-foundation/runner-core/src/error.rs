@@ -5,7 +5,7 @@
 //! state unchanged. The runner crate (`kvcr-runner`) flattens this into its own
 //! error, which adds what only a driver can fail at (UCX, startup).
 
-pub use kvcr_contracts::error::Echo;
+pub use kvcr_contracts::error::{Echo, PoolMemoryReason};
 
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -40,37 +40,6 @@ impl Error {
             Self::Contract(_) => None,
         }
     }
-}
-
-/// Why a pool's memory placement was refused (`RunnerConfig::pool_memory`).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum PoolMemoryReason {
-    /// A NUMA binding names no node.
-    #[error("a NUMA binding needs at least one node")]
-    NoNodes,
-    /// `Preferred` takes exactly one node.
-    #[error("a preferred NUMA policy takes exactly one node")]
-    PreferredNeedsOneNode,
-    /// A NUMA binding names a node that is not online.
-    #[error("NUMA node {node} does not exist (online: {online:?})")]
-    NoSuchNode {
-        /// The node asked for.
-        node: u16,
-        /// The online nodes.
-        online: Vec<u16>,
-    },
-    /// Huge pages were required and cannot be had.
-    #[error("huge pages required but unavailable: {0}")]
-    HugePagesUnavailable(&'static str),
-    /// The kernel refused a memory call.
-    #[error("{call} refused (errno {errno})")]
-    Os {
-        /// The call.
-        call: &'static str,
-        /// Its errno.
-        errno: i32,
-    },
 }
 
 /// Why the runner refused a call.

@@ -89,23 +89,12 @@ impl Error {
 /// The runner's reading of a `kvcr_sys` refusal (pool memory, registry).
 impl From<kvcr_sys::SysError> for Error {
     fn from(error: kvcr_sys::SysError) -> Self {
-        let pool_memory = |reason| Error::runner(RunnerReason::PoolMemory(reason));
         match error {
             kvcr_sys::SysError::Allocation { bytes } => {
                 Error::runner(RunnerReason::Allocation { bytes })
             }
-            kvcr_sys::SysError::NoNodes => pool_memory(PoolMemoryReason::NoNodes),
-            kvcr_sys::SysError::PreferredNeedsOneNode => {
-                pool_memory(PoolMemoryReason::PreferredNeedsOneNode)
-            }
-            kvcr_sys::SysError::NoSuchNode { node, online } => {
-                pool_memory(PoolMemoryReason::NoSuchNode { node, online })
-            }
-            kvcr_sys::SysError::HugePagesUnavailable(why) => {
-                pool_memory(PoolMemoryReason::HugePagesUnavailable(why))
-            }
-            kvcr_sys::SysError::Os { call, errno } => {
-                pool_memory(PoolMemoryReason::Os { call, errno })
+            kvcr_sys::SysError::PoolMemory(reason) => {
+                Error::runner(RunnerReason::PoolMemory(reason))
             }
             kvcr_sys::SysError::Grant { why } => Error::runner(RunnerReason::Config {
                 field: "guard grant",

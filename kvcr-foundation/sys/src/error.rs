@@ -1,5 +1,7 @@
 //! The crate's one error type.
 
+pub use kvcr_contracts::error::PoolMemoryReason;
+
 /// Result alias of this crate.
 pub type Result<T, E = SysError> = std::result::Result<T, E>;
 
@@ -13,31 +15,10 @@ pub enum SysError {
         /// Bytes asked for.
         bytes: u64,
     },
-    /// A NUMA binding names no node.
-    #[error("a NUMA binding needs at least one node")]
-    NoNodes,
-    /// `Preferred` takes exactly one node.
-    #[error("a preferred NUMA policy takes exactly one node")]
-    PreferredNeedsOneNode,
-    /// A NUMA binding names a node that is not online.
-    #[error("NUMA node {node} does not exist (online: {online:?})")]
-    NoSuchNode {
-        /// The node asked for.
-        node: u16,
-        /// The online nodes.
-        online: Vec<u16>,
-    },
-    /// Huge pages were required and cannot be had.
-    #[error("huge pages required but unavailable: {0}")]
-    HugePagesUnavailable(&'static str),
-    /// The kernel refused a call.
-    #[error("{call} refused (errno {errno})")]
-    Os {
-        /// The call.
-        call: &'static str,
-        /// Its errno.
-        errno: i32,
-    },
+    /// A pool's memory placement was refused, or the kernel refused a call
+    /// (`Os`: the memory calls, and the process calls of [`crate::process`]).
+    #[error(transparent)]
+    PoolMemory(#[from] PoolMemoryReason),
     /// A file handed over (by a guard) is not what it must be.
     #[error("guard grant: {why}")]
     Grant {
@@ -68,10 +49,12 @@ pub enum SysError {
 impl SysError {
     /// `Os` for `call`, with the calling thread's `errno`.
     pub(crate) fn os(call: &'static str) -> Self {
-        Self::Os {
-            call,
-            errno: last_errno(),
-        }
+        Self::os_errno(call, last_errno())
+    }
+
+    /// `Os` for `call`, refused with `errno`.
+    pub(crate) fn os_errno(call: &'static str, errno: i32) -> Self {
+        Self::PoolMemory(PoolMemoryReason::Os { call, errno })
     }
 }
 

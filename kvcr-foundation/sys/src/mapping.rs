@@ -13,7 +13,7 @@ use std::mem::MaybeUninit;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::error::{Result, SysError};
+use crate::error::{PoolMemoryReason, Result, SysError};
 use crate::placement::{
     AnonymousMemory, HUGE_PAGE, HugePages, MASK_WORDS, NumaMode, PlacementDowngrade,
     PlacementOutcome, PoolMemory, nodemask, online_nodes, transparent_huge_page_mode,
@@ -193,7 +193,7 @@ impl AnonMapping {
             match mapping.advise_huge() {
                 Ok(()) => outcome.huge_pages_advised = true,
                 Err(why) if memory.huge_pages == HugePages::Require => {
-                    return Err(SysError::HugePagesUnavailable(why));
+                    return Err(PoolMemoryReason::HugePagesUnavailable(why).into());
                 }
                 Err(why) => outcome.downgrades.push(PlacementDowngrade::HugePages(why)),
             }
@@ -437,10 +437,10 @@ mod tests {
         let err = mapping.bind(NumaMode::Bind, &mask).unwrap_err();
         assert_eq!(
             err,
-            SysError::Os {
+            SysError::PoolMemory(PoolMemoryReason::Os {
                 call: "mbind",
                 errno: libc::EINVAL
-            }
+            })
         );
     }
 
@@ -476,10 +476,10 @@ mod tests {
         let unaligned = &mut spare[skip + 1..skip + PAGE];
         assert_eq!(
             advise_no_huge_pages(unaligned),
-            Err(SysError::Os {
+            Err(SysError::PoolMemory(PoolMemoryReason::Os {
                 call: "madvise",
                 errno: libc::EINVAL
-            })
+            }))
         );
         buf.resize(4 * PAGE, 7);
         assert!(buf.iter().all(|b| *b == 7));

@@ -11,7 +11,7 @@
 //! be had are an error ([`HugePages::Require`]) or a downgrade recorded in
 //! the [`PlacementOutcome`] ([`HugePages::Prefer`]).
 
-use crate::error::{Result, SysError};
+use crate::error::{PoolMemoryReason, Result};
 
 /// How the runner backs its pools.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -264,22 +264,23 @@ fn huge_bytes_in_smaps(smaps: &str, start: u64, end: u64) -> u64 {
 /// Validates a binding against the online nodes and builds its nodemask.
 pub(crate) fn nodemask(binding: &NumaBinding, online: &[u16]) -> Result<[u64; MASK_WORDS]> {
     if binding.nodes.is_empty() {
-        return Err(SysError::NoNodes);
+        return Err(PoolMemoryReason::NoNodes.into());
     }
     if binding.mode == NumaMode::Preferred && binding.nodes.len() != 1 {
-        return Err(SysError::PreferredNeedsOneNode);
+        return Err(PoolMemoryReason::PreferredNeedsOneNode.into());
     }
     let mut mask = [0u64; MASK_WORDS];
     for &node in &binding.nodes {
         if !online.contains(&node) {
-            return Err(SysError::NoSuchNode {
+            return Err(PoolMemoryReason::NoSuchNode {
                 node,
                 online: online.to_vec(),
-            });
+            }
+            .into());
         }
         let word = mask
             .get_mut(usize::from(node) / 64)
-            .ok_or(SysError::NoSuchNode {
+            .ok_or(PoolMemoryReason::NoSuchNode {
                 node,
                 online: online.to_vec(),
             })?;
@@ -290,6 +291,7 @@ pub(crate) fn nodemask(binding: &NumaBinding, online: &[u16]) -> Result<[u64; MA
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::SysError;
 
     const SMAPS: &str = "\
 7f0000000000-7f0000800000 rw-s 00000000 00:01 1234 /memfd:kvcr-pool-ab (deleted)
@@ -351,10 +353,10 @@ AnonHugePages:      2048 kB
         let err = nodemask(&binding, &[0]).unwrap_err();
         assert_eq!(
             err,
-            SysError::NoSuchNode {
+            SysError::PoolMemory(PoolMemoryReason::NoSuchNode {
                 node: 7,
                 online: vec![0]
-            }
+            })
         );
         let preferred_two = NumaBinding {
             mode: NumaMode::Preferred,

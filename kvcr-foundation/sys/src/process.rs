@@ -15,10 +15,8 @@ use crate::error::{Result, SysError};
 /// another thread writes meanwhile gives torn bytes, never undefined
 /// behaviour here, as a read of a file would.
 pub fn read_remote(pid: u32, addr: u64, dst: &mut [u8]) -> Result<usize> {
-    let pid = libc::pid_t::try_from(pid).map_err(|_| SysError::Os {
-        call: "process_vm_readv",
-        errno: libc::ESRCH,
-    })?;
+    let pid = libc::pid_t::try_from(pid)
+        .map_err(|_| SysError::os_errno("process_vm_readv", libc::ESRCH))?;
     let local = libc::iovec {
         iov_base: dst.as_mut_ptr().cast(),
         iov_len: dst.len(),
@@ -67,10 +65,15 @@ pub fn monotonic_clock() -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::PoolMemoryReason;
 
     /// Whether the kernel (or a sandbox's filter) refuses the call itself.
     fn refused(err: &SysError) -> bool {
-        matches!(err, SysError::Os { errno, .. } if *errno == libc::EPERM || *errno == libc::ENOSYS)
+        matches!(
+            err,
+            SysError::PoolMemory(PoolMemoryReason::Os { errno, .. })
+                if *errno == libc::EPERM || *errno == libc::ENOSYS
+        )
     }
 
     #[test]
@@ -94,10 +97,10 @@ mod tests {
             refused(&err)
                 || matches!(
                     err,
-                    SysError::Os {
+                    SysError::PoolMemory(PoolMemoryReason::Os {
                         errno: libc::EFAULT,
                         ..
-                    }
+                    })
                 ),
             "{err}"
         );
