@@ -197,6 +197,7 @@ fn main() {
         warm.push(t.elapsed().as_secs_f64() * 1e3);
         let seated = node
             .runner
+            .recovery()
             .warm_start()
             .and_then(|w| w.recovery.clone())
             .map_or(0, |r| r.seated);
@@ -245,6 +246,7 @@ fn main() {
     }
     let journal = with
         .runner
+        .recovery()
         .journal_stats()
         .expect("the journal keeps running");
     assert_eq!(journal.live_pages, PAGES, "{journal:?}");

@@ -405,7 +405,7 @@ fn main() {
         .and_then(|b| b.replay_bound.as_ref())
         .map(ToString::to_string);
     let incarnation = runner.incarnation().to_string();
-    let warm_start = runner.warm_start().map(warm_start_json);
+    let warm_start = runner.recovery().warm_start().map(warm_start_json);
     let mut node = Node {
         runner,
         shards,
@@ -747,7 +747,7 @@ fn stats(node: &mut Node, publisher: Option<&Publisher>) {
             "uncertain": node.uncertain, "quiesced": node.quiesced,
             "invariants": node.runner.check_invariants().err(),
             "publisher": publisher,
-            "journal": node.runner.journal_stats().map(|j| json!({
+            "journal": node.runner.recovery().journal_stats().map(|j| json!({
                 "appended": j.appended, "compactions": j.compactions,
                 "live_pages": j.live_pages, "held_slots": j.held_slots, "disabled": j.disabled,
             })),

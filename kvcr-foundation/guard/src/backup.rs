@@ -90,6 +90,7 @@ pub(crate) fn start_backup(
     match Runner::start_backup(config, &peer, orphan) {
         Ok(runner) => {
             let seated = runner
+                .recovery()
                 .warm_start()
                 .and_then(|w| w.recovery.as_ref())
                 .map_or(0, |r| r.seated);

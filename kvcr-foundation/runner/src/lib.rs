@@ -69,7 +69,7 @@ pub use self::config::{
 };
 pub use self::copy::device::DeviceCopier;
 pub use self::error::{Error, Result};
-pub use self::facets::{Hints, Peers, Pools};
+pub use self::facets::{Hints, Peers, Pools, Recovery};
 pub use self::g3::{G3Error, G3Options, G3Store};
 pub use self::net::{ControlCounters, ControlLimits};
 use self::shared::{CapacityCallback, Shared};
@@ -244,21 +244,6 @@ impl Runner {
             guard: started.guard,
             warm_start: started.warm_start,
         }
-    }
-
-    /// How this runner started under its guard ([`PeerOptions::guard`]):
-    /// warm or fresh, what the recovery seated, or why it was disabled.
-    pub fn warm_start(&self) -> Option<&WarmStart> {
-        self.warm_start.as_ref()
-    }
-
-    /// The residency journal's counters (under a guard, while it runs).
-    pub fn journal_stats(&self) -> Option<JournalStats> {
-        self.shared
-            .lock()
-            .journal
-            .as_ref()
-            .and_then(warm::RunnerJournal::stats)
     }
 
     /// Sends inventory events (owner KVCR, tier KVCR DRAM) to `sink`.

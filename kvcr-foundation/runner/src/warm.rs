@@ -31,7 +31,7 @@ use crate::guard::{self, GuardClaim, GuardLease, Layout, PoolSpec};
 use crate::peer::Adopted;
 use kvcr_sys::memfd::JournalMap;
 
-/// How a runner under a guard started (see [`crate::Runner::warm_start`]).
+/// How a runner under a guard started (see [`crate::Recovery::warm_start`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WarmStart {
     /// The group held.

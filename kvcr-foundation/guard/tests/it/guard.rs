@@ -61,7 +61,7 @@ fn a_restarted_runner_takes_its_pages_back_warm() {
     let timeout = Duration::from_secs(10);
 
     let mut first = node_with(&options, 16, timeout);
-    let start = first.runner.warm_start().unwrap().clone();
+    let start = first.runner.recovery().warm_start().unwrap().clone();
     assert!(!start.warm, "{start:?}");
     assert_eq!(start.recovery, None);
     let endpoint = first.runner.peers().endpoint().unwrap().clone();
@@ -74,13 +74,13 @@ fn a_restarted_runner_takes_its_pages_back_warm() {
             "page {k}"
         );
     }
-    let journal = first.runner.journal_stats().unwrap();
+    let journal = first.runner.recovery().journal_stats().unwrap();
     assert_eq!(journal.live_pages, 8, "{journal:?}");
     drop(first);
 
     // The next incarnation on the same group: same address, same pages.
     let mut second = node_with(&options, 16, timeout);
-    let start = second.runner.warm_start().unwrap().clone();
+    let start = second.runner.recovery().warm_start().unwrap().clone();
     assert!(start.warm, "{start:?}");
     assert_eq!(start.disabled, None);
     let report = start.recovery.clone().unwrap();
@@ -144,7 +144,11 @@ fn an_overflowed_journal_disables_recovery_and_nothing_else() {
     let timeout = Duration::from_secs(10);
     let mut first = node_with(&options, 16, timeout);
     stock(&mut first, &(0..16).collect::<Vec<_>>());
-    assert_eq!(first.runner.journal_stats(), None, "the journal stopped");
+    assert_eq!(
+        first.runner.recovery().journal_stats(),
+        None,
+        "the journal stopped"
+    );
     // Still serving.
     assert_eq!(
         read_page(&mut first, 3)[..],
@@ -153,7 +157,7 @@ fn an_overflowed_journal_disables_recovery_and_nothing_else() {
     drop(first);
 
     let mut second = node_with(&options, 16, timeout);
-    let start = second.runner.warm_start().unwrap().clone();
+    let start = second.runner.recovery().warm_start().unwrap().clone();
     assert!(start.warm);
     assert_eq!(start.recovery, None);
     let why = start.disabled.unwrap();
@@ -192,7 +196,7 @@ fn a_failed_start_gives_the_group_back() {
     assert!(e.to_string().contains("open G3"), "{e}");
     // Claimed again at once: no "held by pid" refusal, nothing retained.
     let node = node_with(&options, 16, Duration::from_secs(10));
-    assert!(node.runner.warm_start().is_some_and(|w| w.warm));
+    assert!(node.runner.recovery().warm_start().is_some_and(|w| w.warm));
     drop(node);
     let _ = std::fs::remove_dir_all(&dir);
 }

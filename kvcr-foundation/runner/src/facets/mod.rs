@@ -10,10 +10,12 @@
 mod hints;
 mod peers;
 mod pools;
+mod recovery;
 
 pub use self::hints::Hints;
 pub use self::peers::Peers;
 pub use self::pools::Pools;
+pub use self::recovery::Recovery;
 
 use crate::Runner;
 
@@ -32,5 +34,11 @@ impl Runner {
     /// KVCR's memory (DRAM pools, device copier, G3): `runner.pools().bytes()`.
     pub fn pools(&self) -> Pools<'_> {
         Pools::new(self)
+    }
+
+    /// What a guarded runner's warm start reports (how it started, its
+    /// journal): `runner.recovery().warm_start()`.
+    pub fn recovery(&self) -> Recovery<'_> {
+        Recovery::new(self)
     }
 }
