@@ -131,14 +131,21 @@ pub(crate) fn fetch_on_hint(
 ) -> OpResult {
     let request = RequestId(request.into());
     target.runner.hints().submit(request.clone(), hint);
-    let keys: Vec<ScopedKey> = keys.iter().map(|k| key(target.ns, *k)).collect();
-    let pool = target.runner.pool("kv").unwrap();
-    let op = target
-        .runner
-        .hints()
-        .fetch(&request, &keys, &[pool])
-        .unwrap();
+    let op = fetch_hinted(&target.runner, target.ns, &request, keys);
     wait(&mut target.runner, op)
+}
+
+/// Starts fetching `keys` of namespace `ns` (one span each, into the pool
+/// `kv`) under the hint submitted for `request`.
+pub(crate) fn fetch_hinted(
+    runner: &Runner,
+    ns: NamespaceId,
+    request: &RequestId,
+    keys: &[u64],
+) -> OpHandle {
+    let scoped: Vec<ScopedKey> = keys.iter().map(|k| key(ns, *k)).collect();
+    let pool = runner.pool("kv").unwrap();
+    runner.hints().fetch(request, &scoped, &[pool]).unwrap()
 }
 
 /// `target` restores `keys` from the runner at `source` on a hint (request

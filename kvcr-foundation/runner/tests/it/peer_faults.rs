@@ -163,13 +163,7 @@ impl Target {
         self.runner
             .hints()
             .submit(request.clone(), &hint(source, keys));
-        let scoped: Vec<ScopedKey> = keys.iter().map(|k| key(self.ns, *k)).collect();
-        let pool = self.runner.pool("kv").unwrap();
-        let op = self
-            .runner
-            .hints()
-            .fetch(&request, &scoped, &[pool])
-            .unwrap();
+        let op = crate::nodes::fetch_hinted(&self.runner, self.ns, &request, keys);
         let result = wait(&mut self.runner, op);
         self.runner.hints().discard(&request);
         result

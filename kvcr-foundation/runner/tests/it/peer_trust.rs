@@ -128,13 +128,7 @@ fn forged_completions_never_succeed() {
         action_id: None,
     };
     target.runner.hints().submit(request.clone(), &the_hint);
-    let scoped: Vec<ScopedKey> = keys.iter().map(|k| key(target.ns, *k)).collect();
-    let pool = target.runner.pool("kv").unwrap();
-    let op = target
-        .runner
-        .hints()
-        .fetch(&request, &scoped, &[pool])
-        .unwrap();
+    let op = crate::nodes::fetch_hinted(&target.runner, target.ns, &request, &keys);
     let mut forger = ControlClient::connect(
         target.runner.peers().endpoint().unwrap(),
         Some(SECRET),
