@@ -41,7 +41,7 @@ impl ByteSpan {
 /// 2. No other thread may access a destination range, or write a source range,
 ///    during the call.
 /// 3. A span's source and destination ranges must not overlap.
-pub unsafe fn copy_spans(spans: impl IntoIterator<Item = ByteSpan>) {
+pub(crate) unsafe fn copy_spans(spans: impl IntoIterator<Item = ByteSpan>) {
     for span in spans {
         let len = span.len as usize;
         // SAFETY: guaranteed by this function's contract (1)-(3): both ranges
@@ -56,7 +56,7 @@ pub unsafe fn copy_spans(spans: impl IntoIterator<Item = ByteSpan>) {
     }
 }
 
-/// Spans at least this long are streamed (see [`copy_spans_streaming`]).
+/// Spans at least this long are streamed (see [`MemoryRegistry::copy_streaming`]).
 pub const STREAM_MIN: u64 = 256 << 10;
 
 /// Like [`copy_spans`], but spans of [`STREAM_MIN`] or more are written with
@@ -70,7 +70,7 @@ pub const STREAM_MIN: u64 = 256 << 10;
 ///
 /// # Safety
 /// As [`copy_spans`].
-pub unsafe fn copy_spans_streaming(spans: impl IntoIterator<Item = ByteSpan>) {
+pub(crate) unsafe fn copy_spans_streaming(spans: impl IntoIterator<Item = ByteSpan>) {
     #[cfg(target_arch = "x86_64")]
     {
         for span in spans {
@@ -350,7 +350,7 @@ impl MemoryRegistry {
 
     /// Writes `head`, then the registered `pieces` (address, length), to
     /// `socket` in one vectored write without blocking (see
-    /// [`crate::vectored::try_write_spans`]).
+    /// `vectored::try_write_spans`).
     pub fn try_write_vectored(
         &self,
         socket: &tokio::net::TcpStream,
@@ -371,7 +371,7 @@ impl MemoryRegistry {
     }
 
     /// Reads from `socket` into the registered `pieces` (address, length)
-    /// without blocking (see [`crate::vectored::try_read_spans`]).
+    /// without blocking (see `vectored::try_read_spans`).
     pub fn try_read_vectored(
         &self,
         socket: &tokio::net::TcpStream,

@@ -14,7 +14,7 @@
 //! | [`seqlock`] | volatile loads and stores of memory other processes share |
 //! | [`copy`] | span copy kernels and [`MemoryRegistry`], which makes copies safe |
 //! | [`owned`] | owned memory held by the registry and a UCX registration at once |
-//! | [`vectored`] | `readv`/`writev` between a socket and spans of memory |
+//! | `vectored` (private, behind `MemoryRegistry`) | `readv`/`writev` between a socket and spans of memory |
 //! | [`direct_io`] | `flock`, `statx`, slot `pread`/`pwrite`, [`DirectBuf`](direct_io::DirectBuf) |
 //! | [`fd_passing`] | `SCM_RIGHTS`, peer credentials, pidfds |
 //! | [`thread`] | per-thread knobs: timer slack, priority |
@@ -40,7 +40,7 @@ pub mod process;
 pub mod segment;
 pub mod seqlock;
 pub mod thread;
-pub mod vectored;
+mod vectored;
 
 pub use self::copy::{ByteSpan, MemoryRegistry};
 pub use self::error::{Result, SysError};

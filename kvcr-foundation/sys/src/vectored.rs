@@ -14,7 +14,7 @@ use tokio::net::TcpStream;
 /// # Safety
 /// Every piece must be valid for reads, and unwritten by anyone, for the
 /// call.
-pub unsafe fn try_write_spans(
+pub(crate) unsafe fn try_write_spans(
     socket: &TcpStream,
     head: Option<&[u8]>,
     pieces: impl IntoIterator<Item = (u64, u64)>,
@@ -41,7 +41,7 @@ pub unsafe fn try_write_spans(
 /// # Safety
 /// Every piece must be valid for writes, and accessed by nobody else, for
 /// the call; pieces must not overlap.
-pub unsafe fn try_read_spans(
+pub(crate) unsafe fn try_read_spans(
     socket: &TcpStream,
     pieces: impl IntoIterator<Item = (u64, u64)>,
 ) -> std::io::Result<usize> {
