@@ -5,8 +5,16 @@
 //!
 //! * [`ControlEndpoint`] is a *dialable* endpoint: `tcp://` scheme, host split
 //!   from the port at the **last** colon, IPv6 bracketed, port in `1..=65535`,
-//!   never a wildcard host. A malformed endpoint is an error, never passed on
-//!   verbatim.
+//!   never a wildcard host, and optionally the member key that must answer
+//!   there: `tcp://host:port?key=<64 hex digits>` (a [`MemberKey`]). A
+//!   malformed endpoint is an error, never passed on verbatim.
+//!
+//!   **An endpoint with a key is an identity.** Equality, ordering and
+//!   hashing cover the key: `tcp://h:1?key=A`, `tcp://h:1?key=B` and
+//!   `tcp://h:1` are three different endpoints (a session keyed by one never
+//!   stands for another). [`ControlEndpoint::names`] is the looser match a
+//!   configured list uses: a listed endpoint without a key names every key at
+//!   that address, one with a key names only that key.
 //! * [`BindAddress`] is where a runner listens; wildcards are allowed there.
 //! * [`AdvertisePolicy`] decides whether a host may be advertised to other hosts:
 //!   loopback addresses, `localhost` and every `*.localhost` name are refused
@@ -27,8 +35,11 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{EndpointReason, Error, RankReason, Result};
+use crate::member::MemberKey;
 
 const SCHEME: &str = "tcp://";
+/// The one query parameter an endpoint takes.
+const KEY_QUERY: &str = "key=";
 /// Longest DNS name (RFC 1035).
 const MAX_HOST_NAME: usize = 253;
 /// Longest DNS label.
@@ -143,11 +154,13 @@ fn parse_port(raw: &str) -> std::result::Result<u16, EndpointReason> {
     }
 }
 
-/// A dialable `tcp://host:port` control endpoint.
+/// A dialable `tcp://host:port` control endpoint, with the key of the member
+/// that must answer there when it names one (`?key=`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ControlEndpoint {
     host: Host,
     port: u16,
+    key: Option<MemberKey>,
 }
 
 impl ControlEndpoint {
@@ -159,21 +172,61 @@ impl ControlEndpoint {
                 EndpointReason::Port,
             ));
         }
-        Ok(Self { host, port })
+        Ok(Self {
+            host,
+            port,
+            key: None,
+        })
     }
 
-    /// Parses `tcp://host:port` (see the module docs for the grammar).
+    /// Parses `tcp://host:port` or `tcp://host:port?key=<64 hex digits>`
+    /// (see the module docs for the grammar).
     pub fn parse(input: &str) -> Result<Self> {
         let err = |reason| Error::endpoint(input, reason);
         let rest = input
             .strip_prefix(SCHEME)
             .ok_or(err(EndpointReason::Scheme))?;
-        let (host, port) = rest
+        let (address, key) = match rest.split_once('?') {
+            None => (rest, None),
+            Some((address, query)) => {
+                let key = query
+                    .strip_prefix(KEY_QUERY)
+                    .ok_or(err(EndpointReason::Query))?;
+                (address, Some(MemberKey::parse_reason(key).map_err(err)?))
+            }
+        };
+        let (host, port) = address
             .rsplit_once(':')
             .ok_or(err(EndpointReason::MissingPort))?;
         let port = parse_port(port).map_err(err)?;
         let host = Host::parse(host, BracketRule::Required).map_err(err)?;
-        Ok(Self { host, port })
+        Ok(Self { host, port, key })
+    }
+
+    /// The key of the member that must answer here, when the endpoint names
+    /// one.
+    pub fn key(&self) -> Option<&MemberKey> {
+        self.key.as_ref()
+    }
+
+    /// The same address naming `key` (or none).
+    pub fn with_key(&self, key: Option<MemberKey>) -> Self {
+        Self {
+            host: self.host.clone(),
+            port: self.port,
+            key,
+        }
+    }
+
+    /// Whether `other` is at the same host and port, whatever keys they name.
+    pub fn same_address(&self, other: &Self) -> bool {
+        self.host == other.host && self.port == other.port
+    }
+
+    /// Whether this endpoint, as a configured list entry, names `peer`: the
+    /// same address, and the same key unless this entry names none.
+    pub fn names(&self, peer: &Self) -> bool {
+        self.same_address(peer) && self.key.is_none_or(|key| peer.key == Some(key))
     }
 
     /// The host.
@@ -187,6 +240,8 @@ impl ControlEndpoint {
     }
 
     /// The same host with `offset` added to the port; refused past 65535.
+    /// A non-zero offset names another runner, so its key is dropped (this
+    /// endpoint's key is not that runner's); offset 0 keeps it.
     pub fn with_port_offset(&self, offset: u64) -> Result<Self> {
         let port = u64::from(self.port)
             .checked_add(offset)
@@ -195,6 +250,7 @@ impl ControlEndpoint {
         Ok(Self {
             host: self.host.clone(),
             port,
+            key: if offset == 0 { self.key } else { None },
         })
     }
 
@@ -208,7 +264,11 @@ impl ControlEndpoint {
 
 impl fmt::Display for ControlEndpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{SCHEME}{}:{}", self.host, self.port)
+        write!(f, "{SCHEME}{}:{}", self.host, self.port)?;
+        match &self.key {
+            Some(key) => write!(f, "?{KEY_QUERY}{key}"),
+            None => Ok(()),
+        }
     }
 }
 
@@ -491,6 +551,16 @@ impl WorkerEndpointMap {
             .map(|(dp, ep)| (dp.to_string(), serde_json::Value::String(ep.to_string())))
             .collect();
         serde_json::Value::Object(object).to_string()
+    }
+
+    /// Names `key` on the endpoint of global DP rank `dp` (a rank whose
+    /// runner's key is known, e.g. the registering rank's own); a rank not
+    /// in the map is left out.
+    pub fn with_member_key(mut self, dp: u32, key: MemberKey) -> Self {
+        if let Some(endpoint) = self.by_dp_rank.get_mut(&dp) {
+            endpoint.key = Some(key);
+        }
+        self
     }
 
     /// The endpoint serving global DP rank `dp`, or `None` (source ineligible).

@@ -128,6 +128,12 @@ pub enum EndpointReason {
     /// Adding a rank offset pushed the port past 65535.
     #[error("rank offset pushes the port past 65535")]
     PortOverflow,
+    /// Something after `?` other than one `key=` parameter.
+    #[error("the only query an endpoint takes is ?key=<64 hex digits>")]
+    Query,
+    /// The `key=` value is not 64 hex digits, or is all zero.
+    #[error("key must be 64 hex digits (a 32-byte X25519 public key), not all zero")]
+    MemberKey,
 }
 
 /// Why a block key was refused.

@@ -12,6 +12,7 @@
 //!   [`AdvertisePolicy`], per-DP port strides ([`RankLayout`]) and the
 //!   all-or-nothing [`WorkerEndpointMap`].
 //! * [`incarnation`]: [`Incarnation`] ids, fresh per process and per reset.
+//! * [`member`]: [`MemberKey`], the public key a member's sessions prove.
 //! * [`hint`]: the `kv.fetch@1.0` router-hint envelope ([`HintEnvelope`],
 //!   [`FetchHint`]) and attempt-scoped snapshots ([`HintSnapshot`], [`AttemptLedger`]).
 //! * [`tier`]: [`Owner`], [`Tier`], wire [`Medium`] names and [`InventoryEvent`]s.
@@ -27,6 +28,7 @@ pub mod error;
 pub mod hint;
 pub mod incarnation;
 pub mod key;
+pub mod member;
 pub mod protocol;
 pub mod tier;
 
@@ -40,4 +42,5 @@ pub use incarnation::Incarnation;
 pub use key::{
     BlockKey, CompatDigest, Namespace, NamespaceId, PageDigest, PageHashChain, ScopedKey,
 };
+pub use member::MemberKey;
 pub use tier::{InventoryEvent, InventoryScope, InventorySink, Medium, Owner, Tier, VecSink};

@@ -14,4 +14,5 @@ mod endpoints;
 mod frames;
 mod hints;
 mod keys;
+mod member_keys;
 mod tiers;
