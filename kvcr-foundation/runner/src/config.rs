@@ -17,6 +17,7 @@ use kvcr_runner_core::{
 use crate::error::{Error, Result, RunnerReason};
 use crate::g3::{G3Options, G3Store};
 use crate::net::ControlLimits;
+use crate::net::member::{KeylessSources, StaticKey};
 use kvcr_sys::placement::PoolMemory;
 
 /// Runner configuration.
@@ -253,6 +254,14 @@ pub struct PeerOptions {
     /// waiting for the control socket (the socket copy still goes, and is
     /// dropped on arrival). Off: requests go by the control session alone.
     pub request_mailbox: bool,
+    // Member identity (see `crate::net::member`).
+    /// This runner's static key pair: every session it opens or answers
+    /// proves it, and its advertised endpoint names its public half
+    /// (`?key=`). `None` (the default): a fresh pair at each start.
+    pub static_key: Option<StaticKey>,
+    /// Whether a hint whose source endpoint names no key is followed
+    /// (default: not when a cluster secret is set).
+    pub keyless_sources: KeylessSources,
 }
 
 /// Whether a target has its sources' writes come over a data stream: a
@@ -353,6 +362,8 @@ impl std::fmt::Debug for PeerOptions {
             .field("ucx_route_mapping_limit", &self.ucx_route_mapping_limit)
             .field("data_stream", &self.data_stream)
             .field("request_mailbox", &self.request_mailbox)
+            .field("static_key", &self.static_key)
+            .field("keyless_sources", &self.keyless_sources)
             .finish()
     }
 }
@@ -500,6 +511,8 @@ impl PeerOptions {
             ucx_route_mapping_limit: 0,
             data_stream: DataStream::Auto,
             request_mailbox: true,
+            static_key: None,
+            keyless_sources: KeylessSources::default(),
         }
     }
 }

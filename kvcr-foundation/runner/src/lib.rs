@@ -71,7 +71,7 @@ pub use self::copy::device::DeviceCopier;
 pub use self::error::{Error, Result};
 pub use self::facets::{Hints, Peers, Pools, Recovery};
 pub use self::g3::{G3Error, G3Options, G3Store};
-pub use self::net::{ControlCounters, ControlLimits};
+pub use self::net::{ControlCounters, ControlLimits, KeylessSources, StaticKey};
 use self::shared::{CapacityCallback, Shared};
 use self::startup::StartupStage;
 pub use self::stats::{G3Stats, PeerStats};

@@ -26,7 +26,10 @@ use kvcr_contracts::protocol::{Body, Message};
 
 use super::limits::{ControlLimits, ControlStats};
 use super::listener::accept_loop;
-use super::session::{self, PeerIdentity, RECORD_MAX, RECORD_PLAIN_MAX, TAG_LEN, seal};
+use super::member::{KeylessSources, StaticKey};
+use super::session::{
+    self, LocalMember, PeerIdentity, RECORD_MAX, RECORD_PLAIN_MAX, TAG_LEN, seal,
+};
 use super::stream::AcceptedStream;
 use crate::wire::numbering::{Arrival, MessageCount};
 
@@ -326,15 +329,33 @@ pub(super) struct Shared {
     pub(super) next_session: AtomicU64,
     pub(super) inbound: mpsc::UnboundedSender<Inbound>,
     pub(super) identity: PeerIdentity,
+    // Member identity.
+    /// The static key our sessions prove (`identity`'s endpoint names it).
+    pub(super) static_key: StaticKey,
+    /// Whether keyless sources are dialed, and whether a secret is set.
+    pub(super) keyless_sources: KeylessSources,
+    pub(super) secret_set: bool,
+}
+
+impl Shared {
+    /// Our end of a handshake.
+    pub(super) fn local_member(&self) -> LocalMember<'_> {
+        LocalMember {
+            key: &self.static_key,
+            identity: &self.identity,
+        }
+    }
 }
 
 /// The channel's handle (used on the peer thread, inside its runtime).
 pub(crate) struct ControlChannel {
     /// Sessions we dialed, by the endpoint we dialed.
     dialed: HashMap<ControlEndpoint, Session>,
-    /// Sessions we accepted, by the identity their dialer proved. The newest
-    /// session for an endpoint replaces (and so closes) an older one: one
-    /// live session per peer identity.
+    /// Sessions we accepted, by the identity their dialer proved: its
+    /// endpoint, which always names the static key the dialer proved, so
+    /// another member claiming the same address is another identity. The
+    /// newest session for an identity replaces (and so closes) an older
+    /// one: one live session per peer identity.
     pub(super) accepted: HashMap<ControlEndpoint, Session>,
     /// Sessions sent to since the last [`ControlChannel::flush`].
     unflushed: Vec<Arc<SessionOut>>,
@@ -373,13 +394,16 @@ impl ControlChannel {
         Ok((listener, local))
     }
 
-    /// Starts accepting on `listener` as `identity`. Returns the channel and
-    /// the receiver of inbound items (hand each to [`Self::on_inbound`]).
+    /// Starts accepting on `listener` as `identity`, proving `member`'s
+    /// static key (which `identity`'s endpoint should name). Returns the
+    /// channel and the receiver of inbound items (hand each to
+    /// [`Self::on_inbound`]).
     pub(crate) fn start(
         listener: TcpListener,
         identity: PeerIdentity,
         secret: Option<&[u8]>,
         limits: ControlLimits,
+        member: (StaticKey, KeylessSources),
     ) -> (Self, mpsc::UnboundedReceiver<Inbound>) {
         let (inbound, inbound_rx) = mpsc::unbounded_channel();
         let stats = Arc::new(ControlStats::default());
@@ -393,6 +417,9 @@ impl ControlChannel {
             next_session: AtomicU64::new(1),
             inbound,
             identity,
+            static_key: member.0,
+            keyless_sources: member.1,
+            secret_set: secret.is_some(),
         });
         tokio::spawn(accept_loop(listener, Arc::clone(&shared)));
         (

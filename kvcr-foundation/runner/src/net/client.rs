@@ -3,9 +3,11 @@
 //! a cluster member that misbehaves).
 //!
 //! It runs the same authenticated handshake as a runner's dialer (so it needs
-//! the cluster secret, or none for a runner without one), presents the
-//! identity it is given, and then sends and receives frames on that one
-//! session, as a target does. [`ControlClient::accept`] plays the other
+//! the cluster secret, or none for a runner without one), proves a static
+//! member key of its own (fresh, or one it is given), presents the identity
+//! it is given (naming its key when the endpoint names none; a claim naming
+//! another member's key is refused by the runner), and then sends and
+//! receives frames on that one session, as a target does. [`ControlClient::accept`] plays the other
 //! side: a member a router hinted as a source, taking the session a target
 //! dials and the [`DataStreamPeer`] it dials beside it, on whose frames
 //! ([`seal_write_header`]) a misbehaving source can be tried. Nothing here
@@ -18,7 +20,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::listener::{self, Accepted};
-use super::session::{self, PeerIdentity, RECORD_MAX};
+use super::member::StaticKey;
+use super::session::{self, LocalMember, PeerIdentity, RECORD_MAX};
 use crate::error::{Error, Result, RunnerReason};
 use crate::wire::part::Part;
 use crate::wire::record::{RecordKey, SLOT_BYTES};
@@ -37,6 +40,8 @@ pub struct ControlClient {
     plain: BytesMut,
     scratch: Vec<u8>,
     peer: (ControlEndpoint, Incarnation),
+    /// The endpoint we claimed (naming our key unless it named another).
+    claimed: ControlEndpoint,
 }
 
 /// What a runner's connection to a hand-driven listener turned out to be.
@@ -131,16 +136,22 @@ fn refused(why: &'static str) -> Error {
 }
 
 impl ControlClient {
-    /// A runtime for one session, our identity and the handshake's key.
+    /// A runtime for one session, our identity (its endpoint naming `key`
+    /// unless it names a key already) and the handshake's key.
     fn prepare(
         secret: Option<&[u8]>,
         endpoint: ControlEndpoint,
         incarnation: Incarnation,
+        key: &StaticKey,
     ) -> Result<(tokio::runtime::Runtime, PeerIdentity, [u8; 32])> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|_| refused("could not start a runtime"))?;
+        let endpoint = match endpoint.key() {
+            Some(_) => endpoint,
+            None => endpoint.with_key(Some(key.public())),
+        };
         let identity = PeerIdentity {
             endpoint,
             incarnation,
@@ -151,9 +162,9 @@ impl ControlClient {
     /// A session whose handshake is done, with `peer` on the other side.
     fn established(
         runtime: tokio::runtime::Runtime,
-        stream: TcpStream,
-        transport: snow::TransportState,
+        (stream, transport): (TcpStream, snow::TransportState),
         peer: PeerIdentity,
+        claimed: ControlEndpoint,
     ) -> Self {
         Self {
             runtime,
@@ -164,34 +175,57 @@ impl ControlClient {
             plain: BytesMut::new(),
             scratch: vec![0u8; RECORD_MAX],
             peer: (peer.endpoint, peer.incarnation),
+            claimed,
         }
     }
 
-    /// Dials `to` and completes the handshake as `endpoint`/`incarnation`.
+    /// Dials `to` and completes the handshake as `endpoint`/`incarnation`,
+    /// proving a fresh static key (a new member each time).
     pub fn connect(
         to: &ControlEndpoint,
         secret: Option<&[u8]>,
         endpoint: ControlEndpoint,
         incarnation: Incarnation,
     ) -> Result<Self> {
-        let (runtime, identity, psk) = Self::prepare(secret, endpoint, incarnation)?;
+        Self::connect_as(to, secret, endpoint, incarnation, &StaticKey::generate()?)
+    }
+
+    /// [`Self::connect`] proving `key`. When `to` names a key, a runner
+    /// that proves another is refused.
+    pub fn connect_as(
+        to: &ControlEndpoint,
+        secret: Option<&[u8]>,
+        endpoint: ControlEndpoint,
+        incarnation: Incarnation,
+        key: &StaticKey,
+    ) -> Result<Self> {
+        let (runtime, identity, psk) = Self::prepare(secret, endpoint, incarnation, key)?;
         let (stream, transport, peer) = runtime.block_on(async {
             // The runner's own dialer: same name resolution and timeout.
             let mut stream = session::dial(to)
                 .await
                 .ok_or(refused("connect failed or timed out"))?;
             let _ = stream.set_nodelay(true);
+            let me = LocalMember {
+                key,
+                identity: &identity,
+            };
             let (transport, peer) = tokio::time::timeout(
                 Duration::from_secs(5),
-                session::initiate(&mut stream, &psk, &identity),
+                session::initiate(&mut stream, &psk, &me, to.key()),
             )
             .await
             .ok()
-            .flatten()
+            .and_then(std::result::Result::ok)
             .ok_or(refused("handshake refused"))?;
             Ok::<_, Error>((stream, transport, peer))
         })?;
-        Ok(Self::established(runtime, stream, transport, peer))
+        Ok(Self::established(
+            runtime,
+            (stream, transport),
+            peer,
+            identity.endpoint,
+        ))
     }
 
     /// Takes the next connection a runner makes to `listener` within
@@ -199,24 +233,30 @@ impl ControlClient {
     /// handshake is answered as `endpoint`/`incarnation` under `secret`, or
     /// a data stream, whose hello is read and challenged. `Err` for anything
     /// else (a wrong preamble, a handshake that fails, nothing in time).
+    /// The session proves `key` (a hint must name it for a runner to dial
+    /// us when a cluster secret is set).
     pub fn accept(
         listener: &std::net::TcpListener,
         secret: Option<&[u8]>,
-        endpoint: ControlEndpoint,
-        incarnation: Incarnation,
+        (endpoint, incarnation): (ControlEndpoint, Incarnation),
+        key: &StaticKey,
         wait: Duration,
     ) -> Result<Dialed> {
-        let (runtime, identity, psk) = Self::prepare(secret, endpoint, incarnation)?;
+        let (runtime, identity, psk) = Self::prepare(secret, endpoint, incarnation, key)?;
         let listener = listener
             .try_clone()
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
             .map_err(|_| refused("could not use the listener"))?;
         let accepted = runtime.block_on(async {
-            tokio::time::timeout(wait, Self::take_dialed(listener, &psk, &identity)).await
+            let me = LocalMember {
+                key,
+                identity: &identity,
+            };
+            tokio::time::timeout(wait, Self::take_dialed(listener, &psk, &me)).await
         });
         match accepted.ok().flatten() {
             Some((stream, Accepted::Session(transport, peer))) => Ok(Dialed::Session(Box::new(
-                Self::established(runtime, stream, transport, peer),
+                Self::established(runtime, (stream, transport), peer, identity.endpoint),
             ))),
             Some((stream, Accepted::Stream(hello))) => {
                 let socket = stream
@@ -239,13 +279,19 @@ impl ControlClient {
     async fn take_dialed(
         listener: std::net::TcpListener,
         psk: &[u8; 32],
-        identity: &PeerIdentity,
+        me: &LocalMember<'_>,
     ) -> Option<(TcpStream, Accepted)> {
         let listener = tokio::net::TcpListener::from_std(listener).ok()?;
         let (mut stream, _) = listener.accept().await.ok()?;
         let _ = stream.set_nodelay(true);
-        let accepted = listener::answer(&mut stream, psk, identity).await?;
+        let accepted = listener::answer(&mut stream, psk, me).await.ok()?;
         Some((stream, accepted))
+    }
+
+    /// The endpoint this client claimed: the one it was given, naming its
+    /// own key when that named none.
+    pub fn claimed(&self) -> &ControlEndpoint {
+        &self.claimed
     }
 
     /// The runner's identity as its handshake proved it: the endpoint it

@@ -154,6 +154,16 @@ pub(crate) struct ControlStats {
     /// Control messages dropped on arrival because their mailbox copy had
     /// been taken.
     pub(crate) early_copies_dropped: AtomicU64,
+    // Member identity (see `session`).
+    /// Dials refused: the source answered with another key than the one
+    /// its endpoint named.
+    pub(crate) sources_wrong_key: AtomicU64,
+    /// Dials refused: the source's endpoint named no key, and keyless
+    /// sources are not allowed.
+    pub(crate) sources_keyless_refused: AtomicU64,
+    /// Accepted sessions refused: the dialer claimed an endpoint naming
+    /// another key than the one it proved.
+    pub(crate) claims_refused: AtomicU64,
 }
 
 impl ControlStats {
@@ -180,6 +190,9 @@ impl ControlStats {
             mailbox_requests_taken: self.mailbox_requests_taken.load(Ordering::Relaxed),
             mailbox_requests_refused: self.mailbox_requests_refused.load(Ordering::Relaxed),
             early_copies_dropped: self.early_copies_dropped.load(Ordering::Relaxed),
+            sources_wrong_key: self.sources_wrong_key.load(Ordering::Relaxed),
+            sources_keyless_refused: self.sources_keyless_refused.load(Ordering::Relaxed),
+            claims_refused: self.claims_refused.load(Ordering::Relaxed),
         }
     }
 }
@@ -249,6 +262,16 @@ pub struct ControlCounters {
     /// Control messages dropped on arrival because their mailbox copy had
     /// been taken (as a source).
     pub early_copies_dropped: u64,
+    // Member identity.
+    /// Sessions to a source refused as a target: the static key that
+    /// answered was not the one the source's endpoint named (`?key=`).
+    pub sources_wrong_key: u64,
+    /// Sessions to a source not dialed as a target: its endpoint named no
+    /// key and [`crate::KeylessSources`] refuses that.
+    pub sources_keyless_refused: u64,
+    /// Sessions refused as a source: the dialer claimed an endpoint naming
+    /// another key than the static key it proved in the handshake.
+    pub claims_refused: u64,
 }
 
 /// Counts an open socket while alive.

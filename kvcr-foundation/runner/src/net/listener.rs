@@ -16,7 +16,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 use super::channel::{Inbound, Link, SessionOut, Shared, Side};
 use super::limits::SocketGuard;
-use super::session::{self, PREAMBLE, PeerIdentity, run_session};
+use super::session::{self, LocalMember, PREAMBLE, PeerIdentity, Refusal, run_session};
 use super::stream::{self, AcceptedStream, StreamHello, StreamHold};
 
 /// Holds one accepted connection's place under the caps.
@@ -95,19 +95,22 @@ async fn accept_session(mut stream: TcpStream, admission: AdmissionGuard, shared
     let socket = SocketGuard::new(&shared.stats);
     let handshake = tokio::time::timeout(
         shared.limits.handshake_timeout,
-        answer(&mut stream, &shared.psk, &shared.identity),
+        answer(&mut stream, &shared.psk, &shared.local_member()),
     )
     .await;
     let (transport, peer) = match handshake {
-        Ok(Some(Accepted::Session(transport, peer))) => (transport, peer),
-        Ok(Some(Accepted::Stream(hello))) => {
+        Ok(Ok(Accepted::Session(transport, peer))) => (transport, peer),
+        Ok(Ok(Accepted::Stream(hello))) => {
             // Proven (or not) on the peer thread, which holds the keys.
             let hold = StreamHold::new((admission, socket));
             let accepted = AcceptedStream::new(hello, stream, hold);
             let _ = shared.inbound.send(Inbound::Stream(accepted));
             return;
         }
-        _ => {
+        refused => {
+            if let Ok(Err(Refusal::ForeignClaim)) = refused {
+                shared.stats.claims_refused.fetch_add(1, Ordering::Relaxed);
+            }
             shared
                 .stats
                 .refused_handshakes
@@ -150,21 +153,27 @@ pub(crate) enum Accepted {
 }
 
 /// Acceptor side of an accepted connection: reads its preamble, then
-/// answers a control session's handshake (as `identity`, under `psk`) or
-/// challenges a data stream. `None` for anything else.
+/// answers a control session's handshake (as `me`, under `psk`) or
+/// challenges a data stream. A refusal for anything else.
 pub(crate) async fn answer(
     stream: &mut TcpStream,
     psk: &[u8; 32],
-    identity: &PeerIdentity,
-) -> Option<Accepted> {
+    me: &LocalMember<'_>,
+) -> Result<Accepted, Refusal> {
     let mut preamble = [0u8; PREAMBLE.len()];
-    stream.read_exact(&mut preamble).await.ok()?;
+    stream
+        .read_exact(&mut preamble)
+        .await
+        .map_err(|_| Refusal::Handshake)?;
     if &preamble == stream::PREAMBLE {
-        return stream::accept(stream).await.map(Accepted::Stream);
+        return stream::accept(stream)
+            .await
+            .map(Accepted::Stream)
+            .ok_or(Refusal::Handshake);
     }
     if &preamble != PREAMBLE {
-        return None;
+        return Err(Refusal::Handshake);
     }
-    let (transport, dialer) = session::respond(stream, psk, identity).await?;
-    Some(Accepted::Session(transport, dialer))
+    let (transport, dialer) = session::respond(stream, psk, me).await?;
+    Ok(Accepted::Session(transport, dialer))
 }

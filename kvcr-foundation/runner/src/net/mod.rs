@@ -76,6 +76,7 @@ pub mod client;
 pub(crate) mod doorbell;
 mod limits;
 mod listener;
+pub(crate) mod member;
 mod session;
 pub(crate) mod stream;
 #[cfg(test)]
@@ -84,5 +85,6 @@ mod tests;
 pub(crate) use self::channel::{ChannelEvent, ControlChannel, Inbound};
 pub(crate) use self::limits::ControlStats;
 pub use self::limits::{ControlCounters, ControlLimits};
+pub use self::member::{KeylessSources, StaticKey};
 pub(crate) use self::session::PeerIdentity;
 pub(crate) use self::stream::AcceptedStream;

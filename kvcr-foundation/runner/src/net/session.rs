@@ -1,16 +1,20 @@
 //! The Noise session: where a control connection's keys, identities and
 //! records live.
 //!
-//! Every control connection starts with a Noise `NNpsk0` handshake
+//! Every control connection starts with a Noise `XXpsk0` handshake
 //! ([`initiate`] on the dialer, [`respond`] on the acceptor after the
 //! listener read the preamble) under a pre-shared key derived from the
-//! cluster secret ([`psk`]). The acceptor's [`PeerIdentity`] travels in the
-//! handshake's second message, the dialer's in the first transport record.
-//! After it, every byte is a Noise transport record ([`seal`],
-//! [`open_records`]), and [`run_session`] moves frames both ways until
-//! either side ends the session, the peer misbehaves or a deadline passes.
-//! [`dial_session`] is the task of a session we dial. See the module
-//! documentation of [`crate::net`] for what the session guarantees.
+//! cluster secret ([`psk`]), in which each side proves its static member key
+//! ([`StaticKey`]). The acceptor's [`PeerIdentity`] travels in the
+//! handshake's second message, the dialer's in the third; each is bound to
+//! the static key its sender proved (a dialer's claimed endpoint carries
+//! that key, see [`respond`]; a dialer checks the acceptor's key against the
+//! one the dialed endpoint names, see [`initiate`]). After it, every byte is
+//! a Noise transport record ([`seal`], [`open_records`]), and
+//! [`run_session`] moves frames both ways until either side ends the
+//! session, the peer misbehaves or a deadline passes. [`dial_session`] is
+//! the task of a session we dial. See the module documentation of
+//! [`crate::net`] for what the session guarantees.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -24,17 +28,23 @@ use tokio::net::TcpStream;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
+use kvcr_contracts::MemberKey;
 use kvcr_contracts::endpoint::{ControlEndpoint, Host};
 use kvcr_contracts::incarnation::Incarnation;
 
 use super::channel::{Inbound, Link, SessionOut, Shared, Side};
 use super::limits::{BUDGET_UNIT, SocketGuard};
+use super::member::StaticKey;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-/// Sent by the dialer before the handshake: names the protocol and version.
-pub(super) const PREAMBLE: &[u8; 8] = b"KVCR-N1\0";
-const NOISE_PARAMS: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
-const PROLOGUE: &[u8] = b"kvcr control channel v1";
+/// Sent by the dialer before the handshake: names the protocol and version
+/// (N2: static member keys).
+pub(super) const PREAMBLE: &[u8; 8] = b"KVCR-N2\0";
+/// `psk0`: the secret is mixed in before the first message, so a process
+/// without it is refused at that message and learns nothing, not even the
+/// acceptor's static key.
+const NOISE_PARAMS: &str = "Noise_XXpsk0_25519_ChaChaPoly_BLAKE2s";
+const PROLOGUE: &[u8] = b"kvcr control channel v2";
 /// Largest Noise message (record ciphertext).
 pub(crate) const RECORD_MAX: usize = 65_535;
 /// Bytes of the tag on each sealed record.
@@ -88,13 +98,40 @@ pub(crate) fn psk(secret: Option<&[u8]>) -> [u8; 32] {
     hash.finalize().into()
 }
 
-fn builder(psk: &[u8; 32]) -> Option<snow::Builder<'_>> {
+fn builder<'a>(psk: &'a [u8; 32], key: &'a StaticKey) -> Option<snow::Builder<'a>> {
     let params = NOISE_PARAMS.parse().ok()?;
     snow::Builder::new(params)
         .prologue(PROLOGUE)
         .ok()?
         .psk(0, psk)
+        .ok()?
+        .local_private_key(key.private())
         .ok()
+}
+
+/// Why a handshake did not give a session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// No or another secret, garbage, a replay, too large, or the peer left.
+    Handshake,
+    /// The acceptor proved another static key than the dialed endpoint
+    /// names.
+    WrongKey,
+    /// The dialer claimed an endpoint naming another key than it proved.
+    ForeignClaim,
+}
+
+/// What a runner's end of a handshake proves and says: its static key and
+/// its identity (whose endpoint names that key).
+pub(crate) struct LocalMember<'a> {
+    pub(crate) key: &'a StaticKey,
+    pub(crate) identity: &'a PeerIdentity,
+}
+
+/// The remote static key a finished handshake state proved.
+fn remote_key(handshake: &snow::HandshakeState) -> Option<MemberKey> {
+    let bytes: [u8; 32] = handshake.get_remote_static()?.try_into().ok()?;
+    MemberKey::from_bytes(bytes)
 }
 
 pub(super) async fn dial_session(
@@ -107,15 +144,26 @@ pub(super) async fn dial_session(
         endpoint: to.clone(),
         incarnation: shared.identity.incarnation,
     };
-    if let Some(mut stream) = dial(&to).await {
+    let keyless_allowed = shared.keyless_sources.allowed(shared.secret_set);
+    if to.key().is_none() && !keyless_allowed {
+        // Nobody was named to answer there: we do not ask whoever does.
+        shared
+            .stats
+            .sources_keyless_refused
+            .fetch_add(1, Ordering::Relaxed);
+    } else if let Some(mut stream) = dial(&to).await {
         let _socket = SocketGuard::new(&shared.stats);
         let _ = stream.set_nodelay(true);
+        let me = LocalMember {
+            key: &shared.static_key,
+            identity: &shared.identity,
+        };
         let handshake = tokio::time::timeout(
             shared.limits.handshake_timeout,
-            initiate(&mut stream, &shared.psk, &shared.identity),
+            initiate(&mut stream, &shared.psk, &me, to.key()),
         )
         .await;
-        if let Ok(Some((transport, answered))) = handshake {
+        if let Ok(Ok((transport, answered))) = handshake {
             // The endpoint is the one we dialed (the name the core uses); the
             // incarnation is whoever answered there.
             peer.incarnation = answered.incarnation;
@@ -140,6 +188,12 @@ pub(super) async fn dial_session(
                 run_session(&stream, (id, Side::Dialed), &peer, &out, &shared).await;
             }
         } else {
+            if let Ok(Err(Refusal::WrongKey)) = handshake {
+                shared
+                    .stats
+                    .sources_wrong_key
+                    .fetch_add(1, Ordering::Relaxed);
+            }
             shared
                 .stats
                 .refused_handshakes
@@ -188,48 +242,91 @@ async fn read_small_record(stream: &mut TcpStream, max: usize) -> Option<Vec<u8>
 }
 
 /// Dialer: `PREAMBLE`, handshake message 1 → message 2 (the acceptor's
-/// identity) → first transport record (our identity).
+/// static key and identity) → message 3 (ours). When `expected` names a key,
+/// an acceptor that proves another is refused before we say who we are.
 pub(crate) async fn initiate(
     stream: &mut TcpStream,
     psk: &[u8; 32],
-    identity: &PeerIdentity,
-) -> Option<(snow::TransportState, PeerIdentity)> {
-    let mut handshake = builder(psk)?.build_initiator().ok()?;
+    me: &LocalMember<'_>,
+    expected: Option<&MemberKey>,
+) -> Result<(snow::TransportState, PeerIdentity), Refusal> {
+    let fail = Refusal::Handshake;
+    let mut handshake = builder(psk, me.key)
+        .and_then(|b| b.build_initiator().ok())
+        .ok_or(fail)?;
     let mut buf = vec![0u8; HANDSHAKE_MESSAGE_MAX];
-    let len = handshake.write_message(&[], &mut buf).ok()?;
-    stream.write_all(PREAMBLE).await.ok()?;
-    write_record(stream, buf.get(..len)?).await?;
-    let reply = read_small_record(stream, HANDSHAKE_MESSAGE_MAX).await?;
+    let len = handshake.write_message(&[], &mut buf).map_err(|_| fail)?;
+    stream.write_all(PREAMBLE).await.map_err(|_| fail)?;
+    write_record(stream, buf.get(..len).ok_or(fail)?)
+        .await
+        .ok_or(fail)?;
+    let reply = read_small_record(stream, HANDSHAKE_MESSAGE_MAX)
+        .await
+        .ok_or(fail)?;
     let mut payload = vec![0u8; HANDSHAKE_MESSAGE_MAX];
-    let n = handshake.read_message(&reply, &mut payload).ok()?;
-    let acceptor = PeerIdentity::decode(payload.get(..n)?)?;
-    let mut transport = handshake.into_transport_mode().ok()?;
-    let n = transport.write_message(&identity.encode(), &mut buf).ok()?;
-    write_record(stream, buf.get(..n)?).await?;
-    Some((transport, acceptor))
+    let n = handshake
+        .read_message(&reply, &mut payload)
+        .map_err(|_| fail)?;
+    let proved = remote_key(&handshake).ok_or(fail)?;
+    if expected.is_some_and(|key| *key != proved) {
+        return Err(Refusal::WrongKey);
+    }
+    let acceptor = PeerIdentity::decode(payload.get(..n).ok_or(fail)?).ok_or(fail)?;
+    let n = handshake
+        .write_message(&me.identity.encode(), &mut buf)
+        .map_err(|_| fail)?;
+    write_record(stream, buf.get(..n).ok_or(fail)?)
+        .await
+        .ok_or(fail)?;
+    let transport = handshake.into_transport_mode().map_err(|_| fail)?;
+    Ok((transport, acceptor))
 }
 
-/// Acceptor side of [`initiate`] (after its `PREAMBLE`).
+/// Acceptor side of [`initiate`] (after its `PREAMBLE`). The dialer's
+/// identity is bound to the static key it proved: its claimed endpoint
+/// carries that key (added when the claim names none; a claim naming
+/// another key is refused), so a member can speak only as itself.
 pub(super) async fn respond(
     stream: &mut TcpStream,
     psk: &[u8; 32],
-    identity: &PeerIdentity,
-) -> Option<(snow::TransportState, PeerIdentity)> {
-    let mut handshake = builder(psk)?.build_responder().ok()?;
-    let first = read_small_record(stream, HANDSHAKE_MESSAGE_MAX).await?;
+    me: &LocalMember<'_>,
+) -> Result<(snow::TransportState, PeerIdentity), Refusal> {
+    let fail = Refusal::Handshake;
+    let mut handshake = builder(psk, me.key)
+        .and_then(|b| b.build_responder().ok())
+        .ok_or(fail)?;
+    let first = read_small_record(stream, HANDSHAKE_MESSAGE_MAX)
+        .await
+        .ok_or(fail)?;
     let mut payload = vec![0u8; HANDSHAKE_MESSAGE_MAX];
     // Fails unless the dialer knows the secret (the message is sealed under it).
-    handshake.read_message(&first, &mut payload).ok()?;
+    handshake
+        .read_message(&first, &mut payload)
+        .map_err(|_| fail)?;
     let mut buf = vec![0u8; HANDSHAKE_MESSAGE_MAX];
-    let len = handshake.write_message(&identity.encode(), &mut buf).ok()?;
-    write_record(stream, buf.get(..len)?).await?;
-    let mut transport = handshake.into_transport_mode().ok()?;
-    // Only a dialer holding this session's keys can produce this record: a
-    // replayed first message stops here.
-    let record = read_small_record(stream, HANDSHAKE_MESSAGE_MAX).await?;
-    let n = transport.read_message(&record, &mut payload).ok()?;
-    let dialer = PeerIdentity::decode(payload.get(..n)?)?;
-    Some((transport, dialer))
+    let len = handshake
+        .write_message(&me.identity.encode(), &mut buf)
+        .map_err(|_| fail)?;
+    write_record(stream, buf.get(..len).ok_or(fail)?)
+        .await
+        .ok_or(fail)?;
+    // Only the dialer holding this handshake's ephemeral key can produce
+    // the third message: a replayed first message stops here.
+    let third = read_small_record(stream, HANDSHAKE_MESSAGE_MAX)
+        .await
+        .ok_or(fail)?;
+    let n = handshake
+        .read_message(&third, &mut payload)
+        .map_err(|_| fail)?;
+    let proved = remote_key(&handshake).ok_or(fail)?;
+    let mut dialer = PeerIdentity::decode(payload.get(..n).ok_or(fail)?).ok_or(fail)?;
+    match dialer.endpoint.key() {
+        Some(claimed) if *claimed != proved => return Err(Refusal::ForeignClaim),
+        Some(_) => {}
+        None => dialer.endpoint = dialer.endpoint.with_key(Some(proved)),
+    }
+    let transport = handshake.into_transport_mode().map_err(|_| fail)?;
+    Ok((transport, dialer))
 }
 
 /// Why a session ended (for counters).

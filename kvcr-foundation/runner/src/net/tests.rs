@@ -19,7 +19,8 @@ use kvcr_contracts::protocol::{Body, Message};
 
 use super::channel::{ChannelEvent, ControlChannel, Inbound, Shared};
 use super::limits::{ControlLimits, ControlStats};
-use super::session::{PREAMBLE, PeerIdentity, RECORD_MAX, initiate, seal};
+use super::member::{KeylessSources, StaticKey};
+use super::session::{PREAMBLE, PeerIdentity, RECORD_MAX, Refusal, initiate, seal};
 use crate::wire::numbering::MAX_TAKEN_EARLY;
 use kvcr_contracts::protocol::{Header, OpHandle, RouteGeneration, WriteOutcome};
 use rstest::rstest;
@@ -80,14 +81,27 @@ struct Node {
 
 impl Node {
     async fn start(secret: Option<&[u8]>, limits: ControlLimits) -> Self {
+        Self::start_with(secret, limits, KeylessSources::default()).await
+    }
+
+    /// A node whose endpoint names its fresh static key.
+    async fn start_with(
+        secret: Option<&[u8]>,
+        limits: ControlLimits,
+        keyless: KeylessSources,
+    ) -> Self {
         let (listener, addr) = ControlChannel::bind("127.0.0.1:0".parse().unwrap())
             .await
             .unwrap();
+        let key = StaticKey::generate().unwrap();
         let identity = PeerIdentity {
-            endpoint: ControlEndpoint::parse(&format!("tcp://{addr}")).unwrap(),
+            endpoint: ControlEndpoint::parse(&format!("tcp://{addr}"))
+                .unwrap()
+                .with_key(Some(key.public())),
             incarnation: Incarnation::generate(),
         };
-        let (channel, inbound) = ControlChannel::start(listener, identity.clone(), secret, limits);
+        let (channel, inbound) =
+            ControlChannel::start(listener, identity.clone(), secret, limits, (key, keyless));
         Self {
             channel,
             inbound,
@@ -138,7 +152,7 @@ async fn member_session(
 ) -> (TcpStream, snow::TransportState, PeerIdentity) {
     let (stub, _) = Node::start(secret, quick_limits()).await.channel_parts();
     let mut stream = TcpStream::connect(to).await.unwrap();
-    let (transport, acceptor) = initiate(&mut stream, &stub.psk, &stub.identity)
+    let (transport, acceptor) = initiate(&mut stream, &stub.psk, &stub.local_member(), None)
         .await
         .unwrap();
     (stream, transport, acceptor)
@@ -275,15 +289,15 @@ fn a_replayed_handshake_opens_no_session() {
         let relay_addr = relay.local_addr().unwrap();
         let dialer = tokio::spawn(async move {
             let mut stream = TcpStream::connect(relay_addr).await.unwrap();
-            let result = initiate(&mut stream, &stub.psk, &stub.identity).await;
-            (stream, result.is_some())
+            let result = initiate(&mut stream, &stub.psk, &stub.local_member(), None).await;
+            (stream, result.is_ok())
         });
         let (mut from_dialer, _) = relay.accept().await.unwrap();
         let mut to_source = TcpStream::connect(source.addr).await.unwrap();
         let mut captured = Vec::new();
         let mut buf = vec![0u8; 4096];
         // Dialer → source: preamble + message 1; source → dialer: message 2;
-        // dialer → source: the identity record.
+        // dialer → source: message 3 (its static key and identity).
         let n = from_dialer.read(&mut buf).await.unwrap();
         captured.extend_from_slice(&buf[..n]);
         to_source.write_all(&buf[..n]).await.unwrap();
@@ -575,5 +589,148 @@ fn a_message_taken_early_is_the_sessions_next_and_its_copy_is_dropped() {
             None
         );
         assert_eq!(target.stat(|s| &s.dropped), 0);
+    });
+}
+
+/// A target dialing an endpoint that names a key talks only to the member
+/// holding it: the right key opens a session; another member answering at
+/// that address (its key not the one named) is refused before the target
+/// says who it is, and counted.
+#[test]
+fn a_dialer_checks_the_named_key() {
+    runtime().block_on(async {
+        let mut target = Node::start(Some(SECRET), quick_limits()).await;
+        let mut source = Node::start(Some(SECRET), quick_limits()).await;
+        target.channel.send(&source.identity.endpoint, &probe(1));
+        assert_eq!(source.message().await.unwrap().body, probe(1).body);
+        // The same address, naming another member's key.
+        let other = StaticKey::generate().unwrap();
+        let wrong = source.identity.endpoint.with_key(Some(other.public()));
+        target.channel.send(&wrong, &probe(2));
+        assert!(matches!(
+            target.event(Duration::from_secs(5)).await,
+            Some(ChannelEvent::SourceLost(lost)) if lost == wrong
+        ));
+        assert_eq!(target.stat(|s| &s.sources_wrong_key), 1);
+        assert!(
+            source.event(Duration::from_millis(300)).await.is_none(),
+            "nothing reached the source on the refused session"
+        );
+        // And by hand: `initiate` refuses the wrong key itself.
+        let (stub, _inbound) = Node::start(Some(SECRET), quick_limits())
+            .await
+            .channel_parts();
+        let mut stream = TcpStream::connect(source.addr).await.unwrap();
+        let refused = initiate(
+            &mut stream,
+            &stub.psk,
+            &stub.local_member(),
+            Some(&other.public()),
+        )
+        .await;
+        assert!(matches!(refused, Err(Refusal::WrongKey)));
+    });
+}
+
+/// With a cluster secret, an endpoint naming no key is not dialed by
+/// default (counted; the source never hears of it); a runner that allows
+/// keyless sources dials it as before.
+#[rstest]
+#[case::refused_by_default(KeylessSources::RefusedWithSecret, false)]
+#[case::refused(KeylessSources::Refused, false)]
+#[case::allowed(KeylessSources::Allowed, true)]
+fn a_keyless_source_follows_the_policy(#[case] policy: KeylessSources, #[case] dialed: bool) {
+    runtime().block_on(async {
+        let mut target = Node::start_with(Some(SECRET), quick_limits(), policy).await;
+        let mut source = Node::start(Some(SECRET), quick_limits()).await;
+        let keyless = source.identity.endpoint.with_key(None);
+        target.channel.send(&keyless, &probe(1));
+        if dialed {
+            let got = source.message().await.unwrap();
+            assert_eq!(got.body, probe(1).body);
+            assert_eq!(target.stat(|s| &s.sources_keyless_refused), 0);
+        } else {
+            assert!(matches!(
+                target.event(Duration::from_secs(5)).await,
+                Some(ChannelEvent::SourceLost(lost)) if lost == keyless
+            ));
+            assert_eq!(target.stat(|s| &s.sources_keyless_refused), 1);
+            assert!(source.event(Duration::from_millis(300)).await.is_none());
+            assert_eq!(source.stat(|s| &s.refused_handshakes), 0, "never dialed");
+        }
+    });
+}
+
+/// Without a secret (loopback only) the default dials keyless endpoints.
+#[test]
+fn without_a_secret_keyless_sources_are_dialed_by_default() {
+    runtime().block_on(async {
+        let mut target = Node::start(None, quick_limits()).await;
+        let mut source = Node::start(None, quick_limits()).await;
+        target
+            .channel
+            .send(&source.identity.endpoint.with_key(None), &probe(1));
+        assert_eq!(source.message().await.unwrap().body, probe(1).body);
+    });
+}
+
+/// A member claiming another member's keyed endpoint is refused (counted)
+/// and nothing it sends arrives; claiming the same address without a key
+/// makes it another identity (its own key), which leaves the honest
+/// member's session in place: replies still reach it.
+#[test]
+fn a_member_cannot_claim_another_members_identity() {
+    runtime().block_on(async {
+        let mut target = Node::start(Some(SECRET), quick_limits()).await;
+        let mut source = Node::start(Some(SECRET), quick_limits()).await;
+        let honest = target.identity.endpoint.clone();
+        target.channel.send(&source.identity.endpoint, &probe(1));
+        assert_eq!(source.message().await.unwrap().body, probe(1).body);
+        let (impostor, _inbound) = Node::start(Some(SECRET), quick_limits())
+            .await
+            .channel_parts();
+        // Claims the honest target's endpoint, key and all.
+        let claim = PeerIdentity {
+            endpoint: honest.clone(),
+            incarnation: Incarnation::generate(),
+        };
+        let me = super::session::LocalMember {
+            key: &impostor.static_key,
+            identity: &claim,
+        };
+        let mut stream = TcpStream::connect(source.addr).await.unwrap();
+        let (mut transport, _) = initiate(&mut stream, &impostor.psk, &me, None)
+            .await
+            .unwrap();
+        send_sealed(&mut stream, &mut transport, &probe(66)).await;
+        assert!(closed_by_peer(&mut stream).await);
+        assert_eq!(source.stat(|s| &s.claims_refused), 1);
+        // Claims the address alone: accepted as itself.
+        let claim = PeerIdentity {
+            endpoint: honest.with_key(None),
+            incarnation: Incarnation::generate(),
+        };
+        let me = super::session::LocalMember {
+            key: &impostor.static_key,
+            identity: &claim,
+        };
+        let mut stream = TcpStream::connect(source.addr).await.unwrap();
+        let (mut transport, _) = initiate(&mut stream, &impostor.psk, &me, None)
+            .await
+            .unwrap();
+        send_sealed(&mut stream, &mut transport, &probe(67)).await;
+        let got = source.message().await.unwrap();
+        assert_eq!(got.body, probe(67).body);
+        assert_eq!(
+            got.header.sender_endpoint,
+            honest.with_key(Some(impostor.static_key.public())),
+            "stamped with the key it proved"
+        );
+        assert_ne!(got.header.sender_endpoint, honest);
+        // The honest target's session was not replaced: a reply reaches it.
+        let dropped = source.stat(|s| &s.dropped);
+        source.channel.send(&honest, &done(9));
+        assert_eq!(source.stat(|s| &s.dropped), dropped);
+        assert_eq!(target.message().await.unwrap().body, done(9).body);
     });
 }

@@ -20,7 +20,7 @@ use crate::config::{PeerOptions, control_bind_address};
 use crate::copy::lanes::Lanes;
 use crate::error::{Error, Result, RunnerReason};
 use crate::net::doorbell::TargetDoorbell;
-use crate::net::{ControlChannel, Inbound, PeerIdentity};
+use crate::net::{ControlChannel, Inbound, PeerIdentity, StaticKey};
 use crate::wire::record::SLOT_BYTES;
 use crate::wire::region::REGION_BYTES;
 use kvcr_sys::mapping::AnonMapping;
@@ -302,7 +302,14 @@ async fn start_control(
             why: "could not bind the control listener",
         })
     })?;
-    let endpoint = ControlEndpoint::new(options.advertise_host.clone(), local.port())?;
+    // Our member key: the advertised endpoint names it, so whoever is told
+    // where we are is told who must answer there.
+    let static_key = match &options.static_key {
+        Some(key) => key.clone(),
+        None => StaticKey::generate()?,
+    };
+    let endpoint = ControlEndpoint::new(options.advertise_host.clone(), local.port())?
+        .with_key(Some(static_key.public()));
     endpoint.check_advertisable(options.advertise_policy)?;
     let (control, inbound) = ControlChannel::start(
         listener,
@@ -312,6 +319,7 @@ async fn start_control(
         },
         options.secret.as_deref(),
         options.limits,
+        (static_key, options.keyless_sources),
     );
     Ok((endpoint, control, inbound))
 }

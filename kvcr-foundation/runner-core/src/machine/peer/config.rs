@@ -81,17 +81,19 @@ impl RouteBudget {
 }
 
 impl PeerConfig {
-    /// Whether this runner talks to `peer` at all.
+    /// Whether this runner talks to `peer` at all. A listed endpoint that
+    /// names a key admits only that member ([`ControlEndpoint::names`]).
     pub fn allows(&self, peer: &ControlEndpoint) -> bool {
-        self.allowed_peers.is_empty() || self.allowed_peers.contains(peer)
+        self.allowed_peers.is_empty() || self.allowed_peers.iter().any(|p| p.names(peer))
     }
 
-    /// Whether `target` may fetch keys of `namespace` from this runner.
+    /// Whether `target` may fetch keys of `namespace` from this runner (a
+    /// listed endpoint that names a key admits only that member).
     pub fn may_fetch(&self, target: &ControlEndpoint, namespace: NamespaceId) -> bool {
         self.private_namespaces
             .iter()
             .filter(|(ns, _)| *ns == namespace)
-            .all(|(_, members)| members.contains(target))
+            .all(|(_, members)| members.iter().any(|m| m.names(target)))
     }
 }
 
