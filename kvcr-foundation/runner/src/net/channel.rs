@@ -558,6 +558,7 @@ impl ControlChannel {
                 let session = Session::new(session, out, Some(peer.incarnation));
                 if let Some(old) = self.accepted.insert(peer.endpoint, session) {
                     old.out.close();
+                    self.stats.sessions_replaced.fetch_add(1, Ordering::Relaxed);
                 }
                 None
             }

@@ -164,6 +164,9 @@ pub(crate) struct ControlStats {
     /// Accepted sessions refused: the dialer claimed an endpoint naming
     /// another key than the one it proved.
     pub(crate) claims_refused: AtomicU64,
+    /// Accepted sessions closed because a newer one proved the same
+    /// identity.
+    pub(crate) sessions_replaced: AtomicU64,
 }
 
 impl ControlStats {
@@ -193,6 +196,7 @@ impl ControlStats {
             sources_wrong_key: self.sources_wrong_key.load(Ordering::Relaxed),
             sources_keyless_refused: self.sources_keyless_refused.load(Ordering::Relaxed),
             claims_refused: self.claims_refused.load(Ordering::Relaxed),
+            sessions_replaced: self.sessions_replaced.load(Ordering::Relaxed),
         }
     }
 }
@@ -272,6 +276,9 @@ pub struct ControlCounters {
     /// Sessions refused as a source: the dialer claimed an endpoint naming
     /// another key than the static key it proved in the handshake.
     pub claims_refused: u64,
+    /// Sessions accepted as a source that closed an older one of the same
+    /// identity (endpoint and key): the member reconnected or restarted.
+    pub sessions_replaced: u64,
 }
 
 /// Counts an open socket while alive.

@@ -18,7 +18,9 @@ use kvcr_contracts::{
     BlockKey, ControlEndpoint, FetchHint, Incarnation, NamespaceId, RequestId, ScopedKey,
 };
 use kvcr_runner::client::{ControlClient, Dialed, seal_write_header};
-use kvcr_runner::{DataStream, EntryStatus, FailReason, OpResult, PeerOptions, QueryStatus};
+use kvcr_runner::{
+    DataStream, EntryStatus, FailReason, OpResult, PeerOptions, QueryStatus, StaticKey,
+};
 use kvcr_runner_core::MAX_FENCES_PER_TARGET;
 use rstest::rstest;
 
@@ -121,8 +123,11 @@ fn forged_completions_never_succeed() {
     );
     let keys: Vec<u64> = (0..16).collect();
     let request = RequestId("forged".into());
+    // The hint names the key of the member expected there (no one holds
+    // it; the silent listener never gets that far).
+    let silent_key = StaticKey::generate().unwrap().public();
     let the_hint = FetchHint {
-        source: silent_endpoint.clone(),
+        source: silent_endpoint.with_key(Some(silent_key)),
         block_hashes: keys.iter().map(|k| BlockKey::from_u64(*k)).collect(),
         mode: kvcr_contracts::hint::FetchMode::Copy,
         action_id: None,
@@ -401,14 +406,24 @@ fn forged_data_streams_are_refused() {
     source.runner.check_invariants().unwrap();
 }
 
+/// A hand-driven member's listener, its endpoint naming `key` (so a hint
+/// to it is followed under the default keyless policy).
+fn member_listener(key: &StaticKey) -> (TcpListener, ControlEndpoint) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = ControlEndpoint::parse(&format!("tcp://{}", listener.local_addr().unwrap()))
+        .unwrap()
+        .with_key(Some(key.public()));
+    (listener, endpoint)
+}
+
 /// The next session or data stream the runner dials to `listener`, as
-/// the member at `endpoint`.
-fn accept_dialed(listener: &TcpListener, endpoint: &ControlEndpoint) -> Dialed {
+/// the member at `endpoint` holding `key`.
+fn accept_dialed(listener: &TcpListener, endpoint: &ControlEndpoint, key: &StaticKey) -> Dialed {
     ControlClient::accept(
         listener,
         Some(SECRET),
-        endpoint.clone(),
-        Incarnation::generate(),
+        (endpoint.clone(), Incarnation::generate()),
+        key,
         Duration::from_secs(10),
     )
     .unwrap()
@@ -468,9 +483,8 @@ fn next_start_write(
 #[test]
 fn forged_frames_on_a_hinted_sources_data_stream_are_refused() {
     let _serial = crate::serial();
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let forger =
-        ControlEndpoint::parse(&format!("tcp://{}", listener.local_addr().unwrap())).unwrap();
+    let forger_key = StaticKey::generate().unwrap();
+    let (listener, forger) = member_listener(&forger_key);
     let mut options = through_tcp();
     options.data_stream = DataStream::On;
     let mut target = node_with(&options, 16, Duration::from_secs(20));
@@ -493,7 +507,7 @@ fn forged_frames_on_a_hinted_sources_data_stream_are_refused() {
     // is dialed beside the metadata, and again on the acknowledgement).
     let (mut session, mut stream) = (None, None);
     while session.is_none() {
-        match accept_dialed(&listener, &forger) {
+        match accept_dialed(&listener, &forger, &forger_key) {
             Dialed::Session(s) => session = Some(*s),
             Dialed::DataStream(d) => stream = Some(d),
         }
@@ -504,7 +518,7 @@ fn forged_frames_on_a_hinted_sources_data_stream_are_refused() {
     let record_key = record_key.expect("the metadata came before the write");
     let mut stream = match stream {
         Some(stream) => stream,
-        None => match accept_dialed(&listener, &forger) {
+        None => match accept_dialed(&listener, &forger, &forger_key) {
             Dialed::DataStream(d) => d,
             Dialed::Session(_) => panic!("a second session instead of a data stream"),
         },
@@ -1042,7 +1056,7 @@ fn a_hint_to_a_stranger_reveals_nothing() {
         Duration::from_millis(500),
     );
     let the_hint = FetchHint {
-        source: stranger_endpoint,
+        source: stranger_endpoint.with_key(Some(StaticKey::generate().unwrap().public())),
         block_hashes: vec![BlockKey::from_u64(1)],
         mode: kvcr_contracts::hint::FetchMode::Copy,
         action_id: None,
@@ -1051,7 +1065,7 @@ fn a_hint_to_a_stranger_reveals_nothing() {
     assert_nothing_restored(&target, &result);
     let heard = heard.join().unwrap();
     // Preamble, a 2-byte length, and 48 bytes: an ephemeral key and a tag.
-    assert_eq!(&heard[..8], b"KVCR-N1\0");
+    assert_eq!(&heard[..8], b"KVCR-N2\0");
     assert_eq!(heard.len(), 8 + 2 + 48, "{heard:?}");
     target.runner.check_invariants().unwrap();
 }
