@@ -13,7 +13,7 @@ use std::io::Read;
 use std::time::Duration;
 
 use kvcr_foundation::hint::WorkerType;
-use kvcr_foundation::runner::DataStream;
+use kvcr_foundation::runner::{DataStream, KeylessSources};
 use kvcr_foundation::{AdvertisePolicy, BindAddress, Host, Medium, RankCoordinate, RankLayout};
 use serde_json::{Map, Value};
 
@@ -250,6 +250,7 @@ pub enum EvictionPolicy {
 /// | `prefault` | true | touch KVCR DRAM at startup |
 /// | `max_hinted_requests` | 1024 | live request hint scopes kept per rank |
 /// | `cluster_secret` | none | the peer control channel's cluster secret (a string, used byte for byte, at least 16 bytes) |
+/// | `keyless_sources` | `"auto"` | whether this rank follows a hint whose source endpoint names no member key (`?key=`): `"refuse"`, `"allow"`, or `"auto"`: allowed when the worker has more than one rank (its registration names only the DP owner's own key, and a TP rank dials its shard's runner by address), else refused when a cluster secret is set |
 /// | `cluster_secret_file` | none | path of a file whose contents, with surrounding ASCII whitespace trimmed, are the cluster secret (at least 16 bytes, a file of at most 64 KiB) |
 ///
 /// The cluster secret: at most one of `cluster_secret` and
@@ -287,6 +288,9 @@ pub struct BackendConfig {
     pub ucx_tls: Option<String>,
     /// Whether peer sources write to this rank over a data stream.
     pub data_stream: DataStream,
+    /// Whether hints naming a source without its member key are followed
+    /// (`None`: "auto", see the table).
+    pub keyless_sources: Option<KeylessSources>,
     /// Medium of published KVCR pages.
     pub medium: Medium,
     /// Pre-fault KVCR DRAM at startup.
@@ -457,6 +461,7 @@ impl Default for BackendConfig {
             single_host: false,
             ucx_tls: None,
             data_stream: DataStream::Auto,
+            keyless_sources: None,
             medium: Medium::Cpu,
             prefault: true,
             max_hinted_requests: 1024,
@@ -574,6 +579,21 @@ impl BackendConfig {
                             return Err(Error::config(
                                 k,
                                 format!("unknown policy {other:?} (lru or fifo)"),
+                            ));
+                        }
+                    }
+                }
+                "keyless_sources" => {
+                    c.keyless_sources = match as_str(k, v)? {
+                        "auto" => None,
+                        "refuse" => Some(KeylessSources::Refused),
+                        "allow" => Some(KeylessSources::Allowed),
+                        other => {
+                            return Err(Error::config(
+                                k,
+                                format!(
+                                    "unknown keyless_sources {other:?} (auto, refuse or allow)"
+                                ),
                             ));
                         }
                     }

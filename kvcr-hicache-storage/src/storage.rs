@@ -29,8 +29,8 @@ use kvcr_foundation::publisher::{
     OwnershipWire, PubSocket, Publisher, PublisherConfig, PublisherStats, TopicParts,
 };
 use kvcr_foundation::runner::{
-    CachePolicy, DeliverEntry, DepositEntry, OpResult, PeerCounters, PeerOptions, PoolConfig,
-    QueryStatus, Runner, RunnerConfig, RunnerStats, policy,
+    CachePolicy, DeliverEntry, DepositEntry, KeylessSources, OpResult, PeerCounters, PeerOptions,
+    PoolConfig, QueryStatus, Runner, RunnerConfig, RunnerStats, policy,
 };
 use kvcr_foundation::{
     BlockKey, CompatDigest, ControlEndpoint, FetchHint, Incarnation, InventoryEvent,
@@ -531,6 +531,16 @@ impl KvcrHiCacheStorage {
             )
             .and_then(|m| m.check_advertisable(b.advertise_policy()).map(|()| m))
             .map_err(|e| Error::Publisher(format!("router_hint_source_control_endpoints: {e}")))?;
+            // Our own rank's entry names our member key, so a destination
+            // talks only to us there (other ranks' keys are not known here).
+            let own_key = self
+                .active
+                .get()
+                .and_then(|a| a.endpoint.as_ref()?.key().copied());
+            let map = match own_key {
+                Some(key) => map.with_member_key(self.coordinate.dp(), key),
+                None => map,
+            };
             out.push((
                 "router_hint_source_control_endpoints".to_owned(),
                 map.to_json(),
@@ -751,10 +761,25 @@ impl KvcrHiCacheStorage {
                 guard.journal_bytes = *journal_bytes;
                 guard
             }),
+            keyless_sources: self.keyless_sources(),
             // The runner's defaults for everything this backend does not set.
             ..PeerOptions::loopback()
         };
         Ok(Runner::start_with_peers(config, Some(policy), &options)?)
+    }
+
+    /// Whether this rank follows hints naming no member key: as configured,
+    /// else allowed for a worker of more than one rank (whose registration
+    /// names only the DP owner's key), else the runner's default.
+    fn keyless_sources(&self) -> KeylessSources {
+        let ranks = u64::from(self.storage.dp_size)
+            * u64::from(self.storage.tp_size)
+            * u64::from(self.storage.attn_cp_size);
+        match self.backend.keyless_sources {
+            Some(policy) => policy,
+            None if ranks > 1 => KeylessSources::Allowed,
+            None => KeylessSources::default(),
+        }
     }
 
     fn active(&self) -> Result<&Active> {
@@ -843,7 +868,11 @@ impl KvcrHiCacheStorage {
                 return None;
             }
         };
-        if active.endpoint.as_ref() == Some(&hint.source) {
+        if active
+            .endpoint
+            .as_ref()
+            .is_some_and(|own| own.same_address(&hint.source))
+        {
             return None;
         }
         let mut scopes = lock(&self.hints);

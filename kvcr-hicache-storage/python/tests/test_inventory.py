@@ -57,9 +57,11 @@ def test_the_owner_publishes_and_registers():
         "router_hint",
     ]
     values = dict(metadata)
-    assert json.loads(values["router_hint_source_control_endpoints"]) == {
-        "0": f"tcp://127.0.0.1:{port}"
-    }
+    # The owner's own endpoint, naming its member key.
+    endpoints = json.loads(values["router_hint_source_control_endpoints"])
+    assert list(endpoints) == ["0"]
+    assert endpoints["0"].startswith(f"tcp://127.0.0.1:{port}?key=")
+    assert len(endpoints["0"].split("?key=")[1]) == 64
     assert values["router_hint_worker_type"] == "prefill"
     assert values["router_hint"] == "true"
 

@@ -42,10 +42,15 @@ pub(crate) fn peer_spec(tp: u32, fill_seed: Option<u64>) -> (EngineSpec, u16) {
 }
 
 fn hint(port: u16, hashes: &[u64]) -> Value {
+    hint_at(&format!("tcp://127.0.0.1:{port}"), hashes)
+}
+
+/// A hint naming `source` as written (a registered endpoint names its
+/// member key, which the router passes on unchanged).
+fn hint_at(source: &str, hashes: &[u64]) -> Value {
     json!({"protocol_version": "0.1", "message_id": "m", "actions": [{
         "action_id": "a", "action_type": "kv.fetch", "action_version": "1.0",
-        "payload": {"source_control_endpoint": format!("tcp://127.0.0.1:{port}"),
-                    "block_hashes": hashes}}]})
+        "payload": {"source_control_endpoint": source, "block_hashes": hashes}}]})
 }
 
 /// TP=2 to TP=2: each destination rank dials its own shard of the source
@@ -451,7 +456,10 @@ fn the_cluster_secret_reaches_the_runner(
         source.set(&k, &[0, 1], &ExtraInfo::default()),
         vec![vec![true; 2]]
     );
-    let extra = ExtraInfo::hinted("secret", hint(source_port, &[41, 42]));
+    // As registered: the source's endpoint names its member key.
+    let registered = source.ranks[0].storage.endpoint().unwrap().to_string();
+    assert!(registered.contains("?key="));
+    let extra = ExtraInfo::hinted("secret", hint_at(&registered, &[41, 42]));
     let got = dest.get(&k, &[4, 5], &extra);
     assert_eq!(got, vec![vec![restores; 2]]);
     let rank = &dest.ranks[0];

@@ -249,7 +249,7 @@ fn registration_metadata_ends_with_the_hint_capability() {
         ("kv_events_replay_endpoint", events.replay.to_string()),
         (
             "router_hint_source_control_endpoints",
-            format!("{{\"0\":\"tcp://127.0.0.1:{port}\"}}"),
+            format!("{{\"0\":\"{}\"}}", owner.endpoint().unwrap()),
         ),
         ("router_hint_worker_type", "decode".to_owned()),
         ("router_hint", "true".to_owned()),
@@ -260,6 +260,13 @@ fn registration_metadata_ends_with_the_hint_capability() {
         owner.endpoint().unwrap().port(),
         port,
         "the map names the owner's DP group"
+    );
+    // With the owner's member key: a destination talks only to it there.
+    assert!(owner.endpoint().unwrap().key().is_some());
+    assert!(
+        metadata[2]
+            .1
+            .starts_with(&format!("{{\"0\":\"tcp://127.0.0.1:{port}?key="))
     );
     assert_eq!(engine.ranks[1].storage.registration_metadata().unwrap(), []);
 }

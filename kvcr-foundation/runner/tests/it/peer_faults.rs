@@ -271,6 +271,9 @@ fn source_process() {
     }
     let mut options = peer_options(&spec.tls);
     options.bind.port = spec.port;
+    // The operator's key for the source: a process restarted at the same
+    // address is the same member (a new incarnation of it).
+    options.static_key = Some(kvcr_runner::StaticKey::from_private([0x5a; 32]).unwrap());
     let config = RunnerConfig {
         operation_timeout: Duration::from_millis(spec.timeout_ms),
         ..RunnerConfig::single_pool("kv", spec.block as u64, keys)
