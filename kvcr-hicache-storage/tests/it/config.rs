@@ -3,7 +3,7 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 
-use kvcr_foundation::runner::DataStream;
+use kvcr_foundation::runner::{DataStream, KeylessSources};
 use kvcr_hicache_storage::{
     BackendConfig, CLUSTER_SECRET_ENV, ClusterSecret, Error, EvictionPolicy, KvcrHiCacheStorage,
     RankGroups, StorageConfig,
@@ -44,6 +44,15 @@ fn shipped_defaults_are_accepted() {
 fn data_stream_spellings(#[case] text: &str, #[case] mode: DataStream) {
     let c = BackendConfig::from_value(&with(json!({ "data_stream": text }))).unwrap();
     assert_eq!(c.data_stream, mode);
+}
+
+#[rstest]
+#[case::auto("auto", None)]
+#[case::refuse("refuse", Some(KeylessSources::Refused))]
+#[case::allow("allow", Some(KeylessSources::Allowed))]
+fn keyless_sources_spellings(#[case] text: &str, #[case] policy: Option<KeylessSources>) {
+    let c = BackendConfig::from_value(&with(json!({ "keyless_sources": text }))).unwrap();
+    assert_eq!(c.keyless_sources, policy);
 }
 
 /// Case 7: `get_timeout_s * 1000 <= operation_timeout_ms` is refused,
@@ -185,6 +194,7 @@ fn unknown_keys_are_named() {
 #[case::get_negative(json!({"local_dram_bytes": 1, "get_timeout_s": -3}), "get_timeout_s")]
 #[case::policy_unknown(json!({"local_dram_bytes": 1, "policy": "g3_lru"}), "policy")]
 #[case::data_stream_unknown(json!({"local_dram_bytes": 1, "data_stream": "maybe"}), "data_stream")]
+#[case::keyless_unknown(json!({"local_dram_bytes": 1, "keyless_sources": "maybe"}), "keyless_sources")]
 #[case::data_stream_bool(json!({"local_dram_bytes": 1, "data_stream": true}), "data_stream")]
 #[case::policy_number(json!({"local_dram_bytes": 1, "policy": 1}), "policy")]
 #[case::port_range(json!({"local_dram_bytes": 1, "control_port": 70000}), "control_port")]
