@@ -3,15 +3,22 @@
 //! data streams beside it.
 //!
 //! # Sessions
-//! * Every connection starts with a Noise `NNpsk0` handshake (X25519,
+//! * Every connection starts with a Noise `XXpsk0` handshake (X25519,
 //!   ChaCha20-Poly1305, BLAKE2s; the `snow` crate) whose pre-shared key is
-//!   derived from the cluster secret. Only a process that knows the secret
+//!   derived from the cluster secret, and in which each side proves its
+//!   static member key ([`StaticKey`]). Only a process that knows the secret
 //!   completes it; an ephemeral key exchange gives each session its own keys,
 //!   so nothing recorded from one session can be replayed into another.
 //! * The acceptor's identity (its control endpoint and incarnation) travels in
-//!   the handshake's second message; the dialer's in the first transport
-//!   record. The acceptor treats a session as open only once that record
-//!   decrypts: a replayed first handshake message gets nowhere.
+//!   the handshake's second message; the dialer's in the third. The acceptor
+//!   treats a session as open only once that message decrypts: a replayed
+//!   first handshake message gets nowhere.
+//! * **Identity is a member key.** A runner's advertised endpoint names its
+//!   key (`tcp://host:port?key=…`). A dialer refuses an acceptor proving
+//!   another key than the dialed endpoint names, and dials an endpoint naming
+//!   none only as [`KeylessSources`] allows; an acceptor refuses a claimed
+//!   endpoint naming another key than the dialer proved and adds the proven
+//!   key to one naming none, so accepted sessions are keyed by member.
 //! * After the handshake every byte is a Noise transport record (`u16` length,
 //!   ciphertext with a 16-byte tag, implicit counter nonce). A forged, altered,
 //!   replayed, reordered or dropped record fails to decrypt and closes the
