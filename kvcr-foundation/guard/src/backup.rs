@@ -52,6 +52,7 @@ pub(crate) fn start_backup(
         group: id,
         pools,
         listener,
+        member_key: group.member_key.clone(),
         journal: &group.journal,
         dead_incarnations: &dead,
     };
@@ -73,6 +74,8 @@ pub(crate) fn start_backup(
     };
     let mut peer = serving.peer.clone();
     peer.guard = None;
+    // The backup proves the group's key (`orphan`), as its primaries did.
+    peer.static_key = None;
     let ip = group.control.ip();
     peer.bind = BindAddress {
         host: Some(ip),

@@ -14,8 +14,8 @@ use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
-use kvcr_runner::Runner;
 use kvcr_runner::guard::protocol::{self, ClaimMsg, GrantedMsg, Layout, Refusal, VERSION};
+use kvcr_runner::{Runner, StaticKey};
 use kvcr_sys::{fd_passing, memfd};
 
 use crate::backup::start_backup;
@@ -65,6 +65,9 @@ pub(crate) struct Group {
     pub(crate) dead: VecDeque<u128>,
     /// While orphaned: the runner serving its recovered pages to peers.
     backup: Option<Runner>,
+    /// The group's member key: every holder and backup proves it, so the
+    /// group's endpoint names one key across restarts.
+    pub(crate) member_key: StaticKey,
 }
 
 impl Group {
@@ -87,6 +90,7 @@ impl Group {
         let bound = listener
             .local_addr()
             .map_err(|e| failed("control address", &e))?;
+        let member_key = StaticKey::generate().map_err(|e| failed("member key", &e))?;
         Ok(Self {
             compat_digest: claim.compat_digest,
             layout: claim.layout.clone(),
@@ -98,6 +102,7 @@ impl Group {
             state: GroupState::Fresh,
             dead: VecDeque::new(),
             backup: None,
+            member_key,
         })
     }
 
@@ -270,6 +275,7 @@ impl Registry {
             warm,
             previous_incarnation: previous.map(protocol::hex128),
             dead_incarnations: group.dead.iter().copied().map(protocol::hex128).collect(),
+            member_key: protocol::member_key_hex(&group.member_key),
         };
         log.line(format!(
             "group {} granted to pid {pid} (incarnation {}){}",

@@ -151,6 +151,7 @@ pub(crate) fn claim(
         adopted: Adopted {
             pools,
             listener: grant.listener,
+            member_key: grant.member_key,
         },
         journal,
         start,
@@ -163,7 +164,7 @@ pub(crate) fn claim(
 pub(crate) fn backup(
     group: u32,
     pools: Vec<(std::fs::File, [u8; 16])>,
-    listener: std::net::TcpListener,
+    (listener, member_key): (std::net::TcpListener, crate::net::StaticKey),
     journal: &std::fs::File,
     dead: &[u128],
 ) -> Result<Claimed> {
@@ -191,6 +192,7 @@ pub(crate) fn backup(
         adopted: Adopted {
             pools: Some(pools),
             listener,
+            member_key,
         },
         journal: JournalPlan::ReadOnly(recovered),
         start: WarmStart {

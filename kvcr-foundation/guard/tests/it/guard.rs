@@ -27,9 +27,6 @@ fn guarded(socket: &std::path::Path, journal_bytes: u64) -> PeerOptions {
     let mut guard = GuardOptions::new(socket, 3, 0xfeed);
     guard.journal_bytes = journal_bytes;
     options.guard = Some(guard);
-    // The operator's member key: the restarted runner is the same member,
-    // so its advertised endpoint (key included) is unchanged.
-    options.static_key = Some(kvcr_runner::StaticKey::from_private([0x3c; 32]).unwrap());
     options
 }
 

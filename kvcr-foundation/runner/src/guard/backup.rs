@@ -14,6 +14,7 @@ use std::net::TcpListener;
 
 use crate::config::{PeerOptions, RunnerConfig};
 use crate::error::Result;
+use crate::net::StaticKey;
 use crate::{Runner, startup, warm};
 
 /// An orphaned group as the guard holds it, handed to
@@ -27,6 +28,9 @@ pub struct OrphanedGroup<'a> {
     pub pools: Vec<(File, [u8; 16])>,
     /// Its control listener (a duplicate of the guard's).
     pub listener: TcpListener,
+    /// Its member key (the guard's for the group): the backup answers as
+    /// the group's member, as its primaries did.
+    pub member_key: StaticKey,
     /// Its journal, read and never written.
     pub journal: &'a File,
     /// The group's incarnations that died holding it, oldest first.
@@ -47,10 +51,17 @@ impl Runner {
             group,
             pools,
             listener,
+            member_key,
             journal,
             dead_incarnations,
         } = orphan;
-        let claimed = warm::backup(group, pools, listener, journal, dead_incarnations)?;
+        let claimed = warm::backup(
+            group,
+            pools,
+            (listener, member_key),
+            journal,
+            dead_incarnations,
+        )?;
         startup::with_peers(config, None, peer, Some(claimed)).map(Self::from_started)
     }
 }

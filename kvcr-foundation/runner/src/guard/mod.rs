@@ -54,6 +54,7 @@ use std::time::{Duration, Instant};
 pub use self::backup::OrphanedGroup;
 use self::protocol::{ClaimMsg, GrantedMsg, Reply, Request, VERSION};
 pub use self::protocol::{Layout, PoolSpec, Refusal};
+use crate::net::StaticKey;
 
 /// How long [`GuardLease::release`] waits for the guard's answer.
 pub const RELEASE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -187,6 +188,9 @@ pub struct GuardGrant {
     /// The group's incarnations that died holding it, oldest first
     /// (bounded: the latest the guard is configured to keep, 64 by default).
     pub dead_incarnations: Vec<u128>,
+    /// The group's member key, kept by the guard: the runner proves it, so
+    /// its endpoint names the same key across restarts.
+    pub member_key: StaticKey,
 }
 
 /// A granted claim: the connection to the guard.
@@ -452,6 +456,8 @@ fn check_grant(
         .iter()
         .map(incarnation)
         .collect::<Result<Vec<_>, _>>()?;
+    let member_key = protocol::parse_member_key(&granted.member_key)
+        .ok_or_else(|| GuardError::bad_grant("the member key is not 64 hex digits"))?;
     if !granted.warm && previous_incarnation.is_some() {
         return Err(GuardError::bad_grant(
             "a fresh grant names a previous incarnation",
@@ -506,5 +512,6 @@ fn check_grant(
         warm: granted.warm,
         previous_incarnation,
         dead_incarnations,
+        member_key,
     })
 }

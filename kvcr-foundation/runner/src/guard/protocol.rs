@@ -20,6 +20,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::net::StaticKey;
+
 /// The protocol version this crate speaks.
 pub const VERSION: u32 = 1;
 
@@ -163,6 +165,22 @@ pub struct GrantedMsg {
     /// The group's incarnations whose process died holding it, oldest
     /// first (32 hex digits each; a bounded list).
     pub dead_incarnations: Vec<String>,
+    /// The group's member key (the private half, 64 hex digits): every
+    /// holder of the group, and the guard's backup, proves it, so the
+    /// group's advertised endpoint names the same key across restarts.
+    pub member_key: MemberKeyHex,
+}
+
+/// A member key's private half as a grant carries it (64 hex digits);
+/// `Debug` never shows it.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct MemberKeyHex(pub String);
+
+impl std::fmt::Debug for MemberKeyHex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MemberKeyHex(<redacted>)")
+    }
 }
 
 /// Client → guard.
@@ -317,4 +335,20 @@ pub fn token_hex(token: &[u8; 16]) -> String {
 /// Exactly 32 hex digits to a 16-byte token.
 pub fn parse_token(text: &str) -> Option<[u8; 16]> {
     parse_hex128(text).map(u128::to_be_bytes)
+}
+
+/// A member key's private half as 64 lowercase hex digits (for a grant,
+/// over the guard's own-uid socket; never logged).
+pub fn member_key_hex(key: &StaticKey) -> MemberKeyHex {
+    MemberKeyHex(key.private().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Exactly 64 hex digits to a member key.
+pub fn parse_member_key(MemberKeyHex(text): &MemberKeyHex) -> Option<StaticKey> {
+    let (high, low) = (text.get(..32)?, text.get(32..)?);
+    let mut private = [0u8; 32];
+    let (first, second) = private.split_at_mut(16);
+    first.copy_from_slice(&parse_token(high)?);
+    second.copy_from_slice(&parse_token(low)?);
+    StaticKey::from_private(private)
 }

@@ -56,6 +56,7 @@ fn good_granted(control: &str) -> GrantedMsg {
         warm: false,
         previous_incarnation: None,
         dead_incarnations: vec![],
+        member_key: protocol::MemberKeyHex("11".repeat(32)),
     }
 }
 
@@ -82,6 +83,10 @@ fn a_grant_that_does_not_match_the_claim_is_refused_and_its_descriptors_closed()
     // The fake itself is a good guard.
     let grant = run(good_granted(&control), good_fds(&listener)).unwrap();
     assert_eq!(grant.pools[1].1, 2u128.to_be_bytes());
+    assert_eq!(
+        Some(grant.member_key),
+        crate::net::StaticKey::from_private([0x11; 32])
+    );
 
     let bad = |reply: GrantedMsg, fds: Vec<OwnedFd>| match run(reply, fds) {
         Err(GuardError::BadGrant { why }) => why,
@@ -96,6 +101,9 @@ fn a_grant_that_does_not_match_the_claim_is_refused_and_its_descriptors_closed()
     let mut wrong = good_granted(&control);
     wrong.pool_tokens[0] = "xyz".into();
     assert!(bad(wrong, good_fds(&listener)).contains("token"));
+    let mut wrong = good_granted(&control);
+    wrong.member_key = protocol::MemberKeyHex("11".repeat(31));
+    assert!(bad(wrong, good_fds(&listener)).contains("member key"));
     let mut wrong = good_granted(&control);
     wrong.dead_incarnations = vec!["12".into()];
     assert!(bad(wrong, good_fds(&listener)).contains("incarnation"));

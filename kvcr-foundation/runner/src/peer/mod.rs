@@ -184,6 +184,9 @@ pub(crate) struct Adopted {
     /// runner makes its own pools (the guard's could not be recovered).
     pub(crate) pools: Option<Vec<(std::fs::File, [u8; 16])>>,
     pub(crate) listener: std::net::TcpListener,
+    /// The group's member key, kept by the guard (proven on the listener's
+    /// sessions, named in the endpoint).
+    pub(crate) member_key: crate::net::StaticKey,
 }
 
 /// Everything the peer thread owns. Field order is drop order and is

@@ -42,9 +42,10 @@ impl State {
         memory: Arc<MemoryRegistry>,
     ) -> Result<(Self, PeerSetup)> {
         let (mut adopted_pools, adopted_listener) = match adopted {
-            Some(a) if a.pools.as_ref().is_none_or(|p| p.len() == pool_bytes.len()) => {
-                (a.pools.map(Vec::into_iter), Some(a.listener))
-            }
+            Some(a) if a.pools.as_ref().is_none_or(|p| p.len() == pool_bytes.len()) => (
+                a.pools.map(Vec::into_iter),
+                Some((a.listener, a.member_key)),
+            ),
             Some(_) => {
                 return Err(Error::runner(RunnerReason::Config {
                     field: "guard grant",
@@ -280,21 +281,37 @@ fn make_pools(
     Ok((pools, placements, segments, held))
 }
 
-/// The control channel on the guard's listener (`adopted`) or a new one,
-/// our endpoint on it, and the channel's inbound queue.
+/// The control channel on the guard's listener (`adopted`, with the
+/// group's member key) or a new one, our endpoint on it, and the channel's
+/// inbound queue.
 async fn start_control(
     options: &PeerOptions,
-    adopted: Option<std::net::TcpListener>,
+    adopted: Option<(std::net::TcpListener, StaticKey)>,
     incarnation: Incarnation,
 ) -> Result<(
     ControlEndpoint,
     ControlChannel,
     mpsc::UnboundedReceiver<Inbound>,
 )> {
-    let bound = match adopted {
+    // Our member key: the advertised endpoint names it, so whoever is told
+    // where we are is told who must answer there. A guarded runner proves
+    // its group's key, which the guard keeps across its restarts.
+    let (bound, static_key) = match (adopted, &options.static_key) {
+        (Some(_), Some(_)) => {
+            return Err(Error::runner(RunnerReason::Config {
+                field: "peer.static_key",
+                why: "a guarded runner proves its group's member key, kept by the guard",
+            }));
+        }
         // The guard's listener: peers keep dialling the same address.
-        Some(listener) => ControlChannel::adopt(listener),
-        None => ControlChannel::bind(control_bind_address(options)?).await,
+        (Some((listener, key)), None) => (ControlChannel::adopt(listener), key),
+        (None, given) => (
+            ControlChannel::bind(control_bind_address(options)?).await,
+            match given {
+                Some(key) => key.clone(),
+                None => StaticKey::generate()?,
+            },
+        ),
     };
     let (listener, local) = bound.map_err(|_| {
         Error::runner(RunnerReason::Config {
@@ -302,12 +319,6 @@ async fn start_control(
             why: "could not bind the control listener",
         })
     })?;
-    // Our member key: the advertised endpoint names it, so whoever is told
-    // where we are is told who must answer there.
-    let static_key = match &options.static_key {
-        Some(key) => key.clone(),
-        None => StaticKey::generate()?,
-    };
     let endpoint = ControlEndpoint::new(options.advertise_host.clone(), local.port())?
         .with_key(Some(static_key.public()));
     endpoint.check_advertisable(options.advertise_policy)?;
