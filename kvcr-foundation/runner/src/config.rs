@@ -257,7 +257,9 @@ pub struct PeerOptions {
     // Member identity (see `crate::net::member`).
     /// This runner's static key pair: every session it opens or answers
     /// proves it, and its advertised endpoint names its public half
-    /// (`?key=`). `None` (the default): a fresh pair at each start.
+    /// (`?key=`). `None` (the default): a fresh pair at each start, or with
+    /// a guard the group's key, which the guard keeps across restarts (a
+    /// key here together with a guard is refused).
     pub static_key: Option<StaticKey>,
     /// Whether a hint whose source endpoint names no key is followed
     /// (default: not when a cluster secret is set).
