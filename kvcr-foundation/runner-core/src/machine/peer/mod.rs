@@ -48,6 +48,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use super::*;
 
+mod digests;
 mod config;
 mod dispatch;
 mod queries;
