@@ -92,7 +92,7 @@ impl TargetDoorbell {
     pub(crate) fn take(
         &mut self,
         dialed: impl Fn(&ControlEndpoint) -> Option<(u64, Incarnation)>,
-    ) -> (Vec<Message>, u64) {
+    ) -> (Vec<(Message, Option<u64>)>, u64) {
         let slots = &self.slots;
         self.state.take_with(
             |op, record| read_shared(slots, slot_offset(op), record),

@@ -18,7 +18,7 @@ use crate::wire::mailbox::Polled;
 /// `true`: there was one.
 fn hand_to_core(
     shared: &Arc<Shared>,
-    taken: Vec<Message>,
+    taken: Vec<(Message, Option<super::landing::Sent>)>,
     refused: u64,
     (taken_count, refused_count): (&AtomicU64, &AtomicU64),
 ) -> bool {
@@ -29,8 +29,14 @@ fn hand_to_core(
     }
     taken_count.fetch_add(taken.len() as u64, Relaxed);
     shared.with_core_now(|core, now| {
-        for message in taken {
-            core.handle_message(now, message);
+        for (message, digest) in taken {
+            match digest {
+                // A doorbell record: the write's digest is checked.
+                Some(sent) => {
+                    super::landing::hand_checked(core, now, &shared.memory, message, sent);
+                }
+                None => core.handle_message(now, message),
+            }
         }
     });
     true
@@ -80,6 +86,7 @@ impl State {
             &stats.mailbox_requests_taken,
             &stats.mailbox_requests_refused,
         );
+        let taken = taken.into_iter().map(|m| (m, None)).collect();
         hand_to_core(shared, taken, refused, counters)
     }
 
@@ -89,6 +96,10 @@ impl State {
         let (taken, refused) = self.doorbell.take(|source| control.dialed_peer(source));
         let stats = &self.control.stats;
         let counters = (&stats.doorbells_taken, &stats.doorbells_refused);
+        let taken = taken
+            .into_iter()
+            .map(|(m, digest)| (m, Some(super::landing::Sent::Write(digest))))
+            .collect();
         hand_to_core(shared, taken, refused, counters);
     }
 }

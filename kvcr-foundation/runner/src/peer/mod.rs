@@ -22,6 +22,7 @@
 //! memory).
 
 mod doorbells;
+mod landing;
 mod messages;
 mod puts;
 mod routes;
@@ -301,7 +302,10 @@ impl State {
                     }
                     _ => None,
                 };
-                shared.with_core_now(|core, now| core.handle_message(now, message));
+                shared.with_core_now(|core, now| {
+                    let memory = &shared.memory;
+                    landing::hand_checked(core, now, memory, message, landing::Sent::PerKey);
+                });
                 match ack {
                     // The source maps our pools: no byte comes on a stream.
                     Some((source, true)) => {

@@ -17,7 +17,7 @@ use kvcr_contracts::protocol::{
 use kvcr_contracts::{
     BlockKey, ControlEndpoint, FetchHint, Incarnation, NamespaceId, RequestId, ScopedKey,
 };
-use kvcr_runner::client::{ControlClient, Dialed, seal_write_header};
+use kvcr_runner::client::{ControlClient, Dialed, seal_write_header, seal_write_header_digested};
 use kvcr_runner::{DataStream, EntryStatus, FailReason, OpResult, PeerOptions, QueryStatus};
 use kvcr_runner_core::MAX_FENCES_PER_TARGET;
 use rstest::rstest;
@@ -1342,4 +1342,86 @@ fn a_source_churned_under_many_names_keeps_serving_and_stops() {
         done.recv_timeout(Duration::from_secs(120)).is_ok(),
         "the churned source did not serve and stop within two minutes (or a check failed: see above)"
     );
+}
+
+/// An on-path outsider alters a data stream's payload (plain TCP) while
+/// its sealed header, with the write's digest, stays the source's: the
+/// destination hashes the landed bytes before Success, so both keys fail
+/// `DigestMismatch`, are counted, and are never served; the same frame
+/// unaltered lands byte-exact.
+#[test]
+fn an_altered_data_stream_payload_never_succeeds() {
+    let _serial = crate::serial();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let source =
+        ControlEndpoint::parse(&format!("tcp://{}", listener.local_addr().unwrap())).unwrap();
+    let mut options = through_tcp();
+    options.data_stream = DataStream::On;
+    let mut target = node_with(&options, 16, Duration::from_secs(20));
+    let pool = target.runner.pool("kv").unwrap();
+    let fetch = |target: &mut Node, request: &str, keys: &[u64]| {
+        let request = RequestId(request.into());
+        let hint = crate::nodes::hint_to(&source, keys);
+        target.runner.hints().submit(request.clone(), &hint);
+        let scoped: Vec<ScopedKey> = keys.iter().map(|k| key(target.ns, *k)).collect();
+        let op = target.runner.hints().fetch(&request, &scoped, &[pool]);
+        op.unwrap()
+    };
+    let total = 2 * BLOCK;
+    let honest: Vec<u8> = (0..total).map(|i| (i * 7 % 251) as u8).collect();
+    let digest = kvcr_sys::combine_digests(&[
+        kvcr_sys::digest::digest_bytes(&honest[..BLOCK]),
+        kvcr_sys::digest::digest_bytes(&honest[BLOCK..]),
+    ]);
+    let mut altered = honest.clone();
+    altered[BLOCK + 17] ^= 0x40;
+    let (mut session, mut stream, mut record_key) = (None, None, None);
+    for (round, payload) in [(0u64, &altered), (1, &honest)] {
+        let keys = [2 * round, 2 * round + 1];
+        let pending = fetch(&mut target, &format!("round-{round}"), &keys);
+        // The session and the stream, dialed for the first round.
+        while session.is_none() || stream.is_none() {
+            match accept_dialed(&listener, &source) {
+                Dialed::Session(s) => session = Some(*s),
+                Dialed::DataStream(d) => stream = Some(d),
+            }
+        }
+        let (session, stream) = (session.as_mut().unwrap(), stream.as_mut().unwrap());
+        let (op, elements) = next_start_write(session, &source, &mut record_key);
+        assert_eq!(elements, 2);
+        let record_key = record_key.unwrap();
+        let header = seal_write_header_digested(&record_key, op, 2, 0, 1, Some(digest)).unwrap();
+        stream.send_frame(total as u64, &header, payload).unwrap();
+        let result = wait(&mut target.runner, pending);
+        let mismatches = target.runner.peers().stats().counters.digest_mismatches;
+        if round == 0 {
+            for (key, entry) in &result.entries {
+                let status = entry.status;
+                assert_eq!(
+                    status,
+                    EntryStatus::Failed(FailReason::DigestMismatch),
+                    "{key:?}"
+                );
+                assert_ne!(target.runner.query(key), QueryStatus::Hit, "never served");
+            }
+            assert_eq!(mismatches, 2);
+        } else {
+            let landed: Vec<u8> = result
+                .entries
+                .iter()
+                .flat_map(|(key, entry)| {
+                    assert!(entry.is_success(), "{key:?}: {entry:?}");
+                    let handle = entry.release.unwrap();
+                    target.runner.read_claimed(handle, 0).unwrap()
+                })
+                .collect();
+            assert!(landed == honest, "the unaltered frame lands byte-exact");
+            assert_eq!(mismatches, 2, "nothing more counted");
+            let digested = target.runner.page_digest(&key(target.ns, 2));
+            assert_eq!(
+                digested,
+                Some(kvcr_sys::digest::digest_bytes(&honest[..BLOCK]))
+            );
+        }
+    }
 }

@@ -48,8 +48,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use super::*;
 
-mod digests;
 mod config;
+mod digests;
 mod dispatch;
 mod queries;
 mod reports;

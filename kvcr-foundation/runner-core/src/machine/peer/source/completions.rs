@@ -66,9 +66,9 @@ impl Core {
         let outcome = match (ok, w.state) {
             (true, WriteState::Writing) if completion_sent => return,
             (true, WriteState::Writing) => WriteOutcome::Completed(match digests {
-                Some(digests) => CompletedIndices::with_digests(
-                    w.indices.into_iter().zip(digests).collect(),
-                ),
+                Some(digests) => {
+                    CompletedIndices::with_digests(w.indices.into_iter().zip(digests).collect())
+                }
                 None => CompletedIndices::new(w.indices),
             }),
             _ => WriteOutcome::Failed { terminal: true },

@@ -227,7 +227,14 @@ impl Core {
         let on_time = target_op.state == TargetState::WaitingWriteDone;
         let digests: HashMap<u32, u64> = completed
             .as_ref()
-            .and_then(|c| Some(c.as_slice().iter().copied().zip(c.digests()?.iter().copied())))
+            .and_then(|c| {
+                Some(
+                    c.as_slice()
+                        .iter()
+                        .copied()
+                        .zip(c.digests()?.iter().copied()),
+                )
+            })
             .into_iter()
             .flatten()
             .collect();
