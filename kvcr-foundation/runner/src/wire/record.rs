@@ -307,6 +307,28 @@ pub(super) mod tests {
         }
     }
 
+    /// A record's digest is signed: it opens as sealed, and any changed
+    /// bit of it (or of its flag) refuses the record.
+    #[test]
+    fn a_records_digest_is_signed() {
+        let record = key(1).seal_digested(OpHandle(42), 3, Some(0x1234_5678_9abc_def0));
+        let expect = Some((3, Some(0x1234_5678_9abc_def0)));
+        assert_eq!(key(1).open_digested(OpHandle(42), &record), expect);
+        let header = key(1).seal_message_digested(OpHandle(42), 3, Part::WHOLE, Some(7));
+        let opened = key(1).open_message_digested(OpHandle(42), &header);
+        assert_eq!(opened, Some((3, Part::WHOLE, Some(7))));
+        for at in DIGEST.start..SLOT_BYTES {
+            for bit in 0..8 {
+                let mut forged = record;
+                forged[at] ^= 1 << bit;
+                let opened = key(1).open_digested(OpHandle(42), &forged);
+                assert_eq!(opened, None, "byte {at} bit {bit}");
+            }
+        }
+        let none = key(1).seal_digested(OpHandle(42), 3, None);
+        assert_eq!(key(1).open_digested(OpHandle(42), &none), Some((3, None)));
+    }
+
     #[test]
     fn a_blank_slot_is_nothing() {
         assert_eq!(key(1).open(OpHandle(0), &[0; SLOT_BYTES]), None);
