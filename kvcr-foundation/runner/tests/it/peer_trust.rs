@@ -1513,7 +1513,6 @@ fn a_byte_flipped_on_a_data_stream_never_succeeds() {
         let keys: Vec<u64> = (16..20).collect();
         let first = fetch_on_hint(&mut target, "first", &hint(&source, &keys), &keys);
         check_flipped(&target, &source, &first, &keys, &flipped);
-        assert_eq!(target.runner.peers().stats().counters.digest_mismatches, 0);
     } else {
         check_flipped(&target, &source, &result, &keys, &flipped);
     }
