@@ -28,15 +28,17 @@ fn hand_to_core(
         return false;
     }
     taken_count.fetch_add(taken.len() as u64, Relaxed);
+    // A doorbell record's landed bytes are hashed first, outside the lock.
+    let taken: Vec<super::landing::Checked> = taken
+        .into_iter()
+        .map(|(message, sent)| match sent {
+            Some(sent) => super::landing::check(shared, message, sent),
+            None => super::landing::Checked::unchecked(message),
+        })
+        .collect();
     shared.with_core_now(|core, now| {
-        for (message, digest) in taken {
-            match digest {
-                // A doorbell record: the write's digest is checked.
-                Some(sent) => {
-                    super::landing::hand_checked(core, now, &shared.memory, message, sent);
-                }
-                None => core.handle_message(now, message),
-            }
+        for checked in taken {
+            checked.hand(core, now);
         }
     });
     true

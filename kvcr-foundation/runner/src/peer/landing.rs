@@ -3,13 +3,20 @@
 //! `kvcr_sys::digest`) and compared with the digest the source sent, per
 //! key in a `write_done`, or as one digest of the whole write in a sealed
 //! record (a doorbell slot, a write message's or a data stream frame's
-//! header). A key whose bytes differ fails with
-//! `FailReason::DigestMismatch` and is counted (`digest_mismatches`); its
-//! slots are freed as a failed key's are, never seated.
+//! header). A key whose bytes differ fails `FailReason::DigestMismatch` and
+//! is counted (`digest_mismatches`); its slots are freed as a failed key's
+//! are, never seated.
+//!
+//! The hashing runs outside the core's lock where the caller can ([`check`],
+//! then [`Checked::hand`] under it): an awaited operation's slots are freed
+//! only by its reply, which this peer thread hands over after. A large write
+//! is hashed on several threads, its keys split among them.
 
 use kvcr_contracts::protocol::{Body, CompletedIndices, Message, OpHandle, WriteOutcome};
 use kvcr_runner_core::Core;
 use kvcr_sys::{MemoryRegistry, combine_digests};
+
+use crate::shared::Shared;
 
 /// What digest came with a completion.
 #[derive(Debug, Clone, Copy)]
@@ -20,9 +27,38 @@ pub(crate) enum Sent {
     Write(Option<u64>),
 }
 
-/// Hands `message` to the core, after checking the landed bytes of a
-/// completed write against the digests `sent` with it. Called under the
-/// core's lock: the op's slots stay owned until this reply is handled.
+/// A completion whose landed bytes were checked: the message to hand to the
+/// core (completing only the keys that matched) and the keys that did not.
+pub(crate) struct Checked {
+    message: Message,
+    mismatched: Vec<u32>,
+}
+
+impl Checked {
+    /// A message with nothing to check (handed on as it is).
+    pub(crate) fn unchecked(message: Message) -> Self {
+        Self {
+            message,
+            mismatched: Vec::new(),
+        }
+    }
+
+    /// Hands the completion to the core (under its lock).
+    pub(crate) fn hand(self, core: &mut Core, now: u64) {
+        core.handle_write_done_checked(now, self.message, &self.mismatched);
+    }
+}
+
+/// Checks `message`'s landed bytes against the digests `sent` with it,
+/// taking the core's lock only to learn where they landed.
+pub(crate) fn check(shared: &Shared, message: Message, sent: Sent) -> Checked {
+    check_with(&shared.memory, message, sent, |op| {
+        shared.lock().core.target_landing(op)
+    })
+}
+
+/// As [`check`] then [`Checked::hand`], for a caller already under the
+/// core's lock.
 pub(crate) fn hand_checked(
     core: &mut Core,
     now: u64,
@@ -30,35 +66,44 @@ pub(crate) fn hand_checked(
     message: Message,
     sent: Sent,
 ) {
-    let Message { header, body } = message;
-    let (op_handle, completed) = match body {
+    check_with(memory, message, sent, |op| core.target_landing(op)).hand(core, now);
+}
+
+fn check_with(
+    memory: &MemoryRegistry,
+    message: Message,
+    sent: Sent,
+    landing: impl FnOnce(OpHandle) -> Option<Vec<Vec<(u64, u64)>>>,
+) -> Checked {
+    let unchecked = Checked::unchecked;
+    let (op_handle, completed) = match &message.body {
         Body::WriteDone {
             op_handle,
             outcome: WriteOutcome::Completed(completed),
-        } => (op_handle, completed),
-        body => return core.handle_message(now, Message { header, body }),
+        } => (*op_handle, completed),
+        _ => return unchecked(message),
     };
-    let per_key = completed.digests().map(<[u64]>::to_vec);
-    let expected = match (sent, per_key) {
-        (Sent::PerKey, Some(digests)) => Some(Expected::PerKey(digests)),
-        (Sent::Write(Some(digest)), _) => Some(Expected::Write(digest)),
-        _ => None,
+    let expected = match (sent, completed.digests()) {
+        (Sent::PerKey, Some(digests)) => Expected::PerKey(digests.to_vec()),
+        (Sent::Write(Some(digest)), _) => Expected::Write(digest),
+        // Nothing to check against (the source keeps no digests).
+        _ => return unchecked(message),
     };
-    let landing = core.target_landing(op_handle);
-    let (checked, mismatched) = match (expected, landing) {
-        (Some(expected), Some(landing)) => check(memory, &completed, &expected, &landing),
-        // Nothing to check against (no digests kept), or an op that is not
-        // awaited (the core refuses or ignores it).
-        _ => (completed, Vec::new()),
+    // An op that is not awaited: the core refuses or ignores it.
+    let Some(landing) = landing(op_handle) else {
+        return unchecked(message);
     };
-    let message = Message {
-        header,
-        body: Body::WriteDone {
-            op_handle,
-            outcome: WriteOutcome::Completed(checked),
+    let (checked, mismatched) = compare(memory, completed, &expected, &landing);
+    Checked {
+        message: Message {
+            header: message.header,
+            body: Body::WriteDone {
+                op_handle,
+                outcome: WriteOutcome::Completed(checked),
+            },
         },
-    };
-    core.handle_write_done_checked(now, message, &mismatched);
+        mismatched,
+    }
 }
 
 enum Expected {
@@ -66,22 +111,23 @@ enum Expected {
     Write(u64),
 }
 
+/// Writes at least this large are hashed on several threads.
+const SPLIT_BYTES: u64 = 16 << 20;
+
 /// The completed keys whose landed bytes match (with their digests) and
 /// those that do not.
-fn check(
+fn compare(
     memory: &MemoryRegistry,
     completed: &CompletedIndices,
     expected: &Expected,
     landing: &[Vec<(u64, u64)>],
 ) -> (CompletedIndices, Vec<u32>) {
-    let found: Vec<Option<u64>> = completed
+    let keys: Vec<Option<&[(u64, u64)]>> = completed
         .as_slice()
         .iter()
-        .map(|index| {
-            let spans = landing.get(*index as usize)?;
-            memory.digest(spans).ok()
-        })
+        .map(|index| landing.get(*index as usize).map(Vec::as_slice))
         .collect();
+    let found = digests_of(memory, &keys);
     let matches: Vec<bool> = match expected {
         Expected::PerKey(sent) => found
             .iter()
@@ -103,6 +149,38 @@ fn check(
         }
     }
     (CompletedIndices::with_digests(passed), mismatched)
+}
+
+/// Each key's digest (`None`: no landing, or unregistered), on up to the
+/// lanes' count of threads for a large write.
+fn digests_of(memory: &MemoryRegistry, keys: &[Option<&[(u64, u64)]>]) -> Vec<Option<u64>> {
+    let one = |spans: &Option<&[(u64, u64)]>| memory.digest((*spans)?).ok();
+    let total: u64 = keys
+        .iter()
+        .flatten()
+        .flat_map(|s| s.iter())
+        .map(|s| s.1)
+        .sum();
+    let threads = crate::copy::plan::default_lanes().min(keys.len());
+    if total < SPLIT_BYTES || threads < 2 {
+        return keys.iter().map(one).collect();
+    }
+    let chunk = keys.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let parts: Vec<_> = keys
+            .chunks(chunk)
+            .map(|part| scope.spawn(move || part.iter().map(one).collect::<Vec<_>>()))
+            .collect();
+        parts
+            .into_iter()
+            .zip(keys.chunks(chunk))
+            .flat_map(|(part, keys)| {
+                // A thread that died hashed nothing we can trust: its keys
+                // count as mismatched.
+                part.join().unwrap_or_else(|_| vec![None; keys.len()])
+            })
+            .collect()
+    })
 }
 
 /// What a record completing source write `write` says: the target's op,

@@ -302,10 +302,9 @@ impl State {
                     }
                     _ => None,
                 };
-                shared.with_core_now(|core, now| {
-                    let memory = &shared.memory;
-                    landing::hand_checked(core, now, memory, message, landing::Sent::PerKey);
-                });
+                // Landed bytes are hashed outside the core's lock.
+                let checked = landing::check(shared, message, landing::Sent::PerKey);
+                shared.with_core_now(|core, now| checked.hand(core, now));
                 match ack {
                     // The source maps our pools: no byte comes on a stream.
                     Some((source, true)) => {

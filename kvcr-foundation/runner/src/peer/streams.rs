@@ -366,10 +366,9 @@ impl Lander for FrameLander<'_> {
         if fit == PartFit::Last {
             doorbell.forget_op(opened.op);
             let sent = super::landing::Sent::Write(opened.digest);
-            let memory = &self.shared.memory;
-            self.shared.with_core_now(|core, now| {
-                super::landing::hand_checked(core, now, memory, opened.done, sent);
-            });
+            let checked = super::landing::check(self.shared, opened.done, sent);
+            self.shared
+                .with_core_now(|core, now| checked.hand(core, now));
         }
     }
 
