@@ -10,7 +10,9 @@
 //! the wire, on disk, in memory) by anyone who does not aim at it; the
 //! digest itself always travels sealed.
 
-use crate::copy::{MemoryRegistry, bytes_at, holds};
+use crate::copy::{
+    ByteSpan, MemoryRegistry, STREAM_MIN, bytes_at, copy_spans, copy_spans_streaming, holds,
+};
 use crate::error::{Result, SysError};
 
 /// A page's digest: xxh3-64 of its bytes in layout order.
@@ -31,7 +33,46 @@ pub fn digest_bytes(bytes: &[u8]) -> PageDigest {
     xxhash_rust::xxh3::xxh3_64(bytes)
 }
 
+/// How much of a span is copied before its source bytes are hashed: small
+/// enough to be still in this core's cache when the hash reads them, and
+/// as large as a streamed copy's least span (so a chunk still streams).
+const CHUNK: u64 = STREAM_MIN;
+
 impl MemoryRegistry {
+    /// Copies `spans` as [`MemoryRegistry::copy`] (or, with `stream`,
+    /// [`MemoryRegistry::copy_streaming`]) does, and returns the digest of
+    /// the bytes copied, in span order: each chunk's source is hashed right
+    /// after it was copied, while its lines are still cached, so the digest
+    /// costs no second trip to memory. A refusal copies nothing.
+    pub fn copy_digested(&self, spans: &[ByteSpan], stream: bool) -> Result<PageDigest> {
+        let ranges = self.checked(spans.iter().copied())?;
+        let mut hasher = xxhash_rust::xxh3::Xxh3Default::new();
+        for span in spans {
+            let mut done = 0;
+            while done < span.len {
+                let len = CHUNK.min(span.len - done);
+                let chunk = ByteSpan::new(span.src + done, span.dst + done, len);
+                // SAFETY: as in `copy` (every span was checked just now
+                // under the read lock held until the end); a chunk lies
+                // inside its span.
+                unsafe {
+                    if stream {
+                        copy_spans_streaming([chunk]);
+                    } else {
+                        copy_spans([chunk]);
+                    }
+                }
+                // SAFETY: the chunk's source is registered (checked above);
+                // nothing writes a copy's source during it (`copy`'s
+                // contract).
+                hasher.update(unsafe { bytes_at(chunk.src, len) });
+                done += len;
+            }
+        }
+        drop(ranges);
+        Ok(hasher.digest())
+    }
+
     /// The digest of the page whose spans (address, length; in layout
     /// order) are `spans`, each of which must be registered.
     pub fn digest(&self, spans: &[(u64, u64)]) -> Result<PageDigest> {
@@ -83,5 +124,33 @@ mod tests {
         assert_ne!(registry.digest(&[(base, 4096)]).unwrap(), whole);
         assert!(registry.digest(&[(base + 8000, 4096)]).is_err());
         assert_ne!(combine_digests(&[1, 2]), combine_digests(&[2, 1]));
+    }
+
+    /// A copy that digests lands the same bytes as a plain one, streamed or
+    /// not, and its digest is the page's, taken over its destination.
+    #[test]
+    fn a_digested_copy_copies_and_digests_the_page() {
+        let registry = MemoryRegistry::new();
+        let len = 3 * CHUNK + 12_345;
+        let pool = Arc::new(crate::mapping::DramPool::allocate(2 * len, false).unwrap());
+        let base = pool.base();
+        registry.insert_owned(pool).unwrap();
+        let bytes: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+        registry.write(base, &bytes).unwrap();
+        for stream in [false, true] {
+            let (dst, half) = (base + len, len / 2);
+            let spans = [
+                ByteSpan::new(base + half, dst + half, len - half),
+                ByteSpan::new(base, dst, half),
+            ];
+            let digest = registry.copy_digested(&spans, stream).unwrap();
+            assert_eq!(registry.read(dst, len).unwrap(), bytes);
+            let expect = registry
+                .digest(&[(dst + half, len - half), (dst, half)])
+                .unwrap();
+            assert_eq!(digest, expect);
+            let outside = [ByteSpan::new(base, base + 4 * len, 16)];
+            assert!(registry.copy_digested(&outside, stream).is_err());
+        }
     }
 }

@@ -344,17 +344,22 @@ fn execute_range(
         // (`Runner::register_region`). When a job is split over threads,
         // their destination ranges are pairwise disjoint
         // (`destinations_disjoint`), so no byte is written by both.
-        if copy_checked(memory, spans, stream).is_err() {
+        let copied = if job.digest {
+            // Each chunk's source hashed right after this lane copied it,
+            // while its lines are still in this core's caches.
+            let byte_spans: Vec<kvcr_sys::ByteSpan> = spans.iter().map(plan::byte_span).collect();
+            memory.copy_digested(&byte_spans, stream).map(|digest| {
+                if let Some(slot) = digests.get_mut(at) {
+                    *slot = Some(digest);
+                }
+            })
+        } else {
+            copy_checked(memory, spans, stream)
+        };
+        if copied.is_err() {
             // Unreachable while the core and the registry agree.
             outcomes.push(CopyOutcome::Failed);
             continue;
-        }
-        if job.digest
-            && let Some(digest) = digests.get_mut(at)
-        {
-            // Right after this lane copied it: the page's lines are still
-            // in this core's caches (or the next level down, streamed).
-            *digest = destination_digest(memory, spans);
         }
         outcomes.push(CopyOutcome::Copied);
     }
