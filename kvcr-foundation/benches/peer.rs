@@ -53,15 +53,19 @@ struct Path<'a> {
     mapping: bool,
     /// Copy lanes (0: the default, one per core up to 8).
     lanes: usize,
+    /// Whether the source's deposits take page digests (the default), which
+    /// the target then checks on every restore.
+    digests: bool,
 }
 
 impl Path<'_> {
     fn spec(&self) -> String {
         format!(
-            "{}:{}:{}",
+            "{}:{}:{}:{}",
             self.tls.replace(',', "+"),
             u8::from(self.mapping),
-            self.lanes
+            self.lanes,
+            u8::from(self.digests)
         )
     }
 }
@@ -156,14 +160,17 @@ fn source(spec: &str) {
     let tls = parts.next().unwrap().replace('+', ",");
     let mapping = parts.next().unwrap() == "1";
     let lanes: usize = parts.next().unwrap().parse().unwrap();
+    let digests = parts.next().unwrap() == "1";
     let block: usize = parts.next().unwrap().parse().unwrap();
     let n: u64 = parts.next().unwrap().parse().unwrap();
     let path = Path {
         tls: &tls,
         mapping,
         lanes,
+        digests,
     };
     let runner = Runner::start_with_peers(config(block, n as u32), None, &options(path)).unwrap();
+    runner.set_page_digests(digests);
     let ns = runner.register_namespace(Namespace::base(CompatDigest(9)));
     // Deposited in batches through one reused staging buffer, each batch
     // filled with its keys' pattern first: one deposit of gigabytes would
@@ -338,6 +345,29 @@ fn bandwidth(path: Path<'_>, block: usize, keys: u64, reps: usize) -> f64 {
         })
         .collect();
     median(samples)
+}
+
+/// `peer.digest_cost_{one,all}_lane(s)`: restore throughput with page
+/// digests (taken at the source's deposit, checked by the target on
+/// landing) over the same restores without, measured alternately in the
+/// same round: 256 MiB of distinct 16 MiB pages per fetch.
+fn digest_cost(one_lane: Path<'_>, many_lanes: Path<'_>, reps: usize) {
+    const MIB16: usize = 16 << 20;
+    for (name, path) in [
+        ("peer.digest_cost_one_lane", one_lane),
+        ("peer.digest_cost_all_lanes", many_lanes),
+    ] {
+        let (mut on, mut off) = (Vec::new(), Vec::new());
+        for _ in 0..2 {
+            on.push(bandwidth(path, MIB16, 16, reps));
+            let without = Path {
+                digests: false,
+                ..path
+            };
+            off.push(bandwidth(without, MIB16, 16, reps));
+        }
+        bench(name, median(on), "GB/s", Some(median(off)));
+    }
 }
 
 /// One key of `block` bytes per request from a source of its own: the
@@ -719,6 +749,7 @@ fn main() {
         tls: shm_tls,
         mapping: true,
         lanes: 1,
+        digests: true,
     };
     let many_lanes = Path { lanes, ..one_lane };
     let through_ucx = Path {
@@ -729,6 +760,7 @@ fn main() {
         tls: TCP,
         mapping: false,
         lanes: 1,
+        digests: true,
     };
 
     // `--request-blocks <label>:<bytes>:<requests>,…`: one-key requests over
@@ -809,6 +841,15 @@ fn main() {
         } else {
             dist(&format!("peer.one_block_{block}b_shm"), &samples);
         }
+        return;
+    }
+
+    // What checking every page costs a restore: the same fetches with the
+    // source's deposits digested (so the target checks every landed page)
+    // and not, one lane and all lanes.
+    digest_cost(one_lane, many_lanes, reps);
+    // `--digest-cost`: only those figures.
+    if std::env::args().any(|a| a == "--digest-cost") {
         return;
     }
 

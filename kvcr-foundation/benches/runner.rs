@@ -155,6 +155,76 @@ fn throughput(quick: bool) {
     bench("runner.deliver", median(deliver), "GB/s", Some(anchor));
 }
 
+/// Deposit throughput with page digests (taken on the copy lanes, as by
+/// default) over the same deposits without, alternately in one round:
+/// `runner.deposit_digests`, target ratio ≥ 0.9.
+fn deposit_digest_cost(quick: bool) {
+    const BLOCK: usize = 256 << 10;
+    const N: usize = 512;
+    let reps = if quick { 7 } else { 21 };
+    let mut s = setup(BLOCK, N as u32, N);
+    let (mut on, mut off) = (Vec::new(), Vec::new());
+    for rep in 0..2 * reps {
+        let digests = rep % 2 == 0;
+        s.runner.set_page_digests(digests);
+        let base = (rep * N) as u64;
+        let entries: Vec<DepositEntry> = (0..N)
+            .map(|p| DepositEntry {
+                key: key(s.ns, base + p as u64),
+                spans: vec![ElementRef {
+                    region: s.src_region,
+                    index: p as u64,
+                }],
+                page: None,
+            })
+            .collect();
+        let start = Instant::now();
+        let op = s.runner.deposit(entries, false).unwrap();
+        wait(&mut s.runner, op);
+        let gbps = (BLOCK * N) as f64 / start.elapsed().as_secs_f64() / 1e9;
+        if digests {
+            on.push(gbps)
+        } else {
+            off.push(gbps)
+        }
+    }
+    bench(
+        "runner.deposit_digests",
+        median(on),
+        "GB/s",
+        Some(median(off)),
+    );
+}
+
+/// Which page digest: GB/s per core of xxh3-64, crc32c (hardware) and
+/// BLAKE3 over one page, 256 KiB to 8 MiB (`# digest` lines, no figure).
+fn digest_choice(quick: bool) {
+    let reps = if quick { 3 } else { 9 };
+    for size in [256usize << 10, 1 << 20, 8 << 20] {
+        let page: Vec<u8> = (0..size).map(|i| (i * 7 % 251) as u8).collect();
+        let rounds = ((512 << 20) / size).max(1);
+        let rate = |f: &dyn Fn(&[u8]) -> u64| {
+            let samples = (0..reps)
+                .map(|_| {
+                    let start = Instant::now();
+                    for _ in 0..rounds {
+                        black_box(f(black_box(&page)));
+                    }
+                    (size * rounds) as f64 / start.elapsed().as_secs_f64() / 1e9
+                })
+                .collect();
+            median(samples)
+        };
+        let xxh3 = rate(&|b| kvcr_foundation::sys::digest::digest_bytes(b));
+        let crc = rate(&|b| u64::from(crc32c::crc32c(b)));
+        let blake = rate(&|b| u64::from(blake3::hash(b).as_bytes()[0]));
+        println!(
+            "# digest {} KiB: xxh3-64 {xxh3:.1} GB/s, crc32c {crc:.1} GB/s, BLAKE3 {blake:.1} GB/s",
+            size >> 10
+        );
+    }
+}
+
 fn one_block_latency(quick: bool) {
     const BLOCK: usize = 256 << 10;
     let iters = if quick { 300 } else { 2000 };
@@ -390,6 +460,8 @@ fn main() {
     }
     let quick = std::env::args().any(|a| a == "--quick");
     throughput(quick);
+    deposit_digest_cost(quick);
+    digest_choice(quick);
     one_block_latency(quick);
     publishing_overhead(quick);
     queries(quick);

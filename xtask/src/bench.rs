@@ -186,6 +186,14 @@ const ANCHOR_WHAT: &[(&str, &str)] = &[
     ("runner.deposit", "memcpy, one thread, same 512 × 256 KiB"),
     ("runner.deliver", "memcpy, one thread, same 512 × 256 KiB"),
     (
+        "runner.deposit_digests",
+        "the same deposits with page digests off, alternating in one round (target ≥ 0.9)",
+    ),
+    (
+        "peer.digest_cost_",
+        "the same restores with page digests off, alternating in one round (target ≥ 0.95)",
+    ),
+    (
         "runner.one_block_deposit_p50",
         "one 256 KiB memcpy on the caller's thread",
     ),
@@ -756,8 +764,10 @@ fn plots(summaries: &[Summary], dists: &[Dist]) -> Vec<(String, String)> {
                 .or_else(|| s.name.strip_prefix("peer."))?;
             // One-key requests are anchored on Mooncake, not ucx_perftest:
             // they are drawn in the side-by-side plot.
-            (s.unit == "GB/s" && !s.name.starts_with("peer.request_"))
-                .then_some((s.name.as_str(), label))
+            // Digest costs are anchored on the same restore without.
+            let own_anchor =
+                s.name.starts_with("peer.request_") || s.name.starts_with("peer.digest_cost_");
+            (s.unit == "GB/s" && !own_anchor).then_some((s.name.as_str(), label))
         })
         .collect();
     let peer = bars_with_anchor(summaries, &peer_names, "ucx_perftest");

@@ -342,6 +342,9 @@ pub enum FrameReason {
     /// Completed indices are not strictly ascending (so not unique).
     #[error("completed indices must be strictly ascending")]
     IndicesOrder,
+    /// Page digests neither absent nor one per completed index.
+    #[error("page digests must be absent or one per completed index")]
+    DigestCount,
     /// A strided region whose extent overflows the address space.
     #[error("region {0}: base + stride * count overflows")]
     RegionExtent(Echo),

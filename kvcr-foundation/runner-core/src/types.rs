@@ -87,6 +87,9 @@ pub enum FailReason {
     /// The device copier failed the copy (a GPU error); no copy touches the
     /// memory any more, but the destination's bytes are unknown.
     CopyFailed,
+    /// The bytes that landed are not the page whose digest came with them
+    /// (altered between the source's deposit and here): never served.
+    DigestMismatch,
 }
 
 /// Per-key outcome.

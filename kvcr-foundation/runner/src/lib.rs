@@ -344,6 +344,22 @@ impl Runner {
         self.shared.lock().core.query(key)
     }
 
+    /// The page digest of `key` (xxh3-64 of its bytes in layout order,
+    /// taken at deposit, or the source's for a page restored from a peer),
+    /// if it is READY here and has one: a consumer may check the bytes it
+    /// reads against it.
+    pub fn page_digest(&self, key: &ScopedKey) -> Option<u64> {
+        self.shared.lock().core.page_digest(key)
+    }
+
+    /// Turns taking page digests at deposit on or off (default on). For the
+    /// benchmarks' comparison only: pages deposited while off carry none,
+    /// and a destination checks only pages that come with one.
+    #[doc(hidden)]
+    pub fn set_page_digests(&self, on: bool) {
+        self.shared.lock().core.set_page_digests(on);
+    }
+
     /// Residency of many keys into `out` (same length), under one lock: no
     /// I/O, no allocation.
     pub fn query_into(&self, keys: &[ScopedKey], out: &mut [QueryStatus]) {

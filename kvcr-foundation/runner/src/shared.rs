@@ -131,10 +131,22 @@ impl Shared {
 
     /// Called by the copy thread with a finished job's outcomes.
     pub(crate) fn copy_done(&self, job: JobId, outcomes: &[kvcr_runner_core::CopyOutcome]) {
+        self.copy_done_digested(job, outcomes, &[]);
+    }
+
+    /// As [`Shared::copy_done`], with the page digest taken of each key.
+    pub(crate) fn copy_done_digested(
+        &self,
+        job: JobId,
+        outcomes: &[kvcr_runner_core::CopyOutcome],
+        digests: &[Option<u64>],
+    ) {
         let now = self.now();
         let mut inner = self.lock();
         inner.cancels.remove(&job);
-        inner.core.handle_copy_done(now, job, outcomes);
+        inner
+            .core
+            .handle_copy_done_digested(now, job, outcomes, digests);
         let completed = self.pump(&mut inner);
         self.notify_unlocked(inner, completed);
     }
@@ -231,6 +243,7 @@ impl Shared {
                     deadline_ns,
                     memory,
                     keys,
+                    digest,
                 } => {
                     let cancel: Arc<[AtomicBool]> =
                         keys.iter().map(|_| AtomicBool::new(false)).collect();
@@ -255,6 +268,7 @@ impl Shared {
                             keys,
                             cancel,
                             device,
+                            digest,
                         }))
                         .is_err()
                     {
@@ -263,12 +277,17 @@ impl Shared {
                         failed_jobs.push((job, n));
                     }
                 }
-                Action::G3 { job, transfers, .. } => match g3 {
+                Action::G3 {
+                    job,
+                    transfers,
+                    digests,
+                    ..
+                } => match g3 {
                     // Transfers start at once (a G3 job is planned right
                     // before it is pumped, well inside its deadline); a
                     // cancelled key's transfer runs anyway, into slots the
                     // core keeps until it is reported.
-                    Some(driver) => driver.submit(self.me.clone(), job, &transfers),
+                    Some(driver) => driver.submit(self.me.clone(), job, &transfers, digests),
                     // Stopping: report them cancelled, nothing waits forever.
                     None => failed_jobs.push((job, transfers.len())),
                 },

@@ -398,7 +398,7 @@ impl MemoryRegistry {
 
     /// The read lock, once every span's source and destination are inside
     /// registered ranges and do not overlap each other.
-    fn checked(
+    pub(crate) fn checked(
         &self,
         spans: impl IntoIterator<Item = ByteSpan>,
     ) -> Result<RwLockReadGuard<'_, Vec<Registered>>> {

@@ -13,6 +13,7 @@
 //! | [`segment`] | [`PeerSegment`](segment::PeerSegment): a same-host peer's pool, mapped for one-copy writes |
 //! | [`seqlock`] | volatile loads and stores of memory other processes share |
 //! | [`copy`] | span copy kernels and [`MemoryRegistry`], which makes copies safe |
+//! | [`digest`] | page digests (xxh3-64) over registered memory, taken and checked through the registry |
 //! | [`owned`] | owned memory held by the registry and a UCX registration at once |
 //! | `vectored` (private, behind `MemoryRegistry`) | `readv`/`writev` between a socket and spans of memory |
 //! | [`direct_io`] | `flock`, `statx`, slot `pread`/`pwrite`, [`DirectBuf`](direct_io::DirectBuf) |
@@ -28,6 +29,7 @@
 //! registry is checked against what was inserted.
 
 pub mod copy;
+pub mod digest;
 pub mod direct_io;
 pub mod error;
 pub mod fd_passing;
@@ -43,5 +45,6 @@ pub mod thread;
 mod vectored;
 
 pub use self::copy::{ByteSpan, MemoryRegistry};
+pub use self::digest::{PageDigest, combine_digests};
 pub use self::error::{Result, SysError};
 pub use self::owned::{RegisteredMemory, SharedMemory};

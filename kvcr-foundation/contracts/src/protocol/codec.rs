@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! frame   := len:u32be  body[len]
-//! body    := magic:u16be=0x4B56 ("KV")  version:u8=3  kind:u8  header  fields(kind)
+//! body    := magic:u16be=0x4B56 ("KV")  version:u8=4  kind:u8  header  fields(kind)
 //! header  := incarnation:u128be  route_generation:u64be  endpoint:str8
 //! str8    := n:u8 utf8[n]          bytes16 := n:u16be u8[n]
 //! opt<T>  := 0 | 1 T               bool    := 0 | 1
@@ -17,7 +17,7 @@
 //! | 2 | `target_metadata_ack` | `op_handle:opt<u64>, one_copy:bool` |
 //! | 3 | `start_write` | `op:u64, remaining_ms:u32, source_inc:opt<u128>, namespace:u64, entries:list32<(key:u64, dests:list16<(region:u32, index:u64)>)>` |
 //! | 4 | `write_refused` | `op:u64` |
-//! | 5 | `write_done` | `op:u64, outcome:u8` (0 completed, 1 failed-terminal, 2 failed-nonterminal), then `indices:list32<u32>` when completed |
+//! | 5 | `write_done` | `op:u64, outcome:u8` (0 completed, 1 failed-terminal, 2 failed-nonterminal), then `indices:list32<u32>, digests:list32<u64>` when completed (no digests, or one page digest per index) |
 //! | 6 | `write_probe` | `op:u64, source_inc:opt<u128>` |
 //! | 7 | `write_probe_ack` | `op:u64, terminal:bool, dead_inc:opt<u128>` |
 //!
@@ -45,7 +45,7 @@ use crate::key::{BlockKey, NamespaceId};
 /// Frame magic: `"KV"`.
 pub const MAGIC: u16 = 0x4B56;
 /// The codec version this build writes and reads.
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 4;
 /// Default bound on one frame's length (after the length prefix).
 pub const DEFAULT_MAX_FRAME_LEN: usize = 16 << 20;
 /// Most keys in one `start_write` (and completed indices in one `write_done`).
@@ -351,8 +351,8 @@ fn put_body(dst: &mut BytesMut, body: &Body) -> Result<()> {
         Body::WriteDone { op_handle, outcome } => {
             dst.put_u64(op_handle.0);
             match outcome {
-                WriteOutcome::Completed(indices) => {
-                    let indices = indices.as_slice();
+                WriteOutcome::Completed(completed) => {
+                    let indices = completed.as_slice();
                     bound("completed indices", indices.len(), MAX_KEYS_PER_WRITE)?;
                     if indices.windows(2).any(|w| w.first() >= w.get(1)) {
                         return Err(frame(FrameReason::IndicesOrder));
@@ -361,6 +361,11 @@ fn put_body(dst: &mut BytesMut, body: &Body) -> Result<()> {
                     dst.put_u32(indices.len() as u32);
                     for index in indices {
                         dst.put_u32(*index);
+                    }
+                    let digests = completed.digests().unwrap_or_default();
+                    dst.put_u32(digests.len() as u32);
+                    for digest in digests {
+                        dst.put_u64(*digest);
                     }
                 }
                 WriteOutcome::Failed { terminal: true } => dst.put_u8(OUTCOME_FAILED_TERMINAL),
@@ -760,7 +765,16 @@ fn decode_write_done(r: &mut Reader<'_>) -> Result<Body> {
                 }
                 indices.push(index);
             }
-            WriteOutcome::Completed(CompletedIndices::from_ascending(indices))
+            let m = r.u32()? as usize;
+            if m != 0 && m != n {
+                return Err(frame(FrameReason::DigestCount));
+            }
+            r.count("page digests", m, MAX_KEYS_PER_WRITE, 8)?;
+            let mut digests = Vec::with_capacity(m);
+            for _ in 0..m {
+                digests.push(r.u64()?);
+            }
+            WriteOutcome::Completed(CompletedIndices::from_ascending(indices, digests))
         }
         OUTCOME_FAILED_TERMINAL => WriteOutcome::Failed { terminal: true },
         OUTCOME_FAILED_NONTERMINAL => WriteOutcome::Failed { terminal: false },

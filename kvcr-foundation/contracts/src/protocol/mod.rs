@@ -126,34 +126,59 @@ pub struct RegionAdvert {
     pub rkey: Vec<u8>,
 }
 
-/// Indices into a `StartWrite`'s key list that landed, strictly ascending.
+/// Indices into a `StartWrite`'s key list that landed, strictly ascending,
+/// with the source's page digest of each (all or none: a source that keeps
+/// no digests sends none).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct CompletedIndices(Vec<u32>);
+pub struct CompletedIndices {
+    indices: Vec<u32>,
+    /// Empty, or one per index, in the same order.
+    digests: Vec<u64>,
+}
 
 impl CompletedIndices {
-    /// From any list: sorted and de-duplicated.
+    /// From any list: sorted and de-duplicated, without digests.
     pub fn new(mut indices: Vec<u32>) -> Self {
         indices.sort_unstable();
         indices.dedup();
-        Self(indices)
+        Self {
+            indices,
+            digests: Vec::new(),
+        }
+    }
+
+    /// From `(index, digest)` pairs: sorted by index, the first of a
+    /// repeated index kept.
+    pub fn with_digests(mut pairs: Vec<(u32, u64)>) -> Self {
+        pairs.sort_by_key(|(index, _)| *index);
+        pairs.dedup_by_key(|(index, _)| *index);
+        let (indices, digests) = pairs.into_iter().unzip();
+        Self { indices, digests }
     }
 
     /// The indices, strictly ascending.
     pub fn as_slice(&self) -> &[u32] {
-        &self.0
+        &self.indices
+    }
+
+    /// The source's digest of each index's page, in the same order, if it
+    /// sent them.
+    pub fn digests(&self) -> Option<&[u64]> {
+        (!self.digests.is_empty() && self.digests.len() == self.indices.len())
+            .then_some(self.digests.as_slice())
     }
 
     /// Length of the leading run `0, 1, 2, ...`: the longest valid prefix.
     pub fn leading_prefix(&self) -> usize {
-        self.0
+        self.indices
             .iter()
             .enumerate()
             .take_while(|(i, idx)| usize::try_from(**idx).ok() == Some(*i))
             .count()
     }
 
-    pub(crate) fn from_ascending(indices: Vec<u32>) -> Self {
-        Self(indices)
+    pub(crate) fn from_ascending(indices: Vec<u32>, digests: Vec<u64>) -> Self {
+        Self { indices, digests }
     }
 }
 

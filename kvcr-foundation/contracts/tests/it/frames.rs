@@ -139,6 +139,16 @@ fn examples() -> Vec<(&'static str, Body)> {
             },
         ),
         (
+            "write_done_completed_digests",
+            Body::WriteDone {
+                op_handle: OpHandle(42),
+                outcome: WriteOutcome::Completed(CompletedIndices::with_digests(vec![
+                    (3, 0x0102_0304_0506_0708),
+                    (0, 7),
+                ])),
+            },
+        ),
+        (
             "write_done_failed_terminal",
             Body::WriteDone {
                 op_handle: OpHandle(42),
@@ -293,10 +303,30 @@ fn write_done_with_indices(indices: &[u32]) -> Vec<u8> {
         op_handle: OpHandle(1),
         outcome: WriteOutcome::Completed(CompletedIndices::new(vec![])),
     });
-    let mut out = frame[..frame.len() - 4].to_vec();
+    // Without digests the frame ends in two empty counts: indices, digests.
+    let mut out = frame[..frame.len() - 8].to_vec();
     out.extend_from_slice(&(indices.len() as u32).to_be_bytes());
     for i in indices {
         out.extend_from_slice(&i.to_be_bytes());
+    }
+    out.extend_from_slice(&0u32.to_be_bytes());
+    fix_len(out)
+}
+
+/// A `write_done` of indices 0..`indices` carrying `digests` page digests.
+fn write_done_with_digests(indices: u32, digests: u32) -> Vec<u8> {
+    let frame = encode(Body::WriteDone {
+        op_handle: OpHandle(1),
+        outcome: WriteOutcome::Completed(CompletedIndices::new(vec![])),
+    });
+    let mut out = frame[..frame.len() - 8].to_vec();
+    out.extend_from_slice(&indices.to_be_bytes());
+    for i in 0..indices {
+        out.extend_from_slice(&i.to_be_bytes());
+    }
+    out.extend_from_slice(&digests.to_be_bytes());
+    for d in 0..digests {
+        out.extend_from_slice(&u64::from(d).to_be_bytes());
     }
     fix_len(out)
 }
@@ -361,7 +391,9 @@ fn metadata_with(edit: impl FnOnce(&mut RegionAdvert)) -> Vec<u8> {
 #[case::zero_dead_incarnation(fix_len([probe_ack_with(0, 1), vec![0; 16]].concat()), FrameReason::Zero("dead_incarnation"))]
 #[case::indices_repeat(write_done_with_indices(&[1, 1]), FrameReason::IndicesOrder)]
 #[case::indices_descending(write_done_with_indices(&[3, 2]), FrameReason::IndicesOrder)]
-#[case::indices_count_lies({let mut f = write_done_with_indices(&[1]); let n = f.len(); f[n - 8..n - 4].copy_from_slice(&1000u32.to_be_bytes()); f}, FrameReason::Truncated { needed: 3996 })]
+#[case::digests_fewer(write_done_with_digests(3, 2), FrameReason::DigestCount)]
+#[case::digests_more(write_done_with_digests(1, 2), FrameReason::DigestCount)]
+#[case::indices_count_lies({let mut f = write_done_with_indices(&[1]); let n = f.len(); f[n - 12..n - 8].copy_from_slice(&1000u32.to_be_bytes()); f}, FrameReason::Truncated { needed: 3992 })]
 #[case::outcome_byte({let f = encode(Body::WriteDone { op_handle: OpHandle(1), outcome: WriteOutcome::Failed { terminal: true } }); let n = f.len(); mutate(f, n - 1, 9)}, FrameReason::OptionTag { field: "write outcome", value: 9 })]
 #[case::zero_timeout(start_write_bytes(|f, at| f[at + 8..at + 12].fill(0)), FrameReason::Zero("remaining_timeout_ms"))]
 #[case::no_keys(start_write_bytes(|f, at| { f.truncate(at + 12 + 1 + 8); f.extend_from_slice(&0u32.to_be_bytes()); }), FrameReason::Empty("keys"))]

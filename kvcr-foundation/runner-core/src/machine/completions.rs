@@ -75,6 +75,18 @@ impl Core {
 
     /// Feeds back a finished copy job.
     pub fn handle_copy_done(&mut self, now: u64, job: JobId, outcomes: &[CopyOutcome]) {
+        self.handle_copy_done_digested(now, job, outcomes, &[]);
+    }
+
+    /// As [`Core::handle_copy_done`], with the page digest the driver took
+    /// of each copied key (by position; `None` or missing: none taken).
+    pub fn handle_copy_done_digested(
+        &mut self,
+        now: u64,
+        job: JobId,
+        outcomes: &[CopyOutcome],
+        digests: &[Option<u64>],
+    ) {
         let Some(Job { op, keys }) = self.jobs.remove(&job) else {
             return;
         };
@@ -89,7 +101,19 @@ impl Core {
                         CopyOutcome::DeadlinePassed => Err(FailReason::Timeout),
                         CopyOutcome::Cancelled => Err(FailReason::Aborted),
                         CopyOutcome::Failed => Err(FailReason::CopyFailed),
+                        CopyOutcome::Altered => Err(FailReason::DigestMismatch),
                     };
+                    let digest = digests.get(i).copied().flatten().or_else(|| {
+                        // A page filled from G3 keeps the digest it was
+                        // spilled with (its bytes were checked against it).
+                        let f = self.fills.get(fill as usize)?.as_ref()?;
+                        let g3 = matches!(f.source, FillSource::G3 { .. });
+                        let key = self.record(f.record)?.key;
+                        g3.then(|| self.g3_entry_digest(&key)).flatten()
+                    });
+                    if result.is_ok() && digest.is_some() {
+                        self.set_fill_digest(fill, digest);
+                    }
                     self.finish_fill(now, fill, result, &mut stored, &mut deliver_next);
                 }
                 JobKey::Spill { record } => {
@@ -98,9 +122,12 @@ impl Core {
                 JobKey::G3Deliver { entry, key } => {
                     let read = match outcome {
                         CopyOutcome::Copied => g3::G3Read::Read,
-                        CopyOutcome::Failed => g3::G3Read::Failed,
+                        CopyOutcome::Failed | CopyOutcome::Altered => g3::G3Read::Failed,
                         CopyOutcome::Cancelled | CopyOutcome::DeadlinePassed => g3::G3Read::NotRead,
                     };
+                    if outcome == CopyOutcome::Altered {
+                        self.count_g3_digest_mismatch();
+                    }
                     let bytes = self.g3_bytes(&key);
                     self.g3_release(key, read);
                     let result = match outcome {
@@ -111,6 +138,7 @@ impl Core {
                         CopyOutcome::DeadlinePassed => EntryResult::failed(FailReason::Timeout),
                         CopyOutcome::Cancelled => EntryResult::failed(FailReason::Aborted),
                         CopyOutcome::Failed => EntryResult::failed(FailReason::CopyFailed),
+                        CopyOutcome::Altered => EntryResult::failed(FailReason::DigestMismatch),
                     };
                     // A result set earlier (abort) stands: set_result keeps the first.
                     self.set_result(op, entry, result);
@@ -125,6 +153,7 @@ impl Core {
                         CopyOutcome::DeadlinePassed => EntryResult::failed(FailReason::Timeout),
                         CopyOutcome::Cancelled => EntryResult::failed(FailReason::Aborted),
                         CopyOutcome::Failed => EntryResult::failed(FailReason::CopyFailed),
+                        CopyOutcome::Altered => EntryResult::failed(FailReason::DigestMismatch),
                     };
                     // A result set earlier (abort) stands: set_result keeps the first.
                     self.set_result(op, entry, result);
@@ -172,6 +201,10 @@ impl Core {
             let read = match result {
                 Ok(()) => g3::G3Read::Read,
                 Err(FailReason::CopyFailed) => g3::G3Read::Failed,
+                Err(FailReason::DigestMismatch) => {
+                    self.count_g3_digest_mismatch();
+                    g3::G3Read::Failed
+                }
                 Err(_) => g3::G3Read::NotRead,
             };
             self.g3_release(key, read);

@@ -85,6 +85,10 @@ pub enum Action {
         memory: RegionMemory,
         /// Per key, its spans.
         keys: Vec<Vec<CopySpan>>,
+        /// Take each copied key's page digest over its destination bytes
+        /// (a deposit, with page digests on) and report it with the outcome
+        /// ([`Core::handle_copy_done_digested`]).
+        digest: bool,
     },
     /// Send a control message to a peer.
     Send {
@@ -137,6 +141,10 @@ pub enum Action {
         /// Per key, its transfers (one per span); a key is copied only when
         /// all of them are.
         transfers: Vec<Vec<G3Transfer>>,
+        /// Per key, the page digest its loads must find (the page's when
+        /// it was spilled; `None`: nothing to check, or a store). A key
+        /// whose bytes differ is reported [`CopyOutcome::Altered`].
+        digests: Vec<Option<u64>>,
     },
     /// Skip key `key` of `job` if its copy has not started yet.
     Cancel {
@@ -159,6 +167,9 @@ pub enum CopyOutcome {
     /// The device copier reported a failure: the destination's bytes are
     /// unknown, and no copy touches the memory any more.
     Failed,
+    /// The bytes were read, but they are not the page's digest (a G3 copy
+    /// altered on disk): never served, and the copy read is dropped.
+    Altered,
 }
 
 /// Residency state of a record.
@@ -406,6 +417,14 @@ pub struct Core {
     recovered_held: Vec<(u16, u32)>,
     /// Recovered records' tokens until their inventory is republished.
     recovered_pages: HashMap<u32, PageInfo>,
+    /// Per record, its page digest (taken at deposit, or the source's for
+    /// a page restored from a peer and checked on landing).
+    digests: Vec<Option<u64>>,
+    /// Whether deposits take page digests (on unless a bench compares).
+    page_digests: bool,
+    /// The keys of a `write_done` whose landed bytes did not match their
+    /// digests, while it is handled (see `handle_write_done_checked`).
+    landing_mismatch: Option<(OpHandle, Vec<u32>)>,
 }
 
 impl std::fmt::Debug for Core {
@@ -523,6 +542,9 @@ impl Core {
             journal: None,
             recovered_held: Vec::new(),
             recovered_pages: HashMap::new(),
+            digests: Vec::with_capacity(max_records),
+            page_digests: true,
+            landing_mismatch: None,
         })
     }
 }

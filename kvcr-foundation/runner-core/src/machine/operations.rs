@@ -509,6 +509,7 @@ impl Core {
     ) {
         let deadline_ns = self.ops.get(&op).map_or(0, |o| o.deadline);
         let memory = self.ops.get(&op).map_or(RegionMemory::Host, |o| o.memory);
+        let digest = self.page_digests && keys.iter().all(|k| matches!(k, JobKey::Fill(_)));
         if let Some(o) = self.ops.get_mut(&op) {
             o.jobs += 1;
         }
@@ -518,6 +519,7 @@ impl Core {
             deadline_ns,
             memory,
             keys: spans,
+            digest,
         });
     }
 

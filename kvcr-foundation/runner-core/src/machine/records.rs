@@ -60,6 +60,7 @@ impl Core {
         if slots == SlotList::Many {
             self.many_slots.insert(idx, slot_vec.into_boxed_slice());
         }
+        self.set_record_digest(idx, None);
         self.index.insert(
             key,
             IndexEntry {
@@ -171,6 +172,7 @@ impl Core {
         self.filling.remove(&idx);
         self.page_info.remove(&idx);
         self.recovered_pages.remove(&idx);
+        self.set_record_digest(idx, None);
         self.dequeue(idx);
         self.transition(idx, Residency::Vacant, site);
         for (i, slot) in slots.into_iter().enumerate() {

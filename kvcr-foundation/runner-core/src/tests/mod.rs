@@ -1,6 +1,7 @@
 //! Unit tests of the sans-I/O core (virtual time, simulated copy outcomes):
 //! the shared fixtures here, the model-based property tests in `model`, the
-//! sharing, abort and pinning cases in `scenarios`, the G3 moves in `g3`.
+//! sharing, abort and pinning cases in `scenarios`, the G3 moves in `g3`,
+//! page digests in the index in `digests`.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -13,6 +14,7 @@ use kvcr_contracts::key::{BlockKey, CompatDigest, Namespace, NamespaceId, Scoped
 use kvcr_contracts::protocol::{ElementRef, OpHandle, RegionId};
 use kvcr_contracts::tier::{InventoryEvent, Medium, Tier};
 
+mod digests;
 mod g3;
 mod model;
 mod scenarios;

@@ -46,6 +46,9 @@ pub(crate) struct Job {
     pub(crate) cancel: Arc<[AtomicBool]>,
     /// Set for a job that touches device memory: it runs there, not here.
     pub(crate) device: Option<Arc<dyn DeviceCopier>>,
+    /// Take each copied key's page digest over its destination (a deposit
+    /// into the pools), where the bytes are still hot.
+    pub(crate) digest: bool,
 }
 
 /// What the copy thread receives.
@@ -135,9 +138,9 @@ fn worker(
         let Some(Msg::Job(job)) = spin_recv(jobs, SPIN).or_else(|| jobs.recv().ok()) else {
             return;
         };
-        let outcomes = execute(&job, memory, shutdown);
+        let (outcomes, digests) = execute(&job, memory, shutdown);
         match shared.upgrade() {
-            Some(shared) => shared.copy_done(job.id, &outcomes),
+            Some(shared) => shared.copy_done_digested(job.id, &outcomes, &digests),
             None => return,
         }
     }
@@ -176,9 +179,24 @@ fn key_ranges(keys: &[Vec<CopySpan>], total: u64) -> Vec<std::ops::Range<usize>>
     ranges
 }
 
-fn execute(job: &Job, memory: &MemoryRegistry, shutdown: &AtomicBool) -> Vec<CopyOutcome> {
+/// Per key, what happened and (for a digested job) the page digest of its
+/// destination bytes.
+type Executed = (Vec<CopyOutcome>, Vec<Option<u64>>);
+
+fn execute(job: &Job, memory: &MemoryRegistry, shutdown: &AtomicBool) -> Executed {
     if let Some(copier) = &job.device {
-        return execute_on_device(job, copier.as_ref(), shutdown);
+        let outcomes = execute_on_device(job, copier.as_ref(), shutdown);
+        // The device wrote the pools: their bytes are hashed here, after.
+        let digests = outcomes
+            .iter()
+            .zip(&job.keys)
+            .map(|(outcome, spans)| {
+                (job.digest && *outcome == CopyOutcome::Copied)
+                    .then(|| destination_digest(memory, spans))
+                    .flatten()
+            })
+            .collect();
+        return (outcomes, digests);
     }
     let total: u64 = job.keys.iter().flatten().map(|s| s.len).sum();
     if total < SPLIT_BYTES || !destinations_disjoint(&job.keys) {
@@ -186,7 +204,7 @@ fn execute(job: &Job, memory: &MemoryRegistry, shutdown: &AtomicBool) -> Vec<Cop
     }
     let ranges = key_ranges(&job.keys, total);
     let Some((first, rest)) = ranges.split_first() else {
-        return Vec::new();
+        return (Vec::new(), Vec::new());
     };
     // No two threads write the same bytes: destinations are pairwise
     // disjoint (checked above), and no source overlaps a destination (runner
@@ -202,17 +220,23 @@ fn execute(job: &Job, memory: &MemoryRegistry, shutdown: &AtomicBool) -> Vec<Cop
                 )
             })
             .collect();
-        let mut outcomes = execute_range(job, memory, first.clone(), shutdown, true);
+        let (mut outcomes, mut digests) = execute_range(job, memory, first.clone(), shutdown, true);
         for (range, helper) in helpers {
             match helper.join() {
-                Ok(done) => outcomes.extend(done),
+                Ok((done, taken)) => {
+                    outcomes.extend(done);
+                    digests.extend(taken);
+                }
                 // A helper only runs validated copies; if it died, its keys
                 // did not complete as far as we can prove: report them
                 // cancelled.
-                Err(_) => outcomes.extend(range.map(|_| CopyOutcome::Cancelled)),
+                Err(_) => {
+                    outcomes.extend(range.clone().map(|_| CopyOutcome::Cancelled));
+                    digests.extend(range.map(|_| None));
+                }
             }
         }
-        outcomes
+        (outcomes, digests)
     })
 }
 
@@ -291,9 +315,10 @@ fn execute_range(
     range: std::ops::Range<usize>,
     shutdown: &AtomicBool,
     stream: bool,
-) -> Vec<CopyOutcome> {
+) -> Executed {
     let mut outcomes = Vec::with_capacity(range.len());
-    for i in range {
+    let mut digests = vec![None; range.len()];
+    for (at, i) in range.enumerate() {
         let Some(spans) = job.keys.get(i) else {
             outcomes.push(CopyOutcome::Cancelled);
             continue;
@@ -319,14 +344,32 @@ fn execute_range(
         // (`Runner::register_region`). When a job is split over threads,
         // their destination ranges are pairwise disjoint
         // (`destinations_disjoint`), so no byte is written by both.
-        if copy_checked(memory, spans, stream).is_err() {
+        let copied = if job.digest {
+            // Each chunk's source hashed right after this lane copied it,
+            // while its lines are still in this core's caches.
+            let byte_spans: Vec<kvcr_sys::ByteSpan> = spans.iter().map(plan::byte_span).collect();
+            memory.copy_digested(&byte_spans, stream).map(|digest| {
+                if let Some(slot) = digests.get_mut(at) {
+                    *slot = Some(digest);
+                }
+            })
+        } else {
+            copy_checked(memory, spans, stream)
+        };
+        if copied.is_err() {
             // Unreachable while the core and the registry agree.
             outcomes.push(CopyOutcome::Failed);
             continue;
         }
         outcomes.push(CopyOutcome::Copied);
     }
-    outcomes
+    (outcomes, digests)
+}
+
+/// The page digest of a key's destination bytes, its spans in order.
+fn destination_digest(memory: &MemoryRegistry, spans: &[CopySpan]) -> Option<u64> {
+    let spans: Vec<(u64, u64)> = spans.iter().map(|s| (s.dst, s.len)).collect();
+    memory.digest(&spans).ok()
 }
 
 #[cfg(test)]

@@ -24,6 +24,9 @@ use crate::shared::Shared;
 #[derive(Debug, Default)]
 pub(crate) struct G3IoStats {
     pub(crate) failed_transfers: AtomicU64,
+    /// Keys read whose bytes did not match the digest they were spilled
+    /// with (also counted by the core, in `G3Counters::digest_mismatches`).
+    pub(crate) digest_mismatches: AtomicU64,
     pub(crate) last_error: Mutex<Option<G3Error>>,
 }
 
@@ -58,8 +61,23 @@ impl G3Driver {
     /// A load into memory the files cannot read into directly (a deliver
     /// destination off the direct-I/O alignment) goes through a bounce
     /// buffer of its own, copied out before the job is reported.
-    pub(crate) fn submit(&self, shared: Weak<Shared>, job: JobId, keys: &[Vec<G3Transfer>]) {
+    ///
+    /// A key with a digest in `digests` (a read of a page spilled with
+    /// one) is checked once its bytes are in place: bytes altered in the
+    /// file are reported [`CopyOutcome::Altered`], never served.
+    pub(crate) fn submit(
+        &self,
+        shared: Weak<Shared>,
+        job: JobId,
+        keys: &[Vec<G3Transfer>],
+        digests: Vec<Option<u64>>,
+    ) {
         let spans: Vec<usize> = keys.iter().map(Vec::len).collect();
+        // Where each checked key's bytes land (its loads, in span order).
+        let landing: Vec<Vec<(u64, u64)>> = keys
+            .iter()
+            .map(|key| key.iter().map(|t| (t.addr, t.len)).collect())
+            .collect();
         let align = self.store.alignment().max(1);
         // (transfer, bounce, destination, slot, length) per bounced load.
         let mut bounces: Vec<(usize, RegisteredMemory, u64, u64, u64)> = Vec::new();
@@ -125,6 +143,23 @@ impl G3Driver {
                         }
                     }
                     key
+                })
+                .collect();
+            let outcomes: Vec<CopyOutcome> = outcomes
+                .into_iter()
+                .zip(&landing)
+                .enumerate()
+                .map(|(i, (outcome, spans))| {
+                    let expected = digests.get(i).copied().flatten();
+                    match (outcome, expected) {
+                        (CopyOutcome::Copied, Some(expected))
+                            if memory.digest(spans).ok() != Some(expected) =>
+                        {
+                            stats.digest_mismatches.fetch_add(1, Ordering::Relaxed);
+                            CopyOutcome::Altered
+                        }
+                        (outcome, _) => outcome,
+                    }
                 })
                 .collect();
             // The runner is gone: nothing waits for these any more.

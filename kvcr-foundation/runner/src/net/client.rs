@@ -124,8 +124,21 @@ pub fn seal_write_header(
     index: u16,
     count: u16,
 ) -> Option<[u8; SLOT_BYTES]> {
+    seal_write_header_digested(key, op, keys, index, count, None)
+}
+
+/// As [`seal_write_header`], carrying the write's `digest` (the digest of
+/// its pages' digests, `kvcr_sys::combine_digests`).
+pub fn seal_write_header_digested(
+    key: &[u8; 32],
+    op: OpHandle,
+    keys: u32,
+    index: u16,
+    count: u16,
+    digest: Option<u64>,
+) -> Option<[u8; SLOT_BYTES]> {
     let part = Part::new(index, count)?;
-    Some(RecordKey::new(key).seal_message(op, keys, part))
+    Some(RecordKey::new(key).seal_message_digested(op, keys, part, digest))
 }
 
 fn refused(why: &'static str) -> Error {

@@ -18,7 +18,7 @@ use crate::wire::mailbox::Polled;
 /// `true`: there was one.
 fn hand_to_core(
     shared: &Arc<Shared>,
-    taken: Vec<Message>,
+    taken: Vec<(Message, Option<super::landing::Sent>)>,
     refused: u64,
     (taken_count, refused_count): (&AtomicU64, &AtomicU64),
 ) -> bool {
@@ -28,9 +28,17 @@ fn hand_to_core(
         return false;
     }
     taken_count.fetch_add(taken.len() as u64, Relaxed);
+    // A doorbell record's landed bytes are hashed first, outside the lock.
+    let taken: Vec<super::landing::Checked> = taken
+        .into_iter()
+        .map(|(message, sent)| match sent {
+            Some(sent) => super::landing::check(shared, message, sent),
+            None => super::landing::Checked::unchecked(message),
+        })
+        .collect();
     shared.with_core_now(|core, now| {
-        for message in taken {
-            core.handle_message(now, message);
+        for checked in taken {
+            checked.hand(core, now);
         }
     });
     true
@@ -80,6 +88,7 @@ impl State {
             &stats.mailbox_requests_taken,
             &stats.mailbox_requests_refused,
         );
+        let taken = taken.into_iter().map(|m| (m, None)).collect();
         hand_to_core(shared, taken, refused, counters)
     }
 
@@ -89,6 +98,10 @@ impl State {
         let (taken, refused) = self.doorbell.take(|source| control.dialed_peer(source));
         let stats = &self.control.stats;
         let counters = (&stats.doorbells_taken, &stats.doorbells_refused);
+        let taken = taken
+            .into_iter()
+            .map(|(m, digest)| (m, Some(super::landing::Sent::Write(digest))))
+            .collect();
         hand_to_core(shared, taken, refused, counters);
     }
 }

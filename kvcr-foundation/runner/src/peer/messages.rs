@@ -50,7 +50,7 @@ impl State {
             return None;
         }
         let count = Part::cut(bytes, self.write_message_part_bytes)?;
-        let (op, keys) = shared.lock().core.peer_write_completion(write)?;
+        let (op, keys, digest) = super::landing::write_record(&shared.lock().core, write)?;
         let local: Vec<(u64, u64)> = spans.iter().map(|s| (s.local, s.len)).collect();
         let mut sent = VecDeque::with_capacity(usize::from(count));
         for index in 0..count {
@@ -68,7 +68,7 @@ impl State {
                         ))
                     })
                     .collect::<Option<Vec<_>>>()?;
-                let header = key.seal_message(op, keys, part);
+                let header = key.seal_message_digested(op, keys, part, digest);
                 endpoint
                     .send_message(crate::wire::record::WRITE_MESSAGE, &header, &parts)
                     .ok()
@@ -137,7 +137,9 @@ impl State {
                             .write_messages_taken
                             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         if fit == PartFit::Last {
-                            core.handle_message(now, opened.done);
+                            let sent = super::landing::Sent::Write(opened.digest);
+                            let memory = &shared.memory;
+                            super::landing::hand_checked(core, now, memory, opened.done, sent);
                             doorbell.forget_op(opened.op);
                         }
                         Some(())

@@ -22,6 +22,7 @@
 //! memory).
 
 mod doorbells;
+mod landing;
 mod messages;
 mod puts;
 mod routes;
@@ -304,7 +305,9 @@ impl State {
                     }
                     _ => None,
                 };
-                shared.with_core_now(|core, now| core.handle_message(now, message));
+                // Landed bytes are hashed outside the core's lock.
+                let checked = landing::check(shared, message, landing::Sent::PerKey);
+                shared.with_core_now(|core, now| checked.hand(core, now));
                 match ack {
                     // The source maps our pools: no byte comes on a stream.
                     Some((source, true)) => {

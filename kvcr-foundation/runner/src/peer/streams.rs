@@ -184,7 +184,8 @@ impl State {
         let Some(part) = Part::new(0, 1) else {
             return false;
         };
-        let Some((op, keys)) = shared.lock().core.peer_write_completion(write) else {
+        let Some((op, keys, digest)) = super::landing::write_record(&shared.lock().core, write)
+        else {
             return false;
         };
         // Every span is read from our pools only (checked here, once).
@@ -195,7 +196,8 @@ impl State {
         let Some(pieces) = pieces else {
             return false;
         };
-        out.push(write, &key.seal_message(op, keys, part), pieces);
+        let header = key.seal_message_digested(op, keys, part, digest);
+        out.push(write, &header, pieces);
         self.control
             .stats
             .stream_writes_sent
@@ -363,8 +365,10 @@ impl Lander for FrameLander<'_> {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if fit == PartFit::Last {
             doorbell.forget_op(opened.op);
+            let sent = super::landing::Sent::Write(opened.digest);
+            let checked = super::landing::check(self.shared, opened.done, sent);
             self.shared
-                .with_core_now(|core, now| core.handle_message(now, opened.done));
+                .with_core_now(|core, now| checked.hand(core, now));
         }
     }
 

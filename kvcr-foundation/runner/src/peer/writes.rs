@@ -60,11 +60,11 @@ impl State {
         match copies {
             Some(copies) => {
                 if let Some(doorbell) = &route.doorbell {
-                    let completion = shared.lock().core.peer_write_completion(write);
-                    if let (Some((op, keys)), Some(slots)) =
+                    let completion = super::landing::write_record(&shared.lock().core, write);
+                    if let (Some((op, keys, digest)), Some(slots)) =
                         (completion, segments.get(&doorbell.region))
                     {
-                        let (record, remote) = doorbell.ring(op, keys);
+                        let (record, remote) = doorbell.ring(op, keys, digest);
                         self.rings
                             .insert(write, (Arc::clone(slots), record, remote));
                     }

@@ -291,7 +291,7 @@ impl DoorbellState {
         &mut self,
         mut read: impl FnMut(OpHandle, &mut [u8; SLOT_BYTES]) -> bool,
         dialed: impl Fn(&ControlEndpoint) -> Option<(u64, Incarnation)>,
-    ) -> (Vec<Message>, u64) {
+    ) -> (Vec<(Message, Option<u64>)>, u64) {
         let mut taken = Vec::new();
         let mut refused = 0;
         for (op, Awaited { source, .. }) in &self.awaited {
@@ -305,12 +305,12 @@ impl DoorbellState {
             let Some(key) = self.keys.get(source) else {
                 continue;
             };
-            let Some(keys) = key.key.open(*op, &record) else {
+            let Some((keys, digest)) = key.key.open_digested(*op, &record) else {
                 refused += 1;
                 continue;
             };
             if let Some(done) = write_done(source, key.session, *op, keys, &dialed) {
-                taken.push((*op, done));
+                taken.push((*op, (done, digest)));
             }
         }
         for (op, _) in &taken {
@@ -337,13 +337,14 @@ impl DoorbellState {
         let op = record_op(header);
         let source = &self.awaited.get(&op)?.source;
         let key = self.keys.get(source)?;
-        let (keys, part) = key.key.open_message(op, header)?;
+        let (keys, part, digest) = key.key.open_message_digested(op, header)?;
         let done = write_done(source, key.session, op, keys, &dialed)?;
         Some(OpenedMessage {
             op,
             keys,
             part,
             done,
+            digest,
         })
     }
 
@@ -389,6 +390,8 @@ pub(crate) struct OpenedMessage {
     pub(crate) part: Part,
     /// The whole write's `write_done`.
     pub(crate) done: Message,
+    /// The digest of the write's pages its header carries, if any.
+    pub(crate) digest: Option<u64>,
 }
 
 impl OpenedMessage {
@@ -467,8 +470,15 @@ impl RouteDoorbell {
         RouteMailbox::new(self.key.clone(), slots, remote)
     }
 
-    /// The record for `op` (`keys` landed) and the target address of its slot.
-    pub(crate) fn ring(&self, op: OpHandle, keys: u32) -> ([u8; SLOT_BYTES], u64) {
-        (self.key.seal(op, keys), self.base + slot_offset(op) as u64)
+    /// The record for `op` (`keys` landed, their pages' digest `digest`)
+    /// and the target address of its slot.
+    pub(crate) fn ring(
+        &self,
+        op: OpHandle,
+        keys: u32,
+        digest: Option<u64>,
+    ) -> ([u8; SLOT_BYTES], u64) {
+        let record = self.key.seal_digested(op, keys, digest);
+        (record, self.base + slot_offset(op) as u64)
     }
 }

@@ -9,8 +9,9 @@
 //! trusted for):
 //!
 //! ```text
-//! record := op:u64le  keys:u32le  version:u8=1  tail:u8[3]  tag:u8[32]  zero:u8[16]
-//! tag    := HMAC-SHA256(key, label | op | keys | version | tail)
+//! record := op:u64le  keys:u32le  version:u8=2  tail:u8[3]  tag:u8[32]
+//!           digest:u64le  has_digest:u8  zero:u8[7]
+//! tag    := HMAC-SHA256(key, label | op | keys | version | tail | digest | has_digest)
 //! label  := "kvcr-doorbell/1" (a slot: tail zero)
 //!         | "kvcr-write-message/1" (a message header: tail is its part)
 //! proof  := HMAC-SHA256(key, "kvcr-data-stream/1" | challenge | claim)
@@ -38,12 +39,15 @@ fn stream_signed(challenge: &[u8; 32], claim: &ControlEndpoint) -> Vec<u8> {
 
 /// Bytes per slot (one record).
 pub(crate) const SLOT_BYTES: usize = 64;
-/// The record layout's version.
-pub(super) const VERSION: u8 = 1;
+/// The record layout's version (2: the write's digest is signed).
+pub(super) const VERSION: u8 = 2;
 /// Bytes the tag covers (after the domain label).
 pub(super) const SIGNED: usize = 16;
 /// Where the tag starts and ends.
 const TAG: std::ops::Range<usize> = SIGNED..SIGNED + 32;
+/// The write's digest ([`kvcr_sys::combine_digests`] of its pages') and
+/// whether there is one, signed too.
+const DIGEST: std::ops::Range<usize> = TAG.end..TAG.end + 9;
 /// Domain separation: a doorbell slot's record...
 const LABEL: &[u8] = b"kvcr-doorbell/1";
 /// ...and a write message's header; the key signs nothing else.
@@ -74,33 +78,77 @@ impl RecordKey {
     }
 
     /// The record saying `keys` keys of `op` landed (a doorbell slot's).
+    #[cfg(test)]
     pub(crate) fn seal(&self, op: OpHandle, keys: u32) -> [u8; SLOT_BYTES] {
-        self.seal_labelled(LABEL, op, keys, [0; 3])
+        self.seal_labelled(LABEL, op, keys, [0; 3], None)
+    }
+
+    /// As [`RecordKey::seal`], carrying the write's digest.
+    pub(crate) fn seal_digested(
+        &self,
+        op: OpHandle,
+        keys: u32,
+        digest: Option<u64>,
+    ) -> [u8; SLOT_BYTES] {
+        self.seal_labelled(LABEL, op, keys, [0; 3], digest)
     }
 
     /// The number of keys `record` says landed for `op`, if it is a slot
     /// record of `op` sealed with this key (checked in constant time).
+    #[cfg(test)]
     pub(crate) fn open(&self, op: OpHandle, record: &[u8; SLOT_BYTES]) -> Option<u32> {
+        self.open_digested(op, record).map(|(keys, _)| keys)
+    }
+
+    /// As [`RecordKey::open`], with the write's digest it carries.
+    pub(crate) fn open_digested(
+        &self,
+        op: OpHandle,
+        record: &[u8; SLOT_BYTES],
+    ) -> Option<(u32, Option<u64>)> {
         self.open_labelled(LABEL, op, record)
-            .and_then(|(keys, tail)| (tail == [0; 3]).then_some(keys))
+            .and_then(|(keys, tail, digest)| (tail == [0; 3]).then_some((keys, digest)))
     }
 
     /// A write message's header: `part` of the bytes of the first `keys`
     /// keys of `op` is its data.
+    #[cfg(test)]
     pub(crate) fn seal_message(&self, op: OpHandle, keys: u32, part: Part) -> [u8; SLOT_BYTES] {
-        self.seal_labelled(MESSAGE_LABEL, op, keys, part.to_bytes())
+        self.seal_message_digested(op, keys, part, None)
+    }
+
+    /// As [`RecordKey::seal_message`], carrying the write's digest.
+    pub(crate) fn seal_message_digested(
+        &self,
+        op: OpHandle,
+        keys: u32,
+        part: Part,
+        digest: Option<u64>,
+    ) -> [u8; SLOT_BYTES] {
+        self.seal_labelled(MESSAGE_LABEL, op, keys, part.to_bytes(), digest)
     }
 
     /// The number of keys a write message's `header` is a part of for
     /// `op`, and which part, if it was sealed with this key as a message
     /// header.
+    #[cfg(test)]
     pub(crate) fn open_message(
         &self,
         op: OpHandle,
         header: &[u8; SLOT_BYTES],
     ) -> Option<(u32, Part)> {
-        let (keys, tail) = self.open_labelled(MESSAGE_LABEL, op, header)?;
-        Some((keys, Part::from_bytes(tail)?))
+        self.open_message_digested(op, header)
+            .map(|(keys, part, _)| (keys, part))
+    }
+
+    /// As [`RecordKey::open_message`], with the write's digest it carries.
+    pub(crate) fn open_message_digested(
+        &self,
+        op: OpHandle,
+        header: &[u8; SLOT_BYTES],
+    ) -> Option<(u32, Part, Option<u64>)> {
+        let (keys, tail, digest) = self.open_labelled(MESSAGE_LABEL, op, header)?;
+        Some((keys, Part::from_bytes(tail)?, digest))
     }
 
     /// The proof a data stream's dialer gives for `challenge` (the
@@ -128,15 +176,21 @@ impl RecordKey {
         op: OpHandle,
         keys: u32,
         tail: [u8; 3],
+        digest: Option<u64>,
     ) -> [u8; SLOT_BYTES] {
         let mut record = [0u8; SLOT_BYTES];
         record[..8].copy_from_slice(&op.0.to_le_bytes());
         record[8..12].copy_from_slice(&keys.to_le_bytes());
         record[12] = VERSION;
         record[13..SIGNED].copy_from_slice(&tail);
+        if let Some(digest) = digest {
+            record[DIGEST.start..DIGEST.end - 1].copy_from_slice(&digest.to_le_bytes());
+            record[DIGEST.end - 1] = 1;
+        }
         let mut ctx = hmac::Context::with_key(&self.0);
         ctx.update(label);
         ctx.update(&record[..SIGNED]);
+        ctx.update(&record[DIGEST]);
         record[TAG].copy_from_slice(ctx.sign().as_ref());
         record
     }
@@ -148,17 +202,24 @@ impl RecordKey {
         label: &[u8],
         op: OpHandle,
         record: &[u8; SLOT_BYTES],
-    ) -> Option<(u32, [u8; 3])> {
-        if record_op(record) != op || record[12] != VERSION || record[TAG.end..] != [0; 16] {
+    ) -> Option<(u32, [u8; 3], Option<u64>)> {
+        let has_digest = record[DIGEST.end - 1];
+        if record_op(record) != op
+            || record[12] != VERSION
+            || record[DIGEST.end..] != [0; 7]
+            || has_digest > 1
+        {
             return None;
         }
-        let mut signed = Vec::with_capacity(LABEL_LEN + SIGNED);
+        let mut signed = Vec::with_capacity(LABEL_LEN + SIGNED + DIGEST.len());
         signed.extend_from_slice(label);
         signed.extend_from_slice(&record[..SIGNED]);
+        signed.extend_from_slice(&record[DIGEST]);
         hmac::verify(&self.0, &signed, &record[TAG]).ok()?;
         let keys = u32::from_le_bytes(record[8..12].try_into().ok()?);
         let tail = record[13..SIGNED].try_into().ok()?;
-        Some((keys, tail))
+        let digest = u64::from_le_bytes(record[DIGEST.start..DIGEST.end - 1].try_into().ok()?);
+        Some((keys, tail, (has_digest == 1).then_some(digest)))
     }
 }
 
@@ -244,6 +305,28 @@ pub(super) mod tests {
                 );
             }
         }
+    }
+
+    /// A record's digest is signed: it opens as sealed, and any changed
+    /// bit of it (or of its flag) refuses the record.
+    #[test]
+    fn a_records_digest_is_signed() {
+        let record = key(1).seal_digested(OpHandle(42), 3, Some(0x1234_5678_9abc_def0));
+        let expect = Some((3, Some(0x1234_5678_9abc_def0)));
+        assert_eq!(key(1).open_digested(OpHandle(42), &record), expect);
+        let header = key(1).seal_message_digested(OpHandle(42), 3, Part::WHOLE, Some(7));
+        let opened = key(1).open_message_digested(OpHandle(42), &header);
+        assert_eq!(opened, Some((3, Part::WHOLE, Some(7))));
+        for at in DIGEST.start..SLOT_BYTES {
+            for bit in 0..8 {
+                let mut forged = record;
+                forged[at] ^= 1 << bit;
+                let opened = key(1).open_digested(OpHandle(42), &forged);
+                assert_eq!(opened, None, "byte {at} bit {bit}");
+            }
+        }
+        let none = key(1).seal_digested(OpHandle(42), 3, None);
+        assert_eq!(key(1).open_digested(OpHandle(42), &none), Some((3, None)));
     }
 
     #[test]

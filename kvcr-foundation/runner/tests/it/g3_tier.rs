@@ -11,8 +11,8 @@ use kvcr_contracts::{
     CompatDigest, InventoryEvent, InventorySink, Medium, Namespace, NamespaceId, Tier,
 };
 use kvcr_runner::{
-    DeliverEntry, DepositEntry, EntryStatus, G3Options, PageInfo, QueryStatus, RegionDesc, Runner,
-    RunnerConfig,
+    DeliverEntry, DepositEntry, EntryStatus, FailReason, G3Options, PageInfo, QueryStatus,
+    RegionDesc, Runner, RunnerConfig,
 };
 use kvcr_sys::direct_io::DirectBuf;
 
@@ -388,4 +388,81 @@ fn a_peer_restores_pages_only_g3_holds(#[case] mapping: bool) {
     drop(target);
     drop(source);
     drop(host);
+}
+
+/// Another user rewrites spilled pages in a G3 file behind the runner's
+/// back: every read of them is checked against the digest the page was
+/// deposited with, so a fill (`fetch`) and a direct read (`deliver`) both
+/// fail `DigestMismatch`, are counted, and the G3 copy is dropped, never
+/// served; pages still in DRAM are untouched.
+#[test]
+fn a_spilled_page_altered_on_disk_is_refused_on_fill() {
+    let _serial = crate::serial();
+    let scratch = Scratch::new("altered");
+    let files = scratch.files(1);
+    let (mut runner, ns, _events) = start(
+        4,
+        G3Options {
+            paths: files.clone(),
+            capacity_bytes_per_file: 16 * BLOCK as u64,
+        },
+    );
+    let host = Host::new(&mut runner, 32);
+    for page in 0..8 {
+        assert_eq!(deposit(&mut runner, &host, ns, page), EntryStatus::Success);
+    }
+    for page in 0..4 {
+        let status = runner.query(&key(ns, page));
+        assert_eq!(
+            status,
+            QueryStatus::Fetchable(Tier::Disk),
+            "page {page} moved to G3"
+        );
+    }
+    // One byte of every slot of the file, wherever the slots start.
+    let mut file = std::fs::read(&files[0]).unwrap();
+    for at in (100..file.len()).step_by(BLOCK) {
+        file[at] ^= 0x01;
+    }
+    std::fs::write(&files[0], &file).unwrap();
+    let pool = runner.pool("kv").unwrap();
+    let op = runner.fetch(&[key(ns, 0)], &[pool]).unwrap();
+    let fetched = wait(&mut runner, op);
+    assert_eq!(
+        fetched.entries[0].1.status,
+        EntryStatus::Failed(FailReason::DigestMismatch)
+    );
+    let delivered = DeliverEntry {
+        key: key(ns, 1),
+        destinations: vec![host.at(20)],
+    };
+    let op = runner.deliver(vec![delivered]).unwrap();
+    let delivered = wait(&mut runner, op);
+    assert_eq!(
+        delivered.entries[0].1.status,
+        EntryStatus::Failed(FailReason::DigestMismatch)
+    );
+    for page in 0..2 {
+        assert_ne!(
+            runner.query(&key(ns, page)),
+            QueryStatus::Fetchable(Tier::Disk),
+            "dropped"
+        );
+        assert_ne!(
+            runner.query(&key(ns, page)),
+            QueryStatus::Hit,
+            "never served"
+        );
+    }
+    let g3 = runner.pools().g3_stats().unwrap();
+    assert_eq!(g3.counters.digest_mismatches, 2, "{g3:?}");
+    // A page DRAM holds still comes back byte-exact.
+    let entry = DeliverEntry {
+        key: key(ns, 7),
+        destinations: vec![host.at(21)],
+    };
+    let op = runner.deliver(vec![entry]).unwrap();
+    assert!(wait(&mut runner, op).entries[0].1.is_success());
+    assert_eq!(host.page(21), host.page(7));
+    runner.check_invariants().unwrap();
 }

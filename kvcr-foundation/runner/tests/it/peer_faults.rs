@@ -961,15 +961,18 @@ fn el(region: u32, index: u64) -> Vec<ElementRef> {
     }]
 }
 
-/// Asserts a `write_done` with exactly `indices` completed.
+/// Asserts a `write_done` with exactly `indices` completed, each with the
+/// page digest its source took at deposit.
 fn assert_completed(body: &Body, indices: &[u32]) {
     let Body::WriteDone { outcome, .. } = body else {
         panic!("expected write_done, got {body:?}");
     };
-    assert_eq!(
-        outcome,
-        &WriteOutcome::Completed(CompletedIndices::new(indices.to_vec()))
-    );
+    let WriteOutcome::Completed(completed) = outcome else {
+        panic!("expected completed, got {outcome:?}");
+    };
+    assert_eq!(completed.as_slice(), indices);
+    let digests = completed.digests().map_or(0, <[u64]>::len);
+    assert_eq!(digests, indices.len(), "{completed:?}");
 }
 
 fn assert_failed_terminal(body: &Body) {

@@ -17,7 +17,7 @@ use kvcr_contracts::protocol::{
 use kvcr_contracts::{
     BlockKey, ControlEndpoint, FetchHint, Incarnation, NamespaceId, RequestId, ScopedKey,
 };
-use kvcr_runner::client::{ControlClient, Dialed, seal_write_header};
+use kvcr_runner::client::{ControlClient, Dialed, seal_write_header, seal_write_header_digested};
 use kvcr_runner::{
     DataStream, EntryStatus, FailReason, OpResult, PeerOptions, QueryStatus, StaticKey,
 };
@@ -1356,4 +1356,223 @@ fn a_source_churned_under_many_names_keeps_serving_and_stops() {
         done.recv_timeout(Duration::from_secs(120)).is_ok(),
         "the churned source did not serve and stop within two minutes (or a check failed: see above)"
     );
+}
+
+/// An on-path outsider alters a data stream's payload (plain TCP) while
+/// its sealed header, with the write's digest, stays the source's: the
+/// destination hashes the landed bytes before Success, so both keys fail
+/// `DigestMismatch`, are counted, and are never served; the same frame
+/// unaltered lands byte-exact.
+#[test]
+fn an_altered_data_stream_payload_never_succeeds() {
+    let _serial = crate::serial();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let source =
+        ControlEndpoint::parse(&format!("tcp://{}", listener.local_addr().unwrap())).unwrap();
+    let mut options = through_tcp();
+    options.data_stream = DataStream::On;
+    let mut target = node_with(&options, 16, Duration::from_secs(20));
+    let pool = target.runner.pool("kv").unwrap();
+    let fetch = |target: &mut Node, request: &str, keys: &[u64]| {
+        let request = RequestId(request.into());
+        let hint = crate::nodes::hint_to(&source, keys);
+        target.runner.hints().submit(request.clone(), &hint);
+        let scoped: Vec<ScopedKey> = keys.iter().map(|k| key(target.ns, *k)).collect();
+        let op = target.runner.hints().fetch(&request, &scoped, &[pool]);
+        op.unwrap()
+    };
+    let total = 2 * BLOCK;
+    let honest: Vec<u8> = (0..total).map(|i| (i * 7 % 251) as u8).collect();
+    let digest = kvcr_sys::combine_digests(&[
+        kvcr_sys::digest::digest_bytes(&honest[..BLOCK]),
+        kvcr_sys::digest::digest_bytes(&honest[BLOCK..]),
+    ]);
+    let mut altered = honest.clone();
+    altered[BLOCK + 17] ^= 0x40;
+    let (mut session, mut stream, mut record_key) = (None, None, None);
+    for (round, payload) in [(0u64, &altered), (1, &honest)] {
+        let keys = [2 * round, 2 * round + 1];
+        let pending = fetch(&mut target, &format!("round-{round}"), &keys);
+        // The session and the stream, dialed for the first round.
+        while session.is_none() || stream.is_none() {
+            match accept_dialed(&listener, &source) {
+                Dialed::Session(s) => session = Some(*s),
+                Dialed::DataStream(d) => stream = Some(d),
+            }
+        }
+        let (session, stream) = (session.as_mut().unwrap(), stream.as_mut().unwrap());
+        let (op, elements) = next_start_write(session, &source, &mut record_key);
+        assert_eq!(elements, 2);
+        let record_key = record_key.unwrap();
+        let header = seal_write_header_digested(&record_key, op, 2, 0, 1, Some(digest)).unwrap();
+        stream.send_frame(total as u64, &header, payload).unwrap();
+        let result = wait(&mut target.runner, pending);
+        let mismatches = target.runner.peers().stats().counters.digest_mismatches;
+        if round == 0 {
+            for (key, entry) in &result.entries {
+                let status = entry.status;
+                assert_eq!(
+                    status,
+                    EntryStatus::Failed(FailReason::DigestMismatch),
+                    "{key:?}"
+                );
+                assert_ne!(target.runner.query(key), QueryStatus::Hit, "never served");
+            }
+            assert_eq!(mismatches, 2);
+        } else {
+            let landed: Vec<u8> = result
+                .entries
+                .iter()
+                .flat_map(|(key, entry)| {
+                    assert!(entry.is_success(), "{key:?}: {entry:?}");
+                    let handle = entry.release.unwrap();
+                    target.runner.read_claimed(handle, 0).unwrap()
+                })
+                .collect();
+            assert!(landed == honest, "the unaltered frame lands byte-exact");
+            assert_eq!(mismatches, 2, "nothing more counted");
+            let digested = target.runner.page_digest(&key(target.ns, 2));
+            assert_eq!(
+                digested,
+                Some(kvcr_sys::digest::digest_bytes(&honest[..BLOCK]))
+            );
+        }
+    }
+}
+
+/// Bytes the relay lets through on each data stream from the source
+/// before it flips one: well inside the first frame's first page.
+const FLIP_AT: usize = 32 << 10;
+
+/// An on-path relay in front of `listening` (the source's bound address),
+/// reached at `at`: it forwards every connection both ways and, on a data
+/// stream (its dialer writes the stream preamble first), flips the bit 0x20
+/// of byte [`FLIP_AT`] the source sends.
+fn flipping_relay(at: std::net::SocketAddr, listening: std::net::SocketAddr) -> Arc<AtomicU64> {
+    use std::io::Write;
+    let flipped = Arc::new(AtomicU64::new(0));
+    let relay = TcpListener::bind(at).unwrap();
+    let count = Arc::clone(&flipped);
+    std::thread::spawn(move || {
+        for dialer in relay.incoming() {
+            let Ok(mut dialer) = dialer else { return };
+            let Ok(mut source) = std::net::TcpStream::connect(listening) else {
+                continue;
+            };
+            let (mut dialer_in, mut source_in) =
+                (dialer.try_clone().unwrap(), source.try_clone().unwrap());
+            let count = Arc::clone(&count);
+            std::thread::spawn(move || {
+                let mut first = [0u8; 8];
+                if dialer_in.read_exact(&mut first).is_err() || source.write_all(&first).is_err() {
+                    return;
+                }
+                let stream = &first == b"KVCR-D1\0";
+                std::thread::spawn(move || {
+                    let mut seen = 0usize;
+                    let mut buf = vec![0u8; 16 << 10];
+                    loop {
+                        let n = match source_in.read(&mut buf) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        if stream && (seen..seen + n).contains(&FLIP_AT) {
+                            buf[FLIP_AT - seen] ^= 0x20;
+                            count.fetch_add(1, Ordering::Relaxed);
+                        }
+                        seen += n;
+                        if dialer.write_all(&buf[..n]).is_err() {
+                            return;
+                        }
+                    }
+                });
+                let _ = std::io::copy(&mut dialer_in, &mut source);
+            });
+        }
+    });
+    flipped
+}
+
+/// The probe of issue 40: an on-path outsider (no secret) flips a byte of a
+/// data stream between two real runners (UCX over tcp, as with `--host`).
+/// The destination checks every landed page against the digest its source
+/// took at deposit: the altered write's keys fail `DigestMismatch`, counted,
+/// never served; no key reports Success with wrong bytes; the next restore
+/// through the same relay (nothing flipped any more) lands byte-exact.
+#[test]
+fn a_byte_flipped_on_a_data_stream_never_succeeds() {
+    let _serial = crate::serial();
+    let mut options = through_tcp();
+    options.data_stream = DataStream::On;
+    // The source listens on 127.0.0.1 and tells peers 127.0.0.2, where the
+    // relay listens on the same port.
+    let mut source_options = options.clone();
+    source_options.advertise_host = kvcr_contracts::Host::Ip([127, 0, 0, 2].into());
+    let mut source = node_with(&source_options, 40, Duration::from_secs(10));
+    let mut target = node_with(&options, 40, Duration::from_secs(10));
+    let advertised = source.runner.peers().endpoint().unwrap().to_string();
+    let port: u16 = advertised.rsplit(':').next().unwrap().parse().unwrap();
+    let flipped = flipping_relay(([127, 0, 0, 2], port).into(), ([127, 0, 0, 1], port).into());
+    let all: Vec<u64> = (0..40).collect();
+    stock(&mut source, &all);
+    // The stream is dialed beside the route's metadata: the first restore
+    // may already come on it.
+    let keys: Vec<u64> = (0..16).collect();
+    let result = fetch_on_hint(&mut target, "flipped", &hint(&source, &keys), &keys);
+    crate::wait_until("the data stream to bind", Duration::from_secs(10), || {
+        target.runner.peers().control_stats().streams_opened == 1
+    });
+    if flipped.load(Ordering::Relaxed) == 0 {
+        // It came through UCX: the next one comes on the stream.
+        let keys: Vec<u64> = (16..20).collect();
+        let first = fetch_on_hint(&mut target, "first", &hint(&source, &keys), &keys);
+        check_flipped(&target, &source, &first, &keys, &flipped);
+    } else {
+        check_flipped(&target, &source, &result, &keys, &flipped);
+    }
+    let again: Vec<u64> = (20..36).collect();
+    let result = fetch_on_hint(&mut target, "again", &hint(&source, &again), &again);
+    assert_restored(&target, &source, &result, &again);
+    assert!(target.runner.peers().control_stats().stream_writes_taken >= 2);
+}
+
+/// The restore of `keys` that the relay flipped a byte of: no key succeeds
+/// with wrong bytes, the altered ones fail `DigestMismatch`, counted and
+/// never served.
+fn check_flipped(
+    target: &Node,
+    source: &Node,
+    result: &OpResult,
+    keys: &[u64],
+    flipped: &AtomicU64,
+) {
+    assert_eq!(
+        flipped.load(Ordering::Relaxed),
+        1,
+        "the relay flipped one byte"
+    );
+    let mut altered = 0;
+    for ((key, entry), k) in result.entries.iter().zip(keys) {
+        match entry.status {
+            EntryStatus::Success => {
+                let bytes = target
+                    .runner
+                    .read_claimed(entry.release.unwrap(), 0)
+                    .unwrap();
+                let k = *k as usize;
+                assert!(
+                    bytes == source.host[k * BLOCK..(k + 1) * BLOCK],
+                    "{key:?}: wrong bytes"
+                );
+            }
+            EntryStatus::Failed(FailReason::DigestMismatch) => {
+                altered += 1;
+                assert_ne!(target.runner.query(key), QueryStatus::Hit, "{key:?} served");
+            }
+            other => panic!("{key:?}: {other:?}"),
+        }
+    }
+    assert!(altered >= 1, "the altered page failed");
+    let counted = target.runner.peers().stats().counters.digest_mismatches;
+    assert_eq!(counted, altered);
 }

@@ -220,11 +220,13 @@ impl Core {
         if let Some(o) = self.ops.get_mut(&op) {
             o.jobs += 1;
         }
+        let digests = keys.iter().map(|k| self.g3_read_digest(k)).collect();
         self.jobs.insert(job, Job { op, keys });
         self.actions.push_back(Action::G3 {
             job,
             deadline_ns,
             transfers,
+            digests,
         });
     }
 
@@ -248,5 +250,31 @@ impl Core {
             transfers.push(transfer);
         }
         self.submit_g3_job(op, job, keys, transfers);
+    }
+
+    /// The digest a G3 read of `key` (a fill or a direct deliver) must
+    /// find, if its page was spilled with one.
+    fn g3_read_digest(&self, key: &JobKey) -> Option<u64> {
+        let scoped = match *key {
+            JobKey::Fill(fill) => {
+                let record = self.fills.get(fill as usize)?.as_ref()?.record;
+                self.record(record)?.key
+            }
+            JobKey::G3Deliver { key, .. } => key,
+            JobKey::Deliver { .. } | JobKey::Spill { .. } => return None,
+        };
+        self.g3_entry_digest(&scoped)
+    }
+
+    /// The digest G3's copy of `key` was spilled with.
+    pub(in crate::machine) fn g3_entry_digest(&self, key: &ScopedKey) -> Option<u64> {
+        self.g3.as_ref()?.entries.get(key)?.digest
+    }
+
+    /// Counts a G3 read whose bytes did not match its digest.
+    pub(in crate::machine) fn count_g3_digest_mismatch(&mut self) {
+        if let Some(g3) = self.g3.as_mut() {
+            g3.counters.digest_mismatches += 1;
+        }
     }
 }

@@ -104,6 +104,10 @@ pub struct G3Counters {
     pub fills: u64,
     /// Fills whose read failed (the G3 copy was dropped).
     pub fills_failed: u64,
+    /// Reads (fills and direct delivers) whose bytes did not match the
+    /// page's digest taken before the spill: failed, the G3 copy dropped
+    /// (counted in `fills_failed` too).
+    pub digest_mismatches: u64,
     /// G3 pages evicted for room.
     pub evictions: u64,
     /// Bytes written into G3.
@@ -142,6 +146,9 @@ pub(super) struct G3Entry {
     /// While `Storing`: a move (the DRAM copy retires once it lands) or a
     /// spill ahead (the DRAM copy stays, clean: evicting it later is free).
     moving: bool,
+    /// The DRAM page's digest when it was spilled: a fill checks the bytes
+    /// it reads against it, and the filled page keeps it.
+    digest: Option<u64>,
 }
 
 /// G3's state inside the core.

@@ -41,6 +41,7 @@ impl Core {
             }
         }
         let page = self.page_info.get(&idx).cloned();
+        let digest = self.record_digest(idx);
         let transfers = sources
             .iter()
             .zip(&slots)
@@ -64,6 +65,7 @@ impl Core {
                 page,
                 poisoned: false,
                 moving,
+                digest,
             },
         );
         g3.counters.spills += 1;
@@ -81,7 +83,7 @@ impl Core {
             return;
         }
         let job = self.reserve_job();
-        let (keys, transfers) = spills
+        let (keys, transfers): (Vec<JobKey>, Vec<Vec<G3Transfer>>) = spills
             .into_iter()
             .map(|(record, transfers)| (JobKey::Spill { record }, transfers))
             .unzip();
@@ -92,10 +94,12 @@ impl Core {
                 keys,
             },
         );
+        let digests = vec![None; transfers.len()];
         self.actions.push_back(Action::G3 {
             job,
             deadline_ns: now.saturating_add(self.operation_timeout_ns),
             transfers,
+            digests,
         });
     }
 

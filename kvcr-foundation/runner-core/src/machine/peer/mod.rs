@@ -49,6 +49,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use super::*;
 
 mod config;
+mod digests;
 mod dispatch;
 mod queries;
 mod reports;

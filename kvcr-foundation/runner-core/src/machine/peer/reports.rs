@@ -73,6 +73,9 @@ pub struct PeerCounters {
     pub dead_ignored: u64,
     /// (Target role) quarantined ops probed again on a fresh metadata ack.
     pub reprobes: u64,
+    /// (Target role) keys a source reported landed whose bytes did not
+    /// match the page digest that came with them: failed, never served.
+    pub digest_mismatches: u64,
 }
 
 /// Sizes of the core's per-peer state ([`Core::peer_state_sizes`]).

@@ -55,6 +55,8 @@ impl Core {
                 peer.counters.bytes_sent += w.bytes;
             }
         }
+        // The digests are read while the records are still claimed.
+        let digests: Option<Vec<u64>> = w.records.iter().map(|r| self.record_digest(*r)).collect();
         for record in &w.records {
             self.touch(now, *record);
             self.unclaim(*record);
@@ -63,9 +65,12 @@ impl Core {
         // failure is proof that we are done with its memory.
         let outcome = match (ok, w.state) {
             (true, WriteState::Writing) if completion_sent => return,
-            (true, WriteState::Writing) => {
-                WriteOutcome::Completed(CompletedIndices::new(w.indices))
-            }
+            (true, WriteState::Writing) => WriteOutcome::Completed(match digests {
+                Some(digests) => {
+                    CompletedIndices::with_digests(w.indices.into_iter().zip(digests).collect())
+                }
+                None => CompletedIndices::new(w.indices),
+            }),
             _ => WriteOutcome::Failed { terminal: true },
         };
         self.send(

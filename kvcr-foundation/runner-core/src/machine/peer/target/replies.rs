@@ -2,7 +2,7 @@
 //! quarantined ops probed again, death reports, and target ops finished or
 //! expired (fills committed, failed or discarded).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::*;
 
@@ -225,21 +225,54 @@ impl Core {
             return;
         };
         let on_time = target_op.state == TargetState::WaitingWriteDone;
+        let digests: HashMap<u32, u64> = completed
+            .as_ref()
+            .and_then(|c| {
+                Some(
+                    c.as_slice()
+                        .iter()
+                        .copied()
+                        .zip(c.digests()?.iter().copied()),
+                )
+            })
+            .into_iter()
+            .flatten()
+            .collect();
         let completed: HashSet<u32> = completed
             .map(|c| c.as_slice().iter().copied().collect())
             .unwrap_or_default();
+        let mismatched: HashSet<u32> = match self.landing_mismatch.take() {
+            Some((mismatch_op, keys)) if mismatch_op == op => keys.into_iter().collect(),
+            other => {
+                self.landing_mismatch = other;
+                HashSet::new()
+            }
+        };
         let mut stored = Vec::new();
         let mut deliver_next = BTreeMap::new();
         let mut received = 0;
         let mut missing = Vec::new();
         for (i, (fill, key)) in target_op.fills.iter().zip(&target_op.keys).enumerate() {
-            let landed = on_time && completed.contains(&(i as u32));
+            let index = i as u32;
+            let landed = on_time && completed.contains(&index);
+            let altered = on_time && mismatched.contains(&index);
             if landed {
                 received += 1;
+                // The source's digest, which the driver checked against
+                // the landed bytes: the page can be served on with it.
+                let digest = digests.get(&index).copied();
+                self.set_fill_digest(*fill, digest);
             } else if on_time {
                 missing.push(key.key);
             }
-            let result = if landed { Ok(()) } else { Err(failure) };
+            let result = match (landed, altered) {
+                (true, _) => Ok(()),
+                (false, true) => Err(FailReason::DigestMismatch),
+                (false, false) => Err(failure),
+            };
+            if altered && let Some(peer) = self.peer.as_mut() {
+                peer.counters.digest_mismatches += 1;
+            }
             self.finish_fill(now, *fill, result, &mut stored, &mut deliver_next);
         }
         self.publish_stored(&stored);

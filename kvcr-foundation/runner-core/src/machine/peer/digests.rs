@@ -1,0 +1,107 @@
+//! Page digests in the index: one per record, taken at deposit (the driver
+//! hashes a deposit's destination bytes on the copy thread and reports it
+//! with the copy), carried in `write_done` by a source, checked by the
+//! destination's driver over the landed bytes before the core hears of the
+//! completion, and kept with a restored page so it can be served on.
+//!
+//! The core never hashes: it keeps the digests, says where an operation's
+//! bytes landed ([`Core::target_landing`]), and fails the keys the driver
+//! found altered ([`Core::handle_write_done_checked`]).
+
+use super::*;
+
+impl Core {
+    /// Whether deposits take page digests (default on). Off only to measure
+    /// what they cost: pages deposited meanwhile carry none, and a
+    /// destination checks only the pages that come with one.
+    pub fn set_page_digests(&mut self, on: bool) {
+        self.page_digests = on;
+    }
+
+    /// Whether deposits take page digests.
+    pub fn page_digests(&self) -> bool {
+        self.page_digests
+    }
+
+    /// The digest of `key`'s page, if it is READY here and has one.
+    pub fn page_digest(&self, key: &ScopedKey) -> Option<u64> {
+        let entry = self.index.get(key)?;
+        (entry.state == Residency::Ready)
+            .then(|| self.record_digest(entry.record))
+            .flatten()
+    }
+
+    pub(in crate::machine) fn record_digest(&self, idx: u32) -> Option<u64> {
+        self.digests.get(idx as usize).copied().flatten()
+    }
+
+    pub(in crate::machine) fn set_record_digest(&mut self, idx: u32, digest: Option<u64>) {
+        let at = idx as usize;
+        if self.digests.len() <= at {
+            if digest.is_none() {
+                return;
+            }
+            self.digests.resize(at + 1, None);
+        }
+        if let Some(slot) = self.digests.get_mut(at) {
+            *slot = digest;
+        }
+    }
+
+    /// Sets the digest of the record fill `fill` is filling.
+    pub(in crate::machine) fn set_fill_digest(&mut self, fill: u32, digest: Option<u64>) {
+        if let Some(record) = self
+            .fills
+            .get(fill as usize)
+            .and_then(Option::as_ref)
+            .map(|f| f.record)
+        {
+            self.set_record_digest(record, digest);
+        }
+    }
+
+    /// Where target operation `op`'s keys land: per key (in request
+    /// order), its slots' address and length in layout order. `None` once
+    /// the op is no longer awaited. The slots stay owned until the op's
+    /// reply is handled, so the driver may hash them outside the lock.
+    pub fn target_landing(&self, op: OpHandle) -> Option<Vec<Vec<(u64, u64)>>> {
+        let target_op = self.peer.as_ref()?.target.ops.get(&op)?;
+        let landing = target_op
+            .fills
+            .iter()
+            .map(|fill| {
+                let record = self.fills.get(*fill as usize)?.as_ref()?.record;
+                Some(
+                    self.slot_spans(record)
+                        .into_iter()
+                        .map(|s| (s.src, s.len))
+                        .collect(),
+                )
+            })
+            .collect::<Option<Vec<Vec<(u64, u64)>>>>()?;
+        Some(landing)
+    }
+
+    /// A `write_done` (or what a record stands for) after the driver
+    /// checked the landed bytes: `message` completes only the keys whose
+    /// bytes matched, with the digests that matched; the keys of
+    /// `mismatched` (indices into the op's keys) fail with
+    /// [`FailReason::DigestMismatch`] and are counted. Nothing else
+    /// differs from [`Core::handle_message`].
+    pub fn handle_write_done_checked(&mut self, now: u64, message: Message, mismatched: &[u32]) {
+        if let Body::WriteDone { op_handle, .. } = &message.body
+            && !mismatched.is_empty()
+        {
+            self.landing_mismatch = Some((*op_handle, mismatched.to_vec()));
+        }
+        self.handle_message(now, message);
+        self.landing_mismatch = None;
+    }
+
+    /// The digests of write `write`'s pages (in the order it writes them),
+    /// if every one has a digest: what a record completing it carries.
+    pub fn peer_write_digests(&self, write: u64) -> Option<Vec<u64>> {
+        let w = self.peer.as_ref()?.source.writes.get(&write)?;
+        w.records.iter().map(|r| self.record_digest(*r)).collect()
+    }
+}

@@ -1,0 +1,194 @@
+//! The destination's check of a write's landed bytes before its completion
+//! reaches the core: each completed key's slots are hashed (xxh3-64, see
+//! `kvcr_sys::digest`) and compared with the digest the source sent, per
+//! key in a `write_done`, or as one digest of the whole write in a sealed
+//! record (a doorbell slot, a write message's or a data stream frame's
+//! header). A key whose bytes differ fails `FailReason::DigestMismatch` and
+//! is counted (`digest_mismatches`); its slots are freed as a failed key's
+//! are, never seated.
+//!
+//! The hashing runs outside the core's lock where the caller can ([`check`],
+//! then [`Checked::hand`] under it): an awaited operation's slots are freed
+//! only by its reply, which this peer thread hands over after. A large write
+//! is hashed on several threads, its keys split among them.
+
+use kvcr_contracts::protocol::{Body, CompletedIndices, Message, OpHandle, WriteOutcome};
+use kvcr_runner_core::Core;
+use kvcr_sys::{MemoryRegistry, combine_digests};
+
+use crate::shared::Shared;
+
+/// What digest came with a completion.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Sent {
+    /// A `write_done`: per key, inside it (or none).
+    PerKey,
+    /// A sealed record: one digest of the write's pages, or none.
+    Write(Option<u64>),
+}
+
+/// A completion whose landed bytes were checked: the message to hand to the
+/// core (completing only the keys that matched) and the keys that did not.
+pub(crate) struct Checked {
+    message: Message,
+    mismatched: Vec<u32>,
+}
+
+impl Checked {
+    /// A message with nothing to check (handed on as it is).
+    pub(crate) fn unchecked(message: Message) -> Self {
+        Self {
+            message,
+            mismatched: Vec::new(),
+        }
+    }
+
+    /// Hands the completion to the core (under its lock).
+    pub(crate) fn hand(self, core: &mut Core, now: u64) {
+        core.handle_write_done_checked(now, self.message, &self.mismatched);
+    }
+}
+
+/// Checks `message`'s landed bytes against the digests `sent` with it,
+/// taking the core's lock only to learn where they landed.
+pub(crate) fn check(shared: &Shared, message: Message, sent: Sent) -> Checked {
+    check_with(&shared.memory, message, sent, |op| {
+        shared.lock().core.target_landing(op)
+    })
+}
+
+/// As [`check`] then [`Checked::hand`], for a caller already under the
+/// core's lock.
+pub(crate) fn hand_checked(
+    core: &mut Core,
+    now: u64,
+    memory: &MemoryRegistry,
+    message: Message,
+    sent: Sent,
+) {
+    check_with(memory, message, sent, |op| core.target_landing(op)).hand(core, now);
+}
+
+fn check_with(
+    memory: &MemoryRegistry,
+    message: Message,
+    sent: Sent,
+    landing: impl FnOnce(OpHandle) -> Option<Vec<Vec<(u64, u64)>>>,
+) -> Checked {
+    let unchecked = Checked::unchecked;
+    let (op_handle, completed) = match &message.body {
+        Body::WriteDone {
+            op_handle,
+            outcome: WriteOutcome::Completed(completed),
+        } => (*op_handle, completed),
+        _ => return unchecked(message),
+    };
+    let expected = match (sent, completed.digests()) {
+        (Sent::PerKey, Some(digests)) => Expected::PerKey(digests.to_vec()),
+        (Sent::Write(Some(digest)), _) => Expected::Write(digest),
+        // Nothing to check against (the source keeps no digests).
+        _ => return unchecked(message),
+    };
+    // An op that is not awaited: the core refuses or ignores it.
+    let Some(landing) = landing(op_handle) else {
+        return unchecked(message);
+    };
+    let (checked, mismatched) = compare(memory, completed, &expected, &landing);
+    Checked {
+        message: Message {
+            header: message.header,
+            body: Body::WriteDone {
+                op_handle,
+                outcome: WriteOutcome::Completed(checked),
+            },
+        },
+        mismatched,
+    }
+}
+
+enum Expected {
+    PerKey(Vec<u64>),
+    Write(u64),
+}
+
+/// Writes at least this large are hashed on several threads.
+const SPLIT_BYTES: u64 = 16 << 20;
+
+/// The completed keys whose landed bytes match (with their digests) and
+/// those that do not.
+fn compare(
+    memory: &MemoryRegistry,
+    completed: &CompletedIndices,
+    expected: &Expected,
+    landing: &[Vec<(u64, u64)>],
+) -> (CompletedIndices, Vec<u32>) {
+    let keys: Vec<Option<&[(u64, u64)]>> = completed
+        .as_slice()
+        .iter()
+        .map(|index| landing.get(*index as usize).map(Vec::as_slice))
+        .collect();
+    let found = digests_of(memory, &keys);
+    let matches: Vec<bool> = match expected {
+        Expected::PerKey(sent) => found
+            .iter()
+            .zip(sent)
+            .map(|(found, sent)| *found == Some(*sent))
+            .collect(),
+        Expected::Write(sent) => {
+            let all: Option<Vec<u64>> = found.iter().copied().collect();
+            let whole = all.is_some_and(|all| combine_digests(&all) == *sent);
+            vec![whole; found.len()]
+        }
+    };
+    let mut passed = Vec::new();
+    let mut mismatched = Vec::new();
+    for ((index, found), ok) in completed.as_slice().iter().zip(found).zip(matches) {
+        match (ok, found) {
+            (true, Some(digest)) => passed.push((*index, digest)),
+            _ => mismatched.push(*index),
+        }
+    }
+    (CompletedIndices::with_digests(passed), mismatched)
+}
+
+/// Each key's digest (`None`: no landing, or unregistered), on up to the
+/// lanes' count of threads for a large write.
+fn digests_of(memory: &MemoryRegistry, keys: &[Option<&[(u64, u64)]>]) -> Vec<Option<u64>> {
+    let one = |spans: &Option<&[(u64, u64)]>| memory.digest((*spans)?).ok();
+    let total: u64 = keys
+        .iter()
+        .flatten()
+        .flat_map(|s| s.iter())
+        .map(|s| s.1)
+        .sum();
+    let threads = crate::copy::plan::default_lanes().min(keys.len());
+    if total < SPLIT_BYTES || threads < 2 {
+        return keys.iter().map(one).collect();
+    }
+    let chunk = keys.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let parts: Vec<_> = keys
+            .chunks(chunk)
+            .map(|part| scope.spawn(move || part.iter().map(one).collect::<Vec<_>>()))
+            .collect();
+        parts
+            .into_iter()
+            .zip(keys.chunks(chunk))
+            .flat_map(|(part, keys)| {
+                // A thread that died hashed nothing we can trust: its keys
+                // count as mismatched.
+                part.join().unwrap_or_else(|_| vec![None; keys.len()])
+            })
+            .collect()
+    })
+}
+
+/// What a record completing source write `write` says: the target's op,
+/// how many keys, and the digest of their pages (when each has one).
+pub(crate) fn write_record(core: &Core, write: u64) -> Option<(OpHandle, u32, Option<u64>)> {
+    let (op, keys) = core.peer_write_completion(write)?;
+    let digest = core
+        .peer_write_digests(write)
+        .map(|digests| combine_digests(&digests));
+    Some((op, keys, digest))
+}
