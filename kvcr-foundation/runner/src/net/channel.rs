@@ -9,7 +9,7 @@
 //! written by [`ControlChannel::flush`] at the end of it; what the socket
 //! does not take, the session task writes as it drains.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -338,6 +338,15 @@ pub(crate) struct ControlChannel {
     pub(super) accepted: HashMap<ControlEndpoint, Session>,
     /// Sessions sent to since the last [`ControlChannel::flush`].
     unflushed: Vec<Arc<SessionOut>>,
+    /// Accepted sessions whose `Closed` has not come yet (replaced ones
+    /// included), by id.
+    live_accepted: HashSet<u64>,
+    /// After a stall of this process ([`ControlChannel::note_stall`]): the
+    /// first session id opened after it.
+    stall_boundary: Option<u64>,
+    /// Accepted sessions closed by [`ControlChannel::retire_stalled`] whose
+    /// `Closed` (the last item a session sends) has not come yet.
+    retiring: HashSet<u64>,
     /// The frame of the message last sent (encoded once: a mailbox post
     /// reuses it).
     frame: BytesMut,
@@ -400,6 +409,9 @@ impl ControlChannel {
                 dialed: HashMap::new(),
                 accepted: HashMap::new(),
                 unflushed: Vec::new(),
+                live_accepted: HashSet::new(),
+                stall_boundary: None,
+                retiring: HashSet::new(),
                 frame: BytesMut::new(),
                 shared,
                 stats,
@@ -528,6 +540,7 @@ impl ControlChannel {
             } => {
                 // The newest session from an endpoint carries its replies;
                 // an older one from it ends.
+                self.live_accepted.insert(session);
                 let session = Session::new(session, out, Some(peer.incarnation));
                 if let Some(old) = self.accepted.insert(peer.endpoint, session) {
                     old.out.close();
@@ -592,6 +605,8 @@ impl ControlChannel {
                 side: Side::Accepted,
                 peer,
             } => {
+                self.live_accepted.remove(&session);
+                self.retiring.remove(&session);
                 let current = self
                     .accepted
                     .get(&peer.endpoint)
@@ -610,6 +625,34 @@ impl ControlChannel {
         if let Some(session) = self.dialed.remove(peer) {
             session.out.close();
         }
+    }
+
+    /// Notes that this process stalled: every session open now may hold
+    /// requests that waited meanwhile; [`Self::retire_stalled`] closes the
+    /// accepted ones.
+    pub(crate) fn note_stall(&mut self) {
+        self.stall_boundary = Some(self.shared.next_session.load(Ordering::Relaxed));
+    }
+
+    /// Closes every accepted session opened before the stall
+    /// [`Self::note_stall`] noted (whatever waited in them must not be
+    /// served late). [`Self::retired`] says when each has ended.
+    pub(crate) fn retire_stalled(&mut self) {
+        let Some(boundary) = self.stall_boundary.take() else {
+            return;
+        };
+        for session in self.accepted.values().filter(|s| s.id < boundary) {
+            session.out.close();
+        }
+        // Replaced sessions were closed when replaced; they count too.
+        let older = self.live_accepted.iter().filter(|id| **id < boundary);
+        self.retiring.extend(older);
+    }
+
+    /// Whether every accepted session open at a noted stall has ended and
+    /// handed on everything it brought (its `Closed` is its last item).
+    pub(crate) fn retired(&self) -> bool {
+        self.stall_boundary.is_none() && self.retiring.is_empty()
     }
 
     /// Sockets currently open.

@@ -73,6 +73,11 @@ pub struct PeerCounters {
     pub dead_ignored: u64,
     /// (Target role) quarantined ops probed again on a fresh metadata ack.
     pub reprobes: u64,
+    // Admission: stalls of this process (issue 40, item 6).
+    /// (Source role) stalls of this process past an operation timeout
+    /// (stopped, starved): writes were refused until the driver closed the
+    /// sessions opened before it ([`Core::end_peer_stall`]).
+    pub stalls: u64,
 }
 
 /// Sizes of the core's per-peer state ([`Core::peer_state_sizes`]).
