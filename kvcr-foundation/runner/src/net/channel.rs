@@ -24,6 +24,7 @@ use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::protocol::codec::FrameCodec;
 use kvcr_contracts::protocol::{Body, Message};
 
+use super::admission::Waiting;
 use super::limits::{ControlLimits, ControlStats};
 use super::listener::accept_loop;
 use super::session::{self, PeerIdentity, RECORD_MAX, RECORD_PLAIN_MAX, TAG_LEN, seal};
@@ -320,7 +321,9 @@ pub(super) struct Shared {
     pub(super) limits: ControlLimits,
     pub(super) codec: FrameCodec,
     pub(super) stats: Arc<ControlStats>,
-    /// Live accepted sessions (and handshakes) per remote address.
+    /// Accepted connections still in their handshake, per remote address.
+    pub(super) waiting: Mutex<Waiting>,
+    /// Live accepted sessions (and data streams) per remote address.
     pub(super) per_address: Mutex<HashMap<IpAddr, usize>>,
     pub(super) accepted: AtomicUsize,
     pub(super) next_session: AtomicU64,
@@ -397,6 +400,7 @@ impl ControlChannel {
             limits,
             codec: FrameCodec::new(limits.max_frame_len),
             stats: Arc::clone(&stats),
+            waiting: Mutex::new(Waiting::default()),
             per_address: Mutex::new(HashMap::new()),
             accepted: AtomicUsize::new(0),
             next_session: AtomicU64::new(1),

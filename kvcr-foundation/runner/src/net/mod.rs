@@ -71,6 +71,7 @@
 //! The record formats, mailbox numbering and frame landing these carry are
 //! sans-I/O, in [`crate::wire`].
 
+mod admission;
 mod channel;
 pub mod client;
 pub(crate) mod doorbell;
