@@ -607,10 +607,12 @@ fn forged_frames_on_a_hinted_sources_data_stream_are_refused() {
 
 /// A flood of data streams claiming targets the source has no route from
 /// (held while a route might still come) is bounded by the control
-/// channel's per-address cap and by the handshake deadline: every one is
-/// refused (at accept, or dropped at the deadline), the source's sockets
-/// return to what its honest peers hold, and the target's own stream keeps
-/// carrying its restores byte-exact.
+/// channel's per-address cap and by the handshake deadline: each hello is
+/// answered while its connection waits in a place of its own, then the
+/// stream takes a session's place, and past the cap it is refused; every
+/// one is refused (past the cap, or dropped at the deadline), the source's
+/// sockets return to what its honest peers hold, and the target's own
+/// stream keeps carrying its restores byte-exact.
 #[test]
 fn a_flood_of_unbound_data_streams_is_bounded_and_expires() {
     let _serial = crate::serial();
@@ -628,11 +630,6 @@ fn a_flood_of_unbound_data_streams_is_bounded_and_expires() {
             )
         })
         .collect();
-    let challenged = forged.iter().filter(|(_, c)| c.is_some()).count();
-    assert!(
-        challenged < FLOOD as usize,
-        "the per-address cap admits {challenged} of {FLOOD} at once"
-    );
     crate::wait_until(
         "every forged stream to be refused",
         Duration::from_secs(20),
@@ -640,6 +637,11 @@ fn a_flood_of_unbound_data_streams_is_bounded_and_expires() {
             let stats = source.runner.peers().control_stats();
             stats.streams_refused + stats.refused_connections + stats.refused_handshakes >= FLOOD
         },
+    );
+    let refused = source.runner.peers().control_stats().refused_connections;
+    assert!(
+        refused > 0,
+        "the per-address cap refuses the streams past it ({refused} of {FLOOD})"
     );
     assert_eq!(source.runner.peers().control_stats().streams_opened, 1);
     drop(forged);
