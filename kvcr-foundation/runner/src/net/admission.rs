@@ -1,7 +1,8 @@
 //! Admission: the places an accepted connection holds, in two stages.
 //!
 //! A connection waits in a [`WaitingPlace`] from `accept` until its
-//! handshake is done (a data stream: until its hello is read): those places
+//! handshake is done (a data stream: until the peer thread has checked the
+//! proof in its hello, [`StreamPlace`]): those places
 //! are capped in total and per remote address
 //! ([`ControlLimits::max_handshakes`]), apart from members' sessions. When
 //! they are full, a new connection takes the place of the oldest waiting one
@@ -23,25 +24,36 @@
 //! instead: sessions (and data streams) in total and per address
 //! ([`ControlLimits::max_sessions`]); past those it is refused and counted
 //! (`refused_connections`). Only a process holding the cluster secret gets
-//! there with a session.
+//! there with a session, and only the holder of a session key with a data
+//! stream. A data stream whose place was taken while the peer thread held
+//! it unchecked (waiting for its route) is dropped with the next sweep of
+//! those (at most 64, `MAX_PARKED_STREAMS`).
 //!
 //! [`ControlLimits::max_handshakes`]: super::ControlLimits::max_handshakes
 //! [`ControlLimits::max_sessions`]: super::ControlLimits::max_sessions
 
 use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
 use super::channel::Shared;
+use super::limits::SocketGuard;
+
+/// How a waiting connection learns that a newer one took its place.
+#[derive(Default)]
+struct Displaced {
+    notify: Notify,
+    flag: AtomicBool,
+}
 
 /// The connections waiting for their handshake, by remote address, oldest
 /// first.
 #[derive(Default)]
 pub(super) struct Waiting {
-    by_address: HashMap<IpAddr, VecDeque<(u64, Arc<Notify>)>>,
+    by_address: HashMap<IpAddr, VecDeque<(u64, Arc<Displaced>)>>,
     total: usize,
     next: u64,
 }
@@ -69,9 +81,10 @@ impl Waiting {
         let Some(queue) = self.by_address.get_mut(&address) else {
             return;
         };
-        if let Some((_, evict)) = queue.pop_front() {
+        if let Some((_, displaced)) = queue.pop_front() {
             self.total -= 1;
-            evict.notify_one();
+            displaced.flag.store(true, Ordering::Relaxed);
+            displaced.notify.notify_one();
         }
         if queue.is_empty() {
             self.by_address.remove(&address);
@@ -100,7 +113,7 @@ pub(super) struct WaitingPlace {
     shared: Arc<Shared>,
     address: IpAddr,
     id: u64,
-    evict: Arc<Notify>,
+    displaced: Arc<Displaced>,
 }
 
 impl WaitingPlace {
@@ -121,12 +134,12 @@ impl WaitingPlace {
         }
         let id = waiting.next;
         waiting.next += 1;
-        let evict = Arc::new(Notify::new());
+        let displaced = Arc::new(Displaced::default());
         waiting
             .by_address
             .entry(address)
             .or_default()
-            .push_back((id, Arc::clone(&evict)));
+            .push_back((id, Arc::clone(&displaced)));
         waiting.total += 1;
         shared
             .stats
@@ -136,7 +149,7 @@ impl WaitingPlace {
             shared: Arc::clone(shared),
             address,
             id,
-            evict,
+            displaced,
         }
     }
 
@@ -147,7 +160,12 @@ impl WaitingPlace {
 
     /// Completes when a newer connection took this place.
     pub(super) async fn displaced(&self) {
-        self.evict.notified().await;
+        self.displaced.notify.notified().await;
+    }
+
+    /// Whether a newer connection took this place.
+    fn was_displaced(&self) -> bool {
+        self.displaced.flag.load(Ordering::Relaxed)
     }
 }
 
@@ -201,6 +219,57 @@ impl Drop for AdmissionGuard {
             }
         }
         self.shared.accepted.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// An accepted data stream's places: a waiting one until the peer thread
+/// checked the proof in its hello, then a session's.
+pub(crate) struct StreamPlace {
+    waiting: Option<WaitingPlace>,
+    admitted: Option<AdmissionGuard>,
+    _socket: SocketGuard,
+}
+
+impl StreamPlace {
+    pub(super) fn new(waiting: WaitingPlace, socket: SocketGuard) -> Self {
+        Self {
+            waiting: Some(waiting),
+            admitted: None,
+            _socket: socket,
+        }
+    }
+
+    /// The stream's proof verified: it takes a session's place (and gives
+    /// its waiting one back). `false`: its waiting place was taken
+    /// meanwhile, or the caps on sessions are reached (counted in
+    /// `refused_connections`); the stream is to be dropped.
+    pub(crate) fn admit(&mut self) -> bool {
+        let Some(waiting) = self.waiting.as_ref() else {
+            return self.admitted.is_some();
+        };
+        if waiting.was_displaced() {
+            return false;
+        }
+        let admitted = AdmissionGuard::admit(&waiting.shared, waiting.address);
+        if admitted.is_none() {
+            waiting
+                .shared
+                .stats
+                .refused_connections
+                .fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        self.admitted = admitted;
+        self.waiting = None;
+        true
+    }
+
+    /// Whether a newer connection took its waiting place before it was
+    /// admitted.
+    pub(crate) fn displaced(&self) -> bool {
+        self.waiting
+            .as_ref()
+            .is_some_and(WaitingPlace::was_displaced)
     }
 }
 

@@ -19,18 +19,19 @@ pub(super) const BUDGET_UNIT: usize = 1024;
 ///
 /// # What one peer can make the channel hold
 /// * **Before its handshake** (a stranger needs nothing to get here): a
-///   socket, a task and at most 4 KiB of handshake buffers, for at most
-///   `handshake_timeout`, in places of their own: `max_handshakes` in
-///   total, `max_handshakes_per_address` per remote address. When they are full a new connection displaces the oldest
-///   waiting one of the address holding the most (counted in
-///   `evicted_handshakes`), so silent connections never keep a member out
-///   and never take a session's place.
+///   socket, a task and at most 4 KiB of handshake buffers (a data stream:
+///   until its proof is checked), for at most `handshake_timeout`, in
+///   places of their own: `max_handshakes` in total,
+///   `max_handshakes_per_address` per remote address. When they are full a
+///   new connection displaces the oldest waiting one of the address holding
+///   the most (counted in `evicted_handshakes`), so silent connections
+///   never keep a member out and never take a session's place.
 /// * **An established session** (only a secret holder gets here): up to
 ///   [`Self::per_address_bound_bytes`] / `max_sessions_per_address` while
 ///   busy; idle, its socket, its task and about 192 KiB of record buffers
 ///   (read, decrypt and seal, one record each), until `idle_timeout`. At
 ///   most `max_sessions_per_address` from one address and `max_sessions` in
-///   all (data streams included); past them a finished handshake is refused
+///   all (proven data streams included); past them a finished handshake is refused
 ///   (`refused_connections`). One live session per peer identity: a newer
 ///   one from the same endpoint replaces it.
 /// * The core adds one route of bounded metadata per session, fences and
@@ -38,10 +39,10 @@ pub(super) const BUDGET_UNIT: usize = 1024;
 ///   `MAX_REMEMBERED_PEERS`), and a route budget per target name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ControlLimits {
-    /// Established sessions and data streams accepted at once.
+    /// Established sessions and proven data streams accepted at once.
     pub max_sessions: usize,
-    /// Established sessions and data streams accepted from one remote IP
-    /// address.
+    /// Established sessions and proven data streams accepted from one
+    /// remote IP address.
     pub max_sessions_per_address: usize,
     /// Time a connection has to complete the handshake.
     pub handshake_timeout: Duration,
@@ -61,9 +62,10 @@ pub struct ControlLimits {
     /// one frame's worth.
     pub outbound_bytes_per_session: usize,
     // Admission: connections before their handshake (issue 40, item 6).
-    /// Accepted connections whose handshake (a data stream: its hello) is
-    /// not done yet, at once, apart from `max_sessions`; a new one past it
-    /// displaces the oldest of the address holding the most.
+    /// Accepted connections whose handshake is not done yet (a data
+    /// stream: whose proof is not checked yet), at once, apart from
+    /// `max_sessions`; a new one past it displaces the oldest of the address
+    /// holding the most.
     pub max_handshakes: usize,
     /// The same from one remote IP address; a new one past it displaces
     /// that address's oldest.

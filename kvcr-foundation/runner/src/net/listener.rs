@@ -54,12 +54,23 @@ async fn accept_session(mut stream: TcpStream, waiting: WaitingPlace, shared: Ar
         // A newer connection took its place (counted then).
         () = waiting.displaced() => return,
     };
-    let Some(answered) = answered else {
-        shared
-            .stats
-            .refused_handshakes
-            .fetch_add(1, Ordering::Relaxed);
-        return;
+    let (transport, peer) = match answered {
+        Some(Accepted::Session(transport, peer)) => (transport, peer),
+        Some(Accepted::Stream(hello)) => {
+            // Proven (or not) on the peer thread, which holds the keys; it
+            // waits in its place until then.
+            let hold = StreamHold::new(waiting, socket);
+            let accepted = AcceptedStream::new(hello, stream, hold);
+            let _ = shared.inbound.send(Inbound::Stream(accepted));
+            return;
+        }
+        None => {
+            shared
+                .stats
+                .refused_handshakes
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        }
     };
     // Done waiting: from here it holds a session's place, if one is free.
     let Some(admission) = AdmissionGuard::admit(&shared, waiting.address()) else {
@@ -70,16 +81,6 @@ async fn accept_session(mut stream: TcpStream, waiting: WaitingPlace, shared: Ar
         return;
     };
     drop(waiting);
-    let (transport, peer) = match answered {
-        Accepted::Session(transport, peer) => (transport, peer),
-        Accepted::Stream(hello) => {
-            // Proven (or not) on the peer thread, which holds the keys.
-            let hold = StreamHold::new((admission, socket));
-            let accepted = AcceptedStream::new(hello, stream, hold);
-            let _ = shared.inbound.send(Inbound::Stream(accepted));
-            return;
-        }
-    };
     let _admission = admission;
     let _socket = socket;
     let id = shared.next_session.fetch_add(1, Ordering::Relaxed);

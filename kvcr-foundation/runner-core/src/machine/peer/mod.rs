@@ -41,8 +41,9 @@
 //! install sticky cancellation fences; a source that finds its own process
 //! stalled past an operation timeout refuses new writes until its driver
 //! has closed the sessions opened before the stall (requests that waited
-//! in them would otherwise get fresh deadlines), then serves again; a refused or foreign request gets `write_refused` or a
-//! terminal failure, and is counted. A probe naming an incarnation of this
+//! in them would otherwise get fresh deadlines), then serves again; a
+//! refused or foreign request gets `write_refused` or a terminal failure,
+//! and is counted. A probe naming an incarnation of this
 //! endpoint that the guard confirmed dead ([`Core::set_dead_incarnations`])
 //! is answered with a death report.
 
