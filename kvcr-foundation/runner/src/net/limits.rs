@@ -31,9 +31,9 @@ pub(super) const BUDGET_UNIT: usize = 1024;
 ///   busy; idle, its socket, its task and about 192 KiB of record buffers
 ///   (read, decrypt and seal, one record each), until `idle_timeout`. At
 ///   most `max_sessions_per_address` from one address and `max_sessions` in
-///   all (proven data streams included); past them a finished handshake is refused
-///   (`refused_connections`). One live session per peer identity: a newer
-///   one from the same endpoint replaces it.
+///   all (proven data streams included); past them a finished handshake is
+///   refused (`refused_connections`). One live session per peer identity: a
+///   newer one from the same endpoint replaces it.
 /// * The core adds one route of bounded metadata per session, fences and
 ///   high-water marks per target incarnation (`MAX_FENCES_PER_TARGET`,
 ///   `MAX_REMEMBERED_PEERS`), and a route budget per target name.
