@@ -702,6 +702,7 @@ fn stats(node: &mut Node, publisher: Option<&Publisher>) {
     let PeerStats {
         counters: peer,
         open_sockets: sockets,
+        stalled,
     } = node.runner.peers().stats();
     let control = node.runner.peers().control_stats();
     let pool = s.pools.first();
@@ -731,6 +732,7 @@ fn stats(node: &mut Node, publisher: Option<&Publisher>) {
                 "keys_sent": peer.keys_sent, "bytes_sent": peer.bytes_sent,
                 "refused": peer.refused, "quarantined": peer.quarantined, "sockets": sockets,
                 "dead_reported": peer.dead_reported, "dead_freed": peer.dead_freed,
+                "stalls": peer.stalls, "stalled": stalled,
             },
             "streams": {
                 "opened": control.streams_opened, "refused": control.streams_refused,

@@ -35,6 +35,10 @@ pub struct PeerStats {
     pub counters: PeerCounters,
     /// Control sockets open now (zero without peers).
     pub open_sockets: usize,
+    /// Writes are refused now: this process stalled past its operation
+    /// timeout and is closing the sessions opened before it (counted in
+    /// [`PeerCounters::stalls`]); it serves again once they are gone.
+    pub stalled: bool,
 }
 
 /// G3's state: the core's counters and what its I/O reported.

@@ -27,6 +27,7 @@ impl Coverage {
         self.late_pieces += o.late_pieces;
         self.crashes += o.crashes;
         self.stalls += o.stalls;
+        self.stall_recoveries += o.stall_recoveries;
         self.quarantined += o.quarantined;
         self.timeouts += o.timeouts;
         self.g3_runs += o.g3_runs;

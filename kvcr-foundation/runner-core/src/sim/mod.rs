@@ -14,7 +14,9 @@
 //! * faults on every peer: drops, duplicates and delays (hence reorders) of
 //!   messages; failed pieces (the slot then holds garbage) and late ones;
 //!   failed connects; a source's process stopped a while (past an operation
-//!   timeout it finds itself stalled); crashes and restarts of either source
+//!   timeout it finds itself stalled, refuses what waited meanwhile and
+//!   serves again after its drain, as its driver does once the sessions
+//!   opened before the stall are closed); crashes and restarts of either source
 //!   at the same address (its old puts may still land; the targets may or
 //!   may not see the connection drop); half of those crashes are
 //!   guard-confirmed deaths: the guard saw the process exit (its pidfd), so
@@ -345,6 +347,8 @@ struct Coverage {
     crashes: u64,
     /// Source processes stopped past an operation timeout.
     stalls: u64,
+    /// Sources that served again after a stall (their drain over).
+    stall_recoveries: u64,
     quarantined: u64,
     timeouts: u64,
     /// Runs whose sources had G3 under a pool smaller than their keys.

@@ -361,6 +361,15 @@ impl Sim {
                     let core = self.core(peer);
                     core.handle_tick(now);
                     core.handle_timeout(now);
+                    // The driver's stall recovery: every request that waited
+                    // while the process slept came when it woke, before the
+                    // drain ends (the runner closes the sessions they came
+                    // on), so it serves again then.
+                    core.take_peer_stall();
+                    if core.peer_stall_drained(now) {
+                        core.end_peer_stall();
+                        self.seen.stall_recoveries += 1;
+                    }
                     if self.wake_at(peer).is_some_and(|w| w <= now) {
                         self.violation(format!("{peer:?} asks to wake at {now} again"));
                         return;

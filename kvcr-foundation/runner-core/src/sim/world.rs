@@ -233,8 +233,9 @@ impl Sim {
             _ if self.rng.chance(40) => self.hostile(),
             _ if self.rng.chance(15) => {
                 // A source's process stops a while: past an operation timeout
-                // it finds itself stalled when it wakes, and refuses writes
-                // until it restarts.
+                // it finds itself stalled when it wakes, refuses the writes
+                // that waited meanwhile, and serves again once they are
+                // drained.
                 let s = self.rng.below(2) as usize;
                 let stop = self.rng.below(2 * TIMEOUT);
                 self.sources[s].asleep_until = self.now + stop;

@@ -14,7 +14,7 @@ use crate::{Runner, peer};
 /// The runner's peer controls and counters, from [`Runner::peers`].
 ///
 /// ```ignore
-/// let PeerStats { counters, open_sockets } = runner.peers().stats();
+/// let PeerStats { counters, open_sockets, stalled } = runner.peers().stats();
 /// ```
 #[derive(Clone, Copy)]
 pub struct Peers<'a> {
@@ -46,7 +46,10 @@ impl<'a> Peers<'a> {
 
     /// Peer protocol counters, and the control sockets open now.
     pub fn stats(&self) -> PeerStats {
-        let counters = self.runner.shared.lock().core.peer_counters();
+        let (counters, stalled) = {
+            let inner = self.runner.shared.lock();
+            (inner.core.peer_counters(), inner.core.peer_stalled())
+        };
         let open_sockets = self
             .runner
             .peer
@@ -55,6 +58,7 @@ impl<'a> Peers<'a> {
         PeerStats {
             counters,
             open_sockets,
+            stalled,
         }
     }
 

@@ -9,7 +9,7 @@
 //! written by [`ControlChannel::flush`] at the end of it; what the socket
 //! does not take, the session task writes as it drains.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,6 +24,7 @@ use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::protocol::codec::FrameCodec;
 use kvcr_contracts::protocol::{Body, Message};
 
+use super::admission::Waiting;
 use super::limits::{ControlLimits, ControlStats};
 use super::listener::accept_loop;
 use super::member::{KeylessSources, StaticKey};
@@ -323,7 +324,9 @@ pub(super) struct Shared {
     pub(super) limits: ControlLimits,
     pub(super) codec: FrameCodec,
     pub(super) stats: Arc<ControlStats>,
-    /// Live accepted sessions (and handshakes) per remote address.
+    /// Accepted connections still in their handshake, per remote address.
+    pub(super) waiting: Mutex<Waiting>,
+    /// Live accepted sessions (and data streams) per remote address.
     pub(super) per_address: Mutex<HashMap<IpAddr, usize>>,
     pub(super) accepted: AtomicUsize,
     pub(super) next_session: AtomicU64,
@@ -359,6 +362,15 @@ pub(crate) struct ControlChannel {
     pub(super) accepted: HashMap<ControlEndpoint, Session>,
     /// Sessions sent to since the last [`ControlChannel::flush`].
     unflushed: Vec<Arc<SessionOut>>,
+    /// Accepted sessions whose `Closed` has not come yet (replaced ones
+    /// included), by id.
+    live_accepted: HashSet<u64>,
+    /// After a stall of this process ([`ControlChannel::note_stall`]): the
+    /// first session id opened after it.
+    stall_boundary: Option<u64>,
+    /// Accepted sessions closed by [`ControlChannel::retire_stalled`] whose
+    /// `Closed` (the last item a session sends) has not come yet.
+    retiring: HashSet<u64>,
     /// The frame of the message last sent (encoded once: a mailbox post
     /// reuses it).
     frame: BytesMut,
@@ -412,6 +424,7 @@ impl ControlChannel {
             limits,
             codec: FrameCodec::new(limits.max_frame_len),
             stats: Arc::clone(&stats),
+            waiting: Mutex::new(Waiting::default()),
             per_address: Mutex::new(HashMap::new()),
             accepted: AtomicUsize::new(0),
             next_session: AtomicU64::new(1),
@@ -427,6 +440,9 @@ impl ControlChannel {
                 dialed: HashMap::new(),
                 accepted: HashMap::new(),
                 unflushed: Vec::new(),
+                live_accepted: HashSet::new(),
+                stall_boundary: None,
+                retiring: HashSet::new(),
                 frame: BytesMut::new(),
                 shared,
                 stats,
@@ -555,6 +571,7 @@ impl ControlChannel {
             } => {
                 // The newest session from an endpoint carries its replies;
                 // an older one from it ends.
+                self.live_accepted.insert(session);
                 let session = Session::new(session, out, Some(peer.incarnation));
                 if let Some(old) = self.accepted.insert(peer.endpoint, session) {
                     old.out.close();
@@ -620,6 +637,8 @@ impl ControlChannel {
                 side: Side::Accepted,
                 peer,
             } => {
+                self.live_accepted.remove(&session);
+                self.retiring.remove(&session);
                 let current = self
                     .accepted
                     .get(&peer.endpoint)
@@ -638,6 +657,34 @@ impl ControlChannel {
         if let Some(session) = self.dialed.remove(peer) {
             session.out.close();
         }
+    }
+
+    /// Notes that this process stalled: every session open now may hold
+    /// requests that waited meanwhile; [`Self::retire_stalled`] closes the
+    /// accepted ones.
+    pub(crate) fn note_stall(&mut self) {
+        self.stall_boundary = Some(self.shared.next_session.load(Ordering::Relaxed));
+    }
+
+    /// Closes every accepted session opened before the stall
+    /// [`Self::note_stall`] noted (whatever waited in them must not be
+    /// served late). [`Self::retired`] says when each has ended.
+    pub(crate) fn retire_stalled(&mut self) {
+        let Some(boundary) = self.stall_boundary.take() else {
+            return;
+        };
+        for session in self.accepted.values().filter(|s| s.id < boundary) {
+            session.out.close();
+        }
+        // Replaced sessions were closed when replaced; they count too.
+        let older = self.live_accepted.iter().filter(|id| **id < boundary);
+        self.retiring.extend(older);
+    }
+
+    /// Whether every accepted session open at a noted stall has ended and
+    /// handed on everything it brought (its `Closed` is its last item).
+    pub(crate) fn retired(&self) -> bool {
+        self.stall_boundary.is_none() && self.retiring.is_empty()
     }
 
     /// Sockets currently open.

@@ -16,11 +16,33 @@ pub(super) const BUDGET_UNIT: usize = 1024;
 
 /// Limits of the control channel; the defaults suit a cluster of up to a few
 /// hundred ranks.
+///
+/// # What one peer can make the channel hold
+/// * **Before its handshake** (a stranger needs nothing to get here): a
+///   socket, a task and at most 4 KiB of handshake buffers (a data stream:
+///   until its proof is checked), for at most `handshake_timeout`, in
+///   places of their own: `max_handshakes` in total,
+///   `max_handshakes_per_address` per remote address. When they are full a
+///   new connection displaces the oldest waiting one of the address holding
+///   the most (counted in `evicted_handshakes`), so silent connections
+///   never keep a member out and never take a session's place.
+/// * **An established session** (only a secret holder gets here): up to
+///   [`Self::per_address_bound_bytes`] / `max_sessions_per_address` while
+///   busy; idle, its socket, its task and about 192 KiB of record buffers
+///   (read, decrypt and seal, one record each), until `idle_timeout`. At
+///   most `max_sessions_per_address` from one address and `max_sessions` in
+///   all (proven data streams included); past them a finished handshake is
+///   refused (`refused_connections`). One live session per peer identity: a
+///   newer one from the same endpoint replaces it.
+/// * The core adds one route of bounded metadata per session, fences and
+///   high-water marks per target incarnation (`MAX_FENCES_PER_TARGET`,
+///   `MAX_REMEMBERED_PEERS`), and a route budget per target name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ControlLimits {
-    /// Accepted sessions (and handshakes in progress) at once.
+    /// Established sessions and proven data streams accepted at once.
     pub max_sessions: usize,
-    /// Accepted sessions (and handshakes) from one remote IP address.
+    /// Established sessions and proven data streams accepted from one
+    /// remote IP address.
     pub max_sessions_per_address: usize,
     /// Time a connection has to complete the handshake.
     pub handshake_timeout: Duration,
@@ -39,7 +61,21 @@ pub struct ControlLimits {
     /// until it drains, and the frame deadline ends the session. At least
     /// one frame's worth.
     pub outbound_bytes_per_session: usize,
+    // Admission: connections before their handshake (issue 40, item 6).
+    /// Accepted connections whose handshake is not done yet (a data
+    /// stream: whose proof is not checked yet), at once, apart from
+    /// `max_sessions`; a new one past it displaces the oldest of the address
+    /// holding the most.
+    pub max_handshakes: usize,
+    /// The same from one remote IP address; a new one past it displaces
+    /// that address's oldest.
+    pub max_handshakes_per_address: usize,
 }
+
+/// The most a connection waiting for its handshake holds besides its socket
+/// (the handshake's messages and payloads, each at most 1 KiB, or a data
+/// stream's hello).
+pub(super) const WAITING_CONNECTION_BYTES: usize = 4 << 10;
 
 impl Default for ControlLimits {
     fn default() -> Self {
@@ -52,26 +88,37 @@ impl Default for ControlLimits {
             max_frame_len: 2 << 20,
             inbound_bytes_per_session: 4 << 20,
             outbound_bytes_per_session: 4 << 20,
+            max_handshakes: 256,
+            max_handshakes_per_address: 16,
         }
     }
 }
 
 impl ControlLimits {
-    /// The most memory one remote address can make the channel hold:
-    /// per session a partial frame, one record, the inbound budget and the
-    /// bytes waiting to be written to it.
+    /// The most memory one remote address can make the channel hold: per
+    /// session a partial frame, one record, the inbound budget and the
+    /// bytes waiting to be written to it, plus its waiting connections'
+    /// handshake buffers.
     pub fn per_address_bound_bytes(&self) -> usize {
-        self.max_sessions_per_address.saturating_mul(
-            self.max_frame_len
-                .saturating_add(RECORD_MAX + 2)
-                .saturating_add(self.inbound_bytes_per_session)
-                .saturating_add(self.outbound_bytes_per_session),
-        )
+        self.max_sessions_per_address
+            .saturating_mul(
+                self.max_frame_len
+                    .saturating_add(RECORD_MAX + 2)
+                    .saturating_add(self.inbound_bytes_per_session)
+                    .saturating_add(self.outbound_bytes_per_session),
+            )
+            .saturating_add(
+                self.max_handshakes_per_address
+                    .saturating_mul(WAITING_CONNECTION_BYTES),
+            )
     }
 
     pub(crate) fn check(&self) -> Result<(), &'static str> {
         if self.max_sessions == 0 || self.max_sessions_per_address == 0 {
             return Err("session caps must be at least 1");
+        }
+        if self.max_handshakes == 0 || self.max_handshakes_per_address == 0 {
+            return Err("handshake caps must be at least 1");
         }
         if self.max_frame_len < 4096 {
             return Err("max_frame_len must be at least 4096 bytes");
@@ -108,8 +155,13 @@ pub(crate) struct ControlStats {
     pub(crate) bad_frames: AtomicU64,
     /// Handshakes that failed (wrong or missing secret, garbage, too slow).
     pub(crate) refused_handshakes: AtomicU64,
-    /// Connections refused at accept: over the total or per-address cap.
+    /// Finished handshakes refused: over the total or per-address cap on
+    /// sessions.
     pub(crate) refused_connections: AtomicU64,
+    /// Connections waiting for their handshake, displaced by newer ones.
+    pub(crate) evicted_handshakes: AtomicU64,
+    /// Connections waiting for their handshake now.
+    pub(crate) handshakes_waiting: AtomicUsize,
     /// Sessions closed for a frame deadline or idleness.
     pub(crate) timeouts: AtomicU64,
     /// Doorbell records this runner wrote as a source.
@@ -177,6 +229,8 @@ impl ControlStats {
             bad_frames: self.bad_frames.load(Ordering::Relaxed),
             refused_handshakes: self.refused_handshakes.load(Ordering::Relaxed),
             refused_connections: self.refused_connections.load(Ordering::Relaxed),
+            evicted_handshakes: self.evicted_handshakes.load(Ordering::Relaxed),
+            handshakes_waiting: self.handshakes_waiting.load(Ordering::Relaxed),
             timeouts: self.timeouts.load(Ordering::Relaxed),
             doorbells_rung: self.doorbells_rung.load(Ordering::Relaxed),
             doorbells_taken: self.doorbells_taken.load(Ordering::Relaxed),
@@ -213,8 +267,14 @@ pub struct ControlCounters {
     pub bad_frames: u64,
     /// Handshakes that failed (no or wrong secret, garbage, too slow).
     pub refused_handshakes: u64,
-    /// Connections refused at accept (over the total or per-address cap).
+    /// Connections refused once their handshake was done: over the total or
+    /// per-address cap on sessions ([`ControlLimits::max_sessions`]).
     pub refused_connections: u64,
+    /// Connections that had not finished their handshake, closed to make
+    /// room for a newer one ([`ControlLimits::max_handshakes`]).
+    pub evicted_handshakes: u64,
+    /// Connections waiting for their handshake now.
+    pub handshakes_waiting: usize,
     /// Sessions cut at a frame deadline or for idleness.
     pub timeouts: u64,
     /// Doorbell records written as a source (a write's completion, ahead of

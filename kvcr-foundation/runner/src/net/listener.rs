@@ -1,12 +1,12 @@
-//! The listener: accepts connections on the control port under the
-//! channel's caps (in total and per remote address, with a back-off when
-//! `accept` fails), reads each connection's preamble, and hands it on: a
-//! control session to its Noise handshake ([`super::session`]), a data
+//! The listener: accepts connections on the control port (with a back-off
+//! when `accept` fails), each first in a place of its own while its
+//! handshake runs, then, once done, under the caps on sessions
+//! ([`super::admission`]); reads each connection's preamble, and hands it
+//! on: a control session to its Noise handshake ([`super::session`]), a data
 //! stream to [`super::stream`] (whose hello it does not read itself). What
 //! an accepted connection turned out to be goes to the peer thread as an
 //! [`Inbound`] item.
 
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -14,53 +14,11 @@ use std::time::Duration;
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 
+use super::admission::{AdmissionGuard, WaitingPlace};
 use super::channel::{Inbound, Link, SessionOut, Shared, Side};
 use super::limits::SocketGuard;
 use super::session::{self, LocalMember, PREAMBLE, PeerIdentity, Refusal, run_session};
 use super::stream::{self, AcceptedStream, StreamHello, StreamHold};
-
-/// Holds one accepted connection's place under the caps.
-pub(super) struct AdmissionGuard {
-    shared: Arc<Shared>,
-    address: IpAddr,
-}
-
-impl AdmissionGuard {
-    fn admit(shared: &Arc<Shared>, address: IpAddr) -> Option<Self> {
-        let mut per_address = shared.per_address.lock().unwrap_or_else(|e| e.into_inner());
-        let here = per_address.entry(address).or_insert(0);
-        let total = shared.accepted.load(Ordering::Relaxed);
-        if *here >= shared.limits.max_sessions_per_address || total >= shared.limits.max_sessions {
-            if *here == 0 {
-                per_address.remove(&address);
-            }
-            return None;
-        }
-        *here += 1;
-        shared.accepted.fetch_add(1, Ordering::Relaxed);
-        Some(Self {
-            shared: Arc::clone(shared),
-            address,
-        })
-    }
-}
-
-impl Drop for AdmissionGuard {
-    fn drop(&mut self) {
-        let mut per_address = self
-            .shared
-            .per_address
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some(here) = per_address.get_mut(&self.address) {
-            *here -= 1;
-            if *here == 0 {
-                per_address.remove(&self.address);
-            }
-        }
-        self.shared.accepted.fetch_sub(1, Ordering::Relaxed);
-    }
-}
 
 /// Accepts connections until the channel is dropped.
 pub(super) async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
@@ -77,32 +35,32 @@ pub(super) async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         if shared.inbound.is_closed() {
             return;
         }
-        let Some(admission) = AdmissionGuard::admit(&shared, from.ip()) else {
-            shared
-                .stats
-                .refused_connections
-                .fetch_add(1, Ordering::Relaxed);
-            drop(stream);
-            continue;
-        };
+        // Never refused here: it waits in a place of its own (displacing
+        // the oldest waiting one when those are full), apart from sessions.
+        let waiting = WaitingPlace::take(&shared, from.ip());
         let _ = stream.set_nodelay(true);
-        tokio::spawn(accept_session(stream, admission, Arc::clone(&shared)));
+        tokio::spawn(accept_session(stream, waiting, Arc::clone(&shared)));
     }
 }
 
-/// Answers one admitted connection and, for a control session, runs it.
-async fn accept_session(mut stream: TcpStream, admission: AdmissionGuard, shared: Arc<Shared>) {
+/// Answers one accepted connection and, for a control session, runs it.
+async fn accept_session(mut stream: TcpStream, waiting: WaitingPlace, shared: Arc<Shared>) {
     let socket = SocketGuard::new(&shared.stats);
-    let handshake = tokio::time::timeout(
-        shared.limits.handshake_timeout,
-        answer(&mut stream, &shared.psk, &shared.local_member()),
-    )
-    .await;
-    let (transport, peer) = match handshake {
+    let me = shared.local_member();
+    let answered = tokio::select! {
+        answered = tokio::time::timeout(
+            shared.limits.handshake_timeout,
+            answer(&mut stream, &shared.psk, &me),
+        ) => answered,
+        // A newer connection took its place (counted then).
+        () = waiting.displaced() => return,
+    };
+    let (transport, peer) = match answered {
         Ok(Ok(Accepted::Session(transport, peer))) => (transport, peer),
         Ok(Ok(Accepted::Stream(hello))) => {
-            // Proven (or not) on the peer thread, which holds the keys.
-            let hold = StreamHold::new((admission, socket));
+            // Proven (or not) on the peer thread, which holds the keys; it
+            // waits in its place until then.
+            let hold = StreamHold::new(waiting, socket);
             let accepted = AcceptedStream::new(hello, stream, hold);
             let _ = shared.inbound.send(Inbound::Stream(accepted));
             return;
@@ -118,6 +76,15 @@ async fn accept_session(mut stream: TcpStream, admission: AdmissionGuard, shared
             return;
         }
     };
+    // Done waiting: from here it holds a session's place, if one is free.
+    let Some(admission) = AdmissionGuard::admit(&shared, waiting.address()) else {
+        shared
+            .stats
+            .refused_connections
+            .fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    drop(waiting);
     let _admission = admission;
     let _socket = socket;
     let id = shared.next_session.fetch_add(1, Ordering::Relaxed);

@@ -38,7 +38,10 @@
 //!   and everything above still holds between local processes.
 //!
 //! # Bounds (per [`ControlLimits`])
-//! Sessions in total and per remote address (handshakes included), a
+//! Connections still in their handshake wait in places of their own, in
+//! total and per remote address, a newcomer displacing the oldest of the
+//! fullest address when they are full ([`admission`]); sessions (and data
+//! streams) in total and per remote address once the handshake is done, a
 //! handshake deadline, a deadline for a started frame to complete, an idle
 //! timeout on accepted sessions, a maximum frame length, and a per-session
 //! budget of inbound bytes not yet handled by the runner (a flooding peer is
@@ -63,8 +66,10 @@
 //! order whoever writes them.
 //!
 //! # Where things are
-//! * [`listener`]: the accept loop, its caps, and the preamble that tells a
-//!   control session from a data stream (handed to [`stream`] whole).
+//! * [`listener`]: the accept loop and the preamble that tells a control
+//!   session from a data stream (handed to [`stream`] whole).
+//! * [`admission`]: the places a connection holds while its handshake runs
+//!   and after it (the caps, and who is displaced when they are full).
 //! * [`session`]: the Noise handshake, [`PeerIdentity`], sealing and
 //!   opening records, and `run_session`, the task of one session.
 //! * [`channel`]: [`ControlChannel`] (the peer thread's handle), each
@@ -78,6 +83,7 @@
 //! The record formats, mailbox numbering and frame landing these carry are
 //! sans-I/O, in [`crate::wire`].
 
+mod admission;
 mod channel;
 pub mod client;
 pub(crate) mod doorbell;

@@ -31,8 +31,9 @@
 //! proof under the key of the route it built from that endpoint's session
 //! (so a stream binds to one control session; nobody without that key can
 //! make a source send on it, and a recorded proof does not answer a fresh
-//! challenge). It is held under the control channel's admission caps (per
-//! address and in total), one per target, the newest replacing an older.
+//! challenge). Until its proof is checked it waits in a place of its own
+//! like a handshake, then takes a session's (see [`super::admission`]),
+//! one per target, the newest replacing an older.
 //!
 //! A target takes a frame only as it takes a write message: the header
 //! verifies under the key of the session its operation went out on, while
@@ -97,20 +98,10 @@ pub(crate) struct StreamHello {
     pub(crate) proof: [u8; 32],
 }
 
-/// Holds an accepted data stream's place under the channel's caps (the
-/// listener's admission and socket count) while the stream lives.
-pub(crate) struct StreamHold {
-    _guards: Box<dyn Send>,
-}
-
-impl StreamHold {
-    /// Holds `guards` until the stream goes.
-    pub(crate) fn new(guards: impl Send + 'static) -> Self {
-        Self {
-            _guards: Box::new(guards),
-        }
-    }
-}
+/// Holds an accepted data stream's place under the channel's caps (and its
+/// socket count) while the stream lives: waiting until its proof is
+/// checked, a session's after.
+pub(crate) use super::admission::StreamPlace as StreamHold;
 
 /// A data stream a target dialed to us: who it claims to be, the
 /// challenge we sent and the proof it answered; the peer thread checks the

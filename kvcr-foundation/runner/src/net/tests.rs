@@ -376,34 +376,90 @@ fn a_stalled_frame_is_cut_off_at_its_deadline() {
     });
 }
 
-/// Connections over the per-address cap are refused at accept; another
-/// address is still served.
+/// Connections from `from` that never start a handshake.
+async fn silent_connections(from: &str, to: SocketAddr, count: usize) -> Vec<TcpStream> {
+    let mut held = Vec::new();
+    for _ in 0..count {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
+        held.push(socket.connect(to).await.unwrap());
+    }
+    held
+}
+
+/// Waits (bounded) until the source's `counter` reads `want`.
+async fn until_stat(source: &Node, counter: fn(&ControlStats) -> &AtomicU64, want: u64) {
+    for _ in 0..2500 {
+        if source.stat(counter) == want {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(source.stat(counter), want);
+}
+
+fn waiting(source: &Node) -> usize {
+    source
+        .channel
+        .stats
+        .handshakes_waiting
+        .load(Ordering::Relaxed)
+}
+
+/// Connections that never start a handshake wait in places of their own:
+/// past the per-address cap a new one displaces its address's oldest; with
+/// every place taken, a new one from another address displaces the oldest
+/// of the address holding the most; and a member still gets its session.
 #[test]
-fn connections_are_capped_per_address() {
+fn silent_connections_wait_apart_and_the_oldest_makes_room() {
     runtime().block_on(async {
         let limits = ControlLimits {
-            max_sessions_per_address: 3,
+            max_handshakes_per_address: 3,
+            max_handshakes: 5,
             handshake_timeout: Duration::from_secs(30),
             ..quick_limits()
         };
         let mut source = Node::start(Some(SECRET), limits).await;
-        let mut held = Vec::new();
-        for _ in 0..8 {
-            let socket = tokio::net::TcpSocket::new_v4().unwrap();
-            socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
-            held.push(socket.connect(source.addr).await.unwrap());
+        let mut first = silent_connections("127.0.0.2", source.addr, 8).await;
+        until_stat(&source, |s| &s.evicted_handshakes, 5).await;
+        for displaced in &mut first[..5] {
+            assert!(closed_by_peer(displaced).await);
         }
-        for _ in 0..500 {
-            if source.stat(|s| &s.refused_connections) == 5 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        assert_eq!(source.stat(|s| &s.refused_connections), 5);
+        assert_eq!(waiting(&source), 3);
+        let _second = silent_connections("127.0.0.3", source.addr, 2).await;
+        let _third = silent_connections("127.0.0.4", source.addr, 1).await;
+        // Full: the newcomer from .4 displaces the oldest of .2 (three held).
+        until_stat(&source, |s| &s.evicted_handshakes, 6).await;
+        assert!(closed_by_peer(&mut first[5]).await);
+        assert_eq!(waiting(&source), 5);
+        // A member dials (from 127.0.0.1): it displaces a stranger, and its
+        // session works.
         let mut friend = Node::start(Some(SECRET), quick_limits()).await;
         friend.channel.send(&source.identity.endpoint, &probe(4));
         assert_eq!(source.message().await.unwrap().body, probe(4).body);
-        drop(held);
+        assert_eq!(source.stat(|s| &s.evicted_handshakes), 7);
+        assert_eq!(source.stat(|s| &s.refused_connections), 0);
+        assert_eq!(waiting(&source), 4);
+    });
+}
+
+/// Sessions whose handshake is done are capped per address: one past the
+/// cap is refused (after its handshake) while the others carry on.
+#[test]
+fn sessions_are_capped_per_address() {
+    runtime().block_on(async {
+        let limits = ControlLimits {
+            max_sessions_per_address: 2,
+            ..quick_limits()
+        };
+        let mut source = Node::start(Some(SECRET), limits).await;
+        let (mut one, mut transport, _) = member_session(source.addr, Some(SECRET)).await;
+        let (_two, _, _) = member_session(source.addr, Some(SECRET)).await;
+        let (mut three, _, _) = member_session(source.addr, Some(SECRET)).await;
+        assert!(closed_by_peer(&mut three).await);
+        assert_eq!(source.stat(|s| &s.refused_connections), 1);
+        send_sealed(&mut one, &mut transport, &probe(9)).await;
+        assert_eq!(source.message().await.unwrap().body, probe(9).body);
     });
 }
 
@@ -431,15 +487,19 @@ fn limits_are_checked() {
             outbound_bytes_per_session: 1 << 20,
             ..ControlLimits::default()
         },
+        ControlLimits {
+            max_handshakes_per_address: 0,
+            ..ControlLimits::default()
+        },
     ];
     for limits in bad {
         assert!(limits.check().is_err(), "{limits:?}");
     }
     // The stated bound: 16 sessions × (2 MiB frame + a record + 4 MiB in
-    // + 4 MiB out).
+    // + 4 MiB out), and 16 waiting connections × 4 KiB.
     assert_eq!(
         ControlLimits::default().per_address_bound_bytes(),
-        16 * ((2 << 20) + RECORD_MAX + 2 + (4 << 20) + (4 << 20))
+        16 * ((2 << 20) + RECORD_MAX + 2 + (4 << 20) + (4 << 20)) + 16 * (4 << 10)
     );
 }
 

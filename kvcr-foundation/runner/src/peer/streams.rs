@@ -116,6 +116,12 @@ impl State {
             self.count_refused_streams(1);
             return;
         };
+        // Proven: it now takes a session's place (waiting until here).
+        let mut accepted = accepted;
+        if !accepted.hold.admit() {
+            self.count_refused_streams(1);
+            return;
+        }
         self.control
             .stats
             .streams_opened
@@ -215,8 +221,11 @@ impl State {
             let now = Instant::now();
             let within = self.stream_limits.0;
             let held = self.parked_streams.len();
-            self.parked_streams
-                .retain(|_, (since, _)| now.saturating_duration_since(*since) < within);
+            // Past the handshake deadline, or its waiting place taken by a
+            // newer connection: dropped.
+            self.parked_streams.retain(|_, (since, parked)| {
+                now.saturating_duration_since(*since) < within && !parked.hold.displaced()
+            });
             self.count_refused_streams((held - self.parked_streams.len()) as u64);
         }
         if !self.out_streams.is_empty() {

@@ -92,6 +92,14 @@ pub(super) fn run(
     });
 }
 
+/// What a tick found of a stall this process is recovering from.
+struct StallTurn {
+    /// A new stall's length (ns), reported once.
+    new_gap_ns: Option<u64>,
+    /// Its waiting requests have had their time: close their sessions.
+    drained: bool,
+}
+
 /// Rounds of [`State::drain_queued`] in one turn at most.
 const DRAIN_ROUNDS: usize = 4;
 
@@ -256,14 +264,48 @@ impl State {
     }
 
     /// The core's tick (deadlines); our doorbell forgets the operations
-    /// that ended without a reply.
+    /// that ended without a reply; a stall of this process is recovered
+    /// from.
     fn tick(&mut self, shared: &Arc<Shared>) {
         let doorbell = &mut self.doorbell;
-        shared.with_core_now(|core, now| {
+        let stall = shared.with_core_now(|core, now| {
             core.handle_tick(now);
             // Operations that ended without a reply (deadlines).
             doorbell.retain(|op| core.peer_awaits_reply(op));
+            core.peer_stalled().then(|| StallTurn {
+                new_gap_ns: core.take_peer_stall(),
+                drained: core.peer_stall_drained(now),
+            })
         });
+        if let Some(stall) = stall {
+            self.recover_from_stall(shared, stall);
+        }
+    }
+
+    /// After a stall of this process past an operation timeout (stopped,
+    /// starved), the core refuses every `start_write`: one that waited in a
+    /// socket meanwhile must not be served with a fresh deadline. Once what
+    /// waited has been read and refused (`drained`), the accepted sessions
+    /// open at the stall are closed, and once each has ended (so nothing
+    /// it brought is still to be handled) the core serves again: a target
+    /// re-dials, and its requests on the new session were sent after the
+    /// stall. Said once on stderr and counted (`PeerCounters::stalls`).
+    fn recover_from_stall(&mut self, shared: &Arc<Shared>, stall: StallTurn) {
+        if let Some(gap_ns) = stall.new_gap_ns {
+            eprintln!(
+                "kvcr: this runner had no peer turn for {} ms (past its operation timeout): \
+                 refusing the writes asked meanwhile, closing the sessions they came on, \
+                 then serving again",
+                gap_ns / 1_000_000
+            );
+            self.control.note_stall();
+        }
+        if stall.drained {
+            self.control.retire_stalled();
+        }
+        if self.control.retired() {
+            shared.with_core_now(|core, _| core.end_peer_stall());
+        }
     }
 
     /// Sleeps until a command, a control message, a lane's report, a UCX

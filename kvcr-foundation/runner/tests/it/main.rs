@@ -16,6 +16,7 @@ mod device;
 mod g3_tier;
 mod nodes;
 mod peer;
+mod peer_admission;
 mod peer_faults;
 mod peer_identity;
 mod peer_trust;

@@ -256,6 +256,7 @@ fn say(line: &str) {
 /// The child's entry point (returns at once in a normal test run).
 ///
 /// Commands on stdin, one per line: `stats` → `STATS <keys_sent> <refused>`;
+/// `stall` → `STALL <stalls> <1 while writes are refused for one, else 0>`;
 /// `arm` → `ARMED`, after which the first write seen in progress (a READY page
 /// claimed for a put) prints `WRITING`. EOF ends it.
 #[test]
@@ -319,6 +320,14 @@ fn source_process() {
             Ok(cmd) if cmd == "stats" => {
                 let c = runner.peers().stats().counters;
                 say(&format!("STATS {} {}", c.keys_sent, c.refused));
+            }
+            Ok(cmd) if cmd == "stall" => {
+                let s = runner.peers().stats();
+                say(&format!(
+                    "STALL {} {}",
+                    s.counters.stalls,
+                    u8::from(s.stalled)
+                ));
             }
             Ok(cmd) if cmd == "arm" => {
                 armed = true;
@@ -413,6 +422,14 @@ impl ChildSource {
         let line = self.expect("STATS");
         let mut parts = line.split_whitespace().map(|p| p.parse::<u64>().unwrap());
         (parts.next().unwrap(), parts.next().unwrap())
+    }
+
+    /// `(stalls, refusing writes for one now)` of the child's runner.
+    fn stall(&mut self) -> (u64, bool) {
+        self.command("stall");
+        let line = self.expect("STALL");
+        let mut parts = line.split_whitespace().map(|p| p.parse::<u64>().unwrap());
+        (parts.next().unwrap(), parts.next().unwrap() == 1)
     }
 
     fn signal(&self, signal: Signal) {
@@ -717,7 +734,10 @@ fn source_killed_mid_transfer() {
 /// waits in its socket. The caller fails with `Timeout`; the memory is
 /// quarantined (`Uncertain`); after SIGCONT the source, having stalled,
 /// refuses the stale write (it never writes it), which is the terminal proof
-/// that frees the slots (`Quiesced`); and it refuses new writes until restart.
+/// that frees the slots (`Quiesced`). It then closes the sessions opened
+/// before the stall (whatever waited in them is never served), says so
+/// (`stalls`), and serves the target's next fetch, byte-exact, on a new
+/// session.
 #[rstest]
 #[case::shm("posix,cma,self")]
 #[case::tcp("tcp,self")]
@@ -789,14 +809,19 @@ fn source_stopped_before_answering(#[case] tls: &str) {
     let (sent, _refused) = source.stats();
     assert_eq!(sent, 1, "the stale write was never written");
 
-    // A stalled source refuses new writes until it restarts.
+    // The source recovers: the sessions open at the stall are closed (the
+    // target sees its own go), and it serves again.
+    poll_until("the source to recover from its stall", || {
+        (source.stall() == (1, false)).then_some(())
+    });
+    poll_until("the target to see its old session end", || {
+        (target.runner.peers().stats().open_sockets == 0).then_some(())
+    });
     let result = target.fetch("after", &from, &keys);
-    assert_eq!(
-        statuses(&result),
-        vec![EntryStatus::Failed(FailReason::NoSource); keys.len()]
-    );
-    assert_eq!(source.stats().0, 1);
-    assert_eq!(target.free_slots(), SLOTS - 1, "refused fills are freed");
+    assert_eq!(target.check_and_release(&result, &keys, 21), keys.len());
+    assert_eq!(source.stats().0, 1 + keys.len() as u64);
+    assert_eq!(source.stall(), (1, false));
+    assert_eq!(target.free_slots(), SLOTS - 1 - keys.len() as u32);
     target.runner.check_invariants().unwrap();
 }
 

@@ -38,9 +38,12 @@
 //! against the target's advertised regions (every element in range, sizes
 //! equal), READY keys are claimed, and one put action covers them; after the
 //! put and flush complete, `write_done` reports the completed indices. Probes
-//! install sticky cancellation fences; a stalled source refuses new writes
-//! until restart; a refused or foreign request gets `write_refused` or a
-//! terminal failure, and is counted. A probe naming an incarnation of this
+//! install sticky cancellation fences; a source that finds its own process
+//! stalled past an operation timeout refuses new writes until its driver
+//! has closed the sessions opened before the stall (requests that waited
+//! in them would otherwise get fresh deadlines), then serves again; a
+//! refused or foreign request gets `write_refused` or a terminal failure,
+//! and is counted. A probe naming an incarnation of this
 //! endpoint that the guard confirmed dead ([`Core::set_dead_incarnations`])
 //! is answered with a death report.
 
@@ -224,7 +227,17 @@ struct SourceRole {
     /// probe never writes. Bounded by [`MAX_FENCES_PER_TARGET`].
     fences: HashMap<Incarnation, BTreeSet<OpHandle>>,
     next_write: u64,
+    /// A stall of this process was seen: new writes are refused until the
+    /// driver has closed every session opened before it
+    /// ([`Core::end_peer_stall`]), so no request that waited in a socket
+    /// meanwhile is served with a fresh deadline.
     stalled: bool,
+    /// The latest stall's length (ns), until the driver takes it
+    /// ([`Core::take_peer_stall`]).
+    stall_untaken: Option<u64>,
+    /// While stalled: when the requests that waited meanwhile have been
+    /// read (and refused), and the driver may close their sessions.
+    drain_until: Option<u64>,
     /// Incarnations of this endpoint the guard confirmed dead (oldest
     /// first, at most [`MAX_DEAD_INCARNATIONS`], never our own).
     dead: Vec<Incarnation>,
@@ -243,6 +256,8 @@ impl Default for SourceRole {
             fences: HashMap::new(),
             next_write: 1,
             stalled: false,
+            stall_untaken: None,
+            drain_until: None,
             dead: Vec::new(),
         }
     }

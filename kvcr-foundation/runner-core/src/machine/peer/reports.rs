@@ -76,6 +76,10 @@ pub struct PeerCounters {
     /// (Target role) keys a source reported landed whose bytes did not
     /// match the page digest that came with them: failed, never served.
     pub digest_mismatches: u64,
+    /// (Source role) stalls of this process past an operation timeout
+    /// (stopped, starved): writes were refused until the driver closed the
+    /// sessions opened before it ([`Core::end_peer_stall`]).
+    pub stalls: u64,
 }
 
 /// Sizes of the core's per-peer state ([`Core::peer_state_sizes`]).

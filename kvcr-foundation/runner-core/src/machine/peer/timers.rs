@@ -80,7 +80,8 @@ impl Core {
 
     /// Called by the peer driver on every turn: a gap of a whole operation
     /// timeout between turns means this process was stalled (stopped,
-    /// starved); such a source refuses new writes until restart.
+    /// starved); such a source refuses new writes until its driver has
+    /// closed the sessions opened before the stall ([`Core::take_peer_stall`]).
     pub fn handle_tick(&mut self, now: u64) {
         self.latch_stall(now);
         if let Some(peer) = self.peer.as_mut() {
@@ -93,12 +94,64 @@ impl Core {
     /// last driver turn (the tick or a message may come first after a stop).
     pub(in crate::machine) fn latch_stall(&mut self, now: u64) {
         let timeout = self.operation_timeout_ns;
-        if let Some(peer) = self.peer.as_mut()
-            && peer
-                .last_tick
-                .is_some_and(|t| now.saturating_sub(t) >= timeout)
-        {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let Some(gap) = peer.last_tick.map(|t| now.saturating_sub(t)) else {
+            return;
+        };
+        if gap >= timeout {
             peer.source.stalled = true;
+            peer.source.stall_untaken = Some(gap);
+            // What waited in the sockets is read within a few turns; a
+            // quarter timeout is the idle driver's own wake interval.
+            peer.source.drain_until = Some(now.saturating_add(timeout / 4));
+            peer.counters.stalls += 1;
+            // Counted once: the next turn measures from here.
+            peer.last_tick = Some(now);
+        }
+    }
+
+    /// A stall the driver has not acted on yet: how long this process had
+    /// no turn (ns). Reported once per stall. The driver then notes which
+    /// sessions were open (any request sent before the stall ended came on
+    /// one of them), waits until [`Core::peer_stall_drained`], closes them,
+    /// and once each has closed calls [`Core::end_peer_stall`]. Until then
+    /// every `start_write` is refused (terminal), so the targets' slots are
+    /// freed and nothing that waited is written.
+    pub fn take_peer_stall(&mut self) -> Option<u64> {
+        self.peer.as_mut()?.source.stall_untaken.take()
+    }
+
+    /// Whether a stall's waiting requests have had their time to be read
+    /// and refused: the driver may close the sessions opened before it.
+    /// `true` once per stall.
+    pub fn peer_stall_drained(&mut self, now: u64) -> bool {
+        let Some(peer) = self.peer.as_mut() else {
+            return false;
+        };
+        let drained = peer.source.drain_until.is_some_and(|at| now >= at);
+        if drained {
+            peer.source.drain_until = None;
+        }
+        drained
+    }
+
+    /// Whether new writes are refused for a stall (see
+    /// [`Core::take_peer_stall`]).
+    pub fn peer_stalled(&self) -> bool {
+        self.peer.as_ref().is_some_and(|p| p.source.stalled)
+    }
+
+    /// The driver closed every session opened before the stall and handled
+    /// all they brought: no request that waited during it can arrive any
+    /// more, so new writes are served again. Does nothing while a stall is
+    /// still to be taken (a second stall came meanwhile).
+    pub fn end_peer_stall(&mut self) {
+        if let Some(peer) = self.peer.as_mut()
+            && peer.source.stall_untaken.is_none()
+        {
+            peer.source.stalled = false;
         }
     }
 
@@ -128,6 +181,12 @@ impl Core {
         let guard = peer
             .last_tick
             .map(|t| t.saturating_add(self.operation_timeout_ns / 4));
+        // A stall's drain ends on time, not at the next idle wake.
+        let drain = peer.source.drain_until;
+        let guard = match (guard, drain) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         match (self.next_peer_deadline(), guard) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),

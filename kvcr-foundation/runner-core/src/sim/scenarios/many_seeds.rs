@@ -78,6 +78,7 @@ fn peer_protocol_survives_faults_over_many_seeds() {
             ("late pieces", seen.late_pieces),
             ("source crashes", seen.crashes),
             ("source stalls", seen.stalls),
+            ("sources serving again after a stall", seen.stall_recoveries),
             ("quarantines", seen.quarantined),
             ("timeouts", seen.timeouts),
             ("runs with G3", seen.g3_runs),

@@ -166,7 +166,8 @@ fn fault_free_requests_restore_keys_only_g3_holds() {
 /// A `start_write` that waited in the source's socket while the source was
 /// stopped is refused, even when the first turn after the stop handles the
 /// message before its tick: a stalled source never serves a queued request
-/// with a fresh deadline.
+/// with a fresh deadline. Once its driver ended the stall it serves again,
+/// but a late copy of the refused request is still refused.
 #[test]
 fn a_request_queued_during_a_stall_is_refused() {
     let mut sim = Sim::new(11);
@@ -196,8 +197,30 @@ fn a_request_queued_during_a_stall_is_refused() {
     let refused = sim.sources[0].core.peer_counters().refused;
     // The process was stopped for a whole operation timeout; the message is
     // handled before the first tick after it.
-    sim.sources[0].core.handle_message(TIMEOUT, stale);
+    sim.sources[0].core.handle_message(TIMEOUT, stale.clone());
     assert_eq!(sim.sources[0].core.peer_counters().refused, refused + 1);
+    assert!(
+        refused_terminally(&mut sim),
+        "the refusal is a terminal failure"
+    );
+    // The driver takes the stall, waits out the drain, closes the sessions
+    // opened before it, and the source serves again.
+    let source = &mut sim.sources[0].core;
+    assert_eq!(source.peer_counters().stalls, 1);
+    assert_eq!(source.take_peer_stall(), Some(TIMEOUT));
+    assert!(!source.peer_stall_drained(TIMEOUT + TIMEOUT / 4 - 1));
+    assert!(source.peer_stall_drained(TIMEOUT + TIMEOUT / 4));
+    source.end_peer_stall();
+    assert!(!source.peer_stalled());
+    // A copy of the refused request arriving after that (its refusal freed
+    // the target's slots) is refused again, never written.
+    source.handle_message(TIMEOUT + TIMEOUT / 2, stale);
+    assert!(refused_terminally(&mut sim), "a late copy is refused too");
+}
+
+/// Whether source 0's pending actions answer with a terminal failure (and
+/// write nothing).
+fn refused_terminally(sim: &mut Sim) -> bool {
     let mut replied = false;
     while let Some(action) = sim.sources[0].core.poll_action() {
         match action {
@@ -214,7 +237,7 @@ fn a_request_queued_during_a_stall_is_refused() {
             _ => {}
         }
     }
-    assert!(replied, "the refusal is a terminal failure");
+    replied
 }
 
 /// After an operation expires (the source may have died), the next write

@@ -66,6 +66,14 @@ impl Core {
             .get(&header.sender)
             .is_some_and(|high| op <= *high);
         if peer.source.stalled || foreign || fenced || stale {
+            if peer.source.stalled
+                && let Some(peer) = self.peer.as_mut()
+            {
+                // The refusal frees the target's slots: a copy of this
+                // request (or an older one) arriving after the stall is
+                // over must find it refused already, not be served.
+                peer.source.raise_high_water(header.sender, op);
+            }
             self.refuse();
             self.send(target, failed);
             return;
