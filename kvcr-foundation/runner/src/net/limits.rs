@@ -154,6 +154,10 @@ pub(crate) struct ControlStats {
     /// Control messages dropped on arrival because their mailbox copy had
     /// been taken.
     pub(crate) early_copies_dropped: AtomicU64,
+    /// Route-proof nonces handed back (as a target).
+    pub(crate) route_proofs_answered: AtomicU64,
+    /// Route-proof nonces and proofs ignored (see [`ControlCounters`]).
+    pub(crate) route_proofs_refused: AtomicU64,
 }
 
 impl ControlStats {
@@ -180,6 +184,8 @@ impl ControlStats {
             mailbox_requests_taken: self.mailbox_requests_taken.load(Ordering::Relaxed),
             mailbox_requests_refused: self.mailbox_requests_refused.load(Ordering::Relaxed),
             early_copies_dropped: self.early_copies_dropped.load(Ordering::Relaxed),
+            route_proofs_answered: self.route_proofs_answered.load(Ordering::Relaxed),
+            route_proofs_refused: self.route_proofs_refused.load(Ordering::Relaxed),
         }
     }
 }
@@ -249,6 +255,13 @@ pub struct ControlCounters {
     /// Control messages dropped on arrival because their mailbox copy had
     /// been taken (as a source).
     pub early_copies_dropped: u64,
+    /// Route-proof nonces our UCX worker received and handed back on the
+    /// session we dialed to the source that sent them (as a target).
+    pub route_proofs_answered: u64,
+    /// Route-proof nonces and proofs ignored: a nonce naming a source we
+    /// have no session to (or another incarnation of it), or a proof that
+    /// is not the nonce we sent on the session the route's advert came on.
+    pub route_proofs_refused: u64,
 }
 
 /// Counts an open socket while alive.

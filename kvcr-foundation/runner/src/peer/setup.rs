@@ -91,6 +91,15 @@ impl State {
                 max_held: MAX_HELD_MESSAGES,
             },
         )?;
+        // Route proofs' nonces: a header, no data.
+        worker.accept_messages(
+            crate::wire::route_proof::ROUTE_PROOF,
+            MessageLimits {
+                max_header: crate::wire::route_proof::MAX_HEADER,
+                max_data: 0,
+                max_held: MAX_HELD_NONCES,
+            },
+        )?;
         let setup = PeerSetup {
             endpoint,
             bases: pools.iter().map(|p| p.as_ptr() as usize as u64).collect(),
@@ -136,6 +145,9 @@ impl State {
                     options.limits.frame_deadline,
                 ),
                 routes: HashMap::new(),
+                unproven: HashMap::new(),
+                advert_sessions: HashMap::new(),
+                incarnation,
                 control,
                 inbound,
                 lanes,
@@ -169,6 +181,10 @@ impl State {
         ))
     }
 }
+
+/// Most route-proof nonces the worker holds between a progress and their
+/// handling (each is answered or dropped at once).
+const MAX_HELD_NONCES: usize = 64;
 
 /// The UCX context's configuration from the options (transports, error
 /// mode, tcp tuning), and whether the transports include tcp.

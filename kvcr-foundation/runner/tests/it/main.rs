@@ -17,6 +17,7 @@ mod g3_tier;
 mod nodes;
 mod peer;
 mod peer_faults;
+mod peer_routes;
 mod peer_trust;
 mod runner;
 

@@ -166,6 +166,7 @@ impl Core {
         match why {
             ConnectFailure::Unusable => peer.counters.refused += 1,
             ConnectFailure::NoMappingsLeft => peer.counters.routes_refused += 1,
+            ConnectFailure::Unproven => peer.counters.routes_unproven += 1,
         }
         // Acknowledged anyway, so the target's writes are refused at once
         // (there is no route) instead of waiting out their deadline.
