@@ -184,8 +184,14 @@ pub struct PeerOptions {
     /// Namespaces only the listed target endpoints may fetch from this
     /// runner; others' requests for them are refused and counted.
     pub private_namespaces: Vec<(NamespaceId, Vec<ControlEndpoint>)>,
-    /// UCX transports (`UCX_TLS`), e.g. `sm,self` or `tcp,self`; `None` lets
-    /// UCX choose (and honours the `UCX_TLS` environment variable).
+    /// UCX transports (`UCX_TLS`), e.g. `posix,cma,self` or `tcp,self`;
+    /// `None` honours the `UCX_TLS` environment variable, and without it
+    /// lets UCX choose among all but cma, knem and xpmem (which write into
+    /// a process they name themselves; same-host writes map the target's
+    /// pools instead). A peer address whose cma iface names another process
+    /// than its posix fifo (or sits beside a sysv fifo), or that lists knem
+    /// or xpmem, is refused when this host has them (`sm` names sysv, posix
+    /// and cma together: its same-host UCX routes are refused).
     pub ucx_tls: Option<String>,
     /// Abandonment budget from op start (default 5 × the operation timeout).
     pub abandon_timeout: Option<Duration>,

@@ -92,7 +92,9 @@ pub use endpoint::{CloseMode, DROP_WAIT, Endpoint, RemoteKey};
 pub use error::{Error, Result};
 pub use memory::{AnonOptions, OwnedMemory, Registration, Scope};
 pub use message::{ActiveMessage, MessageLimits};
-pub use packed::{AddressProblem, Limits, validate_rkey, validate_worker_address};
+pub use packed::{
+    AddressProblem, Limits, validate_process_binding, validate_rkey, validate_worker_address,
+};
 pub use request::Completion;
 pub use status::{UcsStatus, UcxReason};
 pub use wire::{RkeyBuffer, WorkerAddress};

@@ -70,7 +70,14 @@
 //!   says; a short entry then reads the next entry or the zero padding the
 //!   safe layer appends, never foreign memory. A shared-memory rkey names a
 //!   segment that unpacking attaches: peers are trusted at the transport
-//!   level (the control channel's handshake keeps strangers out).
+//!   level (the control channel's handshake keeps strangers out). One
+//!   binding can be checked with local knowledge, on request
+//!   ([`validate_process_binding`], which the runner asks for): a cma iface
+//!   (a pid cma puts would write into) must name the process the address's
+//!   posix fifo belongs to, with no sysv fifo beside it, and knem and xpmem
+//!   ifaces (whose rkeys name memory of any process) are refused
+//!   ([`AddressProblem::ForeignProcess`]), so a route's puts reach only the
+//!   process its active messages reach (the runner's route proof).
 //! * transport-name checksums are not matched against known transports
 //!   (UCX skips an entry whose checksum matches no local transport);
 //! * iface attributes are checked only as far as UCX sizes endpoints by
@@ -284,6 +291,22 @@ pub enum AddressProblem {
         /// This host's.
         expected: u8,
     },
+    /// A transport this host has that reaches a process's memory by a
+    /// name of its own, not by the worker it connects to: cma (a pid) whose
+    /// pid is not the one the address's posix fifo belongs to (the process
+    /// a route's nonce reaches), or that has no posix fifo, or a sysv one
+    /// beside it, to be bound to; knem and xpmem (the rkey alone names the
+    /// memory, of any process) always. A route through it could write into
+    /// a process other than the one that proved the worker.
+    #[error("transport {csum:#06x} reaches process {pid:?}, not the worker's own ({owner:?})")]
+    ForeignProcess {
+        /// Transport-name checksum.
+        csum: u16,
+        /// The process it names (`None`: knem and xpmem name none).
+        pid: Option<u32>,
+        /// The posix fifo's process (`None`: none in procfs mode).
+        owner: Option<u32>,
+    },
 }
 
 /// What a well-formed packed worker address holds (its shape, not its
@@ -315,6 +338,18 @@ pub struct RkeyShape {
 
 /// `ucs_crc16_string("posix")`: the transport-name checksum of posix.
 const TL_POSIX: u16 = 0xd3a7;
+/// `ucs_crc16_string("cma")`.
+const TL_CMA: u16 = 0x8b47;
+/// `ucs_crc16_string("sysv")`.
+const TL_SYSV: u16 = 0x538d;
+/// `ucs_crc16_string("knem")` and `("xpmem")`: rkeys alone name memory.
+const TL_BY_RKEY: [u16; 2] = [0x1377, 0x83dd];
+/// The procfs flag of a posix segment id (bit 63), as [`posix_mode`] shifts it.
+const POSIX_PROCFS: u8 = 0b1000;
+/// The pid bits of a procfs posix segment id (the owner's pid, low 30 bits).
+const POSIX_PID_MASK: u64 = (1 << 30) - 1;
+/// The pid bits of a cma iface address (bit 31 flags a pid namespace).
+const CMA_PID_MASK: u32 = 0x7fff_ffff;
 /// Segment-mode bits of a posix segment id that must match this host's
 /// (procfs, shm_open, pid namespace; huge pages may differ per segment).
 const POSIX_MODE_BITS: u8 = 0b1101;
@@ -556,6 +591,104 @@ pub fn validate_worker_address(bytes: &[u8], limits: &Limits) -> Result<AddressS
     }
     walk_address(bytes, limits, &mut |iface| check_iface(limits, iface))
         .map_err(|e| address_error(bytes.len(), e))
+}
+
+/// Validates `bytes` as [`validate_worker_address`] does, and then that
+/// every transport of this host's (`limits`) that reaches memory by a name
+/// of its own reaches only the process the address's fifo belongs to: a cma
+/// iface names the posix fifo's pid, with no sysv fifo beside it, and no
+/// knem or xpmem iface is listed ([`AddressProblem::ForeignProcess`]). So
+/// the puts of an endpoint to this address reach the process its active
+/// messages reach. With [`Limits::new`] (no local transports) nothing more
+/// is checked.
+pub fn validate_process_binding(bytes: &[u8], limits: &Limits) -> Result<(), UcxReason> {
+    validate_worker_address(bytes, limits)?;
+    let mut owners = Owners::default();
+    walk_address(bytes, limits, &mut |iface| {
+        owners.note(limits, iface);
+        Ok(())
+    })
+    .and_then(|_| owners.check())
+    .map_err(|e| address_error(bytes.len(), e))
+}
+
+/// The processes an address's same-host transports name (only those this
+/// host has: UCX never selects another).
+#[derive(Default)]
+struct Owners {
+    /// The pid of a posix fifo in procfs mode (the last seen).
+    posix: Option<u32>,
+    /// Whether a sysv fifo is listed (its segment names no process).
+    sysv: bool,
+    /// Each cma iface's pid, with its offset.
+    cma: Vec<(usize, u32)>,
+    /// A knem or xpmem iface, with its offset.
+    by_rkey: Option<(usize, u16)>,
+}
+
+impl Owners {
+    fn note(&mut self, limits: &Limits, iface: &IfaceView<'_>) {
+        if !limits.transports.iter().any(|t| t.csum == iface.csum) {
+            return;
+        }
+        match iface.csum {
+            TL_POSIX => {
+                let segment = iface
+                    .addr
+                    .first_chunk::<8>()
+                    .map(|id| u64::from_le_bytes(*id));
+                if let Some(id) = segment
+                    && posix_mode(iface.addr).is_some_and(|m| m & POSIX_PROCFS != 0)
+                {
+                    self.posix = u32::try_from(id & POSIX_PID_MASK).ok();
+                }
+            }
+            TL_SYSV => self.sysv = true,
+            TL_CMA => {
+                // The length was checked against this host's (4 bytes, or
+                // more in a pid namespace).
+                if let Some(pid) = iface.addr.first_chunk::<4>() {
+                    let pid = u32::from_le_bytes(*pid) & CMA_PID_MASK;
+                    self.cma.push((iface.addr_offset, pid));
+                }
+            }
+            csum if TL_BY_RKEY.contains(&csum) => {
+                self.by_rkey = Some((iface.addr_offset, csum));
+            }
+            _ => {}
+        }
+    }
+
+    /// A cma iface must name the posix fifo's process, with no sysv fifo
+    /// beside it (a route's nonce could then reach another process than
+    /// its puts); knem and xpmem are never bound to the worker.
+    fn check(&self) -> Step<()> {
+        if let Some((offset, csum)) = self.by_rkey {
+            return Err((
+                offset,
+                AddressProblem::ForeignProcess {
+                    csum,
+                    pid: None,
+                    owner: self.posix,
+                },
+            ));
+        }
+        match self
+            .cma
+            .iter()
+            .find(|(_, pid)| self.sysv || self.posix != Some(*pid))
+        {
+            Some((offset, pid)) => Err((
+                *offset,
+                AddressProblem::ForeignProcess {
+                    csum: TL_CMA,
+                    pid: Some(*pid),
+                    owner: self.posix,
+                },
+            )),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The local-knowledge checks of one iface entry (nothing without it).

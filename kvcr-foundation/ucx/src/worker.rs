@@ -402,6 +402,23 @@ impl Worker {
         Endpoint::create(&self.inner, peer)
     }
 
+    /// [`connect`](Worker::connect), once the address proves to reach only
+    /// its own process through this worker's transports
+    /// ([`validate_process_binding`](crate::validate_process_binding);
+    /// [`UcxReason::MalformedAddress`] with
+    /// [`AddressProblem::ForeignProcess`](crate::AddressProblem::ForeignProcess)
+    /// otherwise): a cma iface naming another pid than the posix fifo's, or
+    /// beside a sysv fifo, or a knem or xpmem iface, is refused.
+    pub fn connect_bound(&self, peer: &WorkerAddress) -> Result<Endpoint> {
+        super::packed::validate_process_binding(peer.ucx_bytes(), &self.inner.limits).map_err(
+            |reason| crate::Error::Refused {
+                op: "ucp_ep_create",
+                reason,
+            },
+        )?;
+        self.connect(peer)
+    }
+
     /// One round of `ucp_worker_progress`; returns how many events it handled.
     pub fn progress(&self) -> u32 {
         self.inner.progress()

@@ -239,7 +239,8 @@ impl State {
             .iter()
             .map(|(region, base, rkey)| Ok((*region, *base, RkeyBuffer::from_bytes(rkey)?)))
             .collect::<Result<Vec<_>>>()?;
-        let endpoint = self.worker.connect(&address)?;
+        // Its puts must reach the process its nonce reaches (`proofs`).
+        let endpoint = self.worker.connect_bound(&address)?;
         let mut keys = HashMap::new();
         for (region, base, buffer) in &buffers {
             match endpoint.unpack_rkey(buffer) {
