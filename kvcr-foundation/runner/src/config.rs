@@ -241,15 +241,21 @@ pub struct PeerOptions {
     /// new route (default [`RouteBudget::default`]: 4 at once, then one a
     /// second).
     pub route_budget: RouteBudget,
-    /// Routes through UCX are refused (the target is answered that it has
-    /// none, and its writes fail at once) while this process holds this
-    /// many memory mappings or more: UCX 1.13 keeps the mappings of every
-    /// distinct shared-memory segment a route unpacked until the runner
-    /// stops, and a process past `vm.max_map_count` fails every `mmap`,
-    /// the engine's too. 0 (the default): half of `vm.max_map_count`
-    /// (65,530 by default), leaving the rest to the engine. Routes that map
-    /// a same-host target's pools themselves are not limited.
+    /// Routes through UCX that attach this host's shared memory are refused
+    /// (the target is answered that it has none, and its writes fail at
+    /// once) while this process holds this many memory mappings or more:
+    /// UCX 1.13 keeps the mappings of every distinct shared-memory segment
+    /// a route unpacked until the runner stops, and a process past
+    /// `vm.max_map_count` fails every `mmap`, the engine's too. 0 (the
+    /// default): half of `vm.max_map_count` (65,530 by default), leaving
+    /// the rest to the engine. Routes to other hosts (which attach nothing)
+    /// and routes that map a same-host target's pools themselves are not
+    /// limited.
     pub ucx_route_mapping_limit: usize,
+    /// How often all targets together may make this source build routes
+    /// (one [`RouteBudget`] over every name: a member may claim many).
+    /// Default [`RouteBudget::TOTAL`].
+    pub route_budget_total: RouteBudget,
     /// Whether sources that reach this runner through UCX write into it
     /// over a data stream instead (see [`DataStream`]).
     pub data_stream: DataStream,
@@ -357,6 +363,7 @@ impl std::fmt::Debug for PeerOptions {
             .field("guard", &self.guard)
             .field("route_budget", &self.route_budget)
             .field("ucx_route_mapping_limit", &self.ucx_route_mapping_limit)
+            .field("route_budget_total", &self.route_budget_total)
             .field("data_stream", &self.data_stream)
             .field("request_mailbox", &self.request_mailbox)
             .finish()
@@ -504,6 +511,7 @@ impl PeerOptions {
             guard: None,
             route_budget: RouteBudget::default(),
             ucx_route_mapping_limit: 0,
+            route_budget_total: RouteBudget::TOTAL,
             data_stream: DataStream::Auto,
             request_mailbox: true,
         }

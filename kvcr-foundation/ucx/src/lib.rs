@@ -93,7 +93,8 @@ pub use error::{Error, Result};
 pub use memory::{AnonOptions, OwnedMemory, Registration, Scope};
 pub use message::{ActiveMessage, MessageLimits};
 pub use packed::{
-    AddressProblem, Limits, validate_process_binding, validate_rkey, validate_worker_address,
+    AddressProblem, Limits, attaches_shared_memory, validate_process_binding, validate_rkey,
+    validate_worker_address,
 };
 pub use request::Completion;
 pub use status::{UcsStatus, UcxReason};

@@ -364,6 +364,8 @@ struct LocalTransport {
     /// `None`: this host has it with several capability words (not compared).
     caps: Option<u32>,
     posix_mode: Option<u8>,
+    /// This host's device address for it (the first seen).
+    device: Vec<u8>,
 }
 
 /// This host's own rkey entries (from a probe registration).
@@ -434,6 +436,7 @@ impl Limits {
                     iface_len: iface.addr.len(),
                     caps: Some(caps),
                     posix_mode,
+                    device: iface.device.to_vec(),
                 }),
             }
             Ok(())
@@ -467,6 +470,9 @@ fn posix_mode(iface_addr: &[u8]) -> Option<u8> {
 /// One iface entry of an address, as the walk meets it.
 struct IfaceView<'a> {
     version: AddressVersion,
+    /// The address of the device the iface is on (for shared memory, the
+    /// host's system id).
+    device: &'a [u8],
     md_index: u32,
     md_offset: usize,
     csum: u16,
@@ -610,6 +616,25 @@ pub fn validate_process_binding(bytes: &[u8], limits: &Limits) -> Result<(), Ucx
     })
     .and_then(|_| owners.check())
     .map_err(|e| address_error(bytes.len(), e))
+}
+
+/// Whether an endpoint to the worker at `bytes` attaches this host's shared
+/// memory: it lists a posix, sysv or cma iface that this host has, on this
+/// host's own device for it (the system id UCX reaches such an iface on
+/// only here). UCX 1.13 keeps what it attaches until the worker goes, so a
+/// caller may budget these; an address that does not walk counts as one.
+/// With [`Limits::new`] (no local transports) nothing attaches.
+pub fn attaches_shared_memory(bytes: &[u8], limits: &Limits) -> bool {
+    let mut attaches = false;
+    let walked = walk_address(bytes, limits, &mut |iface| {
+        attaches |= [TL_POSIX, TL_SYSV, TL_CMA].contains(&iface.csum)
+            && limits
+                .transports
+                .iter()
+                .any(|t| t.csum == iface.csum && t.device == iface.device);
+        Ok(())
+    });
+    attaches || walked.is_err()
 }
 
 /// The processes an address's same-host transports name (only those this
@@ -820,7 +845,7 @@ fn walk_address<'a>(
         if dev & DEV_SYS_DEVICE != 0 && c.u8("system device")? == SYS_DEVICE_UNKNOWN {
             return Err((c.pos - 1, AddressProblem::SysDevice));
         }
-        c.take(usize::from(dev_len), "device address")?;
+        let device = c.take(usize::from(dev_len), "device address")?;
 
         // the device's ifaces (none after a memory-domain record)
         let mut more_ifaces = !empty;
@@ -853,6 +878,7 @@ fn walk_address<'a>(
             let addr = c.take(usize::from(len), "iface address")?;
             on_iface(&IfaceView {
                 version,
+                device,
                 md_index,
                 md_offset,
                 csum,

@@ -693,3 +693,33 @@ fn unified_mode_workers_are_refused(
         "{e}"
     );
 }
+
+/// A worker on this host's shared memory attaches it; one on tcp, or whose
+/// shared-memory ifaces are on another host's device (another system id),
+/// does not; without local limits nothing does.
+#[test]
+fn only_this_hosts_shared_memory_attaches() {
+    let shm = Context::with_config(&ContextConfig::new().loopback_tls("posix,cma,self")).unwrap();
+    let tcp = Context::with_config(&ContextConfig::new().loopback_tls("tcp,posix,self")).unwrap();
+    let (target, source) = (shm.create_worker().unwrap(), tcp.create_worker().unwrap());
+    let tcp_only = Context::with_config(&ContextConfig::new().loopback_tls("tcp,self"))
+        .unwrap()
+        .create_worker()
+        .unwrap();
+    let own = target.address().unwrap().ucx_bytes().to_vec();
+    assert_eq!(own.len(), unhex(V1_SHM).len(), "layout of V1_SHM");
+    assert!(attaches_shared_memory(&own, source.limits()));
+    assert!(attaches_shared_memory(&own, target.limits()));
+    assert!(!attaches_shared_memory(&own, &Limits::new()));
+    let elsewhere = {
+        let mut v = own.clone();
+        v[40] ^= 0x01; // the posix device's system id
+        v[77] ^= 0x01; // the cma device's
+        v
+    };
+    assert!(!attaches_shared_memory(&elsewhere, target.limits()));
+    let tcp_address = tcp_only.address().unwrap().ucx_bytes().to_vec();
+    assert!(!attaches_shared_memory(&tcp_address, source.limits()));
+    assert!(source.attaches_shared_memory(&target.address().unwrap()));
+    assert!(!source.attaches_shared_memory(&tcp_only.address().unwrap()));
+}

@@ -402,6 +402,14 @@ impl Worker {
         Endpoint::create(&self.inner, peer)
     }
 
+    /// Whether an endpoint to `peer` would attach this host's shared memory
+    /// ([`attaches_shared_memory`](crate::attaches_shared_memory) against
+    /// this worker's limits): UCX keeps what it attaches until the worker
+    /// goes, while a route to another host attaches nothing.
+    pub fn attaches_shared_memory(&self, peer: &WorkerAddress) -> bool {
+        super::packed::attaches_shared_memory(peer.ucx_bytes(), &self.inner.limits)
+    }
+
     /// [`connect`](Worker::connect), once the address proves to reach only
     /// its own process through this worker's transports
     /// ([`validate_process_binding`](crate::validate_process_binding);

@@ -196,9 +196,10 @@ impl State {
 
     /// How writes will reach a target: its pools mapped here when every
     /// advertised region can be (then UCX is never touched), else a UCX
-    /// endpoint and its remote keys, unless this process holds
-    /// `ucx_route_mapping_limit` mappings or more (UCX keeps mappings of
-    /// some routes until the worker goes, see [`kvcr_runner_core::RouteBudget`]).
+    /// endpoint and its remote keys, unless it would attach this host's
+    /// shared memory while this process holds `ucx_route_mapping_limit`
+    /// mappings or more (UCX keeps those until the worker goes, see
+    /// [`kvcr_runner_core::RouteBudget`]).
     pub(super) fn route_path(
         &self,
         worker_address: &[u8],
@@ -216,9 +217,14 @@ impl State {
             }
             return Ok(RoutePath::OneCopy(segments));
         }
-        // Read once per route built (rate-limited per target by the core);
-        // an unreadable map counts as none.
-        if placement::mapping_count().unwrap_or(0) >= self.ucx_route_mapping_limit {
+        // Only a route that attaches this host's shared memory maps
+        // anything UCX keeps (a route to another host maps nothing, and is
+        // never refused for what churn left behind). Read once per such
+        // route (rate-limited by the core); an unreadable map counts as
+        // none; an address that does not parse fails in `connect`.
+        let attaches = WorkerAddress::from_bytes(worker_address)
+            .is_ok_and(|address| self.worker.attaches_shared_memory(&address));
+        if attaches && placement::mapping_count().unwrap_or(0) >= self.ucx_route_mapping_limit {
             return Err(ConnectFailure::NoMappingsLeft);
         }
         // What UCX refused is dropped here: the core counts it.

@@ -16,9 +16,11 @@ use kvcr_runner::client::{ControlClient, Dialed};
 use rstest::rstest;
 
 use crate::nodes::{
-    BLOCK, Node, assert_restored, fetch_hinted, fetch_on_hint, hint, hint_to, stock,
+    BLOCK, Node, assert_restored, fetch_hinted, fetch_on_hint, hint, hint_to, node_with, stock,
 };
-use crate::peer_trust::{SECRET, member, metadata_from};
+use crate::peer_trust::{
+    SECRET, a_member_restores_from, churn_routes, member, metadata_from, options, through_tcp,
+};
 
 /// The metadata `destination` sends a source (as a member learns it by
 /// being hinted as one): its worker address, regions, segments, doorbell.
@@ -196,4 +198,85 @@ fn a_replayed_worker_address_with_a_chosen_base_writes_nothing(#[case] tls: &str
     assert_restored(&destination, &source, &result, &[2, 3]);
     source.runner.check_invariants().unwrap();
     destination.runner.check_invariants().unwrap();
+}
+
+/// A source whose UCX has attached as much shared memory as it may (here
+/// at once: its mapping limit is 1; the probe took 275 s of forged posix
+/// fifo ids to get there) refuses every route that would attach more: a
+/// member's adverts of a worker on this host's shared memory, under
+/// several names, are refused and counted. The member leaves; an honest
+/// destination whose worker is on tcp alone (as one on another host is)
+/// attaches nothing and restores all 16 keys byte-exact. The old source
+/// refused every UCX route while short of mappings, so honest cross-host
+/// restores stayed at 0/16 after the attacker left.
+#[test]
+fn routes_that_attach_nothing_survive_exhausted_mappings() {
+    let _serial = crate::serial();
+    let tls = "posix,tcp,self";
+    let mut starved = options(tls, Some(SECRET));
+    starved.ucx_route_mapping_limit = 1;
+    let mut source = node_with(&starved, 16, Duration::from_secs(10));
+    let keys: Vec<u64> = (0..16).collect();
+    stock(&mut source, &keys);
+    {
+        let names: Vec<String> = (1..=4).map(|i| format!("tcp://127.0.0.11:{i}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        churn_routes(&source, tls, &names, 2);
+        // The member leaves with its sessions.
+    }
+    crate::wait_until(
+        "the attaching routes to be refused",
+        Duration::from_secs(10),
+        || source.runner.peers().stats().counters.routes_refused >= 4,
+    );
+    let mut destination = node_with(&through_tcp(), 16, Duration::from_secs(10));
+    let result = fetch_on_hint(
+        &mut destination,
+        "after-churn",
+        &hint(&source, &keys),
+        &keys,
+    );
+    assert_restored(&destination, &source, &result, &keys);
+    let counters = source.runner.peers().stats().counters;
+    assert_eq!(counters.ucx_routes, 1, "{counters:?}");
+    source.runner.check_invariants().unwrap();
+    destination.runner.check_invariants().unwrap();
+}
+
+/// Members rotating names, each name within its own budget, meet the
+/// budget of all names together: at most its burst and one per refill
+/// are built, the rest refused and counted (the old source built every
+/// name's burst: 40 routes here). An honest member is then served once the
+/// total budget allows.
+#[test]
+fn rotating_names_meet_the_total_route_budget() {
+    let _serial = crate::serial();
+    let tls = "tcp,self";
+    let mut capped = options(tls, Some(SECRET));
+    capped.route_budget_total = kvcr_runner_core::RouteBudget {
+        burst: 8,
+        refill_ns: 1_000_000_000,
+    };
+    let mut source = node_with(&capped, 8, Duration::from_secs(10));
+    stock(&mut source, &[0, 1, 2, 3]);
+    let per_name = capped.route_budget.burst as usize;
+    let names: Vec<String> = (1..=10).map(|i| format!("tcp://127.0.0.12:{i}")).collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    let adverts = (names.len() * per_name) as u64;
+    // Not a threshold: the budget's bound grows with the time it had.
+    #[allow(clippy::disallowed_methods)]
+    let started = std::time::Instant::now();
+    churn_routes(&source, tls, &names, per_name);
+    let refused_enough = || {
+        let elapsed_ns = u64::try_from(started.elapsed().as_nanos()).unwrap();
+        let admitted_at_most = 8 + elapsed_ns / 1_000_000_000 + 1;
+        source.runner.peers().stats().counters.routes_refused + admitted_at_most >= adverts
+    };
+    crate::wait_until(
+        "the route changes past the total budget to be refused",
+        Duration::from_secs(30),
+        refused_enough,
+    );
+    a_member_restores_from(&source, tls, "after-rotation");
+    source.runner.check_invariants().unwrap();
 }

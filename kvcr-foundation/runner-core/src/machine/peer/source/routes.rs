@@ -36,8 +36,11 @@ impl Core {
                 && r.doorbell == doorbell
         });
         if !unchanged {
-            let budget = peer.config.route_budget;
-            if !peer.source.admit_route_change(now, &target, &budget) {
+            let budgets = (peer.config.route_budget, peer.config.route_budget_total);
+            if !peer
+                .source
+                .admit_route_change(now, &member_of(&target), budgets)
+            {
                 // Not acknowledged and nothing kept: the target re-sends its
                 // metadata and is served when its budget allows. Its old
                 // route, if any, stays, and names its old incarnation.
@@ -181,16 +184,21 @@ impl Core {
 }
 
 impl SourceRole {
-    /// Whether `target` may change its route at `now` under `budget`
-    /// (charging it if so). The remembered targets stay bounded: past
-    /// [`MAX_ROUTE_BUDGETS`] those whose budget has refilled (as good as
-    /// new) are forgotten, and while none has a new target is refused.
+    /// Whether `member` may change a route at `now` under its own budget
+    /// and the total one (`budgets`), charging both if so. The remembered
+    /// members stay bounded: past [`MAX_ROUTE_BUDGETS`] those whose budget
+    /// has refilled (as good as new) are forgotten, and while none has a
+    /// new member is refused.
     fn admit_route_change(
         &mut self,
         now: u64,
-        target: &ControlEndpoint,
-        budget: &RouteBudget,
+        member: &ControlEndpoint,
+        (budget, total): (RouteBudget, RouteBudget),
     ) -> bool {
+        let Some(total_next) = total.admit(now, self.route_changes_total_due) else {
+            return false;
+        };
+        let target = member;
         let due = self.route_changes_due.get(target).copied();
         if due.is_none() && self.route_changes_due.len() >= MAX_ROUTE_BUDGETS {
             self.route_changes_due.retain(|_, due| *due > now);
@@ -201,9 +209,18 @@ impl SourceRole {
         match budget.admit(now, due) {
             Some(next) => {
                 self.route_changes_due.insert(target.clone(), next);
+                self.route_changes_total_due = Some(total_next);
                 true
             }
             None => false,
         }
     }
+}
+
+/// The member a session from `target` speaks for, as route budgets count
+/// members: today the endpoint the session proved (a member may claim any
+/// name, so the total budget bounds what rotating names buys); a session's
+/// static key once sessions have one.
+fn member_of(target: &ControlEndpoint) -> ControlEndpoint {
+    target.clone()
 }
