@@ -378,7 +378,13 @@ impl State {
                 shared_memory,
                 extents,
                 doorbell,
-            } => match self.route_path(&worker_address, &rkeys, shared_memory.as_ref(), &extents) {
+            } => match self.route_path(
+                &worker_address,
+                &rkeys,
+                shared_memory.as_ref(),
+                &extents,
+                doorbell.as_ref(),
+            ) {
                 Ok(path) => {
                     let route = self.new_route(
                         &peer,

@@ -280,3 +280,101 @@ fn rotating_names_meet_the_total_route_budget() {
     a_member_restores_from(&source, tls, "after-rotation");
     source.runner.check_invariants().unwrap();
 }
+
+/// The pages `node` holds for `keys`, read back through a local fetch.
+fn resident_pages(node: &mut Node, keys: &[u64]) -> Vec<Vec<u8>> {
+    let scoped: Vec<_> = keys
+        .iter()
+        .map(|k| crate::nodes::key(node.ns, *k))
+        .collect();
+    let pool = node.runner.pool("kv").unwrap();
+    let op = node.runner.fetch(&scoped, &[pool]).unwrap();
+    let result = crate::nodes::wait(&mut node.runner, op);
+    let pages = result
+        .entries
+        .iter()
+        .map(|(_, entry)| {
+            assert!(entry.is_success(), "{entry:?}");
+            node.runner.read_claimed(entry.release.unwrap(), 0).unwrap()
+        })
+        .collect();
+    let handles: Vec<_> = result
+        .entries
+        .iter()
+        .filter_map(|(_, e)| e.release)
+        .collect();
+    node.runner.release(&handles);
+    pages
+}
+
+/// A member replays, to an honest source on the same host, the whole
+/// advert the destination sent it as its source (worker address, pools,
+/// their memfds, doorbell and key), then asks the source to write into
+/// every element of the destination's pool. The source maps the pools, but
+/// the destination's doorbell file holds the owner tag for that key naming
+/// the member, not the source: no one-copy route; through UCX the nonce
+/// never comes back on the member's session. Nothing is written: the
+/// destination's resident pages keep their bytes. The old source mapped the
+/// pools and overwrote them (the write came back Success).
+#[rstest]
+#[case::shm("posix,cma,self")]
+#[case::tcp("tcp,self")]
+fn a_replayed_advert_writes_nothing_into_its_owner(#[case] tls: &str) {
+    let _serial = crate::serial();
+    let mut source = member(tls, 8);
+    stock(&mut source, &[0, 1, 2, 3]);
+    let mut destination = member(tls, 8);
+    // The destination's own pages (the nodes' host pages differ by index).
+    stock(&mut destination, &[4, 5, 6, 7]);
+    let before = resident_pages(&mut destination, &[4, 5, 6, 7]);
+    let Body::TargetMetadata {
+        worker_address,
+        regions,
+        shared_memory,
+        doorbell,
+    } = advert_of(&destination)
+    else {
+        unreachable!()
+    };
+    assert!(
+        shared_memory.is_some() && doorbell.is_some(),
+        "the destination offers its pools"
+    );
+    let pool = regions.iter().find(|r| r.count == 8).unwrap().id;
+    let mut session = member_session(&source, "tcp://127.0.0.13:1");
+    let mut replayed = metadata_from(&source, worker_address, regions[0].clone());
+    replayed.body = Body::TargetMetadata {
+        worker_address: match &replayed.body {
+            Body::TargetMetadata { worker_address, .. } => worker_address.clone(),
+            _ => unreachable!(),
+        },
+        regions,
+        shared_memory,
+        doorbell,
+    };
+    session.send(&replayed).unwrap();
+    let ack = await_reply(&mut session, |b| {
+        matches!(b, Body::TargetMetadataAck { .. })
+    });
+    assert!(ack.is_some(), "the advert is answered (as no route)");
+    let first = ask_write(&mut session, &source, 1, pool, &[0, 1, 2, 3], 0);
+    let second = ask_write(&mut session, &source, 2, pool, &[0, 1, 2, 3], 4);
+    let after = resident_pages(&mut destination, &[4, 5, 6, 7]);
+    assert!(after == before, "the destination's resident pages changed");
+    for reply in [first, second] {
+        assert!(
+            !matches!(
+                reply,
+                Some(Body::WriteDone {
+                    outcome: WriteOutcome::Completed(_),
+                    ..
+                })
+            ),
+            "{reply:?}"
+        );
+    }
+    let counters = source.runner.peers().stats().counters;
+    assert_eq!(counters.one_copy_routes, 0, "{counters:?}");
+    source.runner.check_invariants().unwrap();
+    destination.runner.check_invariants().unwrap();
+}
