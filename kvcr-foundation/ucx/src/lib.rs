@@ -65,6 +65,7 @@
 //! when it is parsed and again, against the local context, right before UCX
 //! sees it; and UCX gets a zero-padded copy.
 
+mod binding;
 mod context;
 mod endpoint;
 pub mod error;
@@ -87,15 +88,13 @@ mod packed_tests;
 #[cfg(test)]
 mod tests;
 
+pub use binding::{attaches_shared_memory, validate_process_binding};
 pub use context::{Context, ContextConfig, ErrorMode, TCP_SEGMENT_SIZES, library_version};
 pub use endpoint::{CloseMode, DROP_WAIT, Endpoint, RemoteKey};
 pub use error::{Error, Result};
 pub use memory::{AnonOptions, OwnedMemory, Registration, Scope};
 pub use message::{ActiveMessage, MessageLimits};
-pub use packed::{
-    AddressProblem, Limits, attaches_shared_memory, validate_process_binding, validate_rkey,
-    validate_worker_address,
-};
+pub use packed::{AddressProblem, Limits, validate_rkey, validate_worker_address};
 pub use request::Completion;
 pub use status::{UcsStatus, UcxReason};
 pub use wire::{RkeyBuffer, WorkerAddress};

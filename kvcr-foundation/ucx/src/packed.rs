@@ -72,7 +72,8 @@
 //!   segment that unpacking attaches: peers are trusted at the transport
 //!   level (the control channel's handshake keeps strangers out). One
 //!   binding can be checked with local knowledge, on request
-//!   ([`validate_process_binding`], which the runner asks for): a cma iface
+//!   ([`validate_process_binding`](crate::validate_process_binding), which
+//!   the runner asks for): a cma iface
 //!   (a pid cma puts would write into) must name the process the address's
 //!   posix fifo belongs to, with no sysv fifo beside it, and knem and xpmem
 //!   ifaces (whose rkeys name memory of any process) are refused
@@ -337,27 +338,15 @@ pub struct RkeyShape {
 }
 
 /// `ucs_crc16_string("posix")`: the transport-name checksum of posix.
-const TL_POSIX: u16 = 0xd3a7;
-/// `ucs_crc16_string("cma")`.
-const TL_CMA: u16 = 0x8b47;
-/// `ucs_crc16_string("sysv")`.
-const TL_SYSV: u16 = 0x538d;
-/// `ucs_crc16_string("knem")` and `("xpmem")`: rkeys alone name memory.
-const TL_BY_RKEY: [u16; 2] = [0x1377, 0x83dd];
-/// The procfs flag of a posix segment id (bit 63), as [`posix_mode`] shifts it.
-const POSIX_PROCFS: u8 = 0b1000;
-/// The pid bits of a procfs posix segment id (the owner's pid, low 30 bits).
-const POSIX_PID_MASK: u64 = (1 << 30) - 1;
-/// The pid bits of a cma iface address (bit 31 flags a pid namespace).
-const CMA_PID_MASK: u32 = 0x7fff_ffff;
+pub(crate) const TL_POSIX: u16 = 0xd3a7;
 /// Segment-mode bits of a posix segment id that must match this host's
 /// (procfs, shm_open, pid namespace; huge pages may differ per segment).
 const POSIX_MODE_BITS: u8 = 0b1101;
 
 /// One transport of this host's own address.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct LocalTransport {
-    csum: u16,
+pub(crate) struct LocalTransport {
+    pub(crate) csum: u16,
     md_map: u64,
     /// `usize::MAX`: this host has it with several lengths (not compared).
     iface_len: usize,
@@ -365,7 +354,7 @@ struct LocalTransport {
     caps: Option<u32>,
     posix_mode: Option<u8>,
     /// This host's device address for it (the first seen).
-    device: Vec<u8>,
+    pub(crate) device: Vec<u8>,
 }
 
 /// This host's own rkey entries (from a probe registration).
@@ -388,7 +377,7 @@ struct LocalRkey {
 pub struct Limits {
     md_count: u32,
     version: Option<AddressVersion>,
-    transports: Vec<LocalTransport>,
+    pub(crate) transports: Vec<LocalTransport>,
     rkey: Option<LocalRkey>,
 }
 
@@ -463,23 +452,23 @@ impl Limits {
 
 /// The segment-mode bits of a posix iface address (its first 8 bytes are the
 /// fifo segment id, little-endian; the mode flags are bits 60..63).
-fn posix_mode(iface_addr: &[u8]) -> Option<u8> {
+pub(crate) fn posix_mode(iface_addr: &[u8]) -> Option<u8> {
     iface_addr.get(7).map(|top| (top >> 4) & POSIX_MODE_BITS)
 }
 
 /// One iface entry of an address, as the walk meets it.
-struct IfaceView<'a> {
+pub(crate) struct IfaceView<'a> {
     version: AddressVersion,
     /// The address of the device the iface is on (for shared memory, the
     /// host's system id).
-    device: &'a [u8],
+    pub(crate) device: &'a [u8],
     md_index: u32,
     md_offset: usize,
-    csum: u16,
+    pub(crate) csum: u16,
     attrs_offset: usize,
     attrs: &'a [u8],
-    addr_offset: usize,
-    addr: &'a [u8],
+    pub(crate) addr_offset: usize,
+    pub(crate) addr: &'a [u8],
 }
 
 impl IfaceView<'_> {
@@ -507,7 +496,7 @@ struct Cursor<'a> {
     pos: usize,
 }
 
-type Step<T> = Result<T, (usize, AddressProblem)>;
+pub(crate) type Step<T> = Result<T, (usize, AddressProblem)>;
 
 impl<'a> Cursor<'a> {
     fn fail<T>(&self, problem: AddressProblem) -> Step<T> {
@@ -576,7 +565,7 @@ impl<'a> Cursor<'a> {
     }
 }
 
-fn address_error(len: usize, (offset, problem): (usize, AddressProblem)) -> UcxReason {
+pub(crate) fn address_error(len: usize, (offset, problem): (usize, AddressProblem)) -> UcxReason {
     UcxReason::MalformedAddress {
         offset,
         len,
@@ -597,123 +586,6 @@ pub fn validate_worker_address(bytes: &[u8], limits: &Limits) -> Result<AddressS
     }
     walk_address(bytes, limits, &mut |iface| check_iface(limits, iface))
         .map_err(|e| address_error(bytes.len(), e))
-}
-
-/// Validates `bytes` as [`validate_worker_address`] does, and then that
-/// every transport of this host's (`limits`) that reaches memory by a name
-/// of its own reaches only the process the address's fifo belongs to: a cma
-/// iface names the posix fifo's pid, with no sysv fifo beside it, and no
-/// knem or xpmem iface is listed ([`AddressProblem::ForeignProcess`]). So
-/// the puts of an endpoint to this address reach the process its active
-/// messages reach. With [`Limits::new`] (no local transports) nothing more
-/// is checked.
-pub fn validate_process_binding(bytes: &[u8], limits: &Limits) -> Result<(), UcxReason> {
-    validate_worker_address(bytes, limits)?;
-    let mut owners = Owners::default();
-    walk_address(bytes, limits, &mut |iface| {
-        owners.note(limits, iface);
-        Ok(())
-    })
-    .and_then(|_| owners.check())
-    .map_err(|e| address_error(bytes.len(), e))
-}
-
-/// Whether an endpoint to the worker at `bytes` attaches this host's shared
-/// memory: it lists a posix, sysv or cma iface that this host has, on this
-/// host's own device for it (the system id UCX reaches such an iface on
-/// only here). UCX 1.13 keeps what it attaches until the worker goes, so a
-/// caller may budget these; an address that does not walk counts as one.
-/// With [`Limits::new`] (no local transports) nothing attaches.
-pub fn attaches_shared_memory(bytes: &[u8], limits: &Limits) -> bool {
-    let mut attaches = false;
-    let walked = walk_address(bytes, limits, &mut |iface| {
-        attaches |= [TL_POSIX, TL_SYSV, TL_CMA].contains(&iface.csum)
-            && limits
-                .transports
-                .iter()
-                .any(|t| t.csum == iface.csum && t.device == iface.device);
-        Ok(())
-    });
-    attaches || walked.is_err()
-}
-
-/// The processes an address's same-host transports name (only those this
-/// host has: UCX never selects another).
-#[derive(Default)]
-struct Owners {
-    /// The pid of a posix fifo in procfs mode (the last seen).
-    posix: Option<u32>,
-    /// Whether a sysv fifo is listed (its segment names no process).
-    sysv: bool,
-    /// Each cma iface's pid, with its offset.
-    cma: Vec<(usize, u32)>,
-    /// A knem or xpmem iface, with its offset.
-    by_rkey: Option<(usize, u16)>,
-}
-
-impl Owners {
-    fn note(&mut self, limits: &Limits, iface: &IfaceView<'_>) {
-        if !limits.transports.iter().any(|t| t.csum == iface.csum) {
-            return;
-        }
-        match iface.csum {
-            TL_POSIX => {
-                let segment = iface
-                    .addr
-                    .first_chunk::<8>()
-                    .map(|id| u64::from_le_bytes(*id));
-                if let Some(id) = segment
-                    && posix_mode(iface.addr).is_some_and(|m| m & POSIX_PROCFS != 0)
-                {
-                    self.posix = u32::try_from(id & POSIX_PID_MASK).ok();
-                }
-            }
-            TL_SYSV => self.sysv = true,
-            TL_CMA => {
-                // The length was checked against this host's (4 bytes, or
-                // more in a pid namespace).
-                if let Some(pid) = iface.addr.first_chunk::<4>() {
-                    let pid = u32::from_le_bytes(*pid) & CMA_PID_MASK;
-                    self.cma.push((iface.addr_offset, pid));
-                }
-            }
-            csum if TL_BY_RKEY.contains(&csum) => {
-                self.by_rkey = Some((iface.addr_offset, csum));
-            }
-            _ => {}
-        }
-    }
-
-    /// A cma iface must name the posix fifo's process, with no sysv fifo
-    /// beside it (a route's nonce could then reach another process than
-    /// its puts); knem and xpmem are never bound to the worker.
-    fn check(&self) -> Step<()> {
-        if let Some((offset, csum)) = self.by_rkey {
-            return Err((
-                offset,
-                AddressProblem::ForeignProcess {
-                    csum,
-                    pid: None,
-                    owner: self.posix,
-                },
-            ));
-        }
-        match self
-            .cma
-            .iter()
-            .find(|(_, pid)| self.sysv || self.posix != Some(*pid))
-        {
-            Some((offset, pid)) => Err((
-                *offset,
-                AddressProblem::ForeignProcess {
-                    csum: TL_CMA,
-                    pid: Some(*pid),
-                    owner: self.posix,
-                },
-            )),
-            None => Ok(()),
-        }
-    }
 }
 
 /// The local-knowledge checks of one iface entry (nothing without it).
@@ -765,7 +637,7 @@ fn check_iface(limits: &Limits, iface: &IfaceView<'_>) -> Step<()> {
     Ok(())
 }
 
-fn walk_address<'a>(
+pub(crate) fn walk_address<'a>(
     bytes: &'a [u8],
     limits: &Limits,
     on_iface: &mut dyn FnMut(&IfaceView<'a>) -> Step<()>,

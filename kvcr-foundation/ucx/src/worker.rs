@@ -407,7 +407,7 @@ impl Worker {
     /// this worker's limits): UCX keeps what it attaches until the worker
     /// goes, while a route to another host attaches nothing.
     pub fn attaches_shared_memory(&self, peer: &WorkerAddress) -> bool {
-        super::packed::attaches_shared_memory(peer.ucx_bytes(), &self.inner.limits)
+        super::binding::attaches_shared_memory(peer.ucx_bytes(), &self.inner.limits)
     }
 
     /// [`connect`](Worker::connect), once the address proves to reach only
@@ -418,7 +418,7 @@ impl Worker {
     /// otherwise): a cma iface naming another pid than the posix fifo's, or
     /// beside a sysv fifo, or a knem or xpmem iface, is refused.
     pub fn connect_bound(&self, peer: &WorkerAddress) -> Result<Endpoint> {
-        super::packed::validate_process_binding(peer.ucx_bytes(), &self.inner.limits).map_err(
+        super::binding::validate_process_binding(peer.ucx_bytes(), &self.inner.limits).map_err(
             |reason| crate::Error::Refused {
                 op: "ucp_ep_create",
                 reason,
