@@ -95,22 +95,22 @@ impl State {
             .unproven
             .get(from)
             .is_some_and(|u| u.session == session && u.nonce == *nonce);
-        match self.unproven.remove(from).filter(|_| proven) {
-            Some(unproven) => {
-                self.route_built(shared, from.clone(), unproven.generation, unproven.route);
-            }
-            None => {
-                self.control
-                    .stats
-                    .route_proofs_refused
-                    .fetch_add(1, Ordering::Relaxed);
-            }
+        // A stray proof leaves the waiting route as it is: it may be another
+        // route's nonce, handed back here by the process that route named.
+        if !proven {
+            self.control
+                .stats
+                .route_proofs_refused
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        if let Some(unproven) = self.unproven.remove(from) {
+            self.route_built(shared, from.clone(), unproven.generation, unproven.route);
         }
     }
 
-    /// Routes whose proof did not come by their deadline fail as unproven;
-    /// so does `peer`'s when it is given (its session ended or it was
-    /// forgotten: its route goes unproven, quietly).
+    /// Routes whose proof did not come by their deadline fail as unproven
+    /// (counted by the core, and acknowledged as no route).
     pub(super) fn expire_unproven(&mut self, shared: &Arc<Shared>) {
         #[allow(clippy::disallowed_methods)]
         let now = Instant::now();

@@ -378,3 +378,26 @@ fn a_replayed_advert_writes_nothing_into_its_owner(#[case] tls: &str) {
     source.runner.check_invariants().unwrap();
     destination.runner.check_invariants().unwrap();
 }
+
+/// Unconfigured transports (UCX's choice, less cma, knem and xpmem) still
+/// restore byte-exact through UCX between two runners on one host that do
+/// not map each other's pools.
+#[test]
+fn unconfigured_transports_restore_through_ucx() {
+    let _serial = crate::serial();
+    let mut unconfigured = kvcr_runner::PeerOptions::loopback();
+    unconfigured.secret = Some(SECRET.to_vec());
+    unconfigured.same_host_mapping = false;
+    let mut source = node_with(&unconfigured, 8, Duration::from_secs(10));
+    stock(&mut source, &[0, 1, 2, 3]);
+    let mut target = node_with(&unconfigured, 8, Duration::from_secs(10));
+    let keys = [0, 1, 2, 3];
+    let result = fetch_on_hint(&mut target, "unconfigured", &hint(&source, &keys), &keys);
+    assert_restored(&target, &source, &result, &keys);
+    let counters = source.runner.peers().stats().counters;
+    assert_eq!(
+        (counters.ucx_routes, counters.routes_unproven),
+        (1, 0),
+        "{counters:?}"
+    );
+}
