@@ -259,8 +259,10 @@ pub struct ControlCounters {
     /// session we dialed to the source that sent them (as a target).
     pub route_proofs_answered: u64,
     /// Route-proof nonces and proofs ignored: a nonce naming a source we
-    /// have no session to (or another incarnation of it), or a proof that
-    /// is not the nonce we sent on the session the route's advert came on.
+    /// have no session to (or another incarnation of it), a proof that is
+    /// not the nonce we sent on the session the route's advert came on, or
+    /// a same-host advert whose pools hold no owner tag for us (written
+    /// through UCX instead).
     pub route_proofs_refused: u64,
 }
 
