@@ -185,8 +185,14 @@ pub struct PeerOptions {
     /// Namespaces only the listed target endpoints may fetch from this
     /// runner; others' requests for them are refused and counted.
     pub private_namespaces: Vec<(NamespaceId, Vec<ControlEndpoint>)>,
-    /// UCX transports (`UCX_TLS`), e.g. `sm,self` or `tcp,self`; `None` lets
-    /// UCX choose (and honours the `UCX_TLS` environment variable).
+    /// UCX transports (`UCX_TLS`), e.g. `posix,cma,self` or `tcp,self`;
+    /// `None` honours the `UCX_TLS` environment variable, and without it
+    /// lets UCX choose among all but cma, knem and xpmem (which write into
+    /// a process they name themselves; same-host writes map the target's
+    /// pools instead). A peer address whose cma iface names another process
+    /// than its posix fifo (or sits beside a sysv fifo), or that lists knem
+    /// or xpmem, is refused when this host has them (`sm` names sysv, posix
+    /// and cma together: its same-host UCX routes are refused).
     pub ucx_tls: Option<String>,
     /// Abandonment budget from op start (default 5 × the operation timeout).
     pub abandon_timeout: Option<Duration>,
@@ -232,19 +238,26 @@ pub struct PeerOptions {
     /// across its restarts ([`crate::guard`]); `None` (the default): the
     /// runner makes its own, and they die with it.
     pub guard: Option<GuardOptions>,
-    /// How often a target may make this runner, as its source, build it a
-    /// new route (default [`RouteBudget::default`]: 4 at once, then one a
+    /// How often one member (the key its sessions prove; a keyless session
+    /// by its name) may make this runner, as its source, build it a new
+    /// route (default [`RouteBudget::default`]: 4 at once, then one a
     /// second).
     pub route_budget: RouteBudget,
-    /// Routes through UCX are refused (the target is answered that it has
-    /// none, and its writes fail at once) while this process holds this
-    /// many memory mappings or more: UCX 1.13 keeps the mappings of every
-    /// distinct shared-memory segment a route unpacked until the runner
-    /// stops, and a process past `vm.max_map_count` fails every `mmap`,
-    /// the engine's too. 0 (the default): half of `vm.max_map_count`
-    /// (65,530 by default), leaving the rest to the engine. Routes that map
-    /// a same-host target's pools themselves are not limited.
+    /// Routes through UCX that attach this host's shared memory are refused
+    /// (the target is answered that it has none, and its writes fail at
+    /// once) while this process holds this many memory mappings or more:
+    /// UCX 1.13 keeps the mappings of every distinct shared-memory segment
+    /// a route unpacked until the runner stops, and a process past
+    /// `vm.max_map_count` fails every `mmap`, the engine's too. 0 (the
+    /// default): half of `vm.max_map_count` (65,530 by default), leaving
+    /// the rest to the engine. Routes to other hosts (which attach nothing)
+    /// and routes that map a same-host target's pools themselves are not
+    /// limited.
     pub ucx_route_mapping_limit: usize,
+    /// How often all targets together may make this source build routes
+    /// (one [`RouteBudget`] over every member and name).
+    /// Default [`RouteBudget::TOTAL`].
+    pub route_budget_total: RouteBudget,
     /// Whether sources that reach this runner through UCX write into it
     /// over a data stream instead (see [`DataStream`]).
     pub data_stream: DataStream,
@@ -362,6 +375,7 @@ impl std::fmt::Debug for PeerOptions {
             .field("guard", &self.guard)
             .field("route_budget", &self.route_budget)
             .field("ucx_route_mapping_limit", &self.ucx_route_mapping_limit)
+            .field("route_budget_total", &self.route_budget_total)
             .field("data_stream", &self.data_stream)
             .field("request_mailbox", &self.request_mailbox)
             .field("static_key", &self.static_key)
@@ -511,6 +525,7 @@ impl PeerOptions {
             guard: None,
             route_budget: RouteBudget::default(),
             ucx_route_mapping_limit: 0,
+            route_budget_total: RouteBudget::TOTAL,
             data_stream: DataStream::Auto,
             request_mailbox: true,
             static_key: None,

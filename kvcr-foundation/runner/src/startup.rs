@@ -329,6 +329,7 @@ pub(crate) fn with_peers(
         shared_memory: setup.shared_memory.clone(),
         write_batch_bytes: peer.write_batch_bytes,
         route_budget: peer.route_budget,
+        route_budget_total: peer.route_budget_total,
     });
     let (journal, warm_start) = match claimed {
         Some((journal, mut start)) => {

@@ -65,6 +65,7 @@
 //! when it is parsed and again, against the local context, right before UCX
 //! sees it; and UCX gets a zero-padded copy.
 
+mod binding;
 mod context;
 mod endpoint;
 pub mod error;
@@ -87,6 +88,7 @@ mod packed_tests;
 #[cfg(test)]
 mod tests;
 
+pub use binding::{attaches_shared_memory, validate_process_binding};
 pub use context::{Context, ContextConfig, ErrorMode, TCP_SEGMENT_SIZES, library_version};
 pub use endpoint::{CloseMode, DROP_WAIT, Endpoint, RemoteKey};
 pub use error::{Error, Result};

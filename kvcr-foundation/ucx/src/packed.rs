@@ -70,7 +70,15 @@
 //!   says; a short entry then reads the next entry or the zero padding the
 //!   safe layer appends, never foreign memory. A shared-memory rkey names a
 //!   segment that unpacking attaches: peers are trusted at the transport
-//!   level (the control channel's handshake keeps strangers out).
+//!   level (the control channel's handshake keeps strangers out). One
+//!   binding can be checked with local knowledge, on request
+//!   ([`validate_process_binding`](crate::validate_process_binding), which
+//!   the runner asks for): a cma iface
+//!   (a pid cma puts would write into) must name the process the address's
+//!   posix fifo belongs to, with no sysv fifo beside it, and knem and xpmem
+//!   ifaces (whose rkeys name memory of any process) are refused
+//!   ([`AddressProblem::ForeignProcess`]), so a route's puts reach only the
+//!   process its active messages reach (the runner's route proof).
 //! * transport-name checksums are not matched against known transports
 //!   (UCX skips an entry whose checksum matches no local transport);
 //! * iface attributes are checked only as far as UCX sizes endpoints by
@@ -284,6 +292,22 @@ pub enum AddressProblem {
         /// This host's.
         expected: u8,
     },
+    /// A transport this host has that reaches a process's memory by a
+    /// name of its own, not by the worker it connects to: cma (a pid) whose
+    /// pid is not the one the address's posix fifo belongs to (the process
+    /// a route's nonce reaches), or that has no posix fifo, or a sysv one
+    /// beside it, to be bound to; knem and xpmem (the rkey alone names the
+    /// memory, of any process) always. A route through it could write into
+    /// a process other than the one that proved the worker.
+    #[error("transport {csum:#06x} reaches process {pid:?}, not the worker's own ({owner:?})")]
+    ForeignProcess {
+        /// Transport-name checksum.
+        csum: u16,
+        /// The process it names (`None`: knem and xpmem name none).
+        pid: Option<u32>,
+        /// The posix fifo's process (`None`: none in procfs mode).
+        owner: Option<u32>,
+    },
 }
 
 /// What a well-formed packed worker address holds (its shape, not its
@@ -314,21 +338,23 @@ pub struct RkeyShape {
 }
 
 /// `ucs_crc16_string("posix")`: the transport-name checksum of posix.
-const TL_POSIX: u16 = 0xd3a7;
+pub(crate) const TL_POSIX: u16 = 0xd3a7;
 /// Segment-mode bits of a posix segment id that must match this host's
 /// (procfs, shm_open, pid namespace; huge pages may differ per segment).
 const POSIX_MODE_BITS: u8 = 0b1101;
 
 /// One transport of this host's own address.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct LocalTransport {
-    csum: u16,
+pub(crate) struct LocalTransport {
+    pub(crate) csum: u16,
     md_map: u64,
     /// `usize::MAX`: this host has it with several lengths (not compared).
     iface_len: usize,
     /// `None`: this host has it with several capability words (not compared).
     caps: Option<u32>,
     posix_mode: Option<u8>,
+    /// This host's device address for it (the first seen).
+    pub(crate) device: Vec<u8>,
 }
 
 /// This host's own rkey entries (from a probe registration).
@@ -351,7 +377,7 @@ struct LocalRkey {
 pub struct Limits {
     md_count: u32,
     version: Option<AddressVersion>,
-    transports: Vec<LocalTransport>,
+    pub(crate) transports: Vec<LocalTransport>,
     rkey: Option<LocalRkey>,
 }
 
@@ -399,6 +425,7 @@ impl Limits {
                     iface_len: iface.addr.len(),
                     caps: Some(caps),
                     posix_mode,
+                    device: iface.device.to_vec(),
                 }),
             }
             Ok(())
@@ -425,20 +452,23 @@ impl Limits {
 
 /// The segment-mode bits of a posix iface address (its first 8 bytes are the
 /// fifo segment id, little-endian; the mode flags are bits 60..63).
-fn posix_mode(iface_addr: &[u8]) -> Option<u8> {
+pub(crate) fn posix_mode(iface_addr: &[u8]) -> Option<u8> {
     iface_addr.get(7).map(|top| (top >> 4) & POSIX_MODE_BITS)
 }
 
 /// One iface entry of an address, as the walk meets it.
-struct IfaceView<'a> {
+pub(crate) struct IfaceView<'a> {
     version: AddressVersion,
+    /// The address of the device the iface is on (for shared memory, the
+    /// host's system id).
+    pub(crate) device: &'a [u8],
     md_index: u32,
     md_offset: usize,
-    csum: u16,
+    pub(crate) csum: u16,
     attrs_offset: usize,
     attrs: &'a [u8],
-    addr_offset: usize,
-    addr: &'a [u8],
+    pub(crate) addr_offset: usize,
+    pub(crate) addr: &'a [u8],
 }
 
 impl IfaceView<'_> {
@@ -466,7 +496,7 @@ struct Cursor<'a> {
     pos: usize,
 }
 
-type Step<T> = Result<T, (usize, AddressProblem)>;
+pub(crate) type Step<T> = Result<T, (usize, AddressProblem)>;
 
 impl<'a> Cursor<'a> {
     fn fail<T>(&self, problem: AddressProblem) -> Step<T> {
@@ -535,7 +565,7 @@ impl<'a> Cursor<'a> {
     }
 }
 
-fn address_error(len: usize, (offset, problem): (usize, AddressProblem)) -> UcxReason {
+pub(crate) fn address_error(len: usize, (offset, problem): (usize, AddressProblem)) -> UcxReason {
     UcxReason::MalformedAddress {
         offset,
         len,
@@ -607,7 +637,7 @@ fn check_iface(limits: &Limits, iface: &IfaceView<'_>) -> Step<()> {
     Ok(())
 }
 
-fn walk_address<'a>(
+pub(crate) fn walk_address<'a>(
     bytes: &'a [u8],
     limits: &Limits,
     on_iface: &mut dyn FnMut(&IfaceView<'a>) -> Step<()>,
@@ -687,7 +717,7 @@ fn walk_address<'a>(
         if dev & DEV_SYS_DEVICE != 0 && c.u8("system device")? == SYS_DEVICE_UNKNOWN {
             return Err((c.pos - 1, AddressProblem::SysDevice));
         }
-        c.take(usize::from(dev_len), "device address")?;
+        let device = c.take(usize::from(dev_len), "device address")?;
 
         // the device's ifaces (none after a memory-domain record)
         let mut more_ifaces = !empty;
@@ -720,6 +750,7 @@ fn walk_address<'a>(
             let addr = c.take(usize::from(len), "iface address")?;
             on_iface(&IfaceView {
                 version,
+                device,
                 md_index,
                 md_offset,
                 csum,

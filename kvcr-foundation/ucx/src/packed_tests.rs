@@ -313,6 +313,30 @@ fn own_addresses_and_rkeys_validate_and_work(
     assert_eq!(&got, b"kvcr-ucx");
 }
 
+/// With both fifo transports, a route's nonce may go through sysv, whose
+/// segment names no process, while its puts go through cma to the pid the
+/// address names: such an address cannot bind cma to the worker, and a
+/// bound connect refuses it even as this host's own.
+#[test]
+fn cma_beside_a_sysv_fifo_is_refused() {
+    let ctx =
+        Context::with_config(&ContextConfig::new().loopback_tls("sysv,posix,cma,self")).unwrap();
+    let target = ctx.create_worker().unwrap();
+    let source = ctx.create_worker().unwrap();
+    let a = target.address().unwrap();
+    validate_worker_address(a.ucx_bytes(), &Limits::new()).expect("format-only check passes");
+    validate_worker_address(a.ucx_bytes(), source.limits()).expect("well formed");
+    assert!(matches!(
+        validate_process_binding(a.ucx_bytes(), source.limits()),
+        Err(UcxReason::MalformedAddress {
+            problem: P::ForeignProcess { csum: CSUM_CMA, pid: Some(pid), owner: Some(owner) },
+            ..
+        }) if pid == std::process::id() && owner == pid
+    ));
+    assert!(source.connect_bound(&a).is_err());
+    assert!(source.connect(&a).is_ok(), "plain connects do not ask");
+}
+
 /// Shapes only a peer that disagrees with this host (or lies) sends: each
 /// passes the format-only check and is refused with this host's limits, by
 /// `connect` and `unpack_rkey` too, before UCX sees it. (Each was an abort
@@ -372,6 +396,48 @@ fn local_limits_refuse_what_this_host_would_not_produce() {
             csum: CSUM_CMA,
             len: 5,
             expected: 4,
+        },
+    );
+
+    // A cma iface naming another process than the one the posix fifo
+    // belongs to (a member pairing its own fifo, which a route's nonce
+    // reaches, with another runner's pid, which cma puts would reach).
+    let unbound = |v: &[u8], expected: P| {
+        validate_worker_address(v, limits).expect("well formed");
+        assert!(matches!(
+            validate_process_binding(v, limits),
+            Err(UcxReason::MalformedAddress { problem, .. }) if problem == expected
+        ));
+        let a = WorkerAddress::from_packed(ctx.id(), target.id(), v).unwrap();
+        let e = source.connect_bound(&a).unwrap_err();
+        assert!(
+            matches!(e.reason(), Some(UcxReason::MalformedAddress { problem, .. }) if *problem == expected),
+            "{e}"
+        );
+    };
+    validate_process_binding(&own, limits).expect("this host's own address is bound");
+    let pid = |v: &[u8]| u32::from_le_bytes(v[104..108].try_into().unwrap());
+    assert_eq!(pid(&own), std::process::id(), "layout of the cma iface");
+    let mut v = own.clone();
+    v[104] ^= 0x01;
+    unbound(
+        &v,
+        P::ForeignProcess {
+            csum: CSUM_CMA,
+            pid: Some(pid(&v)),
+            owner: Some(pid(&own)),
+        },
+    );
+    // The fifo's own pid changed instead: the same mismatch, seen from the
+    // other side.
+    let mut v = own.clone();
+    v[67] ^= 0x01;
+    unbound(
+        &v,
+        P::ForeignProcess {
+            csum: CSUM_CMA,
+            pid: Some(pid(&own)),
+            owner: Some(pid(&own) ^ 0x01),
         },
     );
 
@@ -626,4 +692,34 @@ fn unified_mode_workers_are_refused(
         matches!(e.reason(), Some(UcxReason::MalformedAddress { .. })),
         "{e}"
     );
+}
+
+/// A worker on this host's shared memory attaches it; one on tcp, or whose
+/// shared-memory ifaces are on another host's device (another system id),
+/// does not; without local limits nothing does.
+#[test]
+fn only_this_hosts_shared_memory_attaches() {
+    let shm = Context::with_config(&ContextConfig::new().loopback_tls("posix,cma,self")).unwrap();
+    let tcp = Context::with_config(&ContextConfig::new().loopback_tls("tcp,posix,self")).unwrap();
+    let (target, source) = (shm.create_worker().unwrap(), tcp.create_worker().unwrap());
+    let tcp_only = Context::with_config(&ContextConfig::new().loopback_tls("tcp,self"))
+        .unwrap()
+        .create_worker()
+        .unwrap();
+    let own = target.address().unwrap().ucx_bytes().to_vec();
+    assert_eq!(own.len(), unhex(V1_SHM).len(), "layout of V1_SHM");
+    assert!(attaches_shared_memory(&own, source.limits()));
+    assert!(attaches_shared_memory(&own, target.limits()));
+    assert!(!attaches_shared_memory(&own, &Limits::new()));
+    let elsewhere = {
+        let mut v = own.clone();
+        v[40] ^= 0x01; // the posix device's system id
+        v[77] ^= 0x01; // the cma device's
+        v
+    };
+    assert!(!attaches_shared_memory(&elsewhere, target.limits()));
+    let tcp_address = tcp_only.address().unwrap().ucx_bytes().to_vec();
+    assert!(!attaches_shared_memory(&tcp_address, source.limits()));
+    assert!(source.attaches_shared_memory(&target.address().unwrap()));
+    assert!(!source.attaches_shared_memory(&tcp_only.address().unwrap()));
 }

@@ -402,6 +402,31 @@ impl Worker {
         Endpoint::create(&self.inner, peer)
     }
 
+    /// Whether an endpoint to `peer` would attach this host's shared memory
+    /// ([`attaches_shared_memory`](crate::attaches_shared_memory) against
+    /// this worker's limits): UCX keeps what it attaches until the worker
+    /// goes, while a route to another host attaches nothing.
+    pub fn attaches_shared_memory(&self, peer: &WorkerAddress) -> bool {
+        super::binding::attaches_shared_memory(peer.ucx_bytes(), &self.inner.limits)
+    }
+
+    /// [`connect`](Worker::connect), once the address proves to reach only
+    /// its own process through this worker's transports
+    /// ([`validate_process_binding`](crate::validate_process_binding);
+    /// [`UcxReason::MalformedAddress`] with
+    /// [`AddressProblem::ForeignProcess`](crate::AddressProblem::ForeignProcess)
+    /// otherwise): a cma iface naming another pid than the posix fifo's, or
+    /// beside a sysv fifo, or a knem or xpmem iface, is refused.
+    pub fn connect_bound(&self, peer: &WorkerAddress) -> Result<Endpoint> {
+        super::binding::validate_process_binding(peer.ucx_bytes(), &self.inner.limits).map_err(
+            |reason| crate::Error::Refused {
+                op: "ucp_ep_create",
+                reason,
+            },
+        )?;
+        self.connect(peer)
+    }
+
     /// One round of `ucp_worker_progress`; returns how many events it handled.
     pub fn progress(&self) -> u32 {
         self.inner.progress()

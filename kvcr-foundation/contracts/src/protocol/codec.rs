@@ -20,6 +20,7 @@
 //! | 5 | `write_done` | `op:u64, outcome:u8` (0 completed, 1 failed-terminal, 2 failed-nonterminal), then `indices:list32<u32>, digests:list32<u64>` when completed (no digests, or one page digest per index) |
 //! | 6 | `write_probe` | `op:u64, source_inc:opt<u128>` |
 //! | 7 | `write_probe_ack` | `op:u64, terminal:bool, dead_inc:opt<u128>` |
+//! | 8 | `route_proof` | `nonce:u8[32]` |
 //!
 //! `region := id:u32 label:str8 base:u64 element_size:u64 stride:u64 count:u64 rkey:bytes16`.
 //! `shared := boot_id:u8[16] pid_namespace:u64 pid:u32 segments:list16<(region:u32, fd:u32, token:u8[16])>`
@@ -72,6 +73,7 @@ const KIND_WRITE_REFUSED: u8 = 4;
 const KIND_WRITE_DONE: u8 = 5;
 const KIND_WRITE_PROBE: u8 = 6;
 const KIND_WRITE_PROBE_ACK: u8 = 7;
+const KIND_ROUTE_PROOF: u8 = 8;
 
 const OUTCOME_COMPLETED: u8 = 0;
 const OUTCOME_FAILED_TERMINAL: u8 = 1;
@@ -204,6 +206,7 @@ fn kind_of(body: &Body) -> u8 {
         Body::WriteDone { .. } => KIND_WRITE_DONE,
         Body::WriteProbe { .. } => KIND_WRITE_PROBE,
         Body::WriteProbeAck { .. } => KIND_WRITE_PROBE_ACK,
+        Body::RouteProof { .. } => KIND_ROUTE_PROOF,
     }
 }
 
@@ -390,6 +393,7 @@ fn put_body(dst: &mut BytesMut, body: &Body) -> Result<()> {
             dst.put_u8(u8::from(*terminal));
             put_opt_incarnation(dst, *dead_incarnation);
         }
+        Body::RouteProof { nonce } => dst.extend_from_slice(nonce),
     }
     Ok(())
 }
@@ -588,7 +592,7 @@ fn decode_body(bytes: &[u8]) -> Result<Message> {
         return Err(frame(FrameReason::Version(version)));
     }
     let kind = r.u8()?;
-    if !(KIND_TARGET_METADATA..=KIND_WRITE_PROBE_ACK).contains(&kind) {
+    if !(KIND_TARGET_METADATA..=KIND_ROUTE_PROOF).contains(&kind) {
         return Err(frame(FrameReason::Kind(kind)));
     }
     let header = Header {
@@ -623,6 +627,7 @@ fn decode_body(bytes: &[u8]) -> Result<Message> {
             op_handle: OpHandle(r.u64()?),
             source_incarnation: r.opt_incarnation("source_incarnation")?,
         },
+        KIND_ROUTE_PROOF => Body::RouteProof { nonce: r.array()? },
         _ => Body::WriteProbeAck {
             op_handle: OpHandle(r.u64()?),
             terminal: r.bool("terminal")?,

@@ -285,6 +285,13 @@ pub enum Body {
         /// Set when the probed incarnation is confirmed dead.
         dead_incarnation: Option<Incarnation>,
     },
+    /// Target → source: the nonce a source sent to the UCX worker this
+    /// target advertised, handed back on the session the target dialed to
+    /// that source (proves the worker is the target's own).
+    RouteProof {
+        /// The source's nonce, as the worker received it.
+        nonce: [u8; 32],
+    },
 }
 
 impl Body {
@@ -298,6 +305,7 @@ impl Body {
             Self::WriteDone { .. } => "write_done",
             Self::WriteProbe { .. } => "write_probe",
             Self::WriteProbeAck { .. } => "write_probe_ack",
+            Self::RouteProof { .. } => "route_proof",
         }
     }
 }

@@ -177,6 +177,12 @@ fn examples() -> Vec<(&'static str, Body)> {
                 dead_incarnation: Some(inc(9)),
             },
         ),
+        (
+            "route_proof",
+            Body::RouteProof {
+                nonce: std::array::from_fn(|i| i as u8),
+            },
+        ),
     ]
 }
 
@@ -244,7 +250,7 @@ fn fuzz_seeds_are_the_current_examples() {
 fn every_kind_has_an_example() {
     let kinds: std::collections::BTreeSet<_> =
         examples().iter().map(|(_, b)| b.kind_name()).collect();
-    assert_eq!(kinds.len(), 7);
+    assert_eq!(kinds.len(), 8);
 }
 
 // ------------------------------------------------------------ malformed table
@@ -381,7 +387,7 @@ fn metadata_with(edit: impl FnOnce(&mut RegionAdvert)) -> Vec<u8> {
 #[case::magic(mutate(write_refused(), 4, 0), FrameReason::Magic(0x0056))]
 #[case::version(mutate(write_refused(), VERSION_AT, 1), FrameReason::Version(1))]
 #[case::kind_zero(mutate(write_refused(), KIND_AT, 0), FrameReason::Kind(0))]
-#[case::kind_unknown(mutate(write_refused(), KIND_AT, 8), FrameReason::Kind(8))]
+#[case::kind_unknown(mutate(write_refused(), KIND_AT, 9), FrameReason::Kind(9))]
 #[case::zero_incarnation({let mut f = write_refused(); f[INCARNATION_AT..INCARNATION_AT + 16].fill(0); f}, FrameReason::Zero("sender incarnation"))]
 #[case::endpoint_utf8(set_endpoint(&[0xff, 0xfe]), FrameReason::Utf8("sender_endpoint"))]
 #[case::trailing(fix_len([write_refused(), vec![0]].concat()), FrameReason::Trailing(1))]
@@ -666,6 +672,7 @@ fn arb_body() -> impl Strategy<Value = Body> {
                 dead_incarnation
             }
         ),
+        any::<[u8; 32]>().prop_map(|nonce| Body::RouteProof { nonce }),
     ]
 }
 

@@ -79,6 +79,11 @@ pub(super) fn new_core_with(
             burst: ROUTE_BURST,
             refill_ns: ROUTE_REFILL,
         },
+        // Per target only: the scenarios count each target's changes.
+        route_budget_total: RouteBudget {
+            burst: u32::MAX,
+            refill_ns: 1,
+        },
     };
     adjust(&mut config);
     core.enable_peer(config);

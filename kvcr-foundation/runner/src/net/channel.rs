@@ -58,7 +58,10 @@ impl Side {
 fn is_request(body: &Body) -> bool {
     matches!(
         body,
-        Body::TargetMetadata { .. } | Body::StartWrite { .. } | Body::WriteProbe { .. }
+        Body::TargetMetadata { .. }
+            | Body::StartWrite { .. }
+            | Body::WriteProbe { .. }
+            | Body::RouteProof { .. }
     )
 }
 

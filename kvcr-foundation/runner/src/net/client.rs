@@ -141,6 +141,17 @@ pub fn seal_write_header_digested(
     Some(RecordKey::new(key).seal_message_digested(op, keys, part, digest))
 }
 
+/// The UCX active message id a source sends its route-proof nonce with
+/// (a member's own UCX worker accepts it to prove the worker is its own).
+pub const ROUTE_PROOF_MESSAGE: u16 = crate::wire::route_proof::ROUTE_PROOF;
+
+/// The nonce a route-proof message's `header` carries, to be handed back
+/// as `Body::RouteProof` on the session the advert went on; `None` when
+/// the header is not one.
+pub fn route_proof_nonce(header: &[u8]) -> Option<[u8; 32]> {
+    crate::wire::route_proof::NonceMessage::decode(header).map(|asked| asked.nonce)
+}
+
 fn refused(why: &'static str) -> Error {
     Error::runner(RunnerReason::Config {
         field: "control client",

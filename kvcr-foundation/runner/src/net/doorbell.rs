@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::incarnation::Incarnation;
-use kvcr_contracts::protocol::{Message, SegmentAdvert};
+use kvcr_contracts::protocol::{Body, Message, SegmentAdvert};
 use kvcr_ucx::Registration;
 
 use crate::wire::doorbell::DoorbellState;
@@ -68,6 +68,16 @@ impl TargetDoorbell {
     ) -> Self {
         let state = DoorbellState::new(slots.as_ptr() as usize as u64, rkey, segment);
         Self { slots, state }
+    }
+
+    /// [`DoorbellState::advertise`], and the session's owner record written
+    /// into its mailbox before the metadata leaves (a same-host source maps
+    /// our pools only once it finds the tag naming itself there).
+    pub(crate) fn advertise(&mut self, to: &ControlEndpoint, session: u64, body: &mut Body) {
+        self.state.advertise(to, session, body);
+        if let Some((offset, tag)) = self.state.owner_record(to) {
+            publish_shared(&self.slots, offset, &tag);
+        }
     }
 
     /// Posts `frame` (the encoded `start_write` just sent to `to` as message

@@ -219,6 +219,10 @@ pub(crate) struct ControlStats {
     /// Accepted sessions closed because a newer one proved the same
     /// identity.
     pub(crate) sessions_replaced: AtomicU64,
+    /// Route-proof nonces handed back (as a target).
+    pub(crate) route_proofs_answered: AtomicU64,
+    /// Route-proof nonces and proofs ignored (see [`ControlCounters`]).
+    pub(crate) route_proofs_refused: AtomicU64,
 }
 
 impl ControlStats {
@@ -251,6 +255,8 @@ impl ControlStats {
             sources_keyless_refused: self.sources_keyless_refused.load(Ordering::Relaxed),
             claims_refused: self.claims_refused.load(Ordering::Relaxed),
             sessions_replaced: self.sessions_replaced.load(Ordering::Relaxed),
+            route_proofs_answered: self.route_proofs_answered.load(Ordering::Relaxed),
+            route_proofs_refused: self.route_proofs_refused.load(Ordering::Relaxed),
         }
     }
 }
@@ -339,6 +345,15 @@ pub struct ControlCounters {
     /// Sessions accepted as a source that closed an older one of the same
     /// identity (endpoint and key): the member reconnected or restarted.
     pub sessions_replaced: u64,
+    /// Route-proof nonces our UCX worker received and handed back on the
+    /// session we dialed to the source that sent them (as a target).
+    pub route_proofs_answered: u64,
+    /// Route-proof nonces and proofs ignored: a nonce naming a source we
+    /// have no session to (or another incarnation of it), a proof that is
+    /// not the nonce we sent on the session the route's advert came on, or
+    /// a same-host advert whose pools hold no owner tag for us (written
+    /// through UCX instead).
+    pub route_proofs_refused: u64,
 }
 
 /// Counts an open socket while alive.

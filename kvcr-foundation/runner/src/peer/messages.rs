@@ -82,13 +82,17 @@ impl State {
         Some((sent, true))
     }
 
-    /// Takes the write messages the worker received: a part that verifies
+    /// Takes the write messages the worker received (`messages`): a part that verifies
     /// as its session's message for an operation we wait on, fits what has
     /// landed of it (a part lands once; all parts agree on the keys and the
     /// cut), and carries exactly its share of that operation's granted
     /// bytes is copied there; the last part is handled as the write's
     /// `write_done`. Anything else is dropped unread.
-    pub(super) fn take_write_messages(&mut self, shared: &Arc<Shared>) {
+    pub(super) fn take_write_messages(
+        &mut self,
+        shared: &Arc<Shared>,
+        messages: Vec<kvcr_ucx::ActiveMessage>,
+    ) {
         let stats = &self.control.stats;
         // Those the worker dropped at its bounds were refused unread too.
         let dropped = self.worker.dropped_messages();
@@ -97,7 +101,7 @@ impl State {
             std::sync::atomic::Ordering::Relaxed,
         );
         self.messages_dropped = dropped;
-        for message in self.worker.take_messages() {
+        for message in messages {
             let control = &self.control;
             let doorbell = &mut self.doorbell;
             let taken = doorbell

@@ -18,12 +18,13 @@
 //! the rest is by concern: [`thread`] (the loop and its naps), [`setup`],
 //! [`routes`], [`writes`] (one-copy writes and the choice among the UCX
 //! ways), [`puts`], [`messages`] (write messages), [`streams`] (data
-//! streams) and [`doorbells`] (records and mailbox requests read from shared
-//! memory).
+//! streams), [`doorbells`] (records and mailbox requests read from shared
+//! memory) and [`proofs`] (a UCX route's worker proving it is its target's).
 
 mod doorbells;
 mod landing;
 mod messages;
+mod proofs;
 mod puts;
 mod routes;
 mod setup;
@@ -228,6 +229,14 @@ struct State {
     /// stream may take no bytes while frames wait.
     stream_limits: (Duration, Duration),
     routes: HashMap<ControlEndpoint, Rc<Route>>,
+    /// UCX routes built but not yet used: their worker has not yet handed
+    /// our nonce back on the advert's session ([`proofs`]).
+    unproven: HashMap<ControlEndpoint, proofs::UnprovenRoute>,
+    /// Per target, the session its latest metadata came on (its route's
+    /// proof counts only there).
+    advert_sessions: HashMap<ControlEndpoint, u64>,
+    /// Our incarnation (named in the nonces we send).
+    incarnation: kvcr_contracts::incarnation::Incarnation,
     control: ControlChannel,
     inbound: mpsc::UnboundedReceiver<Inbound>,
     /// Joined (after their queued copies) before the pools they read drop.
@@ -284,15 +293,20 @@ impl State {
                             .note_mapped(&message.header.sender_endpoint, *one_copy);
                     }
                     // The route this builds reads its mailbox as this
-                    // session's.
-                    Body::TargetMetadata {
-                        doorbell: Some(advert),
-                        ..
-                    } => {
-                        self.advertised_keys.insert(
-                            message.header.sender_endpoint.clone(),
-                            (advert.key, session),
-                        );
+                    // session's, and is proven on it.
+                    Body::TargetMetadata { doorbell, .. } => {
+                        let target = &message.header.sender_endpoint;
+                        self.advert_sessions.insert(target.clone(), session);
+                        if let Some(advert) = doorbell {
+                            self.advertised_keys
+                                .insert(target.clone(), (advert.key, session));
+                        }
+                    }
+                    // Ours to check; the core never sees it.
+                    Body::RouteProof { nonce } => {
+                        let from = message.header.sender_endpoint.clone();
+                        self.on_route_proof(shared, &from, session, nonce);
+                        return;
                     }
                     _ => {}
                 }
@@ -328,6 +342,8 @@ impl State {
                 // ours now; writes under way keep their own until they end.
                 shared.with_core_now(|core, _| core.peer_target_gone(&target));
                 self.advertised_keys.remove(&target);
+                self.advert_sessions.remove(&target);
+                self.forget_unproven(&target);
                 retire(self.routes.remove(&target));
                 self.drop_out_stream(shared, &target);
                 self.refuse_parked(&target);
@@ -347,6 +363,8 @@ impl State {
                 self.in_streams.remove(&peer);
                 self.drop_out_stream(shared, &peer);
                 self.advertised_keys.remove(&peer);
+                self.advert_sessions.remove(&peer);
+                self.forget_unproven(&peer);
                 retire(self.routes.remove(&peer));
                 shared.with_core_now(|core, _| core.peer_connection_lost(&peer));
             }
@@ -366,7 +384,13 @@ impl State {
                 shared_memory,
                 extents,
                 doorbell,
-            } => match self.route_path(&worker_address, &rkeys, shared_memory.as_ref(), &extents) {
+            } => match self.route_path(
+                &worker_address,
+                &rkeys,
+                shared_memory.as_ref(),
+                &extents,
+                doorbell.as_ref(),
+            ) {
                 Ok(path) => {
                     let route = self.new_route(
                         &peer,
@@ -376,7 +400,13 @@ impl State {
                         &rkeys,
                         &extents,
                     );
-                    self.route_built(shared, peer, generation, route);
+                    // A UCX route waits for its worker's proof; a one-copy
+                    // route's pools were opened as the target's own.
+                    if route.one_copy() {
+                        self.route_built(shared, peer, generation, route);
+                    } else {
+                        self.prove_route(shared, peer, generation, route);
+                    }
                 }
                 Err(why) => self.route_failed(shared, &peer, generation, why),
             },

@@ -19,6 +19,7 @@ use crate::net::doorbell::RouteMailbox;
 use crate::shared::Shared;
 use crate::wire::doorbell::RouteDoorbell;
 use crate::wire::record::RecordKey;
+use crate::wire::region;
 use kvcr_sys::placement;
 use kvcr_sys::segment::PeerSegment;
 
@@ -196,18 +197,31 @@ impl State {
 
     /// How writes will reach a target: its pools mapped here when every
     /// advertised region can be (then UCX is never touched), else a UCX
-    /// endpoint and its remote keys, unless this process holds
-    /// `ucx_route_mapping_limit` mappings or more (UCX keeps mappings of
-    /// some routes until the worker goes, see [`kvcr_runner_core::RouteBudget`]).
+    /// endpoint and its remote keys, unless it would attach this host's
+    /// shared memory while this process holds `ucx_route_mapping_limit`
+    /// mappings or more (UCX keeps those until the worker goes, see
+    /// [`kvcr_runner_core::RouteBudget`]).
     pub(super) fn route_path(
         &self,
         worker_address: &[u8],
         rkeys: &[(RegionId, u64, Vec<u8>)],
         shared_memory: Option<&SharedMemoryAdvert>,
         extents: &[(RegionId, u64)],
+        doorbell: Option<&DoorbellAdvert>,
     ) -> std::result::Result<RoutePath, ConnectFailure> {
         let segments = self.map_segments(shared_memory, rkeys, extents);
-        if !rkeys.is_empty() && rkeys.iter().all(|(r, _, _)| segments.contains_key(r)) {
+        let all_mapped =
+            !rkeys.is_empty() && rkeys.iter().all(|(r, _, _)| segments.contains_key(r));
+        // The pools are the advertiser's only if its doorbell file holds
+        // the owner tag for us under the key this advert carries; anything
+        // else (a member replaying another runner's advert) goes through
+        // UCX, where the worker must prove itself too.
+        if all_mapped && !self.owned_by_advertiser(&segments, rkeys, doorbell) {
+            self.control
+                .stats
+                .route_proofs_refused
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        } else if all_mapped {
             // First writes into a fresh part of the target's pool then find
             // it populated (it cost a first 256 KiB restore into a fresh
             // 2 MiB 1.2–1.7 ms on the H200 host).
@@ -216,9 +230,14 @@ impl State {
             }
             return Ok(RoutePath::OneCopy(segments));
         }
-        // Read once per route built (rate-limited per target by the core);
-        // an unreadable map counts as none.
-        if placement::mapping_count().unwrap_or(0) >= self.ucx_route_mapping_limit {
+        // Only a route that attaches this host's shared memory maps
+        // anything UCX keeps (a route to another host maps nothing, and is
+        // never refused for what churn left behind). Read once per such
+        // route (rate-limited by the core); an unreadable map counts as
+        // none; an address that does not parse fails in `connect`.
+        let attaches = WorkerAddress::from_bytes(worker_address)
+            .is_ok_and(|address| self.worker.attaches_shared_memory(&address));
+        if attaches && placement::mapping_count().unwrap_or(0) >= self.ucx_route_mapping_limit {
             return Err(ConnectFailure::NoMappingsLeft);
         }
         // What UCX refused is dropped here: the core counts it.
@@ -226,6 +245,31 @@ impl State {
             .connect(worker_address, rkeys)
             .map_err(|_| ConnectFailure::Unusable)?;
         Ok(RoutePath::Ucx { endpoint, rkeys })
+    }
+
+    /// Whether the doorbell file among `segments` holds, in the mailbox of
+    /// the advertised key, the owner tag naming us under that key: written
+    /// by the file's owner on the session it advertised that key on to us.
+    fn owned_by_advertiser(
+        &self,
+        segments: &HashMap<RegionId, Arc<PeerSegment>>,
+        rkeys: &[(RegionId, u64, Vec<u8>)],
+        doorbell: Option<&DoorbellAdvert>,
+    ) -> bool {
+        let Some(advert) = doorbell else {
+            return false;
+        };
+        let (Some(slots), Some((_, base, _))) = (
+            segments.get(&advert.region),
+            rkeys.iter().find(|(r, _, _)| *r == advert.region),
+        ) else {
+            return false;
+        };
+        let mut record = [0u8; 8 + 32];
+        let at = region::owner_offset(region::mailbox_of(&advert.key)) as u64;
+        base.checked_add(at)
+            .is_some_and(|remote| slots.read_record(remote, &mut record))
+            && RecordKey::new(&advert.key).verify_owner_tag(&self.endpoint, &record[8..])
     }
 
     fn connect(
@@ -239,7 +283,8 @@ impl State {
             .iter()
             .map(|(region, base, rkey)| Ok((*region, *base, RkeyBuffer::from_bytes(rkey)?)))
             .collect::<Result<Vec<_>>>()?;
-        let endpoint = self.worker.connect(&address)?;
+        // Its puts must reach the process its nonce reaches (`proofs`).
+        let endpoint = self.worker.connect_bound(&address)?;
         let mut keys = HashMap::new();
         for (region, base, buffer) in &buffers {
             match endpoint.unpack_rkey(buffer) {

@@ -92,6 +92,15 @@ impl State {
                 max_held: MAX_HELD_MESSAGES,
             },
         )?;
+        // Route proofs' nonces: a header, no data.
+        worker.accept_messages(
+            crate::wire::route_proof::ROUTE_PROOF,
+            MessageLimits {
+                max_header: crate::wire::route_proof::MAX_HEADER,
+                max_data: 0,
+                max_held: MAX_HELD_NONCES,
+            },
+        )?;
         let setup = PeerSetup {
             endpoint,
             bases: pools.iter().map(|p| p.as_ptr() as usize as u64).collect(),
@@ -137,6 +146,9 @@ impl State {
                     options.limits.frame_deadline,
                 ),
                 routes: HashMap::new(),
+                unproven: HashMap::new(),
+                advert_sessions: HashMap::new(),
+                incarnation,
                 control,
                 inbound,
                 lanes,
@@ -171,10 +183,20 @@ impl State {
     }
 }
 
+/// Most route-proof nonces the worker holds between a progress and their
+/// handling (each is answered or dropped at once).
+const MAX_HELD_NONCES: usize = 64;
+
 /// The UCX context's configuration from the options (transports, error
 /// mode, tcp tuning), and whether the transports include tcp.
 fn ucx_config(options: &PeerOptions) -> (ContextConfig, bool) {
     let mut config = ContextConfig::new();
+    if options.ucx_tls.is_none() && std::env::var_os("UCX_TLS").is_none() {
+        config = config.set(
+            "TLS",
+            &default_tls(|dev| std::path::Path::new(dev).exists()),
+        );
+    }
     if let Some(tls) = &options.ucx_tls {
         // A runner that advertises loopback keeps tcp on loopback; one
         // that peers dial over a network must not (it did: every
@@ -202,6 +224,23 @@ fn ucx_config(options: &PeerOptions) -> (ContextConfig, bool) {
         config = config.tuned_tcp_segments();
     }
     (config, over_tcp)
+}
+
+/// The transports UCX may choose when nothing names them: every one but
+/// those that write into another process by a name of their own (cma, and
+/// knem and xpmem where their devices exist; naming an absent one makes UCX
+/// warn). Same-host writes go through the pools a target's memfds map
+/// (kernel-checked, see `routes`); a route through UCX then writes only
+/// into the process its nonce reached. `exists` says whether a device file
+/// is there.
+fn default_tls(exists: impl Fn(&str) -> bool) -> String {
+    let mut excluded = vec!["cma"];
+    for (transport, device) in [("knem", "/dev/knem"), ("xpmem", "/dev/xpmem")] {
+        if exists(device) {
+            excluded.push(transport);
+        }
+    }
+    format!("^{}", excluded.join(","))
 }
 
 /// Registered pools, what placing each did, and the segments a same-host
@@ -424,5 +463,15 @@ mod tests {
         let mut options = PeerOptions::loopback();
         options.advertise_host = host;
         assert_eq!(pins_tcp_to_loopback(&options, env_names_devices), pinned);
+    }
+
+    /// Unconfigured, UCX may not choose a transport that writes into a
+    /// process by its own naming; knem and xpmem are named only where their
+    /// devices exist (UCX warns about an absent one).
+    #[test]
+    fn the_default_transports_exclude_cross_process_writes() {
+        assert_eq!(default_tls(|_| false), "^cma");
+        assert_eq!(default_tls(|_| true), "^cma,knem,xpmem");
+        assert_eq!(default_tls(|d| d == "/dev/xpmem"), "^cma,xpmem");
     }
 }

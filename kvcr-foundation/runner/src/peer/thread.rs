@@ -258,7 +258,15 @@ impl State {
         let mut progressed = false;
         while self.worker.progress() > 0 {
             progressed = true;
-            self.take_write_messages(shared);
+            let (nonces, writes) = self
+                .worker
+                .take_messages()
+                .into_iter()
+                .partition::<Vec<_>, _>(super::proofs::is_nonce);
+            for nonce in &nonces {
+                self.answer_nonce(nonce);
+            }
+            self.take_write_messages(shared, writes);
         }
         progressed
     }
@@ -267,6 +275,7 @@ impl State {
     /// that ended without a reply; a stall of this process is recovered
     /// from.
     fn tick(&mut self, shared: &Arc<Shared>) {
+        self.expire_unproven(shared);
         let doorbell = &mut self.doorbell;
         let stall = shared.with_core_now(|core, now| {
             core.handle_tick(now);

@@ -238,6 +238,15 @@ impl DoorbellState {
         Some((mailbox_offset(mailbox), record))
     }
 
+    /// The owner record of `to`'s key, when it has a mailbox: the offset
+    /// of its sequence word in the region and the tag (see
+    /// [`RecordKey::owner_tag`]).
+    pub(crate) fn owner_record(&self, to: &ControlEndpoint) -> Option<(usize, [u8; 32])> {
+        let key = self.keys.get(to)?;
+        let mailbox = key.mailbox?;
+        Some((super::region::owner_offset(mailbox), key.key.owner_tag(to)))
+    }
+
     /// The key we sent `source` on our current session to it, and that
     /// session's id (a data stream to `source` proves it).
     pub(crate) fn session_key(&self, source: &ControlEndpoint) -> Option<(u64, [u8; 32])> {

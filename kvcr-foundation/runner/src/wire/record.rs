@@ -15,7 +15,14 @@
 //! label  := "kvcr-doorbell/1" (a slot: tail zero)
 //!         | "kvcr-write-message/1" (a message header: tail is its part)
 //! proof  := HMAC-SHA256(key, "kvcr-data-stream/1" | challenge | claim)
+//! owner  := HMAC-SHA256(key, "kvcr-route-owner/1" | source)
 //! ```
+//!
+//! The owner tag is what a target writes into its own doorbell file, in the
+//! mailbox of the session it advertises `key` on to `source`: a same-host
+//! source maps the advertised pools as the advertiser's only when the tag
+//! for itself is there (a member replaying the advert it was sent names a
+//! key whose tag names that member, and cannot write the file).
 //!
 //! A mailbox's request records are sealed with the same key (see
 //! [`super::mailbox`]).
@@ -37,6 +44,11 @@ fn stream_signed(challenge: &[u8; 32], claim: &ControlEndpoint) -> Vec<u8> {
     signed
 }
 
+/// What an owner tag signs: its label and the source it names.
+fn owner_signed(source: &ControlEndpoint) -> Vec<u8> {
+    [OWNER_LABEL, source.to_string().as_bytes()].concat()
+}
+
 /// Bytes per slot (one record).
 pub(crate) const SLOT_BYTES: usize = 64;
 /// The record layout's version (2: the write's digest is signed).
@@ -54,6 +66,8 @@ const LABEL: &[u8] = b"kvcr-doorbell/1";
 const MESSAGE_LABEL: &[u8] = b"kvcr-write-message/1";
 /// ...and a data stream's proof of the key (see [`crate::net::stream`]).
 const STREAM_LABEL: &[u8] = b"kvcr-data-stream/1";
+/// ...and a target's owner tag for one source (see the module docs).
+const OWNER_LABEL: &[u8] = b"kvcr-route-owner/1";
 /// Both record labels are this long (the signed buffer's size).
 const LABEL_LEN: usize = 20;
 const _: () = assert!(LABEL.len() <= LABEL_LEN && MESSAGE_LABEL.len() <= LABEL_LEN);
@@ -168,6 +182,20 @@ impl RecordKey {
         proof: &[u8; 32],
     ) -> bool {
         hmac::verify(&self.0, &stream_signed(challenge, claim), proof).is_ok()
+    }
+
+    /// The tag saying this key's session is the doorbell file owner's
+    /// session to `source` (as the owner names it).
+    pub(crate) fn owner_tag(&self, source: &ControlEndpoint) -> [u8; 32] {
+        let mut tag = [0u8; 32];
+        tag.copy_from_slice(hmac::sign(&self.0, &owner_signed(source)).as_ref());
+        tag
+    }
+
+    /// Whether `tag` is [`RecordKey::owner_tag`] for `source` under this
+    /// key (checked in constant time).
+    pub(crate) fn verify_owner_tag(&self, source: &ControlEndpoint, tag: &[u8]) -> bool {
+        hmac::verify(&self.0, &owner_signed(source), tag).is_ok()
     }
 
     fn seal_labelled(

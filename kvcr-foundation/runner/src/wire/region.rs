@@ -1,6 +1,9 @@
 //! The doorbell region's layout, as both ends address it: [`SLOTS`] slots
 //! of [`SLOT_BYTES`] (one per operation, modulo the count), then
-//! [`MAILBOXES`] mailboxes of [`MAILBOX_BYTES`] (one per session key).
+//! [`MAILBOXES`] mailboxes of [`MAILBOX_BYTES`] (one per session key), each
+//! ending in its session's owner record ([`OWNER_BYTES`]: a sequence word
+//! and the tag a same-host source checks before it maps our pools as the
+//! advertiser's, see `crate::wire::record`).
 
 use kvcr_contracts::protocol::{OpHandle, RegionId};
 
@@ -27,9 +30,17 @@ pub(crate) const MAILBOX_BYTES: usize = 4096;
 pub(super) const MAILBOX_HEAD: usize = 8 + RECORD_BYTES;
 /// A mailbox record's bytes (after the sequence word).
 pub(super) const RECORD_BYTES: usize = 56;
+/// The owner record at the end of a mailbox: a sequence word, the 32-byte
+/// tag, padding to keep the next mailbox's word aligned.
+pub(crate) const OWNER_BYTES: usize = 64;
 /// The largest frame a mailbox carries; a larger request goes by the
 /// session alone.
-pub(crate) const MAILBOX_FRAME_MAX: usize = MAILBOX_BYTES - MAILBOX_HEAD;
+pub(crate) const MAILBOX_FRAME_MAX: usize = MAILBOX_BYTES - MAILBOX_HEAD - OWNER_BYTES;
+
+/// The byte offset of `mailbox`'s owner record (its sequence word).
+pub(crate) fn owner_offset(mailbox: usize) -> usize {
+    mailbox_offset(mailbox) + MAILBOX_BYTES - OWNER_BYTES
+}
 
 /// Bytes of a doorbell region (and file): slots, then mailboxes.
 pub(crate) const REGION_BYTES: usize = SLOTS_BYTES + MAILBOXES * MAILBOX_BYTES;
@@ -52,6 +63,16 @@ pub(crate) const REGION: RegionId = RegionId(u32::MAX);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn owner_records_stay_inside_their_mailbox_aligned() {
+        for mailbox in [0, 1, MAILBOXES - 1] {
+            let at = owner_offset(mailbox);
+            assert!(at >= mailbox_offset(mailbox) + MAILBOX_HEAD + MAILBOX_FRAME_MAX);
+            assert!(at + OWNER_BYTES <= mailbox_offset(mailbox) + MAILBOX_BYTES);
+            assert!(at.is_multiple_of(8) && at + OWNER_BYTES <= REGION_BYTES);
+        }
+    }
 
     #[test]
     fn slots_stay_inside_the_region() {

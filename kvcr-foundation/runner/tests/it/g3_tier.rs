@@ -311,7 +311,9 @@ fn a_peer_restores_pages_only_g3_holds(#[case] mapping: bool) {
     const PEER_BLOCK: usize = crate::nodes::BLOCK;
     let scratch = Scratch::new(if mapping { "peer-map" } else { "peer-ucx" });
     let mut options = PeerOptions::loopback();
-    options.ucx_tls = Some("sm,self".into());
+    // `sm` lists sysv beside cma, which a route cannot bind to the worker
+    // its nonce reaches: same-host UCX routes are posix and cma alone.
+    options.ucx_tls = Some("posix,cma,self".into());
     options.same_host_mapping = mapping;
     let config = RunnerConfig {
         g3: Some(G3Options {

@@ -875,6 +875,18 @@ impl FakeTarget {
         let config = ContextConfig::new().loopback_tls(tls);
         let context = Context::with_config(&config).unwrap();
         let worker = context.create_worker().unwrap();
+        // Its own worker, proven as a member proves it (and a worker that
+        // accepts no message id at all is crashed by any, in UCX 1.13).
+        worker
+            .accept_messages(
+                kvcr_runner::client::ROUTE_PROOF_MESSAGE,
+                kvcr_ucx::MessageLimits {
+                    max_header: 1024,
+                    max_data: 0,
+                    max_held: 16,
+                },
+            )
+            .unwrap();
         let registration = context
             .register_anon(HOSTILE_BLOCK * ELEMENTS, AnonOptions::new())
             .unwrap();
@@ -920,6 +932,22 @@ impl FakeTarget {
         }
     }
 
+    /// Hands back, on `conn`, the route-proof nonces the worker received.
+    fn prove_route(&self, conn: &mut RawConn) {
+        for message in self.worker.take_messages() {
+            if let Some(nonce) = kvcr_runner::client::route_proof_nonce(message.header()) {
+                conn.send(&Message {
+                    header: Header {
+                        sender: Incarnation::generate(),
+                        route_generation: RouteGeneration(0),
+                        sender_endpoint: ControlEndpoint::parse("tcp://127.0.0.1:1").unwrap(),
+                    },
+                    body: Body::RouteProof { nonce },
+                });
+            }
+        }
+    }
+
     fn element(&self, index: usize) -> Vec<u8> {
         let mut out = vec![0u8; HOSTILE_BLOCK];
         self.registration
@@ -939,6 +967,7 @@ impl FakeTarget {
         let start = Instant::now();
         loop {
             while self.worker.progress() > 0 {}
+            self.prove_route(conn);
             if let Some(message) = conn.0.recv(Duration::from_millis(1)).unwrap() {
                 return message;
             }

@@ -28,9 +28,9 @@ use crate::nodes::{
     BLOCK, Node, assert_restored, fetch_on_hint, hint, key, node_with, stock, wait,
 };
 
-const SECRET: &[u8] = b"trust-tests-cluster-secret-0123456789";
+pub(crate) const SECRET: &[u8] = b"trust-tests-cluster-secret-0123456789";
 
-fn options(tls: &str, secret: Option<&[u8]>) -> PeerOptions {
+pub(crate) fn options(tls: &str, secret: Option<&[u8]>) -> PeerOptions {
     let mut options = PeerOptions::loopback();
     options.ucx_tls = Some(tls.to_owned());
     options.secret = secret.map(<[u8]>::to_vec);
@@ -39,17 +39,17 @@ fn options(tls: &str, secret: Option<&[u8]>) -> PeerOptions {
 
 /// A member's options where every byte goes through UCX over tcp (no
 /// mapping of a same-host peer's pools).
-fn through_tcp() -> PeerOptions {
+pub(crate) fn through_tcp() -> PeerOptions {
     let mut options = options("tcp,self", Some(SECRET));
     options.same_host_mapping = false;
     options
 }
 
-fn member(tls: &str, blocks: u32) -> Node {
+pub(crate) fn member(tls: &str, blocks: u32) -> Node {
     node_with(&options(tls, Some(SECRET)), blocks, Duration::from_secs(5))
 }
 
-fn assert_nothing_restored(target: &Node, result: &OpResult) {
+pub(crate) fn assert_nothing_restored(target: &Node, result: &OpResult) {
     for (key, entry) in &result.entries {
         assert!(
             matches!(
@@ -1075,15 +1075,15 @@ fn a_hint_to_a_stranger_reveals_nothing() {
 
 /// A real destination's UCX blobs, from a worker that is never progressed
 /// (it lives as long as this value).
-struct SilentDestination {
+pub(crate) struct SilentDestination {
     registration: kvcr_ucx::Registration<'static>,
-    address: Vec<u8>,
-    rkey: Vec<u8>,
+    pub(crate) address: Vec<u8>,
+    pub(crate) rkey: Vec<u8>,
     _worker: kvcr_ucx::Worker,
 }
 
 impl SilentDestination {
-    fn new(tls: &str) -> Self {
+    pub(crate) fn new(tls: &str) -> Self {
         use kvcr_ucx::{AnonOptions, Context, ContextConfig};
         let context = Context::with_config(&ContextConfig::new().loopback_tls(tls)).unwrap();
         let worker = context.create_worker().unwrap();
@@ -1099,7 +1099,11 @@ impl SilentDestination {
     }
 
     /// Its one region, advertised as `label` with `rkey`.
-    fn advert(&self, label: String, rkey: Vec<u8>) -> kvcr_contracts::protocol::RegionAdvert {
+    pub(crate) fn advert(
+        &self,
+        label: String,
+        rkey: Vec<u8>,
+    ) -> kvcr_contracts::protocol::RegionAdvert {
         kvcr_contracts::protocol::RegionAdvert {
             id: RegionId(0),
             label,
@@ -1114,7 +1118,7 @@ impl SilentDestination {
 
 /// Metadata advertising `region` at `worker_address`, as a member sends it
 /// (the header's claims are the channel's to overwrite).
-fn metadata_from(
+pub(crate) fn metadata_from(
     source: &Node,
     worker_address: Vec<u8>,
     region: kvcr_contracts::protocol::RegionAdvert,
@@ -1135,7 +1139,7 @@ fn metadata_from(
 }
 
 /// A fresh honest member restores keys 0..4 of `source` byte-exact.
-fn a_member_restores_from(source: &Node, tls: &str, request: &str) {
+pub(crate) fn a_member_restores_from(source: &Node, tls: &str, request: &str) {
     let mut friend = member(tls, 8);
     let keys = [0, 1, 2, 3];
     let result = fetch_on_hint(&mut friend, request, &hint(source, &keys), &keys);
@@ -1226,7 +1230,7 @@ fn mutated_ucx_blobs_never_reach_ucx(#[case] tls: &str) {
 }
 
 /// Lines of this process's memory map (what `vm.max_map_count` bounds).
-fn mappings() -> usize {
+pub(crate) fn mappings() -> usize {
     std::fs::read_to_string("/proc/self/maps")
         .unwrap()
         .lines()
@@ -1238,7 +1242,7 @@ fn mappings() -> usize {
 /// member may claim any name), each with a new label (so each is a route
 /// change), draining replies between them. The destination's worker is
 /// never progressed.
-fn churn_routes(source: &Node, tls: &str, names: &[&str], rounds: usize) {
+pub(crate) fn churn_routes(source: &Node, tls: &str, names: &[&str], rounds: usize) {
     let destination = SilentDestination::new(tls);
     let source_endpoint = source.runner.peers().endpoint().unwrap().clone();
     for name in names {

@@ -32,9 +32,14 @@ pub struct PeerConfig {
     /// concurrently and which land one by one. 0: one write per source and
     /// operation.
     pub write_batch_bytes: u64,
-    /// How often targets may make this source build routes (see
+    /// How often one member may make this source build routes (see
     /// [`RouteBudget`]).
     pub route_budget: RouteBudget,
+    /// How often all members together may (a member may claim any number
+    /// of names while members are told apart by the name they claim:
+    /// this bounds what rotating them buys). Default
+    /// [`RouteBudget::TOTAL`].
+    pub route_budget_total: RouteBudget,
 }
 
 /// How often a target may make this source build it a new data-plane route
@@ -69,6 +74,13 @@ impl Default for RouteBudget {
 }
 
 impl RouteBudget {
+    /// The default budget of all targets together: 64 route changes at
+    /// once (a cluster's ranks starting together), then 20 a second.
+    pub const TOTAL: Self = Self {
+        burst: 64,
+        refill_ns: 50_000_000,
+    };
+
     /// Whether a target whose next change is theoretically due at `due`
     /// (`None`: never changed, or long enough ago) may change its route at
     /// `now`; if so, when its next change is due. A generic cell rate

@@ -88,6 +88,9 @@ impl Core {
                 terminal,
                 dead_incarnation,
             } => self.on_probe_ack(now, &header, op_handle, terminal, dead_incarnation),
+            // The driver checks route proofs itself (against the nonce it
+            // sent to the advertised worker); one reaching the core is stray.
+            Body::RouteProof { .. } => {}
         }
     }
 }

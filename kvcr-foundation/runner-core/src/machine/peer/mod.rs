@@ -215,7 +215,10 @@ struct SourceRole {
     /// When each target's next route change is due ([`RouteBudget::admit`]);
     /// at most [`MAX_ROUTE_BUDGETS`], outliving the routes (a target that
     /// reconnects keeps its budget).
-    route_changes_due: HashMap<ControlEndpoint, u64>,
+    route_changes_due: HashMap<source::routes::RouteMember, u64>,
+    /// When the next route change of any target is due
+    /// ([`PeerConfig::route_budget_total`]).
+    route_changes_total_due: Option<u64>,
     next_route_generation: u64,
     writes: HashMap<u64, SourceWrite>,
     writes_by_op: HashMap<(Incarnation, OpHandle), u64>,
@@ -249,6 +252,7 @@ impl Default for SourceRole {
             preparing: HashMap::new(),
             routes: HashMap::new(),
             route_changes_due: HashMap::new(),
+            route_changes_total_due: None,
             next_route_generation: 1,
             writes: HashMap::new(),
             writes_by_op: HashMap::new(),

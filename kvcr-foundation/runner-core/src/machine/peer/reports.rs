@@ -13,6 +13,10 @@ pub enum ConnectFailure {
     /// The route would have gone through UCX while this process holds too
     /// many memory mappings (counted in [`PeerCounters::routes_refused`]).
     NoMappingsLeft,
+    /// The advertised UCX worker never proved it is the target's own: the
+    /// nonce the driver sent it did not come back on the session the
+    /// metadata came on, in time (counted in [`PeerCounters::routes_unproven`]).
+    Unproven,
 }
 
 /// A notice for the framework about memory a peer may still write.
@@ -61,6 +65,10 @@ pub struct PeerCounters {
     /// short of mappings ([`ConnectFailure::NoMappingsLeft`], acknowledged
     /// as no route).
     pub routes_refused: u64,
+    /// Routes never used: their advertised UCX worker did not prove, on the
+    /// target's own session, that it received the driver's nonce (a member
+    /// advertising another process's worker address).
+    pub routes_unproven: u64,
     /// (Source role) probes answered with a death report: the probed
     /// incarnation of this endpoint is guard-confirmed dead.
     pub dead_reported: u64,

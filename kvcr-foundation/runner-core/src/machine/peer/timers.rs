@@ -88,6 +88,29 @@ impl Core {
             peer.last_tick = Some(now);
         }
         self.handle_peer_timeout(now);
+        self.resend_unacknowledged_metadata(now);
+    }
+
+    /// A source that refused our metadata (over its route budget) says
+    /// nothing: sources that operations still wait on for an acknowledgement
+    /// get it again (at most every `metadata_retry_ns`), so a fetch is
+    /// served once the source's budget allows, not only the next one.
+    fn resend_unacknowledged_metadata(&mut self, now: u64) {
+        let Some(peer) = self.peer.as_ref() else {
+            return;
+        };
+        let mut waiting: Vec<ControlEndpoint> = peer
+            .target
+            .ops
+            .values()
+            .filter(|o| o.state == TargetState::AwaitingAck)
+            .map(|o| o.source.clone())
+            .collect();
+        waiting.sort_unstable_by_key(ToString::to_string);
+        waiting.dedup();
+        for source in waiting {
+            self.ensure_metadata(now, &source);
+        }
     }
 
     /// Latches `stalled` when a whole operation timeout has passed since the

@@ -120,6 +120,37 @@ fn route_changes_beyond_the_budget_are_refused_until_it_refills() {
     core.check_invariants().unwrap();
 }
 
+/// Names rotated by members (each fresh name within its own budget) share
+/// one total budget: its burst at once, then one per refill, whichever name
+/// asks; the rest are refused unacknowledged (counted).
+#[test]
+fn rotating_names_share_the_total_route_budget() {
+    let (mut sim, _) = stocked_source(|c| {
+        c.route_budget = RouteBudget {
+            burst: 3,
+            refill_ns: 1_000,
+        };
+        c.route_budget_total = RouteBudget {
+            burst: 5,
+            refill_ns: 1_000,
+        };
+    });
+    let core = &mut sim.sources[0].core;
+    let mut built = 0;
+    for name in 0..10u16 {
+        core.handle_message(0, from(100 + name, 11, labelled_metadata("r")));
+        built += connects(core).len();
+    }
+    assert_eq!(built, 5, "the total burst, over every name");
+    assert_eq!(core.peer_counters().routes_refused, 5);
+    // Refilled: one more, for whichever name comes first; not two.
+    core.handle_message(1_000, from(200, 11, labelled_metadata("r")));
+    core.handle_message(1_000, from(201, 11, labelled_metadata("r")));
+    assert_eq!(connects(core).len(), 1);
+    assert_eq!(core.peer_counters().routes_refused, 6);
+    core.check_invariants().unwrap();
+}
+
 /// The budgets a source remembers are bounded: with every one of
 /// [`MAX_ROUTE_BUDGETS`] in use a new target is refused; once they have
 /// refilled (as good as forgotten) they make room.

@@ -11,5 +11,5 @@ use super::*;
 
 mod completions;
 mod probes;
-mod routes;
+pub(super) mod routes;
 mod writes;

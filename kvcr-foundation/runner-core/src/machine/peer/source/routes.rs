@@ -3,6 +3,7 @@
 //! acknowledged, and a closed session's route dropped.
 
 use super::*;
+use kvcr_contracts::MemberKey;
 
 impl Core {
     pub(in crate::machine) fn on_target_metadata(
@@ -36,8 +37,11 @@ impl Core {
                 && r.doorbell == doorbell
         });
         if !unchanged {
-            let budget = peer.config.route_budget;
-            if !peer.source.admit_route_change(now, &target, &budget) {
+            let budgets = (peer.config.route_budget, peer.config.route_budget_total);
+            if !peer
+                .source
+                .admit_route_change(now, &member_of(&target), budgets)
+            {
                 // Not acknowledged and nothing kept: the target re-sends its
                 // metadata and is served when its budget allows. Its old
                 // route, if any, stays, and names its old incarnation.
@@ -166,6 +170,7 @@ impl Core {
         match why {
             ConnectFailure::Unusable => peer.counters.refused += 1,
             ConnectFailure::NoMappingsLeft => peer.counters.routes_refused += 1,
+            ConnectFailure::Unproven => peer.counters.routes_unproven += 1,
         }
         // Acknowledged anyway, so the target's writes are refused at once
         // (there is no route) instead of waiting out their deadline.
@@ -180,16 +185,21 @@ impl Core {
 }
 
 impl SourceRole {
-    /// Whether `target` may change its route at `now` under `budget`
-    /// (charging it if so). The remembered targets stay bounded: past
-    /// [`MAX_ROUTE_BUDGETS`] those whose budget has refilled (as good as
-    /// new) are forgotten, and while none has a new target is refused.
+    /// Whether `member` may change a route at `now` under its own budget
+    /// and the total one (`budgets`), charging both if so. The remembered
+    /// members stay bounded: past [`MAX_ROUTE_BUDGETS`] those whose budget
+    /// has refilled (as good as new) are forgotten, and while none has a
+    /// new member is refused.
     fn admit_route_change(
         &mut self,
         now: u64,
-        target: &ControlEndpoint,
-        budget: &RouteBudget,
+        member: &RouteMember,
+        (budget, total): (RouteBudget, RouteBudget),
     ) -> bool {
+        let Some(total_next) = total.admit(now, self.route_changes_total_due) else {
+            return false;
+        };
+        let target = member;
         let due = self.route_changes_due.get(target).copied();
         if due.is_none() && self.route_changes_due.len() >= MAX_ROUTE_BUDGETS {
             self.route_changes_due.retain(|_, due| *due > now);
@@ -200,9 +210,60 @@ impl SourceRole {
         match budget.admit(now, due) {
             Some(next) => {
                 self.route_changes_due.insert(target.clone(), next);
+                self.route_changes_total_due = Some(total_next);
                 true
             }
             None => false,
         }
+    }
+}
+
+/// Whom a route budget is charged to: the member key a session from
+/// `target` proved (its endpoint names it once the acceptor bound the claim
+/// to the handshake's key), or, for a session without one (no cluster
+/// secret, keyless peers allowed), the endpoint it claimed. Keyed by the
+/// key, one member pays one budget whatever names it claims; the total
+/// budget bounds what rotating keyless names buy.
+fn member_of(target: &ControlEndpoint) -> RouteMember {
+    match target.key() {
+        Some(key) => RouteMember::Key(*key),
+        None => RouteMember::Endpoint(target.clone()),
+    }
+}
+
+/// A route budget's owner ([`member_of`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(in crate::machine::peer) enum RouteMember {
+    /// A member by the static key its session proved.
+    Key(MemberKey),
+    /// A keyless session by the endpoint it claimed.
+    Endpoint(ControlEndpoint),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{RouteMember, member_of};
+    use kvcr_contracts::{ControlEndpoint, MemberKey};
+
+    /// One key pays one budget under every name it claims; keyless
+    /// sessions are told apart by the names they claim.
+    #[test]
+    fn a_member_is_its_key_whatever_name_it_claims() {
+        let key = MemberKey::from_bytes([7; 32]).unwrap();
+        let named = |port: u16, key: Option<MemberKey>| {
+            let endpoint = ControlEndpoint::parse(&format!("tcp://127.0.0.1:{port}")).unwrap();
+            endpoint.with_key(key)
+        };
+        assert_eq!(member_of(&named(1000, Some(key))), RouteMember::Key(key));
+        assert_eq!(
+            member_of(&named(1000, Some(key))),
+            member_of(&named(2000, Some(key)))
+        );
+        assert_ne!(member_of(&named(1000, None)), member_of(&named(2000, None)));
+        let other = MemberKey::from_bytes([8; 32]).unwrap();
+        assert_ne!(
+            member_of(&named(1000, Some(key))),
+            member_of(&named(1000, Some(other)))
+        );
     }
 }
