@@ -141,12 +141,21 @@ impl State {
     pub(super) fn answer_nonce(&mut self, message: &ActiveMessage) {
         let asked = NonceMessage::decode(message.header())
             .filter(|_| message.data().is_empty())
-            .filter(|asked| {
-                self.control
-                    .dialed_peer(&asked.endpoint)
-                    .is_some_and(|(_, answered)| answered == asked.source)
+            .and_then(|asked| {
+                // The source names itself with its member key; we may have
+                // dialed it by its address alone (keyless sources allowed),
+                // and then any key there is the one we accepted.
+                let keyless = asked.endpoint.with_key(None);
+                [asked.endpoint.clone(), keyless]
+                    .into_iter()
+                    .find(|dialed| {
+                        self.control
+                            .dialed_peer(dialed)
+                            .is_some_and(|(_, answered)| answered == asked.source)
+                    })
+                    .map(|dialed| (dialed, asked))
             });
-        let Some(asked) = asked else {
+        let Some((dialed, asked)) = asked else {
             self.control
                 .stats
                 .route_proofs_refused
@@ -163,7 +172,7 @@ impl State {
             },
             body: Body::RouteProof { nonce: asked.nonce },
         };
-        if self.control.send(&asked.endpoint, &proof).is_some() {
+        if self.control.send(&dialed, &proof).is_some() {
             self.control
                 .stats
                 .route_proofs_answered

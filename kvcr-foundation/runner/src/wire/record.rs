@@ -15,7 +15,7 @@
 //! label  := "kvcr-doorbell/1" (a slot: tail zero)
 //!         | "kvcr-write-message/1" (a message header: tail is its part)
 //! proof  := HMAC-SHA256(key, "kvcr-data-stream/1" | challenge | claim)
-//! owner  := HMAC-SHA256(key, "kvcr-route-owner/1" | source)
+//! owner  := HMAC-SHA256(key, "kvcr-route-owner/1" | source address, no ?key=)
 //! ```
 //!
 //! The owner tag is what a target writes into its own doorbell file, in the
@@ -185,17 +185,20 @@ impl RecordKey {
     }
 
     /// The tag saying this key's session is the doorbell file owner's
-    /// session to `source` (as the owner names it).
+    /// session to `source`. It names the source by its address alone: the
+    /// owner may have dialed it without its member key (keyless sources
+    /// allowed), and the key the tag is under is that session's already.
     pub(crate) fn owner_tag(&self, source: &ControlEndpoint) -> [u8; 32] {
         let mut tag = [0u8; 32];
-        tag.copy_from_slice(hmac::sign(&self.0, &owner_signed(source)).as_ref());
+        let signed = owner_signed(&source.with_key(None));
+        tag.copy_from_slice(hmac::sign(&self.0, &signed).as_ref());
         tag
     }
 
     /// Whether `tag` is [`RecordKey::owner_tag`] for `source` under this
     /// key (checked in constant time).
     pub(crate) fn verify_owner_tag(&self, source: &ControlEndpoint, tag: &[u8]) -> bool {
-        hmac::verify(&self.0, &owner_signed(source), tag).is_ok()
+        hmac::verify(&self.0, &owner_signed(&source.with_key(None)), tag).is_ok()
     }
 
     fn seal_labelled(

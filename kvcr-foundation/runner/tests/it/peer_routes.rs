@@ -12,6 +12,7 @@ use kvcr_contracts::protocol::{
     WriteOutcome,
 };
 use kvcr_contracts::{BlockKey, ControlEndpoint, Incarnation, RequestId};
+use kvcr_runner::StaticKey;
 use kvcr_runner::client::{ControlClient, Dialed};
 use rstest::rstest;
 
@@ -25,9 +26,11 @@ use crate::peer_trust::{
 /// The metadata `destination` sends a source (as a member learns it by
 /// being hinted as one): its worker address, regions, segments, doorbell.
 fn advert_of(destination: &Node) -> Body {
+    let key = StaticKey::generate().unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let member =
-        ControlEndpoint::parse(&format!("tcp://{}", listener.local_addr().unwrap())).unwrap();
+    let member = ControlEndpoint::parse(&format!("tcp://{}", listener.local_addr().unwrap()))
+        .unwrap()
+        .with_key(Some(key.public()));
     let request = RequestId("learn-advert".into());
     destination
         .runner
@@ -38,8 +41,8 @@ fn advert_of(destination: &Node) -> Body {
         let Dialed::Session(mut session) = ControlClient::accept(
             &listener,
             Some(SECRET),
-            member.clone(),
-            Incarnation::generate(),
+            (member.clone(), Incarnation::generate()),
+            &key,
             Duration::from_secs(10),
         )
         .unwrap() else {

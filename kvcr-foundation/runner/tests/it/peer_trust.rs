@@ -1327,7 +1327,10 @@ fn no_ucx_route_while_short_of_mappings(#[case] mapped: bool) {
         assert_eq!((counters.one_copy_routes, counters.routes_refused), (1, 0));
     } else {
         assert_nothing_restored(&target, &result);
-        assert_eq!((counters.ucx_routes, counters.routes_refused), (0, 1));
+        // Refused at least once: a target left unacknowledged re-sends its
+        // metadata on its tick, and each is refused while still short.
+        assert_eq!(counters.ucx_routes, 0);
+        assert!(counters.routes_refused >= 1, "{counters:?}");
     }
     source.runner.check_invariants().unwrap();
     target.runner.check_invariants().unwrap();
