@@ -224,11 +224,7 @@ pub fn peer_process(sock: BorrowedFd<'_>) -> io::Result<PeerProcess> {
         Some(pidfd) => pidfd,
         None => pidfd_open(pid)?,
     };
-    Ok(PeerProcess {
-        pid,
-        uid,
-        pidfd,
-    })
+    Ok(PeerProcess { pid, uid, pidfd })
 }
 
 /// `SO_PEERPIDFD`, `None` where the kernel does not know it.

@@ -63,10 +63,20 @@ pub(super) fn locate(path: &Path) -> Result<Located, G3Error> {
         .read(true)
         .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
         .open(&dir_path)
-        .map_err(|e| path_error(path, "its parent directory cannot be opened", e.raw_os_error()))?;
-    let meta = dir
-        .metadata()
-        .map_err(|e| path_error(path, "its parent directory cannot be examined", e.raw_os_error()))?;
+        .map_err(|e| {
+            path_error(
+                path,
+                "its parent directory cannot be opened",
+                e.raw_os_error(),
+            )
+        })?;
+    let meta = dir.metadata().map_err(|e| {
+        path_error(
+            path,
+            "its parent directory cannot be examined",
+            e.raw_os_error(),
+        )
+    })?;
     if let Some(why) = local_users::refusal_of(&meta) {
         return Err(G3Error::SharedDirectory {
             path: dir_path,
@@ -84,9 +94,8 @@ pub(super) fn locate(path: &Path) -> Result<Located, G3Error> {
 /// `true` when this call made it.
 fn open_file(path: &Path, at: &Located) -> Result<(File, bool), G3Error> {
     use std::os::fd::AsFd;
-    let opened = |create| {
-        kvcr_sys::direct_io::open_in_dir(at.dir.as_fd(), &at.name, libc::O_DIRECT, create)
-    };
+    let opened =
+        |create| kvcr_sys::direct_io::open_in_dir(at.dir.as_fd(), &at.name, libc::O_DIRECT, create);
     let result = match opened(Some(FILE_MODE)) {
         Ok(file) => Ok((file, true)),
         Err(e) if e.raw_os_error() == Some(libc::EEXIST) => opened(None).map(|f| (f, false)),
