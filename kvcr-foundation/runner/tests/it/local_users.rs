@@ -219,7 +219,7 @@ fn another_user_entry() {
             report("bound");
             std::thread::spawn(move || {
                 let (stream, _) = listener.accept().unwrap();
-                let served = serve_one_claim(&stream, |claim| own_memory(claim));
+                let served = serve_one_claim(&stream, own_memory);
                 report(if served { "claim served" } else { "no claim" });
             });
             // Nobody may ever connect (the runner refused the directory):
