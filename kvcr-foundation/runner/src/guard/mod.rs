@@ -115,7 +115,8 @@ pub enum GuardError {
     },
     /// The process serving the socket runs as another user (`SO_PEERCRED`):
     /// not this process's uid, not root. Nothing was sent to it.
-    #[error("guard socket {} is served by pid {pid} of uid {uid}, not by this user or root", path.display())]
+    #[error("guard socket {} is served by pid {pid} of uid {uid}, not this user or root",
+        path.display())]
     UntrustedGuard {
         /// The socket path.
         path: PathBuf,

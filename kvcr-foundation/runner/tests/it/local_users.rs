@@ -442,7 +442,8 @@ fn a_guard_socket_another_user_bound_is_refused(#[case] place: Where) {
         ),
         Where::MadePrivateAfter => {
             assert!(
-                matches!(&e, GuardError::UntrustedGuard { uid: NOBODY, path, .. } if *path == socket),
+                matches!(&e, GuardError::UntrustedGuard { uid, path, .. }
+                    if *path == socket && *uid == NOBODY),
                 "{e:?}"
             );
             // It connected, saw who serves, and closed without a word.
