@@ -28,7 +28,7 @@ use kvcr_runner::error::Error;
 use kvcr_runner::g3::G3Error;
 use kvcr_runner::guard::protocol::{self, ClaimMsg, GrantedMsg, Reply, Request};
 use kvcr_runner::guard::{self, GuardClaim, GuardError, Layout, PoolSpec};
-use kvcr_runner::{G3Options, Runner, RunnerConfig};
+use kvcr_runner::{G3Options, GuardOptions, PeerOptions, Runner, RunnerConfig};
 use kvcr_sys::{fd_passing, memfd};
 
 /// The other user: `nobody`.
@@ -218,9 +218,10 @@ fn another_user_entry() {
             std::fs::set_permissions(&args[0], std::fs::Permissions::from_mode(0o777)).unwrap();
             report("bound");
             std::thread::spawn(move || {
-                let (stream, _) = listener.accept().unwrap();
-                let served = serve_one_claim(&stream, own_memory);
-                report(if served { "claim served" } else { "no claim" });
+                for stream in listener.incoming() {
+                    let served = serve_one_claim(&stream.unwrap(), own_memory);
+                    report(if served { "claim served" } else { "no claim" });
+                }
             });
             // Nobody may ever connect (the runner refused the directory):
             // the test's end ends this process, accept or not.
@@ -417,8 +418,9 @@ fn a_g3_name_another_user_symlinked_is_never_followed(#[case] place: Where) {
 }
 
 /// Another user binds the guard's socket path first and serves claims with
-/// memory of its own: the client refuses before it sends anything, so the
-/// other user never sees a claim.
+/// memory of its own: the client refuses before it sends anything (the
+/// other user never sees a claim), and a runner told to use that guard
+/// fails its start.
 #[rstest::rstest]
 #[case::shared_sticky(Where::SharedSticky)]
 #[case::made_private_after(Where::MadePrivateAfter)]
@@ -447,6 +449,25 @@ fn a_guard_socket_another_user_bound_is_refused(#[case] place: Where) {
                 "{e:?}"
             );
             // It connected, saw who serves, and closed without a word.
+            other.expect("no claim");
+            // A runner under that "guard" fails its start at the claim, as
+            // for any guard failure.
+            let mut options = PeerOptions::loopback();
+            options.guard = Some(GuardOptions::new(&socket, 1, 0xfeed));
+            let config = RunnerConfig {
+                prefault: false,
+                ..RunnerConfig::single_pool("kv", BLOCK, 4)
+            };
+            match Runner::start_with_peers(config, None, &options).map(|_| ()) {
+                Err(Error::Startup { stage, cause, .. }) => {
+                    assert_eq!(stage, "claim guard");
+                    assert!(
+                        matches!(&*cause, Error::Guard(GuardError::UntrustedGuard { .. })),
+                        "{cause}"
+                    );
+                }
+                other => panic!("{other:?}"),
+            }
             other.expect("no claim");
         }
     }
