@@ -242,9 +242,9 @@ pub enum EvictionPolicy {
 /// | `kv_events_port` | 0 | base port of the KV-event sockets: DP rank `d` binds PUB at base + 2d and replay at base + 2d + 1 on `control_host` (0: ephemeral) |
 /// | `kv_events_worker_id` | 0 | the worker id in the KV-event topic (`kvcr.w{id}.dp{d}.{incarnation}`) |
 /// | `worker_type` | `"aggregated"` | `aggregated`, `prefill` or `decode`, for the router registration (`router_hint_worker_type`) |
-/// | `g3_paths` | none | directories for the G3 file tier under KVCR DRAM: each rank keeps one file per directory, `kvcr-g3-r{global rank offset}.bin` (put them on different devices to stripe) |
+/// | `g3_paths` | none | directories for the G3 file tier under KVCR DRAM (each of this user or root, writable by no other user): each rank keeps one file per directory, `kvcr-g3-r{global rank offset}.bin` (put them on different devices to stripe) |
 /// | `g3_capacity_bytes` | none | bytes of each G3 file; required with `g3_paths` (a multiple of the page span, itself a multiple of the files' direct-I/O alignment) |
-/// | `guard_socket` | none | the Unix socket of a `kvcr-guard`: KVCR DRAM, its residency journal and the control listener live in the guard (group: the rank's global offset) and a restarted engine takes its pages back warm; needs `enable_remote_hint` |
+/// | `guard_socket` | none | the Unix socket of a `kvcr-guard` (in a directory of this user or root that no other user may write): KVCR DRAM, its residency journal and the control listener live in the guard (group: the rank's global offset) and a restarted engine takes its pages back warm; needs `enable_remote_hint` |
 /// | `guard_journal_bytes` | 67108864 | bytes of each rank's residency journal (with `guard_socket`; half of it must hold a snapshot of every page, or warm recovery is disabled when it overflows) |
 /// | `inventory_heartbeat_ms` | 1000 | a quiet KV-event stream sends an empty batch this often, so a late subscriber notices its gap and replays (10..=60000) |
 /// | `prefault` | true | touch KVCR DRAM at startup |

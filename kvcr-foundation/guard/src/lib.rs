@@ -25,7 +25,8 @@
 //! frames of at most [`protocol::MAX_FRAME`](kvcr_runner::guard::protocol::MAX_FRAME)
 //! bytes. Granted connections are bounded by the groups (one lease each).
 //! Only processes of the guard's own uid (or root) are served; the socket
-//! file is mode 0600. The guard never reads or writes the pools.
+//! file is mode 0600, in a directory no other user owns or may write. The
+//! guard never reads or writes the pools.
 //!
 //! No unsafe here: the system calls (`SCM_RIGHTS`, peer credentials,
 //! pidfds, memfds) are `kvcr_sys`'s.

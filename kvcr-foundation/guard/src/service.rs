@@ -52,10 +52,11 @@ impl GuardService {
         Self::start_with(socket, GuardConfig::default())
     }
 
-    /// Serves `socket`: refuses when a guard answers there, removes a stale
-    /// socket file (never a file that is not a socket), binds it with mode
-    /// 0600 and runs the service on a thread of its own until the handle
-    /// is dropped.
+    /// Serves `socket`: refuses a directory another user owns or may write
+    /// ([`GuardError::SharedDirectory`]) and a socket a guard answers at,
+    /// removes a stale socket file (never a file that is not a socket),
+    /// binds it with mode 0600 and runs the service on a thread of its own
+    /// until the handle is dropped.
     pub fn start_with(socket: &Path, config: GuardConfig) -> Result<GuardHandle, GuardError> {
         let listener = bind(socket)?;
         let inode = std::fs::symlink_metadata(socket)
@@ -144,9 +145,11 @@ impl Drop for Unlink {
     }
 }
 
-/// Binds the socket: refused when something answers there; a stale socket
-/// file is removed first; mode 0600.
+/// Binds the socket: refused in a directory another user owns or may write
+/// (`kvcr_runner::guard::check_socket_directory`), or when something
+/// answers there; a stale socket file is removed first; mode 0600.
 fn bind(path: &Path) -> Result<std::os::unix::net::UnixListener, GuardError> {
+    kvcr_runner::guard::check_socket_directory(path)?;
     let socket_error = |why, e: io::Error| GuardError::Socket {
         path: path.to_path_buf(),
         why,

@@ -52,6 +52,25 @@ fn refusal(result: Result<(GuardLease, GuardGrant), GuardError>) -> Refusal {
     }
 }
 
+/// A guard never binds in a directory others may write (sticky or not):
+/// another user could have bound the path first, or replace the socket.
+#[test]
+fn a_shared_socket_directory_is_refused() {
+    let dir = Scratch::new();
+    for mode in [0o1777, 0o777, 0o775] {
+        std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(mode)).unwrap();
+        match GuardService::start_with(&dir.socket(), quiet()) {
+            Err(GuardError::SharedDirectory { path, .. }) => {
+                assert_eq!(path, std::fs::canonicalize(&dir.0).unwrap(), "{mode:#o}");
+            }
+            other => panic!("{mode:#o}: {:?}", other.map(|g| g.socket_path().to_owned())),
+        }
+        assert!(!dir.socket().exists(), "{mode:#o}: nothing was bound");
+    }
+    std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let _guard = GuardService::start_with(&dir.socket(), quiet()).unwrap();
+}
+
 #[test]
 fn a_claim_is_granted_the_groups_memory_and_listener() {
     let dir = Scratch::new();

@@ -36,6 +36,7 @@ pub mod error;
 mod facets;
 pub mod g3;
 pub mod guard;
+mod local_users;
 mod net;
 mod peer;
 /// The one module with `unsafe`: where an engine hands the runner raw

@@ -1,11 +1,15 @@
-//! Direct I/O: the system calls of the file tier (`flock`, `statx` for
-//! `STATX_DIOALIGN`), the `pread`/`pwrite` loop that moves one slot between
-//! memory and its file, and [`DirectBuf`], an owned aligned buffer.
+//! Direct I/O: the system calls of the file tier (`openat` of one name in
+//! an open directory, `flock`, `statx` for `STATX_DIOALIGN`), the
+//! `pread`/`pwrite` loop that moves one slot between memory and its file,
+//! and [`DirectBuf`], an owned aligned buffer.
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::ffi::{CString, OsStr};
 use std::fs::File;
+use std::io;
 use std::ops::{Deref, DerefMut};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd};
+use std::os::unix::ffi::OsStrExt;
 use std::ptr::NonNull;
 
 /// Which way a slot moves.
@@ -22,6 +26,55 @@ pub fn last_errno() -> i32 {
     std::io::Error::last_os_error()
         .raw_os_error()
         .unwrap_or(libc::EIO)
+}
+
+/// Opens `name`, one entry of the open directory `dir`, read-write:
+/// `openat(dir, name, O_RDWR | O_CLOEXEC | O_NOFOLLOW | extra_flags)`, and
+/// with `create_mode` also `O_CREAT | O_EXCL` (mode `create_mode`, less the
+/// umask), so the call either makes a new file or fails with `EEXIST`.
+///
+/// The name is looked up in `dir` itself (not by a path that could be
+/// re-pointed between a check and the open), and a symlink there is never
+/// followed (`ELOOP`). A name that is empty, `.`, `..`, or holds a `/` or a
+/// NUL is refused (`InvalidInput`) without a call.
+pub fn open_in_dir(
+    dir: BorrowedFd<'_>,
+    name: &OsStr,
+    extra_flags: libc::c_int,
+    create_mode: Option<u32>,
+) -> io::Result<File> {
+    let bytes = name.as_bytes();
+    if bytes.is_empty() || bytes == b"." || bytes == b".." || bytes.contains(&b'/') {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "not a single file name",
+        ));
+    }
+    let name = CString::new(bytes)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL in the name"))?;
+    let mut flags = libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOFOLLOW | extra_flags;
+    let mode = match create_mode {
+        Some(mode) => {
+            flags |= libc::O_CREAT | libc::O_EXCL;
+            mode
+        }
+        None => 0,
+    };
+    loop {
+        // SAFETY: `dir` is an open descriptor borrowed for the call; `name`
+        // is a NUL-terminated string alive for the call; the mode is passed
+        // by value (read only with O_CREAT).
+        let fd = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags, mode) };
+        if fd >= 0 {
+            // SAFETY: the kernel just installed `fd` for this call alone;
+            // nothing else owns it.
+            return Ok(unsafe { File::from_raw_fd(fd) });
+        }
+        let error = io::Error::last_os_error();
+        if error.kind() != io::ErrorKind::Interrupted {
+            return Err(error);
+        }
+    }
 }
 
 /// Takes `flock(LOCK_EX | LOCK_NB)` on `file`'s open file description.

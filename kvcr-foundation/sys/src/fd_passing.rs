@@ -10,6 +10,8 @@
 //!   6.5 from `SO_PEERCRED`'s pid and `pidfd_open`, where a peer that died
 //!   and whose pid was reused in between would be mistaken for the new
 //!   process (its lease would then end only when that process exits).
+//! * [`peer_credentials`]: the pid and uid alone (`SO_PEERCRED`), for a
+//!   client that checks who serves the socket it connected to.
 //! * [`has_exited`]: a pidfd polled without waiting; [`watch_exit`]: a
 //!   pidfd registered with the tokio reactor (epoll), readable on exit.
 //!
@@ -183,9 +185,10 @@ pub struct PeerProcess {
     pub pidfd: OwnedFd,
 }
 
-/// Who connected: `SO_PEERCRED` for the pid and uid, and a pidfd from
-/// `SO_PEERPIDFD`, or from `pidfd_open` where the kernel lacks it.
-pub fn peer_process(sock: BorrowedFd<'_>) -> io::Result<PeerProcess> {
+/// The pid and effective uid of the process at the other end of a connected
+/// Unix socket, as `SO_PEERCRED` recorded them when the socket was
+/// connected (or, for a listener's peer, when it called `listen`).
+pub fn peer_credentials(sock: BorrowedFd<'_>) -> io::Result<(u32, u32)> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: 0,
@@ -210,15 +213,18 @@ pub fn peer_process(sock: BorrowedFd<'_>) -> io::Result<PeerProcess> {
         .ok()
         .filter(|pid| *pid > 0 && len as usize == size_of::<libc::ucred>())
         .ok_or_else(|| io::Error::other("the peer's pid is not visible here"))?;
+    Ok((pid, cred.uid))
+}
+
+/// Who connected: `SO_PEERCRED` for the pid and uid, and a pidfd from
+/// `SO_PEERPIDFD`, or from `pidfd_open` where the kernel lacks it.
+pub fn peer_process(sock: BorrowedFd<'_>) -> io::Result<PeerProcess> {
+    let (pid, uid) = peer_credentials(sock)?;
     let pidfd = match peer_pidfd(sock)? {
         Some(pidfd) => pidfd,
         None => pidfd_open(pid)?,
     };
-    Ok(PeerProcess {
-        pid,
-        uid: cred.uid,
-        pidfd,
-    })
+    Ok(PeerProcess { pid, uid, pidfd })
 }
 
 /// `SO_PEERPIDFD`, `None` where the kernel does not know it.

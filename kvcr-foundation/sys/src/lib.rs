@@ -16,7 +16,7 @@
 //! | [`digest`] | page digests (xxh3-64) over registered memory, taken and checked through the registry |
 //! | [`owned`] | owned memory held by the registry and a UCX registration at once |
 //! | `vectored` (private, behind `MemoryRegistry`) | `readv`/`writev` between a socket and spans of memory |
-//! | [`direct_io`] | `flock`, `statx`, slot `pread`/`pwrite`, [`DirectBuf`](direct_io::DirectBuf) |
+//! | [`direct_io`] | `openat`, `flock`, `statx`, slot `pread`/`pwrite`, [`DirectBuf`](direct_io::DirectBuf) |
 //! | [`fd_passing`] | `SCM_RIGHTS`, peer credentials, pidfds |
 //! | [`thread`] | per-thread knobs: timer slack, priority |
 //! | [`process`] | another process's memory (`process_vm_readv`), clock ticks, the raw monotonic clock |

@@ -50,8 +50,8 @@ pub enum G3Error {
         why: &'static str,
     },
     /// A configured path cannot be used: its parent directory does not
-    /// resolve, it is not a regular file (a directory, a FIFO, a device, a
-    /// dangling symlink), or opening it failed (`errno`; `EINVAL` from the
+    /// resolve, it is not a regular file (a directory, a FIFO, a device), it
+    /// is a symlink (never followed: `ELOOP`), or opening it failed (`errno`; `EINVAL` from the
     /// open means the filesystem refuses `O_DIRECT`).
     #[error("g3 path {}: {why}{}", path.display(), Errno(*errno))]
     Path {
@@ -62,8 +62,8 @@ pub enum G3Error {
         /// The OS error, when a call failed.
         errno: Option<i32>,
     },
-    /// Two configured paths name the same file (after resolving symlinks, or
-    /// by device and inode).
+    /// Two configured paths name the same file (after resolving their
+    /// directories' symlinks, or by device and inode).
     #[error("g3 path {} is the same file as {}", path.display(), same_as.display())]
     Duplicate {
         /// The later path, as configured.
@@ -87,6 +87,35 @@ pub enum G3Error {
         path: PathBuf,
         /// Its link count.
         links: u64,
+    },
+    /// The directory that holds a configured file is not the runner's
+    /// alone: owned by another user, or writable by group or others
+    /// (sticky or not; the rule is `local_users`'s, in the module docs).
+    #[error("g3 directory {}: {why}", path.display())]
+    SharedDirectory {
+        /// The directory (resolved).
+        path: PathBuf,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// A configured file existed before the store opened it and is another
+    /// user's: the runner never reads or writes pages through a file someone
+    /// else owns (they could read and rewrite them).
+    #[error("g3 file {} belongs to uid {owner}, not to this process", path.display())]
+    NotOwned {
+        /// The path, as configured.
+        path: PathBuf,
+        /// The file's owner (`st_uid`).
+        owner: u32,
+    },
+    /// A configured file existed before the store opened it and its group
+    /// or others may read or write it (`st_mode & 0o077`).
+    #[error("g3 file {} has mode {mode:#o}: others may read or write it", path.display())]
+    Exposed {
+        /// The path, as configured.
+        path: PathBuf,
+        /// Its permission bits.
+        mode: u32,
     },
     /// The slot size is not a multiple of a file's direct-I/O offset
     /// alignment.

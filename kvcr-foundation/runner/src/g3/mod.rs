@@ -24,11 +24,17 @@
 //!
 //! # Opening
 //! [`G3Store::open`] refuses, with the path named: an empty path list; a path
-//! whose parent directory does not resolve; two paths that are one file
-//! (after resolving symlinks: the parent directory is canonicalised and a
-//! final symlink followed; then by device and inode); anything but a regular
-//! file (a missing file is created, mode 0600); a file with more than one
-//! hard link; a file another open file description has locked
+//! whose parent directory does not resolve; a directory another user owns
+//! or may write ([`G3Error::SharedDirectory`]: group or other write
+//! permission, sticky or not; the rule and why are in `local_users`); two
+//! paths that are one file (the directory is canonicalised, the file's own
+//! name never is; then by device and inode); a symlink as the file's own
+//! name (opened `O_NOFOLLOW` in the checked directory's descriptor: `ELOOP`);
+//! anything but a regular file (a missing file is created `O_EXCL`, mode
+//! 0600); a file that existed and is another user's
+//! ([`G3Error::NotOwned`]) or that group or others may read or write
+//! ([`G3Error::Exposed`]), both read on the opened descriptor; a file with
+//! more than one hard link; a file another open file description has locked
 //! (`flock(LOCK_EX | LOCK_NB)`, so a second store, in this process or another,
 //! is refused with [`G3Error::Locked`]); a filesystem that refuses
 //! `O_DIRECT`; a slot size that is zero or not a multiple of a file's
@@ -102,17 +108,19 @@
 mod direct_io;
 pub(crate) mod driver;
 mod error;
+mod open;
 mod pool;
 #[cfg(test)]
 mod tests;
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::fs::File;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use self::direct_io::DirectBuf;
 pub use self::error::{G3Error, G3Gone, G3Op};
+use self::open::path_error;
 use self::pool::WorkerPool;
 
 /// The alignment assumed where the kernel does not report one.
@@ -235,7 +243,8 @@ pub enum G3SliceIo<'a> {
 struct G3File {
     /// As configured (named in errors).
     path: PathBuf,
-    /// Resolved (compared for duplicates, re-`stat`ed by `check`).
+    /// Its directory resolved, its own name as given (compared for
+    /// duplicates, re-`stat`ed by `check`).
     canonical: PathBuf,
     dev: u64,
     ino: u64,
@@ -353,128 +362,6 @@ impl std::fmt::Debug for G3Store {
     }
 }
 
-fn path_error(path: &Path, why: &'static str, errno: Option<i32>) -> G3Error {
-    G3Error::Path {
-        path: path.to_owned(),
-        why,
-        errno,
-    }
-}
-
-/// The path with its parent directory canonicalised and a final symlink
-/// followed (the file itself may not exist yet).
-fn resolve(path: &Path) -> Result<PathBuf, G3Error> {
-    let name = path
-        .file_name()
-        .ok_or_else(|| path_error(path, "names no file", None))?;
-    let parent = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    let dir = std::fs::canonicalize(parent).map_err(|e| {
-        path_error(
-            path,
-            "its parent directory does not resolve",
-            e.raw_os_error(),
-        )
-    })?;
-    let full = dir.join(name);
-    match std::fs::symlink_metadata(&full) {
-        Ok(meta) if meta.file_type().is_symlink() => std::fs::canonicalize(&full)
-            .map_err(|e| path_error(path, "is a symlink that does not resolve", e.raw_os_error())),
-        Ok(_) => Ok(full),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(full),
-        Err(e) => Err(path_error(path, "cannot be examined", e.raw_os_error())),
-    }
-}
-
-/// Opens, checks and locks one file; its memory and offset alignments.
-fn open_one(
-    path: &Path,
-    canonical: &Path,
-    earlier: &[G3File],
-) -> Result<(G3File, (u64, u64)), G3Error> {
-    match std::fs::symlink_metadata(canonical) {
-        Ok(meta) if !meta.file_type().is_file() => {
-            return Err(path_error(path, "is not a regular file", None));
-        }
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(path_error(path, "cannot be examined", e.raw_os_error())),
-    }
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .mode(0o600)
-        // O_NOFOLLOW: `canonical` has no symlink left; one appearing now is
-        // refused rather than followed.
-        .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC | libc::O_NOFOLLOW)
-        .open(canonical)
-        .map_err(|e| {
-            let errno = e.raw_os_error();
-            let why = match errno {
-                Some(libc::EISDIR) => "is not a regular file",
-                Some(libc::EINVAL) => "its filesystem refuses O_DIRECT",
-                Some(libc::ELOOP) => "became a symlink while opening",
-                _ => "cannot be opened",
-            };
-            path_error(path, why, errno)
-        })?;
-    let meta = file
-        .metadata()
-        .map_err(|e| path_error(path, "cannot be examined", e.raw_os_error()))?;
-    if !meta.file_type().is_file() {
-        return Err(path_error(path, "is not a regular file", None));
-    }
-    if let Some(first) = earlier
-        .iter()
-        .find(|f| f.dev == meta.dev() && f.ino == meta.ino())
-    {
-        return Err(G3Error::Duplicate {
-            path: path.to_owned(),
-            same_as: first.path.clone(),
-        });
-    }
-    if meta.nlink() > 1 {
-        return Err(G3Error::HardLink {
-            path: path.to_owned(),
-            links: meta.nlink(),
-        });
-    }
-    match direct_io::lock_exclusive(&file) {
-        Ok(true) => {}
-        Ok(false) => {
-            return Err(G3Error::Locked {
-                path: path.to_owned(),
-            });
-        }
-        Err(errno) => return Err(path_error(path, "cannot be locked", Some(errno))),
-    }
-    let align = match direct_io::dio_alignment(&file) {
-        Ok(Some((0, _) | (_, 0))) => {
-            return Err(path_error(
-                path,
-                "its filesystem reports no direct-I/O support",
-                None,
-            ));
-        }
-        Ok(Some((mem, offset))) => (u64::from(mem), u64::from(offset)),
-        Ok(None) => (DEFAULT_DIO_ALIGN, DEFAULT_DIO_ALIGN),
-        Err(errno) => return Err(path_error(path, "cannot be examined", Some(errno))),
-    };
-    Ok((
-        G3File {
-            path: path.to_owned(),
-            canonical: canonical.to_owned(),
-            dev: meta.dev(),
-            ino: meta.ino(),
-            file,
-        },
-        align,
-    ))
-}
-
 impl G3Store {
     /// Opens the tier with default tuning ([`G3Tuning::default`]); see the
     /// module docs for every refusal.
@@ -518,14 +405,14 @@ impl G3Store {
         let mut files: Vec<G3File> = Vec::with_capacity(options.paths.len());
         let (mut mem_align, mut offset_align) = (1u64, 1u64);
         for path in &options.paths {
-            let canonical = resolve(path)?;
-            if let Some(first) = files.iter().find(|f| f.canonical == canonical) {
+            let located = open::locate(path)?;
+            if let Some(first) = files.iter().find(|f| f.canonical == located.canonical) {
                 return Err(G3Error::Duplicate {
                     path: path.clone(),
                     same_as: first.path.clone(),
                 });
             }
-            let (file, (mem, offset)) = open_one(path, &canonical, &files)?;
+            let (file, (mem, offset)) = open::open_one(path, &located, &files)?;
             if !slot_bytes.is_multiple_of(offset) {
                 return Err(G3Error::Alignment {
                     path: path.clone(),

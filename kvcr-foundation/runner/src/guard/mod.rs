@@ -47,6 +47,7 @@ use std::fs::File;
 use std::io;
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -102,6 +103,38 @@ pub enum GuardError {
     InvalidClaim {
         /// Why.
         why: &'static str,
+    },
+    /// The directory that holds the guard's socket is not this user's
+    /// alone: owned by another user, or writable by group or others (sticky
+    /// or not), so another user could have bound the path first.
+    #[error("guard socket directory {}: {why}", path.display())]
+    SharedDirectory {
+        /// The directory (resolved).
+        path: PathBuf,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// The process serving the socket runs as another user (`SO_PEERCRED`):
+    /// not this process's uid, not root. Nothing was sent to it.
+    #[error("guard socket {} is served by pid {pid} of uid {uid}, not this user or root",
+        path.display())]
+    UntrustedGuard {
+        /// The socket path.
+        path: PathBuf,
+        /// The serving process.
+        pid: u32,
+        /// Its effective uid.
+        uid: u32,
+    },
+    /// A descriptor of a grant belongs to another user (`fstat`'s
+    /// `st_uid`: not this process's uid, not root), so someone else could
+    /// read or write that memory; every descriptor received was closed.
+    #[error("guard grant: the {what} belongs to uid {owner}, not to this user or root")]
+    ForeignDescriptor {
+        /// Which descriptor.
+        what: String,
+        /// Its owner.
+        owner: u32,
     },
     /// A guard already answers at the socket path.
     #[error("a guard already serves {}", path.display())]
@@ -240,6 +273,12 @@ impl AsFd for GuardLease {
 /// Claims `claim.group` from the guard at `socket`, waiting at most
 /// `timeout` in all for the grant.
 ///
+/// Before anything is sent: the socket's directory must pass the directory
+/// rule ([`check_socket_directory`]) and the process serving it must run as
+/// this user or root (`SO_PEERCRED`: [`GuardError::UntrustedGuard`]). Every
+/// descriptor handed over must be owned by this user or root
+/// ([`GuardError::ForeignDescriptor`]).
+///
 /// The grant is checked against the claim before it is returned: its group
 /// and layout, one descriptor per pool plus the journal and the listener,
 /// each memfd a regular file of its size, each token 32 hex digits, the
@@ -267,7 +306,9 @@ pub fn claim(
     .ok_or(GuardError::InvalidClaim {
         why: "claim over the frame limit",
     })?;
+    check_socket_directory(socket)?;
     let stream = UnixStream::connect(socket).map_err(GuardError::os("connect"))?;
+    check_server(socket, &stream)?;
     let mut io = FrameIo::new(&stream, timeout);
     io.send(&frame)?;
     let (reply, fds) = io.receive()?;
@@ -283,6 +324,63 @@ pub fn claim(
         },
         grant,
     ))
+}
+
+/// Refuses a guard socket whose directory another user owns or may write
+/// (the directory rule of `local_users`: group or other write permission
+/// refuses it, sticky or not). The guard checks where it binds, and a
+/// client where it connects.
+pub fn check_socket_directory(socket: &Path) -> Result<(), GuardError> {
+    let socket_error = |why, e: io::Error| GuardError::Socket {
+        path: socket.to_path_buf(),
+        why,
+        errno: e.raw_os_error(),
+    };
+    let parent = match socket.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let dir = std::fs::canonicalize(parent)
+        .map_err(|e| socket_error("its directory does not resolve", e))?;
+    let meta =
+        std::fs::metadata(&dir).map_err(|e| socket_error("its directory cannot be examined", e))?;
+    match crate::local_users::refusal_of(&meta) {
+        Some(why) => Err(GuardError::SharedDirectory { path: dir, why }),
+        None => Ok(()),
+    }
+}
+
+/// Refuses a guard served by another user: whoever bound the path first
+/// would get the claim and hand over memory it can read and write.
+fn check_server(socket: &Path, stream: &UnixStream) -> Result<(), GuardError> {
+    let (pid, uid) = kvcr_sys::fd_passing::peer_credentials(stream.as_fd())
+        .map_err(GuardError::os("getsockopt(SO_PEERCRED)"))?;
+    if crate::local_users::trusted_uid(uid) {
+        Ok(())
+    } else {
+        Err(GuardError::UntrustedGuard {
+            path: socket.to_path_buf(),
+            pid,
+            uid,
+        })
+    }
+}
+
+/// Refuses a granted descriptor another user owns (`fstat`).
+fn check_owner(what: &str, fd: OwnedFd) -> Result<OwnedFd, GuardError> {
+    let file = File::from(fd);
+    let owner = file
+        .metadata()
+        .map_err(|_| GuardError::bad_grant(format!("the {what} cannot be examined")))?
+        .uid();
+    if crate::local_users::trusted_uid(owner) {
+        Ok(OwnedFd::from(file))
+    } else {
+        Err(GuardError::ForeignDescriptor {
+            what: what.to_owned(),
+            owner,
+        })
+    }
 }
 
 /// Blocking frame I/O under one deadline.
@@ -466,10 +564,11 @@ fn check_grant(
 
     let mut fds = fds.into_iter();
     let mut next_file = |what: &str, len: u64| {
-        let file = File::from(
+        let file = File::from(check_owner(
+            what,
             fds.next()
                 .ok_or_else(|| GuardError::bad_grant("descriptors ran out"))?,
-        );
+        )?);
         let ok = file.metadata().is_ok_and(|m| m.is_file() && m.len() == len);
         if ok {
             Ok(file)
@@ -487,10 +586,11 @@ fn check_grant(
             .ok_or_else(|| GuardError::bad_grant(format!("pool {i}'s size overflows")))?;
         files.push((next_file(&format!("pool {i}"), len)?, token));
     }
-    let listener = TcpListener::from(
+    let listener = TcpListener::from(check_owner(
+        "listener",
         fds.next()
             .ok_or_else(|| GuardError::bad_grant("descriptors ran out"))?,
-    );
+    )?);
     match listener.local_addr() {
         Ok(bound) if bound == control => {}
         Ok(bound) => {

@@ -14,6 +14,7 @@
 
 mod device;
 mod g3_tier;
+mod local_users;
 mod nodes;
 mod peer;
 mod peer_admission;
