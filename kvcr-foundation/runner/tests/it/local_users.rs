@@ -68,8 +68,10 @@ struct Scratch(PathBuf);
 
 impl Scratch {
     fn new(name: &str) -> Self {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("local-users-{name}-{}", std::process::id()));
+        // Under the system's temporary folder, not the target folder: the
+        // checkout may sit where uid 65534 cannot reach (`/root`, 0700).
+        let dir =
+            std::env::temp_dir().join(format!("kvcr-local-users-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         for (sub, mode) in [("", 0o755), ("shared", 0o1777), ("private", 0o700)] {
             let path = dir.join(sub);
@@ -102,6 +104,34 @@ impl Drop for Scratch {
     }
 }
 
+/// A copy of this test binary the other user can run: the checkout (and
+/// its target folder) may sit where uid 65534 cannot reach, so it is copied
+/// once into a 0755 folder under the system's temporary folder (removed by
+/// the next run once this process is gone).
+fn reachable_exe() -> PathBuf {
+    static EXE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    EXE.get_or_init(|| {
+        // Earlier runs' copies, their process gone, are removed first.
+        for entry in std::fs::read_dir(std::env::temp_dir()).unwrap().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if let Some(pid) = name.strip_prefix("kvcr-other-user-")
+                && !Path::new("/proc").join(pid).exists()
+            {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+        let dir = std::env::temp_dir().join(format!("kvcr-other-user-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let exe = dir.join("it");
+        std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        exe
+    })
+    .clone()
+}
+
 /// The other user, running `part` with `args`; its stdout is piped.
 struct OtherUser {
     child: Child,
@@ -110,8 +140,7 @@ struct OtherUser {
 
 impl OtherUser {
     fn start(part: &str, args: &[&Path]) -> Self {
-        let exe = std::env::current_exe().unwrap();
-        let mut cmd = Command::new(exe);
+        let mut cmd = Command::new(reachable_exe());
         cmd.args([
             "--exact",
             "local_users::another_user_entry",
@@ -291,6 +320,7 @@ fn serve_one_claim(
         warm: false,
         previous_incarnation: None,
         dead_incarnations: vec![],
+        member_key: protocol::MemberKeyHex("11".repeat(32)),
     });
     let frame = protocol::encode(&reply).unwrap();
     let borrowed: Vec<_> = fds.iter().map(AsFd::as_fd).collect();
