@@ -27,13 +27,13 @@ use self::support::{serial, wait_for, wait_until};
 
 // The lock and the waits, one copy for the crate group's test binaries.
 #[path = "../../../test-support/serial.rs"]
-mod support;
+pub(super) mod support;
 
 // ----- helpers -----
 
 /// Socket tests share the process's file descriptors; the leak test counts
 /// them, so socket tests run one at a time (with the other heavy tests).
-fn sockets_lock() -> MutexGuard<'static, ()> {
+pub(super) fn sockets_lock() -> MutexGuard<'static, ()> {
     serial()
 }
 
@@ -41,7 +41,7 @@ fn inc(n: u128) -> Incarnation {
     Incarnation::from_raw(n).unwrap()
 }
 
-fn scope(owner: Owner, ns: u64, medium: Medium) -> InventoryScope {
+pub(super) fn scope(owner: Owner, ns: u64, medium: Medium) -> InventoryScope {
     InventoryScope {
         owner,
         namespace: NamespaceId(ns),
@@ -49,7 +49,7 @@ fn scope(owner: Owner, ns: u64, medium: Medium) -> InventoryScope {
     }
 }
 
-fn stored(
+pub(super) fn stored(
     scope: InventoryScope,
     keys: &[u64],
     parent: Option<u64>,
@@ -80,7 +80,7 @@ fn loopback0() -> BindAddress {
     BindAddress::parse("tcp://127.0.0.1:0").unwrap()
 }
 
-fn config(worker: u64) -> PublisherConfig {
+pub(super) fn config(worker: u64) -> PublisherConfig {
     PublisherConfig::new(
         TopicParts {
             worker_id: worker,
@@ -92,7 +92,7 @@ fn config(worker: u64) -> PublisherConfig {
     .with_replay(loopback0())
 }
 
-fn dial(addr: &BindAddress) -> String {
+pub(super) fn dial(addr: &BindAddress) -> String {
     addr.to_string()
 }
 
@@ -334,7 +334,7 @@ fn wire_event_with_every_optional_field_decodes_strictly() {
 
 // ----- live sockets -----
 
-fn sub(ep: &str) -> (zmq::Context, zmq::Socket) {
+pub(super) fn sub(ep: &str) -> (zmq::Context, zmq::Socket) {
     let ctx = zmq::Context::new();
     let s = ctx.socket(zmq::SUB).unwrap();
     s.set_subscribe(b"").unwrap();
@@ -345,7 +345,11 @@ fn sub(ep: &str) -> (zmq::Context, zmq::Socket) {
 
 /// Publishes fresh single-block stores until the subscriber receives one
 /// (the PUB/SUB slow-joiner handshake, waited on explicitly).
-fn until_received(sink: &mut PublisherSink, s: &zmq::Socket, next_key: &mut u64) -> Vec<Vec<u8>> {
+pub(super) fn until_received(
+    sink: &mut PublisherSink,
+    s: &zmq::Socket,
+    next_key: &mut u64,
+) -> Vec<Vec<u8>> {
     let mut got = None;
     wait_until("the first live batch", Duration::from_secs(10), || {
         *next_key += 1;
