@@ -454,10 +454,12 @@ fn send_replay(router: &zmq::Socket, identity: &[u8], outgoing: Outgoing<'_>) ->
             router.send_multipart(frames, zmq::DONTWAIT)
         }
     };
+    // `ROUTER_MANDATORY`: a departed peer is EHOSTUNREACH, a full one EAGAIN;
+    // anything else is tried again on a later turn.
     let outcome = |r: zmq::Result<()>| match r {
         Ok(()) => Some(Sent::Accepted),
-        Err(zmq::Error::EAGAIN) => None,
-        Err(_) => Some(Sent::Gone),
+        Err(zmq::Error::EHOSTUNREACH) => Some(Sent::Gone),
+        Err(_) => None,
     };
     if let Some(sent) = outcome(attempt()) {
         return sent;

@@ -28,6 +28,10 @@ use crate::replay::ReplayBuffer;
 /// The replay ROUTER's send high-water mark, in messages per peer.
 pub(crate) const PEER_SEND_HWM: i32 = 1;
 
+// A `Charge` covers the high-water mark plus the message ZMQ's I/O thread is
+// writing: two messages.
+const _: () = assert!(PEER_SEND_HWM == 1);
+
 /// Messages sent to one peer per pump before the next peer's turn.
 const BURST: usize = 256;
 

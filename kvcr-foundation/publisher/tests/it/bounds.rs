@@ -7,10 +7,15 @@
 use std::time::Duration;
 
 use kvcr_contracts::{BindAddress, InventorySink, Medium, Owner};
-use kvcr_publisher::{BindScope, Publisher, PublisherConfig, PublisherReason, PublisherStats};
+use kvcr_publisher::{
+    BindScope, OwnershipWire, Publisher, PublisherConfig, PublisherReason, PublisherStats,
+};
 
 use super::publisher::support::wait_until;
-use super::publisher::{config, dial, scope, sockets_lock, stored, sub, until_received};
+use super::publisher::{
+    BS, config, dial, private_netns, query, real_client, register, scope, sockets_lock,
+    start_indexer, stored, sub, tier, until_received,
+};
 
 /// Batches in the replay buffer (one store each, about 5 KiB).
 const BATCHES: u64 = 1500;
@@ -279,4 +284,58 @@ fn binding_beyond_loopback_needs_an_explicit_scope() {
     let p = Publisher::start(wide).unwrap();
     assert!(p.bound().replay_bound.as_ref().unwrap().is_wildcard());
     p.close().unwrap();
+}
+
+/// Dynamo's standalone indexer, registered late beside 64 silent DEALERs
+/// that asked for the whole buffer, replays its gap through the same
+/// socket and answers exactly what was published.
+#[test]
+fn dynamo_indexer_converges_beside_silent_replay_peers() {
+    let _g = sockets_lock();
+    let Some(py) = real_client("KVCR_TEST_DYNAMO", "import dynamo.llm") else {
+        return;
+    };
+    if !private_netns(std::env::var("KVCR_TEST_DYNAMO").is_ok_and(|v| v == "1")) {
+        return;
+    }
+    let ix = start_indexer(&py, 18092, "indexer-bounds");
+    let mut cfg = config(45);
+    cfg.ownership = OwnershipWire::Stream;
+    cfg.heartbeat = Some(Duration::from_millis(20));
+    // The filler batches' block size is not the indexer's: it decodes and
+    // skips them, so its replay carries the whole buffer.
+    let publisher = filled(cfg);
+    let tokens: Vec<u32> = (1..=16).collect();
+    let cpu = scope(Owner::Kvcr, 1, Medium::CpuPinned);
+    publisher.sink().publish(&stored(
+        cpu,
+        &[9001, 9002, 9003, 9004],
+        None,
+        tokens.clone(),
+        BS,
+        None,
+    ));
+    let replay_ep = dial(publisher.bound().replay_bound.as_ref().unwrap());
+    let ctx = zmq::Context::new();
+    let silent: Vec<zmq::Socket> = (0..64).map(|_| silent_peer(&ctx, &replay_ep, 0)).collect();
+    wait_until_stats(&publisher, "every silent peer stopped reading", |s| {
+        s.replay_requests >= 64 && s.replay_stalled == s.replay_open
+    });
+    register(&ix, 45, &publisher);
+    let want = serde_json::json!({"45": tier(16, 16, 16)});
+    let mut got = serde_json::Value::Null;
+    let converged = super::publisher::support::wait_for(Duration::from_secs(60), || {
+        got = query(&ix, &tokens, None);
+        got == want
+    });
+    assert!(
+        converged,
+        "got {got}, want {want}\nindexer log:\n{}",
+        ix.log_tail()
+    );
+    let s = publisher.stats();
+    assert!(s.replay_requests > 64, "the indexer replayed: {s:?}");
+    assert!(s.replay_queued_peak <= 64 << 20, "{s:?}");
+    drop((silent, ctx));
+    publisher.close().unwrap();
 }
