@@ -94,7 +94,11 @@ impl BindScope {
 /// is streamed: ZMQ holds at most the last two messages accepted for a peer
 /// (its send high-water mark is one message and a full peer is skipped, not
 /// queued for), and those two are what the peer is charged until it reads on
-/// or leaves.
+/// or leaves. So one 8-byte request costs the publisher two batches while its
+/// peer does not read, and sends at most the buffer (`replay_bytes`) in all.
+/// A reply is never cut short for its size: the format's end marker would
+/// end it, and Dynamo's indexer then moves its watermark past the rest of
+/// its gap without asking again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReplayLimits {
     /// Replies in progress at once (1..=65,536; default 64). A request from

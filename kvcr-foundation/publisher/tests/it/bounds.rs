@@ -17,8 +17,16 @@ use super::publisher::{
     start_indexer, stored, sub, tier, until_received,
 };
 
-/// Batches in the replay buffer (one store each, about 5 KiB).
-const BATCHES: u64 = 1500;
+/// Batches in the replay buffer (one store each, about 5 KiB): twice what
+/// the kernel buffers for one TCP connection at most (`tcp_wmem`'s maximum),
+/// so a peer that never reads stops short of the end of a whole-range reply.
+fn batches() -> u64 {
+    let wmem_max: u64 = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_wmem")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(2)?.parse().ok())
+        .unwrap_or(4 << 20);
+    (2 * wmem_max).div_ceil(5 << 10).max(1500)
+}
 /// Tokens per stored block: ids past 65,535 take five bytes each.
 const TOKENS: usize = 1024;
 
@@ -53,13 +61,13 @@ fn rss_bytes() -> u64 {
     kib << 10
 }
 
-/// A publisher with replay whose buffer holds `BATCHES` batches of about
+/// A publisher with replay whose buffer holds [`batches`] batches of about
 /// 5 KiB after the attach barrier, one store per batch.
 fn filled(mut cfg: PublisherConfig) -> Publisher {
     cfg.limits.max_events = 1;
     let publisher = Publisher::start(cfg).unwrap();
     let mut sink = publisher.sink();
-    for k in 1..=BATCHES {
+    for k in 1..=batches() {
         sink.publish(&stored(
             scope(Owner::Kvcr, 1, Medium::CpuPinned),
             &[k],
@@ -70,7 +78,7 @@ fn filled(mut cfg: PublisherConfig) -> Publisher {
         ));
     }
     wait_until("every store sequenced", Duration::from_secs(60), || {
-        publisher.stats().core.batches > BATCHES
+        publisher.stats().core.batches > batches()
     });
     publisher
 }
@@ -136,7 +144,7 @@ fn silent_replay_peers_cannot_grow_the_publisher() {
     let replay_ep = dial(publisher.bound().replay_bound.as_ref().unwrap());
     let (_sub_ctx, subscriber) = sub(&dial(publisher.bound().pub_bound.as_ref().unwrap()));
     let mut sink = publisher.sink();
-    let mut key = 10 * BATCHES;
+    let mut key = 10 * batches();
     let first = until_received(&mut sink, &subscriber, &mut key);
     let mut live_seq = u64::from_be_bytes(first[1].as_slice().try_into().unwrap());
     let before = rss_bytes();
@@ -232,7 +240,7 @@ fn past_the_reply_cap_the_longest_unread_peer_makes_room() {
         s.replay_stalled == 4
     });
     let honest = honest_dealer(&ctx, &replay_ep);
-    let whole: Vec<u64> = (0..=BATCHES).collect();
+    let whole: Vec<u64> = (0..=batches()).collect();
     assert!(replay(&honest, 0) == whole, "the newcomer's reply is whole");
     let s = publisher.stats();
     assert_eq!((s.replay_displaced, s.replay_refused), (1, 0), "{s:?}");
@@ -307,9 +315,11 @@ fn dynamo_indexer_converges_beside_silent_replay_peers() {
     let publisher = filled(cfg);
     let tokens: Vec<u32> = (1..=16).collect();
     let cpu = scope(Owner::Kvcr, 1, Medium::CpuPinned);
+    // Keys past the fillers' (a live key would not be published again).
+    let first = batches() + 1;
     publisher.sink().publish(&stored(
         cpu,
-        &[9001, 9002, 9003, 9004],
+        &[first, first + 1, first + 2, first + 3],
         None,
         tokens.clone(),
         BS,
