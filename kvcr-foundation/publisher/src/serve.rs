@@ -355,13 +355,14 @@ impl ReplayPeers {
         }
     }
 
-    /// Forgets peers that cannot all still be connected. Each connection is
-    /// one peer, so with `n` peers on record and `c` connections at least
-    /// `n - c` of them are gone, though which is unknown. Forgetting the
-    /// `n - c` smallest charges (only answered peers: a reply in progress
-    /// learns of its peer's departure at its next send) leaves a sum that
-    /// still covers every peer that is connected. No connection at all
-    /// forgets every peer.
+    /// Forgets answered peers that cannot all still be connected. Each
+    /// connection is one peer, so with `a` answered peers on record and `c`
+    /// connections, at least `a - c` answered peers are gone (replies in
+    /// progress may be among the connected ones; each learns of its own
+    /// peer's departure at its next send), though which is unknown.
+    /// Forgetting the `a - c` smallest answered charges leaves a sum that
+    /// still covers every answered peer that is connected. No connection at
+    /// all forgets every peer.
     pub(crate) fn reclaim(&mut self) {
         if self.connections == 0 {
             self.replies.clear();
@@ -370,21 +371,22 @@ impl ReplayPeers {
             self.queued = 0;
             return;
         }
-        let on_record = (self.replies.len() + self.answered.len()) as u64;
-        let Some(gone) = on_record.checked_sub(self.connections).filter(|&g| g > 0) else {
+        let Some(gone) = (self.answered.len() as u64)
+            .checked_sub(self.connections)
+            .filter(|&g| g > 0)
+        else {
             return;
         };
-        let mut charges: Vec<(usize, Option<&Vec<u8>>)> = self
-            .replies
+        let mut charges: Vec<(usize, &Vec<u8>)> = self
+            .answered
             .iter()
-            .map(|r| (r.charge.total(), None))
-            .chain(self.answered.iter().map(|(id, c)| (c.total(), Some(id))))
+            .map(|(id, c)| (c.total(), id))
             .collect();
         charges.sort_by_key(|&(bytes, _)| bytes);
         let forget: Vec<Vec<u8>> = charges
             .into_iter()
             .take(usize::try_from(gone).unwrap_or(usize::MAX))
-            .filter_map(|(_, id)| id.cloned())
+            .map(|(_, id)| id.clone())
             .collect();
         for id in forget {
             if let Some(charge) = self.answered.remove(&id) {

@@ -4,6 +4,8 @@
 //! process's resident memory is read where it is the claim, in a child
 //! process that runs the one test alone.
 
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use kvcr_contracts::{BindAddress, InventorySink, Medium, Owner};
@@ -37,7 +39,7 @@ fn alone(name: &str) -> bool {
     if std::env::var(ALONE).is_ok() {
         return true;
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
+    let out = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", name, "--test-threads=1", "--nocapture"])
         .env(ALONE, "1")
         .output()
@@ -126,14 +128,59 @@ fn honest_dealer(ctx: &zmq::Context, replay_ep: &str) -> zmq::Socket {
     d
 }
 
-/// 64 silent DEALERs each ask for the whole buffer (about 7.5 MiB): what the
-/// publisher holds for them stays under the byte cap, in its own count and
-/// in the process's resident memory, while an honest DEALER replays the
-/// whole range and an honest subscriber gets every live batch; when the
-/// silent peers leave, nothing stays charged.
+const SILENT_TEST: &str = "bounds::silent_replay_peers_cannot_grow_the_publisher";
+
+/// Names the replay endpoint the attacker process dials.
+const ATTACK: &str = "KVCR_TEST_REPLAY_ATTACK";
+
+/// The attacker, in a process of its own (this test binary again): 64
+/// silent DEALERs ask `replay_ep` for the whole buffer, `ATTACKING` is
+/// printed, and they stay until stdin closes.
+fn attack(replay_ep: &str) {
+    let ctx = zmq::Context::new();
+    let silent: Vec<zmq::Socket> = (0..64).map(|_| silent_peer(&ctx, replay_ep, 0)).collect();
+    println!("ATTACKING");
+    std::io::stdout().flush().unwrap();
+    let _ = std::io::stdin().read_to_end(&mut Vec::new());
+    drop((silent, ctx));
+}
+
+/// Starts the attacker process and returns once its requests are sent.
+fn spawn_attacker(replay_ep: &str) -> Child {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", SILENT_TEST, "--test-threads=1", "--nocapture"])
+        .env("KVCR_TEST_ALONE", "1")
+        .env(ATTACK, replay_ep)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    // libtest has printed the test's name on the same line.
+    let attacking = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .any(|l| l.ends_with("ATTACKING"));
+    // The rest is drained, so the attacker's last words find a reader.
+    std::thread::spawn(move || lines.for_each(drop));
+    assert!(attacking, "the attacker process did not start");
+    child
+}
+
+/// 64 silent DEALERs in another process each ask for the whole buffer
+/// (twice the kernel's socket buffering): what the publisher holds for them
+/// stays under the byte cap, in its own count and in its process's resident
+/// memory, while an honest DEALER replays the whole range and an honest
+/// subscriber gets every live batch; when the silent peers leave, nothing
+/// stays charged.
 #[test]
 fn silent_replay_peers_cannot_grow_the_publisher() {
-    if !alone("bounds::silent_replay_peers_cannot_grow_the_publisher") {
+    if let Ok(replay_ep) = std::env::var(ATTACK) {
+        attack(&replay_ep);
+        return;
+    }
+    if !alone(SILENT_TEST) {
         return;
     }
     let _g = sockets_lock();
@@ -149,13 +196,13 @@ fn silent_replay_peers_cannot_grow_the_publisher() {
     let mut live_seq = u64::from_be_bytes(first[1].as_slice().try_into().unwrap());
     let before = rss_bytes();
 
-    let ctx = zmq::Context::new();
-    let silent: Vec<zmq::Socket> = (0..64).map(|_| silent_peer(&ctx, &replay_ep, 0)).collect();
+    let mut attacker = spawn_attacker(&replay_ep);
     // Each silent peer takes what the kernel's buffers hold, then stops.
     wait_until_stats(&publisher, "every silent peer stopped reading", |s| {
         s.replay_requests >= 64 && s.replay_stalled == s.replay_open
     });
     // An honest replayer gets the whole range, in order, beside them.
+    let ctx = zmq::Context::new();
     let honest = honest_dealer(&ctx, &replay_ep);
     let newest = publisher.stats().core.batches - 1;
     let seqs = replay(&honest, 0);
@@ -211,11 +258,17 @@ fn silent_replay_peers_cannot_grow_the_publisher() {
     assert!(s.replay_queued_bytes > 0, "the silent peers are charged");
 
     // The silent peers leave: nothing stays charged.
-    drop(silent);
+    drop(attacker.stdin.take());
+    assert!(attacker.wait().unwrap().success());
+    // The honest replayer is still connected: at most its last batch and
+    // end marker stay charged.
     wait_until_stats(&publisher, "the silent peers released", |s| {
-        s.replay_queued_bytes == 0 && s.replay_open == 0
+        s.replay_queued_bytes <= message + 64 && s.replay_open == 0
     });
     drop((honest, ctx));
+    wait_until_stats(&publisher, "everything released", |s| {
+        s.replay_queued_bytes == 0
+    });
     publisher.close().unwrap();
 }
 
