@@ -229,7 +229,9 @@ impl ReplayPeers {
         }
     }
 
-    /// Sends the end markers owed, where the peer takes them.
+    /// Sends the end markers owed, where the peer takes them. They are not
+    /// held back by the byte cap (a few bytes each, at most `max_replies`
+    /// owed), but are charged like any message.
     fn pay_ends(&mut self, send: &mut impl FnMut(&[u8], Outgoing<'_>) -> Sent) {
         for _ in 0..self.owed_ends.len() {
             let Some(identity) = self.owed_ends.pop_front() else {
@@ -243,16 +245,15 @@ impl ReplayPeers {
                     }
                 }
                 Sent::Accepted => {
-                    if let Some(charge) = self.answered.get_mut(&identity) {
-                        // Accepted after the newer: the older has left ZMQ.
-                        let bytes = identity.len() + END_BYTES;
-                        self.queued = self.queued - charge.older + bytes;
-                        self.peak = self.peak.max(self.queued);
-                        *charge = Charge {
-                            older: charge.newer,
-                            newer: bytes,
-                        };
-                    }
+                    let bytes = identity.len() + END_BYTES;
+                    let charge = self.answered.entry(identity).or_default();
+                    // Accepted after the newer: the older has left ZMQ.
+                    self.queued = self.queued - charge.older + bytes;
+                    self.peak = self.peak.max(self.queued);
+                    *charge = Charge {
+                        older: charge.newer,
+                        newer: bytes,
+                    };
                 }
             }
         }

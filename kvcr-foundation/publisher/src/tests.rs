@@ -865,6 +865,11 @@ fn past_max_replies_a_request_is_refused_and_a_repeat_restarts() {
     peers.connection(true);
     peers.pump(&b, |id, out| wire.send(id, out));
     assert_eq!(wire.to(b"a"), [Some(8), Some(9), None]);
+    assert_eq!(
+        wire.to(b"c"),
+        [None],
+        "the refused peer gets the end marker"
+    );
 }
 
 #[test]
