@@ -714,6 +714,9 @@ fn stats(node: &mut Node, publisher: Option<&Publisher>) {
             "stored_rejected": p.core.stored_rejected, "removed_unknown": p.core.removed_unknown,
             "queue_dropped": p.queue_dropped, "pub_send_errors": p.pub_send_errors,
             "replay_requests": p.replay_requests, "replay_aborted": p.replay_aborted,
+            "replay_refused": p.replay_refused, "replay_displaced": p.replay_displaced,
+            "replay_open": p.replay_open, "replay_queued_bytes": p.replay_queued_bytes,
+            "replay_queued_peak": p.replay_queued_peak,
         })
     });
     answer(

@@ -239,7 +239,7 @@ pub enum EvictionPolicy {
 /// | `data_stream` | `"auto"` | whether this rank has its peer sources write over a data stream, kvcr's own TCP connection (`"auto"`: when the UCX transports are tcp alone; `"on"`; `"off"`) |
 /// | `medium` | `"CPU"` | medium KVCR pages are published under: `CPU` (what KVCR DRAM is: pageable host memory), `CPU_PINNED` or `EXTERNAL` |
 /// | `publish_inventory` | false | the DP owner rank publishes the group's KVCR inventory on the KV-event wire (ZMQ PUB + replay) |
-/// | `kv_events_port` | 0 | base port of the KV-event sockets: DP rank `d` binds PUB at base + 2d and replay at base + 2d + 1 on `control_host` (0: ephemeral) |
+/// | `kv_events_port` | 0 | base port of the KV-event sockets: DP rank `d` binds PUB at base + 2d and replay at base + 2d + 1 on `control_host` (0: ephemeral; the publisher binds beyond loopback here because `control_host` names where) |
 /// | `kv_events_worker_id` | 0 | the worker id in the KV-event topic (`kvcr.w{id}.dp{d}.{incarnation}`) |
 /// | `worker_type` | `"aggregated"` | `aggregated`, `prefill` or `decode`, for the router registration (`router_hint_worker_type`) |
 /// | `g3_paths` | none | directories for the G3 file tier under KVCR DRAM (each of this user or root, writable by no other user): each rank keeps one file per directory, `kvcr-g3-r{global rank offset}.bin` (put them on different devices to stripe) |

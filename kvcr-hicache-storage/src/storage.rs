@@ -26,7 +26,7 @@ use std::time::Duration;
 use kvcr_foundation::hint::WorkerType;
 use kvcr_foundation::protocol::{ElementRef, OpHandle, RegionId};
 use kvcr_foundation::publisher::{
-    OwnershipWire, PubSocket, Publisher, PublisherConfig, PublisherStats, TopicParts,
+    BindScope, OwnershipWire, PubSocket, Publisher, PublisherConfig, PublisherStats, TopicParts,
 };
 use kvcr_foundation::runner::{
     CachePolicy, DeliverEntry, DepositEntry, KeylessSources, OpResult, PeerCounters, PeerOptions,
@@ -455,6 +455,11 @@ impl KvcrHiCacheStorage {
         // The stream is kvcr's own (only KVCR DRAM pages go on it), so
         // ownership is the stream's: what Dynamo's worker-domain indexer reads.
         config.ownership = OwnershipWire::Stream;
+        // The sockets bind on `control_host`, beside the control channel:
+        // routers on other hosts dial them at the advertise host that
+        // `publish_inventory` requires, so binding beyond loopback is the
+        // operator's explicit choice here.
+        config.bind_scope = BindScope::AnyAddress;
         config.heartbeat = Some(b.inventory_heartbeat);
         let publisher = Publisher::start(config).map_err(|e| Error::Publisher(e.to_string()))?;
         let host = b.advertise_host()?;

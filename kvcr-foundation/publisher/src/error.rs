@@ -46,6 +46,9 @@ pub enum PublisherReason {
         /// Largest allowed value.
         max: u64,
     },
+    /// A socket would bind beyond loopback while `bind_scope` is loopback.
+    #[error("{0} is not a loopback address; binding it needs bind_scope AnyAddress")]
+    NotLoopback(Echo),
     /// The PUB and replay endpoints are the same address.
     #[error("the PUB and replay endpoints must differ, both are {0}")]
     SameEndpoint(Echo),

@@ -20,6 +20,13 @@
 //! connects, whatever the address looks like (vLLM and SGLang guess from the
 //! address, and `tcp://127.0.0.1:P` silently connects there).
 //!
+//! Both sockets answer anyone who can reach them, so they are bounded against
+//! peers that ask and never read ([`ReplayLimits`], [`PublisherConfig::pub_hwm`]):
+//! they bind loopback addresses only unless [`BindScope::AnyAddress`] says
+//! otherwise; a replay reply is streamed, ZMQ holding at most two of its
+//! batches per peer, under a byte cap for all peers and a cap on replies in
+//! progress; what a peer that left was charged is released.
+//!
 //! Losing events upstream (a full queue) is never silent on the wire: the next
 //! event the driver sees is preceded by an `AllBlocksCleared` barrier for every
 //! owner opened, so a consumer under-advertises (safe) rather than keeps pages
@@ -31,6 +38,7 @@ pub mod decode;
 mod driver;
 pub mod error;
 pub mod replay;
+mod serve;
 pub mod wire;
 
 #[cfg(test)]
@@ -61,7 +69,70 @@ pub enum PubSocket {
     Connect(ControlEndpoint),
 }
 
-/// Publisher configuration. [`PublisherConfig::new`] gives vLLM's defaults.
+/// Which addresses the PUB and replay sockets may bind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum BindScope {
+    /// Loopback addresses only (`127.0.0.0/8`, `::1`): the default. A
+    /// wildcard or any other address is refused at start.
+    #[default]
+    Loopback,
+    /// Any address the configuration names, wildcards included: consumers on
+    /// other hosts subscribe and replay directly. Chosen explicitly.
+    AnyAddress,
+}
+
+impl BindScope {
+    fn allows(self, addr: &BindAddress) -> bool {
+        match self {
+            Self::AnyAddress => true,
+            Self::Loopback => addr.host.is_some_and(|ip| ip.is_loopback()),
+        }
+    }
+}
+
+/// Bounds of the replay ROUTER against peers that ask and never read. A reply
+/// is streamed: ZMQ holds at most the last two messages accepted for a peer
+/// (its send high-water mark is one message and a full peer is skipped, not
+/// queued for), and those two are what the peer is charged until it reads on
+/// or leaves. So one 8-byte request costs the publisher two batches while its
+/// peer does not read, and sends at most the buffer (`replay_bytes`) in all.
+/// A reply is never cut short for its size: the format's end marker would
+/// end it, and Dynamo's indexer then moves its watermark past the rest of
+/// its gap without asking again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplayLimits {
+    /// Replies in progress at once (1..=65,536; default 64). A request from
+    /// another peer while this many are takes the place of the reply whose
+    /// peer has gone longest without reading (`replay_displaced`; that peer
+    /// is sent the end marker once it reads); when every peer reads, it gets
+    /// an empty replay (the end marker alone, `replay_refused`). Either way
+    /// the peer that lost its reply misses that gap, as when the buffer has
+    /// rolled past it, but is not left waiting.
+    pub max_replies: usize,
+    /// Reply bytes ZMQ may hold for all replay peers together (64 KiB..=1 TiB;
+    /// default 64 MiB). A batch that would pass it waits until other peers
+    /// read or leave; one batch larger than the cap goes only when nothing
+    /// else is held (the bound is then two such batches).
+    pub queued_bytes: usize,
+    /// Requests ZMQ queues per peer before the publisher reads them (1..=1024;
+    /// default 16). A request replaces the peer's earlier reply, so more
+    /// would only be memory.
+    pub request_hwm: u32,
+}
+
+impl Default for ReplayLimits {
+    fn default() -> Self {
+        Self {
+            max_replies: 64,
+            queued_bytes: 64 << 20,
+            request_hwm: 16,
+        }
+    }
+}
+
+/// Publisher configuration. [`PublisherConfig::new`] gives vLLM's defaults,
+/// bounded: the sockets bind loopback only, a subscriber that never reads
+/// holds at most `pub_hwm` batches, and replies obey [`ReplayLimits`].
 #[derive(Debug, Clone)]
 pub struct PublisherConfig {
     /// Worker id and DP rank (topic and payload `data_parallel_rank`).
@@ -76,9 +147,17 @@ pub struct PublisherConfig {
     pub pub_socket: PubSocket,
     /// The replay ROUTER's bind address; `None` disables replay.
     pub replay: Option<BindAddress>,
+    /// Which addresses the PUB (when it binds) and replay sockets may bind
+    /// (default [`BindScope::Loopback`]).
+    pub bind_scope: BindScope,
+    /// Bounds of the replay ROUTER.
+    pub replay_limits: ReplayLimits,
     /// Events queued between the sink and the driver (1..=16 Mi).
     pub queue_capacity: usize,
-    /// PUB send high-water mark, in batches per subscriber (1..=10 M).
+    /// PUB send high-water mark, in batches per subscriber (1..=10 M; default
+    /// 10,000, the replay buffer's length: a batch a slow subscriber misses
+    /// is still there to replay). A subscriber that never reads holds this
+    /// many batches (their payloads are shared between subscribers).
     pub pub_hwm: u32,
     /// Batches kept for replay (0..=1 M).
     pub replay_batches: usize,
@@ -104,7 +183,9 @@ pub struct PublisherConfig {
 }
 
 impl PublisherConfig {
-    /// vLLM-like defaults: PUB HWM 100,000, 10,000 replay batches.
+    /// vLLM-like defaults (10,000 replay batches), bounded: PUB HWM 10,000
+    /// (vLLM's 100,000 lets one silent subscriber hold ten times more),
+    /// loopback binds, [`ReplayLimits::default`].
     pub fn new(parts: TopicParts, incarnation: Incarnation, pub_socket: PubSocket) -> Self {
         Self {
             parts,
@@ -112,8 +193,10 @@ impl PublisherConfig {
             incarnation,
             pub_socket,
             replay: None,
+            bind_scope: BindScope::Loopback,
+            replay_limits: ReplayLimits::default(),
             queue_capacity: 1 << 16,
-            pub_hwm: 100_000,
+            pub_hwm: 10_000,
             replay_batches: 10_000,
             replay_bytes: 256 << 20,
             limits: BatchLimits::default(),
@@ -162,6 +245,38 @@ impl PublisherConfig {
             check("heartbeat_ms", ms(every), 10, 60_000)?;
         }
         check("close_linger_ms", ms(self.close_linger), 0, 60_000)?;
+        let limits = &self.replay_limits;
+        check(
+            "replay_limits.max_replies",
+            n(limits.max_replies),
+            1,
+            1 << 16,
+        )?;
+        check(
+            "replay_limits.queued_bytes",
+            n(limits.queued_bytes),
+            64 << 10,
+            1 << 40,
+        )?;
+        check(
+            "replay_limits.request_hwm",
+            u64::from(limits.request_hwm),
+            1,
+            1024,
+        )?;
+        let binds = match &self.pub_socket {
+            PubSocket::Bind(a) => Some(a),
+            PubSocket::Connect(_) => None,
+        };
+        if let Some(addr) = binds
+            .into_iter()
+            .chain(self.replay.as_ref())
+            .find(|a| !self.bind_scope.allows(a))
+        {
+            return Err(Error::Publisher {
+                reason: PublisherReason::NotLoopback(Echo::new(&addr.to_string())),
+            });
+        }
         if let (PubSocket::Bind(a), Some(b)) = (&self.pub_socket, &self.replay)
             && a.port != 0
             && a == b
@@ -188,12 +303,28 @@ pub struct PublisherStats {
     pub replay_requests: u64,
     /// Batches sent in replies.
     pub replay_batches: u64,
-    /// Requests for a sequence older than the oldest buffered one (answered
-    /// from the oldest).
+    /// Requests for a sequence older than the oldest buffered one, or replies
+    /// overtaken by the buffer's eviction while they waited (answered from
+    /// the oldest).
     pub replay_truncated: u64,
-    /// Replies cut short because the requester stopped reading (no end
-    /// marker is sent; the requester asks again).
+    /// Replies dropped because the requester left before their end.
     pub replay_aborted: u64,
+    /// Requests answered with the end marker alone: `max_replies` replies
+    /// were in progress and every one of their peers was reading.
+    pub replay_refused: u64,
+    /// Replies given up for a new request while `max_replies` were in
+    /// progress: the one whose peer had gone longest without reading (it
+    /// gets the end marker when it reads).
+    pub replay_displaced: u64,
+    /// Replies in progress now.
+    pub replay_open: u64,
+    /// Replies in progress now whose peer was not reading at their last turn.
+    pub replay_stalled: u64,
+    /// Reply bytes ZMQ may hold now for all replay peers (an upper bound:
+    /// each peer's last two accepted messages, until it reads on or leaves).
+    pub replay_queued_bytes: u64,
+    /// The largest `replay_queued_bytes` so far.
+    pub replay_queued_peak: u64,
     /// Malformed replay requests (ignored).
     pub replay_bad_requests: u64,
 }

@@ -2,11 +2,12 @@
 //! 0.33 replay request/reply framing.
 //!
 //! Request (as a ROUTER sees it): `[identity, "", start_seq (8 bytes BE)]`.
-//! Reply: `[identity, "", topic, seq (8 bytes BE), payload]` for every buffered
-//! batch with `seq >= start_seq`, then the end marker
+//! Reply: `[identity, "", topic, seq (8 bytes BE), payload]` for every batch
+//! buffered when the request arrived with `seq >= start_seq`, then the end marker
 //! `[identity, "", "", 0xff × 8, ""]`. Any buffered sequence can be asked for,
 //! any number of times, so a consumer that saw a gap resynchronises from what is
-//! buffered instead of retiring the source.
+//! buffered instead of retiring the source. Replies are streamed under the
+//! bounds of [`crate::ReplayLimits`]: never queued whole.
 
 use std::collections::VecDeque;
 
@@ -61,6 +62,13 @@ impl ReplayBuffer {
             None => 0,
         };
         self.batches.iter().skip(skip)
+    }
+
+    /// The buffered batch with sequence `seq`, if it is still buffered.
+    pub fn get(&self, seq: u64) -> Option<&Transmit> {
+        let first = self.batches.front()?.seq;
+        let index = usize::try_from(seq.checked_sub(first)?).ok()?;
+        self.batches.get(index)
     }
 
     /// The oldest buffered sequence number.

@@ -5,6 +5,7 @@ use rstest::rstest;
 
 use super::core::{BatchLimits, PublisherCore, Sequenced, TopicParts, Transmit};
 use super::replay::{ReplayBuffer, ReplayRequest, parse_request};
+use super::serve::{Admission, Outgoing, ReplayPeers, Sent};
 use super::wire::{OwnershipWire, WireBatch, WireEvent, encode_batch_to_vec};
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::key::{BlockKey, NamespaceId};
@@ -665,4 +666,233 @@ fn an_oversized_cache_salt_is_rejected() {
     ));
     assert_eq!(drain(&mut c), Vec::<String>::new());
     assert_eq!(c.stats().stored_rejected, 1);
+}
+
+// ----- replay peers -----
+
+/// A buffer of `n` batches (seq 0..n) of `len` payload bytes.
+fn buffer(n: u64, len: usize) -> ReplayBuffer {
+    let mut b = ReplayBuffer::new(1000, 1 << 30);
+    for s in 0..n {
+        b.push(t(s, len));
+    }
+    b
+}
+
+/// What one message to peer `id` weighs: identity, topic "t", seq, payload.
+fn weight(id: &[u8], len: usize) -> usize {
+    id.len() + 1 + 8 + len
+}
+
+#[derive(Default)]
+struct Wire {
+    /// (peer, seq or None for the end marker) in send order.
+    sent: Vec<(Vec<u8>, Option<u64>)>,
+    /// Peers that never read: they take this many messages, then are full.
+    silent: Vec<(Vec<u8>, usize)>,
+    gone: Vec<Vec<u8>>,
+}
+
+impl Wire {
+    fn send(&mut self, id: &[u8], out: Outgoing<'_>) -> Sent {
+        if self.gone.iter().any(|g| g == id) {
+            return Sent::Gone;
+        }
+        if let Some((_, room)) = self.silent.iter_mut().find(|(s, _)| s == id) {
+            if *room == 0 {
+                return Sent::Full;
+            }
+            *room -= 1;
+        }
+        let seq = match out {
+            Outgoing::Batch(t) => Some(t.seq),
+            Outgoing::End => None,
+        };
+        self.sent.push((id.to_vec(), seq));
+        Sent::Accepted
+    }
+
+    fn to(&self, id: &[u8]) -> Vec<Option<u64>> {
+        self.sent
+            .iter()
+            .filter(|(p, _)| p == id)
+            .map(|(_, s)| *s)
+            .collect()
+    }
+}
+
+#[test]
+fn a_reading_peer_gets_the_whole_range_charged_for_two_messages() {
+    let b = buffer(600, 100);
+    let mut peers = ReplayPeers::new(4, 1 << 20);
+    peers.connection(true);
+    assert_eq!(peers.request(b"a".to_vec(), 5, &b), Admission::Answering);
+    let mut wire = Wire::default();
+    let mut rounds = 0;
+    while peers.open_replies() > 0 {
+        peers.pump(&b, |id, out| wire.send(id, out));
+        rounds += 1;
+        assert!(rounds < 10, "the reply makes progress every pump");
+    }
+    let mut want: Vec<Option<u64>> = (5..600).map(Some).collect();
+    want.push(None);
+    assert_eq!(wire.to(b"a"), want);
+    // Answered: the last batch and the end marker stay charged until the
+    // connection goes.
+    assert_eq!(peers.queued_bytes(), weight(b"a", 100) + 1 + 8);
+    assert_eq!(peers.peak_bytes(), 2 * weight(b"a", 100));
+    peers.connection(false);
+    peers.reclaim();
+    assert_eq!(peers.queued_bytes(), 0);
+}
+
+#[test]
+fn a_silent_peer_is_charged_two_messages_and_others_go_on() {
+    let b = buffer(100, 1000);
+    let mut peers = ReplayPeers::new(4, 1 << 20);
+    let mut wire = Wire {
+        silent: vec![(b"s".to_vec(), 2)],
+        ..Wire::default()
+    };
+    for id in [b"s", b"h"] {
+        peers.connection(true);
+        peers.request(id.to_vec(), 0, &b);
+    }
+    for _ in 0..3 {
+        peers.pump(&b, |id, out| wire.send(id, out));
+    }
+    assert_eq!(wire.to(b"s"), [Some(0), Some(1)]);
+    assert_eq!(wire.to(b"h").len(), 101, "the honest peer got it all");
+    assert_eq!(peers.open_replies(), 1);
+    // Leaving mid-reply releases the charge.
+    wire.gone.push(b"s".to_vec());
+    let pumped = peers.pump(&b, |id, out| wire.send(id, out));
+    assert_eq!(pumped.abandoned, 1);
+    assert_eq!(peers.open_replies(), 0);
+    assert_eq!(peers.queued_bytes(), weight(b"h", 1000) + 1 + 8);
+}
+
+#[test]
+fn the_byte_cap_holds_and_waiting_replies_resume() {
+    let b = buffer(50, 1000);
+    let one = weight(b"x", 1000);
+    // Room for four messages: a silent peer holds two, a reader streams
+    // through the other two.
+    let mut peers = ReplayPeers::new(8, 4 * one);
+    let mut wire = Wire {
+        silent: vec![(b"x".to_vec(), 2)],
+        ..Wire::default()
+    };
+    peers.connection(true);
+    peers.connection(true);
+    peers.request(b"x".to_vec(), 0, &b);
+    peers.request(b"y".to_vec(), 0, &b);
+    for _ in 0..200 {
+        peers.pump(&b, |id, out| wire.send(id, out));
+        assert!(peers.queued_bytes() <= 4 * one, "{}", peers.queued_bytes());
+    }
+    assert_eq!(wire.to(b"y").len(), 51, "the reader got everything");
+    assert_eq!(peers.peak_bytes(), 4 * one);
+    // With room for three, a second reader gets one message, then waits for
+    // the silent peer, and resumes when it leaves.
+    let mut peers = ReplayPeers::new(8, 3 * one);
+    let mut wire = Wire {
+        silent: vec![(b"x".to_vec(), 2)],
+        ..Wire::default()
+    };
+    peers.connection(true);
+    peers.connection(true);
+    peers.request(b"x".to_vec(), 0, &b);
+    peers.request(b"y".to_vec(), 0, &b);
+    for _ in 0..20 {
+        peers.pump(&b, |id, out| wire.send(id, out));
+    }
+    assert_eq!(wire.to(b"y").len(), 1, "waiting under the cap");
+    assert_eq!(peers.queued_bytes(), 3 * one);
+    wire.gone.push(b"x".to_vec());
+    for _ in 0..20 {
+        peers.pump(&b, |id, out| wire.send(id, out));
+    }
+    assert_eq!(wire.to(b"y").len(), 51, "resumed");
+    // A batch larger than the cap alone goes when nothing else is held.
+    let big = buffer(3, 10 * one);
+    let mut alone = ReplayPeers::new(1, one);
+    alone.connection(true);
+    alone.request(b"z".to_vec(), 0, &big);
+    let mut wire = Wire::default();
+    for _ in 0..10 {
+        alone.pump(&big, |id, out| wire.send(id, out));
+    }
+    assert_eq!(wire.to(b"z").len(), 4);
+}
+
+#[test]
+fn past_max_replies_the_longest_unread_reply_makes_room() {
+    let b = buffer(10, 10);
+    let mut peers = ReplayPeers::new(2, 1 << 20);
+    let mut wire = Wire {
+        silent: vec![(b"a".to_vec(), 1), (b"b".to_vec(), 2)],
+        ..Wire::default()
+    };
+    for _ in 0..3 {
+        peers.connection(true);
+    }
+    peers.request(b"a".to_vec(), 0, &b);
+    peers.pump(&b, |id, out| wire.send(id, out));
+    peers.request(b"b".to_vec(), 0, &b);
+    peers.pump(&b, |id, out| wire.send(id, out));
+    assert_eq!(peers.stalled_replies(), 2);
+    // "a" last read in the first pump: it makes room, and is owed the end.
+    assert_eq!(peers.request(b"c".to_vec(), 0, &b), Admission::Displaced);
+    wire.silent.retain(|(id, _)| id != b"a");
+    peers.pump(&b, |id, out| wire.send(id, out));
+    assert_eq!(wire.to(b"a"), [Some(0), None]);
+    assert_eq!(wire.to(b"c").len(), 11);
+    assert_eq!(peers.open_replies(), 1);
+}
+
+#[test]
+fn past_max_replies_a_request_is_refused_and_a_repeat_restarts() {
+    let b = buffer(10, 10);
+    let mut peers = ReplayPeers::new(2, 1 << 20);
+    assert_eq!(peers.request(b"a".to_vec(), 0, &b), Admission::Answering);
+    assert_eq!(peers.request(b"b".to_vec(), 0, &b), Admission::Answering);
+    assert_eq!(peers.request(b"c".to_vec(), 0, &b), Admission::Refused);
+    // A peer already answered restarts from its new start.
+    assert_eq!(peers.request(b"a".to_vec(), 8, &b), Admission::Answering);
+    let mut wire = Wire::default();
+    peers.connection(true);
+    peers.connection(true);
+    peers.pump(&b, |id, out| wire.send(id, out));
+    assert_eq!(wire.to(b"a"), [Some(8), Some(9), None]);
+    assert_eq!(
+        wire.to(b"c"),
+        [None],
+        "the refused peer gets the end marker"
+    );
+}
+
+#[test]
+fn reclaim_forgets_the_smallest_answered_charges_beyond_the_connections() {
+    let small = buffer(1, 10);
+    let large = buffer(1, 1000);
+    let mut peers = ReplayPeers::new(8, 1 << 20);
+    let mut wire = Wire::default();
+    for _ in 0..3 {
+        peers.connection(true);
+    }
+    peers.request(b"p".to_vec(), 0, &small);
+    peers.request(b"q".to_vec(), 0, &large);
+    peers.pump(&large, |id, out| wire.send(id, out));
+    peers.request(b"r".to_vec(), 0, &large);
+    peers.pump(&large, |id, out| wire.send(id, out));
+    let full = peers.queued_bytes();
+    // One connection closed: one of three answered peers is gone, which one
+    // is unknown, so the smallest charge is forgotten.
+    peers.connection(false);
+    peers.reclaim();
+    let smallest = full - peers.queued_bytes();
+    assert!(smallest > 0 && smallest <= weight(b"q", 1000) + 1 + 8);
+    peers.reclaim();
+    assert_eq!(full - peers.queued_bytes(), smallest, "once");
 }

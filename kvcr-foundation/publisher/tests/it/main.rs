@@ -11,4 +11,5 @@
     clippy::indexing_slicing
 )]
 
+mod bounds;
 mod publisher;

@@ -27,13 +27,13 @@ use self::support::{serial, wait_for, wait_until};
 
 // The lock and the waits, one copy for the crate group's test binaries.
 #[path = "../../../test-support/serial.rs"]
-mod support;
+pub(super) mod support;
 
 // ----- helpers -----
 
 /// Socket tests share the process's file descriptors; the leak test counts
 /// them, so socket tests run one at a time (with the other heavy tests).
-fn sockets_lock() -> MutexGuard<'static, ()> {
+pub(super) fn sockets_lock() -> MutexGuard<'static, ()> {
     serial()
 }
 
@@ -41,7 +41,7 @@ fn inc(n: u128) -> Incarnation {
     Incarnation::from_raw(n).unwrap()
 }
 
-fn scope(owner: Owner, ns: u64, medium: Medium) -> InventoryScope {
+pub(super) fn scope(owner: Owner, ns: u64, medium: Medium) -> InventoryScope {
     InventoryScope {
         owner,
         namespace: NamespaceId(ns),
@@ -49,7 +49,7 @@ fn scope(owner: Owner, ns: u64, medium: Medium) -> InventoryScope {
     }
 }
 
-fn stored(
+pub(super) fn stored(
     scope: InventoryScope,
     keys: &[u64],
     parent: Option<u64>,
@@ -80,7 +80,7 @@ fn loopback0() -> BindAddress {
     BindAddress::parse("tcp://127.0.0.1:0").unwrap()
 }
 
-fn config(worker: u64) -> PublisherConfig {
+pub(super) fn config(worker: u64) -> PublisherConfig {
     PublisherConfig::new(
         TopicParts {
             worker_id: worker,
@@ -92,7 +92,7 @@ fn config(worker: u64) -> PublisherConfig {
     .with_replay(loopback0())
 }
 
-fn dial(addr: &BindAddress) -> String {
+pub(super) fn dial(addr: &BindAddress) -> String {
     addr.to_string()
 }
 
@@ -334,7 +334,7 @@ fn wire_event_with_every_optional_field_decodes_strictly() {
 
 // ----- live sockets -----
 
-fn sub(ep: &str) -> (zmq::Context, zmq::Socket) {
+pub(super) fn sub(ep: &str) -> (zmq::Context, zmq::Socket) {
     let ctx = zmq::Context::new();
     let s = ctx.socket(zmq::SUB).unwrap();
     s.set_subscribe(b"").unwrap();
@@ -345,7 +345,11 @@ fn sub(ep: &str) -> (zmq::Context, zmq::Socket) {
 
 /// Publishes fresh single-block stores until the subscriber receives one
 /// (the PUB/SUB slow-joiner handshake, waited on explicitly).
-fn until_received(sink: &mut PublisherSink, s: &zmq::Socket, next_key: &mut u64) -> Vec<Vec<u8>> {
+pub(super) fn until_received(
+    sink: &mut PublisherSink,
+    s: &zmq::Socket,
+    next_key: &mut u64,
+) -> Vec<Vec<u8>> {
     let mut got = None;
     wait_until("the first live batch", Duration::from_secs(10), || {
         *next_key += 1;
@@ -712,7 +716,7 @@ fn scripts_dir() -> PathBuf {
 
 /// The venv's python when the real clients import; otherwise fails when
 /// `flag` is set and returns `None` (skip, with the reason printed) when not.
-fn real_client(flag: &str, check: &str) -> Option<PathBuf> {
+pub(super) fn real_client(flag: &str, check: &str) -> Option<PathBuf> {
     let required = std::env::var(flag).is_ok_and(|v| v == "1");
     let py = realclients_dir().join("venv/bin/python");
     let ok = Command::new(&py)
@@ -827,14 +831,14 @@ fn vllm_own_classes_accept_our_bytes_and_live_stream() {
 
 // ----- Dynamo's standalone indexer, in a private network namespace -----
 
-struct Indexer {
+pub(super) struct Indexer {
     child: Child,
     port: u16,
     log: PathBuf,
 }
 
 impl Indexer {
-    fn log_tail(&self) -> String {
+    pub(super) fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(40)..].join("\n")
@@ -897,9 +901,9 @@ fn dechunk(mut s: &str) -> String {
 }
 
 const MODEL: &str = "kvcr-test";
-const BS: u32 = 4;
+pub(super) const BS: u32 = 4;
 
-fn query(ix: &Indexer, tokens: &[u32], lora: Option<&str>) -> serde_json::Value {
+pub(super) fn query(ix: &Indexer, tokens: &[u32], lora: Option<&str>) -> serde_json::Value {
     let mut body = serde_json::json!({"token_ids": tokens, "model_name": MODEL});
     if let Some(l) = lora {
         body["lora_name"] = l.into();
@@ -909,7 +913,7 @@ fn query(ix: &Indexer, tokens: &[u32], lora: Option<&str>) -> serde_json::Value 
     v["instances"].clone()
 }
 
-fn register(ix: &Indexer, worker: u64, p: &Publisher) {
+pub(super) fn register(ix: &Indexer, worker: u64, p: &Publisher) {
     let body = serde_json::json!({
         "instance_id": worker,
         "endpoint": dial(p.bound().pub_bound.as_ref().unwrap()),
@@ -942,14 +946,14 @@ fn expect_query(ix: &Indexer, tokens: &[u32], lora: Option<&str>, expect: serde_
     );
 }
 
-fn tier(matched: u64, cpu: u64, disk: u64) -> serde_json::Value {
+pub(super) fn tier(matched: u64, cpu: u64, disk: u64) -> serde_json::Value {
     // `dp` is the device-tier score per DP rank: kvcr pages are never there.
     serde_json::json!({"longest_matched": matched, "gpu": 0, "dp": {"0": 0}, "cpu": cpu, "disk": disk})
 }
 
 /// Starts Dynamo's standalone indexer (`py`) on `port`, logging to
 /// `realclients/tmp/<name>-<pid>.log`, and waits for its `/health`.
-fn start_indexer(py: &std::path::Path, port: u16, name: &str) -> Indexer {
+pub(super) fn start_indexer(py: &std::path::Path, port: u16, name: &str) -> Indexer {
     let dir = realclients_dir().join("tmp");
     std::fs::create_dir_all(&dir).unwrap();
     let log = dir.join(format!("{name}-{}.log", std::process::id()));
@@ -975,7 +979,7 @@ fn start_indexer(py: &std::path::Path, port: u16, name: &str) -> Indexer {
 
 /// Enters a private network namespace with only loopback, on this thread
 /// (children and the publisher's threads started from it inherit it).
-fn private_netns(required: bool) -> bool {
+pub(super) fn private_netns(required: bool) -> bool {
     if let Err(e) = nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET) {
         assert!(
             !required,
