@@ -9,6 +9,13 @@
 //! check, not a MAC: it catches bytes changed between deposit and use (on
 //! the wire, on disk, in memory) by anyone who does not aim at it; the
 //! digest itself always travels sealed.
+//!
+//! The hash is this crate's own kernel (`stripes`, `fused`): a deposit's
+//! copy and digest are one pass over the page (each 64-byte stripe loaded
+//! once, stored, and hashed from the same registers), and every digest runs
+//! on AVX2 where the CPU has it (detected at run time; `xxhash_rust` uses
+//! AVX2 only when built for it). It equals `xxhash_rust::xxh3::xxh3_64` of
+//! the bytes, so either may check the other's digests (`props` tests it).
 
 use crate::copy::{ByteSpan, MemoryRegistry, holds};
 use crate::error::{Result, SysError};
