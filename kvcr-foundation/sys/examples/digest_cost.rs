@@ -29,7 +29,9 @@ fn main() -> Result<(), kvcr_sys::SysError> {
     let pool = Arc::new(DramPool::allocate(2 * AREA, true)?);
     let (src, dst) = (pool.base(), pool.base() + AREA);
     registry.insert_owned(pool)?;
-    let fill: Vec<u8> = (0..AREA).map(|i| ((i * 2_654_435_761) >> 13) as u8).collect();
+    let fill: Vec<u8> = (0..AREA)
+        .map(|i| ((i * 2_654_435_761) >> 13) as u8)
+        .collect();
     registry.write(src, &fill)?;
     println!("page KiB, stream: GB/s copy | copy+hash (old) | fused; old/copy fused/copy");
     for page in [256u64 << 10, 1 << 20, 4 << 20, 8 << 20] {

@@ -231,6 +231,7 @@ mod sse2 {
             // streamed destination is 32-byte aligned, so each 16-byte
             // non-temporal store is aligned.
             unsafe {
+                super::prefetch_ahead(src.add(64 * stripe));
                 let from = src.add(64 * stripe).cast::<__m128i>();
                 let to = dst.wrapping_add(64 * stripe).cast::<__m128i>();
                 let secret = key.add(8 * stripe).cast::<__m128i>();
@@ -250,6 +251,24 @@ mod sse2 {
             unsafe { _mm_storeu_si128(lanes.add(i), sum) };
         }
     }
+}
+
+/// How far ahead of the stripe being hashed the vector kernels ask for the
+/// source's lines: the hash's arithmetic between loads otherwise leaves the
+/// memory pipe idle (measured, `examples/digest_cost`: an ordinary-store
+/// fused copy went from 0.87 to about 1.0 of `memcpy` alone).
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_AHEAD: usize = 512;
+
+/// Asks for the source line `PREFETCH_AHEAD` bytes past `at`. A prefetch
+/// never faults, so the address may lie past the source's end.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_ahead(at: *const u8) {
+    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+    // SAFETY: a prefetch is a hint: it reads nothing architecturally and
+    // never faults, whatever the address (SSE is baseline on x86_64).
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_AHEAD).cast::<i8>()) };
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -291,6 +310,7 @@ mod avx2 {
             // SAFETY: as in the SSE2 kernel; a streamed destination is
             // 32-byte aligned, as each non-temporal store requires.
             unsafe {
+                super::prefetch_ahead(src.add(64 * stripe));
                 let from = src.add(64 * stripe).cast::<__m256i>();
                 let to = dst.wrapping_add(64 * stripe).cast::<__m256i>();
                 let secret = key.add(8 * stripe).cast::<__m256i>();
