@@ -465,7 +465,8 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with("--"))
         .collect();
-    let groups: [(&str, fn(bool)); 6] = [
+    type Group = (&'static str, fn(bool));
+    let groups: [Group; 6] = [
         ("throughput", throughput),
         ("deposit_digests", deposit_digest_cost),
         ("digest_choice", digest_choice),
