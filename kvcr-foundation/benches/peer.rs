@@ -829,6 +829,11 @@ fn main() {
             "not allowed (4 KiB pages)"
         }
     );
+    // `--digest-cost`: only `peer.digest_cost_*` (for digest work).
+    if std::env::args().any(|a| a == "--digest-cost") {
+        digest_cost(one_lane, many_lanes, reps);
+        return;
+    }
     // `--one-block`: only the latency figure (for latency work).
     if std::env::args().any(|a| a == "--one-block") {
         // `KVCR_BENCH_ONE_BLOCK_BYTES`: another block size, named by it,

@@ -459,10 +459,24 @@ fn main() {
         return;
     }
     let quick = std::env::args().any(|a| a == "--quick");
-    throughput(quick);
-    deposit_digest_cost(quick);
-    digest_choice(quick);
-    one_block_latency(quick);
-    publishing_overhead(quick);
-    queries(quick);
+    // A name (`cargo bench --bench runner -- deposit_digests`) runs only
+    // the groups whose name holds it.
+    let only: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    type Group = (&'static str, fn(bool));
+    let groups: [Group; 6] = [
+        ("throughput", throughput),
+        ("deposit_digests", deposit_digest_cost),
+        ("digest_choice", digest_choice),
+        ("one_block_latency", one_block_latency),
+        ("publishing_overhead", publishing_overhead),
+        ("queries", queries),
+    ];
+    for (name, group) in groups {
+        if only.is_empty() || only.iter().any(|o| name.contains(o.as_str())) {
+            group(quick);
+        }
+    }
 }

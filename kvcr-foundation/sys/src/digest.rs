@@ -9,11 +9,21 @@
 //! check, not a MAC: it catches bytes changed between deposit and use (on
 //! the wire, on disk, in memory) by anyone who does not aim at it; the
 //! digest itself always travels sealed.
+//!
+//! The hash is this crate's own kernel (`stripes`, `fused`): a deposit's
+//! copy and digest are one pass over the page (each 64-byte stripe loaded
+//! once, stored, and hashed from the same registers), and every digest runs
+//! on AVX2 where the CPU has it (detected at run time; `xxhash_rust` uses
+//! AVX2 only when built for it). It equals `xxhash_rust::xxh3::xxh3_64` of
+//! the bytes, so either may check the other's digests (`props` tests it).
 
-use crate::copy::{
-    ByteSpan, MemoryRegistry, STREAM_MIN, bytes_at, copy_spans, copy_spans_streaming, holds,
-};
+use crate::copy::{ByteSpan, MemoryRegistry, holds};
 use crate::error::{Result, SysError};
+
+mod fused;
+mod stripes;
+
+use self::stripes::{Kernel, Store};
 
 /// A page's digest: xxh3-64 of its bytes in layout order.
 pub type PageDigest = u64;
@@ -28,49 +38,33 @@ pub fn combine_digests(digests: &[PageDigest]) -> PageDigest {
     hasher.digest()
 }
 
-/// The digest of `bytes` as one page.
+/// The digest of `bytes` as one page (equal to `xxhash_rust::xxh3::xxh3_64`;
+/// with AVX2 where the CPU has it, which that crate uses only when built
+/// for it).
 pub fn digest_bytes(bytes: &[u8]) -> PageDigest {
-    xxhash_rust::xxh3::xxh3_64(bytes)
+    let span = ByteSpan::new(bytes.as_ptr() as u64, 0, bytes.len() as u64);
+    // SAFETY: the span is the borrowed slice, valid for reads and not
+    // written while borrowed; nothing is stored.
+    unsafe { fused::digest_spans(Kernel::best(), &[span], Store::Hash) }
 }
-
-/// How much of a span is copied before its source bytes are hashed: small
-/// enough to be still in this core's cache when the hash reads them, and
-/// as large as a streamed copy's least span (so a chunk still streams).
-const CHUNK: u64 = STREAM_MIN;
 
 impl MemoryRegistry {
     /// Copies `spans` as [`MemoryRegistry::copy`] (or, with `stream`,
     /// [`MemoryRegistry::copy_streaming`]) does, and returns the digest of
-    /// the bytes copied, in span order: each chunk's source is hashed right
-    /// after it was copied, while its lines are still cached, so the digest
-    /// costs no second trip to memory. A refusal copies nothing.
+    /// the bytes copied, in span order, taken in the same pass: each
+    /// 64-byte stripe is loaded once, stored, and hashed from the same
+    /// registers, so the digest costs no second trip through the page. A
+    /// refusal copies nothing.
     pub fn copy_digested(&self, spans: &[ByteSpan], stream: bool) -> Result<PageDigest> {
         let ranges = self.checked(spans.iter().copied())?;
-        let mut hasher = xxhash_rust::xxh3::Xxh3Default::new();
-        for span in spans {
-            let mut done = 0;
-            while done < span.len {
-                let len = CHUNK.min(span.len - done);
-                let chunk = ByteSpan::new(span.src + done, span.dst + done, len);
-                // SAFETY: as in `copy` (every span was checked just now
-                // under the read lock held until the end); a chunk lies
-                // inside its span.
-                unsafe {
-                    if stream {
-                        copy_spans_streaming([chunk]);
-                    } else {
-                        copy_spans([chunk]);
-                    }
-                }
-                // SAFETY: the chunk's source is registered (checked above);
-                // nothing writes a copy's source during it (`copy`'s
-                // contract).
-                hasher.update(unsafe { bytes_at(chunk.src, len) });
-                done += len;
-            }
-        }
+        let store = if stream { Store::Stream } else { Store::Copy };
+        // SAFETY: as in `copy`: every span was checked just now (source
+        // registered, destination registered writable, the two apart)
+        // under the read lock held until the end; concurrent access is the
+        // inserting caller's protocol.
+        let digest = unsafe { fused::digest_spans(Kernel::best(), spans, store) };
         drop(ranges);
-        Ok(hasher.digest())
+        Ok(digest)
     }
 
     /// The digest of the page whose spans (address, length; in layout
@@ -80,20 +74,14 @@ impl MemoryRegistry {
         if let Some(&(addr, len)) = spans.iter().find(|(a, l)| !holds(&ranges, *a, *l)) {
             return Err(SysError::Unregistered { addr, len });
         }
-        let digest = match spans {
-            // SAFETY: the span is registered (checked under the lock, held
-            // until the hash is taken); writers of it are the caller's
-            // protocol, as for `read`.
-            [(addr, len)] => digest_bytes(unsafe { bytes_at(*addr, *len) }),
-            _ => {
-                let mut hasher = xxhash_rust::xxh3::Xxh3Default::new();
-                for &(addr, len) in spans {
-                    // SAFETY: as above, for each span.
-                    hasher.update(unsafe { bytes_at(addr, len) });
-                }
-                hasher.digest()
-            }
-        };
+        let spans: Vec<ByteSpan> = spans
+            .iter()
+            .map(|&(addr, len)| ByteSpan::new(addr, 0, len))
+            .collect();
+        // SAFETY: every span is registered (checked under the lock, held
+        // until the hash is taken); writers of it are the caller's
+        // protocol, as for `read`; nothing is stored.
+        let digest = unsafe { fused::digest_spans(Kernel::best(), &spans, Store::Hash) };
         drop(ranges);
         Ok(digest)
     }
@@ -131,7 +119,7 @@ mod tests {
     #[test]
     fn a_digested_copy_copies_and_digests_the_page() {
         let registry = MemoryRegistry::new();
-        let len = 3 * CHUNK + 12_345;
+        let len = 3 * crate::copy::STREAM_MIN + 12_345;
         let pool = Arc::new(crate::mapping::DramPool::allocate(2 * len, false).unwrap());
         let base = pool.base();
         registry.insert_owned(pool).unwrap();
@@ -154,3 +142,6 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod props;

@@ -345,8 +345,8 @@ fn execute_range(
         // their destination ranges are pairwise disjoint
         // (`destinations_disjoint`), so no byte is written by both.
         let copied = if job.digest {
-            // Each chunk's source hashed right after this lane copied it,
-            // while its lines are still in this core's caches.
+            // Hashed in the same pass as the copy: each stripe loaded once,
+            // stored and hashed from the same registers.
             let byte_spans: Vec<kvcr_sys::ByteSpan> = spans.iter().map(plan::byte_span).collect();
             memory.copy_digested(&byte_spans, stream).map(|digest| {
                 if let Some(slot) = digests.get_mut(at) {
