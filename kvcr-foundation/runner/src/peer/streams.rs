@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvcr_contracts::endpoint::ControlEndpoint;
+use kvcr_contracts::protocol::{Body, CompletedIndices, Message, WriteOutcome};
 use kvcr_runner_core::PutSpan;
 
 use super::State;
@@ -21,14 +22,20 @@ use crate::shared::Shared;
 use crate::wire::doorbell::OpenedMessage;
 use crate::wire::part::{Part, PartFit};
 use crate::wire::record::SLOT_BYTES;
+use crate::wire::sealing::{KeyInput, Opener, Sealer};
 
 /// Most data streams held while their routes are built (each also holds
 /// its place under the control channel's caps until then).
 const MAX_PARKED_STREAMS: usize = 64;
 
 /// A data stream dial's outcome: the source, the session (ours, to it)
-/// whose key it proved, and the connection (`None`: it failed).
-pub(super) type DialedStream = (ControlEndpoint, u64, Option<tokio::net::TcpStream>);
+/// whose key it proved, and the connection with its records' opener
+/// (`None`: it failed).
+pub(super) type DialedStream = (
+    ControlEndpoint,
+    u64,
+    Option<(tokio::net::TcpStream, Option<Opener>)>,
+);
 
 impl State {
     /// Dials a data stream to `source` (beside the metadata we send it, and
@@ -53,10 +60,10 @@ impl State {
             self.endpoint.clone(),
             self.streams_dialed_tx.clone(),
         );
-        let within = self.stream_limits.0;
+        let (within, sealed) = (self.stream_limits.0, self.seal_streams);
         tokio::spawn(async move {
-            let socket =
-                tokio::time::timeout(within, crate::net::stream::dial(&source, &claim, &key)).await;
+            let dial = crate::net::stream::dial(&source, &claim, &key, sealed);
+            let socket = tokio::time::timeout(within, dial).await;
             let _ = tx.send((source, session, socket.ok().flatten()));
         });
     }
@@ -70,9 +77,11 @@ impl State {
             .doorbell
             .session_key(&source)
             .is_some_and(|(s, _)| s == session);
-        if let (Some(socket), true, false) = (socket, current, self.doorbell.maps_us(&source)) {
+        if let (Some((socket, opener)), true, false) =
+            (socket, current, self.doorbell.maps_us(&source))
+        {
             self.in_streams
-                .insert(source, InStream::new(session, socket));
+                .insert(source, InStream::new(session, socket, opener));
             self.control
                 .stats
                 .streams_opened
@@ -82,16 +91,17 @@ impl State {
 
     /// A target dialed us a data stream: bound to it (replacing an older
     /// one) only if its proof verifies under the key of the route we built
-    /// from that target's session; dropped otherwise.
+    /// from that target's session, and it asks for sealed records unless we
+    /// allow plain ones; dropped otherwise.
     pub(super) fn bind_out_stream(
         &mut self,
         shared: &Arc<Shared>,
         accepted: crate::net::AcceptedStream,
     ) {
-        let Some(route) = self.routes.get(&accepted.claim) else {
+        let Some(route) = self.routes.get(accepted.claim()) else {
             // Its route is not built yet (the target dials beside its
             // metadata): held until it is, or until the handshake deadline.
-            let claim = accepted.claim.clone();
+            let claim = accepted.claim().clone();
             if self.parked_streams.len() < MAX_PARKED_STREAMS
                 || self.parked_streams.contains_key(&claim)
             {
@@ -108,11 +118,22 @@ impl State {
         let key = route
             .session_key
             .as_ref()
-            .filter(|(key, _)| {
-                key.verify_stream_proof(&accepted.challenge, &accepted.claim, &accepted.proof)
-            })
+            .filter(|(key, _)| accepted.proves(key))
             .map(|(_, bytes)| *bytes);
-        let Some(key) = key else {
+        let hello = &accepted.hello;
+        let sealer = match (key, hello.terms.sealed) {
+            (Some(key), true) => Sealer::new(&KeyInput {
+                session_key: &key,
+                challenge: &hello.challenge,
+                nonce: &hello.terms.nonce,
+                claim: &hello.claim,
+            })
+            .map(|sealer| (key, Some(sealer))),
+            // Plain, where we allow it.
+            (Some(key), false) if !self.seal_streams => Some((key, None)),
+            _ => None,
+        };
+        let Some((key, sealer)) = sealer else {
             self.count_refused_streams(1);
             return;
         };
@@ -126,11 +147,11 @@ impl State {
             .stats
             .streams_opened
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let target = accepted.claim.clone();
+        let target = accepted.claim().clone();
         self.drop_out_stream(shared, &target);
         self.out_streams.insert(
             target,
-            OutStream::new(key, accepted.socket, Some(accepted.hold)),
+            OutStream::new(key, accepted.socket, sealer, Some(accepted.hold)),
         );
     }
 
@@ -180,6 +201,11 @@ impl State {
         let Some((key, bytes)) = route.session_key.as_ref() else {
             return false;
         };
+        // A stream its target closed (it found a record that did not open,
+        // say) carries nothing more: its writes go through UCX.
+        if self.out_streams.get(target).is_some_and(OutStream::closed) {
+            self.drop_out_stream(shared, target);
+        }
         let Some(out) = self
             .out_streams
             .get_mut(target)
@@ -386,5 +412,30 @@ impl Lander for FrameLander<'_> {
             .stats
             .stream_writes_refused
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn torn(&mut self, opened: Option<OpenedMessage>) {
+        self.control
+            .stats
+            .stream_records_refused
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let Some(opened) = opened else {
+            return;
+        };
+        // Its slots hold bytes that are not its source's: every key of the
+        // write fails as a key whose digest did not match (counted, never
+        // seated), at once rather than at its deadline.
+        self.doorbell.forget_op(opened.op);
+        let mismatched: Vec<u32> = (0..opened.keys).collect();
+        let done = Message {
+            header: opened.done.header,
+            body: Body::WriteDone {
+                op_handle: opened.op,
+                outcome: WriteOutcome::Completed(CompletedIndices::new(Vec::new())),
+            },
+        };
+        self.shared.with_core_now(|core, now| {
+            core.handle_write_done_checked(now, done, &mismatched);
+        });
     }
 }

@@ -17,6 +17,8 @@
 //!   is handled once and its copy dropped.
 //! * [`frame`]: a data stream's hello and frames, and how a target lands
 //!   them.
+//! * [`sealing`]: a data stream's AEAD records: its key, derived from the
+//!   session it proved, and the numbers its records are sealed under.
 
 pub(crate) mod doorbell;
 pub(crate) mod frame;
@@ -25,3 +27,4 @@ pub(crate) mod numbering;
 pub(crate) mod part;
 pub(crate) mod record;
 pub(crate) mod region;
+pub(crate) mod sealing;
