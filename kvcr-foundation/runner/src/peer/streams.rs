@@ -259,6 +259,14 @@ impl State {
             let now = Instant::now();
             let (mut sent, mut failed, mut broken) = (Vec::new(), Vec::new(), Vec::new());
             for (target, out) in &mut self.out_streams {
+                // Its target closed it (a record did not open, say): nothing
+                // queued on it would land, and the next write goes through
+                // UCX. Seen at once: its socket turns readable.
+                if out.closed() {
+                    failed.extend(out.take_unsent());
+                    broken.push(target.clone());
+                    continue;
+                }
                 if !out.wants_write() {
                     continue;
                 }
@@ -286,7 +294,7 @@ impl State {
                 });
             }
         }
-        let mut broken = Vec::new();
+        let (mut broken, mut torn) = (Vec::new(), Vec::new());
         for (source, stream) in &mut self.in_streams {
             let mut lander = FrameLander {
                 doorbell: &mut self.doorbell,
@@ -294,6 +302,7 @@ impl State {
                 shared,
                 source,
                 session: stream.session,
+                torn: None,
             };
             // The lander grants only the elements of an operation that
             // waits for its reply from this stream's source (the core's
@@ -304,6 +313,7 @@ impl State {
             // while this read runs.
             let pumped = stream.pump(&self.memory, &mut lander);
             moved |= pumped.moved;
+            torn.extend(lander.torn.take());
             if pumped.broken {
                 broken.push(source.clone());
             }
@@ -311,12 +321,18 @@ impl State {
         for source in broken {
             self.in_streams.remove(&source);
         }
+        // Failed once their streams are closed: the source sees the close
+        // before any request this failure leads to.
+        for opened in torn {
+            fail_torn(&mut self.doorbell, shared, opened);
+        }
         moved
     }
 }
 
-/// Ready when a data stream has bytes to read, or room for frames that
-/// wait; registers every stream for a wake-up otherwise.
+/// Ready when a data stream has bytes to read, room for frames that wait,
+/// or (ours to a target) was closed; registers every stream for a wake-up
+/// otherwise.
 pub(super) fn streams_ready(
     in_streams: &HashMap<ControlEndpoint, InStream<OpenedMessage>>,
     out_streams: &HashMap<ControlEndpoint, OutStream>,
@@ -328,6 +344,7 @@ pub(super) fn streams_ready(
     }
     for stream in out_streams.values() {
         ready |= stream.poll_writable(cx).is_ready();
+        ready |= stream.poll_closed(cx).is_ready();
     }
     if ready {
         std::task::Poll::Ready(())
@@ -346,6 +363,8 @@ struct FrameLander<'a> {
     shared: &'a Arc<Shared>,
     source: &'a ControlEndpoint,
     session: u64,
+    /// The write a record that did not open belonged to.
+    torn: Option<OpenedMessage>,
 }
 
 impl Lander for FrameLander<'_> {
@@ -419,23 +438,24 @@ impl Lander for FrameLander<'_> {
             .stats
             .stream_records_refused
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let Some(opened) = opened else {
-            return;
-        };
-        // Its slots hold bytes that are not its source's: every key of the
-        // write fails as a key whose digest did not match (counted, never
-        // seated), at once rather than at its deadline.
-        self.doorbell.forget_op(opened.op);
-        let mismatched: Vec<u32> = (0..opened.keys).collect();
-        let done = Message {
-            header: opened.done.header,
-            body: Body::WriteDone {
-                op_handle: opened.op,
-                outcome: WriteOutcome::Completed(CompletedIndices::new(Vec::new())),
-            },
-        };
-        self.shared.with_core_now(|core, now| {
-            core.handle_write_done_checked(now, done, &mismatched);
-        });
+        self.torn = opened;
     }
+}
+
+/// A write whose stream tore while it landed: its slots hold bytes that are
+/// not its source's, so every key of it fails as a key whose digest did
+/// not match (counted, never seated), at once rather than at its deadline.
+fn fail_torn(doorbell: &mut TargetDoorbell, shared: &Arc<Shared>, opened: OpenedMessage) {
+    doorbell.forget_op(opened.op);
+    let mismatched: Vec<u32> = (0..opened.keys).collect();
+    let done = Message {
+        header: opened.done.header,
+        body: Body::WriteDone {
+            op_handle: opened.op,
+            outcome: WriteOutcome::Completed(CompletedIndices::new(Vec::new())),
+        },
+    };
+    shared.with_core_now(|core, now| {
+        core.handle_write_done_checked(now, done, &mismatched);
+    });
 }

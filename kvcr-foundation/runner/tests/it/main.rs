@@ -19,6 +19,7 @@ mod peer;
 mod peer_admission;
 mod peer_faults;
 mod peer_identity;
+mod peer_sealing;
 mod peer_trust;
 mod runner;
 

@@ -121,6 +121,12 @@ impl OutStream {
         )
     }
 
+    /// Registers for a wake-up when its target closes it (the socket turns
+    /// readable: a target sends nothing on it).
+    pub(crate) fn poll_closed(&self, cx: &mut Context<'_>) -> Poll<()> {
+        self.socket.poll_read_ready(cx).map(|_| ())
+    }
+
     /// Whether frames wait for the socket.
     pub(crate) fn wants_write(&self) -> bool {
         !self.frames.is_empty() || self.sealing.as_ref().is_some_and(|s| s.sent < s.buf.len())
