@@ -24,8 +24,8 @@ use super::member::StaticKey;
 use super::session::{self, LocalMember, PeerIdentity, RECORD_MAX};
 use super::stream::StreamHello;
 use crate::error::{Error, Result, RunnerReason};
-use crate::wire::part::Part;
 use crate::wire::frame::{MAX_RECORD, seal_frame};
+use crate::wire::part::Part;
 use crate::wire::record::{RecordKey, SLOT_BYTES};
 use crate::wire::sealing::{KeyInput, Sealer};
 use kvcr_contracts::endpoint::ControlEndpoint;
@@ -63,7 +63,8 @@ pub enum Dialed {
 pub struct DataStreamPeer {
     socket: std::net::TcpStream,
     hello: StreamHello,
-    sealer: Option<Sealer>,
+    /// Boxed: a key schedule is large beside the rest.
+    sealer: Option<Box<Sealer>>,
 }
 
 impl DataStreamPeer {
@@ -104,7 +105,7 @@ impl DataStreamPeer {
             claim: &hello.claim,
         })
         .ok_or(refused("could not derive the stream key"))?;
-        self.sealer = Some(sealer);
+        self.sealer = Some(Box::new(sealer));
         Ok(())
     }
 
@@ -123,7 +124,7 @@ impl DataStreamPeer {
             return Err(refused("a sealed stream sends nothing before it is keyed"));
         }
         let record = u32::try_from(MAX_RECORD).unwrap_or(u32::MAX);
-        seal_frame(self.sealer.as_mut(), len, record, header, payload)
+        seal_frame(self.sealer.as_deref_mut(), len, record, header, payload)
             .ok_or(refused("the stream's record numbers ran out"))
     }
 

@@ -225,13 +225,12 @@ struct RegistrySlots<'a> {
 }
 
 impl Slots for RegistrySlots<'_> {
-    fn open_in(
-        &mut self,
-        pieces: &[(u64, u64)],
-        open: &mut dyn FnMut(&mut [u8]) -> bool,
-    ) -> bool {
+    fn open_in(&mut self, pieces: &[(u64, u64)], open: &mut dyn FnMut(&mut [u8]) -> bool) -> bool {
         if let [(addr, len)] = pieces {
-            return self.memory.with_writable(*addr, *len, open).unwrap_or(false);
+            return self
+                .memory
+                .with_writable(*addr, *len, open)
+                .unwrap_or(false);
         }
         let total: u64 = pieces.iter().map(|(_, len)| len).sum();
         self.bounce.clear();

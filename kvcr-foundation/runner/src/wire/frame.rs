@@ -208,8 +208,7 @@ pub(crate) trait Slots {
     /// (in place when they are one piece) and keeps what it leaves when it
     /// returns `true`. `false` when it returns `false`, or the pieces
     /// cannot be reached.
-    fn open_in(&mut self, pieces: &[(u64, u64)], open: &mut dyn FnMut(&mut [u8]) -> bool)
-    -> bool;
+    fn open_in(&mut self, pieces: &[(u64, u64)], open: &mut dyn FnMut(&mut [u8]) -> bool) -> bool;
 }
 
 #[cfg(test)]

@@ -178,7 +178,12 @@ impl Opener {
     /// Opens `bytes` in place as the next record, a `kind` one, sealed
     /// with `tag`: `false` (and `bytes` not plaintext) when it does not
     /// open there, which ends the stream.
-    pub(crate) fn open(&mut self, kind: RecordKind, bytes: &mut [u8], tag: &[u8; TAG_BYTES]) -> bool {
+    pub(crate) fn open(
+        &mut self,
+        kind: RecordKind,
+        bytes: &mut [u8],
+        tag: &[u8; TAG_BYTES],
+    ) -> bool {
         let n = self.next;
         let Some(next) = n.checked_add(1) else {
             return false;

@@ -119,11 +119,7 @@ impl Relay {
                 let Ok(source) = TcpStream::connect(listening) else {
                     continue;
                 };
-                let taps = (
-                    Arc::clone(&seen),
-                    Arc::clone(&armed),
-                    Arc::clone(&tampered),
-                );
+                let taps = (Arc::clone(&seen), Arc::clone(&armed), Arc::clone(&tampered));
                 std::thread::spawn(move || forward(dialer, source, tamper, taps));
             }
         });
@@ -144,7 +140,8 @@ fn forward(mut dialer: TcpStream, mut source: TcpStream, tamper: Tamper, taps: T
         return;
     }
     let stream = &first == b"KVCR-D2\0";
-    let (mut source_in, mut dialer_out) = (source.try_clone().unwrap(), dialer.try_clone().unwrap());
+    let (mut source_in, mut dialer_out) =
+        (source.try_clone().unwrap(), dialer.try_clone().unwrap());
     std::thread::spawn(move || {
         let (seen, armed, tampered) = taps;
         let mut held: Option<Vec<u8>> = None;
@@ -245,9 +242,15 @@ fn kv_pages_cross_a_data_stream_in_the_clear_only_when_sealing_is_off(
         "the restore came on the data stream"
     );
     let seen = relay.seen.lock().unwrap().clone();
-    assert!(seen.len() >= keys.len() * BLOCK, "every page crossed the relay");
+    assert!(
+        seen.len() >= keys.len() * BLOCK,
+        "every page crossed the relay"
+    );
     assert_eq!(any_page_in(&seen, &source, &keys), in_the_clear);
-    assert_eq!(target.runner.peers().control_stats().stream_records_refused, 0);
+    assert_eq!(
+        target.runner.peers().control_stats().stream_records_refused,
+        0
+    );
 }
 
 /// An on-path relay (no secret) alters a data stream's records as they
@@ -282,13 +285,18 @@ fn a_data_stream_altered_on_the_way_ends_without_a_wrong_success(
     crate::wait_until("the stream to end", Duration::from_secs(10), || {
         target.runner.peers().control_stats().stream_records_refused == 1
     });
-    crate::wait_until("the source to see it closed", Duration::from_secs(10), || {
-        source.runner.peers().control_stats().open_sockets < sockets
-    });
+    crate::wait_until(
+        "the source to see it closed",
+        Duration::from_secs(10),
+        || source.runner.peers().control_stats().open_sockets < sockets,
+    );
     let again: Vec<u64> = (32..48).collect();
     let result = fetch_on_hint(&mut target, "again", &hint(&source, &again), &again);
     assert_restored(&target, &source, &result, &again);
-    assert_eq!(target.runner.peers().control_stats().stream_records_refused, 1);
+    assert_eq!(
+        target.runner.peers().control_stats().stream_records_refused,
+        1
+    );
     target.runner.check_invariants().unwrap();
     source.runner.check_invariants().unwrap();
 }

@@ -1559,7 +1559,10 @@ fn a_byte_flipped_on_a_data_stream_never_succeeds() {
     } else {
         check_flipped(&target, &source, &result, &keys, &flipped);
     }
-    assert_eq!(target.runner.peers().control_stats().stream_records_refused, 1);
+    assert_eq!(
+        target.runner.peers().control_stats().stream_records_refused,
+        1
+    );
     // The target ended the stream; the relay closes the source's end too.
     crate::wait_until("the stream to close", Duration::from_secs(10), || {
         closed.load(Ordering::SeqCst) == 1

@@ -13,8 +13,8 @@ use crate::copy::test_memory::TestBuffer;
 use crate::wire::frame::test_lander::{GrantedAmongOthers, Recorder, frame, frame_in, header};
 use crate::wire::frame::{MAX_RECORD, PREFIX_BYTES, frame_prefix, seal_frame};
 use crate::wire::record::SLOT_BYTES;
-use crate::wire::sealing::tests::pair;
 use crate::wire::sealing::Sealer;
+use crate::wire::sealing::tests::pair;
 
 /// A connected pair on loopback: our end, and the peer's (std, blocking).
 async fn pair_of_sockets() -> (TcpStream, std::net::TcpStream) {
@@ -231,8 +231,9 @@ fn queued_frames_leave_whole_and_in_order(#[values(false, true)] sealed: bool) {
         for payload in [&ab[..], &b[..10]] {
             let len = payload.len() as u64;
             let record = MAX_RECORD as u32;
-            expected
-                .extend(seal_frame(expected_sealer.as_mut(), len, record, &header, payload).unwrap());
+            expected.extend(
+                seal_frame(expected_sealer.as_mut(), len, record, &header, payload).unwrap(),
+            );
         }
         let mut wire = vec![0u8; expected.len()];
         std::io::Read::read_exact(&mut peer, &mut wire).unwrap();
@@ -272,14 +273,20 @@ fn a_large_sealed_write_lands_byte_exact() {
         for _ in 0..100_000 {
             #[allow(clippy::disallowed_methods)]
             let now = Instant::now();
-            assert!(!out.pump(&memory, &mut sent, now, Duration::from_secs(60)).broken);
+            assert!(
+                !out.pump(&memory, &mut sent, now, Duration::from_secs(60))
+                    .broken
+            );
             assert!(!stream.pump(&memory, &mut lander).broken);
             if lander.events.len() == 2 {
                 break;
             }
             tokio::task::yield_now().await;
         }
-        assert_eq!(lander.events, [format!("open 1 {}", 4 * page), "landed 5".into()]);
+        assert_eq!(
+            lander.events,
+            [format!("open 1 {}", 4 * page), "landed 5".into()]
+        );
         let landed: Vec<u8> = slots.iter().flat_map(|s| s.read(page)).collect();
         assert!(landed == bytes);
         assert_eq!(sent, [1]);

@@ -146,10 +146,9 @@ impl<T> FrameReader<T> {
             PREFIX_BYTES
         };
         match &mut self.state {
-            Recv::Prefix { buf, have } => Want::Bytes(
-                buf.get_mut(*have..prefix_bytes)
-                    .unwrap_or_default(),
-            ),
+            Recv::Prefix { buf, have } => {
+                Want::Bytes(buf.get_mut(*have..prefix_bytes).unwrap_or_default())
+            }
             Recv::Payload(payload) if payload.body < payload.current() => {
                 let (from, to) = (
                     payload.landed + payload.body,

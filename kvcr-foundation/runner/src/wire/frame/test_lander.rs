@@ -62,11 +62,7 @@ impl Lander for Recorder {
 pub(crate) struct BufferSlots<'a>(pub(crate) &'a mut [u8]);
 
 impl Slots for BufferSlots<'_> {
-    fn open_in(
-        &mut self,
-        pieces: &[(u64, u64)],
-        open: &mut dyn FnMut(&mut [u8]) -> bool,
-    ) -> bool {
+    fn open_in(&mut self, pieces: &[(u64, u64)], open: &mut dyn FnMut(&mut [u8]) -> bool) -> bool {
         let range = |(at, len): (u64, u64)| at as usize..(at + len) as usize;
         if let [piece] = pieces {
             return open(&mut self.0[range(*piece)]);
@@ -130,9 +126,8 @@ impl GrantedAmongOthers {
     /// by `sealer` in records of `record` bytes (or plain).
     pub(crate) fn new(skipped: usize, mut sealer: Option<&mut Sealer>, record: u32) -> Self {
         let payload: Vec<u8> = (0..8000u32).map(|i| (i * 7 % 251) as u8).collect();
-        let mut frame = |kind, tag, payload: &[u8]| {
-            frame_in(sealer.as_deref_mut(), kind, tag, payload, record)
-        };
+        let mut frame =
+            |kind, tag, payload: &[u8]| frame_in(sealer.as_deref_mut(), kind, tag, payload, record);
         let mut wire = frame(0, 0, &vec![0xee; skipped]);
         wire.extend(frame(1, 9, &payload));
         wire.extend(frame(0, 0, &[]));
