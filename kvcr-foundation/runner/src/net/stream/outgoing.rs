@@ -11,7 +11,7 @@ use kvcr_sys::MemoryRegistry;
 use tokio::net::TcpStream;
 
 use super::{MAX_IOV, Pumped, StreamHold, TURN_BYTES};
-use crate::wire::frame::{PREFIX_BYTES, fitted_record, frame_prefix, unsent_pieces};
+use crate::wire::frame::{MAX_RECORD, PREFIX_BYTES, fitted_record, frame_prefix, unsent_pieces};
 use crate::wire::part::spans_in_range;
 use crate::wire::record::SLOT_BYTES;
 use crate::wire::sealing::{RecordKind, Sealer};
@@ -19,6 +19,10 @@ use crate::wire::sealing::{RecordKind, Sealer};
 /// A sealed stream's send buffer is filled with records up to about this
 /// many bytes (one record past it at most) before the socket takes them.
 const FILL_BYTES: usize = 256 << 10;
+/// The send buffer's size: [`FILL_BYTES`], then a prefix and a record past
+/// it, each with its tag.
+const BUFFER_BYTES: usize =
+    FILL_BYTES + PREFIX_BYTES + MAX_RECORD as usize + 2 * crate::wire::sealing::TAG_BYTES;
 
 /// One write on its way out: its prefix, then its spans of our pool.
 struct OutFrame {
@@ -40,8 +44,10 @@ struct OutFrame {
 /// A sealed stream's records on their way out.
 struct Sealing {
     sealer: Sealer,
-    /// Sealed records not yet all taken by the socket.
+    /// Sealed records (its first `filled` bytes) not yet all taken by the
+    /// socket (allocated once: records are copied and sealed in place).
     buf: Vec<u8>,
+    filled: usize,
     /// Bytes of `buf` the socket took.
     sent: usize,
     /// The writes whose last record is in `buf`, with where it ends.
@@ -82,7 +88,8 @@ impl OutStream {
             stalled_since: None,
             sealing: sealer.map(|sealer| Sealing {
                 sealer,
-                buf: Vec::with_capacity(2 * FILL_BYTES + 1024),
+                buf: vec![0; BUFFER_BYTES],
+                filled: 0,
                 sent: 0,
                 ends: VecDeque::new(),
             }),
@@ -129,7 +136,7 @@ impl OutStream {
 
     /// Whether frames wait for the socket.
     pub(crate) fn wants_write(&self) -> bool {
-        !self.frames.is_empty() || self.sealing.as_ref().is_some_and(|s| s.sent < s.buf.len())
+        !self.frames.is_empty() || self.sealing.as_ref().is_some_and(|s| s.sent < s.filled)
     }
 
     /// The writes queued and not yet sent whole, removed (the stream goes).
@@ -137,7 +144,7 @@ impl OutStream {
         let mut unsent = Vec::new();
         if let Some(sealing) = &mut self.sealing {
             unsent.extend(sealing.ends.drain(..).map(|(_, write)| write));
-            sealing.buf.clear();
+            sealing.filled = 0;
             sealing.sent = 0;
         }
         unsent.extend(self.frames.drain(..).map(|f| f.write));
@@ -241,18 +248,21 @@ impl OutStream {
         };
         let mut budget = TURN_BYTES;
         while budget > 0 {
-            if sealing.sent == sealing.buf.len() {
-                sealing.buf.clear();
+            if sealing.sent == sealing.filled {
+                sealing.filled = 0;
                 sealing.sent = 0;
                 if !fill(sealing, &mut self.frames, memory) {
                     pumped.broken = true;
                     return pumped;
                 }
-                if sealing.buf.is_empty() {
+                if sealing.filled == 0 {
                     break;
                 }
             }
-            let rest = sealing.buf.get(sealing.sent..).unwrap_or_default();
+            let rest = sealing
+                .buf
+                .get(sealing.sent..sealing.filled)
+                .unwrap_or_default();
             match self.socket.try_write(rest) {
                 Ok(0) => {
                     pumped.broken = true;
@@ -286,23 +296,31 @@ impl OutStream {
 /// sealer's numbers ran out (the stream must end).
 fn fill(sealing: &mut Sealing, frames: &mut VecDeque<OutFrame>, memory: &MemoryRegistry) -> bool {
     let Sealing {
-        sealer, buf, ends, ..
+        sealer,
+        buf,
+        filled,
+        ends,
+        ..
     } = sealing;
-    while buf.len() < FILL_BYTES {
+    while *filled < FILL_BYTES {
         let Some(frame) = frames.front_mut() else {
             break;
         };
         if !frame.prefix_sealed {
-            if !seal_into(sealer, RecordKind::Prefix, buf, &frame.prefix) {
+            let Some(into) = buf.get_mut(*filled..*filled + PREFIX_BYTES) else {
                 return false;
-            }
+            };
+            into.copy_from_slice(&frame.prefix);
+            let Some(sealed) = seal_at(sealer, RecordKind::Prefix, buf, *filled, PREFIX_BYTES)
+            else {
+                return false;
+            };
+            *filled += sealed;
             frame.prefix_sealed = true;
         }
-        while frame.done < frame.len && buf.len() < FILL_BYTES {
+        while frame.done < frame.len && *filled < FILL_BYTES {
             let record = (frame.len - frame.done).min(frame.record);
-            let at = buf.len();
-            buf.resize(at + record as usize, 0);
-            let mut into = at;
+            let mut into = *filled;
             for (addr, len) in spans_in_range(&frame.spans, frame.done..frame.done + record) {
                 let end = into + len as usize;
                 // The span is a claimed page of ours (see `pump`).
@@ -314,33 +332,34 @@ fn fill(sealing: &mut Sealing, frames: &mut VecDeque<OutFrame>, memory: &MemoryR
                 }
                 into = end;
             }
-            let Some(tag) = buf
-                .get_mut(at..)
-                .and_then(|plain| sealer.seal(RecordKind::Payload, plain))
+            let Some(sealed) = seal_at(sealer, RecordKind::Payload, buf, *filled, record as usize)
             else {
                 return false;
             };
-            buf.extend_from_slice(&tag);
+            *filled += sealed;
             frame.done += record;
         }
         if frame.done < frame.len {
             break;
         }
-        ends.push_back((buf.len(), frame.write));
+        ends.push_back((*filled, frame.write));
         frames.pop_front();
     }
     true
 }
 
-/// Appends `plain` to `buf`, sealed as the next `kind` record, and its tag.
-fn seal_into(sealer: &mut Sealer, kind: RecordKind, buf: &mut Vec<u8>, plain: &[u8]) -> bool {
-    let at = buf.len();
-    buf.extend_from_slice(plain);
-    match buf.get_mut(at..).and_then(|bytes| sealer.seal(kind, bytes)) {
-        Some(tag) => {
-            buf.extend_from_slice(&tag);
-            true
-        }
-        None => false,
-    }
+/// Seals the `len` bytes of `buf` at `at` in place as the next `kind`
+/// record and writes its tag after them: the bytes they take (`None`: past
+/// the buffer, or the sealer's numbers ran out).
+fn seal_at(
+    sealer: &mut Sealer,
+    kind: RecordKind,
+    buf: &mut [u8],
+    at: usize,
+    len: usize,
+) -> Option<usize> {
+    let tag = sealer.seal(kind, buf.get_mut(at..at + len)?)?;
+    buf.get_mut(at + len..at + len + tag.len())?
+        .copy_from_slice(&tag);
+    Some(len + tag.len())
 }
