@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use kvcr_foundation::hint::FetchMode;
 use kvcr_foundation::protocol::ElementRef;
 use kvcr_foundation::runner::{
-    DataStream, DepositEntry, PeerOptions, RegionDesc, Runner, RunnerConfig,
+    DataStream, DepositEntry, PeerOptions, RegionDesc, Runner, RunnerConfig, StreamSealing,
 };
 use kvcr_foundation::sys;
 use kvcr_foundation::{
@@ -89,6 +89,14 @@ fn options(path: Path<'_>) -> PeerOptions {
     match std::env::var("KVCR_BENCH_DATA_STREAM").as_deref() {
         Ok("off") => o.data_stream = DataStream::Off,
         Ok("on") => o.data_stream = DataStream::On,
+        _ => {}
+    }
+    // `KVCR_BENCH_STREAM_SEALING=off|on`: whether data streams carry AEAD
+    // records (default: the runner's, plain without a cluster secret), to
+    // compare on one binary.
+    match std::env::var("KVCR_BENCH_STREAM_SEALING").as_deref() {
+        Ok("off") => o.stream_sealing = StreamSealing::Off,
+        Ok("on") => o.stream_sealing = StreamSealing::On,
         _ => {}
     }
     // `KVCR_BENCH_MAILBOX=off`: targets post no request to their sources'

@@ -742,6 +742,7 @@ fn stats(node: &mut Node, publisher: Option<&Publisher>) {
                 "writes_sent": control.stream_writes_sent,
                 "writes_taken": control.stream_writes_taken,
                 "writes_refused": control.stream_writes_refused,
+                "records_refused": control.stream_records_refused,
             },
             "mailbox": {
                 "posted": control.mailbox_requests_posted,

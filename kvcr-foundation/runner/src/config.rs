@@ -261,6 +261,9 @@ pub struct PeerOptions {
     /// Whether sources that reach this runner through UCX write into it
     /// over a data stream instead (see [`DataStream`]).
     pub data_stream: DataStream,
+    /// Whether data streams carry AEAD records (see [`StreamSealing`];
+    /// default: sealed when a cluster secret is set).
+    pub stream_sealing: StreamSealing,
     /// As a target, also post each small `start_write` to a same-host
     /// source's mailbox in this runner's doorbell file (on by default): a
     /// source that maps the file and is awake takes it from there without
@@ -310,6 +313,47 @@ impl DataStream {
                 let names: Vec<&str> = tls.split(',').map(str::trim).collect();
                 names.contains(&"tcp") && names.iter().all(|n| matches!(*n, "tcp" | "self"))
             }),
+        }
+    }
+}
+
+/// Whether a data stream's payloads are sealed: every frame's prefix and
+/// every record of its payload AES-256-GCM under a key of the stream's
+/// own, derived from the control session it proved (see
+/// `crate::net::stream`). Sealed, an observer or relay on the path between
+/// two members reads no page byte, and an altered, replayed, reordered or
+/// truncated record ends the stream and fails the write it carried, at
+/// once. It costs the source a copy of each page into a send buffer and a
+/// pass to seal it, and the target a pass to open it in place.
+///
+/// A target asks for what its option says when it dials; a source whose
+/// option says sealed refuses a stream that asks for plain records (the
+/// target's writes then go through UCX), and serves sealed records to any
+/// target that asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StreamSealing {
+    /// Sealed when a cluster secret is set; plain without one, where the
+    /// control listener, and so every data stream, is on loopback only.
+    #[default]
+    Auto,
+    /// Always sealed.
+    On,
+    /// Plain: the payloads go in the clear, as UCX's tcp puts do, from the
+    /// pool with no copy. What this gives up: anyone who can read the
+    /// network path between two members reads the KV pages they restore,
+    /// and bytes altered on the way are caught only by the page digests
+    /// (which fail the altered keys, `FailReason::DigestMismatch`), not
+    /// refused at the record. Only for networks where that is acceptable.
+    Off,
+}
+
+impl StreamSealing {
+    /// Whether records are sealed, with or without a cluster secret.
+    pub(crate) fn sealed(self, with_secret: bool) -> bool {
+        match self {
+            Self::On => true,
+            Self::Off => false,
+            Self::Auto => with_secret,
         }
     }
 }
@@ -377,6 +421,7 @@ impl std::fmt::Debug for PeerOptions {
             .field("ucx_route_mapping_limit", &self.ucx_route_mapping_limit)
             .field("route_budget_total", &self.route_budget_total)
             .field("data_stream", &self.data_stream)
+            .field("stream_sealing", &self.stream_sealing)
             .field("request_mailbox", &self.request_mailbox)
             .field("static_key", &self.static_key)
             .field("keyless_sources", &self.keyless_sources)
@@ -527,6 +572,7 @@ impl PeerOptions {
             ucx_route_mapping_limit: 0,
             route_budget_total: RouteBudget::TOTAL,
             data_stream: DataStream::Auto,
+            stream_sealing: StreamSealing::Auto,
             request_mailbox: true,
             static_key: None,
             keyless_sources: KeylessSources::default(),

@@ -66,7 +66,7 @@ pub use kvcr_runner_core::{
 };
 
 pub use self::config::{
-    DataStream, GuardOptions, MAX_POOL_BYTES, PeerOptions, PutSplit, RunnerConfig,
+    DataStream, GuardOptions, MAX_POOL_BYTES, PeerOptions, PutSplit, RunnerConfig, StreamSealing,
 };
 pub use self::copy::device::DeviceCopier;
 pub use self::error::{Error, Result};

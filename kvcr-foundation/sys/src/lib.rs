@@ -16,6 +16,7 @@
 //! | [`digest`] | page digests (xxh3-64) over registered memory, taken and checked through the registry |
 //! | [`owned`] | owned memory held by the registry and a UCX registration at once |
 //! | `vectored` (private, behind `MemoryRegistry`) | `readv`/`writev` between a socket and spans of memory |
+//! | `in_place` (private, behind `MemoryRegistry`) | registered bytes read out, or changed in place |
 //! | [`direct_io`] | `openat`, `flock`, `statx`, slot `pread`/`pwrite`, [`DirectBuf`](direct_io::DirectBuf) |
 //! | [`fd_passing`] | `SCM_RIGHTS`, peer credentials, pidfds |
 //! | [`thread`] | per-thread knobs: timer slack, priority |
@@ -34,6 +35,7 @@ pub mod direct_io;
 pub mod error;
 pub mod fd_passing;
 pub mod heap;
+mod in_place;
 pub mod mapping;
 pub mod memfd;
 pub mod owned;

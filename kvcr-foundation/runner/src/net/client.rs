@@ -22,9 +22,12 @@ use tokio::net::TcpStream;
 use super::listener::{self, Accepted};
 use super::member::StaticKey;
 use super::session::{self, LocalMember, PeerIdentity, RECORD_MAX};
+use super::stream::StreamHello;
 use crate::error::{Error, Result, RunnerReason};
+use crate::wire::frame::{MAX_RECORD, seal_frame};
 use crate::wire::part::Part;
 use crate::wire::record::{RecordKey, SLOT_BYTES};
+use crate::wire::sealing::{KeyInput, Sealer};
 use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::protocol::codec::FrameCodec;
@@ -53,42 +56,94 @@ pub enum Dialed {
 }
 
 /// The acceptor's end of a data stream a target dialed: what it claimed,
-/// the challenge it was sent and the proof it gave, then a blocking socket
-/// on which frames go out as a data stream lays them out
-/// (`len:u64le | header:[u8; 64] | payload`).
+/// the challenge it was sent, the proof it gave and the terms it asked for,
+/// then a blocking socket on which frames go out as a data stream lays
+/// them out (sealed once [keyed](DataStreamPeer::keyed), when the target
+/// asked for sealed records).
 pub struct DataStreamPeer {
     socket: std::net::TcpStream,
-    claim: ControlEndpoint,
-    challenge: [u8; 32],
-    proof: [u8; 32],
+    hello: StreamHello,
+    /// Boxed: a key schedule is large beside the rest.
+    sealer: Option<Box<Sealer>>,
 }
 
 impl DataStreamPeer {
     /// The control endpoint the dialer claimed.
     pub fn claim(&self) -> &ControlEndpoint {
-        &self.claim
+        &self.hello.claim
+    }
+
+    /// Whether the dialer asked for sealed records.
+    pub fn asks_sealed(&self) -> bool {
+        self.hello.terms.sealed
     }
 
     /// Whether the dialer's proof answers our challenge under `key` (a
     /// session's record key, as its target advertised it).
     pub fn proves(&self, key: &[u8; 32]) -> bool {
-        RecordKey::new(key).verify_stream_proof(&self.challenge, &self.claim, &self.proof)
+        let hello = &self.hello;
+        RecordKey::new(key).verify_stream_proof(
+            &hello.challenge,
+            &hello.claim,
+            &hello.terms,
+            &hello.proof,
+        )
     }
 
-    /// Sends a frame's prefix claiming `len` payload bytes under `header`,
-    /// then `payload` (which may be shorter or longer than `len`: how a
-    /// source lies about a frame).
+    /// Seals the frames sent from now on with the stream's key, derived
+    /// from the session's record `key` (as an honest source does), when the
+    /// dialer asked for sealed records; numbered from the stream's first.
+    pub fn keyed(&mut self, key: &[u8; 32]) -> Result<()> {
+        if !self.hello.terms.sealed {
+            return Ok(());
+        }
+        let hello = &self.hello;
+        let sealer = Sealer::new(&KeyInput {
+            session_key: key,
+            challenge: &hello.challenge,
+            nonce: &hello.terms.nonce,
+            claim: &hello.claim,
+        })
+        .ok_or(refused("could not derive the stream key"))?;
+        self.sealer = Some(Box::new(sealer));
+        Ok(())
+    }
+
+    /// A frame's bytes as they would go out next: its prefix claiming
+    /// `len` payload bytes under `header`, then `payload` (which may be
+    /// shorter or longer than `len`: how a source lies about a frame),
+    /// sealed in records (each taking the next number) when keyed. Sending
+    /// them later, twice or out of order is how a replay is tried.
+    pub fn frame_bytes(
+        &mut self,
+        len: u64,
+        header: &[u8; SLOT_BYTES],
+        payload: &[u8],
+    ) -> Result<Vec<u8>> {
+        if self.hello.terms.sealed && self.sealer.is_none() {
+            return Err(refused("a sealed stream sends nothing before it is keyed"));
+        }
+        let record = u32::try_from(MAX_RECORD).unwrap_or(u32::MAX);
+        seal_frame(self.sealer.as_deref_mut(), len, record, header, payload)
+            .ok_or(refused("the stream's record numbers ran out"))
+    }
+
+    /// Sends [`DataStreamPeer::frame_bytes`] of a frame.
     pub fn send_frame(
         &mut self,
         len: u64,
         header: &[u8; SLOT_BYTES],
         payload: &[u8],
     ) -> Result<()> {
+        let bytes = self.frame_bytes(len, header, payload)?;
+        self.send_raw(&bytes)
+    }
+
+    /// Sends `bytes` as they are.
+    pub fn send_raw(&mut self, bytes: &[u8]) -> Result<()> {
         use std::io::Write;
-        let prefix = crate::wire::frame::frame_prefix(len, header);
         self.socket
-            .write_all(&prefix)
-            .and_then(|()| self.socket.write_all(payload))
+            .write_all(bytes)
             .map_err(|_| refused("write failed"))
     }
 
@@ -289,9 +344,8 @@ impl ControlClient {
                     .map_err(|_| refused("could not keep the stream"))?;
                 Ok(Dialed::DataStream(DataStreamPeer {
                     socket,
-                    claim: hello.claim,
-                    challenge: hello.challenge,
-                    proof: hello.proof,
+                    hello,
+                    sealer: None,
                 }))
             }
             None => Err(refused("no session or data stream in time")),

@@ -194,6 +194,9 @@ pub(crate) struct ControlStats {
     /// exactly the operation's granted bytes, or its operation ended
     /// mid-payload).
     pub(crate) stream_writes_refused: AtomicU64,
+    /// Sealed records a target read on a data stream that did not open
+    /// (each ended its stream).
+    pub(crate) stream_records_refused: AtomicU64,
     /// Requests this runner also posted to a source's mailbox (as a target).
     pub(crate) mailbox_requests_posted: AtomicU64,
     /// Requests this runner took from a target's mailbox, ahead of their
@@ -247,6 +250,7 @@ impl ControlStats {
             stream_writes_sent: self.stream_writes_sent.load(Ordering::Relaxed),
             stream_writes_taken: self.stream_writes_taken.load(Ordering::Relaxed),
             stream_writes_refused: self.stream_writes_refused.load(Ordering::Relaxed),
+            stream_records_refused: self.stream_records_refused.load(Ordering::Relaxed),
             mailbox_requests_posted: self.mailbox_requests_posted.load(Ordering::Relaxed),
             mailbox_requests_taken: self.mailbox_requests_taken.load(Ordering::Relaxed),
             mailbox_requests_refused: self.mailbox_requests_refused.load(Ordering::Relaxed),
@@ -320,6 +324,11 @@ pub struct ControlCounters {
     /// under the session's key, an operation not (or no longer) awaited, a
     /// part already landed, or a length not exactly its share.
     pub stream_writes_refused: u64,
+    /// Sealed records that did not open as a target (altered, replayed,
+    /// moved, dropped or cut short on the way, or not sealed under the
+    /// stream's key): each ended its data stream, and the write it was
+    /// landing failed its keys (`FailReason::DigestMismatch`).
+    pub stream_records_refused: u64,
     /// Requests posted to a same-host source's mailbox beside their control
     /// message (as a target).
     pub mailbox_requests_posted: u64,

@@ -216,6 +216,9 @@ struct State {
     streams_dialed: mpsc::UnboundedReceiver<DialedStream>,
     /// Whether we dial data streams to our sources ([`DataStream`]).
     data_stream: bool,
+    /// Whether the data streams we dial ask for sealed records, and those
+    /// dialed to us must ([`crate::StreamSealing`]).
+    seal_streams: bool,
     /// Whether we post requests to our sources' mailboxes
     /// ([`PeerOptions::request_mailbox`]).
     request_mailbox: bool,

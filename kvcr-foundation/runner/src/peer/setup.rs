@@ -140,6 +140,7 @@ impl State {
                         .or_else(|| std::env::var("UCX_TLS").ok())
                         .as_deref(),
                 ),
+                seal_streams: options.stream_sealing.sealed(options.secret.is_some()),
                 endpoint: endpoint_for_streams,
                 stream_limits: (
                     options.limits.handshake_timeout,

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvcr_contracts::endpoint::ControlEndpoint;
+use kvcr_contracts::protocol::{Body, CompletedIndices, Message, WriteOutcome};
 use kvcr_runner_core::PutSpan;
 
 use super::State;
@@ -21,14 +22,20 @@ use crate::shared::Shared;
 use crate::wire::doorbell::OpenedMessage;
 use crate::wire::part::{Part, PartFit};
 use crate::wire::record::SLOT_BYTES;
+use crate::wire::sealing::{KeyInput, Opener, Sealer};
 
 /// Most data streams held while their routes are built (each also holds
 /// its place under the control channel's caps until then).
 const MAX_PARKED_STREAMS: usize = 64;
 
 /// A data stream dial's outcome: the source, the session (ours, to it)
-/// whose key it proved, and the connection (`None`: it failed).
-pub(super) type DialedStream = (ControlEndpoint, u64, Option<tokio::net::TcpStream>);
+/// whose key it proved, and the connection with its records' opener
+/// (`None`: it failed).
+pub(super) type DialedStream = (
+    ControlEndpoint,
+    u64,
+    Option<(tokio::net::TcpStream, Option<Opener>)>,
+);
 
 impl State {
     /// Dials a data stream to `source` (beside the metadata we send it, and
@@ -53,10 +60,10 @@ impl State {
             self.endpoint.clone(),
             self.streams_dialed_tx.clone(),
         );
-        let within = self.stream_limits.0;
+        let (within, sealed) = (self.stream_limits.0, self.seal_streams);
         tokio::spawn(async move {
-            let socket =
-                tokio::time::timeout(within, crate::net::stream::dial(&source, &claim, &key)).await;
+            let dial = crate::net::stream::dial(&source, &claim, &key, sealed);
+            let socket = tokio::time::timeout(within, dial).await;
             let _ = tx.send((source, session, socket.ok().flatten()));
         });
     }
@@ -70,9 +77,11 @@ impl State {
             .doorbell
             .session_key(&source)
             .is_some_and(|(s, _)| s == session);
-        if let (Some(socket), true, false) = (socket, current, self.doorbell.maps_us(&source)) {
+        if let (Some((socket, opener)), true, false) =
+            (socket, current, self.doorbell.maps_us(&source))
+        {
             self.in_streams
-                .insert(source, InStream::new(session, socket));
+                .insert(source, InStream::new(session, socket, opener));
             self.control
                 .stats
                 .streams_opened
@@ -82,16 +91,17 @@ impl State {
 
     /// A target dialed us a data stream: bound to it (replacing an older
     /// one) only if its proof verifies under the key of the route we built
-    /// from that target's session; dropped otherwise.
+    /// from that target's session, and it asks for sealed records unless we
+    /// allow plain ones; dropped otherwise.
     pub(super) fn bind_out_stream(
         &mut self,
         shared: &Arc<Shared>,
         accepted: crate::net::AcceptedStream,
     ) {
-        let Some(route) = self.routes.get(&accepted.claim) else {
+        let Some(route) = self.routes.get(accepted.claim()) else {
             // Its route is not built yet (the target dials beside its
             // metadata): held until it is, or until the handshake deadline.
-            let claim = accepted.claim.clone();
+            let claim = accepted.claim().clone();
             if self.parked_streams.len() < MAX_PARKED_STREAMS
                 || self.parked_streams.contains_key(&claim)
             {
@@ -108,11 +118,22 @@ impl State {
         let key = route
             .session_key
             .as_ref()
-            .filter(|(key, _)| {
-                key.verify_stream_proof(&accepted.challenge, &accepted.claim, &accepted.proof)
-            })
+            .filter(|(key, _)| accepted.proves(key))
             .map(|(_, bytes)| *bytes);
-        let Some(key) = key else {
+        let hello = &accepted.hello;
+        let sealer = match (key, hello.terms.sealed) {
+            (Some(key), true) => Sealer::new(&KeyInput {
+                session_key: &key,
+                challenge: &hello.challenge,
+                nonce: &hello.terms.nonce,
+                claim: &hello.claim,
+            })
+            .map(|sealer| (key, Some(sealer))),
+            // Plain, where we allow it.
+            (Some(key), false) if !self.seal_streams => Some((key, None)),
+            _ => None,
+        };
+        let Some((key, sealer)) = sealer else {
             self.count_refused_streams(1);
             return;
         };
@@ -126,11 +147,11 @@ impl State {
             .stats
             .streams_opened
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let target = accepted.claim.clone();
+        let target = accepted.claim().clone();
         self.drop_out_stream(shared, &target);
         self.out_streams.insert(
             target,
-            OutStream::new(key, accepted.socket, Some(accepted.hold)),
+            OutStream::new(key, accepted.socket, sealer, Some(accepted.hold)),
         );
     }
 
@@ -180,6 +201,11 @@ impl State {
         let Some((key, bytes)) = route.session_key.as_ref() else {
             return false;
         };
+        // A stream its target closed (it found a record that did not open,
+        // say) carries nothing more: its writes go through UCX.
+        if self.out_streams.get(target).is_some_and(OutStream::closed) {
+            self.drop_out_stream(shared, target);
+        }
         let Some(out) = self
             .out_streams
             .get_mut(target)
@@ -233,6 +259,14 @@ impl State {
             let now = Instant::now();
             let (mut sent, mut failed, mut broken) = (Vec::new(), Vec::new(), Vec::new());
             for (target, out) in &mut self.out_streams {
+                // Its target closed it (a record did not open, say): nothing
+                // queued on it would land, and the next write goes through
+                // UCX. Seen at once: its socket turns readable.
+                if out.closed() {
+                    failed.extend(out.take_unsent());
+                    broken.push(target.clone());
+                    continue;
+                }
                 if !out.wants_write() {
                     continue;
                 }
@@ -260,7 +294,7 @@ impl State {
                 });
             }
         }
-        let mut broken = Vec::new();
+        let (mut broken, mut torn) = (Vec::new(), Vec::new());
         for (source, stream) in &mut self.in_streams {
             let mut lander = FrameLander {
                 doorbell: &mut self.doorbell,
@@ -268,6 +302,7 @@ impl State {
                 shared,
                 source,
                 session: stream.session,
+                torn: None,
             };
             // The lander grants only the elements of an operation that
             // waits for its reply from this stream's source (the core's
@@ -278,6 +313,7 @@ impl State {
             // while this read runs.
             let pumped = stream.pump(&self.memory, &mut lander);
             moved |= pumped.moved;
+            torn.extend(lander.torn.take());
             if pumped.broken {
                 broken.push(source.clone());
             }
@@ -285,12 +321,18 @@ impl State {
         for source in broken {
             self.in_streams.remove(&source);
         }
+        // Failed once their streams are closed: the source sees the close
+        // before any request this failure leads to.
+        for opened in torn {
+            fail_torn(&mut self.doorbell, shared, opened);
+        }
         moved
     }
 }
 
-/// Ready when a data stream has bytes to read, or room for frames that
-/// wait; registers every stream for a wake-up otherwise.
+/// Ready when a data stream has bytes to read, room for frames that wait,
+/// or (ours to a target) was closed; registers every stream for a wake-up
+/// otherwise.
 pub(super) fn streams_ready(
     in_streams: &HashMap<ControlEndpoint, InStream<OpenedMessage>>,
     out_streams: &HashMap<ControlEndpoint, OutStream>,
@@ -302,6 +344,7 @@ pub(super) fn streams_ready(
     }
     for stream in out_streams.values() {
         ready |= stream.poll_writable(cx).is_ready();
+        ready |= stream.poll_closed(cx).is_ready();
     }
     if ready {
         std::task::Poll::Ready(())
@@ -320,6 +363,8 @@ struct FrameLander<'a> {
     shared: &'a Arc<Shared>,
     source: &'a ControlEndpoint,
     session: u64,
+    /// The write a record that did not open belonged to.
+    torn: Option<OpenedMessage>,
 }
 
 impl Lander for FrameLander<'_> {
@@ -387,4 +432,30 @@ impl Lander for FrameLander<'_> {
             .stream_writes_refused
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
+
+    fn torn(&mut self, opened: Option<OpenedMessage>) {
+        self.control
+            .stats
+            .stream_records_refused
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.torn = opened;
+    }
+}
+
+/// A write whose stream tore while it landed: its slots hold bytes that are
+/// not its source's, so every key of it fails as a key whose digest did
+/// not match (counted, never seated), at once rather than at its deadline.
+fn fail_torn(doorbell: &mut TargetDoorbell, shared: &Arc<Shared>, opened: OpenedMessage) {
+    doorbell.forget_op(opened.op);
+    let mismatched: Vec<u32> = (0..opened.keys).collect();
+    let done = Message {
+        header: opened.done.header,
+        body: Body::WriteDone {
+            op_handle: opened.op,
+            outcome: WriteOutcome::Completed(CompletedIndices::new(Vec::new())),
+        },
+    };
+    shared.with_core_now(|core, now| {
+        core.handle_write_done_checked(now, done, &mismatched);
+    });
 }

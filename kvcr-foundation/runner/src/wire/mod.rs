@@ -19,6 +19,8 @@
 //!   them.
 //! * [`route_proof`]: the nonce a source sends an advertised UCX worker
 //!   before it puts anything through it.
+//! * [`sealing`]: a data stream's AEAD records: its key, derived from the
+//!   session it proved, and the numbers its records are sealed under.
 
 pub(crate) mod doorbell;
 pub(crate) mod frame;
@@ -28,3 +30,4 @@ pub(crate) mod part;
 pub(crate) mod record;
 pub(crate) mod region;
 pub(crate) mod route_proof;
+pub(crate) mod sealing;

@@ -14,7 +14,7 @@
 //! tag    := HMAC-SHA256(key, label | op | keys | version | tail | digest | has_digest)
 //! label  := "kvcr-doorbell/1" (a slot: tail zero)
 //!         | "kvcr-write-message/1" (a message header: tail is its part)
-//! proof  := HMAC-SHA256(key, "kvcr-data-stream/1" | challenge | claim)
+//! proof  := HMAC-SHA256(key, "kvcr-data-stream/2" | challenge | claim | terms)
 //! owner  := HMAC-SHA256(key, "kvcr-route-owner/1" | source address, no ?key=)
 //! ```
 //!
@@ -32,15 +32,19 @@ use kvcr_contracts::protocol::OpHandle;
 use ring::hmac;
 
 use super::part::Part;
+use super::sealing::StreamTerms;
 
-/// What a data stream's proof signs: its label, the acceptor's challenge
-/// and the endpoint the dialer claims.
-fn stream_signed(challenge: &[u8; 32], claim: &ControlEndpoint) -> Vec<u8> {
+/// What a data stream's proof signs: its label, the acceptor's challenge,
+/// the endpoint the dialer claims and the terms it asks for (see
+/// [`super::sealing::StreamTerms`]).
+fn stream_signed(challenge: &[u8; 32], claim: &ControlEndpoint, terms: &[u8]) -> Vec<u8> {
     let claim = claim.to_string();
-    let mut signed = Vec::with_capacity(STREAM_LABEL.len() + challenge.len() + claim.len());
+    let mut signed =
+        Vec::with_capacity(STREAM_LABEL.len() + challenge.len() + claim.len() + terms.len());
     signed.extend_from_slice(STREAM_LABEL);
     signed.extend_from_slice(challenge);
     signed.extend_from_slice(claim.as_bytes());
+    signed.extend_from_slice(terms);
     signed
 }
 
@@ -65,7 +69,7 @@ const LABEL: &[u8] = b"kvcr-doorbell/1";
 /// ...and a write message's header; the key signs nothing else.
 const MESSAGE_LABEL: &[u8] = b"kvcr-write-message/1";
 /// ...and a data stream's proof of the key (see [`crate::net::stream`]).
-const STREAM_LABEL: &[u8] = b"kvcr-data-stream/1";
+const STREAM_LABEL: &[u8] = b"kvcr-data-stream/2";
 /// ...and a target's owner tag for one source (see the module docs).
 const OWNER_LABEL: &[u8] = b"kvcr-route-owner/1";
 /// Both record labels are this long (the signed buffer's size).
@@ -166,22 +170,31 @@ impl RecordKey {
     }
 
     /// The proof a data stream's dialer gives for `challenge` (the
-    /// acceptor's) as `claim` (the dialer's control endpoint).
-    pub(crate) fn stream_proof(&self, challenge: &[u8; 32], claim: &ControlEndpoint) -> [u8; 32] {
+    /// acceptor's) as `claim` (the dialer's control endpoint), asking for
+    /// `terms`.
+    pub(crate) fn stream_proof(
+        &self,
+        challenge: &[u8; 32],
+        claim: &ControlEndpoint,
+        terms: &StreamTerms,
+    ) -> [u8; 32] {
+        let signed = stream_signed(challenge, claim, &terms.to_bytes());
         let mut proof = [0u8; 32];
-        proof.copy_from_slice(hmac::sign(&self.0, &stream_signed(challenge, claim)).as_ref());
+        proof.copy_from_slice(hmac::sign(&self.0, &signed).as_ref());
         proof
     }
 
-    /// Whether `proof` is [`RecordKey::stream_proof`] of `challenge` and
-    /// `claim` under this key (checked in constant time).
+    /// Whether `proof` is [`RecordKey::stream_proof`] of `challenge`,
+    /// `claim` and `terms` under this key (checked in constant time).
     pub(crate) fn verify_stream_proof(
         &self,
         challenge: &[u8; 32],
         claim: &ControlEndpoint,
+        terms: &StreamTerms,
         proof: &[u8; 32],
     ) -> bool {
-        hmac::verify(&self.0, &stream_signed(challenge, claim), proof).is_ok()
+        let signed = stream_signed(challenge, claim, &terms.to_bytes());
+        hmac::verify(&self.0, &signed, proof).is_ok()
     }
 
     /// The tag saying this key's session is the doorbell file owner's
@@ -274,22 +287,38 @@ pub(super) mod tests {
     }
 
     /// A data stream's proof verifies only under its key, for the
-    /// challenge it answered and the endpoint it claimed: a recorded proof
-    /// answers no fresh challenge and vouches for no other endpoint.
+    /// challenge it answered, the endpoint it claimed and the terms it asked
+    /// for: a recorded proof answers no fresh challenge, vouches for no
+    /// other endpoint, and a stream asking for sealed records cannot be
+    /// turned into a plain one (nor given another nonce) on the way.
     #[test]
-    fn a_stream_proof_verifies_only_for_its_key_challenge_and_claim() {
+    fn a_stream_proof_verifies_only_for_its_key_challenge_claim_and_terms() {
         let claim: ControlEndpoint = "tcp://10.0.0.1:5000".parse().unwrap();
         let other: ControlEndpoint = "tcp://10.0.0.2:5000".parse().unwrap();
-        let proof = key(1).stream_proof(&[9; 32], &claim);
-        assert!(key(1).verify_stream_proof(&[9; 32], &claim, &proof));
-        assert!(!key(2).verify_stream_proof(&[9; 32], &claim, &proof));
-        assert!(!key(1).verify_stream_proof(&[8; 32], &claim, &proof));
-        assert!(!key(1).verify_stream_proof(&[9; 32], &other, &proof));
+        let terms = StreamTerms {
+            sealed: true,
+            nonce: [5; 32],
+        };
+        let plain = StreamTerms {
+            sealed: false,
+            ..terms
+        };
+        let renonced = StreamTerms {
+            nonce: [6; 32],
+            ..terms
+        };
+        let proof = key(1).stream_proof(&[9; 32], &claim, &terms);
+        assert!(key(1).verify_stream_proof(&[9; 32], &claim, &terms, &proof));
+        assert!(!key(2).verify_stream_proof(&[9; 32], &claim, &terms, &proof));
+        assert!(!key(1).verify_stream_proof(&[8; 32], &claim, &terms, &proof));
+        assert!(!key(1).verify_stream_proof(&[9; 32], &other, &terms, &proof));
+        assert!(!key(1).verify_stream_proof(&[9; 32], &claim, &plain, &proof));
+        assert!(!key(1).verify_stream_proof(&[9; 32], &claim, &renonced, &proof));
         // Nor does a record of the same key pass for a proof.
         let record = key(1).seal(OpHandle(9), 9);
         let mut as_proof = [0u8; 32];
         as_proof.copy_from_slice(&record[TAG]);
-        assert!(!key(1).verify_stream_proof(&[9; 32], &claim, &as_proof));
+        assert!(!key(1).verify_stream_proof(&[9; 32], &claim, &terms, &as_proof));
     }
 
     #[test]

@@ -21,6 +21,7 @@ mod peer_admission;
 mod peer_faults;
 mod peer_identity;
 mod peer_routes;
+mod peer_sealing;
 mod peer_trust;
 mod runner;
 

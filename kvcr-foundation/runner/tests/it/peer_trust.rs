@@ -293,7 +293,7 @@ fn open_forged_stream(
     socket
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    let mut hello = b"KVCR-D1\0".to_vec();
+    let mut hello = b"KVCR-D2\0".to_vec();
     hello.extend_from_slice(&u16::try_from(claim.len()).unwrap().to_be_bytes());
     hello.extend_from_slice(claim);
     // A source that refused the connection may have reset it already.
@@ -309,7 +309,11 @@ fn open_forged_stream(
         let state = std::collections::hash_map::RandomState::new();
         std::array::from_fn(|i| state.hash_one(i).to_le_bytes()[0])
     });
-    let _ = socket.write_all(&proof);
+    // The terms it asks for: sealed records, a nonce of its own.
+    let mut answer = proof.to_vec();
+    answer.push(1);
+    answer.extend_from_slice(&[0x33; 32]);
+    let _ = socket.write_all(&answer);
     (socket, Some(challenge))
 }
 
@@ -529,6 +533,10 @@ fn forged_frames_on_a_hinted_sources_data_stream_are_refused() {
         "the target proves its session's key"
     );
     assert!(!stream.proves(&[7u8; 32]));
+    // It asked for sealed records (a cluster secret is set): the member
+    // seals its frames as an honest source does.
+    assert!(stream.asks_sealed());
+    stream.keyed(&record_key).unwrap();
     assert_eq!(elements, 2);
     let total = (2 * BLOCK) as u64;
     let honest: Vec<u8> = (0..total).map(|i| (i * 7 % 251) as u8).collect();
@@ -1413,6 +1421,9 @@ fn an_altered_data_stream_payload_never_succeeds() {
         let (op, elements) = next_start_write(session, &source, &mut record_key);
         assert_eq!(elements, 2);
         let record_key = record_key.unwrap();
+        if round == 0 {
+            stream.keyed(&record_key).unwrap();
+        }
         let header = seal_write_header_digested(&record_key, op, 2, 0, 1, Some(digest)).unwrap();
         stream.send_frame(total as u64, &header, payload).unwrap();
         let result = wait(&mut target.runner, pending);
@@ -1454,14 +1465,20 @@ fn an_altered_data_stream_payload_never_succeeds() {
 const FLIP_AT: usize = 32 << 10;
 
 /// An on-path relay in front of `listening` (the source's bound address),
-/// reached at `at`: it forwards every connection both ways and, on a data
+/// reached at `at`: it forwards every connection both ways (closing both
+/// ends once either ends, as a middlebox forwards a close) and, on a data
 /// stream (its dialer writes the stream preamble first), flips the bit 0x20
-/// of byte [`FLIP_AT`] the source sends.
-fn flipping_relay(at: std::net::SocketAddr, listening: std::net::SocketAddr) -> Arc<AtomicU64> {
+/// of byte [`FLIP_AT`] the source sends. Counts the bytes it flipped and
+/// the data streams whose dialer's end it saw close (and closed the
+/// source's).
+fn flipping_relay(
+    at: std::net::SocketAddr,
+    listening: std::net::SocketAddr,
+) -> (Arc<AtomicU64>, Arc<AtomicU64>) {
     use std::io::Write;
-    let flipped = Arc::new(AtomicU64::new(0));
+    let (flipped, closed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let relay = TcpListener::bind(at).unwrap();
-    let count = Arc::clone(&flipped);
+    let (count, closes) = (Arc::clone(&flipped), Arc::clone(&closed));
     std::thread::spawn(move || {
         for dialer in relay.incoming() {
             let Ok(mut dialer) = dialer else { return };
@@ -1470,19 +1487,21 @@ fn flipping_relay(at: std::net::SocketAddr, listening: std::net::SocketAddr) -> 
             };
             let (mut dialer_in, mut source_in) =
                 (dialer.try_clone().unwrap(), source.try_clone().unwrap());
-            let count = Arc::clone(&count);
+            let (count, closes) = (Arc::clone(&count), Arc::clone(&closes));
             std::thread::spawn(move || {
                 let mut first = [0u8; 8];
                 if dialer_in.read_exact(&mut first).is_err() || source.write_all(&first).is_err() {
                     return;
                 }
-                let stream = &first == b"KVCR-D1\0";
+                let stream = &first == b"KVCR-D2\0";
+                let (dialer_end, source_end) =
+                    (dialer.try_clone().unwrap(), source.try_clone().unwrap());
                 std::thread::spawn(move || {
                     let mut seen = 0usize;
                     let mut buf = vec![0u8; 16 << 10];
                     loop {
                         let n = match source_in.read(&mut buf) {
-                            Ok(0) | Err(_) => return,
+                            Ok(0) | Err(_) => break,
                             Ok(n) => n,
                         };
                         if stream && (seen..seen + n).contains(&FLIP_AT) {
@@ -1491,23 +1510,31 @@ fn flipping_relay(at: std::net::SocketAddr, listening: std::net::SocketAddr) -> 
                         }
                         seen += n;
                         if dialer.write_all(&buf[..n]).is_err() {
-                            return;
+                            break;
                         }
                     }
+                    let _ = dialer.shutdown(std::net::Shutdown::Both);
+                    let _ = source_in.shutdown(std::net::Shutdown::Both);
                 });
                 let _ = std::io::copy(&mut dialer_in, &mut source);
+                let _ = source_end.shutdown(std::net::Shutdown::Both);
+                let _ = dialer_end.shutdown(std::net::Shutdown::Both);
+                if stream {
+                    closes.fetch_add(1, Ordering::SeqCst);
+                }
             });
         }
     });
-    flipped
+    (flipped, closed)
 }
 
 /// The probe of issue 40: an on-path outsider (no secret) flips a byte of a
 /// data stream between two real runners (UCX over tcp, as with `--host`).
-/// The destination checks every landed page against the digest its source
-/// took at deposit: the altered write's keys fail `DigestMismatch`, counted,
-/// never served; no key reports Success with wrong bytes; the next restore
-/// through the same relay (nothing flipped any more) lands byte-exact.
+/// The stream's records are sealed: the altered one does not open, which
+/// ends the stream (counted) and fails the write it carried; its keys fail
+/// `DigestMismatch`, counted, never served; no key reports Success with
+/// wrong bytes; the source sees the close, and the next restore through
+/// the same relay (nothing flipped any more) lands byte-exact.
 #[test]
 fn a_byte_flipped_on_a_data_stream_never_succeeds() {
     let _serial = crate::serial();
@@ -1520,7 +1547,8 @@ fn a_byte_flipped_on_a_data_stream_never_succeeds() {
     let mut source = node_with(&source_options, 40, Duration::from_secs(10));
     let mut target = node_with(&options, 40, Duration::from_secs(10));
     let port = source.runner.peers().endpoint().unwrap().port();
-    let flipped = flipping_relay(([127, 0, 0, 2], port).into(), ([127, 0, 0, 1], port).into());
+    let (flipped, closed) =
+        flipping_relay(([127, 0, 0, 2], port).into(), ([127, 0, 0, 1], port).into());
     let all: Vec<u64> = (0..40).collect();
     stock(&mut source, &all);
     // The stream is dialed beside the route's metadata: the first restore
@@ -1538,10 +1566,19 @@ fn a_byte_flipped_on_a_data_stream_never_succeeds() {
     } else {
         check_flipped(&target, &source, &result, &keys, &flipped);
     }
+    assert_eq!(
+        target.runner.peers().control_stats().stream_records_refused,
+        1
+    );
+    // The target ended the stream; the relay closes the source's end too.
+    crate::wait_until("the stream to close", Duration::from_secs(10), || {
+        closed.load(Ordering::SeqCst) == 1
+    });
     let again: Vec<u64> = (20..36).collect();
     let result = fetch_on_hint(&mut target, "again", &hint(&source, &again), &again);
     assert_restored(&target, &source, &result, &again);
-    assert!(target.runner.peers().control_stats().stream_writes_taken >= 2);
+    // The altered write never landed as a frame; the next came through UCX.
+    assert_eq!(target.runner.peers().control_stats().stream_writes_taken, 0);
 }
 
 /// The restore of `keys` that the relay flipped a byte of: no key succeeds

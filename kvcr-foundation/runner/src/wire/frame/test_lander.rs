@@ -1,9 +1,11 @@
 //! Test support for the framing: a lander that records what it was told,
-//! and frames built by hand. The framing's own tests and the data stream's
-//! socket tests both read frames through it.
+//! slots in a plain buffer, and frames built by hand (plain or sealed). The
+//! framing's own tests and the data stream's socket tests both read frames
+//! through it.
 
-use super::{Lander, Landing, frame_prefix};
+use super::{Lander, Landing, MAX_RECORD, Slots, seal_frame};
 use crate::wire::record::SLOT_BYTES;
+use crate::wire::sealing::Sealer;
 
 /// A lander that grants each frame whose header's first byte is 1 the
 /// spans it was given, discards the rest, and records what happened.
@@ -47,17 +49,65 @@ impl Lander for Recorder {
     fn discarded(&mut self) {
         self.events.push("discarded".to_owned());
     }
+
+    fn torn(&mut self, opened: Option<u8>) {
+        self.events.push(match opened {
+            Some(tag) => format!("torn {tag}"),
+            None => "torn".to_owned(),
+        });
+    }
 }
 
-/// One frame on the wire: a header whose first two bytes are `kind` and
-/// `tag`, then `payload`.
-pub(crate) fn frame(kind: u8, tag: u8, payload: &[u8]) -> Vec<u8> {
+/// Slots that are offsets into a buffer of the test's.
+pub(crate) struct BufferSlots<'a>(pub(crate) &'a mut [u8]);
+
+impl Slots for BufferSlots<'_> {
+    fn open_in(&mut self, pieces: &[(u64, u64)], open: &mut dyn FnMut(&mut [u8]) -> bool) -> bool {
+        let range = |(at, len): (u64, u64)| at as usize..(at + len) as usize;
+        if let [piece] = pieces {
+            return open(&mut self.0[range(*piece)]);
+        }
+        let mut bounce: Vec<u8> = pieces
+            .iter()
+            .flat_map(|p| self.0[range(*p)].to_vec())
+            .collect();
+        if !open(&mut bounce) {
+            return false;
+        }
+        let mut from = 0;
+        for piece in pieces {
+            let len = piece.1 as usize;
+            self.0[range(*piece)].copy_from_slice(&bounce[from..from + len]);
+            from += len;
+        }
+        true
+    }
+}
+
+/// A frame's header whose first two bytes are `kind` and `tag`.
+pub(crate) fn header(kind: u8, tag: u8) -> [u8; SLOT_BYTES] {
     let mut header = [0u8; SLOT_BYTES];
     header[0] = kind;
     header[1] = tag;
-    let mut bytes = frame_prefix(payload.len() as u64, &header).to_vec();
-    bytes.extend_from_slice(payload);
-    bytes
+    header
+}
+
+/// One frame on the wire: a header of `kind` and `tag`, then `payload`;
+/// sealed by `sealer` in records of `record` bytes, or plain.
+pub(crate) fn frame(sealer: Option<&mut Sealer>, kind: u8, tag: u8, payload: &[u8]) -> Vec<u8> {
+    frame_in(sealer, kind, tag, payload, MAX_RECORD as u32)
+}
+
+/// As [`frame`], in records of `record` bytes.
+pub(crate) fn frame_in(
+    sealer: Option<&mut Sealer>,
+    kind: u8,
+    tag: u8,
+    payload: &[u8],
+    record: u32,
+) -> Vec<u8> {
+    let header = header(kind, tag);
+    seal_frame(sealer, payload.len() as u64, record, &header, payload).unwrap()
 }
 
 /// One granted frame among frames that do not open, and what a
@@ -72,9 +122,12 @@ pub(crate) struct GrantedAmongOthers {
 }
 
 impl GrantedAmongOthers {
-    /// The frames, with a first (discarded) frame of `skipped` bytes.
-    pub(crate) fn new(skipped: usize) -> Self {
+    /// The frames, with a first (discarded) frame of `skipped` bytes, sealed
+    /// by `sealer` in records of `record` bytes (or plain).
+    pub(crate) fn new(skipped: usize, mut sealer: Option<&mut Sealer>, record: u32) -> Self {
         let payload: Vec<u8> = (0..8000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let mut frame =
+            |kind, tag, payload: &[u8]| frame_in(sealer.as_deref_mut(), kind, tag, payload, record);
         let mut wire = frame(0, 0, &vec![0xee; skipped]);
         wire.extend(frame(1, 9, &payload));
         wire.extend(frame(0, 0, &[]));
