@@ -84,6 +84,11 @@ fn options(path: Path<'_>) -> PeerOptions {
     if let Some(bytes) = env_number("KVCR_BENCH_WRITE_PART_BYTES") {
         o.write_message_part_bytes = bytes;
     }
+    // `KVCR_BENCH_WRITE_BATCH_BYTES`: the bytes a fetch asks of its source
+    // per write, to compare batchings on one binary.
+    if let Some(bytes) = env_number("KVCR_BENCH_WRITE_BATCH_BYTES") {
+        o.write_batch_bytes = bytes;
+    }
     // `KVCR_BENCH_DATA_STREAM=off|on`: whether targets dial data streams
     // (default: the runner's, on over tcp alone), to compare on one binary.
     match std::env::var("KVCR_BENCH_DATA_STREAM").as_deref() {
