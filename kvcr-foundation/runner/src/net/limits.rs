@@ -32,11 +32,18 @@ pub(super) const BUDGET_UNIT: usize = 1024;
 ///   (read, decrypt and seal, one record each), until `idle_timeout`. At
 ///   most `max_sessions_per_address` from one address and `max_sessions` in
 ///   all (proven data streams included); past them a finished handshake is
-///   refused (`refused_connections`). One live session per peer identity: a
-///   newer one from the same endpoint replaces it.
+///   refused (`refused_connections`). One live session per peer identity
+///   (its endpoint and the member key it proved): a newer one of the same
+///   identity replaces it (`sessions_replaced`); another member's claim of
+///   it is refused (`claims_refused`).
 /// * The core adds one route of bounded metadata per session, fences and
 ///   high-water marks per target incarnation (`MAX_FENCES_PER_TARGET`,
-///   `MAX_REMEMBERED_PEERS`), and a route budget per target name.
+///   `MAX_REMEMBERED_PEERS`), a route budget per member key
+///   (`PeerOptions::route_budget`) and one over all members
+///   (`route_budget_total`); routes that would attach this host's shared
+///   memory stop at `ucx_route_mapping_limit`.
+/// * Outside the channel: the KV-event replay socket's `ReplayLimits`
+///   (replies in progress, bytes queued over all peers, requests per peer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ControlLimits {
     /// Established sessions and proven data streams accepted at once.
