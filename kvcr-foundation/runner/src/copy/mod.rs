@@ -187,15 +187,14 @@ fn execute(job: &Job, memory: &MemoryRegistry, shutdown: &AtomicBool) -> Execute
     if let Some(copier) = &job.device {
         let outcomes = execute_on_device(job, copier.as_ref(), shutdown);
         // The device wrote the pools: their bytes are hashed here, after.
-        let digests = outcomes
+        let copied: Vec<Option<&[CopySpan]>> = outcomes
             .iter()
             .zip(&job.keys)
             .map(|(outcome, spans)| {
-                (job.digest && *outcome == CopyOutcome::Copied)
-                    .then(|| destination_digest(memory, spans))
-                    .flatten()
+                (job.digest && *outcome == CopyOutcome::Copied).then_some(spans.as_slice())
             })
             .collect();
+        let digests = destination_digests(memory, &copied);
         return (outcomes, digests);
     }
     let total: u64 = job.keys.iter().flatten().map(|s| s.len).sum();
@@ -370,6 +369,38 @@ fn execute_range(
 fn destination_digest(memory: &MemoryRegistry, spans: &[CopySpan]) -> Option<u64> {
     let spans: Vec<(u64, u64)> = spans.iter().map(|s| (s.dst, s.len)).collect();
     memory.digest(&spans).ok()
+}
+
+/// Each key's destination digest (`None` where not asked), on up to the
+/// lanes' count of threads when there is enough to hash: after a device
+/// copy every byte is read back from DRAM, and one thread alone holds an
+/// offload to a fraction of the device's rate.
+fn destination_digests(memory: &MemoryRegistry, keys: &[Option<&[CopySpan]>]) -> Vec<Option<u64>> {
+    let one = |spans: &Option<&[CopySpan]>| destination_digest(memory, (*spans)?);
+    let total: u64 = keys
+        .iter()
+        .flatten()
+        .flat_map(|s| s.iter())
+        .map(|s| s.len)
+        .sum();
+    let threads = plan::default_lanes().min(keys.len());
+    if total < SPLIT_BYTES || threads < 2 {
+        return keys.iter().map(one).collect();
+    }
+    let chunk = keys.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let parts: Vec<_> = keys
+            .chunks(chunk)
+            .map(|part| scope.spawn(move || part.iter().map(one).collect::<Vec<_>>()))
+            .collect();
+        parts
+            .into_iter()
+            .zip(keys.chunks(chunk))
+            // A helper that died hashed nothing we can trust: its keys get
+            // no digest (as an unregistered page's), never a wrong one.
+            .flat_map(|(part, keys)| part.join().unwrap_or_else(|_| vec![None; keys.len()]))
+            .collect()
+    })
 }
 
 #[cfg(test)]
