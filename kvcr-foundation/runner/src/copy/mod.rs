@@ -185,17 +185,7 @@ type Executed = (Vec<CopyOutcome>, Vec<Option<u64>>);
 
 fn execute(job: &Job, memory: &MemoryRegistry, shutdown: &AtomicBool) -> Executed {
     if let Some(copier) = &job.device {
-        let outcomes = execute_on_device(job, copier.as_ref(), shutdown);
-        // The device wrote the pools: their bytes are hashed here, after.
-        let copied: Vec<Option<&[CopySpan]>> = outcomes
-            .iter()
-            .zip(&job.keys)
-            .map(|(outcome, spans)| {
-                (job.digest && *outcome == CopyOutcome::Copied).then_some(spans.as_slice())
-            })
-            .collect();
-        let digests = destination_digests(memory, &copied);
-        return (outcomes, digests);
+        return execute_on_device(job, copier.as_ref(), memory, shutdown);
     }
     let total: u64 = job.keys.iter().flatten().map(|s| s.len).sum();
     if total < SPLIT_BYTES || !destinations_disjoint(&job.keys) {
@@ -245,14 +235,15 @@ fn execute(job: &Job, memory: &MemoryRegistry, shutdown: &AtomicBool) -> Execute
 fn execute_on_device(
     job: &Job,
     copier: &dyn DeviceCopier,
+    memory: &MemoryRegistry,
     shutdown: &AtomicBool,
-) -> Vec<CopyOutcome> {
+) -> Executed {
     // The driver reads the clock; the core never does.
     #[allow(clippy::disallowed_methods)]
     let late = Instant::now() > job.deadline;
     let mut outcomes = Vec::with_capacity(job.keys.len());
-    let mut batch: Vec<&[CopySpan]> = Vec::with_capacity(job.keys.len());
-    for (i, spans) in job.keys.iter().enumerate() {
+    let mut batch: Vec<usize> = Vec::with_capacity(job.keys.len());
+    for (i, _) in job.keys.iter().enumerate() {
         let cancelled = shutdown.load(Ordering::Acquire)
             || job.cancel.get(i).is_some_and(|c| c.load(Ordering::Acquire));
         outcomes.push(if cancelled {
@@ -260,19 +251,111 @@ fn execute_on_device(
         } else if late {
             CopyOutcome::DeadlinePassed
         } else {
-            batch.push(spans);
+            batch.push(i);
             CopyOutcome::Copied
         });
     }
-    if !batch.is_empty() && copier.copy(&batch).is_err() {
-        for outcome in &mut outcomes {
-            if *outcome == CopyOutcome::Copied {
-                *outcome = CopyOutcome::Failed;
+    let mut digests = vec![None; job.keys.len()];
+    let groups = device_groups(&job.keys, &batch, job.digest);
+    // Each group is one call of the copier; a digested job's pages are
+    // hashed (the device wrote the pools, so the bytes are read back from
+    // DRAM) while the next group crosses, so the hash costs the offload only
+    // its last group.
+    std::thread::scope(|scope| {
+        let mut hashing = None;
+        for group in &groups {
+            let spans: Vec<&[CopySpan]> = group
+                .iter()
+                .filter_map(|&i| job.keys.get(i))
+                .map(Vec::as_slice)
+                .collect();
+            let copied = copier.copy(&spans).is_ok();
+            if !copied {
+                // A failed call fails every key of it, as before.
+                for &i in group {
+                    if let Some(outcome) = outcomes.get_mut(i) {
+                        *outcome = CopyOutcome::Failed;
+                    }
+                }
+            }
+            if let Some(previous) = hashing.take() {
+                collect_digests(previous, &mut digests);
+            }
+            if job.digest && copied {
+                let keys = &job.keys;
+                hashing = Some((
+                    group.clone(),
+                    scope.spawn(move || {
+                        let spans: Vec<Option<&[CopySpan]>> = group
+                            .iter()
+                            .map(|&i| keys.get(i).map(Vec::as_slice))
+                            .collect();
+                        destination_digests(memory, &spans)
+                    }),
+                ));
+            }
+        }
+        if let Some(last) = hashing.take() {
+            collect_digests(last, &mut digests);
+        }
+    });
+    (outcomes, digests)
+}
+
+/// A hashing thread's digests, put in place by key index; a thread that
+/// died leaves its keys without a digest, never a wrong one.
+fn collect_digests(
+    (group, hashing): (
+        Vec<usize>,
+        std::thread::ScopedJoinHandle<'_, Vec<Option<u64>>>,
+    ),
+    digests: &mut [Option<u64>],
+) {
+    if let Ok(found) = hashing.join() {
+        for (i, digest) in group.into_iter().zip(found) {
+            if let Some(slot) = digests.get_mut(i) {
+                *slot = digest;
             }
         }
     }
-    outcomes
 }
+
+/// The copier calls a device job makes: one for the whole batch, or, when
+/// its pages are to be digested, groups of about [`DEVICE_GROUP_BYTES`] so
+/// each is hashed while the next is copied.
+fn device_groups(keys: &[Vec<CopySpan>], batch: &[usize], digest: bool) -> Vec<Vec<usize>> {
+    if !digest {
+        return if batch.is_empty() {
+            Vec::new()
+        } else {
+            vec![batch.to_vec()]
+        };
+    }
+    let mut groups = Vec::new();
+    let mut group = Vec::new();
+    let mut bytes = 0u64;
+    for &i in batch {
+        group.push(i);
+        bytes += keys
+            .get(i)
+            .map_or(0, |spans| spans.iter().map(|s| s.len).sum::<u64>());
+        if bytes >= DEVICE_GROUP_BYTES {
+            groups.push(std::mem::take(&mut group));
+            bytes = 0;
+        }
+    }
+    if !group.is_empty() {
+        groups.push(group);
+    }
+    groups
+}
+
+/// Bytes of a digested device job copied per call: large enough that a
+/// call's fixed cost stays small beside the copy (a few microseconds
+/// against tens of milliseconds at the PCIe rate), small enough that the
+/// last group's hash, the part not hidden behind a copy, is a small share
+/// of a large offload.
+const DEVICE_GROUP_BYTES: u64 = 256 << 20;
 
 /// Whether no two destination ranges of the job overlap.
 fn destinations_disjoint(keys: &[Vec<CopySpan>]) -> bool {
@@ -407,6 +490,29 @@ fn destination_digests(memory: &MemoryRegistry, keys: &[Option<&[CopySpan]>]) ->
 mod tests {
     use super::test_memory::TestBuffer;
     use super::*;
+
+    /// A digested device job goes in groups of about `DEVICE_GROUP_BYTES`
+    /// (each hashed while the next is copied), every batched key once, in
+    /// order; an undigested one in one call; an empty batch in none.
+    #[test]
+    fn device_jobs_are_grouped_only_when_digested() {
+        let page = DEVICE_GROUP_BYTES / 4;
+        let keys: Vec<Vec<CopySpan>> = (0..10)
+            .map(|i| {
+                vec![CopySpan {
+                    src: i * page,
+                    dst: i * page,
+                    len: page,
+                }]
+            })
+            .collect();
+        let batch: Vec<usize> = (0..10).filter(|i| i % 5 != 3).collect();
+        let groups = device_groups(&keys, &batch, true);
+        assert_eq!(groups, vec![vec![0, 1, 2, 4], vec![5, 6, 7, 9]]);
+        assert_eq!(device_groups(&keys, &batch, false), vec![batch.clone()]);
+        assert!(device_groups(&keys, &[], true).is_empty());
+        assert!(device_groups(&keys, &[], false).is_empty());
+    }
 
     fn c(src: u64, dst: u64, len: u64) -> CopySpan {
         CopySpan { src, dst, len }

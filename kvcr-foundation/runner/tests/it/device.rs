@@ -168,6 +168,11 @@ fn device_jobs_go_to_the_copier_byte_exact() {
         *b = (i * 7 + 3) as u8;
     }
     assert_eq!(f.deposit(1, 0), EntryStatus::Success);
+    // The device wrote the pool: the page's digest is of the bytes it wrote.
+    assert_eq!(
+        f.runner.page_digest(&key(f.ns, 1)),
+        Some(kvcr_sys::digest::digest_bytes(&f.device[..BLOCK]))
+    );
     assert_eq!(f.deliver(1, 2), EntryStatus::Success);
     assert_eq!(f.device[..BLOCK], f.device[2 * BLOCK..3 * BLOCK]);
     assert_eq!(f.recorder.calls.load(Ordering::SeqCst), 2);
