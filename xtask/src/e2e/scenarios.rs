@@ -32,7 +32,7 @@ pub(super) const ABANDON_MS: u64 = 6_000;
 const POLL_BOUND: Duration = Duration::from_secs(120);
 /// How many times a mid-transfer fault is tried when the signal lands after
 /// the write already finished (the scenario's premise, not its invariant).
-const FAULT_ATTEMPTS: usize = 3;
+pub(super) const FAULT_ATTEMPTS: usize = 3;
 
 pub(super) fn num(v: &Value, key: &str) -> u64 {
     v[key].as_u64().unwrap_or(0)
