@@ -481,8 +481,17 @@ fn main() {
     let mut dst = DirectBuf::new(TOTAL as usize, 4096).unwrap();
     fill_random(&mut src, 0x9e37_79b9_7f4a_7c15);
     // Create and allocate the files once: every measured write overwrites.
+    // Owner-only, as G3 refuses a file of its own that others may read.
     for p in &paths {
-        File::create(p).unwrap();
+        std::os::unix::fs::OpenOptionsExt::mode(
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true),
+            0o600,
+        )
+        .open(p)
+        .unwrap();
     }
     let files: Vec<File> = paths.iter().map(open_direct).collect();
     anchor(&files, Anchor::Write(&src));
