@@ -448,42 +448,17 @@ fn execute_range(
     (outcomes, digests)
 }
 
-/// The page digest of a key's destination bytes, its spans in order.
-fn destination_digest(memory: &MemoryRegistry, spans: &[CopySpan]) -> Option<u64> {
-    let spans: Vec<(u64, u64)> = spans.iter().map(|s| (s.dst, s.len)).collect();
-    memory.digest(&spans).ok()
-}
-
 /// Each key's destination digest (`None` where not asked), on up to the
 /// lanes' count of threads when there is enough to hash: after a device
 /// copy every byte is read back from DRAM, and one thread alone holds an
 /// offload to a fraction of the device's rate.
 fn destination_digests(memory: &MemoryRegistry, keys: &[Option<&[CopySpan]>]) -> Vec<Option<u64>> {
-    let one = |spans: &Option<&[CopySpan]>| destination_digest(memory, (*spans)?);
-    let total: u64 = keys
+    let pages: Vec<Option<Vec<(u64, u64)>>> = keys
         .iter()
-        .flatten()
-        .flat_map(|s| s.iter())
-        .map(|s| s.len)
-        .sum();
-    let threads = plan::default_lanes().min(keys.len());
-    if total < SPLIT_BYTES || threads < 2 {
-        return keys.iter().map(one).collect();
-    }
-    let chunk = keys.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        let parts: Vec<_> = keys
-            .chunks(chunk)
-            .map(|part| scope.spawn(move || part.iter().map(one).collect::<Vec<_>>()))
-            .collect();
-        parts
-            .into_iter()
-            .zip(keys.chunks(chunk))
-            // A helper that died hashed nothing we can trust: its keys get
-            // no digest (as an unregistered page's), never a wrong one.
-            .flat_map(|(part, keys)| part.join().unwrap_or_else(|_| vec![None; keys.len()]))
-            .collect()
-    })
+        .map(|spans| spans.map(|spans| spans.iter().map(|s| (s.dst, s.len)).collect()))
+        .collect();
+    let pages: Vec<Option<&[(u64, u64)]>> = pages.iter().map(Option::as_deref).collect();
+    plan::page_digests(memory, &pages, SPLIT_BYTES)
 }
 
 #[cfg(test)]

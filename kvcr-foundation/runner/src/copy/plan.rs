@@ -1,7 +1,8 @@
-//! Copy plans: cutting a list of spans at byte boundaries, and how many
-//! threads a large copy may take. Shared by the copy thread ([`super`]) and
-//! the peer write lanes ([`super::lanes`]), neither of which imports the
-//! other for them.
+//! Copy plans: cutting a list of spans at byte boundaries, how many
+//! threads a large copy may take, and the pages' digests taken on that many.
+//! Shared by the copy thread ([`super`]), the peer write lanes
+//! ([`super::lanes`]) and the peer thread's landing check, none of which
+//! imports another for them.
 
 use kvcr_runner_core::CopySpan;
 
@@ -15,6 +16,42 @@ pub(crate) fn default_lanes() -> usize {
 /// The CPUs this process may run on (1 when unknown).
 pub(crate) fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+}
+
+/// Each page's digest (`None`: no page, or not registered in `memory`), its
+/// spans (address, length) in layout order, on up to [`default_lanes`]
+/// threads when the pages add up to `split_bytes` or more: a page is hashed
+/// on one thread (xxh3 is sequential), so pages are shared out among them.
+pub(crate) fn page_digests(
+    memory: &kvcr_sys::MemoryRegistry,
+    pages: &[Option<&[(u64, u64)]>],
+    split_bytes: u64,
+) -> Vec<Option<u64>> {
+    let one = |spans: &Option<&[(u64, u64)]>| memory.digest((*spans)?).ok();
+    let total: u64 = pages
+        .iter()
+        .flatten()
+        .flat_map(|s| s.iter())
+        .map(|s| s.1)
+        .sum();
+    let threads = default_lanes().min(pages.len());
+    if total < split_bytes || threads < 2 {
+        return pages.iter().map(one).collect();
+    }
+    let chunk = pages.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let parts: Vec<_> = pages
+            .chunks(chunk)
+            .map(|part| scope.spawn(move || part.iter().map(one).collect::<Vec<_>>()))
+            .collect();
+        parts
+            .into_iter()
+            .zip(pages.chunks(chunk))
+            // A thread that died hashed nothing we can trust: its pages get
+            // no digest, never a wrong one.
+            .flat_map(|(part, pages)| part.join().unwrap_or_else(|_| vec![None; pages.len()]))
+            .collect()
+    })
 }
 
 /// Performs the copies of `spans` through `memory`, which checks every span

@@ -154,33 +154,7 @@ fn compare(
 /// Each key's digest (`None`: no landing, or unregistered), on up to the
 /// lanes' count of threads for a large write.
 fn digests_of(memory: &MemoryRegistry, keys: &[Option<&[(u64, u64)]>]) -> Vec<Option<u64>> {
-    let one = |spans: &Option<&[(u64, u64)]>| memory.digest((*spans)?).ok();
-    let total: u64 = keys
-        .iter()
-        .flatten()
-        .flat_map(|s| s.iter())
-        .map(|s| s.1)
-        .sum();
-    let threads = crate::copy::plan::default_lanes().min(keys.len());
-    if total < SPLIT_BYTES || threads < 2 {
-        return keys.iter().map(one).collect();
-    }
-    let chunk = keys.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        let parts: Vec<_> = keys
-            .chunks(chunk)
-            .map(|part| scope.spawn(move || part.iter().map(one).collect::<Vec<_>>()))
-            .collect();
-        parts
-            .into_iter()
-            .zip(keys.chunks(chunk))
-            .flat_map(|(part, keys)| {
-                // A thread that died hashed nothing we can trust: its keys
-                // count as mismatched.
-                part.join().unwrap_or_else(|_| vec![None; keys.len()])
-            })
-            .collect()
-    })
+    crate::copy::plan::page_digests(memory, keys, SPLIT_BYTES)
 }
 
 /// What a record completing source write `write` says: the target's op,
