@@ -264,6 +264,9 @@ pub struct PeerOptions {
     /// Whether data streams carry AEAD records (see [`StreamSealing`];
     /// default: sealed when a cluster secret is set).
     pub stream_sealing: StreamSealing,
+    /// Whether pages a same-host source checked as it copied them are read
+    /// again on landing (see [`crate::LandingCheck`]; default: not).
+    pub landing_check: crate::LandingCheck,
     /// As a target, also post each small `start_write` to a same-host
     /// source's mailbox in this runner's doorbell file (on by default): a
     /// source that maps the file and is awake takes it from there without
@@ -422,6 +425,7 @@ impl std::fmt::Debug for PeerOptions {
             .field("route_budget_total", &self.route_budget_total)
             .field("data_stream", &self.data_stream)
             .field("stream_sealing", &self.stream_sealing)
+            .field("landing_check", &self.landing_check)
             .field("request_mailbox", &self.request_mailbox)
             .field("static_key", &self.static_key)
             .field("keyless_sources", &self.keyless_sources)
@@ -573,6 +577,7 @@ impl PeerOptions {
             route_budget_total: RouteBudget::TOTAL,
             data_stream: DataStream::Auto,
             stream_sealing: StreamSealing::Auto,
+            landing_check: crate::LandingCheck::TrustCopyCheck,
             request_mailbox: true,
             static_key: None,
             keyless_sources: KeylessSources::default(),

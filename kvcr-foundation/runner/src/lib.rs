@@ -73,6 +73,7 @@ pub use self::error::{Error, Result};
 pub use self::facets::{Hints, Peers, Pools, Recovery};
 pub use self::g3::{G3Error, G3Options, G3Store};
 pub use self::net::{ControlCounters, ControlLimits, KeylessSources, StaticKey};
+pub use self::peer::landing::LandingCheck;
 use self::shared::{CapacityCallback, Shared};
 use self::startup::StartupStage;
 pub use self::stats::{G3Stats, PeerStats};

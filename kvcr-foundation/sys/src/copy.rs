@@ -407,7 +407,7 @@ impl MemoryRegistry {
 
     /// As [`Self::checked`], with destinations `also(dst, len)` accepts
     /// allowed beside registered ones.
-    fn checked_into(
+    pub(crate) fn checked_into(
         &self,
         spans: impl IntoIterator<Item = ByteSpan>,
         also: impl Fn(u64, u64) -> bool,

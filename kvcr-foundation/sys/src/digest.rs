@@ -17,8 +17,11 @@
 //! AVX2 only when built for it). It equals `xxhash_rust::xxh3::xxh3_64` of
 //! the bytes, so either may check the other's digests (`props` tests it).
 
+use std::sync::Arc;
+
 use crate::copy::{ByteSpan, MemoryRegistry, holds};
 use crate::error::{Result, SysError};
+use crate::segment::PeerSegment;
 
 mod fused;
 mod stripes;
@@ -63,6 +66,26 @@ impl MemoryRegistry {
         // under the read lock held until the end; concurrent access is the
         // inserting caller's protocol.
         let digest = unsafe { fused::digest_spans(Kernel::best(), spans, store) };
+        drop(ranges);
+        Ok(digest)
+    }
+
+    /// As [`Self::copy_digested`] with non-temporal stores, where a
+    /// destination may also lie inside one of `segments` (a same-host
+    /// peer's pools, mapped here, as [`Self::copy_streaming_into`] allows):
+    /// the digest of what a peer write stores, taken as it stores it.
+    pub fn copy_digested_into(
+        &self,
+        spans: &[ByteSpan],
+        segments: &[Arc<PeerSegment>],
+    ) -> Result<PageDigest> {
+        let in_segment = |dst: u64, len: u64| segments.iter().any(|s| s.holds(dst, len));
+        let ranges = self.checked_into(spans.iter().copied(), in_segment)?;
+        // SAFETY: as in `copy_digested`; a destination inside a segment is
+        // inside a live shared mapping (borrowed for the call), writable,
+        // and granted to this copy alone by the write's target (the
+        // caller's protocol, as for `copy_streaming_into`).
+        let digest = unsafe { fused::digest_spans(Kernel::best(), spans, Store::Stream) };
         drop(ranges);
         Ok(digest)
     }
@@ -139,7 +162,17 @@ mod tests {
             assert_eq!(digest, expect);
             let outside = [ByteSpan::new(base, base + 4 * len, 16)];
             assert!(registry.copy_digested(&outside, stream).is_err());
+            assert!(registry.copy_digested_into(&outside, &[]).is_err());
         }
+        // Into registered memory, with no segment beside it, as a streamed
+        // digested copy.
+        let dst = base + len;
+        registry.write(dst, &vec![0; len as usize]).unwrap();
+        let into = registry
+            .copy_digested_into(&[ByteSpan::new(base, dst, len)], &[])
+            .unwrap();
+        assert_eq!(registry.read(dst, len).unwrap(), bytes);
+        assert_eq!(into, digest_bytes(&bytes));
     }
 }
 

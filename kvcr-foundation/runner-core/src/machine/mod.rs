@@ -425,6 +425,10 @@ pub struct Core {
     /// The keys of a `write_done` whose landed bytes did not match their
     /// digests, while it is handled (see `handle_write_done_checked`).
     landing_mismatch: Option<(OpHandle, Vec<u32>)>,
+    /// The operation and write digest of a record whose pages the source
+    /// checked in its copy, while it is handled (see
+    /// `handle_write_done_checked_in_copy`).
+    landing_checked_in_copy: Option<(OpHandle, u64)>,
 }
 
 impl std::fmt::Debug for Core {
@@ -545,6 +549,7 @@ impl Core {
             digests: Vec::with_capacity(max_records),
             page_digests: true,
             landing_mismatch: None,
+            landing_checked_in_copy: None,
         })
     }
 }

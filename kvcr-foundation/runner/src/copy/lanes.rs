@@ -20,12 +20,19 @@
 //!   rarely helps the write that woke it; it stays awake for
 //!   [`LaneTuning::linger`] after its last piece, for the writes behind it.
 //!
+//! * A write whose pages carry digests ([`Lanes::submit_checked`]) is cut
+//!   at page boundaries instead, and each page is hashed in the pass that
+//!   copies it (`kvcr_sys::MemoryRegistry::copy_digested_into`): a page
+//!   whose bytes no longer match the digest taken at its deposit fails the
+//!   write (counted in [`CheckCounters`]), so the source never reports
+//!   altered bytes as written, and the target need not read them again.
+//!
 //! Drop order: [`Lanes`] closes every lane and joins its threads (after they
 //! finish what is queued) before the peer thread's pools are dropped — the
 //! lanes read them.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
@@ -36,7 +43,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use kvcr_sys::MemoryRegistry;
 use kvcr_sys::segment::PeerSegment;
 
-use super::plan::{byte_span, cores, spans_disjoint, split_even};
+use super::plan::{byte_span, cores, spans_disjoint, split_even, split_whole};
 
 /// Below this many bytes a write is one piece on one lane: a hand-off costs
 /// more than a lane could save.
@@ -101,19 +108,81 @@ impl LaneTuning {
     }
 }
 
+/// A page of a checked write: its spans (consecutive, in layout order) and
+/// the digest its source took at deposit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct CheckedPage {
+    pub(crate) copies: Vec<CopySpan>,
+    pub(crate) digest: u64,
+}
+
+impl CheckedPage {
+    /// `copies` cut into pages of `pages` (per page: how many spans, its
+    /// digest); `None` unless the counts add up to every span.
+    pub(crate) fn group(copies: Vec<CopySpan>, pages: &[(usize, u64)]) -> Option<Vec<Self>> {
+        if pages.iter().map(|p| p.0).sum::<usize>() != copies.len() {
+            return None;
+        }
+        let mut rest = copies.into_iter();
+        Some(
+            pages
+                .iter()
+                .map(|&(spans, digest)| Self {
+                    copies: rest.by_ref().take(spans).collect(),
+                    digest,
+                })
+                .collect(),
+        )
+    }
+
+    fn bytes(&self) -> u64 {
+        self.copies.iter().map(|s| s.len).sum()
+    }
+}
+
+/// Pages the lanes checked as they copied them (as a source).
+#[derive(Debug, Default)]
+pub(crate) struct CheckCounters {
+    /// Pages whose digest, taken in the copy, matched their deposit's.
+    pub(crate) checked: AtomicU64,
+    /// Pages whose bytes no longer matched their deposit's digest: their
+    /// write failed.
+    pub(crate) altered: AtomicU64,
+}
+
+/// What one piece of a write copies.
+#[derive(Debug)]
+enum Copies {
+    /// Spans, copied as they are.
+    Plain(Vec<CopySpan>),
+    /// Whole pages, each hashed in the pass that copies it and compared
+    /// with its deposit digest.
+    Checked(Vec<CheckedPage>),
+}
+
+impl Copies {
+    fn spans(&self) -> Box<dyn Iterator<Item = &CopySpan> + '_> {
+        match self {
+            Self::Plain(copies) => Box::new(copies.iter()),
+            Self::Checked(pages) => Box::new(pages.iter().flat_map(|p| p.copies.iter())),
+        }
+    }
+}
+
 /// A write's outcome, reported once all of its pieces ran.
 #[derive(Debug)]
 struct WriteJoin {
     write: u64,
     /// What the pieces copy through.
     memory: Arc<MemoryRegistry>,
+    checks: Arc<CheckCounters>,
     pieces_left: AtomicUsize,
     failed: AtomicBool,
     done: UnboundedSender<(u64, bool)>,
 }
 
 struct Piece {
-    copies: Vec<CopySpan>,
+    copies: Copies,
     /// Keeps the destination mappings alive until the copy ran.
     segments: Arc<Vec<Arc<PeerSegment>>>,
     join: Arc<WriteJoin>,
@@ -127,6 +196,7 @@ struct Stripe {
     segments: Vec<Arc<PeerSegment>>,
     /// What the pieces copy through.
     memory: Arc<MemoryRegistry>,
+    checks: Arc<CheckCounters>,
     /// A piece's copy was refused (a span outside the registry and the
     /// segments): the write fails.
     failed: AtomicBool,
@@ -136,7 +206,7 @@ struct Stripe {
 }
 
 struct StripePiece {
-    copies: Vec<CopySpan>,
+    copies: Copies,
     state: AtomicU8,
 }
 
@@ -160,7 +230,7 @@ impl Stripe {
                 // The claim makes this thread the piece's only writer, and
                 // pieces cover disjoint destination bytes (`split_even` of
                 // pairwise-disjoint spans).
-                if !copy_populated(&self.memory, &piece.copies, &self.segments) {
+                if !copy_piece(&self.memory, &piece.copies, &self.segments, &self.checks) {
                     self.failed.store(true, Ordering::Release);
                 }
                 // Release after the copy's store fence: whoever sees COPIED
@@ -239,6 +309,7 @@ pub(crate) struct Lanes {
     next: usize,
     /// Pieces of small writes the lanes copied (see [`Stripe::by_lanes`]).
     striped_by_lanes: Arc<AtomicUsize>,
+    checks: Arc<CheckCounters>,
 }
 
 impl std::fmt::Debug for Lanes {
@@ -257,6 +328,12 @@ impl Lanes {
         Self::start_tuned(count, LaneTuning::for_host(), memory)
     }
 
+    /// Counts checked pages in `checks` (a fresh count otherwise).
+    pub(crate) fn counting_in(mut self, checks: Arc<CheckCounters>) -> Self {
+        self.checks = checks;
+        self
+    }
+
     /// Starts `count` lanes (at least one) with `tuning`.
     pub(crate) fn start_tuned(
         count: usize,
@@ -270,6 +347,7 @@ impl Lanes {
             tuning,
             next: 0,
             striped_by_lanes: Arc::new(AtomicUsize::new(0)),
+            checks: Arc::default(),
         };
         for i in 0..count.max(1) {
             let inbox = Arc::new(LaneInbox {
@@ -313,23 +391,72 @@ impl Lanes {
     ) -> Option<bool> {
         let total: u64 = copies.iter().map(|s| s.len).sum();
         if total < INLINE_BYTES {
-            return Some(self.copy_small(copies, total, segments));
+            return Some(self.copy_small(Copies::Plain(copies), total, segments));
         }
-        let lanes = self.lanes.len() as u64;
-        // Pieces write disjoint bytes only if the spans do (a target grants
-        // distinct slots; a hostile grant naming one twice stays one piece).
-        let parts = if spans_disjoint(copies.iter()) {
-            (total / MIN_PIECE_BYTES).clamp(1, lanes.max(1))
+        let pieces = if spans_disjoint(copies.iter()) {
+            split_even(copies, total, self.parts(total))
         } else {
-            1
+            vec![copies]
         };
-        let pieces = split_even(copies, total, parts);
+        self.hand_out(write, pieces.into_iter().map(Copies::Plain), segments, done);
+        None
+    }
+
+    /// As [`Self::submit`], for a write of whole `pages` that carry their
+    /// deposit digests: pieces are cut at page boundaries, and each page is
+    /// hashed in the pass that copies it; a page whose digest differs fails
+    /// the write (and is counted). A write reported `true` landed exactly
+    /// the bytes that were deposited.
+    pub(crate) fn submit_checked(
+        &mut self,
+        write: u64,
+        pages: Vec<CheckedPage>,
+        segments: Vec<Arc<PeerSegment>>,
+        done: &UnboundedSender<(u64, bool)>,
+    ) -> Option<bool> {
+        let total: u64 = pages.iter().map(CheckedPage::bytes).sum();
+        if total < INLINE_BYTES {
+            return Some(self.copy_small(Copies::Checked(pages), total, segments));
+        }
+        let disjoint = spans_disjoint(pages.iter().flat_map(|p| p.copies.iter()));
+        let pieces = if disjoint {
+            let parts = self.parts(total);
+            split_whole(pages, CheckedPage::bytes, parts)
+        } else {
+            vec![pages]
+        };
+        self.hand_out(
+            write,
+            pieces.into_iter().map(Copies::Checked),
+            segments,
+            done,
+        );
+        None
+    }
+
+    /// How many pieces a large write of `total` bytes of pairwise-disjoint
+    /// spans is cut into: one per lane, none under [`MIN_PIECE_BYTES`].
+    /// (Pieces write disjoint bytes only if the spans do: a target grants
+    /// distinct slots; a hostile grant naming one twice stays one piece.)
+    fn parts(&self, total: u64) -> u64 {
+        (total / MIN_PIECE_BYTES).clamp(1, (self.lanes.len() as u64).max(1))
+    }
+
+    /// Queues a large write's `pieces` on the lanes, one each in turn.
+    fn hand_out(
+        &mut self,
+        write: u64,
+        pieces: impl ExactSizeIterator<Item = Copies>,
+        segments: Vec<Arc<PeerSegment>>,
+        done: &UnboundedSender<(u64, bool)>,
+    ) {
         let join = Arc::new(WriteJoin {
             write,
             pieces_left: AtomicUsize::new(pieces.len()),
             failed: AtomicBool::new(false),
             done: done.clone(),
             memory: Arc::clone(&self.memory),
+            checks: Arc::clone(&self.checks),
         });
         let segments = Arc::new(segments);
         for copies in pieces {
@@ -353,30 +480,38 @@ impl Lanes {
                 }
             }
         }
-        None
     }
 
     /// Copies a small write before returning: striped over the lanes awake
     /// now when the tuning allows and it is worth cutting, else alone.
     /// Returns whether every piece was copied.
-    fn copy_small(
-        &self,
-        copies: Vec<CopySpan>,
-        total: u64,
-        segments: Vec<Arc<PeerSegment>>,
-    ) -> bool {
+    fn copy_small(&self, copies: Copies, total: u64, segments: Vec<Arc<PeerSegment>>) -> bool {
         let most_pieces = (total / MIN_STRIPE_BYTES).min(self.tuning.stripe_lanes as u64 + 1);
         let stripers: Vec<&Lane> = self
             .lanes
             .iter()
             .take(usize::try_from(most_pieces.saturating_sub(1)).unwrap_or(usize::MAX))
             .collect();
-        if stripers.is_empty() || !spans_disjoint(copies.iter()) {
+        let parts = stripers.len() as u64 + 1;
+        let pieces: Vec<Copies> = match copies {
+            _ if stripers.is_empty() => vec![copies],
+            copies if !spans_disjoint(copies.spans()) => vec![copies],
+            Copies::Plain(copies) => split_even(copies, total, parts)
+                .into_iter()
+                .map(Copies::Plain)
+                .collect(),
+            Copies::Checked(pages) => split_whole(pages, CheckedPage::bytes, parts)
+                .into_iter()
+                .map(Copies::Checked)
+                .collect(),
+        };
+        if let [alone] = pieces.as_slice() {
             // `segments` lives until after the copy (dropped at the end of
             // this call).
-            return copy_populated(&self.memory, &copies, &segments);
+            return copy_piece(&self.memory, alone, &segments, &self.checks);
         }
-        let pieces = split_even(copies, total, stripers.len() as u64 + 1);
+        // Pieces of whole pages may be fewer than the lanes awake.
+        let helpers = pieces.len().saturating_sub(1);
         let stripe = Arc::new(Stripe {
             pieces: pieces
                 .into_iter()
@@ -387,10 +522,11 @@ impl Lanes {
                 .collect(),
             segments,
             memory: Arc::clone(&self.memory),
+            checks: Arc::clone(&self.checks),
             failed: AtomicBool::new(false),
             by_lanes: Arc::clone(&self.striped_by_lanes),
         });
-        for lane in stripers {
+        for lane in stripers.into_iter().take(helpers) {
             // A lane that was parked finds the stripe copied when it runs,
             // and lingers for the next one.
             lane.inbox.push(Work::Stripe(Arc::clone(&stripe)));
@@ -468,7 +604,8 @@ fn run(piece: Piece) {
     // before the pools drop); destinations are inside mappings this piece
     // keeps alive, granted to this write alone; pieces of one write cover
     // disjoint destination bytes (`cut` of pairwise-disjoint spans).
-    if !copy_populated(&piece.join.memory, &piece.copies, &piece.segments) {
+    let join = &piece.join;
+    if !copy_piece(&join.memory, &piece.copies, &piece.segments, &join.checks) {
         piece.join.failed.store(true, Ordering::Release);
     }
     finish_piece(&piece.join);
@@ -476,20 +613,40 @@ fn run(piece: Piece) {
 
 /// Prepares each destination's chunks of its segment (page-table entries
 /// made once per chunk), then copies through `memory` (one check of every
-/// span, under one read lock); `false` when the copy was refused.
-fn copy_populated(
+/// span, under one read lock; for checked pages, one per page, each hashed
+/// as it is copied and compared with its deposit digest); `false` when the
+/// copy was refused or a page's bytes were not those deposited (the pages
+/// after it are not copied: the write fails anyway).
+fn copy_piece(
     memory: &MemoryRegistry,
-    copies: &[CopySpan],
+    copies: &Copies,
     segments: &[Arc<PeerSegment>],
+    checks: &CheckCounters,
 ) -> bool {
-    for span in copies {
+    for span in copies.spans() {
         if let Some(segment) = segments.iter().find(|s| s.holds(span.dst, span.len)) {
             segment.prepare(span.dst, span.len);
         }
     }
-    memory
-        .copy_streaming_into(copies.iter().map(byte_span), segments)
-        .is_ok()
+    match copies {
+        Copies::Plain(copies) => memory
+            .copy_streaming_into(copies.iter().map(byte_span), segments)
+            .is_ok(),
+        Copies::Checked(pages) => pages.iter().all(|page| {
+            let spans: Vec<kvcr_sys::ByteSpan> = page.copies.iter().map(byte_span).collect();
+            match memory.copy_digested_into(&spans, segments) {
+                Ok(digest) if digest == page.digest => {
+                    checks.checked.fetch_add(1, Ordering::Relaxed);
+                    true
+                }
+                Ok(_) => {
+                    checks.altered.fetch_add(1, Ordering::Relaxed);
+                    false
+                }
+                Err(_) => false,
+            }
+        }),
+    }
 }
 
 fn finish_piece(join: &WriteJoin) {

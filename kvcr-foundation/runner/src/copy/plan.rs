@@ -123,6 +123,34 @@ pub(crate) fn split_even(copies: Vec<CopySpan>, total: u64, parts: u64) -> Vec<V
     out
 }
 
+/// Cuts `items` (in order) into at most `parts` runs of near-equal
+/// `weight`, never splitting an item: each run ends at the first item that
+/// reaches its share of the total (so no run is empty, and an item heavier
+/// than a share takes a run of its own).
+pub(crate) fn split_whole<T>(items: Vec<T>, weight: impl Fn(&T) -> u64, parts: u64) -> Vec<Vec<T>> {
+    let total: u64 = items.iter().map(&weight).sum();
+    let parts = parts.clamp(1, (items.len() as u64).max(1));
+    let mut out: Vec<Vec<T>> = Vec::new();
+    let mut run = Vec::new();
+    let mut done = 0u64;
+    for item in items {
+        done += weight(&item);
+        run.push(item);
+        // The end of run `k` (0-based) is where the weight so far reaches
+        // `(k + 1) / parts` of the total.
+        let k = out.len() as u64;
+        if k + 1 < parts
+            && u128::from(done) * u128::from(parts) >= u128::from(total) * u128::from(k + 1)
+        {
+            out.push(std::mem::take(&mut run));
+        }
+    }
+    if !run.is_empty() {
+        out.push(run);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -153,6 +181,25 @@ mod tests {
                 .collect();
             let (min, max) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
             assert!(max - min <= 1, "parts {parts}: {sizes:?}");
+        }
+    }
+
+    #[test]
+    fn whole_splits_keep_every_item_once_in_order_and_balance_them() {
+        for (weights, parts, want) in [
+            (vec![4u64, 4, 4, 4], 4, vec![1, 1, 1, 1]),
+            (vec![4, 4, 4, 4], 2, vec![2, 2]),
+            (vec![4, 4, 4, 4], 8, vec![1, 1, 1, 1]),
+            (vec![16, 1, 1, 1, 1], 2, vec![1, 4]),
+            (vec![1, 1, 1, 1, 16], 2, vec![5]),
+            (vec![3], 4, vec![1]),
+            (vec![], 3, vec![]),
+        ] {
+            let items: Vec<(usize, u64)> = weights.iter().copied().enumerate().collect();
+            let runs = split_whole(items.clone(), |i| i.1, parts);
+            let sizes: Vec<usize> = runs.iter().map(Vec::len).collect();
+            assert_eq!(sizes, want, "{weights:?} in {parts}");
+            assert_eq!(runs.concat(), items);
         }
     }
 

@@ -102,7 +102,7 @@ impl TargetDoorbell {
     pub(crate) fn take(
         &mut self,
         dialed: impl Fn(&ControlEndpoint) -> Option<(u64, Incarnation)>,
-    ) -> (Vec<(Message, Option<u64>)>, u64) {
+    ) -> (Vec<(Message, Option<u64>, bool)>, u64) {
         let slots = &self.slots;
         self.state.take_with(
             |op, record| read_shared(slots, slot_offset(op), record),
@@ -447,11 +447,12 @@ mod tests {
         // Its own session: taken once, as that session's `write_done`.
         let (taken, refused) = db.take(dialed(10));
         assert_eq!(refused, 0);
-        let [(message, digest)] = taken.as_slice() else {
+        let [(message, digest, checked_in_copy)] = taken.as_slice() else {
             panic!("{taken:?}");
         };
         assert_is_write_done_of_op_5(message, &a);
         assert_eq!(*digest, None, "sealed without a digest");
+        assert!(!checked_in_copy);
         assert!(!db.awaiting());
         // Replayed: the record still sits there, but nothing waits on it;
         // the slot's next operation does not match it.

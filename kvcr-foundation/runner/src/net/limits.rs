@@ -233,6 +233,11 @@ pub(crate) struct ControlStats {
     pub(crate) route_proofs_answered: AtomicU64,
     /// Route-proof nonces and proofs ignored (see [`ControlCounters`]).
     pub(crate) route_proofs_refused: AtomicU64,
+    /// Pages the copy lanes checked as they copied them (as a source).
+    pub(crate) source_checks: Arc<crate::copy::lanes::CheckCounters>,
+    /// Doorbell records taken whose pages were checked in the source's copy
+    /// and not read again (as a target).
+    pub(crate) landings_checked_in_copy: AtomicU64,
 }
 
 impl ControlStats {
@@ -247,6 +252,9 @@ impl ControlStats {
             handshakes_waiting: self.handshakes_waiting.load(Ordering::Relaxed),
             timeouts: self.timeouts.load(Ordering::Relaxed),
             doorbells_rung: self.doorbells_rung.load(Ordering::Relaxed),
+            pages_checked_in_copy: self.source_checks.checked.load(Ordering::Relaxed),
+            pages_altered_at_source: self.source_checks.altered.load(Ordering::Relaxed),
+            landings_checked_in_copy: self.landings_checked_in_copy.load(Ordering::Relaxed),
             doorbells_taken: self.doorbells_taken.load(Ordering::Relaxed),
             doorbells_refused: self.doorbells_refused.load(Ordering::Relaxed),
             write_messages_sent: self.write_messages_sent.load(Ordering::Relaxed),
@@ -297,6 +305,18 @@ pub struct ControlCounters {
     /// Doorbell records written as a source (a write's completion, ahead of
     /// its `write_done`).
     pub doorbells_rung: u64,
+    /// Pages a source's copy lanes hashed as they copied them into a
+    /// same-host target and found as deposited (see
+    /// [`crate::LandingCheck`]).
+    pub pages_checked_in_copy: u64,
+    /// Pages whose bytes no longer matched the digest taken at their
+    /// deposit when a source copied them: the write failed and nothing was
+    /// reported written.
+    pub pages_altered_at_source: u64,
+    /// Doorbell records taken as a target whose pages the source checked in
+    /// its copy, so they were not read again here
+    /// ([`crate::LandingCheck::TrustCopyCheck`]).
+    pub landings_checked_in_copy: u64,
     /// Doorbell records taken as a target: operations completed before
     /// their `write_done` arrived.
     pub doorbells_taken: u64,

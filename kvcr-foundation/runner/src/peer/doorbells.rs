@@ -98,10 +98,24 @@ impl State {
         let (taken, refused) = self.doorbell.take(|source| control.dialed_peer(source));
         let stats = &self.control.stats;
         let counters = (&stats.doorbells_taken, &stats.doorbells_refused);
+        let trust_copy_check = self.landing_check == super::landing::LandingCheck::TrustCopyCheck;
+        let mut checked_in_copy = 0;
         let taken = taken
             .into_iter()
-            .map(|(m, digest)| (m, Some(super::landing::Sent::Write(digest))))
+            .map(|(m, digest, checked)| {
+                let sent = match digest {
+                    Some(digest) if checked && trust_copy_check => {
+                        checked_in_copy += 1;
+                        super::landing::Sent::CheckedInCopy(digest)
+                    }
+                    _ => super::landing::Sent::Write(digest),
+                };
+                (m, Some(sent))
+            })
             .collect();
+        stats
+            .landings_checked_in_copy
+            .fetch_add(checked_in_copy, std::sync::atomic::Ordering::Relaxed);
         hand_to_core(shared, taken, refused, counters);
     }
 }

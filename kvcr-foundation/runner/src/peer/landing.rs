@@ -7,6 +7,15 @@
 //! is counted (`digest_mismatches`); its slots are freed as a failed key's
 //! are, never seated.
 //!
+//! A doorbell record may say the source hashed each page in the pass that
+//! copied it into our mapped pools and found it as deposited (its lanes
+//! check every page of a one-copy write against its deposit digest): then,
+//! unless [`crate::LandingCheck::Always`], the landed bytes are not read
+//! again. The source's CPU stored them straight into our pools, with no
+//! wire between its check and our memory, so a second read here would
+//! catch nothing the source's check did not. The pages' own digests come
+//! with the `write_done` behind the record ([`Hand::Late`]).
+//!
 //! The hashing runs outside the core's lock where the caller can ([`check`],
 //! then [`Checked::hand`] under it): an awaited operation's slots are freed
 //! only by its reply, which this peer thread hands over after. A large write
@@ -18,6 +27,30 @@ use kvcr_sys::{MemoryRegistry, combine_digests};
 
 use crate::shared::Shared;
 
+/// Whether a target reads the bytes a same-host source wrote into its
+/// mapped pools again before it completes their keys (a
+/// [`crate::PeerOptions`] field).
+///
+/// A one-copy write's source hashes each page in the pass that copies it
+/// and compares it with the digest taken at deposit; a page that differs
+/// fails the write. Its CPU stores the bytes straight into the target's
+/// pools, with no wire between that check and the target's memory, so by
+/// default the target trusts the check its record reports and does not
+/// read the pages again (a restore's only pass over them is the copy). A
+/// source that lies about its check could as well write wrong bytes with
+/// their digest: the second read guards against no member (see
+/// `docs/trust.md`). Every other route (UCX puts, write messages, data
+/// streams) is always checked here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LandingCheck {
+    /// Pages a same-host source checked in its copy are not read again.
+    #[default]
+    TrustCopyCheck,
+    /// Every landed page is read again and compared with its digest here,
+    /// whatever the source checked (a second pass over each page).
+    Always,
+}
+
 /// What digest came with a completion.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Sent {
@@ -25,13 +58,30 @@ pub(crate) enum Sent {
     PerKey,
     /// A sealed record: one digest of the write's pages, or none.
     Write(Option<u64>),
+    /// A doorbell record whose write's pages the source checked as it
+    /// copied them, with the write's digest: nothing is read here.
+    CheckedInCopy(u64),
+}
+
+/// How a completion reaches the core.
+enum Hand {
+    /// Its keys whose landed bytes did not match (none: all did, or there
+    /// was nothing to check).
+    Checked(Vec<u32>),
+    /// Completed by a record of pages the source checked in its copy, whose
+    /// write's digest is this.
+    CheckedInCopy(u64),
+    /// A `write_done` for an operation no longer awaited, with per-page
+    /// digests that combine to this: maybe the digests a record's
+    /// completion left behind.
+    Late(u64),
 }
 
 /// A completion whose landed bytes were checked: the message to hand to the
 /// core (completing only the keys that matched) and the keys that did not.
 pub(crate) struct Checked {
     message: Message,
-    mismatched: Vec<u32>,
+    hand: Hand,
 }
 
 impl Checked {
@@ -39,13 +89,21 @@ impl Checked {
     pub(crate) fn unchecked(message: Message) -> Self {
         Self {
             message,
-            mismatched: Vec::new(),
+            hand: Hand::Checked(Vec::new()),
         }
     }
 
     /// Hands the completion to the core (under its lock).
     pub(crate) fn hand(self, core: &mut Core, now: u64) {
-        core.handle_write_done_checked(now, self.message, &self.mismatched);
+        match self.hand {
+            Hand::Checked(mismatched) => {
+                core.handle_write_done_checked(now, self.message, &mismatched);
+            }
+            Hand::CheckedInCopy(combined) => {
+                core.handle_write_done_checked_in_copy(now, self.message, combined);
+            }
+            Hand::Late(combined) => core.handle_late_digests(now, self.message, combined),
+        }
     }
 }
 
@@ -84,14 +142,27 @@ fn check_with(
         _ => return unchecked(message),
     };
     let expected = match (sent, completed.digests()) {
+        (Sent::CheckedInCopy(combined), _) => {
+            return Checked {
+                message,
+                hand: Hand::CheckedInCopy(combined),
+            };
+        }
         (Sent::PerKey, Some(digests)) => Expected::PerKey(digests.to_vec()),
         (Sent::Write(Some(digest)), _) => Expected::Write(digest),
         // Nothing to check against (the source keeps no digests).
         _ => return unchecked(message),
     };
-    // An op that is not awaited: the core refuses or ignores it.
+    // An op that is not awaited: the core refuses or ignores it, unless a
+    // record completed it and its pages wait for these digests.
     let Some(landing) = landing(op_handle) else {
-        return unchecked(message);
+        return match expected {
+            Expected::PerKey(digests) => Checked {
+                message,
+                hand: Hand::Late(combine_digests(&digests)),
+            },
+            Expected::Write(_) => unchecked(message),
+        };
     };
     let (checked, mismatched) = compare(memory, completed, &expected, &landing);
     Checked {
@@ -102,7 +173,7 @@ fn check_with(
                 outcome: WriteOutcome::Completed(checked),
             },
         },
-        mismatched,
+        hand: Hand::Checked(mismatched),
     }
 }
 

@@ -22,7 +22,7 @@
 //! memory) and [`proofs`] (a UCX route's worker proving it is its target's).
 
 mod doorbells;
-mod landing;
+pub(crate) mod landing;
 mod messages;
 mod proofs;
 mod puts;
@@ -219,6 +219,8 @@ struct State {
     /// Whether the data streams we dial ask for sealed records, and those
     /// dialed to us must ([`crate::StreamSealing`]).
     seal_streams: bool,
+    /// Whether pages a same-host source checked in its copy are read again.
+    landing_check: landing::LandingCheck,
     /// Whether we post requests to our sources' mailboxes
     /// ([`PeerOptions::request_mailbox`]).
     request_mailbox: bool,

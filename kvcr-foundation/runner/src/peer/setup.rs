@@ -118,7 +118,8 @@ impl State {
             },
             Arc::clone(&memory),
         )
-        .map_err(|_| Error::runner(RunnerReason::CopyEngineStopped))?;
+        .map_err(|_| Error::runner(RunnerReason::CopyEngineStopped))?
+        .counting_in(Arc::clone(&control.stats.source_checks));
         let (lane_done_tx, lane_done) = mpsc::unbounded_channel();
         let (streams_dialed_tx, streams_dialed) = mpsc::unbounded_channel();
         Ok((
@@ -141,6 +142,7 @@ impl State {
                         .as_deref(),
                 ),
                 seal_streams: options.stream_sealing.sealed(options.secret.is_some()),
+                landing_check: options.landing_check,
                 endpoint: endpoint_for_streams,
                 stream_limits: (
                     options.limits.handshake_timeout,

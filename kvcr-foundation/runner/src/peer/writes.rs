@@ -14,6 +14,7 @@ use kvcr_runner_core::{CopySpan, PutSpan};
 use super::State;
 use super::puts::{PendingWrite, pool_holding};
 use super::routes::{Route, RoutePath};
+use crate::copy::lanes::CheckedPage;
 use crate::shared::Shared;
 use kvcr_sys::segment::PeerSegment;
 
@@ -59,15 +60,30 @@ impl State {
         let copies = self.one_copy_plan(segments, spans);
         match copies {
             Some(copies) => {
-                if let Some(doorbell) = &route.doorbell {
-                    let completion = super::landing::write_record(&shared.lock().core, write);
-                    if let (Some((op, keys, digest)), Some(slots)) =
-                        (completion, segments.get(&doorbell.region))
-                    {
-                        let (record, remote) = doorbell.ring(op, keys, digest);
-                        self.rings
-                            .insert(write, (Arc::clone(slots), record, remote));
-                    }
+                // Pages with their deposit digests are checked as they are
+                // copied (all of them, or none: a page deposited without a
+                // digest has nothing to be checked against).
+                let (completion, pages) = {
+                    let guard = shared.lock();
+                    let completion = route
+                        .doorbell
+                        .as_ref()
+                        .and_then(|_| super::landing::write_record(&guard.core, write));
+                    (completion, guard.core.peer_write_pages(write))
+                };
+                let (plain, checked) = match pages {
+                    Some(pages) => match CheckedPage::group(copies, &pages) {
+                        Some(checked) => (Vec::new(), Some(checked)),
+                        None => return self.copied(shared, (write, false)),
+                    },
+                    None => (copies, None),
+                };
+                if let (Some(doorbell), Some((op, keys, digest))) = (&route.doorbell, completion)
+                    && let Some(slots) = segments.get(&doorbell.region)
+                {
+                    let (record, remote) = doorbell.ring(op, keys, digest, checked.is_some());
+                    self.rings
+                        .insert(write, (Arc::clone(slots), record, remote));
                 }
                 let segments = segments.values().cloned().collect();
                 // Every source range lies inside one of our pools
@@ -75,9 +91,11 @@ impl State {
                 // claimed by this write until it is reported; every
                 // destination lies inside a mapping of `segments`
                 // (checked), granted to this write by its target.
-                let inline = self
-                    .lanes
-                    .submit(write, copies, segments, &self.lane_done_tx);
+                let done = &self.lane_done_tx;
+                let inline = match checked {
+                    Some(pages) => self.lanes.submit_checked(write, pages, segments, done),
+                    None => self.lanes.submit(write, plain, segments, done),
+                };
                 if let Some(ok) = inline {
                     self.copied(shared, (write, ok));
                 }

@@ -300,7 +300,7 @@ impl DoorbellState {
         &mut self,
         mut read: impl FnMut(OpHandle, &mut [u8; SLOT_BYTES]) -> bool,
         dialed: impl Fn(&ControlEndpoint) -> Option<(u64, Incarnation)>,
-    ) -> (Vec<(Message, Option<u64>)>, u64) {
+    ) -> (Vec<(Message, Option<u64>, bool)>, u64) {
         let mut taken = Vec::new();
         let mut refused = 0;
         for (op, Awaited { source, .. }) in &self.awaited {
@@ -314,12 +314,12 @@ impl DoorbellState {
             let Some(key) = self.keys.get(source) else {
                 continue;
             };
-            let Some((keys, digest)) = key.key.open_digested(*op, &record) else {
+            let Some((keys, digest, checked)) = key.key.open_digested(*op, &record) else {
                 refused += 1;
                 continue;
             };
             if let Some(done) = write_done(source, key.session, *op, keys, &dialed) {
-                taken.push((*op, (done, digest)));
+                taken.push((*op, (done, digest, checked)));
             }
         }
         for (op, _) in &taken {
@@ -479,15 +479,17 @@ impl RouteDoorbell {
         RouteMailbox::new(self.key.clone(), slots, remote)
     }
 
-    /// The record for `op` (`keys` landed, their pages' digest `digest`)
-    /// and the target address of its slot.
+    /// The record for `op` (`keys` landed, their pages' digest `digest`,
+    /// each page `checked_in_copy` or not) and the target address of its
+    /// slot.
     pub(crate) fn ring(
         &self,
         op: OpHandle,
         keys: u32,
         digest: Option<u64>,
+        checked_in_copy: bool,
     ) -> ([u8; SLOT_BYTES], u64) {
-        let record = self.key.seal_digested(op, keys, digest);
+        let record = self.key.seal_digested(op, keys, digest, checked_in_copy);
         (record, self.base + slot_offset(op) as u64)
     }
 }

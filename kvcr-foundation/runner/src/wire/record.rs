@@ -11,6 +11,8 @@
 //! ```text
 //! record := op:u64le  keys:u32le  version:u8=2  tail:u8[3]  tag:u8[32]
 //!           digest:u64le  has_digest:u8  zero:u8[7]
+//! has_digest := 0 (none) | 1 (the write's) | 2 (the write's, each page hashed
+//!               in the source's copy pass and found as deposited; a slot only)
 //! tag    := HMAC-SHA256(key, label | op | keys | version | tail | digest | has_digest)
 //! label  := "kvcr-doorbell/1" (a slot: tail zero)
 //!         | "kvcr-write-message/1" (a message header: tail is its part)
@@ -98,34 +100,40 @@ impl RecordKey {
     /// The record saying `keys` keys of `op` landed (a doorbell slot's).
     #[cfg(test)]
     pub(crate) fn seal(&self, op: OpHandle, keys: u32) -> [u8; SLOT_BYTES] {
-        self.seal_labelled(LABEL, op, keys, [0; 3], None)
+        self.seal_labelled(LABEL, op, keys, [0; 3], None, false)
     }
 
-    /// As [`RecordKey::seal`], carrying the write's digest.
+    /// As [`RecordKey::seal`], carrying the write's digest, and whether the
+    /// source hashed each page in the pass that copied it and found it as
+    /// deposited (`checked_in_copy`, only with a digest).
     pub(crate) fn seal_digested(
         &self,
         op: OpHandle,
         keys: u32,
         digest: Option<u64>,
+        checked_in_copy: bool,
     ) -> [u8; SLOT_BYTES] {
-        self.seal_labelled(LABEL, op, keys, [0; 3], digest)
+        self.seal_labelled(LABEL, op, keys, [0; 3], digest, checked_in_copy)
     }
 
     /// The number of keys `record` says landed for `op`, if it is a slot
     /// record of `op` sealed with this key (checked in constant time).
     #[cfg(test)]
     pub(crate) fn open(&self, op: OpHandle, record: &[u8; SLOT_BYTES]) -> Option<u32> {
-        self.open_digested(op, record).map(|(keys, _)| keys)
+        self.open_digested(op, record).map(|(keys, _, _)| keys)
     }
 
-    /// As [`RecordKey::open`], with the write's digest it carries.
+    /// As [`RecordKey::open`], with the write's digest it carries and
+    /// whether the source checked each page in its copy.
     pub(crate) fn open_digested(
         &self,
         op: OpHandle,
         record: &[u8; SLOT_BYTES],
-    ) -> Option<(u32, Option<u64>)> {
+    ) -> Option<(u32, Option<u64>, bool)> {
         self.open_labelled(LABEL, op, record)
-            .and_then(|(keys, tail, digest)| (tail == [0; 3]).then_some((keys, digest)))
+            .and_then(|(keys, tail, digest, checked)| {
+                (tail == [0; 3]).then_some((keys, digest, checked))
+            })
     }
 
     /// A write message's header: `part` of the bytes of the first `keys`
@@ -143,7 +151,7 @@ impl RecordKey {
         part: Part,
         digest: Option<u64>,
     ) -> [u8; SLOT_BYTES] {
-        self.seal_labelled(MESSAGE_LABEL, op, keys, part.to_bytes(), digest)
+        self.seal_labelled(MESSAGE_LABEL, op, keys, part.to_bytes(), digest, false)
     }
 
     /// The number of keys a write message's `header` is a part of for
@@ -165,7 +173,11 @@ impl RecordKey {
         op: OpHandle,
         header: &[u8; SLOT_BYTES],
     ) -> Option<(u32, Part, Option<u64>)> {
-        let (keys, tail, digest) = self.open_labelled(MESSAGE_LABEL, op, header)?;
+        // A message's bytes crossed UCX, not a copy the source hashed: it
+        // never claims a check in the copy.
+        let (keys, tail, digest, false) = self.open_labelled(MESSAGE_LABEL, op, header)? else {
+            return None;
+        };
         Some((keys, Part::from_bytes(tail)?, digest))
     }
 
@@ -221,6 +233,7 @@ impl RecordKey {
         keys: u32,
         tail: [u8; 3],
         digest: Option<u64>,
+        checked_in_copy: bool,
     ) -> [u8; SLOT_BYTES] {
         let mut record = [0u8; SLOT_BYTES];
         record[..8].copy_from_slice(&op.0.to_le_bytes());
@@ -229,7 +242,7 @@ impl RecordKey {
         record[13..SIGNED].copy_from_slice(&tail);
         if let Some(digest) = digest {
             record[DIGEST.start..DIGEST.end - 1].copy_from_slice(&digest.to_le_bytes());
-            record[DIGEST.end - 1] = 1;
+            record[DIGEST.end - 1] = if checked_in_copy { 2 } else { 1 };
         }
         let mut ctx = hmac::Context::with_key(&self.0);
         ctx.update(label);
@@ -239,19 +252,20 @@ impl RecordKey {
         record
     }
 
-    /// The key count and the three bytes after the version of a record of
-    /// `op` that verifies under `label`.
+    /// The key count, the three bytes after the version, the digest and
+    /// whether it was checked in the copy, of a record of `op` that
+    /// verifies under `label`.
     fn open_labelled(
         &self,
         label: &[u8],
         op: OpHandle,
         record: &[u8; SLOT_BYTES],
-    ) -> Option<(u32, [u8; 3], Option<u64>)> {
+    ) -> Option<(u32, [u8; 3], Option<u64>, bool)> {
         let has_digest = record[DIGEST.end - 1];
         if record_op(record) != op
             || record[12] != VERSION
             || record[DIGEST.end..] != [0; 7]
-            || has_digest > 1
+            || has_digest > 2
         {
             return None;
         }
@@ -263,7 +277,12 @@ impl RecordKey {
         let keys = u32::from_le_bytes(record[8..12].try_into().ok()?);
         let tail = record[13..SIGNED].try_into().ok()?;
         let digest = u64::from_le_bytes(record[DIGEST.start..DIGEST.end - 1].try_into().ok()?);
-        Some((keys, tail, (has_digest == 1).then_some(digest)))
+        Some((
+            keys,
+            tail,
+            (has_digest != 0).then_some(digest),
+            has_digest == 2,
+        ))
     }
 }
 
@@ -369,10 +388,11 @@ pub(super) mod tests {
 
     /// A record's digest is signed: it opens as sealed, and any changed
     /// bit of it (or of its flag) refuses the record.
-    #[test]
-    fn a_records_digest_is_signed() {
-        let record = key(1).seal_digested(OpHandle(42), 3, Some(0x1234_5678_9abc_def0));
-        let expect = Some((3, Some(0x1234_5678_9abc_def0)));
+    #[rstest::rstest]
+    fn a_records_digest_is_signed(#[values(false, true)] checked_in_copy: bool) {
+        let digest = 0x1234_5678_9abc_def0;
+        let record = key(1).seal_digested(OpHandle(42), 3, Some(digest), checked_in_copy);
+        let expect = Some((3, Some(digest), checked_in_copy));
         assert_eq!(key(1).open_digested(OpHandle(42), &record), expect);
         let header = key(1).seal_message_digested(OpHandle(42), 3, Part::WHOLE, Some(7));
         let opened = key(1).open_message_digested(OpHandle(42), &header);
@@ -385,8 +405,27 @@ pub(super) mod tests {
                 assert_eq!(opened, None, "byte {at} bit {bit}");
             }
         }
-        let none = key(1).seal_digested(OpHandle(42), 3, None);
-        assert_eq!(key(1).open_digested(OpHandle(42), &none), Some((3, None)));
+        let none = key(1).seal_digested(OpHandle(42), 3, None, false);
+        assert_eq!(
+            key(1).open_digested(OpHandle(42), &none),
+            Some((3, None, false))
+        );
+    }
+
+    /// Only a slot's record says its pages were checked in the copy: a
+    /// write message header that says so (its bytes crossed UCX) is refused,
+    /// though signed.
+    #[test]
+    fn a_message_header_never_claims_a_check_in_the_copy() {
+        let header = key(1).seal_labelled(
+            MESSAGE_LABEL,
+            OpHandle(42),
+            3,
+            Part::WHOLE.to_bytes(),
+            Some(7),
+            true,
+        );
+        assert_eq!(key(1).open_message_digested(OpHandle(42), &header), None);
     }
 
     #[test]

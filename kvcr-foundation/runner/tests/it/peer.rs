@@ -4,7 +4,9 @@
 use std::time::Duration;
 
 use kvcr_contracts::{RequestId, ScopedKey};
-use kvcr_runner::{DataStream, EntryStatus, FailReason, PeerOptions, QueryStatus, Runner};
+use kvcr_runner::{
+    DataStream, EntryStatus, FailReason, LandingCheck, PeerOptions, QueryStatus, Runner,
+};
 use rstest::rstest;
 
 use crate::nodes::{
@@ -354,4 +356,124 @@ fn forgetting_a_peer_closes_its_socket() {
         Duration::from_secs(10),
         || sockets(&source.runner) == 0,
     );
+}
+
+/// A same-host source hashes each page of a one-copy write as it copies it
+/// and says so in the doorbell record: by default the target then does not
+/// read the landed bytes again, and each page takes its digest from the
+/// `write_done` behind the record; with [`LandingCheck::Always`] it reads
+/// every page again. Both restore byte-exact, and every restored page ends
+/// up with its source's digest (served on with it).
+#[rstest]
+#[case::trust_the_copy_check(LandingCheck::TrustCopyCheck)]
+#[case::always_read_again(LandingCheck::Always)]
+fn pages_checked_in_the_sources_copy_are_not_read_again(#[case] check: LandingCheck) {
+    let _serial = crate::serial();
+    let mut options = PeerOptions::loopback();
+    options.ucx_tls = Some("sm,self".to_owned());
+    let mut source = node_with(&options, 32, Duration::from_secs(5));
+    options.landing_check = check;
+    let mut target = node_with(&options, 32, Duration::from_secs(5));
+    let keys: Vec<u64> = (0..24).collect();
+    stock(&mut source, &keys);
+    // A completion may come by the control session before the target looks
+    // at its doorbell: restore a few keys at a time until some came by it.
+    for (round, keys) in keys.chunks(3).enumerate() {
+        let result = fetch_on_hint(
+            &mut target,
+            &format!("r{round}"),
+            &hint(&source, keys),
+            keys,
+        );
+        assert_restored(&target, &source, &result, keys);
+    }
+    let taken = target.runner.peers().control_stats().doorbells_taken;
+    assert!(taken > 0, "no completion came by the doorbell");
+    crate::wait_until(
+        "the source to count its pages",
+        Duration::from_secs(5),
+        || source.runner.peers().control_stats().pages_checked_in_copy == keys.len() as u64,
+    );
+    let stats = target.runner.peers().control_stats();
+    let trusted = match check {
+        LandingCheck::TrustCopyCheck => taken,
+        LandingCheck::Always => 0,
+    };
+    assert_eq!(stats.landings_checked_in_copy, trusted);
+    assert_eq!(
+        source
+            .runner
+            .peers()
+            .control_stats()
+            .pages_altered_at_source,
+        0
+    );
+    crate::wait_until(
+        "every restored page's digest",
+        Duration::from_secs(5),
+        || {
+            keys.iter().all(|k| {
+                let digest = target.runner.page_digest(&key(target.ns, *k));
+                digest.is_some() && digest == source.runner.page_digest(&key(source.ns, *k))
+            })
+        },
+    );
+    assert_eq!(target.runner.peers().stats().counters.digest_mismatches, 0);
+}
+
+/// A page whose bytes changed in the source's pool after its deposit (a
+/// fault at rest) is caught by the source's own copy: its write fails, the
+/// target completes no key of it with those bytes, and the source counts it.
+#[test]
+fn a_page_altered_in_the_sources_pool_is_never_written_as_success() {
+    let _serial = crate::serial();
+    let mut options = PeerOptions::loopback();
+    options.ucx_tls = Some("sm,self".to_owned());
+    let mut source = node_with(&options, 16, Duration::from_secs(5));
+    let mut target = node_with(&options, 16, Duration::from_secs(5));
+    let keys: Vec<u64> = (0..4).collect();
+    stock(&mut source, &keys);
+    // Key 2's page, found in the source's pool by its bytes, gets one bit
+    // flipped (nothing of the source's is in flight).
+    let page = &source.host[2 * BLOCK..3 * BLOCK];
+    let mut flipped = 0;
+    for range in source.runner.pools().ranges() {
+        // SAFETY: (test) the source's own pool in this process, mapped for
+        // the runner's life; no operation of the source is in flight.
+        let pool =
+            unsafe { std::slice::from_raw_parts_mut(range.base as *mut u8, range.len as usize) };
+        for slot in pool.chunks_exact_mut(BLOCK) {
+            if slot == page {
+                slot[1000] ^= 0x10;
+                flipped += 1;
+            }
+        }
+    }
+    assert_eq!(flipped, 1, "the page is in the source's pool once");
+    let result = fetch_on_hint(&mut target, "altered", &hint(&source, &keys), &keys);
+    for ((scoped, entry), k) in result.entries.iter().zip(&keys) {
+        if entry.is_success() {
+            let bytes = target
+                .runner
+                .read_claimed(entry.release.unwrap(), 0)
+                .unwrap();
+            let at = *k as usize * BLOCK;
+            assert!(
+                bytes == source.host[at..at + BLOCK],
+                "{scoped:?}: wrong bytes"
+            );
+        } else {
+            assert_ne!(
+                target.runner.query(scoped),
+                QueryStatus::Hit,
+                "{scoped:?} served"
+            );
+        }
+    }
+    assert!(
+        !result.entries[2].1.is_success(),
+        "the altered page succeeded"
+    );
+    let stats = source.runner.peers().control_stats();
+    assert_eq!(stats.pages_altered_at_source, 1);
 }

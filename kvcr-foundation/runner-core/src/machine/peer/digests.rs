@@ -98,6 +98,104 @@ impl Core {
         self.landing_mismatch = None;
     }
 
+    /// Write `write`'s pages in the order its puts write them: per page,
+    /// how many of the write's spans are its (consecutive, in layout order)
+    /// and its digest, if every page has one. What a source's copy checks
+    /// each page against as it moves it.
+    pub fn peer_write_pages(&self, write: u64) -> Option<Vec<(usize, u64)>> {
+        let w = self.peer.as_ref()?.source.writes.get(&write)?;
+        w.records
+            .iter()
+            .map(|r| Some((self.slot_spans(*r).len(), self.record_digest(*r)?)))
+            .collect()
+    }
+
+    /// A record completing `message`'s operation whose write digest is
+    /// `combined`, sent by a source that hashed each page in the pass that
+    /// copied it and found it as deposited, so the driver did not read the
+    /// landed bytes again: its keys complete now, without their own digests,
+    /// which the `write_done` behind the record brings
+    /// ([`Core::handle_late_digests`]).
+    pub fn handle_write_done_checked_in_copy(&mut self, now: u64, message: Message, combined: u64) {
+        if let Body::WriteDone { op_handle, .. } = &message.body {
+            self.landing_checked_in_copy = Some((*op_handle, combined));
+        }
+        self.handle_message(now, message);
+        self.landing_checked_in_copy = None;
+    }
+
+    /// A `write_done` whose per-page digests combine to `combined` (the
+    /// driver combines them; the core never hashes). For an operation a
+    /// record completed without them
+    /// ([`Core::handle_write_done_checked_in_copy`]), from its own source,
+    /// naming exactly the keys that landed, and combining to the record's
+    /// digest, each page still held as it landed takes its digest; else
+    /// the message is handled as any other (an unknown operation's is
+    /// refused).
+    pub fn handle_late_digests(&mut self, now: u64, message: Message, combined: u64) {
+        let Body::WriteDone {
+            op_handle,
+            outcome: WriteOutcome::Completed(completed),
+        } = &message.body
+        else {
+            return self.handle_message(now, message);
+        };
+        let Some(late) = self.take_late_digests(*op_handle) else {
+            return self.handle_message(now, message);
+        };
+        let from_source = late.source == message.header.sender_endpoint
+            && late.source_incarnation == Some(message.header.sender);
+        let indices: Vec<u32> = late.pages.iter().map(|p| p.0).collect();
+        let (Some(digests), true, true) = (
+            completed.digests(),
+            from_source && late.combined == combined,
+            completed.as_slice() == indices.as_slice(),
+        ) else {
+            // Not what the record stood for: the pages keep no digest.
+            self.refuse();
+            return;
+        };
+        for ((_, record, key), digest) in late.pages.iter().zip(digests) {
+            let held = self
+                .index
+                .get(key)
+                .is_some_and(|e| e.record == *record && e.state == Residency::Ready);
+            if held && self.record_digest(*record).is_none() {
+                self.set_record_digest(*record, Some(*digest));
+            }
+        }
+    }
+
+    fn take_late_digests(&mut self, op: OpHandle) -> Option<LateDigests> {
+        let late = &mut self.peer.as_mut()?.target.late_digests;
+        let at = late.iter().position(|l| l.op == op)?;
+        late.remove(at)
+    }
+
+    /// Remembers that `op`'s landed `pages` wait for their digests.
+    pub(in crate::machine) fn await_late_digests(
+        &mut self,
+        op: OpHandle,
+        source: (ControlEndpoint, Option<Incarnation>),
+        combined: u64,
+        pages: Vec<(u32, u32, ScopedKey)>,
+    ) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let late = &mut peer.target.late_digests;
+        if late.len() >= LATE_DIGESTS {
+            late.pop_front();
+        }
+        late.push_back(LateDigests {
+            op,
+            source: source.0,
+            source_incarnation: source.1,
+            combined,
+            pages,
+        });
+    }
+
     /// The digests of write `write`'s pages (in the order it writes them),
     /// if every one has a digest: what a record completing it carries.
     pub fn peer_write_digests(&self, write: u64) -> Option<Vec<u64>> {

@@ -172,6 +172,29 @@ struct TargetRole {
     hints: HashMap<RequestId, RequestHint>,
     sources: HashMap<ControlEndpoint, SourcePeer>,
     ops: BTreeMap<OpHandle, TargetOp>,
+    /// Operations completed by a record that carried only their write's
+    /// digest (the source checked each page as it copied it), newest last,
+    /// at most [`LATE_DIGESTS`]: their pages' own digests come with the
+    /// `write_done` behind the record.
+    late_digests: std::collections::VecDeque<LateDigests>,
+}
+
+/// How many operations wait for their pages' digests at once (older ones
+/// are forgotten: their pages are served on without a digest).
+pub(in crate::machine) const LATE_DIGESTS: usize = 256;
+
+/// An operation completed without its pages' digests, which its
+/// `write_done` brings.
+#[derive(Debug)]
+struct LateDigests {
+    op: OpHandle,
+    source: ControlEndpoint,
+    source_incarnation: Option<Incarnation>,
+    /// The write's digest the record carried: the pages' digests must
+    /// combine to it.
+    combined: u64,
+    /// Per landed key: its index in the operation, its record and key.
+    pages: Vec<(u32, u32, ScopedKey)>,
 }
 
 /// A peer's write held back while the keys only G3 holds are filled into

@@ -52,6 +52,26 @@ impl Plan {
         want
     }
 
+    /// The plan's spans as pages of `per_page` spans each, with the digest
+    /// of their source bytes (`wrong`: page `wrong`'s is off by one).
+    fn pages(&self, per_page: usize, wrong: Option<usize>) -> Vec<CheckedPage> {
+        let counts: Vec<(usize, u64)> = self
+            .spans
+            .chunks(per_page)
+            .enumerate()
+            .map(|(i, spans)| {
+                let bytes: Vec<u8> = spans
+                    .iter()
+                    .flat_map(|&(s, _, len)| self.src[s..s + len].iter().copied())
+                    .collect();
+                let digest = kvcr_sys::digest::digest_bytes(&bytes);
+                let digest = if wrong == Some(i) { digest ^ 1 } else { digest };
+                (spans.len(), digest)
+            })
+            .collect();
+        CheckedPage::group(self.copies(), &counts).unwrap()
+    }
+
     /// Submits the plan (no segment: the destinations are registered
     /// memory of this test) and returns the inline outcome.
     fn submit(&self, lanes: &mut Lanes, tx: &UnboundedSender<(u64, bool)>) -> Option<bool> {
@@ -232,4 +252,66 @@ fn closing_joins_lanes_after_their_queued_work() {
         "every queued write ran and reported"
     );
     assert!(plans.iter().all(|p| p.dst() == p.expected()));
+}
+
+/// A write of pages with their deposit digests lands every byte once each
+/// page's digest, taken as it is copied, matches; one page whose bytes are
+/// not those deposited fails the write (inline or on the lanes, striped or
+/// not) and is counted.
+#[rstest]
+#[case::one_block(256 << 10, 1)]
+#[case::small_pages(768 << 10, 3)]
+#[case::large_pages(32 << 20, 4)]
+#[case::many_large_pages(48 << 20, 12)]
+fn checked_pages_land_only_as_deposited(
+    #[case] bytes: usize,
+    #[case] pages: usize,
+    #[values(1, 3)] lanes: usize,
+) {
+    let mut lanes = lingering(lanes);
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let page = bytes / pages;
+    // Two spans a page, the second half first (as a layout may order them).
+    let spans: Vec<(usize, usize, usize)> = (0..pages)
+        .flat_map(|p| {
+            let (at, half) = (p * page, page / 2);
+            [(at + half, at + half, page - half), (at, at, half)]
+        })
+        .collect();
+    let mut submit = |lanes: &mut Lanes, plan: &Plan, pages: Vec<CheckedPage>| {
+        let ok = lanes
+            .submit_checked(7, pages, Vec::new(), &tx)
+            .unwrap_or_else(|| {
+                let (write, ok) = rx.blocking_recv().unwrap();
+                assert_eq!(write, 7);
+                ok
+            });
+        if ok {
+            assert!(plan.dst() == plan.expected(), "every byte once");
+        }
+        ok
+    };
+    let plan = Plan::new(&lanes, bytes, spans.clone());
+    assert!(submit(&mut lanes, &plan, plan.pages(2, None)));
+    assert_eq!(lanes.checks.checked.load(Ordering::Relaxed), pages as u64);
+    let plan = Plan::new(&lanes, bytes, spans);
+    assert!(!submit(&mut lanes, &plan, plan.pages(2, Some(pages - 1))));
+    assert_eq!(lanes.checks.altered.load(Ordering::Relaxed), 1);
+    assert!(rx.try_recv().is_err(), "each write reported once");
+}
+
+#[test]
+fn pages_that_do_not_add_up_to_the_spans_are_not_grouped() {
+    let copy = CopySpan {
+        src: 0,
+        dst: 0,
+        len: 1,
+    };
+    assert_eq!(CheckedPage::group(vec![copy; 3], &[(2, 0)]), None);
+    assert_eq!(CheckedPage::group(vec![copy; 3], &[(2, 0), (2, 0)]), None);
+    let grouped = CheckedPage::group(vec![copy; 3], &[(1, 5), (2, 6)]).unwrap();
+    assert_eq!(
+        grouped.iter().map(|p| p.copies.len()).collect::<Vec<_>>(),
+        vec![1, 2]
+    );
 }

@@ -248,6 +248,11 @@ impl Core {
                 HashSet::new()
             }
         };
+        let checked_in_copy = match self.landing_checked_in_copy {
+            Some((checked_op, combined)) if checked_op == op && on_time => Some(combined),
+            _ => None,
+        };
+        let mut late_pages = Vec::new();
         let mut stored = Vec::new();
         let mut deliver_next = BTreeMap::new();
         let mut received = 0;
@@ -262,6 +267,11 @@ impl Core {
                 // the landed bytes: the page can be served on with it.
                 let digest = digests.get(&index).copied();
                 self.set_fill_digest(*fill, digest);
+                if let (None, Some(_)) = (digest, checked_in_copy)
+                    && let Some(fill) = self.fills.get(*fill as usize).and_then(Option::as_ref)
+                {
+                    late_pages.push((index, fill.record, *key));
+                }
             } else if on_time {
                 missing.push(key.key);
             }
@@ -276,6 +286,12 @@ impl Core {
             self.finish_fill(now, *fill, result, &mut stored, &mut deliver_next);
         }
         self.publish_stored(&stored);
+        if let Some(combined) = checked_in_copy
+            && !late_pages.is_empty()
+        {
+            let source = (target_op.source.clone(), target_op.source_incarnation);
+            self.await_late_digests(op, source, combined, late_pages);
+        }
         for (waiter_op, entries) in deliver_next {
             self.start_delivers(now, waiter_op, entries);
         }
