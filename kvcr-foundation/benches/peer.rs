@@ -35,7 +35,8 @@ use std::time::{Duration, Instant};
 use kvcr_foundation::hint::FetchMode;
 use kvcr_foundation::protocol::ElementRef;
 use kvcr_foundation::runner::{
-    DataStream, DepositEntry, PeerOptions, RegionDesc, Runner, RunnerConfig, StreamSealing,
+    ControlCounters, DataStream, DepositEntry, PeerOptions, RegionDesc, Runner, RunnerConfig,
+    StreamSealing,
 };
 use kvcr_foundation::sys;
 use kvcr_foundation::{
@@ -239,6 +240,12 @@ fn source(spec: &str) {
             stats.early_copies_dropped
         );
     }
+    if stats.pages_checked_in_copy + stats.pages_altered_at_source > 0 {
+        eprintln!(
+            "# source: {} pages checked in its copy, {} found altered",
+            stats.pages_checked_in_copy, stats.pages_altered_at_source
+        );
+    }
     drop(runner);
     drop(staging);
 }
@@ -336,6 +343,17 @@ fn fetch(
 /// `block` bytes, each of distinct pages, after one more that warms up
 /// (the source holds `keys * (reps + 1)`).
 fn bandwidth(path: Path<'_>, block: usize, keys: u64, reps: usize) -> f64 {
+    bandwidth_and_counters(path, block, keys, reps).0
+}
+
+/// As [`bandwidth`], with the target's control counters at the end (the
+/// source, a process of its own, prints its own as it exits).
+fn bandwidth_and_counters(
+    path: Path<'_>,
+    block: usize,
+    keys: u64,
+    reps: usize,
+) -> (f64, ControlCounters) {
     let source = Source::start(path, block, keys * (reps as u64 + 1));
     let mut target =
         Runner::start_with_peers(config(block, keys as u32), None, &options(path)).unwrap();
@@ -357,7 +375,7 @@ fn bandwidth(path: Path<'_>, block: usize, keys: u64, reps: usize) -> f64 {
             (block as u64 * keys) as f64 / secs / 1e9
         })
         .collect();
-    median(samples)
+    (median(samples), target.peers().control_stats())
 }
 
 /// `peer.digest_cost_{one,all}_lane(s)`: restore throughput with page
@@ -372,7 +390,13 @@ fn digest_cost(one_lane: Path<'_>, many_lanes: Path<'_>, reps: usize) {
     ] {
         let (mut on, mut off) = (Vec::new(), Vec::new());
         for _ in 0..2 {
-            on.push(bandwidth(path, MIB16, 16, reps));
+            let (with, target) = bandwidth_and_counters(path, MIB16, 16, reps);
+            println!(
+                "# {name}: {} of {} doorbell completions taken as checked in the source's copy \
+                 (the rest, and completions by write_done, read again)",
+                target.landings_checked_in_copy, target.doorbells_taken,
+            );
+            on.push(with);
             let without = Path {
                 digests: false,
                 ..path

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! frame   := len:u32be  body[len]
-//! body    := magic:u16be=0x4B56 ("KV")  version:u8=4  kind:u8  header  fields(kind)
+//! body    := magic:u16be=0x4B56 ("KV")  version:u8=5  kind:u8  header  fields(kind)
 //! header  := incarnation:u128be  route_generation:u64be  endpoint:str8
 //! str8    := n:u8 utf8[n]          bytes16 := n:u16be u8[n]
 //! opt<T>  := 0 | 1 T               bool    := 0 | 1
@@ -17,7 +17,7 @@
 //! | 2 | `target_metadata_ack` | `op_handle:opt<u64>, one_copy:bool` |
 //! | 3 | `start_write` | `op:u64, remaining_ms:u32, source_inc:opt<u128>, namespace:u64, entries:list32<(key:u64, dests:list16<(region:u32, index:u64)>)>` |
 //! | 4 | `write_refused` | `op:u64` |
-//! | 5 | `write_done` | `op:u64, outcome:u8` (0 completed, 1 failed-terminal, 2 failed-nonterminal), then `indices:list32<u32>, digests:list32<u64>` when completed (no digests, or one page digest per index) |
+//! | 5 | `write_done` | `op:u64, outcome:u8` (0 completed, 1 failed-terminal, 2 failed-nonterminal, 3 completed with each page checked in the source's copy), then `indices:list32<u32>, digests:list32<u64>` when completed (no digests, or one page digest per index; with 3, one per index) |
 //! | 6 | `write_probe` | `op:u64, source_inc:opt<u128>` |
 //! | 7 | `write_probe_ack` | `op:u64, terminal:bool, dead_inc:opt<u128>` |
 //! | 8 | `route_proof` | `nonce:u8[32]` |
@@ -46,7 +46,7 @@ use crate::key::{BlockKey, NamespaceId};
 /// Frame magic: `"KV"`.
 pub const MAGIC: u16 = 0x4B56;
 /// The codec version this build writes and reads.
-pub const VERSION: u8 = 4;
+pub const VERSION: u8 = 5;
 /// Default bound on one frame's length (after the length prefix).
 pub const DEFAULT_MAX_FRAME_LEN: usize = 16 << 20;
 /// Most keys in one `start_write` (and completed indices in one `write_done`).
@@ -78,6 +78,7 @@ const KIND_ROUTE_PROOF: u8 = 8;
 const OUTCOME_COMPLETED: u8 = 0;
 const OUTCOME_FAILED_TERMINAL: u8 = 1;
 const OUTCOME_FAILED_NONTERMINAL: u8 = 2;
+const OUTCOME_COMPLETED_CHECKED_IN_COPY: u8 = 3;
 
 /// Encoder and streaming decoder with a configurable frame bound.
 #[derive(Debug, Clone, Copy)]
@@ -360,7 +361,11 @@ fn put_body(dst: &mut BytesMut, body: &Body) -> Result<()> {
                     if indices.windows(2).any(|w| w.first() >= w.get(1)) {
                         return Err(frame(FrameReason::IndicesOrder));
                     }
-                    dst.put_u8(OUTCOME_COMPLETED);
+                    dst.put_u8(if completed.is_checked_in_copy() {
+                        OUTCOME_COMPLETED_CHECKED_IN_COPY
+                    } else {
+                        OUTCOME_COMPLETED
+                    });
                     dst.put_u32(indices.len() as u32);
                     for index in indices {
                         dst.put_u32(*index);
@@ -759,7 +764,8 @@ fn decode_start_write(r: &mut Reader<'_>) -> Result<Body> {
 fn decode_write_done(r: &mut Reader<'_>) -> Result<Body> {
     let op_handle = OpHandle(r.u64()?);
     let outcome = match r.u8()? {
-        OUTCOME_COMPLETED => {
+        tag @ (OUTCOME_COMPLETED | OUTCOME_COMPLETED_CHECKED_IN_COPY) => {
+            let checked = tag == OUTCOME_COMPLETED_CHECKED_IN_COPY;
             let n = r.u32()? as usize;
             r.count("completed indices", n, MAX_KEYS_PER_WRITE, 4)?;
             let mut indices = Vec::with_capacity(n);
@@ -771,7 +777,7 @@ fn decode_write_done(r: &mut Reader<'_>) -> Result<Body> {
                 indices.push(index);
             }
             let m = r.u32()? as usize;
-            if m != 0 && m != n {
+            if (m != 0 || checked) && m != n {
                 return Err(frame(FrameReason::DigestCount));
             }
             r.count("page digests", m, MAX_KEYS_PER_WRITE, 8)?;
@@ -779,7 +785,7 @@ fn decode_write_done(r: &mut Reader<'_>) -> Result<Body> {
             for _ in 0..m {
                 digests.push(r.u64()?);
             }
-            WriteOutcome::Completed(CompletedIndices::from_ascending(indices, digests))
+            WriteOutcome::Completed(CompletedIndices::from_ascending(indices, digests, checked))
         }
         OUTCOME_FAILED_TERMINAL => WriteOutcome::Failed { terminal: true },
         OUTCOME_FAILED_NONTERMINAL => WriteOutcome::Failed { terminal: false },

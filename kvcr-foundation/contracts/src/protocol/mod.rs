@@ -134,6 +134,9 @@ pub struct CompletedIndices {
     indices: Vec<u32>,
     /// Empty, or one per index, in the same order.
     digests: Vec<u64>,
+    /// The source hashed each page in the pass that copied it into the
+    /// target's mapped pools and found it as deposited (only with digests).
+    checked_in_copy: bool,
 }
 
 impl CompletedIndices {
@@ -144,6 +147,7 @@ impl CompletedIndices {
         Self {
             indices,
             digests: Vec::new(),
+            checked_in_copy: false,
         }
     }
 
@@ -153,7 +157,26 @@ impl CompletedIndices {
         pairs.sort_by_key(|(index, _)| *index);
         pairs.dedup_by_key(|(index, _)| *index);
         let (indices, digests) = pairs.into_iter().unzip();
-        Self { indices, digests }
+        Self {
+            indices,
+            digests,
+            checked_in_copy: false,
+        }
+    }
+
+    /// The same, saying the source hashed each page in the pass that copied
+    /// it into the target's mapped pools and found it as deposited; only
+    /// where every index has its digest (else unchanged).
+    #[must_use]
+    pub fn checked_in_copy(mut self) -> Self {
+        self.checked_in_copy = self.digests().is_some();
+        self
+    }
+
+    /// Whether the source says it checked each page in its copy (see
+    /// [`CompletedIndices::checked_in_copy`]).
+    pub fn is_checked_in_copy(&self) -> bool {
+        self.checked_in_copy
     }
 
     /// The indices, strictly ascending.
@@ -177,8 +200,12 @@ impl CompletedIndices {
             .count()
     }
 
-    pub(crate) fn from_ascending(indices: Vec<u32>, digests: Vec<u64>) -> Self {
-        Self { indices, digests }
+    pub(crate) fn from_ascending(indices: Vec<u32>, digests: Vec<u64>, checked: bool) -> Self {
+        Self {
+            indices,
+            digests,
+            checked_in_copy: checked,
+        }
     }
 }
 

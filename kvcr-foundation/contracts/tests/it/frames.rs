@@ -149,6 +149,15 @@ fn examples() -> Vec<(&'static str, Body)> {
             },
         ),
         (
+            "write_done_completed_checked_in_copy",
+            Body::WriteDone {
+                op_handle: OpHandle(42),
+                outcome: WriteOutcome::Completed(
+                    CompletedIndices::with_digests(vec![(0, 7), (1, 9)]).checked_in_copy(),
+                ),
+            },
+        ),
+        (
             "write_done_failed_terminal",
             Body::WriteDone {
                 op_handle: OpHandle(42),
@@ -225,16 +234,21 @@ fn frame_snapshots() {
 /// The frame fuzzer's seeds are these examples, byte for byte: when the
 /// codec changes they must be written again (they had stayed at version 1
 /// through version 2, so every seed was refused at its version byte and
-/// the fuzzer mutated from nothing valid).
+/// the fuzzer mutated from nothing valid). `KVCR_WRITE_FUZZ_SEEDS=1`
+/// writes them from the examples instead (after a deliberate codec change).
 #[test]
 fn fuzz_seeds_are_the_current_examples() {
     let seeds = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds/frame_decode");
     let codec = FrameCodec::default();
+    let write = std::env::var("KVCR_WRITE_FUZZ_SEEDS").is_ok_and(|v| v == "1");
     for (name, body) in examples() {
         let message = Message {
             header: header(),
             body,
         };
+        if write {
+            std::fs::write(seeds.join(name), codec.encode_to_vec(&message).unwrap()).unwrap();
+        }
         let seed = std::fs::read(seeds.join(name)).unwrap_or_else(|e| {
             panic!("seed {name}: {e}; write it from the snapshot (fuzz/seeds/frame_decode/{name})")
         });
@@ -321,11 +335,18 @@ fn write_done_with_indices(indices: &[u32]) -> Vec<u8> {
 
 /// A `write_done` of indices 0..`indices` carrying `digests` page digests.
 fn write_done_with_digests(indices: u32, digests: u32) -> Vec<u8> {
+    write_done_outcome_with_digests(0, indices, digests)
+}
+
+/// A `write_done` with outcome byte `outcome` (a completed one), `indices`
+/// indices and `digests` digests.
+fn write_done_outcome_with_digests(outcome: u8, indices: u32, digests: u32) -> Vec<u8> {
     let frame = encode(Body::WriteDone {
         op_handle: OpHandle(1),
         outcome: WriteOutcome::Completed(CompletedIndices::new(vec![])),
     });
-    let mut out = frame[..frame.len() - 8].to_vec();
+    let mut out = frame[..frame.len() - 9].to_vec();
+    out.push(outcome);
     out.extend_from_slice(&indices.to_be_bytes());
     for i in 0..indices {
         out.extend_from_slice(&i.to_be_bytes());
@@ -399,6 +420,10 @@ fn metadata_with(edit: impl FnOnce(&mut RegionAdvert)) -> Vec<u8> {
 #[case::indices_descending(write_done_with_indices(&[3, 2]), FrameReason::IndicesOrder)]
 #[case::digests_fewer(write_done_with_digests(3, 2), FrameReason::DigestCount)]
 #[case::digests_more(write_done_with_digests(1, 2), FrameReason::DigestCount)]
+#[case::checked_in_copy_without_digests(
+    write_done_outcome_with_digests(3, 2, 0),
+    FrameReason::DigestCount
+)]
 #[case::indices_count_lies({let mut f = write_done_with_indices(&[1]); let n = f.len(); f[n - 12..n - 8].copy_from_slice(&1000u32.to_be_bytes()); f}, FrameReason::Truncated { needed: 3992 })]
 #[case::outcome_byte({let f = encode(Body::WriteDone { op_handle: OpHandle(1), outcome: WriteOutcome::Failed { terminal: true } }); let n = f.len(); mutate(f, n - 1, 9)}, FrameReason::OptionTag { field: "write outcome", value: 9 })]
 #[case::zero_timeout(start_write_bytes(|f, at| f[at + 8..at + 12].fill(0)), FrameReason::Zero("remaining_timeout_ms"))]

@@ -54,8 +54,10 @@ pub enum LandingCheck {
 /// What digest came with a completion.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Sent {
-    /// A `write_done`: per key, inside it (or none).
-    PerKey,
+    /// A `write_done`: per key, inside it (or none); `trust_copy_check`:
+    /// from a source that maps our pools, and [`LandingCheck`] trusts a
+    /// check it made in its copy.
+    PerKey { trust_copy_check: bool },
     /// A sealed record: one digest of the write's pages, or none.
     Write(Option<u64>),
     /// A doorbell record whose write's pages the source checked as it
@@ -82,6 +84,8 @@ enum Hand {
 pub(crate) struct Checked {
     message: Message,
     hand: Hand,
+    /// Taken as checked in the source's copy, not read here.
+    trusted: bool,
 }
 
 impl Checked {
@@ -90,7 +94,13 @@ impl Checked {
         Self {
             message,
             hand: Hand::Checked(Vec::new()),
+            trusted: false,
         }
+    }
+
+    /// Whether its pages were taken as checked in the source's copy.
+    pub(crate) fn trusted_copy_check(&self) -> bool {
+        self.trusted
     }
 
     /// Hands the completion to the core (under its lock).
@@ -146,9 +156,10 @@ fn check_with(
             return Checked {
                 message,
                 hand: Hand::CheckedInCopy(combined),
+                trusted: true,
             };
         }
-        (Sent::PerKey, Some(digests)) => Expected::PerKey(digests.to_vec()),
+        (Sent::PerKey { .. }, Some(digests)) => Expected::PerKey(digests.to_vec()),
         (Sent::Write(Some(digest)), _) => Expected::Write(digest),
         // Nothing to check against (the source keeps no digests).
         _ => return unchecked(message),
@@ -160,10 +171,22 @@ fn check_with(
             Expected::PerKey(digests) => Checked {
                 message,
                 hand: Hand::Late(combine_digests(&digests)),
+                trusted: false,
             },
             Expected::Write(_) => unchecked(message),
         };
     };
+    if let Sent::PerKey {
+        trust_copy_check: true,
+    } = sent
+        && completed.is_checked_in_copy()
+    {
+        // The digests it carries are the pages' own: kept as they are.
+        return Checked {
+            trusted: true,
+            ..unchecked(message)
+        };
+    }
     let (checked, mismatched) = compare(memory, completed, &expected, &landing);
     Checked {
         message: Message {
@@ -174,6 +197,7 @@ fn check_with(
             },
         },
         hand: Hand::Checked(mismatched),
+        trusted: false,
     }
 }
 

@@ -221,6 +221,9 @@ struct State {
     seal_streams: bool,
     /// Whether pages a same-host source checked in its copy are read again.
     landing_check: landing::LandingCheck,
+    /// One-copy writes on the lanes whose pages are checked as they are
+    /// copied (their `write_done` says so when they end well).
+    checked_in_copy: HashSet<u64>,
     /// Whether we post requests to our sources' mailboxes
     /// ([`PeerOptions::request_mailbox`]).
     request_mailbox: bool,
@@ -324,8 +327,18 @@ impl State {
                     }
                     _ => None,
                 };
-                // Landed bytes are hashed outside the core's lock.
-                let checked = landing::check(shared, message, landing::Sent::PerKey);
+                // Landed bytes are hashed outside the core's lock, unless
+                // a source that maps our pools checked them in its copy.
+                let trust_copy_check = self.landing_check == landing::LandingCheck::TrustCopyCheck
+                    && self.doorbell.maps_us(&message.header.sender_endpoint);
+                let checked =
+                    landing::check(shared, message, landing::Sent::PerKey { trust_copy_check });
+                if checked.trusted_copy_check() {
+                    self.control
+                        .stats
+                        .landings_checked_in_copy
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
                 shared.with_core_now(|core, now| checked.hand(core, now));
                 match ack {
                     // The source maps our pools: no byte comes on a stream.

@@ -78,6 +78,9 @@ impl State {
                     },
                     None => (copies, None),
                 };
+                if checked.is_some() {
+                    self.checked_in_copy.insert(write);
+                }
                 if let (Some(doorbell), Some((op, keys, digest))) = (&route.doorbell, completion)
                     && let Some(slots) = segments.get(&doorbell.region)
                 {
@@ -178,6 +181,10 @@ impl State {
                 .doorbells_rung
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
-        shared.with_core_now(|core, now| core.handle_put_done(now, write, ok));
+        let checked_in_copy = self.checked_in_copy.remove(&write);
+        shared.with_core_now(|core, now| match (ok, checked_in_copy) {
+            (true, true) => core.handle_put_done_checked_in_copy(now, write),
+            _ => core.handle_put_done(now, write, ok),
+        });
     }
 }

@@ -5,6 +5,7 @@ use super::*;
 mod deaths;
 mod g3_prepare;
 mod journal;
+mod late_digests;
 mod many_seeds;
 mod restore;
 mod routes;

@@ -25,7 +25,15 @@ impl Core {
 
     /// The driver's report that a put (and its flush) finished.
     pub fn handle_put_done(&mut self, now: u64, write: u64, ok: bool) {
-        self.end_write(now, write, ok, false);
+        self.end_write(now, write, ok, false, false);
+    }
+
+    /// The driver's report that write `write`'s copies into a mapped
+    /// target ended well, each page hashed in the pass that copied it and
+    /// found as deposited ([`Core::peer_write_pages`]): its `write_done`
+    /// says so, and its target need not read the bytes again.
+    pub fn handle_put_done_checked_in_copy(&mut self, now: u64, write: u64) {
+        self.end_write(now, write, true, false, true);
     }
 
     /// The driver's report that write `write` left as one message carrying
@@ -35,10 +43,17 @@ impl Core {
     /// could overtake the bytes, which travel another way); a failed or
     /// cancelled one ends as a put would.
     pub fn handle_message_sent(&mut self, now: u64, write: u64, ok: bool) {
-        self.end_write(now, write, ok, true);
+        self.end_write(now, write, ok, true, false);
     }
 
-    fn end_write(&mut self, now: u64, write: u64, ok: bool, completion_sent: bool) {
+    fn end_write(
+        &mut self,
+        now: u64,
+        write: u64,
+        ok: bool,
+        completion_sent: bool,
+        checked_in_copy: bool,
+    ) {
         let Some(w) = self
             .peer
             .as_mut()
@@ -67,7 +82,14 @@ impl Core {
             (true, WriteState::Writing) if completion_sent => return,
             (true, WriteState::Writing) => WriteOutcome::Completed(match digests {
                 Some(digests) => {
-                    CompletedIndices::with_digests(w.indices.into_iter().zip(digests).collect())
+                    let completed = CompletedIndices::with_digests(
+                        w.indices.into_iter().zip(digests).collect(),
+                    );
+                    if checked_in_copy {
+                        completed.checked_in_copy()
+                    } else {
+                        completed
+                    }
                 }
                 None => CompletedIndices::new(w.indices),
             }),
