@@ -392,8 +392,8 @@ fn digest_cost(one_lane: Path<'_>, many_lanes: Path<'_>, reps: usize) {
         for _ in 0..2 {
             let (with, target) = bandwidth_and_counters(path, MIB16, 16, reps);
             println!(
-                "# {name}: {} of {} doorbell completions taken as checked in the source's copy \
-                 (the rest, and completions by write_done, read again)",
+                "# {name}: {} writes taken as checked in the source's copy, not read again \
+                 ({} of them completed by a doorbell record)",
                 target.landings_checked_in_copy, target.doorbells_taken,
             );
             on.push(with);

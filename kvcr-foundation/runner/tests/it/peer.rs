@@ -1,6 +1,7 @@
 //! Peer restore between real runners over real UCX and real TCP control
 //! channels (loopback only), in one process.
 
+use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
 use kvcr_contracts::{RequestId, ScopedKey};
@@ -433,17 +434,22 @@ fn a_page_altered_in_the_sources_pool_is_never_written_as_success() {
     let keys: Vec<u64> = (0..4).collect();
     stock(&mut source, &keys);
     // Key 2's page, found in the source's pool by its bytes, gets one bit
-    // flipped (nothing of the source's is in flight).
+    // flipped through this process's own memory file (nothing of the
+    // source's is in flight; the pool is this process's memory).
     let page = &source.host[2 * BLOCK..3 * BLOCK];
+    let memory = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/proc/self/mem")
+        .unwrap();
     let mut flipped = 0;
     for range in source.runner.pools().ranges() {
-        // SAFETY: (test) the source's own pool in this process, mapped for
-        // the runner's life; no operation of the source is in flight.
-        let pool =
-            unsafe { std::slice::from_raw_parts_mut(range.base as *mut u8, range.len as usize) };
-        for slot in pool.chunks_exact_mut(BLOCK) {
+        let mut pool = vec![0u8; range.len as usize];
+        memory.read_exact_at(&mut pool, range.base).unwrap();
+        for (i, slot) in pool.chunks_exact(BLOCK).enumerate() {
             if slot == page {
-                slot[1000] ^= 0x10;
+                let at = range.base + (i * BLOCK) as u64 + 1000;
+                memory.write_all_at(&[slot[1000] ^ 0x10], at).unwrap();
                 flipped += 1;
             }
         }
