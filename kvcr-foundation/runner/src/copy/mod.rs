@@ -448,17 +448,17 @@ fn execute_range(
     (outcomes, digests)
 }
 
-/// Each key's destination digest (`None` where not asked), on up to the
-/// lanes' count of threads when there is enough to hash: after a device
-/// copy every byte is read back from DRAM, and one thread alone holds an
-/// offload to a fraction of the device's rate.
+/// Each key's destination digest (`None` where not asked), on a thread per
+/// core when there is enough to hash: after a device copy every byte is read
+/// back from DRAM, and one thread alone holds an offload to a fraction of
+/// the device's rate (the copy itself is the device's: no core copies).
 fn destination_digests(memory: &MemoryRegistry, keys: &[Option<&[CopySpan]>]) -> Vec<Option<u64>> {
     let pages: Vec<Option<Vec<(u64, u64)>>> = keys
         .iter()
         .map(|spans| spans.map(|spans| spans.iter().map(|s| (s.dst, s.len)).collect()))
         .collect();
     let pages: Vec<Option<&[(u64, u64)]>> = pages.iter().map(Option::as_deref).collect();
-    plan::page_digests(memory, &pages, SPLIT_BYTES)
+    plan::page_digests(memory, &pages, SPLIT_BYTES, plan::cores())
 }
 
 #[cfg(test)]

@@ -19,13 +19,14 @@ pub(crate) fn cores() -> usize {
 }
 
 /// Each page's digest (`None`: no page, or not registered in `memory`), its
-/// spans (address, length) in layout order, on up to [`default_lanes`]
-/// threads when the pages add up to `split_bytes` or more: a page is hashed
-/// on one thread (xxh3 is sequential), so pages are shared out among them.
+/// spans (address, length) in layout order, on up to `threads` threads
+/// when the pages add up to `split_bytes` or more: a page is hashed on one
+/// thread (xxh3 is sequential), so pages are shared out among them.
 pub(crate) fn page_digests(
     memory: &kvcr_sys::MemoryRegistry,
     pages: &[Option<&[(u64, u64)]>],
     split_bytes: u64,
+    threads: usize,
 ) -> Vec<Option<u64>> {
     let one = |spans: &Option<&[(u64, u64)]>| memory.digest((*spans)?).ok();
     let total: u64 = pages
@@ -34,7 +35,7 @@ pub(crate) fn page_digests(
         .flat_map(|s| s.iter())
         .map(|s| s.1)
         .sum();
-    let threads = default_lanes().min(pages.len());
+    let threads = threads.min(pages.len());
     if total < split_bytes || threads < 2 {
         return pages.iter().map(one).collect();
     }

@@ -249,7 +249,8 @@ fn compare(
 /// Each key's digest (`None`: no landing, or unregistered), on up to the
 /// lanes' count of threads for a large write.
 fn digests_of(memory: &MemoryRegistry, keys: &[Option<&[(u64, u64)]>]) -> Vec<Option<u64>> {
-    crate::copy::plan::page_digests(memory, keys, SPLIT_BYTES)
+    let threads = crate::copy::plan::default_lanes();
+    crate::copy::plan::page_digests(memory, keys, SPLIT_BYTES, threads)
 }
 
 /// What a record completing source write `write` says: the target's op,
