@@ -86,8 +86,10 @@ class DirectLinker:
     process's KVCR DRAM; ``endpoint`` is what hints name).
 
     The engine's promises: the tensors are never resized or re-pointed while
-    the linker lives (it holds a reference to each), and a slot named by an
-    accepted offload, load or restore is left alone until its event arrives.
+    the linker lives (it holds a reference to each); a page is written before
+    it is offloaded (the linker copies on its own CUDA stream, so synchronize
+    the engine's stream first); and a slot named by an accepted offload, load
+    or restore is left alone until its event arrives.
     """
 
     def __init__(
@@ -170,6 +172,13 @@ class DirectLinker:
         """The attempt was cancelled, preempted or retried: release what it
         holds (accepted transfers still land)."""
         self._native.request_aborted(attempt)
+
+    def end_attempt(self, attempt):
+        """Ends the attempt in the linker's attempt ledger alone, for an
+        attempt no hook saw (one that only used ``restore_hinted``); returns
+        whether it was the live attempt of its request id.
+        ``request_finished`` and ``request_aborted`` end it there too."""
+        return self._native.end_attempt(attempt)
 
     def reset(self, next_incarnation):
         """The engine reset its cache: a fresh, empty store opens as

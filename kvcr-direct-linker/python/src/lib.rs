@@ -393,24 +393,35 @@ impl PyDirectLinker {
     }
 
     /// The request hook: the attempt completed; what it holds is released.
+    /// The attempt also ends in the ledger, even when the linker refuses
+    /// (a stale attempt ending there changes nothing).
     fn request_finished(&self, py: Python<'_>, attempt: &Bound<'_, PyAny>) -> PyResult<()> {
         let attempt = attempt_id(attempt)?;
         Ok(self.with(py, move |inner| {
-            inner.linker.request_finished(&attempt)?;
+            let hook = inner.linker.request_finished(&attempt);
             inner.ledger.finish(&attempt);
-            Ok(())
+            hook.map_err(Error::from)
         })?)
     }
 
     /// The request hook: the attempt was cancelled, preempted or retried;
-    /// what it holds is released (accepted transfers still land).
+    /// what it holds is released (accepted transfers still land). It also
+    /// ends in the ledger, as for `request_finished`.
     fn request_aborted(&self, py: Python<'_>, attempt: &Bound<'_, PyAny>) -> PyResult<()> {
         let attempt = attempt_id(attempt)?;
         Ok(self.with(py, move |inner| {
-            inner.linker.request_aborted(&attempt)?;
+            let hook = inner.linker.request_aborted(&attempt);
             inner.ledger.finish(&attempt);
-            Ok(())
+            hook.map_err(Error::from)
         })?)
+    }
+
+    /// Ends the attempt in the ledger alone (`AttemptLedger::finish`), for an
+    /// attempt the linker never saw (one that only used `restore_hinted`):
+    /// whether it was the live attempt of its request id.
+    fn end_attempt(&self, py: Python<'_>, attempt: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let attempt = attempt_id(attempt)?;
+        Ok(self.with(py, move |inner| Ok(inner.ledger.finish(&attempt)))?)
     }
 
     /// The request hook: the engine reset its cache; a fresh store opens as

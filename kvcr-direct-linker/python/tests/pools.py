@@ -52,11 +52,15 @@ def page(tensor, slot):
 
 
 def fill(k, v, slot, seed):
-    """Writes distinct random bytes into ``slot`` of every buffer."""
+    """Writes distinct random bytes into ``slot`` of every buffer, and waits
+    for the writes: the linker copies on its own CUDA stream, so an engine's
+    pages must be written before it offloads them."""
     gen = torch.Generator().manual_seed(seed)
     for t in k + v:
         data = torch.randint(0, 256, (span_bytes(),), dtype=torch.uint8, generator=gen)
         page(t, slot).copy_(data.to(t.device))
+    if k[0].device.type == "cuda":
+        torch.cuda.synchronize(k[0].device)
 
 
 def page_bytes(k, v, slot):
@@ -116,6 +120,8 @@ class Pool:
             self.backing.append(backing)
         self.k = [b[PAGE_TOKENS:PAGE_TOKENS + tokens] for b in self.backing[0::2]]
         self.v = [b[PAGE_TOKENS:PAGE_TOKENS + tokens] for b in self.backing[1::2]]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @property
     def host(self):

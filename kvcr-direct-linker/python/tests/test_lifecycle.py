@@ -170,3 +170,20 @@ def test_ranks_agree_on_the_common_prefix():
         kd.agree_restorable_prefix([[1]], 2)
     with pytest.raises(kd.ArgumentError):
         kd.agree_restorable_prefix([[-1]], 1)
+
+
+def test_the_ledger_ends_attempts_the_linker_never_saw(pool):
+    linker = pool.linker()
+    _offload(linker, pool, [(901, 0)])
+    context = linker.begin("h", namespace=NAMESPACE, device_prefix_pages=0, tail=[901])
+    linker.restore_hinted(context, [4])
+    linker.settle(30)
+    # restore_hinted takes no preparation: the linker holds nothing for the
+    # attempt, so its hook refuses, and the ledger still ends the attempt.
+    with pytest.raises(kd.ContractError, match="no live attempt"):
+        linker.request_finished(context.attempt)
+    assert not linker.end_attempt(context.attempt)
+    again = linker.begin("h", namespace=NAMESPACE, device_prefix_pages=0, tail=[901])
+    assert again.superseded is None
+    assert linker.end_attempt(again.attempt)
+    assert linker.begin("h", namespace=NAMESPACE, device_prefix_pages=0, tail=[]).superseded is None
