@@ -20,8 +20,8 @@
 //!
 //! Its Python face, `kvcr_direct` (`python/`, its own cargo workspace), wraps
 //! [`DirectLinker`] over an engine's torch tensors; before registering them it
-//! asks the driver whether each lies in one device allocation
-//! ([`cuda::Device::check_allocation`]).
+//! asks the driver whether each is device memory of the linker's device,
+//! mapped throughout ([`cuda::Device::check_allocation`]).
 //!
 //! GPU tests run with `KVCR_TEST_GPU=1` (and fail when no GPU is found then);
 //! `cargo xtask gpu-build` builds the test and bench binaries to carry to a GPU

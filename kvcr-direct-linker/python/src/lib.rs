@@ -5,7 +5,7 @@
 //! One [`PyDirectLinker`] serves one rank: its own runner (KVCR DRAM), the
 //! engine's per-layer K and V buffers registered by address once (read and
 //! checked from the tensors by [`pool`], and on a GPU confirmed by the driver
-//! to lie inside device allocations on the pool's device), and an attempt
+//! to be mapped device memory of the pool's device), and an attempt
 //! ledger that numbers each request's attempts. The calls mirror the Rust
 //! API one for one: `begin` (the ledger) and the request hooks
 //! (`request_started`, `request_finished`, `request_aborted`, `reset`), the
@@ -244,8 +244,8 @@ impl PyDirectLinker {
             .collect();
         let linker = py.detach(|| {
             // SAFETY: every K/V buffer is a torch tensor's memory, inside its
-            // own storage and (on a GPU) inside one device allocation on the
-            // pool's device, no two sharing a byte (`pool::check`,
+            // own storage and (on a GPU) device memory of the pool's device,
+            // mapped throughout, no two sharing a byte (`pool::check`,
             // `Device::check_allocation`). The returned `tensors` keep each
             // allocated, and `PyDirectLinker` drops the linker before them.
             // Not touching a slot while an accepted offload or restore of it

@@ -7,8 +7,8 @@
 //! strided layout. The checks, per buffer and across them:
 //!
 //! * placement: every buffer on the CPU (a host-resident pool) or every one on
-//!   the same CUDA device (then the driver also confirms each lies inside one
-//!   device allocation on it, `Device::check_allocation`);
+//!   the same CUDA device (then the driver also confirms each is device memory
+//!   of that device, mapped throughout: `Device::check_allocation`);
 //! * one dtype, of 1, 2 or 4 bytes per element;
 //! * one shape `(*token_dims, kv_heads, head_dim)`, every dimension positive,
 //!   the tokens a whole number of pages;
