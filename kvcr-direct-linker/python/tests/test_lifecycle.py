@@ -1,6 +1,7 @@
 """The linker through its Python face, over a real runner: offload and
 restore byte exact, the prepared path (begin, request_started, lookup, load),
-request-id reuse and cancellation, misses, eviction, capacity and reset. Each
+request-id reuse and cancellation, misses, eviction, capacity and reset, and
+pages pulled from a peer linker on a router hint. Each
 runs on a host pool (CI) and on CUDA tensors (marked `gpu`: with
 KVCR_TEST_GPU=1 on a GPU machine, failing there without a GPU)."""
 
@@ -10,9 +11,6 @@ import pytest
 
 import kvcr_direct as kd
 from pools import DEVICES, NAMESPACE, SLOTS, Pool
-
-ZERO_PAGE = None
-
 
 def _zero(pool):
     return bytes(len(pool.page(0)))
@@ -187,3 +185,34 @@ def test_the_ledger_ends_attempts_the_linker_never_saw(pool):
     assert again.superseded is None
     assert linker.end_attempt(again.attempt)
     assert linker.begin("h", namespace=NAMESPACE, device_prefix_pages=0, tail=[]).superseded is None
+
+
+@pytest.mark.parametrize("path", ["restore_hinted", "prepared"])
+def test_a_hint_pulls_pages_from_a_peer_linker(pool, path):
+    from pools import hint
+
+    source_pool = Pool(pool.device.type)
+    source = source_pool.linker(peer=True)
+    sent = _offload(source, source_pool, [(1001, 0), (1002, 1), (1003, 2)])
+    linker = pool.linker(peer=True)
+    keys = [1001, 1002, 1003]
+    context = linker.begin(
+        "peer", namespace=NAMESPACE, device_prefix_pages=0, tail=keys,
+        hints=[hint(source.endpoint, keys)],
+    )
+    assert context.hint_sources == [source.endpoint]
+    if path == "restore_hinted":
+        ticket = linker.restore_hinted(context, [5, 6, 7])
+        assert linker.settle(30) == [kd.RestoreDone(context.attempt, ticket, 3, 3)]
+        linker.end_attempt(context.attempt)
+    else:
+        linker.request_started(context)
+        assert linker.settle(30) == []
+        assert linker.lookup(context.attempt, 0, keys) == [1, 2, 3]
+        ticket = linker.load(context.attempt, [5, 6, 7])
+        assert linker.settle(30) == [kd.LoadDone(context.attempt, ticket, True)]
+        linker.request_finished(context.attempt)
+    assert [pool.page(s) for s in (5, 6, 7)] == [sent[k] for k in keys]
+    assert pool.guards_intact()
+    # The pulled pages stay in this rank's KVCR DRAM.
+    assert all(linker.stores(NAMESPACE, k) for k in keys)
