@@ -16,6 +16,8 @@ use cudarc::driver::sys::{self, CUresult};
 
 use crate::error::{Error, Result};
 
+mod pointer;
+
 fn check(call: &'static str, status: CUresult) -> Result<()> {
     if status == CUresult::CUDA_SUCCESS {
         return Ok(());

@@ -18,6 +18,11 @@
 //!   over a runner, with peer restore through the runner's hinted fetch (peer
 //!   KVCR DRAM → local DRAM over UCX → GPU).
 //!
+//! Its Python face, `kvcr_direct` (`python/`, its own cargo workspace), wraps
+//! [`DirectLinker`] over an engine's torch tensors; before registering them it
+//! asks the driver whether each is device memory of the linker's device,
+//! mapped throughout ([`cuda::Device::check_allocation`]).
+//!
 //! GPU tests run with `KVCR_TEST_GPU=1` (and fail when no GPU is found then);
 //! `cargo xtask gpu-build` builds the test and bench binaries to carry to a GPU
 //! machine.

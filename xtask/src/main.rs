@@ -45,8 +45,8 @@ Commands:
   link-check        what this kernel can shape, and what a shaped link between
                     two namespaces really does (rate, round trips; root)
   test              install what this machine lacks (apt packages, cargo tools,
-                    the Python face's venv), then run every test in the
-                    workspace and the Python face's suite
+                    the Python faces' venv), then run every test in the
+                    workspace and both Python faces' suites
   ci [--no-test]    the full gate: fmt, clippy -D warnings (both feature faces),
                     the tests (unless --no-test), the layer check, docs with
                     -D warnings, and a build of the fuzz targets
@@ -68,10 +68,12 @@ Commands:
   link-bench [--quick]
                     one round of those between-hosts figures alone
   gpu-build         build the direct linker's GPU tests and bench into
-                    target/gpu/ (stripped, with run.sh) to carry to a GPU
-                    machine
-  python            the Python face alone: install its venv if missing, build
-                    the extension, run its pytest suite (part of `test`)
+                    target/gpu/ (stripped, with run.sh), and its Python
+                    face's wheel and tests (run-python.sh), to carry to a
+                    GPU machine
+  python            the Python faces alone (kvcr_hicache, kvcr_direct):
+                    install their venv if missing, build the extensions, run
+                    their pytest suites (part of `test`)
   layers [--census] check the crate dependency layering and the source rules
                     (runner modules import no private state of lib.rs;
                     unsafe only in its places); --census counts the lines of
@@ -203,8 +205,9 @@ fn test(root: &Path) -> Result<()> {
     setup::ensure_real_clients(root)?;
     python::ensure_env(root)?;
     run_tests(root)?;
-    // The Python face (its own cargo workspace): SGLang's own loader and call
-    // patterns against the extension, and two runner processes.
+    // The Python faces (each its own cargo workspace): SGLang's own loader and
+    // call patterns against kvcr_hicache, two runner processes; kvcr_direct's
+    // checks, hooks and restores on a host pool.
     python::build_and_test(root)
 }
 

@@ -68,3 +68,33 @@ fn a_good_layout_passes_and_zero_store_pages_is_refused() {
         })
     ));
 }
+
+/// What the Python face asks the driver before it registers a tensor: a
+/// device buffer passes whole; a range that runs past every mapping, host
+/// memory and an address no allocation holds are layout errors (looked up,
+/// never dereferenced). GPU only (`KVCR_TEST_GPU=1`).
+#[test]
+fn device_buffers_are_checked_against_the_driver() {
+    if !crate::fixture::gpu_required() {
+        return;
+    }
+    let device = crate::fixture::gpu();
+    let buffer = kvcr_direct_linker::cuda::DeviceBuffer::allocate(&device, 1 << 20).unwrap();
+    let (addr, len) = (buffer.address(), buffer.len() as u64);
+    device.check_allocation(addr, len).unwrap();
+    device.check_allocation(addr + 4096, len - 8192).unwrap();
+    let host = vec![0u8; 4096];
+    let refused = [
+        (addr, 1 << 40),
+        (host.as_ptr() as u64, 4096),
+        (0x10, 16),
+        (addr, u64::MAX),
+    ];
+    for (at, bytes) in refused {
+        let error = device.check_allocation(at, bytes).unwrap_err();
+        assert!(
+            matches!(error, Error::Layout { .. }),
+            "{at:#x}+{bytes}: {error}"
+        );
+    }
+}

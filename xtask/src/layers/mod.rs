@@ -98,18 +98,40 @@ const GROUP_EDGES: &[(&str, &[&str])] = &[
     ("kvcr-publisher", &["kvcr-contracts"]),
 ];
 
-/// The Python face of `kvcr-hicache-storage`: an extension crate in its own
-/// cargo workspace (excluded from the main one; a cdylib for maturin), checked
-/// here by its own manifest. It sits on mode A and may reach these only (and
-/// the crates of the slice groups named here).
-const PYTHON_FACE: (&str, &[&str]) = (
-    "kvcr-hicache-storage/python/Cargo.toml",
-    &[
-        "kvcr-foundation",
-        "kvcr-hicache-storage",
-        "kvcr-hicache-perf",
-    ],
-);
+/// One Python face: an extension crate in its own cargo workspace (excluded
+/// from the main one; a cdylib for maturin), checked here by its own manifest.
+struct PythonFace {
+    /// The face's manifest, from the workspace root.
+    manifest: &'static str,
+    /// The slices it may reach (and the crates of the slice groups named).
+    allowed: &'static [&'static str],
+    /// Whether it may reach CUDA, and then only through `kvcr-direct-linker`
+    /// (never by a dependency of its own).
+    cuda_through_linker: bool,
+}
+
+/// The Python faces: mode A's sits on the HiCache slice, mode B's on the
+/// direct linker's (which alone reaches CUDA).
+const PYTHON_FACES: &[PythonFace] = &[
+    PythonFace {
+        manifest: "kvcr-hicache-storage/python/Cargo.toml",
+        allowed: &[
+            "kvcr-foundation",
+            "kvcr-hicache-storage",
+            "kvcr-hicache-perf",
+        ],
+        cuda_through_linker: false,
+    },
+    PythonFace {
+        manifest: "kvcr-direct-linker/python/Cargo.toml",
+        allowed: &[
+            "kvcr-foundation",
+            "kvcr-linker-contracts",
+            "kvcr-direct-linker",
+        ],
+        cuda_through_linker: true,
+    },
+];
 
 /// Crates only `kvcr-direct-linker` (and xtask) may reach.
 const CUDA_CRATES: &[&str] = &["cudarc"];
@@ -257,34 +279,61 @@ pub(crate) fn violations(root: &Path) -> Result<Vec<String>> {
     Ok(problems)
 }
 
-/// Checks the Python face's crate (outside the main workspace): every crate of
-/// ours it reaches must be one it may sit on, and it reaches no CUDA.
+/// Checks the Python faces' crates (outside the main workspace): every crate
+/// of ours each reaches must be one it may sit on, and it reaches CUDA only
+/// where allowed, and then only through `kvcr-direct-linker`.
 fn python_face_violations(root: &Path, members: &BTreeSet<&str>) -> Result<Vec<String>> {
-    let (manifest, allowed) = PYTHON_FACE;
+    let mut problems = Vec::new();
+    for face in PYTHON_FACES {
+        problems.extend(python_face_problems(root, members, face)?);
+    }
+    Ok(problems)
+}
+
+fn python_face_problems(
+    root: &Path,
+    members: &BTreeSet<&str>,
+    face: &PythonFace,
+) -> Result<Vec<String>> {
+    let PythonFace {
+        manifest,
+        allowed,
+        cuda_through_linker,
+    } = face;
     let metadata = MetadataCommand::new()
         .manifest_path(root.join(manifest))
         .other_options(vec!["--locked".to_owned()])
         .exec()
         .with_context(|| format!("cargo metadata for {manifest}"))?;
-    let face = metadata
-        .root_package()
+    let root_package = metadata.root_package();
+    let face_name = root_package
         .map(|p| p.name.to_string())
-        .unwrap_or_else(|| manifest.to_owned());
+        .unwrap_or_else(|| (*manifest).to_owned());
     let mut problems = Vec::new();
+    for dep in root_package.into_iter().flat_map(|p| &p.dependencies) {
+        if CUDA_CRATES.contains(&dep.name.as_str()) {
+            problems.push(format!(
+                "{face_name} (a Python face) depends on {} itself; only kvcr-direct-linker may \
+                 touch CUDA",
+                dep.name
+            ));
+        }
+    }
     for pkg in &metadata.packages {
         let name = pkg.name.as_str();
-        if name == face {
+        if name == face_name {
             continue;
         }
         let in_allowed_slice = slice_of(name).is_some_and(|(slice, _)| allowed.contains(&slice));
         if members.contains(name) && !in_allowed_slice {
             problems.push(format!(
-                "{face} (the Python face) depends on {name} (allowed: {allowed:?})"
+                "{face_name} (a Python face) depends on {name} (allowed: {allowed:?})"
             ));
         }
-        if CUDA_CRATES.contains(&name) {
+        if CUDA_CRATES.contains(&name) && !cuda_through_linker {
             problems.push(format!(
-                "{face} (the Python face) depends on {name}; only kvcr-direct-linker may touch CUDA"
+                "{face_name} (a Python face) depends on {name}; only kvcr-direct-linker may \
+                 touch CUDA"
             ));
         }
     }
@@ -493,6 +542,7 @@ mod tests {
             "kvcr-foundation/runner/src/lib.rs",
             "xtask/src/layers/mod.rs",
             "kvcr-hicache-storage/python/src/lib.rs",
+            "kvcr-direct-linker/python/src/lib.rs",
         ] {
             assert!(
                 files.iter().any(|f| f == expected),

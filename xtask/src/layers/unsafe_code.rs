@@ -469,7 +469,7 @@ mod tests {
     #[case::sys_crate("kvcr-foundation/sys/src/mapping.rs", true)]
     #[case::ucx_tests("kvcr-foundation/ucx/tests/it/main.rs", true)]
     #[case::linker_bench("kvcr-direct-linker/benches/copy.rs", true)]
-    #[case::future_linker_face("kvcr-direct-linker/python/src/lib.rs", true)]
+    #[case::linker_face("kvcr-direct-linker/python/src/lib.rs", true)]
     #[case::storage_face("kvcr-hicache-storage/python/src/lib.rs", true)]
     #[case::register("kvcr-foundation/runner/src/register.rs", true)]
     #[case::device_seam_test("kvcr-foundation/runner/tests/it/device.rs", true)]
