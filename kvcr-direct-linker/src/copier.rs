@@ -18,7 +18,10 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use kvcr_foundation::runner::{CopySpan, DeviceCopier, PoolRange};
 
-use crate::cuda::{CopyKernel, Device, Event, PinnedBuffer, PinnedRegistration, Stream};
+use crate::cuda::{
+    CopyKernel, DIGEST_BLOCK_BYTES, Device, DigestKernel, Event, PinnedBuffer, PinnedRegistration,
+    Stream,
+};
 use crate::error::{Error, Result};
 
 /// How the copier moves a job's spans.
@@ -49,6 +52,9 @@ pub struct CopyProfile {
     pub spans: u64,
     /// Kernel launches or driver copies issued.
     pub operations: u64,
+    /// Pages whose digest the device took as they were copied (a deposit's;
+    /// the runner hashed the others in DRAM).
+    pub digested: u64,
     /// GPU milliseconds from the first operation to the last.
     pub total_ms: f32,
     /// GPU milliseconds until the first `first_group` span indices of every
@@ -66,6 +72,11 @@ pub struct CopyProfile {
 struct Engine {
     stream: Stream,
     descriptors: PinnedBuffer,
+    /// The digest kernel's page and span lists and its digests.
+    digest_words: PinnedBuffer,
+    /// The digest kernel runs here, beside the copies (both only read the
+    /// device's bytes): the SMs hash while the copy engines move.
+    digest_stream: Stream,
     start: Event,
     first: Event,
     end: Event,
@@ -86,6 +97,9 @@ pub struct CudaCopier {
     engine: Mutex<Engine>,
     pinned: Mutex<Vec<PinnedRegistration>>,
     kernel: CopyKernel,
+    /// Takes a deposit's page digests on the device (`None`: it did not
+    /// load; the runner hashes the pages in DRAM then).
+    digest_kernel: Option<DigestKernel>,
     device: Arc<Device>,
     /// The [`CopyMode`], as `mode_code` numbers it (switchable for A/B
     /// measurements on one pool).
@@ -126,9 +140,12 @@ impl CudaCopier {
     pub fn new(device: &Arc<Device>, mode: CopyMode, first_group: usize) -> Result<Self> {
         Self::check_mode(device, mode)?;
         let kernel = CopyKernel::load(device)?;
+        let digest_kernel = DigestKernel::load(device).ok();
         let engine = Engine {
             stream: Stream::new(device)?,
             descriptors: PinnedBuffer::allocate(device, 1 << 20)?,
+            digest_words: PinnedBuffer::allocate(device, 1 << 16)?,
+            digest_stream: Stream::new(device)?,
             start: Event::new(device)?,
             first: Event::new(device)?,
             end: Event::blocking(device)?,
@@ -139,6 +156,7 @@ impl CudaCopier {
             engine: Mutex::new(engine),
             pinned: Mutex::new(Vec::new()),
             kernel,
+            digest_kernel,
             device: Arc::clone(device),
             mode: AtomicU8::new(mode_code(mode)),
             first_group: first_group.max(1),
@@ -207,7 +225,81 @@ impl CudaCopier {
         }
     }
 
-    fn run(&self, keys: &[&[CopySpan]]) -> Result<()> {
+    /// Whether the device takes the page digests of `key` (one page's
+    /// spans): device to host throughout, each span 16-byte aligned on the
+    /// device and a whole number of digest blocks.
+    fn digestible(pinned: &[PinnedRegistration], key: &[CopySpan]) -> bool {
+        let total: u64 = key.iter().map(|s| s.len).sum();
+        total >= DIGEST_BLOCK_BYTES
+            && key.iter().all(|span| {
+                let from_device = matches!(Self::map_span(pinned, span), Ok((_, _, false)));
+                from_device && span.src % 16 == 0 && span.len % DIGEST_BLOCK_BYTES == 0
+            })
+    }
+
+    /// Queues the digest kernel over the digestible pages of `keys` on
+    /// `stream` (before their copies: both only read the device's bytes).
+    /// Returns which keys it hashes and where their digests will be: the
+    /// word index in `words` of the first.
+    fn queue_digests(
+        &self,
+        pinned: &[PinnedRegistration],
+        keys: &[&[CopySpan]],
+        stream: &Stream,
+        words: &mut PinnedBuffer,
+    ) -> Result<Option<(Vec<usize>, usize)>> {
+        let Some(kernel) = &self.digest_kernel else {
+            return Ok(None);
+        };
+        let hashed: Vec<usize> = (0..keys.len())
+            .filter(|&k| keys.get(k).is_some_and(|key| Self::digestible(pinned, key)))
+            .collect();
+        let spans: usize = hashed
+            .iter()
+            .filter_map(|&k| keys.get(k))
+            .map(|k| k.len())
+            .sum();
+        // Layout: 3 words per page, then 2 per span, then 1 per digest.
+        let (pages_at, spans_at, out_at) = (0, 3 * hashed.len(), 3 * hashed.len() + 2 * spans);
+        let needed = 8 * (out_at + hashed.len());
+        if needed > words.len() {
+            *words = PinnedBuffer::allocate(&self.device, needed.next_power_of_two())?;
+        }
+        let mut page_words = Vec::with_capacity(3 * hashed.len());
+        let mut span_words = Vec::with_capacity(2 * spans);
+        for &k in &hashed {
+            let key = keys.get(k).copied().unwrap_or_default();
+            let list = words.mapped() + 8 * (spans_at + span_words.len()) as u64;
+            let total: u64 = key.iter().map(|s| s.len).sum();
+            page_words.extend_from_slice(&[list, key.len() as u64, total]);
+            for span in key {
+                span_words.extend_from_slice(&[span.src, span.len]);
+            }
+        }
+        words.write_words(pages_at, &page_words)?;
+        words.write_words(spans_at, &span_words)?;
+        let count = u32::try_from(hashed.len()).map_err(|_| Error::Layout {
+            field: "job",
+            why: "has more than 2^32 pages",
+        })?;
+        // SAFETY: the lists were just written to words no queued kernel
+        // reads and stay unchanged until the stream is synchronised (the
+        // engine lock is held throughout); every span is device memory the
+        // engine registered and the runner bounds-checked, which nothing
+        // writes during the job, 16-byte aligned and whole blocks long
+        // (`digestible`); the digests go to words of this buffer.
+        unsafe {
+            kernel.launch(
+                stream,
+                words.mapped() + 8 * pages_at as u64,
+                count,
+                words.mapped() + 8 * out_at as u64,
+            )?;
+        }
+        Ok(Some((hashed, out_at)))
+    }
+
+    fn run(&self, keys: &[&[CopySpan]], digest: bool) -> Result<Vec<Option<u64>>> {
         self.device.bind()?;
         // Profiling only: how long the CPU spends building descriptors.
         #[allow(clippy::disallowed_methods)]
@@ -223,6 +315,8 @@ impl CudaCopier {
         let Engine {
             stream,
             descriptors,
+            digest_words,
+            digest_stream,
             start,
             first,
             end,
@@ -232,6 +326,11 @@ impl CudaCopier {
         if total * 24 > descriptors.len() {
             *descriptors = PinnedBuffer::allocate(&self.device, (total * 24).next_power_of_two())?;
         }
+        let digests = if digest {
+            self.queue_digests(&pinned, keys, digest_stream, digest_words)
+        } else {
+            Ok(None)
+        };
         // Groups (one span index over every page) are built and issued one
         // after the other, so building group i+1 overlaps the GPU copying
         // group i. Each group's descriptors go to fresh words of the buffer.
@@ -323,7 +422,7 @@ impl CudaCopier {
             }
             end.record(stream)
         };
-        let issued = issue();
+        let issued = digests.and_then(|digests| issue().map(|()| digests));
         // Returning means no copy of this job touches memory any more (the
         // runner frees or reuses slots right after), so the stream is
         // synchronised even when issuing failed halfway. A large job waits
@@ -337,8 +436,12 @@ impl CudaCopier {
         } else {
             stream.synchronize()
         };
-        issued?;
+        // The digest kernel reads the engine's pages too: it has ended
+        // before this returns, whatever happened to the copies.
+        let hashed = digest_stream.synchronize();
+        let digests = issued?;
         synced?;
+        hashed?;
         profile.total_ms = end.since(start)?;
         profile.first_group_ms = if first_group > 0 {
             first.since(start)?
@@ -348,7 +451,17 @@ impl CudaCopier {
         profile.host_ms = host_ns as f32 / 1e6;
         profile.wall_ms = started.elapsed().as_secs_f32() * 1e3;
         engine.profile = profile;
-        Ok(())
+        let mut found = vec![None; keys.len()];
+        if let Some((hashed, out_at)) = digests {
+            engine.profile.digested = hashed.len() as u64;
+            let words = engine.digest_words.read_words(out_at, hashed.len())?;
+            for (k, digest) in hashed.into_iter().zip(words) {
+                if let Some(slot) = found.get_mut(k) {
+                    *slot = Some(digest);
+                }
+            }
+        }
+        Ok(found)
     }
 }
 
@@ -366,11 +479,23 @@ impl DeviceCopier for CudaCopier {
     }
 
     fn copy(&self, keys: &[&[CopySpan]]) -> kvcr_foundation::runner::Result<()> {
-        self.run(keys).map_err(|e| {
-            // The stream is synchronised or the context is lost either way;
-            // the runner fails the keys.
-            kvcr_foundation::runner::Error::from(e)
-        })
+        // The stream is synchronised or the context is lost either way; the
+        // runner fails the keys.
+        self.run(keys, false)
+            .map(drop)
+            .map_err(kvcr_foundation::runner::Error::from)
+    }
+
+    fn copy_digested(
+        &self,
+        keys: &[&[CopySpan]],
+    ) -> kvcr_foundation::runner::Result<Vec<Option<u64>>> {
+        self.run(keys, true)
+            .map_err(kvcr_foundation::runner::Error::from)
+    }
+
+    fn digests_on_device(&self) -> bool {
+        self.digest_kernel.is_some()
     }
 
     fn detach(&self, pools: &[PoolRange]) {

@@ -16,7 +16,10 @@ use cudarc::driver::sys::{self, CUresult};
 
 use crate::error::{Error, Result};
 
+mod digest;
 mod pointer;
+
+pub use self::digest::{DIGEST_BLOCK_BYTES, DigestKernel};
 
 fn check(call: &'static str, status: CUresult) -> Result<()> {
     if status == CUresult::CUDA_SUCCESS {
@@ -446,6 +449,31 @@ impl PinnedBuffer {
         self.mapped
     }
 
+    /// Reads `count` words from word `at` on (what a kernel wrote there,
+    /// after the stream that ran it was synchronised).
+    pub fn read_words(&self, at: usize, count: usize) -> Result<Vec<u64>> {
+        let offset = at.saturating_mul(8);
+        let bytes = count.saturating_mul(8);
+        if offset.checked_add(bytes).is_none_or(|end| end > self.len) {
+            return Err(Error::Layout {
+                field: "descriptors",
+                why: "exceed the descriptor buffer",
+            });
+        }
+        let mut words = vec![0u64; count];
+        // SAFETY: `offset + bytes <= len` (checked above); the buffer is
+        // ours and u64-aligned at `offset`; the caller synchronised the
+        // stream, so no kernel writes these words now.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.host.add(offset),
+                words.as_mut_ptr().cast::<u8>(),
+                bytes,
+            );
+        }
+        Ok(words)
+    }
+
     /// Writes `words` from word `at` on. The caller must not overwrite words
     /// a queued kernel may still read (the copier writes each group's
     /// descriptors to fresh words and synchronises before its next job).
@@ -675,6 +703,31 @@ impl Drop for Event {
     }
 }
 
+/// Loads the PTX `image` (NUL-terminated) into `device`'s context and
+/// finds its entry `name`; the module is unloaded again if that fails.
+fn load_function(
+    device: &Arc<Device>,
+    image: &'static str,
+    name: &CStr,
+) -> Result<(sys::CUmodule, sys::CUfunction)> {
+    device.bind()?;
+    let mut module = std::ptr::null_mut();
+    // SAFETY: `image` is a NUL-terminated PTX text that lives for the
+    // program; writes one handle, which the caller unloads in its Drop.
+    let status = unsafe { sys::cuModuleLoadData(&raw mut module, image.as_ptr().cast()) };
+    check("cuModuleLoadData", status).map_err(|e| Error::Kernel(e.to_string()))?;
+    let mut function = std::ptr::null_mut();
+    // SAFETY: the module is loaded; the name is NUL-terminated.
+    let status = unsafe { sys::cuModuleGetFunction(&raw mut function, module, name.as_ptr()) };
+    if let Err(e) = check("cuModuleGetFunction", status) {
+        // SAFETY: unloads the module loaded above.
+        let undone = unsafe { sys::cuModuleUnload(module) };
+        device.record_drop(check("cuModuleUnload", undone));
+        return Err(Error::Kernel(e.to_string()));
+    }
+    Ok((module, function))
+}
+
 /// The span-copy kernel (`kernel.ptx`), loaded into the device's context.
 #[derive(Debug)]
 pub struct CopyKernel {
@@ -695,24 +748,8 @@ pub const KERNEL_THREADS: u32 = 512;
 impl CopyKernel {
     /// JIT-loads the kernel for `device`.
     pub fn load(device: &Arc<Device>) -> Result<Self> {
-        device.bind()?;
         let image = concat!(include_str!("kernel.ptx"), "\0");
-        let mut module = std::ptr::null_mut();
-        // SAFETY: `image` is a NUL-terminated PTX text that lives for the
-        // program; writes one handle, unloaded in Drop.
-        let status = unsafe { sys::cuModuleLoadData(&raw mut module, image.as_ptr().cast()) };
-        check("cuModuleLoadData", status).map_err(|e| Error::Kernel(e.to_string()))?;
-        let mut function = std::ptr::null_mut();
-        // SAFETY: the module is loaded; the name is NUL-terminated.
-        let status = unsafe {
-            sys::cuModuleGetFunction(&raw mut function, module, c"kvcr_copy_spans".as_ptr())
-        };
-        if let Err(e) = check("cuModuleGetFunction", status) {
-            // SAFETY: unloads the module loaded above.
-            let undone = unsafe { sys::cuModuleUnload(module) };
-            device.record_drop(check("cuModuleUnload", undone));
-            return Err(Error::Kernel(e.to_string()));
-        }
+        let (module, function) = load_function(device, image, c"kvcr_copy_spans")?;
         Ok(Self {
             device: Arc::clone(device),
             module,

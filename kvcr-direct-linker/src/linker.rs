@@ -249,6 +249,13 @@ impl DirectLinker {
         self.runner.query(&scoped) == kvcr_foundation::runner::QueryStatus::Hit
     }
 
+    /// The digest KVCR DRAM keeps for `key`'s page (xxh3-64 of its bytes in
+    /// layout order, taken at its offload), if it holds the page READY.
+    pub fn page_digest(&mut self, namespace: NamespaceId, key: BlockKey) -> Option<u64> {
+        let scoped = self.scoped(namespace, key);
+        self.runner.page_digest(&scoped)
+    }
+
     /// Restores the request's tail straight into `slots` (page `i` of the
     /// query's tail into `slots[i]`), pipelined: pages already in KVCR DRAM
     /// go to the device at once; missing ones the request's hints place on a

@@ -158,13 +158,27 @@ fn load(
 #[case::qwen_like_shard(geometry(4, 64, 4, 128, 6), 3)]
 #[case::odd_span_multiple(geometry(3, 3, 2, 8, 10), 5)]
 #[case::many_layers(geometry(64, 4, 1, 16, 4), 2)]
+#[case::large_pages(geometry(2, 512, 8, 128, 4), 3)]
 fn offload_then_restore_is_byte_exact(#[case] layout: KvLayout, #[case] pages: u64) {
     for backend in backends() {
         let mut f = fixture(backend, layout.clone(), 8);
         let keys = keys(pages);
         offload(&mut f, &keys, 7);
-        // The engine evicts its copy: the slots are reused for other bytes.
         let page = f.layout.page_bytes() as usize;
+        // Each page's deposit digest is xxh3-64 of its bytes, taken on the
+        // device where every span is whole 1 KiB blocks, else in DRAM.
+        for key in &keys {
+            let bytes = page_bytes(key.as_u64(), 7, page);
+            let want = kvcr_foundation::sys::digest::digest_bytes(&bytes);
+            let digest = f.linker.page_digest(NAMESPACE, *key);
+            assert_eq!(digest, Some(want), "{backend:?}");
+        }
+        if let KvMemory::Cuda(copier) = f.linker.memory() {
+            let on_device = layout.span_bytes().is_multiple_of(1024);
+            let digested = copier.last_profile().digested;
+            assert_eq!(digested, if on_device { pages } else { 0 }, "{backend:?}");
+        }
+        // The engine evicts its copy: the slots are reused for other bytes.
         for slot in 0..pages as u32 {
             f.write_page(DeviceSlot(slot), &vec![0xee; page]);
         }

@@ -23,6 +23,7 @@ use crate::copy::{ByteSpan, MemoryRegistry, holds};
 use crate::error::{Result, SysError};
 use crate::segment::PeerSegment;
 
+pub mod device;
 mod fused;
 mod stripes;
 

@@ -34,6 +34,22 @@ pub trait DeviceCopier: Send + Sync {
     /// and the runner frees or reuses the slots right after.
     fn copy(&self, keys: &[&[CopySpan]]) -> Result<()>;
 
+    /// As [`DeviceCopier::copy`], and each key's page digest (xxh3-64 of
+    /// its bytes in span order, `kvcr_sys::digest`) where the copier took
+    /// it from the device's bytes as it copied them; `None` where it did
+    /// not (the runner then hashes the page in DRAM). One entry per key.
+    /// The default copies and takes none.
+    fn copy_digested(&self, keys: &[&[CopySpan]]) -> Result<Vec<Option<u64>>> {
+        self.copy(keys).map(|()| vec![None; keys.len()])
+    }
+
+    /// Whether [`DeviceCopier::copy_digested`] takes digests on the device
+    /// (then a deposit's job is one call, not groups hashed in DRAM while
+    /// the next crosses). Default: no.
+    fn digests_on_device(&self) -> bool {
+        false
+    }
+
     /// Undoes `attach` for these pools (they are about to be freed); other
     /// runners' pools stay attached.
     fn detach(&self, pools: &[PoolRange]);

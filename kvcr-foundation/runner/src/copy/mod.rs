@@ -256,6 +256,48 @@ fn execute_on_device(
         });
     }
     let mut digests = vec![None; job.keys.len()];
+    if job.digest && copier.digests_on_device() {
+        // The copier takes the pages' digests from the device's bytes as
+        // it copies them: one call, and only pages it could not hash are
+        // read back from DRAM.
+        let spans: Vec<&[CopySpan]> = batch
+            .iter()
+            .filter_map(|&i| job.keys.get(i))
+            .map(Vec::as_slice)
+            .collect();
+        match copier.copy_digested(&spans) {
+            Ok(found) => {
+                for (&i, digest) in batch.iter().zip(found) {
+                    if let Some(slot) = digests.get_mut(i) {
+                        *slot = digest;
+                    }
+                }
+                let rest: Vec<usize> = batch
+                    .iter()
+                    .copied()
+                    .filter(|&i| digests.get(i).is_some_and(Option::is_none))
+                    .collect();
+                let spans: Vec<Option<&[CopySpan]>> = rest
+                    .iter()
+                    .map(|&i| job.keys.get(i).map(Vec::as_slice))
+                    .collect();
+                for (i, digest) in rest.into_iter().zip(destination_digests(memory, &spans)) {
+                    if let Some(slot) = digests.get_mut(i) {
+                        *slot = digest;
+                    }
+                }
+            }
+            Err(_) => {
+                // A failed call fails every key of it.
+                for &i in &batch {
+                    if let Some(outcome) = outcomes.get_mut(i) {
+                        *outcome = CopyOutcome::Failed;
+                    }
+                }
+            }
+        }
+        return (outcomes, digests);
+    }
     let groups = device_groups(&job.keys, &batch, job.digest);
     // Each group is one call of the copier; a digested job's pages are
     // hashed (the device wrote the pools, so the bytes are read back from

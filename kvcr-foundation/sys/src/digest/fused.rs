@@ -26,7 +26,7 @@ const BLOCK_STRIPES: u64 = 16;
 /// Inputs longer than this take the long algorithm.
 pub(crate) const SHORT_MAX: u64 = 240;
 /// xxh3's default secret.
-const SECRET: [u8; 192] = xxhash_rust::const_xxh3::const_custom_default_secret(0);
+pub(super) const SECRET: [u8; 192] = xxhash_rust::const_xxh3::const_custom_default_secret(0);
 /// The secret's offset for the scramble (its last 64 bytes).
 const SCRAMBLE_KEY: usize = SECRET.len() - STRIPE;
 /// The secret's offset for the input's last stripe.
@@ -34,7 +34,7 @@ const LAST_STRIPE_KEY: usize = SECRET.len() - STRIPE - 7;
 /// The secret's offset for the merge.
 const MERGE_KEY: usize = 11;
 /// The lanes' starting values.
-const LANES_START: [u64; 8] = [
+pub(super) const LANES_START: [u64; 8] = [
     0xC2B2_AE3D,
     0x9E37_79B1_85EB_CA87,
     0xC2B2_AE3D_27D4_EB4F,
@@ -45,9 +45,9 @@ const LANES_START: [u64; 8] = [
     PRIME32_1,
 ];
 /// The merge's length multiplier (xxh3's first 64-bit prime).
-const PRIME64_1: u64 = 0x9E37_79B1_85EB_CA87;
+pub(super) const PRIME64_1: u64 = 0x9E37_79B1_85EB_CA87;
 /// The final avalanche's multiplier.
-const PRIME_MX1: u64 = 0x1656_6791_9E37_79F9;
+pub(super) const PRIME_MX1: u64 = 0x1656_6791_9E37_79F9;
 
 /// The digest of the bytes of `spans`' sources laid end to end, each span's
 /// bytes also stored to its destination as `store` says (with
