@@ -66,19 +66,24 @@ fn pattern(buffer: usize, slot: u32, len: usize) -> Vec<u8> {
         .collect()
 }
 
-/// One rank of a TP=2 engine on `device`: half the KV heads of the Qwen3-32B
-/// geometry, its own pool, a peer-enabled runner. Returns the linker and the
-/// device buffers it registered (drop the linker first).
-fn tp2_rank(device: &Arc<Device>, rank: u32, pages: u32) -> (DirectLinker, Vec<DeviceBuffer>) {
+/// One rank of a TP=`tp` engine on `device`: its share of the Qwen3-32B
+/// geometry's 8 KV heads, its own pool, a peer-enabled runner. Returns the
+/// linker and the device buffers it registered (drop the linker first).
+fn tp2_rank(
+    device: &Arc<Device>,
+    rank: u32,
+    tp: u32,
+    pages: u32,
+) -> (DirectLinker, Vec<DeviceBuffer>) {
     let mut layout = KvLayout {
         layers: 64,
         page_tokens: 64,
-        kv_heads: 4,
+        kv_heads: 8 / tp,
         head_dim: 128,
         dtype_bytes: 2,
         device_pages: pages,
         tp_rank: rank,
-        tp_size: 2,
+        tp_size: tp,
         k_bases: Vec::new(),
         v_bases: Vec::new(),
     };
@@ -139,13 +144,13 @@ fn tp2_checked(pages: u32) -> [u32; 2] {
     [0, pages - 1]
 }
 
-/// `--tp2-source RANK PAGES`: one source rank as its own process on GPU
+/// `--tp2-source RANK PAGES TP`: one source rank as its own process on GPU
 /// `RANK % GPUs`: offloads the prompt, prints `ENDPOINT <endpoint>`, and
 /// serves until stdin closes.
-fn tp2_source(rank: u32, pages: u32) {
+fn tp2_source(rank: u32, pages: u32, tp: u32) {
     let count = kvcr_direct_linker::cuda::device_count().unwrap();
     let device = Device::open(rank % count.max(1)).unwrap();
-    let (mut linker, buffers) = tp2_rank(&device, rank, pages);
+    let (mut linker, buffers) = tp2_rank(&device, rank, tp, pages);
     let span = linker.layout().span_bytes() as usize;
     for (i, b) in buffers.iter().enumerate() {
         for slot in tp2_checked(pages) {
@@ -178,16 +183,16 @@ fn tp2_source(rank: u32, pages: u32) {
     drop(buffers);
 }
 
-/// `--tp2-dest RANK PAGES ENDPOINT MODE`: one destination rank as its own
+/// `--tp2-dest RANK PAGES ENDPOINT MODE TP`: one destination rank as its own
 /// process: restores its shard from the source rank at `ENDPOINT` on a hint
 /// (peer KVCR DRAM → local KVCR DRAM → GPU), checks the patterned pages,
 /// prints `RESULT <peer seconds> <total seconds>`. MODE `seq` runs the two
 /// hops one after the other (prepare, lookup, load: the peer seconds are the
 /// first hop); `pipe` is one pipelined `restore_hinted` (peer seconds 0).
-fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str) {
+fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u32) {
     let count = kvcr_direct_linker::cuda::device_count().unwrap();
     let device = Device::open(rank % count.max(1)).unwrap();
-    let (mut linker, buffers) = tp2_rank(&device, rank, pages);
+    let (mut linker, buffers) = tp2_rank(&device, rank, tp, pages);
     let span = linker.layout().span_bytes() as usize;
     let keys = tp2_keys(pages);
     let hint = kvcr_foundation::FetchHint {
@@ -326,26 +331,32 @@ impl Drop for Child {
     }
 }
 
-/// Issue 11's run: engine A and engine B at TP=2, each rank its own process
-/// on GPU `rank` (both on GPU 0 when only one is lent). A's ranks offload;
+/// Issue 11's run: engine A and engine B at TP=2 (or the seed's at TP=1,
+/// `--seed`), each rank its own process on GPU `rank` (all on GPU 0 when
+/// only one is lent). A's ranks offload;
 /// each rank of B restores its own shard from A's same rank on a router hint
 /// (A's KVCR DRAM → B's → B's GPU), both ranks at once, and checks the
 /// patterned pages byte for byte. Two rounds, each with fresh destination
 /// processes: the hops one after the other (which measures each hop), then
 /// pipelined (`restore_hinted`), whose figure is against the slower hop of
 /// the same rank measured in the first round.
-fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32) {
+fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32, tp: u32) {
     let gpu = |rank: usize| &gpus[rank % gpus.len()];
-    println!(
-        "# tp2: {pages} pages per rank, 4 runner processes per round; rank 0 on GPU {} ({}), rank 1 on GPU {} ({})",
-        gpu(0).0.ordinal(),
-        gpu(0).0.name(),
-        gpu(1).0.ordinal(),
-        gpu(1).0.name()
-    );
-    let shard_bytes = (64 * 2 * 64 * 4 * 128 * 2 * u64::from(pages)) as f64;
-    let mut sources: Vec<Child> = (0..2)
-        .map(|r| Child::spawn(&["--tp2-source".into(), r.to_string(), pages.to_string()]))
+    let name = format!("tp{tp}");
+    for rank in 0..tp as usize {
+        println!(
+            "# {name}: {pages} pages per rank, {} runner processes per round; rank {rank} on GPU {} ({})",
+            2 * tp,
+            gpu(rank).0.ordinal(),
+            gpu(rank).0.name(),
+        );
+    }
+    let shard_bytes = (64 * 2 * 64 * u64::from(8 / tp) * 128 * 2 * u64::from(pages)) as f64;
+    let mut sources: Vec<Child> = (0..tp)
+        .map(|r| {
+            let args = [r.to_string(), pages.to_string(), tp.to_string()];
+            Child::spawn(&[["--tp2-source".to_owned()].as_slice(), &args].concat())
+        })
         .collect();
     let endpoints: Vec<String> = sources.iter_mut().map(|s| s.expect("ENDPOINT")).collect();
     let round = |mode: &str| -> (Vec<(f64, f64)>, f64) {
@@ -359,6 +370,7 @@ fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32) {
                     pages.to_string(),
                     ep.clone(),
                     mode.into(),
+                    tp.to_string(),
                 ])
             })
             .collect();
@@ -381,7 +393,7 @@ fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32) {
     };
     let (hops, _) = round("seq");
     let (pipelined, aggregate) = round("pipe");
-    for rank in 0..2 {
+    for rank in 0..tp as usize {
         let (fetched, total) = hops[rank];
         let peer_hop = shard_bytes / fetched / 1e9;
         let gpu_hop = shard_bytes / (total - fetched) / 1e9;
@@ -390,35 +402,51 @@ fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32) {
         let restore = shard_bytes / pipelined[rank].1 / 1e9;
         let slower = peer_hop.min(gpu_hop);
         println!(
-            "# tp2: rank {rank}: hops in turn: peer DRAM->DRAM {:.0} ms ({peer_hop:.1} GB/s), DRAM->GPU {:.0} ms ({gpu_hop:.1} GB/s), {sequential:.2} GB/s end to end; pipelined {:.0} ms; its shard's bytes checked in both",
+            "# {name}: rank {rank}: hops in turn: peer DRAM->DRAM {:.0} ms ({peer_hop:.1} GB/s), DRAM->GPU {:.0} ms ({gpu_hop:.1} GB/s), {sequential:.2} GB/s end to end; pipelined {:.0} ms; its shard's bytes checked in both",
             fetched * 1e3,
             (total - fetched) * 1e3,
             pipelined[rank].1 * 1e3,
         );
         println!(
-            "BENCH tp2.restore_rank{rank} value={restore:.2} unit=GB/s anchor={slower:.2} ratio={:.3}",
+            "BENCH {name}.restore_rank{rank} value={restore:.2} unit=GB/s anchor={slower:.2} ratio={:.3}",
             restore / slower
         );
         println!(
-            "BENCH tp2.restore_vs_h2d_rank{rank} value={restore:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
+            "BENCH {name}.restore_vs_h2d_rank{rank} value={restore:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
             restore / h2d
         );
         println!(
-            "BENCH tp2.peer_hop_rank{rank} value={peer_hop:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
+            "BENCH {name}.peer_hop_rank{rank} value={peer_hop:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
             peer_hop / h2d
         );
         println!(
-            "BENCH tp2.gpu_hop_rank{rank} value={gpu_hop:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
+            "BENCH {name}.gpu_hop_rank{rank} value={gpu_hop:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
             gpu_hop / h2d
         );
     }
     // Aggregate (pipelined) against the sum of the distinct GPUs' anchors.
     let h2d: f64 = gpus.iter().map(|g| g.1).sum();
-    let gbps = 2.0 * shard_bytes / aggregate / 1e9;
+    let gbps = f64::from(tp) * shard_bytes / aggregate / 1e9;
     println!(
-        "BENCH tp2.restore_aggregate value={gbps:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
+        "BENCH {name}.restore_aggregate value={gbps:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
         gbps / h2d
     );
+    if tp == 1 {
+        // The seed's headline workload on today's path (peer KVCR DRAM ->
+        // this rank's KVCR DRAM -> GPU, pipelined): the baseline a one-hop
+        // route is measured against. The seed: 1.24-1.27 s on B200s.
+        let seconds = pipelined[0].1;
+        let gbps = shard_bytes / seconds / 1e9;
+        println!(
+            "BENCH direct.peer_restore_32b_two_hop value={gbps:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
+            gbps / h2d
+        );
+        println!(
+            "BENCH direct.peer_restore_32b_two_hop_s value={seconds:.3} unit=s anchor={:.3} ratio={:.3}",
+            shard_bytes / h2d / 1e9,
+            seconds / (shard_bytes / h2d / 1e9)
+        );
+    }
     drop(sources);
 }
 
@@ -430,7 +458,8 @@ fn main() {
     if let Some(rank) = arg("--tp2-source") {
         let args: Vec<String> = std::env::args().collect();
         let at = args.iter().position(|a| a == "--tp2-source").unwrap();
-        tp2_source(rank.parse().unwrap(), args[at + 2].parse().unwrap());
+        let tp = args.get(at + 3).map_or(2, |t| t.parse().unwrap());
+        tp2_source(rank.parse().unwrap(), args[at + 2].parse().unwrap(), tp);
         return;
     }
     if let Some(rank) = arg("--tp2-dest") {
@@ -441,6 +470,7 @@ fn main() {
             args[at + 2].parse().unwrap(),
             &args[at + 3],
             &args[at + 4],
+            args.get(at + 5).map_or(2, |t| t.parse().unwrap()),
         );
         return;
     }
@@ -480,7 +510,15 @@ fn main() {
             println!("# tp2: GPU 1 contiguous pinned host->device {anchor:.1} GB/s");
             gpus.push((second, anchor));
         }
-        tp2_peer_restore(&gpus, tp2_pages.parse().unwrap());
+        tp2_peer_restore(&gpus, tp2_pages.parse().unwrap(), 2);
+        return;
+    }
+    // `--seed [PAGES]`: the seeds' headline restore, TP=1, Qwen3-32B, 1812
+    // pages of 64 tokens (115,968 tokens, 30.4 GB), the source a second
+    // process on this host.
+    if std::env::args().any(|a| a == "--seed") {
+        let pages = arg("--seed").and_then(|p| p.parse().ok()).unwrap_or(1812);
+        tp2_peer_restore(&[(Arc::clone(&device), h2d)], pages, 1);
         return;
     }
 
