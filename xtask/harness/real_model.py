@@ -274,6 +274,33 @@ def run_tp(args, checks, tp, S, D, indexer):
             how]
 
 
+# Mode B on a host pool (kvcr_direct's ``host=True``), CI-sized: shorter
+# prompts and a smaller device pool than the GPU host's 3000 tokens.
+MODE_B_CI = ["--geometry", "small", "--device", "cpu", "--dtype", "float32",
+             "--prompt-tokens", "512", "--page-tokens", "16", "--device-pages", "64",
+             "--store-pages", "256"]
+
+
+def run_mode_b(checks):
+    """``real_model_direct.py`` as a child; its ``CHECK``/``NUMBER`` lines
+    pass through (prefixed ``mode B``), its exit status is a check."""
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "real_model_direct.py")]
+                            + MODE_B_CI, stdout=subprocess.PIPE, text=True, cwd=HERE)
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        for kind in ("CHECK PASS ", "CHECK FAIL "):
+            if line.startswith(kind):
+                what, _, detail = line[len(kind):].rpartition(" (")
+                checks.check("mode B", what, kind == "CHECK PASS ", detail.removesuffix(")"))
+                break
+        else:
+            if line.startswith("NUMBER "):
+                print(f"NUMBER mode_b_{line[len('NUMBER '):]}", flush=True)
+            elif line:
+                print(f"# mode B: {line}", flush=True)
+    checks.equal("mode B", "real_model_direct.py exits 0", proc.wait(), 0)
+
+
 def run(args, checks, rows, cleanup):
     sizes = [int(t) for t in args.tp.split(",")]
     indexer = None
@@ -301,6 +328,8 @@ def run(args, checks, rows, cleanup):
             indexer.register(D.worker, D)
     for tp, S, D in pairs:
         rows.append(run_tp(args, checks, tp, S, D, indexer))
+    if args.mode_b:
+        run_mode_b(checks)
 
 
 def main(argv):
@@ -315,6 +344,8 @@ def main(argv):
     p.add_argument("--dtype", default="float32", choices=sorted(rm.DTYPES))
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     p.add_argument("--tls", default="posix,cma,self")
+    p.add_argument("--mode-b", action="store_true",
+                   help="then mode B on a host pool, CI-sized (real_model_direct.py)")
     args = p.parse_args(argv)
     if args.hint_from == "indexer" and not args.indexer_python:
         p.error("--hint-from indexer needs --indexer-python")

@@ -229,7 +229,7 @@ pub(crate) fn registry() -> Vec<Scenario> {
         ),
         Scenario::builtin(
             "real-model",
-            "a real transformer (Qwen3, random weights, small geometry, CPU) with kvcr as HiCache L3 at TP=1 and TP=2: D restores 192 of 256 tokens from S on a hint from Dynamo's indexer; D's 8 ids equal cold inference (which vary), every restored page's SHA-256 equals S's, D's logits equal an own-KV control's bit for bit; zeroed and shuffled pages fail that check",
+            "a real transformer (Qwen3, random weights, small geometry, CPU) with kvcr as HiCache L3 at TP=1 and TP=2: D restores 192 of 256 tokens from S on a hint from Dynamo's indexer; D's 8 ids equal cold inference (which vary), every restored page's SHA-256 equals S's, D's logits equal an own-KV control's bit for bit; zeroed and shuffled pages fail that check; mode B (kvcr_direct, host pool): replays after fillers evicted the engine's pool restore from KVCR DRAM and from a peer process, ids and logits the same",
             true,
             real_model::run,
         ),

@@ -1,7 +1,10 @@
 //! `real-model`: two reference engines running a real transformer
 //! (`transformers`' Qwen3 with random weights from a fixed seed, a small
 //! geometry on the CPU) with kvcr as their HiCache L3 backend, at TP=1 and
-//! TP=2, Dynamo's indexer giving the router hint; all real processes.
+//! TP=2, Dynamo's indexer giving the router hint; then the same model over
+//! `kvcr_direct` (mode B) on a host pool: fillers evict two prompts from the
+//! engine's pool, the replays restore from KVCR DRAM, a peer process restores
+//! one on a hint. All real processes.
 //!
 //! The scenario is the Python harness `xtask/harness/real_model.py` (its
 //! docstring lists the checks: ids equal cold inference, restored bytes equal
@@ -32,6 +35,8 @@ pub(super) fn run(ctx: &Ctx) -> Result<Outcome> {
             .into_os_string(),
         OsString::from("--log-dir"),
         ctx.logs.clone().into_os_string(),
+        // Then mode B on a host pool (`kvcr_direct`'s `host=True`).
+        OsString::from("--mode-b"),
     ];
     super::hicache_dynamo::orchestrate(ctx, "real-model", SCRIPT, &args)
 }
