@@ -47,6 +47,7 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 for helpers in (os.path.join(HERE, "hicache-helpers"),
@@ -281,11 +282,16 @@ MODE_B_CI = ["--geometry", "small", "--device", "cpu", "--dtype", "float32",
              "--store-pages", "256"]
 
 
-def run_mode_b(checks):
-    """``real_model_direct.py`` as a child; its ``CHECK``/``NUMBER`` lines
-    pass through (prefixed ``mode B``), its exit status is a check."""
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "real_model_direct.py")]
+def start_mode_b():
+    """``real_model_direct.py`` as a child, started first: it computes while
+    the mode A engines start."""
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "real_model_direct.py")]
                             + MODE_B_CI, stdout=subprocess.PIPE, text=True, cwd=HERE)
+
+
+def finish_mode_b(proc, checks):
+    """The child's ``CHECK``/``NUMBER`` lines pass through (prefixed ``mode
+    B``); its exit status is a check."""
     for line in proc.stdout:
         line = line.rstrip("\n")
         for kind in ("CHECK PASS ", "CHECK FAIL "):
@@ -301,8 +307,17 @@ def run_mode_b(checks):
     checks.equal("mode B", "real_model_direct.py exits 0", proc.wait(), 0)
 
 
+def close_all(engines):
+    """Closes the engines at once (each ``close`` waits on its runners)."""
+    with ThreadPoolExecutor(max(len(engines), 1)) as pool:
+        list(pool.map(lambda e: e.close(), engines))
+
+
 def run(args, checks, rows, cleanup):
     sizes = [int(t) for t in args.tp.split(",")]
+    mode_b = start_mode_b() if args.mode_b else None
+    if mode_b is not None:
+        cleanup.append(lambda: mode_b.poll() is None and mode_b.kill())
     indexer = None
     if args.hint_from == "indexer":
         # The hicache-dynamo scenario's indexer process and router.
@@ -312,13 +327,13 @@ def run(args, checks, rows, cleanup):
         indexer = Indexer(args.indexer_python, "indexer", args.log_dir)
         cleanup.append(indexer.close)
     publish = indexer is not None
-    pairs = []
+    pairs, engines = [], []
+    cleanup.append(lambda: close_all(engines))
     # Every engine starts at once (their imports and model builds overlap).
     for i, tp in enumerate(sizes):
         S = ModelEngine(f"S-tp{tp}", 10 * i + 1, tp, args, publish)
-        cleanup.append(S.close)
         D = ModelEngine(f"D-tp{tp}", 10 * i + 2, tp, args, publish)
-        cleanup.append(D.close)
+        engines += [S, D]
         pairs.append((tp, S, D))
     for tp, S, D in pairs:
         S.wait_ready()
@@ -328,8 +343,9 @@ def run(args, checks, rows, cleanup):
             indexer.register(D.worker, D)
     for tp, S, D in pairs:
         rows.append(run_tp(args, checks, tp, S, D, indexer))
-    if args.mode_b:
-        run_mode_b(checks)
+    close_all(engines)
+    if mode_b is not None:
+        finish_mode_b(mode_b, checks)
 
 
 def main(argv):

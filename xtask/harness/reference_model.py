@@ -47,6 +47,10 @@ class ReferenceModel:
                                      **GEOMETRIES[geometry]})
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
+        if self.device.type == "cpu":
+            # Several engine processes share the cores: one thread each, or
+            # their thread pools spin against each other (30x slower on two).
+            torch.set_num_threads(1)
         # The same seed gives the same weights in every engine process.
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(self.config)
