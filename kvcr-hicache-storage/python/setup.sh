@@ -3,7 +3,8 @@
 # (idempotent; a second run is a few imports and three checksums):
 #   * a venv with PyPI torch (sglang 0.5.23 pins 2.14.1; PyPI's Linux wheel pulls
 #     the CUDA libraries, ~2.9 GB, but imports and runs on a CPU-only machine),
-#     numpy, maturin and pytest;
+#     numpy, maturin and pytest, and transformers (its Qwen3 is the real-model
+#     e2e's engine; ~15 s, tens of MB with its dependencies);
 #   * three files of SGLang 0.5.23, extracted verbatim from its wheel (fetched with
 #     `pip download --no-deps` to a temporary folder and deleted; the wheel's own
 #     dependency set is CUDA-only): srt/environ.py, srt/mem_cache/hicache_storage.py
@@ -19,7 +20,7 @@ src="${KVCR_SGLANG_SRC:-$root/target/py-sglang}"
 py="$venv/bin/python"
 
 # What the tests import, pinned.
-packages=(torch==2.14.1 numpy==2.4.6 maturin==1.9.6 pytest==8.4.2)
+packages=(torch==2.14.1 numpy==2.4.6 maturin==1.9.6 pytest==8.4.2 transformers==5.25.0)
 # sha256 of the three files inside sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl.
 sglang_files=(
     "967ede87488967cf87a95f8c38ccd72a3a0055a03cbdac303b38c2322b987c55  sglang/srt/environ.py"
@@ -36,6 +37,7 @@ for pin in sys.argv[1:]:
     if version(name) != want:
         sys.exit(1)
 import torch, maturin, pytest  # noqa: F401  (import, not only metadata)
+from transformers import Qwen3ForCausalLM  # noqa: F401
 PY
 }
 

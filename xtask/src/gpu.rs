@@ -5,7 +5,12 @@
 //! Beside them: the direct linker's Python face as a wheel (abi3, installable
 //! offline with `pip install --no-deps`), its pytest suite in
 //! `python-tests/`, and `run-python.sh`, which installs the wheel into a
-//! private folder and runs that suite with `KVCR_TEST_GPU=1`.
+//! private folder and runs that suite with `KVCR_TEST_GPU=1`. And the
+//! real-model harness (`xtask/harness`, in `harness/` with the HiCache test
+//! helpers and SGLang's three contract files it loads), the `kvcr_hicache`
+//! wheel it drives in mode A, and `run-model.sh`, which runs it with
+//! Qwen3-0.6B's geometry in bf16 on the GPU: mode A at TP=1 and TP=2, then
+//! mode B.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -48,11 +53,95 @@ set -e\n\
 here=\"$(cd \"$(dirname \"$0\")\" && pwd)\"\n\
 site=\"${KVCR_DIRECT_SITE:-/tmp/kvcr-direct-site}\"\n\
 python=\"${PYTHON:-python3}\"\n\
+model=\"${KVCR_MODEL_ARGS:---geometry qwen3-0.6b --device cuda --dtype bfloat16}\"\n\
 \"$python\" -m pip install -q --no-index --no-deps --no-compile --upgrade \\\n\
     --target \"$site\" \"$here\"/kvcr_direct-*.whl\n\
 cd \"$here/python-tests\"\n\
 KVCR_TEST_GPU=1 PYTHONPATH=\"$site${PYTHONPATH:+:$PYTHONPATH}\" \\\n\
     exec \"$python\" -m pytest -q -p no:cacheprovider . \"$@\"\n";
+
+/// Runs on the GPU machine (Python >= 3.10 with torch and transformers, no
+/// package index): both wheels into a private folder, then the real-model
+/// harness, mode A and mode B, Qwen3-0.6B's geometry in bf16 on the GPU.
+const RUN_MODEL: &str = "#!/bin/sh\n\
+# Runs on the GPU machine: installs kvcr_hicache and kvcr_direct (the wheels\n\
+# beside this script; no package index needed) into a private folder, then the\n\
+# real-model harness with Qwen3-0.6B's geometry (random weights, bf16, cuda):\n\
+# mode A (HiCache backend) at TP=1 and TP=2, the hint from the source's\n\
+# inventory (no Dynamo indexer there), then mode B (kvcr_direct, 3000-token\n\
+# prompts, filler traffic, local and peer restores). PYTHON picks the\n\
+# interpreter; logs go to $KVCR_MODEL_LOGS (default /tmp/kvcr-real-model);\n\
+# KVCR_MODEL_ARGS replaces the model arguments (e.g. \"--geometry small\n\
+# --device cpu --dtype float32\" checks the bundle on a machine with no GPU).\n\
+set -e\n\
+here=\"$(cd \"$(dirname \"$0\")\" && pwd)\"\n\
+site=\"${KVCR_MODEL_SITE:-/tmp/kvcr-model-site}\"\n\
+logs=\"${KVCR_MODEL_LOGS:-/tmp/kvcr-real-model}\"\n\
+python=\"${PYTHON:-python3}\"\n\
+model=\"${KVCR_MODEL_ARGS:---geometry qwen3-0.6b --device cuda --dtype bfloat16}\"\n\
+\"$python\" -m pip install -q --no-index --no-deps --no-compile --upgrade \\\n\
+    --target \"$site\" \"$here\"/kvcr_hicache-*.whl \"$here\"/kvcr_direct-*.whl\n\
+export PYTHONPATH=\"$site${PYTHONPATH:+:$PYTHONPATH}\" PYTHONUNBUFFERED=1\n\
+export KVCR_SGLANG_SRC=\"$here/harness/py-sglang\"\n\
+cd \"$here/harness\"\n\
+status=0\n\
+\"$python\" real_model.py --hint-from inventory --tp 1,2 $model --log-dir \"$logs\" \\\n\
+    || status=1\n\
+\"$python\" real_model_direct.py $model || status=1\n\
+exit $status\n";
+
+/// The harness's Python files, relative to the workspace root.
+const HARNESS: &[&str] = &[
+    "xtask/harness/reference_model.py",
+    "xtask/harness/model_engine.py",
+    "xtask/harness/real_model.py",
+    "xtask/harness/real_model_direct.py",
+];
+
+/// The HiCache face's test helpers the mode A harness imports.
+const HICACHE_HELPERS: &[&str] = &[
+    "engine.py",
+    "host_pool.py",
+    "sglang_files.py",
+    "test_tensor_parallel.py",
+];
+
+/// The real-model harness in `out/harness`, the `kvcr_hicache` wheel and
+/// `run-model.sh`.
+fn model_harness(root: &Path, out: &Path) -> Result<()> {
+    crate::python::wheel(root, &crate::python::HICACHE, out)?;
+    let harness = out.join("harness");
+    if harness.exists() {
+        std::fs::remove_dir_all(&harness)?;
+    }
+    let helpers = harness.join("hicache-helpers");
+    std::fs::create_dir_all(&helpers)?;
+    for file in HARNESS {
+        let from = root.join(file);
+        let name = from.file_name().context("a harness file name")?;
+        std::fs::copy(&from, harness.join(name))
+            .with_context(|| format!("copy {}", from.display()))?;
+    }
+    let tests = root.join(crate::python::HICACHE.dir).join("tests");
+    for name in HICACHE_HELPERS {
+        std::fs::copy(tests.join(name), helpers.join(name))
+            .with_context(|| format!("copy {name}"))?;
+    }
+    // SGLang's three files, verbatim, as `setup.sh` extracted them.
+    let sglang = root.join("target").join("py-sglang");
+    for rel in [
+        "sglang/srt/environ.py",
+        "sglang/srt/mem_cache/hicache_storage.py",
+        "sglang/srt/mem_cache/storage/backend_factory.py",
+    ] {
+        let to = harness.join("py-sglang").join(rel);
+        if let Some(dir) = to.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::copy(sglang.join(rel), &to).with_context(|| format!("copy {rel}"))?;
+    }
+    executable(&out.join("run-model.sh"), RUN_MODEL)
+}
 
 fn executable(path: &Path, text: &str) -> Result<()> {
     std::fs::write(path, text)?;
@@ -135,13 +224,14 @@ KVCR_TEST_GPU=1 ./direct-linker-tests --test-threads=1\n\
 ./direct-bench --bench \"$@\"\n";
     executable(&out.join("run.sh"), script)?;
     python_face(root, &out)?;
+    model_harness(root, &out)?;
     let size: u64 = std::fs::read_dir(&out)?
         .filter_map(|e| e.ok()?.metadata().ok())
         .map(|m| m.len())
         .sum();
     eprintln!(
-        "xtask: GPU binaries and the kvcr_direct wheel in {} ({:.1} MiB); run \
-         target/gpu/run.sh and target/gpu/run-python.sh on the GPU machine",
+        "xtask: GPU binaries, both wheels and the real-model harness in {} ({:.1} MiB); \
+         run target/gpu/run.sh, run-python.sh and run-model.sh on the GPU machine",
         out.display(),
         size as f64 / (1 << 20) as f64
     );

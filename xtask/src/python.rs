@@ -10,7 +10,7 @@
 //!
 //! | path | what |
 //! |---|---|
-//! | `target/py-venv` | venv: PyPI torch 2.14.1, numpy, maturin, pytest (`setup.sh`) |
+//! | `target/py-venv` | venv: PyPI torch 2.14.1, numpy, maturin, pytest, transformers (`setup.sh`) |
 //! | `target/py-sglang` | SGLang 0.5.23's three contract files, verbatim |
 //! | `target/py-build` | the extensions' cargo target folder |
 //! | `target/py-wheels` | the wheels `maturin build` produced and the venv installed |

@@ -13,6 +13,7 @@
 //! logs sit beside it), and turns its `CHECK` and `NUMBER` lines and its exit
 //! status into the scenario's checks and key numbers.
 
+use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
@@ -27,7 +28,7 @@ use super::{Ctx, Outcome};
 /// The orchestrator, relative to the workspace root.
 const SCRIPT: &str = "kvcr-hicache-storage/python/e2e/hicache_dynamo.py";
 /// The interpreter with `ai-dynamo-runtime` (`crate::setup::ensure_real_clients`).
-const INDEXER_PYTHON: &str = "target/realclients/venv/bin/python";
+pub(super) const INDEXER_PYTHON: &str = "target/realclients/venv/bin/python";
 /// The longest the orchestrator may run (its process group is stopped after
 /// that). Its own deadlines are far shorter; this only bounds a hang.
 const BOUND: Duration = Duration::from_secs(600);
@@ -99,6 +100,28 @@ fn stop_group(child: &mut Child) {
 
 pub(super) fn run(ctx: &Ctx) -> Result<Outcome> {
     let root = crate::workspace_root();
+    let args = [
+        OsString::from("--indexer-python"),
+        root.join(INDEXER_PYTHON).into_os_string(),
+        OsString::from("--log-dir"),
+        ctx.logs.clone().into_os_string(),
+    ];
+    orchestrate(ctx, "hicache-dynamo", SCRIPT, &args)
+}
+
+/// Runs a Python orchestrator that prints `CHECK` and `NUMBER` lines (this
+/// scenario's, or another that drives engines with Dynamo's indexer the same
+/// way) in a network namespace holding only loopback, with the Python face's
+/// venv and a freshly built wheel, and turns its output and exit status into
+/// checks. `script` is relative to the workspace root; `name` prefixes its
+/// echoed lines.
+pub(super) fn orchestrate(
+    ctx: &Ctx,
+    name: &'static str,
+    script: &str,
+    args: &[OsString],
+) -> Result<Outcome> {
+    let root = crate::workspace_root();
     crate::python::ensure_env(&root)?;
     crate::python::build(&root)?;
     crate::setup::ensure_real_clients(&root)?;
@@ -122,11 +145,8 @@ pub(super) fn run(ctx: &Ctx) -> Result<Outcome> {
         "sh",
     ])
     .arg(python)
-    .arg(root.join(SCRIPT))
-    .arg("--indexer-python")
-    .arg(root.join(INDEXER_PYTHON))
-    .arg("--log-dir")
-    .arg(&ctx.logs)
+    .arg(root.join(script))
+    .args(args)
     .env("PYTHONUNBUFFERED", "1")
     .current_dir(&root)
     .stdin(Stdio::null())
@@ -135,13 +155,13 @@ pub(super) fn run(ctx: &Ctx) -> Result<Outcome> {
     .process_group(0);
     let mut child = cmd
         .spawn()
-        .context("starting the hicache-dynamo orchestrator under unshare")?;
+        .with_context(|| format!("starting the {name} orchestrator under unshare"))?;
     let stdout = child.stdout.take().context("the orchestrator's stdout")?;
     let reader = std::thread::spawn(move || {
         let mut lines = Vec::new();
         for line in BufReader::new(stdout).lines() {
             let Ok(line) = line else { break };
-            println!("hicache-dynamo: {line}");
+            println!("{name}: {line}");
             let _ = writeln!(log, "{line}");
             lines.push(line);
         }

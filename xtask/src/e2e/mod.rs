@@ -19,6 +19,7 @@ mod events;
 mod g3;
 mod guard;
 mod hicache_dynamo;
+mod real_model;
 mod scenarios;
 
 use std::fmt::{Debug, Display};
@@ -225,6 +226,12 @@ pub(crate) fn registry() -> Vec<Scenario> {
             "two SGLang engines at TP=2 (kvcr as HiCache L3, real processes), Dynamo's indexer the only inventory authority: a KVCR-evicted prefix gives 0 tokens, no hint, no transfer; a KVCR-retained prefix restores 192 of 256 tokens on a hint from /query, each shard byte-equal; salt and LoRA namespaces match only themselves; a late indexer converges; closing clears",
             true,
             hicache_dynamo::run,
+        ),
+        Scenario::builtin(
+            "real-model",
+            "a real transformer (Qwen3, random weights, small geometry, CPU) with kvcr as HiCache L3 at TP=1 and TP=2: D restores 192 of 256 tokens from S on a hint from Dynamo's indexer; D's 8 ids equal cold inference (which vary), every restored page's SHA-256 equals S's, D's logits equal an own-KV control's bit for bit; zeroed and shuffled pages fail that check; mode B (kvcr_direct, host pool): replays after fillers evicted the engine's pool restore from KVCR DRAM and from a peer process, ids and logits the same",
+            true,
+            real_model::run,
         ),
     ]
 }
