@@ -69,7 +69,9 @@ const RUN_MODEL: &str = "#!/bin/sh\n\
 # real-model harness with Qwen3-0.6B's geometry (random weights, bf16, cuda):\n\
 # mode A (HiCache backend) at TP=1 and TP=2, the hint from the source's\n\
 # inventory (no Dynamo indexer there), then mode B (kvcr_direct, 3000-token\n\
-# prompts, filler traffic, local and peer restores). PYTHON picks the\n\
+# prompts, filler traffic, local and peer restores), then, on the GPU, mode B's\n\
+# TTFT against cold prefill at 3K, 16K and 32K tokens (model_mode_b.py, BENCH\n\
+# model.ttft_*). PYTHON picks the\n\
 # interpreter; logs go to $KVCR_MODEL_LOGS (default /tmp/kvcr-real-model);\n\
 # KVCR_MODEL_ARGS replaces the model arguments (e.g. \"--geometry small\n\
 # --device cpu --dtype float32\" checks the bundle on a machine with no GPU).\n\
@@ -88,6 +90,7 @@ status=0\n\
 \"$python\" real_model.py --hint-from inventory --tp 1,2 $model --log-dir \"$logs\" \\\n\
     || status=1\n\
 \"$python\" real_model_direct.py $model || status=1\n\
+if [ -z \"${KVCR_MODEL_ARGS:-}\" ]; then \"$python\" model_mode_b.py || status=1; fi\n\
 exit $status\n";
 
 /// The harness's Python files, relative to the workspace root.
@@ -96,6 +99,7 @@ const HARNESS: &[&str] = &[
     "xtask/harness/model_engine.py",
     "xtask/harness/real_model.py",
     "xtask/harness/real_model_direct.py",
+    "kvcr-direct-linker/python/e2e/model_mode_b.py",
 ];
 
 /// The HiCache face's test helpers the mode A harness imports.
