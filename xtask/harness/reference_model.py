@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
 import struct
 
-import torch
+# Bit-for-bit comparisons between two runs of one computation need cuBLAS's
+# deterministic workspace (set before CUDA starts).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
 
 # Weights drawn 5x wider than transformers' default (0.02): with the default a
 # random model repeats one token; with these its greedy ids vary.
@@ -47,6 +52,12 @@ class ReferenceModel:
                                      **GEOMETRIES[geometry]})
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
+        if self.device.type == "cuda":
+            # Deterministic kernels and no TF32: the same inputs give the
+            # same bits in every engine process and thread.
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
         if self.device.type == "cpu":
             # Several engine processes share the cores: one thread each, or
             # their thread pools spin against each other (30x slower on two).
