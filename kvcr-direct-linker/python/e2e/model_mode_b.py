@@ -34,11 +34,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
 
-import torch
+# Two runs of one computation must give the same bits: cuBLAS's deterministic
+# workspace (set before CUDA starts) and deterministic kernels.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
 
 PAGE_TOKENS = 16
 NAMESPACE = 41
@@ -54,6 +59,9 @@ def check(what, ok, detail=""):
 
 def build_model(device):
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
 
     config = Qwen3Config(
         vocab_size=151936, hidden_size=1024, intermediate_size=3072,
