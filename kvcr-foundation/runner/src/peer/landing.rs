@@ -262,3 +262,71 @@ pub(crate) fn write_record(core: &Core, write: u64) -> Option<(OpHandle, u32, Op
         .map(|digests| combine_digests(&digests));
     Some((op, keys, digest))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use kvcr_contracts::protocol::{Header, RouteGeneration};
+    use kvcr_contracts::{ControlEndpoint, Incarnation};
+
+    use super::*;
+    use crate::copy::test_memory::TestBuffer;
+
+    /// A `write_done` for op 1 completing keys 0 and 1 with `digests`, said
+    /// checked in the source's copy or not.
+    fn write_done(digests: [u64; 2], checked_in_copy: bool) -> Message {
+        let completed = CompletedIndices::with_digests(vec![(0, digests[0]), (1, digests[1])]);
+        let completed = if checked_in_copy {
+            completed.checked_in_copy()
+        } else {
+            completed
+        };
+        Message {
+            header: Header {
+                sender: Incarnation::from_raw(7).unwrap(),
+                route_generation: RouteGeneration(0),
+                sender_endpoint: ControlEndpoint::parse("tcp://127.0.0.1:9").unwrap(),
+            },
+            body: Body::WriteDone {
+                op_handle: OpHandle(1),
+                outcome: WriteOutcome::Completed(completed),
+            },
+        }
+    }
+
+    /// A `write_done` claiming a check in the source's copy is taken
+    /// unread only where the caller trusts that source's check (it maps our
+    /// pools, and the policy allows it); otherwise the landed bytes are
+    /// read, and a key whose bytes differ from its digest fails, whatever
+    /// the source claimed.
+    #[rstest::rstest]
+    #[case::trusted(true, true, Vec::new())]
+    #[case::claim_from_a_source_not_trusted(false, true, vec![1])]
+    #[case::no_claim(true, false, vec![1])]
+    fn a_copy_check_is_trusted_only_where_allowed(
+        #[case] trust_copy_check: bool,
+        #[case] claimed: bool,
+        #[case] failed: Vec<u32>,
+    ) {
+        let registry = Arc::new(MemoryRegistry::new());
+        let pages: Vec<u8> = (0..8192u32).map(|i| (i * 7 % 251) as u8).collect();
+        let buffer = TestBuffer::with(&registry, 8192, &pages);
+        let base = buffer.addr();
+        let first = kvcr_sys::digest::digest_bytes(&pages[..4096]);
+        // Key 1's digest is not its landed bytes'.
+        let message = write_done([first, 0xbad], claimed);
+        let landing = vec![vec![(base, 4096)], vec![(base + 4096, 4096)]];
+        let checked = check_with(
+            &registry,
+            message,
+            Sent::PerKey { trust_copy_check },
+            |_| Some(landing),
+        );
+        assert_eq!(checked.trusted_copy_check(), failed.is_empty());
+        match checked.hand {
+            Hand::Checked(mismatched) => assert_eq!(mismatched, failed),
+            _ => panic!("handed as a landing check"),
+        }
+    }
+}
