@@ -187,6 +187,9 @@ fn install(from: &Path, to: &Path) -> Result<()> {
 }
 
 pub(crate) fn build(root: &Path) -> Result<()> {
+    // The wheels need the venv's maturin and the harness SGLang's files: a
+    // fresh clone gets them here (idempotent, seconds when present).
+    crate::python::ensure_env(root)?;
     let out = root.join("target").join("gpu");
     std::fs::create_dir_all(&out)?;
     let tests = executables(
