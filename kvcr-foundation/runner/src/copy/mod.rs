@@ -243,7 +243,7 @@ fn execute_on_device(
     let late = Instant::now() > job.deadline;
     let mut outcomes = Vec::with_capacity(job.keys.len());
     let mut batch: Vec<usize> = Vec::with_capacity(job.keys.len());
-    for (i, _) in job.keys.iter().enumerate() {
+    for i in 0..job.keys.len() {
         let cancelled = shutdown.load(Ordering::Acquire)
             || job.cancel.get(i).is_some_and(|c| c.load(Ordering::Acquire));
         outcomes.push(if cancelled {
@@ -260,41 +260,19 @@ fn execute_on_device(
         // The copier takes the pages' digests from the device's bytes as
         // it copies them: one call, and only pages it could not hash are
         // read back from DRAM.
-        let spans: Vec<&[CopySpan]> = batch
-            .iter()
-            .filter_map(|&i| job.keys.get(i))
-            .map(Vec::as_slice)
-            .collect();
-        match copier.copy_digested(&spans) {
+        match copier.copy_digested(&spans_of(&job.keys, &batch)) {
             Ok(found) => {
-                for (&i, digest) in batch.iter().zip(found) {
-                    if let Some(slot) = digests.get_mut(i) {
-                        *slot = digest;
-                    }
-                }
+                place(&mut digests, &batch, found);
                 let rest: Vec<usize> = batch
                     .iter()
                     .copied()
                     .filter(|&i| digests.get(i).is_some_and(Option::is_none))
                     .collect();
-                let spans: Vec<Option<&[CopySpan]>> = rest
-                    .iter()
-                    .map(|&i| job.keys.get(i).map(Vec::as_slice))
-                    .collect();
-                for (i, digest) in rest.into_iter().zip(destination_digests(memory, &spans)) {
-                    if let Some(slot) = digests.get_mut(i) {
-                        *slot = digest;
-                    }
-                }
+                let found = destination_digests(memory, &keys_of(&job.keys, &rest));
+                place(&mut digests, &rest, found);
             }
-            Err(_) => {
-                // A failed call fails every key of it.
-                for &i in &batch {
-                    if let Some(outcome) = outcomes.get_mut(i) {
-                        *outcome = CopyOutcome::Failed;
-                    }
-                }
-            }
+            // A failed call fails every key of it.
+            Err(_) => fail(&mut outcomes, &batch),
         }
         return (outcomes, digests);
     }
@@ -306,19 +284,10 @@ fn execute_on_device(
     std::thread::scope(|scope| {
         let mut hashing = None;
         for group in &groups {
-            let spans: Vec<&[CopySpan]> = group
-                .iter()
-                .filter_map(|&i| job.keys.get(i))
-                .map(Vec::as_slice)
-                .collect();
-            let copied = copier.copy(&spans).is_ok();
+            let copied = copier.copy(&spans_of(&job.keys, group)).is_ok();
             if !copied {
                 // A failed call fails every key of it, as before.
-                for &i in group {
-                    if let Some(outcome) = outcomes.get_mut(i) {
-                        *outcome = CopyOutcome::Failed;
-                    }
-                }
+                fail(&mut outcomes, group);
             }
             if let Some(previous) = hashing.take() {
                 collect_digests(previous, &mut digests);
@@ -327,13 +296,7 @@ fn execute_on_device(
                 let keys = &job.keys;
                 hashing = Some((
                     group.clone(),
-                    scope.spawn(move || {
-                        let spans: Vec<Option<&[CopySpan]>> = group
-                            .iter()
-                            .map(|&i| keys.get(i).map(Vec::as_slice))
-                            .collect();
-                        destination_digests(memory, &spans)
-                    }),
+                    scope.spawn(move || destination_digests(memory, &keys_of(keys, group))),
                 ));
             }
         }
@@ -342,6 +305,41 @@ fn execute_on_device(
         }
     });
     (outcomes, digests)
+}
+
+/// The spans of the keys at `indices`.
+fn spans_of<'a>(keys: &'a [Vec<CopySpan>], indices: &[usize]) -> Vec<&'a [CopySpan]> {
+    indices
+        .iter()
+        .filter_map(|&i| keys.get(i))
+        .map(Vec::as_slice)
+        .collect()
+}
+
+/// The spans of the keys at `indices`, one entry per index.
+fn keys_of<'a>(keys: &'a [Vec<CopySpan>], indices: &[usize]) -> Vec<Option<&'a [CopySpan]>> {
+    indices
+        .iter()
+        .map(|&i| keys.get(i).map(Vec::as_slice))
+        .collect()
+}
+
+/// Fails the keys at `indices`.
+fn fail(outcomes: &mut [CopyOutcome], indices: &[usize]) {
+    for &i in indices {
+        if let Some(outcome) = outcomes.get_mut(i) {
+            *outcome = CopyOutcome::Failed;
+        }
+    }
+}
+
+/// Puts `found` (one digest per index) in place by key index.
+fn place(digests: &mut [Option<u64>], indices: &[usize], found: Vec<Option<u64>>) {
+    for (&i, digest) in indices.iter().zip(found) {
+        if let Some(slot) = digests.get_mut(i) {
+            *slot = digest;
+        }
+    }
 }
 
 /// A hashing thread's digests, put in place by key index; a thread that
@@ -354,11 +352,7 @@ fn collect_digests(
     digests: &mut [Option<u64>],
 ) {
     if let Ok(found) = hashing.join() {
-        for (i, digest) in group.into_iter().zip(found) {
-            if let Some(slot) = digests.get_mut(i) {
-                *slot = digest;
-            }
-        }
+        place(digests, &group, found);
     }
 }
 

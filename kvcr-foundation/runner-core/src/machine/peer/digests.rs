@@ -199,7 +199,7 @@ impl Core {
     /// The digests of write `write`'s pages (in the order it writes them),
     /// if every one has a digest: what a record completing it carries.
     pub fn peer_write_digests(&self, write: u64) -> Option<Vec<u64>> {
-        let w = self.peer.as_ref()?.source.writes.get(&write)?;
-        w.records.iter().map(|r| self.record_digest(*r)).collect()
+        let pages = self.peer_write_pages(write)?;
+        Some(pages.into_iter().map(|(_, digest)| digest).collect())
     }
 }
