@@ -98,13 +98,14 @@ impl State {
         let (taken, refused) = self.doorbell.take(|source| control.dialed_peer(source));
         let stats = &self.control.stats;
         let counters = (&stats.doorbells_taken, &stats.doorbells_refused);
-        let trust_copy_check = self.landing_check == super::landing::LandingCheck::TrustCopyCheck;
         let mut checked_in_copy = 0;
         let taken = taken
             .into_iter()
             .map(|(m, digest, checked)| {
                 let sent = match digest {
-                    Some(digest) if checked && trust_copy_check => {
+                    Some(digest)
+                        if checked && self.trusts_copy_check(&m.header.sender_endpoint) =>
+                    {
                         checked_in_copy += 1;
                         super::landing::Sent::CheckedInCopy(digest)
                     }

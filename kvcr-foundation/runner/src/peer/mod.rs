@@ -286,6 +286,13 @@ struct State {
 }
 
 impl State {
+    /// Whether a completion from `source` may be taken as checked in its
+    /// copy: [`landing::LandingCheck`] allows it, and `source` maps our
+    /// pools (its one-copy writes are its own CPU's stores into them).
+    fn trusts_copy_check(&self, source: &ControlEndpoint) -> bool {
+        self.landing_check == landing::LandingCheck::TrustCopyCheck && self.doorbell.maps_us(source)
+    }
+
     /// One item from the control channel: a message for the core, or a
     /// session that ended.
     fn on_inbound(&mut self, item: Inbound, shared: &Arc<Shared>) {
@@ -329,8 +336,7 @@ impl State {
                 };
                 // Landed bytes are hashed outside the core's lock, unless
                 // a source that maps our pools checked them in its copy.
-                let trust_copy_check = self.landing_check == landing::LandingCheck::TrustCopyCheck
-                    && self.doorbell.maps_us(&message.header.sender_endpoint);
+                let trust_copy_check = self.trusts_copy_check(&message.header.sender_endpoint);
                 let checked =
                     landing::check(shared, message, landing::Sent::PerKey { trust_copy_check });
                 if checked.trusted_copy_check() {
