@@ -5,6 +5,18 @@ use super::*;
 
 /// Messages, actions and virtual time.
 impl Sim {
+    /// Takes the messages due by now off the network, in arrival order.
+    pub(super) fn take_due(&mut self) -> Vec<(ControlEndpoint, Message)> {
+        let due: Vec<(u64, u64)> = self
+            .network
+            .range(..=(self.now, u64::MAX))
+            .map(|(k, _)| *k)
+            .collect();
+        due.into_iter()
+            .filter_map(|k| self.network.remove(&k))
+            .collect()
+    }
+
     /// Runs every core's actions.
     pub(super) fn flush(&mut self) {
         for t in 0..self.targets.len() {

@@ -8,22 +8,24 @@
 use super::*;
 
 /// Runs the network until target 0 receives a `write_done` (taken off the
-/// network, not handled) and returns it.
+/// network, not handled; the other messages due with it are handled) and
+/// returns it.
 fn next_write_done(sim: &mut Sim) -> Message {
     for _ in 0..1_000 {
         sim.now += TIMEOUT / 100;
         let now = sim.now;
-        let due: Vec<(u64, u64)> = sim
-            .network
-            .range(..=(now, u64::MAX))
-            .map(|(k, _)| *k)
-            .collect();
-        for k in due {
-            let (to, message) = sim.network.remove(&k).unwrap();
-            if to == sim.targets[0].endpoint && matches!(message.body, Body::WriteDone { .. }) {
-                return message;
+        let mut found = None;
+        for (to, message) in sim.take_due() {
+            let ours =
+                to == sim.targets[0].endpoint && matches!(message.body, Body::WriteDone { .. });
+            if ours && found.is_none() {
+                found = Some(message);
+            } else {
+                sim.handle(&to, now, message);
             }
-            sim.handle(&to, now, message);
+        }
+        if let Some(message) = found {
+            return message;
         }
         sim.complete_due_puts();
         sim.flush();

@@ -92,13 +92,7 @@ fn fault_free_requests_restore_the_hinted_keys() {
         for _ in 0..100 {
             sim.now += TIMEOUT / 100;
             let now = sim.now;
-            let due: Vec<(u64, u64)> = sim
-                .network
-                .range(..=(now, u64::MAX))
-                .map(|(k, _)| *k)
-                .collect();
-            for k in due {
-                let (to, message) = sim.network.remove(&k).unwrap();
+            for (to, message) in sim.take_due() {
                 sim.handle(&to, now, message);
             }
             sim.complete_due_puts();
