@@ -170,9 +170,12 @@ fn engine_crash_attempt(ctx: &Ctx) -> Result<Option<Outcome>> {
         warm_then_fault(&mut source, &mut dest, &all, seed, "hit", &mut |source| {
             source.kill_and_reap().map(drop)
         })?;
-    if !landed {
-        // The write finished before the kill: the death report would have
-        // nothing to free. The processes go with this attempt.
+    // The kill must land mid-write: with the source's pages claimed, and
+    // before every key of the request came through (a write whose last
+    // bytes and completion were out before the kill ended well, and leaves
+    // the death report nothing to free). Otherwise the processes go with
+    // this attempt.
+    if !landed || num(&hit, "ok") == pages - 1 {
         return Ok(None);
     }
     o.number("killed while writing", landed);
