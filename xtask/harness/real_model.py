@@ -251,6 +251,9 @@ def run_tp(args, checks, tp, S, D, indexer):
                  r["digests"] == s_digests, f"{reusable} pages x {tp} shards")
     checks.check(case, "and equals D's own KV's (what D's prefill computes)",
                  served["own_digests"] == s_digests, f"{reusable} pages x {tp} shards")
+    if args.new_tokens > NEW_TOKENS:
+        checks.equal(case, f"D's first {NEW_TOKENS} ids equal cold inference's",
+                     r["ids"][:NEW_TOKENS], cold[:NEW_TOKENS])
     checks.equal(case, f"D's {args.new_tokens} ids equal cold inference's", r["ids"], cold)
     checks.check(case, "D's logits equal the own-KV control's, bit for bit",
                  r["logits_equal_control"], f"max diff {r['logits_max_diff_control']:g}")

@@ -87,9 +87,9 @@ export PYTHONPATH=\"$site${PYTHONPATH:+:$PYTHONPATH}\" PYTHONUNBUFFERED=1\n\
 export KVCR_SGLANG_SRC=\"$here/harness/py-sglang\"\n\
 cd \"$here/harness\"\n\
 status=0\n\
-\"$python\" real_model.py --hint-from inventory --tp 1,2 $model --log-dir \"$logs\" \\\n\
+\"$python\" real_model.py --hint-from inventory --tp 1,2 --new-tokens 16 $model --log-dir \"$logs\" \\\n\
     || status=1\n\
-\"$python\" real_model_direct.py $model || status=1\n\
+\"$python\" real_model_direct.py --new-tokens 16 $model || status=1\n\
 if [ -z \"${KVCR_MODEL_ARGS:-}\" ]; then \"$python\" model_mode_b.py || status=1; fi\n\
 exit $status\n";
 

@@ -5,16 +5,17 @@ cache lives in a paged pool of per-layer K/V tensors that ``kvcr_direct``
 offloads to KVCR DRAM and restores from it, or from a peer process's KVCR
 DRAM on a router hint.
 
-For each prompt length: a cold prefill and 8 greedy tokens; the no-kvcr
+For each prompt length: a cold prefill and 16 greedy tokens; the no-kvcr
 control, which prefills the same suffix on the engine's own cache of the
-full pages and decodes 8 tokens (what an engine with prefix caching
+full pages and decodes 16 tokens (what an engine with prefix caching
 computes); the engine's pages offloaded, then overwritten by a filler
 prompt's KV (the GPU evicted them); the prompt replayed with its full pages
-restored into the pool, the rest prefilled, 8 tokens decoded. Checks
+restored into the pool, the rest prefilled, 16 tokens decoded. Checks
 (``CHECK PASS|FAIL``): the cold ids vary; every full page but the last
 token's is restored; each restored page's bytes equal the engine's own KV;
 the first logits equal the control's bit for bit; a zeroed page changes
-them; the byte check refuses swapped pages; the 8 ids equal the control's.
+them; the byte check refuses swapped pages; the first 8 ids, and all 16,
+equal the control's.
 Whether they also equal the one-shot cold prefill's is printed, with the
 control's own agreement beside it: in bf16 a prompt prefilled in two chunks
 may round differently from one prefilled at once (kvcr not involved). (Swapped pages leave the logits as they
@@ -47,7 +48,8 @@ import torch  # noqa: E402
 
 PAGE_TOKENS = 16
 NAMESPACE = 41
-DECODE = 8
+DECODE = 16  # the ids checked; the first 8 are also checked on their own
+FIRST_IDS = 8
 FAILED = []
 
 
@@ -235,6 +237,8 @@ def replay(engine, linker, name, tokens, keys, slots, hints, cold_ids, cold_cach
     check(f"{name}: restored pages equal the engine's own KV",
           engine.pages_equal(cold_cache, restored, slots), f"{restored} pages")
     ids = engine.decode(logits, cache, DECODE)
+    check(f"{name}: the first {FIRST_IDS} ids equal the no-kvcr control's",
+          ids[:FIRST_IDS] == cold_ids[:FIRST_IDS], f"{ids[:FIRST_IDS]} vs {cold_ids[:FIRST_IDS]}")
     check(f"{name}: {DECODE} ids equal the no-kvcr control's", ids == cold_ids,
           f"{ids} vs {cold_ids}")
     print(f"NUMBER {name}: ids agree with the one-shot prefill's in "
