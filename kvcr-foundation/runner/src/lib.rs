@@ -68,7 +68,7 @@ pub use kvcr_runner_core::{
 pub use self::config::{
     DataStream, GuardOptions, MAX_POOL_BYTES, PeerOptions, PutSplit, RunnerConfig, StreamSealing,
 };
-pub use self::copy::device::DeviceCopier;
+pub use self::copy::device::{DeviceCopier, DeviceImport, MAX_DEVICE_EXPORT};
 pub use self::error::{Error, Result};
 pub use self::facets::{Hints, Peers, Pools, Recovery};
 pub use self::g3::{G3Error, G3Options, G3Store};

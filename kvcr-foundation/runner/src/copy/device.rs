@@ -11,6 +11,30 @@ use kvcr_runner_core::{CopySpan, PoolRange};
 
 use crate::error::Result;
 
+/// The most bytes a [`DeviceCopier::export_device`] name may take on the wire.
+pub const MAX_DEVICE_EXPORT: usize = 256;
+
+/// A same-host peer's device memory, opened in this process by
+/// [`DeviceCopier::import_device`]: the one-hop route (a source's KVCR DRAM
+/// straight into the target's GPU). Dropping it closes the mapping; the
+/// runner drops it only when no copy through it is in flight.
+pub trait DeviceImport: Send + Sync {
+    /// Bytes of the imported extent; every destination offset lies below it.
+    fn len(&self) -> u64;
+
+    /// Whether the extent is empty (never, for a real export).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copies every span of every key: `src` inside a pool attached to the
+    /// copier that imported this, `dst` a byte offset into the imported
+    /// extent. The copier checks each span against both (a span outside is
+    /// an error, nothing copied). Returns only when no copy of this call can
+    /// touch memory any more, whatever the outcome; an error fails every key.
+    fn copy_into(&self, keys: &[&[CopySpan]]) -> Result<()>;
+}
+
 /// Moves bytes between runner pools (host DRAM) and device regions.
 ///
 /// Lifecycle, driven by the runner: [`attach`](Self::attach) once when the
@@ -53,4 +77,36 @@ pub trait DeviceCopier: Send + Sync {
     /// Undoes `attach` for these pools (they are about to be freed); other
     /// runners' pools stay attached.
     fn detach(&self, pools: &[PoolRange]);
+
+    /// Names the device memory `[base, base + len)` (a registered device
+    /// region) so that a same-host peer process may open it with
+    /// [`DeviceCopier::import_device`]; at most [`MAX_DEVICE_EXPORT`] bytes.
+    /// `Ok(None)`: this memory cannot be shared (the one-hop route is then
+    /// not offered and peers write through KVCR DRAM). Default: `None`.
+    fn export_device(&self, base: u64, len: u64) -> Result<Option<Vec<u8>>> {
+        let _ = (base, len);
+        Ok(None)
+    }
+
+    /// Opens a peer's [`DeviceCopier::export_device`] name of `len` bytes.
+    /// An error (no GPU here, another GPU with no peer access, a refused
+    /// handle, a driver error) means the route falls back to KVCR DRAM.
+    /// Default: refused.
+    fn import_device(&self, export: &[u8], len: u64) -> Result<Box<dyn DeviceImport>> {
+        let _ = (export, len);
+        Err(crate::error::Error::runner(
+            kvcr_runner_core::RunnerReason::DeviceCopy(kvcr_contracts::error::Echo::new(
+                "this copier cannot import device memory",
+            )),
+        ))
+    }
+
+    /// The page digest (xxh3-64 in span order, `kvcr_sys::digest`) of each
+    /// key's bytes in device memory, every span's `src` inside a registered
+    /// device region; `Ok(None)` when this copier cannot hash on the device.
+    /// Checks what a one-hop write landed. Default: `None`.
+    fn digest_device(&self, keys: &[&[CopySpan]]) -> Result<Option<Vec<u64>>> {
+        let _ = keys;
+        Ok(None)
+    }
 }
