@@ -348,6 +348,9 @@ pub enum FrameReason {
     /// A strided region whose extent overflows the address space.
     #[error("region {0}: base + stride * count overflows")]
     RegionExtent(Echo),
+    /// A device region whose extent overflows or whose elements overlap.
+    #[error("device region id {0}: overlapping elements or base + extent overflows")]
+    DeviceRegionExtent(u32),
     /// Two advertised regions share an id.
     #[error("region id {0} advertised twice")]
     DuplicateRegion(u32),

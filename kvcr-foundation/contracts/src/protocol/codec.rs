@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! frame   := len:u32be  body[len]
-//! body    := magic:u16be=0x4B56 ("KV")  version:u8=5  kind:u8  header  fields(kind)
+//! body    := magic:u16be=0x4B56 ("KV")  version:u8=6  kind:u8  header  fields(kind)
 //! header  := incarnation:u128be  route_generation:u64be  endpoint:str8
 //! str8    := n:u8 utf8[n]          bytes16 := n:u16be u8[n]
 //! opt<T>  := 0 | 1 T               bool    := 0 | 1
@@ -13,8 +13,8 @@
 //!
 //! | kind | message | fields |
 //! |---|---|---|
-//! | 1 | `target_metadata` | `worker_address:bytes16, regions:list16<region>, shared_memory:opt<shared>, doorbell:opt<(region:u32, key:u8[32])>` |
-//! | 2 | `target_metadata_ack` | `op_handle:opt<u64>, one_copy:bool` |
+//! | 1 | `target_metadata` | `worker_address:bytes16, regions:list16<region>, shared_memory:opt<shared>, doorbell:opt<(region:u32, key:u8[32])>, device_regions:list16<device>` |
+//! | 2 | `target_metadata_ack` | `op_handle:opt<u64>, one_copy:bool, device:bool` |
 //! | 3 | `start_write` | `op:u64, remaining_ms:u32, source_inc:opt<u128>, namespace:u64, entries:list32<(key:u64, dests:list16<(region:u32, index:u64)>)>` |
 //! | 4 | `write_refused` | `op:u64` |
 //! | 5 | `write_done` | `op:u64, outcome:u8` (0 completed, 1 failed-terminal, 2 failed-nonterminal, 3 completed with each page checked in the source's copy), then `indices:list32<u32>, digests:list32<u64>` when completed (no digests, or one page digest per index; with 3, one per index) |
@@ -26,6 +26,9 @@
 //! `shared := boot_id:u8[16] pid_namespace:u64 pid:u32 segments:list16<(region:u32, fd:u32, token:u8[16])>`
 //! (at most one segment per advertised region, each naming one of them; the
 //! doorbell names an advertised region too).
+//! `device := id:u32 base:u64 element_size:u64 stride:u64 count:u64 export:bytes16`
+//! (ids distinct from each other and from the regions', extents as regions',
+//! `export` of 1..=256 bytes).
 //!
 //! Decoding validates every field (bounds, UTF-8, endpoint grammar, non-zero
 //! incarnations and timeouts, region extents, ascending indices, no trailing
@@ -35,8 +38,9 @@
 use bytes::{Buf, BufMut, BytesMut};
 
 use super::{
-    Body, CompletedIndices, DoorbellAdvert, ElementRef, Header, Message, OpHandle, RegionAdvert,
-    RegionId, RouteGeneration, SegmentAdvert, SharedMemoryAdvert, WriteOutcome,
+    Body, CompletedIndices, DeviceRegionAdvert, DoorbellAdvert, ElementRef, Header, Message,
+    OpHandle, RegionAdvert, RegionId, RouteGeneration, SegmentAdvert, SharedMemoryAdvert,
+    WriteOutcome,
 };
 use crate::endpoint::ControlEndpoint;
 use crate::error::{Echo, Error, FrameReason, Result};
@@ -46,7 +50,7 @@ use crate::key::{BlockKey, NamespaceId};
 /// Frame magic: `"KV"`.
 pub const MAGIC: u16 = 0x4B56;
 /// The codec version this build writes and reads.
-pub const VERSION: u8 = 5;
+pub const VERSION: u8 = 6;
 /// Default bound on one frame's length (after the length prefix).
 pub const DEFAULT_MAX_FRAME_LEN: usize = 16 << 20;
 /// Most keys in one `start_write` (and completed indices in one `write_done`).
@@ -61,6 +65,10 @@ pub const MAX_WORKER_ADDRESS: usize = 16 << 10;
 pub const MAX_RKEY: usize = 4096;
 /// Longest region label.
 pub const MAX_LABEL: usize = 64;
+/// Most device regions in one advertisement.
+pub const MAX_DEVICE_REGIONS: usize = 64;
+/// Largest exported name of one device region.
+pub const MAX_DEVICE_EXPORT: usize = 256;
 
 const LEN_PREFIX: usize = 4;
 /// magic + version + kind
@@ -257,6 +265,7 @@ fn put_body(dst: &mut BytesMut, body: &Body) -> Result<()> {
             regions,
             shared_memory,
             doorbell,
+            device_regions,
         } => {
             if worker_address.is_empty() {
                 return Err(frame(FrameReason::Empty("worker_address")));
@@ -298,10 +307,21 @@ fn put_body(dst: &mut BytesMut, body: &Body) -> Result<()> {
                     dst.extend_from_slice(&doorbell.key);
                 }
             }
+            check_device_regions(regions, device_regions)?;
+            dst.put_u16(device_regions.len() as u16);
+            for device in device_regions {
+                dst.put_u32(device.id.0);
+                dst.put_u64(device.base);
+                dst.put_u64(device.element_size);
+                dst.put_u64(device.stride);
+                dst.put_u64(device.count);
+                put_bytes16(dst, "device export", &device.export, MAX_DEVICE_EXPORT)?;
+            }
         }
         Body::TargetMetadataAck {
             op_handle,
             one_copy,
+            device,
         } => {
             match op_handle {
                 None => dst.put_u8(0),
@@ -311,6 +331,7 @@ fn put_body(dst: &mut BytesMut, body: &Body) -> Result<()> {
                 }
             }
             dst.put_u8(u8::from(*one_copy));
+            dst.put_u8(u8::from(*device));
         }
         Body::StartWrite {
             op_handle,
@@ -442,6 +463,40 @@ fn check_doorbell(regions: &[RegionAdvert], doorbell: &DoorbellAdvert) -> Result
     } else {
         Err(frame(FrameReason::UnknownDoorbellRegion(doorbell.region.0)))
     }
+}
+
+/// Device regions: bounded, ids unique among themselves and apart from the
+/// regions' (an element names one region), extents that fit, a named export.
+fn check_device_regions(regions: &[RegionAdvert], devices: &[DeviceRegionAdvert]) -> Result<()> {
+    bound("device regions", devices.len(), MAX_DEVICE_REGIONS)?;
+    let mut ids: Vec<u32> = devices.iter().map(|d| d.id.0).collect();
+    ids.extend(regions.iter().map(|r| r.id.0));
+    ids.sort_unstable();
+    if let Some(w) = ids.windows(2).find(|w| w.first() == w.get(1)) {
+        return Err(frame(FrameReason::DuplicateRegion(
+            w.first().copied().unwrap_or_default(),
+        )));
+    }
+    for device in devices {
+        if device.element_size == 0 {
+            return Err(frame(FrameReason::Zero("device element_size")));
+        }
+        if device.count == 0 {
+            return Err(frame(FrameReason::Zero("device count")));
+        }
+        if device.export.is_empty() {
+            return Err(frame(FrameReason::Empty("device export")));
+        }
+        bound("device export", device.export.len(), MAX_DEVICE_EXPORT)?;
+        let overlapping = device.count > 1 && device.stride < device.element_size;
+        let end = device
+            .extent()
+            .and_then(|extent| device.base.checked_add(extent));
+        if overlapping || end.is_none() {
+            return Err(frame(FrameReason::DeviceRegionExtent(device.id.0)));
+        }
+    }
+    Ok(())
 }
 
 fn check_region(region: &RegionAdvert) -> Result<()> {
@@ -622,6 +677,7 @@ fn decode_body(bytes: &[u8]) -> Result<Message> {
                 None
             },
             one_copy: r.bool("one_copy")?,
+            device: r.bool("device")?,
         },
         KIND_START_WRITE => decode_start_write(&mut r)?,
         KIND_WRITE_REFUSED => Body::WriteRefused {
@@ -645,6 +701,10 @@ fn decode_body(bytes: &[u8]) -> Result<Message> {
 
 /// An encoded segment: region id, fd, token.
 const SEGMENT_BYTES: usize = 4 + 4 + 16;
+
+/// Smallest encoded device region: id, four u64s, the export's length (an
+/// empty export still decodes, for its own typed error).
+const DEVICE_REGION_BYTES: usize = 4 + 8 * 4 + 2;
 
 /// Smallest encoded region: id, empty label, four u64s, one-byte rkey.
 const MIN_REGION_BYTES: usize = 4 + 1 + 8 * 4 + 2 + 1;
@@ -703,11 +763,26 @@ fn decode_target_metadata(r: &mut Reader<'_>) -> Result<Body> {
     } else {
         None
     };
+    let n = usize::from(r.u16()?);
+    r.count("device regions", n, MAX_DEVICE_REGIONS, DEVICE_REGION_BYTES)?;
+    let mut device_regions = Vec::with_capacity(n);
+    for _ in 0..n {
+        device_regions.push(DeviceRegionAdvert {
+            id: RegionId(r.u32()?),
+            base: r.u64()?,
+            element_size: r.u64()?,
+            stride: r.u64()?,
+            count: r.u64()?,
+            export: r.bytes16("device export", MAX_DEVICE_EXPORT)?,
+        });
+    }
+    check_device_regions(&regions, &device_regions)?;
     Ok(Body::TargetMetadata {
         worker_address,
         regions,
         shared_memory,
         doorbell,
+        device_regions,
     })
 }
 

@@ -126,6 +126,41 @@ pub struct RegionAdvert {
     pub rkey: Vec<u8>,
 }
 
+/// A region of the target's device (GPU) memory a same-host source may open
+/// and write straight from its KVCR DRAM: the one-hop route.
+///
+/// Laid out like a [`RegionAdvert`] (element `i` at `base + i * stride`),
+/// its id shares the id space of the advertised regions (an [`ElementRef`]
+/// names exactly one region of either kind). `export` is the target's
+/// opaque name of the memory `[base, base + extent)`; like every advert it
+/// is a claim, acted on only over a same-host route and only after the
+/// source's device copier opened it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceRegionAdvert {
+    /// Id used by [`ElementRef`] (distinct from every advertised region's).
+    pub id: RegionId,
+    /// The target's device address of element 0 (the export's first byte).
+    pub base: u64,
+    /// Bytes per element.
+    pub element_size: u64,
+    /// Bytes between consecutive elements.
+    pub stride: u64,
+    /// Number of elements.
+    pub count: u64,
+    /// The exported name of the extent (at most
+    /// [`codec::MAX_DEVICE_EXPORT`] bytes).
+    pub export: Vec<u8>,
+}
+
+impl DeviceRegionAdvert {
+    /// Bytes from `base` to the end of the last element (`None` on overflow).
+    pub fn extent(&self) -> Option<u64> {
+        self.stride
+            .checked_mul(self.count.checked_sub(1)?)?
+            .checked_add(self.element_size)
+    }
+}
+
 /// Indices into a `StartWrite`'s key list that landed, strictly ascending,
 /// with the source's page digest of each (all or none: a source that keeps
 /// no digests sends none).
@@ -258,6 +293,8 @@ pub enum Body {
         shared_memory: Option<SharedMemoryAdvert>,
         /// Where a source may ring this session's completions.
         doorbell: Option<DoorbellAdvert>,
+        /// Device regions a same-host source may open and write in one hop.
+        device_regions: Vec<DeviceRegionAdvert>,
     },
     /// Source → target: metadata loaded; optionally names the write that
     /// triggered it.
@@ -268,6 +305,9 @@ pub enum Body {
         /// land with one copy and need nothing from the target's UCX worker
         /// (which may then sleep while the write runs).
         one_copy: bool,
+        /// The source opened every advertised device region: grants of
+        /// their elements (one-hop writes) are welcome.
+        device: bool,
     },
     /// Target → source: put these keys into these granted elements.
     StartWrite {

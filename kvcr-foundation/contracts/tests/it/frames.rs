@@ -3,10 +3,13 @@
 
 use bytes::BytesMut;
 use kvcr_contracts::error::FrameReason;
-use kvcr_contracts::protocol::codec::{FrameCodec, MAX_KEYS_PER_WRITE, MAX_SPANS_PER_KEY};
+use kvcr_contracts::protocol::codec::{
+    FrameCodec, MAX_DEVICE_EXPORT, MAX_DEVICE_REGIONS, MAX_KEYS_PER_WRITE, MAX_SPANS_PER_KEY,
+};
 use kvcr_contracts::protocol::{
-    Body, CompletedIndices, DoorbellAdvert, ElementRef, Header, Message, OpHandle, RegionAdvert,
-    RegionId, RouteGeneration, SegmentAdvert, SharedMemoryAdvert, WriteOutcome,
+    Body, CompletedIndices, DeviceRegionAdvert, DoorbellAdvert, ElementRef, Header, Message,
+    OpHandle, RegionAdvert, RegionId, RouteGeneration, SegmentAdvert, SharedMemoryAdvert,
+    WriteOutcome,
 };
 use kvcr_contracts::{BlockKey, ControlEndpoint, Incarnation, NamespaceId};
 use proptest::prelude::*;
@@ -36,6 +39,17 @@ fn region(id: u32) -> RegionAdvert {
     }
 }
 
+fn device_region(id: u32) -> DeviceRegionAdvert {
+    DeviceRegionAdvert {
+        id: RegionId(id),
+        base: 0x7e00_0000_0000 + u64::from(id) * 0x1000_0000,
+        element_size: 65_536,
+        stride: 131_072,
+        count: 512,
+        export: vec![id as u8; 64],
+    }
+}
+
 fn shared_memory(regions: &[u32]) -> SharedMemoryAdvert {
     SharedMemoryAdvert {
         boot_id: [0x5a; 16],
@@ -62,6 +76,7 @@ fn examples() -> Vec<(&'static str, Body)> {
                 regions: vec![region(0), region(1)],
                 shared_memory: None,
                 doorbell: None,
+                device_regions: vec![],
             },
         ),
         (
@@ -71,6 +86,7 @@ fn examples() -> Vec<(&'static str, Body)> {
                 regions: vec![region(0), region(1)],
                 shared_memory: Some(shared_memory(&[1])),
                 doorbell: None,
+                device_regions: vec![],
             },
         ),
         (
@@ -83,6 +99,17 @@ fn examples() -> Vec<(&'static str, Body)> {
                     region: RegionId(1),
                     key: [0xd0; 32],
                 }),
+                device_regions: vec![],
+            },
+        ),
+        (
+            "target_metadata_device",
+            Body::TargetMetadata {
+                worker_address: vec![1, 2, 3, 4],
+                regions: vec![region(0)],
+                shared_memory: Some(shared_memory(&[0])),
+                doorbell: None,
+                device_regions: vec![device_region(1), device_region(2)],
             },
         ),
         (
@@ -90,6 +117,7 @@ fn examples() -> Vec<(&'static str, Body)> {
             Body::TargetMetadataAck {
                 op_handle: None,
                 one_copy: false,
+                device: false,
             },
         ),
         (
@@ -97,6 +125,15 @@ fn examples() -> Vec<(&'static str, Body)> {
             Body::TargetMetadataAck {
                 op_handle: Some(OpHandle(42)),
                 one_copy: true,
+                device: false,
+            },
+        ),
+        (
+            "target_metadata_ack_device",
+            Body::TargetMetadataAck {
+                op_handle: None,
+                one_copy: true,
+                device: true,
             },
         ),
         (
@@ -384,6 +421,7 @@ fn metadata_with(edit: impl FnOnce(&mut RegionAdvert)) -> Vec<u8> {
         regions: vec![r.clone()],
         shared_memory: None,
         doorbell: None,
+        device_regions: vec![],
     });
     edit(&mut r);
     let at = body_start(&valid) + 2 + 1 + 2; // address len, address, region count
@@ -397,6 +435,80 @@ fn metadata_with(edit: impl FnOnce(&mut RegionAdvert)) -> Vec<u8> {
     out.extend_from_slice(&(r.rkey.len() as u16).to_be_bytes());
     out.extend_from_slice(&r.rkey);
     fix_len(out)
+}
+
+/// A valid metadata frame with one region (id 0) and one device region,
+/// whose bytes are then rewritten from `edit`'s device region (the
+/// encoder's own checks bypassed, so only the decoder judges).
+fn device_metadata_with(edit: impl FnOnce(&mut DeviceRegionAdvert)) -> Vec<u8> {
+    let mut device = device_region(1);
+    let valid = encode(Body::TargetMetadata {
+        worker_address: vec![1],
+        regions: vec![region(0)],
+        shared_memory: None,
+        doorbell: None,
+        device_regions: vec![device.clone()],
+    });
+    edit(&mut device);
+    let at = valid.len() - (4 + 8 * 4 + 2 + 64);
+    let mut out = valid[..at].to_vec();
+    out.extend_from_slice(&device.id.0.to_be_bytes());
+    for v in [
+        device.base,
+        device.element_size,
+        device.stride,
+        device.count,
+    ] {
+        out.extend_from_slice(&v.to_be_bytes());
+    }
+    out.extend_from_slice(&(device.export.len() as u16).to_be_bytes());
+    out.extend_from_slice(&device.export);
+    fix_len(out)
+}
+
+/// A metadata frame claiming `count` device regions after a valid prefix.
+fn device_count_lies(count: u16) -> Vec<u8> {
+    let valid = device_metadata_with(|_| {});
+    let at = valid.len() - (4 + 8 * 4 + 2 + 64) - 2;
+    let mut out = valid;
+    out[at..at + 2].copy_from_slice(&count.to_be_bytes());
+    out
+}
+
+/// Device regions are validated like regions: ids, extents, the export's
+/// size, their count; each table row is a frame a hostile target could send.
+#[rstest]
+#[case::shares_region_id(device_metadata_with(|d| d.id = RegionId(0)), FrameReason::DuplicateRegion(0))]
+#[case::zero_size(device_metadata_with(|d| d.element_size = 0), FrameReason::Zero("device element_size"))]
+#[case::zero_count(device_metadata_with(|d| d.count = 0), FrameReason::Zero("device count"))]
+#[case::overlap(device_metadata_with(|d| d.stride = 1), FrameReason::DeviceRegionExtent(1))]
+#[case::overflow(device_metadata_with(|d| d.base = u64::MAX - 10), FrameReason::DeviceRegionExtent(1))]
+#[case::empty_export(device_metadata_with(|d| d.export.clear()), FrameReason::Empty("device export"))]
+#[case::huge_export(device_metadata_with(|d| d.export = vec![1; MAX_DEVICE_EXPORT + 1]), FrameReason::Bound { field: "device export", count: MAX_DEVICE_EXPORT + 1, max: MAX_DEVICE_EXPORT })]
+#[case::too_many(device_count_lies(MAX_DEVICE_REGIONS as u16 + 1), FrameReason::Bound { field: "device regions", count: MAX_DEVICE_REGIONS + 1, max: MAX_DEVICE_REGIONS })]
+#[case::count_lies(device_count_lies(3), FrameReason::Truncated { needed: 12 })]
+fn malformed_device_regions(#[case] bytes: Vec<u8>, #[case] expected: FrameReason) {
+    let err = FrameCodec::default().decode_frame(&bytes).unwrap_err();
+    assert_eq!(err.frame_reason(), Some(&expected), "{err}");
+}
+
+/// The encoder refuses a device region the decoder would refuse.
+#[test]
+fn encoder_refuses_device_region_sharing_an_id() {
+    let body = Body::TargetMetadata {
+        worker_address: vec![1],
+        regions: vec![region(4)],
+        shared_memory: None,
+        doorbell: None,
+        device_regions: vec![device_region(4)],
+    };
+    let err = FrameCodec::default()
+        .encode_to_vec(&Message {
+            header: header(),
+            body,
+        })
+        .unwrap_err();
+    assert_eq!(err.frame_reason(), Some(&FrameReason::DuplicateRegion(4)));
 }
 
 /// The table of malformed frames and the typed error each gives.
@@ -472,6 +584,7 @@ fn duplicate_region_ids_refused_both_ways() {
         regions: vec![region(3), region(3)],
         shared_memory: None,
         doorbell: None,
+        device_regions: vec![],
     };
     let err = FrameCodec::default()
         .encode_to_vec(&Message {
@@ -487,11 +600,11 @@ fn duplicate_region_ids_refused_both_ways() {
 #[case::mismatch(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![] }, FrameReason::LengthMismatch { keys: 1, destinations: 0 })]
 #[case::zero_timeout(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 0, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![vec![]] }, FrameReason::Zero("remaining_timeout_ms"))]
 #[case::empty_dest(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![vec![]] }, FrameReason::Empty("destinations of a key"))]
-#[case::empty_address(Body::TargetMetadata { worker_address: vec![], regions: vec![], shared_memory: None, doorbell: None }, FrameReason::Empty("worker_address"))]
-#[case::stray_segment(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0)], shared_memory: Some(shared_memory(&[0, 5])), doorbell: None }, FrameReason::Bound { field: "segments", count: 2, max: 1 })]
-#[case::unknown_segment(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0)], shared_memory: Some(shared_memory(&[5])), doorbell: None }, FrameReason::UnknownSegmentRegion(5))]
-#[case::unknown_doorbell(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0)], shared_memory: None, doorbell: Some(DoorbellAdvert { region: RegionId(7), key: [5; 32] }) }, FrameReason::UnknownDoorbellRegion(7))]
-#[case::duplicate_segment(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0), region(1)], shared_memory: Some(shared_memory(&[1, 1])), doorbell: None }, FrameReason::DuplicateRegion(1))]
+#[case::empty_address(Body::TargetMetadata { worker_address: vec![], regions: vec![], shared_memory: None, doorbell: None, device_regions: vec![] }, FrameReason::Empty("worker_address"))]
+#[case::stray_segment(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0)], shared_memory: Some(shared_memory(&[0, 5])), doorbell: None, device_regions: vec![] }, FrameReason::Bound { field: "segments", count: 2, max: 1 })]
+#[case::unknown_segment(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0)], shared_memory: Some(shared_memory(&[5])), doorbell: None, device_regions: vec![] }, FrameReason::UnknownSegmentRegion(5))]
+#[case::unknown_doorbell(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0)], shared_memory: None, doorbell: Some(DoorbellAdvert { region: RegionId(7), key: [5; 32] }), device_regions: vec![] }, FrameReason::UnknownDoorbellRegion(7))]
+#[case::duplicate_segment(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0), region(1)], shared_memory: Some(shared_memory(&[1, 1])), doorbell: None, device_regions: vec![] }, FrameReason::DuplicateRegion(1))]
 fn encoder_refuses(#[case] body: Body, #[case] expected: FrameReason) {
     let mut buf = BytesMut::new();
     let err = FrameCodec::default()
@@ -515,6 +628,7 @@ fn encoder_respects_frame_bound() {
         regions: vec![],
         shared_memory: None,
         doorbell: None,
+        device_regions: vec![],
     };
     let err = codec
         .encode_to_vec(&Message {
@@ -611,6 +725,27 @@ fn arb_region(id: u32) -> impl Strategy<Value = RegionAdvert> {
         )
 }
 
+/// A device region whose id stays clear of `arb_region`'s (`0..4`).
+fn arb_device(n: u32) -> impl Strategy<Value = DeviceRegionAdvert> {
+    (
+        0u64..1 << 47,
+        1u64..1 << 24,
+        0u64..1 << 20,
+        1u64..1 << 16,
+        proptest::collection::vec(any::<u8>(), 1..=MAX_DEVICE_EXPORT),
+    )
+        .prop_map(
+            move |(base, size, extra, count, export)| DeviceRegionAdvert {
+                id: RegionId(100 + n),
+                base,
+                element_size: size,
+                stride: size + extra,
+                count,
+                export,
+            },
+        )
+}
+
 fn arb_body() -> impl Strategy<Value = Body> {
     let op = any::<u64>().prop_map(OpHandle);
     prop_oneof![
@@ -619,8 +754,9 @@ fn arb_body() -> impl Strategy<Value = Body> {
             (0usize..4).prop_flat_map(|n| (0..n as u32).map(arb_region).collect::<Vec<_>>()),
             any::<bool>(),
             proptest::option::of(any::<[u8; 32]>()),
+            (0usize..3).prop_flat_map(|n| (0..n as u32).map(arb_device).collect::<Vec<_>>()),
         )
-            .prop_map(|(worker_address, regions, shared, key)| {
+            .prop_map(|(worker_address, regions, shared, key, device_regions)| {
                 let ids: Vec<u32> = regions.iter().map(|r| r.id.0).collect();
                 // The doorbell names the last region, when there is one.
                 let doorbell = key.zip(ids.last()).map(|(key, id)| DoorbellAdvert {
@@ -632,14 +768,19 @@ fn arb_body() -> impl Strategy<Value = Body> {
                     regions,
                     shared_memory: shared.then(|| shared_memory(&ids)),
                     doorbell,
+                    device_regions,
                 }
             }),
-        (proptest::option::of(op.clone()), any::<bool>()).prop_map(|(op_handle, one_copy)| {
-            Body::TargetMetadataAck {
+        (
+            proptest::option::of(op.clone()),
+            any::<bool>(),
+            any::<bool>()
+        )
+            .prop_map(|(op_handle, one_copy, device)| Body::TargetMetadataAck {
                 op_handle,
                 one_copy,
-            }
-        }),
+                device,
+            }),
         (
             op.clone(),
             1u32..,

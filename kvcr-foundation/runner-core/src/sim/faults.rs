@@ -157,6 +157,7 @@ impl Sim {
             Body::TargetMetadataAck {
                 op_handle: Some(op),
                 one_copy: self.rng.chance(50),
+                device: self.rng.chance(50),
             },
             Body::WriteRefused { op_handle: op },
         ];
@@ -233,6 +234,7 @@ impl Sim {
                 }],
                 shared_memory: None,
                 doorbell: None,
+                device_regions: Vec::new(),
             };
             let message = Message {
                 header: header.clone(),

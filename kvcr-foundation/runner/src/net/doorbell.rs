@@ -335,6 +335,7 @@ mod tests {
                 segments: Vec::new(),
             }),
             doorbell: None,
+            device_regions: Vec::new(),
         }
     }
 

@@ -929,6 +929,7 @@ impl FakeTarget {
             regions,
             shared_memory: None,
             doorbell: None,
+            device_regions: Vec::new(),
         }
     }
 
@@ -1187,6 +1188,7 @@ fn hostile_frames_are_refused(#[case] tls: &str) {
         Body::TargetMetadataAck {
             op_handle: None,
             one_copy: true,
+            device: false,
         },
     ] {
         let mut c = RawConn::dial(&source_endpoint, &other_member, Incarnation::generate());
@@ -1472,6 +1474,7 @@ fn forged_shared_segments_are_never_mapped(#[case] forgery: Forgery) {
             }],
         }),
         doorbell: None,
+        device_regions: Vec::new(),
     }));
     let ack = fake.next(&mut conn);
     assert!(

@@ -335,6 +335,7 @@ fn a_replayed_advert_writes_nothing_into_its_owner(#[case] tls: &str) {
         regions,
         shared_memory,
         doorbell,
+        ..
     } = advert_of(&destination)
     else {
         unreachable!()
@@ -354,6 +355,7 @@ fn a_replayed_advert_writes_nothing_into_its_owner(#[case] tls: &str) {
         regions,
         shared_memory,
         doorbell,
+        device_regions: Vec::new(),
     };
     session.send(&replayed).unwrap();
     let ack = await_reply(&mut session, |b| {

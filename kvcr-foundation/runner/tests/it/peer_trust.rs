@@ -459,6 +459,7 @@ fn next_start_write(
                     body: Body::TargetMetadataAck {
                         op_handle: None,
                         one_copy: false,
+                        device: false,
                     },
                 };
                 session.send(&ack).unwrap();
@@ -1142,6 +1143,7 @@ pub(crate) fn metadata_from(
             regions: vec![region],
             shared_memory: None,
             doorbell: None,
+            device_regions: Vec::new(),
         },
     }
 }

@@ -49,6 +49,7 @@ impl Core {
                 regions,
                 shared_memory,
                 doorbell,
+                device_regions: _,
             } => self.on_target_metadata(
                 now,
                 &header,

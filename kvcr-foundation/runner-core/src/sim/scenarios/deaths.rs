@@ -13,6 +13,7 @@ fn ack() -> Body {
     Body::TargetMetadataAck {
         op_handle: None,
         one_copy: false,
+        device: false,
     }
 }
 

@@ -34,6 +34,7 @@ fn labelled_metadata(label: &str) -> Body {
         mut regions,
         shared_memory,
         doorbell,
+        device_regions,
     } = metadata(1)
     else {
         unreachable!("metadata() builds TargetMetadata")
@@ -44,6 +45,7 @@ fn labelled_metadata(label: &str) -> Body {
         regions,
         shared_memory,
         doorbell,
+        device_regions,
     }
 }
 

@@ -42,6 +42,7 @@ pub(super) fn metadata(regions: usize) -> Body {
             .collect(),
         shared_memory: None,
         doorbell: None,
+        device_regions: Vec::new(),
     }
 }
 
@@ -192,6 +193,7 @@ fn oversized_metadata_is_refused_whole() {
         regions: regions.clone(),
         shared_memory: None,
         doorbell: None,
+        device_regions: Vec::new(),
     };
     let mut big_rkey = regions;
     big_rkey[0].rkey = vec![0; MAX_RKEY_LEN + 1];
@@ -200,6 +202,7 @@ fn oversized_metadata_is_refused_whole() {
         regions: big_rkey,
         shared_memory: None,
         doorbell: None,
+        device_regions: Vec::new(),
     };
     for body in [too_many, huge_address, huge_rkey] {
         sim.sources[0].core.handle_message(0, from(1, 11, body));
@@ -242,6 +245,7 @@ fn a_doorbell_is_part_of_the_route_and_offers_only_whole_writes() {
                 region: RegionId(0),
                 key: [key; 32],
             }),
+            device_regions: Vec::new(),
         }
     };
     let connects = |sim: &mut Sim| -> Vec<(u64, Option<DoorbellAdvert>)> {

@@ -96,6 +96,7 @@ impl Core {
                 Body::TargetMetadataAck {
                     op_handle: None,
                     one_copy,
+                    device: false,
                 },
             );
         }
@@ -127,6 +128,7 @@ impl Core {
             Body::TargetMetadataAck {
                 op_handle: None,
                 one_copy,
+                device: false,
             },
         );
     }
@@ -179,6 +181,7 @@ impl Core {
             Body::TargetMetadataAck {
                 op_handle: None,
                 one_copy: false,
+                device: false,
             },
         );
     }

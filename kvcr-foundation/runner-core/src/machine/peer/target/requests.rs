@@ -103,6 +103,7 @@ impl Core {
                 shared_memory,
                 // The driver adds its doorbell (a key per session).
                 doorbell: None,
+                device_regions: Vec::new(),
             },
         );
     }
