@@ -273,6 +273,12 @@ pub struct PeerOptions {
     /// waiting for the control socket (the socket copy still goes, and is
     /// dropped on arrival). Off: requests go by the control session alone.
     pub request_mailbox: bool,
+    /// Offer and use the one-hop route (default on): a same-host source
+    /// with a device copier writes a device deliver's pages from its KVCR
+    /// DRAM straight into this runner's device regions, which the device
+    /// copier exports ([`crate::DeviceCopier::export_device`]). Off, or
+    /// where either side cannot: two hops through KVCR DRAM.
+    pub one_hop: bool,
     // Member identity (see `crate::net::member`).
     /// This runner's static key pair: every session it opens or answers
     /// proves it, and its advertised endpoint names its public half
@@ -427,6 +433,7 @@ impl std::fmt::Debug for PeerOptions {
             .field("stream_sealing", &self.stream_sealing)
             .field("landing_check", &self.landing_check)
             .field("request_mailbox", &self.request_mailbox)
+            .field("one_hop", &self.one_hop)
             .field("static_key", &self.static_key)
             .field("keyless_sources", &self.keyless_sources)
             .finish()
@@ -579,6 +586,7 @@ impl PeerOptions {
             stream_sealing: StreamSealing::Auto,
             landing_check: crate::LandingCheck::TrustCopyCheck,
             request_mailbox: true,
+            one_hop: true,
             static_key: None,
             keyless_sources: KeylessSources::default(),
         }

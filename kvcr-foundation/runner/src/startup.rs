@@ -330,6 +330,7 @@ pub(crate) fn with_peers(
         write_batch_bytes: peer.write_batch_bytes,
         route_budget: peer.route_budget,
         route_budget_total: peer.route_budget_total,
+        one_hop: peer.one_hop,
     });
     let (journal, warm_start) = match claimed {
         Some((journal, mut start)) => {

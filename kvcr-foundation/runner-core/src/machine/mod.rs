@@ -118,6 +118,11 @@ pub enum Action {
         /// regions), with the session's key: the driver rings it for a
         /// write whose bytes have landed, ahead of `write_done`.
         doorbell: Option<DoorbellAdvert>,
+        /// The target's device regions (the one-hop route), for the driver
+        /// to open with its device copier when the target runs on this host
+        /// and it has one; it reports whether it opened them all
+        /// ([`Core::handle_connected_one_hop`]). Empty: nothing to open.
+        device_regions: Vec<kvcr_contracts::protocol::DeviceRegionAdvert>,
     },
     /// Put these spans into the target, flush, then report `handle_put_done`.
     Put {
@@ -129,6 +134,11 @@ pub enum Action {
         generation: u64,
         /// The puts.
         spans: Vec<peer::PutSpan>,
+        /// The spans land in the target's device regions (the one-hop
+        /// route): the driver copies them through the device import it
+        /// opened for this route, `remote` an address in the target's
+        /// advertised device region, never through UCX or mapped pools.
+        device: bool,
     },
     /// Run these G3 (file tier) transfers off the caller's thread, one per
     /// key of the job, skipping any that has not started by `deadline_ns`;
@@ -262,6 +272,10 @@ enum Wait {
     Copy(JobId, u32),
     /// Waiting for DRAM room that a spill to G3 is making.
     Capacity,
+    /// A deliver entry whose own destination a same-host source writes
+    /// (the one-hop route, target operation `.0`): resolved only by that
+    /// operation's terminal end, never by a deadline or an abort alone.
+    OneHop(OpHandle),
 }
 
 #[derive(Debug)]
@@ -429,6 +443,9 @@ pub struct Core {
     /// checked in its copy, while it is handled (see
     /// `handle_write_done_checked_in_copy`).
     landing_checked_in_copy: Option<(OpHandle, u64)>,
+    /// The operation of a `write_done` whose landed bytes the driver
+    /// checked, while it is handled: a one-hop key completes only then.
+    landing_checked: Option<OpHandle>,
 }
 
 impl std::fmt::Debug for Core {
@@ -550,6 +567,7 @@ impl Core {
             page_digests: true,
             landing_mismatch: None,
             landing_checked_in_copy: None,
+            landing_checked: None,
         })
     }
 }

@@ -357,9 +357,12 @@ impl Core {
     ) -> Result<OpHandle> {
         let mut validated = Vec::with_capacity(entries.len());
         let mut memory = None;
+        // The entries' own elements: what a one-hop write is granted.
+        let mut elements = Vec::with_capacity(entries.len());
         for entry in entries {
             self.check_namespace(&entry.key)?;
             let (layout, spans, entry_memory) = self.framework_spans(&entry.destinations)?;
+            elements.push(entry.destinations);
             same_memory(&mut memory, entry_memory)?;
             // Destinations: the resolved framework spans are the copy targets.
             let destinations: Vec<CopySpan> = spans
@@ -442,6 +445,13 @@ impl Core {
         self.submit_g3_delivers(handle, g3_direct);
         self.submit_g3_fills(handle, g3_batch);
         for (layout, missing) in remote {
+            // Device destinations a same-host source can reach are granted
+            // to it as they are; the rest go through KVCR DRAM.
+            let missing = if memory == Some(RegionMemory::Device) {
+                self.start_one_hop(now, handle, request, layout, missing, &elements)
+            } else {
+                missing
+            };
             self.start_remote(now, handle, request, layout, missing, &protected);
         }
         self.start_delivers(now, handle, ready);
@@ -599,7 +609,9 @@ impl Core {
             }
             Wait::Copy(job, key) => self.actions.push_back(Action::Cancel { job, key }),
             Wait::Capacity => self.forget_waiter(op, entry),
-            Wait::None => {}
+            // The source may still write the destination: the entry's
+            // result waits for the operation (its `jobs` count holds it).
+            Wait::OneHop(_) | Wait::None => {}
         }
         self.set_result(op, entry, EntryResult::failed(reason));
     }

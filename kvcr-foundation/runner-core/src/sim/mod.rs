@@ -89,6 +89,7 @@
 //! `KVCR_SIM_SEED=<n> cargo test -p kvcr-runner-core --lib sim::`.
 
 mod checks;
+mod device;
 mod faults;
 mod g3;
 mod memory;
@@ -102,6 +103,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use crate::machine::{
     Action, CopyOutcome, Core, CoreConfig, G3Config, G3Direction, G3Transfer, JobId, PeerConfig,
+    PutSpan,
 };
 use crate::policy::{G3Lru, Lru};
 use crate::*;

@@ -52,10 +52,15 @@ impl Sim {
                     target,
                     generation,
                     spans,
+                    device: false,
                 } => match peer {
                     Peer::Source(s) => self.start_put(s, write, &target, generation, &spans),
                     Peer::Target(t) => self.violation(format!("target {t} issued a put")),
                 },
+                // These targets export no device region: nothing grants one.
+                Action::Put { device: true, .. } => {
+                    self.violation(format!("{peer:?} wrote a device grant nobody made"));
+                }
                 Action::G3 { job, transfers, .. } => self.start_g3(peer, job, &transfers),
                 Action::Copy { job, keys, .. } => {
                     match peer {

@@ -84,6 +84,7 @@ pub(super) fn new_core_with(
             burst: u32::MAX,
             refill_ns: 1,
         },
+        one_hop: true,
     };
     adjust(&mut config);
     core.enable_peer(config);

@@ -408,6 +408,9 @@ impl State {
                 shared_memory,
                 extents,
                 doorbell,
+                // Not opened yet: the route is acknowledged without the
+                // one-hop route, and its writes go through KVCR DRAM.
+                device_regions: _,
             } => match self.route_path(
                 &worker_address,
                 &rkeys,
@@ -439,7 +442,16 @@ impl State {
                 target,
                 generation,
                 spans,
-            } => self.write(shared, write, &target, generation, spans),
+                device,
+            } => {
+                if device {
+                    // No route of this driver opens device regions, so no
+                    // device write is ever granted one: fail it, terminal.
+                    shared.with_core_now(|core, now| core.handle_put_done(now, write, false));
+                } else {
+                    self.write(shared, write, &target, generation, spans);
+                }
+            }
             Action::Copy { .. } | Action::G3 { .. } | Action::Cancel { .. } => {}
         }
     }

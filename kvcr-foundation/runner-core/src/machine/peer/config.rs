@@ -40,6 +40,12 @@ pub struct PeerConfig {
     /// this bounds what rotating them buys). Default
     /// [`RouteBudget::TOTAL`].
     pub route_budget_total: RouteBudget,
+    /// Offer and use the one-hop route (default on): as a target, advertise
+    /// the device regions the driver exported ([`Core::set_device_export`])
+    /// with shared memory, and grant a same-host source that opened them
+    /// the deliver's own device elements; as a source, write such grants.
+    /// Off: device delivers take two hops through KVCR DRAM.
+    pub one_hop: bool,
 }
 
 /// How often a target may make this source build it a new data-plane route

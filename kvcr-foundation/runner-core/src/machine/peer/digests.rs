@@ -64,8 +64,13 @@ impl Core {
     /// order), its slots' address and length in layout order. `None` once
     /// the op is no longer awaited. The slots stay owned until the op's
     /// reply is handled, so the driver may hash them outside the lock.
+    /// A one-hop operation's keys land in device memory: `None` (see
+    /// [`Core::target_device_landing`]).
     pub fn target_landing(&self, op: OpHandle) -> Option<Vec<Vec<(u64, u64)>>> {
         let target_op = self.peer.as_ref()?.target.ops.get(&op)?;
+        if !target_op.one_hop.is_empty() {
+            return None;
+        }
         let landing = target_op
             .fills
             .iter()
@@ -89,13 +94,15 @@ impl Core {
     /// [`FailReason::DigestMismatch`] and are counted. Nothing else
     /// differs from [`Core::handle_message`].
     pub fn handle_write_done_checked(&mut self, now: u64, message: Message, mismatched: &[u32]) {
-        if let Body::WriteDone { op_handle, .. } = &message.body
-            && !mismatched.is_empty()
-        {
-            self.landing_mismatch = Some((*op_handle, mismatched.to_vec()));
+        if let Body::WriteDone { op_handle, .. } = &message.body {
+            self.landing_checked = Some(*op_handle);
+            if !mismatched.is_empty() {
+                self.landing_mismatch = Some((*op_handle, mismatched.to_vec()));
+            }
         }
         self.handle_message(now, message);
         self.landing_mismatch = None;
+        self.landing_checked = None;
     }
 
     /// Write `write`'s pages in the order its puts write them: per page,

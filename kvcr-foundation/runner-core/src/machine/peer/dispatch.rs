@@ -49,7 +49,7 @@ impl Core {
                 regions,
                 shared_memory,
                 doorbell,
-                device_regions: _,
+                device_regions,
             } => self.on_target_metadata(
                 now,
                 &header,
@@ -57,8 +57,11 @@ impl Core {
                 regions,
                 shared_memory,
                 doorbell,
+                device_regions,
             ),
-            Body::TargetMetadataAck { one_copy, .. } => self.on_metadata_ack(&header, one_copy),
+            Body::TargetMetadataAck {
+                one_copy, device, ..
+            } => self.on_metadata_ack(&header, one_copy, device),
             Body::StartWrite {
                 op_handle,
                 remaining_timeout_ms,

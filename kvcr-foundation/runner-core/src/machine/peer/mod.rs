@@ -54,6 +54,7 @@ use super::*;
 mod config;
 mod digests;
 mod dispatch;
+mod one_hop;
 mod queries;
 mod reports;
 mod source;
@@ -71,8 +72,8 @@ use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::hint::{FetchHint, RequestId};
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::protocol::{
-    Body, CompletedIndices, Header, Message, RegionAdvert, RouteGeneration, SharedMemoryAdvert,
-    WriteOutcome,
+    Body, CompletedIndices, DeviceRegionAdvert, Header, Message, RegionAdvert, RouteGeneration,
+    SharedMemoryAdvert, WriteOutcome,
 };
 
 #[derive(Debug)]
@@ -89,6 +90,13 @@ struct SourcePeer {
     /// The source's ack said it maps our shared segments: its writes need
     /// nothing from our UCX worker.
     one_copy: bool,
+    /// The source's ack said it opened every device region we advertised
+    /// (the one-hop route); reset with `acked`, so it is always the word
+    /// of the incarnation in `incarnation`.
+    device: bool,
+    /// The device regions our last metadata to it advertised (ascending):
+    /// only their elements are granted, even if more were exported since.
+    device_advertised: Vec<RegionId>,
     incarnation: Option<Incarnation>,
     last_metadata_ns: Option<u64>,
     /// The last quarantined op probed again on an ack: the next round
@@ -117,6 +125,9 @@ struct TargetOp {
     abandon_deadline: u64,
     keys: Vec<ScopedKey>,
     fills: Vec<u32>,
+    /// A one-hop write (then `fills` is empty): per key, the deliver
+    /// operation and entry whose own device destination it grants.
+    one_hop: Vec<(OpHandle, u32)>,
     uncertain: bool,
     /// The request, until it is sent.
     start: Option<Body>,
@@ -133,6 +144,11 @@ struct Route {
     /// `None` while the driver connects; then whether it mapped every
     /// shared segment (the metadata ack waits for this and carries it).
     one_copy: Option<bool>,
+    /// The target's device regions, by id.
+    device_regions: HashMap<RegionId, DeviceRegionAdvert>,
+    /// Whether the driver opened every device region (known with
+    /// `one_copy`): only then are device elements written.
+    device: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,6 +167,8 @@ struct SourceWrite {
     bytes: u64,
     deadline: u64,
     state: WriteState,
+    /// Its spans land in the target's device regions (the one-hop route).
+    device: bool,
 }
 
 /// The peer half of the core's state: the two roles, and what they share.
@@ -162,6 +180,9 @@ pub(crate) struct PeerState {
     /// The source role: routes to targets, writes, fences, the stall latch.
     source: SourceRole,
     last_tick: Option<u64>,
+    /// The driver's export name of each device region it shares with
+    /// same-host sources ([`Core::set_device_export`]).
+    device_exports: BTreeMap<RegionId, Vec<u8>>,
     pub(crate) notices: Vec<PeerNotice>,
     pub(crate) counters: PeerCounters,
 }
@@ -290,6 +311,18 @@ impl Default for SourceRole {
     }
 }
 
+impl Route {
+    /// The target's device regions if the driver opened them all (writes
+    /// into them are served), else none.
+    fn device_regions_opened(&self) -> HashMap<RegionId, DeviceRegionAdvert> {
+        if self.device {
+            self.device_regions.clone()
+        } else {
+            HashMap::new()
+        }
+    }
+}
+
 impl PeerState {
     pub(crate) fn new(config: PeerConfig) -> Self {
         Self {
@@ -297,6 +330,7 @@ impl PeerState {
             target: TargetRole::default(),
             source: SourceRole::default(),
             last_tick: None,
+            device_exports: BTreeMap::new(),
             notices: Vec::new(),
             counters: PeerCounters::default(),
         }

@@ -88,6 +88,17 @@ pub struct PeerCounters {
     /// (stopped, starved): writes were refused until the driver closed the
     /// sessions opened before it ([`Core::end_peer_stall`]).
     pub stalls: u64,
+    /// Target: writes that granted a source the deliver's own device
+    /// elements (the one-hop route).
+    pub one_hop_writes: u64,
+    /// Target: keys that landed in device memory in one hop, checked.
+    pub one_hop_pages: u64,
+    /// Target: device-deliver keys sent through KVCR DRAM (two hops)
+    /// because their source did not offer the one-hop route.
+    pub one_hop_fallbacks: u64,
+    /// Source: routes whose device regions the driver could not open
+    /// (acknowledged without the one-hop route).
+    pub one_hop_refused: u64,
 }
 
 /// Sizes of the core's per-peer state ([`Core::peer_state_sizes`]).

@@ -7,6 +7,7 @@ mod g3_prepare;
 mod journal;
 mod late_digests;
 mod many_seeds;
+mod one_hop;
 mod restore;
 mod routes;
 mod trust;

@@ -17,7 +17,9 @@ impl Core {
             .iter()
             .enumerate()
             .all(|(i, index)| usize::try_from(*index).ok() == Some(i));
-        if w.state != WriteState::Writing || !whole {
+        // A one-hop write reports by `write_done` alone: its target checks
+        // every landed page against that message's digests.
+        if w.state != WriteState::Writing || !whole || w.device {
             return None;
         }
         Some((w.op, u32::try_from(w.indices.len()).ok()?))
@@ -78,6 +80,9 @@ impl Core {
         }
         // After a cancellation the target already gave up: only a terminal
         // failure is proof that we are done with its memory.
+        // A one-hop target hashes the device bytes itself: no copy-pass
+        // claim for it.
+        let checked_in_copy = checked_in_copy && !w.device;
         let outcome = match (ok, w.state) {
             (true, WriteState::Writing) if completion_sent => return,
             (true, WriteState::Writing) => WriteOutcome::Completed(match digests {

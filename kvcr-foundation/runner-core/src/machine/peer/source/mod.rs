@@ -10,6 +10,7 @@
 use super::*;
 
 mod completions;
+mod device;
 mod probes;
 pub(super) mod routes;
 mod writes;

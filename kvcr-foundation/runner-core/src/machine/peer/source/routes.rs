@@ -6,6 +6,7 @@ use super::*;
 use kvcr_contracts::MemberKey;
 
 impl Core {
+    #[allow(clippy::too_many_arguments)]
     pub(in crate::machine) fn on_target_metadata(
         &mut self,
         now: u64,
@@ -14,14 +15,24 @@ impl Core {
         regions: Vec<RegionAdvert>,
         shared_memory: Option<SharedMemoryAdvert>,
         doorbell: Option<DoorbellAdvert>,
+        device_regions: Vec<DeviceRegionAdvert>,
     ) {
         let Some(peer) = self.peer.as_mut() else {
             return;
         };
         let target = header.sender_endpoint.clone();
+        // Device regions mean something only beside shared memory (a
+        // same-host offer) and with one hop on here; otherwise they are
+        // dropped unread (the driver is never asked to open them).
+        let device_regions = if peer.config.one_hop && shared_memory.is_some() {
+            device_regions
+        } else {
+            Vec::new()
+        };
         let oversized = regions.len() > MAX_ADVERTISED_REGIONS
             || worker_address.len() > MAX_WORKER_ADDRESS_LEN
-            || regions.iter().any(|r| r.rkey.len() > MAX_RKEY_LEN);
+            || regions.iter().any(|r| r.rkey.len() > MAX_RKEY_LEN)
+            || device_regions.len() > MAX_ADVERTISED_REGIONS;
         if oversized {
             // Nothing of it is kept or handed to UCX, and it is not
             // acknowledged: the target's writes wait and fail by deadline.
@@ -35,6 +46,10 @@ impl Core {
                 && regions.iter().all(|a| r.regions.get(&a.id) == Some(a))
                 && r.shared_memory == shared_memory
                 && r.doorbell == doorbell
+                && r.device_regions.len() == device_regions.len()
+                && device_regions
+                    .iter()
+                    .all(|a| r.device_regions.get(&a.id) == Some(a))
         });
         if !unchanged {
             let budgets = (peer.config.route_budget, peer.config.route_budget_total);
@@ -74,6 +89,8 @@ impl Core {
                     shared_memory: shared_memory.clone(),
                     doorbell: doorbell.clone(),
                     one_copy: None,
+                    device_regions: device_regions.iter().map(|d| (d.id, d.clone())).collect(),
+                    device: false,
                 },
             );
             // The ack waits for the driver's connect (`handle_connected`),
@@ -86,17 +103,22 @@ impl Core {
                 shared_memory,
                 extents,
                 doorbell,
+                device_regions,
             });
             return;
         }
-        let one_copy = peer.source.routes.get(&target).and_then(|r| r.one_copy);
-        if let Some(one_copy) = one_copy {
+        let known = peer
+            .source
+            .routes
+            .get(&target)
+            .and_then(|r| Some((r.one_copy?, r.device)));
+        if let Some((one_copy, device)) = known {
             self.send(
                 target,
                 Body::TargetMetadataAck {
                     op_handle: None,
                     one_copy,
-                    device: false,
+                    device,
                 },
             );
         }
@@ -106,6 +128,21 @@ impl Core {
     /// it mapped every shared segment the target advertised. Acknowledges
     /// the metadata.
     pub fn handle_connected(&mut self, target: &ControlEndpoint, generation: u64, one_copy: bool) {
+        self.handle_connected_one_hop(target, generation, one_copy, false);
+    }
+
+    /// As [`Core::handle_connected`]; `device`: the driver also opened
+    /// every device region the target advertised (the one-hop route), so
+    /// the ack offers it and grants of their elements are written. A route
+    /// with device regions the driver could not open is counted
+    /// (`one_hop_refused`) and its writes go through KVCR DRAM.
+    pub fn handle_connected_one_hop(
+        &mut self,
+        target: &ControlEndpoint,
+        generation: u64,
+        one_copy: bool,
+        device: bool,
+    ) {
         let Some(peer) = self.peer.as_mut() else {
             return;
         };
@@ -118,6 +155,12 @@ impl Core {
             return; // replaced meanwhile; the newer connect acknowledges
         };
         route.one_copy = Some(one_copy);
+        let offered = !route.device_regions.is_empty();
+        route.device = device && offered;
+        let device = route.device;
+        if offered && !device {
+            peer.counters.one_hop_refused += 1;
+        }
         if one_copy {
             peer.counters.one_copy_routes += 1;
         } else {
@@ -128,7 +171,7 @@ impl Core {
             Body::TargetMetadataAck {
                 op_handle: None,
                 one_copy,
-                device: false,
+                device,
             },
         );
     }

@@ -2,8 +2,9 @@
 //! fences and high-water mark, its G3-only or still-filling keys readied in
 //! DRAM first, then its READY keys put into the granted elements.
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 
+use super::device::Grants;
 use super::*;
 
 impl Core {
@@ -40,6 +41,7 @@ impl Core {
         };
         let generation = route.local_generation;
         let regions = route.regions.clone();
+        let device_regions = route.device_regions_opened();
         // A write must name this incarnation: replies then prove something
         // about exactly the process that may have written.
         let foreign = source_incarnation != Some(peer.config.incarnation);
@@ -131,7 +133,10 @@ impl Core {
             keys,
             destinations,
             generation,
-            &regions,
+            &Grants {
+                regions: &regions,
+                device: &device_regions,
+            },
         );
     }
 
@@ -236,7 +241,13 @@ impl Core {
                 .routes
                 .get(&p.target)
                 .filter(|r| r.incarnation == p.target_incarnation)
-                .map(|r| (r.local_generation, r.regions.clone()));
+                .map(|r| {
+                    (
+                        r.local_generation,
+                        r.regions.clone(),
+                        r.device_regions_opened(),
+                    )
+                });
             if peer.source.stalled || fenced || p.refused {
                 None
             } else {
@@ -244,7 +255,7 @@ impl Core {
             }
         });
         match route {
-            Some((generation, regions)) => self.source_write(
+            Some((generation, regions, device)) => self.source_write(
                 p.target.clone(),
                 p.target_incarnation,
                 p.op,
@@ -253,7 +264,10 @@ impl Core {
                 &p.keys,
                 &p.destinations,
                 generation,
-                &regions,
+                &Grants {
+                    regions: &regions,
+                    device: &device,
+                },
             ),
             None => {
                 self.refuse();
@@ -284,8 +298,11 @@ impl Core {
         keys: &[BlockKey],
         destinations: &[Vec<ElementRef>],
         generation: u64,
-        regions: &HashMap<RegionId, RegionAdvert>,
+        grants: &Grants<'_>,
     ) {
+        let regions = grants.regions;
+        let device = grants.is_device_write(destinations);
+        let mut seen = HashSet::new();
         let mut puts = Vec::new();
         let mut records = Vec::new();
         let mut indices = Vec::new();
@@ -305,6 +322,18 @@ impl Core {
                 continue;
             };
             let sources = self.slot_spans(record);
+            if device {
+                match device::device_puts(&sources, dests, grants.device, &mut seen) {
+                    Some(key_puts) => {
+                        bytes += key_puts.iter().map(|p| p.len).sum::<u64>();
+                        puts.extend(key_puts);
+                        records.push(record);
+                        indices.push(i as u32);
+                    }
+                    None => bad_elements += 1,
+                }
+                continue;
+            }
             if sources.len() != dests.len() {
                 continue;
             }
@@ -372,6 +401,7 @@ impl Core {
                 bytes,
                 deadline,
                 state: WriteState::Writing,
+                device,
             },
         );
         self.actions.push_back(Action::Put {
@@ -379,6 +409,7 @@ impl Core {
             target,
             generation,
             spans: puts,
+            device,
         });
     }
 }

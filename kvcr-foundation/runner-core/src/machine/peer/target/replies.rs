@@ -129,6 +129,7 @@ impl Core {
         {
             state.acked = false;
             state.one_copy = false;
+            state.device = false;
             state.incarnation = None;
             state.last_metadata_ns = None;
         }
@@ -186,6 +187,7 @@ impl Core {
                         .and_then(|p| p.target.sources.get_mut(&header.sender_endpoint))
                 {
                     state.acked = false;
+                    state.device = false;
                     state.incarnation = None;
                 }
                 if let Some(hint) = self.request_hint_of(op) {
@@ -248,6 +250,20 @@ impl Core {
                 HashSet::new()
             }
         };
+        if !target_op.one_hop.is_empty() {
+            let checked = self.landing_checked == Some(op);
+            let ended = super::one_hop::TargetEnd {
+                target_op,
+                on_time,
+                checked,
+                completed,
+                digests,
+                mismatched,
+            };
+            self.finish_one_hop(op, ended, failure);
+            self.check_pressure();
+            return;
+        }
         let checked_in_copy = match self.landing_checked_in_copy {
             Some((checked_op, combined)) if checked_op == op && on_time => Some(combined),
             _ => None,
@@ -330,6 +346,7 @@ impl Core {
         let source_incarnation = target_op.source_incarnation;
         if let Some(state) = peer.target.sources.get_mut(&source) {
             state.acked = false;
+            state.device = false;
         }
         for fill in fills {
             let Some(f) = self.fills.get_mut(fill as usize).and_then(Option::as_mut) else {

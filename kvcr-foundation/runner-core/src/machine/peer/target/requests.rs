@@ -95,6 +95,16 @@ impl Core {
         let worker_address = peer.config.worker_address.clone();
         let shared_memory = peer.config.shared_memory.clone();
         let regions = self.advertised_regions();
+        let device_regions = self.advertised_device_regions();
+        if let Some(state) = self
+            .peer
+            .as_mut()
+            .and_then(|p| p.target.sources.get_mut(source))
+        {
+            let mut ids: Vec<RegionId> = device_regions.iter().map(|d| d.id).collect();
+            ids.sort_unstable();
+            state.device_advertised = ids;
+        }
         self.send(
             source.clone(),
             Body::TargetMetadata {
@@ -103,7 +113,7 @@ impl Core {
                 shared_memory,
                 // The driver adds its doorbell (a key per session).
                 doorbell: None,
-                device_regions: Vec::new(),
+                device_regions,
             },
         );
     }
@@ -121,6 +131,7 @@ impl Core {
         {
             state.acked = false;
             state.one_copy = false;
+            state.device = false;
             state.incarnation = None;
             state.last_metadata_ns = None;
         }
@@ -263,6 +274,7 @@ impl Core {
                     abandon_deadline: now.saturating_add(abandon),
                     keys: op_keys,
                     fills,
+                    one_hop: Vec::new(),
                     uncertain: false,
                     start,
                 },
@@ -273,7 +285,12 @@ impl Core {
 
     /// The source acknowledged our metadata: we now know its incarnation, and
     /// the writes that waited for it go out, naming it.
-    pub(in crate::machine) fn on_metadata_ack(&mut self, header: &Header, one_copy: bool) {
+    pub(in crate::machine) fn on_metadata_ack(
+        &mut self,
+        header: &Header,
+        one_copy: bool,
+        device: bool,
+    ) {
         let Some(peer) = self.peer.as_mut() else {
             return;
         };
@@ -288,6 +305,13 @@ impl Core {
         // Only decides whether our worker spins while this source writes: a
         // source that lies slows its own UCX writes into us, nothing else.
         state.one_copy = one_copy && peer.config.shared_memory.is_some();
+        // Only decides whether a device deliver grants this source the
+        // engine's own elements: it was advertised exactly those regions,
+        // and what it writes there is checked before any key succeeds.
+        state.device = device
+            && peer.config.one_hop
+            && peer.config.shared_memory.is_some()
+            && !state.device_advertised.is_empty();
         state.incarnation = Some(header.sender);
         let mut ready = Vec::new();
         for (handle, op) in peer.target.ops.iter_mut() {

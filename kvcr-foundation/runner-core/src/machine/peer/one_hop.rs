@@ -1,0 +1,349 @@
+//! The one-hop route, target side: a same-host source's KVCR DRAM straight
+//! into the engine's device memory, with no stop in this rank's KVCR DRAM.
+//!
+//! The driver exports the framework's device regions
+//! ([`Core::set_device_export`]); the metadata advertises them only beside
+//! shared memory (a same-host offer) and only with [`PeerConfig::one_hop`].
+//! A hinted deliver into device memory, for missing keys whose source acked
+//! `device` on its current incarnation, then grants that source the deliver
+//! entries' own elements: no FILLING record, no DRAM slot. Each entry waits
+//! on the target operation ([`Wait::OneHop`]) and the deliver holds one
+//! `jobs` count per such operation, so neither the deliver's deadline nor an
+//! abort reports it: the engine's elements stay quarantined until the
+//! operation's terminal end (a `write_done`, a refusal, a terminal probe
+//! answer or a believed death report). A key succeeds only when it ended on
+//! time, came with its page digest, and the driver checked the landed bytes
+//! against it ([`Core::handle_write_done_checked`]); otherwise it fails.
+
+use super::*;
+use kvcr_contracts::protocol::codec::{MAX_DEVICE_EXPORT, MAX_DEVICE_REGIONS};
+
+impl Core {
+    /// Framework device regions the driver may export for the one-hop
+    /// route: id, base address and extent (bytes to the last element's end).
+    pub fn device_regions(&self) -> Vec<(RegionId, u64, u64)> {
+        (0..)
+            .map(|id| RegionId(id as u32))
+            .map_while(|id| self.regions.get(id).ok().map(|r| (id, r)))
+            .filter(|(_, r)| r.memory == RegionMemory::Device && r.owner == Owner::Framework)
+            .filter_map(|(id, r)| {
+                let stride = r.desc.effective_stride();
+                let extent = stride
+                    .checked_mul(r.desc.count.checked_sub(1)?)?
+                    .checked_add(r.desc.size)?;
+                Some((id, r.desc.base, extent))
+            })
+            .collect()
+    }
+
+    /// The driver's export name of framework device region `region`
+    /// (what its device copier's `export_device` gave for the region's
+    /// extent): advertised to same-host sources from the next metadata on.
+    /// Refused: not a framework device region, or a name empty or longer
+    /// than the wire allows.
+    pub fn set_device_export(&mut self, region: RegionId, export: Vec<u8>) -> Result<()> {
+        let known = self.regions.get(region)?;
+        if known.memory != RegionMemory::Device || known.owner != Owner::Framework {
+            return Err(runner_err(RunnerReason::NotFrameworkRegion(region.0)));
+        }
+        if export.is_empty() || export.len() > MAX_DEVICE_EXPORT {
+            return Err(runner_err(RunnerReason::Config {
+                field: "device export",
+                why: "an export name is 1..=256 bytes",
+            }));
+        }
+        if let Some(peer) = self.peer.as_mut() {
+            peer.device_exports.insert(region, export);
+        }
+        Ok(())
+    }
+
+    /// The device regions a target's metadata advertises: those exported,
+    /// only with one hop on and shared memory offered, at most what the
+    /// wire carries.
+    pub(in crate::machine) fn advertised_device_regions(&self) -> Vec<DeviceRegionAdvert> {
+        let Some(peer) = self.peer.as_ref() else {
+            return Vec::new();
+        };
+        if !peer.config.one_hop || peer.config.shared_memory.is_none() {
+            return Vec::new();
+        }
+        peer.device_exports
+            .iter()
+            .filter_map(|(id, export)| {
+                let region = self.regions.get(*id).ok()?;
+                Some(DeviceRegionAdvert {
+                    id: *id,
+                    base: region.desc.base,
+                    element_size: region.desc.size,
+                    stride: region.desc.effective_stride(),
+                    count: region.desc.count,
+                    export: export.clone(),
+                })
+            })
+            .take(MAX_DEVICE_REGIONS)
+            .collect()
+    }
+
+    /// Where one-hop operation `op`'s keys land: per key (in request order),
+    /// its device spans (address and length) in layout order. `None` for
+    /// any other operation, or once it is no longer awaited. The engine's
+    /// elements stay granted until the reply is handled.
+    pub fn target_device_landing(&self, op: OpHandle) -> Option<Vec<Vec<(u64, u64)>>> {
+        let target_op = self.peer.as_ref()?.target.ops.get(&op)?;
+        if target_op.one_hop.is_empty() {
+            return None;
+        }
+        target_op
+            .one_hop
+            .iter()
+            .map(|(deliver, entry)| {
+                let e = self.ops.get(deliver)?.entries.get(*entry as usize)?;
+                Some(e.destinations.iter().map(|d| (d.dst, d.len)).collect())
+            })
+            .collect()
+    }
+
+    /// Whether `key` of a device deliver may go in one hop: its hinted
+    /// source acked `device` on its current incarnation, and every
+    /// destination is an element of a device region it was advertised.
+    fn one_hop_source(
+        &self,
+        request: Option<&RequestId>,
+        key: &ScopedKey,
+        elements: &[ElementRef],
+    ) -> Option<(ControlEndpoint, Incarnation)> {
+        let peer = self.peer.as_ref()?;
+        if !peer.config.one_hop {
+            return None;
+        }
+        let source = peer.hinted_source(request, key)?;
+        let state = peer.target.sources.get(source)?;
+        let advertised = |e: &ElementRef| state.device_advertised.binary_search(&e.region).is_ok();
+        (state.acked && state.device && elements.iter().all(advertised))
+            .then_some((source.clone(), state.incarnation?))
+    }
+
+    /// Grants the missing keys of device deliver `op` whose source offers
+    /// the one-hop route their own destination elements (`elements`, per
+    /// entry), one `start_write` per source, namespace and batch. Returns
+    /// the keys left for the two-hop path (counted as fallbacks where a
+    /// source was hinted).
+    pub(in crate::machine) fn start_one_hop(
+        &mut self,
+        now: u64,
+        op: OpHandle,
+        request: Option<&RequestId>,
+        layout: u16,
+        missing: Vec<(u32, ScopedKey)>,
+        elements: &[Vec<ElementRef>],
+    ) -> Vec<(u32, ScopedKey)> {
+        type Group = Vec<(u32, ScopedKey)>;
+        let mut by_source: BTreeMap<(ControlEndpoint, NamespaceId), (Incarnation, Group)> =
+            BTreeMap::new();
+        let mut rest = Vec::new();
+        let mut fallbacks = 0;
+        for (entry, key) in missing {
+            let granted = elements.get(entry as usize).map_or(&[][..], Vec::as_slice);
+            match self.one_hop_source(request, &key, granted) {
+                Some((source, incarnation)) => by_source
+                    .entry((source, key.namespace))
+                    .or_insert_with(|| (incarnation, Vec::new()))
+                    .1
+                    .push((entry, key)),
+                None => {
+                    let hinted = self
+                        .peer
+                        .as_ref()
+                        .and_then(|p| p.hinted_source(request, &key))
+                        .is_some();
+                    fallbacks += u64::from(hinted);
+                    rest.push((entry, key));
+                }
+            }
+        }
+        if let Some(peer) = self.peer.as_mut() {
+            peer.counters.one_hop_fallbacks += fallbacks;
+        }
+        let per_batch = self.keys_per_write(layout);
+        for ((source, namespace), (incarnation, entries)) in by_source {
+            for batch in entries.chunks(per_batch) {
+                self.send_one_hop(
+                    now,
+                    op,
+                    request,
+                    (&source, incarnation),
+                    namespace,
+                    batch,
+                    {
+                        batch
+                            .iter()
+                            .map(|(entry, _)| elements.get(*entry as usize).cloned())
+                            .collect::<Option<Vec<_>>>()
+                            .unwrap_or_default()
+                    },
+                );
+            }
+        }
+        rest
+    }
+
+    /// One one-hop `start_write` for `batch` (entries of deliver `op`),
+    /// named to the source's acknowledged incarnation.
+    #[allow(clippy::too_many_arguments)]
+    fn send_one_hop(
+        &mut self,
+        now: u64,
+        op: OpHandle,
+        request: Option<&RequestId>,
+        (source, incarnation): (&ControlEndpoint, Incarnation),
+        namespace: NamespaceId,
+        batch: &[(u32, ScopedKey)],
+        destinations: Vec<Vec<ElementRef>>,
+    ) {
+        if destinations.len() != batch.len() {
+            return;
+        }
+        let timeout = self.operation_timeout_ns;
+        let Some(abandon) = self.peer.as_ref().map(|p| p.config.abandon_timeout_ns) else {
+            return;
+        };
+        let target_op = OpHandle(self.next_op);
+        self.next_op += 1;
+        if let Some(o) = self.ops.get_mut(&op) {
+            // Held until the operation's terminal end, whatever else ends.
+            o.jobs += 1;
+            for (entry, _) in batch {
+                if let Some(e) = o.entries.get_mut(*entry as usize) {
+                    e.wait = Wait::OneHop(target_op);
+                }
+            }
+        }
+        let remaining_ms = u32::try_from(timeout / 1_000_000)
+            .unwrap_or(u32::MAX)
+            .max(1);
+        self.send(
+            source.clone(),
+            Body::StartWrite {
+                op_handle: target_op,
+                remaining_timeout_ms: remaining_ms,
+                source_incarnation: Some(incarnation),
+                namespace,
+                keys: batch.iter().map(|(_, k)| k.key).collect(),
+                destinations,
+            },
+        );
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        peer.counters.writes_requested += 1;
+        peer.counters.one_hop_writes += 1;
+        peer.target.ops.insert(
+            target_op,
+            TargetOp {
+                source: source.clone(),
+                source_incarnation: Some(incarnation),
+                request: request.cloned(),
+                state: TargetState::WaitingWriteDone,
+                deadline: now.saturating_add(timeout),
+                abandon_deadline: now.saturating_add(abandon),
+                keys: batch.iter().map(|(_, k)| *k).collect(),
+                fills: Vec::new(),
+                one_hop: batch.iter().map(|(entry, _)| (op, *entry)).collect(),
+                uncertain: false,
+                start: None,
+            },
+        );
+    }
+
+    /// Ends one-hop operation `op` (already removed from the target's
+    /// operations) with terminal knowledge: a key succeeds only when the
+    /// write ended on time, the key is among `completed` with its digest,
+    /// and the driver checked the landed bytes against it (`checked`) and
+    /// found them equal; every other key fails. The deliver entries are
+    /// resolved and the deliver released to finish.
+    pub(super) fn finish_one_hop(&mut self, op: OpHandle, ended: TargetEnd, failure: FailReason) {
+        let TargetEnd {
+            target_op,
+            on_time,
+            checked,
+            completed,
+            digests,
+            mismatched,
+        } = ended;
+        let mut landed_keys = 0;
+        let mut missing = Vec::new();
+        let mut delivers = BTreeSet::new();
+        for (i, ((deliver, entry), key)) in
+            target_op.one_hop.iter().zip(&target_op.keys).enumerate()
+        {
+            let index = i as u32;
+            let altered = on_time && mismatched.contains(&index);
+            let landed = on_time
+                && checked
+                && !altered
+                && completed.contains(&index)
+                && digests.contains_key(&index);
+            let result = if landed {
+                landed_keys += 1;
+                EntryResult::success(None, Vec::new())
+            } else if altered {
+                EntryResult::failed(FailReason::DigestMismatch)
+            } else if on_time {
+                missing.push(key.key);
+                EntryResult::failed(failure)
+            } else {
+                EntryResult::failed(FailReason::Timeout)
+            };
+            self.set_result(*deliver, *entry, result);
+            if let Some(e) = self
+                .ops
+                .get_mut(deliver)
+                .and_then(|o| o.entries.get_mut(*entry as usize))
+            {
+                e.wait = Wait::None;
+            }
+            delivers.insert(*deliver);
+            if altered && let Some(peer) = self.peer.as_mut() {
+                peer.counters.digest_mismatches += 1;
+            }
+        }
+        for deliver in &delivers {
+            if let Some(o) = self.ops.get_mut(deliver) {
+                o.jobs = o.jobs.saturating_sub(1);
+            }
+        }
+        if let Some(peer) = self.peer.as_mut() {
+            peer.counters.keys_received += landed_keys;
+            peer.counters.one_hop_pages += landed_keys;
+            if target_op.uncertain {
+                peer.notices.push(PeerNotice::Quiesced { op });
+            }
+            if let Some(hint) = target_op
+                .request
+                .as_ref()
+                .and_then(|r| peer.target.hints.get_mut(r))
+            {
+                hint.missing.extend(missing);
+            }
+        }
+        for deliver in delivers {
+            self.finish_if_done(deliver);
+        }
+    }
+}
+
+/// What a target operation's end knows, handed to [`Core::finish_one_hop`].
+pub(super) struct TargetEnd {
+    pub(super) target_op: TargetOp,
+    /// It ended while still awaited (before its deadline).
+    pub(super) on_time: bool,
+    /// The driver checked the landed bytes of this `write_done`.
+    pub(super) checked: bool,
+    /// Indices the source reported landed.
+    pub(super) completed: std::collections::HashSet<u32>,
+    /// The source's page digest per landed index.
+    pub(super) digests: HashMap<u32, u64>,
+    /// Indices whose landed bytes the driver found altered.
+    pub(super) mismatched: std::collections::HashSet<u32>,
+}

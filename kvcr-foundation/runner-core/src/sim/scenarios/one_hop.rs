@@ -1,0 +1,343 @@
+//! The one-hop route: scripted checks of what a source writes into a
+//! target's device regions (and refuses to), a deliver held past its
+//! deadline until proof, and the seeded device runs (`sim::device`) over
+//! many seeds with their invariants and coverage.
+
+use super::*;
+use crate::sim::device::{DEVICE, DeviceCoverage, DeviceWorld, SOURCE_PORT, TARGET_PORT};
+use kvcr_contracts::protocol::DeviceRegionAdvert;
+
+const DEVICE_REGION: RegionId = RegionId(5);
+
+/// Metadata with one pool region, shared memory or not, and a device
+/// region of `count` elements of `element_size` bytes.
+fn device_metadata(shared: bool, element_size: u64, count: u64) -> Body {
+    let Body::TargetMetadata {
+        worker_address,
+        regions,
+        ..
+    } = metadata(1)
+    else {
+        unreachable!("metadata() builds TargetMetadata")
+    };
+    Body::TargetMetadata {
+        worker_address,
+        regions,
+        shared_memory: shared.then(|| SharedMemoryAdvert {
+            boot_id: [1; 16],
+            pid_namespace: 1,
+            pid: 1,
+            segments: Vec::new(),
+        }),
+        doorbell: None,
+        device_regions: vec![DeviceRegionAdvert {
+            id: DEVICE_REGION,
+            base: DEVICE,
+            element_size,
+            stride: element_size,
+            count,
+            export: vec![0xe5; 16],
+        }],
+    }
+}
+
+/// A stocked source (keys 0..8) with a route from target 1 built from
+/// `metadata`, its driver answering `device` for the device regions.
+/// Returns the sim, the source's incarnation, how many device regions the
+/// connect asked the driver to open, and what the source acked.
+fn routed_source(metadata: Body, device: bool) -> (Sim, Incarnation, usize, Vec<Body>) {
+    let (mut sim, source) = stocked_source(|_| {});
+    let core = &mut sim.sources[0].core;
+    core.handle_message(0, from(1, 11, metadata));
+    let mut asked = 0;
+    let mut acks = Vec::new();
+    while let Some(action) = core.poll_action() {
+        match action {
+            Action::Connect {
+                peer,
+                generation,
+                device_regions,
+                ..
+            } => {
+                asked = device_regions.len();
+                core.handle_connected_one_hop(&peer, generation, true, device);
+            }
+            Action::Send { message, .. } => acks.push(message.body),
+            _ => {}
+        }
+    }
+    (sim, source, asked, acks)
+}
+
+fn device_write(op: u64, source: Incarnation, ns: NamespaceId, keys: &[(u64, &[u64])]) -> Body {
+    Body::StartWrite {
+        op_handle: OpHandle(op),
+        remaining_timeout_ms: 1,
+        source_incarnation: Some(source),
+        namespace: ns,
+        keys: keys.iter().map(|(k, _)| BlockKey::from_u64(*k)).collect(),
+        destinations: keys
+            .iter()
+            .map(|(_, elements)| {
+                elements
+                    .iter()
+                    .map(|index| ElementRef {
+                        region: DEVICE_REGION,
+                        index: *index,
+                    })
+                    .collect()
+            })
+            .collect(),
+    }
+}
+
+/// A source's put: whether it is a device write, and its spans.
+type Put = (bool, Vec<PutSpan>);
+
+/// What a source did with one `start_write`: its put (if any) and the
+/// indices its immediate `write_done` reported (if one came).
+fn served(core: &mut Core) -> (Option<Put>, Option<Vec<u32>>) {
+    let (mut put, mut done) = (None, None);
+    while let Some(action) = core.poll_action() {
+        match action {
+            Action::Put { spans, device, .. } => put = Some((device, spans)),
+            Action::Send { message, .. } => {
+                if let Body::WriteDone {
+                    outcome: WriteOutcome::Completed(c),
+                    ..
+                } = message.body
+                {
+                    done = Some(c.as_slice().to_vec());
+                }
+            }
+            _ => {}
+        }
+    }
+    (put, done)
+}
+
+/// A page fills the granted device elements in order, wherever its slots
+/// and the elements are cut differently; a key whose elements lie outside
+/// the advertised region, do not add up to the page, or were named before
+/// in the write is not written and is counted, like any bad element.
+#[test]
+fn a_source_writes_device_grants_exactly_and_refuses_the_rest() {
+    let half = BLOCK / 2;
+    let (mut sim, source, asked, acks) = routed_source(device_metadata(true, half, 8), true);
+    assert_eq!(asked, 1, "the driver is asked to open the device region");
+    assert!(matches!(
+        acks.as_slice(),
+        [Body::TargetMetadataAck { device: true, .. }]
+    ));
+    let ns = sim.ns;
+    let core = &mut sim.sources[0].core;
+    let refused = core.peer_counters().refused;
+    // Key 1 into elements 6 and 7 (two halves); key 2 too small (one
+    // half); key 3 outside the region; key 4 too big (three halves); key 5
+    // names element 6 again.
+    let body = device_write(
+        1,
+        source,
+        ns,
+        &[
+            (1, &[6, 7]),
+            (2, &[0]),
+            (3, &[8, 1]),
+            (4, &[0, 1, 2]),
+            (5, &[6, 3]),
+        ],
+    );
+    core.handle_message(0, from(1, 11, body));
+    let (put, done) = served(core);
+    assert_eq!(done, None, "the written key is reported when its copy ends");
+    let (device, spans) = put.expect("the good key is written");
+    assert!(device, "as a device write");
+    let remote: Vec<(u64, u64)> = spans.iter().map(|s| (s.remote, s.len)).collect();
+    assert_eq!(
+        remote,
+        vec![(DEVICE + 6 * half, half), (DEVICE + 7 * half, half)]
+    );
+    let local: u64 = spans.iter().map(|s| s.len).sum();
+    assert_eq!(local, BLOCK, "the whole page, once");
+    assert_eq!(core.peer_counters().refused - refused, 4);
+}
+
+/// A device advert beside no shared memory (not a same-host offer) is
+/// dropped unread: the driver is never asked to open it, the ack offers no
+/// one-hop route, and a write naming its elements writes nothing.
+#[test]
+fn a_device_advert_without_shared_memory_is_ignored() {
+    let (mut sim, source, asked, acks) = routed_source(device_metadata(false, BLOCK, 8), true);
+    assert_eq!(asked, 0);
+    let ns = sim.ns;
+    let core = &mut sim.sources[0].core;
+    assert!(matches!(
+        acks.as_slice(),
+        [Body::TargetMetadataAck { device: false, .. }]
+    ));
+    core.handle_message(0, from(1, 11, device_write(1, source, ns, &[(1, &[0])])));
+    let (put, done) = served(core);
+    assert!(put.is_none());
+    assert_eq!(done, Some(Vec::new()), "answered: nothing written");
+}
+
+/// A route whose device regions the driver could not open is counted,
+/// acknowledged without the one-hop route, and writes nothing there.
+#[test]
+fn device_regions_the_driver_cannot_open_are_never_written() {
+    let (mut sim, source, asked, acks) = routed_source(device_metadata(true, BLOCK, 8), false);
+    assert_eq!(asked, 1);
+    let ns = sim.ns;
+    let core = &mut sim.sources[0].core;
+    assert_eq!(core.peer_counters().one_hop_refused, 1);
+    assert!(matches!(
+        acks.as_slice(),
+        [Body::TargetMetadataAck { device: false, .. }]
+    ));
+    core.handle_message(0, from(1, 11, device_write(1, source, ns, &[(1, &[0])])));
+    let (put, done) = served(core);
+    assert!(put.is_none());
+    assert_eq!(done, Some(Vec::new()));
+}
+
+/// Without faults, a device deliver goes in one hop: the source writes the
+/// engine's own elements (nothing lands in the target's pool), each page is
+/// checked there, and it succeeds.
+#[test]
+fn a_device_deliver_lands_in_one_hop_without_faults() {
+    let mut world = quiet_world();
+    world.request(vec![0, 1, 2]);
+    for _ in 0..100 {
+        world.step().unwrap();
+    }
+    // The first deliver may have raced the metadata ack (two hops); the
+    // next ones go in one.
+    world.request(vec![3, 4, 5]);
+    world.settle().unwrap();
+    let counters = world.target.peer_counters();
+    assert!(counters.one_hop_pages >= 3, "{counters:?}");
+    assert!(world.seen.one_hop_successes >= 3, "{:?}", world.seen);
+    assert_eq!(counters.digest_mismatches, 0);
+}
+
+/// A one-hop deliver whose source never answers stays pending past its
+/// deadline (nothing reported, the elements held), is probed, and ends
+/// only on proof: here the source's terminal answer.
+#[test]
+fn a_one_hop_deliver_past_its_deadline_waits_for_proof() {
+    let mut world = quiet_world();
+    world.request(vec![7]);
+    world.settle().unwrap();
+    // The route is up and acked with the one-hop route: deliver by hand.
+    let ns = world.ns;
+    let request = RequestId("held".into());
+    let hint = FetchHint {
+        source: endpoint(SOURCE_PORT),
+        block_hashes: vec![BlockKey::from_u64(6)],
+        mode: FetchMode::Copy,
+        action_id: None,
+    };
+    let now = world.now;
+    world.target.submit_hint(now, request.clone(), &hint);
+    let entry = DeliverEntry {
+        key: scoped(ns, 6),
+        destinations: vec![ElementRef {
+            region: world.device_region,
+            index: 4000,
+        }],
+    };
+    let op = world
+        .target
+        .deliver(now, vec![entry], Some(&request))
+        .unwrap();
+    let start = sent(&mut world.target);
+    let Some(write) = start.iter().find_map(|(_, body)| match body {
+        Body::StartWrite {
+            op_handle,
+            destinations,
+            ..
+        } if destinations[0][0].region == world.device_region => Some(*op_handle),
+        _ => None,
+    }) else {
+        panic!("no one-hop grant: {start:?}")
+    };
+    // The source never hears of it. Far past the deadline and the
+    // abandonment budget: probed, quarantined, nothing reported.
+    for at in [now + TIMEOUT, now + 5 * TIMEOUT, now + 50 * TIMEOUT] {
+        world.target.handle_timeout(at);
+        let probes: Vec<Body> = sent(&mut world.target)
+            .into_iter()
+            .map(|(_, b)| b)
+            .collect();
+        assert!(
+            probes.iter().all(|b| matches!(b, Body::WriteProbe { .. })),
+            "{probes:?}"
+        );
+        let mut done = Vec::new();
+        world.target.drain_completed(&mut done);
+        assert!(done.is_empty(), "reported without proof: {done:?}");
+    }
+    assert_eq!(world.target.peer_counters().quarantined, 1);
+    // The source's terminal answer (it never started the write) ends it.
+    let source = world.source_incarnation();
+    let ack = Body::WriteProbeAck {
+        op_handle: write,
+        terminal: true,
+        dead_incarnation: None,
+    };
+    world
+        .target
+        .handle_message(now + 51 * TIMEOUT, from(SOURCE_PORT, source, ack));
+    let mut done = Vec::new();
+    world.target.drain_completed(&mut done);
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].op, op);
+    assert_eq!(
+        done[0].entries[0].1.status,
+        EntryStatus::Failed(FailReason::Timeout)
+    );
+    let _ = TARGET_PORT;
+}
+
+/// A world with its faults off.
+fn quiet_world() -> DeviceWorld {
+    let mut world = DeviceWorld::new(7);
+    world.quiet();
+    world
+}
+
+/// Many seeded device runs: every invariant after every step, and each
+/// thing the route must survive happened somewhere.
+#[test]
+fn the_one_hop_route_survives_faults_over_many_seeds() {
+    let seeds: u64 = std::env::var("KVCR_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(200);
+    let first: u64 = std::env::var("KVCR_SIM_FIRST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
+    let mut seen = DeviceCoverage::default();
+    for seed in first..first + seeds {
+        let mut world = DeviceWorld::new(seed);
+        let run = (0..300)
+            .try_for_each(|_| world.step())
+            .and_then(|()| world.settle());
+        if let Err(e) = run {
+            panic!("device seed {seed}: {e}");
+        }
+        seen.add(&world.seen);
+    }
+    eprintln!("sim (one hop): {seen:#?}");
+    if seeds >= 100 {
+        assert!(seen.one_hop_successes > 0, "{seen:?}");
+        assert!(seen.two_hop_successes > 0, "{seen:?}");
+        assert!(seen.fallbacks > 0, "{seen:?}");
+        assert!(seen.refused_routes > 0, "{seen:?}");
+        assert!(seen.caught_corruptions > 0, "{seen:?}");
+        assert!(seen.held_past_deadline > 0, "{seen:?}");
+        assert!(seen.dead_freed > 0, "{seen:?}");
+        assert!(seen.kills_mid_copy > 0, "{seen:?}");
+    }
+}
