@@ -52,14 +52,37 @@ impl Runner {
     /// allocated on the device until the runner is closed or dropped, and the
     /// caller must not touch an element named by an operation until that
     /// operation has completed.
+    ///
+    /// The region is exported once for the one-hop route
+    /// ([`crate::DeviceCopier::export_device`] of its extent): where the
+    /// copier names it, same-host sources may be offered it.
     pub unsafe fn register_device_region(&self, desc: RegionDesc) -> Result<RegionId> {
-        if self.device.get().is_none() {
+        let Some(copier) = self.device.get() else {
             return Err(Error::runner(RunnerReason::NoDeviceCopier));
-        }
-        self.shared
+        };
+        let base = desc.base;
+        let stride = if desc.stride == 0 {
+            desc.size
+        } else {
+            desc.stride
+        };
+        let extent = desc
+            .count
+            .checked_sub(1)
+            .and_then(|n| n.checked_mul(stride))
+            .and_then(|n| n.checked_add(desc.size));
+        let id = self
+            .shared
             .lock()
             .core
             .register_region_in(desc, RegionMemory::Device)
-            .map_err(Error::from)
+            .map_err(Error::from)?;
+        // Outside the core's lock: the copier may call into its driver.
+        let export = extent.and_then(|len| copier.export_device(base, len).ok().flatten());
+        if let Some(export) = export {
+            // A name the wire cannot carry is not advertised (two hops).
+            let _ = self.shared.lock().core.set_device_export(id, export);
+        }
+        Ok(id)
     }
 }

@@ -439,7 +439,7 @@ impl DeviceWorld {
             }
         }
         self.target
-            .handle_write_done_checked(self.now, message, &mismatched);
+            .handle_one_hop_checked(self.now, message, &mismatched);
     }
 
     /// The source is killed mid-copy and restarts at the same address.

@@ -22,7 +22,7 @@
 //! is hashed on several threads, its keys split among them.
 
 use kvcr_contracts::protocol::{Body, CompletedIndices, Message, OpHandle, WriteOutcome};
-use kvcr_runner_core::Core;
+use kvcr_runner_core::{CopySpan, Core};
 use kvcr_sys::{MemoryRegistry, combine_digests};
 
 use crate::shared::Shared;
@@ -70,6 +70,9 @@ enum Hand {
     /// Its keys whose landed bytes did not match (none: all did, or there
     /// was nothing to check).
     Checked(Vec<u32>),
+    /// A one-hop completion whose every key's device bytes were hashed:
+    /// those that did not match.
+    OneHop(Vec<u32>),
     /// Completed by a record of pages the source checked in its copy, whose
     /// write's digest is this.
     CheckedInCopy(u64),
@@ -109,6 +112,9 @@ impl Checked {
             Hand::Checked(mismatched) => {
                 core.handle_write_done_checked(now, self.message, &mismatched);
             }
+            Hand::OneHop(mismatched) => {
+                core.handle_one_hop_checked(now, self.message, &mismatched);
+            }
             Hand::CheckedInCopy(combined) => {
                 core.handle_write_done_checked_in_copy(now, self.message, combined);
             }
@@ -117,9 +123,81 @@ impl Checked {
     }
 }
 
+/// A one-hop completion (bytes a same-host source wrote straight into our
+/// device regions): each completed key's device spans are hashed by the
+/// device copier and compared with the key's digest in the `write_done`.
+/// `None`: not a one-hop operation. A reply without digests, or a copier
+/// that cannot hash on the device, is handed on unchecked, and the core
+/// fails its keys (nothing is read back through DRAM).
+fn check_device(shared: &Shared, message: Message) -> Result<Checked, Box<Message>> {
+    let (op_handle, completed) = match &message.body {
+        Body::WriteDone {
+            op_handle,
+            outcome: WriteOutcome::Completed(completed),
+        } => (*op_handle, completed),
+        _ => return Err(Box::new(message)),
+    };
+    let (landing, copier) = {
+        let inner = shared.lock();
+        match inner.core.target_device_landing(op_handle) {
+            Some(landing) => (landing, inner.device.clone()),
+            None => return Err(Box::new(message)),
+        }
+    };
+    let (Some(sent), Some(copier)) = (completed.digests(), copier) else {
+        return Ok(Checked::unchecked(message));
+    };
+    let spans: Vec<Vec<CopySpan>> = completed
+        .as_slice()
+        .iter()
+        .map(|index| {
+            landing
+                .get(*index as usize)
+                .into_iter()
+                .flatten()
+                .map(|(addr, len)| CopySpan {
+                    src: *addr,
+                    dst: 0,
+                    len: *len,
+                })
+                .collect()
+        })
+        .collect();
+    let keys: Vec<&[CopySpan]> = spans.iter().map(Vec::as_slice).collect();
+    let Ok(Some(found)) = copier.digest_device(&keys) else {
+        return Ok(Checked::unchecked(message));
+    };
+    let mut passed = Vec::new();
+    let mut mismatched = Vec::new();
+    for ((index, sent), found) in completed.as_slice().iter().zip(sent).zip(&found) {
+        if found == sent {
+            passed.push((*index, *sent));
+        } else {
+            mismatched.push(*index);
+        }
+    }
+    // A copier that answered for fewer keys leaves the rest unmatched.
+    mismatched.extend(completed.as_slice().iter().skip(found.len()));
+    Ok(Checked {
+        message: Message {
+            header: message.header,
+            body: Body::WriteDone {
+                op_handle,
+                outcome: WriteOutcome::Completed(CompletedIndices::with_digests(passed)),
+            },
+        },
+        hand: Hand::OneHop(mismatched),
+        trusted: false,
+    })
+}
+
 /// Checks `message`'s landed bytes against the digests `sent` with it,
 /// taking the core's lock only to learn where they landed.
 pub(crate) fn check(shared: &Shared, message: Message, sent: Sent) -> Checked {
+    let message = match check_device(shared, message) {
+        Ok(checked) => return checked,
+        Err(message) => *message,
+    };
     check_with(&shared.memory, message, sent, |op| {
         shared.lock().core.target_landing(op)
     })

@@ -24,6 +24,7 @@
 mod doorbells;
 pub(crate) mod landing;
 mod messages;
+mod one_hop;
 mod proofs;
 mod puts;
 mod routes;
@@ -249,6 +250,8 @@ struct State {
     inbound: mpsc::UnboundedReceiver<Inbound>,
     /// Joined (after their queued copies) before the pools they read drop.
     lanes: Lanes,
+    /// One-hop writes' thread, joined like the lanes (see `one_hop`).
+    one_hop: one_hop::OneHopWriter,
     lane_done_tx: mpsc::UnboundedSender<(u64, bool)>,
     lane_done: mpsc::UnboundedReceiver<(u64, bool)>,
     /// This process's host and pid namespace (`None`: never maps peers).
@@ -408,9 +411,7 @@ impl State {
                 shared_memory,
                 extents,
                 doorbell,
-                // Not opened yet: the route is acknowledged without the
-                // one-hop route, and its writes go through KVCR DRAM.
-                device_regions: _,
+                device_regions,
             } => match self.route_path(
                 &worker_address,
                 &rkeys,
@@ -419,6 +420,14 @@ impl State {
                 doorbell.as_ref(),
             ) {
                 Ok(path) => {
+                    // Only a route that maps the target's pools (same host,
+                    // proven its own) opens its device regions.
+                    let device = match &path {
+                        routes::RoutePath::OneCopy(_) => {
+                            self.open_device_regions(shared, &peer, &device_regions)
+                        }
+                        routes::RoutePath::Ucx { .. } => one_hop::DeviceRoutes::new(),
+                    };
                     let route = self.new_route(
                         &peer,
                         generation,
@@ -426,6 +435,7 @@ impl State {
                         doorbell.as_ref(),
                         &rkeys,
                         &extents,
+                        device,
                     );
                     // A UCX route waits for its worker's proof; a one-copy
                     // route's pools were opened as the target's own.
@@ -445,9 +455,12 @@ impl State {
                 device,
             } => {
                 if device {
-                    // No route of this driver opens device regions, so no
-                    // device write is ever granted one: fail it, terminal.
-                    shared.with_core_now(|core, now| core.handle_put_done(now, write, false));
+                    let route = self
+                        .routes
+                        .get(&target)
+                        .filter(|r| r.generation == generation)
+                        .cloned();
+                    self.write_device(shared, write, route.as_deref(), &spans);
                 } else {
                     self.write(shared, write, &target, generation, spans);
                 }

@@ -43,6 +43,9 @@ pub(super) struct Route {
     /// id of the session (the target's, to us) whose metadata sent its key:
     /// requests read there are that session's messages.
     pub(super) mailbox: Option<(RouteMailbox, u64)>,
+    /// The target's device regions this route opened (the one-hop route;
+    /// empty: none offered, or not all could be opened).
+    pub(super) device: super::one_hop::DeviceRoutes,
 }
 
 /// The way a route's bytes travel.
@@ -75,6 +78,7 @@ impl Route {
 impl State {
     /// A route for `peer` over `path`, as its metadata (`generation`,
     /// `doorbell`, `rkeys`, `extents`) describes it.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn new_route(
         &mut self,
         peer: &ControlEndpoint,
@@ -83,6 +87,7 @@ impl State {
         doorbell: Option<&DoorbellAdvert>,
         rkeys: &[(RegionId, u64, Vec<u8>)],
         extents: &[(RegionId, u64)],
+        device: super::one_hop::DeviceRoutes,
     ) -> Rc<Route> {
         let doorbell_key = doorbell.map(|advert| advert.key);
         let session_key = match (&path, doorbell) {
@@ -118,6 +123,7 @@ impl State {
             doorbell,
             session_key,
             mailbox,
+            device,
         })
     }
 
@@ -132,9 +138,10 @@ impl State {
         route: Rc<Route>,
     ) {
         let one_copy = route.one_copy();
+        let device = !route.device.is_empty();
         retire(self.routes.insert(peer.clone(), route));
         shared.with_core_now(|core, _| {
-            core.handle_connected(&peer, generation, one_copy);
+            core.handle_connected_one_hop(&peer, generation, one_copy, device);
         });
         // A stream dialed beside this route's metadata is checked
         // now; a one-copy route needs none (dropped, not refused).

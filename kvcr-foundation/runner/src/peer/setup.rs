@@ -156,6 +156,7 @@ impl State {
                 control,
                 inbound,
                 lanes,
+                one_hop: super::one_hop::OneHopWriter::default(),
                 lane_done_tx,
                 lane_done,
                 scope,

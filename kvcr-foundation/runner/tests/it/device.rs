@@ -281,3 +281,222 @@ fn device_regions_need_a_copier_and_calls_never_mix_memories() {
     drop(f);
     drop(buf);
 }
+
+/// Host memory in `memfd`s posing as a device that another process can
+/// open: the one-hop route's contract test (`one_hop`). Its export names the
+/// owner's pid, the file's descriptor, the offset and a random token, which
+/// the importer finds in the file's name as `/proc/<pid>/fd/<n>` shows it.
+pub(crate) mod memfd {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use kvcr_runner::error::RunnerReason;
+    use kvcr_runner::{CopySpan, DeviceCopier, DeviceImport, Error, PoolRange};
+    use memmap2::MmapMut;
+
+    fn failed(why: &str) -> Error {
+        Error::runner(RunnerReason::DeviceCopy(kvcr_contracts::error::Echo::new(
+            why,
+        )))
+    }
+
+    /// One "device" buffer: a memfd mapped here.
+    struct Buffer {
+        fd: OwnedFd,
+        map: MmapMut,
+        token: [u8; 16],
+    }
+
+    /// Host memory posing as a device: copies are memcpys, and its buffers are
+    /// memfds another process can import.
+    #[derive(Default)]
+    pub(crate) struct MemfdCopier {
+        buffers: Mutex<Vec<Buffer>>,
+        /// Refuse every import (a source without the target's GPU).
+        pub(crate) refuse_imports: AtomicBool,
+        /// Imports flip each span's first byte after copying it (a copy that
+        /// claims success over the wrong bytes).
+        pub(crate) corrupt_imports: AtomicBool,
+    }
+
+    impl MemfdCopier {
+        /// A zeroed buffer of `len` bytes; its address.
+        pub(crate) fn alloc(&self, len: usize) -> u64 {
+            let mut token = [0u8; 16];
+            getrandom::fill(&mut token).unwrap();
+            let name = std::ffi::CString::new(format!("kvcr-test-gpu-{}", hex(&token))).unwrap();
+            // SAFETY: (test) a valid C string; the returned descriptor is owned.
+            let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+            assert!(raw >= 0, "memfd_create");
+            // SAFETY: (test) `raw` is a fresh descriptor nobody else owns.
+            let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+            let file = std::fs::File::from(fd.try_clone().unwrap());
+            file.set_len(len as u64).unwrap();
+            // SAFETY: (test) the file is ours and stays the length mapped.
+            let mut map = unsafe { MmapMut::map_mut(&file) }.unwrap();
+            let base = map.as_mut_ptr() as u64;
+            self.buffers.lock().unwrap().push(Buffer { fd, map, token });
+            base
+        }
+
+        /// The bytes at `[addr, addr + len)` of one of our buffers.
+        pub(crate) fn read(&self, addr: u64, len: u64) -> Option<Vec<u8>> {
+            let buffers = self.buffers.lock().unwrap();
+            buffers.iter().find_map(|b| {
+                let at = usize::try_from(addr.checked_sub(b.map.as_ptr() as u64)?).ok()?;
+                b.map.get(at..at + len as usize).map(<[u8]>::to_vec)
+            })
+        }
+    }
+
+    fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn memcpy(keys: &[&[CopySpan]]) {
+        for span in keys.iter().flat_map(|k| k.iter()) {
+            // SAFETY: (test) the runner bounds-checked both sides against its
+            // pools and the registered "device" buffer, both alive.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    span.src as usize as *const u8,
+                    span.dst as usize as *mut u8,
+                    span.len as usize,
+                );
+            }
+        }
+    }
+
+    impl DeviceCopier for MemfdCopier {
+        fn attach(&self, _pools: &[PoolRange]) -> kvcr_runner::Result<()> {
+            Ok(())
+        }
+
+        fn copy(&self, keys: &[&[CopySpan]]) -> kvcr_runner::Result<()> {
+            memcpy(keys);
+            Ok(())
+        }
+
+        fn detach(&self, _pools: &[PoolRange]) {}
+
+        fn export_device(&self, base: u64, len: u64) -> kvcr_runner::Result<Option<Vec<u8>>> {
+            let buffers = self.buffers.lock().unwrap();
+            let Some(b) = buffers.iter().find(|b| {
+                let start = b.map.as_ptr() as u64;
+                base >= start && base + len <= start + b.map.len() as u64
+            }) else {
+                return Ok(None);
+            };
+            let mut name = Vec::with_capacity(32);
+            name.extend_from_slice(&std::process::id().to_le_bytes());
+            name.extend_from_slice(&(b.fd.as_raw_fd() as u32).to_le_bytes());
+            name.extend_from_slice(&(base - b.map.as_ptr() as u64).to_le_bytes());
+            name.extend_from_slice(&b.token);
+            Ok(Some(name))
+        }
+
+        fn import_device(
+            &self,
+            export: &[u8],
+            len: u64,
+        ) -> kvcr_runner::Result<Box<dyn DeviceImport>> {
+            if self.refuse_imports.load(Ordering::SeqCst) {
+                return Err(failed("imports refused"));
+            }
+            let (Some(pid), Some(fd), Some(offset), Some(token)) = (
+                export.get(0..4),
+                export.get(4..8),
+                export.get(8..16),
+                export.get(16..32),
+            ) else {
+                return Err(failed("a short export name"));
+            };
+            let pid = u32::from_le_bytes(pid.try_into().unwrap());
+            let fd = u32::from_le_bytes(fd.try_into().unwrap());
+            let offset = u64::from_le_bytes(offset.try_into().unwrap());
+            let path = format!("/proc/{pid}/fd/{fd}");
+            let link = std::fs::read_link(&path).map_err(|_| failed("no such export"))?;
+            if !link.to_string_lossy().contains(&hex(token)) {
+                return Err(failed("not the file the export names"));
+            }
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .map_err(|_| failed("cannot open the export"))?;
+            // SAFETY: (test) a shared mapping of the target's buffer, which
+            // outlives every write the runner makes through it.
+            let mut map = unsafe { MmapMut::map_mut(&file) }.map_err(|_| failed("mmap"))?;
+            if offset + len > map.len() as u64 {
+                return Err(failed("the export is shorter than the region"));
+            }
+            let at = map.as_mut_ptr() as u64 + offset;
+            Ok(Box::new(MemfdImport {
+                _map: map,
+                at,
+                len,
+                corrupt: self.corrupt_imports.load(Ordering::SeqCst),
+            }))
+        }
+
+        fn digest_device(&self, keys: &[&[CopySpan]]) -> kvcr_runner::Result<Option<Vec<u64>>> {
+            let digests = keys
+                .iter()
+                .map(|spans| {
+                    let bytes: Vec<u8> = spans
+                        .iter()
+                        .flat_map(|s| self.read(s.src, s.len).unwrap_or_default())
+                        .collect();
+                    kvcr_sys::digest::digest_bytes(&bytes)
+                })
+                .collect();
+            Ok(Some(digests))
+        }
+    }
+
+    /// A peer's buffer mapped here.
+    struct MemfdImport {
+        _map: MmapMut,
+        at: u64,
+        len: u64,
+        corrupt: bool,
+    }
+
+    impl DeviceImport for MemfdImport {
+        fn len(&self) -> u64 {
+            self.len
+        }
+
+        fn copy_into(&self, keys: &[&[CopySpan]]) -> kvcr_runner::Result<()> {
+            let inside = keys
+                .iter()
+                .flat_map(|k| k.iter())
+                .all(|s| s.dst.checked_add(s.len).is_some_and(|end| end <= self.len));
+            if !inside {
+                return Err(failed("a span outside the import"));
+            }
+            let spans: Vec<Vec<CopySpan>> = keys
+                .iter()
+                .map(|k| {
+                    k.iter()
+                        .map(|s| CopySpan {
+                            src: s.src,
+                            dst: self.at + s.dst,
+                            len: s.len,
+                        })
+                        .collect()
+                })
+                .collect();
+            let refs: Vec<&[CopySpan]> = spans.iter().map(Vec::as_slice).collect();
+            memcpy(&refs);
+            if self.corrupt {
+                for span in spans.iter().flatten() {
+                    // SAFETY: (test) inside the mapping (checked above).
+                    unsafe { *(span.dst as usize as *mut u8) ^= 0xff };
+                }
+            }
+            Ok(())
+        }
+    }
+}

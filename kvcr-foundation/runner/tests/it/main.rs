@@ -16,6 +16,7 @@ mod device;
 mod g3_tier;
 mod local_users;
 mod nodes;
+mod one_hop;
 mod peer;
 mod peer_admission;
 mod peer_faults;

@@ -94,14 +94,25 @@ impl Core {
     /// [`FailReason::DigestMismatch`] and are counted. Nothing else
     /// differs from [`Core::handle_message`].
     pub fn handle_write_done_checked(&mut self, now: u64, message: Message, mismatched: &[u32]) {
-        if let Body::WriteDone { op_handle, .. } = &message.body {
-            self.landing_checked = Some(*op_handle);
-            if !mismatched.is_empty() {
-                self.landing_mismatch = Some((*op_handle, mismatched.to_vec()));
-            }
+        if let Body::WriteDone { op_handle, .. } = &message.body
+            && !mismatched.is_empty()
+        {
+            self.landing_mismatch = Some((*op_handle, mismatched.to_vec()));
         }
         self.handle_message(now, message);
         self.landing_mismatch = None;
+    }
+
+    /// A one-hop operation's `write_done` after the driver hashed every
+    /// completed key's landed device bytes ([`Core::target_device_landing`])
+    /// and compared them with the key's digest: as
+    /// [`Core::handle_write_done_checked`], and the keys that matched may
+    /// succeed. A one-hop key handed any other way fails (fail closed).
+    pub fn handle_one_hop_checked(&mut self, now: u64, message: Message, mismatched: &[u32]) {
+        if let Body::WriteDone { op_handle, .. } = &message.body {
+            self.landing_checked = Some(*op_handle);
+        }
+        self.handle_write_done_checked(now, message, mismatched);
         self.landing_checked = None;
     }
 

@@ -13,7 +13,7 @@
 //! operation's terminal end (a `write_done`, a refusal, a terminal probe
 //! answer or a believed death report). A key succeeds only when it ended on
 //! time, came with its page digest, and the driver checked the landed bytes
-//! against it ([`Core::handle_write_done_checked`]); otherwise it fails.
+//! against it ([`Core::handle_one_hop_checked`]); otherwise it fails.
 
 use super::*;
 use kvcr_contracts::protocol::codec::{MAX_DEVICE_EXPORT, MAX_DEVICE_REGIONS};

@@ -1,0 +1,391 @@
+//! The one-hop route between two processes: a source's KVCR DRAM straight
+//! into the target's "device" memory. The device is host memory in a
+//! `memfd` behind a test copier, so that a second process can open it the
+//! way a CUDA copier opens an IPC handle: the export names the target's
+//! pid, the file's descriptor, the offset and a random token (which the
+//! importer finds in the file's name, as `/proc/<pid>/fd/<n>` shows it).
+//! That is the seam's contract; the CUDA copier is tested on a GPU in
+//! `kvcr-direct-linker`.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, mpsc};
+use std::time::{Duration, Instant};
+
+use kvcr_contracts::hint::{FetchHint, FetchMode, RequestId};
+use kvcr_contracts::protocol::{ElementRef, OpHandle, RegionId};
+use kvcr_contracts::{BlockKey, CompatDigest, ControlEndpoint, Namespace, NamespaceId, ScopedKey};
+use kvcr_runner::{
+    DeliverEntry, DepositEntry, DeviceCopier, EntryStatus, FailReason, OpResult, PeerOptions,
+    RegionDesc, Runner, RunnerConfig,
+};
+
+use crate::device::memfd::MemfdCopier;
+
+const CHILD_ENV: &str = "KVCR_ONE_HOP_CHILD";
+const CHILD_TEST: &str = "one_hop::one_hop_source_process";
+const TAG: &str = "KVCR-ONE-HOP";
+const BOUND: Duration = Duration::from_secs(20);
+const BLOCK: usize = 64 << 10;
+const KEYS: u64 = 6;
+const SEED: u64 = 11;
+
+fn page(key: u64) -> Vec<u8> {
+    let mut x = (SEED.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ key.wrapping_mul(0x2545_f491)) | 1;
+    let mut out = vec![0u8; BLOCK];
+    for chunk in out.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes());
+    }
+    out
+}
+
+// ------------------------------------------------------------ processes
+
+fn options() -> PeerOptions {
+    let mut options = PeerOptions::loopback();
+    options.ucx_tls = Some("posix,cma,self".into());
+    options.same_host_mapping = true;
+    options
+}
+
+fn namespace() -> Namespace {
+    Namespace::base(CompatDigest(43))
+}
+
+fn key(ns: NamespaceId, k: u64) -> ScopedKey {
+    ScopedKey {
+        namespace: ns,
+        key: BlockKey::from_u64(k),
+    }
+}
+
+fn wait(runner: &mut Runner, op: OpHandle) -> OpResult {
+    #[allow(clippy::disallowed_methods)] // a bound on the wait, not a threshold
+    let start = Instant::now();
+    while start.elapsed() < BOUND {
+        for result in runner.wait_completed(Duration::from_millis(50)) {
+            if result.op == op {
+                return result;
+            }
+        }
+    }
+    panic!("operation {op:?} did not complete within {BOUND:?}");
+}
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{TAG} {line}").unwrap();
+    out.flush().unwrap();
+}
+
+/// The child: a source runner with a memfd copier holding keys `0..KEYS`;
+/// `refuse` in its environment makes it refuse every import. Commands on
+/// stdin: `stats` → `STATS <keys_sent> <one_hop_refused>`. EOF ends it.
+#[test]
+fn one_hop_source_process() {
+    let Ok(mode) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let mut host: Vec<u8> = (0..KEYS).flat_map(page).collect();
+    let config = RunnerConfig {
+        operation_timeout: Duration::from_secs(5),
+        ..RunnerConfig::single_pool("kv", BLOCK as u64, KEYS as u32)
+    };
+    let mut runner = Runner::start_with_peers(config, None, &options()).unwrap();
+    let copier = Arc::new(MemfdCopier::default());
+    copier
+        .refuse_imports
+        .store(mode == "refuse", Ordering::SeqCst);
+    copier
+        .corrupt_imports
+        .store(mode == "corrupt", Ordering::SeqCst);
+    runner.pools().set_device_copier(copier).unwrap();
+    let ns = runner.register_namespace(namespace());
+    // SAFETY: (test) `host` outlives the runner (dropped first, below) and
+    // is not touched while the deposit runs.
+    let region = unsafe {
+        runner.register_region(RegionDesc {
+            label: "kv".into(),
+            base: host.as_mut_ptr() as u64,
+            size: BLOCK as u64,
+            stride: 0,
+            count: KEYS,
+        })
+    }
+    .unwrap();
+    let entries = (0..KEYS)
+        .map(|k| DepositEntry {
+            key: key(ns, k),
+            spans: vec![ElementRef { region, index: k }],
+            page: None,
+        })
+        .collect();
+    let op = runner.deposit(entries, false).unwrap();
+    assert!(
+        wait(&mut runner, op)
+            .entries
+            .iter()
+            .all(|(_, e)| e.is_success())
+    );
+    say(&format!("READY {}", runner.peers().endpoint().unwrap()));
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else { break };
+        if line == "stats" {
+            let c = runner.peers().stats().counters;
+            say(&format!("STATS {} {}", c.keys_sent, c.one_hop_refused));
+        }
+    }
+    drop(runner);
+    drop(host);
+}
+
+/// A child source; killed (and reaped) on drop.
+struct Source {
+    child: Child,
+    stdin: ChildStdin,
+    lines: mpsc::Receiver<String>,
+    endpoint: ControlEndpoint,
+}
+
+impl Source {
+    fn spawn(mode: &str) -> Self {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", CHILD_TEST, "--nocapture", "--test-threads=1"])
+            .env(CHILD_ENV, mode)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Some(at) = line.find(TAG)
+                    && tx.send(line[at + TAG.len()..].trim().to_owned()).is_err()
+                {
+                    break;
+                }
+            }
+        });
+        let mut this = Self {
+            child,
+            stdin,
+            lines,
+            endpoint: ControlEndpoint::parse("tcp://127.0.0.1:1").unwrap(),
+        };
+        let ready = this.expect("READY");
+        this.endpoint = ControlEndpoint::parse(&ready).unwrap();
+        this
+    }
+
+    fn expect(&self, word: &str) -> String {
+        #[allow(clippy::disallowed_methods)] // a bound on the wait, not a threshold
+        let start = Instant::now();
+        loop {
+            let left = BOUND.saturating_sub(start.elapsed());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    if let Some(rest) = line.strip_prefix(word) {
+                        return rest.trim().to_owned();
+                    }
+                }
+                Err(e) => panic!("child source: no {word} line ({e:?})"),
+            }
+        }
+    }
+
+    /// `(keys_sent, one_hop_refused)` of the child's runner.
+    fn stats(&mut self) -> (u64, u64) {
+        writeln!(self.stdin, "stats").unwrap();
+        self.stdin.flush().unwrap();
+        let line = self.expect("STATS");
+        let mut parts = line.split_whitespace().map(|p| p.parse::<u64>().unwrap());
+        (parts.next().unwrap(), parts.next().unwrap())
+    }
+}
+
+impl Drop for Source {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The target: a runner with a memfd "device" region of `elements` pages.
+struct Target {
+    runner: Runner,
+    copier: Arc<MemfdCopier>,
+    ns: NamespaceId,
+    region: RegionId,
+    base: u64,
+}
+
+impl Target {
+    fn start(elements: u64) -> Self {
+        let config = RunnerConfig {
+            operation_timeout: Duration::from_secs(5),
+            ..RunnerConfig::single_pool("kv", BLOCK as u64, 16)
+        };
+        let runner = Runner::start_with_peers(config, None, &options()).unwrap();
+        let copier = Arc::new(MemfdCopier::default());
+        runner
+            .pools()
+            .set_device_copier(Arc::clone(&copier) as Arc<dyn DeviceCopier>)
+            .unwrap();
+        let base = copier.alloc(elements as usize * BLOCK);
+        let ns = runner.register_namespace(namespace());
+        // SAFETY: (test) the buffer lives in the copier, which the runner
+        // keeps until it is dropped; no element is touched in flight.
+        let region = unsafe {
+            runner.register_device_region(RegionDesc {
+                label: "kv:gpu".into(),
+                base,
+                size: BLOCK as u64,
+                stride: 0,
+                count: elements,
+            })
+        }
+        .unwrap();
+        Self {
+            runner,
+            copier,
+            ns,
+            region,
+            base,
+        }
+    }
+
+    /// Delivers `keys` from `source` into elements `first..`, under a
+    /// fresh request; the result.
+    fn restore(
+        &mut self,
+        name: &str,
+        source: &ControlEndpoint,
+        keys: &[u64],
+        first: u64,
+    ) -> OpResult {
+        let request = RequestId(name.into());
+        let hint = FetchHint {
+            source: source.clone(),
+            block_hashes: keys.iter().map(|k| BlockKey::from_u64(*k)).collect(),
+            mode: FetchMode::Copy,
+            action_id: None,
+        };
+        self.runner.hints().submit(request.clone(), &hint);
+        let entries = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| DeliverEntry {
+                key: key(self.ns, *k),
+                destinations: vec![ElementRef {
+                    region: self.region,
+                    index: first + i as u64,
+                }],
+            })
+            .collect();
+        let op = self.runner.hints().deliver(&request, entries).unwrap();
+        wait(&mut self.runner, op)
+    }
+
+    /// Whether element `index` holds `key`'s page.
+    fn holds(&self, index: u64, key: u64) -> bool {
+        let at = self.base + index * BLOCK as u64;
+        self.copier.read(at, BLOCK as u64) == Some(page(key))
+    }
+}
+
+fn statuses(result: &OpResult) -> Vec<EntryStatus> {
+    result.entries.iter().map(|(_, e)| e.status).collect()
+}
+
+/// A source in another process writes the pages straight into the target's
+/// device elements: byte-exact, counted as one-hop pages, and nothing of
+/// them ever lands in the target's KVCR DRAM (its pool stays empty). The
+/// first restore may race the route's set-up (two hops); the next is one.
+#[test]
+fn a_one_hop_restore_between_processes_is_byte_exact_and_skips_dram() {
+    let _serial = crate::serial();
+    let mut source = Source::spawn("import");
+    let mut target = Target::start(16);
+    let from = source.endpoint.clone();
+    let warm = target.restore("warm", &from, &[0], 0);
+    assert_eq!(statuses(&warm), vec![EntryStatus::Success]);
+    assert!(target.holds(0, 0));
+    let resident = target.runner.pools().resident_blocks();
+    let before = target.runner.peers().stats().counters;
+    let keys = [1, 2, 3, 4, 5];
+    let result = target.restore("one-hop", &from, &keys, 8);
+    assert_eq!(statuses(&result), vec![EntryStatus::Success; 5]);
+    for (i, k) in keys.iter().enumerate() {
+        assert!(
+            target.holds(8 + i as u64, *k),
+            "element {} holds key {k}",
+            8 + i
+        );
+    }
+    let after = target.runner.peers().stats().counters;
+    assert_eq!(after.one_hop_pages - before.one_hop_pages, 5, "{after:?}");
+    assert!(after.one_hop_writes > before.one_hop_writes);
+    assert_eq!(after.digest_mismatches, 0);
+    assert_eq!(
+        target.runner.pools().resident_blocks(),
+        resident,
+        "no page stopped in the target's KVCR DRAM"
+    );
+    assert_eq!(source.stats().1, 0, "the source opened the region");
+    target.runner.check_invariants().unwrap();
+}
+
+/// A source whose copies land the wrong bytes while claiming success: the
+/// target hashes every landed key on the device before the core hears of
+/// it, and those keys fail `DigestMismatch`, counted, never a success.
+#[test]
+fn a_one_hop_copy_that_lands_wrong_bytes_fails_its_keys() {
+    let _serial = crate::serial();
+    let source = Source::spawn("corrupt");
+    let mut target = Target::start(16);
+    let from = source.endpoint.clone();
+    let _warm = target.restore("warm", &from, &[0], 0);
+    let before = target.runner.peers().stats().counters;
+    let result = target.restore("corrupt", &from, &[1, 2], 8);
+    let after = target.runner.peers().stats().counters;
+    assert_eq!(after.one_hop_writes - before.one_hop_writes, 1, "{after:?}");
+    assert_eq!(
+        statuses(&result),
+        vec![EntryStatus::Failed(FailReason::DigestMismatch); 2]
+    );
+    assert_eq!(after.digest_mismatches - before.digest_mismatches, 2);
+    assert_eq!(after.one_hop_pages, before.one_hop_pages);
+    target.runner.check_invariants().unwrap();
+}
+
+/// A source that cannot open the target's device memory says so (counted
+/// there), and the restore goes through the target's KVCR DRAM: it
+/// succeeds byte-exact, counted as a fallback.
+#[test]
+fn a_source_that_cannot_import_falls_back_to_two_hops() {
+    let _serial = crate::serial();
+    let mut source = Source::spawn("refuse");
+    let mut target = Target::start(16);
+    let from = source.endpoint.clone();
+    let warm = target.restore("warm", &from, &[0], 0);
+    assert_eq!(statuses(&warm), vec![EntryStatus::Success]);
+    let keys = [1, 2, 3];
+    let result = target.restore("two-hop", &from, &keys, 4);
+    assert_eq!(statuses(&result), vec![EntryStatus::Success; 3]);
+    for (i, k) in keys.iter().enumerate() {
+        assert!(target.holds(4 + i as u64, *k));
+    }
+    let counters = target.runner.peers().stats().counters;
+    assert_eq!(counters.one_hop_pages, 0, "{counters:?}");
+    assert!(counters.one_hop_fallbacks >= 3, "{counters:?}");
+    assert!(source.stats().1 >= 1, "the source counted its refusal");
+    target.runner.check_invariants().unwrap();
+}
