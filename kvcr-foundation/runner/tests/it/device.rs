@@ -318,6 +318,11 @@ pub(crate) mod memfd {
         /// Imports flip each span's first byte after copying it (a copy that
         /// claims success over the wrong bytes).
         pub(crate) corrupt_imports: AtomicBool,
+        /// Imports copy a write's first span, print `KVCR-ONE-HOP COPYING`
+        /// and never return (a process to kill mid-copy).
+        pub(crate) hang_imports: AtomicBool,
+        /// How many imports were asked for.
+        pub(crate) imports: std::sync::atomic::AtomicUsize,
     }
 
     impl MemfdCopier {
@@ -401,6 +406,7 @@ pub(crate) mod memfd {
             export: &[u8],
             len: u64,
         ) -> kvcr_runner::Result<Box<dyn DeviceImport>> {
+            self.imports.fetch_add(1, Ordering::SeqCst);
             if self.refuse_imports.load(Ordering::SeqCst) {
                 return Err(failed("imports refused"));
             }
@@ -437,6 +443,7 @@ pub(crate) mod memfd {
                 at,
                 len,
                 corrupt: self.corrupt_imports.load(Ordering::SeqCst),
+                hang: self.hang_imports.load(Ordering::SeqCst),
             }))
         }
 
@@ -461,6 +468,7 @@ pub(crate) mod memfd {
         at: u64,
         len: u64,
         corrupt: bool,
+        hang: bool,
     }
 
     impl DeviceImport for MemfdImport {
@@ -489,6 +497,13 @@ pub(crate) mod memfd {
                 })
                 .collect();
             let refs: Vec<&[CopySpan]> = spans.iter().map(Vec::as_slice).collect();
+            if self.hang {
+                memcpy(&refs[..1]);
+                println!("KVCR-ONE-HOP COPYING");
+                loop {
+                    std::thread::park();
+                }
+            }
             memcpy(&refs);
             if self.corrupt {
                 for span in spans.iter().flatten() {

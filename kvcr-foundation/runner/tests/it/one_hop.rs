@@ -17,8 +17,8 @@ use kvcr_contracts::hint::{FetchHint, FetchMode, RequestId};
 use kvcr_contracts::protocol::{ElementRef, OpHandle, RegionId};
 use kvcr_contracts::{BlockKey, CompatDigest, ControlEndpoint, Namespace, NamespaceId, ScopedKey};
 use kvcr_runner::{
-    DeliverEntry, DepositEntry, DeviceCopier, EntryStatus, FailReason, OpResult, PeerOptions,
-    RegionDesc, Runner, RunnerConfig,
+    DeliverEntry, DepositEntry, DeviceCopier, EntryStatus, FailReason, OpResult, PeerNotice,
+    PeerOptions, RegionDesc, Runner, RunnerConfig,
 };
 
 use crate::device::memfd::MemfdCopier;
@@ -76,6 +76,21 @@ fn wait(runner: &mut Runner, op: OpHandle) -> OpResult {
     panic!("operation {op:?} did not complete within {BOUND:?}");
 }
 
+/// Polls `f` until it returns `Some` (notices have no event to wait on),
+/// failing after [`BOUND`].
+fn poll_until<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    #[allow(clippy::disallowed_methods)] // a bound on the wait, not a threshold
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(start.elapsed() < BOUND, "timed out waiting for {what}");
+        #[allow(clippy::disallowed_methods)] // polling an observable with no event
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 fn say(line: &str) {
     let mut out = std::io::stdout().lock();
     writeln!(out, "{TAG} {line}").unwrap();
@@ -103,6 +118,7 @@ fn one_hop_source_process() {
     copier
         .corrupt_imports
         .store(mode == "corrupt", Ordering::SeqCst);
+    copier.hang_imports.store(mode == "hang", Ordering::SeqCst);
     runner.pools().set_device_copier(copier).unwrap();
     let ns = runner.register_namespace(namespace());
     // SAFETY: (test) `host` outlives the runner (dropped first, below) and
@@ -211,6 +227,14 @@ impl Source {
     }
 }
 
+impl Source {
+    /// SIGKILL and reap: the process is gone when this returns.
+    fn kill(&mut self) {
+        self.child.kill().unwrap();
+        let _ = self.child.wait().unwrap();
+    }
+}
+
 impl Drop for Source {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -229,11 +253,18 @@ struct Target {
 
 impl Target {
     fn start(elements: u64) -> Self {
+        Self::start_with(elements, Duration::from_secs(5), Duration::from_secs(10))
+    }
+
+    /// With this operation timeout and abandonment budget.
+    fn start_with(elements: u64, timeout: Duration, abandon: Duration) -> Self {
         let config = RunnerConfig {
-            operation_timeout: Duration::from_secs(5),
+            operation_timeout: timeout,
             ..RunnerConfig::single_pool("kv", BLOCK as u64, 16)
         };
-        let runner = Runner::start_with_peers(config, None, &options()).unwrap();
+        let mut peer_options = options();
+        peer_options.abandon_timeout = Some(abandon);
+        let runner = Runner::start_with_peers(config, None, &peer_options).unwrap();
         let copier = Arc::new(MemfdCopier::default());
         runner
             .pools()
@@ -271,6 +302,18 @@ impl Target {
         keys: &[u64],
         first: u64,
     ) -> OpResult {
+        let op = self.start_restore(name, source, keys, first);
+        wait(&mut self.runner, op)
+    }
+
+    /// As [`Target::restore`], without waiting.
+    fn start_restore(
+        &mut self,
+        name: &str,
+        source: &ControlEndpoint,
+        keys: &[u64],
+        first: u64,
+    ) -> OpHandle {
         let request = RequestId(name.into());
         let hint = FetchHint {
             source: source.clone(),
@@ -290,8 +333,7 @@ impl Target {
                 }],
             })
             .collect();
-        let op = self.runner.hints().deliver(&request, entries).unwrap();
-        wait(&mut self.runner, op)
+        self.runner.hints().deliver(&request, entries).unwrap()
     }
 
     /// Whether element `index` holds `key`'s page.
@@ -363,6 +405,42 @@ fn a_one_hop_copy_that_lands_wrong_bytes_fails_its_keys() {
     );
     assert_eq!(after.digest_mismatches - before.digest_mismatches, 2);
     assert_eq!(after.one_hop_pages, before.one_hop_pages);
+    target.runner.check_invariants().unwrap();
+}
+
+/// A source killed in the middle of a one-hop copy (part of the page in
+/// the engine's element already): past the operation deadline and the
+/// abandonment deadline (its `Uncertain` notice) the deliver is still not
+/// reported, success or failure: without proof of the source's end the
+/// engine's elements stay held.
+#[test]
+fn a_source_killed_mid_copy_leaves_the_deliver_pending() {
+    let _serial = crate::serial();
+    let mut source = Source::spawn("hang");
+    let mut target = Target::start_with(16, Duration::from_millis(300), Duration::from_millis(600));
+    let from = source.endpoint.clone();
+    // Two hops (the route is not acked yet), then one hop, which hangs.
+    let warm = target.restore("warm", &from, &[0], 0);
+    assert_eq!(statuses(&warm), vec![EntryStatus::Success]);
+    let op = target.start_restore("hangs", &from, &[1, 2], 8);
+    source.expect("COPYING");
+    source.kill();
+    let notices = poll_until("the quarantine notice", || {
+        let n = target.runner.peers().take_notices();
+        (!n.is_empty()).then_some(n)
+    });
+    assert!(
+        notices
+            .iter()
+            .all(|n| matches!(n, PeerNotice::Uncertain { .. })),
+        "{notices:?}"
+    );
+    let reported = target.runner.wait_completed(Duration::ZERO);
+    assert!(
+        reported.iter().all(|r| r.op != op),
+        "the deliver was reported without proof: {reported:?}"
+    );
+    assert_eq!(target.runner.peers().stats().counters.quarantined, 1);
     target.runner.check_invariants().unwrap();
 }
 

@@ -406,3 +406,68 @@ fn unconfigured_transports_restore_through_ucx() {
         "{counters:?}"
     );
 }
+
+/// A member's advert naming device regions (the one-hop route) but no
+/// shared memory, so no same-host route: the source never opens them (its
+/// copier is not even asked) and acknowledges without the one-hop route,
+/// whatever the export names (here a real one, of this process's memory).
+#[test]
+fn a_device_advert_without_a_same_host_route_is_never_opened() {
+    let _serial = crate::serial();
+    let tls = "posix,cma,self";
+    let source = member(tls, 8);
+    let copier = std::sync::Arc::new(crate::device::memfd::MemfdCopier::default());
+    source
+        .runner
+        .pools()
+        .set_device_copier(copier.clone() as std::sync::Arc<dyn kvcr_runner::DeviceCopier>)
+        .unwrap();
+    let victim = crate::device::memfd::MemfdCopier::default();
+    let base = victim.alloc(4 * BLOCK);
+    let export = kvcr_runner::DeviceCopier::export_device(&victim, base, 4 * BLOCK as u64)
+        .unwrap()
+        .unwrap();
+    let destination = member(tls, 8);
+    let Body::TargetMetadata {
+        worker_address,
+        regions,
+        doorbell,
+        ..
+    } = advert_of(&destination)
+    else {
+        unreachable!()
+    };
+    let mut session = member_session(&source, "tcp://127.0.0.14:1");
+    let mut forged = metadata_from(&source, worker_address, regions[0].clone());
+    forged.body = Body::TargetMetadata {
+        worker_address: match &forged.body {
+            Body::TargetMetadata { worker_address, .. } => worker_address.clone(),
+            _ => unreachable!(),
+        },
+        regions,
+        shared_memory: None,
+        doorbell,
+        device_regions: vec![kvcr_contracts::protocol::DeviceRegionAdvert {
+            id: RegionId(40),
+            base,
+            element_size: BLOCK as u64,
+            stride: BLOCK as u64,
+            count: 4,
+            export,
+        }],
+    };
+    session.send(&forged).unwrap();
+    let ack = await_reply(&mut session, |b| {
+        matches!(b, Body::TargetMetadataAck { .. })
+    });
+    assert!(
+        matches!(ack, Some(Body::TargetMetadataAck { device: false, .. })),
+        "{ack:?}"
+    );
+    assert_eq!(
+        copier.imports.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the copier was never asked to open it"
+    );
+    source.runner.check_invariants().unwrap();
+}
