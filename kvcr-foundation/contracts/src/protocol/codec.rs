@@ -65,8 +65,9 @@ pub const MAX_WORKER_ADDRESS: usize = 16 << 10;
 pub const MAX_RKEY: usize = 4096;
 /// Longest region label.
 pub const MAX_LABEL: usize = 64;
-/// Most device regions in one advertisement.
-pub const MAX_DEVICE_REGIONS: usize = 64;
+/// Most device regions in one advertisement (a 64-layer model registers 128:
+/// a K and a V per layer).
+pub const MAX_DEVICE_REGIONS: usize = 1024;
 /// Largest exported name of one device region.
 pub const MAX_DEVICE_EXPORT: usize = 256;
 
