@@ -4,7 +4,8 @@
 //! layer-first device pool and exports it; a second process
 //! (`--one-hop-source`, the source) pins a pool of patterned pages, imports
 //! the export and copies every page into its slot ([`CudaImport::copy`]);
-//! the destination checks every byte. Three rounds, medians. The source
+//! the destination checks every byte. Three rounds, medians (then three in
+//! the kernel copy mode, for comparison). The source
 //! times its copy call and the CPU it spent (getrusage, all its threads).
 //!
 //! [`CudaImport::copy`]: kvcr_direct_linker::CudaImport::copy
@@ -92,26 +93,40 @@ pub(crate) fn run(device: &Arc<Device>, h2d: f64, pages: u32) {
         bytes as f64 / f64::from(1u32 << 30),
         import * 1e3
     );
-    let (mut seconds, mut cpu) = (Vec::new(), Vec::new());
-    for round in 0..ROUNDS {
-        pool.fill(0).unwrap();
-        source.say("GO");
-        let result = source.expect("RESULT");
-        let mut it = result.split_whitespace().map(|v| v.parse::<f64>().unwrap());
-        let (secs, cpu_s, first_ms) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
-        let checked = Instant::now();
-        check(&pool, pages64, layer_bytes);
-        println!(
-            "# one-hop: round {round}: {:.1} ms ({:.2} GB/s), source CPU {:.1} ms, first layer landed at {first_ms:.2} ms (GPU); every byte checked in {:.1} s",
-            secs * 1e3,
-            bytes as f64 / secs / 1e9,
-            cpu_s * 1e3,
-            checked.elapsed().as_secs_f64()
-        );
-        seconds.push(secs);
-        cpu.push(cpu_s);
-    }
+    // Rounds in the source copier's default mode (the figures), then in
+    // the kernel mode for comparison (the SMs move the bytes: less driver
+    // work per span on the source's CPU).
+    let mut rounds = |mode: &str| -> (Vec<f64>, Vec<f64>) {
+        let (mut seconds, mut cpu) = (Vec::new(), Vec::new());
+        for round in 0..ROUNDS {
+            pool.fill(0).unwrap();
+            source.say(&format!("GO {mode}"));
+            let result = source.expect("RESULT");
+            let mut it = result.split_whitespace().map(|v| v.parse::<f64>().unwrap());
+            let (secs, cpu_s, first_ms) =
+                (it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
+            let checked = Instant::now();
+            check(&pool, pages64, layer_bytes);
+            println!(
+                "# one-hop: {mode} round {round}: {:.1} ms ({:.2} GB/s), source CPU {:.1} ms, first layer landed at {first_ms:.2} ms (GPU); every byte checked in {:.1} s",
+                secs * 1e3,
+                bytes as f64 / secs / 1e9,
+                cpu_s * 1e3,
+                checked.elapsed().as_secs_f64()
+            );
+            seconds.push(secs);
+            cpu.push(cpu_s);
+        }
+        (seconds, cpu)
+    };
+    let (seconds, cpu) = rounds("default");
+    let (kernel_seconds, kernel_cpu) = rounds("kernel");
     drop(source);
+    println!(
+        "# one-hop: kernel mode: {:.2} GB/s, source CPU {:.5} s/GB (medians)",
+        bytes as f64 / median(kernel_seconds) / 1e9,
+        median(kernel_cpu) / (bytes as f64 / 1e9)
+    );
     let secs = median(seconds);
     let gbps = bytes as f64 / secs / 1e9;
     let anchor_s = bytes as f64 / h2d / 1e9;
@@ -161,8 +176,9 @@ fn check(pool: &DeviceBuffer, pages: u64, layer_bytes: u64) {
 
 /// `--one-hop-source PAGES NAME`: the source process. Patterns and pins
 /// its pool, imports `NAME`, prints `READY <fill s> <pin s> <import s>`,
-/// then per `GO` line copies every page and prints `RESULT <s> <CPU s>
-/// <first layer ms>`; exits when stdin closes.
+/// then per `GO default` or `GO kernel` line copies every page in that
+/// copier mode and prints `RESULT <s> <CPU s> <first layer ms>`; exits when
+/// stdin closes.
 pub(crate) fn source(pages: u32, name: &str) {
     let pages64 = u64::from(pages);
     let bytes = PAGE * pages64;
@@ -213,9 +229,16 @@ pub(crate) fn source(pages: u32, name: &str) {
         .collect();
     let keys: Vec<&[CopySpan]> = keys.iter().map(Vec::as_slice).collect();
     println!("READY {fill} {register} {imported}");
+    let default = copier.mode();
     let mut line = String::new();
     while std::io::stdin().read_line(&mut line).is_ok_and(|n| n > 0) {
-        if line.trim() == "GO" {
+        if let Some(mode) = line.trim().strip_prefix("GO ") {
+            let mode = if mode == "kernel" {
+                CopyMode::Batched
+            } else {
+                default
+            };
+            copier.set_mode(mode).unwrap();
             let (cpu, t) = (cpu_seconds(), Instant::now());
             import.copy(&keys).unwrap();
             let secs = t.elapsed().as_secs_f64();
