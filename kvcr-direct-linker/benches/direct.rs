@@ -12,6 +12,10 @@
 //! * `direct.first_layer_ms`: until layer 0 (K and V of every page) landed,
 //!   anchor = the whole restore.
 //!
+//! `--tp2 PAGES` and `--seed [PAGES]` run the peer restores (`peer.rs`);
+//! `--one-hop-raw [PAGES]` the one-hop route's CUDA copy between two
+//! processes (`one_hop.rs`).
+//!
 //! Restore and offload are timed from the linker call to its landing event
 //! (wall clock: descriptor building, kernels, completion), medians of
 //! `--repeats` runs. `--pages N` (default 1812, the 116K-token prompt; 128
@@ -38,6 +42,14 @@ use kvcr_linker_contracts::{
     DeviceSlot, Linker, LinkerEvent, OffloadBatch, OffloadOutcome, PrefixQuery, RequestContext,
     RequestHooks,
 };
+
+// A bench target's root resolves modules beside it: its own go in `direct/`.
+#[path = "direct/one_hop.rs"]
+mod one_hop;
+#[path = "direct/peer.rs"]
+mod peer;
+
+use self::peer::{tp2_dest, tp2_peer_restore, tp2_source};
 
 const NAMESPACE: NamespaceId = NamespaceId(0x32b);
 const SETTLE: Duration = Duration::from_secs(600);
@@ -66,393 +78,15 @@ fn pattern(buffer: usize, slot: u32, len: usize) -> Vec<u8> {
         .collect()
 }
 
-/// One rank of a TP=`tp` engine on `device`: its share of the Qwen3-32B
-/// geometry's 8 KV heads, its own pool, a peer-enabled runner. Returns the
-/// linker and the device buffers it registered (drop the linker first).
-fn tp2_rank(
-    device: &Arc<Device>,
-    rank: u32,
-    tp: u32,
-    pages: u32,
-) -> (DirectLinker, Vec<DeviceBuffer>) {
-    let mut layout = KvLayout {
-        layers: 64,
-        page_tokens: 64,
-        kv_heads: 8 / tp,
-        head_dim: 128,
-        dtype_bytes: 2,
-        device_pages: pages,
-        tp_rank: rank,
-        tp_size: tp,
-        k_bases: Vec::new(),
-        v_bases: Vec::new(),
-    };
-    let span = layout.span_bytes() as usize;
-    let buffers: Vec<DeviceBuffer> = (0..layout.spans_per_page())
-        .map(|i| {
-            let b = DeviceBuffer::allocate(device, span * pages as usize).unwrap();
-            b.fill((i * 7 + 1 + rank as usize * 3) as u8).unwrap();
-            b
-        })
-        .collect();
-    let bases: Vec<u64> = buffers.iter().map(DeviceBuffer::address).collect();
-    layout.k_bases = bases.iter().step_by(2).copied().collect();
-    layout.v_bases = bases.iter().skip(1).step_by(2).copied().collect();
-    let copier = Arc::new(CudaCopier::new(device, CopyMode::best_for(device).unwrap(), 2).unwrap());
-    let config = DirectLinkerConfig {
-        layout,
-        store_pages: pages,
-        operation_timeout: Duration::from_secs(300),
-        incarnation: Incarnation::from_raw(u128::from(rank) + 10).unwrap(),
-        peer: Some(tp2_peer_options()),
-        prefault: true,
-    };
-    // SAFETY: the buffers are returned with the linker and dropped after it.
-    let linker = unsafe { DirectLinker::new(config, KvMemory::Cuda(copier)) }.unwrap();
-    (linker, buffers)
-}
-
-/// Peer options of a TP=2 runner: the defaults, or `KVCR_TP2_LANES` lanes
-/// and `KVCR_TP2_BATCH_MIB` MiB per write when set (inherited by the
-/// children, for sweeps).
-fn tp2_peer_options() -> kvcr_foundation::runner::PeerOptions {
-    let mut options = kvcr_foundation::runner::PeerOptions::loopback();
-    if let Some(lanes) = std::env::var("KVCR_TP2_LANES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
-        options.lanes = lanes;
-    }
-    if let Some(mib) = std::env::var("KVCR_TP2_BATCH_MIB")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-    {
-        options.write_batch_bytes = mib << 20;
-    }
-    options
-}
-
-/// The keys of the TP=2 prompt.
-fn tp2_keys(pages: u32) -> Vec<BlockKey> {
-    (0..u64::from(pages))
-        .map(|p| BlockKey::from_u64(0x7000 + p))
-        .collect()
-}
-
-/// The pages whose every span is written with a pattern and checked.
-fn tp2_checked(pages: u32) -> [u32; 2] {
-    [0, pages - 1]
-}
-
-/// `--tp2-source RANK PAGES TP`: one source rank as its own process on GPU
-/// `RANK % GPUs`: offloads the prompt, prints `ENDPOINT <endpoint>`, and
-/// serves until stdin closes.
-fn tp2_source(rank: u32, pages: u32, tp: u32) {
-    let count = kvcr_direct_linker::cuda::device_count().unwrap();
-    let device = Device::open(rank % count.max(1)).unwrap();
-    let (mut linker, buffers) = tp2_rank(&device, rank, tp, pages);
-    let span = linker.layout().span_bytes() as usize;
-    for (i, b) in buffers.iter().enumerate() {
-        for slot in tp2_checked(pages) {
-            let bytes = pattern(i + 1000 * rank as usize, slot, span);
-            b.write(slot as usize * span, &bytes).unwrap();
-        }
-    }
-    let batch = OffloadBatch {
-        namespace: NAMESPACE,
-        pages: tp2_keys(pages)
-            .iter()
-            .enumerate()
-            .map(|(s, k)| (*k, DeviceSlot(s as u32)))
-            .collect(),
-    };
-    let OffloadOutcome::Queued(ticket) = linker.offload(batch).unwrap() else {
-        panic!("offload declined");
-    };
-    let events = linker.settle(SETTLE);
-    assert!(events.contains(&LinkerEvent::OffloadDone {
-        ticket,
-        success: true
-    }));
-    println!("ENDPOINT {}", linker.runner().peers().endpoint().unwrap());
-    let mut line = String::new();
-    while std::io::stdin().read_line(&mut line).is_ok_and(|n| n > 0) {
-        line.clear();
-    }
-    drop(linker);
-    drop(buffers);
-}
-
-/// `--tp2-dest RANK PAGES ENDPOINT MODE TP`: one destination rank as its own
-/// process: restores its shard from the source rank at `ENDPOINT` on a hint
-/// (peer KVCR DRAM → local KVCR DRAM → GPU), checks the patterned pages,
-/// prints `RESULT <peer seconds> <total seconds>`. MODE `seq` runs the two
-/// hops one after the other (prepare, lookup, load: the peer seconds are the
-/// first hop); `pipe` is one pipelined `restore_hinted` (peer seconds 0).
-fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u32) {
-    let count = kvcr_direct_linker::cuda::device_count().unwrap();
-    let device = Device::open(rank % count.max(1)).unwrap();
-    let (mut linker, buffers) = tp2_rank(&device, rank, tp, pages);
-    let span = linker.layout().span_bytes() as usize;
-    let keys = tp2_keys(pages);
-    let hint = kvcr_foundation::FetchHint {
-        source: endpoint.parse().unwrap(),
-        block_hashes: keys.clone(),
-        mode: kvcr_foundation::hint::FetchMode::Copy,
-        action_id: None,
-    };
-    // Ready: the parent starts both ranks' clocks together.
-    println!("READY");
-    let mut go = String::new();
-    let _ = std::io::stdin().read_line(&mut go);
-    let mut ledger = AttemptLedger::new();
-    let query = PrefixQuery {
-        namespace: NAMESPACE,
-        device_prefix_pages: 0,
-        tail: keys.clone(),
-    };
-    let t = Instant::now();
-    if mode == "pipe" {
-        let (context, _) = RequestContext::begin(
-            &mut ledger,
-            RequestId(format!("tp{rank}")),
-            vec![hint],
-            query,
-        );
-        let slots: Vec<DeviceSlot> = (0..pages).map(DeviceSlot).collect();
-        let ticket = linker.restore_hinted(&context, &slots).unwrap();
-        let events = linker.settle(SETTLE);
-        assert!(
-            events.iter().any(|e| matches!(
-                e,
-                LinkerEvent::RestoreDone { ticket: t, restored, .. } if *t == ticket && *restored == pages
-            )),
-            "rank {rank}: pipelined restore incomplete: {events:?}"
-        );
-        let total = t.elapsed().as_secs_f64();
-        check_shard(rank, pages, span, &buffers);
-        println!("RESULT 0 {total}");
-        drop(linker);
-        drop(buffers);
-        return;
-    }
-    let (context, _) = RequestContext::begin(
-        &mut ledger,
-        RequestId(format!("tp{rank}")),
-        vec![hint],
-        query,
-    );
-    linker.request_started(&context).unwrap();
-    let attempt = context.attempt().clone();
-    let _ = linker.settle(SETTLE);
-    assert_eq!(
-        linker.lookup(&attempt, 0, &keys).unwrap().longest(),
-        pages,
-        "rank {rank}"
-    );
-    let fetched = t.elapsed().as_secs_f64();
-    let slots: Vec<DeviceSlot> = (0..pages).map(DeviceSlot).collect();
-    let ticket = linker.load(&attempt, &slots).unwrap();
-    let events = linker.settle(SETTLE);
-    assert!(events.iter().any(|e| matches!(
-        e,
-        LinkerEvent::LoadDone { ticket: t, success: true, .. } if *t == ticket
-    )));
-    let total = t.elapsed().as_secs_f64();
-    linker.request_finished(&attempt).unwrap();
-    check_shard(rank, pages, span, &buffers);
-    println!("RESULT {fetched} {total}");
-    drop(linker);
-    drop(buffers);
-}
-
-/// Asserts the patterned pages of `rank`'s shard landed on its GPU.
-fn check_shard(rank: u32, pages: u32, span: usize, buffers: &[DeviceBuffer]) {
-    for (i, b) in buffers.iter().enumerate() {
-        for slot in tp2_checked(pages) {
-            assert_eq!(
-                b.read(slot as usize * span, span).unwrap(),
-                pattern(i + 1000 * rank as usize, slot, span),
-                "rank {rank} span {i} page {slot}: not its own shard's bytes"
-            );
-        }
-    }
-}
-
-/// A child process of this benchmark, read line by line.
-struct Child {
-    child: std::process::Child,
-    stdin: Option<std::process::ChildStdin>,
-    lines: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
-}
-
-impl Child {
-    fn spawn(args: &[String]) -> Self {
-        use std::io::BufRead;
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .arg("--bench")
-            .args(args)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stdin = child.stdin.take();
-        let lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-        Self {
-            child,
-            stdin,
-            lines,
-        }
-    }
-
-    /// The next line starting with `word`, without it.
-    fn expect(&mut self, word: &str) -> String {
-        for line in self.lines.by_ref() {
-            let line = line.unwrap();
-            if let Some(rest) = line.strip_prefix(word) {
-                return rest.trim().to_owned();
-            }
-        }
-        panic!("child exited before {word}");
-    }
-
-    fn say(&mut self, line: &str) {
-        use std::io::Write;
-        let stdin = self.stdin.as_mut().unwrap();
-        writeln!(stdin, "{line}").unwrap();
-        stdin.flush().unwrap();
-    }
-}
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        drop(self.stdin.take());
-        let _ = self.child.wait();
-    }
-}
-
-/// Issue 11's run: engine A and engine B at TP=2 (or the seed's at TP=1,
-/// `--seed`), each rank its own process on GPU `rank` (all on GPU 0 when
-/// only one is lent). A's ranks offload;
-/// each rank of B restores its own shard from A's same rank on a router hint
-/// (A's KVCR DRAM → B's → B's GPU), both ranks at once, and checks the
-/// patterned pages byte for byte. Two rounds, each with fresh destination
-/// processes: the hops one after the other (which measures each hop), then
-/// pipelined (`restore_hinted`), whose figure is against the slower hop of
-/// the same rank measured in the first round.
-fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32, tp: u32) {
-    let gpu = |rank: usize| &gpus[rank % gpus.len()];
-    let name = format!("tp{tp}");
-    for rank in 0..tp as usize {
-        println!(
-            "# {name}: {pages} pages per rank, {} runner processes per round; rank {rank} on GPU {} ({})",
-            2 * tp,
-            gpu(rank).0.ordinal(),
-            gpu(rank).0.name(),
-        );
-    }
-    let shard_bytes = (64 * 2 * 64 * u64::from(8 / tp) * 128 * 2 * u64::from(pages)) as f64;
-    let mut sources: Vec<Child> = (0..tp)
-        .map(|r| {
-            let args = [r.to_string(), pages.to_string(), tp.to_string()];
-            Child::spawn(&[["--tp2-source".to_owned()].as_slice(), &args].concat())
-        })
-        .collect();
-    let endpoints: Vec<String> = sources.iter_mut().map(|s| s.expect("ENDPOINT")).collect();
-    let round = |mode: &str| -> (Vec<(f64, f64)>, f64) {
-        let mut dests: Vec<Child> = endpoints
-            .iter()
-            .enumerate()
-            .map(|(r, ep)| {
-                Child::spawn(&[
-                    "--tp2-dest".into(),
-                    r.to_string(),
-                    pages.to_string(),
-                    ep.clone(),
-                    mode.into(),
-                    tp.to_string(),
-                ])
-            })
-            .collect();
-        for d in &mut dests {
-            let _ = d.expect("READY");
-        }
-        let wall = Instant::now();
-        for d in &mut dests {
-            d.say("GO");
-        }
-        let timings = dests
-            .iter_mut()
-            .map(|d| {
-                let result = d.expect("RESULT");
-                let mut it = result.split_whitespace().map(|v| v.parse::<f64>().unwrap());
-                (it.next().unwrap(), it.next().unwrap())
-            })
-            .collect();
-        (timings, wall.elapsed().as_secs_f64())
-    };
-    let (hops, _) = round("seq");
-    let (pipelined, aggregate) = round("pipe");
-    for rank in 0..tp as usize {
-        let (fetched, total) = hops[rank];
-        let peer_hop = shard_bytes / fetched / 1e9;
-        let gpu_hop = shard_bytes / (total - fetched) / 1e9;
-        let sequential = shard_bytes / total / 1e9;
-        let h2d = gpu(rank).1;
-        let restore = shard_bytes / pipelined[rank].1 / 1e9;
-        let slower = peer_hop.min(gpu_hop);
-        println!(
-            "# {name}: rank {rank}: hops in turn: peer DRAM->DRAM {:.0} ms ({peer_hop:.1} GB/s), DRAM->GPU {:.0} ms ({gpu_hop:.1} GB/s), {sequential:.2} GB/s end to end; pipelined {:.0} ms; its shard's bytes checked in both",
-            fetched * 1e3,
-            (total - fetched) * 1e3,
-            pipelined[rank].1 * 1e3,
-        );
-        println!(
-            "BENCH {name}.restore_rank{rank} value={restore:.2} unit=GB/s anchor={slower:.2} ratio={:.3}",
-            restore / slower
-        );
-        println!(
-            "BENCH {name}.restore_vs_h2d_rank{rank} value={restore:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
-            restore / h2d
-        );
-        println!(
-            "BENCH {name}.peer_hop_rank{rank} value={peer_hop:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
-            peer_hop / h2d
-        );
-        println!(
-            "BENCH {name}.gpu_hop_rank{rank} value={gpu_hop:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
-            gpu_hop / h2d
-        );
-    }
-    // Aggregate (pipelined) against the sum of the distinct GPUs' anchors.
-    let h2d: f64 = gpus.iter().map(|g| g.1).sum();
-    let gbps = f64::from(tp) * shard_bytes / aggregate / 1e9;
-    println!(
-        "BENCH {name}.restore_aggregate value={gbps:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
-        gbps / h2d
-    );
-    if tp == 1 {
-        // The seed's headline workload on today's path (peer KVCR DRAM ->
-        // this rank's KVCR DRAM -> GPU, pipelined): the baseline a one-hop
-        // route is measured against. The seed: 1.24-1.27 s on B200s.
-        let seconds = pipelined[0].1;
-        let gbps = shard_bytes / seconds / 1e9;
-        println!(
-            "BENCH direct.peer_restore_32b_two_hop value={gbps:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
-            gbps / h2d
-        );
-        println!(
-            "BENCH direct.peer_restore_32b_two_hop_s value={seconds:.3} unit=s anchor={:.3} ratio={:.3}",
-            shard_bytes / h2d / 1e9,
-            seconds / (shard_bytes / h2d / 1e9)
-        );
-    }
-    drop(sources);
-}
-
 fn main() {
     if !std::env::args().any(|a| a == "--bench") {
         println!("direct bench: run with `cargo bench` or `cargo xtask bench` (on a GPU machine)");
+        return;
+    }
+    if let Some(pages) = arg("--one-hop-source") {
+        let args: Vec<String> = std::env::args().collect();
+        let at = args.iter().position(|a| a == "--one-hop-source").unwrap();
+        one_hop::source(pages.parse().unwrap(), &args[at + 2]);
         return;
     }
     if let Some(rank) = arg("--tp2-source") {
@@ -511,6 +145,13 @@ fn main() {
             gpus.push((second, anchor));
         }
         tp2_peer_restore(&gpus, tp2_pages.parse().unwrap(), 2);
+        return;
+    }
+    if std::env::args().any(|a| a == "--one-hop-raw") {
+        let pages = arg("--one-hop-raw")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(1812);
+        one_hop::run(&device, h2d, pages);
         return;
     }
     // `--seed [PAGES]`: the seeds' headline restore, TP=1, Qwen3-32B, 1812

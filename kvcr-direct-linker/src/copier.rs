@@ -16,7 +16,7 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use kvcr_foundation::runner::{CopySpan, DeviceCopier, PoolRange};
+use kvcr_foundation::runner::{CopySpan, DeviceCopier, DeviceImport, PoolRange};
 
 use crate::cuda::{
     CopyKernel, DIGEST_BLOCK_BYTES, Device, DigestKernel, Event, PinnedBuffer, PinnedRegistration,
@@ -88,12 +88,20 @@ struct Engine {
 /// for the GPU asleep; a wake-up costs tens of microseconds, a small share.
 const SLEEPING_WAIT_BYTES: u64 = 8 << 20;
 
-/// A [`DeviceCopier`] for one GPU.
+/// A [`DeviceCopier`] for one GPU. Its state is shared with the peer
+/// extents it imports ([`crate::one_hop::CudaImport`]), which copy on its
+/// streams and keep it alive until they are dropped.
+#[derive(Debug)]
+pub struct CudaCopier {
+    pub(crate) core: Arc<Core>,
+}
+
+/// What a copier and its imports share.
 ///
 /// Field order is drop order: the engine (stream, events, descriptor memory)
 /// and the pool registrations go before the kernel and the device context.
 #[derive(Debug)]
-pub struct CudaCopier {
+pub(crate) struct Core {
     engine: Mutex<Engine>,
     pinned: Mutex<Vec<PinnedRegistration>>,
     kernel: CopyKernel,
@@ -152,7 +160,7 @@ impl CudaCopier {
             words: Vec::new(),
             profile: CopyProfile::default(),
         };
-        Ok(Self {
+        let core = Core {
             engine: Mutex::new(engine),
             pinned: Mutex::new(Vec::new()),
             kernel,
@@ -160,27 +168,26 @@ impl CudaCopier {
             device: Arc::clone(device),
             mode: AtomicU8::new(mode_code(mode)),
             first_group: first_group.max(1),
+        };
+        Ok(Self {
+            core: Arc::new(core),
         })
     }
 
     /// The device it copies to and from.
     pub fn device(&self) -> &Arc<Device> {
-        &self.device
+        &self.core.device
     }
 
     /// How it copies.
     pub fn mode(&self) -> CopyMode {
-        match self.mode.load(Ordering::Relaxed) {
-            0 => CopyMode::Batched,
-            1 => CopyMode::PerSpan,
-            _ => CopyMode::DriverBatch,
-        }
+        self.core.mode()
     }
 
     /// Switches how later jobs copy (benchmarks compare modes on one pool).
     pub fn set_mode(&self, mode: CopyMode) -> Result<()> {
-        Self::check_mode(&self.device, mode)?;
-        self.mode.store(mode_code(mode), Ordering::Relaxed);
+        Self::check_mode(&self.core.device, mode)?;
+        self.core.mode.store(mode_code(mode), Ordering::Relaxed);
         Ok(())
     }
 
@@ -200,12 +207,32 @@ impl CudaCopier {
 
     /// The last job's profile.
     pub fn last_profile(&self) -> CopyProfile {
-        lock(&self.engine).profile
+        lock(&self.core.engine).profile
     }
 
     /// Pools pinned now (0 before attach and after detach).
     pub fn pinned_pools(&self) -> usize {
-        lock(&self.pinned).len()
+        lock(&self.core.pinned).len()
+    }
+}
+
+impl Core {
+    fn mode(&self) -> CopyMode {
+        match self.mode.load(Ordering::Relaxed) {
+            0 => CopyMode::Batched,
+            1 => CopyMode::PerSpan,
+            _ => CopyMode::DriverBatch,
+        }
+    }
+
+    /// The device it copies to and from.
+    pub(crate) fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+
+    /// The attached pools' registrations (locked: no detach meanwhile).
+    pub(crate) fn pinned(&self) -> MutexGuard<'_, Vec<PinnedRegistration>> {
+        lock(&self.pinned)
     }
 
     /// Rewrites the host side of `span` to its device-mapped address; the
@@ -254,6 +281,22 @@ impl CudaCopier {
         let hashed: Vec<usize> = (0..keys.len())
             .filter(|&k| keys.get(k).is_some_and(|key| Self::digestible(pinned, key)))
             .collect();
+        let out_at = self.launch_digests(kernel, keys, &hashed, stream, words)?;
+        Ok(Some((hashed, out_at)))
+    }
+
+    /// Queues the digest kernel over the keys `hashed` of `keys` (each
+    /// span device memory, 16-byte aligned, whole digest blocks: checked by
+    /// the caller) on `stream`; returns the word index in `words` of the
+    /// first digest.
+    fn launch_digests(
+        &self,
+        kernel: &DigestKernel,
+        keys: &[&[CopySpan]],
+        hashed: &[usize],
+        stream: &Stream,
+        words: &mut PinnedBuffer,
+    ) -> Result<usize> {
         let spans: usize = hashed
             .iter()
             .filter_map(|&k| keys.get(k))
@@ -267,7 +310,7 @@ impl CudaCopier {
         }
         let mut page_words = Vec::with_capacity(3 * hashed.len());
         let mut span_words = Vec::with_capacity(2 * spans);
-        for &k in &hashed {
+        for &k in hashed {
             let key = keys.get(k).copied().unwrap_or_default();
             let list = words.mapped() + 8 * (spans_at + span_words.len()) as u64;
             let total: u64 = key.iter().map(|s| s.len).sum();
@@ -287,7 +330,8 @@ impl CudaCopier {
         // engine lock is held throughout); every span is device memory the
         // engine registered and the runner bounds-checked, which nothing
         // writes during the job, 16-byte aligned and whole blocks long
-        // (`digestible`); the digests go to words of this buffer.
+        // (`digestible`, `digest_device`); the digests go to words of this
+        // buffer.
         unsafe {
             kernel.launch(
                 stream,
@@ -296,10 +340,60 @@ impl CudaCopier {
                 words.mapped() + 8 * out_at as u64,
             )?;
         }
-        Ok(Some((hashed, out_at)))
+        Ok(out_at)
     }
 
-    fn run(&self, keys: &[&[CopySpan]], digest: bool) -> Result<Vec<Option<u64>>> {
+    /// Each key's page digest, hashed on the device from device memory
+    /// (what a one-hop write landed); `None` without the digest kernel or
+    /// where a span is not 16-byte aligned or not whole digest blocks.
+    pub(crate) fn digest_device(&self, keys: &[&[CopySpan]]) -> Result<Option<Vec<u64>>> {
+        let Some(kernel) = &self.digest_kernel else {
+            return Ok(None);
+        };
+        let pinned = lock(&self.pinned);
+        for key in keys {
+            let total: u64 = key.iter().map(|s| s.len).sum();
+            let whole = key
+                .iter()
+                .all(|s| s.src % 16 == 0 && s.len % DIGEST_BLOCK_BYTES == 0);
+            if total < DIGEST_BLOCK_BYTES || !whole {
+                return Ok(None);
+            }
+            // The kernel reads device addresses: a span in an attached
+            // (host) pool would fault the context.
+            if let Some(span) = key
+                .iter()
+                .find(|s| pinned.iter().any(|p| p.translate(s.src, 1).is_some()))
+            {
+                return Err(Error::UnattachedSpan {
+                    src: span.src,
+                    dst: span.dst,
+                    len: span.len,
+                });
+            }
+        }
+        drop(pinned);
+        if keys.is_empty() {
+            return Ok(Some(Vec::new()));
+        }
+        self.device.bind()?;
+        let mut engine = lock(&self.engine);
+        let Engine {
+            digest_words,
+            digest_stream,
+            ..
+        } = &mut *engine;
+        let hashed: Vec<usize> = (0..keys.len()).collect();
+        let launched = self.launch_digests(kernel, keys, &hashed, digest_stream, digest_words);
+        // The kernel reads the device's pages: it has ended before this
+        // returns, whatever happened.
+        let synced = digest_stream.synchronize();
+        let out_at = launched?;
+        synced?;
+        digest_words.read_words(out_at, keys.len()).map(Some)
+    }
+
+    pub(crate) fn run(&self, keys: &[&[CopySpan]], digest: bool) -> Result<Vec<Option<u64>>> {
         self.device.bind()?;
         // Profiling only: how long the CPU spends building descriptors.
         #[allow(clippy::disallowed_methods)]
@@ -371,7 +465,9 @@ impl CudaCopier {
                         // runner bounds-checked and keeps valid for the job
                         // (pinned and mapped: `pinned` is locked, so no detach
                         // runs concurrently) and a device range the engine
-                        // registered; alignment was checked above.
+                        // registered or a peer's imported extent (checked by
+                        // `CudaImport::copy`, open while it copies); alignment
+                        // was checked above.
                         unsafe {
                             self.kernel.launch(
                                 stream,
@@ -467,12 +563,13 @@ impl CudaCopier {
 
 impl DeviceCopier for CudaCopier {
     fn attach(&self, pools: &[PoolRange]) -> kvcr_foundation::runner::Result<()> {
-        let mut pinned = lock(&self.pinned);
+        let mut pinned = lock(&self.core.pinned);
         let mut fresh = Vec::with_capacity(pools.len());
         for pool in pools {
+            let device = &self.core.device;
             // SAFETY: the runner keeps its pools allocated until it calls
             // `detach`, which drops these registrations first.
-            fresh.push(unsafe { PinnedRegistration::register(&self.device, pool.base, pool.len) }?);
+            fresh.push(unsafe { PinnedRegistration::register(device, pool.base, pool.len) }?);
         }
         pinned.extend(fresh);
         Ok(())
@@ -481,7 +578,8 @@ impl DeviceCopier for CudaCopier {
     fn copy(&self, keys: &[&[CopySpan]]) -> kvcr_foundation::runner::Result<()> {
         // The stream is synchronised or the context is lost either way; the
         // runner fails the keys.
-        self.run(keys, false)
+        self.core
+            .run(keys, false)
             .map(drop)
             .map_err(kvcr_foundation::runner::Error::from)
     }
@@ -490,15 +588,43 @@ impl DeviceCopier for CudaCopier {
         &self,
         keys: &[&[CopySpan]],
     ) -> kvcr_foundation::runner::Result<Vec<Option<u64>>> {
-        self.run(keys, true)
+        self.core
+            .run(keys, true)
             .map_err(kvcr_foundation::runner::Error::from)
     }
 
     fn digests_on_device(&self) -> bool {
-        self.digest_kernel.is_some()
+        self.core.digest_kernel.is_some()
     }
 
     fn detach(&self, pools: &[PoolRange]) {
-        lock(&self.pinned).retain(|p| !pools.iter().any(|pool| p.covers(pool.base)));
+        lock(&self.core.pinned).retain(|p| !pools.iter().any(|pool| p.covers(pool.base)));
+    }
+
+    fn export_device(
+        &self,
+        base: u64,
+        len: u64,
+    ) -> kvcr_foundation::runner::Result<Option<Vec<u8>>> {
+        self.export(base, len)
+            .map_err(kvcr_foundation::runner::Error::from)
+    }
+
+    fn import_device(
+        &self,
+        export: &[u8],
+        len: u64,
+    ) -> kvcr_foundation::runner::Result<Box<dyn DeviceImport>> {
+        let import = self.import(export, len)?;
+        Ok(Box::new(import))
+    }
+
+    fn digest_device(
+        &self,
+        keys: &[&[CopySpan]],
+    ) -> kvcr_foundation::runner::Result<Option<Vec<u64>>> {
+        self.core
+            .digest_device(keys)
+            .map_err(kvcr_foundation::runner::Error::from)
     }
 }

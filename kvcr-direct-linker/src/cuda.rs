@@ -17,10 +17,12 @@ use cudarc::driver::sys::{self, CUresult};
 use crate::error::{Error, Result};
 
 mod digest;
+mod ipc;
 mod memory;
 mod pointer;
 
 pub use self::digest::{DIGEST_BLOCK_BYTES, DigestKernel};
+pub use self::ipc::{DeviceUuid, IPC_HANDLE_BYTES, IpcMapping, device_uuids};
 pub use self::memory::{DeviceBuffer, PinnedBuffer, PinnedRegistration};
 
 fn check(call: &'static str, status: CUresult) -> Result<()> {

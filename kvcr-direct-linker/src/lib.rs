@@ -14,6 +14,10 @@
 //!   gather/scatter kernel launch per span index (layer 0 first), near the
 //!   PCIe limit; [`CopyMode::PerSpan`] keeps the one-copy-per-span path as
 //!   the anchor it is measured against.
+//! * [`one_hop`]: the one-hop route's CUDA side: [`CudaCopier::export`]
+//!   names device memory for a same-host peer (legacy CUDA IPC), whose
+//!   copier opens it ([`CudaImport`]) and copies its pinned pool's pages
+//!   straight into it.
 //! * [`linker`]: [`DirectLinker`], offload / prepare / lookup / load / poll
 //!   over a runner, with peer restore through the runner's hinted fetch (peer
 //!   KVCR DRAM → local DRAM over UCX → GPU).
@@ -34,8 +38,10 @@ pub mod cuda;
 pub mod error;
 pub mod layout;
 pub mod linker;
+pub mod one_hop;
 
 pub use copier::{CopyMode, CopyProfile, CudaCopier};
 pub use error::{Error, Result};
 pub use layout::KvLayout;
 pub use linker::{DirectLinker, DirectLinkerConfig, KvMemory};
+pub use one_hop::{CudaImport, ExportName};

@@ -102,9 +102,12 @@ fn linker_exception(error: &kvcr_direct_linker::Error, text: String) -> PyErr {
         E::Layout { .. } => LayoutError::new_err(text),
         E::RestoreSlots { .. } => ContractError::new_err(text),
         E::Runner(_) => RunnerError::new_err(text),
-        E::Cuda { .. } | E::Unsupported { .. } | E::Kernel(_) | E::UnattachedSpan { .. } => {
-            CudaError::new_err(text)
-        }
+        E::Cuda { .. }
+        | E::Unsupported { .. }
+        | E::Kernel(_)
+        | E::UnattachedSpan { .. }
+        | E::ExportName { .. }
+        | E::OutsideImport { .. } => CudaError::new_err(text),
     }
 }
 

@@ -7,6 +7,8 @@
 //!   abort and deadline paths, peer restore — on a GPU when `KVCR_TEST_GPU=1`
 //!   (which fails, not skips, when no GPU is found); without the flag only the
 //!   no-driver path runs.
+//! * `one_hop`: a second process imports this one's exported device extent
+//!   and copies a pinned pattern into it (GPU only).
 
 #![allow(
     clippy::unwrap_used,
@@ -18,4 +20,5 @@
 mod conformance;
 mod fixture;
 mod layouts;
+mod one_hop;
 mod restore;
