@@ -113,6 +113,10 @@ pub(crate) struct Core {
     /// measurements on one pool).
     mode: AtomicU8,
     first_group: usize,
+    /// The device extents of the imports open now (`[start, end)` in this
+    /// process's address space, one entry per import): what
+    /// [`DeviceCopier::copy_to_imports`] may write.
+    open_imports: Mutex<Vec<(u64, u64)>>,
 }
 
 /// The first driver version with `cuMemcpyBatchAsync`.
@@ -168,6 +172,7 @@ impl CudaCopier {
             device: Arc::clone(device),
             mode: AtomicU8::new(mode_code(mode)),
             first_group: first_group.max(1),
+            open_imports: Mutex::new(Vec::new()),
         };
         Ok(Self {
             core: Arc::new(core),
@@ -228,6 +233,11 @@ impl Core {
     /// The device it copies to and from.
     pub(crate) fn device(&self) -> &Arc<Device> {
         &self.device
+    }
+
+    /// The extents of the imports open now.
+    pub(crate) fn open_imports(&self) -> MutexGuard<'_, Vec<(u64, u64)>> {
+        lock(&self.open_imports)
     }
 
     /// The attached pools' registrations (locked: no detach meanwhile).
@@ -617,6 +627,11 @@ impl DeviceCopier for CudaCopier {
     ) -> kvcr_foundation::runner::Result<Box<dyn DeviceImport>> {
         let import = self.import(export, len)?;
         Ok(Box::new(import))
+    }
+
+    fn copy_to_imports(&self, keys: &[&[CopySpan]]) -> kvcr_foundation::runner::Result<()> {
+        self.copy_to_imports(keys)
+            .map_err(kvcr_foundation::runner::Error::from)
     }
 
     fn digest_device(

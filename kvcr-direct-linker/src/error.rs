@@ -85,6 +85,14 @@ pub enum Error {
         /// Bytes of the extent.
         extent: u64,
     },
+    /// A one-pass copy's destination lies in no import open now.
+    #[error("one-hop span to {dst:#x} ({len} bytes) lies in no open import")]
+    OutsideImports {
+        /// Destination address.
+        dst: u64,
+        /// Bytes.
+        len: u64,
+    },
     /// The runner refused or failed.
     #[error(transparent)]
     Runner(#[from] kvcr_foundation::runner::Error),

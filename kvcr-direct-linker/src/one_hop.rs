@@ -171,12 +171,53 @@ impl CudaCopier {
                 allocation: mapping.len(),
             });
         }
+        let start = mapping.base() + name.offset;
+        self.core.open_imports().push((start, start + name.len));
         Ok(CudaImport {
             mapping,
             offset: name.offset,
             len: name.len,
             core: Arc::clone(&self.core),
         })
+    }
+
+    /// Copies every span of every key in one pass over several imports:
+    /// `src` inside an attached pool, `dst` an address
+    /// [`CudaImport::resolve`] returned. Every span is checked against the
+    /// attached pools and the extents of the imports open now before
+    /// anything is issued (outside: an error, nothing written). The caller
+    /// keeps the imports open until this returns.
+    pub fn copy_to_imports(&self, keys: &[&[CopySpan]]) -> Result<()> {
+        {
+            let pinned = self.core.pinned();
+            let open = self.core.open_imports();
+            for span in keys.iter().flat_map(|k| k.iter()) {
+                let inside_import = span.dst.checked_add(span.len).is_some_and(|end| {
+                    open.iter()
+                        .any(|&(start, stop)| span.dst >= start && end <= stop)
+                });
+                if !inside_import {
+                    return Err(Error::OutsideImports {
+                        dst: span.dst,
+                        len: span.len,
+                    });
+                }
+                if !pinned
+                    .iter()
+                    .any(|p| p.translate(span.src, span.len).is_some())
+                {
+                    return Err(Error::UnattachedSpan {
+                        src: span.src,
+                        dst: span.dst,
+                        len: span.len,
+                    });
+                }
+            }
+        }
+        // The copier translates each source to its mapped address (and
+        // refuses one a detach removed meanwhile); the destinations lie in
+        // extents open now, checked above, which the caller keeps open.
+        self.core.run(keys, false).map(drop)
     }
 
     /// Each key's page digest (xxh3-64 of its spans in order, as
@@ -212,6 +253,14 @@ impl CudaImport {
     /// Whether the extent is empty (never: an empty name is refused).
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Where bytes `offset .. offset + len` of the extent are in this
+    /// process's device address space (for [`CudaCopier::copy_to_imports`]);
+    /// `None` outside the extent.
+    pub fn resolve(&self, offset: u64, len: u64) -> Option<u64> {
+        let end = offset.checked_add(len)?;
+        (end <= self.len).then(|| self.mapping.base() + self.offset + offset)
     }
 
     /// Copies every span of every key: `src` inside a pool attached to the
@@ -272,6 +321,22 @@ impl DeviceImport for CudaImport {
     fn copy_into(&self, keys: &[&[CopySpan]]) -> kvcr_foundation::runner::Result<()> {
         self.copy(keys)
             .map_err(kvcr_foundation::runner::Error::from)
+    }
+
+    fn resolve(&self, offset: u64, len: u64) -> Option<u64> {
+        CudaImport::resolve(self, offset, len)
+    }
+}
+
+impl Drop for CudaImport {
+    /// Forgets the extent before the mapping (the first field) closes, so
+    /// no later one-pass copy may name it.
+    fn drop(&mut self) {
+        let start = self.mapping.base() + self.offset;
+        let mut open = self.core.open_imports();
+        if let Some(at) = open.iter().position(|&e| e == (start, start + self.len)) {
+            open.swap_remove(at);
+        }
     }
 }
 

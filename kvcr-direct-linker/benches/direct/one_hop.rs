@@ -49,7 +49,7 @@ fn unhex(text: &str) -> Vec<u8> {
 }
 
 /// CPU seconds this process has used so far, user and system, all threads.
-fn cpu_seconds() -> f64 {
+pub(crate) fn cpu_seconds() -> f64 {
     let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
     // SAFETY: getrusage writes one `rusage` into the zeroed value.
     let status = unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) };

@@ -1,7 +1,9 @@
 //! The peer restore benches: issue 11's TP=2 run (`--tp2 PAGES`) and the
 //! seed's headline workload at TP=1 (`--seed [PAGES]`), each rank and each
-//! source its own process (`--tp2-source`, `--tp2-dest`), through today's
-//! two-hop path (peer KVCR DRAM -> this rank's KVCR DRAM -> GPU).
+//! source its own process (`--tp2-source`, `--tp2-dest`): the two hops in
+//! turn (peer KVCR DRAM -> this rank's KVCR DRAM -> GPU), pipelined
+//! `restore_hinted` (the one-hop route: the source's KVCR DRAM straight into
+//! this GPU), and pipelined with the one-hop route off (two hops, forced).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,6 +29,7 @@ fn tp2_rank(
     rank: u32,
     tp: u32,
     pages: u32,
+    one_hop: bool,
 ) -> (DirectLinker, Vec<DeviceBuffer>) {
     let mut layout = KvLayout {
         layers: 64,
@@ -57,7 +60,10 @@ fn tp2_rank(
         store_pages: pages,
         operation_timeout: Duration::from_secs(300),
         incarnation: Incarnation::from_raw(u128::from(rank) + 10).unwrap(),
-        peer: Some(tp2_peer_options()),
+        peer: Some(kvcr_foundation::runner::PeerOptions {
+            one_hop,
+            ..tp2_peer_options()
+        }),
         prefault: true,
     };
     // SAFETY: the buffers are returned with the linker and dropped after it.
@@ -103,7 +109,7 @@ fn tp2_checked(pages: u32) -> [u32; 2] {
 pub(crate) fn tp2_source(rank: u32, pages: u32, tp: u32) {
     let count = kvcr_direct_linker::cuda::device_count().unwrap();
     let device = Device::open(rank % count.max(1)).unwrap();
-    let (mut linker, buffers) = tp2_rank(&device, rank, tp, pages);
+    let (mut linker, buffers) = tp2_rank(&device, rank, tp, pages, true);
     let span = linker.layout().span_bytes() as usize;
     for (i, b) in buffers.iter().enumerate() {
         for slot in tp2_checked(pages) {
@@ -128,8 +134,13 @@ pub(crate) fn tp2_source(rank: u32, pages: u32, tp: u32) {
         success: true
     }));
     println!("ENDPOINT {}", linker.runner().peers().endpoint().unwrap());
+    // `CPU`: this process's CPU seconds so far (the parent takes the
+    // difference across a round: what serving a restore cost the source).
     let mut line = String::new();
     while std::io::stdin().read_line(&mut line).is_ok_and(|n| n > 0) {
+        if line.trim() == "CPU" {
+            println!("CPU {}", super::one_hop::cpu_seconds());
+        }
         line.clear();
     }
     drop(linker);
@@ -139,13 +150,15 @@ pub(crate) fn tp2_source(rank: u32, pages: u32, tp: u32) {
 /// `--tp2-dest RANK PAGES ENDPOINT MODE TP`: one destination rank as its own
 /// process: restores its shard from the source rank at `ENDPOINT` on a hint
 /// (peer KVCR DRAM → local KVCR DRAM → GPU), checks the patterned pages,
-/// prints `RESULT <peer seconds> <total seconds>`. MODE `seq` runs the two
-/// hops one after the other (prepare, lookup, load: the peer seconds are the
-/// first hop); `pipe` is one pipelined `restore_hinted` (peer seconds 0).
+/// prints `RESULT <peer seconds> <total seconds> <pages landed in one hop>`.
+/// MODE `seq` runs the two hops one after the other (prepare, lookup, load:
+/// the peer seconds are the first hop); `pipe` is one pipelined
+/// `restore_hinted` (peer seconds 0), which takes the one-hop route where
+/// the source offers it; `pipe2` is the same with the one-hop route off.
 pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u32) {
     let count = kvcr_direct_linker::cuda::device_count().unwrap();
     let device = Device::open(rank % count.max(1)).unwrap();
-    let (mut linker, buffers) = tp2_rank(&device, rank, tp, pages);
+    let (mut linker, buffers) = tp2_rank(&device, rank, tp, pages, mode != "pipe2");
     let span = linker.layout().span_bytes() as usize;
     let keys = tp2_keys(pages);
     let hint = kvcr_foundation::FetchHint {
@@ -165,7 +178,7 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
         tail: keys.clone(),
     };
     let t = Instant::now();
-    if mode == "pipe" {
+    if mode.starts_with("pipe") {
         let (context, _) = RequestContext::begin(
             &mut ledger,
             RequestId(format!("tp{rank}")),
@@ -184,7 +197,15 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
         );
         let total = t.elapsed().as_secs_f64();
         check_shard(rank, pages, span, &buffers);
-        println!("RESULT 0 {total}");
+        let counters = linker.runner().peers().stats().counters;
+        println!(
+            "# rank {rank} {mode}: {} one-hop writes, {} pages in one hop ({} checked on the GPU), {} sent through KVCR DRAM",
+            counters.one_hop_writes,
+            counters.one_hop_pages,
+            counters.one_hop_pages,
+            counters.one_hop_fallbacks
+        );
+        println!("RESULT 0 {total} {}", counters.one_hop_pages);
         drop(linker);
         drop(buffers);
         return;
@@ -214,7 +235,7 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
     let total = t.elapsed().as_secs_f64();
     linker.request_finished(&attempt).unwrap();
     check_shard(rank, pages, span, &buffers);
-    println!("RESULT {fetched} {total}");
+    println!("RESULT {fetched} {total} 0");
     drop(linker);
     drop(buffers);
 }
@@ -312,7 +333,7 @@ pub(crate) fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32, tp: u32)
         })
         .collect();
     let endpoints: Vec<String> = sources.iter_mut().map(|s| s.expect("ENDPOINT")).collect();
-    let round = |mode: &str| -> (Vec<(f64, f64)>, f64) {
+    let mut round = |mode: &str| -> (Vec<(f64, f64)>, f64, Vec<u64>, f64) {
         let mut dests: Vec<Child> = endpoints
             .iter()
             .enumerate()
@@ -330,22 +351,47 @@ pub(crate) fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32, tp: u32)
         for d in &mut dests {
             let _ = d.expect("READY");
         }
+        let mut source_cpu = || -> f64 {
+            sources
+                .iter_mut()
+                .map(|s| {
+                    s.say("CPU");
+                    s.expect("CPU").parse::<f64>().unwrap()
+                })
+                .sum()
+        };
+        let cpu_before = source_cpu();
         let wall = Instant::now();
         for d in &mut dests {
             d.say("GO");
         }
+        let mut one_hop = Vec::new();
         let timings = dests
             .iter_mut()
             .map(|d| {
                 let result = d.expect("RESULT");
                 let mut it = result.split_whitespace().map(|v| v.parse::<f64>().unwrap());
-                (it.next().unwrap(), it.next().unwrap())
+                let timing = (it.next().unwrap(), it.next().unwrap());
+                one_hop.push(it.next().unwrap() as u64);
+                timing
             })
             .collect();
-        (timings, wall.elapsed().as_secs_f64())
+        let wall = wall.elapsed().as_secs_f64();
+        let cpu = source_cpu() - cpu_before;
+        (timings, wall, one_hop, cpu)
     };
-    let (hops, _) = round("seq");
-    let (pipelined, aggregate) = round("pipe");
+    let (hops, ..) = round("seq");
+    let (pipelined, aggregate, one_hop_pages, source_cpu) = round("pipe");
+    let (forced, forced_aggregate, forced_one_hop, _) = round("pipe2");
+    let one_hop = one_hop_pages.iter().all(|p| *p == u64::from(pages));
+    assert!(
+        forced_one_hop.iter().all(|p| *p == 0),
+        "{name}: the forced round took the one-hop route"
+    );
+    println!(
+        "# {name}: pipelined round: {} ({one_hop_pages:?} pages in one hop per rank); the sources spent {source_cpu:.3} CPU s",
+        if one_hop { "one hop" } else { "NOT one hop throughout" },
+    );
     for rank in 0..tp as usize {
         let (fetched, total) = hops[rank];
         let peer_hop = shard_bytes / fetched / 1e9;
@@ -353,6 +399,7 @@ pub(crate) fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32, tp: u32)
         let sequential = shard_bytes / total / 1e9;
         let h2d = gpu(rank).1;
         let restore = shard_bytes / pipelined[rank].1 / 1e9;
+        let two_hop = shard_bytes / forced[rank].1 / 1e9;
         let slower = peer_hop.min(gpu_hop);
         println!(
             "# {name}: rank {rank}: hops in turn: peer DRAM->DRAM {:.0} ms ({peer_hop:.1} GB/s), DRAM->GPU {:.0} ms ({gpu_hop:.1} GB/s), {sequential:.2} GB/s end to end; pipelined {:.0} ms; its shard's bytes checked in both",
@@ -367,6 +414,10 @@ pub(crate) fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32, tp: u32)
         println!(
             "BENCH {name}.restore_vs_h2d_rank{rank} value={restore:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
             restore / h2d
+        );
+        println!(
+            "BENCH {name}.two_hop_forced_rank{rank} value={two_hop:.2} unit=GB/s anchor={slower:.2} ratio={:.3}",
+            two_hop / slower
         );
         println!(
             "BENCH {name}.peer_hop_rank{rank} value={peer_hop:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
@@ -384,21 +435,35 @@ pub(crate) fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32, tp: u32)
         "BENCH {name}.restore_aggregate value={gbps:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
         gbps / h2d
     );
+    let forced_gbps = f64::from(tp) * shard_bytes / forced_aggregate / 1e9;
+    println!(
+        "BENCH {name}.restore_aggregate_two_hop_forced value={forced_gbps:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
+        forced_gbps / h2d
+    );
+    let total_gb = f64::from(tp) * shard_bytes / 1e9;
+    println!(
+        "BENCH direct.peer_restore_source_cpu value={:.4} unit=s/GB",
+        source_cpu / total_gb
+    );
     if tp == 1 {
-        // The seed's headline workload on today's path (peer KVCR DRAM ->
-        // this rank's KVCR DRAM -> GPU, pipelined): the baseline a one-hop
-        // route is measured against. The seed: 1.24-1.27 s on B200s.
-        let seconds = pipelined[0].1;
-        let gbps = shard_bytes / seconds / 1e9;
-        println!(
-            "BENCH direct.peer_restore_32b_two_hop value={gbps:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
-            gbps / h2d
-        );
-        println!(
-            "BENCH direct.peer_restore_32b_two_hop_s value={seconds:.3} unit=s anchor={:.3} ratio={:.3}",
-            shard_bytes / h2d / 1e9,
-            seconds / (shard_bytes / h2d / 1e9)
-        );
+        // The seed's headline workload (the seed: 1.24-1.27 s on B200s), in
+        // one hop (pipelined `restore_hinted`) and in two (forced), each
+        // against pinned H2D of the same bytes measured in this run.
+        let anchor_s = shard_bytes / h2d / 1e9;
+        for (figure, seconds) in [
+            ("direct.peer_restore_32b", pipelined[0].1),
+            ("direct.peer_restore_32b_two_hop", forced[0].1),
+        ] {
+            let gbps = shard_bytes / seconds / 1e9;
+            println!(
+                "BENCH {figure} value={gbps:.2} unit=GB/s anchor={h2d:.2} ratio={:.3}",
+                gbps / h2d
+            );
+            println!(
+                "BENCH {figure}_s value={seconds:.3} unit=s anchor={anchor_s:.3} ratio={:.3}",
+                seconds / anchor_s
+            );
+        }
     }
     drop(sources);
 }

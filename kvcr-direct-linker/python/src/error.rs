@@ -107,7 +107,8 @@ fn linker_exception(error: &kvcr_direct_linker::Error, text: String) -> PyErr {
         | E::Kernel(_)
         | E::UnattachedSpan { .. }
         | E::ExportName { .. }
-        | E::OutsideImport { .. } => CudaError::new_err(text),
+        | E::OutsideImport { .. }
+        | E::OutsideImports { .. } => CudaError::new_err(text),
     }
 }
 

@@ -33,6 +33,16 @@ pub trait DeviceImport: Send + Sync {
     /// an error, nothing copied). Returns only when no copy of this call can
     /// touch memory any more, whatever the outcome; an error fails every key.
     fn copy_into(&self, keys: &[&[CopySpan]]) -> Result<()>;
+
+    /// Where bytes `offset .. offset + len` of the extent are in this
+    /// process's device address space, for [`DeviceCopier::copy_to_imports`]
+    /// (one pass over several imports); `None` outside the extent, or where
+    /// the import cannot be addressed so (then [`DeviceImport::copy_into`]
+    /// serves). Default: `None`.
+    fn resolve(&self, offset: u64, len: u64) -> Option<u64> {
+        let _ = (offset, len);
+        None
+    }
 }
 
 /// Moves bytes between runner pools (host DRAM) and device regions.
@@ -97,6 +107,22 @@ pub trait DeviceCopier: Send + Sync {
         Err(crate::error::Error::runner(
             kvcr_runner_core::RunnerReason::DeviceCopy(kvcr_contracts::error::Echo::new(
                 "this copier cannot import device memory",
+            )),
+        ))
+    }
+
+    /// Copies every span of every key in one pass: `src` inside an attached
+    /// pool, `dst` an address [`DeviceImport::resolve`] returned for an
+    /// import this copier opened, which the caller holds open for the call.
+    /// A one-hop write spans many imports (a K and a V region per layer);
+    /// one pass batches them as [`DeviceCopier::copy`] batches a job. Same
+    /// completion contract as `copy`. Default: refused (the caller then
+    /// copies through each import).
+    fn copy_to_imports(&self, keys: &[&[CopySpan]]) -> Result<()> {
+        let _ = keys;
+        Err(crate::error::Error::runner(
+            kvcr_runner_core::RunnerReason::DeviceCopy(kvcr_contracts::error::Echo::new(
+                "this copier cannot copy to several imports at once",
             )),
         ))
     }

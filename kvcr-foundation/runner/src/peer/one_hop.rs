@@ -35,11 +35,11 @@ pub(super) struct DeviceRoute {
 /// Per device region id, the opened import.
 pub(super) type DeviceRoutes = HashMap<RegionId, DeviceRoute>;
 
-/// A write's copies, per import it goes through.
+/// A write's copies, per import it goes through (`dst` an offset in it).
 type Copies = Vec<(Arc<dyn DeviceImport>, Vec<CopySpan>)>;
 
-/// A write (its id) and its copies.
-type Job = (u64, Copies);
+/// A write (its id), its copies, and the copier that opened their imports.
+type Job = (u64, Copies, Arc<dyn DeviceCopier>);
 
 /// The thread that runs one-hop writes, one after the other (the copier
 /// spreads each over its own streams).
@@ -59,10 +59,8 @@ impl OneHopWriter {
             let spawned = std::thread::Builder::new()
                 .name("kvcr-one-hop".into())
                 .spawn(move || {
-                    for (write, copies) in rx {
-                        let ok = copies
-                            .iter()
-                            .all(|(import, spans)| import.copy_into(&[spans.as_slice()]).is_ok());
+                    for (write, copies, copier) in rx {
+                        let ok = copy_write(&copies, copier.as_ref());
                         let _ = done.send((write, ok));
                     }
                 });
@@ -74,6 +72,41 @@ impl OneHopWriter {
         self.worker
             .as_ref()
             .is_some_and(|(tx, _)| tx.send(job).is_ok())
+    }
+}
+
+/// Runs one write's copies; whether all of them landed. One pass over
+/// every import when each resolves its spans (the copier batches the
+/// write's spans of each page as it batches a job: a layer-first page is a
+/// K and a V region per layer, so a write through each import alone would
+/// cost one synchronisation per region); otherwise import by import.
+/// The imports in `copies` stay open until this returns.
+fn copy_write(copies: &Copies, copier: &dyn DeviceCopier) -> bool {
+    let resolved: Option<Vec<Vec<CopySpan>>> = copies
+        .iter()
+        .map(|(import, spans)| {
+            spans
+                .iter()
+                .map(|s| {
+                    import.resolve(s.dst, s.len).map(|dst| CopySpan {
+                        src: s.src,
+                        dst,
+                        len: s.len,
+                    })
+                })
+                .collect()
+        })
+        .collect();
+    match resolved {
+        // One "key" per import: the copier issues span index i of every
+        // import together (page i of the write across all its regions).
+        Some(keys) => {
+            let keys: Vec<&[CopySpan]> = keys.iter().map(Vec::as_slice).collect();
+            copier.copy_to_imports(&keys).is_ok()
+        }
+        None => copies
+            .iter()
+            .all(|(import, spans)| import.copy_into(&[spans.as_slice()]).is_ok()),
     }
 }
 
@@ -148,9 +181,13 @@ impl State {
         spans: &[PutSpan],
     ) {
         let plan = route.and_then(|route| device_plan(&route.device, spans));
-        let queued = match plan {
-            Some(copies) => self.one_hop.submit((write, copies), &self.lane_done_tx),
-            None => false,
+        let copier: Option<Arc<dyn DeviceCopier>> = shared.lock().device.clone();
+        let queued = match (plan, copier) {
+            (Some(copies), Some(copier)) => {
+                self.one_hop
+                    .submit((write, copies, copier), &self.lane_done_tx)
+            }
+            _ => false,
         };
         if !queued {
             shared.with_core_now(|core, now| core.handle_put_done(now, write, false));
