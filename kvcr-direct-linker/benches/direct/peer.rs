@@ -167,11 +167,16 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
         mode: kvcr_foundation::hint::FetchMode::Copy,
         action_id: None,
     };
+    // A route's handshake (the metadata, and the source opening our device
+    // regions for the one-hop route) happens once per source, on its first
+    // hint; an engine's routes to its peers are warm. Warm this one outside
+    // the clock: a prepare for a key the source lacks.
+    let mut ledger = AttemptLedger::new();
+    warm_route(&mut linker, &mut ledger, endpoint);
     // Ready: the parent starts both ranks' clocks together.
     println!("READY");
     let mut go = String::new();
     let _ = std::io::stdin().read_line(&mut go);
-    let mut ledger = AttemptLedger::new();
     let query = PrefixQuery {
         namespace: NAMESPACE,
         device_prefix_pages: 0,
@@ -238,6 +243,27 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
     println!("RESULT {fetched} {total} 0");
     drop(linker);
     drop(buffers);
+}
+
+/// Proves the route to the source at `endpoint`: a prepare, on a hint, of
+/// a key the source does not hold (nothing lands; the handshake completes).
+fn warm_route(linker: &mut DirectLinker, ledger: &mut AttemptLedger, endpoint: &str) {
+    let absent = BlockKey::from_u64(0x0dea_d000);
+    let hint = kvcr_foundation::FetchHint {
+        source: endpoint.parse().unwrap(),
+        block_hashes: vec![absent],
+        mode: kvcr_foundation::hint::FetchMode::Copy,
+        action_id: None,
+    };
+    let query = PrefixQuery {
+        namespace: NAMESPACE,
+        device_prefix_pages: 0,
+        tail: vec![absent],
+    };
+    let (context, _) = RequestContext::begin(ledger, RequestId("warm".into()), vec![hint], query);
+    linker.request_started(&context).unwrap();
+    let _ = linker.settle(Duration::from_secs(5));
+    linker.request_finished(context.attempt()).unwrap();
 }
 
 /// Asserts the patterned pages of `rank`'s shard landed on its GPU.
@@ -390,7 +416,11 @@ pub(crate) fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32, tp: u32)
     );
     println!(
         "# {name}: pipelined round: {} ({one_hop_pages:?} pages in one hop per rank); the sources spent {source_cpu:.3} CPU s",
-        if one_hop { "one hop" } else { "NOT one hop throughout" },
+        if one_hop {
+            "one hop"
+        } else {
+            "NOT one hop throughout"
+        },
     );
     for rank in 0..tp as usize {
         let (fetched, total) = hops[rank];

@@ -9,6 +9,8 @@
 //!   no-driver path runs.
 //! * `one_hop`: a second process imports this one's exported device extent
 //!   and copies a pinned pattern into it (GPU only).
+//! * `one_hop_peer`: restores from a source process in one hop, its fallback
+//!   to two, a source killed with a grant outstanding (GPU only).
 
 #![allow(
     clippy::unwrap_used,
@@ -21,4 +23,5 @@ mod conformance;
 mod fixture;
 mod layouts;
 mod one_hop;
+mod one_hop_peer;
 mod restore;

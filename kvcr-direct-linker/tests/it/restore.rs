@@ -24,12 +24,12 @@ use rstest::rstest;
 
 use crate::fixture::{Fixture, config, gpu, gpu_required};
 
-const NAMESPACE: NamespaceId = NamespaceId(0xd1ec7);
+pub(crate) const NAMESPACE: NamespaceId = NamespaceId(0xd1ec7);
 
 /// Which pools a test runs on: host always, the GPU (both copy modes) when
 /// required.
 #[derive(Debug, Clone, Copy)]
-enum Backend {
+pub(crate) enum Backend {
     Host,
     Cuda(CopyMode),
 }
@@ -44,11 +44,11 @@ fn backends() -> Vec<Backend> {
     out
 }
 
-fn incarnation(n: u128) -> Incarnation {
+pub(crate) fn incarnation(n: u128) -> Incarnation {
     Incarnation::from_raw(n).unwrap()
 }
 
-fn fixture(backend: Backend, layout: KvLayout, store_pages: u32) -> Fixture {
+pub(crate) fn fixture(backend: Backend, layout: KvLayout, store_pages: u32) -> Fixture {
     match backend {
         Backend::Host => Fixture::host(layout, store_pages, incarnation(1)),
         Backend::Cuda(mode) => Fixture::cuda(&gpu(), mode, layout, store_pages, incarnation(1)),
@@ -71,7 +71,7 @@ fn geometry(layers: u32, page_tokens: u32, kv_heads: u32, head_dim: u32, pages: 
 }
 
 /// Deterministic pseudo-random page bytes (xorshift over key and seed).
-fn page_bytes(key: u64, seed: u64, len: usize) -> Vec<u8> {
+pub(crate) fn page_bytes(key: u64, seed: u64, len: usize) -> Vec<u8> {
     let mut state = key.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed ^ 0x5bd1_e995;
     (0..len)
         .map(|_| {
@@ -83,7 +83,7 @@ fn page_bytes(key: u64, seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
-fn keys(n: u64) -> Vec<BlockKey> {
+pub(crate) fn keys(n: u64) -> Vec<BlockKey> {
     (1..=n).map(|k| BlockKey::from_u64(0x1000 + k)).collect()
 }
 
@@ -295,10 +295,10 @@ fn missing_driver_is_a_typed_error() {
 const CHILD_ENV: &str = "KVCR_DIRECT_LINKER_SOURCE";
 const CHILD_TEST: &str = "restore::source_process";
 const TAG: &str = "KVCR-SOURCE";
-const PEER_PAGES: u64 = 6;
-const PEER_SEED: u64 = 42;
+pub(crate) const PEER_PAGES: u64 = 6;
+pub(crate) const PEER_SEED: u64 = 42;
 
-fn peer_layout() -> KvLayout {
+pub(crate) fn peer_layout() -> KvLayout {
     geometry(4, 16, 2, 64, 8)
 }
 
@@ -308,16 +308,25 @@ fn say(line: &str) {
     out.flush().unwrap();
 }
 
-fn peer_fixture(backend: Backend) -> Fixture {
+pub(crate) fn peer_fixture(backend: Backend) -> Fixture {
     peer_fixture_with(backend, peer_layout())
 }
 
 fn peer_fixture_with(backend: Backend, layout: KvLayout) -> Fixture {
+    peer_fixture_with_options(backend, layout, PeerOptions::loopback())
+}
+
+/// A peer-enabled fixture with `options`.
+pub(crate) fn peer_fixture_with_options(
+    backend: Backend,
+    layout: KvLayout,
+    options: PeerOptions,
+) -> Fixture {
     let mut f = fixture(backend, layout, 8);
     let layout = f.layout.clone();
     let memory = f.linker.memory().clone();
     let mut cfg = config(layout, 8, incarnation(3));
-    cfg.peer = Some(PeerOptions::loopback());
+    cfg.peer = Some(options);
     // SAFETY: (test) the fixture's buffers outlive the new linker (it replaces
     // the fixture's first linker, and fields drop linker first).
     f.linker = unsafe { DirectLinker::new(cfg, memory) }.unwrap();
@@ -332,11 +341,17 @@ fn source_process() {
     let Ok(backend) = std::env::var(CHILD_ENV) else {
         return;
     };
-    let backend = match backend.as_str() {
-        "host" => Backend::Host,
-        _ => Backend::Cuda(CopyMode::default()),
+    let mut f = match backend.as_str() {
+        "host" => peer_fixture(Backend::Host),
+        // A source that does not open targets' device memory: the target's
+        // restores take two hops (`one_hop_peer`).
+        "cuda-two-hop" => {
+            let mut options = PeerOptions::loopback();
+            options.one_hop = false;
+            peer_fixture_with_options(Backend::Cuda(CopyMode::default()), peer_layout(), options)
+        }
+        _ => peer_fixture(Backend::Cuda(CopyMode::default())),
     };
-    let mut f = peer_fixture(backend);
     offload(&mut f, &keys(PEER_PAGES), PEER_SEED);
     let endpoint = f.linker.runner().peers().endpoint().unwrap().to_string();
     say(&format!("READY {endpoint}"));
@@ -346,14 +361,14 @@ fn source_process() {
     }
 }
 
-struct Source {
-    child: Child,
+pub(crate) struct Source {
+    pub(crate) child: Child,
     stdin: Option<ChildStdin>,
-    endpoint: ControlEndpoint,
+    pub(crate) endpoint: ControlEndpoint,
 }
 
 impl Source {
-    fn spawn(backend: &str) -> Self {
+    pub(crate) fn spawn(backend: &str) -> Self {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args(["--exact", CHILD_TEST, "--nocapture", "--test-threads=1"])
             .env(CHILD_ENV, backend)
@@ -507,7 +522,10 @@ fn tp2_ranks_restore_their_own_shard() {
 // ------------------------------------------------------- pipelined restore
 
 /// Waits for the restore `ticket` to land and returns `(restored, pages)`.
-fn restore_landed(f: &mut Fixture, ticket: kvcr_linker_contracts::LoadTicket) -> (u32, u32) {
+pub(crate) fn restore_landed(
+    f: &mut Fixture,
+    ticket: kvcr_linker_contracts::LoadTicket,
+) -> (u32, u32) {
     let events = f.linker.settle(Duration::from_secs(60));
     events
         .iter()
@@ -540,6 +558,9 @@ fn pipelined_peer_restore_reports_the_restored_prefix() {
         let page = dest.layout.page_bytes() as usize;
         let mut options = PeerOptions::loopback();
         options.write_batch_bytes = page as u64;
+        // The two-hop path (pages land in this rank's KVCR DRAM too, which
+        // the second restore below reads); `one_hop_peer` tests one hop.
+        options.one_hop = false;
         let memory = dest.linker.memory().clone();
         let mut cfg = config(dest.layout.clone(), 8, incarnation(4));
         cfg.peer = Some(options);

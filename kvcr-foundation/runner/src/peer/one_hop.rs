@@ -183,10 +183,9 @@ impl State {
         let plan = route.and_then(|route| device_plan(&route.device, spans));
         let copier: Option<Arc<dyn DeviceCopier>> = shared.lock().device.clone();
         let queued = match (plan, copier) {
-            (Some(copies), Some(copier)) => {
-                self.one_hop
-                    .submit((write, copies, copier), &self.lane_done_tx)
-            }
+            (Some(copies), Some(copier)) => self
+                .one_hop
+                .submit((write, copies, copier), &self.lane_done_tx),
             _ => false,
         };
         if !queued {
