@@ -35,8 +35,12 @@ pub(super) struct DeviceRoute {
 /// Per device region id, the opened import.
 pub(super) type DeviceRoutes = HashMap<RegionId, DeviceRoute>;
 
-/// A write's copies, per import it goes through (`dst` an offset in it).
-type Copies = Vec<(Arc<dyn DeviceImport>, Vec<CopySpan>)>;
+/// One copy of a one-hop write: the region it lands in, that region's
+/// import, and the span (`src` in our pool, `dst` an offset in the import).
+type Copy = (RegionId, Arc<dyn DeviceImport>, CopySpan);
+
+/// A write's copies, page by page, each page's in layout order.
+type Copies = Vec<Vec<Copy>>;
 
 /// A write (its id), its copies, and the copier that opened their imports.
 type Job = (u64, Copies, Arc<dyn DeviceCopier>);
@@ -75,19 +79,18 @@ impl OneHopWriter {
     }
 }
 
-/// Runs one write's copies; whether all of them landed. One pass over
-/// every import when each resolves its spans (the copier batches the
-/// write's spans of each page as it batches a job: a layer-first page is a
-/// K and a V region per layer, so a write through each import alone would
-/// cost one synchronisation per region); otherwise import by import.
-/// The imports in `copies` stay open until this returns.
+/// Runs one write's copies; whether all of them landed. One pass when
+/// every import resolves its spans: the copier gets the write page by page
+/// and issues span index i of every page together (a layer-first page's
+/// first spans are layer 0's K and V, which so land first), as it does a
+/// job. Otherwise import by import (one synchronisation per region). The
+/// imports in `copies` stay open until this returns.
 fn copy_write(copies: &Copies, copier: &dyn DeviceCopier) -> bool {
     let resolved: Option<Vec<Vec<CopySpan>>> = copies
         .iter()
-        .map(|(import, spans)| {
-            spans
-                .iter()
-                .map(|s| {
+        .map(|page| {
+            page.iter()
+                .map(|(_, import, s)| {
                     import.resolve(s.dst, s.len).map(|dst| CopySpan {
                         src: s.src,
                         dst,
@@ -97,17 +100,20 @@ fn copy_write(copies: &Copies, copier: &dyn DeviceCopier) -> bool {
                 .collect()
         })
         .collect();
-    match resolved {
-        // One "key" per import: the copier issues span index i of every
-        // import together (page i of the write across all its regions).
-        Some(keys) => {
-            let keys: Vec<&[CopySpan]> = keys.iter().map(Vec::as_slice).collect();
-            copier.copy_to_imports(&keys).is_ok()
-        }
-        None => copies
-            .iter()
-            .all(|(import, spans)| import.copy_into(&[spans.as_slice()]).is_ok()),
+    if let Some(pages) = resolved {
+        let keys: Vec<&[CopySpan]> = pages.iter().map(Vec::as_slice).collect();
+        return copier.copy_to_imports(&keys).is_ok();
     }
+    let mut by_region: Vec<(RegionId, &Arc<dyn DeviceImport>, Vec<CopySpan>)> = Vec::new();
+    for (region, import, span) in copies.iter().flatten() {
+        match by_region.iter_mut().find(|(r, ..)| r == region) {
+            Some((_, _, spans)) => spans.push(*span),
+            None => by_region.push((*region, import, vec![*span])),
+        }
+    }
+    by_region
+        .iter()
+        .all(|(_, import, spans)| import.copy_into(&[spans.as_slice()]).is_ok())
 }
 
 impl Drop for OneHopWriter {
@@ -194,23 +200,32 @@ impl State {
     }
 }
 
-/// The copies of a one-hop write, grouped by import: `src` in our pool,
-/// `dst` the offset from the region's base. `None` if a span names a region
-/// this route did not open, or lies before its base.
+/// The copies of a one-hop write, page by page: `src` in our pool, `dst`
+/// the offset from the region's base. A page ends where a region recurs
+/// (a page names each of its elements' regions once, in layout order).
+/// `None` if a span names a region this route did not open, or lies
+/// before its base.
 fn device_plan(opened: &DeviceRoutes, spans: &[PutSpan]) -> Option<Copies> {
-    let mut by_region: Vec<(RegionId, Arc<dyn DeviceImport>, Vec<CopySpan>)> = Vec::new();
+    let mut pages: Copies = Vec::new();
+    let mut page: Vec<Copy> = Vec::new();
     for span in spans {
         let route = opened.get(&span.region)?;
         let dst = span.remote.checked_sub(route.base)?;
-        let copy = CopySpan {
-            src: span.local,
-            dst,
-            len: span.len,
-        };
-        match by_region.iter_mut().find(|(r, ..)| *r == span.region) {
-            Some((_, _, copies)) => copies.push(copy),
-            None => by_region.push((span.region, Arc::clone(&route.import), vec![copy])),
+        if page.iter().any(|(r, ..)| *r == span.region) {
+            pages.push(std::mem::take(&mut page));
         }
+        page.push((
+            span.region,
+            Arc::clone(&route.import),
+            CopySpan {
+                src: span.local,
+                dst,
+                len: span.len,
+            },
+        ));
     }
-    Some(by_region.into_iter().map(|(_, i, c)| (i, c)).collect())
+    if !page.is_empty() {
+        pages.push(page);
+    }
+    Some(pages)
 }

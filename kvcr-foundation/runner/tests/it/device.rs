@@ -323,6 +323,11 @@ pub(crate) mod memfd {
         pub(crate) hang_imports: AtomicBool,
         /// How many imports were asked for.
         pub(crate) imports: std::sync::atomic::AtomicUsize,
+        /// Imports resolve offsets to addresses, so a write spanning several
+        /// goes through `copy_to_imports` in one pass (the CUDA copier's way).
+        pub(crate) one_pass_imports: AtomicBool,
+        /// How many one-pass copies ran.
+        pub(crate) passes: std::sync::atomic::AtomicUsize,
     }
 
     impl MemfdCopier {
@@ -444,7 +449,17 @@ pub(crate) mod memfd {
                 len,
                 corrupt: self.corrupt_imports.load(Ordering::SeqCst),
                 hang: self.hang_imports.load(Ordering::SeqCst),
+                one_pass: self.one_pass_imports.load(Ordering::SeqCst),
             }))
+        }
+
+        fn copy_to_imports(&self, keys: &[&[CopySpan]]) -> kvcr_runner::Result<()> {
+            if !self.one_pass_imports.load(Ordering::SeqCst) {
+                return Err(failed("one-pass copies are off"));
+            }
+            self.passes.fetch_add(1, Ordering::SeqCst);
+            memcpy(keys);
+            Ok(())
         }
 
         fn digest_device(&self, keys: &[&[CopySpan]]) -> kvcr_runner::Result<Option<Vec<u64>>> {
@@ -469,11 +484,17 @@ pub(crate) mod memfd {
         len: u64,
         corrupt: bool,
         hang: bool,
+        one_pass: bool,
     }
 
     impl DeviceImport for MemfdImport {
         fn len(&self) -> u64 {
             self.len
+        }
+
+        fn resolve(&self, offset: u64, len: u64) -> Option<u64> {
+            let end = offset.checked_add(len)?;
+            (self.one_pass && end <= self.len).then(|| self.at + offset)
         }
 
         fn copy_into(&self, keys: &[&[CopySpan]]) -> kvcr_runner::Result<()> {

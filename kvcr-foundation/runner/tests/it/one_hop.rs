@@ -119,6 +119,10 @@ fn one_hop_source_process() {
         .corrupt_imports
         .store(mode == "corrupt", Ordering::SeqCst);
     copier.hang_imports.store(mode == "hang", Ordering::SeqCst);
+    copier
+        .one_pass_imports
+        .store(mode == "one-pass", Ordering::SeqCst);
+    let passes = Arc::clone(&copier);
     runner.pools().set_device_copier(copier).unwrap();
     let ns = runner.register_namespace(namespace());
     // SAFETY: (test) `host` outlives the runner (dropped first, below) and
@@ -152,7 +156,11 @@ fn one_hop_source_process() {
         let Ok(line) = line else { break };
         if line == "stats" {
             let c = runner.peers().stats().counters;
-            say(&format!("STATS {} {}", c.keys_sent, c.one_hop_refused));
+            let passes = passes.passes.load(Ordering::SeqCst);
+            say(&format!(
+                "STATS {} {} {passes}",
+                c.keys_sent, c.one_hop_refused
+            ));
         }
     }
     drop(runner);
@@ -218,12 +226,17 @@ impl Source {
     }
 
     /// `(keys_sent, one_hop_refused)` of the child's runner.
-    fn stats(&mut self) -> (u64, u64) {
+    /// `(keys sent, one-hop routes refused, one-pass copies)`.
+    fn stats(&mut self) -> (u64, u64, u64) {
         writeln!(self.stdin, "stats").unwrap();
         self.stdin.flush().unwrap();
         let line = self.expect("STATS");
         let mut parts = line.split_whitespace().map(|p| p.parse::<u64>().unwrap());
-        (parts.next().unwrap(), parts.next().unwrap())
+        (
+            parts.next().unwrap(),
+            parts.next().unwrap(),
+            parts.next().unwrap(),
+        )
     }
 }
 
@@ -351,10 +364,14 @@ fn statuses(result: &OpResult) -> Vec<EntryStatus> {
 /// device elements: byte-exact, counted as one-hop pages, and nothing of
 /// them ever lands in the target's KVCR DRAM (its pool stays empty). The
 /// first restore may race the route's set-up (two hops); the next is one.
-#[test]
-fn a_one_hop_restore_between_processes_is_byte_exact_and_skips_dram() {
+/// Copied import by import, or in one pass over every import a write
+/// spans (`copy_to_imports`, as the CUDA copier does).
+#[rstest::rstest]
+#[case::import_by_import("import")]
+#[case::one_pass("one-pass")]
+fn a_one_hop_restore_between_processes_is_byte_exact_and_skips_dram(#[case] mode: &str) {
     let _serial = crate::serial();
-    let mut source = Source::spawn("import");
+    let mut source = Source::spawn(mode);
     let mut target = Target::start(16);
     let from = source.endpoint.clone();
     let warm = target.restore("warm", &from, &[0], 0);
@@ -381,7 +398,13 @@ fn a_one_hop_restore_between_processes_is_byte_exact_and_skips_dram() {
         resident,
         "no page stopped in the target's KVCR DRAM"
     );
-    assert_eq!(source.stats().1, 0, "the source opened the region");
+    let (_, refused, passes) = source.stats();
+    assert_eq!(refused, 0, "the source opened the region");
+    assert_eq!(
+        passes > 0,
+        mode == "one-pass",
+        "one-pass copies: {passes} ({mode})"
+    );
     target.runner.check_invariants().unwrap();
 }
 
