@@ -14,13 +14,15 @@ impl Core {
             }
             self.deadlines.pop_first();
             let Some(o) = self.ops.get(&op) else { continue };
-            // (Entries waiting for room detach from the waiter queue below.)
+            // (Entries waiting for room detach from the waiter queue below;
+            // those waiting for a route's ack were granted nothing.)
             let waiting: Vec<u32> = o
                 .entries
                 .iter()
                 .enumerate()
                 .filter(|(_, e)| {
-                    e.result.is_none() && matches!(e.wait, Wait::Fill(_) | Wait::Capacity)
+                    e.result.is_none()
+                        && matches!(e.wait, Wait::Fill(_) | Wait::Capacity | Wait::Route)
                 })
                 .map(|(i, _)| i as u32)
                 .collect();

@@ -276,6 +276,10 @@ enum Wait {
     /// (the one-hop route, target operation `.0`): resolved only by that
     /// operation's terminal end, never by a deadline or an abort alone.
     OneHop(OpHandle),
+    /// A device deliver entry whose hinted source's route is being set up
+    /// (metadata sent, no ack yet): the ack decides one hop or two
+    /// ([`TargetRole`]'s `route_waits`); nothing is granted meanwhile.
+    Route,
 }
 
 #[derive(Debug)]

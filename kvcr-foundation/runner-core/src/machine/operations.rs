@@ -609,6 +609,8 @@ impl Core {
             }
             Wait::Copy(job, key) => self.actions.push_back(Action::Cancel { job, key }),
             Wait::Capacity => self.forget_waiter(op, entry),
+            // Nothing was granted yet: forget the hold.
+            Wait::Route => self.forget_route_wait(op, entry),
             // The source may still write the destination: the entry's
             // result waits for the operation (its `jobs` count holds it).
             Wait::OneHop(_) | Wait::None => {}

@@ -363,7 +363,7 @@ fn statuses(result: &OpResult) -> Vec<EntryStatus> {
 /// A source in another process writes the pages straight into the target's
 /// device elements: byte-exact, counted as one-hop pages, and nothing of
 /// them ever lands in the target's KVCR DRAM (its pool stays empty). The
-/// first restore may race the route's set-up (two hops); the next is one.
+/// first restore waits for the route's set-up, then goes in one hop too.
 /// Copied import by import, or in one pass over every import a write
 /// spans (`copy_to_imports`, as the CUDA copier does).
 #[rstest::rstest]
@@ -377,6 +377,12 @@ fn a_one_hop_restore_between_processes_is_byte_exact_and_skips_dram(#[case] mode
     let warm = target.restore("warm", &from, &[0], 0);
     assert_eq!(statuses(&warm), vec![EntryStatus::Success]);
     assert!(target.holds(0, 0));
+    let first = target.runner.peers().stats().counters;
+    assert_eq!(
+        (first.one_hop_pages, first.one_hop_fallbacks),
+        (1, 0),
+        "the first restore waited for the route and went in one hop"
+    );
     let resident = target.runner.pools().resident_blocks();
     let before = target.runner.peers().stats().counters;
     let keys = [1, 2, 3, 4, 5];
@@ -442,9 +448,14 @@ fn a_source_killed_mid_copy_leaves_the_deliver_pending() {
     let mut source = Source::spawn("hang");
     let mut target = Target::start_with(16, Duration::from_millis(300), Duration::from_millis(600));
     let from = source.endpoint.clone();
-    // Two hops (the route is not acked yet), then one hop, which hangs.
-    let warm = target.restore("warm", &from, &[0], 0);
-    assert_eq!(statuses(&warm), vec![EntryStatus::Success]);
+    // The route first (a key the source lacks: granted in one hop once
+    // the route is acked, refused, nothing copied), then a restore in one
+    // hop, which hangs mid-copy.
+    let warm = target.restore("warm", &from, &[KEYS + 100], 0);
+    assert!(
+        statuses(&warm).iter().all(|s| *s != EntryStatus::Success),
+        "{warm:?}"
+    );
     let op = target.start_restore("hangs", &from, &[1, 2], 8);
     source.expect("COPYING");
     source.kill();

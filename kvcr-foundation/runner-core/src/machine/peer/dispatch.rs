@@ -61,7 +61,7 @@ impl Core {
             ),
             Body::TargetMetadataAck {
                 one_copy, device, ..
-            } => self.on_metadata_ack(&header, one_copy, device),
+            } => self.on_metadata_ack(now, &header, one_copy, device),
             Body::StartWrite {
                 op_handle,
                 remaining_timeout_ms,

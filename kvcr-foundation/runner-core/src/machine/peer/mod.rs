@@ -198,6 +198,24 @@ struct TargetRole {
     /// at most [`LATE_DIGESTS`]: their pages' own digests come with the
     /// `write_done` behind the record.
     late_digests: std::collections::VecDeque<LateDigests>,
+    /// Device deliver entries waiting for their source's metadata ack
+    /// ([`Wait::Route`]), at most one per entry of a live deliver.
+    route_waits: Vec<RouteWait>,
+}
+
+/// A device deliver entry held until its hinted source acknowledges our
+/// metadata, so that a restore issued right after the hint takes the
+/// one-hop route when the source offers it instead of racing the
+/// handshake into two hops.
+#[derive(Debug)]
+struct RouteWait {
+    deliver: OpHandle,
+    entry: u32,
+    key: ScopedKey,
+    layout: u16,
+    request: Option<RequestId>,
+    source: ControlEndpoint,
+    elements: Vec<ElementRef>,
 }
 
 /// How many operations wait for their pages' digests at once (older ones

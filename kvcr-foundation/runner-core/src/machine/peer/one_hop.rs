@@ -156,8 +156,13 @@ impl Core {
                         .peer
                         .as_ref()
                         .and_then(|p| p.hinted_source(request, &key))
-                        .is_some();
-                    fallbacks += u64::from(hinted);
+                        .cloned();
+                    if let Some(source) = hinted.as_ref().filter(|s| self.route_pending(s)) {
+                        let source = source.clone();
+                        self.wait_for_route(op, entry, key, layout, request, source, granted);
+                        continue;
+                    }
+                    fallbacks += u64::from(hinted.is_some());
                     rest.push((entry, key));
                 }
             }
@@ -186,6 +191,143 @@ impl Core {
             }
         }
         rest
+    }
+
+    /// Whether `source`'s route is still being set up (our metadata went
+    /// out, no ack yet) while we offer the one-hop route: its ack decides.
+    fn route_pending(&self, source: &ControlEndpoint) -> bool {
+        let Some(peer) = self.peer.as_ref() else {
+            return false;
+        };
+        peer.target.sources.get(source).is_some_and(|s| !s.acked)
+            && !self.advertised_device_regions().is_empty()
+    }
+
+    /// Holds entry `entry` of device deliver `op` until `source` acks.
+    #[allow(clippy::too_many_arguments)]
+    fn wait_for_route(
+        &mut self,
+        op: OpHandle,
+        entry: u32,
+        key: ScopedKey,
+        layout: u16,
+        request: Option<&RequestId>,
+        source: ControlEndpoint,
+        elements: &[ElementRef],
+    ) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        peer.target.route_waits.push(RouteWait {
+            deliver: op,
+            entry,
+            key,
+            layout,
+            request: request.cloned(),
+            source,
+            elements: elements.to_vec(),
+        });
+        if let Some(e) = self
+            .ops
+            .get_mut(&op)
+            .and_then(|o| o.entries.get_mut(entry as usize))
+        {
+            e.wait = Wait::Route;
+        }
+    }
+
+    /// Forgets a held entry (its deliver failed it: a deadline or abort).
+    pub(in crate::machine) fn forget_route_wait(&mut self, op: OpHandle, entry: u32) {
+        if let Some(peer) = self.peer.as_mut() {
+            peer.target
+                .route_waits
+                .retain(|w| (w.deliver, w.entry) != (op, entry));
+        }
+    }
+
+    /// `source` acknowledged our metadata: the entries held for its route
+    /// go on, in one hop where it now offers it, else through KVCR DRAM.
+    pub(in crate::machine) fn release_route_waits(&mut self, now: u64, source: &ControlEndpoint) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        let (due, kept): (Vec<RouteWait>, Vec<RouteWait>) =
+            std::mem::take(&mut peer.target.route_waits)
+                .into_iter()
+                .partition(|w| &w.source == source);
+        peer.target.route_waits = kept;
+        // Per deliver, layout and request, in entry order.
+        let mut groups: BTreeMap<(OpHandle, u16), (Option<RequestId>, Vec<RouteWait>)> =
+            BTreeMap::new();
+        for wait in due {
+            let still_held = self
+                .ops
+                .get(&wait.deliver)
+                .and_then(|o| o.entries.get(wait.entry as usize))
+                .is_some_and(|e| e.result.is_none() && e.wait == Wait::Route);
+            if still_held {
+                groups
+                    .entry((wait.deliver, wait.layout))
+                    .or_insert_with(|| (wait.request.clone(), Vec::new()))
+                    .1
+                    .push(wait);
+            }
+        }
+        for ((deliver, layout), (request, waits)) in groups {
+            let width = waits
+                .iter()
+                .map(|w| w.entry as usize + 1)
+                .max()
+                .unwrap_or(0);
+            let mut elements = vec![Vec::new(); width];
+            let mut missing = Vec::with_capacity(waits.len());
+            let mut ready = Vec::new();
+            for wait in waits {
+                if let Some(e) = self
+                    .ops
+                    .get_mut(&deliver)
+                    .and_then(|o| o.entries.get_mut(wait.entry as usize))
+                {
+                    e.wait = Wait::None;
+                }
+                // Another operation may have brought the key meanwhile:
+                // it is served as `deliver` serves a key it finds.
+                match self.index.get(&wait.key).copied() {
+                    None => {
+                        if let Some(slot) = elements.get_mut(wait.entry as usize) {
+                            *slot = wait.elements;
+                        }
+                        missing.push((wait.entry, wait.key));
+                    }
+                    Some(IndexEntry { record, state }) => {
+                        let same_layout = self.record(record).is_some_and(|r| r.layout == layout);
+                        match state {
+                            _ if !same_layout => self.set_result(
+                                deliver,
+                                wait.entry,
+                                EntryResult::failed(FailReason::LayoutMismatch),
+                            ),
+                            Residency::Ready => ready.push((wait.entry, record)),
+                            Residency::Filling => {
+                                let fill = self.filling.get(&record).copied().unwrap_or(NIL);
+                                self.wait_on_fill(deliver, wait.entry, fill);
+                            }
+                            Residency::Discarding | Residency::Vacant => self.set_result(
+                                deliver,
+                                wait.entry,
+                                EntryResult::failed(FailReason::NoSource),
+                            ),
+                        }
+                    }
+                }
+            }
+            let protected: Vec<ScopedKey> = missing.iter().map(|(_, k)| *k).collect();
+            let rest =
+                self.start_one_hop(now, deliver, request.as_ref(), layout, missing, &elements);
+            self.start_remote(now, deliver, request.as_ref(), layout, rest, &protected);
+            self.start_delivers(now, deliver, ready);
+            self.finish_if_done(deliver);
+        }
     }
 
     /// One one-hop `start_write` for `batch` (entries of deliver `op`),

@@ -210,8 +210,8 @@ fn a_device_deliver_lands_in_one_hop_without_faults() {
     for _ in 0..100 {
         world.step().unwrap();
     }
-    // The first deliver may have raced the metadata ack (two hops); the
-    // next ones go in one.
+    // The first deliver waits for the route's ack, then goes in one hop
+    // like the next ones.
     world.request(vec![3, 4, 5]);
     world.settle().unwrap();
     let counters = world.target.peer_counters();
@@ -297,6 +297,113 @@ fn a_one_hop_deliver_past_its_deadline_waits_for_proof() {
         EntryStatus::Failed(FailReason::Timeout)
     );
     let _ = TARGET_PORT;
+}
+
+/// A device deliver issued the moment its hint arrives, before the
+/// source's route is set up: the target sends the metadata and grants
+/// nothing yet; the source's ack decides. With `device` the keys go in one
+/// hop (the engine's own elements granted, nothing counted as a fallback);
+/// without, through KVCR DRAM (counted). If the deliver's deadline comes
+/// first, its keys fail and a later ack grants nothing.
+#[rstest::rstest]
+#[case::acked_with_one_hop(Some(true))]
+#[case::acked_without(Some(false))]
+#[case::deadline_first(None)]
+fn a_deliver_before_the_routes_ack_waits_for_it(#[case] ack: Option<bool>) {
+    let mut world = quiet_world();
+    let ns = world.ns;
+    let request = RequestId("early".into());
+    let hint = FetchHint {
+        source: endpoint(SOURCE_PORT),
+        block_hashes: vec![BlockKey::from_u64(2), BlockKey::from_u64(3)],
+        mode: FetchMode::Copy,
+        action_id: None,
+    };
+    let now = world.now;
+    world.target.submit_hint(now, request.clone(), &hint);
+    let entries = [2, 3]
+        .iter()
+        .map(|k| DeliverEntry {
+            key: scoped(ns, *k),
+            destinations: vec![ElementRef {
+                region: world.device_region,
+                index: 100 + k,
+            }],
+        })
+        .collect();
+    let op = world.target.deliver(now, entries, Some(&request)).unwrap();
+    let before_ack = sent(&mut world.target);
+    assert!(
+        before_ack
+            .iter()
+            .all(|(_, b)| matches!(b, Body::TargetMetadata { .. })),
+        "granted before the route's ack: {before_ack:?}"
+    );
+    assert_eq!(world.target.peer_counters().one_hop_fallbacks, 0);
+    let source = world.source_incarnation();
+    let at = match ack {
+        Some(_) => now + 1,
+        None => {
+            world.target.handle_timeout(now + TIMEOUT);
+            let mut done = Vec::new();
+            world.target.drain_completed(&mut done);
+            assert_eq!(done.len(), 1, "the deliver ends at its deadline");
+            assert_eq!(done[0].op, op);
+            assert!(
+                done[0]
+                    .entries
+                    .iter()
+                    .all(|(_, e)| e.status == EntryStatus::Failed(FailReason::Timeout))
+            );
+            now + TIMEOUT + 1
+        }
+    };
+    let body = Body::TargetMetadataAck {
+        op_handle: None,
+        one_copy: true,
+        device: ack.unwrap_or(true),
+    };
+    world
+        .target
+        .handle_message(at, from(SOURCE_PORT, source, body));
+    let grants: Vec<Vec<Vec<ElementRef>>> = sent(&mut world.target)
+        .into_iter()
+        .filter_map(|(_, b)| match b {
+            Body::StartWrite { destinations, .. } => Some(destinations),
+            _ => None,
+        })
+        .collect();
+    let counters = world.target.peer_counters();
+    match ack {
+        Some(true) => {
+            assert_eq!(grants.len(), 1, "{grants:?}");
+            let elements: Vec<u64> = grants[0].iter().flatten().map(|e| e.index).collect();
+            assert_eq!(elements, vec![102, 103], "the engine's own elements");
+            assert!(
+                grants[0]
+                    .iter()
+                    .flatten()
+                    .all(|e| e.region == world.device_region)
+            );
+            assert_eq!(counters.one_hop_writes, 1);
+            assert_eq!(counters.one_hop_fallbacks, 0);
+        }
+        Some(false) => {
+            assert!(!grants.is_empty(), "the two-hop path wrote nothing");
+            assert!(
+                grants
+                    .iter()
+                    .flatten()
+                    .flatten()
+                    .all(|e| e.region != world.device_region),
+                "{grants:?}"
+            );
+            assert_eq!(counters.one_hop_writes, 0);
+            assert_eq!(counters.one_hop_fallbacks, 2);
+        }
+        None => assert!(grants.is_empty(), "a failed deliver granted: {grants:?}"),
+    }
+    world.target.check_invariants().unwrap();
 }
 
 /// A world with its faults off.

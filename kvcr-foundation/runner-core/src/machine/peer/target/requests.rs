@@ -287,6 +287,7 @@ impl Core {
     /// the writes that waited for it go out, naming it.
     pub(in crate::machine) fn on_metadata_ack(
         &mut self,
+        now: u64,
         header: &Header,
         one_copy: bool,
         device: bool,
@@ -348,5 +349,6 @@ impl Core {
         if fresh {
             self.reprobe_quarantined(&header.sender_endpoint);
         }
+        self.release_route_waits(now, &header.sender_endpoint);
     }
 }
