@@ -292,3 +292,62 @@ fn a_write_after_an_expiry_waits_for_a_fresh_ack() {
     assert_eq!(named, vec![Some(new)], "only the new incarnation is asked");
     assert_eq!(sim.sources[0].core.peer_counters().refused, 0);
 }
+
+/// A hinted deliver naming one missing key twice (two destinations) asks
+/// its source for the key once and copies it to both: no second FILLING
+/// record for the same key, no slot lost, both destinations written.
+#[test]
+fn a_deliver_naming_one_missing_key_twice_fills_it_once() {
+    let mut sim = Sim::new(7);
+    sim.quiet();
+    let now = sim.now;
+    let key = sim.key(1);
+    let request = RequestId("twice".into());
+    let hint = FetchHint {
+        source: sim.sources[0].endpoint.clone(),
+        block_hashes: vec![key.key],
+        mode: FetchMode::Copy,
+        action_id: None,
+    };
+    let target = &mut sim.targets[0];
+    target.core.submit_hint(now, request.clone(), &hint);
+    let mut entries = Vec::new();
+    for _ in 0..2 {
+        let element = target.next_element;
+        target.next_element += 1;
+        target.deliveries.insert(element, (key.key.as_u64(), false));
+        entries.push(DeliverEntry {
+            key,
+            destinations: vec![ElementRef {
+                region: target.framework,
+                index: element,
+            }],
+        });
+    }
+    let op = target.core.deliver(now, entries, Some(&request)).unwrap();
+    let first = target.next_element - 2;
+    target
+        .deliver_elements
+        .insert((op, key.key.as_u64()), first);
+    sim.flush();
+    for _ in 0..100 {
+        sim.now += TIMEOUT / 100;
+        let now = sim.now;
+        for (to, message) in sim.take_due() {
+            sim.handle(&to, now, message);
+        }
+        sim.complete_due_puts();
+        sim.complete_due_messages();
+        sim.flush();
+        sim.targets[0].core.check_invariants().unwrap();
+    }
+    assert_eq!(sim.targets[0].core.peer_counters().writes_requested, 1);
+    assert_eq!(sim.targets[0].core.peer_counters().keys_received, 1);
+    let mut done = Vec::new();
+    sim.targets[0].core.drain_completed(&mut done);
+    let result = done.iter().find(|r| r.op == op).expect("the deliver ended");
+    assert!(
+        result.entries.iter().all(|(_, e)| e.is_success()),
+        "{result:?}"
+    );
+}

@@ -202,6 +202,17 @@ impl Core {
         let mut fills = Vec::new();
         let mut destinations = Vec::new();
         for key in keys {
+            // A key named twice (a deliver to two destinations) is filled
+            // once: the later entry waits on the fill the first started.
+            if let Some(fill) = self
+                .index
+                .get(key)
+                .filter(|e| e.state == Residency::Filling)
+                .and_then(|e| self.filling.get(&e.record).copied())
+            {
+                results.push(Ok(fill));
+                continue;
+            }
             // A peer's write cannot wait for room: a spill started for it
             // makes room for the next request.
             let Allocation::Slots(slots) = self.allocate(now, layout, protected) else {
