@@ -228,6 +228,15 @@ class DirectLinker:
         """``claims_held``, ``transfers_in_flight``, ``live_attempts``."""
         return self._native.accounting()
 
+    def peer_stats(self):
+        """The peer protocol's counters (``None`` without ``peer=True``):
+        ``writes_requested``, ``keys_received``, ``keys_sent``,
+        ``digest_mismatches``, and how device restores went:
+        ``one_hop_writes``, ``one_hop_pages`` (landed in the GPU straight from
+        a same-host source's KVCR DRAM, checked there), ``one_hop_fallbacks``
+        (through this rank's KVCR DRAM), ``one_hop_refused``."""
+        return self._native.peer_stats()
+
     def stores(self, namespace, key):
         """Whether KVCR DRAM holds the page."""
         return self._native.stores(namespace, key)

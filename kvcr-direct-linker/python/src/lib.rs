@@ -539,6 +539,32 @@ impl PyDirectLinker {
         events::accounting(py, counts)
     }
 
+    /// The peer protocol's counters for this rank (`None` without
+    /// `peer=True`): what it asked of sources and received, and how its
+    /// device restores went (in one hop, or through KVCR DRAM).
+    fn peer_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        if self.endpoint.is_none() {
+            return Ok(None);
+        }
+        let c = self.with(py, |inner| {
+            Ok(inner.linker.runner().peers().stats().counters)
+        })?;
+        let out = PyDict::new(py);
+        for (name, value) in [
+            ("writes_requested", c.writes_requested),
+            ("keys_received", c.keys_received),
+            ("keys_sent", c.keys_sent),
+            ("digest_mismatches", c.digest_mismatches),
+            ("one_hop_writes", c.one_hop_writes),
+            ("one_hop_pages", c.one_hop_pages),
+            ("one_hop_fallbacks", c.one_hop_fallbacks),
+            ("one_hop_refused", c.one_hop_refused),
+        ] {
+            out.set_item(name, value)?;
+        }
+        Ok(Some(out))
+    }
+
     /// Whether KVCR DRAM holds the page `key` of `namespace`.
     fn stores(
         &self,

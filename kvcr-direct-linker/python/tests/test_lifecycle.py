@@ -214,5 +214,12 @@ def test_a_hint_pulls_pages_from_a_peer_linker(pool, path):
         linker.request_finished(context.attempt)
     assert [pool.page(s) for s in (5, 6, 7)] == [sent[k] for k in keys]
     assert pool.guards_intact()
-    # The pulled pages stay in this rank's KVCR DRAM.
+    # The pulled pages stay in this rank's KVCR DRAM: both linkers live in
+    # this one process, so the one-hop route (a source in another process
+    # writing this GPU) is not taken.
     assert all(linker.stores(NAMESPACE, k) for k in keys)
+    stats = linker.peer_stats()
+    assert stats["keys_received"] == 3
+    assert stats["one_hop_pages"] == 0
+    assert source.peer_stats()["keys_sent"] == 3
+    assert Pool(pool.device.type).linker().peer_stats() is None
