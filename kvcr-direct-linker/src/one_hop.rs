@@ -22,7 +22,7 @@ use std::sync::Arc;
 use kvcr_foundation::runner::{CopySpan, DeviceImport};
 
 use crate::copier::{Core, CudaCopier};
-use crate::cuda::{DeviceUuid, IPC_HANDLE_BYTES, IpcMapping, device_uuids};
+use crate::cuda::{DeviceUuid, IPC_HANDLE_BYTES, IpcMapping, PinnedRegistration, device_uuids};
 use crate::error::{Error, NameRefusal, Result};
 
 /// The first bytes of every export record.
@@ -202,16 +202,7 @@ impl CudaCopier {
                         len: span.len,
                     });
                 }
-                if !pinned
-                    .iter()
-                    .any(|p| p.translate(span.src, span.len).is_some())
-                {
-                    return Err(Error::UnattachedSpan {
-                        src: span.src,
-                        dst: span.dst,
-                        len: span.len,
-                    });
-                }
+                check_attached(&pinned, span)?;
             }
         }
         // The copier translates each source to its mapped address (and
@@ -228,6 +219,22 @@ impl CudaCopier {
     pub fn digest_device(&self, keys: &[&[CopySpan]]) -> Result<Option<Vec<u64>>> {
         self.core.digest_device(keys)
     }
+}
+
+/// Refuses a span whose source is not inside one of the copier's attached
+/// (pinned) pools: a one-hop copy reads only KVCR DRAM.
+fn check_attached(pinned: &[PinnedRegistration], span: &CopySpan) -> Result<()> {
+    if pinned
+        .iter()
+        .any(|p| p.translate(span.src, span.len).is_some())
+    {
+        return Ok(());
+    }
+    Err(Error::UnattachedSpan {
+        src: span.src,
+        dst: span.dst,
+        len: span.len,
+    })
 }
 
 /// A peer's device extent opened in this process, copied into from the
@@ -286,16 +293,7 @@ impl CudaImport {
                             extent: self.len,
                         });
                     }
-                    if !pinned
-                        .iter()
-                        .any(|p| p.translate(span.src, span.len).is_some())
-                    {
-                        return Err(Error::UnattachedSpan {
-                            src: span.src,
-                            dst: span.dst,
-                            len: span.len,
-                        });
-                    }
+                    check_attached(&pinned, span)?;
                     spans.push(CopySpan {
                         src: span.src,
                         dst: base + span.dst,
