@@ -456,19 +456,9 @@ impl Core {
             }
         }
         if let Some(peer) = self.peer.as_mut() {
-            peer.counters.keys_received += landed_keys;
             peer.counters.one_hop_pages += landed_keys;
-            if target_op.uncertain {
-                peer.notices.push(PeerNotice::Quiesced { op });
-            }
-            if let Some(hint) = target_op
-                .request
-                .as_ref()
-                .and_then(|r| peer.target.hints.get_mut(r))
-            {
-                hint.missing.extend(missing);
-            }
         }
+        self.note_target_end(op, &target_op, landed_keys, missing);
         for deliver in delivers {
             self.finish_if_done(deliver);
         }

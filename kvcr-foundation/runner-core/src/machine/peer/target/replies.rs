@@ -311,19 +311,7 @@ impl Core {
         for (waiter_op, entries) in deliver_next {
             self.start_delivers(now, waiter_op, entries);
         }
-        if let Some(peer) = self.peer.as_mut() {
-            peer.counters.keys_received += received;
-            if target_op.uncertain {
-                peer.notices.push(PeerNotice::Quiesced { op });
-            }
-            if let Some(hint) = target_op
-                .request
-                .as_ref()
-                .and_then(|r| peer.target.hints.get_mut(r))
-            {
-                hint.missing.extend(missing);
-            }
-        }
+        self.note_target_end(op, &target_op, received, missing);
         let ops: Vec<OpHandle> = self.ops.keys().copied().collect();
         for o in ops {
             self.finish_if_done(o);
@@ -376,5 +364,31 @@ impl Core {
                 source_incarnation,
             },
         );
+    }
+
+    /// What every end of a target operation records: the keys received,
+    /// the notice that an uncertain operation is quiet now, and the keys
+    /// its source lacked (the request's hint stops offering them).
+    pub(in crate::machine::peer) fn note_target_end(
+        &mut self,
+        op: OpHandle,
+        target_op: &TargetOp,
+        received: u64,
+        missing: Vec<BlockKey>,
+    ) {
+        let Some(peer) = self.peer.as_mut() else {
+            return;
+        };
+        peer.counters.keys_received += received;
+        if target_op.uncertain {
+            peer.notices.push(PeerNotice::Quiesced { op });
+        }
+        if let Some(hint) = target_op
+            .request
+            .as_ref()
+            .and_then(|r| peer.target.hints.get_mut(r))
+        {
+            hint.missing.extend(missing);
+        }
     }
 }
