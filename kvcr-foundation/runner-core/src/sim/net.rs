@@ -17,6 +17,20 @@ impl Sim {
             .collect()
     }
 
+    /// Moves the clock by `dt` for a scripted run: every message due is
+    /// handled, due puts and messages complete, every core acts; unlike
+    /// [`Sim::advance_to`], no core's timers run.
+    pub(super) fn deliver_for(&mut self, dt: u64) {
+        self.now += dt;
+        let now = self.now;
+        for (to, message) in self.take_due() {
+            self.handle(&to, now, message);
+        }
+        self.complete_due_puts();
+        self.complete_due_messages();
+        self.flush();
+    }
+
     /// Runs every core's actions.
     pub(super) fn flush(&mut self) {
         for t in 0..self.targets.len() {

@@ -90,14 +90,7 @@ fn fault_free_requests_restore_the_hinted_keys() {
         sim.flush();
         // Deliver everything without loss; every piece lands.
         for _ in 0..100 {
-            sim.now += TIMEOUT / 100;
-            let now = sim.now;
-            for (to, message) in sim.take_due() {
-                sim.handle(&to, now, message);
-            }
-            sim.complete_due_puts();
-            sim.complete_due_messages();
-            sim.flush();
+            sim.deliver_for(TIMEOUT / 100);
             sim.check().unwrap();
         }
         let seen = sim.coverage();
@@ -331,14 +324,7 @@ fn a_deliver_naming_one_missing_key_twice_fills_it_once() {
         .insert((op, key.key.as_u64()), first);
     sim.flush();
     for _ in 0..100 {
-        sim.now += TIMEOUT / 100;
-        let now = sim.now;
-        for (to, message) in sim.take_due() {
-            sim.handle(&to, now, message);
-        }
-        sim.complete_due_puts();
-        sim.complete_due_messages();
-        sim.flush();
+        sim.deliver_for(TIMEOUT / 100);
         sim.targets[0].core.check_invariants().unwrap();
     }
     assert_eq!(sim.targets[0].core.peer_counters().writes_requested, 1);
