@@ -13,7 +13,7 @@
 //! contracts the runner's job guarantees (each block says how).
 #![allow(unsafe_code)]
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use kvcr_foundation::runner::{CopySpan, DeviceCopier, DeviceImport, PoolRange};
@@ -23,6 +23,7 @@ use crate::cuda::{
     Stream,
 };
 use crate::error::{Error, Result};
+use crate::rows;
 
 /// How the copier moves a job's spans.
 ///
@@ -38,7 +39,9 @@ pub enum CopyMode {
     PerSpan,
     /// One `cuMemcpyBatchAsync` per span index: the copy engines do the
     /// scatter, the SMs stay free for compute (the default; needs a CUDA 12.8
-    /// or newer driver, see [`CopyMode::best_for`]).
+    /// or newer driver, see [`CopyMode::best_for`]). A run of spans with
+    /// constant strides on both sides (consecutive slots) goes as one 2D
+    /// copy instead ([`CudaCopier::set_row_copies`]).
     #[default]
     DriverBatch,
 }
@@ -52,6 +55,8 @@ pub struct CopyProfile {
     pub spans: u64,
     /// Kernel launches or driver copies issued.
     pub operations: u64,
+    /// Of those, 2D copies, each a run of spans with constant strides.
+    pub row_copies: u64,
     /// Pages whose digest the device took as they were copied (a deposit's;
     /// the runner hashed the others in DRAM).
     pub digested: u64,
@@ -112,6 +117,10 @@ pub(crate) struct Core {
     /// The [`CopyMode`], as `mode_code` numbers it (switchable for A/B
     /// measurements on one pool).
     mode: AtomicU8,
+    /// Whether the driver-batch mode takes strided runs as 2D copies.
+    row_copies: AtomicBool,
+    /// The device's widest 2D copy pitch (0: no row copies).
+    max_pitch: u64,
     first_group: usize,
     /// The device extents of the imports open now (`[start, end)` in this
     /// process's address space, one entry per import): what
@@ -171,6 +180,9 @@ impl CudaCopier {
             digest_kernel,
             device: Arc::clone(device),
             mode: AtomicU8::new(mode_code(mode)),
+            row_copies: AtomicBool::new(true),
+            // Without the limit, no 2D copies: the batches move everything.
+            max_pitch: device.max_pitch().unwrap_or(0),
             first_group: first_group.max(1),
             open_imports: Mutex::new(Vec::new()),
         };
@@ -194,6 +206,13 @@ impl CudaCopier {
         Self::check_mode(&self.core.device, mode)?;
         self.core.mode.store(mode_code(mode), Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Whether the driver-batch mode moves a run of spans with constant
+    /// strides on both sides as one 2D copy (on by default; off, for
+    /// measurements, every span goes in the batches).
+    pub fn set_row_copies(&self, on: bool) {
+        self.core.row_copies.store(on, Ordering::Relaxed);
     }
 
     /// Refuses the driver batch on a driver without it (calling a symbol
@@ -456,12 +475,34 @@ impl Core {
                     profile.bytes += span.len;
                     profile.spans += 1;
                 }
-                let count = words.len() / 3;
-                host_ns += building.elapsed().as_nanos();
                 // The kernel moves 16-byte vectors: a group with an unaligned
                 // span takes the per-span path.
                 let group_mode = if aligned { mode } else { CopyMode::PerSpan };
+                let runs = if group_mode == CopyMode::DriverBatch
+                    && self.row_copies.load(Ordering::Relaxed)
+                {
+                    rows::take_rows(words, self.max_pitch)
+                } else {
+                    Vec::new()
+                };
+                let count = words.len() / 3;
+                host_ns += building.elapsed().as_nanos();
+                for run in &runs {
+                    // SAFETY: every row is one of the group's spans, each
+                    // valid until the sync below, as for the kernel below.
+                    unsafe {
+                        stream.copy_rows_async(
+                            (run.dst, run.dst_pitch),
+                            (run.src, run.src_pitch),
+                            run.width,
+                            run.height,
+                        )?;
+                    }
+                    profile.operations += 1;
+                    profile.row_copies += 1;
+                }
                 match group_mode {
+                    _ if count == 0 => {}
                     CopyMode::Batched => {
                         descriptors.write_words(at * 3, words)?;
                         let count = u32::try_from(count).map_err(|_| Error::Layout {

@@ -179,6 +179,21 @@ impl Device {
         Ok(u32::try_from(count).unwrap_or(1).max(1))
     }
 
+    /// The widest pitch a 2D copy may use on the device
+    /// (`CU_DEVICE_ATTRIBUTE_MAX_PITCH`), in bytes.
+    pub fn max_pitch(&self) -> Result<u64> {
+        let mut pitch = 0;
+        // SAFETY: writes one int for a device from cuDeviceGet.
+        check("cuDeviceGetAttribute", unsafe {
+            sys::cuDeviceGetAttribute(
+                &raw mut pitch,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_PITCH,
+                self.device,
+            )
+        })?;
+        Ok(u64::try_from(pitch).unwrap_or(0))
+    }
+
     /// The device's name, as the driver reports it.
     pub fn name(&self) -> &str {
         &self.name
@@ -274,6 +289,50 @@ impl Stream {
 }
 
 impl Stream {
+    /// Queues one 2D copy between addresses of the unified address space:
+    /// `height` rows of `width` bytes, row `i` from `src + i × src_pitch` to
+    /// `dst + i × dst_pitch` (`cuMemcpy2DAsync`, the copy engines).
+    ///
+    /// # Safety
+    /// As [`Stream::copy_async`], for every row.
+    pub unsafe fn copy_rows_async(
+        &self,
+        (dst, dst_pitch): (u64, u64),
+        (src, src_pitch): (u64, u64),
+        width: u64,
+        height: u64,
+    ) -> Result<()> {
+        let size = |value: u64| {
+            usize::try_from(value).map_err(|_| Error::Layout {
+                field: "rows",
+                why: "has a size past the address space",
+            })
+        };
+        let copy = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+            srcHost: std::ptr::null(),
+            srcDevice: src,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: size(src_pitch)?,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: size(dst_pitch)?,
+            WidthInBytes: size(width)?,
+            Height: size(height)?,
+        };
+        // SAFETY: the descriptor is read during the call only; the caller
+        // guarantees every row's ranges.
+        check("cuMemcpy2DAsync", unsafe {
+            sys::cuMemcpy2DAsync_v2(&raw const copy, self.raw)
+        })
+    }
+
     /// Queues many copies in one driver call (`cuMemcpyBatchAsync`, CUDA
     /// 12.8+), stream-ordered; `host_to_device` tells the driver which side
     /// is host memory.

@@ -13,7 +13,8 @@
 //!   the runner's pools once and moves a whole job of scattered spans with one
 //!   gather/scatter kernel launch per span index (layer 0 first), near the
 //!   PCIe limit; [`CopyMode::PerSpan`] keeps the one-copy-per-span path as
-//!   the anchor it is measured against.
+//!   the anchor it is measured against. `rows` finds the runs of
+//!   consecutive slots it moves as single 2D copies.
 //! * [`one_hop`]: the one-hop route's CUDA side: [`CudaCopier::export`]
 //!   names device memory for a same-host peer (legacy CUDA IPC), whose
 //!   copier opens it ([`CudaImport`]) and copies its pinned pool's pages
@@ -39,6 +40,7 @@ pub mod error;
 pub mod layout;
 pub mod linker;
 pub mod one_hop;
+mod rows;
 
 pub use copier::{CopyMode, CopyProfile, CudaCopier};
 pub use error::{Error, Result};

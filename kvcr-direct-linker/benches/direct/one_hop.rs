@@ -93,11 +93,11 @@ pub(crate) fn run(device: &Arc<Device>, h2d: f64, pages: u32) {
         bytes as f64 / f64::from(1u32 << 30),
         import * 1e3
     );
-    // Rounds in the source copier's default mode (the figures), then in
-    // the kernel mode for comparison (the SMs move the bytes: less driver
-    // work per span on the source's CPU).
-    let mut rounds = |mode: &str| -> (Vec<f64>, Vec<f64>) {
-        let (mut seconds, mut cpu) = (Vec::new(), Vec::new());
+    // Rounds in the source copier's default mode (the figures), then
+    // without row copies (every span a batch descriptor) and in the kernel
+    // mode (the SMs move the bytes), for comparison.
+    let mut rounds = |mode: &str| -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let (mut seconds, mut cpu, mut first) = (Vec::new(), Vec::new(), Vec::new());
         for round in 0..ROUNDS {
             pool.fill(0).unwrap();
             source.say(&format!("GO {mode}"));
@@ -116,17 +116,21 @@ pub(crate) fn run(device: &Arc<Device>, h2d: f64, pages: u32) {
             );
             seconds.push(secs);
             cpu.push(cpu_s);
+            first.push(first_ms);
         }
-        (seconds, cpu)
+        (seconds, cpu, first)
     };
-    let (seconds, cpu) = rounds("default");
-    let (kernel_seconds, kernel_cpu) = rounds("kernel");
+    let (seconds, cpu, first) = rounds("default");
+    for mode in ["flat", "kernel"] {
+        let (other_seconds, other_cpu, other_first) = rounds(mode);
+        println!(
+            "# one-hop: {mode} mode: {:.2} GB/s, source CPU {:.5} s/GB, first layer {:.2} ms (medians)",
+            bytes as f64 / median(other_seconds) / 1e9,
+            median(other_cpu) / (bytes as f64 / 1e9),
+            median(other_first)
+        );
+    }
     drop(source);
-    println!(
-        "# one-hop: kernel mode: {:.2} GB/s, source CPU {:.5} s/GB (medians)",
-        bytes as f64 / median(kernel_seconds) / 1e9,
-        median(kernel_cpu) / (bytes as f64 / 1e9)
-    );
     let secs = median(seconds);
     let gbps = bytes as f64 / secs / 1e9;
     let anchor_s = bytes as f64 / h2d / 1e9;
@@ -140,6 +144,13 @@ pub(crate) fn run(device: &Arc<Device>, h2d: f64, pages: u32) {
     );
     let per_gb = median(cpu) / (bytes as f64 / 1e9);
     println!("BENCH direct.peer_restore_source_cpu value={per_gb:.5} unit=s/GB");
+    // One layer's bytes (K and V of every page) at the same round's H2D rate.
+    let layer_ms = 2.0 * layer_bytes as f64 / h2d / 1e6;
+    let first_ms = median(first);
+    println!(
+        "BENCH direct.peer_first_layer_ms value={first_ms:.2} unit=ms anchor={layer_ms:.2} ratio={:.3}",
+        first_ms / layer_ms
+    );
     drop(copier);
     drop(pool);
 }
@@ -176,8 +187,8 @@ fn check(pool: &DeviceBuffer, pages: u64, layer_bytes: u64) {
 
 /// `--one-hop-source PAGES NAME`: the source process. Patterns and pins
 /// its pool, imports `NAME`, prints `READY <fill s> <pin s> <import s>`,
-/// then per `GO default` or `GO kernel` line copies every page in that
-/// copier mode and prints `RESULT <s> <CPU s> <first layer ms>`; exits when
+/// then per `GO default`, `GO flat` (no row copies) or `GO kernel` line
+/// copies every page in that copier mode and prints `RESULT <s> <CPU s> <first layer ms>`; exits when
 /// stdin closes.
 pub(crate) fn source(pages: u32, name: &str) {
     let pages64 = u64::from(pages);
@@ -233,6 +244,7 @@ pub(crate) fn source(pages: u32, name: &str) {
     let mut line = String::new();
     while std::io::stdin().read_line(&mut line).is_ok_and(|n| n > 0) {
         if let Some(mode) = line.trim().strip_prefix("GO ") {
+            copier.set_row_copies(mode != "flat");
             let mode = if mode == "kernel" {
                 CopyMode::Batched
             } else {

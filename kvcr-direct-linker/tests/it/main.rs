@@ -11,6 +11,8 @@
 //!   and copies a pinned pattern into it (GPU only).
 //! * `one_hop_peer`: restores from a source process in one hop, its fallback
 //!   to two, a source killed with a grant outstanding (GPU only).
+//! * `rows`: runs of consecutive slots move as single 2D copies, byte-exact
+//!   both ways (GPU only).
 
 #![allow(
     clippy::unwrap_used,
@@ -25,3 +27,4 @@ mod layouts;
 mod one_hop;
 mod one_hop_peer;
 mod restore;
+mod rows;
