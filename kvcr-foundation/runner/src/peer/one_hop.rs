@@ -45,8 +45,13 @@ type Copies = Vec<Vec<Copy>>;
 /// A write (its id), its copies, and the copier that opened their imports.
 type Job = (u64, Copies, Arc<dyn DeviceCopier>);
 
-/// The thread that runs one-hop writes, one after the other (the copier
-/// spreads each over its own streams).
+/// Most queued writes one copy pass takes together.
+const MERGED_WRITES: usize = 1024;
+
+/// The thread that runs one-hop writes: every write queued when it takes
+/// the next goes in one copy pass (a deliver's writes arrive together, so
+/// its layer 0 lands first over all of them, and the copier synchronises
+/// once, not per write).
 #[derive(Default)]
 pub(super) struct OneHopWriter {
     worker: Option<(mpsc::Sender<Job>, JoinHandle<()>)>,
@@ -63,9 +68,17 @@ impl OneHopWriter {
             let spawned = std::thread::Builder::new()
                 .name("kvcr-one-hop".into())
                 .spawn(move || {
-                    for (write, copies, copier) in rx {
-                        let ok = copy_write(&copies, copier.as_ref());
-                        let _ = done.send((write, ok));
+                    while let Ok(first) = rx.recv() {
+                        let mut jobs = vec![first];
+                        while jobs.len() < MERGED_WRITES {
+                            match rx.try_recv() {
+                                Ok(job) => jobs.push(job),
+                                Err(_) => break,
+                            }
+                        }
+                        for (write, ok) in copy_writes(&jobs) {
+                            let _ = done.send((write, ok));
+                        }
                     }
                 });
             match spawned {
@@ -79,14 +92,51 @@ impl OneHopWriter {
     }
 }
 
-/// Runs one write's copies; whether all of them landed. One pass when
-/// every import resolves its spans: the copier gets the write page by page
-/// and issues span index i of every page together (a layer-first page's
-/// first spans are layer 0's K and V, which so land first), as it does a
-/// job. Otherwise import by import (one synchronisation per region). The
-/// imports in `copies` stay open until this returns.
-fn copy_write(copies: &Copies, copier: &dyn DeviceCopier) -> bool {
-    let resolved: Option<Vec<Vec<CopySpan>>> = copies
+/// Runs queued writes: those whose spans every import resolves and that
+/// share the first such write's copier in one pass, the rest one by one;
+/// per write, whether all its copies landed. A pass that fails is run
+/// again write by write (the slots stay granted until we report, and the
+/// bytes are the same), so one target's bad write never fails another's.
+fn copy_writes(jobs: &[Job]) -> Vec<(u64, bool)> {
+    let mut merged: Vec<(u64, Vec<Vec<CopySpan>>)> = Vec::new();
+    let mut alone: Vec<&Job> = Vec::new();
+    let mut copier: Option<&Arc<dyn DeviceCopier>> = None;
+    for job in jobs {
+        let (write, copies, job_copier) = job;
+        let same = copier.is_none_or(|c| Arc::ptr_eq(c, job_copier));
+        match resolve(copies).filter(|_| same) {
+            Some(pages) => {
+                copier = Some(job_copier);
+                merged.push((*write, pages));
+            }
+            None => alone.push(job),
+        }
+    }
+    let mut outcomes = Vec::with_capacity(jobs.len());
+    if let Some(copier) = copier {
+        let keys: Vec<&[CopySpan]> = merged
+            .iter()
+            .flat_map(|(_, pages)| pages.iter().map(Vec::as_slice))
+            .collect();
+        if copier.copy_to_imports(&keys).is_ok() {
+            outcomes.extend(merged.iter().map(|(write, _)| (*write, true)));
+        } else {
+            for (write, pages) in &merged {
+                let keys: Vec<&[CopySpan]> = pages.iter().map(Vec::as_slice).collect();
+                outcomes.push((*write, copier.copy_to_imports(&keys).is_ok()));
+            }
+        }
+    }
+    for (write, copies, copier) in alone {
+        outcomes.push((*write, copy_write(copies, copier.as_ref())));
+    }
+    outcomes
+}
+
+/// A write's copies with each destination resolved to an address, page
+/// by page; `None` if an import cannot resolve one.
+fn resolve(copies: &Copies) -> Option<Vec<Vec<CopySpan>>> {
+    copies
         .iter()
         .map(|page| {
             page.iter()
@@ -99,8 +149,17 @@ fn copy_write(copies: &Copies, copier: &dyn DeviceCopier) -> bool {
                 })
                 .collect()
         })
-        .collect();
-    if let Some(pages) = resolved {
+        .collect()
+}
+
+/// Runs one write's copies; whether all of them landed. One pass when
+/// every import resolves its spans: the copier gets the write page by page
+/// and issues span index i of every page together (a layer-first page's
+/// first spans are layer 0's K and V, which so land first), as it does a
+/// job. Otherwise import by import (one synchronisation per region). The
+/// imports in `copies` stay open until this returns.
+fn copy_write(copies: &Copies, copier: &dyn DeviceCopier) -> bool {
+    if let Some(pages) = resolve(copies) {
         let keys: Vec<&[CopySpan]> = pages.iter().map(Vec::as_slice).collect();
         return copier.copy_to_imports(&keys).is_ok();
     }
@@ -228,4 +287,162 @@ fn device_plan(opened: &DeviceRoutes, spans: &[PutSpan]) -> Option<Copies> {
         pages.push(page);
     }
     Some(pages)
+}
+
+#[cfg(test)]
+mod tests {
+    //! `copy_writes` over a recording copier (no memory is touched: the
+    //! plan is what is under test; the byte-level route runs between
+    //! processes in `tests/it/one_hop.rs`).
+
+    use std::sync::Mutex;
+
+    use super::*;
+    use kvcr_runner_core::PoolRange;
+
+    /// An import whose extent starts at address `base`.
+    struct Extent {
+        base: u64,
+        len: u64,
+    }
+
+    impl DeviceImport for Extent {
+        fn len(&self) -> u64 {
+            self.len
+        }
+        fn copy_into(&self, _: &[&[CopySpan]]) -> crate::error::Result<()> {
+            Ok(())
+        }
+        fn resolve(&self, offset: u64, len: u64) -> Option<u64> {
+            (offset.checked_add(len)? <= self.len).then_some(self.base + offset)
+        }
+    }
+
+    /// Records each pass's keys; refuses a pass naming `poison` as a source.
+    #[derive(Default)]
+    struct Recorder {
+        passes: Mutex<Vec<usize>>,
+        poison: u64,
+    }
+
+    impl DeviceCopier for Recorder {
+        fn attach(&self, _: &[PoolRange]) -> crate::error::Result<()> {
+            Ok(())
+        }
+        fn copy(&self, _: &[&[CopySpan]]) -> crate::error::Result<()> {
+            Ok(())
+        }
+        fn detach(&self, _: &[PoolRange]) {}
+        fn copy_to_imports(&self, keys: &[&[CopySpan]]) -> crate::error::Result<()> {
+            self.passes.lock().unwrap().push(keys.len());
+            if keys
+                .iter()
+                .flat_map(|k| k.iter())
+                .any(|s| s.src == self.poison)
+            {
+                return Err(crate::error::Error::runner(
+                    kvcr_runner_core::RunnerReason::DeviceCopy(kvcr_contracts::error::Echo::new(
+                        "poisoned",
+                    )),
+                ));
+            }
+            Ok(())
+        }
+    }
+
+    /// Write `id` of `pages` pages, page `p` from source `src + p`.
+    fn job(
+        id: u64,
+        pages: u64,
+        src: u64,
+        import: &Arc<dyn DeviceImport>,
+        copier: &Arc<Recorder>,
+    ) -> Job {
+        let copies = (0..pages)
+            .map(|p| {
+                vec![(
+                    RegionId(0),
+                    Arc::clone(import),
+                    CopySpan {
+                        src: src + p,
+                        dst: p * 16,
+                        len: 16,
+                    },
+                )]
+            })
+            .collect();
+        let copier: Arc<dyn DeviceCopier> = Arc::clone(copier) as Arc<dyn DeviceCopier>;
+        (id, copies, copier)
+    }
+
+    #[test]
+    fn queued_writes_share_one_pass() {
+        let import: Arc<dyn DeviceImport> = Arc::new(Extent {
+            base: 1 << 20,
+            len: 1 << 10,
+        });
+        let copier = Arc::new(Recorder {
+            poison: u64::MAX,
+            ..Recorder::default()
+        });
+        let jobs = [
+            job(1, 4, 100, &import, &copier),
+            job(2, 3, 200, &import, &copier),
+        ];
+        let mut outcomes = copy_writes(&jobs);
+        outcomes.sort_unstable();
+        assert_eq!(outcomes, [(1, true), (2, true)]);
+        assert_eq!(
+            *copier.passes.lock().unwrap(),
+            [7],
+            "one pass of every page"
+        );
+    }
+
+    #[test]
+    fn a_failed_pass_is_run_again_write_by_write() {
+        let import: Arc<dyn DeviceImport> = Arc::new(Extent {
+            base: 1 << 20,
+            len: 1 << 10,
+        });
+        let copier = Arc::new(Recorder {
+            poison: 301,
+            ..Recorder::default()
+        });
+        let jobs = [
+            job(1, 2, 100, &import, &copier),
+            job(2, 2, 300, &import, &copier),
+            job(3, 1, 500, &import, &copier),
+        ];
+        let mut outcomes = copy_writes(&jobs);
+        outcomes.sort_unstable();
+        assert_eq!(outcomes, [(1, true), (2, false), (3, true)]);
+        assert_eq!(*copier.passes.lock().unwrap(), [5, 2, 2, 1]);
+    }
+
+    #[test]
+    fn a_write_no_import_resolves_goes_alone() {
+        let import: Arc<dyn DeviceImport> = Arc::new(Extent {
+            base: 1 << 20,
+            len: 32,
+        });
+        let copier = Arc::new(Recorder {
+            poison: u64::MAX,
+            ..Recorder::default()
+        });
+        // Write 2's third page lies past the 32-byte extent: it cannot join
+        // the pass, and its import-by-import copy is the import's call.
+        let jobs = [
+            job(1, 2, 100, &import, &copier),
+            job(2, 3, 200, &import, &copier),
+        ];
+        let mut outcomes = copy_writes(&jobs);
+        outcomes.sort_unstable();
+        assert_eq!(outcomes, [(1, true), (2, true)]);
+        assert_eq!(
+            *copier.passes.lock().unwrap(),
+            [2],
+            "only write 1 in the pass"
+        );
+    }
 }
