@@ -1,8 +1,8 @@
 """Does this device compute one greedy decode twice to the same bits, and if
 not, which kernel switch makes it? No kvcr: the reference model alone.
 
-For each setting (the defaults; SDPA pinned to one backend at a time; cuBLAS
-as the preferred BLAS library; no reduced-precision bf16 reductions) the same
+For each setting (the defaults; SDPA pinned to one backend at a time; cuBLAS,
+then cuBLASLt, as the preferred BLAS library; no reduced-precision bf16 reductions) the same
 prompt's last token is run on a copy of one prefix cache and ``--steps``
 tokens decoded, twice; a ``DIAG`` line per setting says which steps' logits are
 bit-equal and, at the first that is not, the margins and the first module
@@ -38,9 +38,9 @@ def setting(name):
                    "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}[name]
         with sdpa_kernel([backend]):
             yield
-    elif name == "cublas":
+    elif name in ("cublas", "cublaslt"):
         before = cuda.preferred_blas_library()
-        cuda.preferred_blas_library("cublas")
+        cuda.preferred_blas_library(name)
         try:
             yield
         finally:
@@ -57,7 +57,7 @@ def setting(name):
 
 
 SETTINGS = ["defaults", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "cublas",
-            "no-reduced-precision"]
+            "cublaslt", "no-reduced-precision"]
 
 
 def main(argv):
