@@ -16,18 +16,22 @@ Protocol: one JSON object per line; a ``ready`` line after attaching, then
 one answer per command read on stdin (``{"ok": true, ...}`` or
 ``{"ok": false, "error": ...}``). Commands (``op``):
 
-- ``prefill_store``: prefill ``tokens`` (empty cache), write the KV of every
-  full page into the ranks' host pools, back them up through ``batch_set_v1``
-  with the pages' ``token_ids`` (the DP owner rank publishes them); answers the
-  pages stored and each page's SHA-256 per rank.
+- ``prefill_store``: prefill ``tokens`` (empty cache; chunked where a
+  destination's reusable prefix ends, as its cold reference is), write the KV
+  of every full page into the ranks' host pools, back them up through
+  ``batch_set_v1`` with the pages' ``token_ids`` (the DP owner rank publishes
+  them); answers the pages stored and each page's SHA-256 per rank.
 - ``inventory``: how many leading pages of ``keys`` this engine's KVCR holds
   (``batch_exists`` with no hint, every rank agreeing).
-- ``serve``: a request of ``tokens`` on a destination: cold inference (no
-  cache), SGLang's prefetch (``batch_exists`` with the router ``hint``, then
-  ``batch_get_v1``), the restored pages read back into the model's cache, the
-  suffix prefilled and ``new_tokens`` decoded; the same on the engine's own KV
-  (the control) and on the restored pages zeroed and shuffled (the negative
-  controls). Answers ids, digests, logit differences and counters.
+- ``serve``: a request of ``tokens`` on a destination: SGLang's prefetch
+  (``batch_exists`` with the router ``hint``, then ``batch_get_v1``); cold
+  inference (no cache, no kvcr) chunked where the restored prefix ends, and
+  the one-shot prefill for comparison; the restored pages read back into the
+  model's cache, the suffix prefilled and ``new_tokens`` decoded; the same on
+  the engine's own KV (the control, run twice) and on the restored pages
+  zeroed and shuffled (the negative controls). Answers ids, digests, logit
+  differences, counters and, per compared pair, where the runs part
+  (``divergence.compare``: per decode step, logits bit-equal or not).
 - ``stats``, ``close``.
 """
 
@@ -53,6 +57,7 @@ for helpers in (os.path.join(HERE, "hicache-helpers"),
 import torch  # noqa: E402
 
 import engine  # noqa: E402  (loads SGLang's hicache_storage and backend_factory)
+import divergence  # noqa: E402
 import reference_model as rm  # noqa: E402
 from engine import HiCacheStorageExtraInfo, page_keys  # noqa: E402
 from host_pool import MhaHostPool  # noqa: E402
@@ -105,6 +110,12 @@ class Rank:
                 view.copy_(self.pool._page_bytes_view(s))
 
 
+def reusable_tokens(tokens, page_tokens):
+    """The tokens of the full pages a request can reuse: SGLang always
+    recomputes the last token."""
+    return (len(tokens) - 1) // page_tokens * page_tokens
+
+
 def delta(before, after):
     return {k: v - before.get(k, 0) for k, v in after.items()
             if isinstance(v, int) and not isinstance(v, bool)}
@@ -136,7 +147,10 @@ class Engine:
 
     def prefill_store(self, cmd):
         tokens, size = cmd["tokens"], self.args.page_tokens
-        _, _, cache = self.model.generate(tokens, None, 0)
+        # Chunked at the prefix a destination reuses (SGLang recomputes the
+        # last token), as the destination's cold reference prefills it: the
+        # pages' bytes are those of the same computation.
+        _, _, cache, _ = self.model.generate_chunked(tokens, reusable_tokens(tokens, size), 0)
         n = len(tokens) // size
         keys_hex = page_keys(tokens, size)[:n]
         k, v = self.model.kv_of(cache, n * size)
@@ -159,12 +173,9 @@ class Engine:
     def serve(self, cmd):
         tokens, n_new = cmd["tokens"], cmd["new_tokens"]
         size = self.args.page_tokens
-        reusable = (len(tokens) - 1) // size  # SGLang recomputes the last token
+        reusable = reusable_tokens(tokens, size) // size
         keys_hex = page_keys(tokens, size)[:reusable]
         model = self.model
-
-        # Cold inference: the same model, no cache.
-        cold_ids, cold_logits, cold_cache = model.generate(tokens, None, n_new)
 
         # SGLang's prefetch through kvcr, on the router's hint.
         extra = {"request_id": cmd.get("request_id", "req")}
@@ -191,32 +202,54 @@ class Engine:
         prefix = restored * size
         pages = restore_pages[:restored]
 
-        def run(host_pages):
+        # Cold inference (the same model, no cache, no kvcr), chunked where
+        # the restored prefix ends, as the source prefilled it. The one-shot
+        # prefill of every token is reported beside it: its GEMMs have other
+        # shapes, so in bf16 it may round differently (kvcr not involved).
+        cold_trace = []
+        cold_ids, cold_logits, _, own = model.generate_chunked(tokens, prefix, n_new, cold_trace)
+        one_shot_ids, one_shot_logits, _ = model.generate(tokens, None, n_new)
+
+        def run(host_pages, trace=None):
             kv = self.pages_kv(host_pages)
-            ids, logits, _ = model.generate(tokens[prefix:], model.cache_from(*kv), n_new)
+            ids, logits, _ = model.generate(tokens[prefix:], model.cache_from(*kv), n_new, trace)
             return ids, logits
 
-        # The control: the same suffix prefilled on the engine's own KV.
-        own = model.kv_of(cold_cache, prefix)
+        # The control: the same suffix prefilled on the engine's own KV; run
+        # twice, which shows whether this device computes one thing twice
+        # to the same bits.
         own_pages = list(range(reusable, 2 * reusable))[:restored]
         for rank in self.ranks:
             rm.write_pages(rank.pool, own_pages, *own, rank.heads, size)
         own_digests = self.digests(own_pages)
-        control_ids, control_logits = run(own_pages)
+        control_trace, repeat_trace = [], []
+        control_ids, control_logits = run(own_pages, control_trace)
+        _, repeat_logits = run(own_pages, repeat_trace)
+        diagnostics = {
+            "control_repeat": divergence.compare(control_logits, repeat_logits, control_trace,
+                                                 repeat_trace),
+            "control_vs_cold": divergence.compare(control_logits, cold_logits, control_trace,
+                                                  cold_trace),
+            "one_shot_vs_cold": divergence.compare(one_shot_logits, cold_logits),
+        }
 
         variants = {}
 
         def variant(name, host_pages):
-            ids, logits = run(host_pages)
+            trace = []
+            ids, logits = run(host_pages, trace)
             variants[name] = {
                 "digests": self.digests(host_pages),
                 "ids": ids,
                 "logits_equal_control": bool(torch.equal(logits, control_logits)),
+                "logits_equal_cold": bool(torch.equal(logits, cold_logits)),
                 "logits_max_diff_control": rm.max_abs_diff(logits, control_logits),
                 "logits_max_diff_cold": rm.max_abs_diff(logits, cold_logits),
+                "vs_control": divergence.compare(logits, control_logits, trace, control_trace),
             }
 
         variant("restored", pages)
+        diagnostics["restored_vs_control"] = variants["restored"]["vs_control"]
         # Negative controls: the restored pages zeroed, and in the wrong
         # order (rotated by one page), in scratch pages.
         scratch = own_pages
@@ -234,9 +267,14 @@ class Engine:
             "restored_tokens": prefix,
             "restored_bytes": restored * sum(r.pool.page_bytes for r in self.ranks),
             "cold_ids": cold_ids,
+            "one_shot_ids": one_shot_ids,
             "own_digests": own_digests,
             "control_ids": control_ids,
+            "control_repeat_equal": bool(torch.equal(control_logits, repeat_logits)),
             "variants": variants,
+            "diagnostics": diagnostics,
+            "environment": divergence.environment(model.device),
+            "nondeterministic_ops": model.nondeterminism.seen,
         }
 
     def stats(self, _cmd):

@@ -15,14 +15,26 @@ and decodes 8 tokens greedily. Checks, per TP size:
   token would prove little);
 - D restores 192 tokens on every rank, every page from the peer;
 - every restored page's SHA-256 equals S's (per rank shard) and D's own KV's;
-- D's ids equal the cold ids; D's logits equal, bit for bit, a control that
-  prefills the same suffix on the engine's own KV (the logits of cold
-  inference differ from both only by the prefill's split; its max difference is
-  reported);
+- D's ids equal the cold ids; D's logits equal, bit for bit, those of a
+  control that prefills the same suffix on the engine's own KV and those of
+  cold inference. Cold inference (no cache, no kvcr) prefills the prompt in
+  two chunks split where the restored prefix ends, as a chunked-prefill
+  engine does and as S computed the pages it backed up: the same GEMM shapes
+  and cache layout as the restored run, so the same bits. A one-shot prefill
+  of all 256 tokens has other GEMM shapes and in bf16 may round differently;
+  its agreement is reported, not checked;
+- the control run twice gives the same logits (the device repeats a
+  computation bit for bit: without it no bit-exact check means anything);
 - negative controls: the restored pages zeroed, or rotated by one page, FAIL
   the same check (digests differ and the logits are not the control's). A
   rotation leaves the ids unchanged with this model (attention is
   order-blind once RoPE is in the keys): the reason ids alone are a weak check.
+
+Per compared pair a ``DIAG`` line says which decode steps' logits are
+bit-equal and, at the first step that is not, the largest difference, each
+run's top-1/top-2 margin (a near tie?) and the first forward and layer whose
+appended KV differ; then the kernel-choosing versions and switches, and the
+ops torch ran without a deterministic implementation.
 
 Each check prints ``CHECK PASS|FAIL <case>: <what> (<detail>)``, key numbers
 ``NUMBER <name>=<value>`` (the ``hicache-dynamo`` scenario's format). Exits 1
@@ -58,6 +70,7 @@ for helpers in (os.path.join(HERE, "hicache-helpers"),
 
 from engine import fetch_hint, page_keys  # noqa: E402
 
+import divergence  # noqa: E402
 import reference_model as rm  # noqa: E402
 
 PAGE_TOKENS = 64
@@ -213,6 +226,28 @@ def hint_from_inventory(tokens, source, reusable):
     return fetch_hint(source_endpoint(source), keys[:hits]), f"S's inventory: {hits} pages"
 
 
+# The compared pairs' diagnostics, in the order they localise a divergence:
+# the device against itself first, kvcr last.
+DIAGNOSED = [
+    ("control_repeat", "own-KV control vs the same run again"),
+    ("control_vs_cold", "own-KV control vs cold inference (chunked)"),
+    ("restored_vs_control", "restored vs own-KV control"),
+    ("one_shot_vs_cold", "one-shot cold prefill vs chunked (other GEMM shapes; not checked)"),
+]
+
+
+def report_diagnostics(case, served):
+    """``DIAG`` lines: per compared pair, which decode steps' logits are
+    bit-equal and, at the first that is not, the difference and margins."""
+    for key, what in DIAGNOSED:
+        print(f"DIAG {case} {what}: {divergence.describe(served['diagnostics'][key])}",
+              flush=True)
+    print(f"DIAG {case} environment: {json.dumps(served['environment'])}", flush=True)
+    ops = served["nondeterministic_ops"]
+    print(f"DIAG {case} ops torch ran without a deterministic implementation: "
+          f"{json.dumps(ops) if ops else 'none'}", flush=True)
+
+
 def run_tp(args, checks, tp, S, D, indexer):
     case = f"TP={tp}"
     reusable = (PROMPT_TOKENS - 1) // PAGE_TOKENS
@@ -257,7 +292,15 @@ def run_tp(args, checks, tp, S, D, indexer):
     checks.equal(case, f"D's {args.new_tokens} ids equal cold inference's", r["ids"], cold)
     checks.check(case, "D's logits equal the own-KV control's, bit for bit",
                  r["logits_equal_control"], f"max diff {r['logits_max_diff_control']:g}")
+    checks.check(case, "D's logits equal cold inference's, bit for bit",
+                 r["logits_equal_cold"], f"max diff {r['logits_max_diff_cold']:g}")
     checks.equal(case, "the control's ids equal cold inference's", served["control_ids"], cold)
+    checks.check(case, "the control run twice gives the same logits, bit for bit "
+                 "(this device repeats a computation)", served["control_repeat_equal"],
+                 served["diagnostics"]["control_repeat"]["steps"])
+    report_diagnostics(case, served)
+    number(f"tp{tp}_ids_agreeing_with_one_shot",
+           f"{sum(a == b for a, b in zip(r['ids'], served['one_shot_ids']))}/{len(cold)}")
     for name in ("zeroed", "shuffled"):
         v = variants[name]
         digests_ok, logits_ok, ids_ok = verdict(name)

@@ -22,7 +22,15 @@ prompts until the device pool has evicted A and B, then A and B again. Checks:
   prefilled on the engine's own KV), and its ids the control's;
 - a peer process (its own model, pool and linker) restores A's pages from
   this engine's KVCR DRAM on a ``kv.fetch`` hint naming its endpoint: every
-  page, byte-equal, ids equal the own-KV control's.
+  page, byte-equal, ids equal the own-KV control's;
+- the own-KV control run twice gives the same logits (the device repeats a
+  computation bit for bit: without it no bit-exact check means anything).
+
+Each pair that should compute the same bits (restored vs own-KV control,
+the no-kvcr engine vs cold inference, the control vs itself) prints a
+``DIAG`` line: per decode step whether the logits are bit-equal and, at the
+first that is not, the difference, the top-1/top-2 margins and the first
+forward and layer whose appended KV differ.
 
 The restored path prefills the prompt in two chunks (the restored prefix,
 then the suffix), as the own-KV control does; cold inference prefills it at
@@ -52,6 +60,7 @@ from collections import OrderedDict
 
 import torch
 
+import divergence
 import reference_model as rm
 
 NAMESPACE = 1
@@ -140,8 +149,9 @@ class PagedEngine:
     def slot_digests(self, slots):
         return [page_digest(*self.slot_kv([s])) for s in slots]
 
-    def serve(self, tokens, new_tokens, hints=()):
-        """One request; returns what happened (ids, logits, prefix sources)."""
+    def serve(self, tokens, new_tokens, hints=(), trace=None):
+        """One request; returns what happened (ids, logits, prefix sources).
+        ``trace`` (a list) gets the digests of the KV each forward appended."""
         self.requests += 1
         size = self.size
         keys = rm.page_hashes(tokens, size)
@@ -176,7 +186,8 @@ class PagedEngine:
         prefix_pages = device_pages + restored
         prefix_slots = [self.resident[k] for k in keys[:prefix_pages]]
         cache = (self.model.cache_from(*self.slot_kv(prefix_slots)) if prefix_pages else None)
-        ids, logits, cache = self.model.generate(tokens[prefix_pages * size:], cache, new_tokens)
+        ids, logits, cache = self.model.generate(tokens[prefix_pages * size:], cache, new_tokens,
+                                                 trace)
         # The prompt's new full pages into slots, then offloaded.
         new_keys = keys[prefix_pages:len(tokens) // size]
         slots = self.alloc(len(new_keys), keep)
@@ -216,17 +227,31 @@ def page_digest(keys, values):
 
 def own_reference(model, tokens, prefix_tokens, size, new_tokens):
     """Cold inference, the own KV's page digests and the own-KV control's
-    logits (the suffix prefilled on the engine's own KV)."""
-    cold_ids, cold_logits, cache = model.generate(tokens, None, new_tokens)
+    logits (the suffix prefilled on the engine's own KV), the control run
+    twice; each run's trace (``divergence.record_forward``)."""
+    cold_trace, control_trace, repeat_trace = [], [], []
+    cold_ids, cold_logits, cache = model.generate(tokens, None, new_tokens, cold_trace)
     keys, values = model.kv_of(cache, prefix_tokens)
     digests = []
     for p in range(prefix_tokens // size):
         part = slice(p * size, (p + 1) * size)
         digests.append(page_digest([k[:, :, part] for k in keys], [v[:, :, part] for v in values]))
+    del cache
     control_ids, control_logits, _ = model.generate(tokens[prefix_tokens:],
-                                                    model.cache_from(keys, values), new_tokens)
+                                                    model.cache_from(keys, values), new_tokens,
+                                                    control_trace)
+    _, repeat_logits, _ = model.generate(tokens[prefix_tokens:], model.cache_from(keys, values),
+                                         new_tokens, repeat_trace)
     return {"cold_ids": cold_ids, "cold_logits": cold_logits, "digests": digests,
-            "control_ids": control_ids, "control_logits": control_logits}
+            "control_ids": control_ids, "control_logits": control_logits,
+            "cold_trace": cold_trace, "control_trace": control_trace,
+            "repeat": divergence.compare(control_logits, repeat_logits, control_trace,
+                                         repeat_trace)}
+
+
+def diag(case, what, d):
+    """A ``DIAG`` line: where two runs that should compute the same bits part."""
+    print(f"DIAG {case} {what}: {divergence.describe(d)}", flush=True)
 
 
 def build_model(args):
@@ -241,7 +266,8 @@ def peer_main(args):
     print(json.dumps({"ready": True, "endpoint": engine.linker.endpoint}), flush=True)
     cmd = json.loads(sys.stdin.readline())
     tokens = cmd["tokens"]
-    r = engine.serve(tokens, args.new_tokens, hints=[cmd["hint"]])
+    trace = []
+    r = engine.serve(tokens, args.new_tokens, hints=[cmd["hint"]], trace=trace)
     ref = own_reference(model, tokens, r["restored_tokens"] + r["device_pages"] * args.page_tokens,
                         args.page_tokens, args.new_tokens)
     answer = {"ids": r["ids"], "restored_pages": r["restored_pages"],
@@ -253,6 +279,10 @@ def peer_main(args):
                                                        ref["control_logits"][:1])),
               "logits_max_diff_control": rm.max_abs_diff(r["logits"][:1],
                                                          ref["control_logits"][:1]),
+              "vs_control": divergence.compare(r["logits"], ref["control_logits"], trace,
+                                               ref["control_trace"]),
+              "repeat": ref["repeat"],
+              "nondeterministic_ops": model.nondeterminism.seen,
               "stores": all(engine.linker.stores(NAMESPACE, k) for k in
                             rm.page_hashes(tokens, args.page_tokens)[:r["restored_pages"]])}
     print(json.dumps(answer), flush=True)
@@ -281,10 +311,13 @@ def run(args, checks, rows):
         workload += [("A again", a), ("B again", b)]
         say(f"{len(workload)} requests of {args.prompt_tokens} tokens; device pool "
             f"{args.device_pages} pages of {size} tokens, KVCR DRAM {args.store_pages} pages")
-        served = {}
+        served, traces = {}, {}
         for name, tokens in workload:
-            served[name] = (engine.serve(tokens, args.new_tokens),
-                            control.serve(tokens, args.new_tokens))
+            # The replays' runs keep traces for the diagnostics.
+            pair = ([], []) if name.endswith(" again") else (None, None)
+            traces[name] = pair
+            served[name] = (engine.serve(tokens, args.new_tokens, trace=pair[0]),
+                            control.serve(tokens, args.new_tokens, trace=pair[1]))
         for name, tokens in (("A", a), ("B", b)):
             first_k, first_c = served[name]
             k, c = served[f"{name} again"]
@@ -300,6 +333,16 @@ def run(args, checks, rows):
                          (k["restored_tokens"], c["restored_tokens"]), (reusable * size, 0))
             checks.equal(f"{case}: the no-kvcr engine's ids equal cold inference's", c["ids"], cold)
             checks.equal(f"{case}: ids equal the own-KV control's", k["ids"], ref["control_ids"])
+            checks.check(f"{case}: the own-KV control run twice gives the same logits, bit for "
+                         "bit (this device repeats a computation)", ref["repeat"]["first"] is None,
+                         ref["repeat"]["steps"])
+            k_trace, c_trace = traces[f"{name} again"]
+            diag(case, "own-KV control vs the same run again", ref["repeat"])
+            diag(case, "no-kvcr engine vs cold inference (the same one-shot call)",
+                 divergence.compare(c["logits"], ref["cold_logits"], c_trace, ref["cold_trace"]))
+            diag(case, "restored vs own-KV control",
+                 divergence.compare(k["logits"], ref["control_logits"], k_trace,
+                                    ref["control_trace"]))
             number(f"{name}_ids_agreeing_with_cold",
                    f"{sum(x == y for x, y in zip(k['ids'], cold))}/{len(cold)}")
             number(f"{name}_ids_agreeing_with_first_serving",
@@ -336,6 +379,15 @@ def run(args, checks, rows):
         number("peer_ids_agreeing_with_cold", f"{p['ids_agreeing_with_cold']}/{len(p['ids'])}")
         checks.check("peer: first logits equal its own-KV control's, bit for bit",
                      p["logits_equal_control"], f"max diff {p['logits_max_diff_control']:g}")
+        checks.check("peer: its own-KV control run twice gives the same logits, bit for bit",
+                     p["repeat"]["first"] is None, p["repeat"]["steps"])
+        diag("peer", "own-KV control vs the same run again", p["repeat"])
+        diag("peer", "restored vs own-KV control", p["vs_control"])
+        print(f"DIAG environment: {json.dumps(divergence.environment(model.device))}", flush=True)
+        for who, ops in (("this process", model.nondeterminism.seen),
+                         ("the peer", p["nondeterministic_ops"])):
+            print(f"DIAG ops torch ran without a deterministic implementation ({who}): "
+                  f"{json.dumps(ops) if ops else 'none'}", flush=True)
         checks.check("peer: the pulled pages stay in its KVCR DRAM", p["stores"], "")
         number("peer_restored_tokens", f"{p['restored_pages'] * size}/{args.prompt_tokens}")
         rows.append(["peer A", ready["endpoint"].split("?")[0],

@@ -26,6 +26,8 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402
 
+import divergence  # noqa: E402
+
 # Weights drawn 5x wider than transformers' default (0.02): with the default a
 # random model repeats one token; with these its greedy ids vary.
 GEOMETRIES = {
@@ -73,6 +75,10 @@ class ReferenceModel:
         # host's version may be either side of that.
         params = inspect.signature(self.model.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        # The ops torch ran without a deterministic implementation, and each
+        # module's output for a traced run.
+        self.nondeterminism = divergence.Nondeterminism()
+        self.ops = divergence.OpTrace(self.model)
 
     # -- the cache -------------------------------------------------------------
 
@@ -108,29 +114,55 @@ class ReferenceModel:
     # -- running ---------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, ids, cache):
+    def forward(self, ids, cache, trace=None):
         """One forward over ``ids`` extending ``cache``; the last position's
-        logits (float32, on the CPU) and the cache."""
+        logits (float32, on the CPU) and the cache. With ``trace`` (a list),
+        the digests of the KV it appended (``divergence.record_forward``)."""
+        start = cache.get_seq_length()
         inputs = torch.tensor([ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=inputs, use_cache=True, **{self.cache_arg: cache})
+        if trace is not None:
+            self.ops.active = []
+        try:
+            with self.nondeterminism:
+                out = self.model(input_ids=inputs, use_cache=True, **{self.cache_arg: cache})
+        finally:
+            ops, self.ops.active = self.ops.active, None
         cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+        divergence.record_forward(trace, cache, self.layer_kv, self.layers, start, ops)
         return out.logits[0, -1].float().cpu(), cache
 
-    def generate(self, ids, cache, new_tokens):
+    def generate(self, ids, cache, new_tokens, trace=None):
         """Greedy decoding: prefill ``ids`` on ``cache`` (None: an empty one),
         then ``new_tokens`` tokens. Returns (token ids, their logits
         [new_tokens, vocab], the cache)."""
         cache = self.new_cache() if cache is None else cache
-        logits, cache = self.forward(ids, cache)
+        logits, cache = self.forward(ids, cache, trace)
         out_ids, out_logits = [], []
         for step in range(new_tokens):
             out_logits.append(logits)
             token = int(torch.argmax(logits))
             out_ids.append(token)
             if step + 1 < new_tokens:
-                logits, cache = self.forward([token], cache)
+                logits, cache = self.forward([token], cache, trace)
         logits = torch.stack(out_logits) if out_logits else torch.empty(0, logits.numel())
         return out_ids, logits, cache
+
+    def generate_chunked(self, ids, prefix, new_tokens, trace=None):
+        """Cold inference as a chunked-prefill engine computes it: the first
+        ``prefix`` tokens prefilled on an empty cache, their KV copied into a
+        fresh cache (``cache_from``, as a restored or own-KV prefix is), the
+        rest prefilled on it, then ``new_tokens`` greedy tokens. The same
+        GEMM shapes, cache layout and code path as a restored prefix's run,
+        which a one-shot prefill of every token does not share. Returns
+        (ids, logits, cache, the prefix's (keys, values))."""
+        if not prefix:
+            return (*self.generate(ids, None, new_tokens, trace), ([], []))
+        _, _, cache = self.generate(ids[:prefix], None, 0)
+        own = self.kv_of(cache, prefix)
+        del cache
+        out_ids, logits, cache = self.generate(ids[prefix:], self.cache_from(*own), new_tokens,
+                                               trace)
+        return out_ids, logits, cache, own
 
 
 def prompt(seed, n, vocab):

@@ -10,7 +10,7 @@
 //! helpers and SGLang's three contract files it loads), the `kvcr_hicache`
 //! wheel it drives in mode A, and `run-model.sh`, which runs it with
 //! Qwen3-0.6B's geometry in bf16 on the GPU: mode A at TP=1 and TP=2, then
-//! mode B.
+//! mode B, then a probe of whether the device repeats one decode to the bit.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -71,7 +71,9 @@ const RUN_MODEL: &str = "#!/bin/sh\n\
 # inventory (no Dynamo indexer there), then mode B (kvcr_direct, 3000-token\n\
 # prompts, filler traffic, local and peer restores), then, on the GPU, mode B's\n\
 # TTFT against cold prefill at 3K, 16K and 32K tokens (model_mode_b.py, BENCH\n\
-# model.ttft_*). PYTHON picks the\n\
+# model.ttft_*), then determinism_probe.py. DIAG lines say, per pair of runs\n\
+# that must agree to the bit, which decode steps' logits do and where the\n\
+# first that does not parted (margins, layer, module). PYTHON picks the\n\
 # interpreter; logs go to $KVCR_MODEL_LOGS (default /tmp/kvcr-real-model);\n\
 # KVCR_MODEL_ARGS replaces the model arguments (e.g. \"--geometry small\n\
 # --device cpu --dtype float32\" checks the bundle on a machine with no GPU).\n\
@@ -91,11 +93,16 @@ status=0\n\
     || status=1\n\
 \"$python\" real_model_direct.py --new-tokens 16 $model || status=1\n\
 if [ -z \"${KVCR_MODEL_ARGS:-}\" ]; then \"$python\" model_mode_b.py || status=1; fi\n\
+# Diagnostics only (its exit status is not the run's): does the device repeat\n\
+# one decode to the bit, under each SDPA backend and BLAS switch?\n\
+\"$python\" determinism_probe.py $model || true\n\
 exit $status\n";
 
 /// The harness's Python files, relative to the workspace root.
 const HARNESS: &[&str] = &[
     "xtask/harness/reference_model.py",
+    "xtask/harness/divergence.py",
+    "xtask/harness/determinism_probe.py",
     "xtask/harness/model_engine.py",
     "xtask/harness/real_model.py",
     "xtask/harness/real_model_direct.py",

@@ -8,8 +8,10 @@
 //!
 //! The scenario is the Python harness `xtask/harness/real_model.py` (its
 //! docstring lists the checks: ids equal cold inference, restored bytes equal
-//! the source's, logits equal a control's bit for bit, zeroed and shuffled
-//! pages failing that check). It runs the way `hicache-dynamo` runs its
+//! the source's, logits equal a control's and cold inference's bit for bit,
+//! the control repeating to the bit, zeroed and shuffled pages failing that
+//! check; `DIAG` lines say where two runs part). It runs the way
+//! `hicache-dynamo` runs its
 //! orchestrator ([`super::hicache_dynamo::orchestrate`]): the Python face's
 //! venv (with `transformers`, pinned in the face's `setup.sh`), a fresh wheel,
 //! a network namespace holding only loopback for the indexer.
