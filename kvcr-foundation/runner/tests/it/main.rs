@@ -24,6 +24,7 @@ mod peer_identity;
 mod peer_routes;
 mod peer_sealing;
 mod peer_trust;
+mod processes;
 mod runner;
 
 // The lock and the waits, one copy for the crate group's test binaries.

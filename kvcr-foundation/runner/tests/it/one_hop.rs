@@ -7,26 +7,26 @@
 //! That is the seam's contract; the CUDA copier is tested on a GPU in
 //! `kvcr-direct-linker`.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::io::BufRead;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, mpsc};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvcr_contracts::hint::{FetchHint, FetchMode, RequestId};
 use kvcr_contracts::protocol::{ElementRef, OpHandle, RegionId};
-use kvcr_contracts::{BlockKey, CompatDigest, ControlEndpoint, Namespace, NamespaceId, ScopedKey};
+use kvcr_contracts::{BlockKey, CompatDigest, ControlEndpoint, Namespace, NamespaceId};
 use kvcr_runner::{
     DeliverEntry, DepositEntry, DeviceCopier, EntryStatus, FailReason, OpResult, PeerNotice,
     PeerOptions, RegionDesc, Runner, RunnerConfig,
 };
 
 use crate::device::memfd::MemfdCopier;
+use crate::nodes::key;
+use crate::processes::{TestChild, poll_until, say, statuses, wait_op};
 
 const CHILD_ENV: &str = "KVCR_ONE_HOP_CHILD";
 const CHILD_TEST: &str = "one_hop::one_hop_source_process";
 const TAG: &str = "KVCR-ONE-HOP";
-const BOUND: Duration = Duration::from_secs(20);
 const BLOCK: usize = 64 << 10;
 const KEYS: u64 = 6;
 const SEED: u64 = 11;
@@ -54,47 +54,6 @@ fn options() -> PeerOptions {
 
 fn namespace() -> Namespace {
     Namespace::base(CompatDigest(43))
-}
-
-fn key(ns: NamespaceId, k: u64) -> ScopedKey {
-    ScopedKey {
-        namespace: ns,
-        key: BlockKey::from_u64(k),
-    }
-}
-
-fn wait(runner: &mut Runner, op: OpHandle) -> OpResult {
-    #[allow(clippy::disallowed_methods)] // a bound on the wait, not a threshold
-    let start = Instant::now();
-    while start.elapsed() < BOUND {
-        for result in runner.wait_completed(Duration::from_millis(50)) {
-            if result.op == op {
-                return result;
-            }
-        }
-    }
-    panic!("operation {op:?} did not complete within {BOUND:?}");
-}
-
-/// Polls `f` until it returns `Some` (notices have no event to wait on),
-/// failing after [`BOUND`].
-fn poll_until<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    #[allow(clippy::disallowed_methods)] // a bound on the wait, not a threshold
-    let start = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(start.elapsed() < BOUND, "timed out waiting for {what}");
-        #[allow(clippy::disallowed_methods)] // polling an observable with no event
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
-
-fn say(line: &str) {
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{TAG} {line}").unwrap();
-    out.flush().unwrap();
 }
 
 /// The child: a source runner with a memfd copier holding keys `0..KEYS`;
@@ -146,21 +105,24 @@ fn one_hop_source_process() {
         .collect();
     let op = runner.deposit(entries, false).unwrap();
     assert!(
-        wait(&mut runner, op)
+        wait_op(&mut runner, op)
             .entries
             .iter()
             .all(|(_, e)| e.is_success())
     );
-    say(&format!("READY {}", runner.peers().endpoint().unwrap()));
+    say(
+        TAG,
+        &format!("READY {}", runner.peers().endpoint().unwrap()),
+    );
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
         if line == "stats" {
             let c = runner.peers().stats().counters;
             let passes = passes.passes.load(Ordering::SeqCst);
-            say(&format!(
-                "STATS {} {} {passes}",
-                c.keys_sent, c.one_hop_refused
-            ));
+            say(
+                TAG,
+                &format!("STATS {} {} {passes}", c.keys_sent, c.one_hop_refused),
+            );
         }
     }
     drop(runner);
@@ -169,67 +131,26 @@ fn one_hop_source_process() {
 
 /// A child source; killed (and reaped) on drop.
 struct Source {
-    child: Child,
-    stdin: ChildStdin,
-    lines: mpsc::Receiver<String>,
+    process: TestChild,
     endpoint: ControlEndpoint,
 }
 
 impl Source {
     fn spawn(mode: &str) -> Self {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", CHILD_TEST, "--nocapture", "--test-threads=1"])
-            .env(CHILD_ENV, mode)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if let Some(at) = line.find(TAG)
-                    && tx.send(line[at + TAG.len()..].trim().to_owned()).is_err()
-                {
-                    break;
-                }
-            }
-        });
-        let mut this = Self {
-            child,
-            stdin,
-            lines,
-            endpoint: ControlEndpoint::parse("tcp://127.0.0.1:1").unwrap(),
-        };
-        let ready = this.expect("READY");
-        this.endpoint = ControlEndpoint::parse(&ready).unwrap();
-        this
+        let process = TestChild::spawn(CHILD_TEST, CHILD_ENV, mode, TAG);
+        let ready = process.expect("READY");
+        let endpoint = ControlEndpoint::parse(&ready).unwrap();
+        Self { process, endpoint }
     }
 
     fn expect(&self, word: &str) -> String {
-        #[allow(clippy::disallowed_methods)] // a bound on the wait, not a threshold
-        let start = Instant::now();
-        loop {
-            let left = BOUND.saturating_sub(start.elapsed());
-            match self.lines.recv_timeout(left) {
-                Ok(line) => {
-                    if let Some(rest) = line.strip_prefix(word) {
-                        return rest.trim().to_owned();
-                    }
-                }
-                Err(e) => panic!("child source: no {word} line ({e:?})"),
-            }
-        }
+        self.process.expect(word)
     }
 
     /// `(keys_sent, one_hop_refused)` of the child's runner.
     /// `(keys sent, one-hop routes refused, one-pass copies)`.
     fn stats(&mut self) -> (u64, u64, u64) {
-        writeln!(self.stdin, "stats").unwrap();
-        self.stdin.flush().unwrap();
+        self.process.command("stats");
         let line = self.expect("STATS");
         let mut parts = line.split_whitespace().map(|p| p.parse::<u64>().unwrap());
         (
@@ -243,15 +164,8 @@ impl Source {
 impl Source {
     /// SIGKILL and reap: the process is gone when this returns.
     fn kill(&mut self) {
-        self.child.kill().unwrap();
-        let _ = self.child.wait().unwrap();
-    }
-}
-
-impl Drop for Source {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.process.child.kill().unwrap();
+        let _ = self.process.child.wait().unwrap();
     }
 }
 
@@ -316,7 +230,7 @@ impl Target {
         first: u64,
     ) -> OpResult {
         let op = self.start_restore(name, source, keys, first);
-        wait(&mut self.runner, op)
+        wait_op(&mut self.runner, op)
     }
 
     /// As [`Target::restore`], without waiting.
@@ -354,10 +268,6 @@ impl Target {
         let at = self.base + index * BLOCK as u64;
         self.copier.read(at, BLOCK as u64) == Some(page(key))
     }
-}
-
-fn statuses(result: &OpResult) -> Vec<EntryStatus> {
-    result.entries.iter().map(|(_, e)| e.status).collect()
 }
 
 /// A source in another process writes the pages straight into the target's

@@ -8,21 +8,19 @@
 //! stdin closes. The parent signals it with `kill(2)` (SIGKILL, SIGSTOP,
 //! SIGCONT); a guard kills it whatever happens to the test.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvcr_contracts::hint::FetchMode;
 use kvcr_contracts::protocol::codec::FrameCodec;
 use kvcr_contracts::protocol::{
     Body, CompletedIndices, ElementRef, Header, Message, OpHandle, RegionAdvert, RegionId,
     RouteGeneration, WriteOutcome,
 };
 use kvcr_contracts::{
-    BlockKey, CompatDigest, ControlEndpoint, FetchHint, Incarnation, Namespace, NamespaceId,
-    RequestId, ScopedKey,
+    BlockKey, CompatDigest, ControlEndpoint, Incarnation, Namespace, NamespaceId, RequestId,
+    ScopedKey,
 };
 use kvcr_runner::client::ControlClient;
 use kvcr_runner::{
@@ -34,13 +32,14 @@ use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use rstest::rstest;
 
+use crate::nodes::{hint_to, key};
+use crate::processes::{BOUND, TestChild, poll_until, say, statuses, wait_op};
+
 const CHILD_ENV: &str = "KVCR_PEER_CHILD";
 const CHILD_TEST: &str = "peer_faults::source_process";
 /// Prefix of the child's protocol lines on stdout (the test harness prints
 /// its own lines there too).
 const TAG: &str = "KVCR-CHILD";
-/// Hard bound on any single wait in these tests.
-const BOUND: Duration = Duration::from_secs(20);
 
 // ------------------------------------------------------------------ bytes
 
@@ -78,13 +77,6 @@ fn namespace() -> Namespace {
     Namespace::base(CompatDigest(42))
 }
 
-fn key(ns: NamespaceId, k: u64) -> ScopedKey {
-    ScopedKey {
-        namespace: ns,
-        key: BlockKey::from_u64(k),
-    }
-}
-
 /// Deposits key `k` from element `k` of `region` for each of `keys`, in one
 /// operation, and asserts that every key was stored.
 fn deposit_all(runner: &mut Runner, ns: NamespaceId, region: RegionId, keys: &[u64]) {
@@ -97,44 +89,12 @@ fn deposit_all(runner: &mut Runner, ns: NamespaceId, region: RegionId, keys: &[u
         })
         .collect();
     let op = runner.deposit(entries, false).unwrap();
-    assert!(wait(runner, op).entries.iter().all(|(_, e)| e.is_success()));
-}
-
-fn wait(runner: &mut Runner, op: OpHandle) -> OpResult {
-    #[allow(clippy::disallowed_methods)] // a bound on the wait, not a threshold
-    let start = Instant::now();
-    while start.elapsed() < BOUND {
-        for result in runner.wait_completed(Duration::from_millis(50)) {
-            if result.op == op {
-                return result;
-            }
-        }
-    }
-    panic!("operation {op:?} did not complete within {BOUND:?}");
-}
-
-/// Polls `f` until it returns `Some` (there is no event to wait on for
-/// notices and counters), failing after [`BOUND`].
-fn poll_until<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    #[allow(clippy::disallowed_methods)] // a bound on the wait, not a threshold
-    let start = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(start.elapsed() < BOUND, "timed out waiting for {what}");
-        #[allow(clippy::disallowed_methods)] // polling an observable with no event
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
-
-fn hint(source: &ControlEndpoint, keys: &[u64]) -> FetchHint {
-    FetchHint {
-        source: source.clone(),
-        block_hashes: keys.iter().map(|k| BlockKey::from_u64(*k)).collect(),
-        mode: FetchMode::Copy,
-        action_id: None,
-    }
+    assert!(
+        wait_op(runner, op)
+            .entries
+            .iter()
+            .all(|(_, e)| e.is_success())
+    );
 }
 
 /// A destination runner (KVCR DRAM only: it fetches into its pool).
@@ -162,9 +122,9 @@ impl Target {
         let request = RequestId(request.into());
         self.runner
             .hints()
-            .submit(request.clone(), &hint(source, keys));
+            .submit(request.clone(), &hint_to(source, keys));
         let op = crate::nodes::fetch_hinted(&self.runner, self.ns, &request, keys);
-        let result = wait(&mut self.runner, op);
+        let result = wait_op(&mut self.runner, op);
         self.runner.hints().discard(&request);
         result
     }
@@ -208,10 +168,6 @@ fn peer_options(tls: &str) -> PeerOptions {
     options
 }
 
-fn statuses(result: &OpResult) -> Vec<EntryStatus> {
-    result.entries.iter().map(|(_, e)| e.status).collect()
-}
-
 // ------------------------------------------------------------ child process
 
 /// What the child source runs.
@@ -245,12 +201,6 @@ impl Spec {
             timeout_ms: f[5].parse().unwrap(),
         }
     }
-}
-
-fn say(line: &str) {
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{TAG} {line}").unwrap();
-    out.flush().unwrap();
 }
 
 /// The child's entry point (returns at once in a normal test run).
@@ -300,11 +250,14 @@ fn source_process() {
     for chunk in all_keys.chunks(8) {
         deposit_all(&mut runner, ns, region, chunk);
     }
-    say(&format!(
-        "READY {} {}",
-        runner.peers().endpoint().unwrap(),
-        runner.incarnation()
-    ));
+    say(
+        TAG,
+        &format!(
+            "READY {} {}",
+            runner.peers().endpoint().unwrap(),
+            runner.incarnation()
+        ),
+    );
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         for line in std::io::stdin().lock().lines() {
@@ -319,26 +272,25 @@ fn source_process() {
         match rx.recv_timeout(Duration::from_millis(1)) {
             Ok(cmd) if cmd == "stats" => {
                 let c = runner.peers().stats().counters;
-                say(&format!("STATS {} {}", c.keys_sent, c.refused));
+                say(TAG, &format!("STATS {} {}", c.keys_sent, c.refused));
             }
             Ok(cmd) if cmd == "stall" => {
                 let s = runner.peers().stats();
-                say(&format!(
-                    "STALL {} {}",
-                    s.counters.stalls,
-                    u8::from(s.stalled)
-                ));
+                say(
+                    TAG,
+                    &format!("STALL {} {}", s.counters.stalls, u8::from(s.stalled)),
+                );
             }
             Ok(cmd) if cmd == "arm" => {
                 armed = true;
-                say("ARMED");
+                say(TAG, "ARMED");
             }
             Ok(cmd) => panic!("unknown command {cmd:?}"),
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         }
         if armed && runner.stats().pools[0].evictable_slots < keys {
-            say("WRITING");
+            say(TAG, "WRITING");
             armed = false;
         }
     }
@@ -348,72 +300,32 @@ fn source_process() {
 
 /// A child source process; killed (and reaped) on drop.
 struct ChildSource {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<String>,
+    process: TestChild,
     endpoint: ControlEndpoint,
     incarnation: String,
 }
 
 impl ChildSource {
     fn spawn(spec: &Spec) -> Self {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", CHILD_TEST, "--nocapture", "--test-threads=1"])
-            .env(CHILD_ENV, spec.encode())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let stdin = child.stdin.take();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                // The harness may print `test <name> ... ` on the same line.
-                if let Some(at) = line.find(TAG)
-                    && tx.send(line[at + TAG.len()..].trim().to_owned()).is_err()
-                {
-                    break;
-                }
-            }
-        });
-        let mut this = Self {
-            child,
-            stdin,
-            lines,
-            endpoint: ControlEndpoint::parse("tcp://127.0.0.1:1").unwrap(),
-            incarnation: String::new(),
-        };
-        let ready = this.expect("READY");
+        let process = TestChild::spawn(CHILD_TEST, CHILD_ENV, &spec.encode(), TAG);
+        let ready = process.expect("READY");
         let mut parts = ready.split_whitespace();
-        this.endpoint = ControlEndpoint::parse(parts.next().unwrap()).unwrap();
-        this.incarnation = parts.next().unwrap().to_owned();
-        this
+        let endpoint = ControlEndpoint::parse(parts.next().unwrap()).unwrap();
+        let incarnation = parts.next().unwrap().to_owned();
+        Self {
+            process,
+            endpoint,
+            incarnation,
+        }
     }
 
     /// The next line starting with `word` (its rest), within [`BOUND`].
     fn expect(&self, word: &str) -> String {
-        #[allow(clippy::disallowed_methods)] // a bound on the wait, not a threshold
-        let start = Instant::now();
-        loop {
-            let left = BOUND.saturating_sub(start.elapsed());
-            match self.lines.recv_timeout(left) {
-                Ok(line) => {
-                    if let Some(rest) = line.strip_prefix(word) {
-                        return rest.trim().to_owned();
-                    }
-                }
-                Err(e) => panic!("child source: no {word} line ({e:?})"),
-            }
-        }
+        self.process.expect(word)
     }
 
     fn command(&mut self, cmd: &str) {
-        let stdin = self.stdin.as_mut().unwrap();
-        writeln!(stdin, "{cmd}").unwrap();
-        stdin.flush().unwrap();
+        self.process.command(cmd);
     }
 
     /// `(keys_sent, refused)` of the child's runner.
@@ -433,7 +345,7 @@ impl ChildSource {
     }
 
     fn signal(&self, signal: Signal) {
-        let pid = i32::try_from(self.child.id()).unwrap();
+        let pid = i32::try_from(self.process.child.id()).unwrap();
         let sent = nix::sys::signal::kill(Pid::from_raw(pid), signal);
         assert_eq!(sent, Ok(()), "kill({pid}, {signal}) failed");
         if signal == Signal::SIGSTOP {
@@ -456,15 +368,8 @@ impl ChildSource {
     /// SIGKILL and reap: the process is gone when this returns.
     fn kill_and_reap(&mut self) {
         self.signal(Signal::SIGKILL);
-        let status = self.child.wait().unwrap();
+        let status = self.process.child.wait().unwrap();
         assert!(!status.success(), "the source was killed");
-    }
-}
-
-impl Drop for ChildSource {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -600,7 +505,7 @@ fn source_killed_mid_transfer() {
         target
             .runner
             .hints()
-            .submit(request.clone(), &hint(&from, &big));
+            .submit(request.clone(), &hint_to(&from, &big));
         let scoped: Vec<ScopedKey> = big.iter().map(|k| key(target.ns, *k)).collect();
         let pool = target.runner.pool("kv").unwrap();
         let op = target
@@ -611,7 +516,7 @@ fn source_killed_mid_transfer() {
         old.expect("WRITING");
         old.kill_and_reap();
 
-        let result = wait(&mut target.runner, op);
+        let result = wait_op(&mut target.runner, op);
         let landed = result.entries.iter().any(|(_, e)| e.is_success());
         if !landed || attempts == KILL_ATTEMPTS {
             break (old, target, result);
@@ -659,7 +564,7 @@ fn source_killed_mid_transfer() {
     }
     // A plain fetch never hands out a quarantined page.
     let plain = target.runner.fetch(&scoped[..1], &[pool]).unwrap();
-    assert!(!wait(&mut target.runner, plain).entries[0].1.is_success());
+    assert!(!wait_op(&mut target.runner, plain).entries[0].1.is_success());
 
     // A new process at the same address, with other bytes for the same keys
     // and more keys.
@@ -1510,7 +1415,7 @@ fn forged_shared_segments_are_never_mapped(#[case] forgery: Forgery) {
     let pool = source.pool("kv").unwrap();
     let keys: Vec<ScopedKey> = (0..4).map(|k| key(ns, k)).collect();
     let op = source.fetch(&keys, &[pool]).unwrap();
-    let result = wait(&mut source, op);
+    let result = wait_op(&mut source, op);
     for ((_, entry), k) in result.entries.iter().zip(0u64..) {
         let bytes = source.read_claimed(entry.release.unwrap(), 0).unwrap();
         assert!(
