@@ -1,8 +1,10 @@
 """Does this device compute one greedy decode twice to the same bits, and if
 not, which kernel switch makes it? No kvcr: the reference model alone.
 
-For each setting (the defaults; SDPA pinned to one backend at a time; cuBLAS,
-then cuBLASLt, as the preferred BLAS library; no reduced-precision bf16 reductions) the same
+For each setting (the harness's defaults, which switch cuDNN and memory-efficient
+attention off; torch's own backend choice; SDPA pinned to one backend at a time;
+cuBLAS, then cuBLASLt, as the preferred BLAS library; no reduced-precision bf16
+reductions) the same
 prompt's last token is run on a copy of one prefix cache and ``--steps``
 tokens decoded, twice; a ``DIAG`` line per setting says which steps' logits are
 bit-equal and, at the first that is not, the margins and the first module
@@ -52,11 +54,20 @@ def setting(name):
             yield
         finally:
             cuda.matmul.allow_bf16_reduced_precision_reduction = before
+    elif name == "torch-defaults":
+        # The harness switched cuDNN and memory-efficient attention off
+        # (reference_model.repeatable_attention): torch's own choice again.
+        cuda.enable_cudnn_sdp(True)
+        cuda.enable_mem_efficient_sdp(True)
+        try:
+            yield
+        finally:
+            rm.repeatable_attention()
     else:
         yield
 
 
-SETTINGS = ["defaults", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "cublas",
+SETTINGS = ["defaults", "torch-defaults", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "cublas",
             "cublaslt", "no-reduced-precision"]
 
 

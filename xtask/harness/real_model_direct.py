@@ -283,8 +283,9 @@ def peer_main(args):
                                                ref["control_trace"]),
               "repeat": ref["repeat"],
               "nondeterministic_ops": model.nondeterminism.seen,
-              "stores": all(engine.linker.stores(NAMESPACE, k) for k in
-                            rm.page_hashes(tokens, args.page_tokens)[:r["restored_pages"]])}
+              "stores": [engine.linker.stores(NAMESPACE, k) for k in
+                         rm.page_hashes(tokens, args.page_tokens)[:r["restored_pages"]]],
+              "one_hop_pages": (engine.linker.peer_stats() or {}).get("one_hop_pages", 0)}
     print(json.dumps(answer), flush=True)
     engine.linker.close()
     return 0
@@ -388,7 +389,14 @@ def run(args, checks, rows):
                          ("the peer", p["nondeterministic_ops"])):
             print(f"DIAG ops torch ran without a deterministic implementation ({who}): "
                   f"{json.dumps(ops) if ops else 'none'}", flush=True)
-        checks.check("peer: the pulled pages stay in its KVCR DRAM", p["stores"], "")
+        # Pages pulled through this rank's KVCR DRAM stay there; pages a
+        # same-host source wrote straight into the GPU (one hop: a CUDA
+        # copier on both sides) never pass through it, by design.
+        one_hop = p["one_hop_pages"]
+        number("peer_one_hop_pages", f"{one_hop}/{len(p['stores'])}")
+        checks.equal(f"peer: the pages pulled through KVCR DRAM stay there, none of the "
+                     f"{one_hop} that came in one hop", sum(p["stores"]),
+                     len(p["stores"]) - one_hop)
         number("peer_restored_tokens", f"{p['restored_pages'] * size}/{args.prompt_tokens}")
         rows.append(["peer A", ready["endpoint"].split("?")[0],
                      f"{p['restored_pages'] * size} / -", p["digests"] == ref["digests"],

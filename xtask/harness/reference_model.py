@@ -43,6 +43,20 @@ GEOMETRIES = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def repeatable_attention():
+    """Leaves SDPA only the backends that repeat a computation to the bit.
+
+    On an H100 (torch 2.11, CUDA 13) the same decode run twice under torch's
+    default backend choice parted at step 2 inside attention, while pinned
+    to flash or to math it was bit-equal over 24 steps, and cuDNN's
+    attention outputs differed between two runs (``determinism_probe.py``;
+    ``use_deterministic_algorithms`` does not cover SDPA's forward). So
+    cuDNN and memory-efficient attention are switched off process-wide.
+    """
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+
+
 class ReferenceModel:
     """A Qwen3 causal LM with random weights from ``seed``, in eval mode."""
 
@@ -60,6 +74,7 @@ class ReferenceModel:
             torch.use_deterministic_algorithms(True, warn_only=True)
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
+            repeatable_attention()
         if self.device.type == "cpu":
             # Several engine processes share the cores: one thread each, or
             # their thread pools spin against each other (30x slower on two).
