@@ -14,7 +14,7 @@
 //!
 //! `--tp2 PAGES` and `--seed [PAGES]` run the peer restores (`peer.rs`);
 //! `--one-hop-raw [PAGES]` the one-hop route's CUDA copy between two
-//! processes (`one_hop.rs`).
+//! processes (`one_hop.rs`; `--compare none` skips its comparison modes).
 //!
 //! Restore and offload are timed from the linker call to its landing event
 //! (wall clock: descriptor building, kernels, completion), medians of
@@ -54,7 +54,7 @@ use self::peer::{tp2_dest, tp2_peer_restore, tp2_source};
 const NAMESPACE: NamespaceId = NamespaceId(0x32b);
 const SETTLE: Duration = Duration::from_secs(600);
 
-fn arg(name: &str) -> Option<String> {
+pub(crate) fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
     args.iter()
         .position(|a| a == name)

@@ -121,7 +121,14 @@ pub(crate) fn run(device: &Arc<Device>, h2d: f64, pages: u32) {
         (seconds, cpu, first)
     };
     let (seconds, cpu, first) = rounds("default");
-    for mode in ["flat", "kernel"] {
+    // `--compare flat,kernel` (the default) names the comparison modes;
+    // `--compare none` skips them (each round's byte check takes ~25 s).
+    let compare = crate::arg("--compare").unwrap_or_else(|| "flat,kernel".to_owned());
+    let others: Vec<&str> = compare
+        .split(',')
+        .filter(|m| matches!(*m, "flat" | "kernel"))
+        .collect();
+    for mode in others {
         let (other_seconds, other_cpu, other_first) = rounds(mode);
         println!(
             "# one-hop: {mode} mode: {:.2} GB/s, source CPU {:.5} s/GB, first layer {:.2} ms (medians)",

@@ -305,12 +305,16 @@ impl Child {
         }
     }
 
-    /// The next line starting with `word`, without it.
+    /// The next line starting with `word`, without it; the child's `#`
+    /// lines before it are passed on (progress survives a cut-off run).
     pub(crate) fn expect(&mut self, word: &str) -> String {
         for line in self.lines.by_ref() {
             let line = line.unwrap();
             if let Some(rest) = line.strip_prefix(word) {
                 return rest.trim().to_owned();
+            }
+            if line.starts_with('#') {
+                println!("{line}");
             }
         }
         panic!("child exited before {word}");
@@ -404,6 +408,9 @@ pub(crate) fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32, tp: u32)
             .collect();
         let wall = wall.elapsed().as_secs_f64();
         let cpu = source_cpu() - cpu_before;
+        println!(
+            "# {name}: round {mode} done: {wall:.3} s for every rank, per rank (fetched s, total s) {timings:?}, sources' CPU {cpu:.3} s"
+        );
         (timings, wall, one_hop, cpu)
     };
     let (hops, ..) = round("seq");
