@@ -1,8 +1,8 @@
 """Does this device compute one greedy decode twice to the same bits, and if
 not, which kernel switch makes it? No kvcr: the reference model alone.
 
-For each setting (the harness's defaults, which switch cuDNN and memory-efficient
-attention off; torch's own backend choice; SDPA pinned to one backend at a time;
+For each setting (the harness's defaults, which switch cuDNN's attention off;
+torch's own backend choice; SDPA pinned to one backend at a time;
 cuBLAS, then cuBLASLt, as the preferred BLAS library; no reduced-precision bf16
 reductions) the same
 prompt's last token is run on a copy of one prefix cache and ``--steps``
@@ -55,10 +55,9 @@ def setting(name):
         finally:
             cuda.matmul.allow_bf16_reduced_precision_reduction = before
     elif name == "torch-defaults":
-        # The harness switched cuDNN and memory-efficient attention off
+        # The harness switched cuDNN's attention off
         # (reference_model.repeatable_attention): torch's own choice again.
         cuda.enable_cudnn_sdp(True)
-        cuda.enable_mem_efficient_sdp(True)
         try:
             yield
         finally:

@@ -44,17 +44,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def repeatable_attention():
-    """Leaves SDPA only the backends that repeat a computation to the bit.
+    """Switches cuDNN's SDPA backend off, process-wide.
 
-    On an H100 (torch 2.11, CUDA 13) the same decode run twice under torch's
-    default backend choice parted at step 2 inside attention, while pinned
-    to flash or to math it was bit-equal over 24 steps, and cuDNN's
-    attention outputs differed between two runs (``determinism_probe.py``;
-    ``use_deterministic_algorithms`` does not cover SDPA's forward). So
-    cuDNN and memory-efficient attention are switched off process-wide.
+    On an H100 (torch 2.11, CUDA 13) the same one-query decode run twice
+    under torch's default backend choice parted at step 2 inside attention.
+    Pinned to flash or to math it was bit-equal over 24 steps, and
+    memory-efficient attention cannot run that shape, so the default was
+    cuDNN's, whose attention outputs also differed between two pinned runs
+    (``determinism_probe.py``; ``use_deterministic_algorithms`` does not
+    cover SDPA's forward). Memory-efficient attention stays: it takes the
+    masked prefills of long prompts, where math would hold every score.
     """
     torch.backends.cuda.enable_cudnn_sdp(False)
-    torch.backends.cuda.enable_mem_efficient_sdp(False)
 
 
 class ReferenceModel:
