@@ -91,6 +91,7 @@ fn run_from(spans: &[[u64; 3]], max_pitch: u64) -> Option<Rows> {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
     use rstest::rstest;
 
     use super::*;
@@ -159,6 +160,57 @@ mod tests {
         for r in &rows {
             assert!(r.height as usize >= MIN_ROWS);
             assert!(r.src_pitch >= r.width && r.dst_pitch >= r.width);
+        }
+    }
+
+    /// Spans from pieces: a strided run (first slot, length, pitches,
+    /// width) or a lone span, in any order and overlap; no span twice (so
+    /// each leftover has one place in the input).
+    fn pieces() -> impl Strategy<Value = Vec<u64>> {
+        let piece = (0u64..64, 1u64..9, 1u64..40, 1u64..40, 1u64..6);
+        proptest::collection::vec(piece, 0..12).prop_map(|pieces| {
+            let mut seen = std::collections::HashSet::new();
+            pieces
+                .into_iter()
+                .flat_map(|(first, n, sp, dp, width)| strided(first, n, sp, dp, width))
+                .collect::<Vec<u64>>()
+                .chunks_exact(3)
+                .filter(|span| seen.insert(span.to_vec()))
+                .flatten()
+                .copied()
+                .collect()
+        })
+    }
+
+    proptest! {
+        /// Whatever the spans: the plan moves exactly their bytes, every
+        /// run is legal, the leftovers keep their order, and no leftover
+        /// could have started a run (the planner is greedy, not lazy).
+        #[test]
+        fn a_plan_moves_the_same_bytes_in_legal_runs(words in pieces(), max in 1u64..64) {
+            let mut left = words.clone();
+            let rows = take_rows(&mut left, max);
+            prop_assert_eq!(moved(&left, &rows), moved(&words, &[]));
+            for r in &rows {
+                prop_assert!(r.height as usize >= MIN_ROWS);
+                prop_assert!(r.src_pitch >= r.width && r.dst_pitch >= r.width);
+                prop_assert!(r.src_pitch <= max && r.dst_pitch <= max);
+            }
+            let spans: Vec<[u64; 3]> = words
+                .chunks_exact(3)
+                .map(|w| [w[0], w[1], w[2]])
+                .collect();
+            let mut from = 0;
+            for lone in left.chunks_exact(3) {
+                let at = spans[from..]
+                    .iter()
+                    .position(|s| s[..] == *lone)
+                    .map(|i| from + i);
+                prop_assert!(at.is_some(), "leftovers out of order");
+                let at = at.unwrap_or_default();
+                prop_assert!(run_from(&spans[at..], max).is_none());
+                from = at + 1;
+            }
         }
     }
 
