@@ -97,19 +97,21 @@ impl OneHopWriter {
 /// per write, whether all its copies landed. A pass that fails is run
 /// again write by write (the slots stay granted until we report, and the
 /// bytes are the same), so one target's bad write never fails another's.
+/// The imports the writes name stay open until this returns.
 fn copy_writes(jobs: &[Job]) -> Vec<(u64, bool)> {
     let mut merged: Vec<(u64, Vec<Vec<CopySpan>>)> = Vec::new();
-    let mut alone: Vec<&Job> = Vec::new();
+    let mut alone: Vec<(&Job, Option<Vec<Vec<CopySpan>>>)> = Vec::new();
     let mut copier: Option<&Arc<dyn DeviceCopier>> = None;
     for job in jobs {
         let (write, copies, job_copier) = job;
-        let same = copier.is_none_or(|c| Arc::ptr_eq(c, job_copier));
-        match resolve(copies).filter(|_| same) {
-            Some(pages) => {
+        let pages = resolve(copies);
+        let joins = copier.is_none_or(|c| Arc::ptr_eq(c, job_copier));
+        match pages {
+            Some(pages) if joins => {
                 copier = Some(job_copier);
                 merged.push((*write, pages));
             }
-            None => alone.push(job),
+            pages => alone.push((job, pages)),
         }
     }
     let mut outcomes = Vec::with_capacity(jobs.len());
@@ -122,13 +124,16 @@ fn copy_writes(jobs: &[Job]) -> Vec<(u64, bool)> {
             outcomes.extend(merged.iter().map(|(write, _)| (*write, true)));
         } else {
             for (write, pages) in &merged {
-                let keys: Vec<&[CopySpan]> = pages.iter().map(Vec::as_slice).collect();
-                outcomes.push((*write, copier.copy_to_imports(&keys).is_ok()));
+                outcomes.push((*write, copy_pages(copier.as_ref(), pages)));
             }
         }
     }
-    for (write, copies, copier) in alone {
-        outcomes.push((*write, copy_write(copies, copier.as_ref())));
+    for ((write, copies, copier), pages) in alone {
+        let ok = match pages {
+            Some(pages) => copy_pages(copier.as_ref(), &pages),
+            None => copy_by_region(copies),
+        };
+        outcomes.push((*write, ok));
     }
     outcomes
 }
@@ -152,17 +157,17 @@ fn resolve(copies: &Copies) -> Option<Vec<Vec<CopySpan>>> {
         .collect()
 }
 
-/// Runs one write's copies; whether all of them landed. One pass when
-/// every import resolves its spans: the copier gets the write page by page
-/// and issues span index i of every page together (a layer-first page's
-/// first spans are layer 0's K and V, which so land first), as it does a
-/// job. Otherwise import by import (one synchronisation per region). The
-/// imports in `copies` stay open until this returns.
-fn copy_write(copies: &Copies, copier: &dyn DeviceCopier) -> bool {
-    if let Some(pages) = resolve(copies) {
-        let keys: Vec<&[CopySpan]> = pages.iter().map(Vec::as_slice).collect();
-        return copier.copy_to_imports(&keys).is_ok();
-    }
+/// One write's resolved pages in one pass: the copier issues span index i
+/// of every page together (a layer-first page's first spans are layer 0's
+/// K and V, which so land first), as it does a job.
+fn copy_pages(copier: &dyn DeviceCopier, pages: &[Vec<CopySpan>]) -> bool {
+    let keys: Vec<&[CopySpan]> = pages.iter().map(Vec::as_slice).collect();
+    copier.copy_to_imports(&keys).is_ok()
+}
+
+/// One write whose imports cannot resolve its spans: import by import
+/// (one synchronisation per region).
+fn copy_by_region(copies: &Copies) -> bool {
     let mut by_region: Vec<(RegionId, &Arc<dyn DeviceImport>, Vec<CopySpan>)> = Vec::new();
     for (region, import, span) in copies.iter().flatten() {
         match by_region.iter_mut().find(|(r, ..)| r == region) {
