@@ -150,6 +150,16 @@ fn mode_code(mode: CopyMode) -> u8 {
     }
 }
 
+/// Whether the digest kernel can hash `key`'s spans as they are: each
+/// 16-byte aligned and whole digest blocks, at least one block in all.
+fn whole_digest_blocks(key: &[CopySpan]) -> bool {
+    let total: u64 = key.iter().map(|s| s.len).sum();
+    total >= DIGEST_BLOCK_BYTES
+        && key
+            .iter()
+            .all(|s| s.src % 16 == 0 && s.len % DIGEST_BLOCK_BYTES == 0)
+}
+
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic under the lock leaves plain data behind; keep serving.
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
@@ -285,12 +295,10 @@ impl Core {
     /// spans): device to host throughout, each span 16-byte aligned on the
     /// device and a whole number of digest blocks.
     fn digestible(pinned: &[PinnedRegistration], key: &[CopySpan]) -> bool {
-        let total: u64 = key.iter().map(|s| s.len).sum();
-        total >= DIGEST_BLOCK_BYTES
-            && key.iter().all(|span| {
-                let from_device = matches!(Self::map_span(pinned, span), Ok((_, _, false)));
-                from_device && span.src % 16 == 0 && span.len % DIGEST_BLOCK_BYTES == 0
-            })
+        whole_digest_blocks(key)
+            && key
+                .iter()
+                .all(|span| matches!(Self::map_span(pinned, span), Ok((_, _, false))))
     }
 
     /// Queues the digest kernel over the digestible pages of `keys` on
@@ -381,11 +389,7 @@ impl Core {
         };
         let pinned = lock(&self.pinned);
         for key in keys {
-            let total: u64 = key.iter().map(|s| s.len).sum();
-            let whole = key
-                .iter()
-                .all(|s| s.src % 16 == 0 && s.len % DIGEST_BLOCK_BYTES == 0);
-            if total < DIGEST_BLOCK_BYTES || !whole {
+            if !whole_digest_blocks(key) {
                 return Ok(None);
             }
             // The kernel reads device addresses: a span in an attached
