@@ -455,11 +455,7 @@ impl State {
                 device,
             } => {
                 if device {
-                    let route = self
-                        .routes
-                        .get(&target)
-                        .filter(|r| r.generation == generation)
-                        .cloned();
+                    let route = self.accepted_route(&target, generation);
                     self.write_device(shared, write, route.as_deref(), &spans);
                 } else {
                     self.write(shared, write, &target, generation, spans);

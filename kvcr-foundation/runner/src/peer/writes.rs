@@ -19,6 +19,19 @@ use crate::shared::Shared;
 use kvcr_sys::segment::PeerSegment;
 
 impl State {
+    /// The route to `target` a write was accepted on (`generation`), unless
+    /// it is gone or was replaced since (never write through those).
+    pub(super) fn accepted_route(
+        &self,
+        target: &ControlEndpoint,
+        generation: u64,
+    ) -> Option<Rc<Route>> {
+        self.routes
+            .get(target)
+            .filter(|r| r.generation == generation)
+            .cloned()
+    }
+
     /// Starts write `write` into `target` through the route it was accepted
     /// on (`generation`); a route gone or replaced since fails it at once.
     pub(super) fn write(
@@ -29,12 +42,7 @@ impl State {
         generation: u64,
         spans: Vec<PutSpan>,
     ) {
-        let route = self
-            .routes
-            .get(target)
-            .filter(|r| r.generation == generation)
-            .cloned();
-        let Some(route) = route else {
+        let Some(route) = self.accepted_route(target, generation) else {
             // The route is gone or was replaced: never write through it.
             shared.with_core_now(|core, now| core.handle_put_done(now, write, false));
             return;
