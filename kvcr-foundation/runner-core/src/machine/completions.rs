@@ -274,6 +274,35 @@ impl Core {
         }
     }
 
+    /// How entry `entry` of `op` goes on when its key is indexed as
+    /// `record` in `state`: a page of another layout fails it
+    /// (`LayoutMismatch`), one being filled makes it wait on that fill, one
+    /// being discarded (or vacant) fails it with `gone`. A ready page is
+    /// returned for the caller to serve its own way.
+    pub(in crate::machine) fn settle_indexed(
+        &mut self,
+        (op, entry): (OpHandle, u32),
+        IndexEntry { record, state }: IndexEntry,
+        layout: u16,
+        gone: FailReason,
+    ) -> Option<u32> {
+        let same_layout = self.record(record).is_some_and(|r| r.layout == layout);
+        match state {
+            _ if !same_layout => {
+                self.set_result(op, entry, EntryResult::failed(FailReason::LayoutMismatch));
+            }
+            Residency::Ready => return Some(record),
+            Residency::Filling => {
+                let fill = self.filling.get(&record).copied().unwrap_or(NIL);
+                self.wait_on_fill(op, entry, fill);
+            }
+            Residency::Discarding | Residency::Vacant => {
+                self.set_result(op, entry, EntryResult::failed(gone));
+            }
+        }
+        None
+    }
+
     pub(in crate::machine) fn wait_on_fill(&mut self, op: OpHandle, entry: u32, fill: u32) {
         let Some(f) = self.fills.get_mut(fill as usize).and_then(Option::as_mut) else {
             self.set_result(op, entry, EntryResult::failed(FailReason::NoSource));

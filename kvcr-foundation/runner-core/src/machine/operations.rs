@@ -121,33 +121,13 @@ impl Core {
         for (i, (key, layout, mut spans, page)) in validated.into_iter().enumerate() {
             let entry = i as u32;
             match self.index.get(&key).copied() {
-                Some(IndexEntry { record, state }) => {
-                    let same_layout = self.record(record).is_some_and(|r| r.layout == layout);
-                    match state {
-                        _ if !same_layout => self.set_result(
-                            handle,
-                            entry,
-                            EntryResult::failed(FailReason::LayoutMismatch),
-                        ),
-                        Residency::Ready => {
-                            let release = no_evict.then(|| self.claim_public(record));
-                            self.set_result(
-                                handle,
-                                entry,
-                                EntryResult::success(release, Vec::new()),
-                            );
-                        }
-                        Residency::Filling => {
-                            let fill = self.filling.get(&record).copied().unwrap_or(NIL);
-                            self.wait_on_fill(handle, entry, fill);
-                        }
-                        Residency::Discarding | Residency::Vacant => {
-                            self.set_result(
-                                handle,
-                                entry,
-                                EntryResult::failed(FailReason::Discarding),
-                            );
-                        }
+                Some(indexed) => {
+                    let gone = FailReason::Discarding;
+                    if let Some(record) =
+                        self.settle_indexed((handle, entry), indexed, layout, gone)
+                    {
+                        let release = no_evict.then(|| self.claim_public(record));
+                        self.set_result(handle, entry, EntryResult::success(release, Vec::new()));
                     }
                 }
                 None => {
@@ -255,35 +235,15 @@ impl Core {
         for (i, key) in unique.iter().enumerate() {
             let entry = i as u32;
             match self.index.get(key).copied() {
-                Some(IndexEntry { record, state }) => {
-                    let same_layout = self.record(record).is_some_and(|r| r.layout == layout);
-                    match state {
-                        _ if !same_layout => self.set_result(
-                            handle,
-                            entry,
-                            EntryResult::failed(FailReason::LayoutMismatch),
-                        ),
-                        Residency::Ready => {
-                            let release = self.claim_public(record);
-                            self.touch(now, record);
-                            let slots = self.slot_refs(record);
-                            self.set_result(
-                                handle,
-                                entry,
-                                EntryResult::success(Some(release), slots),
-                            );
-                        }
-                        Residency::Filling => {
-                            let fill = self.filling.get(&record).copied().unwrap_or(NIL);
-                            self.wait_on_fill(handle, entry, fill);
-                        }
-                        Residency::Discarding | Residency::Vacant => {
-                            self.set_result(
-                                handle,
-                                entry,
-                                EntryResult::failed(FailReason::NoSource),
-                            );
-                        }
+                Some(indexed) => {
+                    let gone = FailReason::NoSource;
+                    if let Some(record) =
+                        self.settle_indexed((handle, entry), indexed, layout, gone)
+                    {
+                        let release = self.claim_public(record);
+                        self.touch(now, record);
+                        let slots = self.slot_refs(record);
+                        self.set_result(handle, entry, EntryResult::success(Some(release), slots));
                     }
                 }
                 None => {
@@ -395,26 +355,12 @@ impl Core {
         for (i, (key, layout, _)) in validated.iter().enumerate() {
             let entry = i as u32;
             match self.index.get(key).copied() {
-                Some(IndexEntry { record, state }) => {
-                    let same_layout = self.record(record).is_some_and(|r| r.layout == *layout);
-                    match state {
-                        _ if !same_layout => self.set_result(
-                            handle,
-                            entry,
-                            EntryResult::failed(FailReason::LayoutMismatch),
-                        ),
-                        Residency::Ready => ready.push((entry, record)),
-                        Residency::Filling => {
-                            let fill = self.filling.get(&record).copied().unwrap_or(NIL);
-                            self.wait_on_fill(handle, entry, fill);
-                        }
-                        Residency::Discarding | Residency::Vacant => {
-                            self.set_result(
-                                handle,
-                                entry,
-                                EntryResult::failed(FailReason::NoSource),
-                            );
-                        }
+                Some(indexed) => {
+                    let gone = FailReason::NoSource;
+                    if let Some(record) =
+                        self.settle_indexed((handle, entry), indexed, *layout, gone)
+                    {
+                        ready.push((entry, record));
                     }
                 }
                 None => remote.entry(*layout).or_default().push((entry, *key)),

@@ -96,28 +96,15 @@ impl Core {
             touched.push(w.op);
             // No longer waiting for room (set back below if it still must).
             self.set_wait(w.op, w.entry, Wait::None);
-            if let Some(IndexEntry { record, state }) = self.index.get(&w.key).copied() {
+            if let Some(indexed) = self.index.get(&w.key).copied() {
                 // Resident after all: a waiting fill's G3 claim is not needed.
                 if matches!(w.kind, WaiterKind::G3Fill) {
                     self.g3_release(w.key, G3Read::NotRead);
                 }
-                let same_layout = self.record(record).is_some_and(|r| r.layout == w.layout);
-                match state {
-                    _ if !same_layout => self.set_result(
-                        w.op,
-                        w.entry,
-                        EntryResult::failed(FailReason::LayoutMismatch),
-                    ),
-                    Residency::Ready => {
-                        self.fill_committed_for(now, w.op, w.entry, record, &mut deliver_next);
-                    }
-                    Residency::Filling => {
-                        let fill = self.filling.get(&record).copied().unwrap_or(NIL);
-                        self.wait_on_fill(w.op, w.entry, fill);
-                    }
-                    Residency::Discarding | Residency::Vacant => {
-                        self.set_result(w.op, w.entry, EntryResult::failed(FailReason::Discarding))
-                    }
+                let gone = FailReason::Discarding;
+                if let Some(record) = self.settle_indexed((w.op, w.entry), indexed, w.layout, gone)
+                {
+                    self.fill_committed_for(now, w.op, w.entry, record, &mut deliver_next);
                 }
                 continue;
             }

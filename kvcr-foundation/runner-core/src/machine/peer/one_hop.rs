@@ -299,24 +299,12 @@ impl Core {
                         }
                         missing.push((wait.entry, wait.key));
                     }
-                    Some(IndexEntry { record, state }) => {
-                        let same_layout = self.record(record).is_some_and(|r| r.layout == layout);
-                        match state {
-                            _ if !same_layout => self.set_result(
-                                deliver,
-                                wait.entry,
-                                EntryResult::failed(FailReason::LayoutMismatch),
-                            ),
-                            Residency::Ready => ready.push((wait.entry, record)),
-                            Residency::Filling => {
-                                let fill = self.filling.get(&record).copied().unwrap_or(NIL);
-                                self.wait_on_fill(deliver, wait.entry, fill);
-                            }
-                            Residency::Discarding | Residency::Vacant => self.set_result(
-                                deliver,
-                                wait.entry,
-                                EntryResult::failed(FailReason::NoSource),
-                            ),
+                    Some(indexed) => {
+                        let gone = FailReason::NoSource;
+                        if let Some(record) =
+                            self.settle_indexed((deliver, wait.entry), indexed, layout, gone)
+                        {
+                            ready.push((wait.entry, record));
                         }
                     }
                 }
