@@ -32,7 +32,7 @@ pub(super) const ABANDON_MS: u64 = 6_000;
 const POLL_BOUND: Duration = Duration::from_secs(120);
 /// How many times a mid-transfer fault is tried when the signal lands after
 /// the write already finished (the scenario's premise, not its invariant).
-pub(super) const FAULT_ATTEMPTS: usize = 3;
+pub(super) const FAULT_ATTEMPTS: usize = 5;
 
 pub(super) fn num(v: &Value, key: &str) -> u64 {
     v[key].as_u64().unwrap_or(0)
@@ -445,7 +445,10 @@ fn hit_mid_transfer(
         },
     )?;
     if !landed || num(&restored, "ok") == pages {
-        eprintln!("e2e:   the write finished before the signal landed; trying again");
+        eprintln!(
+            "e2e:   the write finished before the signal landed (signalled while it served: \
+             {landed}; the request got {restored}); trying again"
+        );
         return Ok(None);
     }
     Ok(Some(MidTransfer {
