@@ -398,6 +398,19 @@ impl Runner {
         std::mem::take(&mut inner.completed)
     }
 
+    /// Device delivers whose first layer is in place, each with how many
+    /// leading pages that covers, in the order they became so; taken once.
+    /// Only where [`crate::PeerOptions::lead_elements`] is set and a
+    /// one-hop write's source said its lead landed: an engine may start
+    /// those pages' first layer, but the deliver's result alone says which
+    /// pages landed and passed the check (a page here may still fail, and
+    /// its work must then be thrown away).
+    pub fn poll_leads_landed(&self) -> Vec<(OpHandle, u32)> {
+        let mut inner = self.shared.lock();
+        self.shared.expire(&mut inner);
+        std::mem::take(&mut inner.leads_landed)
+    }
+
     /// Like [`Self::poll_completed`], but waits up to `timeout` for something
     /// to complete when nothing has yet (waking for deadlines on the way).
     pub fn wait_completed(&self, timeout: Duration) -> Vec<OpResult> {

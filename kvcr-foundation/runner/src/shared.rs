@@ -33,6 +33,9 @@ pub(crate) struct Inner {
     pub(crate) sink: Option<Box<dyn InventorySink>>,
     pub(crate) capacity_needed: Option<CapacityCallback>,
     pub(crate) completed: Vec<OpResult>,
+    /// Device delivers whose first layer is in place, not yet taken
+    /// ([`crate::Runner::poll_leads_landed`]).
+    pub(crate) leads_landed: Vec<(OpHandle, u32)>,
     /// Operations nobody will wait for: their results are dropped on
     /// completion ([`crate::Runner::discard_result`]).
     pub(crate) discarded: HashSet<OpHandle>,
@@ -81,6 +84,7 @@ impl Shared {
                 sink: None,
                 capacity_needed: None,
                 completed: Vec::new(),
+                leads_landed: Vec::new(),
                 discarded: HashSet::new(),
                 jobs,
                 cancels: HashMap::new(),
@@ -221,6 +225,7 @@ impl Shared {
             sink,
             capacity_needed,
             completed,
+            leads_landed,
             discarded,
             jobs,
             cancels,
@@ -320,6 +325,7 @@ impl Shared {
         if let (false, Some(callback)) = (signals.is_empty(), capacity_needed.as_mut()) {
             callback(&signals);
         }
+        leads_landed.extend(core.drain_leads_landed());
         let before = completed.len();
         core.drain_completed(completed);
         if !discarded.is_empty() {

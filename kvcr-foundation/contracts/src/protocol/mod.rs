@@ -323,6 +323,21 @@ pub enum Body {
         keys: Vec<BlockKey>,
         /// Per key, the destination elements (one per span of the page layout).
         destinations: Vec<Vec<ElementRef>>,
+        /// Leading destination elements of every key (a layer-first page's
+        /// first layer) the target wants reported as soon as they have
+        /// landed ([`Body::WriteLeadLanded`]), ahead of the rest; 0: no
+        /// such report. At most the fewest elements of a key.
+        lead_elements: u16,
+    },
+    /// Source → target: the first `elements` destination elements of every
+    /// key of the write have landed (the rest may still be copying). A
+    /// progress report only: nothing is checked or committed until
+    /// `write_done`.
+    WriteLeadLanded {
+        /// The operation.
+        op_handle: OpHandle,
+        /// The write's `lead_elements`.
+        elements: u16,
     },
     /// Source → target: no route to the target; the operation failed terminally.
     WriteRefused {
@@ -373,6 +388,7 @@ impl Body {
             Self::WriteProbe { .. } => "write_probe",
             Self::WriteProbeAck { .. } => "write_probe_ack",
             Self::RouteProof { .. } => "route_proof",
+            Self::WriteLeadLanded { .. } => "write_lead_landed",
         }
     }
 }

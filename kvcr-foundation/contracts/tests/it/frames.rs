@@ -160,6 +160,7 @@ fn examples() -> Vec<(&'static str, Body)> {
                         },
                     ],
                 ],
+                lead_elements: 1,
             },
         ),
         (
@@ -227,6 +228,13 @@ fn examples() -> Vec<(&'static str, Body)> {
             "route_proof",
             Body::RouteProof {
                 nonce: std::array::from_fn(|i| i as u8),
+            },
+        ),
+        (
+            "write_lead_landed",
+            Body::WriteLeadLanded {
+                op_handle: OpHandle(42),
+                elements: 2,
             },
         ),
     ]
@@ -301,7 +309,7 @@ fn fuzz_seeds_are_the_current_examples() {
 fn every_kind_has_an_example() {
     let kinds: std::collections::BTreeSet<_> =
         examples().iter().map(|(_, b)| b.kind_name()).collect();
-    assert_eq!(kinds.len(), 8);
+    assert_eq!(kinds.len(), 9);
 }
 
 // ------------------------------------------------------------ malformed table
@@ -406,6 +414,7 @@ fn start_write_bytes(edit: impl FnOnce(&mut Vec<u8>, usize)) -> Vec<u8> {
             region: RegionId(0),
             index: 0,
         }]],
+        lead_elements: 0,
     });
     let at = body_start(&frame);
     edit(&mut frame, at);
@@ -520,7 +529,7 @@ fn encoder_refuses_device_region_sharing_an_id() {
 #[case::magic(mutate(write_refused(), 4, 0), FrameReason::Magic(0x0056))]
 #[case::version(mutate(write_refused(), VERSION_AT, 1), FrameReason::Version(1))]
 #[case::kind_zero(mutate(write_refused(), KIND_AT, 0), FrameReason::Kind(0))]
-#[case::kind_unknown(mutate(write_refused(), KIND_AT, 9), FrameReason::Kind(9))]
+#[case::kind_unknown(mutate(write_refused(), KIND_AT, 10), FrameReason::Kind(10))]
 #[case::zero_incarnation({let mut f = write_refused(); f[INCARNATION_AT..INCARNATION_AT + 16].fill(0); f}, FrameReason::Zero("sender incarnation"))]
 #[case::endpoint_utf8(set_endpoint(&[0xff, 0xfe]), FrameReason::Utf8("sender_endpoint"))]
 #[case::trailing(fix_len([write_refused(), vec![0]].concat()), FrameReason::Trailing(1))]
@@ -539,11 +548,13 @@ fn encoder_refuses_device_region_sharing_an_id() {
 #[case::indices_count_lies({let mut f = write_done_with_indices(&[1]); let n = f.len(); f[n - 12..n - 8].copy_from_slice(&1000u32.to_be_bytes()); f}, FrameReason::Truncated { needed: 3992 })]
 #[case::outcome_byte({let f = encode(Body::WriteDone { op_handle: OpHandle(1), outcome: WriteOutcome::Failed { terminal: true } }); let n = f.len(); mutate(f, n - 1, 9)}, FrameReason::OptionTag { field: "write outcome", value: 9 })]
 #[case::zero_timeout(start_write_bytes(|f, at| f[at + 8..at + 12].fill(0)), FrameReason::Zero("remaining_timeout_ms"))]
-#[case::no_keys(start_write_bytes(|f, at| { f.truncate(at + 12 + 1 + 8); f.extend_from_slice(&0u32.to_be_bytes()); }), FrameReason::Empty("keys"))]
-#[case::too_many_keys(start_write_bytes(|f, at| f[at + 21..at + 25].copy_from_slice(&(MAX_KEYS_PER_WRITE as u32 + 1).to_be_bytes())), FrameReason::Bound { field: "keys", count: MAX_KEYS_PER_WRITE + 1, max: MAX_KEYS_PER_WRITE })]
-#[case::key_count_lies(start_write_bytes(|f, at| f[at + 21..at + 25].copy_from_slice(&1000u32.to_be_bytes())), FrameReason::Truncated { needed: 21978 })]
-#[case::no_destinations(start_write_bytes(|f, at| { f.truncate(at + 33); f.extend_from_slice(&0u16.to_be_bytes()); f.extend_from_slice(&[0; 12]); }), FrameReason::Empty("destinations of a key"))]
-#[case::too_many_spans(start_write_bytes(|f, at| f[at + 33..at + 35].copy_from_slice(&(MAX_SPANS_PER_KEY as u16 + 1).to_be_bytes())), FrameReason::Bound { field: "destinations of a key", count: MAX_SPANS_PER_KEY + 1, max: MAX_SPANS_PER_KEY })]
+#[case::no_keys(start_write_bytes(|f, at| { f.truncate(at + 12 + 1 + 8 + 2); f.extend_from_slice(&0u32.to_be_bytes()); }), FrameReason::Empty("keys"))]
+#[case::too_many_keys(start_write_bytes(|f, at| f[at + 23..at + 27].copy_from_slice(&(MAX_KEYS_PER_WRITE as u32 + 1).to_be_bytes())), FrameReason::Bound { field: "keys", count: MAX_KEYS_PER_WRITE + 1, max: MAX_KEYS_PER_WRITE })]
+#[case::key_count_lies(start_write_bytes(|f, at| f[at + 23..at + 27].copy_from_slice(&1000u32.to_be_bytes())), FrameReason::Truncated { needed: 21978 })]
+#[case::no_destinations(start_write_bytes(|f, at| { f.truncate(at + 35); f.extend_from_slice(&0u16.to_be_bytes()); f.extend_from_slice(&[0; 12]); }), FrameReason::Empty("destinations of a key"))]
+#[case::too_many_spans(start_write_bytes(|f, at| f[at + 35..at + 37].copy_from_slice(&(MAX_SPANS_PER_KEY as u16 + 1).to_be_bytes())), FrameReason::Bound { field: "destinations of a key", count: MAX_SPANS_PER_KEY + 1, max: MAX_SPANS_PER_KEY })]
+#[case::lead_past_a_key(start_write_bytes(|f, at| f[at + 21..at + 23].copy_from_slice(&2u16.to_be_bytes())), FrameReason::Bound { field: "lead elements", count: 2, max: 1 })]
+#[case::lead_landed_zero({let f = encode(Body::WriteLeadLanded { op_handle: OpHandle(1), elements: 2 }); let n = f.len(); mutate(f, n - 1, 0)}, FrameReason::Zero("lead elements"))]
 #[case::region_label_empty(metadata_with(|r| r.label.clear()), FrameReason::Label(kvcr_contracts::error::Echo::new("")))]
 #[case::region_label_chars(metadata_with(|r| r.label = "a b".into()), FrameReason::Label(kvcr_contracts::error::Echo::new("a b")))]
 #[case::region_zero_size(metadata_with(|r| r.element_size = 0), FrameReason::Zero("region element_size"))]
@@ -597,9 +608,11 @@ fn duplicate_region_ids_refused_both_ways() {
 
 /// The encoder refuses what the decoder would refuse, and writes nothing.
 #[rstest]
-#[case::mismatch(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![] }, FrameReason::LengthMismatch { keys: 1, destinations: 0 })]
-#[case::zero_timeout(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 0, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![vec![]] }, FrameReason::Zero("remaining_timeout_ms"))]
-#[case::empty_dest(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![vec![]] }, FrameReason::Empty("destinations of a key"))]
+#[case::mismatch(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![], lead_elements: 0 }, FrameReason::LengthMismatch { keys: 1, destinations: 0 })]
+#[case::zero_timeout(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 0, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![vec![]], lead_elements: 0 }, FrameReason::Zero("remaining_timeout_ms"))]
+#[case::empty_dest(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![vec![]], lead_elements: 0 }, FrameReason::Empty("destinations of a key"))]
+#[case::lead_past_a_key(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![vec![ElementRef { region: RegionId(0), index: 0 }]], lead_elements: 2 }, FrameReason::Bound { field: "lead elements", count: 2, max: 1 })]
+#[case::lead_landed_zero(Body::WriteLeadLanded { op_handle: OpHandle(1), elements: 0 }, FrameReason::Zero("lead elements"))]
 #[case::empty_address(Body::TargetMetadata { worker_address: vec![], regions: vec![], shared_memory: None, doorbell: None, device_regions: vec![] }, FrameReason::Empty("worker_address"))]
 #[case::stray_segment(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0)], shared_memory: Some(shared_memory(&[0, 5])), doorbell: None, device_regions: vec![] }, FrameReason::Bound { field: "segments", count: 2, max: 1 })]
 #[case::unknown_segment(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0)], shared_memory: Some(shared_memory(&[5])), doorbell: None, device_regions: vec![] }, FrameReason::UnknownSegmentRegion(5))]
@@ -793,8 +806,9 @@ fn arb_body() -> impl Strategy<Value = Body> {
                 ),
                 1..16
             ),
+            0u16..2,
         )
-            .prop_map(|(op_handle, ms, src, ns, entries)| Body::StartWrite {
+            .prop_map(|(op_handle, ms, src, ns, entries, lead)| Body::StartWrite {
                 op_handle,
                 remaining_timeout_ms: ms,
                 source_incarnation: src,
@@ -813,9 +827,14 @@ fn arb_body() -> impl Strategy<Value = Body> {
                         })
                         .collect())
                     .collect(),
+                lead_elements: lead,
             }),
         op.clone()
             .prop_map(|op_handle| Body::WriteRefused { op_handle }),
+        (op.clone(), 1u16..).prop_map(|(op_handle, elements)| Body::WriteLeadLanded {
+            op_handle,
+            elements
+        }),
         (
             op.clone(),
             prop_oneof![

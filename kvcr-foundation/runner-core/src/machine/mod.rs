@@ -139,6 +139,11 @@ pub enum Action {
         /// opened for this route, `remote` an address in the target's
         /// advertised device region, never through UCX or mapped pools.
         device: bool,
+        /// With `device`: once the first `lead_elements` spans of every key
+        /// (spans in key order, each key's in layout order) have landed,
+        /// report [`Core::handle_put_lead_landed`] ahead of
+        /// `handle_put_done`; 0: no such report.
+        lead_elements: u16,
     },
     /// Run these G3 (file tier) transfers off the caller's thread, one per
     /// key of the job, skipping any that has not started by `deadline_ns`;

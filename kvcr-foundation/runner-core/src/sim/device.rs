@@ -51,6 +51,9 @@ struct Transfer {
     ok: bool,
     /// Claims success over bytes that are not the page.
     corrupt: bool,
+    /// A one-hop write asked to report its lead: when its lead lands
+    /// (`None`: not asked, or said already).
+    lead_at: Option<u64>,
 }
 
 /// What the device runs saw; the many-seeds test wants each of it.
@@ -64,6 +67,8 @@ pub(super) struct DeviceCoverage {
     pub(super) held_past_deadline: u64,
     pub(super) dead_freed: u64,
     pub(super) kills_mid_copy: u64,
+    /// Delivers reported ready to start on their first layer.
+    pub(super) leads_reported: u64,
 }
 
 impl DeviceCoverage {
@@ -76,6 +81,7 @@ impl DeviceCoverage {
         self.held_past_deadline += o.held_past_deadline;
         self.dead_freed += o.dead_freed;
         self.kills_mid_copy += o.kills_mid_copy;
+        self.leads_reported += o.leads_reported;
     }
 }
 
@@ -106,6 +112,8 @@ pub(super) struct DeviceWorld {
     granted: HashMap<u64, (OpHandle, u64)>,
     /// Deliver operation -> per entry, (key, element, sent at).
     delivers: HashMap<OpHandle, (Vec<(u64, u64)>, u64)>,
+    /// Delivers reported ready on their first layer (each at most once).
+    leads: std::collections::HashSet<OpHandle>,
     pending: Vec<(u64, RequestId, Vec<u64>)>,
     next_element: u64,
     next_request: u64,
@@ -171,6 +179,7 @@ impl DeviceWorld {
             transfers: Vec::new(),
             granted: HashMap::new(),
             delivers: HashMap::new(),
+            leads: std::collections::HashSet::new(),
             pending: Vec::new(),
             next_element: 0,
             next_request: 0,
@@ -314,8 +323,15 @@ impl DeviceWorld {
                     write,
                     spans,
                     device,
+                    lead_elements,
                     ..
-                } => self.start_transfer(write, &spans, device),
+                } => {
+                    if lead_elements > 0 && !device {
+                        self.violations
+                            .push(format!("write {write} asks a lead report through DRAM"));
+                    }
+                    self.start_transfer(write, &spans, device, lead_elements > 0);
+                }
                 Action::Copy { job, keys, .. } => {
                     let outcomes = vec![CopyOutcome::Copied; keys.len()];
                     self.source.handle_copy_done(self.now, job, &outcomes);
@@ -327,7 +343,7 @@ impl DeviceWorld {
 
     /// A source's write: each span checked against the grants, then copied
     /// on the model's "stream", completing a seeded while later.
-    fn start_transfer(&mut self, write: u64, spans: &[PutSpan], device: bool) {
+    fn start_transfer(&mut self, write: u64, spans: &[PutSpan], device: bool, lead: bool) {
         let mut pieces = Vec::new();
         for span in spans {
             let carried = Self::slot_of(SOURCE_POOL, span.local)
@@ -358,6 +374,9 @@ impl DeviceWorld {
         }
         let ok = !(self.faults && self.rng.chance(5));
         let corrupt = ok && device && self.faults && self.rng.chance(4);
+        // The lead lands part way through the copy (a page here is one
+        // element, so all of it; a failing copy may never get there).
+        let lead_at = (lead && ok).then(|| self.now + self.rng.below(done_at - self.now));
         self.transfers.push(Transfer {
             incarnation: self.source_incarnation,
             write,
@@ -366,6 +385,7 @@ impl DeviceWorld {
             done_at,
             ok,
             corrupt,
+            lead_at,
         });
     }
 
@@ -384,6 +404,26 @@ impl DeviceWorld {
     /// process's driver reports them (a killed one's land unreported).
     fn complete_transfers(&mut self) {
         let now = self.now;
+        let mut leads = Vec::new();
+        for t in &mut self.transfers {
+            if t.lead_at.is_some_and(|at| at <= now) {
+                t.lead_at = None;
+                leads.push((t.incarnation, t.write));
+            }
+        }
+        for (incarnation, write) in leads {
+            let same = |t: &&Transfer| t.write == write && t.incarnation == incarnation;
+            if let Some(t) = self.transfers.iter().find(same) {
+                let landed = Transfer {
+                    pieces: t.pieces.clone(),
+                    ..*t
+                };
+                self.land(&landed, true);
+            }
+            if incarnation == self.source_incarnation {
+                self.source.handle_put_lead_landed(write);
+            }
+        }
         let (due, rest): (Vec<Transfer>, Vec<Transfer>) = std::mem::take(&mut self.transfers)
             .into_iter()
             .partition(|t| t.done_at <= now);
@@ -548,12 +588,41 @@ impl DeviceWorld {
         self.source
             .check_invariants()
             .map_err(|e| format!("source: {e}"))?;
+        for (deliver, pages) in self.target.drain_leads_landed() {
+            // Reported once, before the deliver ends, over pages whose
+            // copies have all got past their lead.
+            let Some((placed, _)) = self.delivers.get(&deliver) else {
+                return Err(format!("deliver {deliver:?}: lead reported after it ended"));
+            };
+            if !self.leads.insert(deliver) {
+                return Err(format!("deliver {deliver:?}: lead reported twice"));
+            }
+            let covered = placed.get(..pages as usize).ok_or_else(|| {
+                format!(
+                    "deliver {deliver:?}: lead over {pages} of {} pages",
+                    placed.len()
+                )
+            })?;
+            for (key, element) in covered {
+                let unlanded = self.transfers.iter().any(|t| {
+                    t.device && t.lead_at.is_some() && t.pieces.iter().any(|(e, _)| e == element)
+                });
+                if unlanded || !self.device.contains_key(element) {
+                    return Err(format!(
+                        "deliver {deliver:?}: lead reported, key {key}'s element {element} \
+                         not landed"
+                    ));
+                }
+            }
+            self.seen.leads_reported += 1;
+        }
         let mut done = Vec::new();
         self.target.drain_completed(&mut done);
         for result in done {
             let Some((placed, sent_at)) = self.delivers.remove(&result.op) else {
                 continue;
             };
+            self.leads.remove(&result.op);
             for ((key, element), (_, entry)) in placed.iter().zip(&result.entries) {
                 let in_flight = self
                     .transfers

@@ -207,6 +207,7 @@ impl Sim {
                     region: RegionId(0),
                     index: self.rng.below(1 << 20),
                 }]],
+                lead_elements: 0,
             },
             Body::WriteProbe {
                 op_handle: op,

@@ -67,6 +67,7 @@ impl Sim {
                     generation,
                     spans,
                     device: false,
+                    ..
                 } => match peer {
                     Peer::Source(s) => self.start_put(s, write, &target, generation, &spans),
                     Peer::Target(t) => self.violation(format!("target {t} issued a put")),

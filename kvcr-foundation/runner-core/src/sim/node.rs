@@ -85,6 +85,8 @@ pub(super) fn new_core_with(
             refill_ns: 1,
         },
         one_hop: true,
+        // A layer-first page's K and V, as the direct linker asks.
+        lead_elements: 2,
     };
     adjust(&mut config);
     core.enable_peer(config);

@@ -127,6 +127,25 @@ pub trait DeviceCopier: Send + Sync {
         ))
     }
 
+    /// As [`DeviceCopier::copy_to_imports`], calling `landed` once the
+    /// first `lead` spans of every key are in place (while the rest may
+    /// still be copying): the one-hop route's first layer, which the
+    /// target's engine may start on. `landed` is called at most once, and
+    /// only if every lead span landed; `lead` 0 never calls it. The
+    /// default copies everything first, then calls it.
+    fn copy_to_imports_led(
+        &self,
+        keys: &[&[CopySpan]],
+        lead: usize,
+        landed: &mut dyn FnMut(),
+    ) -> Result<()> {
+        self.copy_to_imports(keys)?;
+        if lead > 0 {
+            landed();
+        }
+        Ok(())
+    }
+
     /// The page digest (xxh3-64 in span order, `kvcr_sys::digest`) of each
     /// key's bytes in device memory, every span's `src` inside a registered
     /// device region; `Ok(None)` when this copier cannot hash on the device.

@@ -453,10 +453,12 @@ impl State {
                 generation,
                 spans,
                 device,
+                lead_elements,
             } => {
                 if device {
                     let route = self.accepted_route(&target, generation);
-                    self.write_device(shared, write, route.as_deref(), &spans);
+                    let lead = usize::from(lead_elements);
+                    self.write_device(shared, write, route.as_deref(), &spans, lead);
                 } else {
                     self.write(shared, write, &target, generation, spans);
                 }

@@ -42,8 +42,16 @@ type Copy = (RegionId, Arc<dyn DeviceImport>, CopySpan);
 /// A write's copies, page by page, each page's in layout order.
 type Copies = Vec<Vec<Copy>>;
 
-/// A write (its id), its copies, and the copier that opened their imports.
-type Job = (u64, Copies, Arc<dyn DeviceCopier>);
+/// A one-hop write the writer runs.
+struct Job {
+    write: u64,
+    copies: Copies,
+    /// The copier that opened the copies' imports.
+    copier: Arc<dyn DeviceCopier>,
+    /// Leading spans per page whose landing the core hears of ahead of the
+    /// rest (`Core::handle_put_lead_landed`); 0: none.
+    lead: usize,
+}
 
 /// Most queued writes one copy pass takes together.
 const MERGED_WRITES: usize = 1024;
@@ -59,12 +67,25 @@ pub(super) struct OneHopWriter {
 
 impl OneHopWriter {
     /// Queues a write's copies; `done` hears `(write, ok)` once no copy of
-    /// it can touch memory any more. `false` if the thread cannot be
-    /// started (the write then fails at once).
-    fn submit(&mut self, job: Job, done: &UnboundedSender<(u64, bool)>) -> bool {
+    /// it can touch memory any more, and the core hears of a lead that
+    /// landed before that (through `shared`, held weakly: the runner may be
+    /// going). `false` if the thread cannot be started (the write then
+    /// fails at once).
+    fn submit(
+        &mut self,
+        job: Job,
+        done: &UnboundedSender<(u64, bool)>,
+        shared: &Arc<Shared>,
+    ) -> bool {
         if self.worker.is_none() {
             let (tx, rx) = mpsc::channel::<Job>();
             let done = done.clone();
+            let shared = Arc::downgrade(shared);
+            let lead_landed = move |write: u64| {
+                if let Some(shared) = shared.upgrade() {
+                    shared.with_core_now(|core, _| core.handle_put_lead_landed(write));
+                }
+            };
             let spawned = std::thread::Builder::new()
                 .name("kvcr-one-hop".into())
                 .spawn(move || {
@@ -76,7 +97,7 @@ impl OneHopWriter {
                                 Err(_) => break,
                             }
                         }
-                        for (write, ok) in copy_writes(&jobs) {
+                        for (write, ok) in copy_writes(&jobs, &lead_landed) {
                             let _ = done.send((write, ok));
                         }
                     }
@@ -93,34 +114,40 @@ impl OneHopWriter {
 }
 
 /// Runs queued writes: those whose spans every import resolves and that
-/// share the first such write's copier in one pass, the rest one by one;
-/// per write, whether all its copies landed. A pass that fails is run
-/// again write by write (the slots stay granted until we report, and the
-/// bytes are the same), so one target's bad write never fails another's.
-/// The imports the writes name stay open until this returns.
-fn copy_writes(jobs: &[Job]) -> Vec<(u64, bool)> {
+/// share the first such write's copier and lead in one pass, the rest one
+/// by one; per write, whether all its copies landed. `lead_landed` hears
+/// each write whose lead spans landed ahead of the rest (a pass's writes
+/// together; a write run alone says nothing early). A pass that fails is
+/// run again write by write (the slots stay granted until we report, and
+/// the bytes are the same), so one target's bad write never fails
+/// another's. The imports the writes name stay open until this returns.
+fn copy_writes(jobs: &[Job], lead_landed: &dyn Fn(u64)) -> Vec<(u64, bool)> {
     let mut merged: Vec<(u64, Vec<Vec<CopySpan>>)> = Vec::new();
     let mut alone: Vec<(&Job, Option<Vec<Vec<CopySpan>>>)> = Vec::new();
-    let mut copier: Option<&Arc<dyn DeviceCopier>> = None;
+    let mut pass: Option<(&Arc<dyn DeviceCopier>, usize)> = None;
     for job in jobs {
-        let (write, copies, job_copier) = job;
-        let pages = resolve(copies);
-        let joins = copier.is_none_or(|c| Arc::ptr_eq(c, job_copier));
+        let pages = resolve(&job.copies);
+        let joins = pass.is_none_or(|(c, lead)| Arc::ptr_eq(c, &job.copier) && lead == job.lead);
         match pages {
             Some(pages) if joins => {
-                copier = Some(job_copier);
-                merged.push((*write, pages));
+                pass = Some((&job.copier, job.lead));
+                merged.push((job.write, pages));
             }
             pages => alone.push((job, pages)),
         }
     }
     let mut outcomes = Vec::with_capacity(jobs.len());
-    if let Some(copier) = copier {
+    if let Some((copier, lead)) = pass {
         let keys: Vec<&[CopySpan]> = merged
             .iter()
             .flat_map(|(_, pages)| pages.iter().map(Vec::as_slice))
             .collect();
-        if copier.copy_to_imports(&keys).is_ok() {
+        let mut landed = || {
+            for (write, _) in &merged {
+                lead_landed(*write);
+            }
+        };
+        if copier.copy_to_imports_led(&keys, lead, &mut landed).is_ok() {
             outcomes.extend(merged.iter().map(|(write, _)| (*write, true)));
         } else {
             for (write, pages) in &merged {
@@ -128,12 +155,12 @@ fn copy_writes(jobs: &[Job]) -> Vec<(u64, bool)> {
             }
         }
     }
-    for ((write, copies, copier), pages) in alone {
+    for (job, pages) in alone {
         let ok = match pages {
-            Some(pages) => copy_pages(copier.as_ref(), &pages),
-            None => copy_by_region(copies),
+            Some(pages) => copy_pages(job.copier.as_ref(), &pages),
+            None => copy_by_region(&job.copies),
         };
-        outcomes.push((*write, ok));
+        outcomes.push((job.write, ok));
     }
     outcomes
 }
@@ -249,13 +276,20 @@ impl State {
         write: u64,
         route: Option<&Route>,
         spans: &[PutSpan],
+        lead: usize,
     ) {
         let plan = route.and_then(|route| device_plan(&route.device, spans));
         let copier: Option<Arc<dyn DeviceCopier>> = shared.lock().device.clone();
         let queued = match (plan, copier) {
-            (Some(copies), Some(copier)) => self
-                .one_hop
-                .submit((write, copies, copier), &self.lane_done_tx),
+            (Some(copies), Some(copier)) => {
+                let job = Job {
+                    write,
+                    copies,
+                    copier,
+                    lead,
+                };
+                self.one_hop.submit(job, &self.lane_done_tx, shared)
+            }
             _ => false,
         };
         if !queued {
@@ -363,6 +397,18 @@ mod tests {
         import: &Arc<dyn DeviceImport>,
         copier: &Arc<Recorder>,
     ) -> Job {
+        led(id, pages, src, import, copier, 0)
+    }
+
+    /// As [`job`], asking a report of each page's first `lead` spans.
+    fn led(
+        id: u64,
+        pages: u64,
+        src: u64,
+        import: &Arc<dyn DeviceImport>,
+        copier: &Arc<Recorder>,
+        lead: usize,
+    ) -> Job {
         let copies = (0..pages)
             .map(|p| {
                 vec![(
@@ -377,7 +423,21 @@ mod tests {
             })
             .collect();
         let copier: Arc<dyn DeviceCopier> = Arc::clone(copier) as Arc<dyn DeviceCopier>;
-        (id, copies, copier)
+        Job {
+            write: id,
+            copies,
+            copier,
+            lead,
+        }
+    }
+
+    /// Runs `jobs`, returning each write's outcome (sorted) and the writes
+    /// whose lead was reported.
+    fn run(jobs: &[Job]) -> (Vec<(u64, bool)>, Vec<u64>) {
+        let leads = Mutex::new(Vec::new());
+        let mut outcomes = copy_writes(jobs, &|write| leads.lock().unwrap().push(write));
+        outcomes.sort_unstable();
+        (outcomes, leads.into_inner().unwrap())
     }
 
     #[test]
@@ -394,14 +454,54 @@ mod tests {
             job(1, 4, 100, &import, &copier),
             job(2, 3, 200, &import, &copier),
         ];
-        let mut outcomes = copy_writes(&jobs);
-        outcomes.sort_unstable();
+        let (outcomes, leads) = run(&jobs);
+        assert!(leads.is_empty(), "no lead asked, none reported");
         assert_eq!(outcomes, [(1, true), (2, true)]);
         assert_eq!(
             *copier.passes.lock().unwrap(),
             [7],
             "one pass of every page"
         );
+    }
+
+    /// Writes asking the same lead share a pass and each hears its lead
+    /// landed; one asking another lead runs alone, and a write run alone
+    /// says nothing early (its own `write_done` says it all).
+    #[test]
+    fn a_pass_reports_its_writes_leads() {
+        let import: Arc<dyn DeviceImport> = Arc::new(Extent {
+            base: 1 << 20,
+            len: 1 << 10,
+        });
+        let copier = Arc::new(Recorder {
+            poison: u64::MAX,
+            ..Recorder::default()
+        });
+        let jobs = [
+            led(1, 2, 100, &import, &copier, 2),
+            led(2, 3, 200, &import, &copier, 1),
+            led(3, 1, 300, &import, &copier, 2),
+        ];
+        let (outcomes, leads) = run(&jobs);
+        assert_eq!(outcomes, [(1, true), (2, true), (3, true)]);
+        assert_eq!(leads, [1, 3]);
+        assert_eq!(*copier.passes.lock().unwrap(), [3, 3]);
+    }
+
+    /// A pass that fails reports no lead (its copies' bytes are unknown).
+    #[test]
+    fn a_failed_pass_reports_no_lead() {
+        let import: Arc<dyn DeviceImport> = Arc::new(Extent {
+            base: 1 << 20,
+            len: 1 << 10,
+        });
+        let copier = Arc::new(Recorder {
+            poison: 100,
+            ..Recorder::default()
+        });
+        let (outcomes, leads) = run(&[led(1, 2, 100, &import, &copier, 2)]);
+        assert_eq!(outcomes, [(1, false)]);
+        assert!(leads.is_empty(), "{leads:?}");
     }
 
     #[test]
@@ -419,8 +519,8 @@ mod tests {
             job(2, 2, 300, &import, &copier),
             job(3, 1, 500, &import, &copier),
         ];
-        let mut outcomes = copy_writes(&jobs);
-        outcomes.sort_unstable();
+        let (outcomes, leads) = run(&jobs);
+        assert!(leads.is_empty(), "no lead asked, none reported");
         assert_eq!(outcomes, [(1, true), (2, false), (3, true)]);
         assert_eq!(*copier.passes.lock().unwrap(), [5, 2, 2, 1]);
     }
@@ -441,8 +541,8 @@ mod tests {
             job(1, 2, 100, &import, &copier),
             job(2, 3, 200, &import, &copier),
         ];
-        let mut outcomes = copy_writes(&jobs);
-        outcomes.sort_unstable();
+        let (outcomes, leads) = run(&jobs);
+        assert!(leads.is_empty(), "no lead asked, none reported");
         assert_eq!(outcomes, [(1, true), (2, true)]);
         assert_eq!(
             *copier.passes.lock().unwrap(),

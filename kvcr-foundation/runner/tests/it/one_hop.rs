@@ -185,12 +185,19 @@ impl Target {
 
     /// With this operation timeout and abandonment budget.
     fn start_with(elements: u64, timeout: Duration, abandon: Duration) -> Self {
+        Self::start_led(elements, timeout, abandon, 0)
+    }
+
+    /// As [`Target::start_with`], asking one-hop writes to report each
+    /// page's first `lead` elements landed.
+    fn start_led(elements: u64, timeout: Duration, abandon: Duration, lead: u16) -> Self {
         let config = RunnerConfig {
             operation_timeout: timeout,
             ..RunnerConfig::single_pool("kv", BLOCK as u64, 16)
         };
         let mut peer_options = options();
         peer_options.abandon_timeout = Some(abandon);
+        peer_options.lead_elements = lead;
         let runner = Runner::start_with_peers(config, None, &peer_options).unwrap();
         let copier = Arc::new(MemfdCopier::default());
         runner
@@ -321,6 +328,47 @@ fn a_one_hop_restore_between_processes_is_byte_exact_and_skips_dram(#[case] mode
         mode == "one-pass",
         "one-pass copies: {passes} ({mode})"
     );
+    target.runner.check_invariants().unwrap();
+}
+
+/// With `lead_elements` set, a write copied in one pass reports its lead
+/// landed ahead of its `write_done`: the runner hands the deliver's first
+/// layer to the engine once (every page of it), before or with the
+/// deliver's result, and the source's report is never refused as late.
+/// Copied import by import, a write says nothing early. Without
+/// `lead_elements`, nothing is reported.
+#[rstest::rstest]
+#[case::one_pass("one-pass", 1, true)]
+#[case::import_by_import("import", 1, false)]
+#[case::not_asked("one-pass", 0, false)]
+fn a_one_hop_restore_reports_its_first_layer(
+    #[case] mode: &str,
+    #[case] lead: u16,
+    #[case] reported: bool,
+) {
+    let _serial = crate::serial();
+    let mut source = Source::spawn(mode);
+    let mut target = Target::start_led(16, Duration::from_secs(5), Duration::from_secs(10), lead);
+    let from = source.endpoint.clone();
+    let warm = target.restore("warm", &from, &[0], 0);
+    assert_eq!(statuses(&warm), vec![EntryStatus::Success]);
+    let _ = target.runner.poll_leads_landed();
+    let refused = target.runner.peers().stats().counters.refused;
+    let keys = [1, 2, 3, 4, 5];
+    let op = target.start_restore("led", &from, &keys, 8);
+    let result = wait_op(&mut target.runner, op);
+    assert_eq!(statuses(&result), vec![EntryStatus::Success; 5]);
+    let leads = target.runner.poll_leads_landed();
+    if reported {
+        assert_eq!(leads, [(op, 5)], "the whole deliver's first layer, once");
+    } else {
+        assert!(leads.is_empty(), "{leads:?}");
+    }
+    let counters = target.runner.peers().stats().counters;
+    assert_eq!(counters.refused, refused, "no lead report came late");
+    assert_eq!(counters.one_hop_pages, 6, "{counters:?}");
+    let (_, import_refused, _) = source.stats();
+    assert_eq!(import_refused, 0);
     target.runner.check_invariants().unwrap();
 }
 

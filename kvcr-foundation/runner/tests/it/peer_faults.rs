@@ -905,6 +905,7 @@ fn start_write(
     destinations: Vec<Vec<ElementRef>>,
 ) -> Body {
     Body::StartWrite {
+        lead_elements: 0,
         op_handle: OpHandle(op),
         remaining_timeout_ms: 5000,
         source_incarnation: source,

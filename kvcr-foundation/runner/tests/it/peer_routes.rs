@@ -103,6 +103,7 @@ fn ask_write(
             sender_endpoint: source.runner.peers().endpoint().unwrap().clone(),
         },
         body: Body::StartWrite {
+            lead_elements: 0,
             op_handle: OpHandle(op),
             remaining_timeout_ms: 10_000,
             source_incarnation: Some(source.runner.incarnation()),

@@ -1021,6 +1021,7 @@ fn flood_requests(to: &ControlEndpoint, ns: NamespaceId, stop: &AtomicBool, sent
                 }
             } else {
                 Body::StartWrite {
+                    lead_elements: 0,
                     op_handle: OpHandle(op),
                     remaining_timeout_ms: 5000,
                     source_incarnation: None,

@@ -9,10 +9,11 @@ use bytes::{Buf, BytesMut};
 use super::validate::{check_device_regions, check_doorbell, check_regions, check_segments};
 use super::{
     FrameCodec, KIND_ROUTE_PROOF, KIND_START_WRITE, KIND_TARGET_METADATA, KIND_TARGET_METADATA_ACK,
-    KIND_WRITE_DONE, KIND_WRITE_PROBE, KIND_WRITE_REFUSED, LEN_PREFIX, MAGIC, MAX_DEVICE_EXPORT,
-    MAX_DEVICE_REGIONS, MAX_KEYS_PER_WRITE, MAX_REGIONS, MAX_RKEY, MAX_SPANS_PER_KEY,
-    MAX_WORKER_ADDRESS, OUTCOME_COMPLETED, OUTCOME_COMPLETED_CHECKED_IN_COPY,
+    KIND_WRITE_DONE, KIND_WRITE_LEAD_LANDED, KIND_WRITE_PROBE, KIND_WRITE_REFUSED, LEN_PREFIX,
+    MAGIC, MAX_DEVICE_EXPORT, MAX_DEVICE_REGIONS, MAX_KEYS_PER_WRITE, MAX_REGIONS, MAX_RKEY,
+    MAX_SPANS_PER_KEY, MAX_WORKER_ADDRESS, OUTCOME_COMPLETED, OUTCOME_COMPLETED_CHECKED_IN_COPY,
     OUTCOME_FAILED_NONTERMINAL, OUTCOME_FAILED_TERMINAL, PREAMBLE, VERSION, bound, frame,
+    lead_within,
 };
 use crate::endpoint::ControlEndpoint;
 use crate::error::{FrameReason, Result};
@@ -197,7 +198,7 @@ fn decode_body(bytes: &[u8]) -> Result<Message> {
         return Err(frame(FrameReason::Version(version)));
     }
     let kind = r.u8()?;
-    if !(KIND_TARGET_METADATA..=KIND_ROUTE_PROOF).contains(&kind) {
+    if !(KIND_TARGET_METADATA..=KIND_WRITE_LEAD_LANDED).contains(&kind) {
         return Err(frame(FrameReason::Kind(kind)));
     }
     let header = Header {
@@ -234,6 +235,17 @@ fn decode_body(bytes: &[u8]) -> Result<Message> {
             source_incarnation: r.opt_incarnation("source_incarnation")?,
         },
         KIND_ROUTE_PROOF => Body::RouteProof { nonce: r.array()? },
+        KIND_WRITE_LEAD_LANDED => {
+            let op_handle = OpHandle(r.u64()?);
+            let elements = r.u16()?;
+            if elements == 0 {
+                return Err(frame(FrameReason::Zero("lead elements")));
+            }
+            Body::WriteLeadLanded {
+                op_handle,
+                elements,
+            }
+        }
         _ => Body::WriteProbeAck {
             op_handle: OpHandle(r.u64()?),
             terminal: r.bool("terminal")?,
@@ -343,6 +355,7 @@ fn decode_start_write(r: &mut Reader<'_>) -> Result<Body> {
     }
     let source_incarnation = r.opt_incarnation("source_incarnation")?;
     let namespace = NamespaceId(r.u64()?);
+    let lead_elements = r.u16()?;
     let n = r.u32()? as usize;
     if n == 0 {
         return Err(frame(FrameReason::Empty("keys")));
@@ -362,6 +375,7 @@ fn decode_start_write(r: &mut Reader<'_>) -> Result<Body> {
             MAX_SPANS_PER_KEY,
             ELEMENT_BYTES,
         )?;
+        lead_within(lead_elements, spans)?;
         let mut dests = Vec::with_capacity(spans);
         for _ in 0..spans {
             dests.push(ElementRef {
@@ -378,6 +392,7 @@ fn decode_start_write(r: &mut Reader<'_>) -> Result<Body> {
         namespace,
         keys,
         destinations,
+        lead_elements,
     })
 }
 

@@ -8,10 +8,10 @@ use bytes::{BufMut, BytesMut};
 use super::validate::{check_device_regions, check_doorbell, check_regions, check_segments};
 use super::{
     FrameCodec, KIND_ROUTE_PROOF, KIND_START_WRITE, KIND_TARGET_METADATA, KIND_TARGET_METADATA_ACK,
-    KIND_WRITE_DONE, KIND_WRITE_PROBE, KIND_WRITE_PROBE_ACK, KIND_WRITE_REFUSED, LEN_PREFIX, MAGIC,
-    MAX_DEVICE_EXPORT, MAX_KEYS_PER_WRITE, MAX_RKEY, MAX_SPANS_PER_KEY, MAX_WORKER_ADDRESS,
-    OUTCOME_COMPLETED, OUTCOME_COMPLETED_CHECKED_IN_COPY, OUTCOME_FAILED_NONTERMINAL,
-    OUTCOME_FAILED_TERMINAL, VERSION, bound, frame,
+    KIND_WRITE_DONE, KIND_WRITE_LEAD_LANDED, KIND_WRITE_PROBE, KIND_WRITE_PROBE_ACK,
+    KIND_WRITE_REFUSED, LEN_PREFIX, MAGIC, MAX_DEVICE_EXPORT, MAX_KEYS_PER_WRITE, MAX_RKEY,
+    MAX_SPANS_PER_KEY, MAX_WORKER_ADDRESS, OUTCOME_COMPLETED, OUTCOME_COMPLETED_CHECKED_IN_COPY,
+    OUTCOME_FAILED_NONTERMINAL, OUTCOME_FAILED_TERMINAL, VERSION, bound, frame, lead_within,
 };
 use crate::error::{FrameReason, Result};
 use crate::incarnation::Incarnation;
@@ -63,6 +63,7 @@ fn kind_of(body: &Body) -> u8 {
         Body::WriteProbe { .. } => KIND_WRITE_PROBE,
         Body::WriteProbeAck { .. } => KIND_WRITE_PROBE_ACK,
         Body::RouteProof { .. } => KIND_ROUTE_PROOF,
+        Body::WriteLeadLanded { .. } => KIND_WRITE_LEAD_LANDED,
     }
 }
 
@@ -178,6 +179,7 @@ fn put_body(dst: &mut BytesMut, body: &Body) -> Result<()> {
             namespace,
             keys,
             destinations,
+            lead_elements,
         } => {
             if *remaining_timeout_ms == 0 {
                 return Err(frame(FrameReason::Zero("remaining_timeout_ms")));
@@ -196,12 +198,14 @@ fn put_body(dst: &mut BytesMut, body: &Body) -> Result<()> {
             dst.put_u32(*remaining_timeout_ms);
             put_opt_incarnation(dst, *source_incarnation);
             dst.put_u64(namespace.0);
+            dst.put_u16(*lead_elements);
             dst.put_u32(keys.len() as u32);
             for (key, dests) in keys.iter().zip(destinations) {
                 if dests.is_empty() {
                     return Err(frame(FrameReason::Empty("destinations of a key")));
                 }
                 bound("destinations of a key", dests.len(), MAX_SPANS_PER_KEY)?;
+                lead_within(*lead_elements, dests.len())?;
                 dst.put_u64(key.as_u64());
                 dst.put_u16(dests.len() as u16);
                 for element in dests {
@@ -258,6 +262,16 @@ fn put_body(dst: &mut BytesMut, body: &Body) -> Result<()> {
             put_opt_incarnation(dst, *dead_incarnation);
         }
         Body::RouteProof { nonce } => dst.extend_from_slice(nonce),
+        Body::WriteLeadLanded {
+            op_handle,
+            elements,
+        } => {
+            if *elements == 0 {
+                return Err(frame(FrameReason::Zero("lead elements")));
+            }
+            dst.put_u64(op_handle.0);
+            dst.put_u16(*elements);
+        }
     }
     Ok(())
 }

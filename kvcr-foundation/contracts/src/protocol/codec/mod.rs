@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! frame   := len:u32be  body[len]
-//! body    := magic:u16be=0x4B56 ("KV")  version:u8=6  kind:u8  header  fields(kind)
+//! body    := magic:u16be=0x4B56 ("KV")  version:u8=7  kind:u8  header  fields(kind)
 //! header  := incarnation:u128be  route_generation:u64be  endpoint:str8
 //! str8    := n:u8 utf8[n]          bytes16 := n:u16be u8[n]
 //! opt<T>  := 0 | 1 T               bool    := 0 | 1
@@ -15,12 +15,13 @@
 //! |---|---|---|
 //! | 1 | `target_metadata` | `worker_address:bytes16, regions:list16<region>, shared_memory:opt<shared>, doorbell:opt<(region:u32, key:u8[32])>, device_regions:list16<device>` |
 //! | 2 | `target_metadata_ack` | `op_handle:opt<u64>, one_copy:bool, device:bool` |
-//! | 3 | `start_write` | `op:u64, remaining_ms:u32, source_inc:opt<u128>, namespace:u64, entries:list32<(key:u64, dests:list16<(region:u32, index:u64)>)>` |
+//! | 3 | `start_write` | `op:u64, remaining_ms:u32, source_inc:opt<u128>, namespace:u64, lead:u16, entries:list32<(key:u64, dests:list16<(region:u32, index:u64)>)>` (`lead` at most every key's destination count) |
 //! | 4 | `write_refused` | `op:u64` |
 //! | 5 | `write_done` | `op:u64, outcome:u8` (0 completed, 1 failed-terminal, 2 failed-nonterminal, 3 completed with each page checked in the source's copy), then `indices:list32<u32>, digests:list32<u64>` when completed (no digests, or one page digest per index; with 3, one per index) |
 //! | 6 | `write_probe` | `op:u64, source_inc:opt<u128>` |
 //! | 7 | `write_probe_ack` | `op:u64, terminal:bool, dead_inc:opt<u128>` |
 //! | 8 | `route_proof` | `nonce:u8[32]` |
+//! | 9 | `write_lead_landed` | `op:u64, elements:u16` |
 //!
 //! `region := id:u32 label:str8 base:u64 element_size:u64 stride:u64 count:u64 rkey:bytes16`.
 //! `shared := boot_id:u8[16] pid_namespace:u64 pid:u32 segments:list16<(region:u32, fd:u32, token:u8[16])>`
@@ -47,7 +48,7 @@ use crate::error::{Error, FrameReason, Result};
 /// Frame magic: `"KV"`.
 pub const MAGIC: u16 = 0x4B56;
 /// The codec version this build writes and reads.
-pub const VERSION: u8 = 6;
+pub const VERSION: u8 = 7;
 /// Default bound on one frame's length (after the length prefix).
 pub const DEFAULT_MAX_FRAME_LEN: usize = 16 << 20;
 /// Most keys in one `start_write` (and completed indices in one `write_done`).
@@ -80,6 +81,7 @@ const KIND_WRITE_DONE: u8 = 5;
 const KIND_WRITE_PROBE: u8 = 6;
 const KIND_WRITE_PROBE_ACK: u8 = 7;
 const KIND_ROUTE_PROOF: u8 = 8;
+const KIND_WRITE_LEAD_LANDED: u8 = 9;
 
 const OUTCOME_COMPLETED: u8 = 0;
 const OUTCOME_FAILED_TERMINAL: u8 = 1;
@@ -116,6 +118,12 @@ impl FrameCodec {
 
 fn frame(reason: FrameReason) -> Error {
     Error::frame(reason)
+}
+
+/// Refuses a `start_write` whose `lead_elements` exceed a key's
+/// destination count (shared by encode and decode).
+fn lead_within(lead: u16, destinations: usize) -> Result<()> {
+    bound("lead elements", usize::from(lead), destinations)
 }
 
 /// Refuses a list or byte string longer than its bound (shared by encode and decode).

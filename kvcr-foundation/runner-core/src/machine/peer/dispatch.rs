@@ -69,6 +69,7 @@ impl Core {
                 namespace,
                 keys,
                 destinations,
+                lead_elements,
             } => self.on_start_write(
                 now,
                 &header,
@@ -78,7 +79,12 @@ impl Core {
                 namespace,
                 &keys,
                 &destinations,
+                lead_elements,
             ),
+            Body::WriteLeadLanded {
+                op_handle,
+                elements,
+            } => self.on_lead_landed(&header, op_handle, elements),
             Body::WriteRefused { op_handle } => self.on_write_end(now, &header, op_handle, None),
             Body::WriteDone { op_handle, outcome } => {
                 self.on_write_end(now, &header, op_handle, Some(outcome))

@@ -128,6 +128,10 @@ struct TargetOp {
     /// A one-hop write (then `fills` is empty): per key, the deliver
     /// operation and entry whose own device destination it grants.
     one_hop: Vec<(OpHandle, u32)>,
+    /// A one-hop write's `lead_elements` (0: none asked), and whether its
+    /// source said they landed ([`Body::WriteLeadLanded`]).
+    lead: u16,
+    lead_landed: bool,
     uncertain: bool,
     /// The request, until it is sent.
     start: Option<Body>,
@@ -169,6 +173,10 @@ struct SourceWrite {
     state: WriteState,
     /// Its spans land in the target's device regions (the one-hop route).
     device: bool,
+    /// Leading elements per key the target asked to hear about once landed
+    /// ([`Body::WriteLeadLanded`]); 0 once said, or where none was asked
+    /// (only one-hop writes say it).
+    lead: u16,
 }
 
 /// The peer half of the core's state: the two roles, and what they share.
@@ -184,6 +192,9 @@ pub(crate) struct PeerState {
     /// same-host sources ([`Core::set_device_export`]).
     device_exports: BTreeMap<RegionId, Vec<u8>>,
     pub(crate) notices: Vec<PeerNotice>,
+    /// Device delivers whose first layer is in place, not yet drained
+    /// ([`Core::drain_leads_landed`]).
+    leads_landed: Vec<(OpHandle, u32)>,
     pub(crate) counters: PeerCounters,
 }
 
@@ -247,6 +258,8 @@ pub(in crate::machine) struct PendingSourceWrite {
     namespace: NamespaceId,
     keys: Vec<BlockKey>,
     destinations: Vec<Vec<ElementRef>>,
+    /// The write's `lead_elements`.
+    lead: u16,
     /// DRAM records the fills committed, pinned until the write claims them.
     pub(in crate::machine) pinned: Vec<u32>,
     /// Refused, not served, when its preparation ends: the target probed
@@ -350,6 +363,7 @@ impl PeerState {
             last_tick: None,
             device_exports: BTreeMap::new(),
             notices: Vec::new(),
+            leads_landed: Vec::new(),
             counters: PeerCounters::default(),
         }
     }

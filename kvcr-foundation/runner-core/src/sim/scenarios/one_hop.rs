@@ -88,6 +88,7 @@ fn device_write(op: u64, source: Incarnation, ns: NamespaceId, keys: &[(u64, &[u
                     .collect()
             })
             .collect(),
+        lead_elements: 0,
     }
 }
 
@@ -446,5 +447,6 @@ fn the_one_hop_route_survives_faults_over_many_seeds() {
         assert!(seen.held_past_deadline > 0, "{seen:?}");
         assert!(seen.dead_freed > 0, "{seen:?}");
         assert!(seen.kills_mid_copy > 0, "{seen:?}");
+        assert!(seen.leads_reported > 0, "{seen:?}");
     }
 }

@@ -65,6 +65,7 @@ pub(super) fn start_write(op: u64, source: Incarnation, ns: NamespaceId, key: u6
             region: RegionId(0),
             index: 0,
         }]],
+        lead_elements: 0,
     }
 }
 

@@ -30,6 +30,32 @@ impl Core {
         self.end_write(now, write, ok, false, false);
     }
 
+    /// The driver's report that the first `lead_elements` spans of every
+    /// key of one-hop write `write` have landed (its `Action::Put` asked
+    /// for it): the target hears it once, while the write is still
+    /// running. Nothing is committed; `write_done` still ends the write.
+    pub fn handle_put_lead_landed(&mut self, write: u64) {
+        let Some(w) = self
+            .peer
+            .as_mut()
+            .and_then(|p| p.source.writes.get_mut(&write))
+        else {
+            return;
+        };
+        if w.state != WriteState::Writing || w.lead == 0 {
+            return;
+        }
+        let (target, op, elements) = (w.target.clone(), w.op, w.lead);
+        w.lead = 0;
+        self.send(
+            target,
+            Body::WriteLeadLanded {
+                op_handle: op,
+                elements,
+            },
+        );
+    }
+
     /// The driver's report that write `write`'s copies into a mapped
     /// target ended well, each page hashed in the pass that copied it and
     /// found as deposited ([`Core::peer_write_pages`]): its `write_done`

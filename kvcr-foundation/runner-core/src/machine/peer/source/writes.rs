@@ -19,6 +19,7 @@ impl Core {
         namespace: NamespaceId,
         keys: &[BlockKey],
         destinations: &[Vec<ElementRef>],
+        lead: u16,
     ) {
         let Some(peer) = self.peer.as_ref() else {
             return;
@@ -117,6 +118,7 @@ impl Core {
                     namespace,
                     keys: keys.to_vec(),
                     destinations: destinations.to_vec(),
+                    lead,
                     pinned: Vec::new(),
                     refused: false,
                 },
@@ -130,8 +132,7 @@ impl Core {
             op,
             deadline,
             namespace,
-            keys,
-            destinations,
+            (keys, destinations, lead),
             generation,
             &Grants {
                 regions: &regions,
@@ -261,8 +262,7 @@ impl Core {
                 p.op,
                 p.deadline,
                 p.namespace,
-                &p.keys,
-                &p.destinations,
+                (&p.keys, &p.destinations, p.lead),
                 generation,
                 &Grants {
                     regions: &regions,
@@ -295,13 +295,15 @@ impl Core {
         op: OpHandle,
         deadline: u64,
         namespace: NamespaceId,
-        keys: &[BlockKey],
-        destinations: &[Vec<ElementRef>],
+        (keys, destinations, lead): (&[BlockKey], &[Vec<ElementRef>], u16),
         generation: u64,
         grants: &Grants<'_>,
     ) {
         let regions = grants.regions;
         let device = grants.is_device_write(destinations);
+        // Only a one-hop write reports its lead: through KVCR DRAM the
+        // bytes are checked and moved on by the target itself.
+        let lead = if device { lead } else { 0 };
         let mut seen = HashSet::new();
         let mut puts = Vec::new();
         let mut records = Vec::new();
@@ -384,6 +386,9 @@ impl Core {
         for record in &records {
             self.claim_internal(*record);
         }
+        // The lead report speaks for every key of the request: a write
+        // that leaves some out (not held, a bad grant) says nothing early.
+        let lead = if indices.len() == keys.len() { lead } else { 0 };
         let Some(peer) = self.peer.as_mut() else {
             return;
         };
@@ -402,6 +407,7 @@ impl Core {
                 deadline,
                 state: WriteState::Writing,
                 device,
+                lead,
             },
         );
         self.actions.push_back(Action::Put {
@@ -410,6 +416,7 @@ impl Core {
             generation,
             spans: puts,
             device,
+            lead_elements: lead,
         });
     }
 }

@@ -264,6 +264,7 @@ impl Core {
             namespace,
             keys: op_keys.iter().map(|k| k.key).collect(),
             destinations,
+            lead_elements: 0,
         };
         let (state, start) = match source_incarnation {
             Some(_) => {
@@ -286,6 +287,8 @@ impl Core {
                     keys: op_keys,
                     fills,
                     one_hop: Vec::new(),
+                    lead: 0,
+                    lead_landed: false,
                     uncertain: false,
                     start,
                 },
@@ -336,6 +339,7 @@ impl Core {
                     namespace,
                     keys,
                     destinations,
+                    lead_elements,
                     ..
                 }) = op.start.take()
                 {
@@ -348,6 +352,7 @@ impl Core {
                             namespace,
                             keys,
                             destinations,
+                            lead_elements,
                         },
                     ));
                 }
