@@ -427,6 +427,18 @@ impl Core {
     }
 
     pub(crate) fn run(&self, keys: &[&[CopySpan]], digest: bool) -> Result<Vec<Option<u64>>> {
+        self.run_led(keys, digest, None)
+    }
+
+    /// As [`Self::run`]; with `lead`, its first `.0` span indices are the
+    /// job's first group, and `.1` is called once they have landed (and
+    /// only then), before the rest has.
+    pub(crate) fn run_led(
+        &self,
+        keys: &[&[CopySpan]],
+        digest: bool,
+        lead: Option<(usize, &mut dyn FnMut())>,
+    ) -> Result<Vec<Option<u64>>> {
         self.device.bind()?;
         // Profiling only: how long the CPU spends building descriptors.
         #[allow(clippy::disallowed_methods)]
@@ -436,7 +448,10 @@ impl Core {
         let widest = keys.iter().map(|k| k.len()).max().unwrap_or(0);
         let total: usize = keys.iter().map(|k| k.len()).sum();
         let mode = self.mode();
-        let first_group = self.first_group.min(widest);
+        let (first_group, mut lead_landed) = match lead {
+            Some((spans, landed)) if spans > 0 => (spans.min(widest), Some(landed)),
+            _ => (self.first_group.min(widest), None),
+        };
         let mut profile = CopyProfile::default();
         let mut host_ns = 0u128;
         let Engine {
@@ -574,6 +589,16 @@ impl Core {
             end.record(stream)
         };
         let issued = digests.and_then(|digests| issue().map(|()| digests));
+        // The first group's event, asleep like the end's: its copies have
+        // landed when it fires (the stream runs in order), whatever the
+        // rest is doing. Said only when everything was issued and it fired.
+        if let Some(landed) = lead_landed.as_mut()
+            && issued.is_ok()
+            && first_group > 0
+            && first.synchronize().is_ok()
+        {
+            landed();
+        }
         // Returning means no copy of this job touches memory any more (the
         // runner frees or reuses slots right after), so the stream is
         // synchronised even when issuing failed halfway. A large job waits
@@ -676,6 +701,16 @@ impl DeviceCopier for CudaCopier {
 
     fn copy_to_imports(&self, keys: &[&[CopySpan]]) -> kvcr_foundation::runner::Result<()> {
         self.copy_to_imports(keys)
+            .map_err(kvcr_foundation::runner::Error::from)
+    }
+
+    fn copy_to_imports_led(
+        &self,
+        keys: &[&[CopySpan]],
+        lead: usize,
+        landed: &mut dyn FnMut(),
+    ) -> kvcr_foundation::runner::Result<()> {
+        self.copy_to_imports_led(keys, lead, landed)
             .map_err(kvcr_foundation::runner::Error::from)
     }
 

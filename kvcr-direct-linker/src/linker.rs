@@ -166,7 +166,16 @@ fn start_runner(
     runner_config.operation_timeout = config.operation_timeout;
     runner_config.prefault = config.prefault;
     let runner = match &config.peer {
-        Some(peer) => Runner::start_with_peers(runner_config, None, peer)?,
+        Some(peer) => {
+            // The one-hop route reports a page's first layer (layer 0's K
+            // and V regions, registered first) ahead of the rest, unless
+            // the engine chose its own count.
+            let mut peer = peer.clone();
+            if peer.lead_elements == 0 {
+                peer.lead_elements = 2;
+            }
+            Runner::start_with_peers(runner_config, None, &peer)?
+        }
         None => Runner::start(runner_config, None)?,
     };
     if let KvMemory::Cuda(copier) = memory {
@@ -341,6 +350,7 @@ impl DirectLinker {
                 break;
             }
             let results = self.runner.wait_completed(Duration::from_millis(10));
+            self.first_layers(&mut events);
             self.absorb(results, &mut events);
             self.emit(&mut events);
         }
@@ -402,6 +412,25 @@ impl DirectLinker {
             .collect();
         if !handles.is_empty() {
             let _ = self.runner.release(&handles);
+        }
+    }
+
+    /// Restores whose first layer is in place (before their results, which
+    /// the runner drains after these).
+    fn first_layers(&mut self, events: &mut Vec<LinkerEvent>) {
+        for (op, landed) in self.runner.poll_leads_landed() {
+            if let Some(Pending::Restore {
+                ticket,
+                attempt,
+                pages,
+            }) = self.pending.get(&op)
+            {
+                events.push(LinkerEvent::FirstLayerLanded {
+                    attempt: attempt.clone(),
+                    ticket: *ticket,
+                    pages: landed.min(*pages),
+                });
+            }
         }
     }
 
@@ -694,6 +723,7 @@ impl Linker for DirectLinker {
             self.land_fetch(fetch, None);
         }
         let results = self.runner.poll_completed();
+        self.first_layers(&mut events);
         self.absorb(results, &mut events);
         self.emit(&mut events);
         events

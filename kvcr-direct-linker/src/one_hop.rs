@@ -188,6 +188,19 @@ impl CudaCopier {
     /// anything is issued (outside: an error, nothing written). The caller
     /// keeps the imports open until this returns.
     pub fn copy_to_imports(&self, keys: &[&[CopySpan]]) -> Result<()> {
+        self.copy_to_imports_led(keys, 0, &mut || {})
+    }
+
+    /// As [`Self::copy_to_imports`], calling `landed` once span indices
+    /// `0..lead` of every key have landed, while the rest still copies (the
+    /// first layer of a layer-first page); never for `lead` 0, nor when a
+    /// copy could not be issued or the driver reported an error.
+    pub fn copy_to_imports_led(
+        &self,
+        keys: &[&[CopySpan]],
+        lead: usize,
+        landed: &mut dyn FnMut(),
+    ) -> Result<()> {
         {
             let pinned = self.core.pinned();
             let open = self.core.open_imports();
@@ -208,7 +221,9 @@ impl CudaCopier {
         // The copier translates each source to its mapped address (and
         // refuses one a detach removed meanwhile); the destinations lie in
         // extents open now, checked above, which the caller keeps open.
-        self.core.run(keys, false).map(drop)
+        self.core
+            .run_led(keys, false, Some((lead, landed)))
+            .map(drop)
     }
 
     /// Each key's page digest (xxh3-64 of its spans in order, as

@@ -97,6 +97,21 @@ pub enum LinkerEvent {
         /// Pages asked for.
         pages: u32,
     },
+    /// A pipelined restore's first layer is on the device for its first
+    /// `pages` pages (a same-host peer's one-hop copies said so), before
+    /// the rest has landed: the engine may start layer 0 of those pages.
+    /// Not yet checked: the restore's [`LinkerEvent::RestoreDone`] (which
+    /// always follows) alone says which pages landed byte exact, and work
+    /// on a page past its `restored` must be thrown away. At most once per
+    /// restore, and only where the route reports it.
+    FirstLayerLanded {
+        /// The attempt that queued the restore.
+        attempt: AttemptId,
+        /// Which restore.
+        ticket: LoadTicket,
+        /// Leading pages whose first layer is in place.
+        pages: u32,
+    },
     /// The store evicted pages (feed these to the inventory ledger).
     Evicted {
         /// The store's incarnation.

@@ -38,6 +38,19 @@ class RestoreDone:
 
 
 @dataclass(frozen=True)
+class FirstLayerLanded:
+    """A ``restore_hinted``'s first layer is on the device for its first
+    ``pages`` pages (a same-host peer copied them in one hop), ahead of the
+    rest: layer 0 of those pages may start. Not yet checked: the restore's
+    ``RestoreDone`` (which always follows) says which pages landed byte
+    exact; work on a page past its ``restored`` must be thrown away."""
+
+    attempt: _native.Attempt
+    ticket: int
+    pages: int
+
+
+@dataclass(frozen=True)
 class Evicted:
     """KVCR DRAM evicted pages: ``(namespace, key)`` pairs."""
 
@@ -65,6 +78,7 @@ _EVENTS = {
     "offload_done": OffloadDone,
     "load_done": LoadDone,
     "restore_done": RestoreDone,
+    "first_layer_landed": FirstLayerLanded,
     "evicted": Evicted,
 }
 

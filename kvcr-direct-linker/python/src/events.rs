@@ -80,6 +80,16 @@ pub(crate) fn event<'py>(py: Python<'py>, event: &LinkerEvent) -> PyResult<Bound
             d.set_item("restored", *restored)?;
             d.set_item("pages", *pages)?;
         }
+        LinkerEvent::FirstLayerLanded {
+            attempt,
+            ticket,
+            pages,
+        } => {
+            d.set_item("kind", "first_layer_landed")?;
+            d.set_item("attempt", Attempt::from(attempt))?;
+            d.set_item("ticket", ticket.0)?;
+            d.set_item("pages", *pages)?;
+        }
         LinkerEvent::Evicted {
             incarnation,
             tier,

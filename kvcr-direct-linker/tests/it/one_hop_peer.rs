@@ -3,7 +3,8 @@
 //! DRAM straight into this rank's granted GPU slots through the CUDA IPC
 //! import, never through this rank's KVCR DRAM, every landed page hashed on
 //! the GPU against the source's digest; a source that does not open our
-//! device memory (two hops, counted, the restore unchanged); a source killed
+//! device memory (two hops, counted, the restore unchanged); the first
+//! layer reported before the restore lands; a source killed
 //! with a one-hop write outstanding (the slots stay granted: the restore is
 //! never reported, nothing lands).
 
@@ -158,6 +159,57 @@ fn a_same_host_peer_restores_straight_into_this_gpu() {
     }
     assert_eq!(dest.linker.accounting().transfers_in_flight, 0);
     assert_eq!(dest.linker.accounting().claims_held, 0);
+}
+
+/// A one-hop restore reports its first layer (layer 0's K and V of every
+/// page, which the source copies first) before the restore lands, once,
+/// over every page: `FirstLayerLanded` comes ahead of `RestoreDone` in the
+/// events, and the pages are byte-exact when the restore lands.
+#[test]
+fn a_one_hop_restore_reports_its_first_layer_before_it_lands() {
+    if !gpu_required() {
+        return;
+    }
+    let source = Source::spawn("cuda");
+    let mut dest = destination(PeerOptions::loopback(), Duration::from_secs(30));
+    let mut ledger = AttemptLedger::new();
+    warm_route(&mut dest, &mut ledger, &source);
+    let present = keys(PEER_PAGES);
+    let refused = dest.linker.runner().peers().stats().counters.refused;
+    let ticket = restore(&mut dest, &mut ledger, &source, "first-layer", &present);
+    let events = dest.linker.settle(Duration::from_secs(60));
+    let first: Vec<(usize, u32)> = events
+        .iter()
+        .enumerate()
+        .filter_map(|(i, e)| match e {
+            LinkerEvent::FirstLayerLanded {
+                ticket: t, pages, ..
+            } if *t == ticket => Some((i, *pages)),
+            _ => None,
+        })
+        .collect();
+    let done = events.iter().position(|e| {
+        matches!(e, LinkerEvent::RestoreDone { ticket: t, restored, .. }
+            if *t == ticket && u64::from(*restored) == PEER_PAGES)
+    });
+    let Some(done) = done else {
+        panic!("the restore did not land whole: {events:?}");
+    };
+    assert_eq!(first.len(), 1, "one first-layer report: {events:?}");
+    let (at, pages) = first[0];
+    assert_eq!(u64::from(pages), PEER_PAGES, "over every page");
+    assert!(at < done, "the first layer before the restore: {events:?}");
+    let counters = dest.linker.runner().peers().stats().counters;
+    assert_eq!(counters.one_hop_pages, PEER_PAGES, "in one hop");
+    assert_eq!(counters.refused, refused, "no report came late or wrong");
+    let page = dest.layout.page_bytes() as usize;
+    for (i, key) in present.iter().enumerate() {
+        assert_eq!(
+            dest.read_page(DeviceSlot(i as u32)),
+            page_bytes(key.as_u64(), PEER_SEED, page),
+            "slot {i}"
+        );
+    }
 }
 
 /// A source that does not open our device memory (its one-hop route off,

@@ -94,6 +94,9 @@ impl Scenario {
                 } => {
                     self.note(format!("restore landed: {restored}/{pages} pages"));
                 }
+                LinkerEvent::FirstLayerLanded { pages, .. } => {
+                    self.note(format!("restore's first layer landed: {pages} pages"));
+                }
             }
         }
     }
