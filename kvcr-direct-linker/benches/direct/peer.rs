@@ -192,12 +192,38 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
         );
         let slots: Vec<DeviceSlot> = (0..pages).map(DeviceSlot).collect();
         let ticket = linker.restore_hinted(&context, &slots).unwrap();
-        let events = linker.settle(SETTLE);
-        assert!(
-            events.iter().any(|e| matches!(
-                e,
-                LinkerEvent::RestoreDone { ticket: t, restored, .. } if *t == ticket && *restored == pages
-            )),
+        // Polled, not settled: the first layer's event is timed as the
+        // engine would see it (0: none came, as on the two-hop route).
+        let mut first_layer = 0.0;
+        let mut events = Vec::new();
+        let landed = loop {
+            let fresh = linker.poll();
+            for e in &fresh {
+                if matches!(e, LinkerEvent::FirstLayerLanded { ticket: t, .. } if *t == ticket)
+                    && first_layer == 0.0
+                {
+                    first_layer = t.elapsed().as_secs_f64();
+                }
+            }
+            events.extend(fresh);
+            if let Some(restored) = events.iter().find_map(|e| match e {
+                LinkerEvent::RestoreDone {
+                    ticket: t,
+                    restored,
+                    ..
+                } if *t == ticket => Some(*restored),
+                _ => None,
+            }) {
+                break restored;
+            }
+            assert!(
+                t.elapsed() < SETTLE,
+                "rank {rank}: pipelined restore unfinished: {events:?}"
+            );
+            std::thread::yield_now();
+        };
+        assert_eq!(
+            landed, pages,
             "rank {rank}: pipelined restore incomplete: {events:?}"
         );
         let total = t.elapsed().as_secs_f64();
@@ -210,7 +236,7 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
             counters.one_hop_pages,
             counters.one_hop_fallbacks
         );
-        println!("RESULT 0 {total} {}", counters.one_hop_pages);
+        println!("RESULT 0 {total} {} {first_layer}", counters.one_hop_pages);
         drop(linker);
         drop(buffers);
         return;
@@ -240,7 +266,7 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
     let total = t.elapsed().as_secs_f64();
     linker.request_finished(&attempt).unwrap();
     check_shard(rank, pages, span, &buffers);
-    println!("RESULT {fetched} {total} 0");
+    println!("RESULT {fetched} {total} 0 0");
     drop(linker);
     drop(buffers);
 }
@@ -363,7 +389,7 @@ pub(crate) fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32, tp: u32)
         })
         .collect();
     let endpoints: Vec<String> = sources.iter_mut().map(|s| s.expect("ENDPOINT")).collect();
-    let mut round = |mode: &str| -> (Vec<(f64, f64)>, f64, Vec<u64>, f64) {
+    let mut round = |mode: &str| -> (Vec<(f64, f64)>, f64, Vec<(u64, f64)>, f64) {
         let mut dests: Vec<Child> = endpoints
             .iter()
             .enumerate()
@@ -402,7 +428,7 @@ pub(crate) fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32, tp: u32)
                 let result = d.expect("RESULT");
                 let mut it = result.split_whitespace().map(|v| v.parse::<f64>().unwrap());
                 let timing = (it.next().unwrap(), it.next().unwrap());
-                one_hop.push(it.next().unwrap() as u64);
+                one_hop.push((it.next().unwrap() as u64, it.next().unwrap()));
                 timing
             })
             .collect();
@@ -414,11 +440,12 @@ pub(crate) fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32, tp: u32)
         (timings, wall, one_hop, cpu)
     };
     let (hops, ..) = round("seq");
-    let (pipelined, aggregate, one_hop_pages, source_cpu) = round("pipe");
+    let (pipelined, aggregate, one_hop_ranks, source_cpu) = round("pipe");
     let (forced, forced_aggregate, forced_one_hop, _) = round("pipe2");
+    let one_hop_pages: Vec<u64> = one_hop_ranks.iter().map(|r| r.0).collect();
     let one_hop = one_hop_pages.iter().all(|p| *p == u64::from(pages));
     assert!(
-        forced_one_hop.iter().all(|p| *p == 0),
+        forced_one_hop.iter().all(|p| p.0 == 0),
         "{name}: the forced round took the one-hop route"
     );
     println!(
@@ -483,6 +510,19 @@ pub(crate) fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32, tp: u32)
         source_cpu / total_gb
     );
     if tp == 1 {
+        // The first layer as the engine sees it (`FirstLayerLanded`, from
+        // the `restore_hinted` call), against one layer's bytes (K and V
+        // of every page) at this run's H2D rate.
+        let first_ms = one_hop_ranks[0].1 * 1e3;
+        let layer_ms = shard_bytes / 64.0 / h2d / 1e6;
+        if first_ms > 0.0 {
+            println!(
+                "BENCH direct.peer_first_layer_ms value={first_ms:.2} unit=ms anchor={layer_ms:.2} ratio={:.3}",
+                first_ms / layer_ms
+            );
+        } else {
+            println!("# {name}: no first-layer report (the restore did not go in one hop)");
+        }
         // The seed's headline workload (the seed: 1.24-1.27 s on B200s), in
         // one hop (pipelined `restore_hinted`) and in two (forced), each
         // against pinned H2D of the same bytes measured in this run.
