@@ -361,6 +361,19 @@ impl Drop for Child {
     }
 }
 
+/// What one round of [`tp2_peer_restore`] measured.
+struct Round {
+    /// Per rank, (seconds until fetched into KVCR DRAM, seconds in all).
+    timings: Vec<(f64, f64)>,
+    /// Seconds until every rank had its shard.
+    wall: f64,
+    /// Per rank, (pages that came in one hop, seconds to the first layer's
+    /// report; 0 without one).
+    one_hop: Vec<(u64, f64)>,
+    /// CPU seconds the source processes spent in the round.
+    source_cpu: f64,
+}
+
 /// Issue 11's run: engine A and engine B at TP=2 (or the seed's at TP=1,
 /// `--seed`), each rank its own process on GPU `rank` (all on GPU 0 when
 /// only one is lent). A's ranks offload;
@@ -389,7 +402,7 @@ pub(crate) fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32, tp: u32)
         })
         .collect();
     let endpoints: Vec<String> = sources.iter_mut().map(|s| s.expect("ENDPOINT")).collect();
-    let mut round = |mode: &str| -> (Vec<(f64, f64)>, f64, Vec<(u64, f64)>, f64) {
+    let mut round = |mode: &str| -> Round {
         let mut dests: Vec<Child> = endpoints
             .iter()
             .enumerate()
@@ -437,11 +450,26 @@ pub(crate) fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32, tp: u32)
         println!(
             "# {name}: round {mode} done: {wall:.3} s for every rank, per rank (fetched s, total s) {timings:?}, sources' CPU {cpu:.3} s"
         );
-        (timings, wall, one_hop, cpu)
+        Round {
+            timings,
+            wall,
+            one_hop,
+            source_cpu: cpu,
+        }
     };
-    let (hops, ..) = round("seq");
-    let (pipelined, aggregate, one_hop_ranks, source_cpu) = round("pipe");
-    let (forced, forced_aggregate, forced_one_hop, _) = round("pipe2");
+    let hops = round("seq").timings;
+    let Round {
+        timings: pipelined,
+        wall: aggregate,
+        one_hop: one_hop_ranks,
+        source_cpu,
+    } = round("pipe");
+    let Round {
+        timings: forced,
+        wall: forced_aggregate,
+        one_hop: forced_one_hop,
+        ..
+    } = round("pipe2");
     let one_hop_pages: Vec<u64> = one_hop_ranks.iter().map(|r| r.0).collect();
     let one_hop = one_hop_pages.iter().all(|p| *p == u64::from(pages));
     assert!(

@@ -16,7 +16,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use kvcr_foundation::runner::{CopySpan, DeviceCopier, DeviceImport, PoolRange};
+use kvcr_foundation::runner::CopySpan;
 
 use crate::cuda::{
     CopyKernel, DIGEST_BLOCK_BYTES, Device, DigestKernel, Event, PinnedBuffer, PinnedRegistration,
@@ -24,6 +24,8 @@ use crate::cuda::{
 };
 use crate::error::{Error, Result};
 use crate::rows;
+
+mod seam;
 
 /// How the copier moves a job's spans.
 ///
@@ -93,9 +95,10 @@ struct Engine {
 /// for the GPU asleep; a wake-up costs tens of microseconds, a small share.
 const SLEEPING_WAIT_BYTES: u64 = 8 << 20;
 
-/// A [`DeviceCopier`] for one GPU. Its state is shared with the peer
-/// extents it imports ([`crate::one_hop::CudaImport`]), which copy on its
-/// streams and keep it alive until they are dropped.
+/// The runner's device copier ([`kvcr_foundation::runner::DeviceCopier`],
+/// in `seam`) for one GPU. Its state is shared with the peer extents it
+/// imports ([`crate::one_hop::CudaImport`]), which copy on its streams and
+/// keep it alive until they are dropped.
 #[derive(Debug)]
 pub struct CudaCopier {
     pub(crate) core: Arc<Core>,
@@ -123,8 +126,8 @@ pub(crate) struct Core {
     max_pitch: u64,
     first_group: usize,
     /// The device extents of the imports open now (`[start, end)` in this
-    /// process's address space, one entry per import): what
-    /// [`DeviceCopier::copy_to_imports`] may write.
+    /// process's address space, one entry per import): what a copy to
+    /// imports (`DeviceCopier::copy_to_imports`) may write.
     open_imports: Mutex<Vec<(u64, u64)>>,
 }
 
@@ -638,88 +641,5 @@ impl Core {
             }
         }
         Ok(found)
-    }
-}
-
-impl DeviceCopier for CudaCopier {
-    fn attach(&self, pools: &[PoolRange]) -> kvcr_foundation::runner::Result<()> {
-        let mut pinned = lock(&self.core.pinned);
-        let mut fresh = Vec::with_capacity(pools.len());
-        for pool in pools {
-            let device = &self.core.device;
-            // SAFETY: the runner keeps its pools allocated until it calls
-            // `detach`, which drops these registrations first.
-            fresh.push(unsafe { PinnedRegistration::register(device, pool.base, pool.len) }?);
-        }
-        pinned.extend(fresh);
-        Ok(())
-    }
-
-    fn copy(&self, keys: &[&[CopySpan]]) -> kvcr_foundation::runner::Result<()> {
-        // The stream is synchronised or the context is lost either way; the
-        // runner fails the keys.
-        self.core
-            .run(keys, false)
-            .map(drop)
-            .map_err(kvcr_foundation::runner::Error::from)
-    }
-
-    fn copy_digested(
-        &self,
-        keys: &[&[CopySpan]],
-    ) -> kvcr_foundation::runner::Result<Vec<Option<u64>>> {
-        self.core
-            .run(keys, true)
-            .map_err(kvcr_foundation::runner::Error::from)
-    }
-
-    fn digests_on_device(&self) -> bool {
-        self.core.digest_kernel.is_some()
-    }
-
-    fn detach(&self, pools: &[PoolRange]) {
-        lock(&self.core.pinned).retain(|p| !pools.iter().any(|pool| p.covers(pool.base)));
-    }
-
-    fn export_device(
-        &self,
-        base: u64,
-        len: u64,
-    ) -> kvcr_foundation::runner::Result<Option<Vec<u8>>> {
-        self.export(base, len)
-            .map_err(kvcr_foundation::runner::Error::from)
-    }
-
-    fn import_device(
-        &self,
-        export: &[u8],
-        len: u64,
-    ) -> kvcr_foundation::runner::Result<Box<dyn DeviceImport>> {
-        let import = self.import(export, len)?;
-        Ok(Box::new(import))
-    }
-
-    fn copy_to_imports(&self, keys: &[&[CopySpan]]) -> kvcr_foundation::runner::Result<()> {
-        self.copy_to_imports(keys)
-            .map_err(kvcr_foundation::runner::Error::from)
-    }
-
-    fn copy_to_imports_led(
-        &self,
-        keys: &[&[CopySpan]],
-        lead: usize,
-        landed: &mut dyn FnMut(),
-    ) -> kvcr_foundation::runner::Result<()> {
-        self.copy_to_imports_led(keys, lead, landed)
-            .map_err(kvcr_foundation::runner::Error::from)
-    }
-
-    fn digest_device(
-        &self,
-        keys: &[&[CopySpan]],
-    ) -> kvcr_foundation::runner::Result<Option<Vec<u64>>> {
-        self.core
-            .digest_device(keys)
-            .map_err(kvcr_foundation::runner::Error::from)
     }
 }
