@@ -399,8 +399,8 @@ impl Runner {
     }
 
     /// Device delivers whose first layer is in place, each with how many
-    /// leading pages that covers, in the order they became so; taken once.
-    /// Only where [`crate::PeerOptions::lead_elements`] is set and a
+    /// leading pages that covers, in the order they became so; taken once
+    /// (the newest 4096 untaken are kept). Only where [`crate::PeerOptions::lead_elements`] is set and a
     /// one-hop write's source said its lead landed: an engine may start
     /// those pages' first layer, but the deliver's result alone says which
     /// pages landed and passed the check (a page here may still fail, and

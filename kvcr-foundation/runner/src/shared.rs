@@ -24,6 +24,10 @@ use crate::{contention, copy, warm};
 /// trip on the hosts measured.
 const PEER_SPIN: Duration = Duration::from_micros(300);
 
+/// Most first-layer reports kept for [`crate::Runner::poll_leads_landed`]
+/// (one per device deliver at most; older ones go first).
+const MAX_UNTAKEN_LEADS: usize = 4096;
+
 pub(crate) type CapacityCallback = Box<dyn FnMut(&[(PoolId, u32)]) + Send>;
 
 /// What the caller's threads and the runner's own threads share: the core and
@@ -326,6 +330,10 @@ impl Shared {
             callback(&signals);
         }
         leads_landed.extend(core.drain_leads_landed());
+        // Progress nobody took: the newest are kept, so a caller that
+        // never polls for them does not grow this without bound.
+        let excess = leads_landed.len().saturating_sub(MAX_UNTAKEN_LEADS);
+        leads_landed.drain(..excess);
         let before = completed.len();
         core.drain_completed(completed);
         if !discarded.is_empty() {
