@@ -254,6 +254,10 @@ struct State {
     one_hop: one_hop::OneHopWriter,
     lane_done_tx: mpsc::UnboundedSender<(u64, bool)>,
     lane_done: mpsc::UnboundedReceiver<(u64, bool)>,
+    /// One-hop writes whose lead landed, from the writer's thread (which
+    /// holds the copier's locks then, so it never takes the core's).
+    leads_landed_tx: mpsc::UnboundedSender<u64>,
+    leads_landed: mpsc::UnboundedReceiver<u64>,
     /// This process's host and pid namespace (`None`: never maps peers).
     scope: Option<HostScope>,
     /// The name tokens of our own pools (never mapped as a peer's).

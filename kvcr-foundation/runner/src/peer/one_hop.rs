@@ -66,25 +66,25 @@ pub(super) struct OneHopWriter {
 }
 
 impl OneHopWriter {
-    /// Queues a write's copies; `done` hears `(write, ok)` once no copy of
-    /// it can touch memory any more, and the core hears of a lead that
-    /// landed before that (through `shared`, held weakly: the runner may be
-    /// going). `false` if the thread cannot be started (the write then
-    /// fails at once).
+    /// Queues a write's copies; `leads` hears a write whose lead landed
+    /// (while the rest copies), `done` hears `(write, ok)` once no copy of
+    /// it can touch memory any more, in that order. `false` if the thread
+    /// cannot be started (the write then fails at once).
     fn submit(
         &mut self,
         job: Job,
         done: &UnboundedSender<(u64, bool)>,
-        shared: &Arc<Shared>,
+        leads: &UnboundedSender<u64>,
     ) -> bool {
         if self.worker.is_none() {
             let (tx, rx) = mpsc::channel::<Job>();
             let done = done.clone();
-            let shared = Arc::downgrade(shared);
+            let leads = leads.clone();
+            // Said from inside the copier's call, which holds its locks:
+            // a message, never the core's lock (the runner's drop holds
+            // that lock while it detaches the copier).
             let lead_landed = move |write: u64| {
-                if let Some(shared) = shared.upgrade() {
-                    shared.with_core_now(|core, _| core.handle_put_lead_landed(write));
-                }
+                let _ = leads.send(write);
             };
             let spawned = std::thread::Builder::new()
                 .name("kvcr-one-hop".into())
@@ -288,7 +288,8 @@ impl State {
                     copier,
                     lead,
                 };
-                self.one_hop.submit(job, &self.lane_done_tx, shared)
+                self.one_hop
+                    .submit(job, &self.lane_done_tx, &self.leads_landed_tx)
             }
             _ => false,
         };

@@ -121,6 +121,7 @@ impl State {
         .map_err(|_| Error::runner(RunnerReason::CopyEngineStopped))?
         .counting_in(Arc::clone(&control.stats.source_checks));
         let (lane_done_tx, lane_done) = mpsc::unbounded_channel();
+        let (leads_landed_tx, leads_landed) = mpsc::unbounded_channel();
         let (streams_dialed_tx, streams_dialed) = mpsc::unbounded_channel();
         Ok((
             Self {
@@ -159,6 +160,8 @@ impl State {
                 one_hop: super::one_hop::OneHopWriter::default(),
                 lane_done_tx,
                 lane_done,
+                leads_landed_tx,
+                leads_landed,
                 scope,
                 own_tokens,
                 doorbell,

@@ -382,6 +382,15 @@ impl State {
                 },
                 None => Woken::Stop(false),
             },
+            // Before the writes' ends: a write's lead report goes out
+            // ahead of its `write_done`.
+            lead = self.leads_landed.recv() => match lead {
+                Some(write) => {
+                    shared.with_core_now(|core, _| core.handle_put_lead_landed(write));
+                    Woken::Activity
+                }
+                None => Woken::Event,
+            },
             // Before the control messages: a flood of them must not
             // starve a finished write (the select is biased).
             done = self.lane_done.recv() => match done {
@@ -458,6 +467,10 @@ impl State {
                     Err(mpsc::error::TryRecvError::Empty) => break,
                     Err(mpsc::error::TryRecvError::Disconnected) => return Err(false),
                 }
+            }
+            while let Ok(write) = self.leads_landed.try_recv() {
+                more = true;
+                shared.with_core_now(|core, _| core.handle_put_lead_landed(write));
             }
             while let Ok(done) = self.lane_done.try_recv() {
                 more = true;
