@@ -97,17 +97,18 @@ pub enum LinkerEvent {
         /// Pages asked for.
         pages: u32,
     },
-    /// A pipelined restore's first layer is on the device for its first
-    /// `pages` pages (a same-host peer's one-hop copies said so), before
-    /// the rest has landed: the engine may start layer 0 of those pages.
-    /// Not yet checked: the restore's [`LinkerEvent::RestoreDone`] (which
-    /// always follows) alone says which pages landed byte exact, and work
-    /// on a page past its `restored` must be thrown away. At most once per
-    /// restore, and only where the route reports it.
+    /// A restore's or load's first layer is on the device for its first
+    /// `pages` pages (copied first from KVCR DRAM, or by a same-host peer's
+    /// one-hop copies), before the rest has landed: the engine may start
+    /// layer 0 of those pages. Its [`LinkerEvent::RestoreDone`] or
+    /// [`LinkerEvent::LoadDone`] (which always follows) alone says which
+    /// pages landed byte exact, and work on a page it does not count must
+    /// be thrown away. At most once per restore or load, and only where
+    /// the copy reports it (a device pool).
     FirstLayerLanded {
         /// The attempt that queued the restore.
         attempt: AttemptId,
-        /// Which restore.
+        /// Which restore or load.
         ticket: LoadTicket,
         /// Leading pages whose first layer is in place.
         pages: u32,

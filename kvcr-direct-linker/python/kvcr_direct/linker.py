@@ -39,11 +39,11 @@ class RestoreDone:
 
 @dataclass(frozen=True)
 class FirstLayerLanded:
-    """A ``restore_hinted``'s first layer is on the device for its first
-    ``pages`` pages (a same-host peer copied them in one hop), ahead of the
-    rest: layer 0 of those pages may start. Not yet checked: the restore's
-    ``RestoreDone`` (which always follows) says which pages landed byte
-    exact; work on a page past its ``restored`` must be thrown away."""
+    """A restore's or load's first layer is on the GPU for its first
+    ``pages`` pages (copied first from KVCR DRAM, or by a same-host peer in
+    one hop), ahead of the rest: layer 0 of those pages may start. Its
+    ``RestoreDone`` or ``LoadDone`` (which always follows) says which pages
+    landed byte exact; work on a page it does not count is thrown away."""
 
     attempt: _native.Attempt
     ticket: int

@@ -30,6 +30,18 @@ impl DeviceCopier for CudaCopier {
             .map_err(kvcr_foundation::runner::Error::from)
     }
 
+    fn copy_led(
+        &self,
+        keys: &[&[CopySpan]],
+        lead: usize,
+        landed: &mut dyn FnMut(),
+    ) -> kvcr_foundation::runner::Result<()> {
+        self.core
+            .run_led(keys, false, Some((lead, landed)))
+            .map(drop)
+            .map_err(kvcr_foundation::runner::Error::from)
+    }
+
     fn copy_digested(
         &self,
         keys: &[&[CopySpan]],

@@ -168,18 +168,13 @@ fn start_runner(
     runner_config.operation_timeout = config.operation_timeout;
     runner_config.prefault = config.prefault;
     let runner = match &config.peer {
-        Some(peer) => {
-            // The one-hop route reports a page's first layer (layer 0's K
-            // and V regions, registered first) ahead of the rest, unless
-            // the engine chose its own count.
-            let mut peer = peer.clone();
-            if peer.lead_elements == 0 {
-                peer.lead_elements = 2;
-            }
-            Runner::start_with_peers(runner_config, None, &peer)?
-        }
+        Some(peer) => Runner::start_with_peers(runner_config, None, peer)?,
         None => Runner::start(runner_config, None)?,
     };
+    // Restores report a page's first layer (layer 0's K and V regions,
+    // registered first) ahead of the rest: copied first from KVCR DRAM, and
+    // asked of a one-hop write's source.
+    runner.set_lead_elements(2);
     if let KvMemory::Cuda(copier) = memory {
         runner.pools().set_device_copier(Arc::clone(copier) as _)?;
     }
@@ -421,17 +416,24 @@ impl DirectLinker {
     /// the runner drains after these).
     fn first_layers(&mut self, events: &mut Vec<LinkerEvent>) {
         for (op, landed) in self.runner.poll_leads_landed() {
-            if let Some(Pending::Restore {
-                ticket,
-                attempt,
-                pages,
-            }) = self.pending.get(&op)
-            {
-                events.push(LinkerEvent::FirstLayerLanded {
+            match self.pending.get(&op) {
+                Some(Pending::Restore {
+                    ticket,
+                    attempt,
+                    pages,
+                }) => events.push(LinkerEvent::FirstLayerLanded {
                     attempt: attempt.clone(),
                     ticket: *ticket,
                     pages: landed.min(*pages),
-                });
+                }),
+                Some(Pending::Load {
+                    ticket, attempt, ..
+                }) => events.push(LinkerEvent::FirstLayerLanded {
+                    attempt: attempt.clone(),
+                    ticket: *ticket,
+                    pages: landed,
+                }),
+                _ => {}
             }
         }
     }

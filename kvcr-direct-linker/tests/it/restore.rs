@@ -145,12 +145,38 @@ fn load(
     at: u32,
     count: u32,
 ) -> bool {
+    load_reporting(linker, attempt, at, count).0
+}
+
+/// As [`load`], also returning the pages its `FirstLayerLanded` covered
+/// (`None`: none came), checked to come once and before its `LoadDone`.
+fn load_reporting(
+    linker: &mut DirectLinker,
+    attempt: &kvcr_foundation::AttemptId,
+    at: u32,
+    count: u32,
+) -> (bool, Option<u32>) {
     let slots: Vec<DeviceSlot> = (at..at + count).map(DeviceSlot).collect();
     let ticket = linker.load(attempt, &slots).unwrap();
     let events = linker.settle(Duration::from_secs(60));
-    events.iter().any(
+    let done = events.iter().position(
         |e| matches!(e, LinkerEvent::LoadDone { ticket: t, success: true, .. } if *t == ticket),
-    )
+    );
+    let first: Vec<(usize, u32)> = events
+        .iter()
+        .enumerate()
+        .filter_map(|(i, e)| match e {
+            LinkerEvent::FirstLayerLanded {
+                ticket: t, pages, ..
+            } if *t == ticket => Some((i, *pages)),
+            _ => None,
+        })
+        .collect();
+    assert!(first.len() <= 1, "one first-layer report: {events:?}");
+    if let (Some(&(at, _)), Some(done)) = (first.first(), done) {
+        assert!(at < done, "the first layer before the load: {events:?}");
+    }
+    (done.is_some(), first.first().map(|f| f.1))
 }
 
 #[rstest]
@@ -186,9 +212,14 @@ fn offload_then_restore_is_byte_exact(#[case] layout: KvLayout, #[case] pages: u
         let (attempt, longest) = prepare(&mut f.linker, &mut ledger, "r", &keys, Vec::new());
         assert_eq!(longest, pages as u32, "{backend:?}: every page restorable");
         let at = layout.device_pages - pages as u32;
-        assert!(
-            load(&mut f.linker, &attempt, at, pages as u32),
-            "{backend:?}"
+        let (loaded, first_layer) = load_reporting(&mut f.linker, &attempt, at, pages as u32);
+        assert!(loaded, "{backend:?}");
+        // On a GPU the copy lands layer 0's K and V first and says so; a
+        // host pool's copy thread reports nothing early.
+        let expected = matches!(backend, Backend::Cuda(_)).then_some(pages as u32);
+        assert_eq!(
+            first_layer, expected,
+            "{backend:?}: the first layer's report"
         );
         for (i, key) in keys.iter().enumerate() {
             assert_eq!(

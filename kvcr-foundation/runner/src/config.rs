@@ -279,14 +279,6 @@ pub struct PeerOptions {
     /// copier exports ([`crate::DeviceCopier::export_device`]). Off, or
     /// where either side cannot: two hops through KVCR DRAM.
     pub one_hop: bool,
-    /// Leading elements of a page that make up its first layer (the direct
-    /// linker sets its layout's: K and V of layer 0). A one-hop write's
-    /// source then says when they have landed for every page, ahead of the
-    /// rest, and [`crate::Runner::poll_leads_landed`] reports each device
-    /// deliver whose pending pages all said so (unchecked: `write_done`
-    /// and the landing check still decide each page). 0 (the default):
-    /// never asked.
-    pub lead_elements: u16,
     // Member identity (see `crate::net::member`).
     /// This runner's static key pair: every session it opens or answers
     /// proves it, and its advertised endpoint names its public half
@@ -595,7 +587,6 @@ impl PeerOptions {
             landing_check: crate::LandingCheck::TrustCopyCheck,
             request_mailbox: true,
             one_hop: true,
-            lead_elements: 0,
             static_key: None,
             keyless_sources: KeylessSources::default(),
         }

@@ -398,16 +398,29 @@ impl Runner {
         std::mem::take(&mut inner.completed)
     }
 
+    /// Leading spans of a page that make up its first layer (a
+    /// layer-first layout's K and V of layer 0: 2). A deliver into device
+    /// regions then copies them first and reports them landed, as does a
+    /// one-hop write's source ([`Self::poll_leads_landed`]). 0 (the
+    /// default): never.
+    pub fn set_lead_elements(&self, elements: u16) {
+        self.shared.lock().core.set_lead_elements(elements);
+    }
+
     /// Device delivers whose first layer is in place, each with how many
     /// leading pages that covers, in the order they became so; taken once
-    /// (the newest 4096 untaken are kept). Only where [`crate::PeerOptions::lead_elements`] is set and a
-    /// one-hop write's source said its lead landed: an engine may start
-    /// those pages' first layer, but the deliver's result alone says which
-    /// pages landed and passed the check (a page here may still fail, and
-    /// its work must then be thrown away).
+    /// (the newest 4096 untaken are kept). Only with
+    /// [`Self::set_lead_elements`], where the device copier or a one-hop
+    /// write's source said a lead landed: an engine may start those pages'
+    /// first layer, but the deliver's result alone says which pages landed
+    /// and passed the check (a page here may still fail, and its work must
+    /// then be thrown away).
     pub fn poll_leads_landed(&self) -> Vec<(OpHandle, u32)> {
         let mut inner = self.shared.lock();
         self.shared.expire(&mut inner);
+        self.shared.take_copy_leads(&mut inner);
+        let fresh = inner.core.drain_leads_landed();
+        inner.leads_landed.extend(fresh);
         std::mem::take(&mut inner.leads_landed)
     }
 

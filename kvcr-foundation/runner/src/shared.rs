@@ -66,6 +66,11 @@ pub(crate) struct Shared {
     pub(crate) memory: Arc<MemoryRegistry>,
     /// Completed operations not yet taken (read without the lock to spin).
     pub(crate) completed_len: AtomicUsize,
+    /// Copy jobs whose lead landed, said from inside a device copier's call
+    /// (which holds the copier's locks: this lock is taken alone there,
+    /// and only inside the core's elsewhere); the core hears them
+    /// ([`Shared::take_copy_leads`]) before the job's outcome.
+    copy_leads: Mutex<Vec<JobId>>,
     epoch: Instant,
 }
 
@@ -100,6 +105,7 @@ impl Shared {
             completed_cv: Condvar::new(),
             memory,
             completed_len: AtomicUsize::new(0),
+            copy_leads: Mutex::new(Vec::new()),
             epoch,
         })
     }
@@ -137,6 +143,29 @@ impl Shared {
         out
     }
 
+    /// Called from inside a device copier's call: copy job `job`'s lead
+    /// spans have landed.
+    pub(crate) fn copy_lead_landed(&self, job: JobId) {
+        self.copy_leads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(job);
+    }
+
+    /// Hands the copy jobs whose lead landed to the core (under its lock),
+    /// then its first-layer reports to the runner's list.
+    pub(crate) fn take_copy_leads(&self, inner: &mut Inner) {
+        let jobs = std::mem::take(
+            &mut *self
+                .copy_leads
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        for job in jobs {
+            inner.core.handle_copy_lead_landed(job);
+        }
+    }
+
     /// Called by the copy thread with a finished job's outcomes.
     pub(crate) fn copy_done(&self, job: JobId, outcomes: &[kvcr_runner_core::CopyOutcome]) {
         self.copy_done_digested(job, outcomes, &[]);
@@ -152,6 +181,8 @@ impl Shared {
         let now = self.now();
         let mut inner = self.lock();
         inner.cancels.remove(&job);
+        // A lead said during the copy is heard before the job ends.
+        self.take_copy_leads(&mut inner);
         inner
             .core
             .handle_copy_done_digested(now, job, outcomes, digests);
@@ -253,6 +284,7 @@ impl Shared {
                     memory,
                     keys,
                     digest,
+                    lead,
                 } => {
                     let cancel: Arc<[AtomicBool]> =
                         keys.iter().map(|_| AtomicBool::new(false)).collect();
@@ -278,6 +310,7 @@ impl Shared {
                             cancel,
                             device,
                             digest,
+                            lead: usize::from(lead),
                         }))
                         .is_err()
                     {

@@ -331,7 +331,6 @@ pub(crate) fn with_peers(
         route_budget: peer.route_budget,
         route_budget_total: peer.route_budget_total,
         one_hop: peer.one_hop,
-        lead_elements: peer.lead_elements,
     });
     let (journal, warm_start) = match claimed {
         Some((journal, mut start)) => {

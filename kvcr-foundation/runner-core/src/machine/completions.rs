@@ -89,7 +89,7 @@ impl Core {
         outcomes: &[CopyOutcome],
         digests: &[Option<u64>],
     ) {
-        let Some(Job { op, keys }) = self.jobs.remove(&job) else {
+        let Some(Job { op, keys, .. }) = self.jobs.remove(&job) else {
             return;
         };
         let mut stored: Vec<(u32, Option<PageInfo>)> = Vec::new();

@@ -41,6 +41,7 @@ mod completions;
 mod events;
 mod eviction;
 mod g3;
+mod leads;
 mod operations;
 mod peer;
 mod records;
@@ -89,6 +90,11 @@ pub enum Action {
         /// (a deposit, with page digests on) and report it with the outcome
         /// ([`Core::handle_copy_done_digested`]).
         digest: bool,
+        /// A deliver into device memory: copy the first `lead` spans of
+        /// every key first and report them landed
+        /// ([`Core::handle_copy_lead_landed`]) while the rest copies; 0:
+        /// no such report.
+        lead: u16,
     },
     /// Send a control message to a peer.
     Send {
@@ -351,6 +357,9 @@ enum JobKey {
 struct Job {
     op: OpHandle,
     keys: Vec<JobKey>,
+    /// A deliver job's first `lead_elements` spans of every key are in
+    /// place ([`Core::handle_copy_lead_landed`]).
+    lead_landed: bool,
 }
 
 /// Counters the core keeps.
@@ -424,6 +433,12 @@ pub struct Core {
     completed: Vec<OpResult>,
     capacity_signals: Vec<(PoolId, u32)>,
     counters: CoreCounters,
+    /// Leading spans of a page that make up its first layer
+    /// ([`Core::set_lead_elements`]); 0: none reported.
+    lead_elements: u16,
+    /// Delivers whose first layer is in place, not yet drained
+    /// ([`Core::drain_leads_landed`]).
+    leads_landed: Vec<(OpHandle, u32)>,
     peer: Option<peer::PeerState>,
     /// The file tier (G3), when configured.
     g3: Option<G3Tier>,
@@ -564,6 +579,8 @@ impl Core {
             completed: Vec::new(),
             capacity_signals: Vec::new(),
             counters: CoreCounters::default(),
+            lead_elements: 0,
+            leads_landed: Vec::new(),
             peer: None,
             g3: config.g3.map(G3Tier::new),
             capacity_waiters: VecDeque::new(),

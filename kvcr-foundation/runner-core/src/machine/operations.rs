@@ -466,16 +466,25 @@ impl Core {
         let deadline_ns = self.ops.get(&op).map_or(0, |o| o.deadline);
         let memory = self.ops.get(&op).map_or(RegionMemory::Host, |o| o.memory);
         let digest = self.page_digests && keys.iter().all(|k| matches!(k, JobKey::Fill(_)));
+        let lead = self.copy_lead(memory, &keys, &spans);
         if let Some(o) = self.ops.get_mut(&op) {
             o.jobs += 1;
         }
-        self.jobs.insert(job, Job { op, keys });
+        self.jobs.insert(
+            job,
+            Job {
+                op,
+                keys,
+                lead_landed: false,
+            },
+        );
         self.actions.push_back(Action::Copy {
             job,
             deadline_ns,
             memory,
             keys: spans,
             digest,
+            lead,
         });
     }
 

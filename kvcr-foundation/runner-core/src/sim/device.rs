@@ -69,6 +69,8 @@ pub(super) struct DeviceCoverage {
     pub(super) kills_mid_copy: u64,
     /// Delivers reported ready to start on their first layer.
     pub(super) leads_reported: u64,
+    /// Deliver copy jobs whose lead the driver reported landed.
+    pub(super) copy_leads: u64,
 }
 
 impl DeviceCoverage {
@@ -82,6 +84,7 @@ impl DeviceCoverage {
         self.dead_freed += o.dead_freed;
         self.kills_mid_copy += o.kills_mid_copy;
         self.leads_reported += o.leads_reported;
+        self.copy_leads += o.copy_leads;
     }
 }
 
@@ -280,7 +283,9 @@ impl DeviceWorld {
                     }
                     self.send(false, message);
                 }
-                Action::Copy { job, keys, .. } => {
+                Action::Copy {
+                    job, keys, lead, ..
+                } => {
                     for span in keys.iter().flatten() {
                         let (Some(slot), Some(element)) = (
                             Self::slot_of(TARGET_POOL, span.src),
@@ -291,6 +296,13 @@ impl DeviceWorld {
                         };
                         let bytes = self.target_dram.get(&slot).copied().unwrap_or(GARBAGE);
                         self.device.insert(element, bytes);
+                    }
+                    // The copier says the lead landed (a page here is one
+                    // element: all of it) before it reports the job, or
+                    // does not get to say it.
+                    if lead > 0 && self.rng.chance(70) {
+                        self.seen.copy_leads += 1;
+                        self.target.handle_copy_lead_landed(job);
                     }
                     let outcomes = vec![CopyOutcome::Copied; keys.len()];
                     self.target.handle_copy_done(self.now, job, &outcomes);

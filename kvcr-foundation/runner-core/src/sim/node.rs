@@ -85,11 +85,11 @@ pub(super) fn new_core_with(
             refill_ns: 1,
         },
         one_hop: true,
-        // A layer-first page's K and V, as the direct linker asks.
-        lead_elements: 2,
     };
     adjust(&mut config);
     core.enable_peer(config);
+    // A layer-first page's K and V, as the direct linker asks.
+    core.set_lead_elements(2);
     (core, ns)
 }
 

@@ -68,6 +68,19 @@ pub trait DeviceCopier: Send + Sync {
     /// and the runner frees or reuses the slots right after.
     fn copy(&self, keys: &[&[CopySpan]]) -> Result<()>;
 
+    /// As [`DeviceCopier::copy`], calling `landed` once the first `lead`
+    /// spans of every key are in place (while the rest may still be
+    /// copying): a restore's first layer, which the engine may start on.
+    /// At most once, and only if every lead span landed; never for `lead`
+    /// 0. The default copies everything first, then calls it.
+    fn copy_led(&self, keys: &[&[CopySpan]], lead: usize, landed: &mut dyn FnMut()) -> Result<()> {
+        self.copy(keys)?;
+        if lead > 0 {
+            landed();
+        }
+        Ok(())
+    }
+
     /// As [`DeviceCopier::copy`], and each key's page digest (xxh3-64 of
     /// its bytes in span order, `kvcr_sys::digest`) where the copier took
     /// it from the device's bytes as it copied them; `None` where it did

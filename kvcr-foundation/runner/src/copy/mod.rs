@@ -49,6 +49,9 @@ pub(crate) struct Job {
     /// Take each copied key's page digest over its destination (a deposit
     /// into the pools), where the bytes are still hot.
     pub(crate) digest: bool,
+    /// A device job's leading spans per key to report landed ahead of the
+    /// rest (`Shared::copy_lead_landed`); 0: none.
+    pub(crate) lead: usize,
 }
 
 /// What the copy thread receives.
@@ -138,7 +141,12 @@ fn worker(
         let Some(Msg::Job(job)) = spin_recv(jobs, SPIN).or_else(|| jobs.recv().ok()) else {
             return;
         };
-        let (outcomes, digests) = execute(&job, memory, shutdown);
+        let lead_landed = || {
+            if let Some(shared) = shared.upgrade() {
+                shared.copy_lead_landed(job.id);
+            }
+        };
+        let (outcomes, digests) = execute(&job, memory, shutdown, &lead_landed);
         match shared.upgrade() {
             Some(shared) => shared.copy_done_digested(job.id, &outcomes, &digests),
             None => return,
@@ -183,9 +191,16 @@ fn key_ranges(keys: &[Vec<CopySpan>], total: u64) -> Vec<std::ops::Range<usize>>
 /// destination bytes.
 type Executed = (Vec<CopyOutcome>, Vec<Option<u64>>);
 
-fn execute(job: &Job, memory: &MemoryRegistry, shutdown: &AtomicBool) -> Executed {
+/// Runs `job`; a device job with a lead calls `lead_landed` once its lead
+/// spans are in place (from inside the copier's call).
+fn execute(
+    job: &Job,
+    memory: &MemoryRegistry,
+    shutdown: &AtomicBool,
+    lead_landed: &dyn Fn(),
+) -> Executed {
     if let Some(copier) = &job.device {
-        return execute_on_device(job, copier.as_ref(), memory, shutdown);
+        return execute_on_device(job, copier.as_ref(), memory, shutdown, lead_landed);
     }
     let total: u64 = job.keys.iter().flatten().map(|s| s.len).sum();
     if total < SPLIT_BYTES || !destinations_disjoint(&job.keys) {
@@ -237,6 +252,7 @@ fn execute_on_device(
     copier: &dyn DeviceCopier,
     memory: &MemoryRegistry,
     shutdown: &AtomicBool,
+    lead_landed: &dyn Fn(),
 ) -> Executed {
     // The driver reads the clock; the core never does.
     #[allow(clippy::disallowed_methods)]
@@ -284,7 +300,15 @@ fn execute_on_device(
     std::thread::scope(|scope| {
         let mut hashing = None;
         for group in &groups {
-            let copied = copier.copy(&spans_of(&job.keys, group)).is_ok();
+            let spans = spans_of(&job.keys, group);
+            // A lead is asked only of a deliver (never digested: one group).
+            let copied = if job.lead > 0 && !job.digest {
+                copier
+                    .copy_led(&spans, job.lead, &mut || lead_landed())
+                    .is_ok()
+            } else {
+                copier.copy(&spans).is_ok()
+            };
             if !copied {
                 // A failed call fails every key of it, as before.
                 fail(&mut outcomes, group);

@@ -26,6 +26,8 @@ struct Recorder {
     spans: AtomicUsize,
     detached: AtomicBool,
     fail_next: AtomicBool,
+    /// The lead each `copy_led` call asked for.
+    leads: Mutex<Vec<usize>>,
 }
 
 /// Copies host bytes, like a device would, and records what it was asked.
@@ -57,6 +59,18 @@ impl DeviceCopier for RecordingCopier {
                 );
             }
         }
+        Ok(())
+    }
+
+    fn copy_led(
+        &self,
+        keys: &[&[CopySpan]],
+        lead: usize,
+        landed: &mut dyn FnMut(),
+    ) -> kvcr_runner::Result<()> {
+        self.0.leads.lock().unwrap().push(lead);
+        self.copy(keys)?;
+        landed();
         Ok(())
     }
 
@@ -186,6 +200,50 @@ fn device_jobs_go_to_the_copier_byte_exact() {
         "dropping the runner detaches the copier"
     );
     drop(device);
+}
+
+/// A deliver into device memory with a first layer set asks the copier
+/// for it (`copy_led` with the lead, every key's first span here), and the
+/// runner reports the deliver's pages ready once the copier says they
+/// landed: once, before or with the result. A failed copy says nothing;
+/// without a first layer nothing is asked.
+#[rstest::rstest]
+#[case::reported(1, false, true)]
+#[case::copy_failed(1, true, false)]
+#[case::not_asked(0, false, false)]
+fn a_device_deliver_reports_its_first_layer(
+    #[case] lead: u16,
+    #[case] fail: bool,
+    #[case] reported: bool,
+) {
+    let mut f = fixture(8);
+    for page in 0..3 {
+        f.device[page * BLOCK..(page + 1) * BLOCK].fill(page as u8 + 1);
+        assert_eq!(f.deposit(page as u64 + 1, page), EntryStatus::Success);
+    }
+    f.runner.set_lead_elements(lead);
+    f.recorder.fail_next.store(fail, Ordering::SeqCst);
+    let entries = (0..3)
+        .map(|i| DeliverEntry {
+            key: key(f.ns, i as u64 + 1),
+            destinations: vec![f.at(4 + i)],
+        })
+        .collect();
+    let op = f.runner.deliver(entries).unwrap();
+    let result = wait(&mut f.runner, op);
+    let leads = f.runner.poll_leads_landed();
+    let asked = f.recorder.leads.lock().unwrap().clone();
+    assert_eq!(asked, if lead > 0 { vec![1] } else { vec![] });
+    if reported {
+        assert_eq!(leads, [(op, 3)], "every page's first layer, once");
+        assert!(result.entries.iter().all(|(_, e)| e.is_success()));
+        for page in 0..3 {
+            assert_eq!(f.device[(4 + page) * BLOCK], page as u8 + 1);
+        }
+    } else {
+        assert!(leads.is_empty(), "{leads:?}");
+    }
+    assert!(f.runner.poll_leads_landed().is_empty(), "taken once");
 }
 
 #[test]

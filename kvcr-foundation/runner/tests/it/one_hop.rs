@@ -197,8 +197,8 @@ impl Target {
         };
         let mut peer_options = options();
         peer_options.abandon_timeout = Some(abandon);
-        peer_options.lead_elements = lead;
         let runner = Runner::start_with_peers(config, None, &peer_options).unwrap();
+        runner.set_lead_elements(lead);
         let copier = Arc::new(MemfdCopier::default());
         runner
             .pools()

@@ -92,6 +92,7 @@ impl Core {
             Job {
                 op: BACKGROUND,
                 keys,
+                lead_landed: false,
             },
         );
         let digests = vec![None; transfers.len()];

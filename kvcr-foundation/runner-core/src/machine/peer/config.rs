@@ -44,14 +44,10 @@ pub struct PeerConfig {
     /// the device regions the driver exported ([`Core::set_device_export`])
     /// with shared memory, and grant a same-host source that opened them
     /// the deliver's own device elements; as a source, write such grants.
-    /// Off: device delivers take two hops through KVCR DRAM.
+    /// Off: device delivers take two hops through KVCR DRAM. A one-hop
+    /// write asks its source for the first layer's landing
+    /// ([`Core::set_lead_elements`]).
     pub one_hop: bool,
-    /// Leading elements of a page that make up its first layer (a
-    /// layer-first layout's K and V: 2). A one-hop write asks its source to
-    /// say when they have landed for every key ([`Body::WriteLeadLanded`]),
-    /// and a device deliver whose every pending key has said so is reported
-    /// ([`Core::drain_leads_landed`]). 0: never asked.
-    pub lead_elements: u16,
 }
 
 /// How often a target may make this source build it a new data-plane route

@@ -192,9 +192,6 @@ pub(crate) struct PeerState {
     /// same-host sources ([`Core::set_device_export`]).
     device_exports: BTreeMap<RegionId, Vec<u8>>,
     pub(crate) notices: Vec<PeerNotice>,
-    /// Device delivers whose first layer is in place, not yet drained
-    /// ([`Core::drain_leads_landed`]).
-    leads_landed: Vec<(OpHandle, u32)>,
     pub(crate) counters: PeerCounters,
 }
 
@@ -363,7 +360,6 @@ impl PeerState {
             last_tick: None,
             device_exports: BTreeMap::new(),
             notices: Vec::new(),
-            leads_landed: Vec::new(),
             counters: PeerCounters::default(),
         }
     }

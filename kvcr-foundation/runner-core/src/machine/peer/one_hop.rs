@@ -16,7 +16,6 @@
 //! against it ([`Core::handle_one_hop_checked`]); otherwise it fails.
 
 use super::*;
-use crate::types::EntryStatus;
 use kvcr_contracts::protocol::codec::{MAX_DEVICE_EXPORT, MAX_DEVICE_REGIONS};
 
 impl Core {
@@ -357,9 +356,7 @@ impl Core {
         // refuses more).
         let fewest = destinations.iter().map(Vec::len).min().unwrap_or(0);
         let lead = self
-            .peer
-            .as_ref()
-            .map_or(0, |p| p.config.lead_elements)
+            .lead_elements
             .min(u16::try_from(fewest).unwrap_or(u16::MAX));
         self.send(
             source.clone(),
@@ -402,7 +399,7 @@ impl Core {
     /// landed for every key. Heard once, from that operation's own source
     /// and incarnation while it is awaited, and only for the count it was
     /// asked; anything else is refused. Each deliver it serves is then
-    /// reported if it has become ready to start ([`Self::lead_ready`]).
+    /// reported if it has become ready to start (`Core::note_lead`).
     pub(super) fn on_lead_landed(&mut self, header: &Header, op: OpHandle, elements: u16) {
         let Some(target_op) = self.peer.as_mut().and_then(|p| p.target.ops.get_mut(&op)) else {
             self.refuse(); // unknown op handle, or one that ended
@@ -421,49 +418,16 @@ impl Core {
         target_op.lead_landed = true;
         let delivers: BTreeSet<OpHandle> = target_op.one_hop.iter().map(|(d, _)| *d).collect();
         for deliver in delivers {
-            if let Some(pages) = self.lead_ready(deliver)
-                && let Some(peer) = self.peer.as_mut()
-            {
-                peer.leads_landed.push((deliver, pages));
-            }
+            self.note_lead(deliver);
         }
     }
 
-    /// Whether device deliver `deliver` can start on its first layer: every
-    /// entry before its first failed one has either succeeded or waits on a
-    /// one-hop write whose lead landed, and at least one waits so (else the
-    /// deliver's own completion says it all). Returns how many leading
-    /// entries that covers.
-    fn lead_ready(&self, deliver: OpHandle) -> Option<u32> {
-        let peer = self.peer.as_ref()?;
-        let o = self.ops.get(&deliver)?;
-        let mut pages = 0u32;
-        let mut waiting = false;
-        for e in &o.entries {
-            match (&e.result, e.wait) {
-                (Some(r), _) if r.status == EntryStatus::Success => {}
-                (Some(_), _) => break,
-                (None, Wait::OneHop(t))
-                    if peer.target.ops.get(&t).is_some_and(|t| t.lead_landed) =>
-                {
-                    waiting = true;
-                }
-                (None, _) => return None,
-            }
-            pages += 1;
-        }
-        waiting.then_some(pages)
-    }
-
-    /// Device delivers ready to start on their first layer, each with how
-    /// many leading pages that covers, in the order they became so. A
-    /// progress report only: the deliver's completion says which pages
-    /// landed (byte-checked); a page reported here may still fail.
-    pub fn drain_leads_landed(&mut self) -> Vec<(OpHandle, u32)> {
+    /// Whether one-hop operation `op`'s source said its lead landed.
+    pub(in crate::machine) fn one_hop_lead_landed(&self, op: OpHandle) -> bool {
         self.peer
-            .as_mut()
-            .map(|p| std::mem::take(&mut p.leads_landed))
-            .unwrap_or_default()
+            .as_ref()
+            .and_then(|p| p.target.ops.get(&op))
+            .is_some_and(|t| t.lead_landed)
     }
 
     /// Ends one-hop operation `op` (already removed from the target's

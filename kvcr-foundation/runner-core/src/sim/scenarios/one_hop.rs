@@ -541,5 +541,6 @@ fn the_one_hop_route_survives_faults_over_many_seeds() {
         assert!(seen.dead_freed > 0, "{seen:?}");
         assert!(seen.kills_mid_copy > 0, "{seen:?}");
         assert!(seen.leads_reported > 0, "{seen:?}");
+        assert!(seen.copy_leads > 0, "{seen:?}");
     }
 }
