@@ -621,11 +621,17 @@ pub(super) fn source_sigkill(ctx: &Ctx) -> Result<Outcome> {
         "RESTORED",
     )?;
     no_corruption(&mut o, "quarantined keys asked again", &held);
+    // The keys whose write landed before the kill (a whole write can end
+    // first) are served: still resident, or filled again from the new
+    // incarnation after the pressure evicted them. Only the quarantined
+    // ones are refused.
+    let landed_before = num(&hit.restored, "ok");
     o.equal(
-        "keys whose slots are quarantined are not re-filled while held",
+        "keys whose slots are quarantined are not re-filled while held (the rest are served)",
         num(&held, "ok"),
-        0,
+        landed_before,
     );
+
     let first_fresh = hit.pages + 1;
     let mut restored = 0;
     for attempt in 0..3 {
