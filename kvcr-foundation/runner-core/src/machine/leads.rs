@@ -39,7 +39,13 @@ impl Core {
         if memory != RegionMemory::Device || !delivers || keys.is_empty() {
             return 0;
         }
-        let fewest = spans.iter().map(Vec::len).min().unwrap_or(0);
+        self.lead_within(spans)
+    }
+
+    /// The first-layer span count, at most every page's span count (`pages`
+    /// a job's or a write's keys, each its spans or elements).
+    pub(in crate::machine) fn lead_within<T>(&self, pages: &[Vec<T>]) -> u16 {
+        let fewest = pages.iter().map(Vec::len).min().unwrap_or(0);
         self.lead_elements
             .min(u16::try_from(fewest).unwrap_or(u16::MAX))
     }

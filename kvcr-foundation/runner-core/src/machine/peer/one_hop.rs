@@ -354,10 +354,7 @@ impl Core {
             .max(1);
         // Asked only where every key has that many elements (the wire
         // refuses more).
-        let fewest = destinations.iter().map(Vec::len).min().unwrap_or(0);
-        let lead = self
-            .lead_elements
-            .min(u16::try_from(fewest).unwrap_or(u16::MAX));
+        let lead = self.lead_within(&destinations);
         self.send(
             source.clone(),
             Body::StartWrite {
