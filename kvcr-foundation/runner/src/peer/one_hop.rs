@@ -432,6 +432,17 @@ mod tests {
         }
     }
 
+    /// An import of `len` bytes at address 1 MiB, and a recording copier
+    /// that refuses any pass reading source `poison`.
+    fn setup(len: u64, poison: u64) -> (Arc<dyn DeviceImport>, Arc<Recorder>) {
+        let import: Arc<dyn DeviceImport> = Arc::new(Extent { base: 1 << 20, len });
+        let copier = Arc::new(Recorder {
+            poison,
+            ..Recorder::default()
+        });
+        (import, copier)
+    }
+
     /// Runs `jobs`, returning each write's outcome (sorted) and the writes
     /// whose lead was reported.
     fn run(jobs: &[Job]) -> (Vec<(u64, bool)>, Vec<u64>) {
@@ -443,14 +454,7 @@ mod tests {
 
     #[test]
     fn queued_writes_share_one_pass() {
-        let import: Arc<dyn DeviceImport> = Arc::new(Extent {
-            base: 1 << 20,
-            len: 1 << 10,
-        });
-        let copier = Arc::new(Recorder {
-            poison: u64::MAX,
-            ..Recorder::default()
-        });
+        let (import, copier) = setup(1 << 10, u64::MAX);
         let jobs = [
             job(1, 4, 100, &import, &copier),
             job(2, 3, 200, &import, &copier),
@@ -470,14 +474,7 @@ mod tests {
     /// says nothing early (its own `write_done` says it all).
     #[test]
     fn a_pass_reports_its_writes_leads() {
-        let import: Arc<dyn DeviceImport> = Arc::new(Extent {
-            base: 1 << 20,
-            len: 1 << 10,
-        });
-        let copier = Arc::new(Recorder {
-            poison: u64::MAX,
-            ..Recorder::default()
-        });
+        let (import, copier) = setup(1 << 10, u64::MAX);
         let jobs = [
             led(1, 2, 100, &import, &copier, 2),
             led(2, 3, 200, &import, &copier, 1),
@@ -492,14 +489,7 @@ mod tests {
     /// A pass that fails reports no lead (its copies' bytes are unknown).
     #[test]
     fn a_failed_pass_reports_no_lead() {
-        let import: Arc<dyn DeviceImport> = Arc::new(Extent {
-            base: 1 << 20,
-            len: 1 << 10,
-        });
-        let copier = Arc::new(Recorder {
-            poison: 100,
-            ..Recorder::default()
-        });
+        let (import, copier) = setup(1 << 10, 100);
         let (outcomes, leads) = run(&[led(1, 2, 100, &import, &copier, 2)]);
         assert_eq!(outcomes, [(1, false)]);
         assert!(leads.is_empty(), "{leads:?}");
@@ -507,14 +497,7 @@ mod tests {
 
     #[test]
     fn a_failed_pass_is_run_again_write_by_write() {
-        let import: Arc<dyn DeviceImport> = Arc::new(Extent {
-            base: 1 << 20,
-            len: 1 << 10,
-        });
-        let copier = Arc::new(Recorder {
-            poison: 301,
-            ..Recorder::default()
-        });
+        let (import, copier) = setup(1 << 10, 301);
         let jobs = [
             job(1, 2, 100, &import, &copier),
             job(2, 2, 300, &import, &copier),
@@ -528,14 +511,7 @@ mod tests {
 
     #[test]
     fn a_write_no_import_resolves_goes_alone() {
-        let import: Arc<dyn DeviceImport> = Arc::new(Extent {
-            base: 1 << 20,
-            len: 32,
-        });
-        let copier = Arc::new(Recorder {
-            poison: u64::MAX,
-            ..Recorder::default()
-        });
+        let (import, copier) = setup(32, u64::MAX);
         // Write 2's third page lies past the 32-byte extent: it cannot join
         // the pass, and its import-by-import copy is the import's call.
         let jobs = [
