@@ -152,8 +152,9 @@ impl Shared {
             .push(job);
     }
 
-    /// Hands the copy jobs whose lead landed to the core (under its lock),
-    /// then its first-layer reports to the runner's list.
+    /// Hands the copy jobs whose lead landed to the core (under its lock);
+    /// the reports that makes reach the runner's list when the core is
+    /// next pumped or polled (`Runner::poll_leads_landed`).
     pub(crate) fn take_copy_leads(&self, inner: &mut Inner) {
         let jobs = std::mem::take(
             &mut *self
