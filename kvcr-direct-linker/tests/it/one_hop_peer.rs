@@ -21,8 +21,8 @@ use kvcr_linker_contracts::{
 
 use crate::fixture::{Fixture, config, gpu, gpu_required};
 use crate::restore::{
-    Backend, NAMESPACE, PEER_PAGES, PEER_SEED, Source, fixture, incarnation, keys, page_bytes,
-    peer_layout, restore_landed,
+    Backend, NAMESPACE, PEER_PAGES, PEER_SEED, Source, first_layer_reports, fixture, incarnation,
+    keys, page_bytes, peer_layout, restore_landed,
 };
 
 /// The destination: a GPU pool and a peer-enabled linker with `options`
@@ -178,16 +178,7 @@ fn a_one_hop_restore_reports_its_first_layer_before_it_lands() {
     let refused = dest.linker.runner().peers().stats().counters.refused;
     let ticket = restore(&mut dest, &mut ledger, &source, "first-layer", &present);
     let events = dest.linker.settle(Duration::from_secs(60));
-    let first: Vec<(usize, u32)> = events
-        .iter()
-        .enumerate()
-        .filter_map(|(i, e)| match e {
-            LinkerEvent::FirstLayerLanded {
-                ticket: t, pages, ..
-            } if *t == ticket => Some((i, *pages)),
-            _ => None,
-        })
-        .collect();
+    let first = first_layer_reports(&events, ticket);
     let done = events.iter().position(|e| {
         matches!(e, LinkerEvent::RestoreDone { ticket: t, restored, .. }
             if *t == ticket && u64::from(*restored) == PEER_PAGES)

@@ -138,6 +138,23 @@ fn prepare(
     (attempt, longest)
 }
 
+/// Each `FirstLayerLanded` of `ticket` in `events`: its position and pages.
+pub(crate) fn first_layer_reports(
+    events: &[LinkerEvent],
+    ticket: kvcr_linker_contracts::LoadTicket,
+) -> Vec<(usize, u32)> {
+    events
+        .iter()
+        .enumerate()
+        .filter_map(|(i, e)| match e {
+            LinkerEvent::FirstLayerLanded {
+                ticket: t, pages, ..
+            } if *t == ticket => Some((i, *pages)),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Loads the first `count` prepared pages into slots `at..`; returns success.
 fn load(
     linker: &mut DirectLinker,
@@ -162,16 +179,7 @@ fn load_reporting(
     let done = events.iter().position(
         |e| matches!(e, LinkerEvent::LoadDone { ticket: t, success: true, .. } if *t == ticket),
     );
-    let first: Vec<(usize, u32)> = events
-        .iter()
-        .enumerate()
-        .filter_map(|(i, e)| match e {
-            LinkerEvent::FirstLayerLanded {
-                ticket: t, pages, ..
-            } if *t == ticket => Some((i, *pages)),
-            _ => None,
-        })
-        .collect();
+    let first = first_layer_reports(&events, ticket);
     assert!(first.len() <= 1, "one first-layer report: {events:?}");
     if let (Some(&(at, _)), Some(done)) = (first.first(), done) {
         assert!(at < done, "the first layer before the load: {events:?}");
