@@ -56,20 +56,32 @@ struct Job {
 /// Most queued writes one copy pass takes together.
 const MERGED_WRITES: usize = 1024;
 
-/// The thread that runs one-hop writes: every write queued when it takes
-/// the next goes in one copy pass (a deliver's writes arrive together, so
-/// its layer 0 lands first over all of them, and the copier synchronises
-/// once, not per write).
+/// The thread that runs one-hop writes. The peer thread hands it each
+/// turn's writes together ([`OneHopWriter::flush`] at the turn's end), and
+/// it copies every write queued when it takes the next in one pass: a
+/// deliver's writes arrive in one turn, so its layer 0 lands first over all
+/// of them rather than over whichever writes the thread woke to, and the
+/// copier synchronises once, not per write.
 #[derive(Default)]
 pub(super) struct OneHopWriter {
-    worker: Option<(mpsc::Sender<Job>, JoinHandle<()>)>,
+    worker: Option<Worker>,
+    /// This turn's writes, not yet handed over.
+    turn: Vec<Job>,
+}
+
+struct Worker {
+    tx: mpsc::Sender<Vec<Job>>,
+    /// Where a write the thread can no longer take is reported failed.
+    done: UnboundedSender<(u64, bool)>,
+    thread: JoinHandle<()>,
 }
 
 impl OneHopWriter {
-    /// Queues a write's copies; `leads` hears a write whose lead landed
-    /// (while the rest copies), `done` hears `(write, ok)` once no copy of
-    /// it can touch memory any more, in that order. `false` if the thread
-    /// cannot be started (the write then fails at once).
+    /// Queues a write's copies for this turn's hand-over; `leads` hears a
+    /// write whose lead landed (while the rest copies), `done` hears
+    /// `(write, ok)` once no copy of it can touch memory any more, in that
+    /// order. `false` if the thread cannot be started (the write then
+    /// fails at once).
     fn submit(
         &mut self,
         job: Job,
@@ -77,8 +89,8 @@ impl OneHopWriter {
         leads: &UnboundedSender<u64>,
     ) -> bool {
         if self.worker.is_none() {
-            let (tx, rx) = mpsc::channel::<Job>();
-            let done = done.clone();
+            let (tx, rx) = mpsc::channel::<Vec<Job>>();
+            let reports = done.clone();
             let leads = leads.clone();
             // Said from inside the copier's call, which holds its locks:
             // a message, never the core's lock (the runner's drop holds
@@ -89,27 +101,51 @@ impl OneHopWriter {
             let spawned = std::thread::Builder::new()
                 .name("kvcr-one-hop".into())
                 .spawn(move || {
-                    while let Ok(first) = rx.recv() {
-                        let mut jobs = vec![first];
+                    while let Ok(mut jobs) = rx.recv() {
                         while jobs.len() < MERGED_WRITES {
                             match rx.try_recv() {
-                                Ok(job) => jobs.push(job),
+                                Ok(more) => jobs.extend(more),
                                 Err(_) => break,
                             }
                         }
-                        for (write, ok) in copy_writes(&jobs, &lead_landed) {
-                            let _ = done.send((write, ok));
+                        for pass in jobs.chunks(MERGED_WRITES) {
+                            for (write, ok) in copy_writes(pass, &lead_landed) {
+                                let _ = reports.send((write, ok));
+                            }
                         }
                     }
                 });
             match spawned {
-                Ok(thread) => self.worker = Some((tx, thread)),
+                Ok(thread) => {
+                    self.worker = Some(Worker {
+                        tx,
+                        done: done.clone(),
+                        thread,
+                    });
+                }
                 Err(_) => return false,
             }
         }
-        self.worker
-            .as_ref()
-            .is_some_and(|(tx, _)| tx.send(job).is_ok())
+        self.turn.push(job);
+        true
+    }
+
+    /// Hands this turn's writes to the thread, together. A write the thread
+    /// can no longer take (it is gone) is reported failed: its copies never
+    /// started.
+    pub(super) fn flush(&mut self) {
+        if self.turn.is_empty() {
+            return;
+        }
+        let jobs = std::mem::take(&mut self.turn);
+        let Some(worker) = &self.worker else {
+            return;
+        };
+        if let Err(mpsc::SendError(jobs)) = worker.tx.send(jobs) {
+            for job in jobs {
+                let _ = worker.done.send((job.write, false));
+            }
+        }
     }
 }
 
@@ -208,8 +244,11 @@ fn copy_by_region(copies: &Copies) -> bool {
 }
 
 impl Drop for OneHopWriter {
+    /// Hands over what this turn queued, then joins the thread once it has
+    /// run every write (their copies read our pools, unmapped after this).
     fn drop(&mut self) {
-        if let Some((tx, thread)) = self.worker.take() {
+        self.flush();
+        if let Some(Worker { tx, thread, .. }) = self.worker.take() {
             drop(tx);
             if thread.join().is_err() {
                 eprintln!("kvcr: one-hop writer panicked");
@@ -484,6 +523,49 @@ mod tests {
         assert_eq!(outcomes, [(1, true), (2, true), (3, true)]);
         assert_eq!(leads, [1, 3]);
         assert_eq!(*copier.passes.lock().unwrap(), [3, 3]);
+    }
+
+    /// The writer hands a turn's writes over only at [`OneHopWriter::flush`],
+    /// and they go in one pass with every lead reported before its write's
+    /// end (however soon its thread would have woken to the first).
+    #[test]
+    fn a_turns_writes_go_to_the_writer_together() {
+        let (import, copier) = setup(1 << 10, u64::MAX);
+        let (done_tx, mut done) = tokio::sync::mpsc::unbounded_channel();
+        let (leads_tx, mut leads) = tokio::sync::mpsc::unbounded_channel();
+        let mut writer = OneHopWriter::default();
+        for (id, pages) in [(1, 2), (2, 3), (3, 1)] {
+            let job = led(id, pages, id * 100, &import, &copier, 1);
+            assert!(writer.submit(job, &done_tx, &leads_tx));
+        }
+        assert!(
+            copier.passes.lock().unwrap().is_empty(),
+            "nothing copies before the turn ends"
+        );
+        writer.flush();
+        let mut outcomes: Vec<(u64, bool)> =
+            (0..3).map(|_| done.blocking_recv().unwrap()).collect();
+        outcomes.sort_unstable();
+        assert_eq!(outcomes, [(1, true), (2, true), (3, true)]);
+        let mut reported: Vec<u64> = std::iter::from_fn(|| leads.try_recv().ok()).collect();
+        reported.sort_unstable();
+        assert_eq!(reported, [1, 2, 3], "each lead, before the ends");
+        assert_eq!(*copier.passes.lock().unwrap(), [6], "one pass");
+        drop(writer);
+        assert!(done.try_recv().is_err(), "each write reported once");
+    }
+
+    /// A write queued as the writer drops is still run, not lost.
+    #[test]
+    fn a_write_queued_at_drop_is_run() {
+        let (import, copier) = setup(1 << 10, u64::MAX);
+        let (done_tx, mut done) = tokio::sync::mpsc::unbounded_channel();
+        let (leads_tx, _leads) = tokio::sync::mpsc::unbounded_channel();
+        let mut writer = OneHopWriter::default();
+        assert!(writer.submit(job(7, 2, 100, &import, &copier), &done_tx, &leads_tx));
+        drop(writer);
+        assert_eq!(done.try_recv().ok(), Some((7, true)));
+        assert_eq!(*copier.passes.lock().unwrap(), [2]);
     }
 
     /// A pass that fails reports no lead (its copies' bytes are unknown).

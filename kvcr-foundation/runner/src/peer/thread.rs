@@ -239,8 +239,10 @@ impl State {
                 }
             }
             // Whatever this turn sent leaves now, one write per peer,
-            // rather than after a hop through each session's task.
+            // rather than after a hop through each session's task; its
+            // one-hop writes go to their thread together.
             self.control.flush();
+            self.one_hop.flush();
             // At most every millisecond while busy; at once when a sleep
             // ended at the core's deadline (so a due deadline never spins).
             if deadline_due || last_tick.elapsed() >= TICK {
@@ -489,8 +491,10 @@ impl State {
                 break;
             }
         }
-        // Before this turn yields: what it sent leaves now.
+        // Before this turn yields: what it sent leaves now, and the
+        // one-hop writes it queued go to their thread together.
         self.control.flush();
+        self.one_hop.flush();
         Ok(any)
     }
 }
