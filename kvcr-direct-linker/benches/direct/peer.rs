@@ -109,7 +109,9 @@ fn tp2_checked(pages: u32) -> [u32; 2] {
 pub(crate) fn tp2_source(rank: u32, pages: u32, tp: u32) {
     let count = kvcr_direct_linker::cuda::device_count().unwrap();
     let device = Device::open(rank % count.max(1)).unwrap();
+    let began = Instant::now();
     let (mut linker, buffers) = tp2_rank(&device, rank, tp, pages, true);
+    progress(&format!("source {rank}: pools up"), began);
     let span = linker.layout().span_bytes() as usize;
     for (i, b) in buffers.iter().enumerate() {
         for slot in tp2_checked(pages) {
@@ -133,6 +135,7 @@ pub(crate) fn tp2_source(rank: u32, pages: u32, tp: u32) {
         ticket,
         success: true
     }));
+    progress(&format!("source {rank}: offloaded {pages} pages"), began);
     println!("ENDPOINT {}", linker.runner().peers().endpoint().unwrap());
     // `CPU`: this process's CPU seconds so far (the parent takes the
     // difference across a round: what serving a restore cost the source).
@@ -158,7 +161,9 @@ pub(crate) fn tp2_source(rank: u32, pages: u32, tp: u32) {
 pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u32) {
     let count = kvcr_direct_linker::cuda::device_count().unwrap();
     let device = Device::open(rank % count.max(1)).unwrap();
+    let began = Instant::now();
     let (mut linker, buffers) = tp2_rank(&device, rank, tp, pages, mode != "pipe2");
+    progress(&format!("dest {rank} {mode}: pools up"), began);
     let span = linker.layout().span_bytes() as usize;
     let keys = tp2_keys(pages);
     let hint = kvcr_foundation::FetchHint {
@@ -173,6 +178,7 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
     // the clock: a prepare for a key the source lacks.
     let mut ledger = AttemptLedger::new();
     warm_route(&mut linker, &mut ledger, endpoint);
+    progress(&format!("dest {rank} {mode}: route warm"), began);
     // Ready: the parent starts both ranks' clocks together.
     println!("READY");
     let mut go = String::new();
@@ -196,6 +202,7 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
         // engine would see it (0: none came, as on the two-hop route).
         let mut first_layer = 0.0;
         let mut events = Vec::new();
+        let mut next_report = Duration::from_secs(10);
         let landed = loop {
             let fresh = linker.poll();
             for e in &fresh {
@@ -215,6 +222,19 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
                 _ => None,
             }) {
                 break restored;
+            }
+            if t.elapsed() >= next_report {
+                next_report += Duration::from_secs(10);
+                let counters = linker.runner().peers().stats().counters;
+                progress(
+                    &format!(
+                        "dest {rank} {mode}: restoring; {} events, {} one-hop writes, {} pages",
+                        events.len(),
+                        counters.one_hop_writes,
+                        counters.one_hop_pages
+                    ),
+                    began,
+                );
             }
             assert!(
                 t.elapsed() < SETTLE,
@@ -259,6 +279,7 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
         "rank {rank}"
     );
     let fetched = t.elapsed().as_secs_f64();
+    progress(&format!("dest {rank} {mode}: fetched"), began);
     let slots: Vec<DeviceSlot> = (0..pages).map(DeviceSlot).collect();
     let ticket = linker.load(&attempt, &slots).unwrap();
     let events = linker.settle(SETTLE);
@@ -272,6 +293,12 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
     println!("RESULT {fetched} {total} 0 0");
     drop(linker);
     drop(buffers);
+}
+
+/// Says on stderr (unbuffered, so a run cut off still shows how far each
+/// process got) what a child has done, and when.
+fn progress(what: &str, began: Instant) {
+    eprintln!("# {what} at {:.1} s", began.elapsed().as_secs_f64());
 }
 
 /// Proves the route to the source at `endpoint`: a prepare, on a hint, of
