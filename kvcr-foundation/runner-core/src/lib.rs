@@ -35,10 +35,11 @@ pub mod types;
 pub use error::{Echo, Error, PoolMemoryReason, Result, RunnerReason};
 pub use machine::{
     Action, ConnectFailure, CopyOutcome, Core, CoreConfig, CoreCounters, G3Config, G3Counters,
-    G3Direction, G3Transfer, JobId, KVCR_REGION_PREFIX, MAX_ADVERTISED_REGIONS,
-    MAX_DEAD_INCARNATIONS, MAX_FENCES_PER_TARGET, MAX_REMEMBERED_PEERS, MAX_REPROBES_PER_ACK,
-    MAX_RKEY_LEN, MAX_ROUTE_BUDGETS, MAX_SPANS_PER_KEY, MAX_WORKER_ADDRESS_LEN, PeerConfig,
-    PeerCounters, PeerNotice, PeerStateSizes, PutSpan, RecoveryReport, RouteBudget,
+    G3Direction, G3Transfer, JobId, KVCR_REGION_PREFIX, MAX_ADVERTISED_DEVICE_REGIONS,
+    MAX_ADVERTISED_REGIONS, MAX_DEAD_INCARNATIONS, MAX_FENCES_PER_TARGET, MAX_REMEMBERED_PEERS,
+    MAX_REPROBES_PER_ACK, MAX_RKEY_LEN, MAX_ROUTE_BUDGETS, MAX_SPANS_PER_KEY,
+    MAX_WORKER_ADDRESS_LEN, PeerConfig, PeerCounters, PeerNotice, PeerStateSizes, PutSpan,
+    RecoveryReport, RouteBudget,
 };
 pub use policy::CachePolicy;
 pub use region::{MAX_REGION_ELEMENTS, MAX_REGION_LABEL, RegionDesc, RegionMemory};

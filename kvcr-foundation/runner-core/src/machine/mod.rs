@@ -50,9 +50,9 @@ mod registration;
 
 pub use peer::{ConnectFailure, PeerConfig, PutSpan, RouteBudget};
 pub use peer::{
-    MAX_ADVERTISED_REGIONS, MAX_DEAD_INCARNATIONS, MAX_FENCES_PER_TARGET, MAX_REMEMBERED_PEERS,
-    MAX_REPROBES_PER_ACK, MAX_RKEY_LEN, MAX_ROUTE_BUDGETS, MAX_WORKER_ADDRESS_LEN, PeerCounters,
-    PeerNotice, PeerStateSizes,
+    MAX_ADVERTISED_DEVICE_REGIONS, MAX_ADVERTISED_REGIONS, MAX_DEAD_INCARNATIONS,
+    MAX_FENCES_PER_TARGET, MAX_REMEMBERED_PEERS, MAX_REPROBES_PER_ACK, MAX_RKEY_LEN,
+    MAX_ROUTE_BUDGETS, MAX_WORKER_ADDRESS_LEN, PeerCounters, PeerNotice, PeerStateSizes,
 };
 
 use g3::{Allocation, CapacityWaiter, G3Tier, Move, WaiterKind};

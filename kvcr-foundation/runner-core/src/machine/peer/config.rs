@@ -119,6 +119,12 @@ impl PeerConfig {
 
 /// Most regions one target may advertise.
 pub const MAX_ADVERTISED_REGIONS: usize = 64;
+/// Most device regions one target may advertise for the one-hop route: an
+/// engine's per-layer K and V pools are a region each (a 64-layer model has
+/// 128), and each costs the source one import it holds for the route. As
+/// many as the wire carries; a target with more advertises none.
+pub const MAX_ADVERTISED_DEVICE_REGIONS: usize =
+    kvcr_contracts::protocol::codec::MAX_DEVICE_REGIONS;
 /// Largest packed worker address accepted from a target.
 pub const MAX_WORKER_ADDRESS_LEN: usize = 64 << 10;
 /// Largest packed remote key accepted from a target.

@@ -16,7 +16,7 @@
 //! against it ([`Core::handle_one_hop_checked`]); otherwise it fails.
 
 use super::*;
-use kvcr_contracts::protocol::codec::{MAX_DEVICE_EXPORT, MAX_DEVICE_REGIONS};
+use kvcr_contracts::protocol::codec::MAX_DEVICE_EXPORT;
 
 impl Core {
     /// Framework device regions the driver may export for the one-hop
@@ -59,8 +59,9 @@ impl Core {
     }
 
     /// The device regions a target's metadata advertises: those exported,
-    /// only with one hop on and shared memory offered, at most what the
-    /// wire carries.
+    /// only with one hop on and shared memory offered, in id order; none
+    /// when there are more than a source opens for one target (the wire's
+    /// bound too), so every deliver takes two hops rather than some.
     pub(in crate::machine) fn advertised_device_regions(&self) -> Vec<DeviceRegionAdvert> {
         let Some(peer) = self.peer.as_ref() else {
             return Vec::new();
@@ -68,7 +69,11 @@ impl Core {
         if !peer.config.one_hop || peer.config.shared_memory.is_none() {
             return Vec::new();
         }
-        peer.device_exports
+        if peer.device_exports.len() > MAX_ADVERTISED_DEVICE_REGIONS {
+            return Vec::new();
+        }
+        let mut adverts: Vec<DeviceRegionAdvert> = peer
+            .device_exports
             .iter()
             .filter_map(|(id, export)| {
                 let region = self.regions.get(*id).ok()?;
@@ -81,8 +86,9 @@ impl Core {
                     export: export.clone(),
                 })
             })
-            .take(MAX_DEVICE_REGIONS)
-            .collect()
+            .collect();
+        adverts.sort_unstable_by_key(|a| a.id);
+        adverts
     }
 
     /// Where one-hop operation `op`'s keys land: per key (in request order),

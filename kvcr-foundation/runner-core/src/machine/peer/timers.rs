@@ -99,15 +99,19 @@ impl Core {
         let Some(peer) = self.peer.as_ref() else {
             return;
         };
-        let mut waiting: Vec<ControlEndpoint> = peer
+        // Every tick, over every op: distinct sources first (few), then
+        // their names once each (a sort keyed by the name would format it
+        // per comparison: with thousands of ops waiting, whole milliseconds
+        // of the peer thread's turn).
+        let distinct: HashSet<&ControlEndpoint> = peer
             .target
             .ops
             .values()
             .filter(|o| o.state == TargetState::AwaitingAck)
-            .map(|o| o.source.clone())
+            .map(|o| &o.source)
             .collect();
-        waiting.sort_unstable_by_key(ToString::to_string);
-        waiting.dedup();
+        let mut waiting: Vec<ControlEndpoint> = distinct.into_iter().cloned().collect();
+        waiting.sort_by_cached_key(ToString::to_string);
         for source in waiting {
             self.ensure_metadata(now, &source);
         }

@@ -4,6 +4,7 @@
 //! many seeds with their invariants and coverage.
 
 use super::*;
+use crate::machine::MAX_ADVERTISED_DEVICE_REGIONS;
 use crate::sim::device::{DEVICE, DeviceCoverage, DeviceWorld, SOURCE_PORT, TARGET_PORT};
 use kvcr_contracts::protocol::DeviceRegionAdvert;
 
@@ -199,6 +200,141 @@ fn device_regions_the_driver_cannot_open_are_never_written() {
     let (put, done) = served(core);
     assert!(put.is_none());
     assert_eq!(done, Some(Vec::new()));
+}
+
+/// Metadata as [`device_metadata`] (shared memory offered) with `regions`
+/// device regions of 8 pages each, as an engine's per-layer K and V pools.
+fn per_layer_metadata(regions: usize) -> Body {
+    let Body::TargetMetadata {
+        worker_address,
+        regions: pools,
+        shared_memory,
+        device_regions,
+        ..
+    } = device_metadata(true, BLOCK, 8)
+    else {
+        unreachable!("device_metadata() builds TargetMetadata")
+    };
+    let template = device_regions[0].clone();
+    let device_regions = (0..regions as u64)
+        .map(|i| DeviceRegionAdvert {
+            id: RegionId(100 + i as u32),
+            base: DEVICE + i * (8 * BLOCK),
+            ..template.clone()
+        })
+        .collect();
+    Body::TargetMetadata {
+        worker_address,
+        regions: pools,
+        shared_memory,
+        doorbell: None,
+        device_regions,
+    }
+}
+
+/// A target whose engine keeps each layer's K and V apart (a 64-layer
+/// model: 128 device regions, past the bound on pool regions) gets the
+/// one-hop route: every region is opened and the ack offers it. More than
+/// a source opens for one target is not a refusal of the route: it is
+/// acknowledged, in two hops (counted), so its writes are served.
+#[rstest::rstest]
+#[case::per_layer_pools(128, true)]
+#[case::the_most_opened(MAX_ADVERTISED_DEVICE_REGIONS, true)]
+#[case::more_than_opened(MAX_ADVERTISED_DEVICE_REGIONS + 1, false)]
+fn many_device_regions_are_opened_or_acked_in_two_hops(
+    #[case] regions: usize,
+    #[case] one_hop: bool,
+) {
+    let (sim, _, asked, acks) = routed_source(per_layer_metadata(regions), true);
+    let counters = sim.sources[0].core.peer_counters();
+    assert_eq!(counters.refused, 0, "the metadata is not refused");
+    assert_eq!(asked, if one_hop { regions } else { 0 });
+    assert_eq!(counters.one_hop_refused, u64::from(!one_hop));
+    assert!(
+        matches!(
+            acks.as_slice(),
+            [Body::TargetMetadataAck { device, .. }] if *device == one_hop
+        ),
+        "{acks:?}"
+    );
+}
+
+/// The metadata a target with `regions` exported device regions sends
+/// the source its deliver names.
+fn target_metadata_with(regions: u64) -> Body {
+    let (mut target, ns) = crate::sim::node::new_core_with(
+        0x1000_0000,
+        TARGET_PORT,
+        0x7,
+        Tiers::DRAM_ONLY,
+        |c| {
+            c.shared_memory = Some(SharedMemoryAdvert {
+                boot_id: [1; 16],
+                pid_namespace: 1,
+                pid: 1,
+                segments: Vec::new(),
+            });
+        },
+    );
+    // Registered in reverse address order: the advert is in id order anyway.
+    let ids: Vec<RegionId> = (0..regions)
+        .rev()
+        .map(|i| {
+            let desc = RegionDesc {
+                label: format!("kv:gpu{i}"),
+                base: DEVICE + i * 8 * BLOCK,
+                size: BLOCK,
+                stride: 0,
+                count: 8,
+            };
+            let id = target
+                .register_region_in(desc, RegionMemory::Device)
+                .unwrap();
+            target.set_device_export(id, vec![0xe5; 16]).unwrap();
+            id
+        })
+        .collect();
+    let request = RequestId("r".into());
+    let hint = FetchHint {
+        source: endpoint(SOURCE_PORT),
+        block_hashes: vec![BlockKey::from_u64(1)],
+        mode: FetchMode::Copy,
+        action_id: None,
+    };
+    target.submit_hint(0, request.clone(), &hint);
+    let entry = DeliverEntry {
+        key: scoped(ns, 1),
+        destinations: vec![ElementRef {
+            region: ids[0],
+            index: 0,
+        }],
+    };
+    target.deliver(0, vec![entry], Some(&request)).unwrap();
+    std::iter::from_fn(|| target.poll_action())
+        .find_map(|action| match action {
+            Action::Send { message, .. } if matches!(message.body, Body::TargetMetadata { .. }) => {
+                Some(message.body)
+            }
+            _ => None,
+        })
+        .expect("the deliver asks the source's route")
+}
+
+/// A target advertises each exported device region once, in id order, up
+/// to what a source opens for one target; with more it advertises none, so
+/// every deliver takes two hops rather than some.
+#[rstest::rstest]
+#[case::per_layer_pools(128, 128)]
+#[case::more_than_opened(MAX_ADVERTISED_DEVICE_REGIONS as u64 + 1, 0)]
+fn a_target_advertises_its_device_regions_in_order_or_none(
+    #[case] regions: u64,
+    #[case] advertised: usize,
+) {
+    let Body::TargetMetadata { device_regions, .. } = target_metadata_with(regions) else {
+        unreachable!("found as TargetMetadata")
+    };
+    assert_eq!(device_regions.len(), advertised);
+    assert!(device_regions.windows(2).all(|w| w[0].id < w[1].id));
 }
 
 /// Without faults, a device deliver goes in one hop: the source writes the

@@ -23,16 +23,21 @@ impl Core {
         let target = header.sender_endpoint.clone();
         // Device regions mean something only beside shared memory (a
         // same-host offer) and with one hop on here; otherwise they are
-        // dropped unread (the driver is never asked to open them).
-        let device_regions = if peer.config.one_hop && shared_memory.is_some() {
-            device_regions
-        } else {
+        // dropped unread (the driver is never asked to open them). More
+        // than we open for one target: the route is still served, in two
+        // hops (counted), never left unacknowledged.
+        let offered = peer.config.one_hop && shared_memory.is_some();
+        let device_regions = if !offered {
             Vec::new()
+        } else if device_regions.len() > MAX_ADVERTISED_DEVICE_REGIONS {
+            peer.counters.one_hop_refused += 1;
+            Vec::new()
+        } else {
+            device_regions
         };
         let oversized = regions.len() > MAX_ADVERTISED_REGIONS
             || worker_address.len() > MAX_WORKER_ADDRESS_LEN
-            || regions.iter().any(|r| r.rkey.len() > MAX_RKEY_LEN)
-            || device_regions.len() > MAX_ADVERTISED_REGIONS;
+            || regions.iter().any(|r| r.rkey.len() > MAX_RKEY_LEN);
         if oversized {
             // Nothing of it is kept or handed to UCX, and it is not
             // acknowledged: the target's writes wait and fail by deadline.
