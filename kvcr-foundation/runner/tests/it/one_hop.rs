@@ -277,6 +277,108 @@ impl Target {
     }
 }
 
+/// Regions of an engine that keeps each layer's K and V apart: a 64-layer
+/// model's page is 128 spans, one per device region.
+const LAYER_REGIONS: usize = 128;
+
+/// A target whose "device" pool is `LAYER_REGIONS` regions of `elements`
+/// spans each (a page is one span of every region, in region order), as a
+/// per-layer engine registers it; the regions and their buffers' bases.
+fn per_layer_target(
+    elements: u64,
+) -> (Runner, Arc<MemfdCopier>, NamespaceId, Vec<(RegionId, u64)>) {
+    // Its own pool's blocks are spans too, as the direct linker's are.
+    let span = (BLOCK / LAYER_REGIONS) as u64;
+    let config = RunnerConfig {
+        operation_timeout: Duration::from_secs(5),
+        ..RunnerConfig::single_pool("kv", span, 16 * LAYER_REGIONS as u32)
+    };
+    let runner = Runner::start_with_peers(config, None, &options()).unwrap();
+    let copier = Arc::new(MemfdCopier::default());
+    runner
+        .pools()
+        .set_device_copier(Arc::clone(&copier) as Arc<dyn DeviceCopier>)
+        .unwrap();
+    let ns = runner.register_namespace(namespace());
+    let regions = (0..LAYER_REGIONS)
+        .map(|layer| {
+            let base = copier.alloc((span * elements) as usize);
+            // SAFETY: (test) the buffer lives in the copier, which the
+            // runner keeps until it is dropped; nothing touches it in flight.
+            let region = unsafe {
+                runner.register_device_region(RegionDesc {
+                    label: format!("kv:gpu{layer}"),
+                    base,
+                    size: span,
+                    stride: 0,
+                    count: elements,
+                })
+            }
+            .unwrap();
+            (region, base)
+        })
+        .collect();
+    (runner, copier, ns, regions)
+}
+
+/// A pool split per layer (128 device regions, twice the bound on a
+/// target's pool regions) still takes the one-hop route: the source opens
+/// every region and writes each page's 128 spans into their own regions,
+/// byte-exact, nothing stopping in the target's KVCR DRAM. (A source once
+/// left such metadata unacknowledged, and every restore from it waited out
+/// its deadline.)
+#[test]
+fn a_pool_split_per_layer_restores_in_one_hop() {
+    let _serial = crate::serial();
+    let source = Source::spawn("one-pass");
+    let (mut runner, copier, ns, regions) = per_layer_target(4);
+    let keys = [1u64, 2, 3];
+    let request = RequestId("per-layer".into());
+    let hint = FetchHint {
+        source: source.endpoint.clone(),
+        block_hashes: keys.iter().map(|k| BlockKey::from_u64(*k)).collect(),
+        mode: FetchMode::Copy,
+        action_id: None,
+    };
+    runner.hints().submit(request.clone(), &hint);
+    let entries = keys
+        .iter()
+        .enumerate()
+        .map(|(slot, k)| DeliverEntry {
+            key: key(ns, *k),
+            destinations: regions
+                .iter()
+                .map(|(region, _)| ElementRef {
+                    region: *region,
+                    index: slot as u64,
+                })
+                .collect(),
+        })
+        .collect();
+    let op = runner.hints().deliver(&request, entries).unwrap();
+    let result = wait_op(&mut runner, op);
+    assert_eq!(statuses(&result), vec![EntryStatus::Success; keys.len()]);
+    let span = BLOCK / LAYER_REGIONS;
+    for (slot, k) in keys.iter().enumerate() {
+        let page = page(*k);
+        for (layer, (_, base)) in regions.iter().enumerate() {
+            let at = base + (slot * span) as u64;
+            assert_eq!(
+                copier.read(at, span as u64).as_deref(),
+                Some(&page[layer * span..(layer + 1) * span]),
+                "key {k}, layer region {layer}"
+            );
+        }
+    }
+    let counters = runner.peers().stats().counters;
+    assert_eq!(
+        (counters.one_hop_pages, counters.one_hop_fallbacks),
+        (3, 0),
+        "{counters:?}"
+    );
+    assert_eq!(runner.pools().resident_blocks(), 0, "nothing in KVCR DRAM");
+}
+
 /// A source in another process writes the pages straight into the target's
 /// device elements: byte-exact, counted as one-hop pages, and nothing of
 /// them ever lands in the target's KVCR DRAM (its pool stays empty). The

@@ -262,20 +262,15 @@ fn many_device_regions_are_opened_or_acked_in_two_hops(
 /// The metadata a target with `regions` exported device regions sends
 /// the source its deliver names.
 fn target_metadata_with(regions: u64) -> Body {
-    let (mut target, ns) = crate::sim::node::new_core_with(
-        0x1000_0000,
-        TARGET_PORT,
-        0x7,
-        Tiers::DRAM_ONLY,
-        |c| {
+    let (mut target, ns) =
+        crate::sim::node::new_core_with(0x1000_0000, TARGET_PORT, 0x7, Tiers::DRAM_ONLY, |c| {
             c.shared_memory = Some(SharedMemoryAdvert {
                 boot_id: [1; 16],
                 pid_namespace: 1,
                 pid: 1,
                 segments: Vec::new(),
             });
-        },
-    );
+        });
     // Registered in reverse address order: the advert is in id order anyway.
     let ids: Vec<RegionId> = (0..regions)
         .rev()
