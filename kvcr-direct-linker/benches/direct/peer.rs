@@ -228,10 +228,11 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
                 let counters = linker.runner().peers().stats().counters;
                 progress(
                     &format!(
-                        "dest {rank} {mode}: restoring; {} events, {} one-hop writes, {} pages",
+                        "dest {rank} {mode}: restoring; {} events, {} one-hop writes, {} pages, metadata resent {} times",
                         events.len(),
                         counters.one_hop_writes,
-                        counters.one_hop_pages
+                        counters.one_hop_pages,
+                        counters.metadata_resent
                     ),
                     began,
                 );

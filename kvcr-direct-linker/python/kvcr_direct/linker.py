@@ -248,7 +248,8 @@ class DirectLinker:
         ``digest_mismatches``, and how device restores went:
         ``one_hop_writes``, ``one_hop_pages`` (landed in the GPU straight from
         a same-host source's KVCR DRAM, checked there), ``one_hop_fallbacks``
-        (through this rank's KVCR DRAM), ``one_hop_refused``."""
+        (through this rank's KVCR DRAM), ``one_hop_refused``, and
+        ``metadata_resent`` (a source that stays silent towards us)."""
         return self._native.peer_stats()
 
     def stores(self, namespace, key):

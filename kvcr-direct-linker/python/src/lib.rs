@@ -559,6 +559,7 @@ impl PyDirectLinker {
             ("one_hop_pages", c.one_hop_pages),
             ("one_hop_fallbacks", c.one_hop_fallbacks),
             ("one_hop_refused", c.one_hop_refused),
+            ("metadata_resent", c.metadata_resent),
         ] {
             out.set_item(name, value)?;
         }

@@ -81,6 +81,12 @@ pub struct PeerCounters {
     pub dead_ignored: u64,
     /// (Target role) quarantined ops probed again on a fresh metadata ack.
     pub reprobes: u64,
+    /// (Target role) metadata sent again to a source that had not
+    /// acknowledged it within `metadata_retry_ns`. Growing while restores
+    /// wait: the source is silent towards us (over its route budget, or
+    /// refusing what we advertise), and those restores end at their
+    /// deadlines.
+    pub metadata_resent: u64,
     /// (Target role) keys a source reported landed whose bytes did not
     /// match the page digest that came with them: failed, never served.
     pub digest_mismatches: u64,
@@ -96,8 +102,9 @@ pub struct PeerCounters {
     /// Target: device-deliver keys sent through KVCR DRAM (two hops)
     /// because their source did not offer the one-hop route.
     pub one_hop_fallbacks: u64,
-    /// Source: routes whose device regions the driver could not open
-    /// (acknowledged without the one-hop route).
+    /// Source: routes whose device regions the driver could not open, or
+    /// more than it opens for one target (acknowledged without the one-hop
+    /// route).
     pub one_hop_refused: u64,
 }
 

@@ -93,8 +93,9 @@ impl Core {
 
     /// A source that refused our metadata (over its route budget) says
     /// nothing: sources that operations still wait on for an acknowledgement
-    /// get it again (at most every `metadata_retry_ns`), so a fetch is
-    /// served once the source's budget allows, not only the next one.
+    /// (a fetch's write, or a device deliver held for the route's answer)
+    /// get it again (at most every `metadata_retry_ns`), so they are served
+    /// once the source's budget allows, not only the next request.
     fn resend_unacknowledged_metadata(&mut self, now: u64) {
         let Some(peer) = self.peer.as_ref() else {
             return;
@@ -109,6 +110,7 @@ impl Core {
             .values()
             .filter(|o| o.state == TargetState::AwaitingAck)
             .map(|o| &o.source)
+            .chain(peer.target.route_waits.iter().map(|w| &w.source))
             .collect();
         let mut waiting: Vec<ControlEndpoint> = distinct.into_iter().cloned().collect();
         waiting.sort_by_cached_key(ToString::to_string);

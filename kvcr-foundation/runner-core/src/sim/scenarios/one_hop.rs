@@ -259,9 +259,9 @@ fn many_device_regions_are_opened_or_acked_in_two_hops(
     );
 }
 
-/// The metadata a target with `regions` exported device regions sends
-/// the source its deliver names.
-fn target_metadata_with(regions: u64) -> Body {
+/// A target with `regions` exported device regions that has just asked
+/// the source its deliver names for a route, and the metadata it sent.
+fn asking_target(regions: u64) -> (Core, Body) {
     let (mut target, ns) =
         crate::sim::node::new_core_with(0x1000_0000, TARGET_PORT, 0x7, Tiers::DRAM_ONLY, |c| {
             c.shared_memory = Some(SharedMemoryAdvert {
@@ -305,14 +305,44 @@ fn target_metadata_with(regions: u64) -> Body {
         }],
     };
     target.deliver(0, vec![entry], Some(&request)).unwrap();
-    std::iter::from_fn(|| target.poll_action())
-        .find_map(|action| match action {
-            Action::Send { message, .. } if matches!(message.body, Body::TargetMetadata { .. }) => {
-                Some(message.body)
-            }
-            _ => None,
-        })
-        .expect("the deliver asks the source's route")
+    let metadata = sent_metadata(&mut target).expect("the deliver asks the source's route");
+    (target, metadata)
+}
+
+/// The metadata among what `core` sends now, if any.
+fn sent_metadata(core: &mut Core) -> Option<Body> {
+    std::iter::from_fn(|| core.poll_action()).find_map(|action| match action {
+        Action::Send { message, .. } if matches!(message.body, Body::TargetMetadata { .. }) => {
+            Some(message.body)
+        }
+        _ => None,
+    })
+}
+
+/// A source that stays silent is asked again every `metadata_retry_ns`,
+/// and each time is counted (`metadata_resent`: what shows a route that
+/// never forms); once it acknowledges, the asking stops.
+#[test]
+fn metadata_a_source_leaves_unacknowledged_is_resent_and_counted() {
+    let (mut target, _) = asking_target(1);
+    // The sim's nodes retry every tenth of an operation timeout.
+    let retry = TIMEOUT / 10;
+    target.handle_tick(retry / 2);
+    assert!(sent_metadata(&mut target).is_none(), "not before the retry");
+    for round in 1..=3 {
+        target.handle_tick(round * retry);
+        assert!(sent_metadata(&mut target).is_some(), "round {round}");
+        assert_eq!(target.peer_counters().metadata_resent, round);
+    }
+    let ack = Body::TargetMetadataAck {
+        op_handle: None,
+        one_copy: true,
+        device: true,
+    };
+    target.handle_message(3 * retry, from(SOURCE_PORT, 21, ack));
+    target.handle_tick(10 * retry);
+    assert!(sent_metadata(&mut target).is_none(), "acknowledged");
+    assert_eq!(target.peer_counters().metadata_resent, 3);
 }
 
 /// A target advertises each exported device region once, in id order, up
@@ -325,7 +355,8 @@ fn a_target_advertises_its_device_regions_in_order_or_none(
     #[case] regions: u64,
     #[case] advertised: usize,
 ) {
-    let Body::TargetMetadata { device_regions, .. } = target_metadata_with(regions) else {
+    let (_, metadata) = asking_target(regions);
+    let Body::TargetMetadata { device_regions, .. } = metadata else {
         unreachable!("found as TargetMetadata")
     };
     assert_eq!(device_regions.len(), advertised);

@@ -91,7 +91,11 @@ impl Core {
         if !due {
             return;
         }
+        let resent = state.last_metadata_ns.is_some();
         state.last_metadata_ns = Some(now);
+        if resent {
+            peer.counters.metadata_resent += 1;
+        }
         let worker_address = peer.config.worker_address.clone();
         let shared_memory = peer.config.shared_memory.clone();
         let regions = self.advertised_regions();
