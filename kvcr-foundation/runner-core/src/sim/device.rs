@@ -126,6 +126,16 @@ pub(super) struct DeviceWorld {
     pub(super) seen: DeviceCoverage,
 }
 
+/// A router hint naming the device world's source for `keys`.
+pub(super) fn source_hint(keys: &[u64]) -> FetchHint {
+    FetchHint {
+        source: endpoint(SOURCE_PORT),
+        block_hashes: keys.iter().map(|k| BlockKey::from_u64(*k)).collect(),
+        mode: FetchMode::Copy,
+        action_id: None,
+    }
+}
+
 impl DeviceWorld {
     pub(super) fn new(seed: u64) -> Self {
         let (mut target, ns) = new_core_with(
@@ -206,13 +216,8 @@ impl DeviceWorld {
     pub(super) fn request(&mut self, keys: Vec<u64>) {
         let request = RequestId(format!("r{}", self.next_request));
         self.next_request += 1;
-        let hint = FetchHint {
-            source: endpoint(SOURCE_PORT),
-            block_hashes: keys.iter().map(|k| BlockKey::from_u64(*k)).collect(),
-            mode: FetchMode::Copy,
-            action_id: None,
-        };
-        self.target.submit_hint(self.now, request.clone(), &hint);
+        self.target
+            .submit_hint(self.now, request.clone(), &source_hint(&keys));
         let at = self.now + self.rng.below(TIMEOUT / 2);
         self.pending.push((at, request, keys));
     }

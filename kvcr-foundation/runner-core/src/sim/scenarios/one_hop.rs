@@ -5,7 +5,9 @@
 
 use super::*;
 use crate::machine::MAX_ADVERTISED_DEVICE_REGIONS;
-use crate::sim::device::{DEVICE, DeviceCoverage, DeviceWorld, SOURCE_PORT, TARGET_PORT};
+use crate::sim::device::{
+    DEVICE, DeviceCoverage, DeviceWorld, SOURCE_PORT, TARGET_PORT, source_hint,
+};
 use kvcr_contracts::protocol::DeviceRegionAdvert;
 
 const DEVICE_REGION: RegionId = RegionId(5);
@@ -290,12 +292,7 @@ fn asking_target(regions: u64) -> (Core, Body) {
         })
         .collect();
     let request = RequestId("r".into());
-    let hint = FetchHint {
-        source: endpoint(SOURCE_PORT),
-        block_hashes: vec![BlockKey::from_u64(1)],
-        mode: FetchMode::Copy,
-        action_id: None,
-    };
+    let hint = source_hint(&[1]);
     target.submit_hint(0, request.clone(), &hint);
     let entry = DeliverEntry {
         key: scoped(ns, 1),
@@ -394,12 +391,7 @@ fn a_one_hop_deliver_past_its_deadline_waits_for_proof() {
     // The route is up and acked with the one-hop route: deliver by hand.
     let ns = world.ns;
     let request = RequestId("held".into());
-    let hint = FetchHint {
-        source: endpoint(SOURCE_PORT),
-        block_hashes: vec![BlockKey::from_u64(6)],
-        mode: FetchMode::Copy,
-        action_id: None,
-    };
+    let hint = source_hint(&[6]);
     let now = world.now;
     world.target.submit_hint(now, request.clone(), &hint);
     let entry = DeliverEntry {
@@ -476,12 +468,7 @@ fn only_the_writes_own_source_reports_its_lead() {
     let _ = world.target.drain_leads_landed();
     let ns = world.ns;
     let request = RequestId("led".into());
-    let hint = FetchHint {
-        source: endpoint(SOURCE_PORT),
-        block_hashes: vec![BlockKey::from_u64(5)],
-        mode: FetchMode::Copy,
-        action_id: None,
-    };
+    let hint = source_hint(&[5]);
     let now = world.now;
     world.target.submit_hint(now, request.clone(), &hint);
     let entry = DeliverEntry {
@@ -569,12 +556,7 @@ fn a_deliver_before_the_routes_ack_waits_for_it(#[case] ack: Option<bool>) {
     let mut world = quiet_world();
     let ns = world.ns;
     let request = RequestId("early".into());
-    let hint = FetchHint {
-        source: endpoint(SOURCE_PORT),
-        block_hashes: vec![BlockKey::from_u64(2), BlockKey::from_u64(3)],
-        mode: FetchMode::Copy,
-        action_id: None,
-    };
+    let hint = source_hint(&[2, 3]);
     let now = world.now;
     world.target.submit_hint(now, request.clone(), &hint);
     let entries = [2, 3]
