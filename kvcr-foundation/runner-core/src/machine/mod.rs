@@ -362,6 +362,17 @@ struct Job {
     lead_landed: bool,
 }
 
+impl Job {
+    /// A job of `op` over `keys`, its lead not yet landed.
+    fn new(op: OpHandle, keys: Vec<JobKey>) -> Self {
+        Self {
+            op,
+            keys,
+            lead_landed: false,
+        }
+    }
+}
+
 /// Counters the core keeps.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct CoreCounters {

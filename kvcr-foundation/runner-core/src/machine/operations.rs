@@ -470,14 +470,7 @@ impl Core {
         if let Some(o) = self.ops.get_mut(&op) {
             o.jobs += 1;
         }
-        self.jobs.insert(
-            job,
-            Job {
-                op,
-                keys,
-                lead_landed: false,
-            },
-        );
+        self.jobs.insert(job, Job::new(op, keys));
         self.actions.push_back(Action::Copy {
             job,
             deadline_ns,

@@ -221,14 +221,7 @@ impl Core {
             o.jobs += 1;
         }
         let digests = keys.iter().map(|k| self.g3_read_digest(k)).collect();
-        self.jobs.insert(
-            job,
-            Job {
-                op,
-                keys,
-                lead_landed: false,
-            },
-        );
+        self.jobs.insert(job, Job::new(op, keys));
         self.actions.push_back(Action::G3 {
             job,
             deadline_ns,

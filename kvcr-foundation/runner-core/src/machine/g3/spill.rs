@@ -87,14 +87,7 @@ impl Core {
             .into_iter()
             .map(|(record, transfers)| (JobKey::Spill { record }, transfers))
             .unzip();
-        self.jobs.insert(
-            job,
-            Job {
-                op: BACKGROUND,
-                keys,
-                lead_landed: false,
-            },
-        );
+        self.jobs.insert(job, Job::new(BACKGROUND, keys));
         let digests = vec![None; transfers.len()];
         self.actions.push_back(Action::G3 {
             job,
