@@ -72,8 +72,8 @@ impl Core {
         if peer.device_exports.len() > MAX_ADVERTISED_DEVICE_REGIONS {
             return Vec::new();
         }
-        let mut adverts: Vec<DeviceRegionAdvert> = peer
-            .device_exports
+        // The exports are keyed by region id: the adverts come in id order.
+        peer.device_exports
             .iter()
             .filter_map(|(id, export)| {
                 let region = self.regions.get(*id).ok()?;
@@ -86,9 +86,7 @@ impl Core {
                     export: export.clone(),
                 })
             })
-            .collect();
-        adverts.sort_unstable_by_key(|a| a.id);
-        adverts
+            .collect()
     }
 
     /// Where one-hop operation `op`'s keys land: per key (in request order),

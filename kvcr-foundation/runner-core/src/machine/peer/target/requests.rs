@@ -105,9 +105,8 @@ impl Core {
             .as_mut()
             .and_then(|p| p.target.sources.get_mut(source))
         {
-            let mut ids: Vec<RegionId> = device_regions.iter().map(|d| d.id).collect();
-            ids.sort_unstable();
-            state.device_advertised = ids;
+            // In id order, as the adverts are.
+            state.device_advertised = device_regions.iter().map(|d| d.id).collect();
         }
         self.send(
             source.clone(),
