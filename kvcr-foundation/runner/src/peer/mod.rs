@@ -225,6 +225,10 @@ struct State {
     /// One-copy writes on the lanes whose pages are checked as they are
     /// copied (their `write_done` says so when they end well).
     checked_in_copy: HashSet<u64>,
+    /// One-hop completions taken from the control channel this turn, whose
+    /// device bytes are hashed together before anything else reaches the
+    /// core ([`State::check_device_landings`]).
+    device_landings: Vec<landing::DeviceLanding>,
     /// Whether we post requests to our sources' mailboxes
     /// ([`PeerOptions::request_mailbox`]).
     request_mailbox: bool,
@@ -303,7 +307,25 @@ impl State {
     /// One item from the control channel: a message for the core, or a
     /// session that ended.
     fn on_inbound(&mut self, item: Inbound, shared: &Arc<Shared>) {
-        match self.control.on_inbound(item) {
+        let event = self.control.on_inbound(item);
+        let event = match event {
+            Some(ChannelEvent::Message(message, session)) => {
+                match landing::device_landing(shared, message) {
+                    Ok(held) => {
+                        if let Body::WriteDone { op_handle, .. } = &held.message().body {
+                            self.doorbell.forget_op(*op_handle);
+                        }
+                        self.device_landings.push(held);
+                        return;
+                    }
+                    Err(message) => Some(ChannelEvent::Message(*message, session)),
+                }
+            }
+            other => other,
+        };
+        // Whatever came before this reaches the core first.
+        self.check_device_landings(shared);
+        match event {
             Some(ChannelEvent::Message(message, session)) => {
                 match &message.body {
                     Body::WriteDone { op_handle, .. } | Body::WriteRefused { op_handle } => {
@@ -382,6 +404,22 @@ impl State {
             Some(ChannelEvent::Stream(accepted)) => self.bind_out_stream(shared, accepted),
             None => {}
         }
+    }
+
+    /// Hashes the one-hop completions held this turn together (one kernel
+    /// launch: see [`landing::check_device_landings`]) and hands them to
+    /// the core in the order they came.
+    fn check_device_landings(&mut self, shared: &Arc<Shared>) {
+        if self.device_landings.is_empty() {
+            return;
+        }
+        let held = std::mem::take(&mut self.device_landings);
+        let checked = landing::check_device_landings(held);
+        shared.with_core_now(|core, now| {
+            for checked in checked {
+                checked.hand(core, now);
+            }
+        });
     }
 
     /// Runs one command; `Some(leak)` means stop.

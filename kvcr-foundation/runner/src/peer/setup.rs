@@ -145,6 +145,7 @@ impl State {
                 seal_streams: options.stream_sealing.sealed(options.secret.is_some()),
                 landing_check: options.landing_check,
                 checked_in_copy: HashSet::new(),
+                device_landings: Vec::new(),
                 endpoint: endpoint_for_streams,
                 stream_limits: (
                     options.limits.handshake_timeout,

@@ -405,6 +405,7 @@ impl State {
             item = self.inbound.recv() => match item {
                 Some(item) => {
                     self.on_inbound(item, shared);
+                    self.check_device_landings(shared);
                     Woken::Activity
                 }
                 None => Woken::Event,
@@ -482,6 +483,9 @@ impl State {
                 more = true;
                 self.on_inbound(item, shared);
             }
+            // The one-hop completions that came together are hashed
+            // together (a page takes one warp ~8 ms; a batch, about as long).
+            self.check_device_landings(shared);
             while let Ok(dialed) = self.streams_dialed.try_recv() {
                 more = true;
                 self.stream_dialed(dialed);
