@@ -142,6 +142,10 @@ pub(crate) fn tp2_source(rank: u32, pages: u32, tp: u32) {
     let mut line = String::new();
     while std::io::stdin().read_line(&mut line).is_ok_and(|n| n > 0) {
         if line.trim() == "CPU" {
+            // How many passes the one-hop writes took so far: the writes a
+            // pass takes together land their first layer together.
+            let passes = linker.runner().peers().control_stats().one_hop_passes;
+            println!("# source {rank}: {passes} one-hop copy passes so far");
             println!("CPU {}", super::one_hop::cpu_seconds());
         }
         line.clear();
@@ -254,10 +258,15 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
         check_shard(rank, pages, span, &buffers);
         let counters = linker.runner().peers().stats().counters;
         println!(
-            "# rank {rank} {mode}: {} one-hop writes, {} pages in one hop ({} checked on the GPU), {} sent through KVCR DRAM",
+            "# rank {rank} {mode}: {} one-hop writes, {} pages in one hop ({} checked on the GPU in {} launches), {} sent through KVCR DRAM",
             counters.one_hop_writes,
             counters.one_hop_pages,
             counters.one_hop_pages,
+            linker
+                .runner()
+                .peers()
+                .control_stats()
+                .device_check_launches,
             counters.one_hop_fallbacks
         );
         println!("RESULT 0 {total} {} {first_layer}", counters.one_hop_pages);

@@ -238,6 +238,10 @@ pub(crate) struct ControlStats {
     /// Doorbell records taken whose pages were checked in the source's copy
     /// and not read again (as a target).
     pub(crate) landings_checked_in_copy: AtomicU64,
+    /// Copy passes the one-hop writer ran (as a source; shared with it).
+    pub(crate) one_hop_passes: Arc<AtomicU64>,
+    /// Digest launches over one-hop completions (as a target).
+    pub(crate) device_check_launches: AtomicU64,
 }
 
 impl ControlStats {
@@ -255,6 +259,8 @@ impl ControlStats {
             pages_checked_in_copy: self.source_checks.checked.load(Ordering::Relaxed),
             pages_altered_at_source: self.source_checks.altered.load(Ordering::Relaxed),
             landings_checked_in_copy: self.landings_checked_in_copy.load(Ordering::Relaxed),
+            one_hop_passes: self.one_hop_passes.load(Ordering::Relaxed),
+            device_check_launches: self.device_check_launches.load(Ordering::Relaxed),
             doorbells_taken: self.doorbells_taken.load(Ordering::Relaxed),
             doorbells_refused: self.doorbells_refused.load(Ordering::Relaxed),
             write_messages_sent: self.write_messages_sent.load(Ordering::Relaxed),
@@ -317,6 +323,14 @@ pub struct ControlCounters {
     /// its copy, so they were not read again here
     /// ([`crate::LandingCheck::TrustCopyCheck`]).
     pub landings_checked_in_copy: u64,
+    /// Copy passes a source's one-hop writer ran: the writes queued
+    /// together go in one pass (layer 0 of all of them first), so a
+    /// restore's writes over fewer passes land their first layer sooner.
+    pub one_hop_passes: u64,
+    /// Device digest launches a target ran over one-hop completions: those
+    /// that came together share one (see `one_hop_writes` for how many
+    /// completions there were).
+    pub device_check_launches: u64,
     /// Doorbell records taken as a target: operations completed before
     /// their `write_done` arrived.
     pub doorbells_taken: u64,

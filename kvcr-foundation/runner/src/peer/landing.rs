@@ -247,50 +247,62 @@ impl DeviceLanding {
 }
 
 /// Hashes the device spans of every completion in `landings` with one
-/// launch and compares them, in order. The digest kernel walks each page on
-/// one warp, so a batch of pages takes about as long as one: checked one
-/// write at a time, the seed bench's 4-page writes of 16 MiB pages took
-/// ~8.7 ms each on an H200, 3.9 s for 30.4 GB the copy engines moved in
-/// 0.56 s. If the batch cannot be hashed together
-/// (another copier, a span the kernel refuses, a driver error), each
-/// completion is hashed alone, so one bad reply never fails another's keys.
-pub(crate) fn check_device_landings(landings: Vec<DeviceLanding>) -> Vec<Checked> {
-    let keyed: Vec<_> = landings.iter().map(DeviceLanding::keys).collect();
-    let copier = keyed.iter().flatten().map(|(c, _)| *c).next();
-    let together = keyed.iter().all(|k| match (k, copier) {
-        (Some((c, _)), Some(first)) => Arc::ptr_eq(c, first),
-        _ => false,
-    });
-    if together && let Some(copier) = copier {
-        let keys: Vec<&[CopySpan]> = keyed
+/// launch and compares them, in order; with how many launches it took. The
+/// digest kernel walks each page on one warp, so a batch of pages takes
+/// about as long as one: checked one write at a time, the seed bench's
+/// 4-page writes of 16 MiB pages took ~8.7 ms each on an H200, 3.9 s for
+/// 30.4 GB the copy engines moved in 0.56 s. A completion the batch cannot
+/// take (another copier) or a batch the copier refuses (a span the kernel
+/// cannot walk, a driver error) is hashed completion by completion, so one
+/// bad reply never fails another's keys.
+pub(crate) fn check_device_landings(landings: Vec<DeviceLanding>) -> (Vec<Checked>, u64) {
+    let keyed: Vec<Option<DeviceKeys<'_>>> = landings.iter().map(DeviceLanding::keys).collect();
+    let mut found: Vec<Option<Vec<u64>>> = vec![None; keyed.len()];
+    let mut hashed = vec![false; keyed.len()];
+    let mut launches = 0;
+    if let Some(copier) = keyed.iter().flatten().map(|(c, _)| *c).next() {
+        let batch: Vec<usize> = keyed
             .iter()
-            .flatten()
-            .flat_map(|(_, spans)| spans.iter().map(Vec::as_slice))
+            .enumerate()
+            .filter(|(_, k)| k.as_ref().is_some_and(|(c, _)| Arc::ptr_eq(c, copier)))
+            .map(|(i, _)| i)
             .collect();
-        if let Ok(Some(found)) = copier.digest_device(&keys)
-            && found.len() == keys.len()
+        let spans = |i: usize| keyed.get(i).and_then(Option::as_ref).map(|(_, s)| s);
+        let keys: Vec<&[CopySpan]> = batch
+            .iter()
+            .filter_map(|&i| spans(i))
+            .flat_map(|s| s.iter().map(Vec::as_slice))
+            .collect();
+        launches += 1;
+        if let Ok(Some(all)) = copier.digest_device(&keys)
+            && all.len() == keys.len()
         {
             let mut at = 0;
-            let counts: Vec<usize> = keyed.iter().flatten().map(|(_, s)| s.len()).collect();
-            drop(keyed);
-            return landings
-                .into_iter()
-                .zip(counts)
-                .map(|(landing, count)| {
-                    let mine = found.get(at..at + count);
-                    at += count;
-                    landing.checked(mine)
-                })
-                .collect();
+            for &i in &batch {
+                let count = spans(i).map_or(0, Vec::len);
+                if let (Some(slot), Some(mine)) = (found.get_mut(i), all.get(at..at + count)) {
+                    *slot = Some(mine.to_vec());
+                }
+                if let Some(done) = hashed.get_mut(i) {
+                    *done = true;
+                }
+                at += count;
+            }
         }
     }
-    let found: Vec<Option<Vec<u64>>> = keyed.iter().map(hash_alone).collect();
+    for ((keys, found), hashed) in keyed.iter().zip(&mut found).zip(&hashed) {
+        if !hashed && keys.is_some() {
+            launches += 1;
+            *found = hash_alone(keys);
+        }
+    }
     drop(keyed);
-    landings
+    let checked = landings
         .into_iter()
         .zip(found)
         .map(|(landing, found)| landing.checked(found.as_deref()))
-        .collect()
+        .collect();
+    (checked, launches)
 }
 
 /// One completion's keys hashed by its copier alone.
@@ -617,7 +629,8 @@ mod tests {
                 }
             })
             .collect();
-        let checked = check_device_landings(landings);
+        let (checked, counted) = check_device_landings(landings);
+        assert_eq!(counted as usize, launches, "launches counted");
         assert_eq!(
             copier.launches.load(std::sync::atomic::Ordering::Relaxed),
             launches

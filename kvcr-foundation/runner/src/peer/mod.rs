@@ -414,7 +414,11 @@ impl State {
             return;
         }
         let held = std::mem::take(&mut self.device_landings);
-        let checked = landing::check_device_landings(held);
+        let (checked, launches) = landing::check_device_landings(held);
+        self.control
+            .stats
+            .device_check_launches
+            .fetch_add(launches, std::sync::atomic::Ordering::Relaxed);
         shared.with_core_now(|core, now| {
             for checked in checked {
                 checked.hand(core, now);

@@ -11,6 +11,7 @@
 //! queued writes) before the pools its copies read are unmapped.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 
@@ -67,6 +68,8 @@ pub(super) struct OneHopWriter {
     worker: Option<Worker>,
     /// This turn's writes, not yet handed over.
     turn: Vec<Job>,
+    /// Copy passes run (the runner's `one_hop_passes` counter).
+    passes: Arc<AtomicU64>,
 }
 
 struct Worker {
@@ -77,6 +80,16 @@ struct Worker {
 }
 
 impl OneHopWriter {
+    /// A writer counting its copy passes in `passes`; its thread starts
+    /// with the first write.
+    pub(super) fn new(passes: Arc<AtomicU64>) -> Self {
+        Self {
+            worker: None,
+            turn: Vec::new(),
+            passes,
+        }
+    }
+
     /// Queues a write's copies for this turn's hand-over; `leads` hears a
     /// write whose lead landed (while the rest copies), `done` hears
     /// `(write, ok)` once no copy of it can touch memory any more, in that
@@ -92,6 +105,7 @@ impl OneHopWriter {
             let (tx, rx) = mpsc::channel::<Vec<Job>>();
             let reports = done.clone();
             let leads = leads.clone();
+            let passes = Arc::clone(&self.passes);
             // Said from inside the copier's call, which holds its locks:
             // a message, never the core's lock (the runner's drop holds
             // that lock while it detaches the copier).
@@ -109,6 +123,7 @@ impl OneHopWriter {
                             }
                         }
                         for pass in jobs.chunks(MERGED_WRITES) {
+                            passes.fetch_add(1, Ordering::Relaxed);
                             for (write, ok) in copy_writes(pass, &lead_landed) {
                                 let _ = reports.send((write, ok));
                             }
@@ -533,7 +548,8 @@ mod tests {
         let (import, copier) = setup(1 << 10, u64::MAX);
         let (done_tx, mut done) = tokio::sync::mpsc::unbounded_channel();
         let (leads_tx, mut leads) = tokio::sync::mpsc::unbounded_channel();
-        let mut writer = OneHopWriter::default();
+        let passes = Arc::new(AtomicU64::new(0));
+        let mut writer = OneHopWriter::new(Arc::clone(&passes));
         for (id, pages) in [(1, 2), (2, 3), (3, 1)] {
             let job = led(id, pages, id * 100, &import, &copier, 1);
             assert!(writer.submit(job, &done_tx, &leads_tx));
@@ -551,6 +567,7 @@ mod tests {
         reported.sort_unstable();
         assert_eq!(reported, [1, 2, 3], "each lead, before the ends");
         assert_eq!(*copier.passes.lock().unwrap(), [6], "one pass");
+        assert_eq!(passes.load(Ordering::Relaxed), 1, "counted once");
         drop(writer);
         assert!(done.try_recv().is_err(), "each write reported once");
     }

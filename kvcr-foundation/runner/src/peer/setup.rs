@@ -120,6 +120,7 @@ impl State {
         )
         .map_err(|_| Error::runner(RunnerReason::CopyEngineStopped))?
         .counting_in(Arc::clone(&control.stats.source_checks));
+        let one_hop = super::one_hop::OneHopWriter::new(Arc::clone(&control.stats.one_hop_passes));
         let (lane_done_tx, lane_done) = mpsc::unbounded_channel();
         let (leads_landed_tx, leads_landed) = mpsc::unbounded_channel();
         let (streams_dialed_tx, streams_dialed) = mpsc::unbounded_channel();
@@ -158,7 +159,7 @@ impl State {
                 control,
                 inbound,
                 lanes,
-                one_hop: super::one_hop::OneHopWriter::default(),
+                one_hop,
                 lane_done_tx,
                 lane_done,
                 leads_landed_tx,

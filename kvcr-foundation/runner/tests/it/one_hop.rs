@@ -376,6 +376,14 @@ fn a_pool_split_per_layer_restores_in_one_hop() {
         (3, 0),
         "{counters:?}"
     );
+    // Every completion was hashed on the "device", at most one launch each
+    // (those that came together shared one).
+    let launches = runner.peers().control_stats().device_check_launches;
+    assert!(
+        (1..=counters.one_hop_writes).contains(&launches),
+        "{launches} launches for {} one-hop writes",
+        counters.one_hop_writes
+    );
     assert_eq!(runner.pools().resident_blocks(), 0, "nothing in KVCR DRAM");
 }
 
