@@ -11,6 +11,8 @@
 //! wheel it drives in mode A, and `run-model.sh`, which runs it with
 //! Qwen3-0.6B's geometry in bf16 on the GPU: mode A at TP=1 and TP=2, then
 //! mode B, then a probe of whether the device repeats one decode to the bit.
+//! And `run-seed.sh`: the seed's headline restore and the TP=2 restore, each
+//! watched for stalls, then the one-hop GPU tests.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -59,6 +61,38 @@ model=\"${KVCR_MODEL_ARGS:---geometry qwen3-0.6b --device cuda --dtype bfloat16}
 cd \"$here/python-tests\"\n\
 KVCR_TEST_GPU=1 PYTHONPATH=\"$site${PYTHONPATH:+:$PYTHONPATH}\" \\\n\
     exec \"$python\" -m pytest -q -p no:cacheprovider . \"$@\"\n";
+
+/// Runs on the GPU machine: issue 42's figures, each run watched so that a
+/// stall leaves evidence instead of a killed call.
+const RUN_SEED: &str = "#!/bin/sh\n\
+# Runs on the GPU machine: the seed's headline restore (direct-bench --bench\n\
+# --seed: TP=1, Qwen3-32B, 1812 pages, 30.4 GB), then both TP=2 ranks on this\n\
+# host (--tp2 1812), then the one-hop GPU tests. Each bench run is stopped\n\
+# after its limit in seconds (KVCR_SEED_LIMIT, default 150), first dumping\n\
+# every thread's stack of every bench process (gdb or cuda-gdb) beside its log\n\
+# in $OUT (default /tmp/kvcr-seed); symbolise against the unstripped bench in\n\
+# target/release/deps. Exit status: that of the tests.\n\
+cd \"$(dirname \"$0\")\"\n\
+out=\"${OUT:-/tmp/kvcr-seed}\"; mkdir -p \"$out\"\n\
+limit=\"${KVCR_SEED_LIMIT:-150}\"\n\
+gdb=$(command -v gdb || echo /usr/local/cuda/bin/cuda-gdb)\n\
+watched() {\n\
+  name=$1; shift\n\
+  ./direct-bench --bench \"$@\" > \"$out/$name.log\" 2>&1 &\n\
+  bench=$!; waited=0\n\
+  while kill -0 $bench 2>/dev/null && [ $waited -lt \"$limit\" ]; do sleep 1; waited=$((waited+1)); done\n\
+  if kill -0 $bench 2>/dev/null; then\n\
+    for p in $(pgrep -f direct-bench); do\n\
+      timeout 40 \"$gdb\" -batch -p \"$p\" -ex 'thread apply all bt 25' > \"$out/bt-$name-$p.txt\" 2>&1\n\
+    done\n\
+    pkill -9 -f direct-bench; echo \"$name: stopped after $limit s\" >> \"$out/$name.log\"\n\
+  fi\n\
+  wait\n\
+  grep -h 'BENCH\\|one-hop\\|round .* done' \"$out/$name.log\"\n\
+}\n\
+watched seed --seed\n\
+watched tp2 --tp2 1812\n\
+KVCR_TEST_GPU=1 ./direct-linker-tests --test-threads=1 one_hop\n";
 
 /// Runs on the GPU machine (Python >= 3.10 with torch and transformers, no
 /// package index): both wheels into a private folder, then the real-model
@@ -237,6 +271,7 @@ cd \"$(dirname \"$0\")\"\n\
 KVCR_TEST_GPU=1 ./direct-linker-tests --test-threads=1\n\
 ./direct-bench --bench \"$@\"\n";
     executable(&out.join("run.sh"), script)?;
+    executable(&out.join("run-seed.sh"), RUN_SEED)?;
     python_face(root, &out)?;
     model_harness(root, &out)?;
     let size: u64 = std::fs::read_dir(&out)?
@@ -245,7 +280,7 @@ KVCR_TEST_GPU=1 ./direct-linker-tests --test-threads=1\n\
         .sum();
     eprintln!(
         "xtask: GPU binaries, both wheels and the real-model harness in {} ({:.1} MiB); \
-         run target/gpu/run.sh, run-python.sh and run-model.sh on the GPU machine",
+         run target/gpu/run.sh, run-seed.sh, run-python.sh and run-model.sh on the GPU machine",
         out.display(),
         size as f64 / (1 << 20) as f64
     );
