@@ -168,11 +168,6 @@ pub(crate) fn device_landing(
 }
 
 impl DeviceLanding {
-    /// The completion.
-    pub(crate) fn message(&self) -> &Message {
-        &self.message
-    }
-
     /// The completed keys' device spans, as the copier hashes them; `None`:
     /// nothing can be hashed (no digests sent, or no device copier).
     fn keys(&self) -> Option<DeviceKeys<'_>> {
@@ -257,8 +252,9 @@ impl DeviceLanding {
 /// bad reply never fails another's keys.
 pub(crate) fn check_device_landings(landings: Vec<DeviceLanding>) -> (Vec<Checked>, u64) {
     let keyed: Vec<Option<DeviceKeys<'_>>> = landings.iter().map(DeviceLanding::keys).collect();
+    // Per completion, its keys' digests once hashed (a batch that ran
+    // fills every member's).
     let mut found: Vec<Option<Vec<u64>>> = vec![None; keyed.len()];
-    let mut hashed = vec![false; keyed.len()];
     let mut launches = 0;
     if let Some(copier) = keyed.iter().flatten().map(|(c, _)| *c).next() {
         let batch: Vec<usize> = keyed
@@ -283,15 +279,12 @@ pub(crate) fn check_device_landings(landings: Vec<DeviceLanding>) -> (Vec<Checke
                 if let (Some(slot), Some(mine)) = (found.get_mut(i), all.get(at..at + count)) {
                     *slot = Some(mine.to_vec());
                 }
-                if let Some(done) = hashed.get_mut(i) {
-                    *done = true;
-                }
                 at += count;
             }
         }
     }
-    for ((keys, found), hashed) in keyed.iter().zip(&mut found).zip(&hashed) {
-        if !hashed && keys.is_some() {
+    for (keys, found) in keyed.iter().zip(&mut found) {
+        if found.is_none() && keys.is_some() {
             launches += 1;
             *found = hash_alone(keys);
         }
@@ -322,10 +315,15 @@ fn check_device(shared: &Shared, message: Message) -> Result<Checked, Box<Messag
 /// Checks `message`'s landed bytes against the digests `sent` with it,
 /// taking the core's lock only to learn where they landed.
 pub(crate) fn check(shared: &Shared, message: Message, sent: Sent) -> Checked {
-    let message = match check_device(shared, message) {
-        Ok(checked) => return checked,
-        Err(message) => *message,
-    };
+    match check_device(shared, message) {
+        Ok(checked) => checked,
+        Err(message) => check_in_memory(shared, *message, sent),
+    }
+}
+
+/// As [`check`], for a message known not to complete a one-hop operation
+/// (its bytes landed in our registered memory, if anywhere).
+pub(crate) fn check_in_memory(shared: &Shared, message: Message, sent: Sent) -> Checked {
     check_with(&shared.memory, message, sent, |op| {
         shared.lock().core.target_landing(op)
     })

@@ -308,13 +308,18 @@ impl State {
     /// session that ended.
     fn on_inbound(&mut self, item: Inbound, shared: &Arc<Shared>) {
         let event = self.control.on_inbound(item);
+        // An operation that ended, held below or not, is no longer watched
+        // for a doorbell record.
+        if let Some(ChannelEvent::Message(message, _)) = &event
+            && let Body::WriteDone { op_handle, .. } | Body::WriteRefused { op_handle } =
+                &message.body
+        {
+            self.doorbell.forget_op(*op_handle);
+        }
         let event = match event {
             Some(ChannelEvent::Message(message, session)) => {
                 match landing::device_landing(shared, message) {
                     Ok(held) => {
-                        if let Body::WriteDone { op_handle, .. } = &held.message().body {
-                            self.doorbell.forget_op(*op_handle);
-                        }
                         self.device_landings.push(held);
                         return;
                     }
@@ -328,9 +333,6 @@ impl State {
         match event {
             Some(ChannelEvent::Message(message, session)) => {
                 match &message.body {
-                    Body::WriteDone { op_handle, .. } | Body::WriteRefused { op_handle } => {
-                        self.doorbell.forget_op(*op_handle);
-                    }
                     // Whether the source reads the mailbox we post to.
                     Body::TargetMetadataAck { one_copy, .. } => {
                         self.doorbell
@@ -364,10 +366,14 @@ impl State {
                     _ => None,
                 };
                 // Landed bytes are hashed outside the core's lock, unless
-                // a source that maps our pools checked them in its copy.
+                // a source that maps our pools checked them in its copy (not
+                // a one-hop completion: `device_landing` held those).
                 let trust_copy_check = self.trusts_copy_check(&message.header.sender_endpoint);
-                let checked =
-                    landing::check(shared, message, landing::Sent::PerKey { trust_copy_check });
+                let checked = landing::check_in_memory(
+                    shared,
+                    message,
+                    landing::Sent::PerKey { trust_copy_check },
+                );
                 if checked.trusted_copy_check() {
                     self.control
                         .stats
