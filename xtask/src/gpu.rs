@@ -229,7 +229,9 @@ fn install(from: &Path, to: &Path) -> Result<()> {
 
 pub(crate) fn build(root: &Path) -> Result<()> {
     // The wheels need the venv's maturin and the harness SGLang's files: a
-    // fresh clone gets them here (idempotent, seconds when present).
+    // fresh clone gets them here (idempotent, seconds when present). The UCX
+    // binding needs the system packages first, as `cargo xtask test` does.
+    crate::setup::ensure_system_packages()?;
     crate::python::ensure_env(root)?;
     let out = root.join("target").join("gpu");
     std::fs::create_dir_all(&out)?;

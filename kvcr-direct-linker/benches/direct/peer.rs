@@ -147,6 +147,9 @@ pub(crate) fn tp2_source(rank: u32, pages: u32, tp: u32) {
             let passes = linker.runner().peers().control_stats().one_hop_passes;
             println!("# source {rank}: {passes} one-hop copy passes so far");
             println!("CPU {}", super::one_hop::cpu_seconds());
+        } else if line.trim() == "IMPORTS" {
+            let open = linker.runner().peers().control_stats().device_imports_open;
+            println!("IMPORTS {open}");
         }
         line.clear();
     }
@@ -207,7 +210,24 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
         let mut first_layer = 0.0;
         let mut events = Vec::new();
         let mut next_report = Duration::from_secs(10);
+        // When the checked one-hop pages first passed none, half and all
+        // (sampled every 5 ms: the counters take the runner's lock).
+        let mut marks = [None; 3];
+        let mut next_sample = Duration::ZERO;
         let landed = loop {
+            if t.elapsed() >= next_sample {
+                next_sample = t.elapsed() + Duration::from_millis(5);
+                let checked = linker.runner().peers().stats().counters.one_hop_pages;
+                for (mark, at) in
+                    marks
+                        .iter_mut()
+                        .zip([1, u64::from(pages).div_ceil(2), u64::from(pages)])
+                {
+                    if mark.is_none() && checked >= at {
+                        *mark = Some(t.elapsed().as_secs_f64() * 1e3);
+                    }
+                }
+            }
             let fresh = linker.poll();
             for e in &fresh {
                 if matches!(e, LinkerEvent::FirstLayerLanded { ticket: t, .. } if *t == ticket)
@@ -255,6 +275,15 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
             "rank {rank}: pipelined restore incomplete: {events:?}"
         );
         let total = t.elapsed().as_secs_f64();
+        let ms = |m: Option<f64>| m.map_or("-".to_owned(), |m| format!("{m:.0}"));
+        println!(
+            "# rank {rank} {mode}: pages checked in one hop: the first by {} ms, half by {} ms, all by {} ms; first layer {:.0} ms; done {:.0} ms",
+            ms(marks[0]),
+            ms(marks[1]),
+            ms(marks[2]),
+            first_layer * 1e3,
+            total * 1e3
+        );
         check_shard(rank, pages, span, &buffers);
         let counters = linker.runner().peers().stats().counters;
         println!(
@@ -487,6 +516,31 @@ pub(crate) fn tp2_peer_restore(gpus: &[(Arc<Device>, f64)], pages: u32, tp: u32)
             .collect();
         let wall = wall.elapsed().as_secs_f64();
         let cpu = source_cpu() - cpu_before;
+        // The destinations exit (reaped here), and each source closes its
+        // imports of their GPU pools when it hears their sessions end: the
+        // pools are freed only then, and the next round's destinations
+        // need the room (two copies of the shard do not fit an 80 GB card
+        // beside the source's own).
+        drop(dests);
+        let closing = Instant::now();
+        for (rank, s) in sources.iter_mut().enumerate() {
+            loop {
+                s.say("IMPORTS");
+                let open = s.expect("IMPORTS");
+                if open == "0" {
+                    break;
+                }
+                assert!(
+                    closing.elapsed() < Duration::from_secs(60),
+                    "{name}: source {rank} still holds {open} imports of a departed destination's GPU"
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        println!(
+            "# {name}: round {mode}: the sources closed every import {:.0} ms after the destinations exited",
+            closing.elapsed().as_secs_f64() * 1e3
+        );
         println!(
             "# {name}: round {mode} done: {wall:.3} s for every rank, per rank (fetched s, total s) {timings:?}, sources' CPU {cpu:.3} s"
         );

@@ -242,6 +242,8 @@ pub(crate) struct ControlStats {
     pub(crate) one_hop_passes: Arc<AtomicU64>,
     /// Digest launches over one-hop completions (as a target).
     pub(crate) device_check_launches: AtomicU64,
+    /// Targets' device regions open here now (as a source).
+    pub(crate) device_imports_open: Arc<AtomicU64>,
 }
 
 impl ControlStats {
@@ -261,6 +263,7 @@ impl ControlStats {
             landings_checked_in_copy: self.landings_checked_in_copy.load(Ordering::Relaxed),
             one_hop_passes: self.one_hop_passes.load(Ordering::Relaxed),
             device_check_launches: self.device_check_launches.load(Ordering::Relaxed),
+            device_imports_open: self.device_imports_open.load(Ordering::Relaxed),
             doorbells_taken: self.doorbells_taken.load(Ordering::Relaxed),
             doorbells_refused: self.doorbells_refused.load(Ordering::Relaxed),
             write_messages_sent: self.write_messages_sent.load(Ordering::Relaxed),
@@ -331,6 +334,12 @@ pub struct ControlCounters {
     /// that came together share one (see `one_hop_writes` for how many
     /// completions there were).
     pub device_check_launches: u64,
+    /// Same-host targets' device regions this source holds open now (the
+    /// one-hop route's imports). A gauge: each closes once its target's
+    /// session has ended and no copy through it is in flight, so a target
+    /// that went away leaves none behind (its GPU memory is freed only when
+    /// every importer has closed it).
+    pub device_imports_open: u64,
     /// Doorbell records taken as a target: operations completed before
     /// their `write_done` arrived.
     pub doorbells_taken: u64,

@@ -386,6 +386,8 @@ pub(crate) mod memfd {
         pub(crate) one_pass_imports: AtomicBool,
         /// How many one-pass copies ran.
         pub(crate) passes: std::sync::atomic::AtomicUsize,
+        /// Imports opened and not yet dropped (closed).
+        pub(crate) live_imports: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     }
 
     impl MemfdCopier {
@@ -501,7 +503,9 @@ pub(crate) mod memfd {
                 return Err(failed("the export is shorter than the region"));
             }
             let at = map.as_mut_ptr() as u64 + offset;
+            self.live_imports.fetch_add(1, Ordering::SeqCst);
             Ok(Box::new(MemfdImport {
+                live: std::sync::Arc::clone(&self.live_imports),
                 _map: map,
                 at,
                 len,
@@ -537,12 +541,20 @@ pub(crate) mod memfd {
 
     /// A peer's buffer mapped here.
     struct MemfdImport {
+        /// The copier's count of live imports, taken back on drop.
+        live: std::sync::Arc<std::sync::atomic::AtomicUsize>,
         _map: MmapMut,
         at: u64,
         len: u64,
         corrupt: bool,
         hang: bool,
         one_pass: bool,
+    }
+
+    impl Drop for MemfdImport {
+        fn drop(&mut self) {
+            self.live.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 
     impl DeviceImport for MemfdImport {

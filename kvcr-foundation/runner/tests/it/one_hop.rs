@@ -123,6 +123,10 @@ fn one_hop_source_process() {
                 TAG,
                 &format!("STATS {} {} {passes}", c.keys_sent, c.one_hop_refused),
             );
+        } else if line == "imports" {
+            let gauge = runner.peers().control_stats().device_imports_open;
+            let live = passes.live_imports.load(Ordering::SeqCst);
+            say(TAG, &format!("IMPORTS {gauge} {live}"));
         }
     }
     drop(runner);
@@ -162,6 +166,15 @@ impl Source {
 }
 
 impl Source {
+    /// `(the runner's device_imports_open gauge, imports the child's copier
+    /// holds open)`.
+    fn imports(&mut self) -> (u64, u64) {
+        self.process.command("imports");
+        let line = self.expect("IMPORTS");
+        let mut parts = line.split_whitespace().map(|p| p.parse::<u64>().unwrap());
+        (parts.next().unwrap(), parts.next().unwrap())
+    }
+
     /// SIGKILL and reap: the process is gone when this returns.
     fn kill(&mut self) {
         self.process.child.kill().unwrap();
@@ -568,4 +581,30 @@ fn a_source_that_cannot_import_falls_back_to_two_hops() {
     assert!(counters.one_hop_fallbacks >= 3, "{counters:?}");
     assert!(source.stats().1 >= 1, "the source counted its refusal");
     target.runner.check_invariants().unwrap();
+}
+
+/// A target that goes away takes its one-hop route with it: the source
+/// closes its import of every device region the target advertised (a GPU
+/// allocation is freed only once every process that imported it has closed
+/// it, so an import left open would hold a departed engine's KV pool), and
+/// its `device_imports_open` gauge says so.
+#[test]
+fn a_target_that_goes_away_leaves_no_import_open_at_the_source() {
+    let _serial = crate::serial();
+    let mut source = Source::spawn("one-pass");
+    let mut target = Target::start(16);
+    let from = source.endpoint.clone();
+    let warm = target.restore("warm", &from, &[0], 0);
+    assert_eq!(statuses(&warm), vec![EntryStatus::Success]);
+    assert_eq!(target.runner.peers().stats().counters.one_hop_pages, 1);
+    assert_eq!(
+        source.imports(),
+        (1, 1),
+        "the route opened the target's one device region"
+    );
+    drop(target);
+    // The source hears of the session's end on its own thread.
+    crate::processes::poll_until("the source to close its imports", || {
+        (source.imports() == (0, 0)).then_some(())
+    });
 }

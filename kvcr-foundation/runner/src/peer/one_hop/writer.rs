@@ -1,0 +1,646 @@
+//! The one-hop writer: the thread that copies one-hop writes from our KVCR
+//! DRAM into a target's imported device regions, and the schedule it
+//! follows ([`Stream`]).
+//!
+//! The schedule streams: each step first copies the lead spans (a
+//! layer-first page's layer 0) of every write that arrived since the last
+//! step, in one pass, and reports them landed; then it copies the rest of
+//! the oldest writes, at most [`CHUNK_BYTES`] in one pass, and reports
+//! those writes done. So a restore's first layer waits only for its writes
+//! to arrive, not for the writes before them to finish, and the target
+//! hears completions (and checks and commits them) while later bytes are
+//! still crossing, rather than all at the end.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, mpsc};
+use std::thread::JoinHandle;
+
+use kvcr_runner_core::CopySpan;
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::{Copies, Job};
+use crate::copy::device::{DeviceCopier, DeviceImport};
+use kvcr_contracts::protocol::RegionId;
+
+/// Most bytes one pass over the writes' remaining spans copies: about 20 ms
+/// at the PCIe rate, so a write that arrives meanwhile waits at most that
+/// long for its lead, and completions flow back every 20 ms or so. A pass
+/// costs one synchronisation (tens of microseconds).
+pub(super) const CHUNK_BYTES: u64 = 1 << 30;
+
+/// The thread that runs one-hop writes. The peer thread hands it each
+/// turn's writes together ([`OneHopWriter::flush`] at the turn's end): a
+/// deliver's writes arrive in one turn, so their leads go in one pass.
+#[derive(Default)]
+pub(in crate::peer) struct OneHopWriter {
+    worker: Option<Worker>,
+    /// This turn's writes, not yet handed over.
+    turn: Vec<Job>,
+    /// Copy passes run (the runner's `one_hop_passes` counter).
+    passes: Arc<AtomicU64>,
+}
+
+struct Worker {
+    tx: mpsc::Sender<Vec<Job>>,
+    /// Where a write the thread can no longer take is reported failed.
+    done: UnboundedSender<(u64, bool)>,
+    thread: JoinHandle<()>,
+}
+
+impl OneHopWriter {
+    /// A writer counting its copy passes in `passes`; its thread starts
+    /// with the first write.
+    pub(in crate::peer) fn new(passes: Arc<AtomicU64>) -> Self {
+        Self {
+            worker: None,
+            turn: Vec::new(),
+            passes,
+        }
+    }
+
+    /// Queues a write's copies for this turn's hand-over; `leads` hears a
+    /// write whose lead landed (while the rest copies), `done` hears
+    /// `(write, ok)` once no copy of it can touch memory any more, in that
+    /// order. `false` if the thread cannot be started (the write then
+    /// fails at once).
+    pub(super) fn submit(
+        &mut self,
+        job: Job,
+        done: &UnboundedSender<(u64, bool)>,
+        leads: &UnboundedSender<u64>,
+    ) -> bool {
+        if self.worker.is_none() {
+            let (tx, rx) = mpsc::channel::<Vec<Job>>();
+            let reports = done.clone();
+            let leads = leads.clone();
+            let passes = Arc::clone(&self.passes);
+            // Said from the writer's thread, never under the core's lock
+            // (the runner's drop holds that lock while it detaches the
+            // copier).
+            let spawned = std::thread::Builder::new()
+                .name("kvcr-one-hop".into())
+                .spawn(move || {
+                    let mut stream = Stream::new(CHUNK_BYTES);
+                    let mut said = Said {
+                        lead: &|write| {
+                            let _ = leads.send(write);
+                        },
+                        done: &|write, ok| {
+                            let _ = reports.send((write, ok));
+                        },
+                        passes: &passes,
+                    };
+                    loop {
+                        // Block only with nothing left to copy; otherwise
+                        // take what arrived and go on.
+                        let mut jobs = if stream.is_idle() {
+                            match rx.recv() {
+                                Ok(jobs) => jobs,
+                                Err(_) => break,
+                            }
+                        } else {
+                            Vec::new()
+                        };
+                        while let Ok(more) = rx.try_recv() {
+                            jobs.extend(more);
+                        }
+                        stream.step(jobs, &mut said);
+                    }
+                });
+            match spawned {
+                Ok(thread) => {
+                    self.worker = Some(Worker {
+                        tx,
+                        done: done.clone(),
+                        thread,
+                    });
+                }
+                Err(_) => return false,
+            }
+        }
+        self.turn.push(job);
+        true
+    }
+
+    /// Hands this turn's writes to the thread, together. A write the thread
+    /// can no longer take (it is gone) is reported failed: its copies never
+    /// started.
+    pub(in crate::peer) fn flush(&mut self) {
+        if self.turn.is_empty() {
+            return;
+        }
+        let jobs = std::mem::take(&mut self.turn);
+        let Some(worker) = &self.worker else {
+            return;
+        };
+        if let Err(mpsc::SendError(jobs)) = worker.tx.send(jobs) {
+            for job in jobs {
+                let _ = worker.done.send((job.write, false));
+            }
+        }
+    }
+}
+
+impl Drop for OneHopWriter {
+    /// Hands over what this turn queued, then joins the thread once it has
+    /// run every write (their copies read our pools, unmapped after this).
+    fn drop(&mut self) {
+        self.flush();
+        if let Some(Worker { tx, thread, .. }) = self.worker.take() {
+            drop(tx);
+            if thread.join().is_err() {
+                eprintln!("kvcr: one-hop writer panicked");
+            }
+        }
+    }
+}
+
+/// Where the schedule says what happened: a write's lead landed, a write
+/// ended (`ok`: every copy landed), a pass began.
+struct Said<'a> {
+    lead: &'a dyn Fn(u64),
+    done: &'a dyn Fn(u64, bool),
+    passes: &'a AtomicU64,
+}
+
+/// A write whose lead has landed (or that asked none), its remaining spans
+/// still to copy. It holds its job, and with it its imports, open.
+struct Streamed {
+    job: Job,
+    /// The write's pages, every destination resolved to an address.
+    pages: Vec<Vec<CopySpan>>,
+}
+
+impl Streamed {
+    /// Each page's spans after its lead.
+    fn rest(&self) -> impl Iterator<Item = &[CopySpan]> {
+        self.pages
+            .iter()
+            .map(|p| p.get(self.job.lead..).unwrap_or_default())
+            .filter(|p| !p.is_empty())
+    }
+
+    fn rest_bytes(&self) -> u64 {
+        self.rest().flatten().map(|s| s.len).sum()
+    }
+}
+
+/// The writer's schedule (see the module's doc): the writes whose rest is
+/// still to copy, oldest first. Sans-I/O apart from the copier it calls.
+struct Stream {
+    rest: VecDeque<Streamed>,
+    chunk_bytes: u64,
+}
+
+impl Stream {
+    fn new(chunk_bytes: u64) -> Self {
+        Self {
+            rest: VecDeque::new(),
+            chunk_bytes: chunk_bytes.max(1),
+        }
+    }
+
+    /// Nothing left to copy.
+    fn is_idle(&self) -> bool {
+        self.rest.is_empty()
+    }
+
+    /// One step: `jobs` (newly arrived) have their leads copied and join
+    /// the stream; then one chunk of the oldest writes' rest is copied.
+    /// A write that cannot stream (an import that does not resolve its
+    /// spans, or another copier than the stream's) is run whole, alone.
+    fn step(&mut self, jobs: Vec<Job>, said: &mut Said<'_>) {
+        let mut arrived = Vec::new();
+        for job in jobs {
+            let joins = self.copier().is_none_or(|c| Arc::ptr_eq(c, &job.copier));
+            match resolve(&job.copies) {
+                Some(pages) if joins => arrived.push(Streamed { job, pages }),
+                pages => {
+                    said.passes.fetch_add(1, Ordering::Relaxed);
+                    let ok = match pages {
+                        Some(pages) => copy_pages(job.copier.as_ref(), &pages),
+                        None => copy_by_region(&job.copies),
+                    };
+                    (said.done)(job.write, ok);
+                }
+            }
+        }
+        self.copy_leads(arrived, said);
+        self.copy_chunk(said);
+    }
+
+    /// The copier of the writes streaming now (they share one).
+    fn copier(&self) -> Option<&Arc<dyn DeviceCopier>> {
+        self.rest.front().map(|s| &s.job.copier)
+    }
+
+    /// Copies the leads of `arrived` in one pass and reports each landed;
+    /// they then wait for their rest. If the pass fails, each write that
+    /// asked a lead is run whole, alone, and says nothing early (its bytes
+    /// are unknown until then).
+    fn copy_leads(&mut self, arrived: Vec<Streamed>, said: &mut Said<'_>) {
+        let Some(copier) = arrived.first().map(|s| Arc::clone(&s.job.copier)) else {
+            return;
+        };
+        let leads: Vec<&[CopySpan]> = arrived
+            .iter()
+            .flat_map(|s| {
+                s.pages
+                    .iter()
+                    .map(|p| p.get(..s.job.lead.min(p.len())).unwrap_or_default())
+            })
+            .filter(|p| !p.is_empty())
+            .collect();
+        let landed = leads.is_empty() || {
+            said.passes.fetch_add(1, Ordering::Relaxed);
+            copier.copy_to_imports(&leads).is_ok()
+        };
+        for streamed in arrived {
+            if streamed.job.lead == 0 {
+                self.rest.push_back(streamed);
+            } else if landed {
+                (said.lead)(streamed.job.write);
+                self.rest.push_back(streamed);
+            } else {
+                let ok = copy_pages(streamed.job.copier.as_ref(), &streamed.pages);
+                (said.done)(streamed.job.write, ok);
+            }
+        }
+    }
+
+    /// Copies the rest of the oldest writes, at most `chunk_bytes` (and at
+    /// least one write), in one pass, and reports them done. If the pass
+    /// fails, each is run again alone (its slots stay granted until we
+    /// report, and the bytes are the same), so one bad write never fails
+    /// another.
+    fn copy_chunk(&mut self, said: &mut Said<'_>) {
+        let mut bytes = 0;
+        let mut taken = 0;
+        for streamed in &self.rest {
+            if taken > 0 && bytes + streamed.rest_bytes() > self.chunk_bytes {
+                break;
+            }
+            bytes += streamed.rest_bytes();
+            taken += 1;
+        }
+        let chunk: Vec<Streamed> = self.rest.drain(..taken).collect();
+        let Some(copier) = chunk.first().map(|s| Arc::clone(&s.job.copier)) else {
+            return;
+        };
+        let keys: Vec<&[CopySpan]> = chunk.iter().flat_map(Streamed::rest).collect();
+        let copied = keys.is_empty() || {
+            said.passes.fetch_add(1, Ordering::Relaxed);
+            copier.copy_to_imports(&keys).is_ok()
+        };
+        for streamed in &chunk {
+            let ok = copied || {
+                let keys: Vec<&[CopySpan]> = streamed.rest().collect();
+                copier.copy_to_imports(&keys).is_ok()
+            };
+            (said.done)(streamed.job.write, ok);
+        }
+    }
+}
+
+/// A write's copies with each destination resolved to an address, page
+/// by page; `None` if an import cannot resolve one.
+fn resolve(copies: &Copies) -> Option<Vec<Vec<CopySpan>>> {
+    copies
+        .iter()
+        .map(|page| {
+            page.iter()
+                .map(|(_, import, s)| {
+                    import.resolve(s.dst, s.len).map(|dst| CopySpan {
+                        src: s.src,
+                        dst,
+                        len: s.len,
+                    })
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// One write's resolved pages in one pass: the copier issues span index i
+/// of every page together (a layer-first page's first spans are layer 0's
+/// K and V, which so land first), as it does a job.
+fn copy_pages(copier: &dyn DeviceCopier, pages: &[Vec<CopySpan>]) -> bool {
+    let keys: Vec<&[CopySpan]> = pages.iter().map(Vec::as_slice).collect();
+    copier.copy_to_imports(&keys).is_ok()
+}
+
+/// One write whose imports cannot resolve its spans: import by import
+/// (one synchronisation per region).
+fn copy_by_region(copies: &Copies) -> bool {
+    let mut by_region: Vec<(RegionId, &Arc<dyn DeviceImport>, Vec<CopySpan>)> = Vec::new();
+    for (region, import, span) in copies.iter().flatten() {
+        match by_region.iter_mut().find(|(r, ..)| r == region) {
+            Some((_, _, spans)) => spans.push(*span),
+            None => by_region.push((*region, import, vec![*span])),
+        }
+    }
+    by_region
+        .iter()
+        .all(|(_, import, spans)| import.copy_into(&[spans.as_slice()]).is_ok())
+}
+
+#[cfg(test)]
+mod tests {
+    //! The schedule over a recording copier (no memory is touched: the
+    //! plan is what is under test; the byte-level route runs between
+    //! processes in `tests/it/one_hop.rs`, and on a GPU in the direct
+    //! linker's `one_hop_peer` tests).
+
+    use std::sync::Mutex;
+
+    use super::*;
+    use kvcr_runner_core::PoolRange;
+
+    /// An import whose extent starts at address `base`.
+    struct Extent {
+        base: u64,
+        len: u64,
+    }
+
+    impl DeviceImport for Extent {
+        fn len(&self) -> u64 {
+            self.len
+        }
+        fn copy_into(&self, _: &[&[CopySpan]]) -> crate::error::Result<()> {
+            Ok(())
+        }
+        fn resolve(&self, offset: u64, len: u64) -> Option<u64> {
+            (offset.checked_add(len)? <= self.len).then_some(self.base + offset)
+        }
+    }
+
+    /// Records each pass's sources, in issue order; refuses a pass naming
+    /// `poison` as a source.
+    #[derive(Default)]
+    struct Recorder {
+        passes: Mutex<Vec<Vec<u64>>>,
+        poison: u64,
+    }
+
+    impl Recorder {
+        fn passes(&self) -> Vec<Vec<u64>> {
+            self.passes.lock().unwrap().clone()
+        }
+    }
+
+    impl DeviceCopier for Recorder {
+        fn attach(&self, _: &[PoolRange]) -> crate::error::Result<()> {
+            Ok(())
+        }
+        fn copy(&self, _: &[&[CopySpan]]) -> crate::error::Result<()> {
+            Ok(())
+        }
+        fn detach(&self, _: &[PoolRange]) {}
+        fn copy_to_imports(&self, keys: &[&[CopySpan]]) -> crate::error::Result<()> {
+            let sources: Vec<u64> = keys.iter().flat_map(|k| k.iter()).map(|s| s.src).collect();
+            let poisoned = sources.contains(&self.poison);
+            self.passes.lock().unwrap().push(sources);
+            if poisoned {
+                return Err(crate::error::Error::runner(
+                    kvcr_runner_core::RunnerReason::DeviceCopy(kvcr_contracts::error::Echo::new(
+                        "poisoned",
+                    )),
+                ));
+            }
+            Ok(())
+        }
+    }
+
+    /// Write `id`: `pages` pages of `spans` 16-byte spans each, span `i` of
+    /// page `p` read from source `src + 10 p + i`; its first `lead` spans
+    /// per page are its lead.
+    fn write(
+        id: u64,
+        (pages, spans): (u64, u64),
+        src: u64,
+        lead: usize,
+        (import, copier): &(Arc<dyn DeviceImport>, Arc<Recorder>),
+    ) -> Job {
+        let copies = (0..pages)
+            .map(|p| {
+                (0..spans)
+                    .map(|i| {
+                        (
+                            RegionId(0),
+                            Arc::clone(import),
+                            CopySpan {
+                                src: src + 10 * p + i,
+                                dst: (p * spans + i) * 16,
+                                len: 16,
+                            },
+                        )
+                    })
+                    .collect()
+            })
+            .collect();
+        Job {
+            write: id,
+            copies,
+            copier: Arc::clone(copier) as Arc<dyn DeviceCopier>,
+            lead,
+        }
+    }
+
+    /// An import of `len` bytes at address 1 MiB, and a recording copier
+    /// that refuses any pass reading source `poison`.
+    fn setup(len: u64, poison: u64) -> (Arc<dyn DeviceImport>, Arc<Recorder>) {
+        let import: Arc<dyn DeviceImport> = Arc::new(Extent { base: 1 << 20, len });
+        let copier = Arc::new(Recorder {
+            poison,
+            ..Recorder::default()
+        });
+        (import, copier)
+    }
+
+    /// What a schedule said, in order: `Lead(write)` or `Done(write, ok)`.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Heard {
+        Lead(u64),
+        Done(u64, bool),
+    }
+
+    /// Steps `stream` once with `jobs`; what it said and the passes it
+    /// counted.
+    fn step(stream: &mut Stream, jobs: Vec<Job>) -> (Vec<Heard>, u64) {
+        let heard = Mutex::new(Vec::new());
+        let passes = AtomicU64::new(0);
+        let mut said = Said {
+            lead: &|w| heard.lock().unwrap().push(Heard::Lead(w)),
+            done: &|w, ok| heard.lock().unwrap().push(Heard::Done(w, ok)),
+            passes: &passes,
+        };
+        stream.step(jobs, &mut said);
+        (heard.into_inner().unwrap(), passes.into_inner())
+    }
+
+    /// Writes that ask no lead go in one pass of every page, in span-index
+    /// order across pages, and end together.
+    #[test]
+    fn writes_without_a_lead_share_one_pass() {
+        let setup = setup(1 << 10, u64::MAX);
+        let mut stream = Stream::new(CHUNK_BYTES);
+        let jobs = vec![
+            write(1, (2, 2), 100, 0, &setup),
+            write(2, (1, 2), 200, 0, &setup),
+        ];
+        let (heard, passes) = step(&mut stream, jobs);
+        assert_eq!(heard, [Heard::Done(1, true), Heard::Done(2, true)]);
+        assert_eq!(passes, 1);
+        assert_eq!(setup.1.passes(), [vec![100, 101, 110, 111, 200, 201]]);
+        assert!(stream.is_idle());
+    }
+
+    /// The leads of every write that arrived go first, together, and are
+    /// reported; the rest follows chunk by chunk, oldest first; a write
+    /// that arrives meanwhile has its lead copied before the older
+    /// writes' rest goes on.
+    #[test]
+    fn new_writes_leads_go_before_older_writes_rest() {
+        let setup = setup(1 << 10, u64::MAX);
+        // A chunk holds one write's rest (two pages of two 16-byte spans).
+        let mut stream = Stream::new(64);
+        let (heard, passes) = step(
+            &mut stream,
+            vec![
+                write(1, (2, 3), 100, 1, &setup),
+                write(2, (2, 3), 200, 1, &setup),
+            ],
+        );
+        assert_eq!(
+            heard,
+            [Heard::Lead(1), Heard::Lead(2), Heard::Done(1, true)]
+        );
+        assert_eq!(passes, 2);
+        let (heard, _) = step(&mut stream, vec![write(3, (1, 3), 300, 1, &setup)]);
+        assert_eq!(heard, [Heard::Lead(3), Heard::Done(2, true)]);
+        let (heard, _) = step(&mut stream, Vec::new());
+        assert_eq!(heard, [Heard::Done(3, true)]);
+        assert!(stream.is_idle());
+        assert_eq!(
+            setup.1.passes(),
+            [
+                vec![100, 110, 200, 210],
+                vec![101, 102, 111, 112],
+                vec![300],
+                vec![201, 202, 211, 212],
+                vec![301, 302],
+            ]
+        );
+    }
+
+    /// A failed lead pass reports no lead (the bytes are unknown): each
+    /// write that asked one is run whole, alone, and ends as its own pass
+    /// did.
+    #[test]
+    fn a_failed_lead_pass_reports_no_lead() {
+        let setup = setup(1 << 10, 100);
+        let mut stream = Stream::new(CHUNK_BYTES);
+        let (heard, _) = step(
+            &mut stream,
+            vec![
+                write(1, (1, 2), 100, 1, &setup),
+                write(2, (1, 2), 200, 1, &setup),
+            ],
+        );
+        assert_eq!(heard, [Heard::Done(1, false), Heard::Done(2, true)]);
+        assert!(stream.is_idle());
+    }
+
+    /// A failed chunk is run again write by write (the slots stay granted
+    /// until we report, and the bytes are the same): only the bad write
+    /// fails.
+    #[test]
+    fn a_failed_chunk_is_run_again_write_by_write() {
+        let setup = setup(1 << 10, 301);
+        let mut stream = Stream::new(CHUNK_BYTES);
+        let jobs = vec![
+            write(1, (2, 2), 100, 0, &setup),
+            write(2, (1, 2), 300, 0, &setup),
+            write(3, (1, 2), 500, 0, &setup),
+        ];
+        let (heard, passes) = step(&mut stream, jobs);
+        assert_eq!(
+            heard,
+            [
+                Heard::Done(1, true),
+                Heard::Done(2, false),
+                Heard::Done(3, true)
+            ]
+        );
+        assert_eq!(passes, 1, "the retries are not passes of the stream");
+        assert_eq!(setup.1.passes().len(), 4);
+    }
+
+    /// A write whose spans its import cannot resolve runs alone, import by
+    /// import, and never joins the stream's passes.
+    #[test]
+    fn a_write_no_import_resolves_goes_alone() {
+        let setup = setup(32, u64::MAX);
+        let mut stream = Stream::new(CHUNK_BYTES);
+        // Write 2's second page lies past the 32-byte extent.
+        let jobs = vec![
+            write(1, (1, 2), 100, 0, &setup),
+            write(2, (2, 2), 200, 0, &setup),
+        ];
+        let (heard, _) = step(&mut stream, jobs);
+        assert_eq!(heard, [Heard::Done(2, true), Heard::Done(1, true)]);
+        assert_eq!(setup.1.passes(), [vec![100, 101]], "only write 1 passes");
+    }
+
+    /// The writer hands a turn's writes over only at [`OneHopWriter::flush`],
+    /// and their leads go in one pass, each reported before its write's end.
+    #[test]
+    fn a_turns_writes_go_to_the_writer_together() {
+        let setup = setup(1 << 10, u64::MAX);
+        let (done_tx, mut done) = tokio::sync::mpsc::unbounded_channel();
+        let (leads_tx, mut leads) = tokio::sync::mpsc::unbounded_channel();
+        let passes = Arc::new(AtomicU64::new(0));
+        let mut writer = OneHopWriter::new(Arc::clone(&passes));
+        for id in 1..=3 {
+            let job = write(id, (2, 2), id * 100, 1, &setup);
+            assert!(writer.submit(job, &done_tx, &leads_tx));
+        }
+        assert!(
+            setup.1.passes().is_empty(),
+            "nothing copies before the turn ends"
+        );
+        writer.flush();
+        let mut outcomes: Vec<(u64, bool)> =
+            (0..3).map(|_| done.blocking_recv().unwrap()).collect();
+        outcomes.sort_unstable();
+        assert_eq!(outcomes, [(1, true), (2, true), (3, true)]);
+        let mut reported: Vec<u64> = std::iter::from_fn(|| leads.try_recv().ok()).collect();
+        reported.sort_unstable();
+        assert_eq!(reported, [1, 2, 3], "each lead, before the ends");
+        assert_eq!(
+            setup.1.passes(),
+            [
+                vec![100, 110, 200, 210, 300, 310],
+                vec![101, 111, 201, 211, 301, 311]
+            ],
+            "one pass of the leads, one of the rest"
+        );
+        assert_eq!(passes.load(Ordering::Relaxed), 2);
+        drop(writer);
+        assert!(done.try_recv().is_err(), "each write reported once");
+    }
+
+    /// A write queued as the writer drops is still run, not lost.
+    #[test]
+    fn a_write_queued_at_drop_is_run() {
+        let setup = setup(1 << 10, u64::MAX);
+        let (done_tx, mut done) = tokio::sync::mpsc::unbounded_channel();
+        let (leads_tx, _leads) = tokio::sync::mpsc::unbounded_channel();
+        let mut writer = OneHopWriter::default();
+        assert!(writer.submit(write(7, (2, 1), 100, 0, &setup), &done_tx, &leads_tx));
+        drop(writer);
+        assert_eq!(done.try_recv().ok(), Some((7, true)));
+        assert_eq!(setup.1.passes(), [vec![100, 110]]);
+    }
+}
