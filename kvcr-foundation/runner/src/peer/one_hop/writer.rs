@@ -23,11 +23,17 @@ use super::{Copies, Job};
 use crate::copy::device::{DeviceCopier, DeviceImport};
 use kvcr_contracts::protocol::RegionId;
 
-/// Most bytes one pass over the writes' remaining spans copies: about 20 ms
-/// at the PCIe rate, so a write that arrives meanwhile waits at most that
-/// long for its lead, and completions flow back every 20 ms or so. A pass
-/// costs one synchronisation (tens of microseconds).
+/// Most bytes one pass over the writes' remaining spans copies when no
+/// write arrived since the last: about 20 ms at the PCIe rate, so
+/// completions flow back every 20 ms or so. A pass costs one
+/// synchronisation (tens of microseconds).
 pub(super) const CHUNK_BYTES: u64 = 1 << 30;
+
+/// Most bytes of a pass while writes are arriving (a restore's writes
+/// reach us over many turns): about 2 ms, so a write that arrives
+/// meanwhile waits at most that long for its lead to be copied, and the
+/// copy engines never wait for the arrivals to end.
+pub(super) const ARRIVING_CHUNK_BYTES: u64 = 128 << 20;
 
 /// The thread that runs one-hop writes. The peer thread hands it each
 /// turn's writes together ([`OneHopWriter::flush`] at the turn's end): a
@@ -81,7 +87,7 @@ impl OneHopWriter {
             let spawned = std::thread::Builder::new()
                 .name("kvcr-one-hop".into())
                 .spawn(move || {
-                    let mut stream = Stream::new(CHUNK_BYTES);
+                    let mut stream = Stream::new(CHUNK_BYTES, ARRIVING_CHUNK_BYTES);
                     let mut said = Said {
                         lead: &|write| {
                             let _ = leads.send(write);
@@ -191,13 +197,17 @@ impl Streamed {
 struct Stream {
     rest: VecDeque<Streamed>,
     chunk_bytes: u64,
+    arriving_chunk_bytes: u64,
 }
 
 impl Stream {
-    fn new(chunk_bytes: u64) -> Self {
+    /// Passes over the rest of at most `chunk_bytes`, or
+    /// `arriving_chunk_bytes` in a step that took new writes.
+    fn new(chunk_bytes: u64, arriving_chunk_bytes: u64) -> Self {
         Self {
             rest: VecDeque::new(),
-            chunk_bytes: chunk_bytes.max(1),
+            chunk_bytes,
+            arriving_chunk_bytes,
         }
     }
 
@@ -207,10 +217,23 @@ impl Stream {
     }
 
     /// One step: `jobs` (newly arrived) have their leads copied and join
-    /// the stream; then one chunk of the oldest writes' rest is copied.
-    /// A write that cannot stream (an import that does not resolve its
-    /// spans, or another copier than the stream's) is run whole, alone.
+    /// the stream; then one chunk of the oldest writes' rest is copied, a
+    /// short one if writes arrived (more may follow, whose leads should
+    /// not wait long).
     fn step(&mut self, jobs: Vec<Job>, said: &mut Said<'_>) {
+        let chunk = if jobs.is_empty() {
+            self.chunk_bytes
+        } else {
+            self.arriving_chunk_bytes
+        };
+        self.take(jobs, said);
+        self.copy_chunk(chunk, said);
+    }
+
+    /// Newly arrived `jobs` join the stream, their leads copied. A write
+    /// that cannot stream (an import that does not resolve its spans, or
+    /// another copier than the stream's) is run whole, alone.
+    fn take(&mut self, jobs: Vec<Job>, said: &mut Said<'_>) {
         let mut arrived = Vec::new();
         for job in jobs {
             let joins = self.copier().is_none_or(|c| Arc::ptr_eq(c, &job.copier));
@@ -227,7 +250,6 @@ impl Stream {
             }
         }
         self.copy_leads(arrived, said);
-        self.copy_chunk(said);
     }
 
     /// The copier of the writes streaming now (they share one).
@@ -274,11 +296,11 @@ impl Stream {
     /// fails, each is run again alone (its slots stay granted until we
     /// report, and the bytes are the same), so one bad write never fails
     /// another.
-    fn copy_chunk(&mut self, said: &mut Said<'_>) {
+    fn copy_chunk(&mut self, chunk_bytes: u64, said: &mut Said<'_>) {
         let mut bytes = 0;
         let mut taken = 0;
         for streamed in &self.rest {
-            if taken > 0 && bytes + streamed.rest_bytes() > self.chunk_bytes {
+            if taken > 0 && bytes + streamed.rest_bytes() > chunk_bytes {
                 break;
             }
             bytes += streamed.rest_bytes();
@@ -484,7 +506,7 @@ mod tests {
     #[test]
     fn writes_without_a_lead_share_one_pass() {
         let setup = setup(1 << 10, u64::MAX);
-        let mut stream = Stream::new(CHUNK_BYTES);
+        let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES);
         let jobs = vec![
             write(1, (2, 2), 100, 0, &setup),
             write(2, (1, 2), 200, 0, &setup),
@@ -504,7 +526,7 @@ mod tests {
     fn new_writes_leads_go_before_older_writes_rest() {
         let setup = setup(1 << 10, u64::MAX);
         // A chunk holds one write's rest (two pages of two 16-byte spans).
-        let mut stream = Stream::new(64);
+        let mut stream = Stream::new(64, 64);
         let (heard, passes) = step(
             &mut stream,
             vec![
@@ -534,13 +556,45 @@ mod tests {
         );
     }
 
+    /// A step that took new writes copies a short chunk of the rest (more
+    /// writes may be arriving, whose leads then wait less); a step that
+    /// took none copies a long one.
+    #[test]
+    fn a_step_that_took_writes_copies_a_short_chunk() {
+        let setup = setup(1 << 10, u64::MAX);
+        let mut stream = Stream::new(1 << 10, 32);
+        let jobs = (1..=3)
+            .map(|id| write(id, (1, 3), id * 100, 1, &setup))
+            .collect();
+        let (heard, _) = step(&mut stream, jobs);
+        assert_eq!(
+            heard,
+            [
+                Heard::Lead(1),
+                Heard::Lead(2),
+                Heard::Lead(3),
+                Heard::Done(1, true)
+            ]
+        );
+        let (heard, _) = step(&mut stream, Vec::new());
+        assert_eq!(heard, [Heard::Done(2, true), Heard::Done(3, true)]);
+        assert_eq!(
+            setup.1.passes(),
+            [
+                vec![100, 200, 300],
+                vec![101, 102],
+                vec![201, 202, 301, 302]
+            ]
+        );
+    }
+
     /// A failed lead pass reports no lead (the bytes are unknown): each
     /// write that asked one is run whole, alone, and ends as its own pass
     /// did.
     #[test]
     fn a_failed_lead_pass_reports_no_lead() {
         let setup = setup(1 << 10, 100);
-        let mut stream = Stream::new(CHUNK_BYTES);
+        let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES);
         let (heard, _) = step(
             &mut stream,
             vec![
@@ -558,7 +612,7 @@ mod tests {
     #[test]
     fn a_failed_chunk_is_run_again_write_by_write() {
         let setup = setup(1 << 10, 301);
-        let mut stream = Stream::new(CHUNK_BYTES);
+        let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES);
         let jobs = vec![
             write(1, (2, 2), 100, 0, &setup),
             write(2, (1, 2), 300, 0, &setup),
@@ -582,7 +636,7 @@ mod tests {
     #[test]
     fn a_write_no_import_resolves_goes_alone() {
         let setup = setup(32, u64::MAX);
-        let mut stream = Stream::new(CHUNK_BYTES);
+        let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES);
         // Write 2's second page lies past the 32-byte extent.
         let jobs = vec![
             write(1, (1, 2), 100, 0, &setup),
