@@ -478,7 +478,7 @@ impl State {
                         routes::RoutePath::OneCopy(_) => {
                             self.open_device_regions(shared, &peer, &device_regions)
                         }
-                        routes::RoutePath::Ucx { .. } => one_hop::DeviceRoutes::new(),
+                        routes::RoutePath::Ucx { .. } => one_hop::DeviceRoutes::default(),
                     };
                     let route = self.new_route(
                         &peer,

@@ -45,7 +45,7 @@ pub(super) struct Route {
     pub(super) mailbox: Option<(RouteMailbox, u64)>,
     /// The target's device regions this route opened (the one-hop route;
     /// empty: none offered, or not all could be opened).
-    pub(super) device: super::one_hop::DeviceRoutes,
+    pub(super) device: Arc<super::one_hop::DeviceRoutes>,
 }
 
 /// The way a route's bytes travel.
@@ -123,7 +123,7 @@ impl State {
             doorbell,
             session_key,
             mailbox,
-            device,
+            device: Arc::new(device),
         })
     }
 

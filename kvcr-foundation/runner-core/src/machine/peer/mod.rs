@@ -48,6 +48,7 @@
 //! is answered with a death report.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
 
 use super::*;
 
@@ -142,14 +143,17 @@ struct Route {
     incarnation: Incarnation,
     their_generation: RouteGeneration,
     local_generation: u64,
-    regions: HashMap<RegionId, RegionAdvert>,
+    /// Shared with each write checked against it (a write holds them for
+    /// its whole check while the core changes; a clone per write cost more
+    /// than the check).
+    regions: Arc<HashMap<RegionId, RegionAdvert>>,
     shared_memory: Option<SharedMemoryAdvert>,
     doorbell: Option<DoorbellAdvert>,
     /// `None` while the driver connects; then whether it mapped every
     /// shared segment (the metadata ack waits for this and carries it).
     one_copy: Option<bool>,
-    /// The target's device regions, by id.
-    device_regions: HashMap<RegionId, DeviceRegionAdvert>,
+    /// The target's device regions, by id (shared as `regions` is).
+    device_regions: Arc<HashMap<RegionId, DeviceRegionAdvert>>,
     /// Whether the driver opened every device region (known with
     /// `one_copy`): only then are device elements written.
     device: bool,
@@ -342,11 +346,11 @@ impl Default for SourceRole {
 impl Route {
     /// The target's device regions if the driver opened them all (writes
     /// into them are served), else none.
-    fn device_regions_opened(&self) -> HashMap<RegionId, DeviceRegionAdvert> {
+    fn device_regions_opened(&self) -> Arc<HashMap<RegionId, DeviceRegionAdvert>> {
         if self.device {
-            self.device_regions.clone()
+            Arc::clone(&self.device_regions)
         } else {
-            HashMap::new()
+            Arc::default()
         }
     }
 }

@@ -10,7 +10,6 @@
 //! field of the peer thread's state beside the lanes, joined (after its
 //! queued writes) before the pools its copies read are unmapped.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -35,8 +34,41 @@ pub(super) struct DeviceRoute {
     import: Arc<dyn DeviceImport>,
 }
 
-/// Per device region id, the opened import.
-pub(super) type DeviceRoutes = HashMap<RegionId, DeviceRoute>;
+/// A target's opened device regions, sorted by id; a write's copies name
+/// them by position. The route shares them (`Arc`) with every write
+/// through it, so each import stays open until the last of those is gone.
+#[derive(Default)]
+pub(super) struct DeviceRoutes {
+    regions: Vec<(RegionId, DeviceRoute)>,
+}
+
+impl DeviceRoutes {
+    /// The regions, whatever order they come in; `None` if an id repeats.
+    fn new(mut regions: Vec<(RegionId, DeviceRoute)>) -> Option<Self> {
+        regions.sort_unstable_by_key(|(id, _)| *id);
+        let repeated = regions
+            .windows(2)
+            .any(|w| w.first().map(|r| r.0) == w.last().map(|r| r.0));
+        (!repeated).then_some(Self { regions })
+    }
+
+    /// Whether no region was opened (no one-hop route).
+    pub(super) fn is_empty(&self) -> bool {
+        self.regions.is_empty()
+    }
+
+    /// Where `region` is among the opened regions.
+    fn position(&self, region: RegionId) -> Option<usize> {
+        self.regions
+            .binary_search_by_key(&region, |(id, _)| *id)
+            .ok()
+    }
+
+    /// The opened region at `position`.
+    fn at(&self, position: usize) -> Option<&DeviceRoute> {
+        self.regions.get(position).map(|(_, route)| route)
+    }
+}
 
 /// An import counted in the runner's `device_imports_open` gauge from its
 /// opening until its last holder (the route, or a write through it) drops
@@ -80,9 +112,10 @@ impl DeviceImport for CountedImport {
     }
 }
 
-/// One copy of a one-hop write: the region it lands in, that region's
-/// import, and the span (`src` in our pool, `dst` an offset in the import).
-type Copy = (RegionId, Arc<dyn DeviceImport>, CopySpan);
+/// One copy of a one-hop write: the position of the region it lands in
+/// among its route's [`DeviceRoutes`], and the span (`src` in our pool,
+/// `dst` an offset in that region's import).
+type Copy = (usize, CopySpan);
 
 /// A write's copies, page by page, each page's in layout order.
 type Copies = Vec<Vec<Copy>>;
@@ -90,6 +123,8 @@ type Copies = Vec<Vec<Copy>>;
 /// A one-hop write the writer runs.
 struct Job {
     write: u64,
+    /// The regions `copies` name, held open until the write is done.
+    routes: Arc<DeviceRoutes>,
     copies: Copies,
     /// The copier that opened the copies' imports.
     copier: Arc<dyn DeviceCopier>,
@@ -110,41 +145,44 @@ impl State {
         regions: &[DeviceRegionAdvert],
     ) -> DeviceRoutes {
         if regions.is_empty() {
-            return DeviceRoutes::new();
+            return DeviceRoutes::default();
         }
         let copier: Option<Arc<dyn DeviceCopier>> = shared.lock().device.clone();
         let Some(copier) = copier else {
             eprintln!("kvcr: no one-hop route to {peer}: no device copier here");
-            return DeviceRoutes::new();
+            return DeviceRoutes::default();
         };
-        let mut opened = DeviceRoutes::new();
+        let mut opened = Vec::with_capacity(regions.len());
         for region in regions {
             let Some(extent) = region.extent() else {
-                return DeviceRoutes::new();
+                return DeviceRoutes::default();
             };
             match copier.import_device(&region.export, extent) {
                 Ok(import) if import.len() >= extent => {
                     let open = Arc::clone(&self.control.stats.device_imports_open);
                     let import: Arc<dyn DeviceImport> = Arc::new(CountedImport::new(import, open));
-                    opened.insert(
+                    opened.push((
                         region.id,
                         DeviceRoute {
                             base: region.base,
                             import,
                         },
-                    );
+                    ));
                 }
                 Ok(_) => {
                     eprintln!("kvcr: no one-hop route to {peer}: an import is short");
-                    return DeviceRoutes::new();
+                    return DeviceRoutes::default();
                 }
                 Err(e) => {
                     eprintln!("kvcr: no one-hop route to {peer}: {e}");
-                    return DeviceRoutes::new();
+                    return DeviceRoutes::default();
                 }
             }
         }
-        opened
+        DeviceRoutes::new(opened).unwrap_or_else(|| {
+            eprintln!("kvcr: no one-hop route to {peer}: a device region advertised twice");
+            DeviceRoutes::default()
+        })
     }
 
     /// A one-hop write the core asked for: each span's destination turned
@@ -159,12 +197,16 @@ impl State {
         spans: &[PutSpan],
         lead: usize,
     ) {
-        let plan = route.and_then(|route| device_plan(&route.device, spans));
+        let plan = route.and_then(|route| {
+            let copies = device_plan(&route.device, spans)?;
+            Some((Arc::clone(&route.device), copies))
+        });
         let copier: Option<Arc<dyn DeviceCopier>> = shared.lock().device.clone();
         let queued = match (plan, copier) {
-            (Some(copies), Some(copier)) => {
+            (Some((routes, copies)), Some(copier)) => {
                 let job = Job {
                     write,
+                    routes,
                     copies,
                     copier,
                     lead,
@@ -182,21 +224,32 @@ impl State {
 
 /// The copies of a one-hop write, page by page: `src` in our pool, `dst`
 /// the offset from the region's base. A page ends where a region recurs
-/// (a page names each of its elements' regions once, in layout order).
-/// `None` if a span names a region this route did not open, or lies
-/// before its base.
+/// (a page names each of its elements' regions once, in layout order),
+/// found with one bit per opened region. `None` if a span names a region
+/// this route did not open, or lies before its base.
 fn device_plan(opened: &DeviceRoutes, spans: &[PutSpan]) -> Option<Copies> {
+    let mut in_page = vec![0u64; opened.regions.len().div_ceil(64)];
+    let bit = |position: usize| (position / 64, 1u64 << (position % 64));
     let mut pages: Copies = Vec::new();
     let mut page: Vec<Copy> = Vec::new();
     for span in spans {
-        let route = opened.get(&span.region)?;
-        let dst = span.remote.checked_sub(route.base)?;
-        if page.iter().any(|(r, ..)| *r == span.region) {
+        let position = opened.position(span.region)?;
+        let dst = span.remote.checked_sub(opened.at(position)?.base)?;
+        let (word, mask) = bit(position);
+        if in_page.get(word).is_some_and(|w| w & mask != 0) {
+            for (seen, _) in &page {
+                let (word, mask) = bit(*seen);
+                if let Some(w) = in_page.get_mut(word) {
+                    *w &= !mask;
+                }
+            }
             pages.push(std::mem::take(&mut page));
         }
+        if let Some(w) = in_page.get_mut(word) {
+            *w |= mask;
+        }
         page.push((
-            span.region,
-            Arc::clone(&route.import),
+            position,
             CopySpan {
                 src: span.local,
                 dst,
@@ -208,4 +261,90 @@ fn device_plan(opened: &DeviceRoutes, spans: &[PutSpan]) -> Option<Copies> {
         pages.push(page);
     }
     Some(pages)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An import that takes any offset below `len`.
+    struct Extent(u64);
+
+    impl DeviceImport for Extent {
+        fn len(&self) -> u64 {
+            self.0
+        }
+        fn copy_into(&self, _: &[&[CopySpan]]) -> crate::error::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Regions 7, 3 and 5 (opened in that order), region `r` based at
+    /// `r << 20`.
+    fn routes() -> DeviceRoutes {
+        let region = |id: u32| {
+            let route = DeviceRoute {
+                base: u64::from(id) << 20,
+                import: Arc::new(Extent(1 << 20)),
+            };
+            (RegionId(id), route)
+        };
+        DeviceRoutes::new(vec![region(7), region(3), region(5)]).unwrap()
+    }
+
+    fn span(region: u32, offset: u64) -> PutSpan {
+        PutSpan {
+            local: 0x1000 + offset,
+            remote: (u64::from(region) << 20) + offset,
+            len: 16,
+            region: RegionId(region),
+        }
+    }
+
+    /// A page ends where a region recurs, whatever the regions' order; each
+    /// copy names its region by position and lands at its offset.
+    #[test]
+    fn a_plan_cuts_pages_where_a_region_recurs() {
+        let spans = [
+            span(3, 0),
+            span(7, 0),
+            span(5, 0),
+            span(3, 16),
+            span(7, 16),
+            span(5, 16),
+            span(3, 32),
+        ];
+        let pages = device_plan(&routes(), &spans).unwrap();
+        let shape: Vec<Vec<(usize, u64)>> = pages
+            .iter()
+            .map(|p| p.iter().map(|(at, s)| (*at, s.dst)).collect())
+            .collect();
+        // Sorted by id, regions 3, 5 and 7 are positions 0, 1 and 2.
+        assert_eq!(
+            shape,
+            [
+                vec![(0, 0), (2, 0), (1, 0)],
+                vec![(0, 16), (2, 16), (1, 16)],
+                vec![(0, 32)]
+            ]
+        );
+    }
+
+    /// A span in a region the route did not open, or below its region's
+    /// base, makes no plan; nor does a route whose regions repeat an id.
+    #[test]
+    fn a_plan_refuses_what_the_route_did_not_open() {
+        assert!(device_plan(&routes(), &[span(3, 0), span(4, 0)]).is_none());
+        let mut below = span(5, 0);
+        below.remote = (5 << 20) - 16;
+        assert!(device_plan(&routes(), &[below]).is_none());
+        let twice = |id: u32| {
+            let route = DeviceRoute {
+                base: 0,
+                import: Arc::new(Extent(16)),
+            };
+            (RegionId(id), route)
+        };
+        assert!(DeviceRoutes::new(vec![twice(1), twice(2), twice(1)]).is_none());
+    }
 }

@@ -19,9 +19,8 @@ use std::thread::JoinHandle;
 use kvcr_runner_core::CopySpan;
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::{Copies, Job};
-use crate::copy::device::{DeviceCopier, DeviceImport};
-use kvcr_contracts::protocol::RegionId;
+use super::Job;
+use crate::copy::device::DeviceCopier;
 
 /// Most bytes one pass over the writes' remaining spans copies when no
 /// write arrived since the last: about 20 ms at the PCIe rate, so
@@ -237,13 +236,13 @@ impl Stream {
         let mut arrived = Vec::new();
         for job in jobs {
             let joins = self.copier().is_none_or(|c| Arc::ptr_eq(c, &job.copier));
-            match resolve(&job.copies) {
+            match resolve(&job) {
                 Some(pages) if joins => arrived.push(Streamed { job, pages }),
                 pages => {
                     said.passes.fetch_add(1, Ordering::Relaxed);
                     let ok = match pages {
                         Some(pages) => copy_pages(job.copier.as_ref(), &pages),
-                        None => copy_by_region(&job.copies),
+                        None => copy_by_region(&job),
                     };
                     (said.done)(job.write, ok);
                 }
@@ -327,12 +326,13 @@ impl Stream {
 
 /// A write's copies with each destination resolved to an address, page
 /// by page; `None` if an import cannot resolve one.
-fn resolve(copies: &Copies) -> Option<Vec<Vec<CopySpan>>> {
-    copies
+fn resolve(job: &Job) -> Option<Vec<Vec<CopySpan>>> {
+    job.copies
         .iter()
         .map(|page| {
             page.iter()
-                .map(|(_, import, s)| {
+                .map(|(position, s)| {
+                    let import = &job.routes.at(*position)?.import;
                     import.resolve(s.dst, s.len).map(|dst| CopySpan {
                         src: s.src,
                         dst,
@@ -354,17 +354,19 @@ fn copy_pages(copier: &dyn DeviceCopier, pages: &[Vec<CopySpan>]) -> bool {
 
 /// One write whose imports cannot resolve its spans: import by import
 /// (one synchronisation per region).
-fn copy_by_region(copies: &Copies) -> bool {
-    let mut by_region: Vec<(RegionId, &Arc<dyn DeviceImport>, Vec<CopySpan>)> = Vec::new();
-    for (region, import, span) in copies.iter().flatten() {
-        match by_region.iter_mut().find(|(r, ..)| r == region) {
-            Some((_, _, spans)) => spans.push(*span),
-            None => by_region.push((*region, import, vec![*span])),
+fn copy_by_region(job: &Job) -> bool {
+    let mut by_region: Vec<(usize, Vec<CopySpan>)> = Vec::new();
+    for (position, span) in job.copies.iter().flatten() {
+        match by_region.iter_mut().find(|(p, _)| p == position) {
+            Some((_, spans)) => spans.push(*span),
+            None => by_region.push((*position, vec![*span])),
         }
     }
-    by_region
-        .iter()
-        .all(|(_, import, spans)| import.copy_into(&[spans.as_slice()]).is_ok())
+    by_region.iter().all(|(position, spans)| {
+        job.routes
+            .at(*position)
+            .is_some_and(|route| route.import.copy_into(&[spans.as_slice()]).is_ok())
+    })
 }
 
 #[cfg(test)]
@@ -376,7 +378,10 @@ mod tests {
 
     use std::sync::Mutex;
 
+    use super::super::{DeviceRoute, DeviceRoutes};
     use super::*;
+    use crate::copy::device::DeviceImport;
+    use kvcr_contracts::protocol::RegionId;
     use kvcr_runner_core::PoolRange;
 
     /// An import whose extent starts at address `base`.
@@ -449,8 +454,7 @@ mod tests {
                 (0..spans)
                     .map(|i| {
                         (
-                            RegionId(0),
-                            Arc::clone(import),
+                            0,
                             CopySpan {
                                 src: src + 10 * p + i,
                                 dst: (p * spans + i) * 16,
@@ -461,8 +465,13 @@ mod tests {
                     .collect()
             })
             .collect();
+        let route = DeviceRoute {
+            base: 0,
+            import: Arc::clone(import),
+        };
         Job {
             write: id,
+            routes: Arc::new(DeviceRoutes::new(vec![(RegionId(0), route)]).unwrap()),
             copies,
             copier: Arc::clone(copier) as Arc<dyn DeviceCopier>,
             lead,

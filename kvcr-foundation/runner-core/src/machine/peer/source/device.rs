@@ -33,21 +33,31 @@ impl Grants<'_> {
     }
 }
 
+/// Whether any element appears twice among a write's `destinations`
+/// (sorting a copy: no per-element hashing).
+pub(super) fn names_an_element_twice(destinations: &[Vec<ElementRef>]) -> bool {
+    let mut all: Vec<ElementRef> = destinations.iter().flatten().copied().collect();
+    all.sort_unstable();
+    all.windows(2).any(|w| w.first() == w.last())
+}
+
 /// The puts that write a page held in `sources` (its slots, in layout
 /// order) into the device elements `dests`, in order: the page's bytes fill
 /// the elements one after the other. `None` when an element is outside the
 /// advertised device regions, named twice in the write (`seen` holds the
-/// write's elements so far), or the sizes do not add up to the page's.
+/// write's elements so far; `None` when the write names none twice, see
+/// [`names_an_element_twice`]), or the sizes do not add up to the page's.
 pub(super) fn device_puts(
     sources: &[CopySpan],
     dests: &[ElementRef],
     device: &HashMap<RegionId, DeviceRegionAdvert>,
-    seen: &mut HashSet<ElementRef>,
+    mut seen: Option<&mut HashSet<ElementRef>>,
 ) -> Option<Vec<PutSpan>> {
     let mut targets = Vec::with_capacity(dests.len());
     for element in dests {
         let region = device.get(&element.region)?;
-        if element.index >= region.count || !seen.insert(*element) {
+        if element.index >= region.count || seen.as_mut().is_some_and(|seen| !seen.insert(*element))
+        {
             return None;
         }
         let address = region

@@ -4,6 +4,7 @@
 
 use super::*;
 use kvcr_contracts::MemberKey;
+use std::sync::Arc;
 
 impl Core {
     #[allow(clippy::too_many_arguments)]
@@ -90,11 +91,13 @@ impl Core {
                     incarnation: header.sender,
                     their_generation: header.route_generation,
                     local_generation: generation,
-                    regions: regions.into_iter().map(|r| (r.id, r)).collect(),
+                    regions: Arc::new(regions.into_iter().map(|r| (r.id, r)).collect()),
                     shared_memory: shared_memory.clone(),
                     doorbell: doorbell.clone(),
                     one_copy: None,
-                    device_regions: device_regions.iter().map(|d| (d.id, d.clone())).collect(),
+                    device_regions: Arc::new(
+                        device_regions.iter().map(|d| (d.id, d.clone())).collect(),
+                    ),
                     device: false,
                 },
             );

@@ -6,6 +6,7 @@ use std::collections::HashSet;
 
 use super::device::Grants;
 use super::*;
+use std::sync::Arc;
 
 impl Core {
     #[allow(clippy::too_many_arguments)]
@@ -41,7 +42,7 @@ impl Core {
             return;
         };
         let generation = route.local_generation;
-        let regions = route.regions.clone();
+        let regions = Arc::clone(&route.regions);
         let device_regions = route.device_regions_opened();
         // A write must name this incarnation: replies then prove something
         // about exactly the process that may have written.
@@ -245,7 +246,7 @@ impl Core {
                 .map(|r| {
                     (
                         r.local_generation,
-                        r.regions.clone(),
+                        Arc::clone(&r.regions),
                         r.device_regions_opened(),
                     )
                 });
@@ -304,7 +305,10 @@ impl Core {
         // Only a one-hop write reports its lead: through KVCR DRAM the
         // bytes are checked and moved on by the target itself.
         let lead = if device { lead } else { 0 };
-        let mut seen = HashSet::new();
+        // Elements named twice are looked for key by key only in a write
+        // that has any (a hostile or broken target's): the common write is
+        // checked once, by sorting, not hashed element by element.
+        let mut seen = (device && device::names_an_element_twice(destinations)).then(HashSet::new);
         let mut puts = Vec::new();
         let mut records = Vec::new();
         let mut indices = Vec::new();
@@ -325,7 +329,7 @@ impl Core {
             };
             let sources = self.slot_spans(record);
             if device {
-                match device::device_puts(&sources, dests, grants.device, &mut seen) {
+                match device::device_puts(&sources, dests, grants.device, seen.as_mut()) {
                     Some(key_puts) => {
                         bytes += key_puts.iter().map(|p| p.len).sum::<u64>();
                         puts.extend(key_puts);
