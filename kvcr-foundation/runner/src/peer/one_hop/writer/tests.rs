@@ -1,0 +1,334 @@
+//! The schedule over a recording copier (no memory is touched: the
+//! plan is what is under test; the byte-level route runs between
+//! processes in `tests/it/one_hop.rs`, and on a GPU in the direct
+//! linker's `one_hop_peer` tests).
+
+use std::sync::Mutex;
+
+use super::super::{DeviceRoute, DeviceRoutes};
+use super::*;
+use crate::copy::device::DeviceImport;
+use kvcr_contracts::protocol::RegionId;
+use kvcr_runner_core::PoolRange;
+
+/// An import whose extent starts at address `base`.
+struct Extent {
+    base: u64,
+    len: u64,
+}
+
+impl DeviceImport for Extent {
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn copy_into(&self, _: &[&[CopySpan]]) -> crate::error::Result<()> {
+        Ok(())
+    }
+    fn resolve(&self, offset: u64, len: u64) -> Option<u64> {
+        (offset.checked_add(len)? <= self.len).then_some(self.base + offset)
+    }
+}
+
+/// Records each pass's sources, in issue order; refuses a pass naming
+/// `poison` as a source.
+#[derive(Default)]
+struct Recorder {
+    passes: Mutex<Vec<Vec<u64>>>,
+    poison: u64,
+}
+
+impl Recorder {
+    fn passes(&self) -> Vec<Vec<u64>> {
+        self.passes.lock().unwrap().clone()
+    }
+}
+
+impl DeviceCopier for Recorder {
+    fn attach(&self, _: &[PoolRange]) -> crate::error::Result<()> {
+        Ok(())
+    }
+    fn copy(&self, _: &[&[CopySpan]]) -> crate::error::Result<()> {
+        Ok(())
+    }
+    fn detach(&self, _: &[PoolRange]) {}
+    fn copy_to_imports(&self, keys: &[&[CopySpan]]) -> crate::error::Result<()> {
+        let sources: Vec<u64> = keys.iter().flat_map(|k| k.iter()).map(|s| s.src).collect();
+        let poisoned = sources.contains(&self.poison);
+        self.passes.lock().unwrap().push(sources);
+        if poisoned {
+            return Err(crate::error::Error::runner(
+                kvcr_runner_core::RunnerReason::DeviceCopy(kvcr_contracts::error::Echo::new(
+                    "poisoned",
+                )),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Write `id`: `pages` pages of `spans` 16-byte spans each, span `i` of
+/// page `p` read from source `src + 10 p + i`; its first `lead` spans
+/// per page are its lead.
+fn write(
+    id: u64,
+    (pages, spans): (u64, u64),
+    src: u64,
+    lead: usize,
+    (import, copier): &(Arc<dyn DeviceImport>, Arc<Recorder>),
+) -> Job {
+    let copies = (0..pages)
+        .map(|p| {
+            (0..spans)
+                .map(|i| {
+                    (
+                        0,
+                        CopySpan {
+                            src: src + 10 * p + i,
+                            dst: (p * spans + i) * 16,
+                            len: 16,
+                        },
+                    )
+                })
+                .collect()
+        })
+        .collect();
+    let route = DeviceRoute {
+        base: 0,
+        import: Arc::clone(import),
+    };
+    Job {
+        write: id,
+        routes: Arc::new(DeviceRoutes::new(vec![(RegionId(0), route)]).unwrap()),
+        copies,
+        copier: Arc::clone(copier) as Arc<dyn DeviceCopier>,
+        lead,
+    }
+}
+
+/// An import of `len` bytes at address 1 MiB, and a recording copier
+/// that refuses any pass reading source `poison`.
+fn setup(len: u64, poison: u64) -> (Arc<dyn DeviceImport>, Arc<Recorder>) {
+    let import: Arc<dyn DeviceImport> = Arc::new(Extent { base: 1 << 20, len });
+    let copier = Arc::new(Recorder {
+        poison,
+        ..Recorder::default()
+    });
+    (import, copier)
+}
+
+/// What a schedule said, in order: `Lead(write)` or `Done(write, ok)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Heard {
+    Lead(u64),
+    Done(u64, bool),
+}
+
+/// Steps `stream` once with `jobs`; what it said and the passes it
+/// counted.
+fn step(stream: &mut Stream, jobs: Vec<Job>) -> (Vec<Heard>, u64) {
+    let heard = Mutex::new(Vec::new());
+    let passes = AtomicU64::new(0);
+    let mut said = Said {
+        lead: &|w| heard.lock().unwrap().push(Heard::Lead(w)),
+        done: &|w, ok| heard.lock().unwrap().push(Heard::Done(w, ok)),
+        passes: &passes,
+    };
+    stream.step(jobs, &mut said);
+    (heard.into_inner().unwrap(), passes.into_inner())
+}
+
+/// Writes that ask no lead go in one pass of every page, in span-index
+/// order across pages, and end together.
+#[test]
+fn writes_without_a_lead_share_one_pass() {
+    let setup = setup(1 << 10, u64::MAX);
+    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES);
+    let jobs = vec![
+        write(1, (2, 2), 100, 0, &setup),
+        write(2, (1, 2), 200, 0, &setup),
+    ];
+    let (heard, passes) = step(&mut stream, jobs);
+    assert_eq!(heard, [Heard::Done(1, true), Heard::Done(2, true)]);
+    assert_eq!(passes, 1);
+    assert_eq!(setup.1.passes(), [vec![100, 101, 110, 111, 200, 201]]);
+    assert!(stream.is_idle());
+}
+
+/// The leads of every write that arrived go first, together, and are
+/// reported; the rest follows chunk by chunk, oldest first; a write
+/// that arrives meanwhile has its lead copied before the older
+/// writes' rest goes on.
+#[test]
+fn new_writes_leads_go_before_older_writes_rest() {
+    let setup = setup(1 << 10, u64::MAX);
+    // A chunk holds one write's rest (two pages of two 16-byte spans).
+    let mut stream = Stream::new(64, 64);
+    let (heard, passes) = step(
+        &mut stream,
+        vec![
+            write(1, (2, 3), 100, 1, &setup),
+            write(2, (2, 3), 200, 1, &setup),
+        ],
+    );
+    assert_eq!(
+        heard,
+        [Heard::Lead(1), Heard::Lead(2), Heard::Done(1, true)]
+    );
+    assert_eq!(passes, 2);
+    let (heard, _) = step(&mut stream, vec![write(3, (1, 3), 300, 1, &setup)]);
+    assert_eq!(heard, [Heard::Lead(3), Heard::Done(2, true)]);
+    let (heard, _) = step(&mut stream, Vec::new());
+    assert_eq!(heard, [Heard::Done(3, true)]);
+    assert!(stream.is_idle());
+    assert_eq!(
+        setup.1.passes(),
+        [
+            vec![100, 110, 200, 210],
+            vec![101, 102, 111, 112],
+            vec![300],
+            vec![201, 202, 211, 212],
+            vec![301, 302],
+        ]
+    );
+}
+
+/// A step that took new writes copies a short chunk of the rest (more
+/// writes may be arriving, whose leads then wait less); a step that
+/// took none copies a long one.
+#[test]
+fn a_step_that_took_writes_copies_a_short_chunk() {
+    let setup = setup(1 << 10, u64::MAX);
+    let mut stream = Stream::new(1 << 10, 32);
+    let jobs = (1..=3)
+        .map(|id| write(id, (1, 3), id * 100, 1, &setup))
+        .collect();
+    let (heard, _) = step(&mut stream, jobs);
+    assert_eq!(
+        heard,
+        [
+            Heard::Lead(1),
+            Heard::Lead(2),
+            Heard::Lead(3),
+            Heard::Done(1, true)
+        ]
+    );
+    let (heard, _) = step(&mut stream, Vec::new());
+    assert_eq!(heard, [Heard::Done(2, true), Heard::Done(3, true)]);
+    assert_eq!(
+        setup.1.passes(),
+        [
+            vec![100, 200, 300],
+            vec![101, 102],
+            vec![201, 202, 301, 302]
+        ]
+    );
+}
+
+/// A failed lead pass reports no lead (the bytes are unknown): each
+/// write that asked one is run whole, alone, and ends as its own pass
+/// did.
+#[test]
+fn a_failed_lead_pass_reports_no_lead() {
+    let setup = setup(1 << 10, 100);
+    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES);
+    let (heard, _) = step(
+        &mut stream,
+        vec![
+            write(1, (1, 2), 100, 1, &setup),
+            write(2, (1, 2), 200, 1, &setup),
+        ],
+    );
+    assert_eq!(heard, [Heard::Done(1, false), Heard::Done(2, true)]);
+    assert!(stream.is_idle());
+}
+
+/// A failed chunk is run again write by write (the slots stay granted
+/// until we report, and the bytes are the same): only the bad write
+/// fails.
+#[test]
+fn a_failed_chunk_is_run_again_write_by_write() {
+    let setup = setup(1 << 10, 301);
+    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES);
+    let jobs = vec![
+        write(1, (2, 2), 100, 0, &setup),
+        write(2, (1, 2), 300, 0, &setup),
+        write(3, (1, 2), 500, 0, &setup),
+    ];
+    let (heard, passes) = step(&mut stream, jobs);
+    assert_eq!(
+        heard,
+        [
+            Heard::Done(1, true),
+            Heard::Done(2, false),
+            Heard::Done(3, true)
+        ]
+    );
+    assert_eq!(passes, 1, "the retries are not passes of the stream");
+    assert_eq!(setup.1.passes().len(), 4);
+}
+
+/// A write whose spans its import cannot resolve runs alone, import by
+/// import, and never joins the stream's passes.
+#[test]
+fn a_write_no_import_resolves_goes_alone() {
+    let setup = setup(32, u64::MAX);
+    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES);
+    // Write 2's second page lies past the 32-byte extent.
+    let jobs = vec![
+        write(1, (1, 2), 100, 0, &setup),
+        write(2, (2, 2), 200, 0, &setup),
+    ];
+    let (heard, _) = step(&mut stream, jobs);
+    assert_eq!(heard, [Heard::Done(2, true), Heard::Done(1, true)]);
+    assert_eq!(setup.1.passes(), [vec![100, 101]], "only write 1 passes");
+}
+
+/// The writer hands a turn's writes over only at [`OneHopWriter::flush`],
+/// and their leads go in one pass, each reported before its write's end.
+#[test]
+fn a_turns_writes_go_to_the_writer_together() {
+    let setup = setup(1 << 10, u64::MAX);
+    let (done_tx, mut done) = tokio::sync::mpsc::unbounded_channel();
+    let (leads_tx, mut leads) = tokio::sync::mpsc::unbounded_channel();
+    let passes = Arc::new(AtomicU64::new(0));
+    let mut writer = OneHopWriter::new(Arc::clone(&passes));
+    for id in 1..=3 {
+        let job = write(id, (2, 2), id * 100, 1, &setup);
+        assert!(writer.submit(job, &done_tx, &leads_tx));
+    }
+    assert!(
+        setup.1.passes().is_empty(),
+        "nothing copies before the turn ends"
+    );
+    writer.flush();
+    let mut outcomes: Vec<(u64, bool)> = (0..3).map(|_| done.blocking_recv().unwrap()).collect();
+    outcomes.sort_unstable();
+    assert_eq!(outcomes, [(1, true), (2, true), (3, true)]);
+    let mut reported: Vec<u64> = std::iter::from_fn(|| leads.try_recv().ok()).collect();
+    reported.sort_unstable();
+    assert_eq!(reported, [1, 2, 3], "each lead, before the ends");
+    assert_eq!(
+        setup.1.passes(),
+        [
+            vec![100, 110, 200, 210, 300, 310],
+            vec![101, 111, 201, 211, 301, 311]
+        ],
+        "one pass of the leads, one of the rest"
+    );
+    assert_eq!(passes.load(Ordering::Relaxed), 2);
+    drop(writer);
+    assert!(done.try_recv().is_err(), "each write reported once");
+}
+
+/// A write queued as the writer drops is still run, not lost.
+#[test]
+fn a_write_queued_at_drop_is_run() {
+    let setup = setup(1 << 10, u64::MAX);
+    let (done_tx, mut done) = tokio::sync::mpsc::unbounded_channel();
+    let (leads_tx, _leads) = tokio::sync::mpsc::unbounded_channel();
+    let mut writer = OneHopWriter::default();
+    assert!(writer.submit(write(7, (2, 1), 100, 0, &setup), &done_tx, &leads_tx));
+    drop(writer);
+    assert_eq!(done.try_recv().ok(), Some((7, true)));
+    assert_eq!(setup.1.passes(), [vec![100, 110]]);
+}
