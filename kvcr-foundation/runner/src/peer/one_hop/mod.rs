@@ -28,7 +28,6 @@ pub(super) use self::writer::OneHopWriter;
 
 /// One opened device region of a target: where its element 0 is in the
 /// target's address space (the export's first byte), and the import.
-#[derive(Clone)]
 pub(super) struct DeviceRoute {
     base: u64,
     import: Arc<dyn DeviceImport>,

@@ -37,7 +37,6 @@ pub(super) const ARRIVING_CHUNK_BYTES: u64 = 128 << 20;
 /// The thread that runs one-hop writes. The peer thread hands it each
 /// turn's writes together ([`OneHopWriter::flush`] at the turn's end): a
 /// deliver's writes arrive in one turn, so their leads go in one pass.
-#[derive(Default)]
 pub(in crate::peer) struct OneHopWriter {
     worker: Option<Worker>,
     /// This turn's writes, not yet handed over.
@@ -178,12 +177,21 @@ struct Streamed {
 }
 
 impl Streamed {
-    /// Each page's spans after its lead.
-    fn rest(&self) -> impl Iterator<Item = &[CopySpan]> {
+    /// Each page's lead spans and the spans after them.
+    fn split(&self) -> impl Iterator<Item = (&[CopySpan], &[CopySpan])> {
         self.pages
             .iter()
-            .map(|p| p.get(self.job.lead..).unwrap_or_default())
-            .filter(|p| !p.is_empty())
+            .map(|p| p.split_at(self.job.lead.min(p.len())))
+    }
+
+    /// Each page's lead spans (none for a write that asked no lead).
+    fn lead(&self) -> impl Iterator<Item = &[CopySpan]> {
+        self.split().map(|(lead, _)| lead).filter(|p| !p.is_empty())
+    }
+
+    /// Each page's spans after its lead.
+    fn rest(&self) -> impl Iterator<Item = &[CopySpan]> {
+        self.split().map(|(_, rest)| rest).filter(|p| !p.is_empty())
     }
 
     fn rest_bytes(&self) -> u64 {
@@ -264,15 +272,7 @@ impl Stream {
         let Some(copier) = arrived.first().map(|s| Arc::clone(&s.job.copier)) else {
             return;
         };
-        let leads: Vec<&[CopySpan]> = arrived
-            .iter()
-            .flat_map(|s| {
-                s.pages
-                    .iter()
-                    .map(|p| p.get(..s.job.lead.min(p.len())).unwrap_or_default())
-            })
-            .filter(|p| !p.is_empty())
-            .collect();
+        let leads: Vec<&[CopySpan]> = arrived.iter().flat_map(Streamed::lead).collect();
         let landed = leads.is_empty() || {
             said.passes.fetch_add(1, Ordering::Relaxed);
             copier.copy_to_imports(&leads).is_ok()
@@ -299,10 +299,11 @@ impl Stream {
         let mut bytes = 0;
         let mut taken = 0;
         for streamed in &self.rest {
-            if taken > 0 && bytes + streamed.rest_bytes() > chunk_bytes {
+            let size = streamed.rest_bytes();
+            if taken > 0 && bytes + size > chunk_bytes {
                 break;
             }
-            bytes += streamed.rest_bytes();
+            bytes += size;
             taken += 1;
         }
         let chunk: Vec<Streamed> = self.rest.drain(..taken).collect();

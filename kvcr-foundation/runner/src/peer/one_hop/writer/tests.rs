@@ -326,7 +326,7 @@ fn a_write_queued_at_drop_is_run() {
     let setup = setup(1 << 10, u64::MAX);
     let (done_tx, mut done) = tokio::sync::mpsc::unbounded_channel();
     let (leads_tx, _leads) = tokio::sync::mpsc::unbounded_channel();
-    let mut writer = OneHopWriter::default();
+    let mut writer = OneHopWriter::new(Arc::default());
     assert!(writer.submit(write(7, (2, 1), 100, 0, &setup), &done_tx, &leads_tx));
     drop(writer);
     assert_eq!(done.try_recv().ok(), Some((7, true)));
