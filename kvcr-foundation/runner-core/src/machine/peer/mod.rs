@@ -346,12 +346,8 @@ impl Default for SourceRole {
 impl Route {
     /// The target's device regions if the driver opened them all (writes
     /// into them are served), else none.
-    fn device_regions_opened(&self) -> Arc<HashMap<RegionId, DeviceRegionAdvert>> {
-        if self.device {
-            Arc::clone(&self.device_regions)
-        } else {
-            Arc::default()
-        }
+    fn device_regions_opened(&self) -> Option<Arc<HashMap<RegionId, DeviceRegionAdvert>>> {
+        self.device.then(|| Arc::clone(&self.device_regions))
     }
 }
 

@@ -18,18 +18,21 @@ use super::*;
 pub(super) struct Grants<'a> {
     /// The target's advertised pool regions.
     pub(super) regions: &'a HashMap<RegionId, RegionAdvert>,
-    /// Its device regions, when the driver opened them all (else empty).
-    pub(super) device: &'a HashMap<RegionId, DeviceRegionAdvert>,
+    /// Its device regions, when the driver opened them all.
+    pub(super) device: Option<&'a HashMap<RegionId, DeviceRegionAdvert>>,
 }
 
-impl Grants<'_> {
-    /// Whether a write naming `destinations` is a device write: its first
-    /// element is in a device region (then every key must be).
-    pub(super) fn is_device_write(&self, destinations: &[Vec<ElementRef>]) -> bool {
-        destinations
-            .first()
-            .and_then(|d| d.first())
-            .is_some_and(|e| self.device.contains_key(&e.region))
+impl<'a> Grants<'a> {
+    /// The device regions a write naming `destinations` lands in, if it is
+    /// a device write: its first element is in a device region (then every
+    /// key's must be).
+    pub(super) fn device_write(
+        &self,
+        destinations: &[Vec<ElementRef>],
+    ) -> Option<&'a HashMap<RegionId, DeviceRegionAdvert>> {
+        let first = destinations.first().and_then(|d| d.first())?;
+        self.device
+            .filter(|device| device.contains_key(&first.region))
     }
 }
 

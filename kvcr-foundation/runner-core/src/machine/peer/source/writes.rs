@@ -137,7 +137,7 @@ impl Core {
             generation,
             &Grants {
                 regions: &regions,
-                device: &device_regions,
+                device: device_regions.as_deref(),
             },
         );
     }
@@ -267,7 +267,7 @@ impl Core {
                 generation,
                 &Grants {
                     regions: &regions,
-                    device: &device,
+                    device: device.as_deref(),
                 },
             ),
             None => {
@@ -301,7 +301,8 @@ impl Core {
         grants: &Grants<'_>,
     ) {
         let regions = grants.regions;
-        let device = grants.is_device_write(destinations);
+        let device_write = grants.device_write(destinations);
+        let device = device_write.is_some();
         // Only a one-hop write reports its lead: through KVCR DRAM the
         // bytes are checked and moved on by the target itself.
         let lead = if device { lead } else { 0 };
@@ -328,8 +329,8 @@ impl Core {
                 continue;
             };
             let sources = self.slot_spans(record);
-            if device {
-                match device::device_puts(&sources, dests, grants.device, seen.as_mut()) {
+            if let Some(device_regions) = device_write {
+                match device::device_puts(&sources, dests, device_regions, seen.as_mut()) {
                     Some(key_puts) => {
                         bytes += key_puts.iter().map(|p| p.len).sum::<u64>();
                         puts.extend(key_puts);
