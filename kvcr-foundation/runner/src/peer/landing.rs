@@ -19,15 +19,13 @@
 //! The hashing runs outside the core's lock where the caller can ([`check`],
 //! then [`Checked::hand`] under it): an awaited operation's slots are freed
 //! only by its reply, which this peer thread hands over after. A large write
-//! is hashed on several threads, its keys split among them.
-
-use std::sync::Arc;
+//! is hashed on several threads, its keys split among them. A one-hop
+//! completion's bytes are on the device: `device_check` hashes those.
 
 use kvcr_contracts::protocol::{Body, CompletedIndices, Message, OpHandle, WriteOutcome};
-use kvcr_runner_core::{CopySpan, Core};
+use kvcr_runner_core::Core;
 use kvcr_sys::{MemoryRegistry, combine_digests};
 
-use crate::copy::device::DeviceCopier;
 use crate::shared::Shared;
 
 /// Whether a target reads the bytes a same-host source wrote into its
@@ -104,6 +102,27 @@ impl Checked {
         }
     }
 
+    /// A one-hop completion whose every key's device bytes were hashed,
+    /// `mismatched` those that did not match.
+    pub(crate) fn one_hop(message: Message, mismatched: Vec<u32>) -> Self {
+        Self {
+            message,
+            hand: Hand::OneHop(mismatched),
+            trusted: false,
+        }
+    }
+
+    /// The keys a one-hop check found wrong (`None`: not handed as a
+    /// one-hop check; an unchecked completion with no mismatch is `None` too).
+    #[cfg(test)]
+    pub(crate) fn one_hop_mismatched(&self) -> Option<&[u32]> {
+        match &self.hand {
+            Hand::OneHop(mismatched) => Some(mismatched),
+            Hand::Checked(mismatched) if mismatched.is_empty() => None,
+            _ => panic!("handed as another route's check"),
+        }
+    }
+
     /// Whether its pages were taken as checked in the source's copy.
     pub(crate) fn trusted_copy_check(&self) -> bool {
         self.trusted
@@ -126,196 +145,10 @@ impl Checked {
     }
 }
 
-/// A completion's keys as the copier that hashes them sees them: per
-/// completed key, its device spans.
-type DeviceKeys<'a> = (&'a Arc<dyn DeviceCopier>, Vec<Vec<CopySpan>>);
-
-/// A one-hop completion (bytes a same-host source wrote straight into our
-/// device regions) taken from the control channel, its keys' device spans
-/// looked up, waiting to be hashed with others ([`check_device_landings`]).
-pub(crate) struct DeviceLanding {
-    message: Message,
-    /// Per key of the operation (request order), its device spans.
-    landing: Vec<Vec<(u64, u64)>>,
-    copier: Option<Arc<dyn DeviceCopier>>,
-}
-
-/// `Ok` if `message` completes a one-hop operation (one still awaited),
-/// with where its keys landed; otherwise the message back.
-pub(crate) fn device_landing(
-    shared: &Shared,
-    message: Message,
-) -> Result<DeviceLanding, Box<Message>> {
-    let Body::WriteDone {
-        op_handle,
-        outcome: WriteOutcome::Completed(_),
-    } = &message.body
-    else {
-        return Err(Box::new(message));
-    };
-    let (landing, copier) = {
-        let inner = shared.lock();
-        match inner.core.target_device_landing(*op_handle) {
-            Some(landing) => (landing, inner.device.clone()),
-            None => return Err(Box::new(message)),
-        }
-    };
-    Ok(DeviceLanding {
-        message,
-        landing,
-        copier,
-    })
-}
-
-impl DeviceLanding {
-    /// The completed keys' device spans, as the copier hashes them; `None`:
-    /// nothing can be hashed (no digests sent, or no device copier).
-    fn keys(&self) -> Option<DeviceKeys<'_>> {
-        let (
-            Body::WriteDone {
-                outcome: WriteOutcome::Completed(completed),
-                ..
-            },
-            Some(copier),
-        ) = (&self.message.body, &self.copier)
-        else {
-            return None;
-        };
-        completed.digests()?;
-        let spans = completed
-            .as_slice()
-            .iter()
-            .map(|index| {
-                self.landing
-                    .get(*index as usize)
-                    .into_iter()
-                    .flatten()
-                    .map(|(addr, len)| CopySpan {
-                        src: *addr,
-                        dst: 0,
-                        len: *len,
-                    })
-                    .collect()
-            })
-            .collect();
-        Some((copier, spans))
-    }
-
-    /// Compares the digests found on the device (`found`, per completed
-    /// key; `None`: none could be taken) with those sent. A reply whose
-    /// keys were not hashed is handed on unchecked, and the core fails
-    /// them (nothing is read back through DRAM).
-    fn checked(self, found: Option<&[u64]>) -> Checked {
-        let (op_handle, completed) = match &self.message.body {
-            Body::WriteDone {
-                op_handle,
-                outcome: WriteOutcome::Completed(completed),
-            } => (*op_handle, completed),
-            _ => return Checked::unchecked(self.message),
-        };
-        let (Some(sent), Some(found)) = (completed.digests(), found) else {
-            return Checked::unchecked(self.message);
-        };
-        let mut passed = Vec::new();
-        let mut mismatched = Vec::new();
-        for ((index, sent), found) in completed.as_slice().iter().zip(sent).zip(found) {
-            if found == sent {
-                passed.push((*index, *sent));
-            } else {
-                mismatched.push(*index);
-            }
-        }
-        // A copier that answered for fewer keys leaves the rest unmatched.
-        mismatched.extend(completed.as_slice().iter().skip(found.len()));
-        Checked {
-            message: Message {
-                header: self.message.header,
-                body: Body::WriteDone {
-                    op_handle,
-                    outcome: WriteOutcome::Completed(CompletedIndices::with_digests(passed)),
-                },
-            },
-            hand: Hand::OneHop(mismatched),
-            trusted: false,
-        }
-    }
-}
-
-/// Hashes the device spans of every completion in `landings` with one
-/// launch and compares them, in order; with how many launches it took. The
-/// digest kernel walks each page on one warp, so a batch of pages takes
-/// about as long as one: checked one write at a time, the seed bench's
-/// 4-page writes of 16 MiB pages took ~8.7 ms each on an H200, 3.9 s for
-/// 30.4 GB the copy engines moved in 0.56 s. A completion the batch cannot
-/// take (another copier) or a batch the copier refuses (a span the kernel
-/// cannot walk, a driver error) is hashed completion by completion, so one
-/// bad reply never fails another's keys.
-pub(crate) fn check_device_landings(landings: Vec<DeviceLanding>) -> (Vec<Checked>, u64) {
-    let keyed: Vec<Option<DeviceKeys<'_>>> = landings.iter().map(DeviceLanding::keys).collect();
-    // Per completion, its keys' digests once hashed (a batch that ran
-    // fills every member's).
-    let mut found: Vec<Option<Vec<u64>>> = vec![None; keyed.len()];
-    let mut launches = 0;
-    if let Some(copier) = keyed.iter().flatten().map(|(c, _)| *c).next() {
-        let batch: Vec<usize> = keyed
-            .iter()
-            .enumerate()
-            .filter(|(_, k)| k.as_ref().is_some_and(|(c, _)| Arc::ptr_eq(c, copier)))
-            .map(|(i, _)| i)
-            .collect();
-        let spans = |i: usize| keyed.get(i).and_then(Option::as_ref).map(|(_, s)| s);
-        let keys: Vec<&[CopySpan]> = batch
-            .iter()
-            .filter_map(|&i| spans(i))
-            .flat_map(|s| s.iter().map(Vec::as_slice))
-            .collect();
-        launches += 1;
-        if let Ok(Some(all)) = copier.digest_device(&keys)
-            && all.len() == keys.len()
-        {
-            let mut at = 0;
-            for &i in &batch {
-                let count = spans(i).map_or(0, Vec::len);
-                if let (Some(slot), Some(mine)) = (found.get_mut(i), all.get(at..at + count)) {
-                    *slot = Some(mine.to_vec());
-                }
-                at += count;
-            }
-        }
-    }
-    for (keys, found) in keyed.iter().zip(&mut found) {
-        if found.is_none() && keys.is_some() {
-            launches += 1;
-            *found = hash_alone(keys);
-        }
-    }
-    drop(keyed);
-    let checked = landings
-        .into_iter()
-        .zip(found)
-        .map(|(landing, found)| landing.checked(found.as_deref()))
-        .collect();
-    (checked, launches)
-}
-
-/// One completion's keys hashed by its copier alone.
-fn hash_alone(keyed: &Option<DeviceKeys<'_>>) -> Option<Vec<u64>> {
-    let (copier, spans) = keyed.as_ref()?;
-    let keys: Vec<&[CopySpan]> = spans.iter().map(Vec::as_slice).collect();
-    copier.digest_device(&keys).ok().flatten()
-}
-
-/// A one-hop completion checked alone (see [`check_device_landings`]).
-fn check_device(shared: &Shared, message: Message) -> Result<Checked, Box<Message>> {
-    let landing = device_landing(shared, message)?;
-    let found = hash_alone(&landing.keys());
-    Ok(landing.checked(found.as_deref()))
-}
-
 /// Checks `message`'s landed bytes against the digests `sent` with it,
 /// taking the core's lock only to learn where they landed.
 pub(crate) fn check(shared: &Shared, message: Message, sent: Sent) -> Checked {
-    match check_device(shared, message) {
+    match super::device_check::check_device(shared, message) {
         Ok(checked) => checked,
         Err(message) => check_in_memory(shared, *message, sent),
     }
@@ -468,7 +301,7 @@ pub(crate) fn write_record(core: &Core, write: u64) -> Option<(OpHandle, u32, Op
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::sync::Arc;
 
     use kvcr_contracts::protocol::{Header, RouteGeneration};
@@ -479,7 +312,7 @@ mod tests {
 
     /// A `write_done` for op 1 completing keys 0 and 1 with `digests`, said
     /// checked in the source's copy or not.
-    fn write_done(digests: [u64; 2], checked_in_copy: bool) -> Message {
+    pub(crate) fn write_done(digests: [u64; 2], checked_in_copy: bool) -> Message {
         let completed = CompletedIndices::with_digests(vec![(0, digests[0]), (1, digests[1])]);
         let completed = if checked_in_copy {
             completed.checked_in_copy()
@@ -532,115 +365,5 @@ mod tests {
             Hand::Checked(mismatched) => assert_eq!(mismatched, failed),
             _ => panic!("handed as a landing check"),
         }
-    }
-
-    /// A device copier whose "device" is `memory`, at address `BASE`: it
-    /// counts its digest launches and refuses any launch that names
-    /// `poisoned`.
-    struct HashingCopier {
-        memory: Vec<u8>,
-        launches: std::sync::atomic::AtomicUsize,
-        poisoned: u64,
-    }
-
-    const BASE: u64 = 0x7000_0000;
-
-    impl DeviceCopier for HashingCopier {
-        fn attach(&self, _: &[crate::PoolRange]) -> crate::Result<()> {
-            Ok(())
-        }
-
-        fn copy(&self, _: &[&[CopySpan]]) -> crate::Result<()> {
-            Ok(())
-        }
-
-        fn detach(&self, _: &[crate::PoolRange]) {}
-
-        fn digest_device(&self, keys: &[&[CopySpan]]) -> crate::Result<Option<Vec<u64>>> {
-            self.launches
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            if keys
-                .iter()
-                .flat_map(|k| k.iter())
-                .any(|s| s.src == self.poisoned)
-            {
-                return Err(crate::Error::runner(
-                    crate::error::RunnerReason::DeviceCopy(kvcr_contracts::error::Echo::new(
-                        "launch refused",
-                    )),
-                ));
-            }
-            Ok(Some(
-                keys.iter()
-                    .map(|k| {
-                        let bytes: Vec<u8> = k
-                            .iter()
-                            .flat_map(|s| {
-                                let at = (s.src - BASE) as usize;
-                                self.memory[at..at + s.len as usize].iter().copied()
-                            })
-                            .collect();
-                        kvcr_sys::digest::digest_bytes(&bytes)
-                    })
-                    .collect(),
-            ))
-        }
-    }
-
-    /// One-hop completions that came together are hashed with one launch
-    /// and each compared with its own digests (a wrong page fails only its
-    /// key); a batch the copier refuses is hashed completion by completion,
-    /// so only the completion it cannot hash goes on unchecked (`None`: the
-    /// core then fails its keys).
-    #[rstest::rstest]
-    #[case::together(None, 1, vec![Some(vec![]), Some(vec![1]), Some(vec![])])]
-    #[case::one_refused(Some(2), 4, vec![Some(vec![]), Some(vec![1]), None])]
-    fn completions_that_came_together_are_hashed_together(
-        #[case] poisoned_write: Option<usize>,
-        #[case] launches: usize,
-        #[case] failed: Vec<Option<Vec<u32>>>,
-    ) {
-        let pages: Vec<u8> = (0..6 * 4096u32).map(|i| (i * 13 % 251) as u8).collect();
-        let base = BASE;
-        let page = |n: usize| &pages[n * 4096..(n + 1) * 4096];
-        let copier = Arc::new(HashingCopier {
-            memory: pages.clone(),
-            launches: std::sync::atomic::AtomicUsize::new(0),
-            poisoned: poisoned_write.map_or(0, |w| base + 2 * w as u64 * 4096),
-        });
-        let shared: Arc<dyn DeviceCopier> = copier.clone();
-        let landings: Vec<DeviceLanding> = (0..3)
-            .map(|w| {
-                let mut digests = [
-                    kvcr_sys::digest::digest_bytes(page(2 * w)),
-                    kvcr_sys::digest::digest_bytes(page(2 * w + 1)),
-                ];
-                // The second write's second page is not what landed.
-                if w == 1 {
-                    digests[1] ^= 1;
-                }
-                let at = base + 2 * w as u64 * 4096;
-                DeviceLanding {
-                    message: write_done(digests, false),
-                    landing: vec![vec![(at, 4096)], vec![(at + 4096, 4096)]],
-                    copier: Some(Arc::clone(&shared)),
-                }
-            })
-            .collect();
-        let (checked, counted) = check_device_landings(landings);
-        assert_eq!(counted as usize, launches, "launches counted");
-        assert_eq!(
-            copier.launches.load(std::sync::atomic::Ordering::Relaxed),
-            launches
-        );
-        let mismatched: Vec<Option<Vec<u32>>> = checked
-            .into_iter()
-            .map(|c| match c.hand {
-                Hand::OneHop(mismatched) => Some(mismatched),
-                Hand::Checked(mismatched) if mismatched.is_empty() => None,
-                _ => panic!("handed as another route's check"),
-            })
-            .collect();
-        assert_eq!(mismatched, failed);
     }
 }

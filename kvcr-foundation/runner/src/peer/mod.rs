@@ -21,6 +21,7 @@
 //! streams), [`doorbells`] (records and mailbox requests read from shared
 //! memory) and [`proofs`] (a UCX route's worker proving it is its target's).
 
+mod device_check;
 mod doorbells;
 pub(crate) mod landing;
 mod messages;
@@ -225,10 +226,15 @@ struct State {
     /// One-copy writes on the lanes whose pages are checked as they are
     /// copied (their `write_done` says so when they end well).
     checked_in_copy: HashSet<u64>,
-    /// One-hop completions taken from the control channel this turn, whose
-    /// device bytes are hashed together before anything else reaches the
-    /// core ([`State::check_device_landings`]).
-    device_landings: Vec<landing::DeviceLanding>,
+    /// One-hop completions taken from the control channel this turn, handed
+    /// to the device check's thread together at its end
+    /// ([`State::submit_device_landings`]).
+    device_landings: Vec<device_check::DeviceLanding>,
+    /// Hashes one-hop landings on the device, off this thread; joined on
+    /// drop after its launch under way.
+    device_check: device_check::DeviceChecker,
+    /// What the device check found, to hand to the core.
+    device_checked: mpsc::UnboundedReceiver<device_check::CheckedLandings>,
     /// Whether we post requests to our sources' mailboxes
     /// ([`PeerOptions::request_mailbox`]).
     request_mailbox: bool,
@@ -318,7 +324,7 @@ impl State {
         }
         let event = match event {
             Some(ChannelEvent::Message(message, session)) => {
-                match landing::device_landing(shared, message) {
+                match device_check::device_landing(shared, message) {
                     Ok(held) => {
                         self.device_landings.push(held);
                         return;
@@ -328,8 +334,6 @@ impl State {
             }
             other => other,
         };
-        // Whatever came before this reaches the core first.
-        self.check_device_landings(shared);
         match event {
             Some(ChannelEvent::Message(message, session)) => {
                 match &message.body {
@@ -412,21 +416,22 @@ impl State {
         }
     }
 
-    /// Hashes the one-hop completions held this turn together (one kernel
-    /// launch: see [`landing::check_device_landings`]) and hands them to
-    /// the core in the order they came.
-    fn check_device_landings(&mut self, shared: &Arc<Shared>) {
-        if self.device_landings.is_empty() {
-            return;
-        }
-        let held = std::mem::take(&mut self.device_landings);
-        let (checked, launches) = landing::check_device_landings(held);
+    /// Hands the one-hop completions held this turn to the device check's
+    /// thread, together (they share a launch unless one is under way).
+    fn submit_device_landings(&mut self) {
+        self.device_check
+            .submit(std::mem::take(&mut self.device_landings));
+    }
+
+    /// Gives the core one-hop completions the device check has hashed, in
+    /// the order they came.
+    fn hand_device_checks(&self, shared: &Shared, found: device_check::CheckedLandings) {
         self.control
             .stats
             .device_check_launches
-            .fetch_add(launches, std::sync::atomic::Ordering::Relaxed);
+            .fetch_add(found.launches, std::sync::atomic::Ordering::Relaxed);
         shared.with_core_now(|core, now| {
-            for checked in checked {
+            for checked in found.checked {
                 checked.hand(core, now);
             }
         });

@@ -123,6 +123,7 @@ impl State {
         let one_hop = super::one_hop::OneHopWriter::new(Arc::clone(&control.stats.one_hop_passes));
         let (lane_done_tx, lane_done) = mpsc::unbounded_channel();
         let (leads_landed_tx, leads_landed) = mpsc::unbounded_channel();
+        let (device_checked_tx, device_checked) = mpsc::unbounded_channel();
         let (streams_dialed_tx, streams_dialed) = mpsc::unbounded_channel();
         Ok((
             Self {
@@ -147,6 +148,8 @@ impl State {
                 landing_check: options.landing_check,
                 checked_in_copy: HashSet::new(),
                 device_landings: Vec::new(),
+                device_check: super::device_check::DeviceChecker::new(device_checked_tx),
+                device_checked,
                 endpoint: endpoint_for_streams,
                 stream_limits: (
                     options.limits.handshake_timeout,

@@ -393,6 +393,14 @@ impl State {
                 }
                 None => Woken::Event,
             },
+            // Before the control messages, as the writes' ends are.
+            found = self.device_checked.recv() => match found {
+                Some(found) => {
+                    self.hand_device_checks(shared, found);
+                    Woken::Activity
+                }
+                None => Woken::Event,
+            },
             // Before the control messages: a flood of them must not
             // starve a finished write (the select is biased).
             done = self.lane_done.recv() => match done {
@@ -405,7 +413,7 @@ impl State {
             item = self.inbound.recv() => match item {
                 Some(item) => {
                     self.on_inbound(item, shared);
-                    self.check_device_landings(shared);
+                    self.submit_device_landings();
                     Woken::Activity
                 }
                 None => Woken::Event,
@@ -479,13 +487,17 @@ impl State {
                 more = true;
                 self.copied(shared, done);
             }
+            while let Ok(found) = self.device_checked.try_recv() {
+                more = true;
+                self.hand_device_checks(shared, found);
+            }
             while let Ok(item) = self.inbound.try_recv() {
                 more = true;
                 self.on_inbound(item, shared);
             }
             // The one-hop completions that came together are hashed
             // together (a page takes one warp ~8 ms; a batch, about as long).
-            self.check_device_landings(shared);
+            self.submit_device_landings();
             while let Ok(dialed) = self.streams_dialed.try_recv() {
                 more = true;
                 self.stream_dialed(dialed);
