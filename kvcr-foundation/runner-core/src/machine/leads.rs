@@ -78,11 +78,27 @@ impl Core {
     /// place, when every entry before its first failure has succeeded or
     /// waits on a copy job or one-hop write whose lead landed, and at least
     /// one waits so.
-    fn lead_ready(&self, deliver: OpHandle) -> Option<u32> {
+    ///
+    /// Called on every lead report, so a restore of n pages in n/k writes
+    /// scanned ~n²/2k entries, each a lookup of its write: ~400,000 on the
+    /// first layer's path for the seed's 1812 pages in 4-page writes. The
+    /// entries found in place last time are only checked for a failure since.
+    fn lead_ready(&mut self, deliver: OpHandle) -> Option<u32> {
         let o = self.ops.get(&deliver)?;
+        let known = o.lead_prefix as usize;
         let mut pages = 0u32;
         let mut waiting = false;
-        for e in &o.entries {
+        let mut ready = None;
+        for (i, e) in o.entries.iter().enumerate() {
+            if i < known {
+                match &e.result {
+                    Some(r) if r.status != EntryStatus::Success => break,
+                    Some(_) => {}
+                    None => waiting = true,
+                }
+                pages += 1;
+                continue;
+            }
             let landed = match (&e.result, e.wait) {
                 (Some(r), _) if r.status == EntryStatus::Success => false,
                 (Some(_), _) => break,
@@ -91,12 +107,19 @@ impl Core {
                 (None, _) => false,
             };
             if e.result.is_none() && !landed {
-                return None;
+                ready = Some(false);
+                break;
             }
             waiting |= landed;
             pages += 1;
         }
-        waiting.then_some(pages)
+        if let Some(o) = self.ops.get_mut(&deliver) {
+            o.lead_prefix = o.lead_prefix.max(pages);
+        }
+        match ready {
+            Some(false) => None,
+            _ => waiting.then_some(pages),
+        }
     }
 
     /// Device delivers ready to start on their first layer, each with how

@@ -312,6 +312,10 @@ struct Op {
     /// Where the operation's framework elements live (one kind per call), so
     /// its copy jobs reach the copier that can touch them.
     memory: RegionMemory,
+    /// Leading entries a device deliver's last first-layer scan found
+    /// succeeded or with their lead landed (a landing is never undone):
+    /// the next scan looks them up no more (`Core::lead_ready`).
+    lead_prefix: u32,
 }
 
 #[derive(Debug)]

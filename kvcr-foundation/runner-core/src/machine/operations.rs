@@ -23,6 +23,7 @@ impl Core {
                 pending,
                 jobs: 0,
                 memory,
+                lead_prefix: 0,
             },
         );
         self.deadlines.insert((deadline, handle));

@@ -77,6 +77,13 @@ use kvcr_contracts::protocol::{
     SharedMemoryAdvert, WriteOutcome,
 };
 
+/// A source route's device regions by id, looked up once per element of
+/// every one-hop write: with std's SipHash, the lookups were a fifth of
+/// the `start_write` handling of the seed's restore (232,000 elements,
+/// profiled). hashbrown's hasher is seeded per process; the map holds at
+/// most `MAX_ADVERTISED_DEVICE_REGIONS` entries.
+pub(super) type DeviceGrants = hashbrown::HashMap<RegionId, DeviceRegionAdvert>;
+
 #[derive(Debug)]
 pub(crate) struct RequestHint {
     source: ControlEndpoint,
@@ -153,7 +160,7 @@ struct Route {
     /// shared segment (the metadata ack waits for this and carries it).
     one_copy: Option<bool>,
     /// The target's device regions, by id (shared as `regions` is).
-    device_regions: Arc<HashMap<RegionId, DeviceRegionAdvert>>,
+    device_regions: Arc<DeviceGrants>,
     /// Whether the driver opened every device region (known with
     /// `one_copy`): only then are device elements written.
     device: bool,
@@ -346,7 +353,7 @@ impl Default for SourceRole {
 impl Route {
     /// The target's device regions if the driver opened them all (writes
     /// into them are served), else none.
-    fn device_regions_opened(&self) -> Option<Arc<HashMap<RegionId, DeviceRegionAdvert>>> {
+    fn device_regions_opened(&self) -> Option<Arc<DeviceGrants>> {
         self.device.then(|| Arc::clone(&self.device_regions))
     }
 }

@@ -19,7 +19,7 @@ pub(super) struct Grants<'a> {
     /// The target's advertised pool regions.
     pub(super) regions: &'a HashMap<RegionId, RegionAdvert>,
     /// Its device regions, when the driver opened them all.
-    pub(super) device: Option<&'a HashMap<RegionId, DeviceRegionAdvert>>,
+    pub(super) device: Option<&'a DeviceGrants>,
 }
 
 impl<'a> Grants<'a> {
@@ -29,7 +29,7 @@ impl<'a> Grants<'a> {
     pub(super) fn device_write(
         &self,
         destinations: &[Vec<ElementRef>],
-    ) -> Option<&'a HashMap<RegionId, DeviceRegionAdvert>> {
+    ) -> Option<&'a DeviceGrants> {
         let first = destinations.first().and_then(|d| d.first())?;
         self.device
             .filter(|device| device.contains_key(&first.region))
@@ -37,9 +37,13 @@ impl<'a> Grants<'a> {
 }
 
 /// Whether any element appears twice among a write's `destinations`
-/// (sorting a copy: no per-element hashing).
+/// (sorting a copy, each element one 128-bit word: no per-element hashing).
 pub(super) fn names_an_element_twice(destinations: &[Vec<ElementRef>]) -> bool {
-    let mut all: Vec<ElementRef> = destinations.iter().flatten().copied().collect();
+    let mut all: Vec<u128> = destinations
+        .iter()
+        .flatten()
+        .map(|e| (u128::from(e.region.0) << 64) | u128::from(e.index))
+        .collect();
     all.sort_unstable();
     all.windows(2).any(|w| w.first() == w.last())
 }
@@ -53,7 +57,7 @@ pub(super) fn names_an_element_twice(destinations: &[Vec<ElementRef>]) -> bool {
 pub(super) fn device_puts(
     sources: &[CopySpan],
     dests: &[ElementRef],
-    device: &HashMap<RegionId, DeviceRegionAdvert>,
+    device: &DeviceGrants,
     mut seen: Option<&mut HashSet<ElementRef>>,
 ) -> Option<Vec<PutSpan>> {
     let mut targets = Vec::with_capacity(dests.len());
