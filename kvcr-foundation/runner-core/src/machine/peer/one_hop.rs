@@ -140,7 +140,7 @@ impl Core {
         request: Option<&RequestId>,
         layout: u16,
         missing: Vec<(u32, ScopedKey)>,
-        elements: &[Vec<ElementRef>],
+        elements: &mut [Vec<ElementRef>],
     ) -> Vec<(u32, ScopedKey)> {
         type Group = Vec<(u32, ScopedKey)>;
         let mut by_source: BTreeMap<(ControlEndpoint, NamespaceId), (Incarnation, Group)> =
@@ -163,6 +163,8 @@ impl Core {
                         .cloned();
                     if let Some(source) = hinted.as_ref().filter(|s| self.route_pending(s)) {
                         let source = source.clone();
+                        let granted = elements.get_mut(entry as usize).map(std::mem::take);
+                        let granted = granted.unwrap_or_default();
                         self.wait_for_route(op, entry, key, layout, request, source, granted);
                         continue;
                     }
@@ -187,7 +189,9 @@ impl Core {
                     {
                         batch
                             .iter()
-                            .map(|(entry, _)| elements.get(*entry as usize).cloned())
+                            .map(|(entry, _)| {
+                                elements.get_mut(*entry as usize).map(std::mem::take)
+                            })
                             .collect::<Option<Vec<_>>>()
                             .unwrap_or_default()
                     },
@@ -217,7 +221,7 @@ impl Core {
         layout: u16,
         request: Option<&RequestId>,
         source: ControlEndpoint,
-        elements: &[ElementRef],
+        elements: Vec<ElementRef>,
     ) {
         let Some(peer) = self.peer.as_mut() else {
             return;
@@ -229,7 +233,7 @@ impl Core {
             layout,
             request: request.cloned(),
             source,
-            elements: elements.to_vec(),
+            elements,
         });
         if let Some(e) = self
             .ops
@@ -315,7 +319,7 @@ impl Core {
             }
             let protected: Vec<ScopedKey> = missing.iter().map(|(_, k)| *k).collect();
             let rest =
-                self.start_one_hop(now, deliver, request.as_ref(), layout, missing, &elements);
+                self.start_one_hop(now, deliver, request.as_ref(), layout, missing, &mut elements);
             self.start_remote(now, deliver, request.as_ref(), layout, rest, &protected);
             self.start_delivers(now, deliver, ready);
             self.finish_if_done(deliver);
