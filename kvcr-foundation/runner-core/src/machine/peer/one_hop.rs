@@ -189,9 +189,7 @@ impl Core {
                     {
                         batch
                             .iter()
-                            .map(|(entry, _)| {
-                                elements.get_mut(*entry as usize).map(std::mem::take)
-                            })
+                            .map(|(entry, _)| elements.get_mut(*entry as usize).map(std::mem::take))
                             .collect::<Option<Vec<_>>>()
                             .unwrap_or_default()
                     },
@@ -318,8 +316,14 @@ impl Core {
                 }
             }
             let protected: Vec<ScopedKey> = missing.iter().map(|(_, k)| *k).collect();
-            let rest =
-                self.start_one_hop(now, deliver, request.as_ref(), layout, missing, &mut elements);
+            let rest = self.start_one_hop(
+                now,
+                deliver,
+                request.as_ref(),
+                layout,
+                missing,
+                &mut elements,
+            );
             self.start_remote(now, deliver, request.as_ref(), layout, rest, &protected);
             self.start_delivers(now, deliver, ready);
             self.finish_if_done(deliver);
