@@ -305,12 +305,13 @@ mod tests {
 
     /// A device copier whose "device" is `memory`, at address `BASE`: it
     /// counts its digest launches and refuses any launch that names
-    /// `poisoned`. A launch waits for `gate` (after counting itself).
+    /// `poisoned`. A launch says so on `entered`, then waits for `gate`.
     struct HashingCopier {
         memory: Vec<u8>,
         launches: std::sync::atomic::AtomicUsize,
         poisoned: u64,
         gate: std::sync::Mutex<()>,
+        entered: Option<std::sync::mpsc::Sender<()>>,
     }
 
     const BASE: u64 = 0x7000_0000;
@@ -329,6 +330,9 @@ mod tests {
         fn digest_device(&self, keys: &[&[CopySpan]]) -> crate::Result<Option<Vec<u64>>> {
             self.launches
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if let Some(entered) = &self.entered {
+                let _ = entered.send(());
+            }
             let _gate = self.gate.lock();
             if keys
                 .iter()
@@ -379,6 +383,7 @@ mod tests {
             launches: std::sync::atomic::AtomicUsize::new(0),
             poisoned: poisoned_write.map_or(0, |w| base + 2 * w as u64 * 4096),
             gate: std::sync::Mutex::new(()),
+            entered: None,
         });
         let shared: Arc<dyn DeviceCopier> = copier.clone();
         let landings: Vec<DeviceLanding> = (0..3)
@@ -442,22 +447,22 @@ mod tests {
     /// thread after the launch under way.
     #[test]
     fn the_checker_hands_back_every_completion_in_order() {
+        let (entered, launched) = std::sync::mpsc::channel();
         let copier = Arc::new(HashingCopier {
             memory: (0..4 * 4096u32).map(|i| (i * 31 % 251) as u8).collect(),
             launches: std::sync::atomic::AtomicUsize::new(0),
             poisoned: 0,
             gate: std::sync::Mutex::new(()),
+            entered: Some(entered),
         });
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let mut checker = DeviceChecker::new(tx);
         let gate = copier.gate.lock().unwrap();
         checker.submit(landings(&copier, 0, 1, false));
-        // Bounded wait for the first launch to start (and hold the gate).
-        let launched = (0..10_000).any(|_| {
-            std::thread::sleep(std::time::Duration::from_millis(1));
-            copier.launches.load(std::sync::atomic::Ordering::SeqCst) == 1
-        });
-        assert!(launched, "the thread never launched");
+        // The first launch has begun (and waits at the gate).
+        launched
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .expect("the thread never launched");
         checker.submit(landings(&copier, 1, 2, true));
         checker.submit(landings(&copier, 3, 1, false));
         drop(gate);
