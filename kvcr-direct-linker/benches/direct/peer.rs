@@ -144,8 +144,14 @@ pub(crate) fn tp2_source(rank: u32, pages: u32, tp: u32) {
         if line.trim() == "CPU" {
             // How many passes the one-hop writes took so far: the writes a
             // pass takes together land their first layer together.
-            let passes = linker.runner().peers().control_stats().one_hop_passes;
-            println!("# source {rank}: {passes} one-hop copy passes so far");
+            // And the time inside them: set against a round's wall time,
+            // what went between passes.
+            let stats = linker.runner().peers().control_stats();
+            println!(
+                "# source {rank}: {} one-hop copy passes so far, {:.1} ms inside them",
+                stats.one_hop_passes,
+                stats.one_hop_copy_ns as f64 / 1e6
+            );
             println!("CPU {}", super::one_hop::cpu_seconds());
         } else if line.trim() == "IMPORTS" {
             let open = linker.runner().peers().control_stats().device_imports_open;

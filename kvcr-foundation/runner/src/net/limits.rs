@@ -238,8 +238,9 @@ pub(crate) struct ControlStats {
     /// Doorbell records taken whose pages were checked in the source's copy
     /// and not read again (as a target).
     pub(crate) landings_checked_in_copy: AtomicU64,
-    /// Copy passes the one-hop writer ran (as a source; shared with it).
-    pub(crate) one_hop_passes: Arc<AtomicU64>,
+    /// Copy passes the one-hop writer ran and the time inside them (as a
+    /// source; shared with it).
+    pub(crate) one_hop_passes: Arc<crate::peer::PassCounters>,
     /// Digest launches over one-hop completions (as a target).
     pub(crate) device_check_launches: AtomicU64,
     /// Targets' device regions open here now (as a source).
@@ -261,7 +262,8 @@ impl ControlStats {
             pages_checked_in_copy: self.source_checks.checked.load(Ordering::Relaxed),
             pages_altered_at_source: self.source_checks.altered.load(Ordering::Relaxed),
             landings_checked_in_copy: self.landings_checked_in_copy.load(Ordering::Relaxed),
-            one_hop_passes: self.one_hop_passes.load(Ordering::Relaxed),
+            one_hop_passes: self.one_hop_passes.passes.load(Ordering::Relaxed),
+            one_hop_copy_ns: self.one_hop_passes.busy_ns.load(Ordering::Relaxed),
             device_check_launches: self.device_check_launches.load(Ordering::Relaxed),
             device_imports_open: self.device_imports_open.load(Ordering::Relaxed),
             doorbells_taken: self.doorbells_taken.load(Ordering::Relaxed),
@@ -330,6 +332,10 @@ pub struct ControlCounters {
     /// together go in one pass (layer 0 of all of them first), so a
     /// restore's writes over fewer passes land their first layer sooner.
     pub one_hop_passes: u64,
+    /// Nanoseconds a source's one-hop writer spent inside its copy passes
+    /// (issuing and waiting for the copy engines): set against a restore's
+    /// wall time, what went between passes.
+    pub one_hop_copy_ns: u64,
     /// Device digest launches a target ran over one-hop completions: those
     /// that came together share one (see `one_hop_writes` for how many
     /// completions there were).

@@ -24,6 +24,8 @@ use crate::shared::Shared;
 
 mod writer;
 
+pub(crate) use writer::PassCounters;
+
 pub(super) use self::writer::OneHopWriter;
 
 /// One opened device region of a target: where its element 0 is in the

@@ -41,8 +41,8 @@ pub(in crate::peer) struct OneHopWriter {
     worker: Option<Worker>,
     /// This turn's writes, not yet handed over.
     turn: Vec<Job>,
-    /// Copy passes run (the runner's `one_hop_passes` counter).
-    passes: Arc<AtomicU64>,
+    /// Copy passes run and time spent in them (the runner's counters).
+    passes: Arc<PassCounters>,
 }
 
 struct Worker {
@@ -55,7 +55,7 @@ struct Worker {
 impl OneHopWriter {
     /// A writer counting its copy passes in `passes`; its thread starts
     /// with the first write.
-    pub(in crate::peer) fn new(passes: Arc<AtomicU64>) -> Self {
+    pub(in crate::peer) fn new(passes: Arc<PassCounters>) -> Self {
         Self {
             worker: None,
             turn: Vec::new(),
@@ -160,12 +160,35 @@ impl Drop for OneHopWriter {
     }
 }
 
+/// The writer's copy passes: how many ran (`one_hop_passes`) and the time
+/// spent inside them (`one_hop_copy_ns`). Against a restore's wall time,
+/// the time shows what the copy engines were given and what went between
+/// passes.
+#[derive(Debug, Default)]
+pub(crate) struct PassCounters {
+    pub(crate) passes: AtomicU64,
+    pub(crate) busy_ns: AtomicU64,
+}
+
+impl PassCounters {
+    /// Runs one copy pass, counted and timed; its outcome.
+    fn run(&self, pass: impl FnOnce() -> bool) -> bool {
+        self.passes.fetch_add(1, Ordering::Relaxed);
+        #[allow(clippy::disallowed_methods)] // time spent, reported; never a threshold
+        let began = std::time::Instant::now();
+        let ok = pass();
+        let spent = u64::try_from(began.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.busy_ns.fetch_add(spent, Ordering::Relaxed);
+        ok
+    }
+}
+
 /// Where the schedule says what happened: a write's lead landed, a write
-/// ended (`ok`: every copy landed), a pass began.
+/// ended (`ok`: every copy landed); and where its passes are counted.
 struct Said<'a> {
     lead: &'a dyn Fn(u64),
     done: &'a dyn Fn(u64, bool),
-    passes: &'a AtomicU64,
+    passes: &'a PassCounters,
 }
 
 /// A write whose lead has landed (or that asked none), its remaining spans
@@ -247,11 +270,10 @@ impl Stream {
             match resolve(&job) {
                 Some(pages) if joins => arrived.push(Streamed { job, pages }),
                 pages => {
-                    said.passes.fetch_add(1, Ordering::Relaxed);
-                    let ok = match pages {
+                    let ok = said.passes.run(|| match pages {
                         Some(pages) => copy_pages(job.copier.as_ref(), &pages),
                         None => copy_by_region(&job),
-                    };
+                    });
                     (said.done)(job.write, ok);
                 }
             }
@@ -273,10 +295,7 @@ impl Stream {
             return;
         };
         let leads: Vec<&[CopySpan]> = arrived.iter().flat_map(Streamed::lead).collect();
-        let landed = leads.is_empty() || {
-            said.passes.fetch_add(1, Ordering::Relaxed);
-            copier.copy_to_imports(&leads).is_ok()
-        };
+        let landed = leads.is_empty() || said.passes.run(|| copier.copy_to_imports(&leads).is_ok());
         for streamed in arrived {
             if streamed.job.lead == 0 {
                 self.rest.push_back(streamed);
@@ -311,10 +330,7 @@ impl Stream {
             return;
         };
         let keys: Vec<&[CopySpan]> = chunk.iter().flat_map(Streamed::rest).collect();
-        let copied = keys.is_empty() || {
-            said.passes.fetch_add(1, Ordering::Relaxed);
-            copier.copy_to_imports(&keys).is_ok()
-        };
+        let copied = keys.is_empty() || said.passes.run(|| copier.copy_to_imports(&keys).is_ok());
         for streamed in &chunk {
             let ok = copied || {
                 let keys: Vec<&[CopySpan]> = streamed.rest().collect();

@@ -127,14 +127,14 @@ enum Heard {
 /// counted.
 fn step(stream: &mut Stream, jobs: Vec<Job>) -> (Vec<Heard>, u64) {
     let heard = Mutex::new(Vec::new());
-    let passes = AtomicU64::new(0);
+    let passes = PassCounters::default();
     let mut said = Said {
         lead: &|w| heard.lock().unwrap().push(Heard::Lead(w)),
         done: &|w, ok| heard.lock().unwrap().push(Heard::Done(w, ok)),
         passes: &passes,
     };
     stream.step(jobs, &mut said);
-    (heard.into_inner().unwrap(), passes.into_inner())
+    (heard.into_inner().unwrap(), passes.passes.into_inner())
 }
 
 /// Writes that ask no lead go in one pass of every page, in span-index
@@ -290,7 +290,7 @@ fn a_turns_writes_go_to_the_writer_together() {
     let setup = setup(1 << 10, u64::MAX);
     let (done_tx, mut done) = tokio::sync::mpsc::unbounded_channel();
     let (leads_tx, mut leads) = tokio::sync::mpsc::unbounded_channel();
-    let passes = Arc::new(AtomicU64::new(0));
+    let passes = Arc::new(PassCounters::default());
     let mut writer = OneHopWriter::new(Arc::clone(&passes));
     for id in 1..=3 {
         let job = write(id, (2, 2), id * 100, 1, &setup);
@@ -315,7 +315,11 @@ fn a_turns_writes_go_to_the_writer_together() {
         ],
         "one pass of the leads, one of the rest"
     );
-    assert_eq!(passes.load(Ordering::Relaxed), 2);
+    assert_eq!(passes.passes.load(Ordering::Relaxed), 2);
+    assert!(
+        passes.busy_ns.load(Ordering::Relaxed) > 0,
+        "the time inside the passes is counted"
+    );
     drop(writer);
     assert!(done.try_recv().is_err(), "each write reported once");
 }
