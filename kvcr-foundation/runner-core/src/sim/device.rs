@@ -138,6 +138,11 @@ pub(super) fn source_hint(keys: &[u64]) -> FetchHint {
 
 impl DeviceWorld {
     pub(super) fn new(seed: u64) -> Self {
+        Self::new_with(seed, |_| {})
+    }
+
+    /// As [`Self::new`], the target's peer configuration then `adjust`ed.
+    pub(super) fn new_with(seed: u64, adjust: impl FnOnce(&mut PeerConfig)) -> Self {
         let (mut target, ns) = new_core_with(
             TARGET_POOL,
             TARGET_PORT,
@@ -150,6 +155,7 @@ impl DeviceWorld {
                     pid: 1,
                     segments: Vec::new(),
                 });
+                adjust(c);
             },
         );
         let device_region = target

@@ -454,94 +454,6 @@ fn a_one_hop_deliver_past_its_deadline_waits_for_proof() {
     let _ = TARGET_PORT;
 }
 
-/// A one-hop write's lead report moves its deliver only when it is the
-/// write's own: from its source's endpoint and incarnation, for the count
-/// the target asked (here 1: a page of one element, the configured 2
-/// clamped to it), once, while the write is awaited. Forged, foreign,
-/// miscounted, repeated or unknown reports are refused and counted, and
-/// report nothing.
-#[test]
-fn only_the_writes_own_source_reports_its_lead() {
-    let mut world = quiet_world();
-    world.request(vec![7]);
-    world.settle().unwrap();
-    let _ = world.target.drain_leads_landed();
-    let ns = world.ns;
-    let request = RequestId("led".into());
-    let hint = source_hint(&[5]);
-    let now = world.now;
-    world.target.submit_hint(now, request.clone(), &hint);
-    let entry = DeliverEntry {
-        key: scoped(ns, 5),
-        destinations: vec![ElementRef {
-            region: world.device_region,
-            index: 4001,
-        }],
-    };
-    let op = world
-        .target
-        .deliver(now, vec![entry], Some(&request))
-        .unwrap();
-    let start = sent(&mut world.target);
-    let Some((write, lead)) = start.iter().find_map(|(_, body)| match body {
-        Body::StartWrite {
-            op_handle,
-            lead_elements,
-            ..
-        } => Some((*op_handle, *lead_elements)),
-        _ => None,
-    }) else {
-        panic!("no one-hop grant: {start:?}")
-    };
-    assert_eq!(lead, 1, "asked for the page's one element");
-    let source = world.source_incarnation();
-    let report = |op_handle, elements| Body::WriteLeadLanded {
-        op_handle,
-        elements,
-    };
-    let forged = [
-        (
-            "another member",
-            from(SOURCE_PORT + 50, source, report(write, 1)),
-        ),
-        (
-            "another incarnation",
-            from(SOURCE_PORT, source + 1, report(write, 1)),
-        ),
-        (
-            "the wrong count",
-            from(SOURCE_PORT, source, report(write, 2)),
-        ),
-        (
-            "an unknown write",
-            from(SOURCE_PORT, source, report(OpHandle(9999), 1)),
-        ),
-    ];
-    for (what, message) in forged {
-        let refused = world.target.peer_counters().refused;
-        world.target.handle_message(now, message);
-        assert_eq!(world.target.peer_counters().refused, refused + 1, "{what}");
-        assert!(world.target.drain_leads_landed().is_empty(), "{what}");
-    }
-    world
-        .target
-        .handle_message(now, from(SOURCE_PORT, source, report(write, 1)));
-    assert_eq!(world.target.drain_leads_landed(), [(op, 1)]);
-    let refused = world.target.peer_counters().refused;
-    world
-        .target
-        .handle_message(now, from(SOURCE_PORT, source, report(write, 1)));
-    assert_eq!(
-        world.target.peer_counters().refused,
-        refused + 1,
-        "repeated"
-    );
-    assert!(world.target.drain_leads_landed().is_empty());
-    let mut done = Vec::new();
-    world.target.drain_completed(&mut done);
-    assert!(done.is_empty(), "a lead report ends nothing: {done:?}");
-}
-
 /// A device deliver issued the moment its hint arrives, before the
 /// source's route is set up: the target sends the metadata and grants
 /// nothing yet; the source's ack decides. With `device` the keys go in one
@@ -645,7 +557,7 @@ fn a_deliver_before_the_routes_ack_waits_for_it(#[case] ack: Option<bool>) {
 }
 
 /// A world with its faults off.
-fn quiet_world() -> DeviceWorld {
+pub(super) fn quiet_world() -> DeviceWorld {
     let mut world = DeviceWorld::new(7);
     world.quiet();
     world
