@@ -88,7 +88,8 @@ impl Core {
         let known = o.lead_prefix as usize;
         let mut pages = 0u32;
         let mut waiting = false;
-        let mut ready = None;
+        // An entry neither ended nor with its lead in place: not ready.
+        let mut unlanded = false;
         for (i, e) in o.entries.iter().enumerate() {
             if i < known {
                 match &e.result {
@@ -107,7 +108,7 @@ impl Core {
                 (None, _) => false,
             };
             if e.result.is_none() && !landed {
-                ready = Some(false);
+                unlanded = true;
                 break;
             }
             waiting |= landed;
@@ -116,10 +117,7 @@ impl Core {
         if let Some(o) = self.ops.get_mut(&deliver) {
             o.lead_prefix = o.lead_prefix.max(pages);
         }
-        match ready {
-            Some(false) => None,
-            _ => waiting.then_some(pages),
-        }
+        (waiting && !unlanded).then_some(pages)
     }
 
     /// Device delivers ready to start on their first layer, each with how

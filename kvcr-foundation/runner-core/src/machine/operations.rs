@@ -317,6 +317,7 @@ impl Core {
         request: Option<&RequestId>,
     ) -> Result<OpHandle> {
         let mut validated = Vec::with_capacity(entries.len());
+        let mut op_entries = Vec::with_capacity(entries.len());
         let mut memory = None;
         // The entries' own elements: what a one-hop write is granted.
         let mut elements = Vec::with_capacity(entries.len());
@@ -331,21 +332,14 @@ impl Core {
             for span in &mut destinations {
                 (span.src, span.dst) = (0, span.src);
             }
-            validated.push((entry.key, layout, destinations));
+            validated.push((entry.key, layout));
+            op_entries.push(OpEntry {
+                key: entry.key,
+                result: None,
+                wait: Wait::None,
+                destinations,
+            });
         }
-        let mut op_entries = Vec::with_capacity(validated.len());
-        let validated: Vec<(ScopedKey, u16)> = validated
-            .into_iter()
-            .map(|(key, layout, destinations)| {
-                op_entries.push(OpEntry {
-                    key,
-                    result: None,
-                    wait: Wait::None,
-                    destinations,
-                });
-                (key, layout)
-            })
-            .collect();
         let handle = self.new_op(
             now,
             OpKind::Deliver,

@@ -76,8 +76,7 @@ impl DeviceChecker {
                         while let Ok(more) = rx.try_recv() {
                             landings.extend(more);
                         }
-                        let (checked, launches) = check_device_landings(landings);
-                        if results.send(CheckedLandings { checked, launches }).is_err() {
+                        if results.send(check_device_landings(landings)).is_err() {
                             break;
                         }
                     }
@@ -93,8 +92,7 @@ impl DeviceChecker {
             },
             None => landings,
         };
-        let (checked, launches) = check_device_landings(landings);
-        let _ = self.results.send(CheckedLandings { checked, launches });
+        let _ = self.results.send(check_device_landings(landings));
     }
 }
 
@@ -234,7 +232,7 @@ impl DeviceLanding {
 /// take (another copier) or a batch the copier refuses (a span the kernel
 /// cannot walk, a driver error) is hashed completion by completion, so one
 /// bad reply never fails another's keys.
-pub(crate) fn check_device_landings(landings: Vec<DeviceLanding>) -> (Vec<Checked>, u64) {
+pub(crate) fn check_device_landings(landings: Vec<DeviceLanding>) -> CheckedLandings {
     let keyed: Vec<Option<DeviceKeys<'_>>> = landings.iter().map(DeviceLanding::keys).collect();
     // Per completion, its keys' digests once hashed (a batch that ran
     // fills every member's).
@@ -279,7 +277,7 @@ pub(crate) fn check_device_landings(landings: Vec<DeviceLanding>) -> (Vec<Checke
         .zip(found)
         .map(|(landing, found)| landing.checked(found.as_deref()))
         .collect();
-    (checked, launches)
+    CheckedLandings { checked, launches }
 }
 
 /// One completion's keys hashed by its copier alone.
@@ -404,7 +402,10 @@ mod tests {
                 }
             })
             .collect();
-        let (checked, counted) = check_device_landings(landings);
+        let CheckedLandings {
+            checked,
+            launches: counted,
+        } = check_device_landings(landings);
         assert_eq!(counted as usize, launches, "launches counted");
         assert_eq!(
             copier.launches.load(std::sync::atomic::Ordering::Relaxed),

@@ -46,9 +46,9 @@ use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::incarnation::Incarnation;
 use kvcr_contracts::protocol::{Body, Message, SharedMemoryAdvert};
 use kvcr_runner_core::Action;
-
 use kvcr_ucx::{Context, Registration};
-pub(crate) use one_hop::PassCounters;
+
+pub(crate) use self::one_hop::PassCounters;
 
 use self::puts::PendingWrite;
 use self::routes::{Route, retire};

@@ -163,8 +163,10 @@ impl Core {
                         .cloned();
                     if let Some(source) = hinted.as_ref().filter(|s| self.route_pending(s)) {
                         let source = source.clone();
-                        let granted = elements.get_mut(entry as usize).map(std::mem::take);
-                        let granted = granted.unwrap_or_default();
+                        let granted = elements
+                            .get_mut(entry as usize)
+                            .map(std::mem::take)
+                            .unwrap_or_default();
                         self.wait_for_route(op, entry, key, layout, request, source, granted);
                         continue;
                     }

@@ -389,22 +389,8 @@ fn a_one_hop_deliver_past_its_deadline_waits_for_proof() {
     world.request(vec![7]);
     world.settle().unwrap();
     // The route is up and acked with the one-hop route: deliver by hand.
-    let ns = world.ns;
-    let request = RequestId("held".into());
-    let hint = source_hint(&[6]);
     let now = world.now;
-    world.target.submit_hint(now, request.clone(), &hint);
-    let entry = DeliverEntry {
-        key: scoped(ns, 6),
-        destinations: vec![ElementRef {
-            region: world.device_region,
-            index: 4000,
-        }],
-    };
-    let op = world
-        .target
-        .deliver(now, vec![entry], Some(&request))
-        .unwrap();
+    let op = deliver_now(&mut world, "held", &[6], 4000);
     let start = sent(&mut world.target);
     let Some(write) = start.iter().find_map(|(_, body)| match body {
         Body::StartWrite {
@@ -561,6 +547,34 @@ pub(super) fn quiet_world() -> DeviceWorld {
     let mut world = DeviceWorld::new(7);
     world.quiet();
     world
+}
+
+/// Delivers `keys` into the device elements from `first` on, now, under a
+/// hint of its own named `request` (a scripted test's deliver, by hand);
+/// the deliver's handle. Its `start_write`s wait in the target's actions.
+pub(super) fn deliver_now(
+    world: &mut DeviceWorld,
+    request: &str,
+    keys: &[u64],
+    first: u64,
+) -> OpHandle {
+    let request = RequestId(request.into());
+    let now = world.now;
+    world
+        .target
+        .submit_hint(now, request.clone(), &source_hint(keys));
+    let entries = keys
+        .iter()
+        .zip(first..)
+        .map(|(key, index)| DeliverEntry {
+            key: scoped(world.ns, *key),
+            destinations: vec![ElementRef {
+                region: world.device_region,
+                index,
+            }],
+        })
+        .collect();
+    world.target.deliver(now, entries, Some(&request)).unwrap()
 }
 
 /// Many seeded device runs: every invariant after every step, and each

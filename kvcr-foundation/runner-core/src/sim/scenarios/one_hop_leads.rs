@@ -3,9 +3,9 @@
 //! it. Only the write's own source may say so, once; a deliver is reported
 //! once, when the last of its writes' leads lands.
 
-use super::one_hop::quiet_world;
+use super::one_hop::{deliver_now, quiet_world};
 use super::*;
-use crate::sim::device::{DeviceWorld, SOURCE_PORT, source_hint};
+use crate::sim::device::{DeviceWorld, SOURCE_PORT};
 
 /// A one-hop write's lead report moves its deliver only when it is the
 /// write's own: from its source's endpoint and incarnation, for the count
@@ -19,22 +19,8 @@ fn only_the_writes_own_source_reports_its_lead() {
     world.request(vec![7]);
     world.settle().unwrap();
     let _ = world.target.drain_leads_landed();
-    let ns = world.ns;
-    let request = RequestId("led".into());
-    let hint = source_hint(&[5]);
     let now = world.now;
-    world.target.submit_hint(now, request.clone(), &hint);
-    let entry = DeliverEntry {
-        key: scoped(ns, 5),
-        destinations: vec![ElementRef {
-            region: world.device_region,
-            index: 4001,
-        }],
-    };
-    let op = world
-        .target
-        .deliver(now, vec![entry], Some(&request))
-        .unwrap();
+    let op = deliver_now(&mut world, "led", &[5], 4001);
     let start = sent(&mut world.target);
     let Some((write, lead)) = start.iter().find_map(|(_, body)| match body {
         Body::StartWrite {
@@ -109,25 +95,8 @@ fn a_delivers_first_layer_is_reported_once_its_last_lead_lands(#[case] order: [u
     world.request(vec![7]);
     world.settle().unwrap();
     let _ = world.target.drain_leads_landed();
-    let ns = world.ns;
-    let request = RequestId("three".into());
-    let keys = [4u64, 5, 6];
     let now = world.now;
-    world
-        .target
-        .submit_hint(now, request.clone(), &source_hint(&keys));
-    let entries = keys
-        .iter()
-        .zip(4001..)
-        .map(|(key, index)| DeliverEntry {
-            key: scoped(ns, *key),
-            destinations: vec![ElementRef {
-                region: world.device_region,
-                index,
-            }],
-        })
-        .collect();
-    let op = world.target.deliver(now, entries, Some(&request)).unwrap();
+    let op = deliver_now(&mut world, "three", &[4, 5, 6], 4001);
     // The writes in key order: one key each.
     let writes: Vec<OpHandle> = sent(&mut world.target)
         .into_iter()
