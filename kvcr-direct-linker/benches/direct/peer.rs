@@ -5,6 +5,7 @@
 //! `restore_hinted` (the one-hop route: the source's KVCR DRAM straight into
 //! this GPU), and pipelined with the one-hop route off (two hops, forced).
 
+use kvcr_foundation::runner::timeline;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -153,6 +154,9 @@ pub(crate) fn tp2_source(rank: u32, pages: u32, tp: u32) {
                 stats.one_hop_copy_ns as f64 / 1e6
             );
             println!("CPU {}", super::one_hop::cpu_seconds());
+            // With `KVCR_TIMELINE`: this round's marks, beside the
+            // destination's.
+            timeline::write().unwrap();
         } else if line.trim() == "IMPORTS" {
             let open = linker.runner().peers().control_stats().device_imports_open;
             println!("IMPORTS {open}");
@@ -210,6 +214,7 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
             query,
         );
         let slots: Vec<DeviceSlot> = (0..pages).map(DeviceSlot).collect();
+        timeline::mark("restore_hinted", u64::from(pages));
         let ticket = linker.restore_hinted(&context, &slots).unwrap();
         // Polled, not settled: the first layer's event is timed as the
         // engine would see it (0: none came, as on the two-hop route).
@@ -240,6 +245,7 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
                     && first_layer == 0.0
                 {
                     first_layer = t.elapsed().as_secs_f64();
+                    timeline::mark("first_layer_event", 0);
                 }
             }
             events.extend(fresh);
@@ -281,6 +287,8 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
             "rank {rank}: pipelined restore incomplete: {events:?}"
         );
         let total = t.elapsed().as_secs_f64();
+        timeline::mark("restore_done", 0);
+        timeline::write().unwrap();
         let ms = |m: Option<f64>| m.map_or("-".to_owned(), |m| format!("{m:.0}"));
         println!(
             "# rank {rank} {mode}: pages checked in one hop: the first by {} ms, half by {} ms, all by {} ms; first layer {:.0} ms; done {:.0} ms",

@@ -16,7 +16,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use kvcr_foundation::runner::CopySpan;
+use kvcr_foundation::runner::{CopySpan, timeline};
 
 use crate::cuda::{
     CopyKernel, DIGEST_BLOCK_BYTES, Device, DigestKernel, Event, PinnedBuffer, PinnedRegistration,
@@ -629,6 +629,13 @@ impl Core {
         };
         profile.host_ms = host_ns as f32 / 1e6;
         profile.wall_ms = started.elapsed().as_secs_f32() * 1e3;
+        // With `KVCR_TIMELINE` on: the GPU's time for the pass beside the
+        // caller's (what the copy engines took, and what issuing and the
+        // wait added).
+        if timeline::enabled() {
+            timeline::mark("copier_gpu_us", (profile.total_ms * 1e3) as u64);
+            timeline::mark("copier_bytes", profile.bytes);
+        }
         engine.profile = profile;
         let mut found = vec![None; keys.len()];
         if let Some((hashed, out_at)) = digests {

@@ -48,6 +48,7 @@ mod startup;
 mod stats;
 #[cfg(test)]
 mod tests;
+pub mod timeline;
 mod warm;
 mod wire;
 

@@ -54,8 +54,12 @@ impl<'a> Hints<'a> {
     /// [`Runner::deliver`] under a request: missing hinted keys are pulled
     /// from the peer first, then copied into the destinations.
     pub fn deliver(&self, request: &RequestId, entries: Vec<DeliverEntry>) -> Result<OpHandle> {
-        self.runner
-            .core_call(|core, now| core.deliver(now, entries, Some(request)))
+        crate::timeline::mark("deliver_begin", entries.len() as u64);
+        let op = self
+            .runner
+            .core_call(|core, now| core.deliver(now, entries, Some(request)));
+        crate::timeline::mark("deliver_end", 0);
+        op
     }
 
     /// [`Runner::query`] under a request: a miss the request's hint covers

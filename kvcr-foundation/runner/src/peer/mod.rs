@@ -316,6 +316,9 @@ impl State {
     /// session that ended.
     fn on_inbound(&mut self, item: Inbound, shared: &Arc<Shared>) {
         let event = self.control.on_inbound(item);
+        if let Some(ChannelEvent::Message(message, _)) = &event {
+            timeline_inbound(&message.body);
+        }
         // An operation that ended, held below or not, is no longer watched
         // for a doorbell record.
         if let Some(ChannelEvent::Message(message, _)) = &event
@@ -564,5 +567,20 @@ impl State {
         if dial_stream {
             self.dial_stream(to);
         }
+    }
+}
+
+/// Marks the one-hop path's messages on the timeline (when it is on).
+fn timeline_inbound(body: &Body) {
+    if !crate::timeline::enabled() {
+        return;
+    }
+    match body {
+        Body::StartWrite { keys, .. } => {
+            crate::timeline::mark("recv_start_write", keys.len() as u64)
+        }
+        Body::WriteLeadLanded { .. } => crate::timeline::mark("recv_lead_landed", 0),
+        Body::WriteDone { .. } => crate::timeline::mark("recv_write_done", 0),
+        _ => {}
     }
 }

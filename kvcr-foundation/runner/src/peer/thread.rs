@@ -481,6 +481,7 @@ impl State {
             }
             while let Ok(write) = self.leads_landed.try_recv() {
                 more = true;
+                crate::timeline::mark("lead_to_core", write);
                 shared.with_core_now(|core, _| core.handle_put_lead_landed(write));
             }
             while let Ok(done) = self.lane_done.try_recv() {

@@ -65,6 +65,16 @@ impl DeviceRoutes {
             .ok()
     }
 
+    /// As [`Self::position`], trying first the region after `last` (a
+    /// page names its regions in order, so that is nearly always it).
+    fn position_after(&self, region: RegionId, last: Option<usize>) -> Option<usize> {
+        let next = last.map_or(0, |l| l + 1);
+        match self.regions.get(next) {
+            Some((id, _)) if *id == region => Some(next),
+            _ => self.position(region),
+        }
+    }
+
     /// The opened region at `position`.
     fn at(&self, position: usize) -> Option<&DeviceRoute> {
         self.regions.get(position).map(|(_, route)| route)
@@ -233,8 +243,10 @@ fn device_plan(opened: &DeviceRoutes, spans: &[PutSpan]) -> Option<Copies> {
     let bit = |position: usize| (position / 64, 1u64 << (position % 64));
     let mut pages: Copies = Vec::new();
     let mut page: Vec<Copy> = Vec::new();
+    let mut last = None;
     for span in spans {
-        let position = opened.position(span.region)?;
+        let position = opened.position_after(span.region, last)?;
+        last = Some(position);
         let dst = span.remote.checked_sub(opened.at(position)?.base)?;
         let (word, mask) = bit(position);
         if in_page.get(word).is_some_and(|w| w & mask != 0) {

@@ -23,10 +23,14 @@ use super::Job;
 use crate::copy::device::DeviceCopier;
 
 /// Most bytes one pass over the writes' remaining spans copies when no
-/// write arrived since the last: about 20 ms at the PCIe rate, so
-/// completions flow back every 20 ms or so. A pass costs one
-/// synchronisation (tens of microseconds).
-pub(super) const CHUNK_BYTES: u64 = 1 << 30;
+/// write arrived since the last: about 80 ms at the PCIe rate. A pass
+/// costs one synchronisation and a gap of tens of microseconds, and its
+/// spans go as 2D copies of one row per page: on an H100 the copy engines
+/// moved 1 GiB passes at 0.976 × the contiguous host-to-device rate and
+/// 4 GiB passes at 0.99 × (traced; `BENCH-HISTORY.md`). Completions still
+/// flow back while the next pass copies, and the target checks each
+/// pass's pages in one launch whatever their number.
+pub(super) const CHUNK_BYTES: u64 = 4 << 30;
 
 /// Most bytes of a pass while writes are arriving (a restore's writes
 /// reach us over many turns): about 2 ms, so a write that arrives
@@ -34,9 +38,17 @@ pub(super) const CHUNK_BYTES: u64 = 1 << 30;
 /// copy engines never wait for the arrivals to end.
 pub(super) const ARRIVING_CHUNK_BYTES: u64 = 128 << 20;
 
+/// Writes a turn queues before they are handed over mid-turn: a turn that
+/// takes a restore's burst of `start_write`s (128 at a time, ~30 µs each
+/// on the GPU host's source, traced) hands them on in groups, so the first
+/// leads copy while the rest are still being checked, and the last group's
+/// lead pass is short.
+const HAND_OVER_WRITES: usize = 32;
+
 /// The thread that runs one-hop writes. The peer thread hands it each
-/// turn's writes together ([`OneHopWriter::flush`] at the turn's end): a
-/// deliver's writes arrive in one turn, so their leads go in one pass.
+/// turn's writes together ([`OneHopWriter::flush`] at the turn's end, or
+/// every [`HAND_OVER_WRITES`]): the writes handed together have their
+/// leads copied in one pass.
 pub(in crate::peer) struct OneHopWriter {
     worker: Option<Worker>,
     /// This turn's writes, not yet handed over.
@@ -124,6 +136,9 @@ impl OneHopWriter {
             }
         }
         self.turn.push(job);
+        if self.turn.len() >= HAND_OVER_WRITES {
+            self.flush();
+        }
         true
     }
 
@@ -135,6 +150,7 @@ impl OneHopWriter {
             return;
         }
         let jobs = std::mem::take(&mut self.turn);
+        crate::timeline::mark("writer_handed", jobs.len() as u64);
         let Some(worker) = &self.worker else {
             return;
         };
@@ -295,7 +311,9 @@ impl Stream {
             return;
         };
         let leads: Vec<&[CopySpan]> = arrived.iter().flat_map(Streamed::lead).collect();
+        crate::timeline::mark("leads_pass", arrived.len() as u64);
         let landed = leads.is_empty() || said.passes.run(|| copier.copy_to_imports(&leads).is_ok());
+        crate::timeline::mark("leads_pass_end", leads.len() as u64);
         for streamed in arrived {
             if streamed.job.lead == 0 {
                 self.rest.push_back(streamed);
@@ -330,7 +348,9 @@ impl Stream {
             return;
         };
         let keys: Vec<&[CopySpan]> = chunk.iter().flat_map(Streamed::rest).collect();
+        crate::timeline::mark("chunk_pass", bytes);
         let copied = keys.is_empty() || said.passes.run(|| copier.copy_to_imports(&keys).is_ok());
+        crate::timeline::mark("chunk_pass_end", chunk.len() as u64);
         for streamed in &chunk {
             let ok = copied || {
                 let keys: Vec<&[CopySpan]> = streamed.rest().collect();

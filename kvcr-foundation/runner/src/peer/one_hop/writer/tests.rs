@@ -324,6 +324,38 @@ fn a_turns_writes_go_to_the_writer_together() {
     assert!(done.try_recv().is_err(), "each write reported once");
 }
 
+/// A turn that queues [`HAND_OVER_WRITES`] writes hands them over then,
+/// without waiting for its end; one fewer waits for the flush.
+#[test]
+fn a_long_turn_hands_its_writes_over_in_groups() {
+    let setup = setup(1 << 16, u64::MAX);
+    let (done_tx, mut done) = tokio::sync::mpsc::unbounded_channel();
+    let (leads_tx, _leads) = tokio::sync::mpsc::unbounded_channel();
+    let mut writer = OneHopWriter::new(Arc::default());
+    let group = HAND_OVER_WRITES as u64;
+    for id in 1..group {
+        assert!(writer.submit(write(id, (1, 1), id * 100, 0, &setup), &done_tx, &leads_tx));
+    }
+    assert!(setup.1.passes().is_empty(), "one short of a group: held");
+    assert!(writer.submit(
+        write(group, (1, 1), group * 100, 0, &setup),
+        &done_tx,
+        &leads_tx
+    ));
+    let mut outcomes: Vec<(u64, bool)> =
+        (0..group).map(|_| done.blocking_recv().unwrap()).collect();
+    outcomes.sort_unstable();
+    let expected: Vec<(u64, bool)> = (1..=group).map(|id| (id, true)).collect();
+    assert_eq!(outcomes, expected, "the group ran before any flush");
+    assert!(writer.submit(
+        write(group + 1, (1, 1), 9_000, 0, &setup),
+        &done_tx,
+        &leads_tx
+    ));
+    writer.flush();
+    assert_eq!(done.blocking_recv(), Some((group + 1, true)));
+}
+
 /// A write queued as the writer drops is still run, not lost.
 #[test]
 fn a_write_queued_at_drop_is_run() {
