@@ -81,9 +81,10 @@ fn distinct_slots_in_region_order(destinations: &[Vec<ElementRef>]) -> bool {
     slots.windows(2).all(|w| matches!(w, [a, b] if a != b))
 }
 
-/// The puts that write a page held in `sources` (its slots, in layout
-/// order) into the device elements `dests`, in order: the page's bytes fill
-/// the elements one after the other. `None` when an element is outside the
+/// Appends to `puts` the puts that write a page held in `sources` (its
+/// slots, in layout order) into the device elements `dests`, in order: the
+/// page's bytes fill the elements one after the other; `Some(the page's
+/// bytes)`. `None`, with nothing appended, when an element is outside the
 /// advertised device regions, named twice in the write (`seen` holds the
 /// write's elements so far; `None` when the write names none twice, see
 /// [`names_an_element_twice`]), or the sizes do not add up to the page's.
@@ -92,7 +93,8 @@ pub(super) fn device_puts(
     dests: &[ElementRef],
     device: &DeviceGrants,
     mut seen: Option<&mut HashSet<ElementRef>>,
-) -> Option<Vec<PutSpan>> {
+    puts: &mut Vec<PutSpan>,
+) -> Option<u64> {
     let mut targets = Vec::with_capacity(dests.len());
     for element in dests {
         let region = device.get(&element.region)?;
@@ -113,8 +115,9 @@ pub(super) fn device_puts(
         return None;
     }
     // Walk both lists at once: each put is the overlap of the current slot
-    // span and the current element.
-    let mut puts = Vec::new();
+    // span and the current element (one per element where both are cut
+    // alike).
+    puts.reserve(targets.len().max(sources.len()));
     let (mut s, mut s_off, mut t, mut t_off) = (0usize, 0u64, 0usize, 0u64);
     while let (Some(src), Some((dst, dst_len, region))) = (sources.get(s), targets.get(t)) {
         let len = (src.len - s_off).min(dst_len - t_off);
@@ -135,7 +138,7 @@ pub(super) fn device_puts(
             (t, t_off) = (t + 1, 0);
         }
     }
-    Some(puts)
+    Some(page)
 }
 
 #[cfg(test)]

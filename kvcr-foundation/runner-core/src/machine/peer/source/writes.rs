@@ -330,10 +330,10 @@ impl Core {
             };
             let sources = self.slot_spans(record);
             if let Some(device_regions) = device_write {
-                match device::device_puts(&sources, dests, device_regions, seen.as_mut()) {
-                    Some(key_puts) => {
-                        bytes += key_puts.iter().map(|p| p.len).sum::<u64>();
-                        puts.extend(key_puts);
+                match device::device_puts(&sources, dests, device_regions, seen.as_mut(), &mut puts)
+                {
+                    Some(page) => {
+                        bytes += page;
                         records.push(record);
                         indices.push(i as u32);
                     }
