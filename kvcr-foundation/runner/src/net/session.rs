@@ -388,7 +388,7 @@ pub(super) async fn run_session(
                 }
                 match stream.try_read_buf(&mut raw) {
                     Ok(0) => break End::Closed,
-                    Ok(_) => {}
+                    Ok(n) => crate::timeline::mark("session_read", n as u64),
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
                     Err(_) => break End::Closed,
                 }
@@ -406,7 +406,7 @@ pub(super) async fn run_session(
                     break End::Bad;
                 }
                 match deliver(&mut plain, (session, side), peer, &budget, shared).await {
-                    Some(()) => {}
+                    Some(()) => crate::timeline::mark("session_delivered", 0),
                     None => break End::Bad,
                 }
                 partial_since = if raw.is_empty() && plain.is_empty() {

@@ -319,6 +319,12 @@ impl State {
         if let Some(ChannelEvent::Message(message, _)) = &event {
             timeline_inbound(&message.body);
         }
+        self.on_channel_event(event, shared);
+        crate::timeline::mark("inbound_handled", 0);
+    }
+
+    /// What [`Self::on_inbound`] does with the channel's event.
+    fn on_channel_event(&mut self, event: Option<ChannelEvent>, shared: &Arc<Shared>) {
         // An operation that ended, held below or not, is no longer watched
         // for a doorbell record.
         if let Some(ChannelEvent::Message(message, _)) = &event

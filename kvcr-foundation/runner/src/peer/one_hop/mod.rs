@@ -230,6 +230,7 @@ impl State {
         if !queued {
             shared.with_core_now(|core, now| core.handle_put_done(now, write, false));
         }
+        crate::timeline::mark("write_planned", write);
     }
 }
 

@@ -38,6 +38,13 @@ pub(super) const CHUNK_BYTES: u64 = 4 << 30;
 /// copy engines never wait for the arrivals to end.
 pub(super) const ARRIVING_CHUNK_BYTES: u64 = 128 << 20;
 
+/// Writes are taken as still arriving until none has for this long: a
+/// restore's reach us in groups with gaps of up to ~4 ms (the source's
+/// peer thread checks them between reads; traced on an H100 host). A
+/// long pass started in such a gap held the next group's leads, and the
+/// restore's first layer, for its whole 78 ms.
+pub(super) const ARRIVALS_QUIET_NS: u64 = 10_000_000;
+
 /// Writes a turn queues before they are handed over mid-turn: a turn that
 /// takes a restore's burst of `start_write`s (128 at a time, ~30 µs each
 /// on the GPU host's source, traced) hands them on in groups, so the first
@@ -97,7 +104,11 @@ impl OneHopWriter {
             let spawned = std::thread::Builder::new()
                 .name("kvcr-one-hop".into())
                 .spawn(move || {
-                    let mut stream = Stream::new(CHUNK_BYTES, ARRIVING_CHUNK_BYTES);
+                    let mut stream =
+                        Stream::new(CHUNK_BYTES, ARRIVING_CHUNK_BYTES, ARRIVALS_QUIET_NS);
+                    // The schedule's clock (the stream itself is sans-I/O).
+                    #[allow(clippy::disallowed_methods)]
+                    let began = std::time::Instant::now();
                     let mut said = Said {
                         lead: &|write| {
                             let _ = leads.send(write);
@@ -121,7 +132,8 @@ impl OneHopWriter {
                         while let Ok(more) = rx.try_recv() {
                             jobs.extend(more);
                         }
-                        stream.step(jobs, &mut said);
+                        let now = u64::try_from(began.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                        stream.step(jobs, now, &mut said);
                     }
                 });
             match spawned {
@@ -244,16 +256,22 @@ struct Stream {
     rest: VecDeque<Streamed>,
     chunk_bytes: u64,
     arriving_chunk_bytes: u64,
+    arrivals_quiet_ns: u64,
+    /// When the last step that took writes ran (ns, the caller's clock).
+    last_arrival: Option<u64>,
 }
 
 impl Stream {
     /// Passes over the rest of at most `chunk_bytes`, or
-    /// `arriving_chunk_bytes` in a step that took new writes.
-    fn new(chunk_bytes: u64, arriving_chunk_bytes: u64) -> Self {
+    /// `arriving_chunk_bytes` while writes are arriving: in a step that
+    /// took some, or within `arrivals_quiet_ns` of the last that did.
+    fn new(chunk_bytes: u64, arriving_chunk_bytes: u64, arrivals_quiet_ns: u64) -> Self {
         Self {
             rest: VecDeque::new(),
             chunk_bytes,
             arriving_chunk_bytes,
+            arrivals_quiet_ns,
+            last_arrival: None,
         }
     }
 
@@ -262,15 +280,21 @@ impl Stream {
         self.rest.is_empty()
     }
 
-    /// One step: `jobs` (newly arrived) have their leads copied and join
-    /// the stream; then one chunk of the oldest writes' rest is copied, a
-    /// short one if writes arrived (more may follow, whose leads should
-    /// not wait long).
-    fn step(&mut self, jobs: Vec<Job>, said: &mut Said<'_>) {
-        let chunk = if jobs.is_empty() {
-            self.chunk_bytes
-        } else {
+    /// One step at `now` (ns): `jobs` (newly arrived) have their leads
+    /// copied and join the stream; then one chunk of the oldest writes'
+    /// rest is copied, a short one while writes are arriving (more may
+    /// follow, whose leads should not wait long).
+    fn step(&mut self, jobs: Vec<Job>, now: u64, said: &mut Said<'_>) {
+        if !jobs.is_empty() {
+            self.last_arrival = Some(now);
+        }
+        let arriving = self
+            .last_arrival
+            .is_some_and(|at| now.saturating_sub(at) < self.arrivals_quiet_ns);
+        let chunk = if arriving {
             self.arriving_chunk_bytes
+        } else {
+            self.chunk_bytes
         };
         self.take(jobs, said);
         self.copy_chunk(chunk, said);

@@ -123,9 +123,19 @@ enum Heard {
     Done(u64, bool),
 }
 
-/// Steps `stream` once with `jobs`; what it said and the passes it
+/// The tests' quiet period (ns).
+const QUIET: u64 = 1_000_000;
+
+/// Steps `stream` once with `jobs`, a second after its last step (long
+/// past any quiet period the tests set); what it said and the passes it
 /// counted.
 fn step(stream: &mut Stream, jobs: Vec<Job>) -> (Vec<Heard>, u64) {
+    let now = stream.last_arrival.map_or(0, |at| at + 1_000_000_000);
+    step_at(stream, jobs, now)
+}
+
+/// As [`step`], at `now` (ns).
+fn step_at(stream: &mut Stream, jobs: Vec<Job>, now: u64) -> (Vec<Heard>, u64) {
     let heard = Mutex::new(Vec::new());
     let passes = PassCounters::default();
     let mut said = Said {
@@ -133,7 +143,7 @@ fn step(stream: &mut Stream, jobs: Vec<Job>) -> (Vec<Heard>, u64) {
         done: &|w, ok| heard.lock().unwrap().push(Heard::Done(w, ok)),
         passes: &passes,
     };
-    stream.step(jobs, &mut said);
+    stream.step(jobs, now, &mut said);
     (heard.into_inner().unwrap(), passes.passes.into_inner())
 }
 
@@ -142,7 +152,7 @@ fn step(stream: &mut Stream, jobs: Vec<Job>) -> (Vec<Heard>, u64) {
 #[test]
 fn writes_without_a_lead_share_one_pass() {
     let setup = setup(1 << 10, u64::MAX);
-    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES);
+    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES, QUIET);
     let jobs = vec![
         write(1, (2, 2), 100, 0, &setup),
         write(2, (1, 2), 200, 0, &setup),
@@ -162,7 +172,7 @@ fn writes_without_a_lead_share_one_pass() {
 fn new_writes_leads_go_before_older_writes_rest() {
     let setup = setup(1 << 10, u64::MAX);
     // A chunk holds one write's rest (two pages of two 16-byte spans).
-    let mut stream = Stream::new(64, 64);
+    let mut stream = Stream::new(64, 64, QUIET);
     let (heard, passes) = step(
         &mut stream,
         vec![
@@ -198,7 +208,7 @@ fn new_writes_leads_go_before_older_writes_rest() {
 #[test]
 fn a_step_that_took_writes_copies_a_short_chunk() {
     let setup = setup(1 << 10, u64::MAX);
-    let mut stream = Stream::new(1 << 10, 32);
+    let mut stream = Stream::new(1 << 10, 32, QUIET);
     let jobs = (1..=3)
         .map(|id| write(id, (1, 3), id * 100, 1, &setup))
         .collect();
@@ -224,13 +234,52 @@ fn a_step_that_took_writes_copies_a_short_chunk() {
     );
 }
 
+/// Within the quiet period after writes arrived, a step that took none
+/// still copies a short chunk (the restore's next writes may be a turn
+/// away); after it, a long one.
+#[test]
+fn chunks_stay_short_until_arrivals_go_quiet() {
+    let setup = setup(1 << 10, u64::MAX);
+    let mut stream = Stream::new(1 << 10, 16, QUIET);
+    let jobs = (1..=3)
+        .map(|id| write(id, (1, 2), id * 100, 0, &setup))
+        .collect();
+    let (heard, _) = step_at(&mut stream, jobs, 1_000);
+    assert_eq!(heard, [Heard::Done(1, true)], "arriving: one write's rest");
+    let (heard, _) = step_at(&mut stream, Vec::new(), 1_000 + QUIET - 1);
+    assert_eq!(
+        heard,
+        [Heard::Done(2, true)],
+        "still within the quiet period"
+    );
+    let job = write(4, (1, 2), 400, 0, &setup);
+    let (heard, _) = step_at(&mut stream, vec![job], 1_000 + QUIET);
+    assert_eq!(heard, [Heard::Done(3, true)], "a new arrival restarts it");
+    let (heard, _) = step_at(&mut stream, Vec::new(), 1_000 + 2 * QUIET);
+    assert_eq!(heard, [Heard::Done(4, true)]);
+    assert!(stream.is_idle());
+    let jobs = (5..=8)
+        .map(|id| write(id, (1, 2), id * 100, 0, &setup))
+        .collect();
+    let (heard, _) = step_at(&mut stream, jobs, 10 * QUIET);
+    assert_eq!(heard, [Heard::Done(5, true)]);
+    let (heard, _) = step_at(&mut stream, Vec::new(), 10 * QUIET + QUIET / 2);
+    assert_eq!(heard, [Heard::Done(6, true)]);
+    let (heard, _) = step_at(&mut stream, Vec::new(), 11 * QUIET);
+    assert_eq!(
+        heard,
+        [Heard::Done(7, true), Heard::Done(8, true)],
+        "quiet: one long chunk takes the rest"
+    );
+}
+
 /// A failed lead pass reports no lead (the bytes are unknown): each
 /// write that asked one is run whole, alone, and ends as its own pass
 /// did.
 #[test]
 fn a_failed_lead_pass_reports_no_lead() {
     let setup = setup(1 << 10, 100);
-    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES);
+    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES, QUIET);
     let (heard, _) = step(
         &mut stream,
         vec![
@@ -248,7 +297,7 @@ fn a_failed_lead_pass_reports_no_lead() {
 #[test]
 fn a_failed_chunk_is_run_again_write_by_write() {
     let setup = setup(1 << 10, 301);
-    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES);
+    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES, QUIET);
     let jobs = vec![
         write(1, (2, 2), 100, 0, &setup),
         write(2, (1, 2), 300, 0, &setup),
@@ -272,7 +321,7 @@ fn a_failed_chunk_is_run_again_write_by_write() {
 #[test]
 fn a_write_no_import_resolves_goes_alone() {
     let setup = setup(32, u64::MAX);
-    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES);
+    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES, QUIET);
     // Write 2's second page lies past the 32-byte extent.
     let jobs = vec![
         write(1, (1, 2), 100, 0, &setup),
