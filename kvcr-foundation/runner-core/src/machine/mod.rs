@@ -425,6 +425,8 @@ pub struct Core {
     filling: HashMap<u32, u32>,
     layouts: Vec<Vec<PoolId>>,
     layout_ids: HashMap<Vec<PoolId>, u16>,
+    /// `framework_spans`' buffer for a key's pools, kept between calls.
+    pool_scratch: Vec<PoolId>,
     queue_head: u32,
     queue_tail: u32,
     scored: BTreeSet<(u64, u64, u32)>,
@@ -571,6 +573,7 @@ impl Core {
             filling: HashMap::new(),
             layouts: Vec::new(),
             layout_ids: HashMap::new(),
+            pool_scratch: Vec::new(),
             queue_head: NIL,
             queue_tail: NIL,
             scored: BTreeSet::new(),

@@ -30,8 +30,8 @@ impl Core {
         handle
     }
 
-    pub(in crate::machine) fn layout_of(&mut self, pools: Vec<PoolId>) -> Result<u16> {
-        if let Some(id) = self.layout_ids.get(&pools) {
+    pub(in crate::machine) fn layout_of(&mut self, pools: &[PoolId]) -> Result<u16> {
+        if let Some(id) = self.layout_ids.get(pools) {
             return Ok(*id);
         }
         let id = u16::try_from(self.layouts.len()).map_err(|_| {
@@ -40,8 +40,8 @@ impl Core {
                 why: "more than 65535 distinct span layouts",
             })
         })?;
-        self.layouts.push(pools.clone());
-        self.layout_ids.insert(pools, id);
+        self.layouts.push(pools.to_vec());
+        self.layout_ids.insert(pools.to_vec(), id);
         Ok(id)
     }
 
@@ -57,7 +57,11 @@ impl Core {
                 max: MAX_SPANS_PER_KEY,
             }));
         }
-        let mut pools = Vec::with_capacity(spans.len());
+        // The layout is looked up from a buffer kept between calls: a
+        // restore's deliver resolves thousands of keys' spans, and a fresh
+        // vector per key was most of its time (profiled).
+        let mut pools = std::mem::take(&mut self.pool_scratch);
+        pools.clear();
         let mut copies = Vec::with_capacity(spans.len());
         let mut memory = None;
         for element in spans {
@@ -70,8 +74,9 @@ impl Core {
                 len: span.len,
             });
         }
-        let layout = self.layout_of(pools)?;
-        Ok((layout, copies, memory.unwrap_or(RegionMemory::Host)))
+        let layout = self.layout_of(&pools);
+        self.pool_scratch = pools;
+        Ok((layout?, copies, memory.unwrap_or(RegionMemory::Host)))
     }
 
     pub(in crate::machine) fn check_namespace(&self, key: &ScopedKey) -> Result<()> {
@@ -217,7 +222,7 @@ impl Core {
         for key in keys {
             self.check_namespace(key)?;
         }
-        let layout = self.layout_of(layout.to_vec())?;
+        let layout = self.layout_of(layout)?;
         // Keys are deduplicated in order.
         let mut seen = hashbrown::HashSet::with_capacity(keys.len());
         let unique: Vec<ScopedKey> = keys.iter().copied().filter(|k| seen.insert(*k)).collect();

@@ -302,7 +302,7 @@ impl Core {
         if !placed.iter().all(|slot| free.contains(slot)) {
             return Err("a slot is not free (taken by another page or held)");
         }
-        let layout = self.layout_of(pools).map_err(|_| "too many layouts")?;
+        let layout = self.layout_of(&pools).map_err(|_| "too many layouts")?;
         for slot in &placed {
             free.remove(slot);
         }

@@ -33,10 +33,10 @@ use crate::copy::device::DeviceCopier;
 pub(super) const CHUNK_BYTES: u64 = 4 << 30;
 
 /// Most bytes of a pass while writes are arriving (a restore's writes
-/// reach us over many turns): about 2 ms, so a write that arrives
+/// reach us over many turns): about 1.2 ms, so a write that arrives
 /// meanwhile waits at most that long for its lead to be copied, and the
 /// copy engines never wait for the arrivals to end.
-pub(super) const ARRIVING_CHUNK_BYTES: u64 = 128 << 20;
+pub(super) const ARRIVING_CHUNK_BYTES: u64 = 64 << 20;
 
 /// Writes are taken as still arriving until none has for this long: a
 /// restore's reach us in groups with gaps of up to ~4 ms (the source's
@@ -118,22 +118,29 @@ impl OneHopWriter {
                         },
                         passes: &passes,
                     };
+                    // Writes taken while the last step looked for more.
+                    let mut early: Vec<Job> = Vec::new();
                     loop {
                         // Block only with nothing left to copy; otherwise
                         // take what arrived and go on.
-                        let mut jobs = if stream.is_idle() {
+                        let mut jobs = std::mem::take(&mut early);
+                        if jobs.is_empty() && stream.is_idle() {
                             match rx.recv() {
-                                Ok(jobs) => jobs,
+                                Ok(more) => jobs = more,
                                 Err(_) => break,
                             }
-                        } else {
-                            Vec::new()
-                        };
+                        }
                         while let Ok(more) = rx.try_recv() {
                             jobs.extend(more);
                         }
                         let now = u64::try_from(began.elapsed().as_nanos()).unwrap_or(u64::MAX);
-                        stream.step(jobs, now, &mut said);
+                        let mut queued = || {
+                            while let Ok(more) = rx.try_recv() {
+                                early.extend(more);
+                            }
+                            !early.is_empty()
+                        };
+                        stream.step(jobs, now, &mut said, &mut queued);
                     }
                 });
             match spawned {
@@ -259,6 +266,8 @@ struct Stream {
     arrivals_quiet_ns: u64,
     /// When the last step that took writes ran (ns, the caller's clock).
     last_arrival: Option<u64>,
+    /// The last step left its chunk for writes queued behind it.
+    deferred_chunk: bool,
 }
 
 impl Stream {
@@ -272,6 +281,7 @@ impl Stream {
             arriving_chunk_bytes,
             arrivals_quiet_ns,
             last_arrival: None,
+            deferred_chunk: false,
         }
     }
 
@@ -283,8 +293,16 @@ impl Stream {
     /// One step at `now` (ns): `jobs` (newly arrived) have their leads
     /// copied and join the stream; then one chunk of the oldest writes'
     /// rest is copied, a short one while writes are arriving (more may
-    /// follow, whose leads should not wait long).
-    fn step(&mut self, jobs: Vec<Job>, now: u64, said: &mut Said<'_>) {
+    /// follow, whose leads should not wait long). If `queued` says writes
+    /// came meanwhile, the chunk waits for the next step, so their leads
+    /// go first; never two steps running, so the rest always moves.
+    fn step(
+        &mut self,
+        jobs: Vec<Job>,
+        now: u64,
+        said: &mut Said<'_>,
+        queued: &mut dyn FnMut() -> bool,
+    ) {
         if !jobs.is_empty() {
             self.last_arrival = Some(now);
         }
@@ -297,6 +315,11 @@ impl Stream {
             self.chunk_bytes
         };
         self.take(jobs, said);
+        if !self.deferred_chunk && queued() {
+            self.deferred_chunk = true;
+            return;
+        }
+        self.deferred_chunk = false;
         self.copy_chunk(chunk, said);
     }
 

@@ -143,7 +143,7 @@ fn step_at(stream: &mut Stream, jobs: Vec<Job>, now: u64) -> (Vec<Heard>, u64) {
         done: &|w, ok| heard.lock().unwrap().push(Heard::Done(w, ok)),
         passes: &passes,
     };
-    stream.step(jobs, now, &mut said);
+    stream.step(jobs, now, &mut said, &mut || false);
     (heard.into_inner().unwrap(), passes.passes.into_inner())
 }
 
@@ -271,6 +271,38 @@ fn chunks_stay_short_until_arrivals_go_quiet() {
         [Heard::Done(7, true), Heard::Done(8, true)],
         "quiet: one long chunk takes the rest"
     );
+}
+
+/// Writes queued behind a step's lead pass have their leads copied
+/// before its chunk, once: the step after copies its chunk whatever is
+/// queued, so the rest never starves.
+#[test]
+fn queued_writes_leads_go_before_a_chunk_once() {
+    let setup = setup(1 << 10, u64::MAX);
+    let mut stream = Stream::new(1 << 10, 1 << 10, QUIET);
+    let heard = Mutex::new(Vec::new());
+    let passes = PassCounters::default();
+    let mut said = Said {
+        lead: &|w| heard.lock().unwrap().push(Heard::Lead(w)),
+        done: &|w, ok| heard.lock().unwrap().push(Heard::Done(w, ok)),
+        passes: &passes,
+    };
+    let first = vec![write(1, (1, 2), 100, 1, &setup)];
+    stream.step(first, 0, &mut said, &mut || true);
+    assert_eq!(*heard.lock().unwrap(), [Heard::Lead(1)], "chunk deferred");
+    let second = vec![write(2, (1, 2), 200, 1, &setup)];
+    stream.step(second, 1, &mut said, &mut || true);
+    assert_eq!(
+        *heard.lock().unwrap(),
+        [
+            Heard::Lead(1),
+            Heard::Lead(2),
+            Heard::Done(1, true),
+            Heard::Done(2, true)
+        ],
+        "deferred once, then copied though more are queued"
+    );
+    assert_eq!(setup.1.passes(), [vec![100], vec![200], vec![101, 201]]);
 }
 
 /// A failed lead pass reports no lead (the bytes are unknown): each
