@@ -7,7 +7,7 @@
 //! Off unless the environment names a folder in `KVCR_TIMELINE` when a
 //! runner first asks; then each [`mark`] keeps `(time, what, n)` in a
 //! process-wide buffer of at most [`MAX_MARKS`] (marks past it are
-//! counted, not kept), and [`write`] appends them to
+//! counted, not kept), and [`write()`] appends them to
 //! `<folder>/timeline-<pid>.txt`. Times are wall-clock nanoseconds
 //! (the Unix epoch), taken as one reading of the wall clock when the
 //! timeline starts plus this process's monotonic clock since: processes
