@@ -376,13 +376,18 @@ fn decode_start_write(r: &mut Reader<'_>) -> Result<Body> {
             ELEMENT_BYTES,
         )?;
         lead_within(lead_elements, spans)?;
-        let mut dests = Vec::with_capacity(spans);
-        for _ in 0..spans {
-            dests.push(ElementRef {
-                region: RegionId(r.u32()?),
-                index: r.u64()?,
-            });
-        }
+        // Taken whole (`count` saw they fit), then cut: a restore's
+        // `start_write`s carry ~230,000 elements, each read field by field
+        // was a sixth of the source's handling of them (profiled).
+        let raw = r.take(spans.saturating_mul(ELEMENT_BYTES))?;
+        let dests = raw
+            .chunks_exact(ELEMENT_BYTES)
+            .map(|bytes| {
+                element(bytes).ok_or(frame(FrameReason::Truncated {
+                    needed: ELEMENT_BYTES,
+                }))
+            })
+            .collect::<Result<Vec<_>>>()?;
         destinations.push(dests);
     }
     Ok(Body::StartWrite {
@@ -393,6 +398,17 @@ fn decode_start_write(r: &mut Reader<'_>) -> Result<Body> {
         keys,
         destinations,
         lead_elements,
+    })
+}
+
+/// One element as the wire carries it: its region (`u32`), then its index
+/// (`u64`), big-endian; `None` if `bytes` is shorter than that.
+fn element(bytes: &[u8]) -> Option<ElementRef> {
+    let (region, rest) = bytes.split_first_chunk::<4>()?;
+    let index = rest.first_chunk::<8>()?;
+    Some(ElementRef {
+        region: RegionId(u32::from_be_bytes(*region)),
+        index: u64::from_be_bytes(*index),
     })
 }
 

@@ -242,6 +242,7 @@ impl State {
 fn device_plan(opened: &DeviceRoutes, spans: &[PutSpan]) -> Option<Copies> {
     let mut in_page = vec![0u64; opened.regions.len().div_ceil(64)];
     let bit = |position: usize| (position / 64, 1u64 << (position % 64));
+    // Pages come cut alike: each new one is sized as the last was.
     let mut pages: Copies = Vec::new();
     let mut page: Vec<Copy> = Vec::new();
     let mut last = None;
@@ -257,7 +258,8 @@ fn device_plan(opened: &DeviceRoutes, spans: &[PutSpan]) -> Option<Copies> {
                     *w &= !mask;
                 }
             }
-            pages.push(std::mem::take(&mut page));
+            let next = Vec::with_capacity(page.len());
+            pages.push(std::mem::replace(&mut page, next));
         }
         if let Some(w) = in_page.get_mut(word) {
             *w |= mask;

@@ -310,7 +310,9 @@ impl Core {
         // that has any (a hostile or broken target's): the common write is
         // checked once, by sorting, not hashed element by element.
         let mut seen = (device && device::names_an_element_twice(destinations)).then(HashSet::new);
-        let mut puts = Vec::new();
+        // One put per element where slots and elements are cut alike (a
+        // grown vector was a third of a one-hop write's check, profiled).
+        let mut puts = Vec::with_capacity(destinations.iter().map(Vec::len).sum());
         let mut records = Vec::new();
         let mut indices = Vec::new();
         let mut bytes = 0;
