@@ -6,9 +6,11 @@
 //! A target's requests go on the session it dials to a source (dialed on
 //! first use, queued until established); a source's replies go back on the
 //! session the target opened. A message is sealed in the sender's turn and
-//! written by [`ControlChannel::flush`] at the end of it (or sooner, once
-//! a session's sealed bytes pass [`EAGER_WRITE_BYTES`]); what the socket
-//! does not take, the session task writes as it drains.
+//! written by [`ControlChannel::flush`] at the end of it; what the socket
+//! does not take, the session task writes as it drains. (Writing a burst
+//! as it was sealed, before the turn's end, made a fresh route's first
+//! restore fail now and then in parallel test runs; see BENCH-HISTORY,
+//! nineteenth session.)
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
@@ -37,14 +39,6 @@ use crate::wire::numbering::{Arrival, MessageCount};
 
 /// Bound of each outgoing queue (messages) before its session is established.
 pub(crate) const QUEUE_DEPTH: usize = 4096;
-
-/// Sealed bytes a session's wire holds before a send writes them itself,
-/// without waiting for the turn's flush: a turn that sends a burst (a
-/// restore's 453 one-hop `start_write`s, 3.7 MB, took the destination's
-/// peer thread 6 ms to encode and seal) lets the peer start on the first
-/// while the rest are sealed, and never holds more than this plus one
-/// message for the turn's end.
-const EAGER_WRITE_BYTES: usize = 256 << 10;
 
 /// Which end of a session this runner is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -239,9 +233,6 @@ impl SessionOut {
             return None;
         }
         let index = st.seal_frames(frame).then(|| st.take_index());
-        if st.wire.len() >= EAGER_WRITE_BYTES {
-            st.write_now();
-        }
         drop(state);
         // The session task writes it if nobody flushes first.
         self.wake.notify_one();
