@@ -42,7 +42,7 @@ pub use machine::{
     RecoveryReport, RouteBudget,
 };
 pub use policy::CachePolicy;
-pub use region::{MAX_REGION_ELEMENTS, MAX_REGION_LABEL, RegionDesc, RegionMemory};
+pub use region::{MAX_REGION_ELEMENTS, MAX_REGION_LABEL, RegionDesc, RegionMemory, position_after};
 pub use types::{
     ClaimedCopy, CopySpan, DeliverEntry, DepositEntry, EntryResult, EntryStatus, FailReason,
     OpResult, PageInfo, PoolConfig, PoolId, PoolRange, PoolStats, QueryStatus, ReleaseHandle,

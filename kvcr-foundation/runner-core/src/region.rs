@@ -19,6 +19,23 @@ pub const MAX_REGION_LABEL: usize = 64;
 /// Most elements in one region.
 pub const MAX_REGION_ELEMENTS: u64 = 1 << 31;
 
+/// Where `region` is in `sorted` (ascending by `id_of`), trying first the
+/// place after `last` before a binary search: a layer-first page names its
+/// regions in order, so a walk over a restore's elements (232,000 for the
+/// seed's) nearly always finds each one there.
+pub fn position_after<T>(
+    sorted: &[T],
+    region: RegionId,
+    last: Option<usize>,
+    id_of: impl Fn(&T) -> RegionId,
+) -> Option<usize> {
+    let next = last.map_or(0, |l| l + 1);
+    match sorted.get(next) {
+        Some(item) if id_of(item) == region => Some(next),
+        _ => sorted.binary_search_by_key(&region, id_of).ok(),
+    }
+}
+
 /// A strided region as the framework describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RegionDesc {

@@ -72,16 +72,15 @@ fn start_in(folder: Option<PathBuf>) -> bool {
         let wall_ns = wall
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
-        folder.is_dir()
-            && TIMELINE
-                .get_or_init(|| Timeline {
-                    folder,
-                    wall_ns,
-                    began,
-                    marks: Mutex::new(Marks::default()),
-                })
-                .folder
-                .is_dir()
+        folder.is_dir() && {
+            TIMELINE.get_or_init(|| Timeline {
+                folder,
+                wall_ns,
+                began,
+                marks: Mutex::new(Marks::default()),
+            });
+            true
+        }
     });
     STATE.store(if on { ON } else { OFF }, Ordering::Relaxed);
     on

@@ -93,13 +93,12 @@ impl DeviceChecker {
                         loop {
                             #[allow(clippy::disallowed_methods)]
                             let left = until.saturating_duration_since(std::time::Instant::now());
-                            match rx.recv_timeout(BURST_GAP.min(left)) {
-                                Ok(more) if !left.is_zero() => landings.extend(more),
-                                Ok(more) => {
-                                    landings.extend(more);
-                                    break;
-                                }
-                                Err(_) => break,
+                            let Ok(more) = rx.recv_timeout(BURST_GAP.min(left)) else {
+                                break;
+                            };
+                            landings.extend(more);
+                            if left.is_zero() {
+                                break;
                             }
                         }
                         crate::timeline::mark("check_launch", landings.len() as u64);

@@ -18,20 +18,16 @@
 use super::*;
 use kvcr_contracts::protocol::codec::MAX_DEVICE_EXPORT;
 
-/// Whether every element lies in a region of `advertised` (sorted). A
-/// layer-first page names its regions in order, so each is first looked
-/// for just after the last one found (a restore's 232,000 elements were as
-/// many binary searches on the destination's `deliver`).
+/// Whether every element lies in a region of `advertised` (sorted), each
+/// looked for after the last found ([`crate::region::position_after`]).
 fn all_advertised(advertised: &[RegionId], elements: &[ElementRef]) -> bool {
-    let mut next = 0;
+    let mut last = None;
     elements.iter().all(|e| {
-        let at = match advertised.get(next) {
-            Some(region) if *region == e.region => Some(next),
-            _ => advertised.binary_search(&e.region).ok(),
-        };
-        at.inspect(|at| next = at + 1).is_some()
+        last = crate::region::position_after(advertised, e.region, last, |r| *r);
+        last.is_some()
     })
 }
+
 impl Core {
     /// Framework device regions the driver may export for the one-hop
     /// route: id, base address and extent (bytes to the last element's end).

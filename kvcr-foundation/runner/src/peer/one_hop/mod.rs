@@ -58,21 +58,10 @@ impl DeviceRoutes {
         self.regions.is_empty()
     }
 
-    /// Where `region` is among the opened regions.
-    fn position(&self, region: RegionId) -> Option<usize> {
-        self.regions
-            .binary_search_by_key(&region, |(id, _)| *id)
-            .ok()
-    }
-
-    /// As [`Self::position`], trying first the region after `last` (a
-    /// page names its regions in order, so that is nearly always it).
+    /// Where `region` is among the opened regions, tried first after
+    /// `last` ([`kvcr_runner_core::position_after`]).
     fn position_after(&self, region: RegionId, last: Option<usize>) -> Option<usize> {
-        let next = last.map_or(0, |l| l + 1);
-        match self.regions.get(next) {
-            Some((id, _)) if *id == region => Some(next),
-            _ => self.position(region),
-        }
+        kvcr_runner_core::position_after(&self.regions, region, last, |(id, _)| *id)
     }
 
     /// The opened region at `position`.
@@ -242,7 +231,6 @@ impl State {
 fn device_plan(opened: &DeviceRoutes, spans: &[PutSpan]) -> Option<Copies> {
     let mut in_page = vec![0u64; opened.regions.len().div_ceil(64)];
     let bit = |position: usize| (position / 64, 1u64 << (position % 64));
-    // Pages come cut alike: each new one is sized as the last was.
     let mut pages: Copies = Vec::new();
     let mut page: Vec<Copy> = Vec::new();
     let mut last = None;
@@ -258,6 +246,7 @@ fn device_plan(opened: &DeviceRoutes, spans: &[PutSpan]) -> Option<Copies> {
                     *w &= !mask;
                 }
             }
+            // Pages come cut alike: each new one is sized as the last was.
             let next = Vec::with_capacity(page.len());
             pages.push(std::mem::replace(&mut page, next));
         }

@@ -136,6 +136,16 @@ fn step(stream: &mut Stream, jobs: Vec<Job>) -> (Vec<Heard>, u64) {
 
 /// As [`step`], at `now` (ns).
 fn step_at(stream: &mut Stream, jobs: Vec<Job>, now: u64) -> (Vec<Heard>, u64) {
+    step_with(stream, jobs, now, &mut || false)
+}
+
+/// As [`step_at`], `queued` saying whether writes came meanwhile.
+fn step_with(
+    stream: &mut Stream,
+    jobs: Vec<Job>,
+    now: u64,
+    queued: &mut dyn FnMut() -> bool,
+) -> (Vec<Heard>, u64) {
     let heard = Mutex::new(Vec::new());
     let passes = PassCounters::default();
     let mut said = Said {
@@ -143,7 +153,7 @@ fn step_at(stream: &mut Stream, jobs: Vec<Job>, now: u64) -> (Vec<Heard>, u64) {
         done: &|w, ok| heard.lock().unwrap().push(Heard::Done(w, ok)),
         passes: &passes,
     };
-    stream.step(jobs, now, &mut said, &mut || false);
+    stream.step(jobs, now, &mut said, queued);
     (heard.into_inner().unwrap(), passes.passes.into_inner())
 }
 
@@ -280,26 +290,14 @@ fn chunks_stay_short_until_arrivals_go_quiet() {
 fn queued_writes_leads_go_before_a_chunk_once() {
     let setup = setup(1 << 10, u64::MAX);
     let mut stream = Stream::new(1 << 10, 1 << 10, QUIET);
-    let heard = Mutex::new(Vec::new());
-    let passes = PassCounters::default();
-    let mut said = Said {
-        lead: &|w| heard.lock().unwrap().push(Heard::Lead(w)),
-        done: &|w, ok| heard.lock().unwrap().push(Heard::Done(w, ok)),
-        passes: &passes,
-    };
     let first = vec![write(1, (1, 2), 100, 1, &setup)];
-    stream.step(first, 0, &mut said, &mut || true);
-    assert_eq!(*heard.lock().unwrap(), [Heard::Lead(1)], "chunk deferred");
+    let (heard, _) = step_with(&mut stream, first, 0, &mut || true);
+    assert_eq!(heard, [Heard::Lead(1)], "chunk deferred");
     let second = vec![write(2, (1, 2), 200, 1, &setup)];
-    stream.step(second, 1, &mut said, &mut || true);
+    let (heard, _) = step_with(&mut stream, second, 1, &mut || true);
     assert_eq!(
-        *heard.lock().unwrap(),
-        [
-            Heard::Lead(1),
-            Heard::Lead(2),
-            Heard::Done(1, true),
-            Heard::Done(2, true)
-        ],
+        heard,
+        [Heard::Lead(2), Heard::Done(1, true), Heard::Done(2, true)],
         "deferred once, then copied though more are queued"
     );
     assert_eq!(setup.1.passes(), [vec![100], vec![200], vec![101, 201]]);
