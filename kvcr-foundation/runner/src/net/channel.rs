@@ -7,10 +7,7 @@
 //! first use, queued until established); a source's replies go back on the
 //! session the target opened. A message is sealed in the sender's turn and
 //! written by [`ControlChannel::flush`] at the end of it; what the socket
-//! does not take, the session task writes as it drains. (Writing a burst
-//! as it was sealed, before the turn's end, made a fresh route's first
-//! restore fail now and then in parallel test runs; see BENCH-HISTORY,
-//! nineteenth session.)
+//! does not take, the session task writes as it drains.
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
