@@ -360,6 +360,15 @@ pub enum FrameReason {
     /// The doorbell names a region the metadata does not advertise.
     #[error("doorbell in region id {0}, which is not advertised")]
     UnknownDoorbellRegion(u32),
+    /// A `start_write` run of destination regions whose last region id
+    /// would pass `u32::MAX`.
+    #[error("a run of {regions} regions from id {first} passes the last region id")]
+    RegionRun {
+        /// The run's first region id.
+        first: u32,
+        /// How many regions it claims.
+        regions: u16,
+    },
     /// Bytes left over after the message.
     #[error("{0} trailing bytes after the message")]
     Trailing(usize),

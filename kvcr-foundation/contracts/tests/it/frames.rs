@@ -4,7 +4,8 @@
 use bytes::BytesMut;
 use kvcr_contracts::error::FrameReason;
 use kvcr_contracts::protocol::codec::{
-    FrameCodec, MAX_DEVICE_EXPORT, MAX_DEVICE_REGIONS, MAX_KEYS_PER_WRITE, MAX_SPANS_PER_KEY,
+    FrameCodec, MAX_DEVICE_EXPORT, MAX_DEVICE_REGIONS, MAX_ELEMENTS_PER_WRITE, MAX_KEYS_PER_WRITE,
+    MAX_SPANS_PER_KEY,
 };
 use kvcr_contracts::protocol::{
     Body, CompletedIndices, DeviceRegionAdvert, DoorbellAdvert, ElementRef, Header, Message,
@@ -143,12 +144,17 @@ fn examples() -> Vec<(&'static str, Body)> {
                 remaining_timeout_ms: 1000,
                 source_incarnation: Some(inc(5)),
                 namespace: NamespaceId(0x0102_0304_0506_0708),
-                keys: vec![BlockKey::from_u64(10), BlockKey::from_i64(-1)],
+                keys: vec![
+                    BlockKey::from_u64(10),
+                    BlockKey::from_i64(-1),
+                    BlockKey::from_u64(12),
+                ],
                 destinations: vec![
                     vec![ElementRef {
                         region: RegionId(0),
                         index: 7,
                     }],
+                    // One run: regions 0 and 1 at index 8.
                     vec![
                         ElementRef {
                             region: RegionId(0),
@@ -157,6 +163,21 @@ fn examples() -> Vec<(&'static str, Body)> {
                         ElementRef {
                             region: RegionId(1),
                             index: 8,
+                        },
+                    ],
+                    // Two runs: a region skipped ends the first.
+                    vec![
+                        ElementRef {
+                            region: RegionId(5),
+                            index: 3,
+                        },
+                        ElementRef {
+                            region: RegionId(6),
+                            index: 3,
+                        },
+                        ElementRef {
+                            region: RegionId(9),
+                            index: 3,
                         },
                     ],
                 ],
@@ -550,8 +571,20 @@ fn encoder_refuses_device_region_sharing_an_id() {
 #[case::zero_timeout(start_write_bytes(|f, at| f[at + 8..at + 12].fill(0)), FrameReason::Zero("remaining_timeout_ms"))]
 #[case::no_keys(start_write_bytes(|f, at| { f.truncate(at + 12 + 1 + 8 + 2); f.extend_from_slice(&0u32.to_be_bytes()); }), FrameReason::Empty("keys"))]
 #[case::too_many_keys(start_write_bytes(|f, at| f[at + 23..at + 27].copy_from_slice(&(MAX_KEYS_PER_WRITE as u32 + 1).to_be_bytes())), FrameReason::Bound { field: "keys", count: MAX_KEYS_PER_WRITE + 1, max: MAX_KEYS_PER_WRITE })]
-#[case::key_count_lies(start_write_bytes(|f, at| f[at + 23..at + 27].copy_from_slice(&1000u32.to_be_bytes())), FrameReason::Truncated { needed: 21978 })]
-#[case::no_destinations(start_write_bytes(|f, at| { f.truncate(at + 35); f.extend_from_slice(&0u16.to_be_bytes()); f.extend_from_slice(&[0; 12]); }), FrameReason::Empty("destinations of a key"))]
+#[case::key_count_lies(start_write_bytes(|f, at| f[at + 23..at + 27].copy_from_slice(&1000u32.to_be_bytes())), FrameReason::Truncated { needed: 23976 })]
+#[case::no_destinations(start_write_bytes(|f, at| { f.truncate(at + 35); f.extend_from_slice(&0u16.to_be_bytes()); f.extend_from_slice(&[0; 14]); }), FrameReason::Empty("destinations of a key"))]
+#[case::run_of_no_regions(start_write_bytes(|f, at| f[at + 41..at + 43].fill(0)), FrameReason::Zero("regions of a run"))]
+#[case::run_past_the_last_region(start_write_bytes(|f, at| { f[at + 37..at + 41].fill(0xff); f[at + 41..at + 43].copy_from_slice(&2u16.to_be_bytes()); }), FrameReason::RegionRun { first: u32::MAX, regions: 2 })]
+#[case::run_longer_than_a_key(start_write_bytes(|f, at| f[at + 41..at + 43].copy_from_slice(&(MAX_SPANS_PER_KEY as u16 + 1).to_be_bytes())), FrameReason::Bound { field: "destinations of a key", count: MAX_SPANS_PER_KEY + 1, max: MAX_SPANS_PER_KEY })]
+#[case::runs_longer_than_a_write(start_write_bytes(|f, at| {
+    // 257 keys of one full-length run each: 16 bytes of frame per 4096
+    // elements, one key past what a write may name.
+    let keys = MAX_ELEMENTS_PER_WRITE / MAX_SPANS_PER_KEY + 1;
+    f[at + 23..at + 27].copy_from_slice(&(keys as u32).to_be_bytes());
+    f[at + 41..at + 43].copy_from_slice(&(MAX_SPANS_PER_KEY as u16).to_be_bytes());
+    let entry = f[at + 27..at + 51].to_vec();
+    for _ in 1..keys { f.extend_from_slice(&entry); }
+}), FrameReason::Bound { field: "destinations of a write", count: MAX_ELEMENTS_PER_WRITE + MAX_SPANS_PER_KEY, max: MAX_ELEMENTS_PER_WRITE })]
 #[case::too_many_spans(start_write_bytes(|f, at| f[at + 35..at + 37].copy_from_slice(&(MAX_SPANS_PER_KEY as u16 + 1).to_be_bytes())), FrameReason::Bound { field: "destinations of a key", count: MAX_SPANS_PER_KEY + 1, max: MAX_SPANS_PER_KEY })]
 #[case::lead_past_a_key(start_write_bytes(|f, at| f[at + 21..at + 23].copy_from_slice(&2u16.to_be_bytes())), FrameReason::Bound { field: "lead elements", count: 2, max: 1 })]
 #[case::lead_landed_zero({let f = encode(Body::WriteLeadLanded { op_handle: OpHandle(1), elements: 2 }); let n = f.len(); mutate(f, n - 1, 0)}, FrameReason::Zero("lead elements"))]
@@ -613,6 +646,7 @@ fn duplicate_region_ids_refused_both_ways() {
 #[case::empty_dest(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![vec![]], lead_elements: 0 }, FrameReason::Empty("destinations of a key"))]
 #[case::lead_past_a_key(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![vec![ElementRef { region: RegionId(0), index: 0 }]], lead_elements: 2 }, FrameReason::Bound { field: "lead elements", count: 2, max: 1 })]
 #[case::lead_landed_zero(Body::WriteLeadLanded { op_handle: OpHandle(1), elements: 0 }, FrameReason::Zero("lead elements"))]
+#[case::elements_past_a_write(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: (0..257).map(BlockKey::from_u64).collect(), destinations: vec![(0..4096).map(|r| ElementRef { region: RegionId(r), index: 0 }).collect(); 257], lead_elements: 0 }, FrameReason::Bound { field: "destinations of a write", count: MAX_ELEMENTS_PER_WRITE + MAX_SPANS_PER_KEY, max: MAX_ELEMENTS_PER_WRITE })]
 #[case::empty_address(Body::TargetMetadata { worker_address: vec![], regions: vec![], shared_memory: None, doorbell: None, device_regions: vec![] }, FrameReason::Empty("worker_address"))]
 #[case::stray_segment(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0)], shared_memory: Some(shared_memory(&[0, 5])), doorbell: None, device_regions: vec![] }, FrameReason::Bound { field: "segments", count: 2, max: 1 })]
 #[case::unknown_segment(Body::TargetMetadata { worker_address: vec![1], regions: vec![region(0)], shared_memory: Some(shared_memory(&[5])), doorbell: None, device_regions: vec![] }, FrameReason::UnknownSegmentRegion(5))]
@@ -802,7 +836,15 @@ fn arb_body() -> impl Strategy<Value = Body> {
             proptest::collection::vec(
                 (
                     any::<u64>(),
-                    proptest::collection::vec((any::<u32>(), any::<u64>()), 1..4)
+                    prop_oneof![
+                        proptest::collection::vec((any::<u32>(), any::<u64>()), 1..4),
+                        // Layer-first: one slot across consecutive regions
+                        // (one run on the wire), ending anywhere up to the
+                        // last region id.
+                        (any::<u32>(), 1u32..6, any::<u64>()).prop_map(|(end, n, i)| {
+                            (end.saturating_sub(n - 1)..=end).map(|r| (r, i)).collect()
+                        }),
+                    ]
                 ),
                 1..16
             ),

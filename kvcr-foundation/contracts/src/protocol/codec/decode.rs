@@ -10,10 +10,10 @@ use super::validate::{check_device_regions, check_doorbell, check_regions, check
 use super::{
     FrameCodec, KIND_ROUTE_PROOF, KIND_START_WRITE, KIND_TARGET_METADATA, KIND_TARGET_METADATA_ACK,
     KIND_WRITE_DONE, KIND_WRITE_LEAD_LANDED, KIND_WRITE_PROBE, KIND_WRITE_REFUSED, LEN_PREFIX,
-    MAGIC, MAX_DEVICE_EXPORT, MAX_DEVICE_REGIONS, MAX_KEYS_PER_WRITE, MAX_REGIONS, MAX_RKEY,
-    MAX_SPANS_PER_KEY, MAX_WORKER_ADDRESS, OUTCOME_COMPLETED, OUTCOME_COMPLETED_CHECKED_IN_COPY,
-    OUTCOME_FAILED_NONTERMINAL, OUTCOME_FAILED_TERMINAL, PREAMBLE, VERSION, bound, frame,
-    lead_within,
+    MAGIC, MAX_DEVICE_EXPORT, MAX_DEVICE_REGIONS, MAX_ELEMENTS_PER_WRITE, MAX_KEYS_PER_WRITE,
+    MAX_REGIONS, MAX_RKEY, MAX_SPANS_PER_KEY, MAX_WORKER_ADDRESS, OUTCOME_COMPLETED,
+    OUTCOME_COMPLETED_CHECKED_IN_COPY, OUTCOME_FAILED_NONTERMINAL, OUTCOME_FAILED_TERMINAL,
+    PREAMBLE, VERSION, bound, frame, lead_within,
 };
 use crate::endpoint::ControlEndpoint;
 use crate::error::{FrameReason, Result};
@@ -343,9 +343,10 @@ fn decode_target_metadata(r: &mut Reader<'_>) -> Result<Body> {
     })
 }
 
-/// Smallest encoded key entry: key, destination count, one element.
-const MIN_KEY_ENTRY_BYTES: usize = 8 + 2 + 12;
-const ELEMENT_BYTES: usize = 12;
+/// One encoded run of destination elements: region, regions, index.
+const RUN_BYTES: usize = 4 + 2 + 8;
+/// Smallest encoded key entry: key, run count, one run.
+const MIN_KEY_ENTRY_BYTES: usize = 8 + 2 + RUN_BYTES;
 
 fn decode_start_write(r: &mut Reader<'_>) -> Result<Body> {
     let op_handle = OpHandle(r.u64()?);
@@ -363,31 +364,39 @@ fn decode_start_write(r: &mut Reader<'_>) -> Result<Body> {
     r.count("keys", n, MAX_KEYS_PER_WRITE, MIN_KEY_ENTRY_BYTES)?;
     let mut keys = Vec::with_capacity(n);
     let mut destinations = Vec::with_capacity(n);
+    let mut elements = 0usize;
     for _ in 0..n {
         keys.push(BlockKey::from_u64(r.u64()?));
-        let spans = usize::from(r.u16()?);
-        if spans == 0 {
+        let runs = usize::from(r.u16()?);
+        if runs == 0 {
             return Err(frame(FrameReason::Empty("destinations of a key")));
         }
-        r.count(
-            "destinations of a key",
-            spans,
-            MAX_SPANS_PER_KEY,
-            ELEMENT_BYTES,
-        )?;
-        lead_within(lead_elements, spans)?;
+        r.count("destinations of a key", runs, MAX_SPANS_PER_KEY, RUN_BYTES)?;
         // Taken whole (`count` saw they fit), then cut: a restore's
-        // `start_write`s carry ~230,000 elements, each read field by field
-        // was a sixth of the source's handling of them (profiled).
-        let raw = r.take(spans.saturating_mul(ELEMENT_BYTES))?;
-        let dests = raw
-            .chunks_exact(ELEMENT_BYTES)
-            .map(|bytes| {
-                element(bytes).ok_or(frame(FrameReason::Truncated {
-                    needed: ELEMENT_BYTES,
-                }))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        // `start_write`s carry ~230,000 elements, and each read field by
+        // field was a sixth of the source's handling of them (profiled).
+        let raw = r.take(runs.saturating_mul(RUN_BYTES))?;
+        // Every run is checked and the key's and the write's element counts
+        // bounded before anything is allocated for them.
+        let mut spans = 0usize;
+        for bytes in raw.chunks_exact(RUN_BYTES) {
+            let (_, regions, _) = run(bytes)?;
+            spans += usize::from(regions);
+        }
+        bound("destinations of a key", spans, MAX_SPANS_PER_KEY)?;
+        elements += spans;
+        bound("destinations of a write", elements, MAX_ELEMENTS_PER_WRITE)?;
+        lead_within(lead_elements, spans)?;
+        let mut dests = Vec::with_capacity(spans);
+        for bytes in raw.chunks_exact(RUN_BYTES) {
+            let (first, regions, index) = run(bytes)?;
+            dests.extend(
+                (first..=first + u32::from(regions) - 1).map(|region| ElementRef {
+                    region: RegionId(region),
+                    index,
+                }),
+            );
+        }
         destinations.push(dests);
     }
     Ok(Body::StartWrite {
@@ -401,15 +410,22 @@ fn decode_start_write(r: &mut Reader<'_>) -> Result<Body> {
     })
 }
 
-/// One element as the wire carries it: its region (`u32`), then its index
-/// (`u64`), big-endian; `None` if `bytes` is shorter than that.
-fn element(bytes: &[u8]) -> Option<ElementRef> {
-    let (region, rest) = bytes.split_first_chunk::<4>()?;
-    let index = rest.first_chunk::<8>()?;
-    Some(ElementRef {
-        region: RegionId(u32::from_be_bytes(*region)),
-        index: u64::from_be_bytes(*index),
-    })
+/// One run as the wire carries it (`region:u32 regions:u16 index:u64`,
+/// big-endian, [`RUN_BYTES`] of them): its first region, how many regions
+/// (at least one, none past `u32::MAX`) and the index in each.
+fn run(bytes: &[u8]) -> Result<(u32, u16, u64)> {
+    let truncated = || frame(FrameReason::Truncated { needed: RUN_BYTES });
+    let (first, rest) = bytes.split_first_chunk::<4>().ok_or_else(truncated)?;
+    let (regions, rest) = rest.split_first_chunk::<2>().ok_or_else(truncated)?;
+    let index = rest.first_chunk::<8>().ok_or_else(truncated)?;
+    let (first, regions) = (u32::from_be_bytes(*first), u16::from_be_bytes(*regions));
+    if regions == 0 {
+        return Err(frame(FrameReason::Zero("regions of a run")));
+    }
+    if first.checked_add(u32::from(regions) - 1).is_none() {
+        return Err(frame(FrameReason::RegionRun { first, regions }));
+    }
+    Ok((first, regions, u64::from_be_bytes(*index)))
 }
 
 fn decode_write_done(r: &mut Reader<'_>) -> Result<Body> {

@@ -9,13 +9,14 @@ use super::validate::{check_device_regions, check_doorbell, check_regions, check
 use super::{
     FrameCodec, KIND_ROUTE_PROOF, KIND_START_WRITE, KIND_TARGET_METADATA, KIND_TARGET_METADATA_ACK,
     KIND_WRITE_DONE, KIND_WRITE_LEAD_LANDED, KIND_WRITE_PROBE, KIND_WRITE_PROBE_ACK,
-    KIND_WRITE_REFUSED, LEN_PREFIX, MAGIC, MAX_DEVICE_EXPORT, MAX_KEYS_PER_WRITE, MAX_RKEY,
-    MAX_SPANS_PER_KEY, MAX_WORKER_ADDRESS, OUTCOME_COMPLETED, OUTCOME_COMPLETED_CHECKED_IN_COPY,
-    OUTCOME_FAILED_NONTERMINAL, OUTCOME_FAILED_TERMINAL, VERSION, bound, frame, lead_within,
+    KIND_WRITE_REFUSED, LEN_PREFIX, MAGIC, MAX_DEVICE_EXPORT, MAX_ELEMENTS_PER_WRITE,
+    MAX_KEYS_PER_WRITE, MAX_RKEY, MAX_SPANS_PER_KEY, MAX_WORKER_ADDRESS, OUTCOME_COMPLETED,
+    OUTCOME_COMPLETED_CHECKED_IN_COPY, OUTCOME_FAILED_NONTERMINAL, OUTCOME_FAILED_TERMINAL,
+    VERSION, bound, frame, lead_within,
 };
 use crate::error::{FrameReason, Result};
 use crate::incarnation::Incarnation;
-use crate::protocol::{Body, Header, Message, WriteOutcome};
+use crate::protocol::{Body, ElementRef, Header, Message, WriteOutcome};
 
 impl FrameCodec {
     /// Appends one frame for `message` to `dst`. Refuses (and writes nothing)
@@ -79,6 +80,32 @@ fn put_bytes16(dst: &mut BytesMut, field: &'static str, b: &[u8], max: usize) ->
     dst.put_u16(b.len() as u16);
     dst.extend_from_slice(b);
     Ok(())
+}
+
+/// A key's elements as runs (`region:u32 regions:u16 index:u64`, after
+/// their count): each run as long as the next element names the next
+/// region at the same index. `dests` holds at most [`MAX_SPANS_PER_KEY`]
+/// elements, so neither the count nor a run's length passes `u16`.
+fn put_runs(dst: &mut BytesMut, dests: &[ElementRef]) {
+    let count_at = dst.len();
+    dst.put_u16(0);
+    let mut runs = 0u16;
+    let mut rest = dests;
+    while let Some((first, tail)) = rest.split_first() {
+        let len = 1 + tail
+            .iter()
+            .zip(1u32..)
+            .take_while(|(e, i)| {
+                e.index == first.index && first.region.0.checked_add(*i) == Some(e.region.0)
+            })
+            .count();
+        dst.put_u32(first.region.0);
+        dst.put_u16(len as u16);
+        dst.put_u64(first.index);
+        runs += 1;
+        rest = &rest[len..];
+    }
+    dst[count_at..count_at + 2].copy_from_slice(&runs.to_be_bytes());
 }
 
 fn put_opt_incarnation(dst: &mut BytesMut, inc: Option<Incarnation>) {
@@ -200,18 +227,17 @@ fn put_body(dst: &mut BytesMut, body: &Body) -> Result<()> {
             dst.put_u64(namespace.0);
             dst.put_u16(*lead_elements);
             dst.put_u32(keys.len() as u32);
+            let mut elements = 0usize;
             for (key, dests) in keys.iter().zip(destinations) {
                 if dests.is_empty() {
                     return Err(frame(FrameReason::Empty("destinations of a key")));
                 }
                 bound("destinations of a key", dests.len(), MAX_SPANS_PER_KEY)?;
                 lead_within(*lead_elements, dests.len())?;
+                elements += dests.len();
+                bound("destinations of a write", elements, MAX_ELEMENTS_PER_WRITE)?;
                 dst.put_u64(key.as_u64());
-                dst.put_u16(dests.len() as u16);
-                for element in dests {
-                    dst.put_u32(element.region.0);
-                    dst.put_u64(element.index);
-                }
+                put_runs(dst, dests);
             }
         }
         Body::WriteRefused { op_handle } => dst.put_u64(op_handle.0),

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! frame   := len:u32be  body[len]
-//! body    := magic:u16be=0x4B56 ("KV")  version:u8=7  kind:u8  header  fields(kind)
+//! body    := magic:u16be=0x4B56 ("KV")  version:u8=8  kind:u8  header  fields(kind)
 //! header  := incarnation:u128be  route_generation:u64be  endpoint:str8
 //! str8    := n:u8 utf8[n]          bytes16 := n:u16be u8[n]
 //! opt<T>  := 0 | 1 T               bool    := 0 | 1
@@ -15,7 +15,7 @@
 //! |---|---|---|
 //! | 1 | `target_metadata` | `worker_address:bytes16, regions:list16<region>, shared_memory:opt<shared>, doorbell:opt<(region:u32, key:u8[32])>, device_regions:list16<device>` |
 //! | 2 | `target_metadata_ack` | `op_handle:opt<u64>, one_copy:bool, device:bool` |
-//! | 3 | `start_write` | `op:u64, remaining_ms:u32, source_inc:opt<u128>, namespace:u64, lead:u16, entries:list32<(key:u64, dests:list16<(region:u32, index:u64)>)>` (`lead` at most every key's destination count) |
+//! | 3 | `start_write` | `op:u64, remaining_ms:u32, source_inc:opt<u128>, namespace:u64, lead:u16, entries:list32<(key:u64, dests:list16<run>)>` (`lead` at most every key's destination count) |
 //! | 4 | `write_refused` | `op:u64` |
 //! | 5 | `write_done` | `op:u64, outcome:u8` (0 completed, 1 failed-terminal, 2 failed-nonterminal, 3 completed with each page checked in the source's copy), then `indices:list32<u32>, digests:list32<u64>` when completed (no digests, or one page digest per index; with 3, one per index) |
 //! | 6 | `write_probe` | `op:u64, source_inc:opt<u128>` |
@@ -23,6 +23,12 @@
 //! | 8 | `route_proof` | `nonce:u8[32]` |
 //! | 9 | `write_lead_landed` | `op:u64, elements:u16` |
 //!
+//! `run := region:u32 regions:u16 index:u64`: the elements `(region + i, index)`
+//! for `i` in `0..regions` (`regions` at least 1), so a layer-first page, one
+//! slot in each of a model's K and V regions, is one run (version 7 spent 12
+//! bytes per element: 3.7 MB to seal and decode per restore of the seed's
+//! workload). A key names at most [`MAX_SPANS_PER_KEY`] elements, a write at
+//! most [`MAX_ELEMENTS_PER_WRITE`].
 //! `region := id:u32 label:str8 base:u64 element_size:u64 stride:u64 count:u64 rkey:bytes16`.
 //! `shared := boot_id:u8[16] pid_namespace:u64 pid:u32 segments:list16<(region:u32, fd:u32, token:u8[16])>`
 //! (at most one segment per advertised region, each naming one of them; the
@@ -33,7 +39,8 @@
 //!
 //! Decoding validates every field (bounds, UTF-8, endpoint grammar, non-zero
 //! incarnations and timeouts, region extents, ascending indices, no trailing
-//! bytes) and never allocates more than the frame's own length justifies.
+//! bytes) and never allocates more than the frame's own length justifies,
+//! except a `start_write`'s runs, whose elements are bounded per write.
 //! Encoding applies the same rules, so a frame this codec writes is one it reads.
 //!
 //! Writing lives in `encode`, reading in `decode`, and the region rules both
@@ -48,13 +55,17 @@ use crate::error::{Error, FrameReason, Result};
 /// Frame magic: `"KV"`.
 pub const MAGIC: u16 = 0x4B56;
 /// The codec version this build writes and reads.
-pub const VERSION: u8 = 7;
+pub const VERSION: u8 = 8;
 /// Default bound on one frame's length (after the length prefix).
 pub const DEFAULT_MAX_FRAME_LEN: usize = 16 << 20;
 /// Most keys in one `start_write` (and completed indices in one `write_done`).
 pub const MAX_KEYS_PER_WRITE: usize = 1 << 16;
 /// Most destination elements for one key (spans of one page).
 pub const MAX_SPANS_PER_KEY: usize = 4096;
+/// Most destination elements in one `start_write`, all keys together: what
+/// a decoder allocates for a write's runs (16 MiB of elements, about what a
+/// frame of the default length carried at 12 bytes an element).
+pub const MAX_ELEMENTS_PER_WRITE: usize = 1 << 20;
 /// Most regions in one advertisement.
 pub const MAX_REGIONS: usize = 1024;
 /// Largest packed UCX worker address.
