@@ -32,7 +32,7 @@ impl<'a> Grants<'a> {
     ) -> Option<&'a DeviceGrants> {
         let first = destinations.first().and_then(|d| d.first())?;
         self.device
-            .filter(|device| device.contains_key(&first.region))
+            .filter(|device| device.get(first.region).is_some())
     }
 }
 
@@ -92,12 +92,36 @@ pub(super) fn device_puts(
     sources: &[CopySpan],
     dests: &[ElementRef],
     device: &DeviceGrants,
+    seen: Option<&mut HashSet<ElementRef>>,
+    puts: &mut Vec<PutSpan>,
+) -> Option<u64> {
+    let start = puts.len();
+    let page = page_puts(sources, dests, device, seen, puts);
+    if page.is_none() {
+        puts.truncate(start);
+    }
+    page
+}
+
+/// [`device_puts`] in one walk over both lists: each element is checked
+/// and then cut from the slots at once, each put the overlap of the
+/// current slot span and the element (one per element where both are cut
+/// alike); the caller drops what this appended when it returns `None`.
+fn page_puts(
+    sources: &[CopySpan],
+    dests: &[ElementRef],
+    device: &DeviceGrants,
     mut seen: Option<&mut HashSet<ElementRef>>,
     puts: &mut Vec<PutSpan>,
 ) -> Option<u64> {
-    let mut targets = Vec::with_capacity(dests.len());
+    let page: u64 = sources.iter().map(|s| s.len).sum();
+    let (mut s, mut s_off) = (0usize, 0u64);
+    let mut granted = 0u64;
+    let mut last = None;
     for element in dests {
-        let region = device.get(&element.region)?;
+        let at = device.position_after(element.region, last)?;
+        last = Some(at);
+        let region = device.at(at)?;
         if element.index >= region.count || seen.as_mut().is_some_and(|seen| !seen.insert(*element))
         {
             return None;
@@ -105,40 +129,31 @@ pub(super) fn device_puts(
         let address = region
             .base
             .checked_add(element.index.checked_mul(region.stride)?)?;
-        targets.push((address, region.element_size, element.region));
-    }
-    let page: u64 = sources.iter().map(|s| s.len).sum();
-    let granted = targets
-        .iter()
-        .try_fold(0u64, |sum, (_, len, _)| sum.checked_add(*len))?;
-    if page != granted || page == 0 {
-        return None;
-    }
-    // Walk both lists at once: each put is the overlap of the current slot
-    // span and the current element (one per element where both are cut
-    // alike).
-    puts.reserve(targets.len().max(sources.len()));
-    let (mut s, mut s_off, mut t, mut t_off) = (0usize, 0u64, 0usize, 0u64);
-    while let (Some(src), Some((dst, dst_len, region))) = (sources.get(s), targets.get(t)) {
-        let len = (src.len - s_off).min(dst_len - t_off);
-        if len > 0 {
-            puts.push(PutSpan {
-                local: src.src + s_off,
-                remote: dst + t_off,
-                len,
-                region: *region,
-            });
+        granted = granted.checked_add(region.element_size)?;
+        if granted > page {
+            return None;
         }
-        s_off += len;
-        t_off += len;
-        if s_off == src.len {
-            (s, s_off) = (s + 1, 0);
-        }
-        if t_off == *dst_len {
-            (t, t_off) = (t + 1, 0);
+        let mut t_off = 0;
+        while t_off < region.element_size {
+            // `granted <= page`: the slots hold this element's bytes.
+            let src = sources.get(s)?;
+            let len = (src.len - s_off).min(region.element_size - t_off);
+            if len > 0 {
+                puts.push(PutSpan {
+                    local: src.src + s_off,
+                    remote: address + t_off,
+                    len,
+                    region: element.region,
+                });
+            }
+            s_off += len;
+            t_off += len;
+            if s_off == src.len {
+                (s, s_off) = (s + 1, 0);
+            }
         }
     }
-    Some(page)
+    (granted == page && page > 0).then_some(page)
 }
 
 #[cfg(test)]
@@ -222,5 +237,81 @@ mod tests {
             let repeats = !granted.iter().flatten().all(|e| seen.insert(*e));
             prop_assert_eq!(names_an_element_twice(&granted), repeats);
         }
+    }
+
+    /// Two device regions (ids 4 and 7) of 4-byte elements, 16 apart, 8 each.
+    fn grants() -> DeviceGrants {
+        let region = |id: u32, base: u64| DeviceRegionAdvert {
+            id: RegionId(id),
+            base,
+            element_size: 4,
+            stride: 16,
+            count: 8,
+            export: vec![1],
+        };
+        DeviceGrants::new(&[region(7, 0x9000), region(4, 0x1000)])
+    }
+
+    fn span(src: u64, len: u64) -> CopySpan {
+        CopySpan { src, dst: 0, len }
+    }
+
+    fn put(local: u64, remote: u64, len: u64, region: u32) -> PutSpan {
+        PutSpan {
+            local,
+            remote,
+            len,
+            region: RegionId(region),
+        }
+    }
+
+    #[test]
+    fn a_page_cut_unlike_its_elements_fills_them_in_order() {
+        // Slots of 6 and 2 bytes into two 4-byte elements: three puts.
+        let mut puts = vec![put(1, 1, 1, 0)];
+        let page = device_puts(
+            &[span(0x100, 6), span(0x200, 2)],
+            &[element(4, 2), element(7, 5)],
+            &grants(),
+            None,
+            &mut puts,
+        );
+        assert_eq!(page, Some(8));
+        assert_eq!(
+            puts[1..],
+            [
+                put(0x100, 0x1000 + 2 * 16, 4, 4),
+                put(0x104, 0x9000 + 5 * 16, 2, 7),
+                put(0x200, 0x9000 + 5 * 16 + 2, 2, 7),
+            ]
+        );
+    }
+
+    #[rstest::rstest]
+    #[case::index_past_the_region(vec![element(4, 8), element(7, 0)], vec![span(0, 8)])]
+    #[case::region_not_advertised(vec![element(4, 0), element(5, 0)], vec![span(0, 8)])]
+    #[case::page_larger_than_granted(vec![element(4, 0)], vec![span(0, 8)])]
+    #[case::page_smaller_than_granted(vec![element(4, 0), element(7, 0)], vec![span(0, 6)])]
+    #[case::an_empty_page(vec![element(4, 0)], vec![span(0, 0)])]
+    fn a_bad_grant_appends_nothing(#[case] dests: Vec<ElementRef>, #[case] slots: Vec<CopySpan>) {
+        let mut puts = vec![put(1, 1, 1, 0)];
+        assert_eq!(
+            device_puts(&slots, &dests, &grants(), None, &mut puts),
+            None
+        );
+        assert_eq!(puts, [put(1, 1, 1, 0)]);
+    }
+
+    #[test]
+    fn an_element_named_twice_is_refused_when_looked_for() {
+        let dests = [element(4, 1), element(4, 1)];
+        let slots = [span(0, 8)];
+        let mut puts = Vec::new();
+        let mut seen = HashSet::new();
+        assert_eq!(
+            device_puts(&slots, &dests, &grants(), Some(&mut seen), &mut puts),
+            None
+        );
+        assert!(puts.is_empty());
     }
 }

@@ -55,7 +55,7 @@ impl Core {
                 && r.device_regions.len() == device_regions.len()
                 && device_regions
                     .iter()
-                    .all(|a| r.device_regions.get(&a.id) == Some(a))
+                    .all(|a| r.device_regions.get(a.id) == Some(a))
         });
         if !unchanged {
             let budgets = (peer.config.route_budget, peer.config.route_budget_total);
@@ -95,9 +95,7 @@ impl Core {
                     shared_memory: shared_memory.clone(),
                     doorbell: doorbell.clone(),
                     one_copy: None,
-                    device_regions: Arc::new(
-                        device_regions.iter().map(|d| (d.id, d.clone())).collect(),
-                    ),
+                    device_regions: Arc::new(DeviceGrants::new(&device_regions)),
                     device: false,
                 },
             );
