@@ -55,9 +55,13 @@ impl<'a> Hints<'a> {
     /// from the peer first, then copied into the destinations.
     pub fn deliver(&self, request: &RequestId, entries: Vec<DeliverEntry>) -> Result<OpHandle> {
         crate::timeline::mark("deliver_begin", entries.len() as u64);
-        let op = self
-            .runner
-            .core_call(|core, now| core.deliver(now, entries, Some(request)));
+        let op = self.runner.core_call(|core, now| {
+            // Apart from the lock's wait before and the actions' pump after.
+            crate::timeline::mark("deliver_locked", 0);
+            let op = core.deliver(now, entries, Some(request));
+            crate::timeline::mark("deliver_core_done", 0);
+            op
+        });
         crate::timeline::mark("deliver_end", 0);
         op
     }
