@@ -554,6 +554,14 @@ impl ControlChannel {
         Some((session.id, session.answered?))
     }
 
+    /// Whether we dialed `to` on a session still open whose handshake has
+    /// not been reported to this thread yet.
+    pub(crate) fn dialed_unproven(&self, to: &ControlEndpoint) -> bool {
+        self.dialed
+            .get(to)
+            .is_some_and(|s| !s.out.is_closed() && s.answered.is_none())
+    }
+
     /// Writes what was sent since the last flush, one write per session,
     /// as far as each socket takes it now (the session task writes the
     /// rest as the socket drains).

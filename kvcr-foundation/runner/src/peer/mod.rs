@@ -253,6 +253,9 @@ struct State {
     /// UCX routes built but not yet used: their worker has not yet handed
     /// our nonce back on the advert's session ([`proofs`]).
     unproven: HashMap<ControlEndpoint, proofs::UnprovenRoute>,
+    /// Nonces our worker received for a session we dialed whose handshake
+    /// this thread has not heard of yet (at most `proofs::MAX_HELD_NONCES`).
+    held_nonces: Vec<proofs::HeldNonce>,
     /// Per target, the session its latest metadata came on (its route's
     /// proof counts only there).
     advert_sessions: HashMap<ControlEndpoint, u64>,
@@ -316,6 +319,10 @@ impl State {
     /// session that ended.
     fn on_inbound(&mut self, item: Inbound, shared: &Arc<Shared>) {
         let event = self.control.on_inbound(item);
+        // A dialed session's handshake may be what a held nonce waited for.
+        if !self.held_nonces.is_empty() {
+            self.answer_held_nonces();
+        }
         if let Some(ChannelEvent::Message(message, _)) = &event {
             timeline_inbound(&message.body);
         }

@@ -138,28 +138,52 @@ impl State {
     /// A nonce our worker received: handed back as a `route_proof` on the
     /// session we dialed to the source it names, when that session proved
     /// the incarnation it names; anything else is counted and dropped.
+    ///
+    /// The session task writes our metadata as soon as its handshake ends
+    /// and only then tells this thread, so the source's nonce can come
+    /// first. One for a session we dialed that this thread has not heard
+    /// proven yet is held (a few, briefly) and answered by the same rule
+    /// once it has: refused then, the source's route failed as unproven and
+    /// a fresh pair's first restore with it (`NoSource`, seen under load).
     pub(super) fn answer_nonce(&mut self, message: &ActiveMessage) {
-        let asked = NonceMessage::decode(message.header())
-            .filter(|_| message.data().is_empty())
-            .and_then(|asked| {
-                // The source names itself with its member key; we may have
-                // dialed it by its address alone (keyless sources allowed),
-                // and then any key there is the one we accepted.
-                let keyless = asked.endpoint.with_key(None);
-                [asked.endpoint.clone(), keyless]
-                    .into_iter()
-                    .find(|dialed| {
-                        self.control
-                            .dialed_peer(dialed)
-                            .is_some_and(|(_, answered)| answered == asked.source)
-                    })
-                    .map(|dialed| (dialed, asked))
-            });
-        let Some((dialed, asked)) = asked else {
+        let asked = NonceMessage::decode(message.header()).filter(|_| message.data().is_empty());
+        match asked {
+            // The peer thread reads the clock.
+            #[allow(clippy::disallowed_methods)]
+            Some(asked) => self.answer_asked(asked, Instant::now()),
+            None => self.refuse_proof(),
+        }
+    }
+
+    /// Answers the held nonces whose session has proven who answered, and
+    /// refuses those whose session closed or whose time is up.
+    pub(super) fn answer_held_nonces(&mut self) {
+        for held in std::mem::take(&mut self.held_nonces) {
+            if held.at.elapsed() < self.stream_limits.0 {
+                self.answer_asked(held.asked, held.at);
+            } else {
+                self.refuse_proof();
+            }
+        }
+    }
+
+    fn answer_asked(&mut self, asked: NonceMessage, at: Instant) {
+        // The source names itself with its member key; we may have dialed
+        // it by its address alone (keyless sources allowed), and then any
+        // key there is the one we accepted.
+        let names = [asked.endpoint.clone(), asked.endpoint.with_key(None)];
+        let proven = names.iter().find(|dialed| {
             self.control
-                .stats
-                .route_proofs_refused
-                .fetch_add(1, Ordering::Relaxed);
+                .dialed_peer(dialed)
+                .is_some_and(|(_, answered)| answered == asked.source)
+        });
+        let Some(dialed) = proven.cloned() else {
+            let handshaking = names.iter().any(|d| self.control.dialed_unproven(d));
+            if handshaking && self.held_nonces.len() < MAX_HELD_NONCES {
+                self.held_nonces.push(HeldNonce { asked, at });
+            } else {
+                self.refuse_proof();
+            }
             return;
         };
         let proof = Message {
@@ -179,6 +203,24 @@ impl State {
                 .fetch_add(1, Ordering::Relaxed);
         }
     }
+
+    fn refuse_proof(&self) {
+        self.control
+            .stats
+            .route_proofs_refused
+            .fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Most nonces held for sessions still handshaking: a route is proven once
+/// per source, and a worker flooding nonces gets the rest refused.
+const MAX_HELD_NONCES: usize = 16;
+
+/// A nonce waiting for its dialed session's handshake to reach this thread.
+pub(super) struct HeldNonce {
+    asked: NonceMessage,
+    /// When it came: held at most the handshake time.
+    at: Instant,
 }
 
 /// Whether a received message is a route proof's nonce.

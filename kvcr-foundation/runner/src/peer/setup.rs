@@ -157,6 +157,7 @@ impl State {
                 ),
                 routes: HashMap::new(),
                 unproven: HashMap::new(),
+                held_nonces: Vec::new(),
                 advert_sessions: HashMap::new(),
                 incarnation,
                 control,

@@ -184,6 +184,21 @@ struct TargetOp {
     start: Option<Body>,
 }
 
+impl TargetOp {
+    /// When this operation's timer may fire: its deadline while it waits
+    /// for the write, or the abandon deadline if that comes first (it
+    /// applies once the write is given up on); none once quarantined.
+    fn timer(&self) -> Option<u64> {
+        match self.state {
+            TargetState::AwaitingAck | TargetState::WaitingWriteDone => {
+                Some(self.deadline.min(self.abandon_deadline))
+            }
+            TargetState::WaitingTerminal => Some(self.abandon_deadline),
+            TargetState::Quarantined => None,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Route {
     incarnation: Incarnation,
@@ -238,6 +253,13 @@ pub(crate) struct PeerState {
     /// The source role: routes to targets, writes, fences, the stall latch.
     source: SourceRole,
     last_tick: Option<u64>,
+    /// No target operation or source write expires before this (`u64::MAX`:
+    /// none waits): a lower bound, lowered by each insert and set afresh by
+    /// each scan of them ([`Core::handle_peer_timeout`]). The engine polls
+    /// for completions on every step, and each poll expires deadlines: a
+    /// scan of every operation per poll, under the runner's lock, was what
+    /// a restore's 453 one-hop operations made every poll cost.
+    timer_floor: u64,
     /// The driver's export name of each device region it shares with
     /// same-host sources ([`Core::set_device_export`]).
     device_exports: BTreeMap<RegionId, Vec<u8>>,
@@ -404,10 +426,38 @@ impl PeerState {
             target: TargetRole::default(),
             source: SourceRole::default(),
             last_tick: None,
+            timer_floor: u64::MAX,
             device_exports: BTreeMap::new(),
             notices: Vec::new(),
             counters: PeerCounters::default(),
         }
+    }
+
+    /// Tracks target operation `handle` (its timer lowers the floor).
+    fn insert_target_op(&mut self, handle: OpHandle, op: TargetOp) {
+        if let Some(at) = op.timer() {
+            self.timer_floor = self.timer_floor.min(at);
+        }
+        self.target.ops.insert(handle, op);
+    }
+
+    /// Tracks source write `id` (its deadline lowers the floor).
+    fn insert_source_write(&mut self, id: u64, write: SourceWrite) {
+        self.timer_floor = self.timer_floor.min(write.deadline);
+        self.source.writes.insert(id, write);
+    }
+
+    /// The earliest timer of every target operation and source write still
+    /// writing, by a scan of them all.
+    fn earliest_timer(&self) -> Option<u64> {
+        let targets = self.target.ops.values().filter_map(TargetOp::timer);
+        let sources = self
+            .source
+            .writes
+            .values()
+            .filter(|w| w.state == WriteState::Writing)
+            .map(|w| w.deadline);
+        targets.chain(sources).min()
     }
 
     fn header(&self) -> Header {

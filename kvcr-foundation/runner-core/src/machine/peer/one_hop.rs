@@ -395,7 +395,7 @@ impl Core {
         };
         peer.counters.writes_requested += 1;
         peer.counters.one_hop_writes += 1;
-        peer.target.ops.insert(
+        peer.insert_target_op(
             target_op,
             TargetOp {
                 source: source.clone(),

@@ -8,6 +8,19 @@ impl Core {
     /// Peer deadlines: target ops past their deadlines move on; source writes
     /// past theirs send a non-terminal cancellation once.
     pub fn handle_peer_timeout(&mut self, now: u64) {
+        // Nothing can have expired before the floor: no scan (this runs on
+        // every poll for completions and every peer turn).
+        if self.peer.as_ref().is_none_or(|p| now < p.timer_floor) {
+            return;
+        }
+        self.expire_peer_timers(now);
+        if let Some(peer) = self.peer.as_mut() {
+            peer.timer_floor = peer.earliest_timer().unwrap_or(u64::MAX);
+        }
+    }
+
+    /// Expires every target operation and source write whose timer passed.
+    fn expire_peer_timers(&mut self, now: u64) {
         let Some(peer) = self.peer.as_mut() else {
             return;
         };
@@ -184,21 +197,13 @@ impl Core {
         }
     }
 
-    /// The earliest peer deadline.
+    /// The earliest peer deadline, or earlier: the floor no timer fires
+    /// before (an operation that ended since may have set it, or an
+    /// abandon deadline that applies only if the write is given up on);
+    /// [`Core::handle_peer_timeout`] at that time scans and raises it.
     pub fn next_peer_deadline(&self) -> Option<u64> {
-        let peer = self.peer.as_ref()?;
-        let targets = peer.target.ops.values().filter_map(|o| match o.state {
-            TargetState::AwaitingAck | TargetState::WaitingWriteDone => Some(o.deadline),
-            TargetState::WaitingTerminal => Some(o.abandon_deadline),
-            TargetState::Quarantined => None,
-        });
-        let sources = peer
-            .source
-            .writes
-            .values()
-            .filter(|w| w.state == WriteState::Writing)
-            .map(|w| w.deadline);
-        targets.chain(sources).min()
+        let floor = self.peer.as_ref()?.timer_floor;
+        (floor != u64::MAX).then_some(floor)
     }
 
     /// When the peer driver must next run [`Core::handle_tick`]: the earliest

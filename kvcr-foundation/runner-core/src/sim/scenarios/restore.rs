@@ -337,3 +337,42 @@ fn a_deliver_naming_one_missing_key_twice_fills_it_once() {
         "{result:?}"
     );
 }
+
+/// Polling for timeouts before a write's deadline does nothing, however
+/// often (each poll is a comparison with the floor, no scan); the write is
+/// given up on at its deadline exactly (its abandon deadline is then the
+/// next), and quarantined at that one exactly (held until proof, no timer:
+/// no peer deadline is left).
+#[test]
+fn a_write_is_given_up_on_at_its_deadline_not_before() {
+    let mut sim = Sim::new(17);
+    sim.quiet();
+    let k0 = sim.key(0);
+    start_hinted_fetch(&mut sim, &[k0], 0, "a");
+    for _ in 0..16 {
+        let Some((&k, _)) = sim.network.iter().next() else {
+            break;
+        };
+        let (to, message) = sim.network.remove(&k).unwrap();
+        if matches!(message.body, Body::StartWrite { .. }) {
+            continue; // the source never reads it
+        }
+        sim.handle(&to, 0, message);
+        sim.flush();
+    }
+    let target = &mut sim.targets[0].core;
+    assert_eq!(target.next_peer_deadline(), Some(TIMEOUT));
+    for now in [1, TIMEOUT / 2, TIMEOUT - 1] {
+        target.handle_timeout(now);
+        assert_eq!(target.peer_counters().quarantined, 0, "at {now}");
+    }
+    target.handle_timeout(TIMEOUT);
+    assert_eq!(target.next_peer_deadline(), Some(3 * TIMEOUT), "abandon");
+    for now in [TIMEOUT + 1, 3 * TIMEOUT - 1] {
+        target.handle_timeout(now);
+        assert_eq!(target.peer_counters().quarantined, 0, "at {now}");
+    }
+    target.handle_timeout(3 * TIMEOUT);
+    assert_eq!(target.peer_counters().quarantined, 1);
+    assert_eq!(target.next_peer_deadline(), None);
+}

@@ -402,7 +402,7 @@ impl Core {
         let write = peer.source.next_write;
         peer.source.next_write += 1;
         peer.source.writes_by_op.insert((sender, op), write);
-        peer.source.writes.insert(
+        peer.insert_source_write(
             write,
             SourceWrite {
                 target: target.clone(),

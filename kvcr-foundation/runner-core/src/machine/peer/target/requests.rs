@@ -278,7 +278,7 @@ impl Core {
         };
         if let Some(peer) = self.peer.as_mut() {
             peer.counters.writes_requested += 1;
-            peer.target.ops.insert(
+            peer.insert_target_op(
                 target_op,
                 TargetOp {
                     source,
