@@ -103,9 +103,12 @@ fn put_runs(dst: &mut BytesMut, dests: &[ElementRef]) {
         dst.put_u16(len as u16);
         dst.put_u64(first.index);
         runs += 1;
-        rest = &rest[len..];
+        // `len - 1` elements of `tail` extend the run.
+        rest = tail.get(len - 1..).unwrap_or_default();
     }
-    dst[count_at..count_at + 2].copy_from_slice(&runs.to_be_bytes());
+    if let Some(count) = dst.get_mut(count_at..count_at + 2) {
+        count.copy_from_slice(&runs.to_be_bytes());
+    }
 }
 
 fn put_opt_incarnation(dst: &mut BytesMut, inc: Option<Incarnation>) {
