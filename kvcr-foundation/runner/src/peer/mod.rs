@@ -402,7 +402,14 @@ impl State {
                         .landings_checked_in_copy
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
-                shared.with_core_now(|core, now| checked.hand(core, now));
+                // Marked apart: the lock's wait, the core's handling, and
+                // the pump of its actions (a one-hop write's plan) after.
+                crate::timeline::mark("inbound_core_call", 0);
+                shared.with_core_now(|core, now| {
+                    crate::timeline::mark("inbound_locked", 0);
+                    checked.hand(core, now);
+                    crate::timeline::mark("inbound_core_done", 0);
+                });
                 match ack {
                     // The source maps our pools: no byte comes on a stream.
                     Some((source, true)) => {
