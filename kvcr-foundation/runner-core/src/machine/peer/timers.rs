@@ -201,9 +201,12 @@ impl Core {
     /// before (an operation that ended since may have set it, or an
     /// abandon deadline that applies only if the write is given up on);
     /// [`Core::handle_peer_timeout`] at that time scans and raises it.
+    /// `None` once no operation or write is left, whatever the floor says:
+    /// an idle caller is never told to wait.
     pub fn next_peer_deadline(&self) -> Option<u64> {
-        let floor = self.peer.as_ref()?.timer_floor;
-        (floor != u64::MAX).then_some(floor)
+        let peer = self.peer.as_ref()?;
+        let idle = peer.target.ops.is_empty() && peer.source.writes.is_empty();
+        (!idle && peer.timer_floor != u64::MAX).then_some(peer.timer_floor)
     }
 
     /// When the peer driver must next run [`Core::handle_tick`]: the earliest

@@ -105,6 +105,11 @@ fn fault_free_requests_restore_the_hinted_keys() {
         assert_eq!(counters(&sim.sources[0].core).keys_sent, 8);
         assert_eq!(counters(&sim.sources[1].core).keys_sent, 4);
         assert!(sim.targets.iter().all(|t| t.core.ops_in_flight() == 0));
+        // Nothing waits any more: no node tells an idle caller to wait.
+        let cores = sim.targets.iter().map(|t| &t.core);
+        for core in cores.chain(sim.sources.iter().map(|s| &s.core)) {
+            assert_eq!(core.next_peer_deadline(), None, "seed {seed}");
+        }
     }
 }
 
