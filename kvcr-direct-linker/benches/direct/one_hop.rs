@@ -48,16 +48,27 @@ fn unhex(text: &str) -> Vec<u8> {
         .collect()
 }
 
-/// CPU seconds this process has used so far, user and system, all threads.
-pub(crate) fn cpu_seconds() -> f64 {
+/// This process's resource usage so far, all threads.
+fn usage() -> libc::rusage {
     let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
     // SAFETY: getrusage writes one `rusage` into the zeroed value.
     let status = unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) };
     assert_eq!(status, 0, "getrusage failed");
     // SAFETY: written by the successful call above (and zeroed before).
-    let usage = unsafe { usage.assume_init() };
+    unsafe { usage.assume_init() }
+}
+
+/// CPU seconds this process has used so far, user and system, all threads.
+pub(crate) fn cpu_seconds() -> f64 {
+    let usage = usage();
     let seconds = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
     seconds(usage.ru_utime) + seconds(usage.ru_stime)
+}
+
+/// Minor page faults this process has taken so far (first touches of fresh
+/// heap among them), all threads.
+pub(crate) fn minor_faults() -> u64 {
+    u64::try_from(usage().ru_minflt).unwrap_or(0)
 }
 
 /// The destination: pool, export, the source process, three checked

@@ -153,6 +153,10 @@ pub(crate) fn tp2_source(rank: u32, pages: u32, tp: u32) {
                 stats.one_hop_passes,
                 stats.one_hop_copy_ns as f64 / 1e6
             );
+            println!(
+                "# source {rank}: {} minor page faults so far",
+                super::one_hop::minor_faults()
+            );
             println!("CPU {}", super::one_hop::cpu_seconds());
             // With `KVCR_TIMELINE`: this round's marks, beside the
             // destination's.
@@ -180,6 +184,15 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
     let device = Device::open(rank % count.max(1)).unwrap();
     let began = Instant::now();
     let (mut linker, buffers) = tp2_rank(&device, rank, tp, pages, mode != "pipe2");
+    // `KVCR_BENCH_PART_PAGES`: the restore's part size, for comparison
+    // (the linker's default otherwise).
+    if let Some(part) = std::env::var("KVCR_BENCH_PART_PAGES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .and_then(std::num::NonZeroUsize::new)
+    {
+        linker.set_restore_part_pages(part);
+    }
     progress(&format!("dest {rank} {mode}: pools up"), began);
     let span = linker.layout().span_bytes() as usize;
     let keys = tp2_keys(pages);
@@ -205,6 +218,7 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
         device_prefix_pages: 0,
         tail: keys.clone(),
     };
+    let faults_before = super::one_hop::minor_faults();
     let t = Instant::now();
     if mode.starts_with("pipe") {
         let (context, _) = RequestContext::begin(
@@ -287,11 +301,12 @@ pub(crate) fn tp2_dest(rank: u32, pages: u32, endpoint: &str, mode: &str, tp: u3
             "rank {rank}: pipelined restore incomplete: {events:?}"
         );
         let total = t.elapsed().as_secs_f64();
+        let faults = super::one_hop::minor_faults() - faults_before;
         timeline::mark("restore_done", 0);
         timeline::write().unwrap();
         let ms = |m: Option<f64>| m.map_or("-".to_owned(), |m| format!("{m:.0}"));
         println!(
-            "# rank {rank} {mode}: pages checked in one hop: the first by {} ms, half by {} ms, all by {} ms; first layer {:.0} ms; done {:.0} ms",
+            "# rank {rank} {mode}: pages checked in one hop: the first by {} ms, half by {} ms, all by {} ms; first layer {:.0} ms; done {:.0} ms; {faults} minor page faults",
             ms(marks[0]),
             ms(marks[1]),
             ms(marks[2]),

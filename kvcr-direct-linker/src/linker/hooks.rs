@@ -191,11 +191,7 @@ impl Linker for DirectLinker {
             claims_held: self.claims.len(),
             transfers_in_flight: self.prepared.attempts().in_flight()
                 + self.offloads.len()
-                + self
-                    .pending
-                    .values()
-                    .filter(|p| matches!(p, Pending::Restore { .. }))
-                    .count(),
+                + self.restores.len(),
             live_attempts: self.prepared.attempts().live(),
         }
     }

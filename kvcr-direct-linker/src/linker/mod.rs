@@ -17,6 +17,7 @@
 //! (or [`DirectLinker::settle`], which waits for them, bounded).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -39,6 +40,9 @@ use crate::error::{Error, Result};
 use crate::layout::{KvLayout, POOL};
 
 mod hooks;
+mod restore;
+
+use restore::{RESTORE_PART_PAGES, Restore};
 
 /// Where the engine's KV pool lives, which decides who copies it.
 #[derive(Debug, Clone)]
@@ -84,10 +88,10 @@ enum Pending {
         attempt: AttemptId,
     },
     Offload(OffloadTicket),
+    /// Part `part` of the restore `ticket` (see [`restore`]).
     Restore {
         ticket: LoadTicket,
-        attempt: AttemptId,
-        pages: u32,
+        part: usize,
     },
 }
 
@@ -125,6 +129,10 @@ pub struct DirectLinker {
     engine_namespaces: BTreeMap<NamespaceId, NamespaceId>,
     prepared: PreparedAttempts,
     pending: HashMap<OpHandle, Pending>,
+    /// Restores in flight, their parts' operations in `pending`.
+    restores: HashMap<LoadTicket, Restore>,
+    /// Most pages one part of a restore delivers.
+    restore_part_pages: NonZeroUsize,
     /// Fetches that needed no runner operation; they land at the next poll.
     immediate: VecDeque<Pending>,
     /// Offloads in submission order, with their outcome once known.
@@ -222,11 +230,21 @@ impl DirectLinker {
             engine_namespaces: BTreeMap::new(),
             prepared: PreparedAttempts::new(),
             pending: HashMap::new(),
+            restores: HashMap::new(),
+            restore_part_pages: RESTORE_PART_PAGES,
             immediate: VecDeque::new(),
             offloads: VecDeque::new(),
             claims: BTreeMap::new(),
             next_ticket: 0,
         })
+    }
+
+    /// Most pages one part of a pipelined restore delivers
+    /// ([`Self::restore_hinted`] hands a restore to the runner in parts, so
+    /// that a peer's first writes leave while later parts are still being
+    /// granted); 64 unless set.
+    pub fn set_restore_part_pages(&mut self, pages: NonZeroUsize) {
+        self.restore_part_pages = pages;
     }
 
     /// The runner underneath (endpoint, stats, hints).
@@ -276,6 +294,14 @@ impl DirectLinker {
     /// how many leading pages are on the device; the engine recomputes the
     /// rest. The slots are the engine's grant: nothing else is written, and
     /// the engine must not touch them until the restore is reported.
+    ///
+    /// The runner gets the restore in parts of at most
+    /// [`Self::set_restore_part_pages`] pages, each delivered as soon as it
+    /// is built (the first part's peer writes leave while the later parts
+    /// are still being granted); the engine sees one restore. If a later
+    /// part cannot be handed to the runner, the parts before it still run
+    /// and `RestoreDone` counts no page after them; only if the first
+    /// cannot is the restore refused (an error, nothing queued).
     pub fn restore_hinted(
         &mut self,
         context: &RequestContext,
@@ -295,31 +321,57 @@ impl DirectLinker {
             return Err(refused);
         }
         let page_count = u32::try_from(pages).map_err(|_| refused)?;
-        let entries: Vec<DeliverEntry> = query
+        let attempt = context.attempt().clone();
+        let hinted = self.submit_hints(context);
+        let mut restore = Restore::new(attempt.clone(), page_count);
+        let ticket = LoadTicket(self.next_ticket + 1);
+        // In parts, each delivered as soon as it is built (see [`restore`]);
+        // an empty restore is one empty part, so that it still reports.
+        let pairs: Vec<(BlockKey, DeviceSlot)> = query
             .tail
             .iter()
-            .zip(slots)
-            .map(|(key, slot)| DeliverEntry {
-                key: self.scoped(query.namespace, *key),
-                destinations: self.elements(*slot),
-            })
+            .copied()
+            .zip(slots.iter().copied())
             .collect();
-        let attempt = context.attempt().clone();
-        let op = if self.submit_hints(context) {
-            self.runner.hints().deliver(&attempt.request, entries)?
+        let parts = pairs.chunks(self.restore_part_pages.get());
+        let parts: Vec<&[(BlockKey, DeviceSlot)]> = if pairs.is_empty() {
+            vec![&[]]
         } else {
-            self.runner.deliver(entries)?
+            parts.collect()
         };
+        for part in parts {
+            let entries: Vec<DeliverEntry> = part
+                .iter()
+                .map(|(key, slot)| DeliverEntry {
+                    key: self.scoped(query.namespace, *key),
+                    destinations: self.elements(*slot),
+                })
+                .collect();
+            let submitted = if hinted {
+                self.runner.hints().deliver(&attempt.request, entries)
+            } else {
+                self.runner.deliver(entries)
+            };
+            match submitted {
+                Ok(op) => {
+                    let index = restore.push(part.len() as u32);
+                    self.pending.insert(
+                        op,
+                        Pending::Restore {
+                            ticket,
+                            part: index,
+                        },
+                    );
+                }
+                // Nothing went: the restore is refused as a whole.
+                Err(e) if restore.is_empty() => return Err(e.into()),
+                // Later parts are not sent; the restore reports the pages
+                // before them (a prefix is all an engine can use).
+                Err(_) => break,
+            }
+        }
         self.next_ticket += 1;
-        let ticket = LoadTicket(self.next_ticket);
-        self.pending.insert(
-            op,
-            Pending::Restore {
-                ticket,
-                attempt,
-                pages: page_count,
-            },
-        );
+        self.restores.insert(ticket, restore);
         Ok(ticket)
     }
 
@@ -417,15 +469,13 @@ impl DirectLinker {
     fn first_layers(&mut self, events: &mut Vec<LinkerEvent>) {
         for (op, landed) in self.runner.poll_leads_landed() {
             match self.pending.get(&op) {
-                Some(Pending::Restore {
-                    ticket,
-                    attempt,
-                    pages,
-                }) => events.push(LinkerEvent::FirstLayerLanded {
-                    attempt: attempt.clone(),
-                    ticket: *ticket,
-                    pages: landed.min(*pages),
-                }),
+                Some(Pending::Restore { ticket, part }) => {
+                    let said = self
+                        .restores
+                        .get_mut(ticket)
+                        .and_then(|r| r.first_layer(*ticket, *part, landed));
+                    events.extend(said);
+                }
                 Some(Pending::Load {
                     ticket, attempt, ..
                 }) => events.push(LinkerEvent::FirstLayerLanded {
@@ -456,22 +506,21 @@ impl DirectLinker {
                         success,
                     });
                 }
-                Some(Pending::Restore {
-                    ticket,
-                    attempt,
-                    pages,
-                }) => {
+                Some(Pending::Restore { ticket, part }) => {
                     let restored = result
                         .entries
                         .iter()
                         .take_while(|(_, e)| e.is_success())
                         .count();
-                    events.push(LinkerEvent::RestoreDone {
-                        attempt,
-                        ticket,
-                        restored: u32::try_from(restored).unwrap_or(pages).min(pages),
-                        pages,
-                    });
+                    let restored = u32::try_from(restored).unwrap_or(u32::MAX);
+                    let said = self
+                        .restores
+                        .get_mut(&ticket)
+                        .and_then(|r| r.part_done(ticket, part, restored));
+                    if let Some(done) = said {
+                        self.restores.remove(&ticket);
+                        events.push(done);
+                    }
                 }
                 Some(Pending::Offload(ticket)) => {
                     let success = result.entries.iter().all(|(_, e)| e.is_success());

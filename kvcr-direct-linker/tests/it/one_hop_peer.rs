@@ -164,14 +164,20 @@ fn a_same_host_peer_restores_straight_into_this_gpu() {
 /// A one-hop restore reports its first layer (layer 0's K and V of every
 /// page, which the source copies first) before the restore lands, once,
 /// over every page: `FirstLayerLanded` comes ahead of `RestoreDone` in the
-/// events, and the pages are byte-exact when the restore lands.
-#[test]
-fn a_one_hop_restore_reports_its_first_layer_before_it_lands() {
+/// events, and the pages are byte-exact when the restore lands. Whether
+/// the restore goes to the runner whole or in parts (of 4 pages: 4 and 2),
+/// the engine hears one report over every page.
+#[rstest::rstest]
+#[case::one_part(64)]
+#[case::two_parts(4)]
+fn a_one_hop_restore_reports_its_first_layer_before_it_lands(#[case] part_pages: usize) {
     if !gpu_required() {
         return;
     }
     let source = Source::spawn("cuda");
     let mut dest = destination(PeerOptions::loopback(), Duration::from_secs(30));
+    dest.linker
+        .set_restore_part_pages(std::num::NonZeroUsize::new(part_pages).unwrap());
     let mut ledger = AttemptLedger::new();
     warm_route(&mut dest, &mut ledger, &source);
     let present = keys(PEER_PAGES);

@@ -596,9 +596,13 @@ pub(crate) fn restore_landed(
 /// (so every page is its own write, moved on to the device as it lands) and
 /// reports the leading pages restored: a key the source lacks ends the
 /// prefix, its slot is never written, and the pages after it land but are
-/// not counted.
-#[test]
-fn pipelined_peer_restore_reports_the_restored_prefix() {
+/// not counted. The same whether the restore goes to the runner whole or
+/// in parts of two pages (the missing key then ends the second part: the
+/// parts after it land, uncounted).
+#[rstest]
+#[case::one_part(64)]
+#[case::parts_of_two(2)]
+fn pipelined_peer_restore_reports_the_restored_prefix(#[case] part_pages: usize) {
     let mut runs = vec![("host", Backend::Host)];
     if gpu_required() {
         runs.push(("cuda", Backend::Cuda(CopyMode::default())));
@@ -617,6 +621,8 @@ fn pipelined_peer_restore_reports_the_restored_prefix() {
         cfg.peer = Some(options);
         // SAFETY: (test) the fixture's buffers outlive the new linker.
         dest.linker = unsafe { DirectLinker::new(cfg, memory) }.unwrap();
+        dest.linker
+            .set_restore_part_pages(std::num::NonZeroUsize::new(part_pages).unwrap());
         let sentinel = vec![0x5a; page];
         for slot in 0..8 {
             dest.write_page(DeviceSlot(slot), &sentinel);
