@@ -33,10 +33,20 @@ use crate::copy::device::DeviceCopier;
 pub(super) const CHUNK_BYTES: u64 = 4 << 30;
 
 /// Most bytes of a pass while writes are arriving (a restore's writes
-/// reach us over many turns): about 1.2 ms, so a write that arrives
+/// reach us over many turns): about 0.3 ms, so a write that arrives
 /// meanwhile waits at most that long for its lead to be copied, and the
-/// copy engines never wait for the arrivals to end.
-pub(super) const ARRIVING_CHUNK_BYTES: u64 = 64 << 20;
+/// copy engines never wait for the arrivals to end. With 64 MiB (1.2 ms)
+/// a pass every other step cost the leads more copy time than the writes
+/// took to arrive, and the last lead pass ended 4.7 ms after the last
+/// write came (traced on an H100 host).
+pub(super) const ARRIVING_CHUNK_BYTES: u64 = 16 << 20;
+
+/// Longest a pass over the rest waits behind newly queued writes' leads
+/// (ns). While writes with leads keep coming, the copy engines copy only
+/// leads, which costs the restore nothing (they are busy either way) and
+/// lands the first layer soonest; the bound keeps the rest moving under
+/// an endless stream of writes.
+pub(super) const MAX_CHUNK_DEFERRAL_NS: u64 = 10_000_000;
 
 /// Writes are taken as still arriving until none has for this long: a
 /// restore's reach us in groups with gaps of up to ~4 ms (the source's
@@ -104,8 +114,12 @@ impl OneHopWriter {
             let spawned = std::thread::Builder::new()
                 .name("kvcr-one-hop".into())
                 .spawn(move || {
-                    let mut stream =
-                        Stream::new(CHUNK_BYTES, ARRIVING_CHUNK_BYTES, ARRIVALS_QUIET_NS);
+                    let mut stream = Stream::new(
+                        CHUNK_BYTES,
+                        ARRIVING_CHUNK_BYTES,
+                        ARRIVALS_QUIET_NS,
+                        MAX_CHUNK_DEFERRAL_NS,
+                    );
                     // The schedule's clock (the stream itself is sans-I/O).
                     #[allow(clippy::disallowed_methods)]
                     let began = std::time::Instant::now();
@@ -134,11 +148,13 @@ impl OneHopWriter {
                             jobs.extend(more);
                         }
                         let now = u64::try_from(began.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                        // Whether writes that ask a lead came meanwhile
+                        // (only their leads are worth a chunk's wait).
                         let mut queued = || {
                             while let Ok(more) = rx.try_recv() {
                                 early.extend(more);
                             }
-                            !early.is_empty()
+                            early.iter().any(|job| job.lead > 0)
                         };
                         stream.step(jobs, now, &mut said, &mut queued);
                     }
@@ -264,24 +280,34 @@ struct Stream {
     chunk_bytes: u64,
     arriving_chunk_bytes: u64,
     arrivals_quiet_ns: u64,
+    /// Most time a chunk waits behind queued leads (ns).
+    max_chunk_deferral_ns: u64,
     /// When the last step that took writes ran (ns, the caller's clock).
     last_arrival: Option<u64>,
-    /// The last step left its chunk for writes queued behind it.
-    deferred_chunk: bool,
+    /// Since when steps have left their chunk for writes queued behind
+    /// them (ns); `None` once a chunk was copied.
+    deferring_since: Option<u64>,
 }
 
 impl Stream {
     /// Passes over the rest of at most `chunk_bytes`, or
     /// `arriving_chunk_bytes` while writes are arriving: in a step that
-    /// took some, or within `arrivals_quiet_ns` of the last that did.
-    fn new(chunk_bytes: u64, arriving_chunk_bytes: u64, arrivals_quiet_ns: u64) -> Self {
+    /// took some, or within `arrivals_quiet_ns` of the last that did. A
+    /// chunk waits behind queued leads for at most `max_chunk_deferral_ns`.
+    fn new(
+        chunk_bytes: u64,
+        arriving_chunk_bytes: u64,
+        arrivals_quiet_ns: u64,
+        max_chunk_deferral_ns: u64,
+    ) -> Self {
         Self {
             rest: VecDeque::new(),
             chunk_bytes,
             arriving_chunk_bytes,
             arrivals_quiet_ns,
+            max_chunk_deferral_ns,
             last_arrival: None,
-            deferred_chunk: false,
+            deferring_since: None,
         }
     }
 
@@ -294,8 +320,9 @@ impl Stream {
     /// copied and join the stream; then one chunk of the oldest writes'
     /// rest is copied, a short one while writes are arriving (more may
     /// follow, whose leads should not wait long). If `queued` says writes
-    /// came meanwhile, the chunk waits for the next step, so their leads
-    /// go first; never two steps running, so the rest always moves.
+    /// with leads came meanwhile, the chunk waits for the next step, so
+    /// their leads go first; for at most `max_chunk_deferral_ns` in a row,
+    /// so the rest always moves.
     fn step(
         &mut self,
         jobs: Vec<Job>,
@@ -315,11 +342,13 @@ impl Stream {
             self.chunk_bytes
         };
         self.take(jobs, said);
-        if !self.deferred_chunk && queued() {
-            self.deferred_chunk = true;
-            return;
+        if !self.rest.is_empty() && queued() {
+            let since = *self.deferring_since.get_or_insert(now);
+            if now.saturating_sub(since) < self.max_chunk_deferral_ns {
+                return;
+            }
         }
-        self.deferred_chunk = false;
+        self.deferring_since = None;
         self.copy_chunk(chunk, said);
     }
 

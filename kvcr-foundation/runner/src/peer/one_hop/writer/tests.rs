@@ -126,6 +126,9 @@ enum Heard {
 /// The tests' quiet period (ns).
 const QUIET: u64 = 1_000_000;
 
+/// The tests' longest chunk deferral (ns).
+const DEFERRAL: u64 = 3_000_000;
+
 /// Steps `stream` once with `jobs`, a second after its last step (long
 /// past any quiet period the tests set); what it said and the passes it
 /// counted.
@@ -162,7 +165,7 @@ fn step_with(
 #[test]
 fn writes_without_a_lead_share_one_pass() {
     let setup = setup(1 << 10, u64::MAX);
-    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES, QUIET);
+    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES, QUIET, DEFERRAL);
     let jobs = vec![
         write(1, (2, 2), 100, 0, &setup),
         write(2, (1, 2), 200, 0, &setup),
@@ -182,7 +185,7 @@ fn writes_without_a_lead_share_one_pass() {
 fn new_writes_leads_go_before_older_writes_rest() {
     let setup = setup(1 << 10, u64::MAX);
     // A chunk holds one write's rest (two pages of two 16-byte spans).
-    let mut stream = Stream::new(64, 64, QUIET);
+    let mut stream = Stream::new(64, 64, QUIET, DEFERRAL);
     let (heard, passes) = step(
         &mut stream,
         vec![
@@ -218,7 +221,7 @@ fn new_writes_leads_go_before_older_writes_rest() {
 #[test]
 fn a_step_that_took_writes_copies_a_short_chunk() {
     let setup = setup(1 << 10, u64::MAX);
-    let mut stream = Stream::new(1 << 10, 32, QUIET);
+    let mut stream = Stream::new(1 << 10, 32, QUIET, DEFERRAL);
     let jobs = (1..=3)
         .map(|id| write(id, (1, 3), id * 100, 1, &setup))
         .collect();
@@ -250,7 +253,7 @@ fn a_step_that_took_writes_copies_a_short_chunk() {
 #[test]
 fn chunks_stay_short_until_arrivals_go_quiet() {
     let setup = setup(1 << 10, u64::MAX);
-    let mut stream = Stream::new(1 << 10, 16, QUIET);
+    let mut stream = Stream::new(1 << 10, 16, QUIET, DEFERRAL);
     let jobs = (1..=3)
         .map(|id| write(id, (1, 2), id * 100, 0, &setup))
         .collect();
@@ -284,23 +287,52 @@ fn chunks_stay_short_until_arrivals_go_quiet() {
 }
 
 /// Writes queued behind a step's lead pass have their leads copied
-/// before its chunk, once: the step after copies its chunk whatever is
-/// queued, so the rest never starves.
+/// before its chunk, step after step, for at most the deferral bound in a
+/// row: then the chunk is copied whatever is queued, so the rest never
+/// starves, and the bound starts afresh.
 #[test]
-fn queued_writes_leads_go_before_a_chunk_once() {
+fn queued_writes_leads_go_before_a_chunk_for_a_bounded_time() {
     let setup = setup(1 << 10, u64::MAX);
-    let mut stream = Stream::new(1 << 10, 1 << 10, QUIET);
+    let mut stream = Stream::new(1 << 10, 1 << 10, QUIET, DEFERRAL);
+    let queued = &mut || true;
     let first = vec![write(1, (1, 2), 100, 1, &setup)];
-    let (heard, _) = step_with(&mut stream, first, 0, &mut || true);
+    let (heard, _) = step_with(&mut stream, first, 0, queued);
     assert_eq!(heard, [Heard::Lead(1)], "chunk deferred");
     let second = vec![write(2, (1, 2), 200, 1, &setup)];
-    let (heard, _) = step_with(&mut stream, second, 1, &mut || true);
+    let (heard, _) = step_with(&mut stream, second, DEFERRAL - 1, queued);
+    assert_eq!(heard, [Heard::Lead(2)], "deferred again, within the bound");
+    let third = vec![write(3, (1, 2), 300, 1, &setup)];
+    let (heard, _) = step_with(&mut stream, third, DEFERRAL, queued);
     assert_eq!(
         heard,
-        [Heard::Lead(2), Heard::Done(1, true), Heard::Done(2, true)],
-        "deferred once, then copied though more are queued"
+        [
+            Heard::Lead(3),
+            Heard::Done(1, true),
+            Heard::Done(2, true),
+            Heard::Done(3, true)
+        ],
+        "at the bound the chunk goes though more are queued"
     );
-    assert_eq!(setup.1.passes(), [vec![100], vec![200], vec![101, 201]]);
+    let fourth = vec![write(4, (1, 2), 400, 1, &setup)];
+    let (heard, _) = step_with(&mut stream, fourth, DEFERRAL + 1, queued);
+    assert_eq!(heard, [Heard::Lead(4)], "the bound starts afresh");
+    let (heard, _) = step_with(&mut stream, Vec::new(), DEFERRAL + 2, &mut || false);
+    assert_eq!(
+        heard,
+        [Heard::Done(4, true)],
+        "nothing queued: the chunk goes"
+    );
+    assert_eq!(
+        setup.1.passes(),
+        [
+            vec![100],
+            vec![200],
+            vec![300],
+            vec![101, 201, 301],
+            vec![400],
+            vec![401]
+        ]
+    );
 }
 
 /// A failed lead pass reports no lead (the bytes are unknown): each
@@ -309,7 +341,7 @@ fn queued_writes_leads_go_before_a_chunk_once() {
 #[test]
 fn a_failed_lead_pass_reports_no_lead() {
     let setup = setup(1 << 10, 100);
-    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES, QUIET);
+    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES, QUIET, DEFERRAL);
     let (heard, _) = step(
         &mut stream,
         vec![
@@ -327,7 +359,7 @@ fn a_failed_lead_pass_reports_no_lead() {
 #[test]
 fn a_failed_chunk_is_run_again_write_by_write() {
     let setup = setup(1 << 10, 301);
-    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES, QUIET);
+    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES, QUIET, DEFERRAL);
     let jobs = vec![
         write(1, (2, 2), 100, 0, &setup),
         write(2, (1, 2), 300, 0, &setup),
@@ -351,7 +383,7 @@ fn a_failed_chunk_is_run_again_write_by_write() {
 #[test]
 fn a_write_no_import_resolves_goes_alone() {
     let setup = setup(32, u64::MAX);
-    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES, QUIET);
+    let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES, QUIET, DEFERRAL);
     // Write 2's second page lies past the 32-byte extent.
     let jobs = vec![
         write(1, (1, 2), 100, 0, &setup),
