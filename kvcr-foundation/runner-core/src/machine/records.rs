@@ -74,12 +74,18 @@ impl Core {
 
     /// Slot `i` of a record.
     pub(in crate::machine) fn slot(&self, idx: u32, i: usize) -> Option<u32> {
-        match (self.record(idx)?.slots, i) {
-            (SlotList::One(a), 0) | (SlotList::Two(a, _), 0) => Some(a),
-            (SlotList::Two(_, b), 1) => Some(b),
-            (SlotList::Many, i) => self.many_slots.get(&idx)?.get(i).copied(),
-            _ => None,
-        }
+        self.slots(idx)?.as_slice().get(i).copied()
+    }
+
+    /// A record's slots in layout order, found once: a record of many
+    /// slots (a layer-first page: 128) is one map lookup, not one per
+    /// slot (that was most of a one-hop write's check at the source).
+    fn slots(&self, idx: u32) -> Option<Slots<'_>> {
+        Some(match self.record(idx)?.slots {
+            SlotList::One(a) => Slots::Inline([a, 0], 1),
+            SlotList::Two(a, b) => Slots::Inline([a, b], 2),
+            SlotList::Many => Slots::Many(self.many_slots.get(&idx)?),
+        })
     }
 
     /// All slots of a record, in layout order.
@@ -202,35 +208,52 @@ impl Core {
     /// The record's slots as copy sources (`src`, `len`): its element
     /// references resolved through the (bounds-checked) region table.
     pub(in crate::machine) fn slot_spans(&self, idx: u32) -> Vec<CopySpan> {
-        self.slot_refs(idx)
-            .into_iter()
-            .filter_map(|element| self.regions.resolve(element).ok())
-            .map(|span| CopySpan {
-                src: span.addr,
-                dst: 0,
-                len: span.len,
-            })
-            .collect()
+        let mut spans = Vec::with_capacity(self.layout_len(idx));
+        self.for_each_slot_ref(idx, |element| {
+            if let Ok(span) = self.regions.resolve(element) {
+                spans.push(CopySpan {
+                    src: span.addr,
+                    dst: 0,
+                    len: span.len,
+                });
+            }
+        });
+        spans
     }
 
     /// The record's slots as references into the runner-owned pool regions.
     pub(in crate::machine) fn slot_refs(&self, idx: u32) -> Vec<ElementRef> {
+        let mut refs = Vec::with_capacity(self.layout_len(idx));
+        self.for_each_slot_ref(idx, |element| refs.push(element));
+        refs
+    }
+
+    /// Spans in the record's layout.
+    fn layout_len(&self, idx: u32) -> usize {
+        self.record(idx)
+            .and_then(|r| self.layouts.get(r.layout as usize))
+            .map_or(0, Vec::len)
+    }
+
+    /// Calls `each` with the record's slots as references into the
+    /// runner-owned pool regions, in layout order (a slot whose pool is
+    /// unknown, or missing, is left out).
+    fn for_each_slot_ref(&self, idx: u32, mut each: impl FnMut(ElementRef)) {
         let Some(r) = self.record(idx) else {
-            return Vec::new();
+            return;
         };
-        let Some(pools) = self.layouts.get(r.layout as usize) else {
-            return Vec::new();
+        let (Some(pools), Some(slots)) = (self.layouts.get(r.layout as usize), self.slots(idx))
+        else {
+            return;
         };
-        pools
-            .iter()
-            .enumerate()
-            .filter_map(|(i, pool)| {
-                Some(ElementRef {
-                    region: self.pools.get(pool.0 as usize)?.region,
-                    index: u64::from(self.slot(idx, i)?),
-                })
-            })
-            .collect()
+        for (pool, slot) in pools.iter().zip(slots.as_slice()) {
+            if let Some(pool) = self.pools.get(pool.0 as usize) {
+                each(ElementRef {
+                    region: pool.region,
+                    index: u64::from(*slot),
+                });
+            }
+        }
     }
 
     /// Address and length of a runner-owned element, bounds-checked.
@@ -369,5 +392,20 @@ impl Core {
             self.unclaim(record);
         }
         self.check_pressure();
+    }
+}
+
+/// A record's slots, borrowed: inline ones copied out, many ones in place.
+enum Slots<'a> {
+    Inline([u32; 2], usize),
+    Many(&'a [u32]),
+}
+
+impl Slots<'_> {
+    fn as_slice(&self) -> &[u32] {
+        match self {
+            Slots::Inline(slots, n) => slots.get(..*n).unwrap_or_default(),
+            Slots::Many(slots) => slots,
+        }
     }
 }
