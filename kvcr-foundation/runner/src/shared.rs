@@ -143,6 +143,21 @@ impl Shared {
         out
     }
 
+    /// [`Self::with_core_now`] if the lock is free now; `None` (and `f` not
+    /// run) if another thread holds it. For the peer thread's own
+    /// bookkeeping (its nap, its tick): blocked there, it lost the lock to
+    /// a caller delivering a restore in back-to-back parts for 15 ms on the
+    /// H100 host (its wake-up came after each release had been retaken),
+    /// and held every part's `start_write` until the last.
+    pub(crate) fn try_with_core_now<T>(&self, f: impl FnOnce(&mut Core, u64) -> T) -> Option<T> {
+        let now = self.now();
+        let mut inner = self.try_lock()?;
+        let out = f(&mut inner.core, now);
+        let completed = self.pump(&mut inner);
+        self.notify_unlocked(inner, completed);
+        Some(out)
+    }
+
     /// Called from inside a device copier's call: copy job `job`'s lead
     /// spans have landed.
     pub(crate) fn copy_lead_landed(&self, job: JobId) {

@@ -245,10 +245,11 @@ impl State {
             self.one_hop.flush();
             // At most every millisecond while busy; at once when a sleep
             // ended at the core's deadline (so a due deadline never spins).
-            if deadline_due || last_tick.elapsed() >= TICK {
+            // Taken only if the core's lock is free (see `tick`); a tick
+            // that finds it held is due again next turn.
+            if (deadline_due || last_tick.elapsed() >= TICK) && self.tick(shared) {
                 deadline_due = false;
                 last_tick = Instant::now();
-                self.tick(shared);
             }
         }
     }
@@ -275,11 +276,13 @@ impl State {
 
     /// The core's tick (deadlines); our doorbell forgets the operations
     /// that ended without a reply; a stall of this process is recovered
-    /// from.
-    fn tick(&mut self, shared: &Arc<Shared>) {
+    /// from. Only if the core's lock is free now (`false` otherwise): the
+    /// thread holding it hands us work, which a turn blocked here would
+    /// leave unsent (see [`Shared::try_with_core_now`]).
+    fn tick(&mut self, shared: &Arc<Shared>) -> bool {
         self.expire_unproven(shared);
         let doorbell = &mut self.doorbell;
-        let stall = shared.with_core_now(|core, now| {
+        let ticked = shared.try_with_core_now(|core, now| {
             core.handle_tick(now);
             // Operations that ended without a reply (deadlines).
             doorbell.retain(|op| core.peer_awaits_reply(op));
@@ -288,9 +291,12 @@ impl State {
                 drained: core.peer_stall_drained(now),
             })
         });
-        if let Some(stall) = stall {
-            self.recover_from_stall(shared, stall);
+        match ticked {
+            Some(Some(stall)) => self.recover_from_stall(shared, stall),
+            Some(None) => {}
+            None => return false,
         }
+        true
     }
 
     /// After a stall of this process past an operation timeout (stopped,
@@ -361,11 +367,16 @@ impl State {
             Ok(false) | Err(_) => false,
         };
         let efd = self.efd.as_ref().filter(|_| armed);
-        let nap = shared.with_core_now(|core, now| {
-            core.peer_wake_at()
-                .map_or(cap, |at| Duration::from_nanos(at.saturating_sub(now)))
-                .min(cap)
-        });
+        // Never blocked on the core's lock: a caller holding it is about to
+        // hand us work (its actions wake us), and a nap of a tick covers
+        // the deadline we could not read.
+        let nap = shared
+            .try_with_core_now(|core, now| {
+                core.peer_wake_at()
+                    .map_or(cap, |at| Duration::from_nanos(at.saturating_sub(now)))
+            })
+            .unwrap_or(BUSY_CORE_NAP)
+            .min(cap);
         tokio::select! {
             biased;
             ready = async {
@@ -631,6 +642,10 @@ const MAX_IDLE_NAP: Duration = Duration::from_secs(1);
 /// How long the idle peer thread naps between retries while its worker
 /// cannot be armed and progress finds nothing (see `sleep_on_events`).
 const UNARMABLE_NAP: Duration = Duration::from_millis(1);
+
+/// The nap when the core's lock was held as the thread went to sleep (its
+/// next deadline unread): a tick, after which it looks again.
+const BUSY_CORE_NAP: Duration = Duration::from_millis(1);
 
 /// How long the peer thread naps between progress rounds while a transfer is
 /// under way and nothing moved for `SPIN_BEFORE_NAP` (`CONTENDED_SPIN_BEFORE_NAP`
