@@ -1,26 +1,33 @@
-//! A pipelined restore's bookkeeping: one engine restore goes to the runner
-//! as several deliver operations ("parts") of at most
-//! [`RESTORE_PART_PAGES`] pages, in page order, and its events are the
-//! parts' results put back together.
+//! A pipelined restore's bookkeeping: one engine restore may go to the
+//! runner as several deliver operations ("parts") of at most
+//! [`DirectLinker::set_restore_part_pages`] pages, in page order, and its
+//! events are the parts' results put back together.
 //!
 //! Why parts: a deliver is one call under the runner's lock, and a peer's
 //! writes for it leave only after that call returns. One deliver of the
 //! seed's 1812 pages (232,000 elements) held the first `start_write` back
-//! ~6 ms on the H100 host (traced), while the source, which checks each
-//! write as it arrives, sat idle. In parts, the first writes leave after
-//! the first part's call and the source checks them while the later parts
-//! are still being granted.
+//! 6–11 ms on the H100 hosts (traced), while the source, which checks
+//! each write as it arrives, sat idle. In parts, the first writes can
+//! leave after the first part's call.
+//!
+//! Why not by default: on the one GPU lease that measured parts of 64,
+//! the destination's peer thread sent nothing until the last part was
+//! delivered (15 ms: it lost the core's lock to the back-to-back parts),
+//! and the first layer came later than whole (43–46 ms against 36). The
+//! peer thread no longer blocks on that lock for its own bookkeeping, but
+//! no GPU run has measured parts since; until one does, a restore is one
+//! part.
+//!
+//! [`DirectLinker::set_restore_part_pages`]: super::DirectLinker::set_restore_part_pages
 
 use std::num::NonZeroUsize;
 
 use kvcr_foundation::AttemptId;
 use kvcr_linker_contracts::{LinkerEvent, LoadTicket};
 
-/// Most pages one part of a restore delivers: 16 of the seed's one-hop
-/// writes (4 pages of 16 MiB each), about 0.2 ms of the runner's deliver.
-/// Small enough that the first writes leave early, large enough that a
-/// part's fixed costs (an operation, a lock, a pump) stay small.
-pub(crate) const RESTORE_PART_PAGES: NonZeroUsize = NonZeroUsize::new(64).unwrap();
+/// Most pages one part of a restore delivers unless set: all of them (one
+/// part; see the module's docs).
+pub(crate) const RESTORE_PART_PAGES: NonZeroUsize = NonZeroUsize::MAX;
 
 /// One engine restore in flight.
 #[derive(Debug)]
