@@ -145,10 +145,11 @@ impl Shared {
 
     /// [`Self::with_core_now`] if the lock is free now; `None` (and `f` not
     /// run) if another thread holds it. For the peer thread's own
-    /// bookkeeping (its nap, its tick): blocked there, it lost the lock to
-    /// a caller delivering a restore in back-to-back parts for 15 ms on the
-    /// H100 host (its wake-up came after each release had been retaken),
-    /// and held every part's `start_write` until the last.
+    /// bookkeeping (its nap, its tick), which must not hold up the work a
+    /// lock holder hands it: on an H100 host a peer thread sent none of a
+    /// restore's `start_write`s until the caller had delivered its last
+    /// part, 15 ms of back-to-back deliveries (traced; most likely it lost
+    /// the lock, each release retaken before the woken thread ran).
     pub(crate) fn try_with_core_now<T>(&self, f: impl FnOnce(&mut Core, u64) -> T) -> Option<T> {
         let now = self.now();
         let mut inner = self.try_lock()?;
