@@ -563,7 +563,7 @@ fn peek_waits(shared: &Shared, waits: &mut (bool, bool)) -> bool {
     match shared.try_lock() {
         Some(inner) => {
             *waits = (
-                inner.core.peer_transport_waits() > 0,
+                inner.core.peer_awaits_transport(),
                 inner.core.peer_busy().0 > 0,
             );
             true

@@ -12,13 +12,40 @@ impl Core {
     /// private memory over shared memory only when the destination
     /// progresses): those from sources that did not map our shared segments.
     pub fn peer_transport_waits(&self) -> usize {
-        self.peer.as_ref().map_or(0, |p| {
-            p.target
-                .ops
-                .values()
-                .filter(|o| !p.target.sources.get(&o.source).is_some_and(|s| s.one_copy))
-                .count()
-        })
+        self.transport_waiting_ops().count()
+    }
+
+    /// Whether any target operation's bytes may arrive through UCX
+    /// ([`Self::peer_transport_waits`] > 0, found sooner): the peer thread
+    /// asks on every turn, under the core's lock.
+    pub fn peer_awaits_transport(&self) -> bool {
+        self.transport_waiting_ops().next().is_some()
+    }
+
+    /// The target operations whose source did not map our shared segments.
+    /// A restore's hundreds of operations share a source or a few: each
+    /// source is looked up once per run of operations naming it, not once
+    /// per operation (a hash of its endpoint each, every turn of a busy
+    /// peer thread, was most of that thread's time under the lock, locally
+    /// profiled).
+    fn transport_waiting_ops(&self) -> impl Iterator<Item = &TargetOp> + '_ {
+        let peer = self.peer.as_ref();
+        let mut last: Option<(&ControlEndpoint, bool)> = None;
+        peer.into_iter()
+            .flat_map(|p| p.target.ops.values())
+            .filter(move |o| {
+                let one_copy = match last {
+                    Some((source, one_copy)) if *source == o.source => one_copy,
+                    _ => {
+                        let one_copy = peer
+                            .and_then(|p| p.target.sources.get(&o.source))
+                            .is_some_and(|s| s.one_copy);
+                        last = Some((&o.source, one_copy));
+                        one_copy
+                    }
+                };
+                !one_copy
+            })
     }
 
     /// Whether the peer side still has work that may touch memory.

@@ -178,6 +178,7 @@ fn an_idle_driver_wakes_for_stall_checks_and_deadlines_only() {
     let wake = target.peer_wake_at().unwrap();
     assert!(wake <= 1_000 + TIMEOUT, "the request's deadline: {wake}");
     assert_eq!(target.peer_transport_waits(), 1, "no one-copy ack yet");
+    assert!(target.peer_awaits_transport());
 }
 
 /// Metadata past the stated bounds is neither kept nor acknowledged nor
