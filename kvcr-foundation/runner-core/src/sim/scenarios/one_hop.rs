@@ -342,6 +342,34 @@ fn metadata_a_source_leaves_unacknowledged_is_resent_and_counted() {
     assert_eq!(target.peer_counters().metadata_resent, 3);
 }
 
+/// Whether the driver must progress UCX for a target's operations follows
+/// the source's ack: writes from a source that maps our segments (the
+/// one-hop route's, here) need nothing from our worker; a source that does
+/// not may be putting into us.
+#[rstest::rstest]
+#[case::maps_our_segments(true, false)]
+#[case::writes_through_ucx(false, true)]
+fn an_operation_awaits_ucx_only_from_a_source_that_does_not_map_us(
+    #[case] one_copy: bool,
+    #[case] awaits: bool,
+) {
+    let (mut target, _) = asking_target(1);
+    let ack = Body::TargetMetadataAck {
+        op_handle: None,
+        one_copy,
+        device: one_copy,
+    };
+    target.handle_message(1_000, from(SOURCE_PORT, 21, ack));
+    while target.poll_action().is_some() {}
+    assert_eq!(
+        target.peer_busy().0,
+        1,
+        "the deliver's write is outstanding"
+    );
+    assert_eq!(target.peer_awaits_transport(), awaits);
+    assert_eq!(target.peer_transport_waits(), usize::from(awaits));
+}
+
 /// A target advertises each exported device region once, in id order, up
 /// to what a source opens for one target; with more it advertises none, so
 /// every deliver takes two hops rather than some.
