@@ -425,6 +425,9 @@ pub struct Core {
     filling: HashMap<u32, u32>,
     layouts: Vec<Vec<PoolId>>,
     layout_ids: HashMap<Vec<PoolId>, u16>,
+    /// The layout `layout_of` found last: a restore's keys share one, and
+    /// comparing it beats hashing a 128-pool layout per key.
+    last_layout: Option<u16>,
     /// `framework_spans`' buffer for a key's pools, kept between calls.
     pool_scratch: Vec<PoolId>,
     queue_head: u32,
@@ -573,6 +576,7 @@ impl Core {
             filling: HashMap::new(),
             layouts: Vec::new(),
             layout_ids: HashMap::new(),
+            last_layout: None,
             pool_scratch: Vec::new(),
             queue_head: NIL,
             queue_tail: NIL,

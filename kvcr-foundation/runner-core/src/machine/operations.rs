@@ -31,8 +31,17 @@ impl Core {
     }
 
     pub(in crate::machine) fn layout_of(&mut self, pools: &[PoolId]) -> Result<u16> {
-        if let Some(id) = self.layout_ids.get(pools) {
-            return Ok(*id);
+        // Layouts are only ever added, so the last one found is still its id.
+        if let Some(id) = self.last_layout.filter(|id| {
+            self.layouts
+                .get(usize::from(*id))
+                .is_some_and(|l| l == pools)
+        }) {
+            return Ok(id);
+        }
+        if let Some(id) = self.layout_ids.get(pools).copied() {
+            self.last_layout = Some(id);
+            return Ok(id);
         }
         let id = u16::try_from(self.layouts.len()).map_err(|_| {
             runner_err(RunnerReason::Config {
@@ -42,6 +51,7 @@ impl Core {
         })?;
         self.layouts.push(pools.to_vec());
         self.layout_ids.insert(pools.to_vec(), id);
+        self.last_layout = Some(id);
         Ok(id)
     }
 
