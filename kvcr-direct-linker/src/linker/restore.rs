@@ -32,9 +32,9 @@ pub(crate) const RESTORE_PART_PAGES: NonZeroUsize = NonZeroUsize::MAX;
 /// One engine restore in flight.
 #[derive(Debug)]
 pub(super) struct Restore {
-    pub(super) attempt: AttemptId,
+    attempt: AttemptId,
     /// Pages the engine asked for (every part's, and any that never went).
-    pub(super) pages: u32,
+    pages: u32,
     /// The parts in page order.
     parts: Vec<Part>,
     /// The first layer was reported (at most once).
@@ -86,16 +86,14 @@ impl Restore {
         part: usize,
         landed: u32,
     ) -> Option<LinkerEvent> {
-        let part = self.parts.get_mut(part)?;
-        part.first_layer = Some(landed.min(part.pages));
-        if self.first_layer_said || self.parts.iter().any(|p| p.first_layer.is_none()) {
+        let pages = self.record(part, landed, |p| &mut p.first_layer)?;
+        if std::mem::replace(&mut self.first_layer_said, true) {
             return None;
         }
-        self.first_layer_said = true;
         Some(LinkerEvent::FirstLayerLanded {
             attempt: self.attempt.clone(),
             ticket,
-            pages: leading(self.parts.iter().map(|p| (p.first_layer, p.pages))),
+            pages,
         })
     }
 
@@ -109,26 +107,41 @@ impl Restore {
         part: usize,
         restored: u32,
     ) -> Option<LinkerEvent> {
-        let part = self.parts.get_mut(part)?;
-        part.restored = Some(restored.min(part.pages));
-        if self.parts.iter().any(|p| p.restored.is_none()) {
-            return None;
-        }
+        let restored = self.record(part, restored, |p| &mut p.restored)?;
         Some(LinkerEvent::RestoreDone {
             attempt: self.attempt.clone(),
             ticket,
-            restored: leading(self.parts.iter().map(|p| (p.restored, p.pages))).min(self.pages),
+            restored: restored.min(self.pages),
             pages: self.pages,
         })
+    }
+
+    /// Keeps `count` (at most the part's pages) in part `part`'s `field`;
+    /// once every part has one, the leading pages across parts.
+    fn record(
+        &mut self,
+        part: usize,
+        count: u32,
+        field: fn(&mut Part) -> &mut Option<u32>,
+    ) -> Option<u32> {
+        let part = self.parts.get_mut(part)?;
+        let pages = part.pages;
+        *field(part) = Some(count.min(pages));
+        if self.parts.iter_mut().any(|p| field(p).is_none()) {
+            return None;
+        }
+        Some(leading(self.parts.iter_mut().map(|p| {
+            let pages = p.pages;
+            (field(p).unwrap_or(0), pages)
+        })))
     }
 }
 
 /// Leading pages across parts given each part's `(count, pages)`: parts
 /// are summed up to and including the first that is short of its pages.
-fn leading(parts: impl Iterator<Item = (Option<u32>, u32)>) -> u32 {
+fn leading(parts: impl Iterator<Item = (u32, u32)>) -> u32 {
     let mut total = 0u32;
     for (count, pages) in parts {
-        let count = count.unwrap_or(0);
         total = total.saturating_add(count);
         if count < pages {
             break;

@@ -136,11 +136,7 @@ impl Shared {
     /// Runs `f` on the core under the lock with the current time, then pumps.
     pub(crate) fn with_core_now<T>(&self, f: impl FnOnce(&mut Core, u64) -> T) -> T {
         let now = self.now();
-        let mut inner = self.lock();
-        let out = f(&mut inner.core, now);
-        let completed = self.pump(&mut inner);
-        self.notify_unlocked(inner, completed);
-        out
+        self.run_locked(self.lock(), now, f)
     }
 
     /// [`Self::with_core_now`] if the lock is free now; `None` (and `f` not
@@ -152,11 +148,21 @@ impl Shared {
     /// the lock, each release retaken before the woken thread ran).
     pub(crate) fn try_with_core_now<T>(&self, f: impl FnOnce(&mut Core, u64) -> T) -> Option<T> {
         let now = self.now();
-        let mut inner = self.try_lock()?;
+        Some(self.run_locked(self.try_lock()?, now, f))
+    }
+
+    /// Runs `f` on the core held by `inner` at `now`, pumps its actions,
+    /// then releases the lock (and wakes waiters if anything completed).
+    fn run_locked<T>(
+        &self,
+        mut inner: MutexGuard<'_, Inner>,
+        now: u64,
+        f: impl FnOnce(&mut Core, u64) -> T,
+    ) -> T {
         let out = f(&mut inner.core, now);
         let completed = self.pump(&mut inner);
         self.notify_unlocked(inner, completed);
-        Some(out)
+        out
     }
 
     /// Called from inside a device copier's call: copy job `job`'s lead

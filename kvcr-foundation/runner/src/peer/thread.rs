@@ -304,10 +304,11 @@ impl State {
                 drained: core.peer_stall_drained(now),
             })
         });
-        match ticked {
-            Some(Some(stall)) => self.recover_from_stall(shared, stall),
-            Some(None) => {}
-            None => return false,
+        let Some(stall) = ticked else {
+            return false;
+        };
+        if let Some(stall) = stall {
+            self.recover_from_stall(shared, stall);
         }
         true
     }
