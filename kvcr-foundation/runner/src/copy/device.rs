@@ -39,6 +39,10 @@ pub trait DeviceImport: Send + Sync {
     /// (one pass over several imports); `None` outside the extent, or where
     /// the import cannot be addressed so (then [`DeviceImport::copy_into`]
     /// serves). Default: `None`.
+    ///
+    /// An import that can be addressed maps its whole extent in one piece:
+    /// the runner asks once, for the whole extent (`resolve(0, len())`),
+    /// and takes byte `offset` to be at that address plus `offset`.
     fn resolve(&self, offset: u64, len: u64) -> Option<u64> {
         let _ = (offset, len);
         None

@@ -33,6 +33,25 @@ pub(super) use self::writer::OneHopWriter;
 pub(super) struct DeviceRoute {
     base: u64,
     import: Arc<dyn DeviceImport>,
+    /// Bytes of the import's extent, asked once.
+    len: u64,
+    /// Where the extent begins in our device address space, when the
+    /// import can be addressed so ([`DeviceImport::resolve`]): a write's
+    /// copies are then planned as addresses and join the writer's passes.
+    address: Option<u64>,
+}
+
+impl DeviceRoute {
+    fn new(base: u64, import: Arc<dyn DeviceImport>) -> Self {
+        let len = import.len();
+        let address = import.resolve(0, len);
+        Self {
+            base,
+            import,
+            len,
+            address,
+        }
+    }
 }
 
 /// A target's opened device regions, sorted by id; a write's copies name
@@ -120,12 +139,23 @@ type Copy = (usize, CopySpan);
 /// A write's copies, page by page, each page's in layout order.
 type Copies = Vec<Vec<Copy>>;
 
+/// A one-hop write's copies, page by page, each page's in layout order.
+enum Pages {
+    /// Every destination an address in our device address space (each
+    /// import addressed its extent): the writer's passes take them as they
+    /// are.
+    Addressed(Vec<Vec<CopySpan>>),
+    /// Destinations as offsets into the regions at their positions: run
+    /// import by import ([`DeviceImport::copy_into`]).
+    ByRegion(Copies),
+}
+
 /// A one-hop write the writer runs.
 struct Job {
     write: u64,
-    /// The regions `copies` name, held open until the write is done.
+    /// The regions `pages` name, held open until the write is done.
     routes: Arc<DeviceRoutes>,
-    copies: Copies,
+    pages: Pages,
     /// The copier that opened the copies' imports.
     copier: Arc<dyn DeviceCopier>,
     /// Leading spans per page whose landing the core hears of ahead of the
@@ -161,13 +191,7 @@ impl State {
                 Ok(import) if import.len() >= extent => {
                     let open = Arc::clone(&self.control.stats.device_imports_open);
                     let import: Arc<dyn DeviceImport> = Arc::new(CountedImport::new(import, open));
-                    opened.push((
-                        region.id,
-                        DeviceRoute {
-                            base: region.base,
-                            import,
-                        },
-                    ));
+                    opened.push((region.id, DeviceRoute::new(region.base, import)));
                 }
                 Ok(_) => {
                     eprintln!("kvcr: no one-hop route to {peer}: an import is short");
@@ -186,9 +210,10 @@ impl State {
     }
 
     /// A one-hop write the core asked for: each span's destination turned
-    /// into an offset in its region's import (the core checked it against
-    /// the advert; the import checks it against the export again), copied
-    /// on the writer's thread.
+    /// into an address in its region's import (the core checked it against
+    /// the advert; the plan checks it against the import's extent, and the
+    /// copier against every open import again), copied on the writer's
+    /// thread.
     pub(super) fn write_device(
         &mut self,
         shared: &Arc<Shared>,
@@ -198,16 +223,16 @@ impl State {
         lead: usize,
     ) {
         let plan = route.and_then(|route| {
-            let copies = device_plan(&route.device, spans)?;
-            Some((Arc::clone(&route.device), copies))
+            let pages = device_plan(&route.device, spans)?;
+            Some((Arc::clone(&route.device), pages))
         });
         let copier: Option<Arc<dyn DeviceCopier>> = shared.lock().device.clone();
         let queued = match (plan, copier) {
-            (Some((routes, copies)), Some(copier)) => {
+            (Some((routes, pages)), Some(copier)) => {
                 let job = Job {
                     write,
                     routes,
-                    copies,
+                    pages,
                     copier,
                     lead,
                 };
@@ -224,24 +249,66 @@ impl State {
 }
 
 /// The copies of a one-hop write, page by page: `src` in our pool, `dst`
-/// the offset from the region's base. A page ends where a region recurs
-/// (a page names each of its elements' regions once, in layout order),
-/// found with one bit per opened region. `None` if a span names a region
-/// this route did not open, or lies before its base.
-fn device_plan(opened: &DeviceRoutes, spans: &[PutSpan]) -> Option<Copies> {
+/// an address where every region of the route was addressed, else the
+/// offset from the region's base. A page ends where a region recurs (a
+/// page names each of its elements' regions once, in layout order), found
+/// with one bit per opened region. `None` if a span names a region this
+/// route did not open, or lies outside its region's import.
+fn device_plan(opened: &DeviceRoutes, spans: &[PutSpan]) -> Option<Pages> {
+    if opened
+        .regions
+        .iter()
+        .all(|(_, route)| route.address.is_some())
+    {
+        let pages = cut_pages(opened, spans, |_, route, offset, span| {
+            Some(CopySpan {
+                src: span.local,
+                dst: route.address?.checked_add(offset)?,
+                len: span.len,
+            })
+        })?;
+        return Some(Pages::Addressed(pages));
+    }
+    let pages = cut_pages(opened, spans, |position, _, offset, span| {
+        Some((
+            position,
+            CopySpan {
+                src: span.local,
+                dst: offset,
+                len: span.len,
+            },
+        ))
+    })?;
+    Some(Pages::ByRegion(pages))
+}
+
+/// `spans` cut into pages, each span made a copy by `copy` (given its
+/// region's position and route, and its offset into the region, checked
+/// to lie inside the import's extent); see [`device_plan`].
+fn cut_pages<T>(
+    opened: &DeviceRoutes,
+    spans: &[PutSpan],
+    copy: impl Fn(usize, &DeviceRoute, u64, &PutSpan) -> Option<T>,
+) -> Option<Vec<Vec<T>>> {
     let mut in_page = vec![0u64; opened.regions.len().div_ceil(64)];
     let bit = |position: usize| (position / 64, 1u64 << (position % 64));
-    let mut pages: Copies = Vec::new();
-    let mut page: Vec<Copy> = Vec::new();
+    let mut pages: Vec<Vec<T>> = Vec::new();
+    let mut page: Vec<T> = Vec::new();
+    // The positions of this page's spans, to clear their bits at its end.
+    let mut page_positions: Vec<usize> = Vec::new();
     let mut last = None;
     for span in spans {
         let position = opened.position_after(span.region, last)?;
         last = Some(position);
-        let dst = span.remote.checked_sub(opened.at(position)?.base)?;
+        let route = opened.at(position)?;
+        let offset = span.remote.checked_sub(route.base)?;
+        if offset.checked_add(span.len)? > route.len {
+            return None;
+        }
         let (word, mask) = bit(position);
         if in_page.get(word).is_some_and(|w| w & mask != 0) {
-            for (seen, _) in &page {
-                let (word, mask) = bit(*seen);
+            for seen in page_positions.drain(..) {
+                let (word, mask) = bit(seen);
                 if let Some(w) = in_page.get_mut(word) {
                     *w &= !mask;
                 }
@@ -253,14 +320,8 @@ fn device_plan(opened: &DeviceRoutes, spans: &[PutSpan]) -> Option<Copies> {
         if let Some(w) = in_page.get_mut(word) {
             *w |= mask;
         }
-        page.push((
-            position,
-            CopySpan {
-                src: span.local,
-                dst,
-                len: span.len,
-            },
-        ));
+        page_positions.push(position);
+        page.push(copy(position, route, offset, span)?);
     }
     if !page.is_empty() {
         pages.push(page);
@@ -272,29 +333,53 @@ fn device_plan(opened: &DeviceRoutes, spans: &[PutSpan]) -> Option<Copies> {
 mod tests {
     use super::*;
 
-    /// An import that takes any offset below `len`.
-    struct Extent(u64);
+    /// An import of `len` bytes, addressed at `at` if it is `Some`.
+    struct Extent {
+        len: u64,
+        at: Option<u64>,
+    }
 
     impl DeviceImport for Extent {
         fn len(&self) -> u64 {
-            self.0
+            self.len
         }
         fn copy_into(&self, _: &[&[CopySpan]]) -> crate::error::Result<()> {
             Ok(())
         }
+        fn resolve(&self, offset: u64, len: u64) -> Option<u64> {
+            (offset.checked_add(len)? <= self.len).then_some(self.at? + offset)
+        }
     }
 
     /// Regions 7, 3 and 5 (opened in that order), region `r` based at
-    /// `r << 20`.
-    fn routes() -> DeviceRoutes {
+    /// `r << 20`, its import 1 MiB long (at address `r << 40` if
+    /// `addressed`).
+    fn routes_of(addressed: bool) -> DeviceRoutes {
         let region = |id: u32| {
-            let route = DeviceRoute {
-                base: u64::from(id) << 20,
-                import: Arc::new(Extent(1 << 20)),
+            let import = Extent {
+                len: 1 << 20,
+                at: addressed.then_some(u64::from(id) << 40),
             };
+            let route = DeviceRoute::new(u64::from(id) << 20, Arc::new(import));
             (RegionId(id), route)
         };
         DeviceRoutes::new(vec![region(7), region(3), region(5)]).unwrap()
+    }
+
+    /// [`routes_of`], not addressed.
+    fn routes() -> DeviceRoutes {
+        routes_of(false)
+    }
+
+    /// A plan's pages, by region: each copy's position and offset.
+    fn by_region(pages: Pages) -> Vec<Vec<(usize, u64)>> {
+        let Pages::ByRegion(pages) = pages else {
+            panic!("the imports were not addressed: a plan by region");
+        };
+        pages
+            .iter()
+            .map(|p| p.iter().map(|(at, s)| (*at, s.dst)).collect())
+            .collect()
     }
 
     fn span(region: u32, offset: u64) -> PutSpan {
@@ -319,11 +404,7 @@ mod tests {
             span(5, 16),
             span(3, 32),
         ];
-        let pages = device_plan(&routes(), &spans).unwrap();
-        let shape: Vec<Vec<(usize, u64)>> = pages
-            .iter()
-            .map(|p| p.iter().map(|(at, s)| (*at, s.dst)).collect())
-            .collect();
+        let shape = by_region(device_plan(&routes(), &spans).unwrap());
         // Sorted by id, regions 3, 5 and 7 are positions 0, 1 and 2.
         assert_eq!(
             shape,
@@ -344,12 +425,34 @@ mod tests {
         below.remote = (5 << 20) - 16;
         assert!(device_plan(&routes(), &[below]).is_none());
         let twice = |id: u32| {
-            let route = DeviceRoute {
-                base: 0,
-                import: Arc::new(Extent(16)),
-            };
-            (RegionId(id), route)
+            let import = Extent { len: 16, at: None };
+            (RegionId(id), DeviceRoute::new(0, Arc::new(import)))
         };
         assert!(DeviceRoutes::new(vec![twice(1), twice(2), twice(1)]).is_none());
+    }
+
+    /// Where every import is addressed, each copy lands at its import's
+    /// address plus its offset, pages cut as by region.
+    #[test]
+    fn an_addressed_plan_names_addresses() {
+        let spans = [span(3, 0), span(7, 16), span(3, 32)];
+        let Some(Pages::Addressed(pages)) = device_plan(&routes_of(true), &spans) else {
+            panic!("every import was addressed");
+        };
+        let dsts: Vec<Vec<u64>> = pages
+            .iter()
+            .map(|p| p.iter().map(|s| s.dst).collect())
+            .collect();
+        assert_eq!(dsts, [vec![3 << 40, (7 << 40) + 16], vec![(3 << 40) + 32]]);
+    }
+
+    /// A span reaching past its region's import makes no plan, addressed
+    /// or not: the write fails before anything is queued.
+    #[rstest::rstest]
+    fn a_span_past_the_import_makes_no_plan(#[values(false, true)] addressed: bool) {
+        let mut past = span(5, (1 << 20) - 16);
+        assert!(device_plan(&routes_of(addressed), &[past]).is_some());
+        past.len = 32;
+        assert!(device_plan(&routes_of(addressed), &[past]).is_none());
     }
 }

@@ -19,7 +19,7 @@ use std::thread::JoinHandle;
 use kvcr_runner_core::CopySpan;
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::Job;
+use super::{Copies, DeviceRoutes, Job, Pages};
 use crate::copy::device::DeviceCopier;
 
 /// Most bytes one pass over the writes' remaining spans copies when no
@@ -246,14 +246,21 @@ struct Said<'a> {
 /// still to copy. It holds its job, and with it its imports, open.
 struct Streamed {
     job: Job,
-    /// The write's pages, every destination resolved to an address.
-    pages: Vec<Vec<CopySpan>>,
 }
 
 impl Streamed {
+    /// The write's pages, every destination an address (only such a write
+    /// streams).
+    fn pages(&self) -> &[Vec<CopySpan>] {
+        match &self.job.pages {
+            Pages::Addressed(pages) => pages,
+            Pages::ByRegion(_) => &[],
+        }
+    }
+
     /// Each page's lead spans and the spans after them.
     fn split(&self) -> impl Iterator<Item = (&[CopySpan], &[CopySpan])> {
-        self.pages
+        self.pages()
             .iter()
             .map(|p| p.split_at(self.job.lead.min(p.len())))
     }
@@ -353,19 +360,20 @@ impl Stream {
     }
 
     /// Newly arrived `jobs` join the stream, their leads copied. A write
-    /// that cannot stream (an import that does not resolve its spans, or
-    /// another copier than the stream's) is run whole, alone.
+    /// that cannot stream (imports not addressed, or another copier than
+    /// the stream's) is run whole, alone.
     fn take(&mut self, jobs: Vec<Job>, said: &mut Said<'_>) {
         let mut arrived = Vec::new();
         for job in jobs {
             let joins = self.copier().is_none_or(|c| Arc::ptr_eq(c, &job.copier));
-            match resolve(&job) {
-                Some(pages) if joins => arrived.push(Streamed { job, pages }),
-                pages => {
-                    let ok = said.passes.run(|| match pages {
-                        Some(pages) => copy_pages(job.copier.as_ref(), &pages),
-                        None => copy_by_region(&job),
-                    });
+            match &job.pages {
+                Pages::Addressed(_) if joins => arrived.push(Streamed { job }),
+                Pages::Addressed(pages) => {
+                    let ok = said.passes.run(|| copy_pages(job.copier.as_ref(), pages));
+                    (said.done)(job.write, ok);
+                }
+                Pages::ByRegion(copies) => {
+                    let ok = said.passes.run(|| copy_by_region(&job.routes, copies));
                     (said.done)(job.write, ok);
                 }
             }
@@ -397,7 +405,7 @@ impl Stream {
                 (said.lead)(streamed.job.write);
                 self.rest.push_back(streamed);
             } else {
-                let ok = copy_pages(streamed.job.copier.as_ref(), &streamed.pages);
+                let ok = copy_pages(streamed.job.copier.as_ref(), streamed.pages());
                 (said.done)(streamed.job.write, ok);
             }
         }
@@ -437,27 +445,7 @@ impl Stream {
     }
 }
 
-/// A write's copies with each destination resolved to an address, page
-/// by page; `None` if an import cannot resolve one.
-fn resolve(job: &Job) -> Option<Vec<Vec<CopySpan>>> {
-    job.copies
-        .iter()
-        .map(|page| {
-            page.iter()
-                .map(|(position, s)| {
-                    let import = &job.routes.at(*position)?.import;
-                    import.resolve(s.dst, s.len).map(|dst| CopySpan {
-                        src: s.src,
-                        dst,
-                        len: s.len,
-                    })
-                })
-                .collect()
-        })
-        .collect()
-}
-
-/// One write's resolved pages in one pass: the copier issues span index i
+/// One write's addressed pages in one pass: the copier issues span index i
 /// of every page together (a layer-first page's first spans are layer 0's
 /// K and V, which so land first), as it does a job.
 fn copy_pages(copier: &dyn DeviceCopier, pages: &[Vec<CopySpan>]) -> bool {
@@ -465,18 +453,18 @@ fn copy_pages(copier: &dyn DeviceCopier, pages: &[Vec<CopySpan>]) -> bool {
     copier.copy_to_imports(&keys).is_ok()
 }
 
-/// One write whose imports cannot resolve its spans: import by import
-/// (one synchronisation per region).
-fn copy_by_region(job: &Job) -> bool {
+/// One write whose imports were not addressed, through `routes`: import by
+/// import (one synchronisation per region).
+fn copy_by_region(routes: &DeviceRoutes, copies: &Copies) -> bool {
     let mut by_region: Vec<(usize, Vec<CopySpan>)> = Vec::new();
-    for (position, span) in job.copies.iter().flatten() {
+    for (position, span) in copies.iter().flatten() {
         match by_region.iter_mut().find(|(p, _)| p == position) {
             Some((_, spans)) => spans.push(*span),
             None => by_region.push((*position, vec![*span])),
         }
     }
     by_region.iter().all(|(position, spans)| {
-        job.routes
+        routes
             .at(*position)
             .is_some_and(|route| route.import.copy_into(&[spans.as_slice()]).is_ok())
     })

@@ -11,9 +11,10 @@ use crate::copy::device::DeviceImport;
 use kvcr_contracts::protocol::RegionId;
 use kvcr_runner_core::PoolRange;
 
-/// An import whose extent starts at address `base`.
+/// An import whose extent starts at address `base` (`None`: it cannot be
+/// addressed, and is copied into by offset).
 struct Extent {
-    base: u64,
+    base: Option<u64>,
     len: u64,
 }
 
@@ -25,7 +26,7 @@ impl DeviceImport for Extent {
         Ok(())
     }
     fn resolve(&self, offset: u64, len: u64) -> Option<u64> {
-        (offset.checked_add(len)? <= self.len).then_some(self.base + offset)
+        (offset.checked_add(len)? <= self.len).then_some(self.base? + offset)
     }
 }
 
@@ -76,7 +77,10 @@ fn write(
     lead: usize,
     (import, copier): &(Arc<dyn DeviceImport>, Arc<Recorder>),
 ) -> Job {
-    let copies = (0..pages)
+    let route = DeviceRoute::new(0, Arc::clone(import));
+    // As the plan names them: addresses where the import has one.
+    let at = route.address;
+    let copies: Copies = (0..pages)
         .map(|p| {
             (0..spans)
                 .map(|i| {
@@ -92,14 +96,26 @@ fn write(
                 .collect()
         })
         .collect();
-    let route = DeviceRoute {
-        base: 0,
-        import: Arc::clone(import),
+    let pages = match at {
+        Some(at) => Pages::Addressed(
+            copies
+                .iter()
+                .map(|page| {
+                    page.iter()
+                        .map(|(_, s)| CopySpan {
+                            dst: at + s.dst,
+                            ..*s
+                        })
+                        .collect()
+                })
+                .collect(),
+        ),
+        None => Pages::ByRegion(copies),
     };
     Job {
         write: id,
         routes: Arc::new(DeviceRoutes::new(vec![(RegionId(0), route)]).unwrap()),
-        copies,
+        pages,
         copier: Arc::clone(copier) as Arc<dyn DeviceCopier>,
         lead,
     }
@@ -108,7 +124,12 @@ fn write(
 /// An import of `len` bytes at address 1 MiB, and a recording copier
 /// that refuses any pass reading source `poison`.
 fn setup(len: u64, poison: u64) -> (Arc<dyn DeviceImport>, Arc<Recorder>) {
-    let import: Arc<dyn DeviceImport> = Arc::new(Extent { base: 1 << 20, len });
+    setup_at(Some(1 << 20), len, poison)
+}
+
+/// [`setup`], the import at address `base` (`None`: not addressed).
+fn setup_at(base: Option<u64>, len: u64, poison: u64) -> (Arc<dyn DeviceImport>, Arc<Recorder>) {
+    let import: Arc<dyn DeviceImport> = Arc::new(Extent { base, len });
     let copier = Arc::new(Recorder {
         poison,
         ..Recorder::default()
@@ -378,16 +399,16 @@ fn a_failed_chunk_is_run_again_write_by_write() {
     assert_eq!(setup.1.passes().len(), 4);
 }
 
-/// A write whose spans its import cannot resolve runs alone, import by
-/// import, and never joins the stream's passes.
+/// A write through an import that cannot be addressed runs alone, import
+/// by import, and never joins the stream's passes.
 #[test]
-fn a_write_no_import_resolves_goes_alone() {
-    let setup = setup(32, u64::MAX);
+fn a_write_no_import_addresses_goes_alone() {
+    let setup = setup(1 << 10, u64::MAX);
+    let unaddressed = (setup_at(None, 1 << 10, u64::MAX).0, Arc::clone(&setup.1));
     let mut stream = Stream::new(CHUNK_BYTES, CHUNK_BYTES, QUIET, DEFERRAL);
-    // Write 2's second page lies past the 32-byte extent.
     let jobs = vec![
         write(1, (1, 2), 100, 0, &setup),
-        write(2, (2, 2), 200, 0, &setup),
+        write(2, (2, 2), 200, 0, &unaddressed),
     ];
     let (heard, _) = step(&mut stream, jobs);
     assert_eq!(heard, [Heard::Done(2, true), Heard::Done(1, true)]);
