@@ -209,6 +209,15 @@ impl Core {
     /// references resolved through the (bounds-checked) region table.
     pub(in crate::machine) fn slot_spans(&self, idx: u32) -> Vec<CopySpan> {
         let mut spans = Vec::with_capacity(self.layout_len(idx));
+        self.slot_spans_into(idx, &mut spans);
+        spans
+    }
+
+    /// [`Self::slot_spans`] into `spans`, emptied first: a write of many
+    /// keys reuses one buffer (a layer-first page's 128 spans were an
+    /// allocation and a free per key of each `start_write`).
+    pub(in crate::machine) fn slot_spans_into(&self, idx: u32, spans: &mut Vec<CopySpan>) {
+        spans.clear();
         self.for_each_slot_ref(idx, |element| {
             if let Ok(span) = self.regions.resolve(element) {
                 spans.push(CopySpan {
@@ -218,7 +227,15 @@ impl Core {
                 });
             }
         });
-        spans
+    }
+
+    /// How many spans [`Self::slot_spans`] gives, without building them.
+    pub(in crate::machine) fn slot_span_count(&self, idx: u32) -> usize {
+        let mut count = 0;
+        self.for_each_slot_ref(idx, |element| {
+            count += usize::from(self.regions.resolve(element).is_ok());
+        });
+        count
     }
 
     /// The record's slots as references into the runner-owned pool regions.

@@ -124,7 +124,7 @@ impl Core {
         let w = self.peer.as_ref()?.source.writes.get(&write)?;
         w.records
             .iter()
-            .map(|r| Some((self.slot_spans(*r).len(), self.record_digest(*r)?)))
+            .map(|r| Some((self.slot_span_count(*r), self.record_digest(*r)?)))
             .collect()
     }
 

@@ -317,6 +317,8 @@ impl Core {
         let mut indices = Vec::new();
         let mut bytes = 0;
         let mut bad_elements = 0u64;
+        // Each key's slots, in one buffer for the whole write.
+        let mut sources = Vec::new();
         for (i, (key, dests)) in keys.iter().zip(destinations).enumerate() {
             let scoped = ScopedKey {
                 namespace,
@@ -330,7 +332,7 @@ impl Core {
             else {
                 continue;
             };
-            let sources = self.slot_spans(record);
+            self.slot_spans_into(record, &mut sources);
             if let Some(device_regions) = device_write {
                 match device::device_puts(&sources, dests, device_regions, seen.as_mut(), &mut puts)
                 {
