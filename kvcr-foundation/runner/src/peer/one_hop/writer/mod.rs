@@ -5,8 +5,8 @@
 //! The schedule streams: each step first copies the lead spans (a
 //! layer-first page's layer 0) of every write that arrived since the last
 //! step, in one pass, and reports them landed; then it copies the rest of
-//! the oldest writes, at most [`CHUNK_BYTES`] in one pass, and reports
-//! those writes done. So a restore's first layer waits only for its writes
+//! the oldest writes, at most [`CHUNK_BYTES`] in one pass (a piece of the
+//! oldest one's, if that alone is more), and reports those writes done. So a restore's first layer waits only for its writes
 //! to arrive, not for the writes before them to finish, and the target
 //! hears completions (and checks and commits them) while later bytes are
 //! still crossing, rather than all at the end.
@@ -246,9 +246,18 @@ struct Said<'a> {
 /// still to copy. It holds its job, and with it its imports, open.
 struct Streamed {
     job: Job,
+    /// The first span index of each page not copied yet: the lead's end,
+    /// then past each piece of the rest ([`Stream::copy_piece`]).
+    next: usize,
 }
 
 impl Streamed {
+    /// A write that has just arrived: its rest starts after its lead.
+    fn new(job: Job) -> Self {
+        let next = job.lead;
+        Self { job, next }
+    }
+
     /// The write's pages, every destination an address (only such a write
     /// streams).
     fn pages(&self) -> &[Vec<CopySpan>] {
@@ -258,25 +267,43 @@ impl Streamed {
         }
     }
 
-    /// Each page's lead spans and the spans after them.
-    fn split(&self) -> impl Iterator<Item = (&[CopySpan], &[CopySpan])> {
+    /// Span indices `from .. to` of each page (those it has).
+    fn spans(&self, from: usize, to: usize) -> impl Iterator<Item = &[CopySpan]> {
         self.pages()
             .iter()
-            .map(|p| p.split_at(self.job.lead.min(p.len())))
+            .map(move |p| p.get(from.min(p.len())..to.min(p.len())).unwrap_or(&[]))
+            .filter(|p| !p.is_empty())
     }
 
     /// Each page's lead spans (none for a write that asked no lead).
     fn lead(&self) -> impl Iterator<Item = &[CopySpan]> {
-        self.split().map(|(lead, _)| lead).filter(|p| !p.is_empty())
+        self.spans(0, self.job.lead)
     }
 
-    /// Each page's spans after its lead.
+    /// Each page's spans not copied yet.
     fn rest(&self) -> impl Iterator<Item = &[CopySpan]> {
-        self.split().map(|(_, rest)| rest).filter(|p| !p.is_empty())
+        self.spans(self.next, usize::MAX)
     }
 
     fn rest_bytes(&self) -> u64 {
         self.rest().flatten().map(|s| s.len).sum()
+    }
+
+    /// How many span indices from `next` the next piece takes: as many as
+    /// fit in `bytes` across the pages, at least one.
+    fn piece_len(&self, bytes: u64) -> usize {
+        let longest = self.pages().iter().map(Vec::len).max().unwrap_or(0);
+        let mut taken = 0;
+        let mut piece = 0;
+        for index in self.next..longest {
+            let size: u64 = self.spans(index, index + 1).flatten().map(|s| s.len).sum();
+            if taken > 0 && piece + size > bytes {
+                break;
+            }
+            piece += size;
+            taken += 1;
+        }
+        taken
     }
 }
 
@@ -367,7 +394,7 @@ impl Stream {
         for job in jobs {
             let joins = self.copier().is_none_or(|c| Arc::ptr_eq(c, &job.copier));
             match &job.pages {
-                Pages::Addressed(_) if joins => arrived.push(Streamed { job }),
+                Pages::Addressed(_) if joins => arrived.push(Streamed::new(job)),
                 Pages::Addressed(pages) => {
                     let ok = said.passes.run(|| copy_pages(job.copier.as_ref(), pages));
                     (said.done)(job.write, ok);
@@ -411,21 +438,25 @@ impl Stream {
         }
     }
 
-    /// Copies the rest of the oldest writes, at most `chunk_bytes` (and at
-    /// least one write), in one pass, and reports them done. If the pass
-    /// fails, each is run again alone (its slots stay granted until we
-    /// report, and the bytes are the same), so one bad write never fails
-    /// another.
+    /// Copies the rest of the oldest writes, at most `chunk_bytes`, in one
+    /// pass, and reports them done; if the oldest write's rest alone is
+    /// more, a piece of it ([`Self::copy_piece`]). If the pass fails, each
+    /// is run again alone (its slots stay granted until we report, and the
+    /// bytes are the same), so one bad write never fails another.
     fn copy_chunk(&mut self, chunk_bytes: u64, said: &mut Said<'_>) {
         let mut bytes = 0;
         let mut taken = 0;
         for streamed in &self.rest {
             let size = streamed.rest_bytes();
-            if taken > 0 && bytes + size > chunk_bytes {
+            if bytes + size > chunk_bytes {
                 break;
             }
             bytes += size;
             taken += 1;
+        }
+        if taken == 0 {
+            self.copy_piece(chunk_bytes, said);
+            return;
         }
         let chunk: Vec<Streamed> = self.rest.drain(..taken).collect();
         let Some(copier) = chunk.first().map(|s| Arc::clone(&s.job.copier)) else {
@@ -441,6 +472,38 @@ impl Stream {
                 copier.copy_to_imports(&keys).is_ok()
             };
             (said.done)(streamed.job.write, ok);
+        }
+    }
+
+    /// The oldest write's rest is more than `chunk_bytes`: copies the next
+    /// span indices of its pages, as many as fit (at least one), in one
+    /// pass, and reports the write done after its last piece. A whole
+    /// write's rest is ~64 MiB, over a millisecond of the copy engines,
+    /// and a restore's later leads waited behind it (traced on an H100
+    /// host); a piece is a short chunk's time. A failed piece is run once
+    /// more alone (the same bytes, into slots still granted); failed
+    /// again, the write fails.
+    fn copy_piece(&mut self, chunk_bytes: u64, said: &mut Said<'_>) {
+        let Some(front) = self.rest.front() else {
+            return;
+        };
+        let (from, to) = (front.next, front.next + front.piece_len(chunk_bytes));
+        let keys: Vec<&[CopySpan]> = front.spans(from, to).collect();
+        let bytes = keys.iter().flat_map(|k| k.iter()).map(|s| s.len).sum();
+        let copier = Arc::clone(&front.job.copier);
+        crate::timeline::mark("chunk_pass", bytes);
+        let copied = said.passes.run(|| copier.copy_to_imports(&keys).is_ok())
+            || copier.copy_to_imports(&keys).is_ok();
+        crate::timeline::mark("chunk_pass_end", 1);
+        let finished = match self.rest.front_mut() {
+            Some(front) if copied => {
+                front.next = to;
+                front.rest_bytes() == 0
+            }
+            _ => true,
+        };
+        if finished && let Some(front) = self.rest.pop_front() {
+            (said.done)(front.job.write, copied);
         }
     }
 }

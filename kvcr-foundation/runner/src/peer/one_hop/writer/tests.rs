@@ -274,7 +274,8 @@ fn a_step_that_took_writes_copies_a_short_chunk() {
 #[test]
 fn chunks_stay_short_until_arrivals_go_quiet() {
     let setup = setup(1 << 10, u64::MAX);
-    let mut stream = Stream::new(1 << 10, 16, QUIET, DEFERRAL);
+    // A short chunk holds one write's rest (one page of two 16-byte spans).
+    let mut stream = Stream::new(1 << 10, 32, QUIET, DEFERRAL);
     let jobs = (1..=3)
         .map(|id| write(id, (1, 2), id * 100, 0, &setup))
         .collect();
@@ -304,6 +305,58 @@ fn chunks_stay_short_until_arrivals_go_quiet() {
         heard,
         [Heard::Done(7, true), Heard::Done(8, true)],
         "quiet: one long chunk takes the rest"
+    );
+}
+
+/// A write whose rest is more than a chunk goes in pieces of span indices
+/// across its pages, a lead that arrives meanwhile between them, and is
+/// done after its last piece.
+#[test]
+fn a_write_longer_than_a_chunk_goes_in_pieces() {
+    let setup = setup(1 << 10, u64::MAX);
+    // Short chunks of 32 bytes: one span index of a two-page write.
+    let mut stream = Stream::new(1 << 10, 32, QUIET, DEFERRAL);
+    let (heard, passes) = step(&mut stream, vec![write(1, (2, 4), 100, 1, &setup)]);
+    assert_eq!(
+        heard,
+        [Heard::Lead(1)],
+        "one piece copied, the write not done"
+    );
+    assert_eq!(passes, 2);
+    let (heard, _) = step(&mut stream, vec![write(2, (1, 2), 200, 1, &setup)]);
+    assert_eq!(heard, [Heard::Lead(2)], "a lead, then the next piece");
+    let (heard, _) = step(&mut stream, Vec::new());
+    assert_eq!(
+        heard,
+        [Heard::Done(1, true), Heard::Done(2, true)],
+        "quiet: a long chunk takes what is left of both"
+    );
+    assert!(stream.is_idle());
+    assert_eq!(
+        setup.1.passes(),
+        [
+            vec![100, 110],
+            vec![101, 111],
+            vec![200],
+            vec![102, 112],
+            vec![103, 113, 201]
+        ]
+    );
+}
+
+/// A piece whose pass fails is run once more alone; failed again, its
+/// write fails and leaves the stream.
+#[test]
+fn a_failed_piece_is_run_again_then_fails_its_write() {
+    let setup = setup(1 << 10, 111);
+    let mut stream = Stream::new(1 << 10, 32, QUIET, DEFERRAL);
+    let (heard, passes) = step(&mut stream, vec![write(1, (2, 4), 100, 1, &setup)]);
+    assert_eq!(heard, [Heard::Lead(1), Heard::Done(1, false)]);
+    assert_eq!(passes, 2, "the retry is not a pass of the stream");
+    assert!(stream.is_idle());
+    assert_eq!(
+        setup.1.passes(),
+        [vec![100, 110], vec![101, 111], vec![101, 111]]
     );
 }
 
