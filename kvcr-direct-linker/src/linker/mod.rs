@@ -239,11 +239,10 @@ impl DirectLinker {
         })
     }
 
-    /// Most pages one part of a pipelined restore delivers: with a bound,
+    /// Most pages one part of a pipelined restore delivers (default 64):
     /// [`Self::restore_hinted`] hands a restore to the runner in parts, so
     /// that a peer's first writes can leave while later parts are still
-    /// being granted. Unless set, a restore is one part (no GPU run has
-    /// yet shown parts faster; `BENCH-HISTORY.md`).
+    /// being granted. At least a restore's pages make it one part.
     pub fn set_restore_part_pages(&mut self, pages: NonZeroUsize) {
         self.restore_part_pages = pages;
     }
@@ -297,7 +296,7 @@ impl DirectLinker {
     /// the engine must not touch them until the restore is reported.
     ///
     /// The runner gets the restore in parts of at most
-    /// [`Self::set_restore_part_pages`] pages (one part unless set), each
+    /// [`Self::set_restore_part_pages`] pages (64 unless set), each
     /// delivered as soon as it is built; the engine sees one restore. If a later
     /// part cannot be handed to the runner, the parts before it still run
     /// and `RestoreDone` counts no page after them; only if the first

@@ -10,13 +10,14 @@
 //! each write as it arrives, sat idle. In parts, the first writes can
 //! leave after the first part's call.
 //!
-//! Why not by default: on the one GPU lease that measured parts of 64,
-//! the destination's peer thread sent nothing until the last part was
-//! delivered (15 ms: it lost the core's lock to the back-to-back parts),
-//! and the first layer came later than whole (43–46 ms against 36). The
-//! peer thread no longer blocks on that lock for its own bookkeeping, but
-//! no GPU run has measured parts since; until one does, a restore is one
-//! part.
+//! Why 64 pages: on the H100 lease that first measured parts of 64 after
+//! the peer thread stopped blocking on that lock, the seed's first layer
+//! came at 20.6 ms against 30.3 ms whole (the destination's writes left
+//! part by part from 0.4 ms on; `BENCH-HISTORY.md`). A part of 64 pages is
+//! 16 of the seed's `start_write`s and 0.3–0.4 ms of the core's time: small
+//! enough that the source starts early, large enough that a part's fixed
+//! costs stay small. [`DirectLinker::set_restore_part_pages`] with at
+//! least a restore's pages makes it one part.
 //!
 //! [`DirectLinker::set_restore_part_pages`]: super::DirectLinker::set_restore_part_pages
 
@@ -25,9 +26,9 @@ use std::num::NonZeroUsize;
 use kvcr_foundation::AttemptId;
 use kvcr_linker_contracts::{LinkerEvent, LoadTicket};
 
-/// Most pages one part of a restore delivers unless set: all of them (one
-/// part; see the module's docs).
-pub(crate) const RESTORE_PART_PAGES: NonZeroUsize = NonZeroUsize::MAX;
+/// Most pages one part of a restore delivers unless set (see the module's
+/// docs).
+pub(crate) const RESTORE_PART_PAGES: NonZeroUsize = NonZeroUsize::new(64).unwrap();
 
 /// One engine restore in flight.
 #[derive(Debug)]
