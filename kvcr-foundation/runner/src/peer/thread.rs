@@ -534,6 +534,7 @@ impl State {
         self.one_hop.flush();
         Ok(any)
     }
+
     /// Runs the queued commands (engine requests, the core's actions)
     /// without waiting, until none is left; `commands` counts them across
     /// the drain. `Ok(any ran)`, or `Err(leak)` to stop.

@@ -6,10 +6,11 @@
 //! layer-first page's layer 0) of every write that arrived since the last
 //! step, in one pass, and reports them landed; then it copies the rest of
 //! the oldest writes, at most [`CHUNK_BYTES`] in one pass (a piece of the
-//! oldest one's, if that alone is more), and reports those writes done. So a restore's first layer waits only for its writes
-//! to arrive, not for the writes before them to finish, and the target
-//! hears completions (and checks and commits them) while later bytes are
-//! still crossing, rather than all at the end.
+//! oldest one's, if that alone is more), and reports those writes done.
+//! So a restore's first layer waits only for its writes to arrive, not
+//! for the writes before them to finish, and the target hears completions
+//! (and checks and commits them) while later bytes are still crossing,
+//! rather than all at the end.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
