@@ -57,19 +57,31 @@ impl DeviceRoute {
 /// A target's opened device regions, sorted by id; a write's copies name
 /// them by position. The route shares them (`Arc`) with every write
 /// through it, so each import stays open until the last of those is gone.
+/// Drop order: the imports close before the copier's reference goes
+/// (fields drop in declaration order).
 #[derive(Default)]
 pub(super) struct DeviceRoutes {
     regions: Vec<(RegionId, DeviceRoute)>,
+    /// The copier that opened them: every write through them copies with
+    /// it (not whatever copier the runner holds when the write comes).
+    copier: Option<Arc<dyn DeviceCopier>>,
 }
 
 impl DeviceRoutes {
-    /// The regions, whatever order they come in; `None` if an id repeats.
-    fn new(mut regions: Vec<(RegionId, DeviceRoute)>) -> Option<Self> {
+    /// The regions `copier` opened, whatever order they come in; `None` if
+    /// an id repeats.
+    fn new(
+        mut regions: Vec<(RegionId, DeviceRoute)>,
+        copier: Arc<dyn DeviceCopier>,
+    ) -> Option<Self> {
         regions.sort_unstable_by_key(|(id, _)| *id);
         let repeated = regions
             .windows(2)
             .any(|w| w.first().map(|r| r.0) == w.last().map(|r| r.0));
-        (!repeated).then_some(Self { regions })
+        (!repeated).then_some(Self {
+            regions,
+            copier: Some(copier),
+        })
     }
 
     /// Whether no region was opened (no one-hop route).
@@ -203,7 +215,7 @@ impl State {
                 }
             }
         }
-        DeviceRoutes::new(opened).unwrap_or_else(|| {
+        DeviceRoutes::new(opened, copier).unwrap_or_else(|| {
             eprintln!("kvcr: no one-hop route to {peer}: a device region advertised twice");
             DeviceRoutes::default()
         })
@@ -222,13 +234,15 @@ impl State {
         spans: &[PutSpan],
         lead: usize,
     ) {
+        // The copier comes with the route (no lock of the core's state per
+        // write, on the path every one-hop write takes).
         let plan = route.and_then(|route| {
+            let copier = Arc::clone(route.device.copier.as_ref()?);
             let pages = device_plan(&route.device, spans)?;
-            Some((Arc::clone(&route.device), pages))
+            Some((Arc::clone(&route.device), pages, copier))
         });
-        let copier: Option<Arc<dyn DeviceCopier>> = shared.lock().device.clone();
-        let queued = match (plan, copier) {
-            (Some((routes, pages)), Some(copier)) => {
+        let queued = match plan {
+            Some((routes, pages, copier)) => {
                 let job = Job {
                     write,
                     routes,
@@ -239,7 +253,7 @@ impl State {
                 self.one_hop
                     .submit(job, &self.lane_done_tx, &self.leads_landed_tx)
             }
-            _ => false,
+            None => false,
         };
         if !queued {
             shared.with_core_now(|core, now| core.handle_put_done(now, write, false));
@@ -351,6 +365,19 @@ mod tests {
         }
     }
 
+    /// A copier the plan never calls.
+    struct Idle;
+
+    impl DeviceCopier for Idle {
+        fn attach(&self, _: &[kvcr_runner_core::PoolRange]) -> crate::error::Result<()> {
+            Ok(())
+        }
+        fn copy(&self, _: &[&[CopySpan]]) -> crate::error::Result<()> {
+            Ok(())
+        }
+        fn detach(&self, _: &[kvcr_runner_core::PoolRange]) {}
+    }
+
     /// Regions 7, 3 and 5 (opened in that order), region `r` based at
     /// `r << 20`, its import 1 MiB long (at address `r << 40` if
     /// `addressed`).
@@ -363,7 +390,7 @@ mod tests {
             let route = DeviceRoute::new(u64::from(id) << 20, Arc::new(import));
             (RegionId(id), route)
         };
-        DeviceRoutes::new(vec![region(7), region(3), region(5)]).unwrap()
+        DeviceRoutes::new(vec![region(7), region(3), region(5)], Arc::new(Idle)).unwrap()
     }
 
     /// [`routes_of`], not addressed.
@@ -428,7 +455,8 @@ mod tests {
             let import = Extent { len: 16, at: None };
             (RegionId(id), DeviceRoute::new(0, Arc::new(import)))
         };
-        assert!(DeviceRoutes::new(vec![twice(1), twice(2), twice(1)]).is_none());
+        let regions = vec![twice(1), twice(2), twice(1)];
+        assert!(DeviceRoutes::new(regions, Arc::new(Idle)).is_none());
     }
 
     /// Where every import is addressed, each copy lands at its import's

@@ -114,7 +114,9 @@ fn write(
     };
     Job {
         write: id,
-        routes: Arc::new(DeviceRoutes::new(vec![(RegionId(0), route)]).unwrap()),
+        routes: Arc::new(
+            DeviceRoutes::new(vec![(RegionId(0), route)], Arc::clone(copier) as _).unwrap(),
+        ),
         pages,
         copier: Arc::clone(copier) as Arc<dyn DeviceCopier>,
         lead,
