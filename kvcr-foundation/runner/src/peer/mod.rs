@@ -32,6 +32,7 @@ mod routes;
 mod setup;
 mod streams;
 mod thread;
+mod waits;
 mod writes;
 
 use std::collections::{HashMap, HashSet};
