@@ -219,6 +219,13 @@ pub struct PeerOptions {
     /// by one, so a hinted deliver moves the first pages on (to the GPU)
     /// while later ones are still crossing. 0: one write per source.
     pub write_batch_bytes: u64,
+    /// Bytes of pages a device deliver grants a same-host source in one
+    /// one-hop write (its pages straight into the GPU); `None` (the
+    /// default): as [`Self::write_batch_bytes`]. Each write costs both ends
+    /// a fixed share (its message and checks, its lead report and
+    /// completion) beside its pages', and the first layer waits on the
+    /// last write's lead. `Some(0)`: one write per source.
+    pub one_hop_write_batch_bytes: Option<u64>,
     /// Writes through UCX of at most this many bytes (default
     /// [`PeerOptions::DEFAULT_WRITE_MESSAGE_BYTES`]) leave as a write
     /// message, UCX active messages that carry the bytes and the write's
@@ -423,6 +430,7 @@ impl std::fmt::Debug for PeerOptions {
             .field("same_host_mapping", &self.same_host_mapping)
             .field("lanes", &self.lanes)
             .field("write_batch_bytes", &self.write_batch_bytes)
+            .field("one_hop_write_batch_bytes", &self.one_hop_write_batch_bytes)
             .field("write_message_max_bytes", &self.write_message_max_bytes)
             .field("write_message_part_bytes", &self.write_message_part_bytes)
             .field("guard", &self.guard)
@@ -575,6 +583,7 @@ impl PeerOptions {
             put_split: PutSplit::default(),
             same_host_mapping: true,
             write_batch_bytes: Self::DEFAULT_WRITE_BATCH_BYTES,
+            one_hop_write_batch_bytes: None,
             write_message_max_bytes: Self::DEFAULT_WRITE_MESSAGE_BYTES,
             write_message_part_bytes: Self::DEFAULT_WRITE_MESSAGE_PART_BYTES,
             lanes: 0,

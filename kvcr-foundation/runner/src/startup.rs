@@ -328,6 +328,7 @@ pub(crate) fn with_peers(
         private_namespaces: peer.private_namespaces.clone(),
         shared_memory: setup.shared_memory.clone(),
         write_batch_bytes: peer.write_batch_bytes,
+        one_hop_write_batch_bytes: peer.one_hop_write_batch_bytes,
         route_budget: peer.route_budget,
         route_budget_total: peer.route_budget_total,
         one_hop: peer.one_hop,

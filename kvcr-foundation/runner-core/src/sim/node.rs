@@ -73,6 +73,7 @@ pub(super) fn new_core_with(
         private_namespaces: Vec::new(),
         shared_memory: None,
         write_batch_bytes: 0,
+        one_hop_write_batch_bytes: None,
         // Scaled to virtual time: reconnects and restarts now and then come
         // faster than this, and the refused target re-sends its metadata.
         route_budget: RouteBudget {

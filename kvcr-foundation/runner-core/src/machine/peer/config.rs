@@ -32,6 +32,13 @@ pub struct PeerConfig {
     /// concurrently and which land one by one. 0: one write per source and
     /// operation.
     pub write_batch_bytes: u64,
+    /// Bytes of pages granted to a source in one one-hop write (its pages
+    /// straight into this GPU); `None`: [`Self::write_batch_bytes`]. Every
+    /// write costs both ends a fixed share (its message, its checks, its
+    /// lead report and completion) beside each page's, and the first
+    /// layer waits on the last write's lead; the two-hop route's writes
+    /// are sized for its DRAM lanes instead.
+    pub one_hop_write_batch_bytes: Option<u64>,
     /// How often one member may make this source build routes (see
     /// [`RouteBudget`]).
     pub route_budget: RouteBudget,

@@ -187,7 +187,7 @@ impl Core {
         if let Some(peer) = self.peer.as_mut() {
             peer.counters.one_hop_fallbacks += fallbacks;
         }
-        let per_batch = self.keys_per_write(layout);
+        let per_batch = self.keys_per_one_hop_write(layout);
         for ((source, namespace), (incarnation, entries)) in by_source {
             for batch in entries.chunks(per_batch) {
                 self.send_one_hop(

@@ -8,6 +8,7 @@ mod journal;
 mod late_digests;
 mod many_seeds;
 mod one_hop;
+mod one_hop_batches;
 mod one_hop_leads;
 mod restore;
 mod routes;

@@ -167,6 +167,23 @@ impl Core {
     /// batch bytes, at least one, at most what one message may carry.
     pub(in crate::machine) fn keys_per_write(&self, layout: u16) -> usize {
         let batch_bytes = self.peer.as_ref().map_or(0, |p| p.config.write_batch_bytes);
+        self.keys_in(layout, batch_bytes)
+    }
+
+    /// Keys of `layout` per one-hop write ([`PeerConfig::one_hop_write_batch_bytes`],
+    /// else as [`Self::keys_per_write`]).
+    pub(in crate::machine) fn keys_per_one_hop_write(&self, layout: u16) -> usize {
+        let batch_bytes = self.peer.as_ref().map_or(0, |p| {
+            p.config
+                .one_hop_write_batch_bytes
+                .unwrap_or(p.config.write_batch_bytes)
+        });
+        self.keys_in(layout, batch_bytes)
+    }
+
+    /// Keys of `layout` whose pages fit in `batch_bytes` (0: as many as a
+    /// message may carry), at least one.
+    fn keys_in(&self, layout: u16, batch_bytes: u64) -> usize {
         let key_bytes: u64 = self
             .layouts
             .get(layout as usize)
