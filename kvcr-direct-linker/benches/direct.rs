@@ -12,7 +12,10 @@
 //! * `direct.first_layer_ms`: until layer 0 (K and V of every page) landed,
 //!   anchor = the whole restore.
 //!
-//! `--tp2 PAGES` and `--seed [PAGES]` run the peer restores (`peer.rs`);
+//! `--tp2 PAGES` and `--seed [PAGES]` run the peer restores (`peer.rs`;
+//! for sweeps: `KVCR_BENCH_PART_PAGES` the restore's part size,
+//! `KVCR_BENCH_WARM=1` an untimed restore in each destination first,
+//! `KVCR_TP2_LANES`, `KVCR_TP2_BATCH_MIB` and `KVCR_ONE_HOP_BATCH_MIB`);
 //! `--one-hop-raw [PAGES]` the one-hop route's CUDA copy between two
 //! processes (`one_hop.rs`; `--compare none` skips its comparison modes).
 //!
