@@ -29,6 +29,7 @@ use crate::types::{
     CopySpan, DeliverEntry, DepositEntry, EntryResult, FailReason, OpResult, PageInfo, PoolId,
     PoolRange, PoolStats, QueryStatus, ReleaseHandle,
 };
+use destinations::Destinations;
 use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::hint::RequestId;
 use kvcr_contracts::key::{BlockKey, Namespace, NamespaceId, ScopedKey};
@@ -38,6 +39,7 @@ use kvcr_contracts::protocol::{
 use kvcr_contracts::tier::{InventoryEvent, InventoryScope, Medium, Owner};
 
 mod completions;
+mod destinations;
 mod events;
 mod eviction;
 mod g3;
@@ -299,7 +301,7 @@ struct OpEntry {
     result: Option<EntryResult>,
     wait: Wait,
     /// Deliver: where to copy once the source is READY.
-    destinations: Vec<CopySpan>,
+    destinations: Destinations,
 }
 
 #[derive(Debug)]

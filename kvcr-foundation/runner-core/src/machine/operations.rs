@@ -1,6 +1,7 @@
 //! Operations: deposit, fetch, deliver, release and abort, validated whole before anything changes.
 
 use super::*;
+use crate::region::Span;
 
 impl Core {
     pub(in crate::machine) fn new_op(
@@ -61,9 +62,45 @@ impl Core {
         &mut self,
         spans: &[ElementRef],
     ) -> Result<(u16, Vec<CopySpan>, RegionMemory)> {
-        if spans.is_empty() || spans.len() > MAX_SPANS_PER_KEY {
+        let mut copies = Vec::with_capacity(spans.len().min(MAX_SPANS_PER_KEY));
+        let (layout, memory) = self.framework_layout(spans, |span| {
+            copies.push(CopySpan {
+                src: span.addr,
+                dst: 0,
+                len: span.len,
+            });
+        })?;
+        Ok((layout, copies, memory))
+    }
+
+    /// A deliver entry's elements validated as [`Self::framework_spans`]
+    /// does, kept as a [`Destinations`] run where they form one (no span
+    /// list is built for such a page).
+    pub(in crate::machine) fn framework_destinations(
+        &mut self,
+        elements: &[ElementRef],
+    ) -> Result<(u16, Destinations, RegionMemory)> {
+        if let Some(run) = Destinations::run_of(elements) {
+            let (layout, memory) = self.framework_layout(elements, |_| {})?;
+            return Ok((layout, run, memory));
+        }
+        let mut spans = Vec::with_capacity(elements.len().min(MAX_SPANS_PER_KEY));
+        let (layout, memory) =
+            self.framework_layout(elements, |span| spans.push((span.addr, span.len)))?;
+        Ok((layout, Destinations::Spans(spans), memory))
+    }
+
+    /// Resolves every element of a key (each a framework region's, all in
+    /// one kind of memory, at most [`MAX_SPANS_PER_KEY`]), handing `each`
+    /// its span; the layout (pools in element order) and the memory.
+    fn framework_layout(
+        &mut self,
+        elements: &[ElementRef],
+        mut each: impl FnMut(&Span),
+    ) -> Result<(u16, RegionMemory)> {
+        if elements.is_empty() || elements.len() > MAX_SPANS_PER_KEY {
             return Err(runner_err(RunnerReason::LayoutLength {
-                got: spans.len(),
+                got: elements.len(),
                 max: MAX_SPANS_PER_KEY,
             }));
         }
@@ -72,21 +109,16 @@ impl Core {
         // vector per key was most of its time (profiled).
         let mut pools = std::mem::take(&mut self.pool_scratch);
         pools.clear();
-        let mut copies = Vec::with_capacity(spans.len());
         let mut memory = None;
-        for element in spans {
+        for element in elements {
             let span = self.regions.resolve_framework(*element)?;
             same_memory(&mut memory, span.memory)?;
             pools.push(span.pool);
-            copies.push(CopySpan {
-                src: span.addr,
-                dst: 0,
-                len: span.len,
-            });
+            each(&span);
         }
         let layout = self.layout_of(&pools);
         self.pool_scratch = pools;
-        Ok((layout?, copies, memory.unwrap_or(RegionMemory::Host)))
+        Ok((layout?, memory.unwrap_or(RegionMemory::Host)))
     }
 
     pub(in crate::machine) fn check_namespace(&self, key: &ScopedKey) -> Result<()> {
@@ -120,7 +152,7 @@ impl Core {
                 key: *key,
                 result: None,
                 wait: Wait::None,
-                destinations: Vec::new(),
+                destinations: Destinations::default(),
             })
             .collect();
         let handle = self.new_op(
@@ -242,7 +274,7 @@ impl Core {
                 key: *key,
                 result: None,
                 wait: Wait::None,
-                destinations: Vec::new(),
+                destinations: Destinations::default(),
             })
             .collect();
         let handle = self.new_op(now, OpKind::Fetch, entries, RegionMemory::Host);
@@ -338,15 +370,10 @@ impl Core {
         let mut elements = Vec::with_capacity(entries.len());
         for entry in entries {
             self.check_namespace(&entry.key)?;
-            let (layout, mut destinations, entry_memory) =
-                self.framework_spans(&entry.destinations)?;
+            let (layout, destinations, entry_memory) =
+                self.framework_destinations(&entry.destinations)?;
             elements.push(entry.destinations);
             same_memory(&mut memory, entry_memory)?;
-            // Destinations: the resolved framework spans are the copy
-            // targets (turned in place: a restore names ~100,000 spans).
-            for span in &mut destinations {
-                (span.src, span.dst) = (0, span.src);
-            }
             validated.push((entry.key, layout));
             op_entries.push(OpEntry {
                 key: entry.key,
@@ -432,25 +459,41 @@ impl Core {
         let mut keys = Vec::with_capacity(entries.len());
         let mut spans = Vec::with_capacity(entries.len());
         for (entry, record) in entries {
-            self.claim_internal(record);
-            self.touch(now, record);
             let sources = self.slot_spans(record);
-            let Some(op) = self.ops.get_mut(&handle) else {
+            let Some(e) = self
+                .ops
+                .get(&handle)
+                .and_then(|op| op.entries.get(entry as usize))
+            else {
                 continue;
             };
-            let Some(e) = op.entries.get_mut(entry as usize) else {
-                continue;
-            };
-            let copies: Vec<CopySpan> = e
+            let copies: Option<Vec<CopySpan>> = e
                 .destinations
-                .iter()
+                .spans(&self.regions)
                 .zip(&sources)
-                .map(|(d, s)| CopySpan {
-                    src: s.src,
-                    dst: d.dst,
-                    len: d.len,
+                .map(|(d, s)| {
+                    d.map(|(dst, len)| CopySpan {
+                        src: s.src,
+                        dst,
+                        len,
+                    })
                 })
                 .collect();
+            let Some(copies) = copies else {
+                // A destination that no longer resolves (see `Destinations`):
+                // nothing of the entry is copied.
+                self.set_result(handle, entry, EntryResult::failed(FailReason::CopyFailed));
+                continue;
+            };
+            self.claim_internal(record);
+            self.touch(now, record);
+            let Some(e) = self
+                .ops
+                .get_mut(&handle)
+                .and_then(|op| op.entries.get_mut(entry as usize))
+            else {
+                continue;
+            };
             e.wait = Wait::Copy(job, keys.len() as u32);
             keys.push(JobKey::Deliver { record, entry });
             spans.push(copies);

@@ -163,3 +163,67 @@ fn a_pinned_record_is_not_evicted_until_unpinned() {
     assert_eq!(core.query(&key(ns, 1)), QueryStatus::Miss);
     core.check_invariants().unwrap();
 }
+
+/// A deliver copies into exactly the elements it names, whether they form
+/// a run (consecutive regions at one index, kept as that run) or not (kept
+/// span by span): each copy's destination is its element's address, in
+/// the order named, from the stored page's slots in layout order.
+#[rstest::rstest]
+#[case::a_run(&[(0, 5), (1, 5), (2, 5)])]
+#[case::regions_out_of_order(&[(2, 5), (0, 5), (1, 5)])]
+#[case::indices_differ(&[(0, 5), (1, 6), (2, 7)])]
+fn a_deliver_copies_into_the_elements_it_names(#[case] named: &[(u32, u64)]) {
+    let (mut core, ns, first) = core(8, true, 1_000_000);
+    let mut regions = vec![first];
+    for (label, base) in [("kv:b", 0x3000_0000u64), ("kv:c", 0x4000_0000)] {
+        let desc = RegionDesc {
+            label: label.into(),
+            base,
+            size: BLOCK,
+            stride: 0,
+            count: 64,
+        };
+        regions.push(core.register_region(desc).unwrap());
+    }
+    let element = |(r, index): (u32, u64)| ElementRef {
+        region: regions[r as usize],
+        index,
+    };
+    let k = key(ns, 9);
+    let spans = (0..3).map(|r| element((r, 0))).collect();
+    core.deposit(
+        0,
+        vec![DepositEntry {
+            key: k,
+            spans,
+            page: None,
+        }],
+        false,
+    )
+    .unwrap();
+    let Some(Action::Copy { job, .. }) = core.poll_action() else {
+        panic!("no deposit copy")
+    };
+    core.handle_copy_done(1, job, &[CopyOutcome::Copied]);
+    let destinations: Vec<ElementRef> = named.iter().copied().map(element).collect();
+    core.deliver(
+        2,
+        vec![DeliverEntry {
+            key: k,
+            destinations: destinations.clone(),
+        }],
+        None,
+    )
+    .unwrap();
+    let Some(Action::Copy { keys, .. }) = core.poll_action() else {
+        panic!("no deliver copy")
+    };
+    let bases = [FRAMEWORK_BASE, 0x3000_0000, 0x4000_0000];
+    let expected: Vec<(u64, u64)> = named
+        .iter()
+        .map(|&(r, index)| (bases[r as usize] + index * BLOCK, BLOCK))
+        .collect();
+    let copied: Vec<(u64, u64)> = keys[0].iter().map(|c| (c.dst, c.len)).collect();
+    assert_eq!(copied, expected, "named {destinations:?}");
+    core.check_invariants().unwrap();
+}

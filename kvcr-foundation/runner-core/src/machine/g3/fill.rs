@@ -147,19 +147,24 @@ impl Core {
             return None;
         }
         // The driver bounces a destination off the files' alignment.
-        let dests = &o.entries.get(entry as usize)?.destinations;
-        let direct =
-            dests.len() == e.slots.len() && dests.iter().all(|d| d.len == g3.config.slot_bytes);
+        let dests: Vec<(u64, u64)> = o
+            .entries
+            .get(entry as usize)?
+            .destinations
+            .spans(&self.regions)
+            .collect::<Option<_>>()?;
+        let direct = dests.len() == e.slots.len()
+            && dests.iter().all(|(_, len)| *len == g3.config.slot_bytes);
         if !direct {
             return None;
         }
         let transfer: Vec<G3Transfer> = dests
             .iter()
             .zip(&e.slots)
-            .map(|(dest, slot)| G3Transfer {
+            .map(|(&(addr, len), slot)| G3Transfer {
                 slot: *slot,
-                addr: dest.dst,
-                len: dest.len,
+                addr,
+                len,
                 direction: G3Direction::Load,
             })
             .collect();

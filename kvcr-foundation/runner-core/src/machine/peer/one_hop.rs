@@ -113,7 +113,7 @@ impl Core {
             .iter()
             .map(|(deliver, entry)| {
                 let e = self.ops.get(deliver)?.entries.get(*entry as usize)?;
-                Some(e.destinations.iter().map(|d| (d.dst, d.len)).collect())
+                e.destinations.spans(&self.regions).collect()
             })
             .collect()
     }

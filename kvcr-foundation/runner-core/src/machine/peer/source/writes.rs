@@ -174,7 +174,7 @@ impl Core {
                 key: *key,
                 result: None,
                 wait: Wait::None,
-                destinations: Vec::new(),
+                destinations: Destinations::default(),
             })
             .collect();
         let prep = self.new_op(now, OpKind::SourcePrepare, entries, RegionMemory::Host);
