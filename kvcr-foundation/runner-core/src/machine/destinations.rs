@@ -90,13 +90,7 @@ mod tests {
     use kvcr_contracts::tier::Owner;
 
     use crate::region::{RegionDesc, RegionMemory};
-
-    fn element(region: u32, index: u64) -> ElementRef {
-        ElementRef {
-            region: RegionId(region),
-            index,
-        }
-    }
+    use crate::tests::element;
 
     #[rstest]
     #[case::one_element(&[(3, 7)], Some((3, 1, 7)))]

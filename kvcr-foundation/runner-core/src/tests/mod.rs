@@ -80,6 +80,14 @@ fn core_with_g3_ahead(
     (core, ns, region)
 }
 
+/// Element `index` of region `region`.
+pub(crate) fn element(region: u32, index: u64) -> ElementRef {
+    ElementRef {
+        region: RegionId(region),
+        index,
+    }
+}
+
 fn key(ns: NamespaceId, k: u8) -> ScopedKey {
     ScopedKey {
         namespace: ns,

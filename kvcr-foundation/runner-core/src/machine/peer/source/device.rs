@@ -161,13 +161,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-
-    fn element(region: u32, index: u64) -> ElementRef {
-        ElementRef {
-            region: RegionId(region),
-            index,
-        }
-    }
+    use crate::tests::element;
 
     /// Each key's elements, as a layer-first engine grants them: `regions`
     /// regions in order, at the key's slot.
