@@ -247,6 +247,29 @@ impl Core {
                 ));
             }
         }
+        // Every pool's evictable count is its queued records' slots in it.
+        let mut evictable = vec![0u32; self.pools.len()];
+        for entry in self.index.values() {
+            let queued = self
+                .records
+                .get(entry.record as usize)
+                .filter(|r| r.flags & FLAG_QUEUED != 0);
+            if let Some(r) = queued {
+                for pool in self.layouts.get(r.layout as usize).into_iter().flatten() {
+                    if let Some(n) = evictable.get_mut(pool.0 as usize) {
+                        *n += 1;
+                    }
+                }
+            }
+        }
+        for (i, (p, expected)) in self.pools.iter().zip(&evictable).enumerate() {
+            if p.evictable != *expected {
+                return Err(format!(
+                    "pool {i}: {} evictable, but its queued records hold {expected} slots",
+                    p.evictable
+                ));
+            }
+        }
         for (i, p) in self.pools.iter().enumerate() {
             let used = owned.keys().filter(|(pool, _)| *pool as usize == i).count();
             let held = self

@@ -426,6 +426,10 @@ pub struct Core {
     /// The fill of each FILLING record.
     filling: HashMap<u32, u32>,
     layouts: Vec<Vec<PoolId>>,
+    /// Per layout, each pool it names and how many of its spans are in that
+    /// pool: what a record of the layout adds to the pools' evictable
+    /// counts (a layer-first page names one pool 128 times).
+    layout_pool_counts: Vec<Vec<(PoolId, u32)>>,
     layout_ids: HashMap<Vec<PoolId>, u16>,
     /// The layout `layout_of` found last: a restore's keys share one, and
     /// comparing it beats hashing a 128-pool layout per key.
@@ -577,6 +581,7 @@ impl Core {
             many_slots: HashMap::new(),
             filling: HashMap::new(),
             layouts: Vec::new(),
+            layout_pool_counts: Vec::new(),
             layout_ids: HashMap::new(),
             last_layout: None,
             pool_scratch: Vec::new(),

@@ -51,6 +51,7 @@ impl Core {
             })
         })?;
         self.layouts.push(pools.to_vec());
+        self.layout_pool_counts.push(pool_counts(pools));
         self.layout_ids.insert(pools.to_vec(), id);
         self.last_layout = Some(id);
         Ok(id)
@@ -619,4 +620,16 @@ impl Core {
         }
         self.set_result(op, entry, EntryResult::failed(reason));
     }
+}
+
+/// Each pool `pools` names, in order of first mention, and how often.
+fn pool_counts(pools: &[PoolId]) -> Vec<(PoolId, u32)> {
+    let mut counts: Vec<(PoolId, u32)> = Vec::new();
+    for pool in pools {
+        match counts.iter_mut().find(|(p, _)| p == pool) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((*pool, 1)),
+        }
+    }
+    counts
 }

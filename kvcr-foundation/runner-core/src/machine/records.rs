@@ -102,21 +102,22 @@ impl Core {
         }
     }
 
-    /// Adds `delta` to the evictable count of every pool in a record's layout.
+    /// Adds (or takes) a record's slots to (from) the evictable count of
+    /// each pool in its layout, once per pool (`layout_pool_counts`), not
+    /// once per span.
     pub(in crate::machine) fn adjust_evictable(&mut self, idx: u32, add: bool) {
         let Some(layout) = self.record(idx).map(|r| r.layout as usize) else {
             return;
         };
-        let spans = self.layouts.get(layout).map_or(0, Vec::len);
-        for i in 0..spans {
-            let Some(pool) = self.layouts.get(layout).and_then(|l| l.get(i)).copied() else {
-                continue;
-            };
+        let Some(counts) = self.layout_pool_counts.get(layout) else {
+            return;
+        };
+        for &(pool, n) in counts {
             if let Some(p) = self.pools.get_mut(pool.0 as usize) {
                 p.evictable = if add {
-                    p.evictable + 1
+                    p.evictable + n
                 } else {
-                    p.evictable.saturating_sub(1)
+                    p.evictable.saturating_sub(n)
                 };
             }
         }
