@@ -12,7 +12,8 @@
 //! * `direct.first_layer_ms`: until layer 0 (K and V of every page) landed,
 //!   anchor = the whole restore.
 //!
-//! `--tp2 PAGES` and `--seed [PAGES]` run the peer restores (`peer.rs`;
+//! `--tp2 PAGES` and `--seed [PAGES]` run the peer restores (`peer.rs`, a
+//! pipelined destination's restore in `pipelined.rs`;
 //! for sweeps: `KVCR_BENCH_PART_PAGES` the restore's part size,
 //! `KVCR_BENCH_WARM=1` an untimed restore in each destination first,
 //! `KVCR_TP2_LANES`, `KVCR_TP2_BATCH_MIB` and `KVCR_ONE_HOP_BATCH_MIB`);
@@ -51,6 +52,8 @@ use kvcr_linker_contracts::{
 mod one_hop;
 #[path = "direct/peer.rs"]
 mod peer;
+#[path = "direct/pipelined.rs"]
+mod pipelined;
 
 use self::peer::{tp2_dest, tp2_peer_restore, tp2_source};
 
