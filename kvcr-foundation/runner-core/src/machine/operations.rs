@@ -463,8 +463,8 @@ impl Core {
             let sources = self.slot_spans(record);
             let Some(e) = self
                 .ops
-                .get(&handle)
-                .and_then(|op| op.entries.get(entry as usize))
+                .get_mut(&handle)
+                .and_then(|op| op.entries.get_mut(entry as usize))
             else {
                 continue;
             };
@@ -486,16 +486,10 @@ impl Core {
                 self.set_result(handle, entry, EntryResult::failed(FailReason::CopyFailed));
                 continue;
             };
+            e.wait = Wait::Copy(job, keys.len() as u32);
+            // Claimed only once its copies are built.
             self.claim_internal(record);
             self.touch(now, record);
-            let Some(e) = self
-                .ops
-                .get_mut(&handle)
-                .and_then(|op| op.entries.get_mut(entry as usize))
-            else {
-                continue;
-            };
-            e.wait = Wait::Copy(job, keys.len() as u32);
             keys.push(JobKey::Deliver { record, entry });
             spans.push(copies);
         }
