@@ -19,6 +19,9 @@
 //! The byte encoding lives in [`codec`].
 
 pub mod codec;
+mod elements;
+
+pub use elements::{ElementRun, ElementRuns, Elements};
 
 use crate::endpoint::ControlEndpoint;
 use crate::incarnation::Incarnation;
@@ -321,8 +324,9 @@ pub enum Body {
         namespace: NamespaceId,
         /// Keys in request order.
         keys: Vec<BlockKey>,
-        /// Per key, the destination elements (one per span of the page layout).
-        destinations: Vec<Vec<ElementRef>>,
+        /// Per key, the destination elements (one per span of the page
+        /// layout), as the wire's runs.
+        destinations: Vec<ElementRuns>,
         /// Leading destination elements of every key (a layer-first page's
         /// first layer) the target wants reported as soon as they have
         /// landed ([`Body::WriteLeadLanded`]), ahead of the rest; 0: no

@@ -8,8 +8,8 @@ use kvcr_contracts::protocol::codec::{
     MAX_SPANS_PER_KEY,
 };
 use kvcr_contracts::protocol::{
-    Body, CompletedIndices, DeviceRegionAdvert, DoorbellAdvert, ElementRef, Header, Message,
-    OpHandle, RegionAdvert, RegionId, RouteGeneration, SegmentAdvert, SharedMemoryAdvert,
+    Body, CompletedIndices, DeviceRegionAdvert, DoorbellAdvert, ElementRef, ElementRun, Header,
+    Message, OpHandle, RegionAdvert, RegionId, RouteGeneration, SegmentAdvert, SharedMemoryAdvert,
     WriteOutcome,
 };
 use kvcr_contracts::{BlockKey, ControlEndpoint, Incarnation, NamespaceId};
@@ -153,7 +153,8 @@ fn examples() -> Vec<(&'static str, Body)> {
                     vec![ElementRef {
                         region: RegionId(0),
                         index: 7,
-                    }],
+                    }]
+                    .into(),
                     // One run: regions 0 and 1 at index 8.
                     vec![
                         ElementRef {
@@ -164,7 +165,8 @@ fn examples() -> Vec<(&'static str, Body)> {
                             region: RegionId(1),
                             index: 8,
                         },
-                    ],
+                    ]
+                    .into(),
                     // Two runs: a region skipped ends the first.
                     vec![
                         ElementRef {
@@ -179,7 +181,8 @@ fn examples() -> Vec<(&'static str, Body)> {
                             region: RegionId(9),
                             index: 3,
                         },
-                    ],
+                    ]
+                    .into(),
                 ],
                 lead_elements: 1,
             },
@@ -424,6 +427,36 @@ fn write_done_outcome_with_digests(outcome: u8, indices: u32, digests: u32) -> V
     fix_len(out)
 }
 
+/// A layer-first page's elements decode as the one run the wire carries,
+/// not as one entry per element, and name the same elements.
+#[test]
+fn a_layer_first_key_decodes_as_one_run() {
+    let elements: Vec<ElementRef> = (0..128)
+        .map(|region| ElementRef {
+            region: RegionId(region),
+            index: 42,
+        })
+        .collect();
+    let frame = encode(Body::StartWrite {
+        op_handle: OpHandle(1),
+        remaining_timeout_ms: 5,
+        source_incarnation: None,
+        namespace: NamespaceId(0),
+        keys: vec![BlockKey::from_u64(1)],
+        destinations: vec![elements.clone().into()],
+        lead_elements: 2,
+    });
+    let body = FrameCodec::default().decode_frame(&frame).unwrap().body;
+    let Body::StartWrite { destinations, .. } = body else {
+        panic!("not a start_write: {body:?}");
+    };
+    assert_eq!(
+        destinations[0].runs(),
+        [ElementRun::new(RegionId(0), 128, 42).unwrap()]
+    );
+    assert_eq!(destinations[0].to_vec(), elements);
+}
+
 fn start_write_bytes(edit: impl FnOnce(&mut Vec<u8>, usize)) -> Vec<u8> {
     let mut frame = encode(Body::StartWrite {
         op_handle: OpHandle(1),
@@ -431,10 +464,13 @@ fn start_write_bytes(edit: impl FnOnce(&mut Vec<u8>, usize)) -> Vec<u8> {
         source_incarnation: None,
         namespace: NamespaceId(0),
         keys: vec![BlockKey::from_u64(1)],
-        destinations: vec![vec![ElementRef {
-            region: RegionId(0),
-            index: 0,
-        }]],
+        destinations: vec![
+            vec![ElementRef {
+                region: RegionId(0),
+                index: 0,
+            }]
+            .into(),
+        ],
         lead_elements: 0,
     });
     let at = body_start(&frame);
@@ -642,9 +678,9 @@ fn duplicate_region_ids_refused_both_ways() {
 /// The encoder refuses what the decoder would refuse, and writes nothing.
 #[rstest]
 #[case::mismatch(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![], lead_elements: 0 }, FrameReason::LengthMismatch { keys: 1, destinations: 0 })]
-#[case::zero_timeout(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 0, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![vec![]], lead_elements: 0 }, FrameReason::Zero("remaining_timeout_ms"))]
-#[case::empty_dest(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![vec![]], lead_elements: 0 }, FrameReason::Empty("destinations of a key"))]
-#[case::lead_past_a_key(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![vec![ElementRef { region: RegionId(0), index: 0 }]], lead_elements: 2 }, FrameReason::Bound { field: "lead elements", count: 2, max: 1 })]
+#[case::zero_timeout(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 0, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![vec![].into()], lead_elements: 0 }, FrameReason::Zero("remaining_timeout_ms"))]
+#[case::empty_dest(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![vec![].into()], lead_elements: 0 }, FrameReason::Empty("destinations of a key"))]
+#[case::lead_past_a_key(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: vec![BlockKey::from_u64(1)], destinations: vec![vec![ElementRef { region: RegionId(0), index: 0 }].into()], lead_elements: 2 }, FrameReason::Bound { field: "lead elements", count: 2, max: 1 })]
 #[case::lead_landed_zero(Body::WriteLeadLanded { op_handle: OpHandle(1), elements: 0 }, FrameReason::Zero("lead elements"))]
 #[case::elements_past_a_write(Body::StartWrite { op_handle: OpHandle(1), remaining_timeout_ms: 1, source_incarnation: None, namespace: NamespaceId(0), keys: (0..257).map(BlockKey::from_u64).collect(), destinations: vec![(0..4096).map(|r| ElementRef { region: RegionId(r), index: 0 }).collect(); 257], lead_elements: 0 }, FrameReason::Bound { field: "destinations of a write", count: MAX_ELEMENTS_PER_WRITE + MAX_SPANS_PER_KEY, max: MAX_ELEMENTS_PER_WRITE })]
 #[case::empty_address(Body::TargetMetadata { worker_address: vec![], regions: vec![], shared_memory: None, doorbell: None, device_regions: vec![] }, FrameReason::Empty("worker_address"))]

@@ -39,13 +39,13 @@ impl Core {
         if memory != RegionMemory::Device || !delivers || keys.is_empty() {
             return 0;
         }
-        self.lead_within(spans)
+        self.lead_within(spans.iter().map(Vec::len))
     }
 
     /// The first-layer span count, at most every page's span count (`pages`
-    /// a job's or a write's keys, each its spans or elements).
-    pub(in crate::machine) fn lead_within<T>(&self, pages: &[Vec<T>]) -> u16 {
-        let fewest = pages.iter().map(Vec::len).min().unwrap_or(0);
+    /// a job's or a write's keys, each its count of spans or elements).
+    pub(in crate::machine) fn lead_within(&self, pages: impl Iterator<Item = usize>) -> u16 {
+        let fewest = pages.min().unwrap_or(0);
         self.lead_elements
             .min(u16::try_from(fewest).unwrap_or(u16::MAX))
     }

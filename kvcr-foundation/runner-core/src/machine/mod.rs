@@ -34,7 +34,7 @@ use kvcr_contracts::endpoint::ControlEndpoint;
 use kvcr_contracts::hint::RequestId;
 use kvcr_contracts::key::{BlockKey, Namespace, NamespaceId, ScopedKey};
 use kvcr_contracts::protocol::{
-    DoorbellAdvert, ElementRef, OpHandle, RegionId, SharedMemoryAdvert,
+    DoorbellAdvert, ElementRef, ElementRuns, OpHandle, RegionId, SharedMemoryAdvert,
 };
 use kvcr_contracts::tier::{InventoryEvent, InventoryScope, Medium, Owner};
 

@@ -246,6 +246,13 @@ impl Core {
         refs
     }
 
+    /// [`Self::slot_refs`] as runs, as a `start_write` names them.
+    pub(in crate::machine) fn slot_runs(&self, idx: u32) -> ElementRuns {
+        let mut runs = ElementRuns::new();
+        self.for_each_slot_ref(idx, |element| runs.push(element));
+        runs
+    }
+
     /// Spans in the record's layout.
     fn layout_len(&self, idx: u32) -> usize {
         self.record(idx)

@@ -203,10 +203,13 @@ impl Sim {
                 ),
                 namespace: self.ns,
                 keys,
-                destinations: vec![vec![ElementRef {
-                    region: RegionId(0),
-                    index: self.rng.below(1 << 20),
-                }]],
+                destinations: vec![
+                    vec![ElementRef {
+                        region: RegionId(0),
+                        index: self.rng.below(1 << 20),
+                    }]
+                    .into(),
+                ],
                 lead_elements: 0,
             },
             Body::WriteProbe {

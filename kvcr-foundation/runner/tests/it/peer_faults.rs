@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use kvcr_contracts::protocol::codec::FrameCodec;
 use kvcr_contracts::protocol::{
-    Body, CompletedIndices, ElementRef, Header, Message, OpHandle, RegionAdvert, RegionId,
-    RouteGeneration, WriteOutcome,
+    Body, CompletedIndices, ElementRef, ElementRuns, Header, Message, OpHandle, RegionAdvert,
+    RegionId, RouteGeneration, WriteOutcome,
 };
 use kvcr_contracts::{
     BlockKey, CompatDigest, ControlEndpoint, Incarnation, Namespace, NamespaceId, RequestId,
@@ -911,7 +911,7 @@ fn start_write(
         source_incarnation: source,
         namespace: ns,
         keys: keys.iter().map(|k| BlockKey::from_u64(*k)).collect(),
-        destinations,
+        destinations: destinations.into_iter().map(ElementRuns::from).collect(),
     }
 }
 

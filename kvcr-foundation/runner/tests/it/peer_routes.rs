@@ -111,7 +111,7 @@ fn ask_write(
             keys: keys.iter().map(|k| BlockKey::from_u64(*k)).collect(),
             destinations: (first..)
                 .take(keys.len())
-                .map(|index| vec![ElementRef { region, index }])
+                .map(|index| vec![ElementRef { region, index }].into())
                 .collect(),
         },
     };

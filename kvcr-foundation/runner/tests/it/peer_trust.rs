@@ -468,7 +468,15 @@ fn next_start_write(
                 op_handle,
                 destinations,
                 ..
-            } => return (op_handle, destinations.iter().map(Vec::len).sum()),
+            } => {
+                return (
+                    op_handle,
+                    destinations
+                        .iter()
+                        .map(kvcr_contracts::protocol::ElementRuns::len)
+                        .sum(),
+                );
+            }
             _ => {}
         }
     }
@@ -1027,10 +1035,13 @@ fn flood_requests(to: &ControlEndpoint, ns: NamespaceId, stop: &AtomicBool, sent
                     source_incarnation: None,
                     namespace: ns,
                     keys: vec![BlockKey::from_u64(op % 16)],
-                    destinations: vec![vec![ElementRef {
-                        region: RegionId(0),
-                        index: op,
-                    }]],
+                    destinations: vec![
+                        vec![ElementRef {
+                            region: RegionId(0),
+                            index: op,
+                        }]
+                        .into(),
+                    ],
                 }
             };
             let message = Message {

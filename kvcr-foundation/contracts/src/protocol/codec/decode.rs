@@ -20,8 +20,8 @@ use crate::error::{FrameReason, Result};
 use crate::incarnation::Incarnation;
 use crate::key::{BlockKey, NamespaceId};
 use crate::protocol::{
-    Body, CompletedIndices, DeviceRegionAdvert, DoorbellAdvert, ElementRef, Header, Message,
-    OpHandle, RegionAdvert, RegionId, RouteGeneration, SegmentAdvert, SharedMemoryAdvert,
+    Body, CompletedIndices, DeviceRegionAdvert, DoorbellAdvert, ElementRun, ElementRuns, Header,
+    Message, OpHandle, RegionAdvert, RegionId, RouteGeneration, SegmentAdvert, SharedMemoryAdvert,
     WriteOutcome,
 };
 
@@ -372,31 +372,20 @@ fn decode_start_write(r: &mut Reader<'_>) -> Result<Body> {
             return Err(frame(FrameReason::Empty("destinations of a key")));
         }
         r.count("destinations of a key", runs, MAX_SPANS_PER_KEY, RUN_BYTES)?;
-        // Taken whole (`count` saw they fit), then cut: a restore's
-        // `start_write`s carry ~230,000 elements, and each read field by
-        // field was a sixth of the source's handling of them (profiled).
+        // Taken whole (`count` saw they fit), then cut; kept as runs, not
+        // expanded: a restore's `start_write`s carry ~230,000 elements.
         let raw = r.take(runs.saturating_mul(RUN_BYTES))?;
         // Every run is checked and the key's and the write's element counts
-        // bounded before anything is allocated for them.
-        let mut spans = 0usize;
+        // bounded before anything is kept.
+        let mut dests = ElementRuns::new();
         for bytes in raw.chunks_exact(RUN_BYTES) {
-            let (_, regions, _) = run(bytes)?;
-            spans += usize::from(regions);
+            dests.push_run(run(bytes)?);
         }
+        let spans = dests.len();
         bound("destinations of a key", spans, MAX_SPANS_PER_KEY)?;
         elements += spans;
         bound("destinations of a write", elements, MAX_ELEMENTS_PER_WRITE)?;
         lead_within(lead_elements, spans)?;
-        let mut dests = Vec::with_capacity(spans);
-        for bytes in raw.chunks_exact(RUN_BYTES) {
-            let (first, regions, index) = run(bytes)?;
-            dests.extend(
-                (first..=first + u32::from(regions) - 1).map(|region| ElementRef {
-                    region: RegionId(region),
-                    index,
-                }),
-            );
-        }
         destinations.push(dests);
     }
     Ok(Body::StartWrite {
@@ -411,9 +400,9 @@ fn decode_start_write(r: &mut Reader<'_>) -> Result<Body> {
 }
 
 /// One run as the wire carries it (`region:u32 regions:u16 index:u64`,
-/// big-endian, [`RUN_BYTES`] of them): its first region, how many regions
-/// (at least one, none past `u32::MAX`) and the index in each.
-fn run(bytes: &[u8]) -> Result<(u32, u16, u64)> {
+/// big-endian, [`RUN_BYTES`] of them): at least one region, none past
+/// `u32::MAX`.
+fn run(bytes: &[u8]) -> Result<ElementRun> {
     let truncated = || frame(FrameReason::Truncated { needed: RUN_BYTES });
     let (first, rest) = bytes.split_first_chunk::<4>().ok_or_else(truncated)?;
     let (regions, rest) = rest.split_first_chunk::<2>().ok_or_else(truncated)?;
@@ -422,10 +411,8 @@ fn run(bytes: &[u8]) -> Result<(u32, u16, u64)> {
     if regions == 0 {
         return Err(frame(FrameReason::Zero("regions of a run")));
     }
-    if first.checked_add(u32::from(regions) - 1).is_none() {
-        return Err(frame(FrameReason::RegionRun { first, regions }));
-    }
-    Ok((first, regions, u64::from_be_bytes(*index)))
+    ElementRun::new(RegionId(first), regions, u64::from_be_bytes(*index))
+        .ok_or_else(|| frame(FrameReason::RegionRun { first, regions }))
 }
 
 fn decode_write_done(r: &mut Reader<'_>) -> Result<Body> {

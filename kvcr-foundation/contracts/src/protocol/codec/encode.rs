@@ -16,7 +16,7 @@ use super::{
 };
 use crate::error::{FrameReason, Result};
 use crate::incarnation::Incarnation;
-use crate::protocol::{Body, ElementRef, Header, Message, WriteOutcome};
+use crate::protocol::{Body, ElementRuns, Header, Message, WriteOutcome};
 
 impl FrameCodec {
     /// Appends one frame for `message` to `dst`. Refuses (and writes nothing)
@@ -83,28 +83,18 @@ fn put_bytes16(dst: &mut BytesMut, field: &'static str, b: &[u8], max: usize) ->
 }
 
 /// A key's elements as runs (`region:u32 regions:u16 index:u64`, after
-/// their count): each run as long as the next element names the next
-/// region at the same index. `dests` holds at most [`MAX_SPANS_PER_KEY`]
-/// elements, so neither the count nor a run's length passes `u16`.
-fn put_runs(dst: &mut BytesMut, dests: &[ElementRef]) {
+/// their count), as [`ElementRuns`] holds them. `dests` holds at most
+/// [`MAX_SPANS_PER_KEY`] elements (checked by the caller), so there are no
+/// more runs than fit `u16`.
+fn put_runs(dst: &mut BytesMut, dests: &ElementRuns) {
     let count_at = dst.len();
     dst.put_u16(0);
     let mut runs = 0u16;
-    let mut rest = dests;
-    while let Some((first, tail)) = rest.split_first() {
-        let len = 1 + tail
-            .iter()
-            .zip(1u32..)
-            .take_while(|(e, i)| {
-                e.index == first.index && first.region.0.checked_add(*i) == Some(e.region.0)
-            })
-            .count();
-        dst.put_u32(first.region.0);
-        dst.put_u16(len as u16);
-        dst.put_u64(first.index);
-        runs += 1;
-        // `len - 1` elements of `tail` extend the run.
-        rest = tail.get(len - 1..).unwrap_or_default();
+    for run in dests.runs() {
+        dst.put_u32(run.first().0);
+        dst.put_u16(run.regions());
+        dst.put_u64(run.index());
+        runs = runs.saturating_add(1);
     }
     if let Some(count) = dst.get_mut(count_at..count_at + 2) {
         count.copy_from_slice(&runs.to_be_bytes());

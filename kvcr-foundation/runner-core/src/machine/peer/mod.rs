@@ -326,7 +326,7 @@ pub(in crate::machine) struct PendingSourceWrite {
     deadline: u64,
     namespace: NamespaceId,
     keys: Vec<BlockKey>,
-    destinations: Vec<Vec<ElementRef>>,
+    destinations: Vec<ElementRuns>,
     /// The write's `lead_elements`.
     lead: u16,
     /// DRAM records the fills committed, pinned until the write claims them.

@@ -377,7 +377,12 @@ impl Core {
             .max(1);
         // Asked only where every key has that many elements (the wire
         // refuses more).
-        let lead = self.lead_within(&destinations);
+        let lead = self.lead_within(destinations.iter().map(Vec::len));
+        // Sent as runs: a layer-first page's elements are one.
+        let destinations = destinations
+            .iter()
+            .map(|elements| ElementRuns::from_elements(elements))
+            .collect();
         self.send(
             source.clone(),
             Body::StartWrite {

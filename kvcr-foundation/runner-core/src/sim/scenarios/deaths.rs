@@ -55,7 +55,11 @@ fn starts(sent: &[(ControlEndpoint, Body)]) -> Vec<(OpHandle, Option<Incarnation
                 source_incarnation,
                 destinations,
                 ..
-            } => Some((*op_handle, *source_incarnation, destinations[0][0].index)),
+            } => Some((
+                *op_handle,
+                *source_incarnation,
+                destinations[0].first().unwrap().index,
+            )),
             _ => None,
         })
         .collect()

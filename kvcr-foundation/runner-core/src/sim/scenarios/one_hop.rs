@@ -425,7 +425,7 @@ fn a_one_hop_deliver_past_its_deadline_waits_for_proof() {
             op_handle,
             destinations,
             ..
-        } if destinations[0][0].region == world.device_region => Some(*op_handle),
+        } if destinations[0].first().unwrap().region == world.device_region => Some(*op_handle),
         _ => None,
     }) else {
         panic!("no one-hop grant: {start:?}")
@@ -530,7 +530,7 @@ fn a_deliver_before_the_routes_ack_waits_for_it(#[case] ack: Option<bool>) {
     world
         .target
         .handle_message(at, from(SOURCE_PORT, source, body));
-    let grants: Vec<Vec<Vec<ElementRef>>> = sent(&mut world.target)
+    let grants: Vec<Vec<kvcr_contracts::protocol::ElementRuns>> = sent(&mut world.target)
         .into_iter()
         .filter_map(|(_, b)| match b {
             Body::StartWrite { destinations, .. } => Some(destinations),

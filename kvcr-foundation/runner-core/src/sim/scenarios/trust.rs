@@ -61,10 +61,13 @@ pub(super) fn start_write(op: u64, source: Incarnation, ns: NamespaceId, key: u6
         source_incarnation: Some(source),
         namespace: ns,
         keys: vec![BlockKey::from_u64(key)],
-        destinations: vec![vec![ElementRef {
-            region: RegionId(0),
-            index: 0,
-        }]],
+        destinations: vec![
+            vec![ElementRef {
+                region: RegionId(0),
+                index: 0,
+            }]
+            .into(),
+        ],
         lead_elements: 0,
     }
 }
@@ -416,13 +419,13 @@ fn landing_spans_are_the_granted_elements_while_the_reply_is_awaited() {
     let granted: Vec<(u64, u64)> = destinations
         .iter()
         .flatten()
-        .map(|e| target.resolve(*e).unwrap())
+        .map(|e| target.resolve(e).unwrap())
         .collect();
     assert_eq!(granted.len(), 2);
     assert_eq!(target.peer_landing_spans(op, 2), Some(granted));
     let first_key: Vec<(u64, u64)> = destinations[0]
         .iter()
-        .map(|e| target.resolve(*e).unwrap())
+        .map(|e| target.resolve(e).unwrap())
         .collect();
     assert_eq!(
         target.peer_landing_spans(op, 1),

@@ -26,11 +26,8 @@ impl<'a> Grants<'a> {
     /// The device regions a write naming `destinations` lands in, if it is
     /// a device write: its first element is in a device region (then every
     /// key's must be).
-    pub(super) fn device_write(
-        &self,
-        destinations: &[Vec<ElementRef>],
-    ) -> Option<&'a DeviceGrants> {
-        let first = destinations.first().and_then(|d| d.first())?;
+    pub(super) fn device_write(&self, destinations: &[ElementRuns]) -> Option<&'a DeviceGrants> {
+        let first = destinations.first().and_then(ElementRuns::first)?;
         self.device
             .filter(|device| device.get(first.region).is_some())
     }
@@ -40,19 +37,19 @@ impl<'a> Grants<'a> {
 ///
 /// A layer-first engine grants each page one slot index across its
 /// regions, named in region order, and each page its own slot: then no
-/// element can repeat, which one pass over the elements shows
+/// element can repeat, which one pass over the keys' runs shows
 /// ([`distinct_slots_in_region_order`]). Otherwise a sorted copy, each
 /// element one 128-bit word, is searched for a neighbour equal to it (no
 /// per-element hashing). On an H100 host's source the sort was a third of
 /// a `start_write`'s check, and the checks of a restore's 453 writes set
 /// when its first layer could land.
-pub(super) fn names_an_element_twice(destinations: &[Vec<ElementRef>]) -> bool {
+pub(super) fn names_an_element_twice(destinations: &[ElementRuns]) -> bool {
     if distinct_slots_in_region_order(destinations) {
         return false;
     }
     let mut all: Vec<u128> = destinations
         .iter()
-        .flatten()
+        .flat_map(ElementRuns::iter)
         .map(|e| (u128::from(e.region.0) << 64) | u128::from(e.index))
         .collect();
     all.sort_unstable();
@@ -62,20 +59,24 @@ pub(super) fn names_an_element_twice(destinations: &[Vec<ElementRef>]) -> bool {
 /// Whether each key's elements share one index and name strictly
 /// increasing regions, and no two keys share an index: then every element
 /// is distinct (two of one key differ in region, two of different keys in
-/// index). Sorts only the keys' indices.
-fn distinct_slots_in_region_order(destinations: &[Vec<ElementRef>]) -> bool {
+/// index). A run is such elements already, so this looks at each run, not
+/// each element, and sorts only the keys' indices.
+fn distinct_slots_in_region_order(destinations: &[ElementRuns]) -> bool {
     let mut slots = Vec::with_capacity(destinations.len());
     for elements in destinations {
-        let Some(first) = elements.first() else {
+        let runs = elements.runs();
+        let Some(first) = runs.first() else {
             continue;
         };
-        let one_slot_in_order = elements
-            .windows(2)
-            .all(|w| matches!(w, [a, b] if a.region < b.region && a.index == b.index));
+        // Runs join in order when each starts past the last one's end.
+        let one_slot_in_order = runs.windows(2).all(|w| {
+            matches!(w, [a, b] if a.index() == b.index()
+                && u64::from(a.first().0) + u64::from(a.regions()) <= u64::from(b.first().0))
+        });
         if !one_slot_in_order {
             return false;
         }
-        slots.push(first.index);
+        slots.push(first.index());
     }
     slots.sort_unstable();
     slots.windows(2).all(|w| matches!(w, [a, b] if a != b))
@@ -90,7 +91,7 @@ fn distinct_slots_in_region_order(destinations: &[Vec<ElementRef>]) -> bool {
 /// [`names_an_element_twice`]), or the sizes do not add up to the page's.
 pub(super) fn device_puts(
     sources: &[CopySpan],
-    dests: &[ElementRef],
+    dests: &ElementRuns,
     device: &DeviceGrants,
     seen: Option<&mut HashSet<ElementRef>>,
     puts: &mut Vec<PutSpan>,
@@ -109,7 +110,7 @@ pub(super) fn device_puts(
 /// alike); the caller drops what this appended when it returns `None`.
 fn page_puts(
     sources: &[CopySpan],
-    dests: &[ElementRef],
+    dests: &ElementRuns,
     device: &DeviceGrants,
     mut seen: Option<&mut HashSet<ElementRef>>,
     puts: &mut Vec<PutSpan>,
@@ -118,11 +119,11 @@ fn page_puts(
     let (mut s, mut s_off) = (0usize, 0u64);
     let mut granted = 0u64;
     let mut last = None;
-    for element in dests {
+    for element in dests.iter() {
         let at = device.position_after(element.region, last)?;
         last = Some(at);
         let region = device.at(at)?;
-        if element.index >= region.count || seen.as_mut().is_some_and(|seen| !seen.insert(*element))
+        if element.index >= region.count || seen.as_mut().is_some_and(|seen| !seen.insert(element))
         {
             return None;
         }
@@ -162,6 +163,7 @@ mod tests {
 
     use super::*;
     use crate::tests::element;
+    use kvcr_contracts::protocol::ElementRun;
 
     /// Each key's elements, as a layer-first engine grants them: `regions`
     /// regions in order, at the key's slot.
@@ -172,35 +174,54 @@ mod tests {
             .collect()
     }
 
+    /// Each key's elements as runs, cut into the longest.
+    fn runs(keys: &[Vec<ElementRef>]) -> Vec<ElementRuns> {
+        keys.iter().map(|k| ElementRuns::from_elements(k)).collect()
+    }
+
+    /// Each key's elements as runs of one element each, as a target may
+    /// send them.
+    fn one_element_runs(keys: &[Vec<ElementRef>]) -> Vec<ElementRuns> {
+        keys.iter()
+            .map(|k| {
+                let mut runs = ElementRuns::new();
+                for e in k {
+                    runs.push_run(ElementRun::new(e.region, 1, e.index).unwrap());
+                }
+                runs
+            })
+            .collect()
+    }
+
     #[test]
     fn a_layer_first_grant_takes_the_one_pass() {
         let granted = layer_first(&[3, 9, 4, 0], 128);
-        assert!(distinct_slots_in_region_order(&granted));
-        assert!(!names_an_element_twice(&granted));
+        assert!(distinct_slots_in_region_order(&runs(&granted)));
+        assert!(!names_an_element_twice(&runs(&granted)));
     }
 
     #[test]
     fn a_repeat_the_one_pass_cannot_rule_out_is_found() {
         // Two keys granted one slot.
         let shared_slot = layer_first(&[3, 9, 3], 4);
-        assert!(!distinct_slots_in_region_order(&shared_slot));
-        assert!(names_an_element_twice(&shared_slot));
+        assert!(!distinct_slots_in_region_order(&runs(&shared_slot)));
+        assert!(names_an_element_twice(&runs(&shared_slot)));
         // One key naming a region twice.
         let mut twice = layer_first(&[1, 2], 4);
         twice[1][3] = element(2, 2);
-        assert!(names_an_element_twice(&twice));
+        assert!(names_an_element_twice(&runs(&twice)));
         // Out of region order but distinct: the sort clears it.
         let mut swapped = layer_first(&[1, 2], 4);
         swapped[0].swap(0, 1);
-        assert!(!distinct_slots_in_region_order(&swapped));
-        assert!(!names_an_element_twice(&swapped));
+        assert!(!distinct_slots_in_region_order(&runs(&swapped)));
+        assert!(!names_an_element_twice(&runs(&swapped)));
         // Two keys' elements at different slots of one region each, the
         // same element in the end: one key's slot is another's.
         let crossed = vec![
             vec![element(0, 5), element(1, 6)],
             vec![element(0, 6), element(1, 6)],
         ];
-        assert!(names_an_element_twice(&crossed));
+        assert!(names_an_element_twice(&runs(&crossed)));
     }
 
     proptest! {
@@ -229,7 +250,9 @@ mod tests {
             };
             let mut seen = HashSet::new();
             let repeats = !granted.iter().flatten().all(|e| seen.insert(*e));
-            prop_assert_eq!(names_an_element_twice(&granted), repeats);
+            prop_assert_eq!(names_an_element_twice(&runs(&granted)), repeats);
+            // However the target cut them into runs.
+            prop_assert_eq!(names_an_element_twice(&one_element_runs(&granted)), repeats);
         }
     }
 
@@ -265,7 +288,7 @@ mod tests {
         let mut puts = vec![put(1, 1, 1, 0)];
         let page = device_puts(
             &[span(0x100, 6), span(0x200, 2)],
-            &[element(4, 2), element(7, 5)],
+            &ElementRuns::from_elements(&[element(4, 2), element(7, 5)]),
             &grants(),
             None,
             &mut puts,
@@ -290,7 +313,7 @@ mod tests {
     fn a_bad_grant_appends_nothing(#[case] dests: Vec<ElementRef>, #[case] slots: Vec<CopySpan>) {
         let mut puts = vec![put(1, 1, 1, 0)];
         assert_eq!(
-            device_puts(&slots, &dests, &grants(), None, &mut puts),
+            device_puts(&slots, &dests.into(), &grants(), None, &mut puts),
             None
         );
         assert_eq!(puts, [put(1, 1, 1, 0)]);
@@ -298,7 +321,7 @@ mod tests {
 
     #[test]
     fn an_element_named_twice_is_refused_when_looked_for() {
-        let dests = [element(4, 1), element(4, 1)];
+        let dests = ElementRuns::from_elements(&[element(4, 1), element(4, 1)]);
         let slots = [span(0, 8)];
         let mut puts = Vec::new();
         let mut seen = HashSet::new();

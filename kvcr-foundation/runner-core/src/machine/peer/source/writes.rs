@@ -19,7 +19,7 @@ impl Core {
         source_incarnation: Option<Incarnation>,
         namespace: NamespaceId,
         keys: &[BlockKey],
-        destinations: &[Vec<ElementRef>],
+        destinations: &[ElementRuns],
         lead: u16,
     ) {
         let Some(peer) = self.peer.as_ref() else {
@@ -296,7 +296,7 @@ impl Core {
         op: OpHandle,
         deadline: u64,
         namespace: NamespaceId,
-        (keys, destinations, lead): (&[BlockKey], &[Vec<ElementRef>], u16),
+        (keys, destinations, lead): (&[BlockKey], &[ElementRuns], u16),
         generation: u64,
         grants: &Grants<'_>,
     ) {
@@ -312,7 +312,7 @@ impl Core {
         let mut seen = (device && device::names_an_element_twice(destinations)).then(HashSet::new);
         // One put per element where slots and elements are cut alike (a
         // grown vector was a third of a one-hop write's check, profiled).
-        let mut puts = Vec::with_capacity(destinations.iter().map(Vec::len).sum());
+        let mut puts = Vec::with_capacity(destinations.iter().map(ElementRuns::len).sum());
         let mut records = Vec::new();
         let mut indices = Vec::new();
         let mut bytes = 0;
@@ -349,7 +349,7 @@ impl Core {
                 continue;
             }
             let mut key_puts = Vec::with_capacity(dests.len());
-            for (src, dst) in sources.iter().zip(dests) {
+            for (src, dst) in sources.iter().zip(dests.iter()) {
                 let region = regions.get(&dst.region);
                 let remote = region
                     .filter(|r| r.element_size == src.len)

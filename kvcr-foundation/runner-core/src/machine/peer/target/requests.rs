@@ -250,7 +250,7 @@ impl Core {
             });
             self.filling.insert(record, fill);
             self.journal_held(record);
-            destinations.push(self.slot_refs(record));
+            destinations.push(self.slot_runs(record));
             op_keys.push(*key);
             fills.push(fill);
             results.push(Ok(fill));
