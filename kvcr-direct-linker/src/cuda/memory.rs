@@ -73,12 +73,23 @@ impl DeviceBuffer {
         Ok(out)
     }
 
-    /// Sets every byte to `value` (synchronous).
+    /// Sets every byte to `value`, and returns once they are set.
+    ///
+    /// `cuMemsetD8` on device memory returns before its bytes are written
+    /// (it is asynchronous to the host, on the legacy default stream), and
+    /// nothing orders it before a copy another process makes into this
+    /// buffer on its own streams (the one-hop route): such a copy could
+    /// land first and be overwritten. So the fill waits for that stream.
     pub fn fill(&self, value: u8) -> Result<()> {
         self.device.bind()?;
         // SAFETY: the whole allocation, which this value owns.
         check("cuMemsetD8", unsafe {
             sys::cuMemsetD8_v2(self.ptr, value, self.len)
+        })?;
+        // SAFETY: the null stream is the legacy default stream of the
+        // context bound above, which the memset was issued to.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(std::ptr::null_mut())
         })
     }
 
