@@ -142,6 +142,11 @@ pub enum Action {
         generation: u64,
         /// The puts.
         spans: Vec<peer::PutSpan>,
+        /// With `device`: how many of `spans` each written key's page is,
+        /// in order (they add up to `spans.len()`), so the driver plans
+        /// the copies page by page without finding where pages end.
+        /// Empty for any other write.
+        page_spans: Vec<u32>,
         /// The spans land in the target's device regions (the one-hop
         /// route): the driver copies them through the device import it
         /// opened for this route, `remote` an address in the target's

@@ -345,6 +345,7 @@ impl DeviceWorld {
                 Action::Put {
                     write,
                     spans,
+                    page_spans,
                     device,
                     lead_elements,
                     ..
@@ -352,6 +353,15 @@ impl DeviceWorld {
                     if lead_elements > 0 && !device {
                         self.violations
                             .push(format!("write {write} asks a lead report through DRAM"));
+                    }
+                    // A device write says where each page's spans end; a
+                    // write through DRAM says nothing.
+                    let counted: usize = page_spans.iter().map(|&n| n as usize).sum();
+                    if (device && counted != spans.len()) || (!device && !page_spans.is_empty()) {
+                        self.violations.push(format!(
+                            "write {write}'s pages {page_spans:?} do not cut its {} spans",
+                            spans.len()
+                        ));
                     }
                     self.start_transfer(write, &spans, device, lead_elements > 0);
                 }

@@ -535,13 +535,15 @@ impl State {
                 target,
                 generation,
                 spans,
+                page_spans,
                 device,
                 lead_elements,
             } => {
                 if device {
                     let route = self.accepted_route(&target, generation);
                     let lead = usize::from(lead_elements);
-                    self.write_device(shared, write, route.as_deref(), &spans, lead);
+                    let copies = (spans.as_slice(), page_spans.as_slice());
+                    self.write_device(shared, write, route.as_deref(), copies, lead);
                 } else {
                     self.write(shared, write, &target, generation, spans);
                 }

@@ -95,8 +95,9 @@ fn device_write(op: u64, source: Incarnation, ns: NamespaceId, keys: &[(u64, &[u
     }
 }
 
-/// A source's put: whether it is a device write, and its spans.
-type Put = (bool, Vec<PutSpan>);
+/// A source's put: whether it is a device write, its spans, and how many
+/// of them each page is.
+type Put = (bool, Vec<PutSpan>, Vec<u32>);
 
 /// What a source did with one `start_write`: its put (if any) and the
 /// indices its immediate `write_done` reported (if one came).
@@ -104,7 +105,12 @@ fn served(core: &mut Core) -> (Option<Put>, Option<Vec<u32>>) {
     let (mut put, mut done) = (None, None);
     while let Some(action) = core.poll_action() {
         match action {
-            Action::Put { spans, device, .. } => put = Some((device, spans)),
+            Action::Put {
+                spans,
+                page_spans,
+                device,
+                ..
+            } => put = Some((device, spans, page_spans)),
             Action::Send { message, .. } => {
                 if let Body::WriteDone {
                     outcome: WriteOutcome::Completed(c),
@@ -138,7 +144,7 @@ fn a_source_writes_device_grants_exactly_and_refuses_the_rest() {
     let refused = core.peer_counters().refused;
     // Key 1 into elements 6 and 7 (two halves); key 2 too small (one
     // half); key 3 outside the region; key 4 too big (three halves); key 5
-    // names element 6 again.
+    // names element 6 again; key 6 into elements 5 and 4.
     let body = device_write(
         1,
         source,
@@ -149,20 +155,27 @@ fn a_source_writes_device_grants_exactly_and_refuses_the_rest() {
             (3, &[8, 1]),
             (4, &[0, 1, 2]),
             (5, &[6, 3]),
+            (6, &[5, 4]),
         ],
     );
     core.handle_message(0, from(1, 11, body));
     let (put, done) = served(core);
     assert_eq!(done, None, "the written key is reported when its copy ends");
-    let (device, spans) = put.expect("the good key is written");
+    let (device, spans, page_spans) = put.expect("the good keys are written");
     assert!(device, "as a device write");
     let remote: Vec<(u64, u64)> = spans.iter().map(|s| (s.remote, s.len)).collect();
     assert_eq!(
         remote,
-        vec![(DEVICE + 6 * half, half), (DEVICE + 7 * half, half)]
+        vec![
+            (DEVICE + 6 * half, half),
+            (DEVICE + 7 * half, half),
+            (DEVICE + 5 * half, half),
+            (DEVICE + 4 * half, half),
+        ]
     );
+    assert_eq!(page_spans, [2, 2], "each written key's page, two halves");
     let local: u64 = spans.iter().map(|s| s.len).sum();
-    assert_eq!(local, BLOCK, "the whole page, once");
+    assert_eq!(local, 2 * BLOCK, "the whole pages, once each");
     assert_eq!(core.peer_counters().refused - refused, 4);
 }
 

@@ -231,14 +231,14 @@ impl State {
         shared: &Arc<Shared>,
         write: u64,
         route: Option<&Route>,
-        spans: &[PutSpan],
+        (spans, page_spans): (&[PutSpan], &[u32]),
         lead: usize,
     ) {
         // The copier comes with the route (no lock of the core's state per
         // write, on the path every one-hop write takes).
         let plan = route.and_then(|route| {
             let copier = Arc::clone(route.device.copier.as_ref()?);
-            let pages = device_plan(&route.device, spans)?;
+            let pages = device_plan(&route.device, spans, page_spans)?;
             Some((Arc::clone(&route.device), pages, copier))
         });
         let queued = match plan {
@@ -262,19 +262,19 @@ impl State {
     }
 }
 
-/// The copies of a one-hop write, page by page: `src` in our pool, `dst`
+/// The copies of a one-hop write, page by page (`page_spans`: how many of
+/// `spans` each page is, as the core cut them): `src` in our pool, `dst`
 /// an address where every region of the route was addressed, else the
-/// offset from the region's base. A page ends where a region recurs (a
-/// page names each of its elements' regions once, in layout order), found
-/// with one bit per opened region. `None` if a span names a region this
-/// route did not open, or lies outside its region's import.
-fn device_plan(opened: &DeviceRoutes, spans: &[PutSpan]) -> Option<Pages> {
+/// offset from the region's base. `None` if the pages do not cut `spans`
+/// exactly, or a span names a region this route did not open or lies
+/// outside its region's import.
+fn device_plan(opened: &DeviceRoutes, spans: &[PutSpan], page_spans: &[u32]) -> Option<Pages> {
     if opened
         .regions
         .iter()
         .all(|(_, route)| route.address.is_some())
     {
-        let pages = cut_pages(opened, spans, |_, route, offset, span| {
+        let pages = cut_pages(opened, spans, page_spans, |_, route, offset, span| {
             Some(CopySpan {
                 src: span.local,
                 dst: route.address?.checked_add(offset)?,
@@ -283,7 +283,7 @@ fn device_plan(opened: &DeviceRoutes, spans: &[PutSpan]) -> Option<Pages> {
         })?;
         return Some(Pages::Addressed(pages));
     }
-    let pages = cut_pages(opened, spans, |position, _, offset, span| {
+    let pages = cut_pages(opened, spans, page_spans, |position, _, offset, span| {
         Some((
             position,
             CopySpan {
@@ -296,51 +296,36 @@ fn device_plan(opened: &DeviceRoutes, spans: &[PutSpan]) -> Option<Pages> {
     Some(Pages::ByRegion(pages))
 }
 
-/// `spans` cut into pages, each span made a copy by `copy` (given its
-/// region's position and route, and its offset into the region, checked
-/// to lie inside the import's extent); see [`device_plan`].
+/// `spans` cut into pages of `page_spans` spans each, each span made a
+/// copy by `copy` (given its region's position and route, and its offset
+/// into the region, checked to lie inside the import's extent); see
+/// [`device_plan`].
 fn cut_pages<T>(
     opened: &DeviceRoutes,
     spans: &[PutSpan],
+    page_spans: &[u32],
     copy: impl Fn(usize, &DeviceRoute, u64, &PutSpan) -> Option<T>,
 ) -> Option<Vec<Vec<T>>> {
-    let mut in_page = vec![0u64; opened.regions.len().div_ceil(64)];
-    let bit = |position: usize| (position / 64, 1u64 << (position % 64));
-    let mut pages: Vec<Vec<T>> = Vec::new();
-    let mut page: Vec<T> = Vec::new();
-    // The positions of this page's spans, to clear their bits at its end.
-    let mut page_positions: Vec<usize> = Vec::new();
+    let mut pages: Vec<Vec<T>> = Vec::with_capacity(page_spans.len());
+    let mut rest = spans;
     let mut last = None;
-    for span in spans {
-        let position = opened.position_after(span.region, last)?;
-        last = Some(position);
-        let route = opened.at(position)?;
-        let offset = span.remote.checked_sub(route.base)?;
-        if offset.checked_add(span.len)? > route.len {
-            return None;
-        }
-        let (word, mask) = bit(position);
-        if in_page.get(word).is_some_and(|w| w & mask != 0) {
-            for seen in page_positions.drain(..) {
-                let (word, mask) = bit(seen);
-                if let Some(w) = in_page.get_mut(word) {
-                    *w &= !mask;
-                }
+    for count in page_spans {
+        let (page_spans, after) = rest.split_at_checked(usize::try_from(*count).ok()?)?;
+        rest = after;
+        let mut page = Vec::with_capacity(page_spans.len());
+        for span in page_spans {
+            let position = opened.position_after(span.region, last)?;
+            last = Some(position);
+            let route = opened.at(position)?;
+            let offset = span.remote.checked_sub(route.base)?;
+            if offset.checked_add(span.len)? > route.len {
+                return None;
             }
-            // Pages come cut alike: each new one is sized as the last was.
-            let next = Vec::with_capacity(page.len());
-            pages.push(std::mem::replace(&mut page, next));
+            page.push(copy(position, route, offset, span)?);
         }
-        if let Some(w) = in_page.get_mut(word) {
-            *w |= mask;
-        }
-        page_positions.push(position);
-        page.push(copy(position, route, offset, span)?);
-    }
-    if !page.is_empty() {
         pages.push(page);
     }
-    Some(pages)
+    rest.is_empty().then_some(pages)
 }
 
 #[cfg(test)]
@@ -418,10 +403,11 @@ mod tests {
         }
     }
 
-    /// A page ends where a region recurs, whatever the regions' order; each
-    /// copy names its region by position and lands at its offset.
+    /// Pages are cut as the core counted them, whatever the regions'
+    /// order; each copy names its region by position and lands at its
+    /// offset.
     #[test]
-    fn a_plan_cuts_pages_where_a_region_recurs() {
+    fn a_plan_cuts_pages_as_counted() {
         let spans = [
             span(3, 0),
             span(7, 0),
@@ -431,7 +417,7 @@ mod tests {
             span(5, 16),
             span(3, 32),
         ];
-        let shape = by_region(device_plan(&routes(), &spans).unwrap());
+        let shape = by_region(device_plan(&routes(), &spans, &[3, 3, 1]).unwrap());
         // Sorted by id, regions 3, 5 and 7 are positions 0, 1 and 2.
         assert_eq!(
             shape,
@@ -441,16 +427,30 @@ mod tests {
                 vec![(0, 32)]
             ]
         );
+        // A page may name a region twice (slots cut unlike the elements).
+        let shape = by_region(device_plan(&routes(), &spans, &[4, 3]).unwrap());
+        assert_eq!(shape[0], [(0, 0), (2, 0), (1, 0), (0, 16)]);
+    }
+
+    /// Counts that do not cut the spans exactly make no plan.
+    #[rstest::rstest]
+    #[case::too_few(&[1, 1])]
+    #[case::too_many(&[2, 2])]
+    #[case::none(&[])]
+    fn a_plan_refuses_counts_that_do_not_cut_the_spans(#[case] page_spans: &[u32]) {
+        let spans = [span(3, 0), span(7, 0), span(5, 0)];
+        assert!(device_plan(&routes(), &spans, page_spans).is_none());
+        assert!(device_plan(&routes(), &spans, &[1, 2]).is_some());
     }
 
     /// A span in a region the route did not open, or below its region's
     /// base, makes no plan; nor does a route whose regions repeat an id.
     #[test]
     fn a_plan_refuses_what_the_route_did_not_open() {
-        assert!(device_plan(&routes(), &[span(3, 0), span(4, 0)]).is_none());
+        assert!(device_plan(&routes(), &[span(3, 0), span(4, 0)], &[2]).is_none());
         let mut below = span(5, 0);
         below.remote = (5 << 20) - 16;
-        assert!(device_plan(&routes(), &[below]).is_none());
+        assert!(device_plan(&routes(), &[below], &[1]).is_none());
         let twice = |id: u32| {
             let import = Extent { len: 16, at: None };
             (RegionId(id), DeviceRoute::new(0, Arc::new(import)))
@@ -464,7 +464,7 @@ mod tests {
     #[test]
     fn an_addressed_plan_names_addresses() {
         let spans = [span(3, 0), span(7, 16), span(3, 32)];
-        let Some(Pages::Addressed(pages)) = device_plan(&routes_of(true), &spans) else {
+        let Some(Pages::Addressed(pages)) = device_plan(&routes_of(true), &spans, &[2, 1]) else {
             panic!("every import was addressed");
         };
         let dsts: Vec<Vec<u64>> = pages
@@ -479,8 +479,8 @@ mod tests {
     #[rstest::rstest]
     fn a_span_past_the_import_makes_no_plan(#[values(false, true)] addressed: bool) {
         let mut past = span(5, (1 << 20) - 16);
-        assert!(device_plan(&routes_of(addressed), &[past]).is_some());
+        assert!(device_plan(&routes_of(addressed), &[past], &[1]).is_some());
         past.len = 32;
-        assert!(device_plan(&routes_of(addressed), &[past]).is_none());
+        assert!(device_plan(&routes_of(addressed), &[past], &[1]).is_none());
     }
 }

@@ -315,6 +315,7 @@ impl Core {
         let mut puts = Vec::with_capacity(destinations.iter().map(ElementRuns::len).sum());
         let mut records = Vec::new();
         let mut indices = Vec::new();
+        let mut page_spans = Vec::new();
         let mut bytes = 0;
         let mut bad_elements = 0u64;
         // Each key's slots, in one buffer for the whole write.
@@ -334,9 +335,13 @@ impl Core {
             };
             self.slot_spans_into(record, &mut sources);
             if let Some(device_regions) = device_write {
+                let before = puts.len();
                 match device::device_puts(&sources, dests, device_regions, seen.as_mut(), &mut puts)
                 {
                     Some(page) => {
+                        // At most a page's slots times its elements, both
+                        // bounded far below `u32::MAX`.
+                        page_spans.push(u32::try_from(puts.len() - before).unwrap_or(u32::MAX));
                         bytes += page;
                         records.push(record);
                         indices.push(i as u32);
@@ -424,6 +429,7 @@ impl Core {
             target,
             generation,
             spans: puts,
+            page_spans,
             device,
             lead_elements: lead,
         });
