@@ -25,8 +25,7 @@ impl ElementRun {
     /// `index`; `None` when it would be empty or run past region
     /// `u32::MAX`.
     pub fn new(first: RegionId, regions: u16, index: u64) -> Option<Self> {
-        let last = first.0.checked_add(u32::from(regions).checked_sub(1)?)?;
-        debug_assert!(last >= first.0);
+        first.0.checked_add(u32::from(regions).checked_sub(1)?)?;
         Some(Self {
             first,
             regions,

@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use kvcr_contracts::protocol::{
-    Body, CompletedIndices, ElementRef, Header, Message, OpHandle, RegionId, RouteGeneration,
-    WriteOutcome,
+    Body, CompletedIndices, ElementRef, ElementRuns, Header, Message, OpHandle, RegionId,
+    RouteGeneration, WriteOutcome,
 };
 use kvcr_contracts::{
     BlockKey, ControlEndpoint, FetchHint, Incarnation, NamespaceId, RequestId, ScopedKey,
@@ -468,15 +468,7 @@ fn next_start_write(
                 op_handle,
                 destinations,
                 ..
-            } => {
-                return (
-                    op_handle,
-                    destinations
-                        .iter()
-                        .map(kvcr_contracts::protocol::ElementRuns::len)
-                        .sum(),
-                );
-            }
+            } => return (op_handle, destinations.iter().map(ElementRuns::len).sum()),
             _ => {}
         }
     }
