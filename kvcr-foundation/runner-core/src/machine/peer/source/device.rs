@@ -97,11 +97,59 @@ pub(super) fn device_puts(
     puts: &mut Vec<PutSpan>,
 ) -> Option<u64> {
     let start = puts.len();
+    if seen.is_none() {
+        if let Some(page) = alike_puts(sources, dests, device, puts) {
+            return Some(page);
+        }
+        puts.truncate(start);
+    }
     let page = page_puts(sources, dests, device, seen, puts);
     if page.is_none() {
         puts.truncate(start);
     }
     page
+}
+
+/// [`page_puts`] for the common page, as the direct linker's layer-first
+/// pages are: one slot per element, each exactly its element's size, in a
+/// write that names no element twice. One put per element, each element's
+/// region found one position on from the last one's. `None` when the page
+/// is not of that shape or breaks a rule; the caller then drops what this
+/// appended and takes the general walk, which refuses what breaks a rule.
+fn alike_puts(
+    sources: &[CopySpan],
+    dests: &ElementRuns,
+    device: &DeviceGrants,
+    puts: &mut Vec<PutSpan>,
+) -> Option<u64> {
+    if sources.len() != dests.len() {
+        return None;
+    }
+    let mut page = 0u64;
+    let mut next = device.position_after(dests.first()?.region, None)?;
+    for (element, src) in dests.iter().zip(sources) {
+        let region = match device.at(next) {
+            Some(region) if region.id == element.region => region,
+            _ => {
+                next = device.position_after(element.region, None)?;
+                device.at(next)?
+            }
+        };
+        if src.len == 0 || src.len != region.element_size || element.index >= region.count {
+            return None;
+        }
+        page = page.checked_add(src.len)?;
+        puts.push(PutSpan {
+            local: src.src,
+            remote: region
+                .base
+                .checked_add(element.index.checked_mul(region.stride)?)?,
+            len: src.len,
+            region: element.region,
+        });
+        next += 1;
+    }
+    (page > 0).then_some(page)
 }
 
 /// [`device_puts`] in one walk over both lists: each element is checked
@@ -330,5 +378,71 @@ mod tests {
             None
         );
         assert!(puts.is_empty());
+    }
+
+    /// A layer-first page (one slot per element, each an element's size)
+    /// takes the one-put-per-element path, and it puts what the general
+    /// walk puts.
+    #[test]
+    fn a_layer_first_page_takes_the_alike_path() {
+        let mut puts = Vec::new();
+        let dests = ElementRuns::from_elements(&[element(4, 3), element(7, 3)]);
+        let slots = [span(0x100, 4), span(0x200, 4)];
+        assert_eq!(alike_puts(&slots, &dests, &grants(), &mut puts), Some(8));
+        let mut general = Vec::new();
+        assert_eq!(
+            page_puts(&slots, &dests, &grants(), None, &mut general),
+            Some(8)
+        );
+        assert_eq!(puts, general);
+        assert_eq!(
+            puts,
+            [
+                put(0x100, 0x1000 + 3 * 16, 4, 4),
+                put(0x200, 0x9000 + 3 * 16, 4, 7)
+            ]
+        );
+    }
+
+    proptest! {
+        /// Whatever the page and its grant, the alike path either declines
+        /// or puts exactly what the general walk puts. Pages are drawn
+        /// mostly of its shape (a slot per element, mostly an element's
+        /// size), over [`grants`] and a region 9 of empty elements.
+        #[test]
+        fn the_alike_path_agrees_with_the_general_walk(
+            page in prop::collection::vec(
+                (
+                    prop::sample::select(vec![3u32, 4, 7, 9]),
+                    0u64..10,
+                    prop::sample::select(vec![4u64, 4, 4, 0, 2]),
+                ),
+                1..5,
+            ),
+        ) {
+            let mut regions = grants().sorted;
+            regions.push(DeviceRegionAdvert {
+                id: RegionId(9),
+                base: 0x20000,
+                element_size: 0,
+                stride: 16,
+                count: 8,
+                export: vec![1],
+            });
+            let device = DeviceGrants::new(&regions);
+            let dests: ElementRuns = page.iter().map(|&(r, i, _)| element(r, i)).collect();
+            let slots: Vec<CopySpan> = page
+                .iter()
+                .zip(1u64..)
+                .map(|(&(_, _, len), i)| span(0x100 * i, len))
+                .collect();
+            let mut alike = Vec::new();
+            let mut general = Vec::new();
+            let general_page = page_puts(&slots, &dests, &device, None, &mut general);
+            if let Some(page) = alike_puts(&slots, &dests, &device, &mut alike) {
+                prop_assert_eq!(Some(page), general_page);
+                prop_assert_eq!(alike, general);
+            }
+        }
     }
 }
