@@ -33,6 +33,20 @@ impl ElementRun {
         })
     }
 
+    /// The one run `elements` are, if they are one: at least one element,
+    /// each in the region after the one before, all at one index, no more
+    /// than a run holds (`u16::MAX`).
+    pub fn of(elements: &[ElementRef]) -> Option<Self> {
+        let first = elements.first()?;
+        let in_run = elements.iter().zip(0u32..).all(|(e, i)| {
+            e.index == first.index && first.region.0.checked_add(i) == Some(e.region.0)
+        });
+        let regions = u16::try_from(elements.len()).ok()?;
+        in_run
+            .then(|| Self::new(first.region, regions, first.index))
+            .flatten()
+    }
+
     /// The first region.
     pub fn first(&self) -> RegionId {
         self.first
@@ -335,6 +349,14 @@ mod tests {
         assert_eq!(runs.runs()[0].regions(), u16::MAX);
         assert_eq!(runs.runs()[1].first(), RegionId(u32::from(u16::MAX)));
         assert_eq!(runs.len(), elements.len());
+    }
+
+    #[test]
+    fn elements_are_one_run_only_up_to_the_longest_run() {
+        let elements: Vec<_> = (0..=u32::from(u16::MAX)).map(|r| e(r, 1)).collect();
+        let longest = ElementRun::of(&elements[..usize::from(u16::MAX)]);
+        assert_eq!(longest, ElementRun::new(RegionId(0), u16::MAX, 1));
+        assert_eq!(ElementRun::of(&elements), None);
     }
 
     #[rstest]

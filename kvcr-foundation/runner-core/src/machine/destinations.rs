@@ -10,7 +10,7 @@
 //! once registered, and every element was resolved when the deliver was
 //! accepted, so a run resolves later to the same spans.
 
-use kvcr_contracts::protocol::{ElementRef, RegionId};
+use kvcr_contracts::protocol::{ElementRef, ElementRun};
 
 use crate::region::RegionTable;
 
@@ -19,15 +19,8 @@ use crate::region::RegionTable;
 pub(in crate::machine) enum Destinations {
     /// Each element's span in framework memory: address and length.
     Spans(Vec<(u64, u64)>),
-    /// Element `index` of regions `first`, `first + 1`, .. (`count` of them).
-    Run {
-        /// The first region's id.
-        first: u32,
-        /// How many consecutive regions.
-        count: u32,
-        /// The slot index in every one of them.
-        index: u64,
-    },
+    /// The elements of one run: a slot index in consecutive regions.
+    Run(ElementRun),
 }
 
 impl Default for Destinations {
@@ -37,19 +30,9 @@ impl Default for Destinations {
 }
 
 impl Destinations {
-    /// `elements` as a run, if they are one: at least one element, each in
-    /// the region after the one before, all at one index.
+    /// `elements` as a run, if they are one ([`ElementRun::of`]).
     pub(in crate::machine) fn run_of(elements: &[ElementRef]) -> Option<Self> {
-        let first = elements.first()?;
-        let in_run = elements.iter().zip(0u32..).all(|(e, i)| {
-            e.index == first.index && first.region.0.checked_add(i) == Some(e.region.0)
-        });
-        Some(Self::Run {
-            first: first.region.0,
-            count: u32::try_from(elements.len()).ok()?,
-            index: first.index,
-        })
-        .filter(|_| in_run)
+        ElementRun::of(elements).map(Self::Run)
     }
 
     /// The spans, address and length, in layout order; `None` for an
@@ -59,20 +42,12 @@ impl Destinations {
         &'a self,
         regions: &'a RegionTable,
     ) -> impl Iterator<Item = Option<(u64, u64)>> + 'a {
-        let (spans, run, index) = match *self {
-            Self::Spans(ref spans) => (spans.as_slice(), 0..0, 0),
-            Self::Run {
-                first,
-                count,
-                index,
-            } => (&[][..], first..first.saturating_add(count), index),
+        let (spans, run) = match self {
+            Self::Spans(spans) => (spans.as_slice(), None),
+            Self::Run(run) => (&[][..], Some(run.elements())),
         };
         let listed = spans.iter().map(|span| Some(*span));
-        let resolved = run.map(move |region| {
-            let element = ElementRef {
-                region: RegionId(region),
-                index,
-            };
+        let resolved = run.into_iter().flatten().map(move |element| {
             regions
                 .resolve(element)
                 .ok()
@@ -87,6 +62,7 @@ mod tests {
     use rstest::rstest;
 
     use super::*;
+    use kvcr_contracts::protocol::RegionId;
     use kvcr_contracts::tier::Owner;
 
     use crate::region::{RegionDesc, RegionMemory};
@@ -102,13 +78,11 @@ mod tests {
     #[case::empty(&[], None)]
     fn a_run_is_consecutive_regions_at_one_index(
         #[case] elements: &[(u32, u64)],
-        #[case] run: Option<(u32, u32, u64)>,
+        #[case] run: Option<(u32, u16, u64)>,
     ) {
         let elements: Vec<ElementRef> = elements.iter().map(|&(r, i)| element(r, i)).collect();
-        let expected = run.map(|(first, count, index)| Destinations::Run {
-            first,
-            count,
-            index,
+        let expected = run.map(|(first, count, index)| {
+            Destinations::Run(ElementRun::new(RegionId(first), count, index).unwrap())
         });
         assert_eq!(Destinations::run_of(&elements), expected);
     }
@@ -136,11 +110,7 @@ mod tests {
                 .register(desc, Owner::Framework, RegionMemory::Device, &pools, None)
                 .unwrap();
         }
-        let run = Destinations::Run {
-            first: 0,
-            count: 3,
-            index: 5,
-        };
+        let run = Destinations::Run(ElementRun::new(RegionId(0), 3, 5).unwrap());
         let spans: Option<Vec<(u64, u64)>> = run.spans(&regions).collect();
         let expected: Vec<(u64, u64)> = (0..3)
             .map(|r| {
@@ -157,11 +127,7 @@ mod tests {
                 (0x90_000 + 5 * 64, 64)
             ]
         );
-        let past = Destinations::Run {
-            first: 1,
-            count: 3,
-            index: 5,
-        };
+        let past = Destinations::Run(ElementRun::new(RegionId(1), 3, 5).unwrap());
         assert_eq!(past.spans(&regions).collect::<Option<Vec<_>>>(), None);
         let listed = Destinations::Spans(vec![(1, 2), (3, 4)]);
         assert_eq!(

@@ -87,17 +87,12 @@ fn put_bytes16(dst: &mut BytesMut, field: &'static str, b: &[u8], max: usize) ->
 /// [`MAX_SPANS_PER_KEY`] elements (checked by the caller), so there are no
 /// more runs than fit `u16`.
 fn put_runs(dst: &mut BytesMut, dests: &ElementRuns) {
-    let count_at = dst.len();
-    dst.put_u16(0);
-    let mut runs = 0u16;
-    for run in dests.runs() {
+    let runs = dests.runs();
+    dst.put_u16(u16::try_from(runs.len()).unwrap_or(u16::MAX));
+    for run in runs {
         dst.put_u32(run.first().0);
         dst.put_u16(run.regions());
         dst.put_u64(run.index());
-        runs = runs.saturating_add(1);
-    }
-    if let Some(count) = dst.get_mut(count_at..count_at + 2) {
-        count.copy_from_slice(&runs.to_be_bytes());
     }
 }
 
