@@ -310,10 +310,10 @@ fn cut_pages<T>(
     let mut rest = spans;
     let mut last = None;
     for count in page_spans {
-        let (page_spans, after) = rest.split_at_checked(usize::try_from(*count).ok()?)?;
+        let (in_page, after) = rest.split_at_checked(usize::try_from(*count).ok()?)?;
         rest = after;
-        let mut page = Vec::with_capacity(page_spans.len());
-        for span in page_spans {
+        let mut page = Vec::with_capacity(in_page.len());
+        for span in in_page {
             let position = opened.position_after(span.region, last)?;
             last = Some(position);
             let route = opened.at(position)?;

@@ -112,8 +112,8 @@ pub(super) fn device_puts(
 
 /// [`page_puts`] for the common page, as the direct linker's layer-first
 /// pages are: one slot per element, each exactly its element's size, in a
-/// write that names no element twice. One put per element, each element's
-/// region found one position on from the last one's. `None` when the page
+/// write that names no element twice. One put per element, no slot cut
+/// across elements. `None` when the page
 /// is not of that shape or breaks a rule; the caller then drops what this
 /// appended and takes the general walk, which refuses what breaks a rule.
 fn alike_puts(
@@ -126,15 +126,11 @@ fn alike_puts(
         return None;
     }
     let mut page = 0u64;
-    let mut next = device.position_after(dests.first()?.region, None)?;
+    let mut last = None;
     for (element, src) in dests.iter().zip(sources) {
-        let region = match device.at(next) {
-            Some(region) if region.id == element.region => region,
-            _ => {
-                next = device.position_after(element.region, None)?;
-                device.at(next)?
-            }
-        };
+        let at = device.position_after(element.region, last)?;
+        last = Some(at);
+        let region = device.at(at)?;
         if src.len == 0 || src.len != region.element_size || element.index >= region.count {
             return None;
         }
@@ -147,7 +143,6 @@ fn alike_puts(
             len: src.len,
             region: element.region,
         });
-        next += 1;
     }
     (page > 0).then_some(page)
 }
