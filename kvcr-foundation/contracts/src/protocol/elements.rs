@@ -142,27 +142,24 @@ impl ElementRuns {
     }
 
     /// Appends `element`: it extends the last run when it is that run's
-    /// next region at the same index.
+    /// next region at the same index, else starts a run of its own.
     pub fn push(&mut self, element: ElementRef) {
-        let run = ElementRun {
+        let last = match &mut self.runs {
+            Runs::One(run) => Some(run),
+            Runs::Many(runs) => runs.last_mut(),
+        };
+        if let Some(last) = last
+            && let Some(longer) = last.extended_by(element)
+        {
+            *last = longer;
+            self.len += 1;
+            return;
+        }
+        self.push_run(ElementRun {
             first: element.region,
             regions: 1,
             index: element.index,
-        };
-        self.len += 1;
-        match &mut self.runs {
-            Runs::One(last) => match last.extended_by(element) {
-                Some(longer) => *last = longer,
-                None => self.runs = Runs::Many(vec![*last, run]),
-            },
-            Runs::Many(runs) => match runs.last_mut() {
-                Some(last) => match last.extended_by(element) {
-                    Some(longer) => *last = longer,
-                    None => runs.push(run),
-                },
-                None => self.runs = Runs::One(run),
-            },
-        }
+        });
     }
 
     /// Appends `run` as it is (not merged with the last).
@@ -180,14 +177,6 @@ impl ElementRuns {
         match &self.runs {
             Runs::One(run) => std::slice::from_ref(run),
             Runs::Many(runs) => runs,
-        }
-    }
-
-    /// The one run these elements are, if they are one.
-    pub fn single_run(&self) -> Option<ElementRun> {
-        match self.runs() {
-            [run] => Some(*run),
-            _ => None,
         }
     }
 
